@@ -1,0 +1,145 @@
+"""Test harness: random paged batches, device tensors, index views, and a kernel cache.
+
+Used by every kernel test; the same harness runs TVM's own kernels (tests/test_tvm_anchor.py)
+to show that it agrees with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import ml_dtypes
+import numpy as np
+import tvm
+
+from tir_kernels import AttentionConfig, build
+
+NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+# Value written into page slots no request owns: a kernel that reads a wrong slot
+# produces a large, visible error.
+JUNK = 300.0
+
+
+def device_for(config: AttentionConfig) -> tvm.runtime.Device:
+    return tvm.cuda(0) if config.is_gpu else tvm.cpu(0)
+
+
+def has_gpu() -> bool:
+    try:
+        return bool(tvm.cuda(0).exist)
+    except Exception:  # noqa: BLE001 - no CUDA runtime at all
+        return False
+
+
+def to_dtype(x, dtype: str) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64).astype(NP_DTYPES[dtype])
+
+
+def randn(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
+    return to_dtype(rng.standard_normal(shape), dtype)
+
+
+def tensor(array: np.ndarray, device) -> tvm.runtime.Tensor:
+    return tvm.runtime.tensor(np.ascontiguousarray(array), device=device)
+
+
+def index_view(array, device, offset: int = 7) -> tvm.runtime.Tensor:
+    """An int32 tensor that is a view with a non-zero element offset into a larger buffer,
+    as the cache packs all index arrays into one device buffer."""
+    array = np.ascontiguousarray(array, dtype=np.int32)
+    backing = np.full(array.size + offset + 5, -123456, dtype=np.int32)
+    backing[offset : offset + array.size] = array.ravel()
+    base = tvm.runtime.tensor(backing, device=device)
+    return base._create_view(array.shape, "int32", offset * 4)
+
+
+def empty(shape, dtype: str, device, fill: float = np.nan) -> tvm.runtime.Tensor:
+    """Output tensor poisoned with `fill`, so unwritten elements show up."""
+    return tvm.runtime.tensor(np.full(shape, fill, dtype=NP_DTYPES.get(dtype, dtype)), device=device)
+
+
+@dataclasses.dataclass
+class PagedBatch:
+    """Per-request K/V laid into a shared page pool with shuffled page ids.
+
+    k[i], v[i]: [len_i, Hkv, D] of request i in the kernel dtype (the unpaged truth).
+    pages [P, 2, Hkv, page_size, D]; page_indptr [B+1]; page_indices [nnz];
+    last_page_len [B]. With a sliding window, `sink` / `window_offset` give each request's
+    visible tokens: the first sink[i], then everything from window_offset[i] on.
+    """
+
+    k: list
+    v: list
+    pages: np.ndarray
+    page_indptr: np.ndarray
+    page_indices: np.ndarray
+    last_page_len: np.ndarray
+    sink: np.ndarray | None = None
+    window_offset: np.ndarray | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.k)
+
+    def visible(self, i: int):
+        """(k, v) of the tokens request i attends to, in order."""
+        if self.sink is None:
+            return self.k[i], self.v[i]
+        keep = np.r_[0 : self.sink[i], self.window_offset[i] : len(self.k[i])]
+        return self.k[i][keep], self.v[i][keep]
+
+    def length_info(self) -> np.ndarray:
+        if self.sink is None:
+            return self.last_page_len
+        return np.stack([self.last_page_len, self.window_offset, self.sink]).astype(np.int32)
+
+
+def make_paged_batch(rng, lengths, num_kv_heads, head_dim, page_size, dtype, spare_pages=3,
+                     sliding=False) -> PagedBatch:
+    """Random K/V for requests of the given lengths, paged with shuffled page ids."""
+    ks = [randn(rng, (n, num_kv_heads, head_dim), dtype) for n in lengths]
+    vs = [randn(rng, (n, num_kv_heads, head_dim), dtype) for n in lengths]
+    pages_per_req = [-(-n // page_size) for n in lengths]
+    total = sum(pages_per_req) + spare_pages
+    pages = np.full((total, 2, num_kv_heads, page_size, head_dim), JUNK, dtype=np.float64)
+    order = rng.permutation(total)
+    indptr, indices, last = [0], [], []
+    cursor = 0
+    for n, k, v, npg in zip(lengths, ks, vs, pages_per_req):
+        ids = order[cursor : cursor + npg]
+        cursor += npg
+        for slot in range(n):
+            page = ids[slot // page_size]
+            pages[page, 0, :, slot % page_size] = k[slot]
+            pages[page, 1, :, slot % page_size] = v[slot]
+        indices.extend(ids.tolist())
+        indptr.append(len(indices))
+        last.append(n - (npg - 1) * page_size if npg else 0)
+    batch = PagedBatch(ks, vs, to_dtype(pages, dtype), np.array(indptr, np.int32),
+                       np.array(indices, np.int32), np.array(last, np.int32))
+    if sliding:
+        # Sinks of 0..4 tokens, then a window that starts somewhere after them; the
+        # offset is a paged position, so requests shorter than the sink keep everything.
+        sink = np.array([min(int(rng.integers(0, 5)), n) for n in lengths], np.int32)
+        offset = np.array([int(rng.integers(s, max(s, n - 1) + 1)) if n else 0 for s, n in zip(sink, lengths)], np.int32)
+        batch.sink, batch.window_offset = sink, offset
+    return batch
+
+
+class KernelCache:
+    """Builds each (generator, config, extra) once per test session."""
+
+    def __init__(self):
+        self._built = {}
+
+    def get(self, generator, config: AttentionConfig, *args):
+        key = (generator.__module__, generator.__name__, config, args)
+        if key not in self._built:
+            self._built[key] = build(generator(config, *args), config)
+        return self._built[key]
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_cache() -> KernelCache:
+    return KernelCache()

@@ -1,0 +1,110 @@
+"""paged_decode against the float64 reference, CPU and CUDA."""
+
+import numpy as np
+import pytest
+import reference as ref
+from harness import device_for, empty, index_view, make_paged_batch, randn, tensor
+
+from tir_kernels import AttentionConfig, DecodeSchedule, RopeScaling, default_sm_scale, paged_decode
+
+# (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding): sampled so that every
+# dtype, GQA group 1..16, head dim 64/128/256 and page size 1/16/64 appears.
+CASES = [
+    (8, 8, 128, 16, "float16", False),
+    (8, 4, 64, 1, "float32", False),
+    (8, 2, 128, 16, "bfloat16", False),
+    (16, 2, 256, 64, "float16", False),
+    (16, 1, 64, 16, "float16", False),
+    (32, 4, 128, 64, "float32", True),
+    (4, 2, 256, 1, "bfloat16", True),
+    (8, 1, 128, 16, "float16", True),
+]
+
+
+def case_id(case):
+    hq, hkv, d, ps, dtype, sliding = case
+    return f"hq{hq}-hkv{hkv}-d{d}-ps{ps}-{dtype}" + ("-sliding" if sliding else "")
+
+
+def lengths_for(page_size):
+    # Empty history, one token, exactly one and two pages, ragged lengths.
+    return [0, 1, page_size, 2 * page_size, 37, 3 * page_size + 5, 130]
+
+
+def run_decode(kernels, config, batch, q, rotary_mode=0, rope_scale=1.0, rope_theta=1e4, q_pos=None, k_pos=None):
+    dev = device_for(config)
+    fn = kernels.get(paged_decode, config)
+    b = batch.batch
+    o = empty((b, config.num_qo_heads, config.head_dim), config.dtype, dev)
+    lse = empty((b, config.num_qo_heads), "float32", dev)
+    q_pos = np.zeros(b, np.int32) if q_pos is None else q_pos
+    k_pos = np.zeros(b, np.int32) if k_pos is None else k_pos
+    fn(tensor(q, dev), tensor(batch.pages, dev), index_view(batch.page_indptr, dev), index_view(batch.page_indices, dev),
+       index_view(batch.length_info(), dev, offset=3), index_view(k_pos, dev, offset=11), index_view(q_pos, dev, offset=2),
+       o, lse, rotary_mode, rope_scale, rope_theta, default_sm_scale(config.head_dim))
+    return o.numpy().astype(np.float64), lse.numpy()
+
+
+def check(config, o, lse, expected):
+    rtol, atol = ref.TOLERANCES[config.dtype]
+    for i, (eo, else_) in enumerate(expected):
+        np.testing.assert_allclose(o[i], eo[0], rtol=rtol, atol=atol, err_msg=f"o of request {i}")
+        np.testing.assert_allclose(lse[i], else_[0], rtol=ref.LSE_TOLERANCE[0], atol=ref.LSE_TOLERANCE[1], err_msg=f"lse of request {i}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_paged_decode(kernels, target, case):
+    hq, hkv, d, ps, dtype, sliding = case
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=target, sliding_window=sliding)
+    rng = np.random.default_rng(hash(case) % 2**32)
+    batch = make_paged_batch(rng, lengths_for(ps), hkv, d, ps, dtype, sliding=sliding)
+    q = randn(rng, (batch.batch, hq, d), dtype)
+    o, lse = run_decode(kernels, config, batch, q)
+    expected = [ref.attention(q[i : i + 1], *batch.visible(i), default_sm_scale(d), causal=False) for i in range(batch.batch)]
+    check(config, o, lse, expected)
+
+
+@pytest.mark.parametrize("scaling", [None, RopeScaling(8.0, 1.0, 4.0, 64)], ids=["rope", "llama3-rope"])
+def test_paged_decode_inline_rope(kernels, target, scaling):
+    """rotary_mode=1: q at q_rope_position, key j at k_rope_pos_offset + j, rotated in-kernel."""
+    hq, hkv, d, ps, dtype = 8, 2, 64, 16, "float32"
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=target, rope_scaling=scaling)
+    rng = np.random.default_rng(7)
+    batch = make_paged_batch(rng, [5, 16, 40], hkv, d, ps, dtype)
+    q = randn(rng, (batch.batch, hq, d), dtype)
+    q_pos = np.array([9, 30, 100], np.int32)
+    k_pos = np.array([4, 14, 60], np.int32)
+    theta, scale = 5e5, 0.5
+    o, lse = run_decode(kernels, config, batch, q, 1, scale, theta, q_pos, k_pos)
+    expected = []
+    for i in range(batch.batch):
+        k, v = batch.visible(i)
+        qr = ref.rope(q[i : i + 1], q_pos[i : i + 1], theta, scale, scaling)
+        kr = ref.rope(k, k_pos[i] + np.arange(len(k)), theta, scale, scaling)
+        expected.append(ref.attention(qr, kr, v, default_sm_scale(d), causal=False))
+    check(config, o, lse, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_size,length", [(1, 3000), (3, 700), (256, 33)])
+def test_paged_decode_split_kv(kernels, batch_size, length):
+    """Split-KV path (small batches split history over blocks) matches the reference."""
+    hq, hkv, d, ps, dtype = 32, 8, 128, 16, "float16"
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target="cuda")
+    rng = np.random.default_rng(batch_size)
+    lengths = [length + 17 * i for i in range(batch_size)]
+    batch = make_paged_batch(rng, lengths, hkv, d, ps, dtype)
+    q = randn(rng, (batch_size, hq, d), dtype)
+    o, lse = run_decode(kernels, config, batch, q)
+    expected = [ref.attention(q[i : i + 1], *batch.visible(i), default_sm_scale(d), causal=False) for i in range(batch_size)]
+    check(config, o, lse, expected)
+
+
+def test_decode_schedule_validation():
+    config = AttentionConfig(8, 2, 64)
+    with pytest.raises(ValueError, match="heads_per_block"):
+        paged_decode(config.replace(target="cuda"), DecodeSchedule(lanes=8, rows=16, rows_per_thread=2, heads_per_block=3))
+    with pytest.raises(ValueError, match="lanes"):
+        DecodeSchedule(lanes=3, rows=1, rows_per_thread=1, heads_per_block=1)
+    with pytest.raises(ValueError, match="v_head_dim"):
+        paged_decode(AttentionConfig(8, 2, 64, v_head_dim=128))

@@ -1,0 +1,153 @@
+"""TIR building blocks shared by every kernel: loop kinds per target, RoPE, length accessors.
+
+Kernels are written once. A `LoopKinds` object decides whether a loop is a CUDA grid or
+thread axis or a CPU loop, so the CPU variant of a kernel is the same algorithm run with
+one "thread" per block (see docs/design.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .config import AttentionConfig, RopeScaling
+
+LOG2E = math.log2(math.e)
+# Running-max start value and the LSE reported for a row that sees no key. Finite, so
+# that merging two empty states never computes inf - inf.
+EMPTY_LSE = -5.0e4
+NEG_INF = -math.inf
+
+
+class LoopKinds:
+    """Maps a kernel's logical grid and thread loops onto the target.
+
+    CUDA: `block` / `thread` loops bind blockIdx / threadIdx. CPU: the outermost block loop
+    is parallel, every other loop serial, and thread extents are expected to be 1.
+    """
+
+    def __init__(self, gpu: bool):
+        self.gpu = gpu
+
+    def block(self, extent, tag: str, outer: bool = False):
+        if self.gpu:
+            return T.thread_binding(extent, thread=f"blockIdx.{tag}")
+        return T.parallel(extent) if outer else T.serial(extent)
+
+    def thread(self, extent, tag: str):
+        if self.gpu:
+            return T.thread_binding(extent, thread=f"threadIdx.{tag}")
+        return T.serial(extent)
+
+    def vector(self, extent):
+        """Innermost copy loop: 16-byte vector loads/stores on CUDA."""
+        return T.vectorized(extent) if self.gpu else T.serial(extent)
+
+    def unroll(self, extent):
+        return T.unroll(extent) if self.gpu else T.serial(extent)
+
+
+def loop_kinds(config: AttentionConfig) -> LoopKinds:
+    return LoopKinds(config.is_gpu)
+
+
+def rope_inv_freq(d, rotary_dim: int, theta, scaling: RopeScaling | None):
+    """Inverse frequency of rotary pair `d % (rotary_dim/2)`, float32."""
+    half = rotary_dim // 2
+    exponent = T.Cast("float32", (d % half) * 2) / T.float32(rotary_dim)
+    inv_freq = T.float32(1.0) / T.pow(T.Cast("float32", theta), exponent)
+    if scaling is None:
+        return inv_freq
+    # Llama-3: keep high frequencies, divide low ones by `factor`, blend in between.
+    span = scaling.high_freq_factor - scaling.low_freq_factor
+    blend = T.max(
+        T.float32(0.0),
+        T.min(
+            T.float32(1.0),
+            inv_freq * T.float32(scaling.original_max_position_embeddings / (2 * math.pi * span))
+            - T.float32(scaling.low_freq_factor / span),
+        ),
+    )
+    return (T.float32(1.0) - blend) * inv_freq / T.float32(scaling.factor) + blend * inv_freq
+
+
+def rope_value(load, d, pos, rotary_dim: int, theta, scale, scaling: RopeScaling | None):
+    """Element `d` of a rotate-half RoPE'd vector, float32.
+
+    load(i) returns element i of the un-rotated vector; pos is the token position (int).
+    """
+    half = rotary_dim // 2
+    angle = T.Cast("float32", pos) * T.Cast("float32", scale) * rope_inv_freq(
+        d, rotary_dim, theta, scaling
+    )
+    partner = T.if_then_else(
+        d < half,
+        T.float32(0.0) - T.Cast("float32", load(d + half)),
+        T.Cast("float32", load(d - half)),
+    )
+    return T.cos(angle) * T.Cast("float32", load(d)) + T.sin(angle) * partner
+
+
+def kv_chunk_len(num_pages, page_size: int, length_info, b, sliding_window: bool):
+    """Visible KV tokens of request b: full pages plus the last page's used slots.
+
+    With a sliding window, `length_info` is [3, batch] = (last_page_len,
+    sliding_window_offset, sink_size): the first `sink_size` tokens of the paged sequence
+    are kept and then everything from `sliding_window_offset` on.
+    """
+    if not sliding_window:
+        return T.if_then_else(num_pages > 0, (num_pages - 1) * page_size + length_info[b], 0)
+    return T.if_then_else(
+        num_pages > 0,
+        (num_pages - 1) * page_size + length_info[0, b] - length_info[1, b] + length_info[2, b],
+        0,
+    )
+
+
+def paged_position(j, length_info, b, sliding_window: bool):
+    """Slot in the paged sequence of the j-th visible KV token of request b."""
+    if not sliding_window:
+        return j
+    return T.if_then_else(j < length_info[2, b], j, j - length_info[2, b] + length_info[1, b])
+
+
+def length_info_shape(batch, sliding_window: bool):
+    return (3, batch) if sliding_window else (batch,)
+
+
+def warp_allreduce_sum(value, width: int):
+    """Sum of `value` over `width` consecutive lanes of a warp (width a power of two)."""
+    mask = T.tvm_warp_activemask()
+    offset = width // 2
+    while offset >= 1:
+        value = value + T.tvm_warp_shuffle_xor(mask, value, offset, width, 32)
+        offset //= 2
+    return value
+
+
+def ceildiv(a, b):
+    return (a + b - 1) // b
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+__all__ = [
+    "EMPTY_LSE",
+    "LOG2E",
+    "NEG_INF",
+    "LoopKinds",
+    "ceildiv",
+    "is_power_of_two",
+    "kv_chunk_len",
+    "length_info_shape",
+    "loop_kinds",
+    "paged_position",
+    "rope_inv_freq",
+    "rope_value",
+    "warp_allreduce_sum",
+    "tirx",
+]

@@ -1,0 +1,158 @@
+"""Kernel configuration: what a generated kernel computes, validated at construction.
+
+`AttentionConfig` fixes the shapes, dtype, page size, target and RoPE variant of a
+kernel. It says nothing about tiling or thread mapping: that is the job of the
+schedule classes in `tir_kernels.schedules`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import tvm
+
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+SUPPORTED_TARGET_KINDS = ("llvm", "cuda")
+MAX_HEAD_DIM = 256
+MAX_PAGE_SIZE = 128
+
+
+def _fail(field: str, value, allowed: str) -> None:
+    raise ValueError(f"{field}={value!r} is not supported: expected {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling (`rope_type="llama3"` in HF configs)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        if self.factor <= 0:
+            _fail("rope_scaling.factor", self.factor, "a positive number")
+        if self.high_freq_factor <= self.low_freq_factor:
+            _fail(
+                "rope_scaling.high_freq_factor",
+                self.high_freq_factor,
+                f"a value above low_freq_factor={self.low_freq_factor}",
+            )
+        if self.original_max_position_embeddings <= 0:
+            _fail(
+                "rope_scaling.original_max_position_embeddings",
+                self.original_max_position_embeddings,
+                "a positive integer",
+            )
+
+    @classmethod
+    def from_hf(cls, rope_scaling: dict | None) -> "RopeScaling | None":
+        """Build from a Hugging Face `rope_scaling` dict; None or type "default" means none."""
+        if not rope_scaling:
+            return None
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if kind == "default":
+            return None
+        if kind != "llama3":
+            _fail("rope_scaling.rope_type", kind, '"llama3" or "default"')
+        return cls(
+            factor=float(rope_scaling["factor"]),
+            low_freq_factor=float(rope_scaling["low_freq_factor"]),
+            high_freq_factor=float(rope_scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(rope_scaling["original_max_position_embeddings"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """What a kernel computes.
+
+    num_qo_heads / num_kv_heads: query and key/value heads (GQA group = their ratio).
+    head_dim: query/key head dim; v_head_dim: value/output head dim (defaults to head_dim).
+    dtype: element type of q, k, v, o and the pages ("float16", "bfloat16", "float32").
+    page_size: tokens per page (a power of two, 1..128).
+    target: "llvm" or "cuda" (optionally "cuda:sm_90").
+    sliding_window: paged kernels read `length_info` as [3, batch] (last_page_len,
+      sliding_window_offset, sink_size) instead of [batch].
+    rope_theta / rope_scale: constants of the split-rotary kernel (attention kernels take
+      them at run time); rope_scaling: optional Llama-3 frequency scaling, used everywhere.
+    """
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int = 0
+    dtype: str = "float16"
+    page_size: int = 16
+    target: str = "llvm"
+    sliding_window: bool = False
+    rope_theta: float = 10000.0
+    rope_scale: float = 1.0
+    rope_scaling: RopeScaling | None = None
+
+    def __post_init__(self):
+        if self.v_head_dim == 0:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        for field in ("num_qo_heads", "num_kv_heads"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                _fail(field, value, "a positive integer")
+        if self.num_qo_heads % self.num_kv_heads:
+            _fail(
+                "num_kv_heads",
+                self.num_kv_heads,
+                f"a divisor of num_qo_heads={self.num_qo_heads}",
+            )
+        for field in ("head_dim", "v_head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0 or value % 16 or value > MAX_HEAD_DIM:
+                _fail(field, value, f"a multiple of 16 from 16 to {MAX_HEAD_DIM}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            _fail("dtype", self.dtype, f"one of {SUPPORTED_DTYPES}")
+        ps = self.page_size
+        if not isinstance(ps, int) or ps < 1 or ps > MAX_PAGE_SIZE or ps & (ps - 1):
+            _fail("page_size", ps, f"a power of two from 1 to {MAX_PAGE_SIZE}")
+        kind = self.target.split(":")[0]
+        if kind not in SUPPORTED_TARGET_KINDS:
+            _fail("target", self.target, f'"llvm", "cuda" or "cuda:sm_XX"')
+        if kind == "cuda" and ":" in self.target and not self.target.split(":")[1].startswith("sm_"):
+            _fail("target", self.target, 'a CUDA arch such as "cuda:sm_90"')
+        if self.rope_theta <= 0:
+            _fail("rope_theta", self.rope_theta, "a positive number")
+        if self.rope_scale <= 0:
+            _fail("rope_scale", self.rope_scale, "a positive number")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            _fail("rope_scaling", self.rope_scaling, "a RopeScaling or None")
+
+    # Derived facts, named so kernels read clearly.
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.target.startswith("cuda")
+
+    @property
+    def elem_bytes(self) -> int:
+        return tvm.runtime.DataType(self.dtype).bits // 8
+
+    @property
+    def cuda_arch(self) -> str:
+        return self.target.split(":")[1] if ":" in self.target else "sm_90"
+
+    def tvm_target(self) -> tvm.target.Target:
+        """The TVM target this config builds for."""
+        if self.is_gpu:
+            return tvm.target.Target({"kind": "cuda", "arch": self.cuda_arch})
+        return tvm.target.Target("llvm")
+
+    def replace(self, **changes) -> "AttentionConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def default_sm_scale(head_dim: int) -> float:
+    """The usual softmax scale 1/sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim)
