@@ -1,5 +1,7 @@
 """paged_decode against the float64 reference, CPU and CUDA."""
 
+import zlib
+
 import numpy as np
 import pytest
 import reference as ref
@@ -56,7 +58,7 @@ def check(config, o, lse, expected):
 def test_paged_decode(kernels, target, case):
     hq, hkv, d, ps, dtype, sliding = case
     config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=target, sliding_window=sliding)
-    rng = np.random.default_rng(hash(case) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(case_id(case).encode()))
     batch = make_paged_batch(rng, lengths_for(ps), hkv, d, ps, dtype, sliding=sliding)
     q = randn(rng, (batch.batch, hq, d), dtype)
     o, lse = run_decode(kernels, config, batch, q)

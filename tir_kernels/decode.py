@@ -116,6 +116,11 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None
                             k_loc[r * EPL + e] = pages_[page_loc[r], 0, hkv, slot_loc[r], tx_ * EPL + e]
                     for e in L.vector(EPL):
                         v_loc[r * EPL + e] = pages_[page_loc[r], 1, hkv, slot_loc[r], tx_ * EPL + e]
+                else:
+                    # Rows past the end get weight 0; zero them so 0 * garbage cannot make NaN.
+                    for e in L.vector(EPL):
+                        k_loc[r * EPL + e] = T.Cast(dtype, 0)
+                        v_loc[r * EPL + e] = T.Cast(dtype, 0)
             for h in L.unroll(HB):
                 for r in L.unroll(RPT):
                     s_loc[h * RPT + r] = T.float32(0)

@@ -70,3 +70,126 @@ def choose_decode_schedule(config: AttentionConfig) -> DecodeSchedule:
         heads_per_block=heads,
         max_splits=32,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class CopySchedule:
+    """Thread mapping of the element-wise kernels (page ops, merge_state, split_rotary).
+
+    Work is cut into chunks of `vector` consecutive elements of one row (a head's head_dim
+    values); one thread moves one chunk per access.
+    vector: elements per chunk (16 bytes on CUDA; a whole row on CPU, for LLVM to vectorize).
+    threads: threads per block (1 on CPU).
+    """
+
+    vector: int
+    threads: int
+
+    def __post_init__(self):
+        _require(self.vector >= 1, "vector must be >= 1")
+        _require(1 <= self.threads <= 1024, "threads must be in 1..1024")
+
+    def check(self, row_len: int) -> None:
+        _require(row_len % self.vector == 0, f"vector={self.vector} must divide the row length {row_len}")
+
+    def chunks(self, row_len: int) -> int:
+        """Chunks (threads) per row."""
+        return row_len // self.vector
+
+    def threads_for(self, items: int) -> int:
+        """Threads per block for a grid of `items` chunks known at compile time: no more than
+        whole warps covering them."""
+        return min(self.threads, -(-items // 32) * 32)
+
+
+def choose_copy_schedule(config: AttentionConfig, row_len: int) -> CopySchedule:
+    """16-byte accesses and 256-thread blocks on CUDA; one row per iteration on CPU."""
+    if not config.is_gpu:
+        return CopySchedule(vector=row_len, threads=1)
+    return CopySchedule(vector=CUDA_VECTOR_BYTES // config.elem_bytes, threads=256)
+
+
+# Opt-in shared memory per block (bytes) of the CUDA archs tvmattn targets.
+CUDA_MAX_SHARED_BYTES = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+CUDA_DEFAULT_SHARED_BYTES = 99 * 1024
+# Extra fp32 words per shared-memory row of the prefill tiles (see PrefillSchedule).
+PREFILL_ROW_PAD = 4
+PREFILL_P_ROW_PAD = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillSchedule:
+    """Tiling and thread mapping of `paged_prefill` / `ragged_prefill`.
+
+    A block has threads_y x threads_x threads (threadIdx.y, threadIdx.x). Thread (ty, tx)
+    computes the scores of rows ty + threads_y * m (m < rows_per_thread) and keys
+    tx + threads_x * n (n < cols_per_thread) of a tile, and holds the same rows of the
+    output, columns tx*4 + 4*threads_x*k + (0..3). So a block owns
+    tile_q = threads_y * rows_per_thread packed query rows and consumes
+    tile_kv = threads_x * cols_per_thread keys per step. The threads_x threads of a row are
+    consecutive lanes of one warp (row maxima and sums use warp shuffles).
+    """
+
+    threads_y: int
+    threads_x: int
+    rows_per_thread: int
+    cols_per_thread: int
+
+    def __post_init__(self):
+        _require(
+            is_power_of_two(self.threads_x) and self.threads_x <= 32,
+            f"threads_x={self.threads_x} must be a power of two <= 32",
+        )
+        _require(
+            self.threads_y >= 1 and self.num_threads <= 1024,
+            f"threads_y={self.threads_y}: threads_y * threads_x must be 1..1024",
+        )
+        _require(self.rows_per_thread >= 1, f"rows_per_thread={self.rows_per_thread} must be >= 1")
+        _require(
+            self.cols_per_thread >= 1 and self.tile_kv % 4 == 0,
+            f"cols_per_thread={self.cols_per_thread}: tile_kv = threads_x * cols_per_thread must be a multiple of 4",
+        )
+
+    @property
+    def num_threads(self) -> int:
+        return self.threads_y * self.threads_x
+
+    @property
+    def tile_q(self) -> int:
+        return self.threads_y * self.rows_per_thread
+
+    @property
+    def tile_kv(self) -> int:
+        return self.threads_x * self.cols_per_thread
+
+    def shared_bytes(self, config: AttentionConfig) -> int:
+        """fp32 tiles of Q, K, V (rows padded by PREFILL_ROW_PAD) and P."""
+        d_qk, d_v = config.head_dim, config.v_head_dim
+        words = (self.tile_q + self.tile_kv) * (d_qk + PREFILL_ROW_PAD) + self.tile_kv * (d_v + PREFILL_ROW_PAD)
+        words += self.tile_q * (self.tile_kv + PREFILL_P_ROW_PAD)
+        return 4 * words
+
+    def check(self, config: AttentionConfig) -> None:
+        _require(
+            config.v_head_dim % (4 * self.threads_x) == 0,
+            f"threads_x={self.threads_x}: 4 * threads_x must divide v_head_dim={config.v_head_dim}",
+        )
+        if not config.is_gpu:
+            _require(self.num_threads == 1, f"threads_y * threads_x = {self.num_threads} must be 1 on the CPU")
+            return
+        _require(self.num_threads % 32 == 0, f"threads_y * threads_x = {self.num_threads} must be a multiple of 32")
+        limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
+        _require(
+            self.shared_bytes(config) <= limit,
+            f"tile_q={self.tile_q}, tile_kv={self.tile_kv} need {self.shared_bytes(config)} bytes of shared memory,"
+            f" {config.cuda_arch} has {limit}",
+        )
+
+
+def choose_prefill_schedule(config: AttentionConfig) -> PrefillSchedule:
+    """GPU: 128 threads, 64 (32 for head dims above 128) query rows x 32 keys per block, so
+    that two blocks fit one SM; CPU: one thread computing a 16 x 32 tile."""
+    if not config.is_gpu:
+        return PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=32)
+    rows = 4 if max(config.head_dim, config.v_head_dim) <= 128 else 2
+    return PrefillSchedule(threads_y=16, threads_x=8, rows_per_thread=rows, cols_per_thread=4)
