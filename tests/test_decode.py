@@ -4,6 +4,7 @@ import zlib
 
 import numpy as np
 import pytest
+import tvm
 import reference as ref
 from harness import device_for, empty, index_view, make_paged_batch, randn, tensor
 
@@ -110,3 +111,13 @@ def test_decode_schedule_validation():
         DecodeSchedule(lanes=3, rows=1, rows_per_thread=1, heads_per_block=1)
     with pytest.raises(ValueError, match="v_head_dim"):
         paged_decode(AttentionConfig(8, 2, 64, v_head_dim=128))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_paged_decode_cuda_codegen(dtype, head_dim):
+    """Every dtype x head dim builds for CUDA (no GPU needed) with 16-byte K/V loads."""
+    config = AttentionConfig(16, 2, head_dim, dtype=dtype, target="cuda", sliding_window=head_dim == 64)
+    module = tvm.compile(tvm.IRModule({"decode": paged_decode(config)}), target=config.tvm_target())
+    cuda_source = module.mod.imports[0].inspect_source()
+    assert ("uint4" in cuda_source) or ("float4" in cuda_source)

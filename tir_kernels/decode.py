@@ -45,6 +45,7 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None
     LANES, ROWS, RPT, HB = sched.lanes, sched.rows, sched.rows_per_thread, sched.heads_per_block
     LOG_LANES = LANES.bit_length() - 1
     EPL = D // LANES  # elements of a row held by one lane
+    VEC = min(EPL, 16 // config.elem_bytes) if gpu else EPL  # elements per 16-byte load
     CHUNKS = G // HB  # blocks per KV head along the GQA group
     NTHREADS = LANES * ROWS
     TILE = ROWS * RPT  # KV rows a block consumes per step
@@ -112,13 +113,15 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None
                                 lambda i: pages_[page_loc[r], 0, hkv, slot_loc[r], i], tx_ * EPL + e,
                                 k_pos_[b_] + j, D, rope_theta_, rope_scale_, scaling))
                     else:
-                        for e in L.vector(EPL):
-                            k_loc[r * EPL + e] = pages_[page_loc[r], 0, hkv, slot_loc[r], tx_ * EPL + e]
-                    for e in L.vector(EPL):
-                        v_loc[r * EPL + e] = pages_[page_loc[r], 1, hkv, slot_loc[r], tx_ * EPL + e]
+                        for c in L.unroll(EPL // VEC):
+                            for e in L.vector(VEC):
+                                k_loc[r * EPL + c * VEC + e] = pages_[page_loc[r], 0, hkv, slot_loc[r], tx_ * EPL + c * VEC + e]
+                    for c in L.unroll(EPL // VEC):
+                        for e in L.vector(VEC):
+                            v_loc[r * EPL + c * VEC + e] = pages_[page_loc[r], 1, hkv, slot_loc[r], tx_ * EPL + c * VEC + e]
                 else:
                     # Rows past the end get weight 0; zero them so 0 * garbage cannot make NaN.
-                    for e in L.vector(EPL):
+                    for e in L.unroll(EPL):
                         k_loc[r * EPL + e] = T.Cast(dtype, 0)
                         v_loc[r * EPL + e] = T.Cast(dtype, 0)
             for h in L.unroll(HB):
