@@ -67,10 +67,11 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None
             )
 
     @T.macro
-    def attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, rotary_mode_, rope_scale_,
+    def attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, rotate_, rope_scale_,
                rope_theta_, sm_scale_, b_, hc_, split_, nsplit_, ty_, tx_, row_m_, row_d_, row_o_):
         """Online softmax of split `split_` of request b_ for one head chunk: each row group
-        (ty_) leaves its max, denominator and unnormalised output in row_m_/row_d_/row_o_."""
+        (ty_) leaves its max, denominator and unnormalised output in row_m_/row_d_/row_o_.
+        rotate_ (a Python bool) applies RoPE to q and k: two kernels, no branch in the loop."""
         hkv = hc_ // CHUNKS
         h0 = hkv * G + (hc_ % CHUNKS) * HB
         q_loc = T.alloc_buffer((HB * EPL,), "float32", scope="local")
@@ -93,7 +94,7 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None
             d_loc[h] = T.float32(0)
             for e in L.unroll(EPL):
                 o_loc[h * EPL + e] = T.float32(0)
-                if rotary_mode_ == 1:
+                if rotate_:
                     q_loc[h * EPL + e] = rope_value(
                         lambda i: q_[b_, h0 + h, i], tx_ * EPL + e, q_pos_[b_], D, rope_theta_, rope_scale_, scaling
                     ) * sm_scale_ * T.float32(LOG2E)
@@ -107,7 +108,7 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None
                     pos = paged_position(j, length_info_, b_, sliding)
                     page_loc[r] = indices_[page_begin + pos // ps]
                     slot_loc[r] = pos % ps
-                    if rotary_mode_ == 1:
+                    if rotate_:
                         for e in L.unroll(EPL):
                             k_loc[r * EPL + e] = T.Cast(dtype, rope_value(
                                 lambda i: pages_[page_loc[r], 0, hkv, slot_loc[r], i], tx_ * EPL + e,
@@ -180,6 +181,33 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None
     def head(hc, h):
         return (hc // CHUNKS) * G + (hc % CHUNKS) * HB + h
 
+    @T.macro
+    def split_kernel(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, o_, lse_, o_part_, lse_part_,
+                     rotate_, rope_scale_, rope_theta_, sm_scale_):
+        """The attention kernel: one block per (request, head chunk, split)."""
+        batch = q_.shape[0]
+        for b in L.block(batch, "x", outer=True):
+            for hc in L.block(Hkv * CHUNKS, "y"):
+                for split in L.block(num_splits(batch), "z"):
+                    for ty in L.thread(ROWS, "y"):
+                        for tx in L.thread(LANES, "x"):
+                            row_m = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
+                            row_d = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
+                            row_o = T.alloc_buffer((ROWS * HB * D,), "float32", scope=shared)
+                            attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_,
+                                   rotate_, rope_scale_, rope_theta_, sm_scale_,
+                                   b, hc, split, num_splits(batch), ty, tx, row_m, row_d, row_o)
+                            if gpu:
+                                T.tvm_storage_sync("shared")
+                            if num_splits(batch) == 1:
+                                combine_rows(row_m, row_d, row_o, ty, tx,
+                                             lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, head(hc, h), e]),
+                                             lambda h, val: T.buffer_store(lse_, val, [b, head(hc, h)]))
+                            else:
+                                combine_rows(row_m, row_d, row_o, ty, tx,
+                                             lambda h, e, val: T.buffer_store(o_part_, val, [((split * batch + b) * Hq + head(hc, h)) * D + e]),
+                                             lambda h, val: T.buffer_store(lse_part_, val, [(split * batch + b) * Hq + head(hc, h)]))
+
     @T.prim_func
     def batch_decode_paged_kv(
         q_handle: T.handle,
@@ -219,27 +247,12 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None
         o_part = T.alloc_buffer((num_splits(B) * B * Hq * D,), "float32")
         lse_part = T.alloc_buffer((num_splits(B) * B * Hq,), "float32")
 
-        for b in L.block(B, "x", outer=True):
-            for hc in L.block(Hkv * CHUNKS, "y"):
-                for split in L.block(num_splits(B), "z"):
-                    for ty in L.thread(ROWS, "y"):
-                        for tx in L.thread(LANES, "x"):
-                            row_m = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
-                            row_d = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
-                            row_o = T.alloc_buffer((ROWS * HB * D,), "float32", scope=shared)
-                            attend(Q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
-                                   q_rope_position, rotary_mode, rope_scale, rope_theta, sm_scale,
-                                   b, hc, split, num_splits(B), ty, tx, row_m, row_d, row_o)
-                            if gpu:
-                                T.tvm_storage_sync("shared")
-                            if num_splits(B) == 1:
-                                combine_rows(row_m, row_d, row_o, ty, tx,
-                                             lambda h, e, val: T.buffer_store(O, T.Cast(dtype, val), [b, head(hc, h), e]),
-                                             lambda h, val: T.buffer_store(lse, val, [b, head(hc, h)]))
-                            else:
-                                combine_rows(row_m, row_d, row_o, ty, tx,
-                                             lambda h, e, val: T.buffer_store(o_part, val, [((split * B + b) * Hq + head(hc, h)) * D + e]),
-                                             lambda h, val: T.buffer_store(lse_part, val, [(split * B + b) * Hq + head(hc, h)]))
+        if rotary_mode == 1:
+            split_kernel(Q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
+                         O, lse, o_part, lse_part, True, rope_scale, rope_theta, sm_scale)
+        else:
+            split_kernel(Q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
+                         O, lse, o_part, lse_part, False, rope_scale, rope_theta, sm_scale)
         if num_splits(B) > 1:
             # Merge the splits of each (request, head) in FP32.
             for b in L.block(B, "x", outer=True):
