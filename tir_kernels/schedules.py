@@ -63,12 +63,15 @@ def choose_decode_schedule(config: AttentionConfig) -> DecodeSchedule:
     per_lane = config.head_dim // lanes
     # q and o of the served heads live in registers: keep them under ~128 fp32 values.
     heads = max(h for h in range(1, config.group_size + 1) if config.group_size % h == 0 and h * per_lane <= 64)
+    # Measured on the H200 (docs/perf-notes.md): 2 rows per thread beat 4 and 8 (fewer
+    # registers, more resident warps); aiming at 4 blocks per SM helps long single requests.
     return DecodeSchedule(
         lanes=lanes,
         rows=max(1, 128 // lanes),
-        rows_per_thread=4 if per_lane <= 8 else 2,
+        rows_per_thread=2,
         heads_per_block=heads,
-        max_splits=32,
+        max_splits=64,
+        target_blocks=4 * CUDA_NUM_SMS,
     )
 
 
