@@ -115,9 +115,10 @@ def choose_copy_schedule(config: AttentionConfig, row_len: int) -> CopySchedule:
 # Opt-in shared memory per block (bytes) of the CUDA archs tvmattn targets.
 CUDA_MAX_SHARED_BYTES = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 CUDA_DEFAULT_SHARED_BYTES = 99 * 1024
-# Extra fp32 words per shared-memory row of the prefill tiles (see PrefillSchedule).
+# Extra fp32 words per shared-memory row of the prefill tiles: threads that read 16 bytes of
+# different rows at the same column then hit different banks.
 PREFILL_ROW_PAD = 4
-PREFILL_P_ROW_PAD = 8
+PREFILL_P_ROW_PAD = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +191,9 @@ class PrefillSchedule:
 
 
 def choose_prefill_schedule(config: AttentionConfig) -> PrefillSchedule:
-    """GPU: 128 threads, 64 (32 for head dims above 128) query rows x 32 keys per block, so
-    that two blocks fit one SM; CPU: one thread computing a 16 x 32 tile."""
+    """GPU: 128 threads, 64 (32 for head dims above 128) packed query rows x 32 keys per block,
+    so that two blocks share an SM (three at head_dim 128: 75 KiB of shared memory each);
+    CPU: one thread computing a 16 x 32 tile."""
     if not config.is_gpu:
         return PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=32)
     rows = 4 if max(config.head_dim, config.v_head_dim) <= 128 else 2

@@ -1,0 +1,543 @@
+"""Batched prefill attention (many query tokens per request), MHA/GQA, over paged or ragged KV.
+
+One algorithm serves `paged_prefill` and `ragged_prefill` (they differ only in where key j
+of a request lives: the functions `kv_row`, `k_at`, `v_at` passed to the shared macros) and
+CPU and CUDA (the CPU runs the same code with one thread per block).
+
+Work: a block owns one KV head and a tile of `tile_q` packed query rows of one request.
+Packed row p of a request is query p // G, head kv_head * G + p % G (G = GQA group), so a
+K/V tile is read once for all heads of the group.
+
+Grid: blockIdx.x = tile slot * Hkv + kv head. Tile slots number the row tiles of all
+requests in order; their count, ceil(total_q * G / tile_q) + B, bounds the real number of
+tiles, and a block whose slot has no tile runs no step and writes nothing. A block finds
+its request by walking qo_indptr (a loop of at most B steps). Within a request the tiles
+are numbered from the last, so under causal masking the tiles that see the most keys
+start first. (The grid size is an upper bound computed from shapes on the host; no plan
+or workspace is needed.)
+
+Per block:
+  Q_load: the Q tile -> shared memory in fp32, scaled by sm_scale * log2(e) (RoPE'd when
+    rotary_mode is 1), so scores are in the exp2 domain.
+  for each K/V tile up to the last key the tile's last row may see:
+    KV_load: K and V rows, staged in registers one tile ahead (16-byte loads), -> shared fp32
+    S_gemm: S = Q K^T, a rows_per_thread x cols_per_thread register micro-tile per thread
+    mask: only tiles that cross the causal diagonal or the end of the KV
+    softmax: online softmax in fp32; row maxima over the threads_x threads of a row by warp
+      shuffles; each thread keeps a partial denominator, summed at the end
+    O_gemm: P (via shared memory) times V into per-thread fp32 output registers
+  store: o = acc / l, lse = m + log2(l) (base 2); a row that saw no key gets o = 0 and
+    lse = EMPTY_LSE.
+rotary_mode selects one of two kernels on the host (with RoPE in Q_load and KV_load, or
+without), so neither branches on it. S_gemm, softmax and O_gemm are separate macros, ready
+to be replaced by tensor-core versions.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from tvm.script import tirx as T
+
+from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position, rope_value
+from .config import AttentionConfig
+from .schedules import (
+    CUDA_VECTOR_BYTES,
+    PREFILL_P_ROW_PAD,
+    PREFILL_ROW_PAD,
+    PrefillSchedule,
+    choose_prefill_schedule,
+)
+
+SMEM_VEC = 4  # fp32 elements per shared-memory vector read (16 bytes)
+# Shuffle mask: every lane of a block's warps takes part (threads per block are a multiple
+# of 32, and the reductions are reached in uniform control flow).
+FULL_WARP = 0xFFFFFFFF
+
+
+class PrefillMacros(NamedTuple):
+    """The shared algorithm: `find_tile` then `attend` (see the module docstring)."""
+
+    num_slots: object
+    find_tile: object
+    attend: object
+
+
+def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillMacros:
+    L = loop_kinds(config)
+    gpu = config.is_gpu
+    dtype, G, scaling = config.dtype, config.group_size, config.rope_scaling
+    D_QK, D_V = config.head_dim, config.v_head_dim
+    TY, TX, TM, TN = sched.threads_y, sched.threads_x, sched.rows_per_thread, sched.cols_per_thread
+    BQ, BK, NT = sched.tile_q, sched.tile_kv, sched.num_threads
+    LOG_TX = TX.bit_length() - 1
+    VEC = CUDA_VECTOR_BYTES // config.elem_bytes  # elements per 16-byte global load
+    QS, KS, VS = D_QK + PREFILL_ROW_PAD, D_QK + PREFILL_ROW_PAD, D_V + PREFILL_ROW_PAD  # shared row strides
+    PS = BK + PREFILL_P_ROW_PAD
+    OC = D_V // TX  # output columns per thread
+    shared = "shared.dyn" if gpu else "local"
+
+    def row_tiles(qo_indptr, b):
+        return ceildiv((qo_indptr[b + 1] - qo_indptr[b]) * G, BQ)
+
+    def num_slots(total_q, batch):
+        """Upper bound of the number of row tiles over all requests."""
+        return ceildiv(total_q * G, BQ) + batch
+
+    def chunks(width):
+        """16-byte chunks of a row of `width` elements."""
+        return width // VEC
+
+    def load_iters(rows, width):
+        """Steps for NT threads to load `rows` rows of `width` elements, a chunk each."""
+        return ceildiv(rows * chunks(width), NT)
+
+    def out_col(tx, c):
+        """Output column of a thread's c-th output register."""
+        return tx * SMEM_VEC + (c // SMEM_VEC) * TX * SMEM_VEC + c % SMEM_VEC
+
+    def visible_end(kv_len, qo_len, p, causal):
+        """Number of leading keys packed row p may see (all of them when not causal)."""
+        last = kv_len - qo_len + T.min(p // G, qo_len - 1) + 1
+        return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
+
+    @T.macro
+    def sync_threads():
+        """Block-wide barrier (CUDA only: the CPU runs one thread per block)."""
+        if gpu:
+            T.tvm_storage_sync(shared)
+
+    @T.macro
+    def find_tile(qo_indptr_, batch_, slot_, req_, tile_):
+        """req_[0] <- request of tile slot slot_ and tile_[0] <- its row tile; tile_[0] = -1
+        (and req_[0] = 0) when the slot has no tile."""
+        cur = T.alloc_buffer((1,), "int32", scope="local")
+        first = T.alloc_buffer((1,), "int32", scope="local")
+        cur[0] = 0
+        first[0] = 0
+        req_[0] = 0
+        tile_[0] = -1
+        while cur[0] < batch_:
+            if slot_ < first[0] + row_tiles(qo_indptr_, cur[0]):
+                req_[0] = cur[0]
+                tile_[0] = first[0] + row_tiles(qo_indptr_, cur[0]) - 1 - slot_
+                cur[0] = batch_
+            else:
+                first[0] = first[0] + row_tiles(qo_indptr_, cur[0])
+                cur[0] = cur[0] + 1
+
+    @T.macro
+    def row_allreduce(buf_, idx_, op_):
+        """buf_[idx_] <- op_ over the TX threads of a row (xor butterfly)."""
+        for k_ in L.unroll(LOG_TX):
+            buf_[idx_] = op_(
+                buf_[idx_],
+                T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], T.shift_right(TX, k_ + 1), TX, 32),
+            )
+
+    @T.macro
+    def store_fp32(dst_, base_, src_, src_base_, scale_):
+        """dst_[base_ + e] <- float32(src_[src_base_ + e]) * scale_ for e < VEC, 16 bytes at a time."""
+        for g in L.unroll(VEC // SMEM_VEC):
+            for e in L.vector(SMEM_VEC):
+                dst_[base_ + g * SMEM_VEC + e] = T.Cast("float32", src_[src_base_ + g * SMEM_VEC + e]) * scale_
+
+    @T.macro
+    def load_q(at_, pos_at_, qs_, rows_, p0_, tid_, rotate_, rope_scale_, rope_theta_, qscale_):
+        """Q_load: qs_[r, :] <- q of packed row p0_ + r (RoPE'd when rotate_) * qscale_; zero past the rows."""
+        stage = T.alloc_buffer((VEC,), dtype, scope="local")
+        for it in L.unroll(load_iters(BQ, D_QK)):
+            c = T.meta_var(it * NT + tid_)
+            r = c // chunks(D_QK)
+            c0 = T.meta_var(c % chunks(D_QK) * VEC)  # inline, so 16-byte alignment stays provable
+            if c < BQ * chunks(D_QK):
+                if rotate_:
+                    for e in L.unroll(VEC):
+                        qs_[r * QS + c0 + e] = T.if_then_else(p0_ + r < rows_, qscale_ * rope_value(
+                            lambda i: at_(p0_ + r, i), c0 + e, pos_at_(p0_ + r), D_QK, rope_theta_, rope_scale_, scaling
+                        ), T.float32(0))
+                else:
+                    if p0_ + r < rows_:
+                        for e in L.vector(VEC):
+                            stage[e] = at_(p0_ + r, c0 + e)
+                    else:
+                        for e in L.vector(VEC):
+                            stage[e] = T.Cast(dtype, 0)
+                    store_fp32(qs_, r * QS + c0, stage, 0, qscale_)
+
+    @T.macro
+    def stage_kv(stage_, row_of_, at_, width_, kv_start_, kv_end_, tid_, rotate_, pos_base_, rope_scale_, rope_theta_):
+        """KV_load, step 1: keys / values kv_start_.. (width_ wide, RoPE'd when rotate_) -> registers;
+        zero from kv_end_ on."""
+        row = T.alloc_buffer((1,), "int32", scope="local")
+        for it in L.unroll(load_iters(BK, width_)):
+            c = T.meta_var(it * NT + tid_)
+            j = kv_start_ + c // chunks(width_)
+            c0 = T.meta_var(c % chunks(width_) * VEC)  # inline, so 16-byte alignment stays provable
+            if c < BK * chunks(width_) and j < kv_end_:
+                row[0] = row_of_(j)
+                if rotate_:
+                    for e in L.unroll(VEC):
+                        stage_[it * VEC + e] = T.Cast(dtype, rope_value(
+                            lambda i: at_(row[0], i), c0 + e, pos_base_ + j, width_, rope_theta_, rope_scale_, scaling))
+                else:
+                    for e in L.vector(VEC):
+                        stage_[it * VEC + e] = at_(row[0], c0 + e)
+            else:
+                for e in L.vector(VEC):
+                    stage_[it * VEC + e] = T.Cast(dtype, 0)
+
+    @T.macro
+    def commit_kv(stage_, smem_, width_, stride_, tid_):
+        """KV_load, step 2: the staged rows -> shared memory in fp32."""
+        for it in L.unroll(load_iters(BK, width_)):
+            c = T.meta_var(it * NT + tid_)
+            if c < BK * chunks(width_):
+                store_fp32(smem_, c // chunks(width_) * stride_ + c % chunks(width_) * VEC, stage_, it * VEC,
+                           T.float32(1))
+
+    @T.macro
+    def s_gemm(qs_, ks_, s_, ty_, tx_):
+        """S_gemm: s_[m, n] <- q row (ty_ + TY m) . k row (tx_ + TX n), from shared memory."""
+        qf = T.alloc_buffer((TM * SMEM_VEC,), "float32", scope="local")
+        kf = T.alloc_buffer((TN * SMEM_VEC,), "float32", scope="local")
+        for i in L.unroll(TM * TN):
+            s_[i] = T.float32(0)
+        for dk in T.serial(D_QK // SMEM_VEC):
+            for m in L.unroll(TM):
+                for e in L.vector(SMEM_VEC):
+                    qf[m * SMEM_VEC + e] = qs_[(ty_ + TY * m) * QS + dk * SMEM_VEC + e]
+            for n in L.unroll(TN):
+                for e in L.vector(SMEM_VEC):
+                    kf[n * SMEM_VEC + e] = ks_[(tx_ + TX * n) * KS + dk * SMEM_VEC + e]
+            for m in L.unroll(TM):
+                for n in L.unroll(TN):
+                    for e in L.unroll(SMEM_VEC):
+                        s_[m * TN + n] = s_[m * TN + n] + qf[m * SMEM_VEC + e] * kf[n * SMEM_VEC + e]
+
+    @T.macro
+    def mask(s_, kv_start_, kv_len_, qo_len_, p0_, causal_, ty_, tx_):
+        """Scores of keys past kv_len_ or above the causal diagonal -> -inf."""
+        for m in L.unroll(TM):
+            for n in L.unroll(TN):
+                if kv_start_ + tx_ + TX * n >= visible_end(kv_len_, qo_len_, p0_ + ty_ + TY * m, causal_):
+                    s_[m * TN + n] = T.min_value("float32")
+
+    @T.macro
+    def softmax(s_, ps_, o_, m_run_, l_run_, ty_, tx_):
+        """Online softmax: rescale the state to the new row maxima, s_ -> P (in ps_)."""
+        m_new = T.alloc_buffer((1,), "float32", scope="local")
+        alpha = T.alloc_buffer((1,), "float32", scope="local")
+        for m in L.unroll(TM):
+            m_new[0] = m_run_[m]
+            for n in L.unroll(TN):
+                m_new[0] = T.max(m_new[0], s_[m * TN + n])
+            row_allreduce(m_new, 0, T.max)
+            alpha[0] = T.exp2(m_run_[m] - m_new[0])
+            m_run_[m] = m_new[0]
+            l_run_[m] = l_run_[m] * alpha[0]
+            for n in L.unroll(TN):
+                s_[m * TN + n] = T.exp2(s_[m * TN + n] - m_new[0])
+                l_run_[m] = l_run_[m] + s_[m * TN + n]
+                ps_[(ty_ + TY * m) * PS + tx_ + TX * n] = s_[m * TN + n]
+            for c in L.unroll(OC):
+                o_[m * OC + c] = o_[m * OC + c] * alpha[0]
+
+    @T.macro
+    def o_gemm(ps_, vs_, o_, ty_, tx_):
+        """O_gemm: o_[m, c] += sum_j P[row m, j] V[j, out_col(c)], from shared memory."""
+        pf = T.alloc_buffer((TM * SMEM_VEC,), "float32", scope="local")
+        vf = T.alloc_buffer((OC,), "float32", scope="local")
+        for jc in T.serial(BK // SMEM_VEC):
+            for m in L.unroll(TM):
+                for e in L.vector(SMEM_VEC):
+                    pf[m * SMEM_VEC + e] = ps_[(ty_ + TY * m) * PS + jc * SMEM_VEC + e]
+            for e in L.unroll(SMEM_VEC):
+                for g in L.unroll(OC // SMEM_VEC):
+                    for e2 in L.vector(SMEM_VEC):
+                        vf[g * SMEM_VEC + e2] = vs_[(jc * SMEM_VEC + e) * VS + out_col(tx_, g * SMEM_VEC + e2)]
+                for m in L.unroll(TM):
+                    for c in L.unroll(OC):
+                        o_[m * OC + c] = o_[m * OC + c] + pf[m * SMEM_VEC + e] * vf[c]
+
+    @T.macro
+    def store(o_, m_run_, l_run_, rows_, p0_, ty_, tx_, write_o_, write_lse_):
+        """o = acc / l and lse = m + log2(l) per row; rows that saw no key get 0 and EMPTY_LSE."""
+        inv = T.alloc_buffer((1,), "float32", scope="local")
+        for m in L.unroll(TM):
+            row_allreduce(l_run_, m, lambda a, b: a + b)
+            if p0_ + ty_ + TY * m < rows_:
+                inv[0] = T.if_then_else(l_run_[m] > T.float32(0), T.float32(1) / l_run_[m], T.float32(0))
+                for g in L.unroll(OC // SMEM_VEC):
+                    for e in L.vector(SMEM_VEC):
+                        write_o_(p0_ + ty_ + TY * m, out_col(tx_, g * SMEM_VEC + e),
+                                 o_[m * OC + g * SMEM_VEC + e] * inv[0])
+                if tx_ == 0:
+                    write_lse_(p0_ + ty_ + TY * m, T.if_then_else(
+                        l_run_[m] > T.float32(0), m_run_[m] + T.log2(l_run_[m]), T.float32(EMPTY_LSE)))
+
+    @T.macro
+    def attend(q_at_, q_pos_at_, kv_row_, k_at_, v_at_, k_pos_base_, write_o_, write_lse_, qo_len_, kv_len_, tile_,
+               causal_, rotate_, rope_scale_, rope_theta_, sm_scale_, ty_, tx_):
+        """Attention of row tile tile_ of one request and KV head.
+
+        q_at_(p, d): element d of packed row p's query; q_pos_at_(p): its RoPE position.
+        kv_row_(j): where key j lives (an int32 handle); k_at_(row, d) / v_at_(row, d): element d
+        of the key / value at that handle; key j is at RoPE position k_pos_base_ + j.
+        write_o_(p, d, value) and write_lse_(p, value) store the results of packed row p.
+        rotate_ (a Python bool) applies RoPE to q and k: two kernels, no branch in the loop.
+        """
+        qs = T.alloc_buffer((BQ * QS,), "float32", scope=shared)
+        ks = T.alloc_buffer((BK * KS,), "float32", scope=shared)
+        vs = T.alloc_buffer((BK * VS,), "float32", scope=shared)
+        ps = T.alloc_buffer((BQ * PS,), "float32", scope=shared)
+        k_stage = T.alloc_buffer((load_iters(BK, D_QK) * VEC,), dtype, scope="local")
+        v_stage = T.alloc_buffer((load_iters(BK, D_V) * VEC,), dtype, scope="local")
+        s = T.alloc_buffer((TM * TN,), "float32", scope="local")
+        o = T.alloc_buffer((TM * OC,), "float32", scope="local")
+        m_run = T.alloc_buffer((TM,), "float32", scope="local")
+        l_run = T.alloc_buffer((TM,), "float32", scope="local")
+        tid = T.meta_var(ty_ * TX + tx_)
+        qo_len = qo_len_  # bound once: the arguments may be expressions that read memory
+        kv_len = kv_len_
+        k_pos_base = k_pos_base_
+        # A block without a tile (tile_ < 0) runs no step and writes nothing: no branch
+        # around the whole body, as TVM inserts no barrier inside a condition.
+        rows = T.if_then_else(tile_ >= 0, qo_len * G, 0)
+        p0 = T.max(tile_, 0) * BQ
+        # Keys seen by every row of the tile (no mask needed below) and by its last row.
+        free_end = visible_end(kv_len, qo_len, p0, causal_)
+        kv_end = T.if_then_else(tile_ >= 0, visible_end(kv_len, qo_len, p0 + BQ - 1, causal_), 0)
+        for m in L.unroll(TM):
+            m_run[m] = T.float32(EMPTY_LSE)
+            l_run[m] = T.float32(0)
+            for c in L.unroll(OC):
+                o[m * OC + c] = T.float32(0)
+        load_q(q_at_, q_pos_at_, qs, rows, p0, tid, rotate_, rope_scale_, rope_theta_, sm_scale_ * T.float32(LOG2E))
+        stage_kv(k_stage, kv_row_, k_at_, D_QK, 0, kv_end, tid, rotate_, k_pos_base, rope_scale_, rope_theta_)
+        stage_kv(v_stage, kv_row_, v_at_, D_V, 0, kv_end, tid, False, k_pos_base, rope_scale_, rope_theta_)
+        for t in T.serial(ceildiv(kv_end, BK)):
+            sync_threads()
+            commit_kv(k_stage, ks, D_QK, KS, tid)
+            commit_kv(v_stage, vs, D_V, VS, tid)
+            sync_threads()
+            if (t + 1) * BK < kv_end:
+                stage_kv(k_stage, kv_row_, k_at_, D_QK, (t + 1) * BK, kv_end, tid, rotate_, k_pos_base,
+                         rope_scale_, rope_theta_)
+                stage_kv(v_stage, kv_row_, v_at_, D_V, (t + 1) * BK, kv_end, tid, False, k_pos_base,
+                         rope_scale_, rope_theta_)
+            s_gemm(qs, ks, s, ty_, tx_)
+            # TVM's barrier planner sees the dynamic shared pool as one buffer, so it wants a
+            # barrier between the S_gemm reads and the P writes; place it here explicitly.
+            sync_threads()
+            if (t + 1) * BK > free_end:
+                mask(s, t * BK, kv_len, qo_len, p0, causal_, ty_, tx_)
+            softmax(s, ps, o, m_run, l_run, ty_, tx_)
+            sync_threads()
+            o_gemm(ps, vs, o, ty_, tx_)
+        store(o, m_run, l_run, rows, p0, ty_, tx_, write_o_, write_lse_)
+
+    return PrefillMacros(num_slots, find_tile, attend)
+
+
+def _schedule_for(config: AttentionConfig, schedule: PrefillSchedule | None) -> PrefillSchedule:
+    sched = schedule or choose_prefill_schedule(config)
+    sched.check(config)
+    return sched
+
+
+def _symbol(base: str, config: AttentionConfig) -> str:
+    return base + ("_sliding_window" if config.sliding_window else "")
+
+
+def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
+    """Paged-KV prefill PrimFunc, arguments in the contract's order:
+
+    q [total_q, Hq, D], qo_indptr [B+1] i32, pages [P, 2, Hkv, page_size, D],
+    page_indptr [B+1] i32, page_indices [nnz] i32, length_info [B] i32 (or [3, B] when
+    sliding: last_page_len, sliding_window_offset, sink_size), k_rope_pos_offset [B] i32,
+    q_rope_position [total_q] i32, o [total_q, Hq, D], lse [total_q, Hq] f32 (base 2),
+    causal i32, rotary_mode i32, rope_scale f32, rope_theta f32, sm_scale f32.
+    The KV of request b is its visible paged tokens; causal query i of qo_len sees keys
+    j <= kv_len - qo_len + i. Rows that see no key get o = 0 and lse = EMPTY_LSE.
+    """
+    if config.v_head_dim != config.head_dim:
+        raise ValueError(
+            f"v_head_dim={config.v_head_dim} is not supported by paged_prefill: expected head_dim={config.head_dim}"
+        )
+    sched = _schedule_for(config, schedule)
+    macros = _prefill_macros(config, sched)
+    L = loop_kinds(config)
+    dtype, ps, D = config.dtype, config.page_size, config.head_dim
+    Hq, Hkv, G = config.num_qo_heads, config.num_kv_heads, config.group_size
+    TY, TX, sliding = sched.threads_y, sched.threads_x, config.sliding_window
+
+    @T.macro
+    def kernel(Q_, qo_indptr_, pages_, page_indptr_, page_indices_, length_info_, k_pos_, q_pos_, O_, lse_, causal_,
+               rotate_, rope_scale_, rope_theta_, sm_scale_):
+        """One block per (tile slot, KV head); see the module docstring."""
+        for blk in L.block(macros.num_slots(Q_.shape[0], k_pos_.shape[0]) * Hkv, "x", outer=True):
+            for ty in L.thread(TY, "y"):
+                for tx in L.thread(TX, "x"):
+                    req = T.alloc_buffer((1,), "int32", scope="local")
+                    tile = T.alloc_buffer((1,), "int32", scope="local")
+                    macros.find_tile(qo_indptr_, k_pos_.shape[0], blk // Hkv, req, tile)
+                    b = req[0]
+                    hkv = blk % Hkv
+                    q0 = qo_indptr_[b]
+                    page0 = page_indptr_[b]
+                    macros.attend(
+                        lambda p, d: Q_[q0 + p // G, hkv * G + p % G, d],
+                        lambda p: q_pos_[q0 + p // G],
+                        # A key's handle is its slot in the page pool: page id * page_size + offset.
+                        lambda j: page_indices_[page0 + paged_position(j, length_info_, b, sliding) // ps] * ps
+                        + paged_position(j, length_info_, b, sliding) % ps,
+                        lambda slot, d: pages_[slot // ps, 0, hkv, slot % ps, d],
+                        lambda slot, d: pages_[slot // ps, 1, hkv, slot % ps, d],
+                        k_pos_[b],
+                        lambda p, d, val: T.buffer_store(O_, T.Cast(dtype, val), [q0 + p // G, hkv * G + p % G, d]),
+                        lambda p, val: T.buffer_store(lse_, val, [q0 + p // G, hkv * G + p % G]),
+                        qo_indptr_[b + 1] - q0,
+                        kv_chunk_len(page_indptr_[b + 1] - page0, ps, length_info_, b, sliding),
+                        tile[0], causal_, rotate_, rope_scale_, rope_theta_, sm_scale_, ty, tx,
+                    )
+
+    @T.prim_func
+    def batch_prefill_paged_kv(
+        q_handle: T.handle,
+        qo_indptr_handle: T.handle,
+        pages_handle: T.handle,
+        page_indptr_handle: T.handle,
+        page_indices_handle: T.handle,
+        length_info_handle: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        num_pages = T.int64()
+        nnz_pages = T.int32()
+        qo_indptr_offset = T.int32()
+        page_indptr_offset = T.int32()
+        page_indices_offset = T.int32()
+        length_offset = T.int32()
+        k_pos_offset = T.int32()
+        q_pos_offset = T.int32()
+        Q = T.match_buffer(q_handle, (total_q, Hq, D), dtype)
+        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
+        # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment and gathers.
+        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype)
+        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_offset)
+        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=page_indices_offset)
+        length_info = T.match_buffer(length_info_handle, length_info_shape(B, sliding), "int32",
+                                     elem_offset=length_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
+        O = T.match_buffer(o_handle, (total_q, Hq, D), dtype)
+        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
+        # RoPE is chosen on the host: two kernels, neither branching on it inside.
+        if rotary_mode == 1:
+            kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position, O,
+                   lse, causal, True, rope_scale, rope_theta, sm_scale)
+        else:
+            kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position, O,
+                   lse, causal, False, rope_scale, rope_theta, sm_scale)
+
+    return batch_prefill_paged_kv.with_attr("global_symbol", _symbol("batch_prefill_paged_kv", config))
+
+
+def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
+    """Ragged-KV prefill PrimFunc (K/V packed over the batch), arguments in the contract's order:
+
+    q [total_q, Hq, Dqk], qo_indptr [B+1] i32, k [total_kv, Hkv, Dqk], v [total_kv, Hkv, Dv],
+    kv_indptr [B+1] i32, q_rope_position [total_q] i32, k_rope_pos_offset [B] i32,
+    o [total_q, Hq, Dv], lse [total_q, Hq] f32 (base 2), causal i32, rotary_mode i32,
+    rope_scale f32, rope_theta f32, sm_scale f32. Dqk = config.head_dim, Dv = config.v_head_dim.
+    Key j of request b is row kv_indptr[b] + j, at RoPE position k_rope_pos_offset[b] + j.
+    """
+    sched = _schedule_for(config, schedule)
+    macros = _prefill_macros(config, sched)
+    L = loop_kinds(config)
+    dtype, D_QK, D_V = config.dtype, config.head_dim, config.v_head_dim
+    Hq, Hkv, G = config.num_qo_heads, config.num_kv_heads, config.group_size
+    TY, TX = sched.threads_y, sched.threads_x
+
+    @T.macro
+    def kernel(Q_, qo_indptr_, K_, V_, kv_indptr_, q_pos_, k_pos_, O_, lse_, causal_, rotate_, rope_scale_, rope_theta_,
+               sm_scale_):
+        """One block per (tile slot, KV head); see the module docstring."""
+        for blk in L.block(macros.num_slots(Q_.shape[0], k_pos_.shape[0]) * Hkv, "x", outer=True):
+            for ty in L.thread(TY, "y"):
+                for tx in L.thread(TX, "x"):
+                    req = T.alloc_buffer((1,), "int32", scope="local")
+                    tile = T.alloc_buffer((1,), "int32", scope="local")
+                    macros.find_tile(qo_indptr_, k_pos_.shape[0], blk // Hkv, req, tile)
+                    b = req[0]
+                    hkv = blk % Hkv
+                    q0 = qo_indptr_[b]
+                    kv0 = kv_indptr_[b]
+                    macros.attend(
+                        lambda p, d: Q_[q0 + p // G, hkv * G + p % G, d],
+                        lambda p: q_pos_[q0 + p // G],
+                        lambda j: kv0 + j,
+                        lambda row, d: K_[row, hkv, d],
+                        lambda row, d: V_[row, hkv, d],
+                        k_pos_[b],
+                        lambda p, d, val: T.buffer_store(O_, T.Cast(dtype, val), [q0 + p // G, hkv * G + p % G, d]),
+                        lambda p, val: T.buffer_store(lse_, val, [q0 + p // G, hkv * G + p % G]),
+                        qo_indptr_[b + 1] - q0,
+                        kv_indptr_[b + 1] - kv0,
+                        tile[0], causal_, rotate_, rope_scale_, rope_theta_, sm_scale_, ty, tx,
+                    )
+
+    @T.prim_func
+    def batch_prefill_ragged_kv(
+        q_handle: T.handle,
+        qo_indptr_handle: T.handle,
+        k_handle: T.handle,
+        v_handle: T.handle,
+        kv_indptr_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        total_kv = T.int32()
+        qo_indptr_offset = T.int32()
+        kv_indptr_offset = T.int32()
+        q_pos_offset = T.int32()
+        k_pos_offset = T.int32()
+        Q = T.match_buffer(q_handle, (total_q, Hq, D_QK), dtype)
+        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
+        K = T.match_buffer(k_handle, (total_kv, Hkv, D_QK), dtype)
+        V = T.match_buffer(v_handle, (total_kv, Hkv, D_V), dtype)
+        kv_indptr = T.match_buffer(kv_indptr_handle, (B + 1,), "int32", elem_offset=kv_indptr_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
+        O = T.match_buffer(o_handle, (total_q, Hq, D_V), dtype)
+        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
+        # RoPE is chosen on the host: two kernels, neither branching on it inside.
+        if rotary_mode == 1:
+            kernel(Q, qo_indptr, K, V, kv_indptr, q_rope_position, k_rope_pos_offset, O, lse, causal, True, rope_scale,
+                   rope_theta, sm_scale)
+        else:
+            kernel(Q, qo_indptr, K, V, kv_indptr, q_rope_position, k_rope_pos_offset, O, lse, causal, False,
+                   rope_scale, rope_theta, sm_scale)
+
+    return batch_prefill_ragged_kv.with_attr("global_symbol", "batch_prefill_ragged_kv")
