@@ -1,0 +1,647 @@
+"""Property-based test of tvmattn.PagedKVCache: random operation sequences against a plain model.
+
+A hypothesis rule-based state machine applies random sequences of add / remove / fork (any
+position, or -1) / popn / enable_sliding_window / clear / forward (begin_forward with prefill
+chunks or decode steps, attention_with_fused_qkv on every layer with random qkv, end_forward)
+to the cache and to `ReferenceCache`, which keeps each sequence's K/V unpaged in float64 and
+computes attention with tests/reference.py. After every step the two agree on:
+  - every layer's attention output and the query positions (checked inside the forward rule);
+  - the K/V of every sequence (debug_get_kv), its length (reading one token past the end is
+    refused) and the total length;
+  - the number of available pages: within the bounds that prefix sharing allows, and back to
+    the initial count whenever no sequence is left (no leaks).
+Some generated operations are invalid (unknown or duplicate ids, popn longer than the sequence,
+fork past the end, zero-length appends, chunks over the prefill chunk size, a bad layer id,
+tensor shape or dtype, attention outside a forward ...): the cache must raise KVCacheError and
+stay exactly as it was; the model is not touched.
+
+Semantics the model follows (those of TVM's C++ cache, paged_kv_cache.cc):
+  - RoPE "normal": q and k rotated at positions history + i before attention, K cached rotated;
+    "inline": K cached as given, q and every key rotated inside attention (key j at position j,
+    its index among the cached keys). A cache with sliding-window support runs "normal" inline.
+  - Sliding window (window w, sink s), enabled on an empty sequence: new tokens attend to the
+    cached tokens plus all new tokens (causal); after the step the cache keeps the first s
+    tokens and the last w - s. A windowed sequence can only be forked within its sink (the
+    child has no window). popn removes the last n cached tokens, also from a slid window
+    (TVM's cache corrupts its page table there; tvmattn defines it this way).
+
+Failures print the operations applied (hypothesis notes) and the minimal rule sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import reference as ref
+import tvm
+from harness import empty
+from hypothesis import HealthCheck, Phase, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+
+from tir_kernels import default_sm_scale
+from tvmattn import PagedKVCache
+from tvmattn.errors import KVCacheError
+
+NUM_LAYERS, NUM_QO_HEADS, NUM_KV_HEADS, DTYPE = 2, 4, 2, "float32"
+MAX_SEQS, CAPACITY, PREFILL_CHUNK = 6, 1024, 64
+ROPE_THETA, ROPE_SCALE = 1e4, 0.5
+# Distinct cached tokens the strategy stays under, so that the cache never runs out of pages
+# (out-of-pages is tested on its own below).
+TOKEN_BUDGET = 400
+NEW_ID = st.integers(-1, 7)  # an id not in use (the code-th one), or -1: one in use
+PICK = st.integers(-1, 63)  # a live sequence (index modulo their number) or -1: an unknown id
+RTOL, ATOL = ref.TOLERANCES[DTYPE]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One cache configuration the state machine runs against."""
+
+    name: str
+    rope_mode: str
+    page_size: int
+    head_dim: int
+    sliding: bool
+
+    @property
+    def kv_rope_mode(self) -> str:
+        """How RoPE reaches the keys: a cache with sliding windows rotates them inline (as TVM's
+        does), since a window changes the positions of the cached keys."""
+        return "inline" if self.sliding and self.rope_mode == "normal" else self.rope_mode
+
+    @property
+    def sm_scale(self) -> float:
+        return default_sm_scale(self.head_dim)
+
+    def make_cache(self) -> PagedKVCache:
+        return PagedKVCache(num_layers=NUM_LAYERS, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
+                            qk_head_dim=self.head_dim, dtype=DTYPE, page_size=self.page_size,
+                            max_num_sequences=MAX_SEQS, max_total_seq_len=CAPACITY,
+                            prefill_chunk_size=PREFILL_CHUNK, rope_mode=self.rope_mode,
+                            rope_scale=ROPE_SCALE, rope_theta=ROPE_THETA,
+                            support_sliding_window=self.sliding, device=tvm.cpu())
+
+
+SETUPS = [
+    Setup("sliding-window", rope_mode="none", page_size=4, head_dim=32, sliding=True),
+    Setup("rope-normal", rope_mode="normal", page_size=8, head_dim=32, sliding=False),
+    Setup("rope-inline", rope_mode="inline", page_size=4, head_dim=16, sliding=False),
+    Setup("sliding-window-rope", rope_mode="normal", page_size=8, head_dim=64, sliding=True),
+]
+
+
+class InvalidOperation(Exception):
+    """The reference model refuses an operation; the cache must raise KVCacheError."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference model
+
+
+@dataclasses.dataclass
+class RefSequence:
+    """One sequence, unpaged: k[layer] / v[layer] are [length, Hkv, D] float64 (K rotated when
+    RoPE is "normal"); uids names each cached token (to reason about shared pages)."""
+
+    k: list
+    v: list
+    uids: list
+    window: tuple[int, int] | None = None  # (window size, sink size)
+    slid: bool = False  # the window has dropped tokens at least once
+
+    @property
+    def length(self) -> int:
+        return len(self.uids)
+
+    def keep(self, index) -> None:
+        self.k = [k[index] for k in self.k]
+        self.v = [v[index] for v in self.v]
+        self.uids = [self.uids[i] for i in index]
+
+
+@dataclasses.dataclass
+class RefStep:
+    """A forward in progress: per request (seq_id, new tokens, cached tokens before it)."""
+
+    seq_ids: list
+    lengths: list
+    history: list
+
+
+class ReferenceCache:
+    """What the cache must hold and compute. Every operation validates first and raises
+    InvalidOperation (leaving the model untouched) or applies completely."""
+
+    def __init__(self, setup: Setup):
+        self.setup = setup
+        self.seqs: dict[int, RefSequence] = {}
+        self.step: RefStep | None = None
+        self._next_uid = 0
+
+    # -- sequences
+    def _get(self, seq_id: int) -> RefSequence:
+        if seq_id not in self.seqs:
+            raise InvalidOperation(f"unknown sequence {seq_id}")
+        return self.seqs[seq_id]
+
+    def _empty_seq(self) -> RefSequence:
+        d = self.setup.head_dim
+        zeros = [np.zeros((0, NUM_KV_HEADS, d)) for _ in range(NUM_LAYERS)]
+        return RefSequence(k=list(zeros), v=list(zeros), uids=[])
+
+    def add(self, seq_id: int) -> None:
+        if seq_id in self.seqs:
+            raise InvalidOperation(f"sequence {seq_id} already exists")
+        if len(self.seqs) >= MAX_SEQS:
+            raise InvalidOperation(f"already {MAX_SEQS} sequences")
+        self.seqs[seq_id] = self._empty_seq()
+
+    def remove(self, seq_id: int) -> None:
+        self._get(seq_id)
+        del self.seqs[seq_id]
+
+    def fork(self, parent_id: int, child_id: int, pos: int) -> None:
+        parent = self._get(parent_id)
+        if child_id in self.seqs:
+            raise InvalidOperation(f"child {child_id} already exists")
+        if len(self.seqs) >= MAX_SEQS:
+            raise InvalidOperation(f"already {MAX_SEQS} sequences")
+        if pos < -1 or pos > parent.length:
+            raise InvalidOperation(f"fork position {pos} outside [-1, {parent.length}]")
+        end = parent.length if pos == -1 else pos
+        if parent.window is not None and end > parent.window[1]:
+            raise InvalidOperation(f"windowed parent forked at {end}, past its sink {parent.window[1]}")
+        child = self._empty_seq()
+        child.k = [k[:end].copy() for k in parent.k]
+        child.v = [v[:end].copy() for v in parent.v]
+        child.uids = parent.uids[:end]
+        self.seqs[child_id] = child
+
+    def popn(self, seq_id: int, n: int) -> None:
+        seq = self._get(seq_id)
+        if n < 0 or n > seq.length:
+            raise InvalidOperation(f"popn {n} from a sequence of {seq.length}")
+        seq.keep(list(range(seq.length - n)))
+
+    def enable_sliding_window(self, seq_id: int, window: int, sink: int) -> None:
+        seq = self._get(seq_id)
+        if not self.setup.sliding:
+            raise InvalidOperation("the cache does not support sliding windows")
+        if seq.window is not None:
+            raise InvalidOperation(f"sequence {seq_id} already has a window")
+        if window <= 0 or sink < 0 or sink >= window:
+            raise InvalidOperation(f"window {window} with sink {sink}")
+        assert seq.length == 0, "the strategy only windows empty sequences"
+        seq.window = (window, sink)
+
+    def clear(self) -> None:
+        self.seqs.clear()
+
+    # -- forward
+    def begin_forward(self, seq_ids: list, lengths: list) -> None:
+        if len(seq_ids) != len(lengths):
+            raise InvalidOperation(f"{len(seq_ids)} seq_ids but {len(lengths)} append lengths")
+        for seq_id in seq_ids:
+            self._get(seq_id)
+        if min(lengths) <= 0:
+            raise InvalidOperation(f"append lengths {lengths}")
+        if sum(lengths) > PREFILL_CHUNK:
+            raise InvalidOperation(f"{sum(lengths)} tokens > prefill chunk {PREFILL_CHUNK}")
+        history = [self.seqs[s].length for s in seq_ids]
+        for seq_id, n in zip(seq_ids, lengths):
+            self.seqs[seq_id].uids += list(range(self._next_uid, self._next_uid + n))
+            self._next_uid += n
+        self.step = RefStep(list(seq_ids), list(lengths), history)
+
+    def query_positions(self) -> np.ndarray:
+        return np.concatenate([h + np.arange(n) for h, n in zip(self.step.history, self.step.lengths)])
+
+    def attention(self, layer: int, qkv: np.ndarray) -> np.ndarray:
+        """Append this layer's new K/V and return the expected output [n, Hq, D]."""
+        hq, hkv = NUM_QO_HEADS, NUM_KV_HEADS
+        outputs, start = [], 0
+        rope_args = (ROPE_THETA, ROPE_SCALE)
+        for seq_id, n, history in zip(self.step.seq_ids, self.step.lengths, self.step.history):
+            seq = self.seqs[seq_id]
+            rows = qkv[start : start + n].astype(np.float64)
+            start += n
+            q, k, v = rows[:, :hq], rows[:, hq : hq + hkv], rows[:, hq + hkv :]
+            positions = history + np.arange(n)
+            if self.setup.kv_rope_mode == "normal":
+                q, k = ref.rope(q, positions, *rope_args), ref.rope(k, positions, *rope_args)
+            seq.k[layer] = np.concatenate([seq.k[layer], k])
+            seq.v[layer] = np.concatenate([seq.v[layer], v])
+            keys = seq.k[layer]
+            if self.setup.kv_rope_mode == "inline":
+                q = ref.rope(q, positions, *rope_args)
+                keys = ref.rope(keys, np.arange(len(keys)), *rope_args)
+            outputs.append(ref.attention(q, keys, seq.v[layer], self.setup.sm_scale, causal=True)[0])
+        return np.concatenate(outputs)
+
+    def end_forward(self) -> None:
+        for seq_id in self.step.seq_ids:
+            seq = self.seqs[seq_id]
+            if seq.window is None or seq.length <= seq.window[0]:
+                continue
+            window, sink = seq.window
+            seq.keep(list(range(sink)) + list(range(seq.length - (window - sink), seq.length)))
+            seq.slid = True
+        self.step = None
+
+    # -- accounting
+    def total_length(self) -> int:
+        return sum(s.length for s in self.seqs.values())
+
+    def distinct_tokens(self) -> int:
+        return len({u for s in self.seqs.values() for u in s.uids})
+
+    def page_bounds(self) -> tuple[int, int]:
+        """(fewest, most) pages the sequences may hold.
+
+        A full page is shared by every sequence that holds the same tokens in it (forks share
+        full pages by reference); a partly filled page belongs to one sequence (a fork inside a
+        page copies it), except that a lazy copy-on-write may keep it shared with a sequence
+        holding the same tokens or more. A windowed sequence holds its tokens' pages plus at
+        most two that the window has partly emptied.
+        """
+        ps = self.setup.page_size
+        full, partial, low, high = set(), [], 0, 0
+        for seq in self.seqs.values():
+            if seq.window is not None:
+                low += math.ceil(seq.length / ps)
+                high += math.ceil(seq.length / ps) + 2
+                continue
+            num_full = seq.length // ps
+            full.update(tuple(seq.uids[j * ps : (j + 1) * ps]) for j in range(num_full))
+            if seq.length % ps:
+                partial.append(tuple(seq.uids[num_full * ps :]))
+        distinct = set(partial)
+
+        def may_share(p):
+            return any(f[: len(p)] == p for f in full) or any(len(q) > len(p) and q[: len(p)] == p for q in distinct)
+
+        low += len(full) + sum(1 for p in distinct if not may_share(p))
+        high += len(full) + len(partial)
+        return low, high
+
+
+# ---------------------------------------------------------------------------------------------
+# The state machine
+
+# Faults injected into a forward: None = a valid forward; "begin:*" break begin_forward (then the
+# valid forward runs); "attn:*" make one attention call invalid before the valid ones.
+FAULTS = [None, None, None, None, None, None, "begin:unknown_seq", "begin:zero_length",
+          "begin:length_mismatch", "begin:over_chunk", "attn:layer", "attn:negative_layer",
+          "attn:qkv_rows", "attn:qkv_heads", "attn:o_shape", "attn:dtype"]
+
+
+def choose_position(code: int, length: int, page_size: int) -> int:
+    """A fork position from a strategy code: -1 (the end) and a few invalid negatives, spread
+    over [0, length] (0..32), page boundaries (33..40, possibly past the end) and 1..4 past
+    the end (41..44)."""
+    if code < 0:
+        return code
+    if code <= 32:
+        return round(code * length / 32)
+    if code <= 40:
+        return (code - 33) * page_size
+    return length + code - 40
+
+
+def choose_count(code: int, length: int) -> int:
+    """A popn count from a strategy code: -1 (invalid), spread over [0, length] (0..32), or
+    1..3 more than the length (33..35, invalid)."""
+    if code < 0:
+        return code
+    if code <= 32:
+        return round(code * length / 32)
+    return length + code - 32
+
+
+MEMBERS = st.lists(st.integers(0, 63), min_size=1, max_size=5)  # batch members (indices into live ids)
+SEEDS = st.integers(0, 2**16)
+
+
+def has_sequences(machine) -> bool:
+    return bool(machine.model.seqs)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    def __init__(self, setup: Setup):
+        super().__init__()
+        self.setup = setup
+        self.cache = setup.make_cache()
+        self.model = ReferenceCache(setup)
+        self.initial_pages = self.cache.get_num_available_pages()
+        note(f"setup {setup}; {self.initial_pages} pages")
+
+    # -- helpers
+    def _pick(self, code: int) -> int:
+        live = sorted(self.model.seqs)
+        if code < 0 or not live:
+            return max(live, default=0) + 100
+        return live[code % len(live)]
+
+    def _new_id(self, code: int) -> int:
+        """code >= 0: the code-th smallest id not in use; -1: one in use (a duplicate)."""
+        live = sorted(self.model.seqs)
+        if code < 0 and live:
+            return live[0]
+        free = [i for i in range(len(live) + 8) if i not in self.model.seqs]
+        return free[max(code, 0) % len(free)]
+
+    def _snapshot(self):
+        return (self.cache.get_num_available_pages(), self.cache.get_total_sequence_length(), self.cache.empty())
+
+    def _apply(self, what: str, model_op, cache_op) -> None:
+        """Apply an operation to both; if the model refuses it, the cache must refuse it too
+        (KVCacheError) and keep its state."""
+        before = self._snapshot()
+        try:
+            model_op()
+        except InvalidOperation as refused:
+            note(f"{what}  -> invalid ({refused})")
+            with pytest.raises(KVCacheError):
+                cache_op()
+            assert self._snapshot() == before, f"{what} raised but changed the cache"
+            return
+        note(what)
+        cache_op()
+
+    # -- rules
+    @initialize(lengths=st.lists(st.integers(0, 21), min_size=1, max_size=3), window=st.integers(0, 14),
+                sink=st.integers(0, 3), seed=SEEDS)
+    def start(self, lengths, window, sink, seed):
+        """A few sequences, prefilled with `lengths` tokens (0: left empty); with sliding-window
+        support, the first may get a window."""
+        for _ in lengths:
+            self.add(0)
+        if self.setup.sliding and window:
+            self.enable_sliding_window(0, window, sink)
+        seq_ids = [seq_id for seq_id, n in zip(sorted(self.model.seqs), lengths) if n]
+        if seq_ids:
+            self._forward(seq_ids, [n for n in lengths if n], None, seed)
+
+    @rule(code=NEW_ID)
+    def add(self, code):
+        seq_id = self._new_id(code)
+        self._apply(f"add_sequence({seq_id})", lambda: self.model.add(seq_id),
+                    lambda: self.cache.add_sequence(seq_id))
+
+    @precondition(has_sequences)
+    @rule(which=PICK)
+    def remove(self, which):
+        seq_id = self._pick(which)
+        self._apply(f"remove_sequence({seq_id})", lambda: self.model.remove(seq_id),
+                    lambda: self.cache.remove_sequence(seq_id))
+
+    @precondition(has_sequences)
+    @rule(which=PICK, code=NEW_ID, pos_code=st.integers(-3, 44))
+    def fork(self, which, code, pos_code):
+        parent, child = self._pick(which), self._new_id(code)
+        length = self.model.seqs[parent].length if parent in self.model.seqs else 0
+        pos = choose_position(pos_code, length, self.setup.page_size)
+        self._apply(f"fork_sequence({parent}, {child}, {pos})", lambda: self.model.fork(parent, child, pos),
+                    lambda: self.cache.fork_sequence(parent, child, pos))
+
+    @precondition(has_sequences)
+    @rule(which=PICK, n_code=st.integers(-1, 35))
+    def popn(self, which, n_code):
+        self._apply_popn(self._pick(which), n_code)
+
+    def _apply_popn(self, seq_id, n_code):
+        length = self.model.seqs[seq_id].length if seq_id in self.model.seqs else 0
+        n = choose_count(n_code, length)
+        self._apply(f"popn({seq_id}, {n})", lambda: self.model.popn(seq_id, n), lambda: self.cache.popn(seq_id, n))
+
+    @precondition(has_sequences)
+    @rule(which=PICK, code=NEW_ID, pos_code=st.integers(-1, 40), n_code=st.integers(0, 32), pop_child=st.booleans())
+    def branch(self, which, code, pos_code, n_code, pop_child):
+        """fork, then popn the parent or the child, possibly back into their shared pages (as
+        speculative decoding rolls back): the next append must copy the shared page first."""
+        parent, child = self._pick(which), self._new_id(code)
+        self.fork(which, code, pos_code)
+        if child in self.model.seqs:
+            target = child if pop_child else parent
+            self._apply_popn(target, n_code)
+
+    @precondition(lambda self: self.setup.sliding)
+    @rule(which=st.integers(-2, 63), window=st.integers(0, 14), sink=st.integers(0, 3))
+    def enable_sliding_window(self, which, window, sink):
+        """which: an empty windowless sequence (index), -1 an unknown id, -2 a windowed one."""
+        if which == -2:
+            windowed = sorted(s for s, seq in self.model.seqs.items() if seq.window is not None)
+            if not windowed:
+                return
+            seq_id = windowed[0]
+        elif which == -1:
+            seq_id = self._pick(-1)
+        else:
+            empties = sorted(s for s, seq in self.model.seqs.items() if seq.window is None and seq.length == 0)
+            if not empties:
+                return
+            seq_id = empties[which % len(empties)]
+        self._apply(f"enable_sliding_window_for_seq({seq_id}, {window}, {sink})",
+                    lambda: self.model.enable_sliding_window(seq_id, window, sink),
+                    lambda: self.cache.enable_sliding_window_for_seq(seq_id, window, sink))
+
+    @rule(code=st.integers(0, 15))
+    def clear(self, code):
+        if code != 15:  # rare: it wipes everything the other rules built
+            return
+        note("clear()")
+        self.model.clear()
+        self.cache.clear()
+
+    @rule()
+    def attention_outside_forward(self):
+        note("attention_with_fused_qkv outside a forward -> invalid")
+        d = self.setup.head_dim
+        qkv = tvm.runtime.tensor(np.zeros((1, NUM_QO_HEADS + 2 * NUM_KV_HEADS, d), DTYPE))
+        o = empty((1, NUM_QO_HEADS, d), DTYPE, tvm.cpu())
+        before = self._snapshot()
+        with pytest.raises(KVCacheError):
+            self.cache.attention_with_fused_qkv(0, self.setup.sm_scale, qkv, o)
+        assert self._snapshot() == before
+
+    @precondition(has_sequences)
+    @rule(members=MEMBERS, lengths=st.lists(st.integers(1, 24), min_size=5, max_size=5),
+          fault=st.sampled_from(FAULTS), seed=SEEDS)
+    def prefill(self, members, lengths, fault, seed):
+        seq_ids = list(dict.fromkeys(self._pick(c) for c in members))
+        self._forward(seq_ids, lengths[: len(seq_ids)], fault, seed)
+
+    @precondition(has_sequences)
+    @rule(members=MEMBERS, fault=st.sampled_from(FAULTS), seed=SEEDS)
+    def decode(self, members, fault, seed):
+        seq_ids = list(dict.fromkeys(self._pick(c) for c in members))
+        self._forward(seq_ids, [1] * len(seq_ids), fault, seed)
+
+    def _forward(self, seq_ids, lengths, fault, seed):
+        while sum(lengths) > PREFILL_CHUNK:
+            lengths = [max(1, n // 2) for n in lengths]
+        if self.model.distinct_tokens() + sum(lengths) > TOKEN_BUDGET:
+            return
+        if fault is not None and fault.startswith("begin:"):
+            self._begin_with_fault(seq_ids, lengths, fault)
+        self._apply(f"begin_forward({seq_ids}, {lengths})", lambda: self.model.begin_forward(seq_ids, lengths),
+                    lambda: self.cache.begin_forward(seq_ids, lengths))
+        positions = self.cache.get_query_positions().numpy()
+        np.testing.assert_array_equal(positions, self.model.query_positions(), err_msg="query positions")
+        rng = np.random.default_rng(seed)
+        total, d = sum(lengths), self.setup.head_dim
+        for layer in range(NUM_LAYERS):
+            qkv = rng.standard_normal((total, NUM_QO_HEADS + 2 * NUM_KV_HEADS, d)).astype(DTYPE)
+            if layer == 0 and fault is not None and fault.startswith("attn:"):
+                self._attention_with_fault(qkv, fault)
+            o = empty((total, NUM_QO_HEADS, d), DTYPE, tvm.cpu())
+            self.cache.attention_with_fused_qkv(layer, self.setup.sm_scale, tvm.runtime.tensor(qkv), o)
+            expected = self.model.attention(layer, qkv)
+            np.testing.assert_allclose(o.numpy(), expected, rtol=RTOL, atol=ATOL, err_msg=f"output of layer {layer}")
+        self.cache.end_forward()
+        self.model.end_forward()
+
+    def _begin_with_fault(self, seq_ids, lengths, fault):
+        bad_ids, bad_lengths = list(seq_ids), list(lengths)
+        if fault == "begin:unknown_seq":
+            bad_ids.append(self._pick(-1))
+            bad_lengths.append(1)
+        elif fault == "begin:zero_length":
+            bad_lengths[-1] = 0
+        elif fault == "begin:length_mismatch":
+            bad_lengths.append(1)
+        elif fault == "begin:over_chunk":
+            bad_lengths[0] += PREFILL_CHUNK - sum(lengths) + 1
+        self._apply(f"begin_forward({bad_ids}, {bad_lengths})", lambda: self.model.begin_forward(bad_ids, bad_lengths),
+                    lambda: self.cache.begin_forward(bad_ids, bad_lengths))
+
+    def _attention_with_fault(self, qkv: np.ndarray, fault: str):
+        total, heads, d = qkv.shape
+        layer, o_shape = 0, (total, NUM_QO_HEADS, d)
+        if fault == "attn:layer":
+            layer = NUM_LAYERS
+        elif fault == "attn:negative_layer":
+            layer = -1
+        elif fault == "attn:qkv_rows":
+            qkv = np.concatenate([qkv, qkv[:1]])
+        elif fault == "attn:qkv_heads":
+            qkv = qkv[:, 1:]
+        elif fault == "attn:o_shape":
+            o_shape = (total, NUM_QO_HEADS, d // 2)
+        elif fault == "attn:dtype":
+            qkv = qkv.astype("float16")
+        note(f"attention_with_fused_qkv({layer}, qkv {qkv.shape} {qkv.dtype}, o {o_shape}) -> invalid ({fault})")
+        with pytest.raises(KVCacheError):
+            self.cache.attention_with_fused_qkv(layer, self.setup.sm_scale, tvm.runtime.tensor(qkv),
+                                                empty(o_shape, DTYPE, tvm.cpu()))
+
+    # -- invariants
+    @invariant()
+    def lengths_and_pages_agree(self):
+        assert self.cache.get_total_sequence_length() == self.model.total_length(), "total sequence length"
+        assert self.cache.empty() == (not self.model.seqs), "empty()"
+        used = self.initial_pages - self.cache.get_num_available_pages()
+        low, high = self.model.page_bounds()
+        assert low <= used <= high, f"{used} pages in use, expected {low}..{high}"
+
+    @invariant()
+    def cached_kv_agrees(self):
+        d = self.setup.head_dim
+        k_tol = (1e-5, 1e-5) if self.setup.kv_rope_mode == "normal" else (0, 0)  # K rotated in fp32 by the cache
+        for seq_id, seq in self.model.seqs.items():
+            n = seq.length
+            k = empty((NUM_LAYERS, n + 1, NUM_KV_HEADS, d), DTYPE, tvm.cpu())
+            v = empty((NUM_LAYERS, n + 1, NUM_KV_HEADS, d), DTYPE, tvm.cpu())
+            with pytest.raises(KVCacheError):  # the sequence is no longer than the model's
+                self.cache.debug_get_kv(seq_id, 0, n + 1, k, v)
+            if n == 0:
+                continue
+            k, v = (empty((NUM_LAYERS, n, NUM_KV_HEADS, d), DTYPE, tvm.cpu()) for _ in range(2))
+            self.cache.debug_get_kv(seq_id, 0, n, k, v)
+            np.testing.assert_allclose(k.numpy(), np.stack(seq.k), rtol=k_tol[0], atol=k_tol[1],
+                                       err_msg=f"K of sequence {seq_id}")
+            np.testing.assert_array_equal(v.numpy(), np.stack(seq.v), err_msg=f"V of sequence {seq_id}")
+
+    def teardown(self):
+        for seq_id in list(self.model.seqs):
+            self.cache.remove_sequence(seq_id)
+        assert self.cache.empty()
+        assert self.cache.get_num_available_pages() == self.initial_pages, "pages leaked"
+
+
+# Deterministic (derandomize, no example database) and sized for CI: about 10 s per setup.
+SETTINGS = settings(max_examples=60, stateful_step_count=60, deadline=None, derandomize=True, database=None,
+                    phases=[Phase.generate, Phase.shrink],
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=lambda s: s.name)
+def test_cache_matches_reference_model(setup):
+    run_state_machine_as_test(lambda: CacheMachine(setup), settings=SETTINGS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running out of pages (the state machine stays within capacity)
+
+
+def _forward(cache: PagedKVCache, setup: Setup, seq_ids: list, lengths: list, rng) -> None:
+    cache.begin_forward(seq_ids, lengths)
+    for layer in range(NUM_LAYERS):
+        qkv = rng.standard_normal((sum(lengths), NUM_QO_HEADS + 2 * NUM_KV_HEADS, setup.head_dim)).astype(DTYPE)
+        o = empty((sum(lengths), NUM_QO_HEADS, setup.head_dim), DTYPE, tvm.cpu())
+        cache.attention_with_fused_qkv(layer, setup.sm_scale, tvm.runtime.tensor(qkv), o)
+    cache.end_forward()
+
+
+def _state(cache: PagedKVCache, setup: Setup, lengths: dict) -> tuple:
+    """Pages, total length and every sequence's K/V (lengths: seq_id -> expected length)."""
+    kv = []
+    for seq_id, n in sorted(lengths.items()):
+        if n == 0:
+            continue
+        k, v = (empty((NUM_LAYERS, n, NUM_KV_HEADS, setup.head_dim), DTYPE, tvm.cpu()) for _ in range(2))
+        cache.debug_get_kv(seq_id, 0, n, k, v)
+        kv += [k.numpy().tobytes(), v.numpy().tobytes()]
+    return cache.get_num_available_pages(), cache.get_total_sequence_length(), kv
+
+
+def test_out_of_pages_leaves_cache_unchanged():
+    """A forward or fork that needs more pages than are free raises KVCacheError and changes
+    nothing; removing everything gives every page back."""
+    setup = Setup("tiny", rope_mode="none", page_size=4, head_dim=16, sliding=False)
+    cache = PagedKVCache(num_layers=NUM_LAYERS, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
+                         qk_head_dim=setup.head_dim, dtype=DTYPE, page_size=4, max_num_sequences=4,
+                         max_total_seq_len=16, prefill_chunk_size=64, device=tvm.cpu())
+    rng = np.random.default_rng(0)
+    pages = cache.get_num_available_pages()
+    assert 4 <= pages <= 16
+    cache.add_sequence(0)
+    cache.add_sequence(1)
+    _forward(cache, setup, [0], [4 * pages - 2], rng)  # every page but two free slots of the last
+    lengths = {0: 4 * pages - 2, 1: 0}
+    assert cache.get_num_available_pages() == 0
+    before = _state(cache, setup, lengths)
+
+    with pytest.raises(KVCacheError):
+        cache.begin_forward([0], [3])  # one token too many for the last page
+    assert _state(cache, setup, lengths) == before
+    with pytest.raises(KVCacheError):
+        cache.begin_forward([0, 1], [2, 1])  # sequence 0 fits, sequence 1 needs a page
+    assert _state(cache, setup, lengths) == before
+    with pytest.raises(KVCacheError):
+        cache.fork_sequence(0, 2, 5)  # a fork inside a page copies it
+    assert _state(cache, setup, lengths) == before
+    with pytest.raises(KVCacheError):
+        cache.debug_get_kv(2, 0, 1, *(empty((NUM_LAYERS, 1, NUM_KV_HEADS, 16), DTYPE, tvm.cpu()) for _ in range(2)))
+
+    _forward(cache, setup, [0], [2], rng)  # what still fits works
+    cache.fork_sequence(0, 2, 8)  # page-aligned: shares pages, needs none
+    assert cache.get_num_available_pages() == 0
+    for seq_id in (0, 1, 2):
+        cache.remove_sequence(seq_id)
+    assert cache.empty() and cache.get_num_available_pages() == pages

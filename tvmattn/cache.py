@@ -1,0 +1,461 @@
+"""`PagedKVCache`: the paged K/V pools of a model's attention layers and the sequences in them.
+
+Owns the device pools (one tensor per layer, `[num_pages, 2, Hkv, page_size, D]`, index 0 =
+K, 1 = V), the page allocator and sequence table, the kernels, and the forward step in
+progress. Sequence operations change the host bookkeeping (and copy pages on the device when
+a fork or a copy-on-write needs it); `begin_forward` plans a step on the host and uploads its
+index arrays with one copy; the per-layer attention calls check their arguments and launch.
+
+Semantics follow TVM's C++ cache (paged_kv_cache.cc), with these choices:
+- a sequence with a sliding window keeps `sink_size` tokens plus the most recent ones,
+  `window_size` in all; the sink is exactly `sink_size` tokens even when the sequence shares
+  pages with a fork (TVM instead pins every shared prefix block);
+- a cache with `support_sliding_window` applies RoPE "normal" as "inline" (in the attention
+  kernels, at positions within the cache), as TVM does, since cached keys move when the
+  window slides;
+- `begin_forward` with `token_tree_parent_ptr` accepts chains only (no tree-mask kernels yet);
+- MHA only: `v_head_dim` must equal `qk_head_dim`.
+Every method validates its arguments before changing anything and raises KVCacheError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tvm
+
+from tir_kernels import AttentionConfig, RopeScaling
+
+from .backends import PagedDecode, PagedPrefill, RaggedPrefill, RopeMode, backend_from_spec
+from .errors import KVCacheError, check, check_int, check_tensor
+from .forward import Kernels, Rope, Step, Workspace
+from .kernels import KernelSet, default_kernels, paged_slots
+from .pages import PageAllocator
+from .plan import DeviceArrays, build_plan, plan_size_bound
+from .sequences import PageCopy, SequenceTable
+
+_DTYPES = ("float16", "bfloat16", "float32")
+_MAX_PAGE_SIZE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions:
+    """The configuration of a PagedKVCache (see PagedKVCache for each field)."""
+
+    num_layers: int
+    num_qo_heads: int
+    num_kv_heads: int
+    qk_head_dim: int
+    v_head_dim: int | None = None
+    dtype: str = "float16"
+    page_size: int = 16
+    max_num_sequences: int = 32
+    max_total_seq_len: int = 4096
+    prefill_chunk_size: int = 2048
+    rope_mode: str = "none"
+    rope_scale: float = 1.0
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | dict | None = None
+    support_sliding_window: bool = False
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_qo_heads", "num_kv_heads", "qk_head_dim", "max_num_sequences",
+                     "max_total_seq_len", "prefill_chunk_size"):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.qk_head_dim)
+        check(self.v_head_dim == self.qk_head_dim, f"v_head_dim={self.v_head_dim}: must equal qk_head_dim="
+              f"{self.qk_head_dim} (a different v_head_dim is MLA, which is not supported yet)")
+        check(self.num_qo_heads % self.num_kv_heads == 0,
+              f"num_kv_heads={self.num_kv_heads} must divide num_qo_heads={self.num_qo_heads}")
+        check(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        ps = check_int("page_size", self.page_size, 1, _MAX_PAGE_SIZE)
+        check(ps & (ps - 1) == 0, f"page_size must be a power of two, got {ps}")
+        object.__setattr__(self, "rope_mode", RopeMode.parse(self.rope_mode).name.lower())
+        for name in ("rope_scale", "rope_theta"):
+            check(float(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
+        object.__setattr__(self, "support_sliding_window", bool(self.support_sliding_window))
+
+    @property
+    def num_pages(self) -> int:
+        """Pages per layer, as TVM sizes them: enough for max_total_seq_len tokens plus one,
+        plus two per sequence with sliding windows (partly emptied pages)."""
+        pages = -(-self.max_total_seq_len // self.page_size) + 1
+        return pages + (2 * self.max_num_sequences if self.support_sliding_window else 0)
+
+    @property
+    def effective_rope_mode(self) -> RopeMode:
+        mode = RopeMode.parse(self.rope_mode)
+        return RopeMode.INLINE if self.support_sliding_window and mode == RopeMode.NORMAL else mode
+
+    def attention_config(self, target: str) -> AttentionConfig:
+        try:
+            return AttentionConfig(self.num_qo_heads, self.num_kv_heads, self.qk_head_dim, self.v_head_dim,
+                                   dtype=self.dtype, page_size=self.page_size, target=target,
+                                   rope_theta=self.rope_theta, rope_scale=self.rope_scale,
+                                   rope_scaling=self.rope_scaling)
+        except ValueError as error:
+            raise KVCacheError(f"no kernels for this cache configuration: {error}") from None
+
+
+def _rope_scaling(value) -> RopeScaling | None:
+    if value is None or isinstance(value, RopeScaling):
+        return value
+    if isinstance(value, dict):
+        try:
+            return RopeScaling.from_hf(value)
+        except (KeyError, ValueError) as error:
+            raise KVCacheError(f"rope_scaling {value!r} is not supported: {error}") from None
+    raise KVCacheError(f"rope_scaling must be a RopeScaling, a Hugging Face dict or None, got {value!r}")
+
+
+def target_for(device) -> str:
+    """The tir_kernels target for a device: "cuda:sm_XY" for a CUDA GPU, "llvm" for the CPU."""
+    kind = device.dlpack_device_type()
+    if kind == 2:  # kDLCUDA
+        version = device.compute_version if device.exist else ""
+        return "cuda:sm_" + version.replace(".", "") if version else "cuda"
+    check(kind == 1, f"device {device} is not supported: expected a CPU or a CUDA device")
+    return "llvm"
+
+
+class PagedKVCache:
+    """A paged KV cache for the attention layers of one model.
+
+    Options (all keyword-only):
+      num_layers, num_qo_heads, num_kv_heads, qk_head_dim, v_head_dim (= qk_head_dim): the model.
+      dtype: of K/V, q, o ("float16", "bfloat16", "float32"); page_size: tokens per page (a
+        power of two, at most 128).
+      max_num_sequences: sequences the cache holds at once; max_total_seq_len: tokens it can hold
+        (sets the number of pages, see CacheOptions.num_pages); prefill_chunk_size: most tokens
+        one begin_forward may append.
+      rope_mode: "none", "normal" (RoPE applied to q and k before K is cached) or "inline"
+        (applied inside attention; K cached unrotated); rope_scale, rope_theta, rope_scaling
+        (Llama-3 RopeScaling or a Hugging Face dict).
+      support_sliding_window: sequences may get a sliding window with an attention sink.
+      device: a tvm.runtime.Device (default tvm.cpu()).
+      kernels: optional overrides, slot name -> backend spec or function (see tvmattn.kernels);
+        every other slot gets tvmattn's kernel for this configuration, built once per process.
+    """
+
+    def __init__(self, *, num_layers: int, num_qo_heads: int, num_kv_heads: int, qk_head_dim: int,
+                 v_head_dim: int | None = None, dtype: str = "float16", page_size: int = 16,
+                 max_num_sequences: int = 32, max_total_seq_len: int = 4096, prefill_chunk_size: int = 2048,
+                 rope_mode: str = "none", rope_scale: float = 1.0, rope_theta: float = 10000.0,
+                 rope_scaling: RopeScaling | dict | None = None, support_sliding_window: bool = False,
+                 device=None, kernels: dict | None = None):
+        self.options = CacheOptions(num_layers, num_qo_heads, num_kv_heads, qk_head_dim, v_head_dim, dtype,
+                                    page_size, max_num_sequences, max_total_seq_len, prefill_chunk_size,
+                                    rope_mode, rope_scale, rope_theta, rope_scaling, support_sliding_window)
+        opts = self.options
+        self.device = tvm.cpu() if device is None else device
+        self.target = target_for(self.device)
+        self.kernels: KernelSet = default_kernels(opts.attention_config(self.target), opts.num_layers,
+                                                  sliding_window=opts.support_sliding_window, overrides=kernels)
+        self._step_kernels = self._check_kernels(self.kernels)
+        self._rope = Rope(opts.effective_rope_mode, opts.rope_scale, opts.rope_theta)
+        self._allocator = PageAllocator(opts.num_pages)
+        self._table = SequenceTable(self._allocator, opts.page_size, opts.max_num_sequences,
+                                    opts.support_sliding_window)
+        self._pools = [self._zeros((opts.num_pages, 2, opts.num_kv_heads, opts.page_size, opts.qk_head_dim))
+                       for _ in range(opts.num_layers)]
+        self._workspace = Workspace(opts.prefill_chunk_size, opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim,
+                                    opts.v_head_dim, opts.dtype, self.device)
+        self._arrays = DeviceArrays(self.device)
+        self._step: Step | None = None
+        self._shapes: dict = {}
+
+    def _zeros(self, shape: tuple) -> tvm.runtime.Tensor:
+        pool = tvm.runtime.empty(shape, self.options.dtype, device=self.device)
+        pool.copyfrom(np.zeros(shape, dtype=_np_dtype(self.options.dtype)))
+        return pool
+
+    def _check_kernels(self, kernels: KernelSet) -> Kernels:
+        """The backends and functions a step runs; KVCacheError names a missing slot."""
+        paged = paged_slots(self.options.support_sliding_window)
+        roles = {"prefill_ragged": RaggedPrefill, paged[0]: PagedPrefill, paged[1]: PagedDecode}
+        backends = {}
+        for slot, role in roles.items():
+            backends[slot] = backend_from_spec(getattr(kernels, slot), role)
+            check(backends[slot] is not None, f"kernels: slot {slot!r} is empty, but this cache runs it")
+        for slot in ("transpose_append", "split_rotary", "copy_single_page", "merge_state"):
+            check(callable(getattr(kernels, slot)), f"kernels: slot {slot!r} must be a function, "
+                  f"got {getattr(kernels, slot)!r}")
+        return Kernels(backends["prefill_ragged"], backends[paged[0]], backends[paged[1]], kernels.split_rotary,
+                       kernels.transpose_append, kernels.merge_state)
+
+    # -- sequences
+    def add_sequence(self, seq_id: int) -> None:
+        """Add an empty sequence."""
+        self._table.add(seq_id)
+        self._step = None
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Remove a sequence and release its pages."""
+        self._table.remove(seq_id)
+        self._step = None
+
+    def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> None:
+        """Add `child_id` with the first `fork_pos` tokens of `parent_id` (-1: all of them).
+
+        Full pages are shared; a partly filled page at the fork point is copied (every layer).
+        A parent with a sliding window can only be forked within its sink (the child has no
+        window), as in TVM.
+        """
+        copy = self._table.fork(parent_id, child_id, fork_pos)
+        if copy is not None:
+            self._copy_pages([copy])
+        self._step = None
+
+    def popn(self, seq_id: int, n: int) -> None:
+        """Remove the last `n` tokens of a sequence (it may then end inside a shared page; the
+        next append copies that page first)."""
+        self._table.popn(seq_id, n)
+        self._step = None
+
+    def clear(self) -> None:
+        """Remove every sequence."""
+        self._table.clear()
+        self._step = None
+
+    def enable_sliding_window_for_seq(self, seq_id: int, window_size: int, sink_size: int) -> None:
+        """Keep only the first `sink_size` and the last `window_size - sink_size` tokens of the
+        sequence (0 <= sink_size < window_size); the window slides as tokens are appended."""
+        self._table.enable_sliding_window(seq_id, window_size, sink_size)
+        self._step = None
+
+    def _copy_pages(self, copies: list[PageCopy]) -> None:
+        copy = self.kernels.copy_single_page
+        for pool in self._pools:
+            for src, dst, length in copies:
+                copy(pool, src, dst, length)
+
+    # -- forward
+    def begin_forward(self, seq_ids, append_lengths, token_tree_parent_ptr=None) -> None:
+        """Start a step that appends append_lengths[i] tokens to seq_ids[i].
+
+        Plans every launch of the step on the host and uploads its index arrays with one copy.
+        token_tree_parent_ptr: parent of each new token within its sequence's token tree
+        (-1: root); only chains are supported (then this is ordinary appending, to be committed
+        with commit_accepted_token_tree_nodes).
+        """
+        seq_ids, lengths = self._check_batch(seq_ids, append_lengths)
+        seqs = [self._table.get(seq_id, f"seq_ids[{i}]") for i, seq_id in enumerate(seq_ids)]
+        tree = self._check_tree(seqs, lengths, token_tree_parent_ptr)
+        self._arrays.reserve(plan_size_bound(seqs, lengths, self.options.page_size))
+        appended, copies = self._table.reserve(seqs, lengths, tree)
+        self._copy_pages(copies)
+        plan = build_plan(seq_ids, appended, lengths, self.options.page_size, self.options.support_sliding_window)
+        self._begin_backends(plan)
+        arrays = self._arrays.upload(plan)
+        self._step = Step(plan, arrays, self._step_kernels, self._workspace.views(plan.total), self._rope)
+        self._shapes = self._step_shapes(plan.total)
+
+    def end_forward(self) -> None:
+        """End the step: attention calls need a new begin_forward."""
+        self._step = None
+
+    def _check_batch(self, seq_ids, append_lengths) -> tuple[list, list]:
+        seq_ids, lengths = _int_list("seq_ids", seq_ids), _int_list("append_lengths", append_lengths)
+        check(len(seq_ids) == len(lengths), f"seq_ids has {len(seq_ids)} entries but append_lengths has "
+              f"{len(lengths)}: they must have one entry per sequence")
+        check(len(seq_ids) > 0, "seq_ids is empty: a forward needs at least one sequence")
+        check(len(set(seq_ids)) == len(seq_ids), f"seq_ids {seq_ids} names a sequence twice")
+        for i, n in enumerate(lengths):
+            check(n >= 1, f"append_lengths[{i}]={n}: every sequence must append at least one token")
+        total, chunk = sum(lengths), self.options.prefill_chunk_size
+        check(total <= chunk, f"append_lengths add up to {total} tokens, more than prefill_chunk_size={chunk}; "
+              "split the step into chunks")
+        return seq_ids, lengths
+
+    def _check_tree(self, seqs: list, lengths: list, parents) -> bool:
+        """True for a token-tree step (chains only); checks uncommitted trees otherwise."""
+        if parents is None:
+            for seq in seqs:
+                check(seq.tree_tokens == 0, f"sequence {seq.seq_id} has {seq.tree_tokens} token-tree tokens not "
+                      "committed yet; call commit_accepted_token_tree_nodes first")
+            return False
+        parents = _int_list("token_tree_parent_ptr", parents)
+        check(len(parents) == sum(lengths), f"token_tree_parent_ptr has {len(parents)} entries, expected one per "
+              f"new token ({sum(lengths)})")
+        start = 0
+        for seq, n in zip(seqs, lengths):
+            for j, parent in enumerate(parents[start : start + n]):
+                node = seq.tree_tokens + j  # index in the sequence's (uncommitted) tree
+                check(-1 <= parent < node, f"token_tree_parent_ptr: node {node} of sequence {seq.seq_id} has "
+                      f"parent {parent}, expected -1 or an earlier node")
+                check(parent == node - 1, "token trees are not supported yet: tvmattn has no tree-mask attention "
+                      f"kernels, so every tree must be a chain (node {node} of sequence {seq.seq_id} has parent "
+                      f"{parent}, not {node - 1})")
+            start += n
+        return True
+
+    def _begin_backends(self, plan) -> None:
+        """The backends' plan step (nothing for TIR kernels)."""
+        opts, host, k = self.options, plan.host, self._step_kernels
+        heads = (opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim, opts.v_head_dim)
+        if not plan.decode:
+            indptr = host["append_indptr"]
+            k.ragged.begin_forward(indptr, indptr, len(plan.lengths), plan.total, *heads, True)
+        for depth, level in enumerate(plan.fused):
+            indptr = host[level.prefix + ".page_indptr"]
+            if level.kernel == "decode":
+                k.paged_decode.begin_forward(depth, indptr, len(indptr) - 1, opts.page_size, *heads,
+                                             self._rope.mode, opts.dtype, opts.dtype)
+            else:
+                k.paged_prefill.begin_forward(depth, host[level.qo_indptr], indptr, host[level.length_info],
+                                              len(indptr) - 1, plan.total, opts.page_size, *heads, False)
+
+    def _step_shapes(self, n: int) -> dict:
+        opts = self.options
+        hq, hkv, d, dv = opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim, opts.v_head_dim
+        return {"qkv": (n, hq + 2 * hkv, d), "q": (n, hq, d), "k": (n, hkv, d), "v": (n, hkv, dv),
+                "o": (n, hq, dv), "lse": (n, hq)}
+
+    # -- attention
+    def _active(self, what: str) -> Step:
+        step = self._step
+        if step is None:
+            raise KVCacheError(f"{what}: no forward step in progress; call begin_forward first")
+        return step
+
+    def _layer(self, layer_id):
+        if type(layer_id) is not int or not 0 <= layer_id < self.options.num_layers:
+            layer_id = check_int("layer_id", layer_id, 0, self.options.num_layers - 1)
+        return self._pools[layer_id]
+
+    def _tensor(self, name: str, tensor, dtype: str | None = None):
+        return check_tensor(name, tensor, self._shapes[name], dtype or self.options.dtype, self.device)
+
+    def attention_with_fused_qkv(self, layer_id: int, sm_scale: float, qkv, o) -> None:
+        """Attention of this step's new tokens over their sequences (history + new tokens,
+        causal), appending the new K/V to the layer's pages.
+
+        qkv [n, Hq + 2*Hkv, D] (heads: q, then k, then v), o [n, Hq, Dv]; n = tokens of the step.
+        """
+        step = self._active("attention_with_fused_qkv")
+        pages = self._layer(layer_id)
+        qkv, o = self._tensor("qkv", qkv), self._tensor("o", o)
+        step.attention_with_fused_qkv(pages, qkv, o, float(sm_scale))
+
+    def self_attention(self, layer_id: int, sm_scale: float, q, k, v, o, lse) -> None:
+        """Causal attention among this step's new tokens only (nothing is cached).
+
+        q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, Dv] -> o [n, Hq, Dv], lse [n, Hq] f32 (base 2).
+        """
+        step = self._active("self_attention")
+        self._layer(layer_id)
+        q, k, v, o = (self._tensor(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o)))
+        lse = self._tensor("lse", lse, "float32")
+        step.self_attention(q, k, v, o, lse, float(sm_scale))
+
+    def cross_attention(self, layer_id: int, sm_scale: float, q, o, lse) -> None:
+        """Attention of this step's queries over the cached tokens before the step (no mask).
+
+        q [n, Hq, D] -> o [n, Hq, Dv], lse [n, Hq] f32 (base 2; rows with no key: o = 0,
+        lse = -5e4).
+        """
+        step = self._active("cross_attention")
+        pages = self._layer(layer_id)
+        q, o, lse = self._tensor("q", q), self._tensor("o", o), self._tensor("lse", lse, "float32")
+        step.cross_attention(pages, q, o, lse, float(sm_scale))
+
+    def merge_attn_output_inplace(self, o1, lse1, o2, lse2) -> None:
+        """(o1, lse1) <- the merge of two attention results over disjoint keys (base-2 LSE).
+
+        o1, o2 [n, Hq, Dv]; lse1, lse2 [n, Hq] f32.
+        """
+        opts = self.options
+        n = _rows("o1", o1)
+        shapes = {"o": (n, opts.num_qo_heads, opts.v_head_dim), "lse": (n, opts.num_qo_heads)}
+        tensors = [check_tensor(name, t, shapes[name[:-1]], opts.dtype if name[0] == "o" else "float32",
+                                self.device) for name, t in (("o1", o1), ("lse1", lse1), ("o2", o2), ("lse2", lse2))]
+        self.kernels.merge_state(*tensors)
+
+    # -- commits of token trees
+    def commit_accepted_token_tree_nodes(self, seq_ids, leaf_indices) -> None:
+        """Keep, per sequence, the path from its tree's root to leaf_indices[i] (-1: drop the
+        whole tree). Trees are chains, so this keeps the first leaf + 1 tree tokens."""
+        seq_ids, leaves = _int_list("seq_ids", seq_ids), _int_list("leaf_indices", leaf_indices)
+        check(len(seq_ids) == len(leaves), f"seq_ids has {len(seq_ids)} entries but leaf_indices has {len(leaves)}")
+        check(len(set(seq_ids)) == len(seq_ids), f"seq_ids {seq_ids} names a sequence twice")
+        seqs = [self._table.get(seq_id, f"seq_ids[{i}]") for i, seq_id in enumerate(seq_ids)]
+        for seq, leaf in zip(seqs, leaves):
+            check(leaf == -1 or seq.tree_tokens > 0,
+                  f"sequence {seq.seq_id}: no token tree to commit (or it is committed already)")
+            check(-1 <= leaf < max(seq.tree_tokens, 1), f"leaf_indices: {leaf} is not a node of the token tree of "
+                  f"sequence {seq.seq_id} ({seq.tree_tokens} nodes)")
+        for seq, leaf in zip(seqs, leaves):
+            self._table.popn(seq.seq_id, seq.tree_tokens - (leaf + 1))
+            seq.tree_tokens = 0
+        self._step = None
+
+    # -- queries
+    def empty(self) -> bool:
+        """No sequence and every page free."""
+        return len(self._table) == 0 and self._allocator.num_free == self._allocator.num_pages
+
+    def get_num_available_pages(self) -> int:
+        return self._allocator.num_free
+
+    def get_total_sequence_length(self) -> int:
+        return self._table.total_length()
+
+    def get_query_positions(self) -> tvm.runtime.Tensor:
+        """int32 [n] on the device: the RoPE position of each token of this step."""
+        return self._active("get_query_positions").query_positions()
+
+    def debug_get_kv(self, seq_id: int, start: int, end: int, k, v) -> None:
+        """Copy K and V of tokens start .. end-1 of a sequence, every layer, into
+        k [num_layers, end - start, Hkv, D] and v [num_layers, end - start, Hkv, Dv]."""
+        check(self.kernels.debug_get_kv is not None, "kernels: slot 'debug_get_kv' is empty")
+        seq = self._table.get(seq_id)
+        start, end = check_int("start", start), check_int("end", end)
+        check(0 <= start < end <= seq.length, f"start={start}, end={end}: expected 0 <= start < end <= "
+              f"{seq.length} (the length of sequence {seq_id})")
+        opts = self.options
+        n = end - start
+        k = check_tensor("k", k, (opts.num_layers, n, opts.num_kv_heads, opts.qk_head_dim), opts.dtype, self.device)
+        v = check_tensor("v", v, (opts.num_layers, n, opts.num_kv_heads, opts.v_head_dim), opts.dtype, self.device)
+        positions = tvm.runtime.tensor(seq.positions(start, end, opts.page_size), device=self.device)
+        for layer, pool in enumerate(self._pools):
+            self.kernels.debug_get_kv(pool, positions, k, v, layer)
+
+    # -- inspection (tests)
+    def sequence_state(self, seq_id: int) -> dict:
+        """A copy of a sequence's bookkeeping: pages, length, window fields."""
+        seq = self._table.get(seq_id)
+        return {field: (list(value) if field == "pages" else value)
+                for field in seq.__slots__ for value in (getattr(seq, field),)}
+
+    def sequence_ids(self) -> list:
+        return sorted(self._table.seqs)
+
+    def current_plan(self):
+        """The ForwardPlan of the step in progress (None outside a step)."""
+        return None if self._step is None else self._step.plan
+
+
+def _np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+def _int_list(name: str, values) -> list:
+    try:
+        items = list(values)
+    except TypeError:
+        raise KVCacheError(f"{name} must be a sequence of integers, got {values!r}") from None
+    return [check_int(f"{name}[{i}]", value) for i, value in enumerate(items)]
+
+
+def _rows(name: str, tensor) -> int:
+    shape = getattr(tensor, "shape", None)
+    check(shape is not None and len(shape) >= 1, f"{name} must be a tensor, got {type(tensor).__name__}")
+    return int(shape[0])

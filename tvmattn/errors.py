@@ -1,0 +1,57 @@
+"""The error the cache raises for bad input, and the shared checks that raise it.
+
+Every public method of the cache validates its arguments before it changes anything; a
+failed check raises `KVCacheError` (a `ValueError`) whose message names the argument, what
+was expected and what came, and leaves the cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+
+
+class KVCacheError(ValueError):
+    """Bad input to the paged KV cache (the cache is left unchanged)."""
+
+
+def check(condition: bool, message: str) -> None:
+    """Raise KVCacheError(message) unless `condition`."""
+    if not condition:
+        raise KVCacheError(message)
+
+
+def check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
+    """`value` as an int, checked to lie in [low, high] (either bound optional)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise KVCacheError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if low is not None and value < low:
+        raise KVCacheError(f"{name} must be at least {low}, got {value}")
+    if high is not None and value > high:
+        raise KVCacheError(f"{name} must be at most {high}, got {value}")
+    return value
+
+
+def as_tensor(name: str, value) -> tvm_ffi.Tensor:
+    """A TVM tensor for `value` (a tvm.runtime.Tensor, or any object with DLPack)."""
+    if isinstance(value, tvm_ffi.Tensor):
+        return value
+    if hasattr(value, "__dlpack__"):
+        return tvm.runtime.from_dlpack(value)
+    raise KVCacheError(f"{name} must be a tvm.runtime.Tensor or a DLPack tensor, got {type(value).__name__}")
+
+
+def check_tensor(name: str, tensor, shape: tuple, dtype: str, device) -> tvm_ffi.Tensor:
+    """`tensor` as a Tensor of exactly `shape`, `dtype` and `device`, else KVCacheError.
+
+    Cheap enough for the per-layer calls (a tuple compare, a dtype and a device compare).
+    """
+    tensor = as_tensor(name, tensor)
+    if tensor.shape != shape:
+        raise KVCacheError(f"{name} must have shape {shape}, got {tensor.shape}")
+    if tensor.dtype != dtype:
+        raise KVCacheError(f"{name} must have dtype {dtype}, got {tensor.dtype}")
+    if tensor.device != device:
+        raise KVCacheError(f"{name} must be on {device}, got {tensor.device}")
+    return tensor

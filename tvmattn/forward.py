@@ -1,0 +1,133 @@
+"""One forward step in progress: the kernel launches of every per-layer call, prepared once.
+
+`Step` is built by `PagedKVCache.begin_forward` from the uploaded plan. Its methods run the
+launches of one layer; they take the layer's pages, the caller's tensors and sm_scale, and do
+nothing else (the cache has checked the arguments).
+
+attention_with_fused_qkv, per layer:
+  split_rotary(qkv) -> q, k, v (RoPE applied when the mode is "normal")
+  decode step:  transpose_append(k, v); [shared level -> o]; paged decode -> o (merged)
+  prefill step: ragged causal prefill over the new tokens -> o; [shared level]; history
+                level; each merged into o by LSE; then transpose_append(k, v)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tvm
+
+from .backends import RopeMode
+from .plan import ForwardPlan, LevelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    mode: RopeMode
+    scale: float
+    theta: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """What a step launches: attention backends and auxiliary functions."""
+
+    ragged: object  # RaggedPrefill
+    paged_prefill: object  # PagedPrefill
+    paged_decode: object  # PagedDecode
+    split_rotary: object
+    transpose_append: object
+    merge: object
+
+
+class Workspace:
+    """Device buffers of a step's intermediates, sized for prefill_chunk_size tokens:
+    q [C, Hq, D], k [C, Hkv, D], v [C, Hkv, Dv], o_tmp [C, Hq, Dv], lse and lse_tmp [C, Hq] f32."""
+
+    def __init__(self, chunk: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
+                 dtype: str, device):
+        shapes = {
+            "q": ((num_qo_heads, head_dim), dtype),
+            "k": ((num_kv_heads, head_dim), dtype),
+            "v": ((num_kv_heads, v_head_dim), dtype),
+            "o_tmp": ((num_qo_heads, v_head_dim), dtype),
+            "lse": ((num_qo_heads,), "float32"),
+            "lse_tmp": ((num_qo_heads,), "float32"),
+        }
+        self._buffers = {name: (tvm.runtime.empty((chunk, *row), dt, device=device), row, dt)
+                         for name, (row, dt) in shapes.items()}
+
+    def views(self, n: int) -> dict:
+        """name -> view of the first n rows."""
+        return {name: buf._create_view((n, *row), dt, 0) for name, (buf, row, dt) in self._buffers.items()}
+
+
+class Step:
+    """The launches of one forward step (see the module docstring)."""
+
+    def __init__(self, plan: ForwardPlan, arrays: dict, kernels: Kernels, work: dict, rope: Rope):
+        self.plan = plan
+        self.decode = plan.decode
+        self._a = arrays
+        self._k = kernels
+        self._rope = rope
+        self.q, self.k, self.v = work["q"], work["k"], work["v"]
+        self.o_tmp, self.lse, self.lse_tmp = work["o_tmp"], work["lse"], work["lse_tmp"]
+        self._fused = [self._level(spec) for spec in plan.fused]
+        self._cross = [self._level(spec) for spec in plan.cross]
+        self._apply_rope = int(rope.mode == RopeMode.NORMAL)
+
+    def _level(self, spec: LevelSpec):
+        """A function (pages, q, o, lse, sm_scale) running one paged level."""
+        a, p, rope = self._a, spec.prefix, self._rope
+        indptr, indices, info = a[p + ".page_indptr"], a[p + ".page_indices"], a[spec.length_info]
+        k_offset, q_positions = a[p + ".k_offset"], a["q_positions"]
+        if spec.kernel == "decode":
+            mha = self._k.paged_decode.mha
+
+            def run(pages, q, o, lse, sm_scale):
+                mha(0, q, pages, indptr, indices, info, k_offset, q_positions, rope.mode, rope.scale, rope.theta,
+                    sm_scale, o, lse)
+        else:
+            mha, qo_indptr = self._k.paged_prefill.mha, a[spec.qo_indptr]
+
+            def run(pages, q, o, lse, sm_scale):
+                mha(0, q, qo_indptr, pages, indptr, indices, info, q_positions, k_offset, False, rope.mode,
+                    rope.scale, rope.theta, sm_scale, o, lse)
+        return run
+
+    def _paged(self, levels: list, pages, q, o, lse, sm_scale: float, have_output: bool) -> None:
+        """Run `levels` into (o, lse); each merges into what o already holds."""
+        for run in levels:
+            if have_output:
+                run(pages, q, self.o_tmp, self.lse_tmp, sm_scale)
+                self._k.merge(o, lse, self.o_tmp, self.lse_tmp)
+            else:
+                run(pages, q, o, lse, sm_scale)
+                have_output = True
+
+    def _ragged(self, q, k, v, o, lse, sm_scale: float) -> None:
+        a, rope = self._a, self._rope
+        indptr = a["append_indptr"]
+        self._k.ragged.mha(q, k, v, indptr, indptr, a["q_positions"], a["k_ragged_offset"], True, rope.mode,
+                           rope.scale, rope.theta, sm_scale, o, lse)
+
+    def attention_with_fused_qkv(self, pages, qkv, o, sm_scale: float) -> None:
+        q, k, v, positions = self.q, self.k, self.v, self._a["append_positions"]
+        self._k.split_rotary(qkv, self._a["q_positions"], q, k, v, self._apply_rope)
+        if self.decode:
+            self._k.transpose_append(pages, k, v, positions)
+            self._paged(self._fused, pages, q, o, self.lse, sm_scale, have_output=False)
+        else:
+            self._ragged(q, k, v, o, self.lse, sm_scale)
+            self._paged(self._fused, pages, q, o, self.lse, sm_scale, have_output=True)
+            self._k.transpose_append(pages, k, v, positions)
+
+    def self_attention(self, q, k, v, o, lse, sm_scale: float) -> None:
+        self._ragged(q, k, v, o, lse, sm_scale)
+
+    def cross_attention(self, pages, q, o, lse, sm_scale: float) -> None:
+        self._paged(self._cross, pages, q, o, lse, sm_scale, have_output=False)
+
+    def query_positions(self):
+        return self._a["q_positions"]

@@ -1,0 +1,118 @@
+"""The kernels a cache runs: tvmattn's own from `tir_kernels`, built once per process, or any
+slot replaced by the caller (for example by TVM's own kernels or a model library's).
+
+Slot names (the `kernels=` keys of PagedKVCache), with what each holds:
+- attention kernels, as backend specs (`[]`, `["tir" | "tirx", f]`, `["flashinfer", ...]`, a
+  function or a backend object; see backends.py): `prefill_ragged`, `prefill_paged`,
+  `decode_paged`, `prefill_paged_sliding_window`, `decode_paged_sliding_window` (length_info
+  [3, B]), `tree_attn_paged_kv`, `tree_attn_ragged`;
+- auxiliary kernels, as functions with the contract's arguments: `transpose_append`,
+  `split_rotary`, `copy_single_page`, `compact_copy`, `debug_get_kv`, `merge_state`.
+
+A cache with `support_sliding_window` runs the sliding-window variants for every sequence
+(sink 0, offset 0 for a sequence without a window), as TVM's cache does; otherwise the plain
+ones. Slots the cache does not run are left `[]` / None by `default_kernels`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import tir_kernels
+from tir_kernels import AttentionConfig
+
+from .errors import KVCacheError
+
+ATTENTION_SLOTS = (
+    "prefill_ragged",
+    "prefill_paged",
+    "decode_paged",
+    "prefill_paged_sliding_window",
+    "decode_paged_sliding_window",
+    "tree_attn_paged_kv",
+    "tree_attn_ragged",
+)
+FUNCTION_SLOTS = ("transpose_append", "split_rotary", "copy_single_page", "compact_copy", "debug_get_kv", "merge_state")
+SLOTS = ATTENTION_SLOTS + FUNCTION_SLOTS
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSet:
+    """The kernels of one cache: attention slots hold backend specs, the others functions."""
+
+    prefill_ragged: object = ()
+    prefill_paged: object = ()
+    decode_paged: object = ()
+    prefill_paged_sliding_window: object = ()
+    decode_paged_sliding_window: object = ()
+    tree_attn_paged_kv: object = ()
+    tree_attn_ragged: object = ()
+    transpose_append: object = None
+    split_rotary: object = None
+    copy_single_page: object = None
+    compact_copy: object = None
+    debug_get_kv: object = None
+    merge_state: object = None
+
+
+# slot -> (generator, the config fields the generator reads besides shapes/dtype/target).
+_GENERATORS = {
+    "prefill_ragged": (tir_kernels.ragged_prefill, ("rope_scaling",)),
+    "prefill_paged": (tir_kernels.paged_prefill, ("rope_scaling",)),
+    "decode_paged": (tir_kernels.paged_decode, ("rope_scaling",)),
+    "prefill_paged_sliding_window": (tir_kernels.paged_prefill, ("rope_scaling", "sliding_window")),
+    "decode_paged_sliding_window": (tir_kernels.paged_decode, ("rope_scaling", "sliding_window")),
+    "transpose_append": (tir_kernels.transpose_append, ()),
+    "split_rotary": (tir_kernels.split_rotary, ("rope_theta", "rope_scale", "rope_scaling")),
+    "copy_single_page": (tir_kernels.copy_single_page, ()),
+    "compact_copy": (tir_kernels.compact_copy, ()),
+    "debug_get_kv": (tir_kernels.debug_get_kv, ()),
+    "merge_state": (tir_kernels.merge_state, ()),
+}
+_NEUTRAL = {"rope_theta": 10000.0, "rope_scale": 1.0, "rope_scaling": None, "sliding_window": False}
+
+
+def paged_slots(sliding_window: bool) -> tuple[str, str]:
+    """(paged prefill slot, paged decode slot) of a cache with or without sliding windows."""
+    if sliding_window:
+        return "prefill_paged_sliding_window", "decode_paged_sliding_window"
+    return "prefill_paged", "decode_paged"
+
+
+def slots_used(sliding_window: bool) -> tuple:
+    """The slots a cache runs (tree-mask slots are never run: token trees other than chains
+    are not supported yet)."""
+    return ("prefill_ragged",) + paged_slots(sliding_window) + FUNCTION_SLOTS
+
+
+def default_kernels(config: AttentionConfig, num_layers: int, *, sliding_window: bool = False,
+                    overrides: dict | None = None) -> KernelSet:
+    """tvmattn's kernels for `config` (its target is the cache's device) in every slot the cache
+    runs, except those given in `overrides` (slot -> spec or function), which are used as given.
+
+    Each kernel is compiled once per process: a second cache whose kernels have the same
+    configuration builds nothing.
+    """
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(SLOTS))
+    if unknown:
+        raise KVCacheError(f"kernels: unknown slots {unknown}; the slots are {list(SLOTS)}")
+    built = {slot: build_slot(slot, config, num_layers) for slot in slots_used(sliding_window) if slot not in overrides}
+    return KernelSet(**built, **overrides)
+
+
+def build_slot(slot: str, config: AttentionConfig, num_layers: int):
+    """tvmattn's kernel for one slot: a function, or ["tirx", function] for attention slots."""
+    generator, reads = _GENERATORS[slot]
+    neutral = {field: value for field, value in _NEUTRAL.items() if field not in reads}
+    if "sliding_window" in reads:
+        neutral["sliding_window"] = True
+    extra = (num_layers,) if slot == "debug_get_kv" else ()
+    func = _build(generator, config.replace(**neutral), extra)
+    return ["tirx", func] if slot in ATTENTION_SLOTS else func
+
+
+@functools.lru_cache(maxsize=None)
+def _build(generator, config: AttentionConfig, extra: tuple):
+    return tir_kernels.build(generator(config, *extra), config)

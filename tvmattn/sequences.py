@@ -1,0 +1,302 @@
+"""Sequence bookkeeping: each sequence's page table and length, forks, popn, sliding windows.
+
+A sequence's K/V lives in `pages` (page ids, in order); `page_size` consecutive *slots* make a
+page, so slot `s` is slot `s % page_size` of page `pages[s // page_size]` and has the pool
+position `pages[s // page_size] * page_size + s % page_size`.
+
+Token `t` of a sequence (0 <= t < length) is in slot `t` unless a sliding window has dropped
+tokens. A windowed sequence (window_size > 0) keeps its first `sink_size` tokens (the
+attention sink) and its most recent tokens, `window_size` in all. Once its window first
+slides, `sink` = sink_size and token `t` is in slot `t` when `t < sink`, else in slot
+`t - sink + window_offset`. Pages that hold only dropped tokens are released and removed from
+the page table, which shifts the later slots down by a page each (so `window_offset` stays
+within the page after the last sink page). This is the layout TVM's cache keeps and the
+sliding-window kernels read: length_info = (last_page_len, window_offset, sink).
+
+Invariant: `len(pages) == ceil(slot_end / page_size)` with `slot_end = window_offset + length -
+sink`, the slot after the last token.
+
+Sharing: pages are reference counted (`PageAllocator`). A fork shares its parent's full pages
+and gets a private copy of a partly filled page at the fork point (a `PageCopy` the cache runs
+for every layer), so it never sees its parent's later tokens. `popn` may leave a sequence
+whose last page is shared and partly filled (popping into a shared prefix); the next append
+first copies that page (copy-on-write). Every mutating method validates first; `reserve`
+undoes its page changes when it runs out of pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from .errors import KVCacheError, check, check_int
+from .pages import PageAllocator
+
+
+def ceildiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PageCopy(NamedTuple):
+    """Copy slots [0, length) of page `src` to page `dst` (every layer)."""
+
+    src: int
+    dst: int
+    length: int
+
+
+@dataclasses.dataclass(slots=True)
+class Sequence:
+    """One sequence's state (see the module docstring for the slot layout)."""
+
+    seq_id: int
+    pages: list = dataclasses.field(default_factory=list)
+    length: int = 0
+    window_size: int = 0  # 0: no sliding window
+    sink_size: int = 0  # attention-sink tokens requested with the window
+    sink: int = 0  # sink tokens in effect (0 until the window first slides)
+    window_offset: int = 0  # slot of the first windowed token
+    tree_tokens: int = 0  # tokens of a token-tree step not yet committed
+
+    @property
+    def slot_end(self) -> int:
+        return self.window_offset + self.length - self.sink
+
+    def last_page_len(self, page_size: int) -> int:
+        """Used slots of the last page (0 without pages)."""
+        return self.slot_end - (len(self.pages) - 1) * page_size if self.pages else 0
+
+    def copy(self) -> "Sequence":
+        return Sequence(self.seq_id, list(self.pages), self.length, self.window_size, self.sink_size,
+                        self.sink, self.window_offset, self.tree_tokens)
+
+    def assign(self, other: "Sequence") -> None:
+        """Take every field of `other` (used to roll back)."""
+        for field in self.__slots__:
+            setattr(self, field, getattr(other, field))
+
+    def positions(self, start: int, end: int, page_size: int) -> np.ndarray:
+        """Pool positions [end - start] int32 of tokens start .. end-1."""
+        tokens = np.arange(start, end)
+        slots = np.where(tokens < self.sink, tokens, tokens - self.sink + self.window_offset)
+        pages = np.asarray(self.pages, dtype=np.int64)[slots // page_size]
+        return (pages * page_size + slots % page_size).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AppendLayout:
+    """How appending n tokens (and sliding the window) changes a sequence; computed without
+    touching any page. Slots and page indices are counted before the slide."""
+
+    first_slot: int  # slot of the first new token
+    num_pages: int  # pages needed before the slide
+    drop_slots: tuple  # [begin, end): slots of the tokens the window drops
+    drop_pages: tuple  # [begin, end): page indices the window frees
+    length: int  # after the step
+    sink: int
+    window_offset: int
+
+    @property
+    def shift(self) -> int:
+        """Pages removed from the page table by the slide."""
+        return self.drop_pages[1] - self.drop_pages[0]
+
+
+def append_layout(seq: Sequence, n: int, page_size: int) -> AppendLayout:
+    """The layout after appending `n` tokens to `seq` and sliding its window."""
+    first = seq.slot_end
+    num_pages = ceildiv(first + n, page_size)
+    length = seq.length + n
+    excess = length - seq.window_size if seq.window_size and length > seq.window_size else 0
+    sink, offset = seq.sink, seq.window_offset
+    if not excess:
+        return AppendLayout(first, num_pages, (0, 0), (0, 0), length, sink, offset)
+    if sink == 0 and offset == 0:  # first slide: tokens are in slots 0..length-1
+        sink = offset = seq.sink_size
+    sink_pages = ceildiv(sink, page_size)
+    drop_end = max((offset + excess) // page_size, sink_pages)
+    shift = drop_end - sink_pages
+    return AppendLayout(first, num_pages, (offset, offset + excess), (sink_pages, drop_end),
+                        length - excess, sink, offset + excess - shift * page_size)
+
+
+@dataclasses.dataclass(slots=True)
+class Appended:
+    """One sequence of a forward: its state before the append (`history`, whose page table
+    already holds a copy-on-write copy) and after it (`seq`), and the pool position of each
+    new token (-1: dropped by the window before it was ever cached)."""
+
+    history: Sequence
+    seq: Sequence
+    positions: list
+
+
+class SequenceTable:
+    """The sequences of a cache, over a shared `PageAllocator`."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int, max_sequences: int, sliding_window: bool):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_sequences = max_sequences
+        self.sliding_window = sliding_window
+        self.seqs: dict[int, Sequence] = {}
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def get(self, seq_id, what: str = "seq_id") -> Sequence:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise KVCacheError(f"{what}={seq_id!r}: no such sequence in the KV cache")
+        return seq
+
+    def total_length(self) -> int:
+        return sum(seq.length for seq in self.seqs.values())
+
+    # -- sequence management (each validates, then changes everything or nothing)
+    def add(self, seq_id) -> None:
+        seq_id = self._new_id(seq_id, "seq_id")
+        self.seqs[seq_id] = Sequence(seq_id)
+
+    def remove(self, seq_id) -> None:
+        seq = self.get(seq_id)
+        self.allocator.release_all(seq.pages)
+        del self.seqs[seq.seq_id]
+
+    def clear(self) -> None:
+        self.seqs.clear()
+        self.allocator.reset()
+
+    def fork(self, parent_id, child_id, fork_pos: int = -1) -> PageCopy | None:
+        """Add `child_id` holding the first `fork_pos` tokens of `parent_id` (-1: all of them).
+        Returns the copy of a partly filled page at the fork point, to run for every layer."""
+        parent = self.get(parent_id, "parent_id")
+        child_id = self._new_id(child_id, "child_id")
+        end = check_int("fork_pos", fork_pos, -1, parent.length)
+        end = parent.length if end == -1 else end
+        check(parent.tree_tokens == 0, f"parent_id={parent_id}: its token tree is not committed yet; "
+              "call commit_accepted_token_tree_nodes before forking it")
+        check(not parent.window_size or end <= parent.sink_size,
+              f"fork_pos={end}: sequence {parent_id} has a sliding window and can only be forked within "
+              f"its attention sink of {parent.sink_size} tokens")
+        # Tokens [0, end) of the parent are in slots [0, end) (they are all in its sink).
+        ps = self.page_size
+        full, partial = divmod(end, ps)
+        copy = None
+        pages = parent.pages[:full]
+        if partial:
+            copy = PageCopy(parent.pages[full], self.allocator.alloc(), partial)
+            pages = pages + [copy.dst]
+        for page in parent.pages[:full]:
+            self.allocator.retain(page)
+        self.seqs[child_id] = Sequence(child_id, pages, end)
+        return copy
+
+    def popn(self, seq_id, n) -> None:
+        """Remove the last `n` tokens of a sequence (0 <= n <= length)."""
+        seq = self.get(seq_id)
+        n = check_int("n", n, 0, seq.length)
+        length = seq.length - n
+        if seq.sink and length <= seq.sink:  # only sink tokens are left: slots 0..length-1
+            seq.sink = seq.window_offset = 0
+        seq.length = length
+        seq.tree_tokens = max(seq.tree_tokens - n, 0)
+        keep = ceildiv(seq.slot_end, self.page_size)
+        self.allocator.release_all(seq.pages[keep:])
+        del seq.pages[keep:]
+
+    def enable_sliding_window(self, seq_id, window_size, sink_size) -> None:
+        check(self.sliding_window, "this KV cache was created with support_sliding_window=False")
+        seq = self.get(seq_id)
+        window = check_int("window_size", window_size, 1)
+        sink = check_int("sink_size", sink_size, 0, window - 1)
+        check(not seq.window_size, f"seq_id={seq_id}: a sliding window is already enabled for this sequence")
+        seq.window_size, seq.sink_size = window, sink
+
+    def _new_id(self, seq_id, what: str) -> int:
+        seq_id = check_int(what, seq_id)
+        check(seq_id not in self.seqs, f"{what}={seq_id}: the sequence is already in the KV cache")
+        check(len(self.seqs) < self.max_sequences,
+              f"{what}={seq_id}: the KV cache already holds max_num_sequences={self.max_sequences} sequences")
+        return seq_id
+
+    # -- appending (begin_forward)
+    def reserve(self, seqs: list, lengths: list, tree: bool) -> tuple[list, list]:
+        """Make room for `lengths[i]` new tokens in `seqs[i]` and slide windows.
+
+        Returns (appended per sequence, page copies to run before the step). Pages come, in
+        this order, for copy-on-write (from pages free before the step), then freed by
+        windows, then taken for new tokens: a page a window frees may be written by this
+        step's appends, which run after the step's attention of each layer has read it, but
+        never by a copy, which runs before. On KVCacheError (out of pages) nothing changed.
+        """
+        before = [seq.copy() for seq in seqs]
+        layouts = [append_layout(seq, n, self.page_size) for seq, n in zip(seqs, lengths)]
+        try:
+            with self.allocator.transaction():
+                copies = [self._copy_on_write(seq, layout) for seq, layout in zip(seqs, layouts)]
+                histories = [_history(old, seq, c) for old, seq, c in zip(before, seqs, copies)]
+                fresh = [self._slide(seq, layout) for seq, layout in zip(seqs, layouts)]
+                self._check_free(sum(fresh))
+                for seq, layout, count, n in zip(seqs, layouts, fresh, lengths):
+                    seq.pages += self.allocator.alloc_many(count)
+                    seq.length, seq.sink, seq.window_offset = layout.length, layout.sink, layout.window_offset
+                    seq.tree_tokens = seq.tree_tokens + n if tree else 0
+        except BaseException:
+            for seq, old in zip(seqs, before):
+                seq.assign(old)
+            raise
+        appended = [Appended(h, seq, self._new_positions(seq, layout, n))
+                    for h, seq, layout, n in zip(histories, seqs, layouts, lengths)]
+        return appended, [c for c in copies if c is not None]
+
+    def _copy_on_write(self, seq: Sequence, layout: AppendLayout) -> PageCopy | None:
+        """Give `seq` a private copy of its last page when the append writes into it while
+        another sequence shares it."""
+        used = layout.first_slot % self.page_size
+        last = len(seq.pages) - 1
+        if not used or self.allocator.refcount(seq.pages[last]) == 1:
+            return None
+        if layout.drop_pages[0] <= last < layout.drop_pages[1]:
+            return None  # the window frees it anyway
+        copy = PageCopy(seq.pages[last], self.allocator.alloc(), used)
+        self.allocator.release(copy.src)
+        seq.pages[last] = copy.dst
+        return copy
+
+    def _slide(self, seq: Sequence, layout: AppendLayout) -> int:
+        """Release the pages the window frees; returns how many new pages the append needs."""
+        begin, end = layout.drop_pages
+        old = len(seq.pages)
+        if end > begin:
+            self.allocator.release_all(seq.pages[begin:min(end, old)])
+            del seq.pages[begin:min(end, old)]
+        fresh_dropped = max(0, min(end, layout.num_pages) - max(begin, old))
+        return layout.num_pages - old - fresh_dropped
+
+    def _check_free(self, needed: int) -> None:
+        free = self.allocator.num_free
+        check(needed <= free, f"the KV cache is full: this forward needs {needed} more pages, {free} of "
+              f"{self.allocator.num_pages} are free")
+
+    def _new_positions(self, seq: Sequence, layout: AppendLayout, n: int) -> list:
+        """Pool position of each new token after the append (-1: dropped by the window)."""
+        ps, first = self.page_size, layout.first_slot
+        if n == 1 and not layout.shift and layout.drop_slots[0] == layout.drop_slots[1]:
+            return [seq.pages[first // ps] * ps + first % ps]
+        slots = np.arange(first, first + n)
+        dropped = (slots >= layout.drop_slots[0]) & (slots < layout.drop_slots[1])
+        slots = np.where(slots // ps >= layout.drop_pages[1], slots - layout.shift * ps, slots)
+        slots = np.where(dropped, 0, slots)
+        pages = np.asarray(seq.pages, dtype=np.int64)[slots // ps]
+        return np.where(dropped, -1, pages * ps + slots % ps).tolist()
+
+
+def _history(before: Sequence, seq: Sequence, copy: PageCopy | None) -> Sequence:
+    """`before` with the page table after copy-on-write (the page the append writes into)."""
+    if copy is not None:
+        before = before.copy()
+        before.pages[-1] = copy.dst
+    return before
