@@ -404,8 +404,10 @@ def bench_workload(model: ModelShape, workload: Workload, caches: Sequence[str],
                    device: tvm.runtime.Device, options: BenchOptions) -> list[Measurement]:
     """Fill and time each cache in turn (one at a time on the device) on the same inputs."""
     steps = options.warmup + options.steps
+    # Capacity in whole pages per sequence (each sequence rounds up to a page), plus one spare.
+    pages_per_seq = -(-(workload.context + steps + 1) // model.page_size) + 1
     size = CacheSize(max_num_sequences=workload.batch,
-                     max_total_seq_len=workload.batch * (workload.context + steps + 1),
+                     max_total_seq_len=workload.batch * pages_per_seq * model.page_size,
                      prefill_chunk_size=options.prefill_chunk)
     per_forward = max(1, options.prefill_chunk // workload.context)
     inputs = Inputs(model, workload.batch, per_forward * workload.context, device, options.seed)
@@ -424,14 +426,14 @@ def max_output_diff(a: Measurement, b: Measurement) -> float:
 
 
 def check_agreement(results: list[Measurement], tolerance: float) -> list[str]:
-    """Lines describing how far each cache's first-step outputs are from the first cache's;
-    raises if any exceeds `tolerance`."""
-    lines, reference = [], results[0]
-    for other in results[1:]:
-        diff = max_output_diff(reference, other)
-        lines.append(f"{other.workload}: {other.cache} vs {reference.cache}: max |diff| {diff:.2e}")
-        if not diff <= tolerance:  # also catches NaN
-            raise RuntimeError(f"first-step outputs disagree: {lines[-1]} > {tolerance}")
+    """Lines giving the max |diff| of every pair of caches' first-step outputs, each marked
+    DISAGREE when over `tolerance` (or NaN); the caller fails the run after printing them."""
+    lines = []
+    for i, first in enumerate(results):
+        for other in results[i + 1 :]:
+            diff = max_output_diff(first, other)
+            verdict = "" if diff <= tolerance else f"  DISAGREE (> {tolerance})"
+            lines.append(f"{other.workload}: {other.cache} vs {first.cache}: max |diff| {diff:.2e}{verdict}")
     return lines
 
 
@@ -461,7 +463,10 @@ def run(preset: Preset, workloads: Sequence[Workload], caches: Sequence[str], op
         measured = bench_workload(preset.model, workload, caches, target, device, options)
         agreement += check_agreement(measured, preset.tolerance)
         results += measured
-    return "\n".join([format_table(preset.model, options, results), "", "first-step outputs:", *agreement])
+    report = "\n".join([format_table(preset.model, options, results), "", "first-step outputs:", *agreement])
+    if any("DISAGREE" in line for line in agreement):
+        raise RuntimeError(report + "\nfirst-step outputs disagree")
+    return report
 
 
 def main(argv=None) -> None:
