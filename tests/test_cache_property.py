@@ -10,9 +10,10 @@ computes attention with tests/reference.py. After every step the two agree on:
     refused) and the total length;
   - the number of available pages: within the bounds that prefix sharing allows, and back to
     the initial count whenever no sequence is left (no leaks).
-Some generated operations are invalid (unknown or duplicate ids, popn longer than the sequence,
-fork past the end, zero-length appends, chunks over the prefill chunk size, a bad layer id,
-tensor shape or dtype, attention outside a forward ...): the cache must raise KVCacheError and
+Some generated operations are invalid (unknown or duplicate ids, more sequences than
+max_num_sequences, popn longer than the sequence, fork past the end, zero-length appends, a
+sequence twice in a batch, chunks over the prefill chunk size, a bad layer id, tensor shape,
+dtype or device, attention outside a forward ...): the cache must raise KVCacheError and
 stay exactly as it was; the model is not touched.
 
 Semantics the model follows (those of TVM's C++ cache, paged_kv_cache.cc):
@@ -208,6 +209,8 @@ class ReferenceCache:
     def begin_forward(self, seq_ids: list, lengths: list) -> None:
         if len(seq_ids) != len(lengths):
             raise InvalidOperation(f"{len(seq_ids)} seq_ids but {len(lengths)} append lengths")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidOperation(f"seq_ids {seq_ids} repeat a sequence")
         for seq_id in seq_ids:
             self._get(seq_id)
         if min(lengths) <= 0:
@@ -297,9 +300,9 @@ class ReferenceCache:
 
 # Faults injected into a forward: None = a valid forward; "begin:*" break begin_forward (then the
 # valid forward runs); "attn:*" make one attention call invalid before the valid ones.
-FAULTS = [None, None, None, None, None, None, "begin:unknown_seq", "begin:zero_length",
+FAULTS = [None, None, None, None, None, None, "begin:unknown_seq", "begin:duplicate_seq", "begin:zero_length",
           "begin:length_mismatch", "begin:over_chunk", "attn:layer", "attn:negative_layer",
-          "attn:qkv_rows", "attn:qkv_heads", "attn:o_shape", "attn:dtype"]
+          "attn:qkv_rows", "attn:qkv_heads", "attn:o_shape", "attn:dtype", "attn:device"]
 
 
 def choose_position(code: int, length: int, page_size: int) -> int:
@@ -517,6 +520,9 @@ class CacheMachine(RuleBasedStateMachine):
         if fault == "begin:unknown_seq":
             bad_ids.append(self._pick(-1))
             bad_lengths.append(1)
+        elif fault == "begin:duplicate_seq":
+            bad_ids.append(bad_ids[0])
+            bad_lengths.append(1)
         elif fault == "begin:zero_length":
             bad_lengths[-1] = 0
         elif fault == "begin:length_mismatch":
@@ -528,7 +534,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _attention_with_fault(self, qkv: np.ndarray, fault: str):
         total, heads, d = qkv.shape
-        layer, o_shape = 0, (total, NUM_QO_HEADS, d)
+        layer, o_shape, device = 0, (total, NUM_QO_HEADS, d), self.device
         if fault == "attn:layer":
             layer = NUM_LAYERS
         elif fault == "attn:negative_layer":
@@ -541,9 +547,14 @@ class CacheMachine(RuleBasedStateMachine):
             o_shape = (total, NUM_QO_HEADS, d // 2)
         elif fault == "attn:dtype":
             qkv = qkv.astype("float16")
-        note(f"attention_with_fused_qkv({layer}, qkv {qkv.shape} {qkv.dtype}, o {o_shape}) -> invalid ({fault})")
+        elif fault == "attn:device":
+            if self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type():
+                return  # no other device to put qkv on
+            device = tvm.cpu()
+        note(f"attention_with_fused_qkv({layer}, qkv {qkv.shape} {qkv.dtype} on {device}, o {o_shape}) "
+             f"-> invalid ({fault})")
         with pytest.raises(KVCacheError):
-            self.cache.attention_with_fused_qkv(layer, self.setup.sm_scale, self._tensor(qkv),
+            self.cache.attention_with_fused_qkv(layer, self.setup.sm_scale, tvm.runtime.tensor(qkv, device=device),
                                                 empty(o_shape, DTYPE, self.device))
 
     # -- invariants
