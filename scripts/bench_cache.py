@@ -354,8 +354,17 @@ class Inputs:
                 self.prefill_out._create_view((rows, m.num_qo_heads, m.head_dim), m.dtype, 0))
 
 
-def fill(cache: StepCache, model: ModelShape, workload: Workload, inputs: Inputs, chunk: int) -> None:
-    """Add the sequences and prefill `context` tokens into each, whole sequences per forward."""
+def fill(cache: StepCache, model: ModelShape, workload: Workload, inputs: Inputs, chunk: int,
+         device: tvm.runtime.Device) -> None:
+    """Add the sequences and prefill `context` tokens into each, whole sequences per forward.
+
+    The device is synchronized after every forward, as a serving engine does between steps (it
+    samples from the logits). TVM's C++ cache relies on it: begin_forward uploads the step's
+    index arrays into one reused device buffer on its copy stream (a non-blocking CUDA stream;
+    only copy -> compute is synchronized), without waiting for the previous step's kernels, so
+    back-to-back forwards race and its K/V come out corrupted, differently from run to run.
+    tvmattn's upload (Tensor.copyfrom) synchronizes the stream by itself.
+    """
     if workload.context > chunk:
         raise ValueError(f"context {workload.context} exceeds the prefill chunk {chunk}")
     per_forward = chunk // workload.context
@@ -367,6 +376,7 @@ def fill(cache: StepCache, model: ModelShape, workload: Workload, inputs: Inputs
         for layer in range(model.num_layers):
             cache.attention(layer, *inputs.prefill(step + layer, workload.context * len(seq_ids)))
         cache.end_forward()
+        device.sync()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,7 +424,7 @@ def bench_workload(model: ModelShape, workload: Workload, caches: Sequence[str],
     results = []
     for name in caches:
         cache = CACHES[name](model, size, target, device)
-        fill(cache, model, workload, inputs, options.prefill_chunk)
+        fill(cache, model, workload, inputs, options.prefill_chunk, device)
         results.append(time_decode(name, cache, model, workload, inputs, device, options))
         del cache
     return results
