@@ -1,0 +1,93 @@
+"""The reader result (`LoadedModel`), the reader error (`WeightError`) and the shape check.
+
+Tensor layout shared by every reader (Hugging Face names and shapes, float32, C-contiguous):
+  model.embed_tokens.weight                      [vocab_size, hidden_size]
+  model.layers.{i}.self_attn.q_proj.weight       [num_attention_heads * head_dim, hidden_size]
+  model.layers.{i}.self_attn.{k,v}_proj.weight   [num_key_value_heads * head_dim, hidden_size]
+  model.layers.{i}.self_attn.o_proj.weight       [hidden_size, num_attention_heads * head_dim]
+  model.layers.{i}.self_attn.{q,k,v,o}_proj.bias [out_features]   (optional, e.g. Qwen2 q/k/v)
+  model.layers.{i}.mlp.{gate,up}_proj.weight     [intermediate_size, hidden_size]
+  model.layers.{i}.mlp.down_proj.weight          [hidden_size, intermediate_size]
+  model.layers.{i}.{input,post_attention}_layernorm.weight  [hidden_size]
+  model.norm.weight                              [hidden_size]
+  lm_head.weight                                 [vocab_size, hidden_size]   (absent when tied)
+q/k projections are in the rotate-half RoPE convention Hugging Face uses (GGUF's interleaved
+permutation is undone by the GGUF reader).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import numpy as np
+
+
+class WeightError(ValueError):
+    """A weight file we cannot read: malformed, truncated, wrong shapes or unsupported types."""
+
+
+def fail(path, tensor: str | None, problem: str) -> WeightError:
+    """A WeightError whose message names the file, the tensor (if any) and the problem."""
+    where = f"{path}" if tensor is None else f"{path}: tensor {tensor!r}"
+    return WeightError(f"{where}: {problem}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model's configuration and weights as read from disk.
+
+    path: the file (GGUF) or folder (safetensors) read.
+    hf_config: Hugging Face `config.json` style keys (model_type, hidden_size, ...).
+    tensors: float32 arrays under Hugging Face names, shapes as in the module docstring.
+    rope_freq_factors: GGUF `rope_freqs.weight` ([head_dim // 2] float32 divisors of the RoPE
+        frequencies, how llama.cpp stores Llama-3 scaling), or None.
+    """
+
+    path: pathlib.Path
+    hf_config: dict
+    tensors: dict[str, np.ndarray]
+    rope_freq_factors: np.ndarray | None = None
+
+
+ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def expected_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """(required, optional) parameter name -> shape for a Llama-family `config` dict."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    vocab = config["vocab_size"]
+    out_features = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim,
+                    "v_proj": kv_heads * head_dim, "o_proj": hidden}
+    in_features = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": heads * head_dim}
+    required = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    optional = {}
+    if not config.get("tie_word_embeddings", False):
+        required["lm_head.weight"] = (vocab, hidden)
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}"
+        for proj in ATTN_PROJ:
+            required[f"{prefix}.self_attn.{proj}.weight"] = (out_features[proj], in_features[proj])
+            optional[f"{prefix}.self_attn.{proj}.bias"] = (out_features[proj],)
+        required[f"{prefix}.mlp.gate_proj.weight"] = (inter, hidden)
+        required[f"{prefix}.mlp.up_proj.weight"] = (inter, hidden)
+        required[f"{prefix}.mlp.down_proj.weight"] = (hidden, inter)
+        required[f"{prefix}.input_layernorm.weight"] = (hidden,)
+        required[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+    return required, optional
+
+
+def check_tensors(path, config: dict, tensors: dict[str, np.ndarray]) -> None:
+    """Raise WeightError unless `tensors` holds exactly the parameters `config` calls for."""
+    required, optional = expected_shapes(config)
+    for name, shape in required.items():
+        if name not in tensors:
+            raise fail(path, name, f"missing (expected shape {list(shape)})")
+    for name, array in tensors.items():
+        shape = required.get(name, optional.get(name))
+        if shape is None:
+            raise fail(path, name, "not a parameter of this model (unexpected tensor)")
+        if tuple(array.shape) != shape:
+            raise fail(path, name, f"has shape {list(array.shape)}, but the config calls for {list(shape)}")

@@ -1,0 +1,305 @@
+"""GGUF files (read with the `gguf` package): config, dequantized tensors, tokenizer, chat template.
+
+Supported: architectures `llama` (q/k rows un-permuted, see `unpermute_rows`) and `qwen2`;
+tensor types F32, F16, BF16, Q8_0, Q4_1; byte-level BPE tokenizers (`tokenizer.ggml.model`
+"gpt2") with the GPT-2 or StarCoder/SmolLM pre-tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+
+import gguf
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+from .common import LoadedModel, check_tensors, fail
+from .quant import LAYOUTS, dequantize, nbytes
+
+# architecture -> (Hugging Face model_type, architectures entry, q/k rows permuted for interleaved RoPE)
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM", True),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+}
+
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+ROPE_FREQS = "rope_freqs.weight"
+BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(.+)")
+
+# tokenizer.ggml.pre -> pre-tokenizer (llama.cpp's llama-vocab.cpp groups these names)
+DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell"}
+GPT2_PRE = {"gpt-2", "gpt2", "default", "mpt", "olmo"}
+TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+
+
+class TensorProblem(Exception):
+    """A bad tensor entry found while the GGUF is parsed (turned into a WeightError by open_gguf)."""
+
+    def __init__(self, tensor: str, problem: str):
+        super().__init__(problem)
+        self.tensor, self.problem = tensor, problem
+
+
+class CheckedReader(gguf.GGUFReader):
+    """A GGUFReader that checks each tensor's type and extent before viewing its data.
+
+    gguf 0.19's `_build_tensors` views every tensor's bytes; on a truncated file that fails with a
+    bare numpy reshape error. Checking first lets the error name the tensor (pinned gguf==0.19.0).
+    """
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset = field.parts
+            name = bytes(name_data).decode("utf-8", "replace")
+            try:
+                kind = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise TensorProblem(name, f"unknown tensor type id {int(raw_dtype[0])}") from None
+            block_elems, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+            end = start_offs + int(offset[0]) + math.prod(int(d) for d in dims) // block_elems * block_bytes
+            if end > len(self.data):
+                raise TensorProblem(name, f"truncated file: data ends at byte {end}, file has {len(self.data)}")
+        super()._build_tensors(start_offs, fields)
+
+
+def open_gguf(path) -> tuple[pathlib.Path, gguf.GGUFReader]:
+    """The path and a GGUFReader over it, or WeightError for a missing or unparsable file."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise fail(path, None, "no such file")
+    try:
+        return path, CheckedReader(path, "r")
+    except TensorProblem as error:
+        raise fail(path, error.tensor, error.problem) from None
+    except Exception as error:  # the gguf package raises many kinds on bad input; name them all
+        raise fail(path, None, f"not a readable GGUF file ({type(error).__name__}: {error})") from error
+
+
+def metadata(path: pathlib.Path, reader: gguf.GGUFReader) -> dict:
+    """All GGUF key/value pairs as Python values (token lists are skipped: see tokenizer_from_gguf)."""
+    skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"}
+    try:
+        return {key: field.contents() for key, field in reader.fields.items() if key not in skip}
+    except Exception as error:
+        raise fail(path, None, f"malformed metadata ({type(error).__name__}: {error})") from error
+
+
+def hf_name(path: pathlib.Path, name: str) -> str:
+    """The Hugging Face parameter name of GGUF tensor `name`."""
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    match = BLOCK_PATTERN.fullmatch(name)
+    if match and match.group(2) in BLOCK_NAMES:
+        return f"model.layers.{int(match.group(1))}.{BLOCK_NAMES[match.group(2)]}"
+    raise fail(path, name, "unknown GGUF tensor name (no Hugging Face equivalent)")
+
+
+def unpermute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation (interleaved -> rotate-half RoPE row order), per head.
+
+    llama.cpp's converter orders each head's rows as pairs (j, j + head_dim/2) interleaved:
+    permuted row 2j + s of a head is original row s * head_dim/2 + j. Works on biases too.
+    """
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def require(path, meta: dict, key: str, default=None):
+    """meta[key], else `default`, else WeightError naming the missing key."""
+    if key in meta:
+        return meta[key]
+    if default is not None:
+        return default
+    raise fail(path, None, f"metadata key {key!r} is missing")
+
+
+def as_float(value) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(value)))
+
+
+def architecture(path, meta: dict) -> str:
+    """general.architecture, checked to be one we read."""
+    arch = require(path, meta, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise fail(path, None, f"unsupported architecture {arch!r} (supported: {sorted(ARCHITECTURES)})")
+    return arch
+
+
+def build_config(path: pathlib.Path, meta: dict, names: set[str], embed_rows: int) -> dict:
+    """Hugging Face config.json keys from GGUF metadata and the set of HF tensor names present."""
+    arch = architecture(path, meta)
+    model_type, hf_arch, _ = ARCHITECTURES[arch]
+    hidden = int(require(path, meta, f"{arch}.embedding_length"))
+    heads = int(require(path, meta, f"{arch}.attention.head_count"))
+    kv_heads = int(require(path, meta, f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(require(path, meta, f"{arch}.attention.key_length", hidden // heads))
+    value_dim = int(require(path, meta, f"{arch}.attention.value_length", head_dim))
+    rope_dim = int(require(path, meta, f"{arch}.rope.dimension_count", head_dim))
+    if value_dim != head_dim or rope_dim != head_dim:
+        raise fail(path, None, f"unsupported attention: key_length {head_dim}, value_length {value_dim}, "
+                               f"rope.dimension_count {rope_dim} must all be equal")
+    config = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": int(require(path, meta, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(require(path, meta, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": as_float(require(path, meta, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": as_float(require(path, meta, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling(path, meta, arch),
+        "vocab_size": int(meta.get(f"{arch}.vocab_size", embed_rows)),
+        "max_position_embeddings": int(require(path, meta, f"{arch}.context_length")),
+        "tie_word_embeddings": "lm_head.weight" not in names,
+        "attention_bias": any(name.endswith("_proj.bias") for name in names),
+    }
+    for key in ("bos", "eos", "padding"):
+        if f"tokenizer.ggml.{key}_token_id" in meta:
+            config[f"{'pad' if key == 'padding' else key}_token_id"] = int(meta[f"tokenizer.ggml.{key}_token_id"])
+    return config
+
+
+def rope_scaling(path, meta: dict, arch: str) -> dict | None:
+    """HF rope_scaling from `{arch}.rope.scaling.*` (None or linear; Llama-3 comes as rope_freqs)."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": as_float(require(path, meta, f"{arch}.rope.scaling.factor"))}
+    raise fail(path, None, f"unsupported rope scaling type {kind!r}")
+
+
+def read_tensor(path: pathlib.Path, reader: gguf.GGUFReader, tensor) -> np.ndarray:
+    """One GGUF tensor as float32, numpy (row-major) shape: GGUF's [ne0, ne1] is numpy's [ne1, ne0]."""
+    type_name = tensor.tensor_type.name
+    if type_name not in LAYOUTS:
+        raise fail(path, tensor.name, f"unsupported tensor type {type_name} (supported: {', '.join(LAYOUTS)})")
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    block_elems = LAYOUTS[type_name][0]
+    if shape[-1] % block_elems:
+        raise fail(path, tensor.name,
+                   f"row length {shape[-1]} is not a multiple of the {type_name} block {block_elems}")
+    start = int(tensor.data_offset)  # CheckedReader has checked that the data lies inside the file
+    return dequantize(reader.data[start:start + nbytes(type_name, math.prod(shape))], type_name, shape)
+
+
+def read_gguf(path) -> LoadedModel:
+    """Config and float32 weights (HF names and shapes, rotate-half q/k) of a GGUF model file."""
+    path, reader = open_gguf(path)
+    meta = metadata(path, reader)
+    arch = architecture(path, meta)
+    tensors, rope_freqs = {}, None
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            rope_freqs = read_tensor(path, reader, tensor)
+            continue
+        name = hf_name(path, tensor.name)
+        if name in tensors:
+            raise fail(path, tensor.name, "appears twice")
+        tensors[name] = read_tensor(path, reader, tensor)
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is None:
+        raise fail(path, "token_embd.weight", "missing")
+    config = build_config(path, meta, set(tensors), embed.shape[0])
+    check_tensors(path, config, tensors)
+    if rope_freqs is not None and rope_freqs.shape != (config["head_dim"] // 2,):
+        raise fail(path, ROPE_FREQS, f"has shape {list(rope_freqs.shape)}, expected [{config['head_dim'] // 2}]")
+    if ARCHITECTURES[arch][2]:
+        for name in [n for n in tensors if ".self_attn.q_proj." in n or ".self_attn.k_proj." in n]:
+            n_head = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
+            tensors[name] = np.ascontiguousarray(unpermute_rows(tensors[name], n_head))
+    return LoadedModel(path=path, hf_config=config, tensors=tensors, rope_freq_factors=rope_freqs)
+
+
+def field_value(path, reader: gguf.GGUFReader, key: str):
+    """The metadata field `key` as a Python value (lists for arrays), or WeightError."""
+    field = reader.get_field(key)
+    if field is None:
+        raise fail(path, None, f"metadata key {key!r} is missing (no embedded tokenizer)")
+    return field.contents()
+
+
+def pre_tokenizer(path, pre: str):
+    """The `tokenizers` pre-tokenizer matching llama.cpp's `tokenizer.ggml.pre` value."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in DIGIT_SPLIT_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in GPT2_PRE:
+        return byte_level
+    raise fail(path, None, f"unsupported tokenizer pre-type {pre!r} "
+                           f"(supported: {sorted(DIGIT_SPLIT_PRE | GPT2_PRE)})")
+
+
+def tokenizer_from_gguf(path) -> tokenizers.Tokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` built from the GGUF's embedded vocabulary and merges.
+
+    Control tokens (token type 3, e.g. <|im_start|>) are special added tokens; user-defined
+    tokens (type 4) are added tokens. When tokenizer.ggml.add_bos_token is true, encode() with
+    add_special_tokens=True (the default) prepends the BOS token, as llama.cpp does; pass
+    add_special_tokens=False for text whose chat template already starts with it.
+    """
+    path, reader = open_gguf(path)
+    model_name = reader.get_field("tokenizer.ggml.model")
+    model_name = model_name.contents() if model_name is not None else None
+    if model_name != "gpt2":
+        raise fail(path, None, f"unsupported tokenizer model {model_name!r} (only byte-level BPE 'gpt2')")
+    pre_field = reader.get_field("tokenizer.ggml.pre")
+    pre = pre_field.contents() if pre_field is not None else "default"
+    tokens = field_value(path, reader, "tokenizer.ggml.tokens")
+    merges = field_value(path, reader, "tokenizer.ggml.merges")
+    types_field = reader.get_field("tokenizer.ggml.token_type")
+    types = types_field.contents() if types_field is not None else [1] * len(tokens)
+    vocab = {token: index for index, token in enumerate(tokens)}
+    pairs = []
+    for merge in merges:
+        left, space, right = merge.partition(" ")
+        if not space:
+            raise fail(path, None, f"malformed merge {merge!r} in tokenizer.ggml.merges")
+        pairs.append((left, right))
+    tokenizer = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizer(path, pre)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([tokenizers.AddedToken(token, special=True, normalized=False)
+                                  for token, kind in zip(tokens, types) if kind == TOKEN_TYPE_CONTROL])
+    tokenizer.add_tokens([tokenizers.AddedToken(token, normalized=False)
+                          for token, kind in zip(tokens, types) if kind == TOKEN_TYPE_USER_DEFINED])
+    add_bos = reader.get_field("tokenizer.ggml.add_bos_token")
+    if add_bos is not None and add_bos.contents():
+        bos_id = int(field_value(path, reader, "tokenizer.ggml.bos_token_id"))
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, bos_id)])
+    return tokenizer
+
+
+def chat_template(path) -> str | None:
+    """The Jinja chat template stored under tokenizer.chat_template, or None."""
+    path, reader = open_gguf(path)
+    field = reader.get_field("tokenizer.chat_template")
+    return None if field is None else field.contents()
