@@ -1,0 +1,438 @@
+"""The Llama-family model library (tvmattn.models) on the CPU: built for llvm, loaded into the
+Relax VM with random weights passed from numpy, checked against an independent torch model.
+
+The torch model below is written from the Llama/Qwen2 definition, not from the library: token
+embedding, RMSNorm, RoPE (rotate-half, optional Llama-3 frequency scaling), grouped-query
+attention with a causal mask over the whole sequence (no KV cache: every step recomputes the
+full sequence), SwiGLU, tied or separate LM head; in float64. The library runs in float32 with
+paged KV and must match it at prefill and at every decode step within LOGITS_TOLERANCE.
+The same model built on TVM's stock cache (kv_cache="tvm") must give the same logits.
+One library per configuration, built once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+from tvm.runtime import ShapeTuple
+
+import tvmattn  # registers the tvmattn.* functions the library calls
+from tvmattn import PagedKVCache
+from tvmattn.models import (
+    ModelConfig,
+    ModelConfigError,
+    compile_library,
+    export_library,
+    hf_parameter_sources,
+    pack_params,
+    read_metadata,
+)
+
+# Logits are O(1) (std ~1.3, max ~4). float32 against float64 differs by ~2.5e-6 at most here.
+# float16 (the GPU test) rounds every activation to 11 bits; the same model in float16 on the CPU
+# (fp16-accumulating matmuls) is off by up to 0.08.
+LOGITS_TOLERANCE = {"float32": {"rtol": 3e-5, "atol": 3e-5}, "float16": {"rtol": 5e-2, "atol": 1e-1}}
+# The same computation with TVM's cache and kernels instead of ours: summation order differs.
+STOCK_TOLERANCE = {"float32": {"rtol": 3e-5, "atol": 3e-5}, "float16": {"rtol": 1e-2, "atol": 1e-2}}
+
+BIAS_SCALED = {  # Qwen2-style q/k/v bias, separate LM head, Llama-3 RoPE scaling
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_bias": True,
+    "max_position_embeddings": 256,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+}
+TIED = {  # SmolLM2-like: no bias, tied embeddings, plain RoPE
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0, "tie_word_embeddings": True, "attention_bias": False,
+}
+MAX_BATCH, CAPACITY, PREFILL_CHUNK, PAGE_SIZE = 4, 512, 128, 16
+
+
+# ---------------------------------------------------------------------------------------------
+# The independent torch model
+# ---------------------------------------------------------------------------------------------
+def random_hf_weights(hf: dict, seed: int) -> dict[str, np.ndarray]:
+    """HF-named float32 tensors for the config."""
+    rng = np.random.default_rng(seed)
+    h, inter, heads, kv = hf["hidden_size"], hf["intermediate_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+    d = h // heads
+
+    def w(*shape, scale=0.15):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def norm():
+        return (1.0 + rng.standard_normal(h) * 0.1).astype(np.float32)
+
+    weights = {"model.embed_tokens.weight": w(hf["vocab_size"], h, scale=1.0), "model.norm.weight": norm()}
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        weights.update({
+            f"{p}.self_attn.q_proj.weight": w(heads * d, h), f"{p}.self_attn.k_proj.weight": w(kv * d, h),
+            f"{p}.self_attn.v_proj.weight": w(kv * d, h), f"{p}.self_attn.o_proj.weight": w(h, heads * d),
+            f"{p}.mlp.gate_proj.weight": w(inter, h), f"{p}.mlp.up_proj.weight": w(inter, h),
+            f"{p}.mlp.down_proj.weight": w(h, inter),
+            f"{p}.input_layernorm.weight": norm(), f"{p}.post_attention_layernorm.weight": norm(),
+        })
+        if hf.get("attention_bias"):
+            weights.update({f"{p}.self_attn.q_proj.bias": w(heads * d, scale=0.5),
+                            f"{p}.self_attn.k_proj.bias": w(kv * d, scale=0.5),
+                            f"{p}.self_attn.v_proj.bias": w(kv * d, scale=0.5)})
+    if not hf.get("tie_word_embeddings"):
+        weights["lm_head.weight"] = w(hf["vocab_size"], h)
+    return weights
+
+
+class TorchLlama:
+    """Llama / Qwen2 decoder in float64 torch; `logits(tokens)` runs the whole sequence."""
+
+    def __init__(self, hf: dict, weights: dict[str, np.ndarray]):
+        self.hf = hf
+        self.w = {name: torch.tensor(value, dtype=torch.float64) for name, value in weights.items()}
+        self.heads, self.kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+        self.d = hf["hidden_size"] // self.heads
+        self.inv_freq = self._inv_freq()
+
+    def _inv_freq(self) -> torch.Tensor:
+        inv_freq = 1.0 / self.hf["rope_theta"] ** (torch.arange(0, self.d, 2, dtype=torch.float64) / self.d)
+        scaling = self.hf.get("rope_scaling")
+        if not scaling:
+            return inv_freq
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+
+    def _rms_norm(self, x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.hf["rms_norm_eps"]) * weight
+
+    def _rope(self, x, positions):  # x [n, heads, d]
+        angles = positions[:, None].double() * self.inv_freq[None, :]
+        cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :]
+        sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
+        half = self.d // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rotated * sin
+
+    def _linear(self, x, name):
+        y = x @ self.w[f"{name}.weight"].T
+        bias = self.w.get(f"{name}.bias")
+        return y if bias is None else y + bias
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        """[len(tokens), vocab] logits of every position."""
+        n = len(tokens)
+        x = self.w["model.embed_tokens.weight"][torch.tensor(tokens)]
+        positions = torch.arange(n)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        for i in range(self.hf["num_hidden_layers"]):
+            p = f"model.layers.{i}"
+            h = self._rms_norm(x, self.w[f"{p}.input_layernorm.weight"])
+            q = self._rope(self._linear(h, f"{p}.self_attn.q_proj").view(n, self.heads, self.d), positions)
+            k = self._rope(self._linear(h, f"{p}.self_attn.k_proj").view(n, self.kv_heads, self.d), positions)
+            v = self._linear(h, f"{p}.self_attn.v_proj").view(n, self.kv_heads, self.d)
+            group = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(self.d)
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+            o = torch.einsum("hqk,khd->qhd", probs, v).reshape(n, self.heads * self.d)
+            x = x + self._linear(o, f"{p}.self_attn.o_proj")
+            h = self._rms_norm(x, self.w[f"{p}.post_attention_layernorm.weight"])
+            gate, up = self._linear(h, f"{p}.mlp.gate_proj"), self._linear(h, f"{p}.mlp.up_proj")
+            x = x + self._linear(torch.nn.functional.silu(gate) * up, f"{p}.mlp.down_proj")
+        x = self._rms_norm(x, self.w["model.norm.weight"])
+        head = self.w["model.embed_tokens.weight" if self.hf.get("tie_word_embeddings") else "lm_head.weight"]
+        return (x @ head.T).numpy()
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: one library per configuration and cache kind
+# ---------------------------------------------------------------------------------------------
+class Model:
+    """A compiled library with its weights and the matching torch model (on the weights as the
+    library stores them, i.e. rounded to its dtype)."""
+
+    def __init__(self, hf: dict, kv_cache: str, seed: int, target: str = "llvm", dtype: str = "float32"):
+        self.hf = hf
+        self.kv_cache = kv_cache
+        self.config = ModelConfig.from_hf(hf)
+        self.device = tvm.cpu() if target == "llvm" else tvm.cuda()
+        self.tolerance = LOGITS_TOLERANCE[dtype]
+        self.library = compile_library(self.config, target=target, dtype=dtype, page_size=PAGE_SIZE,
+                                       kv_cache=kv_cache)
+        self.hf_weights = random_hf_weights(hf, seed)
+        self.params = pack_params(self.library.metadata, self.hf_weights)
+        stored = {name: w.astype(dtype).astype(np.float32) for name, w in self.hf_weights.items()}
+        self.torch = TorchLlama(hf, stored)
+
+
+@pytest.fixture(scope="module")
+def bias_model() -> Model:
+    return Model(BIAS_SCALED, "tvmattn", seed=0)
+
+
+@pytest.fixture(scope="module")
+def stock_model() -> Model:
+    return Model(BIAS_SCALED, "tvm", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tied_model() -> Model:
+    return Model(TIED, "tvmattn", seed=1)
+
+
+class Session:
+    """A VM over a library, its cache, and the host calls around each step."""
+
+    def __init__(self, model: Model, vm: relax.VirtualMachine | None = None, support_sliding_window: int = 0):
+        self.model = model
+        self.device = model.device
+        self.vm = vm or relax.VirtualMachine(model.library.executable, self.device)
+        self.params = [tvm.runtime.tensor(p, device=self.device) for p in model.params]
+        self.cache = self.vm["create_paged_kv_cache"](
+            ShapeTuple([MAX_BATCH]), ShapeTuple([CAPACITY]), ShapeTuple([PREFILL_CHUNK]), ShapeTuple([PAGE_SIZE]),
+            ShapeTuple([support_sliding_window]))
+        prefix = "tvmattn." if model.kv_cache == "tvmattn" else "vm.builtin."
+        self.host = lambda name: tvm.get_global_func(prefix + name)
+        self.tokens: dict[int, list[int]] = {}
+
+    def add(self, seq_id: int) -> None:
+        self.host("kv_state_add_sequence")(self.cache, seq_id)
+        self.tokens[seq_id] = []
+
+    def _embed(self, tokens: list[int]) -> np.ndarray:
+        ids = tvm.runtime.tensor(np.array(tokens, dtype=np.int32), device=self.device)
+        return self.vm["embed"](ids, self.params).numpy()  # [n, hidden]
+
+    def _step(self, function: str, seq_ids, new_tokens, embeds, *extra) -> np.ndarray:
+        self.host("kv_state_begin_forward")(self.cache, ShapeTuple(seq_ids), ShapeTuple([len(t) for t in new_tokens]))
+        embeds = tvm.runtime.tensor(embeds, device=self.device)
+        logits, cache = self.vm[function](embeds, *extra, self.cache, self.params)
+        self.host("kv_state_end_forward")(self.cache)
+        if isinstance(self.cache, PagedKVCache):
+            assert cache is self.cache, "the library must hand back the cache it was given"
+        for seq_id, tokens in zip(seq_ids, new_tokens):
+            self.tokens[seq_id] += tokens
+        return logits.numpy()
+
+    def prefill(self, seq_id: int, tokens: list[int]) -> np.ndarray:
+        """-> [vocab] logits of the last token."""
+        return self._step("prefill", [seq_id], [tokens], self._embed(tokens)[None])[0, 0]
+
+    def decode(self, seq_id: int, token: int) -> np.ndarray:
+        return self._step("decode", [seq_id], [[token]], self._embed([token])[None])[0, 0]
+
+    def batch_prefill(self, seq_ids, prompts, positions) -> np.ndarray:
+        """-> [len(positions), vocab] logits at the given packed token positions."""
+        embeds = self._embed([t for p in prompts for t in p])[None]
+        logit_positions = tvm.runtime.tensor(np.array(positions, dtype=np.int32), device=self.device)
+        return self._step("batch_prefill", seq_ids, prompts, embeds, logit_positions)[0]
+
+    def batch_decode(self, seq_ids, tokens) -> np.ndarray:
+        """-> [batch, vocab]."""
+        embeds = self._embed(tokens)[:, None, :]
+        return self._step("batch_decode", seq_ids, [[t] for t in tokens], embeds)[:, 0]
+
+
+def expected_last(model: Model, tokens: list[int]) -> np.ndarray:
+    return model.torch.logits(tokens)[-1]
+
+
+def greedy(logits: np.ndarray) -> int:
+    return int(np.argmax(logits))
+
+
+def run_single(session: Session, prompt: list[int], steps: int, feed: list[int] | None = None) -> list[np.ndarray]:
+    """Prefill then decode steps (greedy, or the tokens of `feed`); each step's logits checked
+    against torch."""
+    model = session.model
+    session.add(0)
+    outputs = [session.prefill(0, prompt)]
+    np.testing.assert_allclose(outputs[0], expected_last(model, prompt), **model.tolerance, err_msg="prefill")
+    for step in range(steps):
+        token = greedy(outputs[-1]) if feed is None else feed[step]
+        outputs.append(session.decode(0, token))
+        np.testing.assert_allclose(outputs[-1], expected_last(model, session.tokens[0]), **model.tolerance,
+                                   err_msg=f"decode step {step}")
+    return outputs
+
+
+def run_batch(session: Session, prompts: list[list[int]], steps: int,
+              feed: list[list[int]] | None = None) -> list[np.ndarray]:
+    """Two sequences: batch_prefill scoring every prompt token, then batch_decode steps
+    (greedy, or the tokens of `feed`, one list per step)."""
+    model = session.model
+    seq_ids = [3, 8]
+    for seq_id in seq_ids:
+        session.add(seq_id)
+    total = sum(len(p) for p in prompts)
+    logits = session.batch_prefill(seq_ids, prompts, list(range(total)))
+    expected = np.concatenate([model.torch.logits(p) for p in prompts])
+    np.testing.assert_allclose(logits, expected, **model.tolerance, err_msg="batch_prefill, every position")
+    ends = np.cumsum([len(p) for p in prompts]) - 1
+    outputs = [logits[ends]]
+    for step in range(steps):
+        tokens = [greedy(row) for row in outputs[-1]] if feed is None else feed[step]
+        outputs.append(session.batch_decode(seq_ids, tokens))
+        for row, seq_id in enumerate(seq_ids):
+            np.testing.assert_allclose(outputs[-1][row], expected_last(model, session.tokens[seq_id]),
+                                       **model.tolerance, err_msg=f"batch_decode step {step}, sequence {seq_id}")
+    return outputs
+
+
+PROMPT = [5, 17, 99, 3, 42, 64, 7, 120, 1, 33, 18, 77, 2, 90, 11, 54, 26, 8, 71]  # crosses a page (16)
+PROMPTS = [[9, 4, 100, 23, 61], [12, 80, 3, 3, 45, 127, 0, 66, 19, 101, 38, 7, 56, 91, 14, 29, 88]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------
+def test_prefill_then_decode_matches_torch(bias_model):
+    session = Session(bias_model)
+    assert isinstance(session.cache, PagedKVCache), "the library must create tvmattn's cache"
+    run_single(session, PROMPT, steps=6)
+    assert session.host("attention_kv_cache_get_total_sequence_length")(session.cache) == len(PROMPT) + 6
+
+
+def test_batch_prefill_and_decode_match_torch(bias_model):
+    run_batch(Session(bias_model), PROMPTS, steps=5)
+
+
+def test_cache_with_sliding_window_support_matches_torch(bias_model):
+    """support_sliding_window=1 runs the sliding-window kernels and RoPE inside attention (with
+    the Llama-3 scaling); with no window enabled the logits are the full-attention ones."""
+    run_single(Session(bias_model, support_sliding_window=1), PROMPT, steps=3)
+
+
+def test_create_rejects_another_page_size(bias_model):
+    """The kernels are compiled for PAGE_SIZE: another page size fails at creation."""
+    vm = relax.VirtualMachine(bias_model.library.executable, tvm.cpu())
+    with pytest.raises(RuntimeError, match=r"shape\[3\] mismatch"):
+        vm["create_paged_kv_cache"](ShapeTuple([MAX_BATCH]), ShapeTuple([CAPACITY]), ShapeTuple([PREFILL_CHUNK]),
+                                    ShapeTuple([PAGE_SIZE // 2]), ShapeTuple([0]))
+
+
+def test_tied_embeddings_without_bias_match_torch(tied_model):
+    session = Session(tied_model)
+    run_single(session, PROMPT[:11], steps=4)
+    assert "lm_head.weight" not in tied_model.library.param_names
+
+
+def test_stock_tvm_cache_gives_the_same_logits(bias_model, stock_model):
+    """kv_cache="tvm": TVM's TIRPagedKVCache (C++ cache, TVM's kernels), same model and weights."""
+    ours, stock = Session(bias_model), Session(stock_model)
+    assert not isinstance(stock.cache, PagedKVCache), "kv_cache='tvm' must create TVM's C++ cache"
+    compare_with_stock(bias_model, stock_model, STOCK_TOLERANCE["float32"])
+
+
+def compare_with_stock(model: Model, stock_model: Model, tolerance: dict) -> None:
+    """Both libraries against torch, and against each other at every step; the stock library
+    decodes the tokens ours chose greedily (near-ties must not make the runs diverge)."""
+    ours, stock = Session(model), Session(stock_model)
+    ours_out = run_single(ours, PROMPT, 4)
+    stock_out = run_single(stock, PROMPT, 4, feed=ours.tokens[0][len(PROMPT):])
+    for step, (a, b) in enumerate(zip(ours_out, stock_out)):
+        np.testing.assert_allclose(a, b, **tolerance, err_msg=f"single sequence, step {step}")
+    ours, stock = Session(model), Session(stock_model)
+    ours_out = run_batch(ours, PROMPTS, 3)
+    chosen = [[int(np.argmax(row)) for row in logits] for logits in ours_out[:-1]]
+    stock_out = run_batch(stock, PROMPTS, 3, feed=chosen)
+    for step, (a, b) in enumerate(zip(ours_out, stock_out)):
+        np.testing.assert_allclose(a, b, **tolerance, err_msg=f"two sequences, step {step}")
+
+
+def test_metadata_lists_every_parameter(bias_model):
+    vm = relax.VirtualMachine(bias_model.library.executable, tvm.cpu())
+    meta = read_metadata(vm)
+    assert meta == json.loads(json.dumps(bias_model.library.metadata))
+    config = bias_model.config
+    assert [p["name"] for p in meta["params"]] == list(hf_parameter_sources(config))
+    shapes = {p["name"]: p["shape"] for p in meta["params"]}
+    qkv = config.q_size + 2 * config.kv_size
+    assert shapes["model.layers.1.self_attn.qkv_proj.weight"] == [qkv, config.hidden_size]
+    assert shapes["model.layers.0.self_attn.qkv_proj.bias"] == [qkv]
+    assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == [2 * config.intermediate_size, config.hidden_size]
+    assert shapes["lm_head.weight"] == [config.vocab_size, config.hidden_size]
+    assert all(p["dtype"] == "float32" for p in meta["params"])
+    assert meta["model_config"]["num_key_value_heads"] == 2
+    assert meta["model_config"]["rope_scaling"]["factor"] == 8.0
+    assert meta["kv_cache"]["kind"] == "tvmattn" and meta["kv_cache"]["page_size"] == PAGE_SIZE
+    assert meta["build_options"] == {"target": "llvm", "dtype": "float32", "page_size": PAGE_SIZE,
+                                     "kv_cache": "tvmattn"}
+    for name in ("embed", "prefill", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache"):
+        assert name in meta["functions"]
+
+
+def test_export_library_loads_from_disk(tmp_path):
+    """export_library writes a shared library that a fresh VM loads and runs (tied model)."""
+    path = tmp_path / "tiny.so"
+    library = export_library(ModelConfig.from_hf(TIED), target="llvm", dtype="float32", out_path=path,
+                             page_size=PAGE_SIZE)
+    assert path.exists() and not list(tmp_path.glob("*.partial*"))
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
+    assert read_metadata(vm) == library.metadata
+    model = Model.__new__(Model)  # the library just exported, not a new build
+    model.hf, model.kv_cache, model.config, model.library = TIED, "tvmattn", ModelConfig.from_hf(TIED), library
+    model.device, model.tolerance = tvm.cpu(), LOGITS_TOLERANCE["float32"]
+    model.hf_weights = random_hf_weights(TIED, seed=2)
+    model.params = pack_params(library.metadata, model.hf_weights)
+    model.torch = TorchLlama(TIED, model.hf_weights)
+    run_single(Session(model, vm), PROMPT[:6], steps=2)
+
+
+# CUDA kernels need head_dim >= 32 (a multiple of 4 * the schedule's threads): 128 / 2 heads.
+GPU_CONFIG = {**BIAS_SCALED, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+@pytest.mark.gpu
+def test_cuda_float16_library_matches_torch_and_stock_cache():
+    """On the GPU machine: the same checks for a float16 CUDA library (sm_90)."""
+    ours = Model(GPU_CONFIG, "tvmattn", seed=3, target="cuda:sm_90", dtype="float16")
+    stock = Model(GPU_CONFIG, "tvm", seed=3, target="cuda:sm_90", dtype="float16")
+    compare_with_stock(ours, stock, STOCK_TOLERANCE["float16"])
+
+
+def test_pack_params_errors(bias_model):
+    weights = dict(bias_model.hf_weights)
+    del weights["model.layers.1.self_attn.v_proj.bias"]
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.v_proj.bias.*missing"):
+        pack_params(bias_model.library.metadata, weights)
+    weights = dict(bias_model.hf_weights, **{"model.norm.weight": np.ones(63, np.float32)})
+    with pytest.raises(ValueError, match=r"model.norm.weight has shape \[63\].*needs \[64\]"):
+        pack_params(bias_model.library.metadata, weights)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
+    ({"hidden_size": 66}, "hidden_size=66"),
+    ({"hidden_size": 60}, "head_dim=15"),
+    ({"head_dim": 24}, "head_dim=24"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"model_type": "gpt2"}, "model_type"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling"),
+    ({"vocab_size": 0}, "vocab_size=0"),
+])
+def test_model_config_rejects_bad_fields(change, message):
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig.from_hf({**TIED, **change})
+
+
+def test_model_config_defaults():
+    config = ModelConfig.from_hf({k: v for k, v in TIED.items() if k not in ("num_key_value_heads", "rms_norm_eps")})
+    assert config.head_dim == 16 and config.num_key_value_heads == 4 and config.rms_norm_eps == 1e-5
+    assert ModelConfig.from_hf(BIAS_SCALED).rope_scaling.factor == 8.0
+    qwen2 = {k: v for k, v in TIED.items() if k != "attention_bias"}
+    assert ModelConfig.from_hf({**qwen2, "model_type": "qwen2"}).attention_bias  # Qwen2 always has q/k/v bias
+    assert not ModelConfig.from_hf(qwen2).attention_bias

@@ -1,0 +1,17 @@
+"""Models on the tvmattn cache: the Llama-family decoder (`llama`), its configuration
+(`config`), the nn-level KV cache that emits `tvmattn.*` calls (`kv_cache`) and the library
+export (`export`)."""
+
+from .config import ModelConfig as ModelConfig
+from .config import ModelConfigError as ModelConfigError
+from .export import BuildOptions as BuildOptions
+from .export import ModelLibrary as ModelLibrary
+from .export import compile_library as compile_library
+from .export import export_library as export_library
+from .export import export_module as export_module
+from .export import pack_params as pack_params
+from .export import read_metadata as read_metadata
+from .kv_cache import KVCacheSpec as KVCacheSpec
+from .kv_cache import TvmattnKVCache as TvmattnKVCache
+from .llama import LlamaForCausalLM as LlamaForCausalLM
+from .llama import hf_parameter_sources as hf_parameter_sources

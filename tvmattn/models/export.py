@@ -1,0 +1,173 @@
+"""Build a model library: export the decoder's functions (MLC-LLM style, weights packed as the
+last argument), attach `_metadata`, compile for a target and write the shared library.
+
+Exported functions (`vm[name]`):
+- `embed(input_ids [n] int32, params) -> [n, hidden]`
+- `prefill(input_embed [1, n, hidden], cache, params) -> (logits [1, 1, vocab] f32, cache)`
+- `decode(input_embed [1, 1, hidden], cache, params) -> (logits [1, 1, vocab] f32, cache)`
+- `batch_prefill(input_embeds [1, n, hidden], logit_positions [k] int32, cache, params)
+   -> (logits [1, k, vocab] f32, cache)`
+- `batch_decode(input_embeds [b, 1, hidden], cache, params) -> (logits [b, 1, vocab] f32, cache)`
+- `create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+   support_sliding_window) -> cache` (ShapeTuple([value]) each, as MLC-LLM passes them)
+- `_metadata() -> str` (JSON: see `metadata`)
+`params` is the list of weights in the order of metadata["params"], each of its shape and dtype
+(`pack_params` makes it from HF-named tensors). The host drives the cache with
+`tvmattn.kv_state_*` (kv_cache="tvmattn"; tvmattn must be imported in that process) or
+`vm.builtin.kv_state_*` (kv_cache="tvm") around each call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .config import ModelConfig
+from .kv_cache import KV_CACHE_KINDS, KVCacheSpec
+from .llama import LlamaForCausalLM, hf_parameter_sources
+
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+METADATA_FUNCTION = "_metadata"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """target: "llvm", "cuda" or "cuda:sm_XX"; dtype: weights and activations; page_size: KV
+    page size compiled into tvmattn's kernels; kv_cache: "tvmattn" or "tvm" (TVM's stock cache)."""
+
+    target: str = "llvm"
+    dtype: str = "float32"
+    page_size: int = 16
+    kv_cache: str = "tvmattn"
+
+    def __post_init__(self):
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported: expected one of {SUPPORTED_DTYPES}")
+        if self.kv_cache not in KV_CACHE_KINDS:
+            raise ValueError(f"kv_cache={self.kv_cache!r} is not supported: expected one of {KV_CACHE_KINDS}")
+        kind = self.target.split(":")[0]
+        if kind not in ("llvm", "cuda"):
+            raise ValueError(f'target={self.target!r} is not supported: expected "llvm", "cuda" or "cuda:sm_XX"')
+
+    def cache_spec(self, config: ModelConfig) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_layers=config.num_hidden_layers, num_qo_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=self.dtype,
+            target=self.target, page_size=self.page_size, rope_theta=config.rope_theta,
+            rope_scaling=config.rope_scaling,
+        )
+
+    def tvm_target(self) -> tvm.target.Target:
+        if self.target.startswith("cuda"):
+            arch = self.target.split(":")[1] if ":" in self.target else "sm_90"
+            return tvm.target.Target({"kind": "cuda", "arch": arch})
+        return tvm.target.Target("llvm")
+
+
+@dataclasses.dataclass
+class ModelLibrary:
+    """A compiled library in memory: `executable` (load into relax.VirtualMachine) and its metadata."""
+
+    executable: relax.VMExecutable
+    metadata: dict[str, Any]
+
+    @property
+    def param_names(self) -> list[str]:
+        return [p["name"] for p in self.metadata["params"]]
+
+
+def metadata(config: ModelConfig, options: BuildOptions, params: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The JSON document `_metadata` returns."""
+    spec = options.cache_spec(config)
+    return {
+        "model_type": "llama",
+        "model_config": config.to_dict(),
+        "params": [{"name": name, "shape": [int(d) for d in p.shape], "dtype": str(p.dtype)} for name, p in params],
+        "kv_cache": {"kind": options.kv_cache, **spec.to_dict()},
+        "build_options": dataclasses.asdict(options),
+        "functions": ["embed", "prefill", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache"],
+        "param_mode": "packed",
+    }
+
+
+def _attach_metadata(mod: tvm.IRModule, document: dict[str, Any]) -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    with bb.function(METADATA_FUNCTION, params=[]):
+        bb.emit_func_output(tvm.ir.StringImm(json.dumps(document)))
+    mod[METADATA_FUNCTION] = bb.finalize()[METADATA_FUNCTION]
+    return mod
+
+
+def export_module(config: ModelConfig, options: BuildOptions) -> tuple[tvm.IRModule, dict[str, Any]]:
+    """The Relax IRModule of the model library (before compilation) and its metadata."""
+    model = LlamaForCausalLM(config, options.cache_spec(config), options.kv_cache)
+    model.to(options.dtype)
+    mod, params = model.export_tvm(spec=model.get_default_spec())
+    document = metadata(config, options, params)
+    expected = list(hf_parameter_sources(config))
+    if [name for name, _ in params] != expected:
+        raise AssertionError(f"model parameters {[n for n, _ in params]} differ from the HF map {expected}")
+    return _attach_metadata(mod, document), document
+
+
+def compile_library(config: ModelConfig, options: BuildOptions | None = None, **kwargs) -> ModelLibrary:
+    """Export and compile the library in memory (options, or BuildOptions fields as kwargs)."""
+    options = options or BuildOptions(**kwargs)
+    mod, document = export_module(config, options)
+    target = options.tvm_target()
+    with target:
+        executable = tvm.compile(mod, target=target)
+    return ModelLibrary(executable, document)
+
+
+def export_library(config: ModelConfig, target: str = "llvm", dtype: str = "float32", out_path: str | Path = "model.so",
+                   *, page_size: int = 16, kv_cache: str = "tvmattn") -> ModelLibrary:
+    """Compile the library and write it to out_path (a shared library for relax.VirtualMachine)."""
+    library = compile_library(config, BuildOptions(target=target, dtype=dtype, page_size=page_size,
+                                                    kv_cache=kv_cache))
+    out_path = Path(out_path)
+    tmp = out_path.with_name(out_path.name + ".partial.so")
+    library.executable.export_library(str(tmp))
+    tmp.replace(out_path)
+    return library
+
+
+def read_metadata(vm: relax.VirtualMachine) -> dict[str, Any]:
+    """The parsed `_metadata` of a loaded library."""
+    return json.loads(str(vm[METADATA_FUNCTION]()))
+
+
+def pack_params(document: dict[str, Any], tensors: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """HF-named tensors (e.g. from tvmattn.weights) -> the library's params list, in order, in the
+    library's dtype; fused projections are concatenated. Raises ValueError naming a missing
+    tensor or a wrong shape."""
+    config = ModelConfig(**{**document["model_config"], "rope_scaling": None})
+    sources = hf_parameter_sources(config)
+    dtype = np.dtype(_numpy_dtype(document["build_options"]["dtype"]))
+    packed = []
+    for param in document["params"]:
+        names = sources[param["name"]]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"weights: tensor {missing[0]!r} (for parameter {param['name']!r}) is missing")
+        value = np.concatenate([np.asarray(tensors[n]) for n in names], axis=0) if len(names) > 1 \
+            else np.asarray(tensors[names[0]])
+        if list(value.shape) != param["shape"]:
+            raise ValueError(f"weights: {'+'.join(names)} has shape {list(value.shape)}, "
+                             f"parameter {param['name']!r} needs {param['shape']}")
+        packed.append(np.ascontiguousarray(value.astype(dtype)))
+    return packed
+
+
+def _numpy_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return dtype

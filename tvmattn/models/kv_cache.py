@@ -1,0 +1,193 @@
+"""The nn-level KV cache of a model library: creates tvmattn's PagedKVCache inside the
+library and emits the `tvmattn.*` attention calls of the model's layers.
+
+`TvmattnKVCache.create(...)` adds tvmattn's TIR kernels (tir_kernels generators) to the IRModule
+being built, so they are compiled into the same library, and emits
+`tvmattn.paged_attention_kv_cache_create` with TVM's positional layout (tvmattn.ffi.CreateArgs):
+attention kernels as `["tirx", f]` backend specs, auxiliary kernels as functions. The cache
+comes back to the VM as an opaque object (see tvmattn/ffi.py); `attention_with_fused_qkv`
+emits `tvmattn.attention_kv_cache_attention_with_fused_qkv` on it. The process that runs the
+library must have imported tvmattn (that registers the `tvmattn.*` functions).
+
+`tvm_stock_kv_cache(...)` builds TVM's own `TIRPagedKVCache` with the same options (the
+baseline); both objects offer the same `attention_with_fused_qkv(layer_id, qkv, num_qo_heads,
+sm_scale)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import tvm
+from tvm import relax as rx
+from tvm import tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache as StockPagedKVCache
+from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
+
+import tir_kernels
+from tir_kernels import AttentionConfig, RopeScaling
+
+from ..ffi import AttnKind, CreateArgs
+
+CREATE = "tvmattn.paged_attention_kv_cache_create"
+ATTENTION_WITH_FUSED_QKV = "tvmattn.attention_kv_cache_attention_with_fused_qkv"
+KV_CACHE_KINDS = ("tvmattn", "tvm")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """What a model library's cache holds, fixed at compile time.
+
+    page_size is compiled into tvmattn's kernels: create_paged_kv_cache must be called with it.
+    rope_theta / rope_scale / rope_scaling: RoPE applied to q and k before caching ("normal").
+    """
+
+    num_layers: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    target: str  # "llvm" or "cuda:sm_XX"
+    page_size: int = 16
+    rope_theta: float = 10000.0
+    rope_scale: float = 1.0
+    rope_scaling: RopeScaling | None = None
+
+    def attention_config(self, sliding_window: bool = False) -> AttentionConfig:
+        return AttentionConfig(
+            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            dtype=self.dtype, page_size=self.page_size, target=self.target, sliding_window=sliding_window,
+            rope_theta=self.rope_theta, rope_scale=self.rope_scale, rope_scaling=self.rope_scaling,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = dataclasses.asdict(self)
+        fields["rope_scaling"] = None if self.rope_scaling is None else dataclasses.asdict(self.rope_scaling)
+        return fields
+
+
+def _kernel(func: tirx.PrimFunc, name: str) -> rx.GlobalVar:
+    """Add a PrimFunc to the module being built under a unique symbol `name` (marked scheduled:
+    the GPU pipeline's default schedules must leave its thread mapping alone)."""
+    func = func.with_attr("global_symbol", name).with_attr("tirx.is_scheduled", True)
+    return rx.BlockBuilder.current().add_func(func, name)
+
+
+def _spec(func: tirx.PrimFunc, name: str) -> rx.Tuple:
+    return rx.Tuple([tvm.ir.StringImm("tirx"), _kernel(func, name)])
+
+
+def _library_kernels(spec: KVCacheSpec) -> dict[str, rx.Expr]:
+    """CreateArgs field -> the kernel (or spec) compiled into the library, for each slot."""
+    plain, sliding = spec.attention_config(False), spec.attention_config(True)
+    return {
+        "transpose_append_mha": _kernel(tir_kernels.transpose_append(plain), "tvmattn_transpose_append"),
+        "transpose_append_mla": rx.Tuple([]),
+        "prefill_ragged": _spec(tir_kernels.ragged_prefill(plain), "tvmattn_prefill_ragged"),
+        "prefill_paged": _spec(tir_kernels.paged_prefill(plain), "tvmattn_prefill_paged"),
+        "decode_paged": _spec(tir_kernels.paged_decode(plain), "tvmattn_decode_paged"),
+        "prefill_paged_sliding": _spec(tir_kernels.paged_prefill(sliding), "tvmattn_prefill_paged_sliding"),
+        "decode_paged_sliding": _spec(tir_kernels.paged_decode(sliding), "tvmattn_decode_paged_sliding"),
+        "tree_paged": rx.Tuple([]),  # token trees beyond chains are not supported yet
+        "tree_ragged": rx.Tuple([]),
+        "mla_prefill": rx.Tuple([]),
+        "merge": rx.Tuple([_kernel(tir_kernels.merge_state(plain), "tvmattn_merge_state")]),
+        "split_rotary": _kernel(tir_kernels.split_rotary(plain), "tvmattn_split_rotary"),
+        "copy_single_page": _kernel(tir_kernels.copy_single_page(plain), "tvmattn_copy_single_page"),
+        "debug_get_kv": _kernel(tir_kernels.debug_get_kv(plain, spec.num_layers), "tvmattn_debug_get_kv"),
+        "compact_copy": _kernel(tir_kernels.compact_copy(plain), "tvmattn_compact_copy"),
+    }
+
+
+class TvmattnKVCache(nn.Object):
+    """tvmattn's PagedKVCache as an nn object (created by `create`, or a function parameter
+    declared with `nn.spec.Object(object_type=TvmattnKVCache)`)."""
+
+    @classmethod
+    def create(cls, spec: KVCacheSpec, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+               prefill_chunk_size: tirx.Var, page_size: tirx.Var, support_sliding_window: tirx.Var,
+               name: str = "paged_kv_cache") -> "TvmattnKVCache":
+        """Emit the creation of the cache (inside a function being exported).
+
+        page_size must be spec.page_size at run time (the kernels are compiled for it): the
+        cache configuration is match-cast to a shape with that page size, so another value
+        fails at creation with the VM's shape-mismatch error."""
+        values = [max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window]
+        expected = [max_batch_size, max_total_seq_len, prefill_chunk_size, spec.page_size, support_sliding_window]
+        cache_config = rx.BlockBuilder.current().match_cast(
+            rx.ShapeExpr(values), rx.ShapeType(expected), "cache_config_with_compiled_page_size"
+        )
+        args = CreateArgs(
+            cache_config=cache_config,
+            layer_indptr=rx.ShapeExpr([0, spec.num_layers]),
+            num_qo_heads=rx.prim_value(spec.num_qo_heads),
+            num_kv_heads=rx.prim_value(spec.num_kv_heads),
+            qk_head_dim=rx.prim_value(spec.head_dim),
+            v_head_dim=rx.prim_value(spec.head_dim),
+            attn_kinds=rx.ShapeExpr([int(AttnKind.MHA)] * spec.num_layers),
+            enable_kv_transfer=rx.prim_value(False),
+            rope_mode=rx.prim_value(int(RopeMode.NORMAL)),
+            rope_scale=rx.prim_value(float(spec.rope_scale)),
+            rope_theta=rx.prim_value(float(spec.rope_theta)),
+            rope_ext_factors=rx.prim_value(0),
+            init=rx.op.zeros((), spec.dtype),
+            **_library_kernels(spec),
+        )
+        return cls(_expr=rx.call_pure_packed(CREATE, *args.positional(), ty_args=rx.AnyType()), _name=name)
+
+    def attention_with_fused_qkv(self, layer_id: int, qkv: nn.Tensor, num_qo_heads: int,
+                                 sm_scale: float) -> nn.Tensor:
+        """qkv [b, s, Hq + 2 Hkv, D] (RoPE not applied) -> o [b, s, Hq, D]; appends k/v to the
+        cache. b * s must equal the tokens of the step begun by kv_state_begin_forward."""
+        b, s, heads, d = qkv.shape
+        flat = nn.op.reshape(qkv, (b * s, heads, d))
+        out = rx.BlockBuilder.current().emit(
+            rx.call_dps_packed(
+                ATTENTION_WITH_FUSED_QKV,
+                [self._expr, rx.prim_value(layer_id), rx.prim_value(sm_scale), flat._expr],
+                out_ty=rx.TensorType((b * s, num_qo_heads, d), qkv.dtype),
+            ),
+            "attention",
+        )
+        return nn.op.reshape(nn.Tensor(_expr=out), (b, s, num_qo_heads, d))
+
+
+def tvm_stock_kv_cache(spec: KVCacheSpec, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                       support_sliding_window, name: str = "paged_kv_cache") -> TIRPagedKVCache:
+    """TVM's own TIRPagedKVCache with TVM's kernels, configured like `spec` (page size at run time)."""
+    rope_scaling = {} if spec.rope_scaling is None else {"rope_type": "llama3",
+                                                           **dataclasses.asdict(spec.rope_scaling)}
+    return TIRPagedKVCache(
+        attn_kind="mha",
+        max_batch_size=max_batch_size,
+        max_total_seq_len=max_total_seq_len,
+        prefill_chunk_size=prefill_chunk_size,
+        page_size=page_size,
+        support_sliding_window=support_sliding_window,
+        layer_partition=rx.ShapeExpr([0, spec.num_layers]),
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_qo_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        qk_head_dim=spec.head_dim,
+        v_head_dim=spec.head_dim,
+        mla_original_qk_head_dim=0,
+        mla_original_v_head_dim=0,
+        rope_mode=RopeMode.NORMAL,
+        rope_scale=spec.rope_scale,
+        rope_theta=spec.rope_theta,
+        rope_scaling=rope_scaling,
+        rope_ext_factors=rx.prim_value(0),
+        rotary_dim=spec.head_dim,
+        enable_disaggregation=False,
+        dtype=spec.dtype,
+        target=AttentionConfig(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
+                               target=spec.target).tvm_target(),
+        name=name,
+    )
+
+
+def kv_cache_object_type(kind: str) -> type:
+    """The nn object type a model function's cache parameter is declared with."""
+    return {"tvmattn": TvmattnKVCache, "tvm": StockPagedKVCache}[kind]

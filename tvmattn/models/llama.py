@@ -1,0 +1,180 @@
+"""The Llama-family decoder in `tvm.relax.frontend.nn`, with the functions a model library
+exports (MLC-LLM style) and the map from its parameters to Hugging Face tensor names.
+
+Architecture: token embedding; per layer RMSNorm -> grouped-query attention (one fused q/k/v
+projection, optional q/k/v bias as in Qwen2, RoPE and paged attention in the KV cache) ->
+residual -> RMSNorm -> SwiGLU MLP (fused gate/up projection) -> residual; final RMSNorm; LM
+head (its own matrix, or the embedding matrix when tied). Logits are float32.
+
+Parameter names are HF's with the fused projections renamed: `...self_attn.qkv_proj.*` holds
+q_proj, k_proj, v_proj stacked on the output axis, `...mlp.gate_up_proj.weight` holds gate_proj
+then up_proj (see `hf_parameter_sources`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from .config import ModelConfig
+from .kv_cache import KVCacheSpec, TvmattnKVCache, kv_cache_object_type, tvm_stock_kv_cache
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.sm_scale = 1.0 / math.sqrt(config.head_dim)
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: nn.Tensor, cache, layer_id: int) -> nn.Tensor:
+        b, s, _ = x.shape
+        heads = self.num_q_heads + 2 * self.num_kv_heads
+        qkv = op.reshape(self.qkv_proj(x), (b, s, heads, self.head_dim))
+        o = cache.attention_with_fused_qkv(layer_id, qkv, self.num_q_heads, sm_scale=self.sm_scale)
+        return self.o_proj(op.reshape(o, (b, s, self.num_q_heads * self.head_dim)))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False)
+
+    def forward(self, x: nn.Tensor, cache, layer_id: int) -> nn.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache, layer_id)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False)
+
+    def forward(self, x: nn.Tensor, cache) -> nn.Tensor:
+        for layer_id, layer in enumerate(self.layers):
+            x = layer(x, cache, layer_id)
+        return self.norm(x)
+
+
+def _last_token(x: te.Tensor) -> te.Tensor:
+    """[b, s, d] -> [b, 1, d]: the last position of each row."""
+    b, s, d = x.shape
+    return te.compute((b, 1, d), lambda i, _, k: x[i, s - 1, k], name="last_token")
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder and its exported functions.
+
+    kv_cache: "tvmattn" (tvmattn's cache with the kernels compiled into the library) or "tvm"
+    (TVM's stock TIRPagedKVCache); cache_spec fixes the cache's compile-time options.
+    """
+
+    def __init__(self, config: ModelConfig, cache_spec: KVCacheSpec, kv_cache: str = "tvmattn"):
+        self.config = config
+        self.cache_spec = cache_spec
+        self.kv_cache = kv_cache
+        self.dtype = cache_spec.dtype
+        self.model = LlamaModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def logits(self, h: nn.Tensor) -> nn.Tensor:
+        if self.config.tie_word_embeddings:
+            out = op.matmul(h, op.permute_dims(self.model.embed_tokens.weight))
+        else:
+            out = self.lm_head(h)
+        return out if out.dtype == "float32" else op.astype(out, "float32")
+
+    # ---- exported functions ----------------------------------------------------------------
+    def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
+        """input_ids [n] int32 -> embeddings [n, hidden]."""
+        return self.model.embed_tokens(input_ids)
+
+    def prefill(self, input_embed: nn.Tensor, paged_kv_cache):
+        """input_embed [1, n, hidden] of one sequence -> (logits [1, 1, vocab] of its last token, cache)."""
+        h = self.model(input_embed, paged_kv_cache)
+        h = op.tensor_expr_op(_last_token, name_hint="last_token", args=[h])
+        return self.logits(h), paged_kv_cache
+
+    def decode(self, input_embed: nn.Tensor, paged_kv_cache):
+        """input_embed [1, 1, hidden] -> (logits [1, 1, vocab], cache)."""
+        return self.logits(self.model(input_embed, paged_kv_cache)), paged_kv_cache
+
+    def batch_prefill(self, input_embeds: nn.Tensor, logit_positions: nn.Tensor, paged_kv_cache):
+        """input_embeds [1, n, hidden] (the step's sequences packed in begin_forward order),
+        logit_positions [k] int32 (token indices to score) -> (logits [1, k, vocab], cache)."""
+        h = op.take(self.model(input_embeds, paged_kv_cache), logit_positions, axis=1)
+        return self.logits(h), paged_kv_cache
+
+    def batch_decode(self, input_embeds: nn.Tensor, paged_kv_cache):
+        """input_embeds [batch, 1, hidden] -> (logits [batch, 1, vocab], cache)."""
+        return self.logits(self.model(input_embeds, paged_kv_cache)), paged_kv_cache
+
+    def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                              prefill_chunk_size: tirx.Var, page_size: tirx.Var, support_sliding_window: tirx.Var):
+        args = (self.cache_spec, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                support_sliding_window)
+        if self.kv_cache == "tvmattn":
+            return TvmattnKVCache.create(*args)
+        return tvm_stock_kv_cache(*args)
+
+    def get_default_spec(self) -> nn.spec.ModuleSpec:
+        hidden, dtype = self.config.hidden_size, self.dtype
+        cache = nn.spec.Object(object_type=kv_cache_object_type(self.kv_cache))
+        packed = {"param_mode": "packed", "effect_mode": "none"}
+        spec = {
+            "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": packed},
+            "prefill": {"input_embed": nn.spec.Tensor([1, "seq_len", hidden], dtype), "paged_kv_cache": cache,
+                        "$": packed},
+            "decode": {"input_embed": nn.spec.Tensor([1, 1, hidden], dtype), "paged_kv_cache": cache, "$": packed},
+            "batch_prefill": {"input_embeds": nn.spec.Tensor([1, "seq_len", hidden], dtype),
+                              "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                              "paged_kv_cache": cache, "$": packed},
+            "batch_decode": {"input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], dtype),
+                             "paged_kv_cache": cache, "$": packed},
+            "create_paged_kv_cache": {
+                "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int, "page_size": int,
+                "support_sliding_window": int, "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+        }
+        return nn.spec.ModuleSpec.from_raw(spec, self)
+
+
+def hf_parameter_sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Parameter name -> the HF tensors it is made of, concatenated along axis 0, in the
+    order the model declares its parameters."""
+    sources: dict[str, tuple[str, ...]] = {"model.embed_tokens.weight": ("model.embed_tokens.weight",)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        attn = f"{p}.self_attn"
+        sources[f"{attn}.qkv_proj.weight"] = tuple(f"{attn}.{x}_proj.weight" for x in "qkv")
+        if config.attention_bias:
+            sources[f"{attn}.qkv_proj.bias"] = tuple(f"{attn}.{x}_proj.bias" for x in "qkv")
+        sources[f"{attn}.o_proj.weight"] = (f"{attn}.o_proj.weight",)
+        sources[f"{p}.mlp.gate_up_proj.weight"] = (f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight")
+        sources[f"{p}.mlp.down_proj.weight"] = (f"{p}.mlp.down_proj.weight",)
+        sources[f"{p}.input_layernorm.weight"] = (f"{p}.input_layernorm.weight",)
+        sources[f"{p}.post_attention_layernorm.weight"] = (f"{p}.post_attention_layernorm.weight",)
+    sources["model.norm.weight"] = ("model.norm.weight",)
+    if not config.tie_word_embeddings:
+        sources["lm_head.weight"] = ("lm_head.weight",)
+    return sources
