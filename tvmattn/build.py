@@ -1,0 +1,237 @@
+"""Compile a model into a library directory-free bundle: OUT.so plus its run-time files beside it.
+
+`compile_model` resolves a model (the name `smollm2-135m`, a GGUF file, or a Hugging Face
+`config.json`, whose folder may hold safetensors weights), compiles the Llama-family library
+(tvmattn.models) for a target and writes, beside OUT.so:
+- OUT.params.npz: the packed parameters (`p0`, `p1`, ... in metadata["params"] order, in the
+  library's dtype) when weights were found;
+- OUT.runtime.json: the library metadata, run-time settings (max batch size, context window,
+  prefill chunk, page size), the tokenizer (as `tokenizers` JSON), the chat template and the
+  stop token ids.
+Every file is written under a temporary name first and renamed at the end, so a failed build
+leaves no half-written output. `scripts/compile.py` is the command line over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+MODEL_NAMES = ("smollm2-135m",)
+TARGETS = ("auto", "cuda", "llvm")
+RUNTIME_SUFFIX = ".runtime.json"
+PARAMS_SUFFIX = ".params.npz"
+
+
+class BuildError(ValueError):
+    """A bad argument or an unsupported model: the message says which and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildResult:
+    library: Path
+    params: Path | None
+    runtime: Path
+    target: str
+    dtype: str
+    timings: dict[str, float]
+
+
+def sidecar(library: str | Path, suffix: str) -> Path:
+    """OUT.so -> OUT<suffix> (OUT.params.npz, OUT.runtime.json)."""
+    library = Path(library)
+    stem = library.name[:-3] if library.name.endswith(".so") else library.name
+    return library.with_name(stem + suffix)
+
+
+def resolve_target(target: str, cuda_arch: str) -> str:
+    """"auto" -> cuda:ARCH where a CUDA device exists, else "llvm"."""
+    if target not in TARGETS:
+        raise BuildError(f"--target {target!r} is not supported: expected one of {TARGETS}")
+    if not (cuda_arch.startswith("sm_") and cuda_arch[3:].isdigit()):
+        raise BuildError(f"--cuda-arch {cuda_arch!r} is not a CUDA arch like 'sm_90'")
+    if target == "auto":
+        import tvm
+
+        target = "cuda" if tvm.cuda(0).exist else "llvm"
+    return f"cuda:{cuda_arch}" if target == "cuda" else "llvm"
+
+
+def _gguf_runtime(path: Path) -> dict[str, Any]:
+    """Tokenizer JSON, chat template and stop ids from a GGUF file."""
+    import gguf
+
+    from .weights import chat_template, tokenizer_from_gguf
+
+    tokenizer = tokenizer_from_gguf(path)
+    reader = gguf.GGUFReader(path)
+    stop = []
+    field = reader.get_field("tokenizer.ggml.eos_token_id")
+    if field is not None:
+        stop.append(int(field.contents()))
+    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None and token_id not in stop:
+            stop.append(token_id)
+    return {"tokenizer": tokenizer.to_str(), "chat_template": chat_template(path), "stop_token_ids": stop}
+
+
+def load_model(model: str) -> tuple[dict[str, Any], dict[str, np.ndarray] | None, dict[str, Any]]:
+    """(HF config, HF-named float32 tensors or None, run-time tokenizer info) of a --model value."""
+    from .weights import read_gguf, read_safetensors_folder, smollm2_path
+
+    if model in MODEL_NAMES:
+        path = smollm2_path()
+    else:
+        path = Path(model)
+        if not path.exists():
+            raise BuildError(f"--model {model!r}: no such file; expected one of {MODEL_NAMES}, "
+                             f"a .gguf file or a config.json")
+    if path.suffix == ".gguf":
+        loaded = read_gguf(path)
+        return loaded.hf_config, loaded.tensors, _gguf_runtime(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.name.endswith(".json") and path.is_file():
+        try:
+            hf_config = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise BuildError(f"--model {str(path)!r}: not valid JSON: {err}") from None
+        if not isinstance(hf_config, dict):
+            raise BuildError(f"--model {str(path)!r}: expected a JSON object")
+        tensors = None
+        if list(path.parent.glob("*.safetensors")):
+            loaded = read_safetensors_folder(path.parent)
+            hf_config, tensors = loaded.hf_config, loaded.tensors
+        runtime: dict[str, Any] = {"tokenizer": None, "chat_template": None, "stop_token_ids": []}
+        tokenizer_file = path.parent / "tokenizer.json"
+        if tokenizer_file.is_file():
+            runtime["tokenizer"] = tokenizer_file.read_text()
+        return hf_config, tensors, runtime
+    raise BuildError(f"--model {model!r}: expected one of {MODEL_NAMES}, a .gguf file or a config.json")
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value <= 0):
+        raise BuildError(f"{name} must be a positive integer, got {value!r}")
+
+
+def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cuda_arch: str = "sm_90",
+                  dtype: str | None = None, page_size: int = 16, max_batch_size: int = 4,
+                  context_window: int | None = None, prefill_chunk: int | None = None,
+                  kv_cache: str = "tvmattn", dump_ir: str | Path | None = None,
+                  log: Callable[[str], None] = print) -> BuildResult:
+    """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
+
+    dtype defaults to float32 on llvm and float16 on cuda; context_window defaults to the
+    model's max_position_embeddings capped at 4096; prefill_chunk to min(context_window, 2048).
+    Raises BuildError (a ValueError) for bad arguments or an unsupported model.
+    """
+    from .models import BuildOptions, ModelConfig, ModelConfigError, export_module, pack_params
+    from .models.export import SUPPORTED_DTYPES
+
+    for name, value in (("--page-size", page_size), ("--max-batch-size", max_batch_size),
+                        ("--context-window", context_window), ("--prefill-chunk", prefill_chunk)):
+        _positive(name, value)
+    if page_size & (page_size - 1):
+        raise BuildError(f"--page-size must be a power of two, got {page_size}")
+    if kv_cache not in ("tvmattn", "tvm"):
+        raise BuildError(f"--kv-cache {kv_cache!r} is not supported: expected 'tvmattn' or 'tvm'")
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        raise BuildError(f"--dtype {dtype!r} is not supported: expected one of {SUPPORTED_DTYPES}")
+    out_path = Path(out_path)
+    if out_path.suffix != ".so":
+        raise BuildError(f"-o {str(out_path)!r}: the library name must end in .so")
+    if not out_path.parent.is_dir():
+        raise BuildError(f"-o {str(out_path)!r}: folder {str(out_path.parent)!r} does not exist")
+    target = resolve_target(target, cuda_arch)
+    dtype = dtype or ("float32" if target == "llvm" else "float16")
+    timings: dict[str, float] = {}
+
+    def stage(name: str, start: float) -> None:
+        timings[name] = time.perf_counter() - start
+        log(f"[compile] {name}: {timings[name]:.2f} s")
+
+    start = time.perf_counter()
+    log(f"[compile] loading model {model!r}")
+    hf_config, tensors, runtime = load_model(model)
+    try:
+        config = ModelConfig.from_hf(hf_config)
+    except ModelConfigError as err:
+        raise BuildError(f"--model {model!r}: unsupported model: {err}") from None
+    stage("load model", start)
+    max_positions = hf_config.get("max_position_embeddings") or 4096
+    context_window = context_window or min(int(max_positions), 4096)
+    prefill_chunk = prefill_chunk or min(context_window, 2048)
+
+    start = time.perf_counter()
+    import tvm
+
+    options = BuildOptions(target=target, dtype=dtype, page_size=page_size, kv_cache=kv_cache)
+    log(f"[compile] exporting the Relax module (target {target}, dtype {dtype}, kv cache {kv_cache})")
+    mod, document = export_module(config, options)
+    if dump_ir is not None:
+        Path(dump_ir).mkdir(parents=True, exist_ok=True)
+        (Path(dump_ir) / "model.relax.py").write_text(mod.script(show_meta=False))
+    stage("export", start)
+
+    start = time.perf_counter()
+    params = None
+    if tensors is not None:
+        log("[compile] packing weights")
+        try:
+            params = pack_params(document, tensors)
+        except ValueError as err:
+            raise BuildError(f"--model {model!r}: {err}") from None
+        stage("pack weights", start)
+    else:
+        log("[compile] no weights found beside the config: writing the library only")
+
+    start = time.perf_counter()
+    log("[compile] compiling (this is the slow part)")
+    tvm_target = options.tvm_target()
+    with tvm_target:
+        executable = tvm.compile(mod, target=tvm_target)
+    if dump_ir is not None:
+        try:
+            (Path(dump_ir) / "library.txt").write_text(executable.as_text())
+        except Exception:  # noqa: BLE001 - the dump is best effort
+            pass
+    stage("compile", start)
+
+    start = time.perf_counter()
+    library, params_file, runtime_file = out_path, sidecar(out_path, PARAMS_SUFFIX), sidecar(out_path, RUNTIME_SUFFIX)
+    temps: list[tuple[Path, Path]] = []
+    pid = os.getpid()
+    try:
+        tmp = library.with_name(f".{library.name}.{pid}.partial.so")
+        temps.append((tmp, library))
+        executable.export_library(str(tmp))
+        if params is not None:
+            tmp = params_file.with_name(f".{params_file.name}.{pid}.partial.npz")
+            temps.append((tmp, params_file))
+            np.savez(tmp, **{f"p{i}": p for i, p in enumerate(params)})
+        tmp = runtime_file.with_name(f".{runtime_file.name}.{pid}.partial")
+        temps.append((tmp, runtime_file))
+        settings = {"max_batch_size": max_batch_size, "context_window": context_window,
+                    "prefill_chunk": prefill_chunk, "page_size": page_size}
+        tmp.write_text(json.dumps({"metadata": document, "settings": settings, "model": model,
+                                   "params_file": params_file.name if params is not None else None,
+                                   **runtime}))
+        for tmp, final in temps:
+            tmp.replace(final)
+        if params is None and params_file.exists():
+            params_file.unlink()  # stale weights of an earlier build must not be picked up
+    finally:
+        for tmp, _ in temps:
+            if tmp.exists():
+                tmp.unlink()
+    stage("write", start)
+    log(f"[compile] wrote {library}" + (f", {params_file}" if params is not None else "") + f", {runtime_file}")
+    return BuildResult(library, params_file if params is not None else None, runtime_file, target, dtype, timings)
