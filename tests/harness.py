@@ -21,6 +21,26 @@ NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": n
 JUNK = 300.0
 
 
+# Paged attention kernel cases, shared by the decode and prefill tests:
+# (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding), sampled so that every
+# dtype, GQA group 1..16, head dim 64/128/256 and page size 1/16/64 appears.
+PAGED_CASES = [
+    (8, 8, 128, 16, "float16", False),
+    (8, 4, 64, 1, "float32", False),
+    (8, 2, 128, 16, "bfloat16", False),
+    (16, 2, 256, 64, "float16", False),
+    (16, 1, 64, 16, "float16", False),
+    (32, 4, 128, 64, "float32", True),
+    (4, 2, 256, 1, "bfloat16", True),
+    (8, 1, 128, 16, "float16", True),
+]
+
+
+def paged_case_id(case) -> str:
+    hq, hkv, d, ps, dtype, sliding = case
+    return f"hq{hq}-hkv{hkv}-d{d}-ps{ps}-{dtype}" + ("-sliding" if sliding else "")
+
+
 def device_for(config: AttentionConfig) -> tvm.runtime.Device:
     return tvm.cuda(0) if config.is_gpu else tvm.cpu(0)
 

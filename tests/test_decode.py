@@ -6,27 +6,9 @@ import numpy as np
 import pytest
 import tvm
 import reference as ref
-from harness import device_for, empty, index_view, make_paged_batch, randn, tensor
+from harness import PAGED_CASES, device_for, empty, index_view, make_paged_batch, paged_case_id, randn, tensor
 
 from tir_kernels import AttentionConfig, DecodeSchedule, RopeScaling, default_sm_scale, paged_decode
-
-# (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding): sampled so that every
-# dtype, GQA group 1..16, head dim 64/128/256 and page size 1/16/64 appears.
-CASES = [
-    (8, 8, 128, 16, "float16", False),
-    (8, 4, 64, 1, "float32", False),
-    (8, 2, 128, 16, "bfloat16", False),
-    (16, 2, 256, 64, "float16", False),
-    (16, 1, 64, 16, "float16", False),
-    (32, 4, 128, 64, "float32", True),
-    (4, 2, 256, 1, "bfloat16", True),
-    (8, 1, 128, 16, "float16", True),
-]
-
-
-def case_id(case):
-    hq, hkv, d, ps, dtype, sliding = case
-    return f"hq{hq}-hkv{hkv}-d{d}-ps{ps}-{dtype}" + ("-sliding" if sliding else "")
 
 
 def lengths_for(page_size):
@@ -55,11 +37,11 @@ def check(config, o, lse, expected):
         np.testing.assert_allclose(lse[i], else_[0], rtol=ref.LSE_TOLERANCE[0], atol=ref.LSE_TOLERANCE[1], err_msg=f"lse of request {i}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", PAGED_CASES, ids=paged_case_id)
 def test_paged_decode(kernels, target, case):
     hq, hkv, d, ps, dtype, sliding = case
     config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=target, sliding_window=sliding)
-    rng = np.random.default_rng(zlib.crc32(case_id(case).encode()))
+    rng = np.random.default_rng(zlib.crc32(paged_case_id(case).encode()))
     batch = make_paged_batch(rng, lengths_for(ps), hkv, d, ps, dtype, sliding=sliding)
     q = randn(rng, (batch.batch, hq, d), dtype)
     o, lse = run_decode(kernels, config, batch, q)

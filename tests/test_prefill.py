@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import reference as ref
 import tvm
-from harness import device_for, empty, index_view, make_paged_batch, randn, tensor
+from harness import PAGED_CASES, device_for, empty, index_view, make_paged_batch, paged_case_id, randn, tensor
 
 from tir_kernels import (
     AttentionConfig,
@@ -17,19 +17,6 @@ from tir_kernels import (
     ragged_prefill,
 )
 
-# (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding): sampled so that every
-# dtype, GQA group 1..16, head dim 64/128/256 and page size 1/16/64 appears.
-PAGED_CASES = [
-    (8, 8, 128, 16, "float16", False),
-    (8, 4, 64, 1, "float32", False),
-    (8, 2, 128, 16, "bfloat16", False),
-    (16, 2, 256, 64, "float16", False),
-    (16, 1, 64, 16, "float16", False),
-    (32, 4, 128, 64, "float32", True),
-    (4, 2, 256, 1, "bfloat16", True),
-    (8, 1, 128, 16, "float16", True),
-]
-
 # (num_qo_heads, num_kv_heads, qk_head_dim, v_head_dim, dtype)
 RAGGED_CASES = [
     (8, 8, 128, 128, "float16"),
@@ -38,11 +25,6 @@ RAGGED_CASES = [
     (16, 1, 128, 64, "float16"),
     (32, 8, 256, 256, "float32"),
 ]
-
-
-def paged_case_id(case):
-    hq, hkv, d, ps, dtype, sliding = case
-    return f"hq{hq}-hkv{hkv}-d{d}-ps{ps}-{dtype}" + ("-sliding" if sliding else "")
 
 
 def ragged_case_id(case):
