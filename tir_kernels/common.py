@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-from tvm import tirx
 from tvm.script import tirx as T
 
 from .config import AttentionConfig, RopeScaling
@@ -18,7 +17,6 @@ LOG2E = math.log2(math.e)
 # Running-max start value and the LSE reported for a row that sees no key. Finite, so
 # that merging two empty states never computes inf - inf.
 EMPTY_LSE = -5.0e4
-NEG_INF = -math.inf
 
 
 class LoopKinds:
@@ -117,16 +115,6 @@ def length_info_shape(batch, sliding_window: bool):
     return (3, batch) if sliding_window else (batch,)
 
 
-def warp_allreduce_sum(value, width: int):
-    """Sum of `value` over `width` consecutive lanes of a warp (width a power of two)."""
-    mask = T.tvm_warp_activemask()
-    offset = width // 2
-    while offset >= 1:
-        value = value + T.tvm_warp_shuffle_xor(mask, value, offset, width, 32)
-        offset //= 2
-    return value
-
-
 def ceildiv(a, b):
     return (a + b - 1) // b
 
@@ -138,7 +126,6 @@ def is_power_of_two(n: int) -> bool:
 __all__ = [
     "EMPTY_LSE",
     "LOG2E",
-    "NEG_INF",
     "LoopKinds",
     "ceildiv",
     "is_power_of_two",
@@ -148,6 +135,4 @@ __all__ = [
     "paged_position",
     "rope_inv_freq",
     "rope_value",
-    "warp_allreduce_sum",
-    "tirx",
 ]
