@@ -33,6 +33,7 @@ PAGED_CASES = [
     (32, 4, 128, 64, "float32", True),
     (4, 2, 256, 1, "bfloat16", True),
     (8, 1, 128, 16, "float16", True),
+    (4, 2, 80, 8, "float16", False),  # a head dim that is not a power of two (Phi-2 style)
 ]
 
 

@@ -19,12 +19,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_model import TorchLlama
-from test_weights import write_tiny_gguf
 
-from tvmattn.build import BuildError, compile_model, resolve_target, sidecar
-from tvmattn.generate import GenerateError, Generator, render_chat, sample
-from tvmattn.weights import read_gguf
+pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+
+from test_model import TorchLlama  # noqa: E402
+from test_weights import write_tiny_gguf  # noqa: E402
+
+from tvmattn.build import BuildError, compile_model, resolve_target, sidecar  # noqa: E402
+from tvmattn.generate import GenerateError, Generator, render_chat, sample  # noqa: E402
+from tvmattn.weights import read_gguf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "compile.py"

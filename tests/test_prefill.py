@@ -16,6 +16,7 @@ from tir_kernels import (
     paged_prefill,
     ragged_prefill,
 )
+from tir_kernels.schedules import choose_decode_schedule, choose_prefill_schedule
 
 # (num_qo_heads, num_kv_heads, qk_head_dim, v_head_dim, dtype)
 RAGGED_CASES = [
@@ -239,3 +240,13 @@ def test_prefill_schedule_validation():
     with pytest.raises(ValueError, match="must be 1 on the CPU"):
         paged_prefill(AttentionConfig(8, 2, 64), PrefillSchedule(threads_y=4, threads_x=8, rows_per_thread=4,
                                                                  cols_per_thread=4))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("head_dim,v_head_dim", [(d, d) for d in range(16, 257, 16)] + [(192, 128), (128, 16)])
+def test_default_cuda_schedules_fit_every_head_dim(dtype, head_dim, v_head_dim):
+    """The default CUDA schedules are valid for every head-dim pair a config accepts."""
+    config = AttentionConfig(32, 8, head_dim, v_head_dim=v_head_dim, dtype=dtype, target="cuda")
+    choose_prefill_schedule(config).check(config)
+    decode_config = config.replace(v_head_dim=head_dim)
+    choose_decode_schedule(decode_config).check(decode_config)

@@ -59,10 +59,15 @@ def choose_decode_schedule(config: AttentionConfig) -> DecodeSchedule:
     if not config.is_gpu:
         return DecodeSchedule(lanes=1, rows=1, rows_per_thread=1, heads_per_block=config.group_size)
     vec = CUDA_VECTOR_BYTES // config.elem_bytes
-    lanes = min(32, config.head_dim // vec)
+    # Each lane of a row owns whole 16-byte vectors: the largest power of two <= 32 dividing
+    # the vectors per row (32 at head_dim 128 and 256 in fp16, fewer for head dims such as 80).
+    vectors = config.head_dim // vec
+    lanes = 32
+    while vectors % lanes:
+        lanes //= 2
     per_lane = config.head_dim // lanes
     # q and o of the served heads live in registers: keep them under ~128 fp32 values.
-    heads = max(h for h in range(1, config.group_size + 1) if config.group_size % h == 0 and h * per_lane <= 64)
+    heads = max(h for h in range(1, config.group_size + 1) if config.group_size % h == 0 and (h == 1 or h * per_lane <= 64))
     # Measured on the H200 (docs/perf-notes.md): 2 rows per thread beat 4 and 8 (fewer
     # registers, more resident warps); aiming at 4 blocks per SM helps long single requests.
     return DecodeSchedule(
@@ -191,10 +196,16 @@ class PrefillSchedule:
 
 
 def choose_prefill_schedule(config: AttentionConfig) -> PrefillSchedule:
-    """GPU: 128 threads, 64 (32 for head dims above 128) packed query rows x 32 keys per block,
+    """GPU: 128 threads, 64 (32 for head dims above 128) packed query rows x 32 keys per block
+    (8 threads per row; fewer where v_head_dim is not a multiple of 32),
     so that two blocks share an SM (three at head_dim 128: 75 KiB of shared memory each);
     CPU: one thread computing a 16 x 32 tile."""
     if not config.is_gpu:
         return PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=32)
-    rows = 4 if max(config.head_dim, config.v_head_dim) <= 128 else 2
-    return PrefillSchedule(threads_y=16, threads_x=8, rows_per_thread=rows, cols_per_thread=4)
+    threads_x = 8
+    while threads_x > 1 and config.v_head_dim % (4 * threads_x):  # each of a row's threads owns 4-column groups
+        threads_x //= 2
+    threads_y = 128 // threads_x
+    tile_q = 64 if max(config.head_dim, config.v_head_dim) <= 128 else 32
+    return PrefillSchedule(threads_y=threads_y, threads_x=threads_x,
+                           rows_per_thread=max(1, tile_q // threads_y), cols_per_thread=32 // threads_x)
