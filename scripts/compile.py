@@ -2,6 +2,8 @@
 
 A thin argparse layer over `tvmattn.build.compile_model`; writes OUT.so, OUT.params.npz and
 OUT.runtime.json. Run it with `python -m tvmattn generate --lib OUT.so --prompt TEXT`.
+A CUDA build on a machine without a GPU driver restarts itself once with a stand-in driver
+(tvmattn/offline_cuda.py) so that the library embeds compiled cubins, not CUDA source.
 """
 
 from __future__ import annotations
@@ -32,10 +34,19 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from tvmattn.build import compile_model
+    from tvmattn import offline_cuda
+    from tvmattn.build import compile_model, resolve_target
     from tvmattn.weights import WeightError
 
     try:
+        target = resolve_target(args.target, args.cuda_arch)
+        if target.startswith("cuda") and not offline_cuda.has_cuda_runtime():
+            # No GPU driver here: restart once with a stand-in driver so that the library
+            # embeds cubins instead of CUDA source (tvmattn/offline_cuda.py).
+            reason = offline_cuda.why_not_offline()
+            if reason is None:
+                offline_cuda.reexec_with_standin()
+            print(f"note: the library will hold CUDA source, compiled when it loads ({reason})", file=sys.stderr)
         compile_model(args.model, args.output, target=args.target, cuda_arch=args.cuda_arch, dtype=args.dtype,
                       page_size=args.page_size, max_batch_size=args.max_batch_size,
                       context_window=args.context_window, prefill_chunk=args.prefill_chunk,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -182,6 +183,20 @@ def test_auto_target_picks_llvm_without_a_gpu():
 
     assert resolve_target("auto", "sm_90") == ("cuda:sm_90" if tvm.cuda(0).exist else "llvm")
     assert resolve_target("cuda", "sm_80") == "cuda:sm_80"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA kernels ahead of time")
+def test_cuda_library_built_without_a_gpu_embeds_cubins(tiny, tmp_path):
+    """scripts/compile.py --target cuda on a GPU-less machine restarts with the stand-in driver
+    (tvmattn/offline_cuda.py): the library holds sm_90 cubins, not CUDA source to compile at load."""
+    _, gguf_path, _ = tiny
+    library = tmp_path / "tiny-cuda.so"
+    done = run_cli(str(SCRIPT), "--model", str(gguf_path), "--target", "cuda", "-o", str(library))
+    assert done.returncode == 0, done.stderr
+    runtime = json.loads(sidecar(library, ".runtime.json").read_text())
+    assert runtime["settings"]["gpu_code"] == "cubin", done.stdout
+    assert "GPU code: cubin for sm_90" in done.stdout
+    assert b"__global__" not in library.read_bytes()  # no CUDA source inside
 
 
 # ---------------------------------------------------------------- the real SmolLM2-135M-Instruct

@@ -204,6 +204,16 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
         except Exception:  # noqa: BLE001 - the dump is best effort
             pass
     stage("compile", start)
+    gpu_code = None
+    if target.startswith("cuda"):
+        from .offline_cuda import gpu_code_form
+
+        gpu_code = gpu_code_form()
+        if gpu_code == "cubin":
+            log(f"[compile] GPU code: cubin for {target.split(':')[1]}")
+        else:
+            log("[compile] GPU code: CUDA source, compiled when the library loads (this process has no CUDA "
+                "runtime; scripts/compile.py restarts with a stand-in driver to embed cubins)")
 
     start = time.perf_counter()
     library, params_file, runtime_file = out_path, sidecar(out_path, PARAMS_SUFFIX), sidecar(out_path, RUNTIME_SUFFIX)
@@ -220,7 +230,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
         tmp = runtime_file.with_name(f".{runtime_file.name}.{pid}.partial")
         temps.append((tmp, runtime_file))
         settings = {"max_batch_size": max_batch_size, "context_window": context_window,
-                    "prefill_chunk": prefill_chunk, "page_size": page_size}
+                    "prefill_chunk": prefill_chunk, "page_size": page_size, "gpu_code": gpu_code}
         tmp.write_text(json.dumps({"metadata": document, "settings": settings, "model": model,
                                    "params_file": params_file.name if params is not None else None,
                                    **runtime}))
