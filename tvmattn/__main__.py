@@ -1,8 +1,12 @@
-"""Command line: `python -m tvmattn demo [--dtype ...] [--page-size ...] [--target ...]` and
-`python -m tvmattn generate --lib OUT.so --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N]
-[--temperature T] [--top-p P] [--seed S] [--no-chat]`.
+"""Command line:
+- `python -m tvmattn smollm2 [--prompt TEXT ...] [--target auto|llvm|cuda] [generation options]`:
+  compile SmolLM2-135M-Instruct once (cached) and answer the prompts (the main job);
+- `python -m tvmattn generate --lib OUT.so --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N]
+  [--temperature T] [--top-p P] [--seed S] [--no-chat]`: run a library from scripts/compile.py;
+- `python -m tvmattn demo [--dtype ...] [--page-size ...] [--target ...]`: the kernel smoke run.
 
-A thin argparse layer over `tvmattn.demo.run_demo` and `tvmattn.generate.Generator`.
+A thin argparse layer over `tvmattn.quickstart`, `tvmattn.generate.Generator` and
+`tvmattn.demo.run_demo`.
 """
 
 from __future__ import annotations
@@ -28,12 +32,34 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--lib", required=True, help="OUT.so (with OUT.params.npz and OUT.runtime.json beside it)")
     generate.add_argument("--prompt", action="append", required=True,
                           help="prompt text; repeat for a batch (batch_prefill / batch_decode)")
-    generate.add_argument("--max-new-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    smollm2 = commands.add_parser("smollm2", help="compile SmolLM2-135M-Instruct (once, cached) and answer prompts")
+    smollm2.add_argument("--prompt", action="append", default=None,
+                         help="prompt text; repeat for a batch (default: 'What is the capital of France?')")
+    smollm2.add_argument("--target", default="auto", choices=["auto", "llvm", "cuda"],
+                         help="auto (default): CUDA where a GPU is present, else the CPU")
+    for command in (generate, smollm2):
+        command.add_argument("--max-new-tokens", type=int, default=64)
+        command.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+        command.add_argument("--top-p", type=float, default=1.0)
+        command.add_argument("--seed", type=int, default=0)
+        command.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     return parser
+
+
+def _smollm2(args) -> int:
+    from .build import BuildError
+    from .quickstart import DEFAULT_PROMPT, cached_library
+    from .weights import WeightError
+
+    try:
+        args.lib = cached_library(args.target, log=lambda m: print(m, file=sys.stderr))
+    except (BuildError, WeightError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    args.prompt = args.prompt or [DEFAULT_PROMPT]
+    for prompt in args.prompt:
+        print(f"> {prompt}", file=sys.stderr)
+    return _generate(args)
 
 
 def _generate(args) -> int:
@@ -75,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if report["passed"] else 1
     if args.command == "generate":
         return _generate(args)
+    if args.command == "smollm2":
+        return _smollm2(args)
     return 2
 
 

@@ -134,6 +134,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     Raises BuildError (a ValueError) for bad arguments or an unsupported model.
     """
     from .models import BuildOptions, ModelConfig, ModelConfigError, export_module, pack_params
+    from .models.pipeline import relax_pipeline
     from .models.export import SUPPORTED_DTYPES
 
     for name, value in (("--page-size", page_size), ("--max-batch-size", max_batch_size),
@@ -197,7 +198,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     log("[compile] compiling (this is the slow part)")
     tvm_target = options.tvm_target()
     with tvm_target:
-        executable = tvm.compile(mod, target=tvm_target)
+        executable = tvm.compile(mod, target=tvm_target, relax_pipeline=relax_pipeline(tvm_target))
     if dump_ir is not None:
         try:
             (Path(dump_ir) / "library.txt").write_text(executable.as_text())

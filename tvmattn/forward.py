@@ -18,7 +18,7 @@ import dataclasses
 import tvm
 
 from .backends import RopeMode
-from .plan import ForwardPlan, LevelSpec
+from .plan import BufferViews, ForwardPlan, LevelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +54,12 @@ class Workspace:
             "lse": ((num_qo_heads,), "float32"),
             "lse_tmp": ((num_qo_heads,), "float32"),
         }
-        self._buffers = {name: (tvm.runtime.empty((chunk, *row), dt, device=device), row, dt)
+        self._buffers = {name: (BufferViews(tvm.runtime.empty((chunk, *row), dt, device=device)), row, dt)
                          for name, (row, dt) in shapes.items()}
 
     def views(self, n: int) -> dict:
         """name -> view of the first n rows."""
-        return {name: buf._create_view((n, *row), dt, 0) for name, (buf, row, dt) in self._buffers.items()}
+        return {name: views.get((n, *row), dt) for name, (views, row, dt) in self._buffers.items()}
 
 
 class Step:

@@ -31,6 +31,7 @@ from tvm import relax
 from .config import ModelConfig
 from .kv_cache import KV_CACHE_KINDS, KVCacheSpec
 from .llama import LlamaForCausalLM, hf_parameter_sources
+from .pipeline import relax_pipeline
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 METADATA_FUNCTION = "_metadata"
@@ -66,7 +67,10 @@ class BuildOptions:
     def tvm_target(self) -> tvm.target.Target:
         if self.target.startswith("cuda"):
             arch = self.target.split(":")[1] if ":" in self.target else "sm_90"
-            return tvm.target.Target({"kind": "cuda", "arch": arch})
+            # The limits dlight's rules read (an arch-only target makes them warn and guess).
+            return tvm.target.Target({"kind": "cuda", "arch": arch, "max_threads_per_block": 1024,
+                                      "max_num_threads": 1024, "thread_warp_size": 32,
+                                      "max_shared_memory_per_block": 49152, "registers_per_block": 65536})
         return tvm.target.Target("llvm")
 
 
@@ -122,7 +126,7 @@ def compile_library(config: ModelConfig, options: BuildOptions | None = None, **
     mod, document = export_module(config, options)
     target = options.tvm_target()
     with target:
-        executable = tvm.compile(mod, target=target)
+        executable = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
     return ModelLibrary(executable, document)
 
 

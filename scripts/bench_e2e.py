@@ -1,0 +1,320 @@
+"""End-to-end model speed: SmolLM2-135M on the tvmattn cache vs TVM's stock paged KV cache.
+
+Both libraries come from the same `compile_model` call (same model, dtype, page size and
+build flags; only `--kv-cache` differs) and run the same weights on the same inputs in one
+process:
+- prefill: one sequence of --prompt-len tokens through `prefill` (begin_forward, embed,
+  prefill, end_forward, synchronized), median of --reps runs -> tokens/s;
+- decode at each batch size: every sequence first prefilled with --prompt-len tokens, then
+  greedy `decode` (batch 1) / `batch_decode` steps with the argmax taken on the GPU (torch
+  via DLPack where present), timed over --steps steps after 3 warm-up steps -> tokens/s.
+The two caches must agree: the prefill logits and the first decode step's logits are compared
+(max |diff| printed; a large difference is reported as a failure).
+
+Weights: OUT.params.npz beside a library when present (a build from the GGUF), otherwise seeded
+random weights with the model's shapes (speed does not depend on the values); the report says
+which. Libraries are built into --libs when missing (needs a TVM with its compiler); a library
+built elsewhere by `scripts/compile.py --target cuda` (cubins embedded) is used as it is.
+
+    python scripts/bench_e2e.py [--model smollm2-135m] [--libs build/e2e] [--batches 1,16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import tvm  # noqa: E402
+from tvm import relax  # noqa: E402
+from tvm.runtime import ShapeTuple  # noqa: E402
+
+import tvmattn  # noqa: E402,F401  - registers tvmattn.*
+from tvmattn.build import PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar  # noqa: E402
+
+KV_CACHES = ("tvmattn", "tvm")
+LABELS = {"tvmattn": "tvmattn cache", "tvm": "TVM stock cache"}
+WARMUP_STEPS = 3
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="as for scripts/compile.py")
+    p.add_argument("--libs", default="build/e2e", help="folder of the two libraries (built when missing)")
+    p.add_argument("--name", default="smollm2", help="library base name: NAME-tvmattn.so, NAME-tvm.so")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
+    p.add_argument("--reps", type=int, default=10, help="timed prefill runs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, metavar="BATCH",
+                   help="also print the top GPU kernels of a decode step at this batch size, per cache")
+    p.add_argument("--target", default="cuda", choices=["cuda", "llvm"], help="llvm: a CPU smoke run of this script")
+    return p.parse_args(argv)
+
+
+def library_path(args, kv_cache: str) -> Path:
+    return Path(args.libs) / f"{args.name}-{kv_cache}.so"
+
+
+def ensure_libraries(args, max_batch: int) -> None:
+    Path(args.libs).mkdir(parents=True, exist_ok=True)
+    context = args.prompt_len + args.steps + WARMUP_STEPS + 8
+    for kv_cache in KV_CACHES:
+        path = library_path(args, kv_cache)
+        if path.is_file():
+            continue
+        print(f"building {path} (kv cache {kv_cache})")
+        compile_model(args.model, path, target=args.target, max_batch_size=max_batch, context_window=context,
+                      prefill_chunk=args.prompt_len, kv_cache=kv_cache, log=lambda m: print("  " + m))
+
+
+def load_weights(args, device, metadata) -> tuple[list, str]:
+    """The same parameter tensors for both libraries: stored weights if either library has them."""
+    for kv_cache in KV_CACHES:
+        file = sidecar(library_path(args, kv_cache), PARAMS_SUFFIX)
+        if file.is_file():
+            with np.load(file) as stored:
+                arrays = [stored[f"p{i}"] for i in range(len(metadata["params"]))]
+            return [tvm.runtime.tensor(a, device=device) for a in arrays], f"weights from {file.name}"
+    rng = np.random.default_rng(args.seed)
+    arrays = []
+    for param in metadata["params"]:
+        dtype = param["dtype"]
+        if param["name"].endswith("norm.weight"):
+            value = np.ones(param["shape"], dtype)
+        else:
+            value = (rng.standard_normal(param["shape"], dtype=np.float32) * 0.02).astype(dtype)
+        arrays.append(value)
+    if metadata["params"][0]["dtype"] == "bfloat16":
+        raise SystemExit("random weights for a bfloat16 library are not supported: build it with weights")
+    return [tvm.runtime.tensor(a, device=device) for a in arrays], "random weights (seeded; no params file)"
+
+
+class Runner:
+    """One library in the VM with its cache; every call runs on the GPU, synchronized where timed."""
+
+    def __init__(self, path: Path, device, params, capacity: int, max_batch: int, prefill_chunk: int):
+        self.device, self.params = device, params
+        start = time.perf_counter()
+        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), device)
+        self.load_s = time.perf_counter() - start
+        runtime = json.loads(sidecar(path, RUNTIME_SUFFIX).read_text())
+        self.metadata = runtime["metadata"]
+        self.gpu_code = runtime["settings"].get("gpu_code")
+        kind = self.metadata["kv_cache"]["kind"]
+        prefix = "tvmattn." if kind == "tvmattn" else "vm.builtin."
+        self.host = {name: tvm.get_global_func(prefix + "kv_state_" + name)
+                     for name in ("add_sequence", "remove_sequence", "begin_forward", "end_forward")}
+        page = self.metadata["kv_cache"]["page_size"]
+        self.cache = self.vm["create_paged_kv_cache"](
+            ShapeTuple([max_batch]), ShapeTuple([capacity]), ShapeTuple([prefill_chunk]), ShapeTuple([page]),
+            ShapeTuple([0]))
+        self.hidden = self.metadata["model_config"]["hidden_size"]
+        self.plan_s = self.host_s = 0.0  # host seconds in begin_forward / in whole forwards
+
+    def embed(self, ids, shape):
+        return self.vm["embed"](ids, self.params)._create_view(shape)
+
+    def forward(self, function: str, seq_ids: list[int], lengths: list[int], embeds):
+        start = time.perf_counter()
+        self.host["begin_forward"](self.cache, ShapeTuple(seq_ids), ShapeTuple(lengths))
+        planned = time.perf_counter()
+        logits, _ = self.vm[function](embeds, self.cache, self.params)
+        self.host["end_forward"](self.cache)
+        self.plan_s += planned - start
+        self.host_s += time.perf_counter() - start
+        return logits
+
+    def prefill(self, seq_id: int, ids):
+        n = ids.shape[0]
+        return self.forward("prefill", [seq_id], [n], self.embed(ids, (1, n, self.hidden)))
+
+    def decode(self, seq_ids: list[int], ids):
+        b = len(seq_ids)
+        function = "decode" if b == 1 else "batch_decode"
+        return self.forward(function, seq_ids, [1] * b, self.embed(ids, (b, 1, self.hidden)))
+
+    def sync(self):
+        self.device.sync()
+
+
+def greedy(logits, device):
+    """argmax over the vocabulary of logits [b, 1, vocab] -> int32 tensor [b] on the device."""
+    try:
+        import torch
+
+        tokens = torch.from_dlpack(logits)[:, 0].argmax(-1).to(torch.int32).contiguous()
+        return tvm.runtime.from_dlpack(tokens), tokens
+    except ImportError:
+        host = logits.numpy()[:, 0].argmax(-1).astype(np.int32)
+        return tvm.runtime.tensor(host, device=device), host
+
+
+def bench_prefill(runner: Runner, ids, reps: int) -> float:
+    times = []
+    for rep in range(reps + 2):
+        runner.host["add_sequence"](runner.cache, 0)
+        runner.sync()
+        start = time.perf_counter()
+        runner.prefill(0, ids)
+        runner.sync()
+        if rep >= 2:
+            times.append(time.perf_counter() - start)
+        runner.host["remove_sequence"](runner.cache, 0)
+    return statistics.median(times)
+
+
+def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
+    """-> (DecodeTiming, first-step logits as numpy); around_steps: a context manager
+    entered for the timed steps only (a profiler)."""
+    seq_ids = list(range(len(prompts)))
+    for seq_id, ids in zip(seq_ids, prompts):
+        runner.host["add_sequence"](runner.cache, seq_id)
+        runner.prefill(seq_id, ids)
+        # TVM's C++ cache uploads its page tables on a separate copy stream into one reused
+        # buffer: back-to-back forwards without a sync let a later upload overwrite the tables
+        # of kernels still running (seen on the H200). Fill the caches synchronously.
+        runner.sync()
+    tokens = tvm.runtime.tensor(np.full(len(prompts), 17, np.int32), device=runner.device)
+    first = None
+    try:
+        for _ in range(WARMUP_STEPS):
+            logits = runner.decode(seq_ids, tokens)
+            if first is None:
+                first = logits.numpy()
+            tokens, _ = greedy(logits, runner.device)
+        runner.sync()
+        with around_steps or contextlib.nullcontext():
+            runner.plan_s = runner.host_s = 0.0
+            start = time.perf_counter()
+            for _ in range(steps):
+                logits = runner.decode(seq_ids, tokens)
+                tokens, _ = greedy(logits, runner.device)
+            runner.sync()
+            per_step = (time.perf_counter() - start) / steps
+    finally:
+        for seq_id in seq_ids:
+            runner.host["remove_sequence"](runner.cache, seq_id)
+    return DecodeTiming(per_step, runner.host_s / steps, runner.plan_s / steps), first
+
+
+@dataclasses.dataclass
+class DecodeTiming:
+    step_s: float  # wall time per step, synchronized
+    host_s: float  # host time per step in begin_forward + the library call + end_forward
+    plan_s: float  # of which begin_forward
+
+
+def profile_decode(runner: Runner, prompts, steps: int = 5, top: int = 15) -> None:
+    """Print the GPU kernels of `steps` decode steps by total time (torch.profiler / CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import torch
+
+    prof = profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU])
+    bench_decode(runner, prompts, steps, around_steps=prof)
+    print(prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=top, max_name_column_width=60))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    device = tvm.cuda(0) if args.target == "cuda" else tvm.cpu(0)
+    if not device.exist:
+        raise SystemExit("bench_e2e.py needs a CUDA GPU (or --target llvm for a CPU smoke run)")
+    max_batch = max(batches)
+    ensure_libraries(args, max_batch)
+    metadata = json.loads(sidecar(library_path(args, "tvmattn"), RUNTIME_SUFFIX).read_text())["metadata"]
+    params, weights_note = load_weights(args, device, metadata)
+    page = metadata["kv_cache"]["page_size"]
+    pages_per_sequence = -(-(args.prompt_len + args.steps + WARMUP_STEPS + 8) // page)
+    capacity = max_batch * pages_per_sequence * page
+    runners = {kv: Runner(library_path(args, kv), device, params, capacity, max_batch, args.prompt_len)
+               for kv in KV_CACHES}
+    config = metadata["model_config"]
+    vocab = config["vocab_size"]
+    rng = np.random.default_rng(args.seed)
+    prompt = rng.integers(0, vocab, args.prompt_len, dtype=np.int32)
+    prompt_ids = tvm.runtime.tensor(prompt, device=device)
+
+    print(f"model: {args.model} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+          f"{config['num_attention_heads']}/{config['num_key_value_heads']} heads), "
+          f"{metadata['build_options']['dtype']}, page {metadata['kv_cache']['page_size']}; {weights_note}")
+    for kv, runner in runners.items():
+        print(f"{LABELS[kv]}: library load {runner.load_s:.3f} s, GPU code: {runner.gpu_code}")
+
+    failures = []
+    rows = []
+    # prefill
+    prefill_s, prefill_logits = {}, {}
+    for kv, runner in runners.items():
+        runner.host["add_sequence"](runner.cache, 0)
+        start = time.perf_counter()
+        prefill_logits[kv] = runner.prefill(0, prompt_ids).numpy()
+        print(f"{LABELS[kv]}: first prefill call (loads the GPU modules) {time.perf_counter() - start:.3f} s")
+        runner.host["remove_sequence"](runner.cache, 0)
+        prefill_s[kv] = bench_prefill(runner, prompt_ids, args.reps)
+    diff = float(np.abs(prefill_logits["tvmattn"] - prefill_logits["tvm"]).max())
+    scale = float(np.abs(prefill_logits["tvm"]).max())
+    agreement = [f"prefill logits: max |diff| {diff:.3e} (max |logit| {scale:.3e})"]
+    if diff > 2e-2 * max(scale, 1.0):
+        failures.append("prefill logits disagree")
+    rows.append((f"prefill {args.prompt_len}", 1,
+                 *(args.prompt_len / prefill_s[kv] for kv in KV_CACHES),
+                 *(1e3 * prefill_s[kv] for kv in KV_CACHES)))
+
+    # decode
+    host_lines = []
+    for batch in batches:
+        prompts = [tvm.runtime.tensor(np.roll(prompt, 7 * i), device=device) for i in range(batch)]
+        step_s, first = {}, {}
+        for kv, runner in runners.items():
+            timing, first[kv] = bench_decode(runner, prompts, args.steps)
+            step_s[kv] = timing.step_s
+            host_lines.append(f"decode batch {batch}, {LABELS[kv]}: host {1e3 * timing.host_s:.3f} ms per step "
+                              f"(begin_forward {1e3 * timing.plan_s:.3f} ms), wall {1e3 * timing.step_s:.3f} ms")
+        diff = float(np.abs(first["tvmattn"] - first["tvm"]).max())
+        scale = float(np.abs(first["tvm"]).max())
+        agreement.append(f"decode batch {batch}, first step logits: max |diff| {diff:.3e} (max |logit| {scale:.3e})")
+        if diff > 2e-2 * max(scale, 1.0):
+            failures.append(f"decode batch {batch} logits disagree")
+        rows.append(("decode", batch, *(batch / step_s[kv] for kv in KV_CACHES),
+                     *(1e3 * step_s[kv] for kv in KV_CACHES)))
+
+    if args.profile:
+        prompts = [tvm.runtime.tensor(np.roll(prompt, 7 * i), device=device) for i in range(args.profile)]
+        for kv, runner in runners.items():
+            print(f"--- {LABELS[kv]}: GPU kernels of 5 decode steps at batch {args.profile}")
+            profile_decode(runner, prompts)
+
+    print()
+    print(f"{'phase':>12} {'batch':>5} {'tvmattn tok/s':>14} {'stock tok/s':>12} {'tvmattn ms':>11} "
+          f"{'stock ms':>9} {'speedup':>8}")
+    print("-" * 78)
+    for phase, batch, ours, stock, ours_ms, stock_ms in rows:
+        print(f"{phase:>12} {batch:>5} {ours:>14.1f} {stock:>12.1f} {ours_ms:>11.3f} {stock_ms:>9.3f} "
+              f"{ours / stock:>8.2f}")
+    print("(ms: per prefill call / per decode step, synchronized; speedup = tvmattn tok/s / stock tok/s)")
+    for line in host_lines:
+        print(line)
+    print()
+    for line in agreement:
+        print(line)
+    if failures:
+        print("FAILED: " + "; ".join(failures))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
