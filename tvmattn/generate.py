@@ -36,6 +36,8 @@ class Generation:
     prefill_s: float
     decode_s: float
     decode_steps: int
+    # with keep_logits: per prompt, the float32 logits [len(tokens), vocab] each token was chosen from
+    logits: list[np.ndarray] | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -157,8 +159,9 @@ class Generator:
 
     def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0,
                         top_p: float = 1.0, seed: int = 0,
-                        on_token: Callable[[int, int], None] | None = None) -> Generation:
-        """Generate from token-id prompts; on_token(prompt index, token) is called per new token."""
+                        on_token: Callable[[int, int], None] | None = None, keep_logits: bool = False) -> Generation:
+        """Generate from token-id prompts; on_token(prompt index, token) is called per new token;
+        keep_logits: also return the logits each token was chosen from (Generation.logits)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise GenerateError("every prompt needs at least one token")
         if len(prompts) > self.settings["max_batch_size"]:
@@ -178,6 +181,7 @@ class Generator:
         for seq_id in seq_ids:
             self._host["kv_state_add_sequence"](self.cache, seq_id)
         generated: list[list[int]] = [[] for _ in prompts]
+        kept: list[list[np.ndarray]] = [[] for _ in prompts]
         try:
             start = time.perf_counter()
             logits = self._prefill(seq_ids, prompts)
@@ -192,6 +196,8 @@ class Generator:
                     if token in self.stop_ids:
                         continue
                     generated[seq_id].append(token)
+                    if keep_logits:
+                        kept[seq_id].append(np.array(logits[row], dtype=np.float32))
                     if on_token is not None:
                         on_token(seq_id, token)
                     if len(generated[seq_id]) < max_new_tokens:
@@ -210,7 +216,9 @@ class Generator:
         finally:
             for seq_id in seq_ids:
                 self._host["kv_state_remove_sequence"](self.cache, seq_id)
-        return Generation([], generated, [len(p) for p in prompts], prefill_s, decode_s, steps)
+        return Generation([], generated, [len(p) for p in prompts], prefill_s, decode_s, steps,
+                          [np.stack(rows) if rows else np.zeros((0, 0), np.float32) for rows in kept]
+                          if keep_logits else None)
 
     # ------------------------------------------------------------------ text level
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
