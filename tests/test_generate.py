@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -210,11 +211,40 @@ SMOLLM2_LOGITS_RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("smollm2")
-    result = compile_model("smollm2-135m", folder / "smollm2.so", target="llvm", max_batch_size=2,
-                           context_window=512, prefill_chunk=256, log=quiet)
-    return Generator(result.library)
+def smollm2_cache(tmp_path_factory):
+    """A TVMATTN_CACHE folder holding the library `python -m tvmattn smollm2` builds (built once)."""
+    from tvmattn.quickstart import cached_library
+
+    folder = tmp_path_factory.mktemp("tvmattn-cache")
+    saved = os.environ.get("TVMATTN_CACHE")
+    os.environ["TVMATTN_CACHE"] = str(folder)
+    try:
+        library = cached_library("llvm", log=quiet)
+    finally:
+        if saved is None:
+            del os.environ["TVMATTN_CACHE"]
+        else:
+            os.environ["TVMATTN_CACHE"] = saved
+    return folder, library
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_cache):
+    return Generator(smollm2_cache[1])
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_main_job_answers_from_the_cached_library(smollm2_cache):
+    """`python -m tvmattn smollm2` (the README's main job) reuses the compiled library and answers."""
+    folder, library = smollm2_cache
+    done = subprocess.run([sys.executable, "-m", "tvmattn", "smollm2", "--target", "llvm", "--max-new-tokens", "12"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "TVMATTN_CACHE": str(folder)})
+    assert done.returncode == 0, done.stderr
+    assert f"using the compiled library {library}" in done.stderr
+    assert "Paris" in done.stdout, done.stdout
+    assert "tokens/s" in done.stderr
 
 
 @pytest.mark.slow
