@@ -38,6 +38,7 @@ import numpy as np
 import tvm
 
 from .sequences import Appended, ceildiv
+from .upload import make_uploader
 
 ALIGN = 16  # int32 elements: every packed array starts at a 64-byte boundary
 
@@ -278,13 +279,14 @@ class BufferViews:
 
 
 class DeviceArrays:
-    """One device int32 buffer (grown on demand) that receives a packed plan in one copy;
-    kernels get views into it."""
+    """One device int32 buffer (grown on demand) that receives a packed plan in one copy
+    (tvmattn.upload: without blocking the host on CUDA); kernels get views into it."""
 
     def __init__(self, device, capacity: int = 1 << 14):
         self.device = device
         self._views = BufferViews(tvm.runtime.empty((capacity,), "int32", device=device))
         self.capacity = capacity
+        self._uploader = make_uploader(device)  # non-blocking, stream-ordered on CUDA
 
     def reserve(self, size: int) -> None:
         if size > self.capacity:
@@ -295,5 +297,5 @@ class DeviceArrays:
         """Copy the plan's buffer to the device; returns name -> int32 view."""
         self.reserve(plan.buffer.size)
         views = self._views
-        views.get(tuple(plan.buffer.shape), "int32").copyfrom(plan.buffer)
+        self._uploader.copy(plan.buffer, views.get(tuple(plan.buffer.shape), "int32"))
         return {name: views.get(tuple(spec.shape), "int32", 4 * spec.offset) for name, spec in plan.specs.items()}

@@ -1,0 +1,35 @@
+"""Specification of tvmattn.upload: plan copies to the device.
+
+On CUDA the copy must not block the host, yet be ordered on the launch stream: consecutive
+uploads into one device buffer, each read before the next, all arrive intact, and the caller
+may overwrite its host array as soon as copy() returns.
+"""
+
+import numpy as np
+import pytest
+import tvm
+
+from tvmattn.upload import AsyncUploader, SyncUploader, make_uploader
+
+
+def test_cpu_uses_the_plain_copy():
+    uploader = make_uploader(tvm.cpu())
+    assert isinstance(uploader, SyncUploader)
+    device_array = tvm.runtime.empty((5,), "int32", device=tvm.cpu())
+    uploader.copy(np.arange(5, dtype=np.int32), device_array)
+    np.testing.assert_array_equal(device_array.numpy(), np.arange(5))
+
+
+@pytest.mark.gpu
+def test_cuda_uploads_are_asynchronous_and_stream_ordered():
+    device = tvm.cuda(0)
+    uploader = make_uploader(device)
+    assert isinstance(uploader, AsyncUploader)
+    device_array = tvm.runtime.empty((1 << 16,), "int32", device=device)
+    for step, size in enumerate([1000, 70000 // 2, 17, 1 << 16, 1000, 3]):
+        host = (np.arange(size, dtype=np.int32) + 1) * (step + 1)
+        expected = host.copy()
+        view = device_array._create_view((size,), "int32", 0)
+        uploader.copy(host, view)
+        host[:] = -1  # the staging buffer holds the data: the caller's array is free at once
+        np.testing.assert_array_equal(view.numpy(), expected)
