@@ -69,7 +69,8 @@ def test_compile_writes_library_weights_and_runtime(tiny):
     folder = library.parent
     assert sorted(p.name for p in folder.iterdir()) == ["tiny.gguf", "tiny.params.npz", "tiny.runtime.json", "tiny.so"]
     runtime = json.loads(sidecar(library, ".runtime.json").read_text())
-    assert runtime["settings"] == {"max_batch_size": 4, "context_window": 256, "prefill_chunk": 64, "page_size": 16}
+    assert runtime["settings"] == {"max_batch_size": 4, "context_window": 256, "prefill_chunk": 64, "page_size": 16,
+                                   "gpu_code": None}
     assert runtime["stop_token_ids"][0] == 2 and "<|im_start|>" in runtime["chat_template"]
     assert [p["name"] for p in runtime["metadata"]["params"]] == [p["name"] for p in generator.metadata["params"]]
 
