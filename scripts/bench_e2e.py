@@ -86,6 +86,8 @@ def load_weights(args, device, metadata) -> tuple[list, str]:
             with np.load(file) as stored:
                 arrays = [stored[f"p{i}"] for i in range(len(metadata["params"]))]
             return [tvm.runtime.tensor(a, device=device) for a in arrays], f"weights from {file.name}"
+    if metadata["params"][0]["dtype"] == "bfloat16":
+        raise SystemExit("random weights for a bfloat16 library are not supported: build it with weights")
     rng = np.random.default_rng(args.seed)
     arrays = []
     for param in metadata["params"]:
@@ -95,8 +97,6 @@ def load_weights(args, device, metadata) -> tuple[list, str]:
         else:
             value = (rng.standard_normal(param["shape"], dtype=np.float32) * 0.02).astype(dtype)
         arrays.append(value)
-    if metadata["params"][0]["dtype"] == "bfloat16":
-        raise SystemExit("random weights for a bfloat16 library are not supported: build it with weights")
     return [tvm.runtime.tensor(a, device=device) for a in arrays], "random weights (seeded; no params file)"
 
 

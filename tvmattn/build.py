@@ -133,8 +133,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     model's max_position_embeddings capped at 4096; prefill_chunk to min(context_window, 2048).
     Raises BuildError (a ValueError) for bad arguments or an unsupported model.
     """
-    from .models import BuildOptions, ModelConfig, ModelConfigError, export_module, pack_params
-    from .models.pipeline import relax_pipeline
+    from .models import BuildOptions, ModelConfig, ModelConfigError, compile_module, export_module, pack_params
     from .models.export import SUPPORTED_DTYPES
 
     for name, value in (("--page-size", page_size), ("--max-batch-size", max_batch_size),
@@ -172,8 +171,6 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     prefill_chunk = prefill_chunk or min(context_window, 2048)
 
     start = time.perf_counter()
-    import tvm
-
     options = BuildOptions(target=target, dtype=dtype, page_size=page_size, kv_cache=kv_cache)
     log(f"[compile] exporting the Relax module (target {target}, dtype {dtype}, kv cache {kv_cache})")
     mod, document = export_module(config, options)
@@ -196,9 +193,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
 
     start = time.perf_counter()
     log("[compile] compiling (this is the slow part)")
-    tvm_target = options.tvm_target()
-    with tvm_target:
-        executable = tvm.compile(mod, target=tvm_target, relax_pipeline=relax_pipeline(tvm_target))
+    executable = compile_module(mod, options)
     if dump_ir is not None:
         try:
             (Path(dump_ir) / "library.txt").write_text(executable.as_text())

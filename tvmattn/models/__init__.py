@@ -7,6 +7,7 @@ from .config import ModelConfigError as ModelConfigError
 from .export import BuildOptions as BuildOptions
 from .export import ModelLibrary as ModelLibrary
 from .export import compile_library as compile_library
+from .export import compile_module as compile_module
 from .export import export_library as export_library
 from .export import export_module as export_module
 from .export import pack_params as pack_params

@@ -120,14 +120,18 @@ def export_module(config: ModelConfig, options: BuildOptions) -> tuple[tvm.IRMod
     return _attach_metadata(mod, document), document
 
 
+def compile_module(mod: tvm.IRModule, options: BuildOptions) -> relax.VMExecutable:
+    """Compile an exported module for options' target with the model pipeline (models/pipeline.py)."""
+    target = options.tvm_target()
+    with target:
+        return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
+
+
 def compile_library(config: ModelConfig, options: BuildOptions | None = None, **kwargs) -> ModelLibrary:
     """Export and compile the library in memory (options, or BuildOptions fields as kwargs)."""
     options = options or BuildOptions(**kwargs)
     mod, document = export_module(config, options)
-    target = options.tvm_target()
-    with target:
-        executable = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
-    return ModelLibrary(executable, document)
+    return ModelLibrary(compile_module(mod, options), document)
 
 
 def export_library(config: ModelConfig, target: str = "llvm", dtype: str = "float32", out_path: str | Path = "model.so",
