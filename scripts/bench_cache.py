@@ -295,7 +295,7 @@ def tvm_kernels(model: ModelShape, target: str) -> CppKernels:
 def our_kernels(model: ModelShape, target: str) -> CppKernels:
     """tir_kernels' kernels for the same shapes: the ones tvmattn.PagedKVCache builds (and
     caches per process) for this model."""
-    from tvmattn.kernels import default_kernels
+    from tvmattn.runtime.kernels import default_kernels
 
     config = AttentionConfig(model.num_qo_heads, model.num_kv_heads, model.head_dim, dtype=model.dtype,
                              page_size=model.page_size, target=target, rope_theta=model.rope_theta,
@@ -464,7 +464,7 @@ def format_table(model: ModelShape, options: BenchOptions, results: list[Measure
 
 def run(preset: Preset, workloads: Sequence[Workload], caches: Sequence[str], options: BenchOptions) -> str:
     """Benchmark every workload; returns the report (table + agreement lines)."""
-    from tvmattn.cache import target_for
+    from tvmattn.runtime.cache import target_for
 
     device = preset.device()
     target = target_for(device)  # the kernels' target, as tvmattn.PagedKVCache picks it

@@ -24,7 +24,7 @@ from harness import empty, randn, tensor, to_dtype
 import tir_kernels
 from tir_kernels import default_sm_scale
 from tvmattn import KVCacheError, PagedKVCache
-from tvmattn.backends import (
+from tvmattn.runtime.backends import (
     FlashInferPagedPrefill,
     PagedDecode,
     PagedPrefill,
@@ -33,7 +33,7 @@ from tvmattn.backends import (
     TIRPagedPrefill,
     backend_from_spec,
 )
-from tvmattn.pages import PageAllocator
+from tvmattn.runtime.pages import PageAllocator
 
 LAYERS, HQ, HKV, D, DTYPE = 2, 4, 2, 64, "float16"
 ROPE_THETA, ROPE_SCALE = 1e4, 0.5

@@ -48,7 +48,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from tir_kernels import default_sm_scale
 from tvmattn import PagedKVCache
-from tvmattn.errors import KVCacheError
+from tvmattn.runtime.errors import KVCacheError
 
 NUM_LAYERS, NUM_QO_HEADS, NUM_KV_HEADS, DTYPE = 2, 4, 2, "float32"
 MAX_SEQS, CAPACITY, PREFILL_CHUNK = 6, 1024, 64

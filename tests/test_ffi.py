@@ -30,9 +30,9 @@ from tir_kernels import (
     split_rotary,
     transpose_append,
 )
-from tvmattn.cache import PagedKVCache
-from tvmattn.errors import KVCacheError
-from tvmattn.ffi import CreateArgs, library_kernel_slots
+from tvmattn.runtime.cache import PagedKVCache
+from tvmattn.runtime.errors import KVCacheError
+from tvmattn.runtime.ffi import CreateArgs, library_kernel_slots
 
 NUM_LAYERS = 2
 HQ, HKV, D, PAGE_SIZE, DTYPE = 8, 2, 64, 16, "float16"

@@ -1,4 +1,4 @@
-"""Specification of tvmattn.upload: plan copies to the device.
+"""Specification of tvmattn.runtime.upload: plan copies to the device.
 
 On CUDA the copy must not block the host, yet be ordered on the launch stream: consecutive
 uploads into one device buffer, each read before the next, all arrive intact, and the caller
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tvm
 
-from tvmattn.upload import AsyncUploader, SyncUploader, make_uploader
+from tvmattn.runtime.upload import AsyncUploader, SyncUploader, make_uploader
 
 
 def test_cpu_uses_the_plain_copy():

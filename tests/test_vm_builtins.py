@@ -29,9 +29,9 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache as NNPagedKVCache
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 from tvm.runtime import ShapeTuple
 
-from tvmattn.cache import PagedKVCache
-from tvmattn.errors import KVCacheError
-from tvmattn.ffi import install_vm_builtins, uninstall_vm_builtins, vm_builtins_installed
+from tvmattn.runtime.cache import PagedKVCache
+from tvmattn.runtime.errors import KVCacheError
+from tvmattn.runtime.ffi import install_vm_builtins, uninstall_vm_builtins, vm_builtins_installed
 
 NUM_LAYERS, HQ, HKV, D, HIDDEN = 2, 4, 2, 32, 64
 ROPE_THETA = 10000.0

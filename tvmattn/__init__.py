@@ -1,16 +1,36 @@
 """tvmattn: TVM-native paged attention for LLM inference.
 
 The kernels live in the sibling package `tir_kernels` (generators from a validated
-`AttentionConfig` to TIR PrimFuncs, for CUDA and the CPU). This package holds what is
-built on top of them: the Python paged KV cache `PagedKVCache` (tvmattn.cache, with its page
-allocator, sequence table, host planning and attention backends) and the
-`python -m tvmattn demo` smoke run (`tvmattn.demo`).
+`AttentionConfig` to TIR PrimFuncs, for CUDA and the CPU). This package holds what is built on
+top of them, in layers:
+- `tvmattn.runtime`: the Python paged KV cache `PagedKVCache` (page allocator, sequence table,
+  host planning, attention backends) and the `tvmattn.*` packed functions;
+- `tvmattn.weights` (GGUF / safetensors readers) and `tvmattn.models` (the Llama-family model
+  library on this cache);
+- `tvmattn.build`, `tvmattn.generate`, `tvmattn.quickstart`: compile and run a model library;
+  `python -m tvmattn` is the command line over them.
+
+`import tvmattn` registers the `tvmattn.*` packed functions (a model library built on this cache
+needs them). The one exception is the command line: while `python -m tvmattn` locates its
+`__main__`, the runtime (and TVM, about 3 s to import) is left for the command that needs it,
+so that `--help` and argument errors answer at once.
 """
+
+import sys as _sys
 
 __version__ = "0.1.0"
 
-from .cache import CacheOptions as CacheOptions
-from .cache import PagedKVCache as PagedKVCache
-from .errors import KVCacheError as KVCacheError
-from .ffi import install_vm_builtins as install_vm_builtins  # importing tvmattn registers tvmattn.*
-from .ffi import uninstall_vm_builtins as uninstall_vm_builtins
+_RUNTIME_NAMES = ("CacheOptions", "PagedKVCache", "KVCacheError", "install_vm_builtins", "uninstall_vm_builtins")
+
+
+def __getattr__(name):  # PEP 562: the runtime's names, imported on first use
+    if name in _RUNTIME_NAMES:
+        from . import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'tvmattn' has no attribute {name!r}")
+
+
+# Python sets sys.argv[0] to "-m" only while it locates the module of `python -m ...`.
+if _sys.argv[:1] != ["-m"]:
+    from . import runtime as _runtime  # noqa: F401  - registers tvmattn.*

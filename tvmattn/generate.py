@@ -20,7 +20,7 @@ import tvm
 from tvm import relax
 from tvm.runtime import ShapeTuple
 
-from . import ffi as _ffi  # noqa: F401  - registers tvmattn.* before the library is loaded
+from .runtime import ffi as _ffi  # noqa: F401  - registers tvmattn.* before the library is loaded
 from .build import PARAMS_SUFFIX, RUNTIME_SUFFIX, sidecar
 
 

@@ -3,7 +3,7 @@ library and emits the `tvmattn.*` attention calls of the model's layers.
 
 `TvmattnKVCache.create(...)` adds tvmattn's TIR kernels (tir_kernels generators) to the IRModule
 being built, so they are compiled into the same library, and emits
-`tvmattn.paged_attention_kv_cache_create` with TVM's positional layout (tvmattn.ffi.CreateArgs):
+`tvmattn.paged_attention_kv_cache_create` with TVM's positional layout (tvmattn.runtime.ffi.CreateArgs):
 attention kernels as `["tirx", f]` backend specs, auxiliary kernels as functions. The cache
 comes back to the VM as an opaque object (see tvmattn/ffi.py); `attention_with_fused_qkv`
 emits `tvmattn.attention_kv_cache_attention_with_fused_qkv` on it. The process that runs the
@@ -29,7 +29,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 import tir_kernels
 from tir_kernels import AttentionConfig, RopeScaling
 
-from ..ffi import AttnKind, CreateArgs
+from ..runtime.ffi import AttnKind, CreateArgs
 
 CREATE = "tvmattn.paged_attention_kv_cache_create"
 ATTENTION_WITH_FUSED_QKV = "tvmattn.attention_kv_cache_attention_with_fused_qkv"

@@ -137,7 +137,7 @@ class PagedKVCache:
         (Llama-3 RopeScaling or a Hugging Face dict).
       support_sliding_window: sequences may get a sliding window with an attention sink.
       device: a tvm.runtime.Device (default tvm.cpu()).
-      kernels: optional overrides, slot name -> backend spec or function (see tvmattn.kernels);
+      kernels: optional overrides, slot name -> backend spec or function (see tvmattn.runtime.kernels);
         every other slot gets tvmattn's kernel for this configuration, built once per process.
     """
 

@@ -280,7 +280,7 @@ class BufferViews:
 
 class DeviceArrays:
     """One device int32 buffer (grown on demand) that receives a packed plan in one copy
-    (tvmattn.upload: without blocking the host on CUDA); kernels get views into it."""
+    (tvmattn.runtime.upload: without blocking the host on CUDA); kernels get views into it."""
 
     def __init__(self, device, capacity: int = 1 << 14):
         self.device = device
