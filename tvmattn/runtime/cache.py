@@ -26,17 +26,15 @@ import numpy as np
 import tvm
 
 from tir_kernels import AttentionConfig, RopeScaling
+from tir_kernels.support import dtype_problem, page_size_problem
 
 from .backends import PagedDecode, PagedPrefill, RaggedPrefill, RopeMode, backend_from_spec
-from .errors import KVCacheError, check, check_int, check_tensor
+from .errors import KVCacheError, check, check_finite, check_int, check_tensor
 from .forward import Kernels, Rope, Step, Workspace
 from .kernels import KernelSet, default_kernels, paged_slots
 from .pages import PageAllocator
 from .plan import DeviceArrays, build_plan, plan_size_bound
 from .sequences import PageCopy, SequenceTable
-
-_DTYPES = ("float16", "bfloat16", "float32")
-_MAX_PAGE_SIZE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +67,10 @@ class CacheOptions:
               f"{self.qk_head_dim} (a different v_head_dim is MLA, which is not supported yet)")
         check(self.num_qo_heads % self.num_kv_heads == 0,
               f"num_kv_heads={self.num_kv_heads} must divide num_qo_heads={self.num_qo_heads}")
-        check(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        ps = check_int("page_size", self.page_size, 1, _MAX_PAGE_SIZE)
-        check(ps & (ps - 1) == 0, f"page_size must be a power of two, got {ps}")
+        object.__setattr__(self, "page_size", check_int("page_size", self.page_size))
+        for name, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
+            expected = problem(getattr(self, name))
+            check(expected is None, f"{name} must be {expected}, got {getattr(self, name)!r}")
         object.__setattr__(self, "rope_mode", RopeMode.parse(self.rope_mode).name.lower())
         for name in ("rope_scale", "rope_theta"):
             check(float(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)!r}")
@@ -339,7 +338,7 @@ class PagedKVCache:
         step = self._active("attention_with_fused_qkv")
         pages = self._layer(layer_id)
         qkv, o = self._tensor("qkv", qkv), self._tensor("o", o)
-        step.attention_with_fused_qkv(pages, qkv, o, float(sm_scale))
+        step.attention_with_fused_qkv(pages, qkv, o, check_finite("sm_scale", sm_scale))
 
     def self_attention(self, layer_id: int, sm_scale: float, q, k, v, o, lse) -> None:
         """Causal attention among this step's new tokens only (nothing is cached).
@@ -350,7 +349,7 @@ class PagedKVCache:
         self._layer(layer_id)
         q, k, v, o = (self._tensor(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o)))
         lse = self._tensor("lse", lse, "float32")
-        step.self_attention(q, k, v, o, lse, float(sm_scale))
+        step.self_attention(q, k, v, o, lse, check_finite("sm_scale", sm_scale))
 
     def cross_attention(self, layer_id: int, sm_scale: float, q, o, lse) -> None:
         """Attention of this step's queries over the cached tokens before the step (no mask).
@@ -361,7 +360,7 @@ class PagedKVCache:
         step = self._active("cross_attention")
         pages = self._layer(layer_id)
         q, o, lse = self._tensor("q", q), self._tensor("o", o), self._tensor("lse", lse, "float32")
-        step.cross_attention(pages, q, o, lse, float(sm_scale))
+        step.cross_attention(pages, q, o, lse, check_finite("sm_scale", sm_scale))
 
     def merge_attn_output_inplace(self, o1, lse1, o2, lse2) -> None:
         """(o1, lse1) <- the merge of two attention results over disjoint keys (base-2 LSE).

@@ -7,6 +7,9 @@ was expected and what came, and leaves the cache exactly as it was.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import tvm
 import tvm_ffi
 
@@ -33,13 +36,32 @@ def check_int(name: str, value, low: int | None = None, high: int | None = None)
     return value
 
 
+def check_finite(name: str, value) -> float:
+    """`value` as a finite float (an int or float, not a bool), else KVCacheError."""
+    if type(value) is float and math.isfinite(value):  # the per-layer fast path
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise KVCacheError(f"{name} must be a finite number, got {value!r}")
+    if not math.isfinite(value):
+        raise KVCacheError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
 def as_tensor(name: str, value) -> tvm_ffi.Tensor:
-    """A TVM tensor for `value` (a tvm.runtime.Tensor, or any object with DLPack)."""
+    """A TVM tensor for `value` (a tvm.runtime.Tensor, or a contiguous DLPack tensor)."""
     if isinstance(value, tvm_ffi.Tensor):
         return value
-    if hasattr(value, "__dlpack__"):
+    if not hasattr(value, "__dlpack__"):
+        raise KVCacheError(f"{name} must be a tvm.runtime.Tensor or a DLPack tensor, got {type(value).__name__}")
+    is_contiguous = getattr(value, "is_contiguous", None)  # torch; numpy has flags instead
+    flags = getattr(value, "flags", None)
+    if (callable(is_contiguous) and not is_contiguous()) or (flags is not None and not flags["C_CONTIGUOUS"]):
+        raise KVCacheError(f"{name} must be a contiguous (row-major, compact) tensor, got a strided view")
+    try:
         return tvm.runtime.from_dlpack(value)
-    raise KVCacheError(f"{name} must be a tvm.runtime.Tensor or a DLPack tensor, got {type(value).__name__}")
+    except Exception as error:  # noqa: BLE001 - any DLPack refusal becomes the cache's error
+        raise KVCacheError(f"{name}: this DLPack tensor cannot be used (it must be contiguous, on a CPU or CUDA "
+                           f"device): {error}") from None
 
 
 def check_tensor(name: str, tensor, shape: tuple, dtype: str, device) -> tvm_ffi.Tensor:
