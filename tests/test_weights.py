@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -118,8 +120,10 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
 
 
 def write_tiny_gguf(path, rng, *, tied=True, bias=False, arch="llama", override=None, drop=(),
-                    extra_tensors=None, add_bos=False):
-    """Write a tiny model to `path`; return the HF tensors a reader must produce (rotate-half q/k)."""
+                    extra_tensors=None, add_bos=False, alignment=None):
+    """Write a tiny model to `path`; return the HF tensors a reader must produce (rotate-half q/k).
+
+    override: GGUF name -> (array, raw_dtype) stored instead; alignment: general.alignment (None: 32)."""
     c = TINY
     tokens, merges, types = tiny_vocab()
     vocab = len(tokens)
@@ -131,6 +135,8 @@ def write_tiny_gguf(path, rng, *, tied=True, bias=False, arch="llama", override=
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj"}
     w = gguf.GGUFWriter(path, arch)
+    if alignment:
+        w.add_custom_alignment(alignment)
     w.add_block_count(c["layers"])
     w.add_context_length(256)
     w.add_embedding_length(c["hidden"])
@@ -376,6 +382,121 @@ def test_unknown_tensor_name(tmp_path):
         read_gguf(path)
 
 
+# ---------------------------------------------------------------- corrupt GGUF tensor-info entries
+# A GGUF tensor-info entry is: name (u64 length + bytes), n_dims (u32), dims (n_dims x u64),
+# type id (u32), data offset (u64, counted from the aligned start of the data section).
+
+
+def tensor_layout(path) -> dict[str, tuple[int, int, int]]:
+    """GGUF name -> (file position of its type id, data offset in the data section, data bytes)."""
+    reader = gguf.GGUFReader(path)
+    layout = {}
+    for t in reader.tensors:
+        type_at = t.field.offset + sum(part.nbytes for part in t.field.parts[:4])
+        layout[t.name] = (int(type_at), int(t.data_offset) - int(reader.data_offset), int(t.n_bytes))
+    return layout
+
+
+def patch_tensor_info(path, name, *, kind: QT | None = None, offset: int | None = None) -> None:
+    """Overwrite, in place, tensor `name`'s type id and/or its data offset (relative to the data section)."""
+    type_at = tensor_layout(path)[name][0]
+    with open(path, "r+b") as f:
+        if kind is not None:
+            f.seek(type_at)
+            f.write(int(kind).to_bytes(4, "little"))
+        if offset is not None:
+            f.seek(type_at + 4)
+            f.write(offset.to_bytes(8, "little"))
+
+
+def test_gguf_tensor_past_end_of_file(tmp_path):
+    path = corrupt(tmp_path, np.random.default_rng(20))
+    data_start = gguf.GGUFReader(path).data_offset
+    last_aligned = (path.stat().st_size - data_start - 1) // 32 * 32  # starts inside the file, ends outside
+    patch_tensor_info(path, "token_embd.weight", offset=last_aligned)
+    with pytest.raises(WeightError, match=r"bad\.gguf: tensor 'token_embd\.weight': .*past the end of the file"):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize("shift", [0, 128])
+def test_gguf_overlapping_tensors(tmp_path, shift):
+    """Two tensors sharing bytes (a copied or corrupt offset) are refused, both named."""
+    path = corrupt(tmp_path, np.random.default_rng(21))
+    layout = tensor_layout(path)
+    first = layout["blk.1.attn_norm.weight"]  # 64 float32 = 256 bytes, blk.1.ffn_norm.weight follows
+    patch_tensor_info(path, "blk.1.ffn_norm.weight", offset=first[1] + shift)
+    with pytest.raises(WeightError, match=r"bad\.gguf: tensor 'blk\.1\.(attn|ffn)_norm\.weight': .*overlap") as info:
+        read_gguf(path)
+    assert "blk.1.attn_norm.weight" in str(info.value) and "blk.1.ffn_norm.weight" in str(info.value)
+
+
+@pytest.mark.parametrize("alignment,shift", [(None, -4), (256, -32)])
+def test_gguf_misaligned_offset(tmp_path, alignment, shift):
+    """Offsets must be multiples of general.alignment (default 32), even where the bytes are free."""
+    path = corrupt(tmp_path, np.random.default_rng(22), alignment=alignment)
+    layout = tensor_layout(path)
+    _, embd_offset, embd_bytes = layout["token_embd.weight"]
+    new_offset = layout["blk.0.attn_norm.weight"][1] + shift
+    assert new_offset >= embd_offset + embd_bytes  # moved into the padding after token_embd: no overlap
+    patch_tensor_info(path, "blk.0.attn_norm.weight", offset=new_offset)
+    want = rf"bad\.gguf: tensor 'blk\.0\.attn_norm\.weight': data offset {new_offset} .*alignment {alignment or 32}"
+    with pytest.raises(WeightError, match=want):
+        read_gguf(path)
+
+
+def quantized_vector(x: np.ndarray, kind: str) -> tuple[np.ndarray, QT]:
+    """A 1-D tensor as raw bytes of a quantized `kind` (GGUFWriter takes the shape from the bytes)."""
+    raw, _ = (quantize_q8_0 if kind == "Q8_0" else quantize_q4_1)(x[None])
+    return raw.reshape(-1), QT[kind]
+
+
+@pytest.mark.parametrize("name,kind", [("blk.1.ffn_norm.weight", "Q8_0"), ("output_norm.weight", "Q4_1"),
+                                       ("blk.0.attn_v.bias", "Q8_0")])
+def test_gguf_norm_or_bias_must_be_float(tmp_path, name, kind):
+    x = np.random.default_rng(23).standard_normal(TINY["hidden"] if "norm" in name else 32).astype(np.float32)
+    path = corrupt(tmp_path, np.random.default_rng(23), bias=True, override={name: quantized_vector(x, kind)})
+    with pytest.raises(WeightError, match=rf"bad\.gguf: tensor '{re.escape(name)}': type {kind} .*F32, F16, BF16"):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize("kind", ["F16", "BF16"])
+def test_gguf_norm_may_be_any_float_type(tmp_path, kind):
+    x = np.random.default_rng(24).standard_normal(TINY["hidden"]).astype(np.float32)
+    array, raw_dtype, exact = encode(x, kind)
+    path = corrupt(tmp_path, np.random.default_rng(24), override={"output_norm.weight": (array, raw_dtype)})
+    np.testing.assert_array_equal(read_gguf(path).tensors["model.norm.weight"], exact)
+
+
+def test_gguf_row_not_a_whole_number_of_blocks(tmp_path):
+    path = tmp_path / "bad.gguf"
+    write_tiny_gguf(path, np.random.default_rng(25), extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
+    patch_tensor_info(path, "rope_freqs.weight", kind=QT.Q8_0)  # 8 elements: a quarter of a Q8_0 block
+    with pytest.raises(WeightError, match=r"bad\.gguf: tensor 'rope_freqs\.weight': .*not a multiple of the Q8_0 block"):
+        read_gguf(path)
+
+
+def with_bad_value(name: str, kind: str, value: float, rng) -> dict:
+    """An override storing tensor `name` (a TINY matrix) as `kind` with one non-finite value."""
+    rows, cols = (len(tiny_vocab()[0]), TINY["hidden"]) if name == "token_embd.weight" else (TINY["hidden"],) * 2
+    array, raw_dtype, _ = encode(rng.standard_normal((rows, cols)).astype(np.float32), kind)
+    array = array.copy()
+    if kind == "Q8_0":  # the fp16 scale of the second block of row 3
+        array[3, 34:36] = np.array([value], np.float16).view(np.uint8)
+    else:
+        array[3, 5] = value
+    return {name: (array, raw_dtype)}
+
+
+@pytest.mark.parametrize("name,kind,value", [("blk.1.attn_output.weight", "F32", np.nan),
+                                             ("blk.0.attn_v.weight", "F16", np.inf),
+                                             ("token_embd.weight", "Q8_0", np.nan)])
+def test_gguf_non_finite_weight(tmp_path, name, kind, value):
+    rng = np.random.default_rng(26)
+    path = corrupt(tmp_path, rng, override=with_bad_value(name, kind, value, rng))
+    with pytest.raises(WeightError, match=rf"bad\.gguf: tensor '{re.escape(name)}': .*non-finite .*\[3, \d+\]"):
+        read_gguf(path)
+
+
 # ---------------------------------------------------------------- safetensors folders
 
 ST_DTYPES = {"F32": np.float32, "F16": np.float16}
@@ -469,6 +590,48 @@ def test_safetensors_wrong_shape(tmp_path):
     config["intermediate_size"] = 128
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightError, match=r"mlp\.\w+_proj\.weight'?: has shape .* config calls for"):
+        read_safetensors_folder(folder)
+
+
+def write_raw_safetensors(path, header: dict, data: bytes) -> None:
+    """A .safetensors file with the given header entries taken as they are (no consistency fixes)."""
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+@pytest.mark.parametrize("shape,offsets", [([-2, -2], [0, 16]),  # the product is positive
+                                           ([-4], [0, -16]),  # offsets that match the negative size
+                                           ([2.5], [0, 8]),  # not an integer
+                                           ("4", [0, 16]),  # not a list
+                                           ([4], [16, 0]),  # end before begin
+                                           ([4], [0.0, 16])])
+def test_safetensors_invalid_shape_or_offsets(tmp_path, shape, offsets):
+    folder = tmp_path / "m"
+    write_folder(folder, np.random.default_rng(27))
+    entry = {"dtype": "F32", "shape": shape, "data_offsets": offsets}
+    write_raw_safetensors(folder / "model.safetensors", {"model.norm.weight": entry}, bytes(16))
+    with pytest.raises(WeightError, match=r"model\.safetensors: tensor 'model\.norm\.weight': .*(shape|data_offsets)"):
+        read_safetensors_folder(folder)
+
+
+def test_safetensors_overlapping_tensors(tmp_path):
+    folder = tmp_path / "m"
+    write_folder(folder, np.random.default_rng(28))
+    header = {"model.norm.weight": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+              "model.layers.0.input_layernorm.weight": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}
+    write_raw_safetensors(folder / "model.safetensors", header, bytes(24))
+    with pytest.raises(WeightError, match=r"model\.safetensors: tensor 'model\.norm\.weight': .*overlap") as info:
+        read_safetensors_folder(folder)
+    assert "model.layers.0.input_layernorm.weight" in str(info.value)
+
+
+def test_safetensors_non_finite_weight(tmp_path):
+    folder = tmp_path / "m"
+    write_folder(folder, np.random.default_rng(29))
+    values = np.ones(4, np.float32)
+    values[2] = np.nan
+    write_safetensors(folder / "model.safetensors", {"model.norm.weight": (values, "F32")})
+    with pytest.raises(WeightError, match=r"tensor 'model\.norm\.weight': .*non-finite .*\[2\]"):
         read_safetensors_folder(folder)
 
 
@@ -578,3 +741,16 @@ def test_smollm2_tokenizer(smollm2):
     assert enc.ids[0] == 1 and enc.ids[-1] == 2 and enc.tokens[1:3] == ["user", "Ċ"]
     template = chat_template(path)
     assert "<|im_start|>" in template and "add_generation_prompt" in template
+
+
+@pytest.mark.slow
+def test_smollm2_with_one_type_field_flipped_is_refused(smollm2, tmp_path):
+    """The reported defect: one Q4_1 tensor's type id changed to F32 in the header of the real file."""
+    path, _ = smollm2
+    copy = tmp_path / "flipped.gguf"
+    shutil.copyfile(path, copy)
+    name = "blk.0.ffn_down.weight"
+    assert {t.name: t.tensor_type for t in gguf.GGUFReader(copy).tensors}[name] == QT.Q4_1
+    patch_tensor_info(copy, name, kind=QT.F32)
+    with pytest.raises(WeightError, match=rf"flipped\.gguf: tensor '{re.escape(name)}': "):
+        read_gguf(copy)

@@ -1,4 +1,7 @@
-"""The reader result (`LoadedModel`), the reader error (`WeightError`) and the shape check.
+"""The reader result (`LoadedModel`), the reader error (`WeightError`) and the checks every reader shares.
+
+Shared checks: tensor shapes against the config (`check_tensors`), data ranges inside the file and
+disjoint (`check_inside`, `check_disjoint` over `Extent`s), values finite (`check_finite`).
 
 Tensor layout shared by every reader (Hugging Face names and shapes, float32, C-contiguous):
   model.embed_tokens.weight                      [vocab_size, hidden_size]
@@ -31,6 +34,47 @@ def fail(path, tensor: str | None, problem: str) -> WeightError:
     """A WeightError whose message names the file, the tensor (if any) and the problem."""
     where = f"{path}" if tensor is None else f"{path}: tensor {tensor!r}"
     return WeightError(f"{where}: {problem}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Extent:
+    """Where one tensor's data lies in its file: bytes [start, end), counted from the file's start."""
+
+    tensor: str
+    start: int
+    end: int
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.end})"
+
+
+def check_inside(path, extent: Extent, file_size: int) -> None:
+    """Raise WeightError unless `extent` ends within a file of `file_size` bytes."""
+    if extent.end > file_size:
+        raise fail(path, extent.tensor, f"truncated file, or a corrupt offset or type: data bytes {extent} "
+                                        f"extend past the end of the file ({file_size} bytes)")
+
+
+def check_disjoint(path, extents: list[Extent]) -> None:
+    """Raise WeightError naming both tensors if the data of any two (non-empty) tensors overlaps.
+
+    Sorted by start, an overlap anywhere implies one between neighbours, so one pass suffices.
+    """
+    ordered = sorted((e for e in extents if e.end > e.start), key=lambda e: (e.start, e.end))
+    for before, after in zip(ordered, ordered[1:]):
+        if after.start < before.end:
+            raise fail(path, before.tensor, f"data bytes {before} overlap those of tensor {after.tensor!r} "
+                                            f"{after} (corrupt offset or type)")
+
+
+def check_finite(path, tensor: str, values: np.ndarray) -> None:
+    """Raise WeightError if float array `values` (any shape) holds a NaN or an infinity."""
+    finite = np.isfinite(values)
+    if not finite.all():
+        bad = np.flatnonzero(~finite)
+        first = [int(i) for i in np.unravel_index(bad[0], values.shape)]
+        raise fail(path, tensor, f"{bad.size} non-finite value(s) (NaN or Inf) after decoding, "
+                                 f"the first at index {first}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,10 @@
 Supported: architectures `llama` (q/k rows un-permuted, see `unpermute_rows`) and `qwen2`;
 tensor types F32, F16, BF16, Q8_0, Q4_1; byte-level BPE tokenizers (`tokenizer.ggml.model`
 "gpt2") with the GPT-2 or StarCoder/SmolLM pre-tokenizer.
+
+A corrupt file is refused with a WeightError naming the file and tensor, never read into a broken
+model: each tensor's data must lie inside the file, aligned, overlapping no other tensor's data
+(`CheckedReader`), have a type its role allows (`role_types`) and decode to finite values.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from .common import LoadedModel, check_tensors, fail
-from .quant import LAYOUTS, dequantize, nbytes
+from .common import Extent, LoadedModel, WeightError, check_disjoint, check_finite, check_inside, check_tensors, fail
+from .quant import FLOAT_TYPES, LAYOUTS, dequantize, nbytes
 
 # architecture -> (Hugging Face model_type, architectures entry, q/k rows permuted for interleaved RoPE)
 ARCHITECTURES = {
@@ -46,6 +50,8 @@ BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"
+# GGUF name suffix -> role of the 1-D tensors, which must be stored unquantized (FLOAT_TYPES)
+VECTOR_ROLES = {"_norm.weight": "norm weight", ".bias": "bias", ROPE_FREQS: "RoPE frequency factor vector"}
 BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(.+)")
 
 # tokenizer.ggml.pre -> pre-tokenizer (llama.cpp's llama-vocab.cpp groups these names)
@@ -54,45 +60,57 @@ GPT2_PRE = {"gpt-2", "gpt2", "default", "mpt", "olmo"}
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 
 
-class TensorProblem(Exception):
-    """A bad tensor entry found while the GGUF is parsed (turned into a WeightError by open_gguf)."""
-
-    def __init__(self, tensor: str, problem: str):
-        super().__init__(problem)
-        self.tensor, self.problem = tensor, problem
-
-
 class CheckedReader(gguf.GGUFReader):
-    """A GGUFReader that checks each tensor's type and extent before viewing its data.
+    """A GGUFReader that checks every tensor-info entry before it views any tensor's data.
 
-    gguf 0.19's `_build_tensors` views every tensor's bytes; on a truncated file that fails with a
-    bare numpy reshape error. Checking first lets the error name the tensor (pinned gguf==0.19.0).
+    Checked per entry: a known type id, a row length (ne0) that is a whole number of the type's
+    blocks, a data offset that is a multiple of the file's alignment (general.alignment, default
+    32), and data that ends inside the file; then that no two tensors' data overlap. Offsets are
+    unsigned and counted from the aligned start of the data section, so no data starts before it.
+    gguf 0.19's `_build_tensors` checks none of this (pinned gguf==0.19.0): it would view garbage
+    or fail with a bare numpy error.
     """
 
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        super().__init__(path, "r")
+
     def _build_tensors(self, start_offs: int, fields: list) -> None:
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset = field.parts
-            name = bytes(name_data).decode("utf-8", "replace")
-            try:
-                kind = gguf.GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise TensorProblem(name, f"unknown tensor type id {int(raw_dtype[0])}") from None
-            block_elems, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-            end = start_offs + int(offset[0]) + math.prod(int(d) for d in dims) // block_elems * block_bytes
-            if end > len(self.data):
-                raise TensorProblem(name, f"truncated file: data ends at byte {end}, file has {len(self.data)}")
+        check_disjoint(self.path, [self.extent(int(start_offs), field) for field in fields])
         super()._build_tensors(start_offs, fields)
+
+    def extent(self, data_start: int, field) -> Extent:
+        """The file extent of one tensor-info entry, or WeightError naming the tensor and the problem."""
+        _, name_data, _, dims, raw_dtype, offset_part = field.parts
+        name = bytes(name_data).decode("utf-8", "replace")
+        try:
+            kind = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+        except ValueError:
+            raise fail(self.path, name, f"unknown tensor type id {int(raw_dtype[0])}") from None
+        block_elems, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+        shape = [int(d) for d in dims]  # GGUF order: shape[0] (ne0) is the row length
+        if shape and shape[0] % block_elems:
+            raise fail(self.path, name, f"row length {shape[0]} is not a multiple of the {kind.name} block "
+                                        f"({block_elems} elements)")
+        offset, alignment = int(offset_part[0]), int(self.alignment)
+        if offset % alignment:
+            raise fail(self.path, name, f"data offset {offset} is not a multiple of the file's alignment "
+                                        f"{alignment} (general.alignment)")
+        start = data_start + offset
+        extent = Extent(name, start, start + math.prod(shape) // block_elems * block_bytes)
+        check_inside(self.path, extent, len(self.data))
+        return extent
 
 
 def open_gguf(path) -> tuple[pathlib.Path, gguf.GGUFReader]:
-    """The path and a GGUFReader over it, or WeightError for a missing or unparsable file."""
+    """The path and a GGUFReader over it, or WeightError for a missing, unparsable or corrupt file."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise fail(path, None, "no such file")
     try:
-        return path, CheckedReader(path, "r")
-    except TensorProblem as error:
-        raise fail(path, error.tensor, error.problem) from None
+        return path, CheckedReader(path)
+    except WeightError:
+        raise
     except Exception as error:  # the gguf package raises many kinds on bad input; name them all
         raise fail(path, None, f"not a readable GGUF file ({type(error).__name__}: {error})") from error
 
@@ -195,18 +213,31 @@ def rope_scaling(path, meta: dict, arch: str) -> dict | None:
     raise fail(path, None, f"unsupported rope scaling type {kind!r}")
 
 
+def role_types(name: str) -> tuple[str, tuple[str, ...]]:
+    """(role, allowed tensor types) of GGUF tensor `name`: vectors must be float, matrices any we read."""
+    for suffix, role in VECTOR_ROLES.items():
+        if name.endswith(suffix):
+            return role, FLOAT_TYPES
+    return "matrix", tuple(LAYOUTS)
+
+
 def read_tensor(path: pathlib.Path, reader: gguf.GGUFReader, tensor) -> np.ndarray:
-    """One GGUF tensor as float32, numpy (row-major) shape: GGUF's [ne0, ne1] is numpy's [ne1, ne0]."""
+    """One GGUF tensor as finite float32, numpy (row-major) shape: GGUF's [ne0, ne1] is numpy's [ne1, ne0].
+
+    CheckedReader has checked the entry's extent and block shape; here its type is checked against
+    what we read and what its role allows, and its decoded values for NaN and Inf.
+    """
     type_name = tensor.tensor_type.name
     if type_name not in LAYOUTS:
         raise fail(path, tensor.name, f"unsupported tensor type {type_name} (supported: {', '.join(LAYOUTS)})")
+    role, allowed = role_types(tensor.name)
+    if type_name not in allowed:
+        raise fail(path, tensor.name, f"type {type_name} is not allowed for a {role} (allowed: {', '.join(allowed)})")
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    block_elems = LAYOUTS[type_name][0]
-    if shape[-1] % block_elems:
-        raise fail(path, tensor.name,
-                   f"row length {shape[-1]} is not a multiple of the {type_name} block {block_elems}")
-    start = int(tensor.data_offset)  # CheckedReader has checked that the data lies inside the file
-    return dequantize(reader.data[start:start + nbytes(type_name, math.prod(shape))], type_name, shape)
+    start = int(tensor.data_offset)
+    values = dequantize(reader.data[start:start + nbytes(type_name, math.prod(shape))], type_name, shape)
+    check_finite(path, tensor.name, values)
+    return values
 
 
 def read_gguf(path) -> LoadedModel:

@@ -13,6 +13,7 @@ import numpy as np
 BLOCK = 32
 # type name -> (elements per block, bytes per block), as in GGML
 LAYOUTS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_1": (32, 20)}
+FLOAT_TYPES = ("F32", "F16", "BF16")  # the unquantized types, the only ones vectors (norms, biases) may use
 
 
 def nbytes(type_name: str, n_elements: int) -> int:

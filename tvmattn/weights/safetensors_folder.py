@@ -3,6 +3,11 @@
 The safetensors format is parsed here: an 8-byte little-endian header length N, N bytes of JSON
 ({name: {"dtype", "shape", "data_offsets": [begin, end]}, optional "__metadata__"}), then the raw
 little-endian tensor data, offsets counted from the end of the header.
+
+A corrupt file is refused with a WeightError naming the file and tensor: every header entry must
+have a supported dtype, a shape of non-negative integers and offsets 0 <= begin <= end that fit
+the shape; the data must lie inside the file, no two tensors' data may overlap, and the decoded
+values must be finite.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import pathlib
 
 import numpy as np
 
-from .common import LoadedModel, check_tensors, fail
+from .common import Extent, LoadedModel, check_disjoint, check_finite, check_inside, check_tensors, fail
 from .quant import dequantize
 
 DTYPES = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2)}  # safetensors dtype -> (our type, bytes)
@@ -39,27 +44,45 @@ def read_header(path: pathlib.Path, data: np.ndarray) -> tuple[dict, int]:
     return header, 8 + length
 
 
+def is_count(value) -> bool:
+    """Whether a JSON value is a non-negative integer (booleans and floats are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_entry(path: pathlib.Path, name: str, info, base: int) -> tuple[str, tuple[int, ...], Extent]:
+    """(our type, shape, file extent) of one header entry, or WeightError naming the tensor."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise fail(path, name, f"malformed header entry {info!r}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise fail(path, name, f"unsupported dtype {dtype} (supported: {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(is_count(d) for d in shape):
+        raise fail(path, name, f"invalid shape {shape!r} (expected a list of non-negative integers)")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise fail(path, name, f"invalid data_offsets {offsets!r} (expected [begin, end], 0 <= begin <= end)")
+    begin, end = offsets
+    if end - begin != math.prod(shape) * DTYPES[dtype][1]:
+        raise fail(path, name, f"data_offsets {offsets} do not fit shape {shape} of {dtype}")
+    return DTYPES[dtype][0], tuple(shape), Extent(name, base + begin, base + end)
+
+
 def read_file(path: pathlib.Path) -> dict[str, np.ndarray]:
-    """Every tensor of one .safetensors file, as float32."""
+    """Every tensor of one .safetensors file, as finite float32 (shapes as in the header)."""
     try:
         data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
     except OSError as error:
         raise fail(path, None, f"cannot read ({error})") from error
     header, base = read_header(path, data)
+    entries = {name: parse_entry(path, name, info, base) for name, info in header.items()}
+    for _, _, extent in entries.values():
+        check_inside(path, extent, len(data))
+    check_disjoint(path, [extent for _, _, extent in entries.values()])
     tensors = {}
-    for name, info in header.items():
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (TypeError, KeyError, ValueError) as error:
-            raise fail(path, name, f"malformed header entry {info!r}") from error
-        if dtype not in DTYPES:
-            raise fail(path, name, f"unsupported dtype {dtype} (supported: {', '.join(DTYPES)})")
-        if end - begin != math.prod(shape) * DTYPES[dtype][1] or begin < 0:
-            raise fail(path, name, f"data_offsets {[begin, end]} do not fit shape {list(shape)} of {dtype}")
-        if base + end > len(data):
-            raise fail(path, name, f"truncated file: data ends at byte {base + end}, file has {len(data)}")
+    for name, (type_name, shape, extent) in entries.items():
         if not name.endswith(IGNORED_SUFFIXES):
-            tensors[name] = dequantize(data[base + begin:base + end], DTYPES[dtype][0], shape)
+            tensors[name] = dequantize(data[extent.start:extent.end], type_name, shape)
+            check_finite(path, name, tensors[name])
     return tensors
 
 
