@@ -76,15 +76,19 @@ class TargetName:
         return f"cuda:{self.arch}" if self.arch else self.kind
 
 
-def present_cuda_arch() -> str | None:
-    """The arch of this machine's first CUDA GPU ("sm_90" on an H200, "sm_80" on an A100), or
-    None where TVM sees no CUDA device."""
-    import tvm
-
-    device = tvm.cuda(0)
+def cuda_arch_of(device) -> str | None:
+    """The arch of a CUDA tvm.runtime.Device ("sm_90" on an H200, "sm_80" on an A100), or None
+    where that device does not exist."""
     if not device.exist:
         return None
     return "sm_" + device.compute_version.replace(".", "")
+
+
+def present_cuda_arch() -> str | None:
+    """The arch of this machine's first CUDA GPU, or None where TVM sees no CUDA device."""
+    import tvm
+
+    return cuda_arch_of(tvm.cuda(0))
 
 
 def resolve_target(text: str, cuda_arch: str | None = None) -> str:

@@ -1,109 +1,305 @@
-"""Command line:
-- `python -m tvmattn smollm2 [--prompt TEXT ...] [--target auto|llvm|cuda] [generation options]`:
-  compile SmolLM2-135M-Instruct once (cached) and answer the prompts (the main job);
-- `python -m tvmattn generate --lib OUT.so --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N]
-  [--temperature T] [--top-p P] [--seed S] [--no-chat]`: run a library from scripts/compile.py;
-- `python -m tvmattn demo [--dtype ...] [--page-size ...] [--target ...]`: the kernel smoke run.
+"""Command line (`python -m tvmattn COMMAND --help` for every option and its default):
+- `smollm2`: compile SmolLM2-135M-Instruct once (cached) and answer prompts (the main job);
+- `compile`: compile a model into a library bundle (OUT.so, OUT.params.npz, OUT.runtime.json);
+  `scripts/compile.py` is the same command;
+- `generate`: answer prompts with a bundle made by `compile`;
+- `demo`: the kernel smoke run (paged prefill and decode vs numpy).
 
-A thin argparse layer over `tvmattn.quickstart`, `tvmattn.generate.Generator` and
-`tvmattn.demo.run_demo`.
+A thin argparse layer over `tvmattn.quickstart`, `tvmattn.build`, `tvmattn.generate` and
+`tvmattn.demo`. Every argument is checked while parsing, before TVM is imported (about 3 s), so
+`--help` and argument errors answer at once; errors end as `error: ...` with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
+from tir_kernels import support
+
 from . import __version__
+from .build import MODEL_NAMES
+from .quickstart import DEFAULT_PROMPT
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tvmattn", description="TVM-native paged attention.")
-    parser.add_argument("--version", action="version", version=f"tvmattn {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser(
-        "demo", help="build paged prefill and decode, run them on a small batch and check them against numpy"
-    )
-    demo.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    demo.add_argument("--page-size", type=int, default=16)
-    demo.add_argument("--target", default="llvm", help='"llvm" (CPU, default), "cuda" or "cuda:sm_XX"')
-    demo.add_argument("--seed", type=int, default=0)
-    generate = commands.add_parser("generate", help="generate text with a library built by scripts/compile.py")
-    generate.add_argument("--lib", required=True, help="OUT.so (with OUT.params.npz and OUT.runtime.json beside it)")
+# ------------------------------------------------------------------ argument types (parse time)
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_in(low: float, high: float, low_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (low_open and value == low) or value > high:
+            bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"expected a number in {bounds}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _seed(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value >= 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**64 - 1, got {value}")
+    return value
+
+
+def _page_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    problem = support.page_size_problem(value)
+    if problem:
+        shown = text if value is not None else repr(text)
+        raise argparse.ArgumentTypeError(f"page_size={shown} is not supported: expected {problem}")
+    return value
+
+
+def _target(allow_auto: bool):
+    def parse(text: str) -> str:
+        if allow_auto and text == "auto":
+            return text
+        try:
+            support.TargetName.parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{err}{' or auto' if allow_auto else ''}") from None
+        return text
+
+    return parse
+
+
+def _cuda_arch(text: str) -> str:
+    if not support.is_cuda_arch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CUDA arch: expected one like sm_90 or sm_80")
+    return text
+
+
+def _library(text: str) -> str:
+    if not text.endswith(".so"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a library file name ending in .so")
+    return text
+
+
+def _output(text: str) -> str:
+    _library(text)
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text!r}: folder {folder!r} does not exist")
+    return text
+
+
+def _gguf(text: str) -> str:
+    if not text.endswith(".gguf") or not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an existing .gguf file")
+    return text
+
+
+def _model(text: str) -> str:
+    if text in MODEL_NAMES or os.path.exists(text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: no such file; expected one of {MODEL_NAMES}, a .gguf file, "
+                                     f"a config.json or its folder")
+
+
+# ------------------------------------------------------------------ the parser
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default; leaves out "(default: None)" and "(default: False)"."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _generation_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--max-new-tokens", type=_int_at_least(1), default=64,
+                         help="most tokens to generate per prompt")
+    command.add_argument("--temperature", type=_float_in(0.0, 100.0), default=0.0,
+                         help="sampling temperature; 0 is greedy")
+    command.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=1.0,
+                         help="nucleus sampling: sample from the smallest set of tokens whose probability "
+                              "reaches P (with --temperature > 0)")
+    command.add_argument("--seed", type=_seed, default=0, help="seed of the sampler (with --temperature > 0)")
+    command.add_argument("--no-chat", action="store_true",
+                         help="send the prompt as it is, without the model's chat template")
+
+
+def add_compile_options(command: argparse.ArgumentParser) -> None:
+    """The options of `compile` (also scripts/compile.py)."""
+    command.add_argument("--model", required=True, type=_model,
+                         help="smollm2-135m (the installed SmolLM2-135M-Instruct GGUF), a .gguf file, or a "
+                              "Hugging Face config.json (or its folder) with safetensors weights beside it")
+    command.add_argument("-o", "--output", required=True, type=_output, metavar="OUT.so",
+                         help="the library; OUT.params.npz and OUT.runtime.json are written beside it")
+    command.add_argument("--target", default="auto", type=_target(allow_auto=True),
+                         help="auto (CUDA where a GPU is present, else the CPU), llvm, cuda or cuda:sm_XY")
+    command.add_argument("--cuda-arch", default=None, type=_cuda_arch,
+                         help="CUDA arch of a cuda target that names none (default: the present GPU's, "
+                              f"else {support.DEFAULT_CUDA_ARCH})")
+    command.add_argument("--dtype", default=None, choices=support.DTYPES,
+                         help="weights and activations (default: float32 on llvm, float16 on cuda)")
+    command.add_argument("--page-size", type=_page_size, default=16, help="tokens per KV-cache page")
+    command.add_argument("--max-batch-size", type=_int_at_least(1), default=4,
+                         help="most sequences decoded together")
+    command.add_argument("--context-window", type=_int_at_least(1), default=None,
+                         help="most tokens per sequence (default: the model's, at most 4096)")
+    command.add_argument("--prefill-chunk", type=_int_at_least(1), default=None,
+                         help="most tokens per prefill call (default: min(context window, 2048))")
+    command.add_argument("--kv-cache", default="tvmattn", choices=("tvmattn", "tvm"),
+                         help="tvmattn's paged KV cache, or TVM's stock cache (for comparison)")
+    command.add_argument("--dump-ir", default=None, metavar="DIR",
+                         help="also write the Relax module and the compiled library's text to DIR")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="python -m tvmattn", description="TVM-native paged attention.",
+                                  formatter_class=_Formatter)
+    top.add_argument("--version", action="version", version=f"tvmattn {__version__}")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    smollm2 = commands.add_parser("smollm2", formatter_class=_Formatter,
+                                  help="compile SmolLM2-135M-Instruct (once, cached) and answer prompts",
+                                  description="Compile SmolLM2-135M-Instruct once (cached in "
+                                              "~/.cache/tvmattn/models or $TVMATTN_CACHE/models) and answer "
+                                              "prompts with it.")
+    smollm2.add_argument("--prompt", action="append", default=None,
+                         help=f"prompt text; repeat for a batch (default: {DEFAULT_PROMPT!r})")
+    smollm2.add_argument("--target", default="auto", type=_target(allow_auto=True),
+                         help="auto (CUDA where a GPU is present, else the CPU), llvm, cuda or cuda:sm_XY")
+    smollm2.add_argument("--gguf", default=None, type=_gguf,
+                         help="run the same job on another Llama-family GGUF file (default: the installed "
+                              "SmolLM2-135M-Instruct)")
+    _generation_options(smollm2)
+
+    compile_ = commands.add_parser("compile", formatter_class=_Formatter,
+                                   help="compile a model into a library bundle (OUT.so, OUT.params.npz, "
+                                        "OUT.runtime.json)",
+                                   description="Compile a Llama-family model library on the tvmattn cache.")
+    add_compile_options(compile_)
+
+    generate = commands.add_parser("generate", formatter_class=_Formatter,
+                                   help="answer prompts with a library bundle made by compile",
+                                   description="Answer prompts with a library bundle made by compile.")
+    generate.add_argument("--lib", required=True, type=_library, metavar="OUT.so",
+                          help="the library; OUT.params.npz and OUT.runtime.json must be beside it")
     generate.add_argument("--prompt", action="append", required=True,
                           help="prompt text; repeat for a batch (batch_prefill / batch_decode)")
-    smollm2 = commands.add_parser("smollm2", help="compile SmolLM2-135M-Instruct (once, cached) and answer prompts")
-    smollm2.add_argument("--prompt", action="append", default=None,
-                         help="prompt text; repeat for a batch (default: 'What is the capital of France?')")
-    smollm2.add_argument("--target", default="auto", choices=["auto", "llvm", "cuda"],
-                         help="auto (default): CUDA where a GPU is present, else the CPU")
-    for command in (generate, smollm2):
-        command.add_argument("--max-new-tokens", type=int, default=64)
-        command.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-        command.add_argument("--top-p", type=float, default=1.0)
-        command.add_argument("--seed", type=int, default=0)
-        command.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    return parser
+    _generation_options(generate)
+
+    demo = commands.add_parser("demo", formatter_class=_Formatter,
+                               help="build paged prefill and decode, run them on a small batch and check them "
+                                    "against numpy")
+    demo.add_argument("--dtype", default="float16", choices=support.DTYPES, help="dtype of q, k, v and o")
+    demo.add_argument("--page-size", type=_page_size, default=16, help="tokens per KV-cache page")
+    demo.add_argument("--target", default="llvm", type=_target(allow_auto=False),
+                      help="llvm (the CPU), cuda or cuda:sm_XY")
+    demo.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs")
+    return top
+
+
+# ------------------------------------------------------------------ commands
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def _smollm2(args) -> int:
     from .build import BuildError
-    from .quickstart import DEFAULT_PROMPT, cached_library
+    from .quickstart import cached_library
     from .weights import WeightError
 
     try:
-        args.lib = cached_library(args.target, log=lambda m: print(m, file=sys.stderr))
+        args.lib = cached_library(args.target, log=lambda m: print(m, file=sys.stderr), weights=args.gguf)
     except (BuildError, WeightError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _fail(str(err))
     args.prompt = args.prompt or [DEFAULT_PROMPT]
-    for prompt in args.prompt:
-        print(f"> {prompt}", file=sys.stderr)
     return _generate(args)
+
+
+def _compile(args) -> int:
+    from . import offline_cuda
+    from .build import compile_model, resolve_target
+    from .weights import WeightError
+
+    try:
+        target = resolve_target(args.target, args.cuda_arch)
+        if target.startswith("cuda") and not offline_cuda.has_cuda_runtime():
+            # No GPU driver here: restart once with a stand-in driver so that the library
+            # embeds cubins instead of CUDA source (tvmattn/offline_cuda.py).
+            reason = offline_cuda.why_not_offline()
+            if reason is None:
+                offline_cuda.reexec_with_standin(["-m", "tvmattn", *args.argv])
+            print(f"note: the library will hold CUDA source, compiled when it loads ({reason})", file=sys.stderr)
+        compile_model(args.model, args.output, target=target, dtype=args.dtype, page_size=args.page_size,
+                      max_batch_size=args.max_batch_size, context_window=args.context_window,
+                      prefill_chunk=args.prefill_chunk, kv_cache=args.kv_cache, dump_ir=args.dump_ir)
+    except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
+        return _fail(str(err))
+    return 0
 
 
 def _generate(args) -> int:
     from .generate import GenerateError, Generator
 
+    batch = len(args.prompt) > 1
+
     def out(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    def finished(index: int, text: str) -> None:  # a batch: each answer as soon as it is complete
+        out(f"[{index}] {args.prompt[index]}\n{text}\n\n")
+
+    if not batch:
+        print(f"> {args.prompt[0]}", file=sys.stderr)
     try:
         generator = Generator(args.lib)
         result = generator.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                    top_p=args.top_p, seed=args.seed, chat=not args.no_chat, stream=out)
+                                    top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
+                                    stream=None if batch else out, on_answer=finished if batch else None)
     except GenerateError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if len(args.prompt) == 1:
+        return _fail(str(err))
+    if not batch:
         out("\n")
-    else:
-        for index, (prompt, text) in enumerate(zip(args.prompt, result.texts)):
-            out(f"[{index}] {prompt}\n{text}\n\n")
-    print(f"prefill: {sum(result.prompt_tokens)} tokens in {result.prefill_s:.3f} s "
-          f"({result.prefill_tokens_per_s:.1f} tokens/s); decode: {result.decode_steps} steps in "
-          f"{result.decode_s:.3f} s ({result.decode_tokens_per_s:.1f} tokens/s)", file=sys.stderr)
+    print(result.summary(), file=sys.stderr)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "demo":
-        from .demo import format_report, run_demo
+def _demo(args) -> int:
+    from .demo import format_report, run_demo
 
-        try:
-            report = run_demo(dtype=args.dtype, page_size=args.page_size, target=args.target, seed=args.seed)
-        except ValueError as err:  # invalid configuration: a clear message, not a traceback
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        print(format_report(report))
-        return 0 if report["passed"] else 1
-    if args.command == "generate":
-        return _generate(args)
-    if args.command == "smollm2":
-        return _smollm2(args)
-    return 2
+    try:
+        report = run_demo(dtype=args.dtype, page_size=args.page_size, target=args.target, seed=args.seed)
+    except ValueError as err:  # invalid configuration: a clear message, not a traceback
+        return _fail(str(err))
+    print(format_report(report))
+    return 0 if report["passed"] else 1
+
+
+COMMANDS = {"smollm2": _smollm2, "compile": _compile, "generate": _generate, "demo": _demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    args.argv = argv
+    return COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":

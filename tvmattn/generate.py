@@ -44,9 +44,20 @@ class Generation:
         return sum(self.prompt_tokens) / self.prefill_s if self.prefill_s > 0 else float("nan")
 
     @property
+    def decode_tokens(self) -> int:
+        """Tokens that came out of decode steps (each answer's first token comes from prefill)."""
+        return sum(max(len(t) - 1, 0) for t in self.tokens)
+
+    @property
     def decode_tokens_per_s(self) -> float:
-        generated = sum(max(len(t) - 1, 0) for t in self.tokens)  # the first token comes from prefill
-        return generated / self.decode_s if self.decode_s > 0 else float("nan")
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    def summary(self) -> str:
+        """One line of throughput, in tokens everywhere (the command line prints it)."""
+        return (f"prefill: {sum(self.prompt_tokens)} prompt tokens in {self.prefill_s:.3f} s "
+                f"({self.prefill_tokens_per_s:.1f} tokens/s); decode: {self.decode_tokens} tokens in "
+                f"{self.decode_s:.3f} s ({self.decode_tokens_per_s:.1f} tokens/s, {self.decode_steps} steps of "
+                f"batch <= {len(self.tokens)})")
 
 
 def render_chat(template: str, prompt: str) -> str:
@@ -159,8 +170,10 @@ class Generator:
 
     def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0,
                         top_p: float = 1.0, seed: int = 0,
-                        on_token: Callable[[int, int], None] | None = None, keep_logits: bool = False) -> Generation:
-        """Generate from token-id prompts; on_token(prompt index, token) is called per new token;
+                        on_token: Callable[[int, int], None] | None = None, keep_logits: bool = False,
+                        on_finish: Callable[[int], None] | None = None) -> Generation:
+        """Generate from token-id prompts; on_token(prompt index, token) is called per new token,
+        on_finish(prompt index) when that prompt's answer is complete;
         keep_logits: also return the logits each token was chosen from (Generation.logits)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise GenerateError("every prompt needs at least one token")
@@ -203,6 +216,9 @@ class Generator:
                     if len(generated[seq_id]) < max_new_tokens:
                         next_active.append(seq_id)
                         tokens.append(token)
+                if on_finish is not None:
+                    for seq_id in sorted(set(active) - set(next_active)):  # hit a stop token or the limit
+                        on_finish(seq_id)
                 active = next_active
                 if not active:
                     break
@@ -230,28 +246,37 @@ class Generator:
         return self.tokenizer.encode(prompt).ids
 
     def generate(self, prompts: list[str], max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, chat: bool = True, stream: Callable[[str], None] | None = None) -> Generation:
-        """Generate from text prompts; with one prompt, stream(text piece) is called as text arrives."""
+                 seed: int = 0, chat: bool = True, stream: Callable[[str], None] | None = None,
+                 on_answer: Callable[[int, str], None] | None = None) -> Generation:
+        """Generate from text prompts.
+
+        stream(text piece): with one prompt, called as its text arrives (a piece never ends inside
+        a UTF-8 sequence); on_answer(prompt index, text): called once per prompt as soon as its
+        answer is complete (answers of a batch arrive in the order they finish).
+        """
+        if stream is not None and len(prompts) != 1:
+            raise GenerateError(f"stream needs exactly one prompt, got {len(prompts)}; use on_answer for a batch")
         ids = [self.encode(p, chat) for p in prompts]
+        tokens: list[list[int]] = [[] for _ in prompts]
         shown = [""]
 
-        def on_token(index: int, _token: int) -> None:
-            if stream is None or len(prompts) != 1:
+        def on_token(index: int, token: int) -> None:
+            tokens[index].append(token)
+            if stream is None:
                 return
-            text = self.tokenizer.decode(result_tokens[0])
+            text = self.tokenizer.decode(tokens[0])
             if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
                 return
             stream(text[len(shown[0]):])
             shown[0] = text
 
-        result_tokens: list[list[int]] = [[] for _ in prompts]
+        def on_finish(index: int) -> None:
+            if on_answer is not None:
+                on_answer(index, self.tokenizer.decode(tokens[index]))
 
-        def record(index: int, token: int) -> None:
-            result_tokens[index].append(token)
-            on_token(index, token)
-
-        result = self.generate_tokens(ids, max_new_tokens, temperature, top_p, seed, on_token=record)
+        result = self.generate_tokens(ids, max_new_tokens, temperature, top_p, seed, on_token=on_token,
+                                      on_finish=on_finish)
         result.texts = [self.tokenizer.decode(t) for t in result.tokens]
-        if stream is not None and len(prompts) == 1 and result.texts[0] != shown[0]:
+        if stream is not None and result.texts[0] != shown[0]:
             stream(result.texts[0][len(shown[0]):])
         return result

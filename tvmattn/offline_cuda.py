@@ -92,6 +92,8 @@ def standin_env() -> dict[str, str]:
     env[STANDIN_ENV] = "1"
     env["TVM_CUDA_COMPILE_MODE"] = "nvcc"
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(library.parent), env.get("LD_LIBRARY_PATH")) if p)
+    source_root = str(Path(__file__).resolve().parents[1])  # the child imports this very tvmattn
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
     return env
 
 
