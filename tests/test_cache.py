@@ -647,6 +647,14 @@ def _bad_attention_calls(m: Model) -> dict:
         "merge shapes": (lambda c: c.merge_attn_output_inplace(good_o, lse, empty((n + 1, HQ, D), DTYPE, dev), lse),
                          "o2 must have shape"),
         "not a tensor": (lambda c: c.attention_with_fused_qkv(0, SM_SCALE, [1, 2], good_o), "qkv must be a"),
+        "sm_scale text": (lambda c: c.attention_with_fused_qkv(0, "0.125", qkv_for(m, n), good_o),
+                          "sm_scale must be a finite number, got '0.125'"),
+        "sm_scale nan": (lambda c: c.self_attention(0, float("nan"), q, qkv_for(m, n, HKV), qkv_for(m, n, HKV),
+                                                    good_o, lse), "sm_scale must be a finite number"),
+        "sm_scale none": (lambda c: c.cross_attention(0, None, q, good_o, lse), "sm_scale must be a finite number"),
+        "strided DLPack": (lambda c: c.attention_with_fused_qkv(
+            0, SM_SCALE, np.zeros((n, HQ + 2 * HKV, 2 * D), np.float16)[:, :, ::2], good_o),
+            "qkv must be a contiguous"),
     }
 
 
