@@ -298,13 +298,15 @@ def main(argv=None) -> int:
             profile_decode(runner, prompts)
 
     print()
-    print(f"{'phase':>12} {'batch':>5} {'tvmattn tok/s':>14} {'stock tok/s':>12} {'tvmattn ms':>11} "
+    print(f"{'phase':>12} {'batch':>5} {'tvmattn tokens/s':>17} {'stock tokens/s':>15} {'tvmattn ms':>11} "
           f"{'stock ms':>9} {'speedup':>8}")
-    print("-" * 78)
+    print("-" * 84)
     for phase, batch, ours, stock, ours_ms, stock_ms in rows:
-        print(f"{phase:>12} {batch:>5} {ours:>14.1f} {stock:>12.1f} {ours_ms:>11.3f} {stock_ms:>9.3f} "
+        print(f"{phase:>12} {batch:>5} {ours:>17.1f} {stock:>15.1f} {ours_ms:>11.3f} {stock_ms:>9.3f} "
               f"{ours / stock:>8.2f}")
-    print("(ms: per prefill call / per decode step, synchronized; speedup = tvmattn tok/s / stock tok/s)")
+    print("(tokens/s: prompt tokens per second in prefill, generated tokens per second in decode, one token per "
+          "sequence per step; ms: per prefill call / per decode step, synchronized; "
+          "speedup = tvmattn tokens/s / stock tokens/s)")
     for line in host_lines:
         print(line)
     print()

@@ -184,10 +184,13 @@ def main(argv=None):
     parser.add_argument("--decode", nargs="*", default=DECODE_SHAPES, help="BxL shapes for decode")
     parser.add_argument("--prefill", nargs="*", default=PREFILL_SHAPES, help="BxL shapes for causal prefill")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--arch", default=None, help="CUDA arch (default: the present GPU's)")
     args = parser.parse_args(argv)
 
-    config = AttentionConfig(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, page_size=PAGE_SIZE, target=f"cuda:{args.arch}")
+    from tir_kernels.support import resolve_target
+
+    config = AttentionConfig(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, page_size=PAGE_SIZE,
+                             target=resolve_target("cuda", args.arch))
     target = config.tvm_target()
     t0 = time.time()
     if args.decode:

@@ -24,6 +24,7 @@ from harness import empty, randn, tensor, to_dtype
 import tir_kernels
 from tir_kernels import default_sm_scale
 from tvmattn import KVCacheError, PagedKVCache
+from tvmattn.runtime.cache import target_for
 from tvmattn.runtime.backends import (
     FlashInferPagedPrefill,
     PagedDecode,
@@ -479,7 +480,7 @@ def _tvm_kernels(device, page_size: int) -> dict:
     )
 
     gpu = device.dlpack_device_type() == 2
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}) if gpu else tvm.target.Target("llvm")
+    target = tir_kernels.tvm_target(target_for(device))
     args = (HKV, HQ, D, DTYPE, False, {})
     funcs = {
         "prefill_paged": _attention_prefill(*args, target, page_size) if gpu

@@ -23,6 +23,7 @@ from tvm import relax
 from tvm.runtime import ShapeTuple
 
 import tvmattn  # registers the tvmattn.* functions the library calls
+from tir_kernels.support import resolve_target
 from tvmattn import PagedKVCache
 from tvmattn.models import (
     ModelConfig,
@@ -398,9 +399,10 @@ GPU_CONFIG = {**BIAS_SCALED, "hidden_size": 128, "num_attention_heads": 2, "num_
 
 @pytest.mark.gpu
 def test_cuda_float16_library_matches_torch_and_stock_cache():
-    """On the GPU machine: the same checks for a float16 CUDA library (sm_90)."""
-    ours = Model(GPU_CONFIG, "tvmattn", seed=3, target="cuda:sm_90", dtype="float16")
-    stock = Model(GPU_CONFIG, "tvm", seed=3, target="cuda:sm_90", dtype="float16")
+    """On the GPU machine: the same checks for a float16 CUDA library (the present GPU's arch)."""
+    target = resolve_target("cuda")
+    ours = Model(GPU_CONFIG, "tvmattn", seed=3, target=target, dtype="float16")
+    stock = Model(GPU_CONFIG, "tvm", seed=3, target=target, dtype="float16")
     compare_with_stock(ours, stock, STOCK_TOLERANCE["float16"])
 
 
