@@ -6,15 +6,21 @@
 - OUT.params.npz: the packed parameters (`p0`, `p1`, ... in metadata["params"] order, in the
   library's dtype) when weights were found;
 - OUT.runtime.json: the library metadata, run-time settings (max batch size, context window,
-  prefill chunk, page size), the tokenizer (as `tokenizers` JSON), the chat template and the
-  stop token ids.
-Every file is written under a temporary name first and renamed at the end, so a failed build
-leaves no half-written output. `scripts/compile.py` is the command line over it.
+  prefill chunk, page size), the tokenizer (as `tokenizers` JSON), the chat template, the
+  stop token ids and "files": the size and sha256 of OUT.so and OUT.params.npz
+  ({"library": {"bytes", "sha256"}, "params": ... or null}), which `Generator` checks before
+  loading either.
+Every file is written under a hidden temporary name (.NAME.PID.partial...) first and renamed at
+the end, so a failed build leaves no half-written output; the partial files of a compile that
+was killed while writing are removed by the next compile of the same output.
+`scripts/compile.py` is the command line over it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import hashlib
 import json
 import os
 import time
@@ -117,6 +123,86 @@ def load_model(model: str) -> tuple[dict[str, Any], dict[str, np.ndarray] | None
     raise BuildError(f"--model {model!r}: expected one of {MODEL_NAMES}, a .gguf file or a config.json")
 
 
+def file_record(path: Path) -> dict[str, Any]:
+    """What OUT.runtime.json records of a bundle file: {"bytes": size, "sha256": hex digest}."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"bytes": path.stat().st_size, "sha256": digest}
+
+
+def _partial(final: Path, pid: int) -> Path:
+    """The hidden name process `pid` writes `final` under before renaming it (.so and .npz kept
+    last: export_library picks its linker by the suffix, np.savez appends .npz)."""
+    suffix = final.suffix if final.suffix in (".so", ".npz") else ""
+    return final.with_name(f".{final.name}.{pid}.partial{suffix}")
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: another user's process
+        return True
+    return True
+
+
+def remove_stale_partials(finals: tuple[Path, ...], log: Callable[[str], None] = print) -> list[Path]:
+    """Delete the partial files of `finals` left by compiles killed while writing (a compile that
+    is still running keeps its own); returns the deleted paths."""
+    removed = []
+    for final in finals:
+        for path in final.parent.glob(f".{glob.escape(final.name)}.*.partial*"):
+            pid_text = path.name[len(final.name) + 2:].split(".", 1)[0]
+            if not pid_text.isdigit() or path != _partial(final, int(pid_text)):
+                continue
+            pid = int(pid_text)
+            if pid == os.getpid() or _pid_running(pid):
+                continue
+            path.unlink(missing_ok=True)
+            removed.append(path)
+            log(f"[compile] removed {path}: a partial file of process {pid}, which is no longer running")
+    return removed
+
+
+class _TimedLink:
+    """export_library's default linker for a .so (tvm.support.cc.create_shared), timed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self, output: str, objects: list[str], **kwargs: Any) -> Any:
+        from tvm.support import cc
+
+        start = time.perf_counter()
+        try:
+            return cc.create_shared(output, objects, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def _write_library(executable: Any, path: Path, target: str, log: Callable[[str], None]) -> None:
+    """export_library into `path`, saying what takes the time: the host machine code is generated
+    (LLVM) only now, then everything is linked."""
+    log(f"[compile] writing the library: machine code generation ({target} host code, LLVM), then linking")
+    start, link = time.perf_counter(), _TimedLink()
+    executable.export_library(str(path), fcompile=link)
+    seconds = time.perf_counter() - start
+    size = path.stat().st_size
+    log(f"[compile] library: {size} bytes ({size / 1e6:.1f} MB) in {seconds:.2f} s "
+        f"(code generation {seconds - link.seconds:.2f} s, linking {link.seconds:.2f} s)")
+
+
+def _write_params(params: list[np.ndarray], path: Path, log: Callable[[str], None]) -> None:
+    """The parameters as an uncompressed .npz (`p0`, `p1`, ...), loadable by np.load."""
+    total = sum(p.nbytes for p in params)
+    log(f"[compile] writing the parameters: {len(params)} arrays, {total / 1e6:.1f} MB")
+    start = time.perf_counter()
+    np.savez(path, **{f"p{i}": p for i, p in enumerate(params)})
+    size = path.stat().st_size
+    log(f"[compile] parameters: {len(params)} arrays, {size / 1e6:.1f} MB in {time.perf_counter() - start:.2f} s")
+
+
 def _positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or value <= 0):
         raise BuildError(f"{name} must be a positive integer, got {value!r}")
@@ -192,7 +278,16 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
         log("[compile] no weights found beside the config: writing the library only")
 
     start = time.perf_counter()
-    log("[compile] compiling (this is the slow part)")
+    log(f"[compile] compiling for {target}: legalization, fusion, schedules and lowering (the slow part)")
+    # TVM logs "Fast mode segfaults when there are out-of-bounds indices" twice here (C++
+    # LOG(WARNING), no filter reaches it): the take of the token-embedding lookup and the take
+    # of batch_prefill's logit positions are legalized in "fast" mode, which does not check its
+    # indices. It does not apply to these libraries: Generator checks every prompt token id
+    # against the vocabulary, sampled ids come from the vocabulary, and it computes the logit
+    # positions itself. Say so in the log, so that the warning does not alarm.
+    log("[compile] note: TVM's warning 'Fast mode segfaults when there are out-of-bounds indices' concerns "
+        "the token-embedding and logit-position lookups; tvmattn.generate checks token ids against the "
+        "vocabulary and computes the positions itself, so it does not apply")
     executable = compile_module(mod, options)
     if dump_ir is not None:
         try:
@@ -213,24 +308,31 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
 
     start = time.perf_counter()
     library, params_file, runtime_file = out_path, sidecar(out_path, PARAMS_SUFFIX), sidecar(out_path, RUNTIME_SUFFIX)
-    temps: list[tuple[Path, Path]] = []
+    remove_stale_partials((library, params_file, runtime_file), log)
     pid = os.getpid()
+    temps: list[tuple[Path, Path]] = []
     try:
-        tmp = library.with_name(f".{library.name}.{pid}.partial.so")
-        temps.append((tmp, library))
-        executable.export_library(str(tmp))
+        tmp_library = _partial(library, pid)
+        temps.append((tmp_library, library))
+        _write_library(executable, tmp_library, target, log)
+        tmp_params = None
         if params is not None:
-            tmp = params_file.with_name(f".{params_file.name}.{pid}.partial.npz")
-            temps.append((tmp, params_file))
-            np.savez(tmp, **{f"p{i}": p for i, p in enumerate(params)})
-        tmp = runtime_file.with_name(f".{runtime_file.name}.{pid}.partial")
+            tmp_params = _partial(params_file, pid)
+            temps.append((tmp_params, params_file))
+            _write_params(params, tmp_params, log)
+        checksum_start = time.perf_counter()
+        files = {"library": file_record(tmp_library),
+                 "params": file_record(tmp_params) if tmp_params is not None else None}
+        log(f"[compile] checksums (sha256) of the library and the parameters: "
+            f"{time.perf_counter() - checksum_start:.2f} s")
+        tmp = _partial(runtime_file, pid)
         temps.append((tmp, runtime_file))
         settings = {"max_batch_size": max_batch_size, "context_window": context_window,
                     "prefill_chunk": prefill_chunk, "page_size": page_size, "gpu_code": gpu_code}
         tmp.write_text(json.dumps({"metadata": document, "settings": settings, "model": model,
                                    "params_file": params_file.name if params is not None else None,
-                                   **runtime}))
-        for tmp, final in temps:
+                                   "files": files, **runtime}))
+        for tmp, final in temps:  # the runtime file, which records the others, comes last
             tmp.replace(final)
         if params is None and params_file.exists():
             params_file.unlink()  # stale weights of an earlier build must not be picked up

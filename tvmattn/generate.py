@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 import time
+import zipfile
+import zlib
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import tvm
 from tvm import relax
 from tvm.runtime import ShapeTuple
 
+from tir_kernels import support
+
 from .runtime import ffi as _ffi  # noqa: F401  - registers tvmattn.* before the library is loaded
-from .build import PARAMS_SUFFIX, RUNTIME_SUFFIX, sidecar
+from .build import PARAMS_SUFFIX, RUNTIME_SUFFIX, file_record, sidecar
 
 
 class GenerateError(ValueError):
@@ -83,8 +88,228 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
     return int(keep[rng.choice(len(keep), p=kept)])
 
 
+# ---------------------------------------------------------------------- loading a bundle
+
+def _type_name(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+             bool: "a boolean"}
+    return names.get(type(value), type(value).__name__)
+
+
+class _RuntimeFields:
+    """Typed reads of OUT.runtime.json: a missing or mistyped field is a GenerateError naming the
+    file and the field ('settings', settings.page_size, metadata.params[0].dtype)."""
+
+    KINDS = {"an object": lambda v: isinstance(v, dict), "a list": lambda v: isinstance(v, list),
+             "a string": lambda v: isinstance(v, str),
+             "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool)}
+
+    def __init__(self, file: Path):
+        self.file = file
+
+    def error(self, problem: str) -> GenerateError:
+        return GenerateError(f"{self.file}: {problem}; recompile the library")
+
+    def get(self, container: dict, key: str, kind: str, where: str = "", optional: bool = False) -> Any:
+        name = f"{where}.{key}" if where else repr(key)
+        value = container.get(key)
+        if value is None:
+            if optional:
+                return None
+            raise self.error(f"{name} is missing")
+        if not self.KINDS[kind](value):
+            raise self.error(f"{name} should be {kind}, got {_type_name(value)}")
+        return value
+
+    def positive(self, container: dict, key: str, where: str) -> int:
+        value = container.get(key)
+        if value is None:
+            raise self.error(f"{where}.{key} is missing")
+        if not self.KINDS["an integer"](value) or value <= 0:
+            raise self.error(f"{where}.{key} must be a positive integer, got {value!r}")
+        return value
+
+
+def read_runtime(file: Path) -> dict[str, Any]:
+    """OUT.runtime.json, parsed and checked field by field; raises GenerateError."""
+    try:
+        document = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise GenerateError(f"{file}: not valid JSON ({err}); recompile the library") from None
+    except OSError as err:
+        raise GenerateError(f"{file}: cannot be read ({err})") from None
+    fields = _RuntimeFields(file)
+    if not isinstance(document, dict):
+        raise fields.error(f"expected a JSON object, got {_type_name(document)}")
+    metadata = fields.get(document, "metadata", "an object")
+    for index, param in enumerate(fields.get(metadata, "params", "a list", "metadata")):
+        where = f"metadata.params[{index}]"
+        if not isinstance(param, dict):
+            raise fields.error(f"{where} should be an object, got {_type_name(param)}")
+        fields.get(param, "name", "a string", where)
+        shape = fields.get(param, "shape", "a list", where)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise fields.error(f"{where}.shape should list sizes, got {shape!r}")
+        dtype = fields.get(param, "dtype", "a string", where)
+        if support.dtype_problem(dtype):
+            raise fields.error(f"{where}.dtype must be {support.dtype_problem(dtype)}, got {dtype!r}")
+    fields.get(fields.get(metadata, "build_options", "an object", "metadata"), "target", "a string",
+               "metadata.build_options")
+    kv_cache = fields.get(metadata, "kv_cache", "an object", "metadata")
+    if fields.get(kv_cache, "kind", "a string", "metadata.kv_cache") not in ("tvmattn", "tvm"):
+        raise fields.error(f"metadata.kv_cache.kind must be 'tvmattn' or 'tvm', got {kv_cache['kind']!r}")
+    compiled_page = fields.positive(kv_cache, "page_size", "metadata.kv_cache")
+    fields.positive(fields.get(metadata, "model_config", "an object", "metadata"), "vocab_size",
+                    "metadata.model_config")
+    settings = fields.get(document, "settings", "an object")
+    for key in ("max_batch_size", "context_window", "prefill_chunk"):
+        fields.positive(settings, key, "settings")
+    page_size = settings.get("page_size")
+    if page_size is None:
+        raise fields.error("settings.page_size is missing")
+    if support.page_size_problem(page_size):
+        raise fields.error(f"settings.page_size must be {support.page_size_problem(page_size)}, got {page_size!r}")
+    if page_size != compiled_page:
+        raise fields.error(f"settings.page_size {page_size} differs from the page size compiled into the "
+                           f"library, {compiled_page}")
+    for key in ("params_file", "tokenizer", "chat_template"):
+        fields.get(document, key, "a string", optional=True)
+    stop_ids = fields.get(document, "stop_token_ids", "a list", optional=True) or []
+    if not all(fields.KINDS["an integer"](t) for t in stop_ids):
+        raise fields.error(f"'stop_token_ids' should list token ids, got {stop_ids!r}")
+    files = fields.get(document, "files", "an object", optional=True) or {}  # absent from older bundles
+    for role in ("library", "params") if files else ():
+        entry = fields.get(files, role, "an object", "files", optional=role == "params")
+        if entry is not None:
+            fields.get(entry, "bytes", "an integer", f"files.{role}")
+            digest = fields.get(entry, "sha256", "a string", f"files.{role}")
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise fields.error(f"files.{role}.sha256 should be 64 hex digits, got {digest!r}")
+    return document
+
+
+def verify_recorded(files: dict[Path, dict[str, Any]]) -> None:
+    """Check each file against the size and sha256 OUT.runtime.json recorded of it (all sizes
+    first: they are free); raises GenerateError naming the file."""
+    for path, recorded in files.items():
+        size = path.stat().st_size
+        if size != recorded["bytes"]:
+            raise GenerateError(f"{path} is {size} bytes, the bundle recorded {recorded['bytes']}: "
+                                f"truncated or replaced; recompile")
+    for path, recorded in files.items():
+        digest = file_record(path)["sha256"]
+        if digest != recorded["sha256"]:
+            raise GenerateError(f"{path}: its sha256 {digest[:16]}... differs from the one the bundle recorded "
+                                f"({recorded['sha256'][:16]}...): modified or replaced; recompile")
+
+
+def check_elf_library(path: Path) -> None:
+    """A look at a library's ELF headers before dlopen sees it: a file that is no shared library
+    is refused, and one cut short (which dlopen maps and then dies on with SIGBUS) too."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        header = f.read(64)
+        if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2 or header[5] not in (1, 2):
+            raise GenerateError(f"{path} is not a shared library (no 64-bit ELF header); recompile")
+        order = "<" if header[5] == 1 else ">"
+        (e_type,) = struct.unpack_from(order + "H", header, 16)
+        e_phoff, e_shoff = struct.unpack_from(order + "QQ", header, 32)
+        e_phentsize, e_phnum, e_shentsize, e_shnum = struct.unpack_from(order + "HHHH", header, 54)
+        if e_type != 3:  # ET_DYN
+            raise GenerateError(f"{path} is not a shared library (ELF type {e_type}); recompile")
+        needed = max(e_phoff + e_phnum * e_phentsize, e_shoff + e_shnum * e_shentsize)
+        if needed <= size and e_phentsize >= 48:
+            f.seek(e_phoff)
+            table = f.read(e_phnum * e_phentsize)
+            for index in range(e_phnum):
+                p_type, _, p_offset, _, _, p_filesz = struct.unpack_from(order + "IIQQQQ", table, index * e_phentsize)
+                if p_type == 1:  # PT_LOAD: mapped from the file
+                    needed = max(needed, p_offset + p_filesz)
+    if needed > size:
+        raise GenerateError(f"{path}: truncated ({size} bytes, its ELF headers need {needed}); recompile")
+
+
+def _numpy_dtype(dtype: str) -> np.dtype:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def load_params(file: Path, specs: list[dict[str, Any]]) -> list[np.ndarray]:
+    """The arrays `p0`, `p1`, ... of OUT.params.npz checked against metadata["params"] (count,
+    shape, dtype); raises GenerateError naming the file, the array and the problem."""
+    if not zipfile.is_zipfile(file):
+        raise GenerateError(f"{file}: not a readable .npz file (no zip archive: truncated or corrupt); recompile")
+    expected = [f"p{i}" for i in range(len(specs))]
+    try:
+        stored = np.load(file, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise GenerateError(f"{file}: not a readable .npz file ({err}); recompile") from None
+    params = []
+    with stored:
+        for key, spec in zip(expected, specs):
+            what = f"array {key!r} (parameter {spec['name']!r})"
+            if key not in stored.files:
+                raise GenerateError(f"{file} has no array {key!r} (parameter {spec['name']!r}): it holds "
+                                    f"{len(stored.files)} arrays, the library needs {len(specs)}; recompile")
+            try:
+                value = stored[key]
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+                raise GenerateError(f"{file}: {what} does not read ({err}); recompile") from None
+            dtype = _numpy_dtype(spec["dtype"])
+            if value.dtype != dtype and value.dtype.kind == "V" and value.dtype.itemsize == dtype.itemsize:
+                value = value.view(dtype)  # np.save writes bfloat16 as raw 2-byte values
+            if value.dtype != dtype:
+                raise GenerateError(f"{file}: {what} is {value.dtype}, the library needs {spec['dtype']}; recompile")
+            if list(value.shape) != spec["shape"]:
+                raise GenerateError(f"{file}: parameter {spec['name']!r} has shape {list(value.shape)}, "
+                                    f"the library needs {spec['shape']}; recompile")
+            params.append(value)
+        extra = sorted(set(stored.files) - set(expected))
+        if extra:
+            raise GenerateError(f"{file} holds {len(stored.files)} arrays, the library needs {len(specs)} "
+                                f"(extra: {', '.join(extra[:3])}); recompile")
+    return params
+
+
+def load_library(path: Path, device: tvm.runtime.Device) -> tuple[relax.VirtualMachine, dict[str, Any]]:
+    """(the Relax VM over OUT.so, the metadata the library holds); raises GenerateError."""
+    # TVM reports a library it cannot use with several error types (InternalError, a
+    # RuntimeError; AttributeError for a missing function): each becomes one GenerateError.
+    try:
+        module = tvm.runtime.load_module(str(path))
+    except (RuntimeError, OSError, ValueError) as err:
+        raise GenerateError(f"{path} cannot be loaded ({str(err).strip().splitlines()[-1]}); recompile") from None
+    try:
+        vm = relax.VirtualMachine(module, device)
+        metadata = json.loads(str(vm["_metadata"]()))
+    except (RuntimeError, AttributeError, ValueError) as err:
+        raise GenerateError(f"{path}: not a tvmattn model library ({str(err).strip().splitlines()[-1]}); "
+                            f"recompile") from None
+    return vm, metadata
+
+
+def _check_finite(logits: np.ndarray, step: int, seq_ids: list[int]) -> None:
+    """logits [len(seq_ids), vocab]: GenerateError naming the step and prompt of a non-finite row."""
+    finite = np.isfinite(logits[:len(seq_ids)]).all(axis=-1)
+    if not finite.all():
+        seq_id = seq_ids[int(np.argmin(finite))]
+        raise GenerateError(f"logits are not finite at step {step} ({'prefill' if step == 0 else 'decode'}) of "
+                            f"prompt {seq_id}: the weights hold NaN or inf, or the library is broken; "
+                            f"check the weights and recompile")
+
+
+
 class Generator:
-    """A loaded library bundle: VM, weights, tokenizer and KV cache."""
+    """A loaded library bundle: VM, weights, tokenizer and KV cache.
+
+    Before loading anything, OUT.runtime.json is checked field by field, and OUT.so and
+    OUT.params.npz against the size and sha256 it recorded ("files"); bundles compiled before
+    that record existed still load, without the checksum (their library's ELF headers and their
+    parameters are still checked). Any broken file is a GenerateError naming it and the problem.
+    """
 
     def __init__(self, lib_path: str | Path):
         lib_path = Path(lib_path)
@@ -92,30 +317,37 @@ class Generator:
         for path in (lib_path, runtime_file):
             if not path.is_file():
                 raise GenerateError(f"--lib {str(lib_path)!r}: {path} is missing (build it with scripts/compile.py)")
-        self.runtime = json.loads(runtime_file.read_text())
+        self.runtime = read_runtime(runtime_file)
         self.metadata = self.runtime["metadata"]
         self.settings = self.runtime["settings"]
         params_file = sidecar(lib_path, PARAMS_SUFFIX)
         if self.runtime.get("params_file") is None or not params_file.is_file():
             raise GenerateError(f"--lib {str(lib_path)!r}: no weights ({params_file} is missing); "
                                 f"compile from a .gguf file or a folder with safetensors")
+        files = self.runtime.get("files")
+        if files is not None:
+            if files.get("params") is None:
+                raise GenerateError(f"{runtime_file}: files.params is missing, but the bundle has weights; recompile")
+            verify_recorded({lib_path: files["library"], params_file: files["params"]})
+        check_elf_library(lib_path)
         target = self.metadata["build_options"]["target"]
         self.device = tvm.cuda(0) if target.startswith("cuda") else tvm.cpu()
         if not self.device.exist:
             raise GenerateError(f"--lib {str(lib_path)!r} was built for {target}, and no such device is present")
-        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.device)
-        with np.load(params_file) as stored:
-            params = [stored[f"p{i}"] for i in range(len(self.metadata["params"]))]
-        for value, param in zip(params, self.metadata["params"]):
-            if list(value.shape) != param["shape"]:
-                raise GenerateError(f"{params_file}: parameter {param['name']!r} has shape {list(value.shape)}, "
-                                    f"the library needs {param['shape']}")
+        params = load_params(params_file, self.metadata["params"])
+        self.vm, library_metadata = load_library(lib_path, self.device)
+        if library_metadata != self.metadata:
+            raise GenerateError(f"{lib_path} and {runtime_file} come from different builds (their metadata "
+                                f"differ); recompile")
         self.params = [tvm.runtime.tensor(p, device=self.device) for p in params]
         self.tokenizer = None
         if self.runtime.get("tokenizer"):
             import tokenizers
 
-            self.tokenizer = tokenizers.Tokenizer.from_str(self.runtime["tokenizer"])
+            try:
+                self.tokenizer = tokenizers.Tokenizer.from_str(self.runtime["tokenizer"])
+            except Exception as err:  # noqa: BLE001 - tokenizers raises a plain Exception
+                raise GenerateError(f"{runtime_file}: the tokenizer does not load ({err}); recompile") from None
         self.stop_ids = set(self.runtime.get("stop_token_ids") or [])
         kind = self.metadata["kv_cache"]["kind"]
         prefix = "tvmattn." if kind == "tvmattn" else "vm.builtin."
@@ -184,6 +416,11 @@ class Generator:
             raise GenerateError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:
             raise GenerateError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        vocab = self.metadata["model_config"]["vocab_size"]
+        for index, prompt in enumerate(prompts):  # the library's embedding lookup does not check its indices
+            outside = next((t for t in prompt if not 0 <= t < vocab), None)
+            if outside is not None:
+                raise GenerateError(f"prompt {index}: token id {outside} is outside the vocabulary [0, {vocab})")
         longest = max(len(p) for p in prompts) + max_new_tokens
         if longest > self.settings["context_window"]:
             raise GenerateError(f"prompt + {max_new_tokens} new tokens = {longest} tokens exceed the context "
@@ -199,6 +436,7 @@ class Generator:
             start = time.perf_counter()
             logits = self._prefill(seq_ids, prompts)
             prefill_s = time.perf_counter() - start
+            _check_finite(logits, 0, seq_ids)
             active = list(seq_ids)
             steps = 0
             start = time.perf_counter()
@@ -228,6 +466,7 @@ class Generator:
                 else:
                     logits = self._forward("batch_decode", active, [1] * len(active), embeds)[:, 0]
                 steps += 1
+                _check_finite(logits, steps, active)
             decode_s = time.perf_counter() - start
         finally:
             for seq_id in seq_ids:
