@@ -159,7 +159,7 @@ def test_generate_cli(tiny):
     (["--model", "/no/such/model.gguf", "-o", "x.so"], "no such file"),
     (["--model", "smollm2-135m", "-o", "x.so", "--page-size", "12"], "power of two"),
     (["--model", "smollm2-135m", "-o", "x.so", "--cuda-arch", "90"], "not a CUDA arch"),
-    (["--model", "smollm2-135m", "-o", "x.bin"], "must end in .so"),
+    (["--model", "smollm2-135m", "-o", "x.bin"], "expected a library file name ending in .so"),
     (["--model", "smollm2-135m", "-o", "/no/such/dir/x.so"], "does not exist"),
     (["--model", "smollm2-135m", "-o", "x.so", "--max-batch-size", "0"], "expected an integer >= 1, got 0"),
 ])
