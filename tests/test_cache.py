@@ -338,8 +338,9 @@ def test_cascade_two_forks_of_a_long_prefix(target):
     for step in range(3):
         m.cache.begin_forward([1, 2, 3], [1, 1, 1])
         plan = m.cache.current_plan()
-        assert plan.decode and [level.prefix for level in plan.fused] == ["shared", "paged"]
-        shared = plan.host["shared.page_indices"]
+        # the shared level (paged prefill of all three's queries), then each fork's own pages
+        assert plan.decode and [level.kernel for level in plan.host.fused] == ["prefill", "decode"]
+        shared = plan.host.fused[0].page_indices
         assert len(shared) == 15, "the 15 full pages of the prompt are attended once"
         m.cache.end_forward()
         for seq_id in (1, 2, 3):  # give back the tokens that step reserved
@@ -358,8 +359,8 @@ def test_cascade_prefill_plan(target):
         m.fork(0, child)
     m.cache.begin_forward([1, 2, 3, 0], [3, 2, 4, 1])
     plan = m.cache.current_plan()
-    assert not plan.decode and [level.prefix for level in plan.fused] == ["shared"]
-    assert list(plan.host["shared.qo_indptr"]) == [0, 10]  # all four share the 10 pages
+    assert not plan.decode and len(plan.host.fused) == 1  # the shared level only: no history of their own
+    assert list(plan.host.fused[0].qo_indptr) == [0, 10]  # all four share the 10 pages
     m.cache.end_forward()
     for seq_id, n in zip([1, 2, 3, 0], [3, 2, 4, 1]):  # give back the tokens that step reserved
         m.cache.popn(seq_id, n)

@@ -33,7 +33,7 @@ from .errors import KVCacheError, check, check_finite, check_int, check_tensor
 from .forward import Kernels, Rope, Step, Workspace
 from .kernels import KernelSet, default_kernels, paged_slots
 from .pages import PageAllocator
-from .plan import DeviceArrays, build_plan, plan_size_bound
+from .plan import DeviceArrays, ForwardPlan, build_plan, plan_size_bound
 from .sequences import PageCopy, SequenceTable
 
 
@@ -292,20 +292,20 @@ class PagedKVCache:
             start += n
         return True
 
-    def _begin_backends(self, plan) -> None:
+    def _begin_backends(self, plan: ForwardPlan) -> None:
         """The backends' plan step (nothing for TIR kernels)."""
         opts, host, k = self.options, plan.host, self._step_kernels
         heads = (opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim, opts.v_head_dim)
         if not plan.decode:
-            indptr = host["append_indptr"]
+            indptr = host.append_indptr
             k.ragged.begin_forward(indptr, indptr, len(plan.lengths), plan.total, *heads, True)
-        for depth, level in enumerate(plan.fused):
-            indptr = host[level.prefix + ".page_indptr"]
+        for depth, level in enumerate(host.fused):
+            indptr = level.page_indptr
             if level.kernel == "decode":
                 k.paged_decode.begin_forward(depth, indptr, len(indptr) - 1, opts.page_size, *heads,
                                              self._rope.mode, opts.dtype, opts.dtype)
             else:
-                k.paged_prefill.begin_forward(depth, host[level.qo_indptr], indptr, host[level.length_info],
+                k.paged_prefill.begin_forward(depth, level.qo_indptr, indptr, level.length_info,
                                               len(indptr) - 1, plan.total, opts.page_size, *heads, False)
 
     def _step_shapes(self, n: int) -> dict:

@@ -14,11 +14,12 @@ attention_with_fused_qkv, per layer:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import tvm
 
 from .backends import RopeMode
-from .plan import BufferViews, ForwardPlan, LevelSpec
+from .plan import BufferViews, ForwardPlan, LevelArrays, PlanArrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,18 +55,25 @@ class Workspace:
             "lse": ((num_qo_heads,), "float32"),
             "lse_tmp": ((num_qo_heads,), "float32"),
         }
-        self._buffers = {name: (BufferViews(tvm.runtime.empty((chunk, *row), dt, device=device)), row, dt)
+        self._buffers = {name: BufferViews(tvm.runtime.empty((chunk, *row), dt, device=device),
+                                           functools.partial(_rows, row, dt))
                          for name, (row, dt) in shapes.items()}
 
     def views(self, n: int) -> dict:
         """name -> view of the first n rows."""
-        return {name: views.get((n, *row), dt) for name, (views, row, dt) in self._buffers.items()}
+        return {name: views[n] for name, views in self._buffers.items()}
+
+
+def _rows(row: tuple, dtype: str, n: int) -> tuple:
+    """(shape, dtype, byte offset) of the first n rows."""
+    return (n, *row), dtype, 0
 
 
 class Step:
     """The launches of one forward step (see the module docstring)."""
 
-    def __init__(self, plan: ForwardPlan, arrays: dict, kernels: Kernels, work: dict, rope: Rope):
+    def __init__(self, plan: ForwardPlan, arrays: PlanArrays, kernels: Kernels, work: dict, rope: Rope):
+        """arrays: the plan's arrays as device views."""
         self.plan = plan
         self.decode = plan.decode
         self._a = arrays
@@ -73,23 +81,22 @@ class Step:
         self._rope = rope
         self.q, self.k, self.v = work["q"], work["k"], work["v"]
         self.o_tmp, self.lse, self.lse_tmp = work["o_tmp"], work["lse"], work["lse_tmp"]
-        self._fused = [self._level(spec) for spec in plan.fused]
-        self._cross = [self._level(spec) for spec in plan.cross]
+        self._fused = [self._level(level) for level in arrays.fused]
+        self._cross = [self._level(level) for level in arrays.cross]
         self._apply_rope = int(rope.mode == RopeMode.NORMAL)
 
-    def _level(self, spec: LevelSpec):
+    def _level(self, level: LevelArrays):
         """A function (pages, q, o, lse, sm_scale) running one paged level."""
-        a, p, rope = self._a, spec.prefix, self._rope
-        indptr, indices, info = a[p + ".page_indptr"], a[p + ".page_indices"], a[spec.length_info]
-        k_offset, q_positions = a[p + ".k_offset"], a["q_positions"]
-        if spec.kernel == "decode":
+        rope, q_positions = self._rope, self._a.q_positions
+        indptr, indices, info, k_offset = level.page_indptr, level.page_indices, level.length_info, level.k_offset
+        if level.kernel == "decode":
             mha = self._k.paged_decode.mha
 
             def run(pages, q, o, lse, sm_scale):
                 mha(0, q, pages, indptr, indices, info, k_offset, q_positions, rope.mode, rope.scale, rope.theta,
                     sm_scale, o, lse)
         else:
-            mha, qo_indptr = self._k.paged_prefill.mha, a[spec.qo_indptr]
+            mha, qo_indptr = self._k.paged_prefill.mha, level.qo_indptr
 
             def run(pages, q, o, lse, sm_scale):
                 mha(0, q, qo_indptr, pages, indptr, indices, info, q_positions, k_offset, False, rope.mode,
@@ -108,13 +115,13 @@ class Step:
 
     def _ragged(self, q, k, v, o, lse, sm_scale: float) -> None:
         a, rope = self._a, self._rope
-        indptr = a["append_indptr"]
-        self._k.ragged.mha(q, k, v, indptr, indptr, a["q_positions"], a["k_ragged_offset"], True, rope.mode,
+        indptr = a.append_indptr
+        self._k.ragged.mha(q, k, v, indptr, indptr, a.q_positions, a.k_ragged_offset, True, rope.mode,
                            rope.scale, rope.theta, sm_scale, o, lse)
 
     def attention_with_fused_qkv(self, pages, qkv, o, sm_scale: float) -> None:
-        q, k, v, positions = self.q, self.k, self.v, self._a["append_positions"]
-        self._k.split_rotary(qkv, self._a["q_positions"], q, k, v, self._apply_rope)
+        q, k, v, positions = self.q, self.k, self.v, self._a.append_positions
+        self._k.split_rotary(qkv, self._a.q_positions, q, k, v, self._apply_rope)
         if self.decode:
             self._k.transpose_append(pages, k, v, positions)
             self._paged(self._fused, pages, q, o, self.lse, sm_scale, have_output=False)
@@ -130,4 +137,4 @@ class Step:
         self._paged(self._cross, pages, q, o, lse, sm_scale, have_output=False)
 
     def query_positions(self):
-        return self._a["q_positions"]
+        return self._a.q_positions

@@ -17,22 +17,28 @@ prefix), and attends to the rest of its pages on its own; the two are merged by 
 extended while that does not shrink the number of page reads it saves. Windowed sequences do
 not take part.
 
-Arrays (name: shape; R = requests of a level, B = batch, N = new tokens):
+Arrays (`PlanArrays`, one structure whether it holds the host arrays, their places in the
+buffer (`ArraySpec`) or device views; packed in field order; R = requests of a level, B = batch,
+N = new tokens):
 - q_positions [N] (first, at offset 0, as TVM's query positions are): RoPE position of each new
   token = its sequence's length before the step + its index among the new tokens;
 - append_indptr [B+1]; k_ragged_offset [B] (RoPE position of the first new token);
 - append_positions [N]: pool position of each new token (-1: dropped by a window, not stored);
-- per paged level "<level>.": page_indptr [R+1], page_indices [nnz], length_info [R] or [3, R]
-  (last_page_len, window_offset, sink) with sliding-window kernels, k_offset [R] (RoPE
-  position of the level's first key); the shared level also qo_indptr [R+1];
-- decode steps also "paged.history_length_info": the same tables without the new tokens (a
-  last page of length 0 contributes nothing), for cross_attention.
+- fused, cross: the paged levels (`LevelArrays`) that attention_with_fused_qkv (after the ragged
+  part in prefill) and cross_attention run, the shared level first. A level: page_indptr [R+1],
+  page_indices [nnz], length_info [R] or [3, R] (last_page_len, window_offset, sink) with
+  sliding-window kernels, k_offset [R] (RoPE position of the level's first key), and for paged
+  prefill qo_indptr [R+1] (the shared level's own; append_indptr for the history level); None
+  for paged decode. In a decode step cross's last level has its own length_info: the same
+  tables without the new tokens (a last page of length 0 contributes nothing).
+Levels share arrays (fused and cross the same tables; append_indptr as qo_indptr); each array
+is packed once, where it first appears.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Callable, Generic, Hashable, NamedTuple, TypeVar
 
 import numpy as np
 import tvm
@@ -42,20 +48,50 @@ from .upload import make_uploader
 
 ALIGN = 16  # int32 elements: every packed array starts at a 64-byte boundary
 
+T = TypeVar("T")  # what a field holds: np.ndarray (host), ArraySpec (packed), a device view
+U = TypeVar("U")
+
 
 class ArraySpec(NamedTuple):
     offset: int  # elements from the start of the buffer
     shape: tuple
 
 
-@dataclasses.dataclass(frozen=True)
-class LevelSpec:
-    """One paged attention launch of a step."""
+class LevelArrays(NamedTuple, Generic[T]):
+    """What one paged attention launch of a step reads (R requests; see the module docstring)."""
 
-    prefix: str  # name prefix of the level's arrays
-    kernel: str  # "prefill" or "decode"
-    qo_indptr: str | None  # array name (prefill)
-    length_info: str  # array name
+    page_indptr: T  # [R+1]
+    page_indices: T  # [nnz]
+    length_info: T  # [R], or [3, R] with sliding-window kernels
+    k_offset: T  # [R]
+    qo_indptr: T | None  # [R+1] for paged prefill; None: paged decode (one query per request)
+
+    @property
+    def kernel(self) -> str:
+        """The paged kernel that runs this level: "prefill" or "decode"."""
+        return "decode" if self.qo_indptr is None else "prefill"
+
+    def map(self, f: Callable[[T], U]) -> LevelArrays[U]:
+        qo_indptr = self.qo_indptr
+        return LevelArrays(f(self.page_indptr), f(self.page_indices), f(self.length_info), f(self.k_offset),
+                           None if qo_indptr is None else f(qo_indptr))
+
+
+class PlanArrays(NamedTuple, Generic[T]):
+    """Every index array of a step, in packing order (see the module docstring)."""
+
+    q_positions: T  # [N]
+    append_indptr: T  # [B+1]
+    k_ragged_offset: T  # [B]
+    append_positions: T  # [N]
+    fused: tuple[LevelArrays[T], ...]  # run by attention_with_fused_qkv (after the ragged part in prefill)
+    cross: tuple[LevelArrays[T], ...]  # over the history, run by cross_attention
+
+    def map(self, f: Callable[[T], U]) -> PlanArrays[U]:
+        """The same arrays with f applied to each, in packing order."""
+        return PlanArrays(f(self.q_positions), f(self.append_indptr), f(self.k_ragged_offset),
+                          f(self.append_positions), tuple([level.map(f) for level in self.fused]),
+                          tuple([level.map(f) for level in self.cross]))
 
 
 @dataclasses.dataclass
@@ -67,32 +103,36 @@ class ForwardPlan:
     total: int
     decode: bool  # append first, then paged decode over whole sequences
     buffer: np.ndarray  # int32, all arrays packed
-    specs: dict  # name -> ArraySpec
-    host: dict  # name -> the array as packed (for backends' begin_forward)
-    fused: list  # LevelSpecs run by attention_with_fused_qkv after the ragged part (prefill)
-    cross: list  # LevelSpecs over the history, run by cross_attention
+    specs: PlanArrays[ArraySpec]  # where each array lies in buffer
+    host: PlanArrays[np.ndarray]  # the arrays as packed (for backends' begin_forward)
 
 
 class Packer:
-    """Collects named int32 arrays into one buffer, each aligned to ALIGN elements."""
+    """Packs int32 arrays into one buffer, each aligned to ALIGN elements and stored once
+    however often a plan refers to it."""
 
     def __init__(self):
-        self.specs: dict[str, ArraySpec] = {}
-        self.host: dict[str, np.ndarray] = {}
+        self._specs: dict[int, ArraySpec] = {}  # id(array) -> its place
+        self._arrays: list[np.ndarray] = []  # in the order of _specs
         self._size = 0
 
-    def add(self, name: str, values) -> None:
-        array = np.asarray(values, dtype=np.int32)
-        self.specs[name] = ArraySpec(self._size, array.shape)
-        self.host[name] = array
-        self._size += max(ceildiv(array.size, ALIGN), 1) * ALIGN
+    def add(self, array: np.ndarray) -> ArraySpec:
+        spec = self._specs.get(id(array))
+        if spec is None:
+            spec = self._specs[id(array)] = ArraySpec(self._size, array.shape)
+            self._arrays.append(array)
+            self._size += -(-array.size // ALIGN) * ALIGN or ALIGN  # an empty array takes ALIGN too
+        return spec
 
     def finish(self) -> np.ndarray:
         buffer = np.empty(self._size, dtype=np.int32)
-        for name, spec in self.specs.items():
-            array = self.host[name]
+        for spec, array in zip(self._specs.values(), self._arrays):
             buffer[spec.offset : spec.offset + array.size] = array.ravel()
         return buffer
+
+
+def _int32(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32)
 
 
 class PagedTable:
@@ -118,14 +158,12 @@ class PagedTable:
 
     def length_info(self, last_page_len: list, sliding: bool) -> np.ndarray:
         if not sliding:
-            return np.asarray(last_page_len, dtype=np.int32)
+            return _int32(last_page_len)
         return np.array([last_page_len, self.window_offset, self.sink], dtype=np.int32)
 
-    def pack(self, packer: Packer, prefix: str, sliding: bool) -> None:
-        packer.add(prefix + ".page_indptr", self.page_indptr)
-        packer.add(prefix + ".page_indices", self.page_indices)
-        packer.add(prefix + ".length_info", self.length_info(self.last_page_len, sliding))
-        packer.add(prefix + ".k_offset", self.k_offset)
+    def arrays(self, sliding: bool, qo_indptr: np.ndarray | None) -> LevelArrays[np.ndarray]:
+        return LevelArrays(_int32(self.page_indptr), _int32(self.page_indices),
+                           self.length_info(self.last_page_len, sliding), _int32(self.k_offset), qo_indptr)
 
 
 def build_plan(seq_ids: list, appended: list[Appended], lengths: list, page_size: int, sliding: bool,
@@ -133,43 +171,39 @@ def build_plan(seq_ids: list, appended: list[Appended], lengths: list, page_size
     """The plan of a step. appended[i] describes seq_ids[i] (see SequenceTable.reserve);
     sliding: the paged kernels read length_info as [3, R]."""
     decode = all(n == 1 for n in lengths) and not any(a.seq.window_size for a in appended)
-    packer = Packer()
-    _pack_new_tokens(packer, appended, lengths)
+    q_positions, indptr, k_ragged_offset, append_positions = _new_tokens(appended, lengths)
     tables = [a.seq if decode else a.history for a in appended]
     groups = cascade_groups(tables, page_size) if cascade else []
     shared = []
     if groups:
-        _shared_table(groups, tables, page_size).pack(packer, "shared", sliding)
-        shared = [LevelSpec("shared", "prefill", "shared.qo_indptr", "shared.length_info")]
-        packer.add("shared.qo_indptr", _shared_qo_indptr(groups, packer.host["append_indptr"]))
+        qo_indptr = _int32(_shared_qo_indptr(groups, indptr))
+        shared = [_shared_table(groups, tables, page_size).arrays(sliding, qo_indptr)]
     main = _main_table(tables, groups, page_size)
-    main.pack(packer, "paged", sliding)
     if decode:
+        paged = main.arrays(sliding, None)
         history_last = [max(n - 1, 0) for n in main.last_page_len]
-        packer.add("paged.history_length_info", main.length_info(history_last, sliding))
-        fused = shared + [LevelSpec("paged", "decode", None, "paged.length_info")]
-        cross = shared + [LevelSpec("paged", "decode", None, "paged.history_length_info")]
+        history = paged._replace(length_info=main.length_info(history_last, sliding))
+        fused, cross = shared + [paged], shared + [history]
     else:
-        kernel = "decode" if all(n == 1 for n in lengths) else "prefill"
-        history = LevelSpec("paged", kernel, "append_indptr", "paged.length_info")
-        fused = shared + ([history] if main.page_indices else [])
-        cross = shared + [history]
-    return ForwardPlan(list(seq_ids), list(lengths), sum(lengths), decode, packer.finish(), packer.specs,
-                       packer.host, fused, cross)
+        paged = main.arrays(sliding, None if all(n == 1 for n in lengths) else indptr)
+        fused = shared + ([paged] if main.page_indices else [])
+        cross = shared + [paged]
+    host = PlanArrays(q_positions, indptr, k_ragged_offset, append_positions, tuple(fused), tuple(cross))
+    packer = Packer()
+    specs = host.map(packer.add)
+    return ForwardPlan(list(seq_ids), list(lengths), sum(lengths), decode, packer.finish(), specs, host)
 
 
-def _pack_new_tokens(packer: Packer, appended: list[Appended], lengths: list) -> None:
-    history = np.array([a.history.length for a in appended], dtype=np.int64)
-    indptr = np.zeros(len(lengths) + 1, dtype=np.int64)
+def _new_tokens(appended: list[Appended], lengths: list) -> tuple:
+    """q_positions, append_indptr, k_ragged_offset, append_positions."""
+    history = np.array([a.history.length for a in appended], dtype=np.int32)
+    indptr = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=indptr[1:])
-    positions = np.repeat(history - indptr[:-1], lengths) + np.arange(indptr[-1])
-    packer.add("q_positions", positions)
-    packer.add("append_indptr", indptr)
-    packer.add("k_ragged_offset", history)
+    positions = np.repeat(history - indptr[:-1], lengths) + np.arange(indptr[-1], dtype=np.int32)
     flat: list[int] = []
     for a in appended:
         flat.extend(a.positions)
-    packer.add("append_positions", flat)
+    return positions, indptr, history, _int32(flat)
 
 
 def _main_table(tables: list, groups: list, page_size: int) -> PagedTable:
@@ -255,8 +289,9 @@ def plan_size_bound(seqs: list, lengths: list, page_size: int) -> int:
     return 2 * pages + 2 * sum(lengths) + 16 * (len(seqs) + 2) + 24 * ALIGN
 
 
-class BufferViews:
-    """Views into one device buffer, each made once per (shape, dtype, byte offset).
+class BufferViews(dict):
+    """Views into one device buffer, each made once: views[key] is the view that place(key) =
+    (shape, dtype, byte offset) describes.
 
     TVM's Tensor._create_view costs ~5 us of Python; a step needs ~20 views, and consecutive
     decode steps mostly need the same ones (measured: 16 new views were 80 of the 91 us of a
@@ -264,18 +299,20 @@ class BufferViews:
 
     LIMIT = 4096  # forget every view beyond this many (ragged prefill shapes vary freely)
 
-    def __init__(self, buffer):
+    def __init__(self, buffer, place: Callable[[Hashable], tuple]):
+        super().__init__()
         self.buffer = buffer
-        self._made: dict = {}
+        self._place = place
 
-    def get(self, shape: tuple, dtype: str, byte_offset: int = 0):
-        key = (shape, dtype, byte_offset)
-        view = self._made.get(key)
-        if view is None:
-            if len(self._made) >= self.LIMIT:
-                self._made.clear()
-            view = self._made[key] = self.buffer._create_view(shape, dtype, byte_offset)
+    def __missing__(self, key):
+        if len(self) >= self.LIMIT:
+            self.clear()
+        view = self[key] = self.buffer._create_view(*self._place(key))
         return view
+
+
+def _int32_place(spec: ArraySpec) -> tuple:
+    return spec.shape, "int32", 4 * spec.offset
 
 
 class DeviceArrays:
@@ -284,18 +321,25 @@ class DeviceArrays:
 
     def __init__(self, device, capacity: int = 1 << 14):
         self.device = device
-        self._views = BufferViews(tvm.runtime.empty((capacity,), "int32", device=device))
-        self.capacity = capacity
+        self.capacity = 0
         self._uploader = make_uploader(device)  # non-blocking, stream-ordered on CUDA
+        self.reserve(capacity)
 
     def reserve(self, size: int) -> None:
         if size > self.capacity:
             self.capacity = max(size, 2 * self.capacity)
-            self._views = BufferViews(tvm.runtime.empty((self.capacity,), "int32", device=self.device))
+            buffer = tvm.runtime.empty((self.capacity,), "int32", device=self.device)
+            self._views = BufferViews(buffer, _int32_place)
+            # a plan's layout -> its views (consecutive decode steps mostly share one)
+            self._layouts: dict[PlanArrays[ArraySpec], PlanArrays] = {}
 
-    def upload(self, plan: ForwardPlan) -> dict:
-        """Copy the plan's buffer to the device; returns name -> int32 view."""
+    def upload(self, plan: ForwardPlan) -> PlanArrays:
+        """Copy the plan's buffer to the device; returns its arrays as int32 views."""
         self.reserve(plan.buffer.size)
-        views = self._views
-        self._uploader.copy(plan.buffer, views.get(tuple(plan.buffer.shape), "int32"))
-        return {name: views.get(tuple(spec.shape), "int32", 4 * spec.offset) for name, spec in plan.specs.items()}
+        self._uploader.copy(plan.buffer, self._views[ArraySpec(0, plan.buffer.shape)])
+        arrays = self._layouts.get(plan.specs)
+        if arrays is None:
+            if len(self._layouts) >= BufferViews.LIMIT:
+                self._layouts.clear()
+            arrays = self._layouts[plan.specs] = plan.specs.map(self._views.__getitem__)
+        return arrays
