@@ -43,9 +43,6 @@ from tvm.s_tir import dlight  # noqa: E402
 
 from tir_kernels import AttentionConfig  # noqa: E402
 
-ROPE_MODES = {"none": 0, "normal": 1, "inline": 2}  # TVM's RoPEMode
-MHA = 0  # TVM's AttnKind.MHA
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
@@ -182,36 +179,40 @@ class CppKernels:
 
 def cpp_create_args(model: ModelShape, size: CacheSize, kernels: CppKernels, device) -> list:
     """The 28 positional arguments of vm.builtin.paged_attention_kv_cache_create (paged_kv_cache.cc)."""
-    return [
-        ShapeTuple([size.max_num_sequences, size.max_total_seq_len, size.prefill_chunk_size, model.page_size, 0]),
-        ShapeTuple([0, model.num_layers]),  # layer_indptr: one pipeline stage
-        model.num_qo_heads,
-        model.num_kv_heads,
-        model.head_dim,  # qk_head_dim
-        model.head_dim,  # v_head_dim
-        ShapeTuple([MHA] * model.num_layers),
-        False,  # enable_kv_transfer
-        ROPE_MODES[model.rope_mode],
-        model.rope_scale,
-        model.rope_theta,
-        None,  # rope_ext_factors
-        tvm.runtime.empty((), model.dtype, device=device),  # dtype and device of the pages
-        kernels.transpose_append,
-        None,  # transpose_append for MLA
-        ["tirx", kernels.ragged_prefill],
-        ["tirx", kernels.paged_prefill],
-        ["tirx", kernels.paged_decode],
-        [],  # sliding-window paged prefill
-        [],  # sliding-window paged decode
-        [],  # tree-mask paged prefill
-        [],  # tree-mask ragged prefill
-        [],  # MLA prefill
-        [kernels.merge_state],
-        kernels.split_rotary,
-        kernels.copy_single_page,
-        kernels.debug_get_kv,
-        kernels.compact_copy,
-    ]
+    from tvmattn.runtime.backends import RopeMode
+    from tvmattn.runtime.ffi import AttnKind, CreateArgs
+
+    return CreateArgs(
+        cache_config=ShapeTuple([size.max_num_sequences, size.max_total_seq_len, size.prefill_chunk_size,
+                                 model.page_size, 0]),
+        layer_indptr=ShapeTuple([0, model.num_layers]),  # one pipeline stage
+        num_qo_heads=model.num_qo_heads,
+        num_kv_heads=model.num_kv_heads,
+        qk_head_dim=model.head_dim,
+        v_head_dim=model.head_dim,
+        attn_kinds=ShapeTuple([int(AttnKind.MHA)] * model.num_layers),
+        enable_kv_transfer=False,
+        rope_mode=int(RopeMode.parse(model.rope_mode)),
+        rope_scale=model.rope_scale,
+        rope_theta=model.rope_theta,
+        rope_ext_factors=None,
+        init=tvm.runtime.empty((), model.dtype, device=device),  # dtype and device of the pages
+        transpose_append_mha=kernels.transpose_append,
+        transpose_append_mla=None,
+        prefill_ragged=["tirx", kernels.ragged_prefill],
+        prefill_paged=["tirx", kernels.paged_prefill],
+        decode_paged=["tirx", kernels.paged_decode],
+        prefill_paged_sliding=[],
+        decode_paged_sliding=[],
+        tree_paged=[],
+        tree_ragged=[],
+        mla_prefill=[],
+        merge=[kernels.merge_state],
+        split_rotary=kernels.split_rotary,
+        copy_single_page=kernels.copy_single_page,
+        debug_get_kv=kernels.debug_get_kv,
+        compact_copy=kernels.compact_copy,
+    ).positional()
 
 
 def builtin(name: str) -> tvm.ffi.Function:

@@ -43,6 +43,7 @@ from tir_kernels import (
     split_rotary,
     transpose_append,
 )
+from tvmattn.runtime.ffi import CreateArgs
 
 NUM_LAYERS = 2
 HQ, HKV, D, PAGE_SIZE, DTYPE = 8, 2, 64, 16, "float16"
@@ -78,44 +79,43 @@ def tvm_tree_paged(config: AttentionConfig):
 
 
 def create_cache(kernels, config: AttentionConfig, rope_mode: RopeMode, sliding: bool = False, tree: bool = False):
-    """TVM's cache with our kernels; the argument order is paged_kv_cache.cc's (28 arguments)."""
+    """TVM's cache with our kernels (CreateArgs: paged_kv_cache.cc's 28 arguments by name)."""
 
     def ours(generator, *extra, cfg=config):
         return kernels.get(generator, cfg, *extra)
 
     sliding_config = config.replace(sliding_window=True)
-    args = [
-        # reserved_num_seqs, total_token_capacity, prefill_chunk_size, page_size, support_sliding_window
-        ShapeTuple([RESERVED_SEQS, TOKEN_CAPACITY, PREFILL_CHUNK, config.page_size, int(sliding)]),
-        ShapeTuple([0, NUM_LAYERS]),  # layer_indptr: one pipeline stage
-        config.num_qo_heads,
-        config.num_kv_heads,
-        config.head_dim,  # qk_head_dim
-        config.v_head_dim,
-        ShapeTuple([int(AttnKind.MHA)] * NUM_LAYERS),
-        False,  # enable_kv_transfer
-        int(rope_mode),
-        config.rope_scale,
-        config.rope_theta,
-        None,  # rope_ext_factors
-        tvm.runtime.empty((), config.dtype, device=device_for(config)),  # dtype and device of the pages
-        ours(transpose_append),
-        None,  # transpose_append for MLA
-        ["tirx", ours(ragged_prefill)],
-        ["tirx", ours(paged_prefill)],
-        ["tirx", ours(paged_decode)],
-        ["tirx", ours(paged_prefill, cfg=sliding_config)] if sliding else [],
-        ["tirx", ours(paged_decode, cfg=sliding_config)] if sliding else [],
-        ["tirx", kernels.get(tvm_tree_paged, config)] if tree else [],
-        ["tirx", kernels.get(tvm_tree_ragged, config)] if tree else [],
-        [],  # MLA prefill
-        [ours(merge_state)],
-        ours(split_rotary),
-        ours(copy_single_page),
-        ours(debug_get_kv, NUM_LAYERS),
-        ours(compact_copy),
-    ]
-    return builtin("paged_attention_kv_cache_create")(*args)
+    args = CreateArgs(
+        cache_config=ShapeTuple([RESERVED_SEQS, TOKEN_CAPACITY, PREFILL_CHUNK, config.page_size, int(sliding)]),
+        layer_indptr=ShapeTuple([0, NUM_LAYERS]),  # one pipeline stage
+        num_qo_heads=config.num_qo_heads,
+        num_kv_heads=config.num_kv_heads,
+        qk_head_dim=config.head_dim,
+        v_head_dim=config.v_head_dim,
+        attn_kinds=ShapeTuple([int(AttnKind.MHA)] * NUM_LAYERS),
+        enable_kv_transfer=False,
+        rope_mode=int(rope_mode),
+        rope_scale=config.rope_scale,
+        rope_theta=config.rope_theta,
+        rope_ext_factors=None,
+        init=tvm.runtime.empty((), config.dtype, device=device_for(config)),  # dtype and device of the pages
+        transpose_append_mha=ours(transpose_append),
+        transpose_append_mla=None,
+        prefill_ragged=["tirx", ours(ragged_prefill)],
+        prefill_paged=["tirx", ours(paged_prefill)],
+        decode_paged=["tirx", ours(paged_decode)],
+        prefill_paged_sliding=["tirx", ours(paged_prefill, cfg=sliding_config)] if sliding else [],
+        decode_paged_sliding=["tirx", ours(paged_decode, cfg=sliding_config)] if sliding else [],
+        tree_paged=["tirx", kernels.get(tvm_tree_paged, config)] if tree else [],
+        tree_ragged=["tirx", kernels.get(tvm_tree_ragged, config)] if tree else [],
+        mla_prefill=[],
+        merge=[ours(merge_state)],
+        split_rotary=ours(split_rotary),
+        copy_single_page=ours(copy_single_page),
+        debug_get_kv=ours(debug_get_kv, NUM_LAYERS),
+        compact_copy=ours(compact_copy),
+    )
+    return builtin("paged_attention_kv_cache_create")(*args.positional())
 
 
 class CacheUnderTest:
