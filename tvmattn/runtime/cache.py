@@ -26,7 +26,7 @@ import numpy as np
 import tvm
 
 from tir_kernels import AttentionConfig, RopeScaling
-from tir_kernels.support import dtype_problem, page_size_problem
+from tir_kernels.support import cuda_arch_of, dtype_problem, page_size_problem
 
 from .backends import PagedDecode, PagedPrefill, RaggedPrefill, RopeMode, backend_from_spec
 from .errors import KVCacheError, check, check_finite, check_int, check_tensor
@@ -115,8 +115,8 @@ def target_for(device) -> str:
     """The tir_kernels target for a device: "cuda:sm_XY" for a CUDA GPU, "llvm" for the CPU."""
     kind = device.dlpack_device_type()
     if kind == 2:  # kDLCUDA
-        version = device.compute_version if device.exist else ""
-        return "cuda:sm_" + version.replace(".", "") if version else "cuda"
+        arch = cuda_arch_of(device)
+        return f"cuda:{arch}" if arch else "cuda"
     check(kind == 1, f"device {device} is not supported: expected a CPU or a CUDA device")
     return "llvm"
 
@@ -138,6 +138,13 @@ class PagedKVCache:
       device: a tvm.runtime.Device (default tvm.cpu()).
       kernels: optional overrides, slot name -> backend spec or function (see tvmattn.runtime.kernels);
         every other slot gets tvmattn's kernel for this configuration, built once per process.
+
+    Threads: a cache is not thread-safe. It takes no locks; its methods (and the `tvmattn.*`
+    functions over it) must be called from one thread at a time, as a model's forward calls
+    them: begin_forward, the layers' attention calls, end_forward, in order. Serve several
+    threads with one cache per thread, or a lock around each whole forward step. Distinct caches
+    share nothing mutable (the compiled kernels they share are read-only) and may be used from
+    different threads at once.
     """
 
     def __init__(self, *, num_layers: int, num_qo_heads: int, num_kv_heads: int, qk_head_dim: int,
