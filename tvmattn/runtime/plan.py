@@ -38,6 +38,7 @@ is packed once, where it first appears.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable, Generic, Hashable, NamedTuple, TypeVar
 
 import numpy as np
@@ -197,8 +198,7 @@ def build_plan(seq_ids: list, appended: list[Appended], lengths: list, page_size
 def _new_tokens(appended: list[Appended], lengths: list) -> tuple:
     """q_positions, append_indptr, k_ragged_offset, append_positions."""
     history = np.array([a.history.length for a in appended], dtype=np.int32)
-    indptr = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=indptr[1:])
+    indptr = np.array([0, *itertools.accumulate(lengths)], dtype=np.int32)
     positions = np.repeat(history - indptr[:-1], lengths) + np.arange(indptr[-1], dtype=np.int32)
     flat: list[int] = []
     for a in appended:
