@@ -117,8 +117,11 @@ def test_main_job_compiles_and_answers_on_the_gpu(tiny_gguf, tmp_path, monkeypat
     tokens, logits = result.tokens[0], result.logits[0]
     loaded = read_gguf(tiny_gguf)
     expected = TorchLlama(loaded.hf_config, loaded.tensors).logits(prompt + tokens[:-1])[len(prompt) - 1:]
+    # float16 activations vs float64: this random model amplifies rounding as it goes (its CPU
+    # float16 build drifts the same way: 0.3% of the largest logit at prefill, 4.6% by the sixth
+    # token; CUDA measured 0.3% and 7.9%); a wrong attention read is off by the order of 100%
     error = np.abs(logits - expected).max(axis=-1) / np.abs(expected).max(axis=-1)
-    assert error.max() <= 2e-2, error  # float16 activations vs float64
+    assert error[0] <= 1e-2 and error.max() <= 0.15, error
     done = run_main_job(tmp_path, "--gguf", str(tiny_gguf), "--max-new-tokens", "4", "--prompt", "hello")
     assert done.returncode == 0, done.stderr
     assert f"using the compiled library {library}" in done.stderr and "tokens/s" in done.stderr
