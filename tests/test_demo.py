@@ -29,8 +29,10 @@ def test_cli_demo(capsys):
 
 
 def test_cli_rejects_bad_page_size(capsys):
-    assert main(["demo", "--page-size", "3"]) == 2
-    assert "page_size=3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # refused while parsing
+        main(["demo", "--page-size", "3"])
+    assert exit_.value.code == 2
+    assert "page_size=3 is not supported" in capsys.readouterr().err
 
 
 def test_cli_version(capsys):
