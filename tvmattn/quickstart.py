@@ -43,11 +43,11 @@ def _sources_digest() -> str:
     return digest.hexdigest()
 
 
-def library_path(target: str, weights: Path) -> Path:
+def library_path(target: str, weights: Path, name: str = MODEL) -> Path:
     """Where the cache keeps the library of a resolved target and a weight file."""
     stat = weights.stat()
     key = hashlib.sha256(f"{_sources_digest()}|{target}|{weights}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    return models_dir() / f"{MODEL}-{target.replace(':', '-')}-{key.hexdigest()[:12]}.so"
+    return models_dir() / f"{name}-{target.replace(':', '-')}-{key.hexdigest()[:12]}.so"
 
 
 def cached_library(target: str = "auto", log: Callable[[str], None] = print, weights: str | Path | None = None) -> Path:
@@ -55,11 +55,12 @@ def cached_library(target: str = "auto", log: Callable[[str], None] = print, wei
     first when the cache lacks it. weights: a GGUF file (default: SmolLM2-135M-Instruct)."""
     from .weights import smollm2_path
 
+    name = MODEL if weights is None else Path(weights).stem
     weights = Path(weights) if weights is not None else smollm2_path()  # raises with the install command
     if not weights.is_file():
         raise BuildError(f"weights {str(weights)!r}: no such file")
     resolved = resolve_target(target)  # once: compile_model and the cache key see the same target
-    library = library_path(resolved, weights)
+    library = library_path(resolved, weights, name)
     if all(p.is_file() for p in (library, sidecar(library, PARAMS_SUFFIX), sidecar(library, RUNTIME_SUFFIX))):
         log(f"[smollm2] using the compiled library {library}")
         return library
