@@ -32,6 +32,17 @@ def page_size_problem(value) -> str | None:
     return f"a power of two from 1 to {MAX_PAGE_SIZE}"
 
 
+def numpy_dtype(name: str):
+    """The numpy dtype of a dtype name ("bfloat16" is ml_dtypes' bfloat16)."""
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 def dtype_problem(value) -> str | None:
     """None when `value` is a supported dtype name, else what was expected."""
     return None if value in DTYPES else f"one of {DTYPES}"

@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 import time
 
-import ml_dtypes
 import numpy as np
 import tvm
 
 from tir_kernels import AttentionConfig, build, default_sm_scale, paged_decode, paged_prefill
+from tir_kernels.support import numpy_dtype
 
 NUM_QO_HEADS = 32
 NUM_KV_HEADS = 8
@@ -25,7 +25,6 @@ HEAD_DIM = 128
 REQUESTS = ((20, 25), (0, 19))
 SPARE_PAGES = 2
 
-_NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 # (rtol, atol) on o per dtype and on the base-2 lse: fp32 accumulation, output rounded to dtype.
 O_TOLERANCE = {"float16": (4e-3, 4e-3), "bfloat16": (2.5e-2, 2.5e-2), "float32": (1e-4, 1e-4)}
 LSE_TOLERANCE = (1e-3, 2e-3)
@@ -61,7 +60,7 @@ class _PagePool:
         self.page_size = ps
         self.pages_per_request = [-(-n // ps) for n in lengths]
         total = sum(self.pages_per_request) + SPARE_PAGES
-        self.pages = np.zeros((total, 2, config.num_kv_heads, ps, config.head_dim), _NP_DTYPES[config.dtype])
+        self.pages = np.zeros((total, 2, config.num_kv_heads, ps, config.head_dim), numpy_dtype(config.dtype))
         order = rng.permutation(total)
         starts = np.cumsum([0] + self.pages_per_request)
         self.page_ids = [order[starts[i] : starts[i + 1]] for i in range(len(lengths))]
@@ -122,7 +121,7 @@ def run_demo(dtype: str = "float16", page_size: int = 16, target: str = "llvm", 
     """
     config = AttentionConfig(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, page_size=page_size, target=target)
     device = _device(config)
-    np_dtype = _NP_DTYPES[dtype]
+    np_dtype = numpy_dtype(dtype)
     sm_scale = default_sm_scale(HEAD_DIM)
     rng = np.random.default_rng(seed)
 

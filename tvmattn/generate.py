@@ -229,14 +229,6 @@ def check_elf_library(path: Path) -> None:
         raise GenerateError(f"{path}: truncated ({size} bytes, its ELF headers need {needed}); recompile")
 
 
-def _numpy_dtype(dtype: str) -> np.dtype:
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
-
-
 def load_params(file: Path, specs: list[dict[str, Any]]) -> list[np.ndarray]:
     """The arrays `p0`, `p1`, ... of OUT.params.npz checked against metadata["params"] (count,
     shape, dtype); raises GenerateError naming the file, the array and the problem."""
@@ -258,7 +250,7 @@ def load_params(file: Path, specs: list[dict[str, Any]]) -> list[np.ndarray]:
                 value = stored[key]
             except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
                 raise GenerateError(f"{file}: {what} does not read ({err}); recompile") from None
-            dtype = _numpy_dtype(spec["dtype"])
+            dtype = support.numpy_dtype(spec["dtype"])
             if value.dtype != dtype and value.dtype.kind == "V" and value.dtype.itemsize == dtype.itemsize:
                 value = value.view(dtype)  # np.save writes bfloat16 as raw 2-byte values
             if value.dtype != dtype:

@@ -29,7 +29,7 @@ import tvm
 from tvm import relax
 
 from tir_kernels import tvm_target
-from tir_kernels.support import TargetName, dtype_problem, page_size_problem
+from tir_kernels.support import TargetName, dtype_problem, numpy_dtype, page_size_problem
 
 from .config import ModelConfig
 from .kv_cache import KV_CACHE_KINDS, KVCacheSpec
@@ -154,7 +154,7 @@ def pack_params(document: dict[str, Any], tensors: Mapping[str, np.ndarray]) -> 
     tensor or a wrong shape."""
     config = ModelConfig(**{**document["model_config"], "rope_scaling": None})
     sources = hf_parameter_sources(config)
-    dtype = np.dtype(_numpy_dtype(document["build_options"]["dtype"]))
+    dtype = np.dtype(numpy_dtype(document["build_options"]["dtype"]))
     packed = []
     for param in document["params"]:
         names = sources[param["name"]]
@@ -168,11 +168,3 @@ def pack_params(document: dict[str, Any], tensors: Mapping[str, np.ndarray]) -> 
                              f"parameter {param['name']!r} needs {param['shape']}")
         packed.append(np.ascontiguousarray(value.astype(dtype)))
     return packed
-
-
-def _numpy_dtype(dtype: str):
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return dtype

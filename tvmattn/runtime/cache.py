@@ -26,7 +26,7 @@ import numpy as np
 import tvm
 
 from tir_kernels import AttentionConfig, RopeScaling
-from tir_kernels.support import cuda_arch_of, dtype_problem, page_size_problem
+from tir_kernels.support import cuda_arch_of, dtype_problem, numpy_dtype, page_size_problem
 
 from .backends import PagedDecode, PagedPrefill, RaggedPrefill, RopeMode, backend_from_spec
 from .errors import KVCacheError, check, check_finite, check_int, check_tensor
@@ -176,7 +176,7 @@ class PagedKVCache:
 
     def _zeros(self, shape: tuple) -> tvm.runtime.Tensor:
         pool = tvm.runtime.empty(shape, self.options.dtype, device=self.device)
-        pool.copyfrom(np.zeros(shape, dtype=_np_dtype(self.options.dtype)))
+        pool.copyfrom(np.zeros(shape, dtype=numpy_dtype(self.options.dtype)))
         return pool
 
     def _check_kernels(self, kernels: KernelSet) -> Kernels:
@@ -443,14 +443,6 @@ class PagedKVCache:
     def current_plan(self):
         """The ForwardPlan of the step in progress (None outside a step)."""
         return None if self._step is None else self._step.plan
-
-
-def _np_dtype(dtype: str):
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(dtype)
 
 
 def _int_list(name: str, values) -> list:
