@@ -27,6 +27,7 @@ from tir_kernels import support
 
 from .runtime import ffi as _ffi  # noqa: F401  - registers tvmattn.* before the library is loaded
 from .build import PARAMS_SUFFIX, RUNTIME_SUFFIX, file_record, sidecar
+from .models.kv_cache import KV_CACHE_KINDS
 
 
 class GenerateError(ValueError):
@@ -156,8 +157,8 @@ def read_runtime(file: Path) -> dict[str, Any]:
     fields.get(fields.get(metadata, "build_options", "an object", "metadata"), "target", "a string",
                "metadata.build_options")
     kv_cache = fields.get(metadata, "kv_cache", "an object", "metadata")
-    if fields.get(kv_cache, "kind", "a string", "metadata.kv_cache") not in ("tvmattn", "tvm"):
-        raise fields.error(f"metadata.kv_cache.kind must be 'tvmattn' or 'tvm', got {kv_cache['kind']!r}")
+    if fields.get(kv_cache, "kind", "a string", "metadata.kv_cache") not in KV_CACHE_KINDS:
+        raise fields.error(f"metadata.kv_cache.kind must be one of {KV_CACHE_KINDS}, got {kv_cache['kind']!r}")
     compiled_page = fields.positive(kv_cache, "page_size", "metadata.kv_cache")
     fields.positive(fields.get(metadata, "model_config", "an object", "metadata"), "vocab_size",
                     "metadata.model_config")
