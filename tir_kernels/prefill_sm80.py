@@ -1,0 +1,615 @@
+"""Tensor-core prefill for sm_80..sm_89 (Ampere/Ada): paged and ragged, fp16 and bf16.
+
+`paged_prefill_mma` / `ragged_prefill_mma` return PrimFuncs with exactly the parameters,
+argument order, shapes, semantics and global symbols of `paged_prefill` / `ragged_prefill`
+(tir_kernels/prefill.py; their docstrings are the contract), computed FlashAttention-2 style
+with `mma.sync.aligned.m16n8k16` and fp32 accumulation. The code also runs on sm_90 (mma.sync
+is valid there), which is how the GPU tests exercise it on the H200.
+
+Work mapping and grid are prefill.py's: blockIdx.x = tile slot * Hkv + kv head, the slot's
+request and row tile found by `find_tile` (tiles of a request numbered from the last, so the
+tiles that see most keys start first). A block of `warps` warps owns tile_q = 16 * warps
+packed query rows (packed row p = query p // G, head kv_head * G + p % G) of one request and
+one KV head; warp w owns rows 16w..16w+15.
+
+Per block (all data movement 16-byte `cp.async`, into XOR-swizzled shared tiles):
+  load_q: the Q tile -> shared (rows past the request zero-filled); with
+    `q_in_registers`, each warp then keeps its A fragments in registers (ldmatrix).
+  load_kv: K and V rows of one tile of tile_kv keys, gathered through `kv_row(j)` (the page
+    table, or kv_indptr for ragged); rows past the last visible key are zero-filled, so junk
+    (NaN) in unowned page slots never reaches the math. `stages` = 2: the next tile is loaded
+    while this one is computed.
+  s_mma: S = Q K^T per warp (16 x tile_kv, fp32 accumulators; K fragments by ldmatrix).
+  mask: scores past the end or above the causal diagonal -> lowest float, only on tiles that
+    need it.
+  softmax: online softmax in registers, scores scaled by sm_scale * log2(e) and exponentiated
+    with exp2; each row lives in the 4 lanes of a quad, maxima by two shuffles.
+  pv_mma: O += P V: the S accumulators of two adjacent 8-key blocks, packed to fp16/bf16
+    pairs, are exactly the A fragment of one k16 step (P never leaves registers); V fragments
+    by ldmatrix.trans.
+  store: o = acc / l, lse = m + log2(l) (base 2); a row that sees no key gets o = 0 and
+    lse = EMPTY_LSE.
+
+rotary_mode == 1 (RoPE inside the kernel) is served by prefill.py's CUDA-core kernel: the
+PrimFunc holds both kernels and picks one on the host, as prefill.py does for its variants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tvm.script import tirx as T
+
+from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position
+from .config import AttentionConfig
+from .prefill import _prefill_macros, _schedule_for, _symbol
+from .schedules import CUDA_DEFAULT_SHARED_BYTES, CUDA_MAX_SHARED_BYTES, PrefillSchedule, choose_prefill_schedule
+
+MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
+ROWS_PER_WARP = 16  # the M of m16n8k16
+CHUNK = 8  # 16-bit elements per 16-byte chunk (cp.async size, one ldmatrix row)
+SWIZZLE = 8  # chunks per XOR-swizzle period: 8 chunks = 128 bytes = the 32 banks
+FULL_WARP = 0xFFFFFFFF
+MIN_ARCH = 80  # cp.async, bf16 mma and ldmatrix.trans for 16-bit types: sm_80 and newer
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(f"invalid schedule: {what}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaPrefillSchedule:
+    """Tiling of `paged_prefill_mma` / `ragged_prefill_mma`.
+
+    warps: warps per block; each owns 16 packed query rows, so tile_q = 16 * warps.
+    tile_kv: keys per step (a multiple of 16).
+    stages: K/V tiles in shared memory (2: the next tile loads while this one is computed).
+    q_in_registers: keep each warp's Q fragments in registers for the whole loop (fewer
+      shared reads; 4 * head_dim / 16 registers per thread) instead of reading them per step.
+    """
+
+    warps: int = 4
+    tile_kv: int = 64
+    stages: int = 2
+    q_in_registers: bool = True
+
+    def __post_init__(self):
+        _require(1 <= self.warps <= 16, f"warps={self.warps} must be 1..16")
+        _require(self.tile_kv >= 16 and self.tile_kv % 16 == 0, f"tile_kv={self.tile_kv} must be a multiple of 16")
+        _require(self.stages in (1, 2), f"stages={self.stages} must be 1 or 2")
+
+    @property
+    def tile_q(self) -> int:
+        return ROWS_PER_WARP * self.warps
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.warps
+
+    def shared_bytes(self, config: AttentionConfig) -> int:
+        """Q tile plus `stages` K and V tiles, 16-bit elements, rows as laid out (see _Tile)."""
+        q = self.tile_q * _Tile(config.head_dim).stride
+        kv = self.stages * self.tile_kv * (_Tile(config.head_dim).stride + _Tile(config.v_head_dim).stride)
+        return 2 * (q + kv)
+
+    def check(self, config: AttentionConfig) -> None:
+        limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
+        _require(
+            self.shared_bytes(config) <= limit,
+            f"tile_q={self.tile_q}, tile_kv={self.tile_kv}, stages={self.stages} need {self.shared_bytes(config)}"
+            f" bytes of shared memory, {config.cuda_arch} has {limit}",
+        )
+
+
+def choose_mma_prefill_schedule(config: AttentionConfig) -> MmaPrefillSchedule:
+    """4 warps (64 packed query rows) per block. Head dims up to 128: 64 keys per step, Q
+    fragments in registers (about 32 + 32 + 64 accumulator/fragment registers per thread at
+    d128; 80 KiB of shared memory). Above 128: 32 keys per step and Q fragments read from
+    shared memory per step, so the O accumulators (4 * v_head_dim / 8 registers) fit and
+    shared memory stays at 96 KiB (Ada's 99 KiB limit)."""
+    if max(config.head_dim, config.v_head_dim) <= 128:
+        return MmaPrefillSchedule(warps=4, tile_kv=64, stages=2, q_in_registers=True)
+    return MmaPrefillSchedule(warps=4, tile_kv=32, stages=2, q_in_registers=False)
+
+
+class _Tile:
+    """Shared-memory layout of a tile of rows of `width` 16-bit elements, in 16-byte chunks.
+
+    Rows of a multiple of 8 chunks are XOR-swizzled (chunk c of row r is stored at chunk
+    c ^ (r % 8)), so the 8 rows an ldmatrix phase reads, and the chunks a cp.async wave
+    writes, fall in distinct banks. Other widths get one chunk of padding per row (an odd
+    number of chunks per row), which does the same.
+    """
+
+    def __init__(self, width: int):
+        self.chunks = width // CHUNK
+        self.swizzled = self.chunks % SWIZZLE == 0
+        self.stride = width if self.swizzled else width + CHUNK
+
+    def offset(self, row, chunk):
+        """Element offset of chunk `chunk` of row `row`."""
+        if self.swizzled:
+            return row * self.stride + T.bitwise_xor(chunk, row % SWIZZLE) * CHUNK
+        return row * self.stride + chunk * CHUNK
+
+
+def _check_config(config: AttentionConfig, generator: str) -> None:
+    if config.dtype not in MMA_DTYPES:
+        raise ValueError(
+            f"dtype={config.dtype!r} is not supported by {generator}: expected one of {tuple(MMA_DTYPES)}"
+            " (tensor-core prefill; paged_prefill / ragged_prefill serve float32)"
+        )
+    if not config.is_gpu or int(config.cuda_arch[3:].rstrip("a")) < MIN_ARCH:
+        raise ValueError(
+            f"target={config.target!r} is not supported by {generator}: expected a CUDA target of sm_{MIN_ARCH}"
+            " or newer"
+        )
+
+
+def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
+    """The tensor-core `attend` macro (see the module docstring)."""
+    L = loop_kinds(config)
+    dtype, G = config.dtype, config.group_size
+    D_QK, D_V = config.head_dim, config.v_head_dim
+    BQ, BK, NT, WARPS, STAGES = sched.tile_q, sched.tile_kv, sched.num_threads, sched.warps, sched.stages
+    QT, KT, VT = _Tile(D_QK), _Tile(D_QK), _Tile(D_V)
+    KSTEPS_QK, KSTEPS_PV = D_QK // 16, BK // 16  # k16 steps of S = QK^T and of O += PV
+    SN, ON = BK // 8, D_V // 8  # n8 blocks of S and of O
+    MMA = f"mma.sync.aligned.m16n8k16.row.col.f32.{MMA_DTYPES[dtype]}.{MMA_DTYPES[dtype]}.f32"
+    PACK = f"cvt.rn.{MMA_DTYPES[dtype]}x2.f32"
+    LDSM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
+    LDSM_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
+    shared = "shared.dyn"
+    Q_OFF, K_OFF = 0, BQ * QT.stride  # element offsets of the regions of the shared buffer
+    V_OFF = K_OFF + STAGES * BK * KT.stride
+    SMEM_ELEMS = V_OFF + STAGES * BK * VT.stride
+
+    def visible_end(kv_len, qo_len, p, causal):
+        """Number of leading keys packed row p may see (all of them when not causal)."""
+        last = kv_len - qo_len + T.min(p // G, qo_len - 1) + 1
+        return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
+
+    @T.macro
+    def copy_rows(smem_, tile_, rows_, handle_, valid_, dst0_, src0_, dst1_, src1_, tid_):
+        """cp.async `rows_` rows of tile_.chunks chunks each into smem_: row r of the tile at
+        element offset dst0_ from src0_(handle_(r), element) (and at dst1_ from src1_ unless
+        src1_ is None: K and V share the row handle), when valid_(r); zeros otherwise, so
+        nothing past the end is read."""
+        handle = T.alloc_buffer((1,), "int32", scope="local")
+        for it in L.unroll(ceildiv(rows_ * tile_.chunks, NT)):
+            c = T.meta_var(it * NT + tid_)
+            r = T.meta_var(c // tile_.chunks)
+            off = T.meta_var(tile_.offset(r, c % tile_.chunks))
+            if rows_ * tile_.chunks % NT == 0 or c < rows_ * tile_.chunks:
+                if valid_(r):
+                    handle[0] = handle_(r)
+                    T.ptx["cp.async.cg.shared.global"](
+                        smem_.ptr_to([dst0_ + off]), T.address_of(src0_(handle[0], c % tile_.chunks * CHUNK)), 16)
+                    if src1_ is not None:
+                        T.ptx["cp.async.cg.shared.global"](
+                            smem_.ptr_to([dst1_ + off]), T.address_of(src1_(handle[0], c % tile_.chunks * CHUNK)), 16)
+                else:
+                    for e in L.vector(CHUNK):
+                        smem_[dst0_ + off + e] = T.Cast(dtype, 0)
+                    if src1_ is not None:
+                        for e in L.vector(CHUNK):
+                            smem_[dst1_ + off + e] = T.Cast(dtype, 0)
+
+    @T.macro
+    def load_q(q_at_, smem_, rows_, p0_, tid_):
+        """load_q: packed rows p0_.. of Q -> the Q region; zeros past rows_."""
+        copy_rows(smem_, QT, BQ, lambda r: p0_ + r, lambda r: p0_ + r < rows_, Q_OFF, q_at_, 0, None, tid_)
+
+    @T.macro
+    def load_kv(kv_row_, k_at_, v_at_, smem_, stage_, kv_start_, kv_end_, tid_):
+        """load_kv: keys / values kv_start_.. -> stage stage_ of the K / V regions; zeros from
+        kv_end_ on."""
+        if KT.chunks == VT.chunks:
+            copy_rows(smem_, KT, BK, lambda r: kv_row_(kv_start_ + r), lambda r: kv_start_ + r < kv_end_,
+                      K_OFF + stage_ * BK * KT.stride, k_at_, V_OFF + stage_ * BK * VT.stride, v_at_, tid_)
+        else:
+            copy_rows(smem_, KT, BK, lambda r: kv_row_(kv_start_ + r), lambda r: kv_start_ + r < kv_end_,
+                      K_OFF + stage_ * BK * KT.stride, k_at_, 0, None, tid_)
+            copy_rows(smem_, VT, BK, lambda r: kv_row_(kv_start_ + r), lambda r: kv_start_ + r < kv_end_,
+                      V_OFF + stage_ * BK * VT.stride, v_at_, 0, None, tid_)
+
+    @T.macro
+    def load_q_frag(smem_, qf_, base_, kk_, warp_, lane_):
+        """A fragment of Q for k16 step kk_ of this warp's 16 rows -> qf_[base_..base_+3]."""
+        T.ptx[LDSM](qf_[base_], qf_[base_ + 1], qf_[base_ + 2], qf_[base_ + 3],
+                    smem_.ptr_to([Q_OFF + QT.offset(warp_ * ROWS_PER_WARP + lane_ % 16, kk_ * 2 + lane_ // 16)]))
+
+    @T.macro
+    def s_mma(smem_, qf_, s_, stage_, warp_, lane_):
+        """s_mma: s_ <- Q K^T of this warp's 16 rows and the tile's BK keys."""
+        kf = T.alloc_buffer((4,), "uint32", scope="local")
+        qk = T.alloc_buffer((4,), "uint32", scope="local")
+        for i in L.unroll(SN * 4):
+            s_[i] = T.float32(0)
+        for kk in L.unroll(KSTEPS_QK):
+            if not sched.q_in_registers:
+                load_q_frag(smem_, qk, 0, kk, warp_, lane_)
+            for np_ in L.unroll(SN // 2):
+                T.ptx[LDSM](kf[0], kf[1], kf[2], kf[3], smem_.ptr_to([
+                    K_OFF + stage_ * BK * KT.stride
+                    + KT.offset(np_ * 16 + lane_ % 8 + lane_ // 16 * 8, kk * 2 + lane_ // 8 % 2)]))
+                for h in L.unroll(2):
+                    n = T.meta_var((np_ * 2 + h) * 4)
+                    if sched.q_in_registers:
+                        T.ptx[MMA](s_[n], s_[n + 1], s_[n + 2], s_[n + 3],
+                                   qf_[kk * 4], qf_[kk * 4 + 1], qf_[kk * 4 + 2], qf_[kk * 4 + 3],
+                                   kf[h * 2], kf[h * 2 + 1], s_[n], s_[n + 1], s_[n + 2], s_[n + 3])
+                    else:
+                        T.ptx[MMA](s_[n], s_[n + 1], s_[n + 2], s_[n + 3], qk[0], qk[1], qk[2], qk[3],
+                                   kf[h * 2], kf[h * 2 + 1], s_[n], s_[n + 1], s_[n + 2], s_[n + 3])
+
+    @T.macro
+    def mask(s_, kv_start_, kv_len_, qo_len_, p_, causal_, lane_):
+        """Scores of keys past kv_len_ or above the causal diagonal -> lowest float.
+        p_: packed row of this thread's first accumulator row (the second is p_ + 8)."""
+        for h in L.unroll(2):
+            for nb in L.unroll(SN):
+                for e in L.unroll(2):
+                    if kv_start_ + nb * 8 + lane_ % 4 * 2 + e >= visible_end(kv_len_, qo_len_, p_ + h * 8, causal_):
+                        s_[nb * 4 + h * 2 + e] = T.min_value("float32")
+
+    @T.macro
+    def softmax(s_, o_, m_run_, l_run_, scale_):
+        """Online softmax of this thread's two rows: rescale the state to the new row maxima,
+        s_ -> P = exp2(s_ * scale_ - m) (unnormalised; l_run_ keeps this thread's partial sums)."""
+        m_new = T.alloc_buffer((1,), "float32", scope="local")
+        alpha = T.alloc_buffer((1,), "float32", scope="local")
+        for h in L.unroll(2):
+            m_new[0] = m_run_[h]
+            for nb in L.unroll(SN):
+                for e in L.unroll(2):
+                    m_new[0] = T.max(m_new[0], s_[nb * 4 + h * 2 + e])
+            for k in L.unroll(2):  # the 4 lanes of a quad hold the row
+                m_new[0] = T.max(m_new[0], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), m_new[0], 1 << k, 32, 32))
+            alpha[0] = T.exp2(m_run_[h] - m_new[0])
+            m_run_[h] = m_new[0]
+            l_run_[h] = l_run_[h] * alpha[0]
+            for nb in L.unroll(SN):
+                for e in L.unroll(2):
+                    s_[nb * 4 + h * 2 + e] = T.exp2(s_[nb * 4 + h * 2 + e] - m_new[0])
+                    l_run_[h] = l_run_[h] + s_[nb * 4 + h * 2 + e]
+            for nb in L.unroll(ON):
+                for e in L.unroll(2):
+                    o_[nb * 4 + h * 2 + e] = o_[nb * 4 + h * 2 + e] * alpha[0]
+
+    @T.macro
+    def pv_mma(s_, smem_, o_, stage_, lane_):
+        """pv_mma: o_ += P V, P from the S accumulators packed to 16-bit pairs."""
+        pf = T.alloc_buffer((4,), "uint32", scope="local")
+        vf = T.alloc_buffer((4,), "uint32", scope="local")
+        for kk in L.unroll(KSTEPS_PV):
+            for i in L.unroll(4):  # a0..a3: rows g / g+8 of key blocks 2kk and 2kk+1
+                T.ptx[PACK](pf[i], s_[(kk * 2 + i // 2) * 4 + i % 2 * 2 + 1], s_[(kk * 2 + i // 2) * 4 + i % 2 * 2])
+            for np_ in L.unroll(ON // 2):
+                T.ptx[LDSM_T](vf[0], vf[1], vf[2], vf[3], smem_.ptr_to([
+                    V_OFF + stage_ * BK * VT.stride
+                    + VT.offset(kk * 16 + lane_ % 8 + lane_ // 8 % 2 * 8, np_ * 2 + lane_ // 16)]))
+                for h in L.unroll(2):
+                    n = T.meta_var((np_ * 2 + h) * 4)
+                    T.ptx[MMA](o_[n], o_[n + 1], o_[n + 2], o_[n + 3], pf[0], pf[1], pf[2], pf[3],
+                               vf[h * 2], vf[h * 2 + 1], o_[n], o_[n + 1], o_[n + 2], o_[n + 3])
+
+    @T.macro
+    def store(o_, m_run_, l_run_, rows_, p_, lane_, write_o_, write_lse_):
+        """o = acc / l and lse = m + log2(l) for this thread's two rows (p_, p_ + 8); rows that
+        saw no key get 0 and EMPTY_LSE."""
+        inv = T.alloc_buffer((1,), "float32", scope="local")
+        for h in L.unroll(2):
+            for k in L.unroll(2):
+                l_run_[h] = l_run_[h] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), l_run_[h], 1 << k, 32, 32)
+            if p_ + h * 8 < rows_:
+                inv[0] = T.if_then_else(l_run_[h] > T.float32(0), T.float32(1) / l_run_[h], T.float32(0))
+                for nb in L.unroll(ON):
+                    for e in L.vector(2):
+                        write_o_(p_ + h * 8, nb * 8 + lane_ % 4 * 2 + e, o_[nb * 4 + h * 2 + e] * inv[0])
+                if lane_ % 4 == 0:
+                    write_lse_(p_ + h * 8, T.if_then_else(
+                        l_run_[h] > T.float32(0), m_run_[h] + T.log2(l_run_[h]), T.float32(EMPTY_LSE)))
+
+    @T.macro
+    def attend(q_at_, kv_row_, k_at_, v_at_, write_o_, write_lse_, qo_len_, kv_len_, tile_, causal_, sm_scale_,
+               tid_):
+        """Attention of row tile tile_ of one request and KV head (the accessors are those of
+        prefill.py's `attend`: q_at_(p, d), kv_row_(j), k_at_(row, d), v_at_(row, d),
+        write_o_(p, d, value), write_lse_(p, value))."""
+        # One shared buffer carved by hand (Q | K stages | V stages): TVM's merging of shared
+        # allocations does not see accesses made through addresses in asm operands.
+        smem = T.alloc_buffer((SMEM_ELEMS,), dtype, scope=shared)
+        qf = T.alloc_buffer((KSTEPS_QK * 4 if sched.q_in_registers else 4,), "uint32", scope="local")
+        s = T.alloc_buffer((SN * 4,), "float32", scope="local")
+        o = T.alloc_buffer((ON * 4,), "float32", scope="local")
+        m_run = T.alloc_buffer((2,), "float32", scope="local")
+        l_run = T.alloc_buffer((2,), "float32", scope="local")
+        warp = tid_ // 32
+        lane = tid_ % 32
+        qo_len = qo_len_  # bound once: the arguments may be expressions that read memory
+        kv_len = kv_len_
+        scale = sm_scale_ * T.float32(LOG2E)
+        # A block without a tile (tile_ < 0) loads no key and writes nothing: no branch
+        # around the body, whose barriers every thread must reach.
+        rows = T.if_then_else(tile_ >= 0, qo_len * G, 0)
+        p0 = T.max(tile_, 0) * BQ
+        p_thread = p0 + warp * ROWS_PER_WARP + lane // 4  # packed row of accumulator rows 0..1; +8 for 2..3
+        # Keys seen by every row of the tile (no mask needed below) and by its last row.
+        free_end = visible_end(kv_len, qo_len, p0, causal_)
+        kv_end = T.if_then_else(tile_ >= 0, visible_end(kv_len, qo_len, p0 + BQ - 1, causal_), 0)
+        for h in L.unroll(2):
+            m_run[h] = T.float32(EMPTY_LSE)
+            l_run[h] = T.float32(0)
+        for i in L.unroll(ON * 4):
+            o[i] = T.float32(0)
+        load_q(q_at_, smem, rows, p0, tid_)
+        T.ptx["cp.async.commit_group"]()
+        if kv_end > 0:
+            load_kv(kv_row_, k_at_, v_at_, smem, 0, 0, kv_end, tid_)
+        T.ptx["cp.async.commit_group"]()  # (an empty group when there is no key)
+        T.ptx["cp.async.wait_group"](1)  # Q has landed (the groups complete in order)
+        T.tvm_storage_sync(shared)
+        if sched.q_in_registers:
+            for kk in L.unroll(KSTEPS_QK):
+                load_q_frag(smem, qf, kk * 4, kk, warp, lane)
+        for t in T.serial(ceildiv(kv_end, BK)):
+            T.ptx["cp.async.wait_group"](0)  # tile t has landed ...
+            T.tvm_storage_sync(shared)  # ... for every thread, and no warp still reads tile t - 1
+            if STAGES == 2:
+                if (t + 1) * BK < kv_end:
+                    load_kv(kv_row_, k_at_, v_at_, smem, (t + 1) % 2, (t + 1) * BK, kv_end, tid_)
+                    T.ptx["cp.async.commit_group"]()
+            s_mma(smem, qf, s, t % STAGES, warp, lane)
+            for i in L.unroll(SN * 4):
+                s[i] = s[i] * scale
+            if (t + 1) * BK > free_end:
+                mask(s, t * BK, kv_len, qo_len, p_thread, causal_, lane)
+            softmax(s, o, m_run, l_run, scale)
+            pv_mma(s, smem, o, t % STAGES, lane)
+            if STAGES == 1:
+                if (t + 1) * BK < kv_end:
+                    T.tvm_storage_sync(shared)  # every warp is done with the only stage
+                    load_kv(kv_row_, k_at_, v_at_, smem, 0, (t + 1) * BK, kv_end, tid_)
+                    T.ptx["cp.async.commit_group"]()
+        store(o, m_run, l_run, rows, p_thread, lane, write_o_, write_lse_)
+
+    return attend
+
+
+def _core_schedule(config: AttentionConfig) -> PrefillSchedule:
+    """prefill.py's schedule for the RoPE kernel, with fewer rows per thread where its default
+    does not fit the arch's shared memory (head dim 256 on sm_86/sm_89's 99 KiB)."""
+    sched = choose_prefill_schedule(config)
+    while True:
+        try:
+            return _schedule_for(config, sched)
+        except ValueError:
+            if sched.rows_per_thread == 1:
+                raise
+            sched = dataclasses.replace(sched, rows_per_thread=sched.rows_per_thread // 2)
+
+
+class _Kernels:
+    """What a generator needs: the mma schedule and `attend`, and prefill.py's CUDA-core
+    `attend` with its schedule for rotary_mode == 1; `find_tile` / `num_slots` with the mma
+    tile height (prefill.py's, built for a schedule of tile_q = 16 * warps rows)."""
+
+    def __init__(self, config: AttentionConfig, schedule: MmaPrefillSchedule | None, generator: str):
+        _check_config(config, generator)
+        self.sched = schedule or choose_mma_prefill_schedule(config)
+        self.sched.check(config)
+        self.attend = _mma_macros(config, self.sched)
+        self.tiles = _prefill_macros(
+            config, PrefillSchedule(threads_y=self.sched.tile_q, threads_x=1, rows_per_thread=1, cols_per_thread=4))
+        self.core_sched = _core_schedule(config)
+        self.core = _prefill_macros(config, self.core_sched)
+
+
+def paged_prefill_mma(config: AttentionConfig, schedule: MmaPrefillSchedule | None = None):
+    """Paged-KV prefill on tensor cores; the PrimFunc of `prefill.paged_prefill` (same
+    arguments, semantics and global symbol):
+
+    q [total_q, Hq, D], qo_indptr [B+1] i32, pages [P, 2, Hkv, page_size, D],
+    page_indptr [B+1] i32, page_indices [nnz] i32, length_info [B] i32 (or [3, B] when
+    sliding: last_page_len, sliding_window_offset, sink_size), k_rope_pos_offset [B] i32,
+    q_rope_position [total_q] i32, o [total_q, Hq, D], lse [total_q, Hq] f32 (base 2),
+    causal i32, rotary_mode i32, rope_scale f32, rope_theta f32, sm_scale f32.
+    dtype float16 or bfloat16, a CUDA target of sm_80 or newer (ValueError otherwise).
+    """
+    if config.v_head_dim != config.head_dim:
+        raise ValueError(
+            f"v_head_dim={config.v_head_dim} is not supported by paged_prefill_mma: expected"
+            f" head_dim={config.head_dim}"
+        )
+    kern = _Kernels(config, schedule, "paged_prefill_mma")
+    L = loop_kinds(config)
+    dtype, ps, D = config.dtype, config.page_size, config.head_dim
+    Hq, Hkv, G = config.num_qo_heads, config.num_kv_heads, config.group_size
+    sliding = config.sliding_window
+    CORE_TX = kern.core_sched.threads_x
+
+    @T.macro
+    def kernel(Q_, qo_indptr_, pages_, page_indptr_, page_indices_, length_info_, k_pos_, q_pos_, O_, lse_, causal_,
+               rotate_, rope_scale_, rope_theta_, sm_scale_):
+        """One block per (tile slot, KV head); see the module docstring. rotate_ (a Python
+        bool) selects prefill.py's CUDA-core kernel with RoPE."""
+        tiles = T.meta_var(kern.core if rotate_ else kern.tiles)
+        threads = T.meta_var(kern.core_sched.num_threads if rotate_ else kern.sched.num_threads)
+        for blk in L.block(tiles.num_slots(Q_.shape[0], k_pos_.shape[0]) * Hkv, "x", outer=True):
+            for tid in L.thread(threads, "x"):
+                req = T.alloc_buffer((1,), "int32", scope="local")
+                tile = T.alloc_buffer((1,), "int32", scope="local")
+                tiles.find_tile(qo_indptr_, k_pos_.shape[0], blk // Hkv, req, tile)
+                b = req[0]
+                hkv = blk % Hkv
+                q0 = qo_indptr_[b]
+                page0 = page_indptr_[b]
+                q_at = T.meta_var(lambda p, d: Q_[q0 + p // G, hkv * G + p % G, d])
+                # A key's handle is its slot in the page pool: page id * page_size + offset.
+                kv_row = T.meta_var(
+                    lambda j: page_indices_[page0 + paged_position(j, length_info_, b, sliding) // ps] * ps
+                    + paged_position(j, length_info_, b, sliding) % ps)
+                k_at = T.meta_var(lambda slot, d: pages_[slot // ps, 0, hkv, slot % ps, d])
+                v_at = T.meta_var(lambda slot, d: pages_[slot // ps, 1, hkv, slot % ps, d])
+                write_o = T.meta_var(
+                    lambda p, d, val: T.buffer_store(O_, T.Cast(dtype, val), [q0 + p // G, hkv * G + p % G, d]))
+                write_lse = T.meta_var(lambda p, val: T.buffer_store(lse_, val, [q0 + p // G, hkv * G + p % G]))
+                qo_len = qo_indptr_[b + 1] - q0
+                kv_len = kv_chunk_len(page_indptr_[b + 1] - page0, ps, length_info_, b, sliding)
+                if rotate_:
+                    kern.core.attend(q_at, lambda p: q_pos_[q0 + p // G], kv_row, k_at, v_at, k_pos_[b], write_o,
+                                   write_lse, qo_len, kv_len, tile[0], causal_, True, rope_scale_, rope_theta_,
+                                   sm_scale_, tid // CORE_TX, tid % CORE_TX)
+                else:
+                    kern.attend(q_at, kv_row, k_at, v_at, write_o, write_lse, qo_len, kv_len, tile[0], causal_,
+                              sm_scale_, tid)
+
+    @T.prim_func
+    def batch_prefill_paged_kv(
+        q_handle: T.handle,
+        qo_indptr_handle: T.handle,
+        pages_handle: T.handle,
+        page_indptr_handle: T.handle,
+        page_indices_handle: T.handle,
+        length_info_handle: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        num_pages = T.int64()
+        nnz_pages = T.int32()
+        qo_indptr_offset = T.int32()
+        page_indptr_offset = T.int32()
+        page_indices_offset = T.int32()
+        length_offset = T.int32()
+        k_pos_offset = T.int32()
+        q_pos_offset = T.int32()
+        Q = T.match_buffer(q_handle, (total_q, Hq, D), dtype)
+        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
+        # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment.
+        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype)
+        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_offset)
+        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=page_indices_offset)
+        length_info = T.match_buffer(length_info_handle, length_info_shape(B, sliding), "int32",
+                                     elem_offset=length_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
+        O = T.match_buffer(o_handle, (total_q, Hq, D), dtype)
+        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
+        # Chosen on the host: RoPE inside (CUDA-core kernel) or not (tensor cores).
+        if rotary_mode == 1:
+            kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position, O,
+                   lse, causal, True, rope_scale, rope_theta, sm_scale)
+        else:
+            kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position, O,
+                   lse, causal, False, rope_scale, rope_theta, sm_scale)
+
+    return batch_prefill_paged_kv.with_attr("global_symbol", _symbol("batch_prefill_paged_kv", config))
+
+
+def ragged_prefill_mma(config: AttentionConfig, schedule: MmaPrefillSchedule | None = None):
+    """Ragged-KV prefill on tensor cores; the PrimFunc of `prefill.ragged_prefill` (same
+    arguments, semantics and global symbol):
+
+    q [total_q, Hq, Dqk], qo_indptr [B+1] i32, k [total_kv, Hkv, Dqk], v [total_kv, Hkv, Dv],
+    kv_indptr [B+1] i32, q_rope_position [total_q] i32, k_rope_pos_offset [B] i32,
+    o [total_q, Hq, Dv], lse [total_q, Hq] f32 (base 2), causal i32, rotary_mode i32,
+    rope_scale f32, rope_theta f32, sm_scale f32. Dqk = config.head_dim, Dv = config.v_head_dim.
+    dtype float16 or bfloat16, a CUDA target of sm_80 or newer (ValueError otherwise).
+    """
+    kern = _Kernels(config, schedule, "ragged_prefill_mma")
+    L = loop_kinds(config)
+    dtype, D_QK, D_V = config.dtype, config.head_dim, config.v_head_dim
+    Hq, Hkv, G = config.num_qo_heads, config.num_kv_heads, config.group_size
+    CORE_TX = kern.core_sched.threads_x
+
+    @T.macro
+    def kernel(Q_, qo_indptr_, K_, V_, kv_indptr_, q_pos_, k_pos_, O_, lse_, causal_, rotate_, rope_scale_, rope_theta_,
+               sm_scale_):
+        """One block per (tile slot, KV head); see the module docstring. rotate_ (a Python
+        bool) selects prefill.py's CUDA-core kernel with RoPE."""
+        tiles = T.meta_var(kern.core if rotate_ else kern.tiles)
+        threads = T.meta_var(kern.core_sched.num_threads if rotate_ else kern.sched.num_threads)
+        for blk in L.block(tiles.num_slots(Q_.shape[0], k_pos_.shape[0]) * Hkv, "x", outer=True):
+            for tid in L.thread(threads, "x"):
+                req = T.alloc_buffer((1,), "int32", scope="local")
+                tile = T.alloc_buffer((1,), "int32", scope="local")
+                tiles.find_tile(qo_indptr_, k_pos_.shape[0], blk // Hkv, req, tile)
+                b = req[0]
+                hkv = blk % Hkv
+                q0 = qo_indptr_[b]
+                kv0 = kv_indptr_[b]
+                q_at = T.meta_var(lambda p, d: Q_[q0 + p // G, hkv * G + p % G, d])
+                kv_row = T.meta_var(lambda j: kv0 + j)
+                k_at = T.meta_var(lambda row, d: K_[row, hkv, d])
+                v_at = T.meta_var(lambda row, d: V_[row, hkv, d])
+                write_o = T.meta_var(
+                    lambda p, d, val: T.buffer_store(O_, T.Cast(dtype, val), [q0 + p // G, hkv * G + p % G, d]))
+                write_lse = T.meta_var(lambda p, val: T.buffer_store(lse_, val, [q0 + p // G, hkv * G + p % G]))
+                qo_len = qo_indptr_[b + 1] - q0
+                kv_len = kv_indptr_[b + 1] - kv0
+                if rotate_:
+                    kern.core.attend(q_at, lambda p: q_pos_[q0 + p // G], kv_row, k_at, v_at, k_pos_[b], write_o,
+                                   write_lse, qo_len, kv_len, tile[0], causal_, True, rope_scale_, rope_theta_,
+                                   sm_scale_, tid // CORE_TX, tid % CORE_TX)
+                else:
+                    kern.attend(q_at, kv_row, k_at, v_at, write_o, write_lse, qo_len, kv_len, tile[0], causal_,
+                              sm_scale_, tid)
+
+    @T.prim_func
+    def batch_prefill_ragged_kv(
+        q_handle: T.handle,
+        qo_indptr_handle: T.handle,
+        k_handle: T.handle,
+        v_handle: T.handle,
+        kv_indptr_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        total_kv = T.int32()
+        qo_indptr_offset = T.int32()
+        kv_indptr_offset = T.int32()
+        q_pos_offset = T.int32()
+        k_pos_offset = T.int32()
+        Q = T.match_buffer(q_handle, (total_q, Hq, D_QK), dtype)
+        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
+        K = T.match_buffer(k_handle, (total_kv, Hkv, D_QK), dtype)
+        V = T.match_buffer(v_handle, (total_kv, Hkv, D_V), dtype)
+        kv_indptr = T.match_buffer(kv_indptr_handle, (B + 1,), "int32", elem_offset=kv_indptr_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
+        O = T.match_buffer(o_handle, (total_q, Hq, D_V), dtype)
+        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
+        # Chosen on the host: RoPE inside (CUDA-core kernel) or not (tensor cores).
+        if rotary_mode == 1:
+            kernel(Q, qo_indptr, K, V, kv_indptr, q_rope_position, k_rope_pos_offset, O, lse, causal, True, rope_scale,
+                   rope_theta, sm_scale)
+        else:
+            kernel(Q, qo_indptr, K, V, kv_indptr, q_rope_position, k_rope_pos_offset, O, lse, causal, False,
+                   rope_scale, rope_theta, sm_scale)
+
+    return batch_prefill_ragged_kv.with_attr("global_symbol", "batch_prefill_ragged_kv")
+
+
+__all__ = ["MmaPrefillSchedule", "choose_mma_prefill_schedule", "paged_prefill_mma", "ragged_prefill_mma"]
