@@ -1,210 +1,917 @@
-"""Benchmark tvmattn's paged decode and prefill beside TVM's own TIR kernels and torch SDPA.
+"""Benchmark tvmattn's attention kernels beside TVM's own TIR kernels, torch SDPA and FlashInfer.
 
-All kernels run in one process on the same inputs; their outputs are checked to agree before
-timing. Decode reports GB/s of K/V + q + o moved; causal prefill reports TFLOP/s
-(2 * B * Hq * L^2 * D: QK^T and PV, half of the square). Needs a CUDA GPU and torch.
+Kernels: paged decode (GB/s of K/V + q + o moved), causal paged prefill and, with --ragged,
+causal ragged prefill (contiguous K/V; TFLOP/s of the causal work: 4 * B * Hq * D times the
+keys each query sees, QK^T and PV at 2 flops per multiply-add). Every implementation runs in
+one process on the same inputs, and every output is compared with torch SDPA's: "MISMATCH"
+marks a max |diff| above 2e-2 (float16) or 5e-2 (bfloat16).
 
-    python scripts/bench_kernels.py                 # the issue's shapes
-    python scripts/bench_kernels.py --decode 1x4096 --prefill 1x4096
+Shapes: decode BxL, B requests of L keys each. Prefill BxL, B requests of L new tokens each
+and no history; or BxQ@L, chunked prefill: Q new tokens each over L keys in total (L-Q of them
+cached before), causal: new token i sees keys j <= L-Q+i. Heads: 32 query / 8 KV.
+
+    python scripts/bench_kernels.py                                  # default shapes, fp16 + bf16
+    python scripts/bench_kernels.py --decode --prefill 1x4096 8x512@8192 --dtype bfloat16 --json k.json
+    python scripts/bench_kernels.py --from-json k.json --plot k.png  # no GPU needed
+
+A run needs a CUDA GPU and torch; FlashInfer (BatchPrefillWithPagedKVCacheWrapper, fa2 and, on
+sm_90, fa3) is added where `import flashinfer` works. --json writes the rows in the format of
+shared/docs/bench-format.md; --plot draws rate against context length (needs matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import json
 import math
 import os
+import statistics
+import subprocess
 import sys
-import time
+from typing import NamedTuple
 
-import numpy as np
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-import tvm  # noqa: E402
-
-from tir_kernels import AttentionConfig, build, paged_decode  # noqa: E402
-
-NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE = 32, 8, 128, 16, "float16"
+NUM_QO_HEADS, NUM_KV_HEADS = 32, 8
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (64, 128, 256)
+DEFAULT_HEAD_DIMS = (128,)
+DEFAULT_PAGE_SIZE = 16
 DECODE_SHAPES = ["1x4096", "1x32768", "8x32768", "64x4096", "256x2048"]
-PREFILL_SHAPES = ["1x4096", "4x4096"]
+PREFILL_SHAPES = ["1x4096", "4x4096", "1x16384", "8x512@8192"]
+KERNELS = ("decode", "prefill", "ragged_prefill")
+TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2}
+ELEM_BYTES = {"float16": 2, "bfloat16": 2}
 L2_BYTES = 60 << 20
+IMPL_ORDER = ("tvmattn", "tvm", "sdpa")  # then flashinfer-* and anything else, by name
+REFERENCE = "sdpa"
+OURS = "tvmattn"
+# Where a run's tensors live. "cuda" for a real run; the CPU ("cpu", kernels built for llvm) only
+# serves to smoke-test this script's plumbing on a machine without a GPU (set it from Python).
+DEVICE = "cuda"
 
 
-def parse_shapes(items):
-    return [tuple(int(x) for x in item.split("x")) for item in items]
+# ---------------------------------------------------------------------------------------------
+# Shapes, work counts and rows (pure Python: usable without a GPU)
 
 
-def to_tvm(t: torch.Tensor):
+class Shape(NamedTuple):
+    """batch requests, qo_len new tokens each, seq_len keys each (qo_len = 1 for decode)."""
+
+    batch: int
+    qo_len: int
+    seq_len: int
+
+    @property
+    def label(self) -> str:
+        if self.qo_len in (1, self.seq_len):
+            return f"{self.batch}x{self.seq_len}"
+        return f"{self.batch}x{self.qo_len}@{self.seq_len}"
+
+
+def parse_shape(text: str, kernel: str = "prefill") -> Shape:
+    """Parse "BxL" (any kernel) or "BxQ@L" (prefill only); ValueError saying what was expected."""
+    chunked = kernel != "decode"
+    expected = "BxL or BxQ@L (for example 4x4096 or 8x512@8192)" if chunked else "BxL (for example 8x32768)"
+    bad = ValueError(f"bad shape {text!r}: expected {expected}, positive integers")
+    head, at, tail = str(text).partition("@")
+    if at and not chunked:
+        raise bad
+    parts = head.split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or (at and not tail.isdigit()):
+        raise bad
+    batch, first = int(parts[0]), int(parts[1])
+    seq_len = int(tail) if at else first
+    if min(batch, first, seq_len) <= 0:
+        raise bad
+    if kernel == "decode":
+        return Shape(batch, 1, seq_len)
+    if first > seq_len:
+        raise ValueError(f"bad shape {text!r}: the new tokens Q={first} exceed the context L={seq_len}"
+                         " (BxQ@L needs Q <= L)")
+    return Shape(batch, first, seq_len)
+
+
+def causal_visible_keys(qo_len: int, seq_len: int) -> int:
+    """Sum over the qo_len new tokens of the keys each sees: token i sees j <= seq_len - qo_len + i."""
+    if not 0 < qo_len <= seq_len:
+        raise ValueError(f"need 0 < qo_len <= seq_len, got qo_len={qo_len}, seq_len={seq_len}")
+    return qo_len * (seq_len - qo_len) + qo_len * (qo_len + 1) // 2
+
+
+def causal_flops(batch: int, qo_len: int, seq_len: int, num_qo_heads: int, head_dim: int) -> int:
+    """FLOPs of causal attention: QK^T and PV, 2 flops per multiply-add, over the visible keys only."""
+    return 4 * batch * num_qo_heads * head_dim * causal_visible_keys(qo_len, seq_len)
+
+
+def decode_bytes(batch: int, seq_len: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """Bytes a decode step must move: K and V of every request, q in and o out."""
+    return elem_bytes * (2 * batch * seq_len * num_kv_heads * head_dim + 2 * batch * num_qo_heads * head_dim)
+
+
+def rate_field(kernel: str) -> str:
+    return "gbps" if kernel == "decode" else "tflops"
+
+
+def make_row(kernel: str, impl: str, variant: str, dtype: str, head_dim: int, page_size: int, shape: Shape, ms: float,
+             max_abs_diff: float | None, meta: dict, num_qo_heads: int = NUM_QO_HEADS,
+             num_kv_heads: int = NUM_KV_HEADS) -> dict:
+    """One flat row of shared/docs/bench-format.md; the rate follows from the shape and `ms`."""
+    row = {"bench": "kernels", "kernel": kernel, "impl": impl, "variant": variant, "dtype": dtype, "head_dim": head_dim,
+           "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "page_size": page_size, "batch": shape.batch,
+           "seq_len": shape.seq_len, "qo_len": shape.qo_len, "ms": ms}
+    if kernel == "decode":
+        moved = decode_bytes(shape.batch, shape.seq_len, num_qo_heads, num_kv_heads, head_dim, ELEM_BYTES.get(dtype, 2))
+        row["gbps"] = moved / ms / 1e6
+    else:
+        row["tflops"] = causal_flops(shape.batch, shape.qo_len, shape.seq_len, num_qo_heads, head_dim) / ms / 1e9
+    if max_abs_diff is not None:
+        row["max_abs_diff"] = max_abs_diff
+        row["agrees"] = agrees(max_abs_diff, dtype)
+    row.update(meta)
+    return row
+
+
+def agrees(diff: float, dtype: str) -> bool:
+    return math.isfinite(diff) and diff <= TOLERANCE.get(dtype, 2e-2)
+
+
+def git_commit() -> str:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables, JSON and plots (from rows; no GPU)
+
+
+def impl_sort_key(impl: str):
+    return (IMPL_ORDER.index(impl), "") if impl in IMPL_ORDER else (len(IMPL_ORDER), impl)
+
+
+def short(impl: str) -> str:
+    return impl.replace("flashinfer-", "fi-")
+
+
+def _groups(rows, key):
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(key(row), []).append(row)
+    return groups
+
+
+def _table_key(row):
+    return (row["kernel"], row.get("dtype"), row.get("head_dim"), row.get("num_qo_heads"), row.get("num_kv_heads"),
+            row.get("page_size"), row.get("device"), row.get("commit"))
+
+
+def format_tables(rows) -> str:
+    """One table per kernel kind / dtype / head dim (and device, commit): a line per shape with each
+    implementation's time and rate, tvmattn's rate over each anchor's, and the agreement with SDPA."""
+    out = []
+    for (kernel, dtype, head_dim, hq, hkv, page_size, device, commit), group in _groups(rows, _table_key).items():
+        field = rate_field(kernel)
+        unit = "GB/s" if field == "gbps" else "TFLOP/s"
+        impls = sorted({r["impl"] for r in group}, key=impl_sort_key)
+        anchors = [i for i in impls if i != OURS]
+        cells: dict = {}
+        for r in group:
+            cells.setdefault((r["batch"], r.get("qo_len", 1), r["seq_len"]), {})[r["impl"]] = r
+        out.append(f"\n{kernel}, {dtype}, head_dim {head_dim}, {hq} q / {hkv} kv heads, page {page_size}: ms and {unit}"
+                   f" ({device or 'unknown device'}, commit {commit or 'unknown'})")
+        cell_w = 19
+        head = f"{'shape':>12} | " + " | ".join(f"{i:>{cell_w}}" for i in impls)
+        if OURS in impls and anchors:
+            head += " | " + " ".join(f"{'ours/' + short(a):>12}" for a in anchors)
+        head += f" | max|diff| vs {REFERENCE}"
+        out.append(head)
+        for (batch, qo_len, seq_len), by_impl in cells.items():
+            label = Shape(batch, qo_len, seq_len).label
+            line = f"{label:>12} | " + " | ".join(
+                f"{by_impl[i]['ms']:>9.3f} {by_impl[i][field]:>9.4g}" if i in by_impl else f"{'-':>{cell_w}}"
+                for i in impls)
+            if OURS in impls and anchors:
+                ours = by_impl.get(OURS)
+                ratios = [ours[field] / by_impl[a][field] if ours and a in by_impl and by_impl[a][field] else None
+                          for a in anchors]
+                line += " | " + " ".join(f"{'-':>12}" if r is None else f"{r:>12.2f}" for r in ratios)
+            checks = []
+            for i in impls:
+                r = by_impl.get(i)
+                if r is None or r.get("max_abs_diff") is None or i == REFERENCE:
+                    continue
+                ok = agrees(r["max_abs_diff"], dtype)
+                checks.append(f"{short(i)}={r['max_abs_diff']:.1e}" + ("" if ok else " MISMATCH"))
+            line += " | " + (" ".join(checks) or "-")
+            out.append(line)
+    if rows:
+        out.append(f"(ours/X: {OURS}'s rate over X's, above 1 means {OURS} is faster;"
+                   f" MISMATCH: max |diff| vs {REFERENCE} above {TOLERANCE['float16']:g} in float16,"
+                   f" {TOLERANCE['bfloat16']:g} in bfloat16)")
+    return "\n".join(out)
+
+
+def write_json(rows, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+        f.write("\n")
+
+
+REQUIRED_FIELDS = ("kernel", "impl", "batch", "seq_len", "ms")
+
+
+def load_rows(paths) -> list[dict]:
+    """Rows of bench="kernels" from --json files; ValueError naming the file for anything else."""
+    rows = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: cannot read the rows: {e}") from None
+        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+            raise ValueError(f"{path}: expected a JSON list of objects (rows written by --json)")
+        for n, row in enumerate(data):
+            if row.get("bench", "kernels") != "kernels":
+                continue
+            missing = [k for k in REQUIRED_FIELDS if k not in row]
+            if missing or row["kernel"] not in KERNELS or rate_field(row["kernel"]) not in row:
+                rate = "gbps" if row.get("kernel") == "decode" else "tflops"
+                what = missing or [f"kernel in {KERNELS} with its rate ({rate})"]
+                raise ValueError(f"{path}: row {n} lacks {', '.join(what)}")
+            row.setdefault("qo_len", 1 if row["kernel"] == "decode" else row["seq_len"])
+            rows.append(row)
+    return rows
+
+
+class PlotError(RuntimeError):
+    pass
+
+
+def import_pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError("--plot needs matplotlib, which is not installed here (pip install matplotlib); save the"
+                        " rows with --json PATH and plot them anywhere with --from-json PATH --plot PNG") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_rows(rows, path: str) -> None:
+    """A PNG: rate against context length (keys per request), one line per (impl, batch), one
+    subplot per kernel kind / dtype / head dim. Chunked-prefill shapes (Q < L) get lines of their own."""
+    plt = import_pyplot()
+    groups = _groups(rows, lambda r: (r["kernel"], r.get("dtype"), r.get("head_dim")))
+    if not groups:
+        raise PlotError("no rows to plot")
+    impls = sorted({r["impl"] for r in rows}, key=impl_sort_key)
+    colors = {impl: f"C{n % 10}" for n, impl in enumerate(impls)}
+    batches = sorted({r["batch"] for r in rows})
+    markers = {b: "osD^v<>ph*"[n % 10] for n, b in enumerate(batches)}
+    several_devices = len({r.get("device") for r in rows}) > 1
+    ncols = min(3, len(groups))
+    nrows = math.ceil(len(groups) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.2 * nrows), squeeze=False)
+    for ax, ((kernel, dtype, head_dim), group) in zip(axes.flat, groups.items(), strict=False):
+        field = rate_field(kernel)
+
+        def line_key(r, chunks=kernel != "decode"):
+            qo_len = r.get("qo_len", 1)
+            return (r["impl"], r["batch"], qo_len if chunks and qo_len != r["seq_len"] else None,
+                    r.get("device") if several_devices else None)
+
+        def line_order(item):
+            impl, batch, qo_len, device = item[0]
+            return impl_sort_key(impl), batch, qo_len or 0, str(device)
+
+        for (impl, batch, qo_len, device), line in sorted(_groups(group, line_key).items(), key=line_order):
+            points = sorted(line, key=lambda r: r["seq_len"])
+            label = f"{impl} B={batch}" + (f" Q={qo_len}" if qo_len else "") + (f" {device}" if device else "")
+            ax.plot([r["seq_len"] for r in points], [r[field] for r in points], color=colors[impl],
+                    marker=markers[batch], linestyle="--" if qo_len else "-", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{kernel}, {dtype}, head_dim {head_dim}")
+        ax.set_xlabel("context length (keys per request)")
+        ax.set_ylabel("GB/s" if field == "gbps" else "TFLOP/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _shape_type(kernel: str):
+    def parse(text):
+        try:
+            return parse_shape(text, kernel)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = f"{kernel} shape"
+    return parse
+
+
+def _page_size(text):
+    from tir_kernels.support import page_size_problem
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = text
+    problem = page_size_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(f"bad page size {text!r}: expected {problem}")
+    return value
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _arch(text):
+    from tir_kernels.support import is_cuda_arch
+
+    if not is_cuda_arch(text):
+        raise argparse.ArgumentTypeError(f"bad CUDA arch {text!r}: expected one like sm_90 or sm_90a")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decode", nargs="*", type=_shape_type("decode"), default=None, metavar="BxL",
+                        help=f"decode shapes; give the flag alone to skip decode (default: {' '.join(DECODE_SHAPES)})")
+    parser.add_argument("--prefill", nargs="*", type=_shape_type("prefill"), default=None, metavar="BxL|BxQ@L",
+                        help="causal prefill shapes; give the flag alone to skip prefill"
+                             f" (default: {' '.join(PREFILL_SHAPES)})")
+    parser.add_argument("--ragged", action="store_true",
+                        help="also bench the ragged prefill (tir_kernels.ragged_prefill, contiguous K/V) on the"
+                             " prefill shapes")
+    parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES), help="dtypes (default: both)")
+    parser.add_argument("--head-dim", nargs="+", type=int, choices=HEAD_DIMS, default=list(DEFAULT_HEAD_DIMS),
+                        metavar="D", help=f"head dims, of {HEAD_DIMS} (default: {DEFAULT_HEAD_DIMS[0]})")
+    parser.add_argument("--page-size", type=_page_size, default=DEFAULT_PAGE_SIZE,
+                        help=f"tokens per page (default: {DEFAULT_PAGE_SIZE})")
+    parser.add_argument("--iters", type=_positive_int, default=20,
+                        help="calls per timing sample, decode (prefill: a quarter, at least 3; default: 20)")
+    parser.add_argument("--arch", type=_arch, default=None, help="CUDA arch to build for (default: the present GPU's)")
+    parser.add_argument("--json", metavar="PATH", help="write every row as a JSON list (shared/docs/bench-format.md)")
+    parser.add_argument("--plot", metavar="PNG", help="draw the rates against context length (needs matplotlib)")
+    parser.add_argument("--from-json", nargs="+", metavar="PATH",
+                        help="no run: print the tables (and --plot, --json) from rows saved by --json; no GPU needed")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.dtype, args.head_dim = list(dict.fromkeys(args.dtype)), list(dict.fromkeys(args.head_dim))
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            parser.error(f"argument {option}: the folder of {path!r} does not exist")
+    if args.from_json:
+        try:
+            rows = load_rows(args.from_json)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(format_tables(rows) if rows else "no kernel rows in " + " ".join(args.from_json))
+        return finish(rows, args.json, args.plot)
+    problem = gpu_problem()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    json_path = args.json
+    if args.plot:
+        try:
+            import_pyplot()
+        except PlotError as e:
+            json_path = json_path or os.path.splitext(args.plot)[0] + ".json"
+            print(f"warning: {e}; the rows go to {json_path}", file=sys.stderr)
+    decode = [parse_shape(s, "decode") for s in DECODE_SHAPES] if args.decode is None else args.decode
+    prefill = [parse_shape(s, "prefill") for s in PREFILL_SHAPES] if args.prefill is None else args.prefill
+    rows = run(args, decode, prefill)
+    return finish(rows, json_path, args.plot)
+
+
+def finish(rows, json_path, plot_path) -> int:
+    if json_path:
+        try:
+            write_json(rows, json_path)
+        except OSError as e:
+            print(f"error: cannot write the rows to {json_path}: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {len(rows)} rows to {json_path}")
+    if plot_path:
+        try:
+            plot_rows(rows, plot_path)
+        except PlotError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {plot_path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU run (torch, TVM and FlashInfer imported here only)
+
+
+def gpu_problem() -> str | None:
+    """None where this machine can run the benchmark, else why not."""
+    hint = "; to print or plot saved rows without a GPU: --from-json PATH [--plot PNG]"
+    try:
+        import torch
+    except ImportError as e:
+        return f"the benchmark needs torch ({e}){hint}"
+    if not torch.cuda.is_available():
+        return f"the benchmark needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False){hint}"
+    import tvm
+
+    if not tvm.cuda(0).exist:
+        return f"torch sees a CUDA GPU but TVM does not (a TVM built without CUDA?){hint}"
+    return None
+
+
+class Context:
+    """One (dtype, head dim) of a run: the config, the built kernels per kind
+    (kind -> [(impl, variant, function)]), FlashInfer (None where absent) and its backends."""
+
+    def __init__(self, config, meta: dict, flashinfer, fi_backends: list):
+        self.config = config
+        self.dtype, self.head_dim, self.page_size = config.dtype, config.head_dim, config.page_size
+        self.meta = meta
+        self.kernels: dict = {}
+        self.flashinfer = flashinfer
+        self.fi_backends = fi_backends
+        self.workspace = None  # FlashInfer's, allocated on first use
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+def skip(impl: str, kernel: str, ctx: Context, what: str, error: BaseException | str) -> None:
+    text = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {text[-1] if text else ''}" if isinstance(error, BaseException) else error
+    where = f"{kernel}, {ctx.dtype}, head_dim {ctx.head_dim}" + (f", {what}" if what else "")
+    print(f"  skip {impl} ({where}): {reason[:300]}")
+
+
+def to_tvm(t):
+    import tvm
+
     return tvm.runtime.from_dlpack(t)
 
 
-def time_us(fn, iters: int) -> float:
-    """Median over 5 repeats of the mean time per call, CUDA events."""
-    for _ in range(3):
-        fn(0)
-    torch.cuda.synchronize()
+def synchronize() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, iters: int, repeats: int = 5, warmup: int = 3) -> float:
+    """Median over `repeats` samples of the mean time per call (CUDA events), after warm-up calls."""
+    import time
+
+    import torch
+
+    for i in range(warmup):
+        fn(i)
+    synchronize()
     samples = []
-    for _ in range(5):
+    for _ in range(repeats):
+        if DEVICE != "cuda":
+            t0 = time.perf_counter()
+            for i in range(iters):
+                fn(i)
+            samples.append((time.perf_counter() - t0) * 1e3 / iters)
+            continue
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for i in range(iters):
             fn(i)
         stop.record()
         torch.cuda.synchronize()
-        samples.append(start.elapsed_time(stop) * 1e3 / iters)
-    return float(np.median(samples))
+        samples.append(start.elapsed_time(stop) / iters)
+    return float(statistics.median(samples))
 
 
-class PagedInputs:
-    """`copies` independent page pools of B requests x L tokens (shuffled page ids), so that
-    repeated calls do not just hit L2; plus contiguous K/V of copy 0 for SDPA."""
+def max_diff(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
 
-    def __init__(self, batch: int, length: int, copies: int, gen: torch.Generator):
-        pages_per_req = math.ceil(length / PAGE_SIZE)
-        self.num_pages = batch * pages_per_req
-        shape = (self.num_pages, 2, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM)
-        self.pools = [torch.randn(shape, generator=gen, device="cuda").half() for _ in range(copies)]
-        perm = torch.randperm(self.num_pages, generator=gen, device="cuda").int()
-        self.page_indices = perm
-        self.page_indptr = torch.arange(0, self.num_pages + 1, pages_per_req, device="cuda", dtype=torch.int32)
-        self.last_page_len = torch.full((batch,), length - (pages_per_req - 1) * PAGE_SIZE, device="cuda", dtype=torch.int32)
-        # Contiguous [B, Hkv, L, D] K and V of pool 0, for SDPA.
-        table = perm.long().view(batch, pages_per_req)
-        kv = self.pools[0][table]  # [B, pages, 2, Hkv, ps, D]
-        kv = kv.permute(0, 2, 3, 1, 4, 5).reshape(batch, 2, NUM_KV_HEADS, pages_per_req * PAGE_SIZE, HEAD_DIM)
-        self.k = kv[:, 0, :, :length].contiguous()
-        self.v = kv[:, 1, :, :length].contiguous()
+
+def sdpa(q, k, v, **kwargs):
+    """torch SDPA with GQA (K/V heads repeated where this torch has no enable_gqa)."""
+    import torch
+
+    F = torch.nn.functional
+    try:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+    except TypeError:
+        group = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), **kwargs)
+
+
+class Inputs:
+    """B requests of L keys in `copies` page pools (shuffled page ids; several pools so that
+    repeated decode calls do not just hit L2), the same K/V contiguous ([B, Hkv, L, D], for SDPA)
+    and packed ([B*L, Hkv, D], for the ragged kernels); q of B*Q rows (decode: B)."""
+
+    def __init__(self, ctx: Context, shape: Shape, copies: int, gen, ragged: bool = False):
+        import torch
+
+        B, Q, L, D, ps = shape.batch, shape.qo_len, shape.seq_len, ctx.head_dim, ctx.page_size
+        dt, dev, i32 = ctx.torch_dtype, DEVICE, torch.int32
+        pages_per_req = math.ceil(L / ps)
+        num_pages = B * pages_per_req
+        self.pools = [torch.randn((num_pages, 2, NUM_KV_HEADS, ps, D), generator=gen, device=dev, dtype=dt)
+                      for _ in range(copies)]
         self.tvm_pools = [to_tvm(p) for p in self.pools]
-        self.zeros = torch.zeros(batch, device="cuda", dtype=torch.int32)
-        self.bytes_per_pool = self.pools[0].numel() * 2
+        perm = torch.randperm(num_pages, generator=gen, device=dev).to(i32)
+        self.page_indices = perm
+        self.page_indptr = torch.arange(0, num_pages + 1, pages_per_req, device=dev, dtype=i32)
+        self.last_page_len = torch.full((B,), L - (pages_per_req - 1) * ps, device=dev, dtype=i32)
+        kv = self.pools[0][perm.long().view(B, pages_per_req)]  # [B, pages, 2, Hkv, ps, D]
+        kv = kv.permute(0, 2, 3, 1, 4, 5).reshape(B, 2, NUM_KV_HEADS, pages_per_req * ps, D)
+        self.k = kv[:, 0, :, :L].contiguous()
+        self.v = kv[:, 1, :, :L].contiguous()
+        del kv
+        self.zeros_b = torch.zeros(B, device=dev, dtype=i32)
+        self.q = torch.randn((B * Q, NUM_QO_HEADS, D), generator=gen, device=dev, dtype=dt)
+        self.qo_indptr = torch.arange(0, B * Q + 1, Q, device=dev, dtype=i32)
+        self.q_pos = torch.zeros(B * Q, device=dev, dtype=i32)
+        if ragged:
+            self.k_packed = self.k.transpose(1, 2).reshape(B * L, NUM_KV_HEADS, D).contiguous()
+            self.v_packed = self.v.transpose(1, 2).reshape(B * L, NUM_KV_HEADS, D).contiguous()
+            self.kv_indptr = torch.arange(0, B * L + 1, L, device=dev, dtype=i32)
+
+
+def tvm_anchor_problem(kernel: str, dtype: str, head_dim: int) -> str | None:
+    """Why TVM's own kernel cannot serve this case, or None. Its decode kernel assumes two-byte
+    q/k/v elements (float16, bfloat16); head dims 64, 128 and 256 generate and build for sm_90 in
+    TVM 0.27. Any other limit shows when it is built or first called, and is reported as a skip."""
+    if dtype not in ("float16", "bfloat16"):
+        return f"TVM's {kernel} kernel assumes two-byte elements, not {dtype}"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} is not one this benchmark checked TVM's kernels for ({HEAD_DIMS})"
+    return None
+
+
+def tvm_anchor(kernel: str, config):
+    from tvm.relax.frontend.nn.llm import _decode_kernels, _prefill_kernels
+
+    hkv, hq, d, dtype, ps, target = (config.num_kv_heads, config.num_qo_heads, config.head_dim, config.dtype,
+                                     config.page_size, config.tvm_target())
+    if not config.is_gpu:  # the CPU smoke run
+        if kernel == "decode":
+            return _decode_kernels._attention_decode_cpu(hkv, hq, d, dtype, False, {}, ps)
+        if kernel == "prefill":
+            return _prefill_kernels._attention_prefill_cpu(hkv, hq, d, dtype, False, {}, ps)
+        return _prefill_kernels._attention_prefill_ragged_cpu(hkv, hq, d, d, dtype, {})
+    if kernel == "decode":
+        return _decode_kernels._attention_decode(hkv, hq, d, dtype, False, {}, target, ps)
+    if kernel == "prefill":
+        return _prefill_kernels._attention_prefill(hkv, hq, d, dtype, False, {}, target, ps)
+    return _prefill_kernels._attention_prefill_ragged(hkv, hq, d, d, dtype, {}, target)
+
+
+def tvmattn_func(kernel: str, config):
+    import tir_kernels
+
+    return {"decode": tir_kernels.paged_decode, "prefill": tir_kernels.paged_prefill,
+            "ragged_prefill": tir_kernels.ragged_prefill}[kernel](config)
+
+
+def schedule_summary(schedule) -> str:
+    if not dataclasses.is_dataclass(schedule):
+        return type(schedule).__name__
+    fields = ",".join(f"{f.name}={getattr(schedule, f.name)}" for f in dataclasses.fields(schedule))
+    return f"{type(schedule).__name__}({fields})"
+
+
+def tvmattn_variant(kernel: str, config, func) -> str:
+    """The path and schedule tvmattn chose: "wgmma ..." where the kernel uses Hopper tensor cores."""
+    from tir_kernels import schedules
+
+    tensor_cores = "wgmma" in str(func)
+    chooser = ("choose_decode_schedule" if kernel == "decode" else
+               "choose_wgmma_prefill_schedule" if tensor_cores else "choose_prefill_schedule")
+    try:
+        summary = schedule_summary(getattr(schedules, chooser)(config))
+    except Exception:  # noqa: BLE001 - the label is informative only
+        summary = "default"
+    return ("wgmma " if tensor_cores else "") + summary
+
+
+def build_kernels(kernel: str, ctx: Context) -> list:
+    """[(impl, variant, function)] of tvmattn and TVM for one kernel kind; failures print a skip."""
+    from tir_kernels import build
+
+    built = []
+    try:
+        func = tvmattn_func(kernel, ctx.config)
+        built.append((OURS, tvmattn_variant(kernel, ctx.config, func), build(func, ctx.config)))
+    except Exception as e:  # noqa: BLE001 - report and go on with the others
+        skip(OURS, kernel, ctx, "build", e)
+    problem = tvm_anchor_problem(kernel, ctx.dtype, ctx.head_dim)
+    if problem:
+        skip("tvm", kernel, ctx, "", problem)
+        return built
+    try:
+        built.append(("tvm", "tir", build(tvm_anchor(kernel, ctx.config), ctx.config)))
+    except Exception as e:  # noqa: BLE001
+        skip("tvm", kernel, ctx, "build", e)
+    return built
+
+
+def import_flashinfer():
+    try:
+        import flashinfer
+    except Exception:  # noqa: BLE001 - ImportError, or a broken install failing at import
+        return None
+    return flashinfer
+
+
+def fi_wrapper(cls, ctx: Context, layout: str, backend: str | None):
+    import torch
+
+    if ctx.workspace is None:
+        ctx.workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
+    if backend is None:
+        return cls(ctx.workspace, layout)
+    try:
+        return cls(ctx.workspace, layout, backend=backend)
+    except TypeError:  # a FlashInfer without backend choice: its one path is FA2
+        if backend != "fa2":
+            raise
+        return cls(ctx.workspace, layout)
+
+
+def fi_label(wrapper, backend: str) -> str:
+    resolved = getattr(wrapper, "_backend", None)
+    return "flashinfer-" + (resolved if isinstance(resolved, str) and resolved != "auto" else backend)
+
+
+def into(run, out):
+    """run(*tensors) writing into `out` (no allocation per call) where this FlashInfer takes out=."""
+    takes_out = [True]
+
+    def call(*tensors):
+        if takes_out[0]:
+            try:
+                return run(*tensors, out=out)
+            except TypeError:
+                takes_out[0] = False
+        return run(*tensors)
+
+    return call
+
+
+def flashinfer_calls(kernel: str, ctx: Context, inputs: Inputs) -> list:
+    """[(impl, variant, call(i) -> output)] of FlashInfer for one kernel kind and shape."""
+    import torch
+
+    fi = ctx.flashinfer
+    if fi is None:
+        return []
+    calls, seen = [], set()
+    hq, hkv, d, ps, dt = NUM_QO_HEADS, NUM_KV_HEADS, ctx.head_dim, ctx.page_size, ctx.torch_dtype
+    backends = [None] if kernel == "decode" else ctx.fi_backends
+    for backend in backends:
+        impl = "flashinfer-decode" if kernel == "decode" else f"flashinfer-{backend}"
+        try:
+            if kernel == "decode":
+                w = fi_wrapper(fi.BatchDecodeWithPagedKVCacheWrapper, ctx, "HND", None)
+                w.plan(inputs.page_indptr, inputs.page_indices, inputs.last_page_len, hq, hkv, d, ps,
+                       pos_encoding_mode="NONE", sm_scale=ctx.sm_scale, q_data_type=dt, kv_data_type=dt)
+                variant, run = "paged HND", into(w.run, torch.empty_like(inputs.q))
+
+                def call(i, run=run):
+                    return run(inputs.q, inputs.pools[i % len(inputs.pools)])
+            elif kernel == "prefill":
+                w = fi_wrapper(fi.BatchPrefillWithPagedKVCacheWrapper, ctx, "HND", backend)
+                w.plan(inputs.qo_indptr, inputs.page_indptr, inputs.page_indices, inputs.last_page_len, hq, hkv, d, ps,
+                       causal=True, sm_scale=ctx.sm_scale, q_data_type=dt, kv_data_type=dt)
+                impl, variant, run = fi_label(w, backend), "paged HND", into(w.run, torch.empty_like(inputs.q))
+
+                def call(i, run=run):
+                    return run(inputs.q, inputs.pools[0])
+            else:
+                w = fi_wrapper(fi.BatchPrefillWithRaggedKVCacheWrapper, ctx, "NHD", backend)
+                w.plan(inputs.qo_indptr, inputs.kv_indptr, hq, hkv, d, causal=True, sm_scale=ctx.sm_scale,
+                       q_data_type=dt, kv_data_type=dt)
+                impl, variant, run = fi_label(w, backend), "ragged NHD", into(w.run, torch.empty_like(inputs.q))
+
+                def call(i, run=run):
+                    return run(inputs.q, inputs.k_packed, inputs.v_packed)
+        except Exception as e:  # noqa: BLE001 - an unsupported case of this FlashInfer
+            skip(impl, kernel, ctx, "plan", e)
+            continue
+        if impl not in seen:
+            seen.add(impl)
+            calls.append((impl, variant, call))
+    return calls
+
+
+def tvm_args(kernel: str, ctx: Context, inputs: Inputs, o, lse) -> list:
+    """The contract's arguments of a decode / paged prefill / ragged prefill kernel."""
+    rope = [1.0, 1e4, ctx.sm_scale]
+    if kernel == "decode":
+        return [to_tvm(inputs.q), inputs.tvm_pools[0], to_tvm(inputs.page_indptr), to_tvm(inputs.page_indices),
+                to_tvm(inputs.last_page_len), to_tvm(inputs.zeros_b), to_tvm(inputs.q_pos), to_tvm(o), to_tvm(lse),
+                0, *rope]
+    if kernel == "prefill":
+        return [to_tvm(inputs.q), to_tvm(inputs.qo_indptr), inputs.tvm_pools[0], to_tvm(inputs.page_indptr),
+                to_tvm(inputs.page_indices), to_tvm(inputs.last_page_len), to_tvm(inputs.zeros_b), to_tvm(inputs.q_pos),
+                to_tvm(o), to_tvm(lse), 1, 0, *rope]
+    return [to_tvm(inputs.q), to_tvm(inputs.qo_indptr), to_tvm(inputs.k_packed), to_tvm(inputs.v_packed),
+            to_tvm(inputs.kv_indptr), to_tvm(inputs.q_pos), to_tvm(inputs.zeros_b), to_tvm(o), to_tvm(lse), 1, 0, *rope]
+
+
+def sdpa_reference(kernel: str, ctx: Context, shape: Shape, inputs: Inputs):
+    """(variant, call(i) -> output shaped like q, output, diff of the timed form vs a boolean mask or None)."""
+    import torch
+
+    B, Q, L, D = shape.batch, shape.qo_len, shape.seq_len, ctx.head_dim
+    if kernel == "decode":
+        qs = inputs.q.view(B, NUM_QO_HEADS, 1, D)
+
+        def dense(i):
+            return sdpa(qs, inputs.k, inputs.v).view(B, NUM_QO_HEADS, D)
+
+        return "dense", dense, dense(0), None
+    qs = inputs.q.view(B, Q, NUM_QO_HEADS, D).transpose(1, 2)
+
+    def caller(**kwargs):
+        def call(i):
+            return sdpa(qs, inputs.k, inputs.v, **kwargs).transpose(1, 2).reshape(B * Q, NUM_QO_HEADS, D)
+
+        return call
+
+    if Q == L:
+        call = caller(is_causal=True)
+        return "is_causal", call, call(0), None
+    # Chunked prefill: query i sees keys j <= L - Q + i (bottom-right aligned). The boolean mask
+    # is the definition; torch's causal_lower_right bias is the same and faster where it works.
+    mask = torch.ones(Q, L, dtype=torch.bool, device=DEVICE).tril(diagonal=L - Q)
+    call_masked = caller(attn_mask=mask)
+    masked = call_masked(0)
+    try:
+        from torch.nn.attention.bias import causal_lower_right
+
+        bias = causal_lower_right(Q, L)
+        call = caller(attn_mask=bias)
+        out = call(0)
+        diff = max_diff(out, masked)
+        if agrees(diff, ctx.dtype):
+            return "causal_lower_right", call, out, diff
+        print(f"  sdpa: causal_lower_right differs from the boolean mask by {diff:.1e}; timing the mask")
+    except Exception as e:  # noqa: BLE001 - an older torch, or no kernel for it: time the mask
+        print(f"  sdpa: causal_lower_right unusable ({type(e).__name__}: {e}); timing the boolean mask")
+    return "bool-mask", call_masked, masked, None
 
 
 def copies_for(nbytes: int) -> int:
     return max(1, min(16, math.ceil(4 * L2_BYTES / nbytes)))
 
 
-def tvm_anchor_decode(target):
-    from tvm.relax.frontend.nn.llm import _decode_kernels
+def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict]:
+    """Rows of every implementation of `kinds` (one kernel kind, or the paged and ragged
+    prefill) on one shape, all on the same inputs, checked against SDPA."""
+    import torch
 
-    return _decode_kernels._attention_decode(NUM_KV_HEADS, NUM_QO_HEADS, HEAD_DIM, DTYPE, False, {}, target, PAGE_SIZE)
-
-
-def tvm_anchor_prefill(target):
-    from tvm.relax.frontend.nn.llm import _prefill_kernels
-
-    return _prefill_kernels._attention_prefill(NUM_KV_HEADS, NUM_QO_HEADS, HEAD_DIM, DTYPE, False, {}, target, PAGE_SIZE)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
-
-
-def bench_decode(shapes, kernels, iters):
+    decode = kinds == ["decode"]
+    elem = ELEM_BYTES[ctx.dtype]
+    pages = shape.batch * math.ceil(shape.seq_len / ctx.page_size)
+    pool_bytes = pages * ctx.page_size * NUM_KV_HEADS * ctx.head_dim * 2 * elem
+    inputs = Inputs(ctx, shape, copies_for(pool_bytes) if decode else 1, gen, ragged="ragged_prefill" in kinds)
     rows = []
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sm_scale = 1 / math.sqrt(HEAD_DIM)
-    for batch, length in shapes:
-        pool_bytes = batch * math.ceil(length / PAGE_SIZE) * PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM * 2 * 2
-        inputs = PagedInputs(batch, length, copies_for(pool_bytes), gen)
-        q = torch.randn(batch, NUM_QO_HEADS, HEAD_DIM, generator=gen, device="cuda").half()
-        outs = {}
-        times = {}
-        for name, fn in kernels.items():
-            o = torch.empty_like(q)
-            lse = torch.empty(batch, NUM_QO_HEADS, device="cuda", dtype=torch.float32)
-            args = [to_tvm(q), None, to_tvm(inputs.page_indptr), to_tvm(inputs.page_indices), to_tvm(inputs.last_page_len),
-                    to_tvm(inputs.zeros), to_tvm(inputs.zeros), to_tvm(o), to_tvm(lse), 0, 1.0, 1e4, sm_scale]
+    ref_kind = "decode" if decode else "prefill"
+    variant, sdpa_call, ref, ref_diff = sdpa_reference(ref_kind, ctx, shape, inputs)
+    synchronize()
+    sdpa_ms = time_ms(sdpa_call, iters)
+    for kernel in kinds:
+        for impl, impl_variant, fn in ctx.kernels[kernel]:
+            o = torch.empty_like(inputs.q)
+            lse = torch.empty(inputs.q.shape[:2], device=DEVICE, dtype=torch.float32)
+            args = tvm_args(kernel, ctx, inputs, o, lse)
 
-            def call(i, fn=fn, args=args):
-                args[1] = inputs.tvm_pools[i % len(inputs.tvm_pools)]
+            def call(i, fn=fn, args=args, pools=inputs.tvm_pools if kernel == "decode" else None):
+                if pools:  # decode: the next page pool each call (pages are argument 1)
+                    args[1] = pools[i % len(pools)]
                 fn(*args)
 
-            call(0)
-            torch.cuda.synchronize()
-            outs[name] = o.clone()
-            times[name] = time_us(call, iters)
-        qs = q.view(batch, NUM_QO_HEADS, 1, HEAD_DIM)
-        sdpa = lambda i: torch.nn.functional.scaled_dot_product_attention(qs, inputs.k, inputs.v, enable_gqa=True)  # noqa: E731
-        outs["sdpa"] = sdpa(0).view(batch, NUM_QO_HEADS, HEAD_DIM)
-        times["sdpa"] = time_us(sdpa, iters)
-        moved = batch * length * NUM_KV_HEADS * HEAD_DIM * 2 * 2 + 2 * q.numel() * 2
-        diffs = {name: max_diff(outs[name], outs["sdpa"]) for name in outs}
-        rows.append((f"{batch}x{length}", times, {n: moved / t / 1e3 for n, t in times.items()}, diffs))
-        del inputs
+            try:
+                call(0)
+                synchronize()
+            except Exception as e:  # noqa: BLE001
+                skip(impl, kernel, ctx, shape.label, e)
+                continue
+            diff = max_diff(o, ref)
+            rows.append(make_row(kernel, impl, impl_variant, ctx.dtype, ctx.head_dim, ctx.page_size, shape,
+                                 time_ms(call, iters), diff, ctx.meta))
+        for impl, impl_variant, fi_call in flashinfer_calls(kernel, ctx, inputs):
+            try:
+                out = fi_call(0)
+                synchronize()
+            except Exception as e:  # noqa: BLE001
+                skip(impl, kernel, ctx, shape.label, e)
+                continue
+            diff = max_diff(out.view(ref.shape), ref)
+            rows.append(make_row(kernel, impl, impl_variant, ctx.dtype, ctx.head_dim, ctx.page_size, shape,
+                                 time_ms(fi_call, iters), diff, ctx.meta))
+        rows.append(make_row(kernel, REFERENCE, variant, ctx.dtype, ctx.head_dim, ctx.page_size, shape, sdpa_ms,
+                             ref_diff, ctx.meta))
+    del inputs
+    if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return rows
 
 
-def bench_prefill(shapes, kernels, iters):
+def run(args, decode_shapes, prefill_shapes) -> list[dict]:
+    import time
+
+    import torch
+
+    from tir_kernels import AttentionConfig
+    from tir_kernels.support import resolve_target
+
+    target = resolve_target("cuda", args.arch) if DEVICE == "cuda" else "llvm"
+    arch = target.partition(":")[2]
+    fi = import_flashinfer()
+    print("flashinfer: not installed" if fi is None else f"flashinfer: {getattr(fi, '__version__', '?')}")
+    fi_backends = ["fa2", "fa3"] if arch.startswith("sm_90") else ["fa2"]
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    meta = {"device": device, "date": now_iso(), "commit": git_commit()}
+    print(f"{meta['device']} ({target}), commit {meta['commit']}, torch {torch.__version__}")
+    kinds = (["decode"] if decode_shapes else []) + (["prefill"] if prefill_shapes else [])
+    kinds += ["ragged_prefill"] if prefill_shapes and args.ragged else []
     rows = []
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    sm_scale = 1 / math.sqrt(HEAD_DIM)
-    for batch, length in shapes:
-        inputs = PagedInputs(batch, length, 1, gen)
-        q = torch.randn(batch * length, NUM_QO_HEADS, HEAD_DIM, generator=gen, device="cuda").half()
-        qo_indptr = torch.arange(0, batch * length + 1, length, device="cuda", dtype=torch.int32)
-        q_pos = torch.zeros(batch * length, device="cuda", dtype=torch.int32)
-        outs, times = {}, {}
-        for name, fn in kernels.items():
-            o = torch.empty_like(q)
-            lse = torch.empty(batch * length, NUM_QO_HEADS, device="cuda", dtype=torch.float32)
-            args = [to_tvm(q), to_tvm(qo_indptr), inputs.tvm_pools[0], to_tvm(inputs.page_indptr), to_tvm(inputs.page_indices),
-                    to_tvm(inputs.last_page_len), to_tvm(inputs.zeros), to_tvm(q_pos), to_tvm(o), to_tvm(lse), 1, 0, 1.0, 1e4, sm_scale]
-            call = lambda i, fn=fn, args=args: fn(*args)  # noqa: E731
-            call(0)
-            torch.cuda.synchronize()
-            outs[name] = o.clone()
-            times[name] = time_us(call, iters)
-        qs = q.view(batch, length, NUM_QO_HEADS, HEAD_DIM).transpose(1, 2)
-        sdpa = lambda i: torch.nn.functional.scaled_dot_product_attention(qs, inputs.k, inputs.v, is_causal=True, enable_gqa=True)  # noqa: E731
-        outs["sdpa"] = sdpa(0).transpose(1, 2).reshape(batch * length, NUM_QO_HEADS, HEAD_DIM)
-        times["sdpa"] = time_us(sdpa, iters)
-        flops = 2 * batch * NUM_QO_HEADS * length * length * HEAD_DIM
-        diffs = {name: max_diff(outs[name], outs["sdpa"]) for name in outs}
-        rows.append((f"{batch}x{length}", times, {n: flops / t / 1e6 for n, t in times.items()}, diffs))
+    for dtype in args.dtype:
+        for head_dim in args.head_dim:
+            config = AttentionConfig(NUM_QO_HEADS, NUM_KV_HEADS, head_dim, dtype=dtype, page_size=args.page_size,
+                                     target=target)
+            ctx = Context(config, meta, fi, fi_backends)
+            t0 = time.time()
+            for kernel in kinds:
+                ctx.kernels[kernel] = build_kernels(kernel, ctx)
+            print(f"{dtype}, head_dim {head_dim}: kernels built in {time.time() - t0:.1f} s")
+            group = []
+            gen = torch.Generator(device=DEVICE).manual_seed(0)
+            prefill_kinds = [k for k in kinds if k != "decode"]
+            todo = [(["decode"], shape, args.iters) for shape in decode_shapes]
+            todo += [(prefill_kinds, shape, max(3, args.iters // 4)) for shape in prefill_shapes]
+            for shape_kinds, shape, iters in todo:
+                try:
+                    group += bench_shape(shape_kinds, ctx, shape, iters, gen)
+                except Exception as e:  # noqa: BLE001 - out of memory, say: keep the other shapes' rows
+                    skip("every impl", "/".join(shape_kinds), ctx, shape.label, e)
+                    if DEVICE == "cuda":
+                        torch.cuda.empty_cache()
+            print(format_tables(group))
+            rows += group
+    bad = [r for r in rows if r.get("agrees") is False]
+    if bad:
+        where = [f"{r['kernel']} {r['impl']} {r['dtype']} d{r['head_dim']} "
+                 + Shape(r["batch"], r["qo_len"], r["seq_len"]).label for r in bad]
+        print(f"MISMATCH in {len(bad)} rows: " + ", ".join(where))
     return rows
 
 
-def print_table(title, unit, rows):
-    names = list(rows[0][1])
-    print(f"\n{title}")
-    header = f"{'BxL':>10} | " + " | ".join(f"{n + ' us':>12} {unit:>8}" for n in names)
-    header += " | " + " | ".join(f"{'speedup vs ' + n:>14}" for n in names if n != "tvmattn") + " | max|diff| vs sdpa"
-    print(header)
-    for shape, times, rates, diffs in rows:
-        line = f"{shape:>10} | " + " | ".join(f"{times[n]:>12.1f} {rates[n]:>8.1f}" for n in names)
-        line += " | " + " | ".join(f"{times[n] / times['tvmattn']:>14.2f}" for n in names if n != "tvmattn")
-        line += " | " + " ".join(f"{n}={diffs[n]:.2e}" for n in names if n != "sdpa")
-        print(line)
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--decode", nargs="*", default=DECODE_SHAPES, help="BxL shapes for decode")
-    parser.add_argument("--prefill", nargs="*", default=PREFILL_SHAPES, help="BxL shapes for causal prefill")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--arch", default=None, help="CUDA arch (default: the present GPU's)")
-    args = parser.parse_args(argv)
-
-    from tir_kernels.support import resolve_target
-
-    config = AttentionConfig(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, page_size=PAGE_SIZE,
-                             target=resolve_target("cuda", args.arch))
-    target = config.tvm_target()
-    t0 = time.time()
-    if args.decode:
-        decode_kernels = {"tvmattn": build(paged_decode(config), config), "tvm": build(tvm_anchor_decode(target), config)}
-        print(f"decode kernels built in {time.time() - t0:.1f} s")
-        print_table("paged decode, 32 q / 8 kv heads, d128, fp16, page 16 (GB/s)", "GB/s", bench_decode(parse_shapes(args.decode), decode_kernels, args.iters))
-    if args.prefill:
-        from tir_kernels import paged_prefill
-
-        t0 = time.time()
-        prefill_kernels = {"tvmattn": build(paged_prefill(config), config), "tvm": build(tvm_anchor_prefill(target), config)}
-        print(f"prefill kernels built in {time.time() - t0:.1f} s")
-        print_table("causal paged prefill, 32 q / 8 kv heads, d128, fp16, page 16 (TFLOP/s)", "TFLOP/s", bench_prefill(parse_shapes(args.prefill), prefill_kernels, max(3, args.iters // 4)))
-
-
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

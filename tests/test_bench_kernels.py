@@ -1,0 +1,315 @@
+"""scripts/bench_kernels.py without a GPU: shapes, FLOP counts, rows, tables, --from-json, --plot,
+the no-GPU exit, and one tiny run of the benchmark's plumbing on the CPU (kernels built for llvm)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_kernels.py")
+HQ, D = 32, 128
+META = {"device": "NVIDIA H200", "date": "2026-01-01T00:00:00+00:00", "commit": "abc1234"}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_kernels_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- shapes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, kernel, expected", [
+    ("4x4096", "prefill", (4, 4096, 4096)),
+    ("8x512@8192", "prefill", (8, 512, 8192)),
+    ("1x1@1", "prefill", (1, 1, 1)),
+    ("2x16@16", "prefill", (2, 16, 16)),
+    ("8x32768", "decode", (8, 1, 32768)),
+])
+def test_parse_shape(bench, text, kernel, expected):
+    shape = bench.parse_shape(text, kernel)
+    assert tuple(shape) == expected
+    assert (shape.batch, shape.qo_len, shape.seq_len) == expected
+
+
+def test_shape_labels(bench):
+    assert bench.parse_shape("8x512@8192").label == "8x512@8192"
+    assert bench.parse_shape("4x4096").label == "4x4096"
+    assert bench.parse_shape("2x16@16").label == "2x16"  # Q = L is the plain form
+    assert bench.parse_shape("8x32768", "decode").label == "8x32768"
+
+
+def test_default_shapes_parse(bench):
+    assert [bench.parse_shape(s).label for s in bench.PREFILL_SHAPES] == ["1x4096", "4x4096", "1x16384", "8x512@8192"]
+    assert all(bench.parse_shape(s, "decode").qo_len == 1 for s in bench.DECODE_SHAPES)
+
+
+@pytest.mark.parametrize("bad", ["", "4", "4x", "x4096", "4x4096@", "@8192", "0x16", "4x0", "4x-1", "4x4096x2",
+                                 "ax4096", "4.0x16", "8x512@0", "8x9000@8192", "8x512@@8192"])
+def test_bad_prefill_shape_names_the_argument(bench, capsys, bad):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--prefill", "1x4096", bad])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --prefill" in err and repr(bad) in err
+
+
+@pytest.mark.parametrize("bad", ["8x512@8192", "8", "1x0"])
+def test_bad_decode_shape_names_the_argument(bench, capsys, bad):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--decode", bad])
+    assert exit_info.value.code == 2
+    assert "argument --decode" in capsys.readouterr().err
+
+
+def test_q_above_l_says_so(bench):
+    with pytest.raises(ValueError, match="Q=9000 exceed the context L=8192"):
+        bench.parse_shape("8x9000@8192")
+
+
+@pytest.mark.parametrize("argv, name", [(["--dtype", "float32"], "--dtype"), (["--head-dim", "96"], "--head-dim"),
+                                        (["--page-size", "12"], "--page-size"), (["--iters", "0"], "--iters"),
+                                        (["--arch", "90"], "--arch")])
+def test_bad_options_name_the_argument(bench, capsys, argv, name):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {name}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_output_in_a_missing_folder_is_refused_before_the_run(bench, capsys, tmp_path, option):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main([option, str(tmp_path / "nowhere" / "out")])
+    assert exit_info.value.code == 2
+    assert f"argument {option}" in capsys.readouterr().err
+
+
+def test_help(bench, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for word in ("BxQ@L", "--from-json", "--ragged", "--dtype", "--head-dim", "--page-size", "--plot", "--json"):
+        assert word in out
+
+
+# --- work counts ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch, length", [(1, 1), (1, 4096), (4, 4096), (1, 16384), (3, 17)])
+def test_square_causal_flops(bench, batch, length):
+    assert bench.causal_flops(batch, length, length, HQ, D) == 4 * batch * HQ * D * length * (length + 1) // 2
+
+
+@pytest.mark.parametrize("qo_len, seq_len", [(512, 8192), (1, 100), (7, 7), (16, 40), (100, 101)])
+def test_chunked_causal_flops(bench, qo_len, seq_len):
+    # Query i of qo_len sees keys j <= seq_len - qo_len + i.
+    visible = sum(sum(1 for j in range(seq_len) if j <= seq_len - qo_len + i) for i in range(qo_len))
+    assert bench.causal_visible_keys(qo_len, seq_len) == visible
+    assert bench.causal_flops(8, qo_len, seq_len, HQ, 64) == 4 * 8 * HQ * 64 * visible
+
+
+def test_flops_of_the_default_chunk(bench):
+    # 8 x 512 new tokens over 8192 keys: 7680 cached keys each, then the 512 x 513 / 2 triangle.
+    assert bench.causal_flops(8, 512, 8192, 32, 128) == 4 * 8 * 32 * 128 * (512 * 7680 + 512 * 513 // 2)
+    assert bench.causal_flops(1, 1, 4096, 32, 128) == 4 * 32 * 128 * 4096  # one query sees every key
+
+
+@pytest.mark.parametrize("qo_len, seq_len", [(0, 10), (11, 10), (-1, 5)])
+def test_flops_refuse_impossible_shapes(bench, qo_len, seq_len):
+    with pytest.raises(ValueError):
+        bench.causal_flops(1, qo_len, seq_len, HQ, D)
+
+
+def test_decode_bytes(bench):
+    assert bench.decode_bytes(2, 100, 32, 8, 128, 2) == 2 * (2 * 2 * 100 * 8 * 128 + 2 * 2 * 32 * 128)
+
+
+# --- rows, tables, JSON, plots ----------------------------------------------------------------
+
+FIELDS = ("bench", "kernel", "impl", "variant", "dtype", "head_dim", "num_qo_heads", "num_kv_heads", "page_size",
+          "batch", "seq_len", "qo_len", "ms", "device", "date", "commit")
+
+
+def sample_rows(bench):
+    """Rows as a run writes them: prefill (square and chunked) and decode, fp16 and bf16."""
+    rows = []
+    prefill = [("tvmattn", "wgmma", 1.0, 3e-3), ("tvm", "tir", 4.0, 2e-3), ("sdpa", "is_causal", 2.0, None),
+               ("flashinfer-fa3", "paged HND", 0.5, 1e-3)]
+    for dtype in ("float16", "bfloat16"):
+        for shape in map(bench.parse_shape, ("1x4096", "8x512@8192", "4x4096", "8x8192", "8x1024@8192")):
+            for impl, variant, ms, diff in prefill:
+                bad = impl == "tvm" and shape.label == "4x4096" and dtype == "float16"
+                rows.append(bench.make_row("prefill", impl, variant, dtype, 128, 16, shape, ms, 0.5 if bad else diff,
+                                           META))
+    for impl, ms, diff in (("tvmattn", 0.05, 1e-3), ("tvm", 0.1, 1e-3), ("sdpa", 0.08, None)):
+        for label in ("1x4096", "1x32768"):
+            rows.append(bench.make_row("decode", impl, "x", "float16", 128, 16, bench.parse_shape(label, "decode"), ms,
+                                       diff, META))
+    return rows
+
+
+def test_row_fields(bench):
+    shape = bench.parse_shape("8x512@8192")
+    row = bench.make_row("prefill", "tvmattn", "v", "bfloat16", 128, 16, shape, 2.0, 1e-2, META)
+    for field in FIELDS:
+        assert field in row, field
+    assert row["bench"] == "kernels" and row["seq_len"] == 8192 and row["qo_len"] == 512 and row["batch"] == 8
+    assert row["tflops"] == pytest.approx(bench.causal_flops(8, 512, 8192, 32, 128) / 2e-3 / 1e12)
+    assert row["max_abs_diff"] == 1e-2 and row["agrees"] is True
+    assert "gbps" not in row
+    decode = bench.make_row("decode", "tvm", "tir", "float16", 128, 16, bench.parse_shape("64x4096", "decode"), 0.5,
+                            None, META)
+    assert decode["gbps"] == pytest.approx(bench.decode_bytes(64, 4096, 32, 8, 128, 2) / 0.5e-3 / 1e9)
+    assert "max_abs_diff" not in decode and "tflops" not in decode and decode["qo_len"] == 1
+
+
+@pytest.mark.parametrize("diff, dtype, ok", [(1e-2, "float16", True), (3e-2, "float16", False),
+                                             (3e-2, "bfloat16", True), (6e-2, "bfloat16", False),
+                                             (float("nan"), "float16", False)])
+def test_agreement_thresholds(bench, diff, dtype, ok):
+    assert bench.agrees(diff, dtype) is ok
+
+
+def test_table(bench):
+    text = bench.format_tables(sample_rows(bench))
+    lines = text.splitlines()
+    titles = [line for line in lines if line.startswith(("prefill,", "decode,"))]
+    assert len(titles) == 3  # prefill fp16, prefill bf16, decode fp16
+    assert "TFLOP/s" in titles[0] and "NVIDIA H200" in titles[0] and "abc1234" in titles[0]
+    header = next(line for line in lines if "ours/tvm" in line)
+    assert header.index("tvmattn") < header.index("tvm ") < header.index("sdpa") < header.index("flashinfer-fa3")
+    assert "ours/sdpa" in header and "ours/fi-fa3" in header and "max|diff| vs sdpa" in header
+    chunk = next(line for line in lines if line.strip().startswith("8x512@8192"))
+    # tvmattn takes 1 ms, TVM 4 ms, SDPA 2 ms, FlashInfer 0.5 ms: ours/X = 4.00, 2.00, 0.50.
+    assert chunk.split("|")[5].split() == ["4.00", "2.00", "0.50"]
+    assert "tvmattn=3.0e-03" in chunk and "fi-fa3=1.0e-03" in chunk and "MISMATCH" not in chunk
+    bad = [line for line in lines if "MISMATCH" in line and not line.startswith("(")]
+    assert len(bad) == 1 and bad[0].strip().startswith("4x4096") and "tvm=5.0e-01 MISMATCH" in bad[0]
+    assert any("GB/s" in t for t in titles)
+
+
+def test_table_with_missing_impls(bench):
+    shape = bench.parse_shape("1x4096")
+    rows = [bench.make_row("prefill", "sdpa", "is_causal", "float16", 64, 16, shape, 2.0, None, META),
+            bench.make_row("prefill", "tvm", "tir", "float16", 64, 16, shape, 4.0, 1e-3, META)]
+    header, line = bench.format_tables(rows).splitlines()[2:4]
+    assert "ours/" not in header and "tvm=1.0e-03" in line  # no tvmattn row: no ratios
+    assert header.index("tvm") < header.index("sdpa")
+
+
+def test_from_json_round_trip(bench, tmp_path, capsys):
+    rows = sample_rows(bench)
+    saved = tmp_path / "rows.json"
+    bench.write_json(rows, str(saved))
+    assert json.loads(saved.read_text()) == rows
+    again = tmp_path / "again.json"
+    assert bench.main(["--from-json", str(saved), "--json", str(again)]) == 0
+    assert json.loads(again.read_text()) == rows
+    out = capsys.readouterr().out
+    assert out.count("8x512@8192") == 2 and "MISMATCH" in out and "ours/tvm" in out
+    assert bench.format_tables(rows) in out
+
+
+def test_from_json_merges_files_and_skips_other_benches(bench, tmp_path, capsys):
+    rows = sample_rows(bench)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    bench.write_json(rows[:5], str(a))
+    bench.write_json(rows[5:] + [{"bench": "cache", "kernel": "step", "impl": "tvmattn"}], str(b))
+    merged = tmp_path / "merged.json"
+    assert bench.main(["--from-json", str(a), str(b), "--json", str(merged)]) == 0
+    assert json.loads(merged.read_text()) == rows
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read"),
+    ("{not json", "cannot read"),
+    ('{"kernel": "prefill"}', "expected a JSON list of objects"),
+    ('[{"bench": "kernels", "kernel": "prefill", "impl": "tvmattn", "batch": 1, "seq_len": 16}]', "row 0 lacks ms"),
+    ('[{"kernel": "prefill", "impl": "x", "batch": 1, "seq_len": 16, "ms": 1.0}]', "row 0 lacks"),
+])
+def test_from_json_errors(bench, tmp_path, capsys, content, message):
+    path = tmp_path / "rows.json"
+    if content is not None:
+        path.write_text(content)
+    assert bench.main(["--from-json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(path) in err and message in err
+
+
+def test_plot(bench, tmp_path):
+    pytest.importorskip("matplotlib")
+    saved, png = tmp_path / "rows.json", tmp_path / "rates.png"
+    bench.write_json(sample_rows(bench), str(saved))
+    assert bench.main(["--from-json", str(saved), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_a_clear_error(bench, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    saved, png, copy = tmp_path / "rows.json", tmp_path / "rates.png", tmp_path / "copy.json"
+    bench.write_json(sample_rows(bench), str(saved))
+    assert bench.main(["--from-json", str(saved), "--json", str(copy), "--plot", str(png)]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert copy.exists() and not png.exists()  # the rows were written before the plot failed
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def test_without_gpu_exits_2(bench, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "gpu_problem", lambda: "the benchmark needs a CUDA GPU, and torch sees none")
+    assert bench.main(["--prefill", "1x64"]) == 2
+    assert capsys.readouterr().err == "error: the benchmark needs a CUDA GPU, and torch sees none\n"
+
+
+def test_this_machine_without_gpu_exits_2(bench, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: main() would run the benchmark")
+    assert bench.main(["--decode", "--prefill", "1x64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "CUDA GPU" in err and "--from-json" in err and "Traceback" not in err
+
+
+def test_import_needs_neither_torch_nor_tvm():
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('b', sys.argv[1]);"
+            " m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m);"
+            " print('torch' in sys.modules, 'tvm' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, SCRIPT], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"]
+
+
+def test_git_commit(bench):
+    commit = bench.git_commit()
+    assert commit == "unknown" or (commit and all(c in "0123456789abcdef" for c in commit))
+
+
+def test_cpu_smoke_run(bench, monkeypatch, capsys):
+    """The run's plumbing (inputs, kernel arguments, SDPA references, agreement, rows) on the CPU:
+    tvmattn's and TVM's llvm paged prefill agree with SDPA on a chunked-prefill shape (query i of Q sees
+    keys j <= L-Q+i). Decode is left out to keep this file fast (its kernels take seconds to build)."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "import_flashinfer", lambda: None)
+    args = bench.build_parser().parse_args(["--decode", "--prefill", "2x8@40", "--dtype", "float16",
+                                            "--head-dim", "64", "--iters", "1"])
+    rows = bench.run(args, args.decode, args.prefill)
+    out = capsys.readouterr().out
+    assert "flashinfer: not installed" in out and "  skip " not in out and "MISMATCH in" not in out, out
+    got = {(r["kernel"], r["impl"]): r for r in rows}
+    assert set(got) == {("prefill", i) for i in ("tvmattn", "tvm", "sdpa")}
+    for (_, impl), row in got.items():
+        assert row["device"] == "cpu" and row["ms"] > 0
+        if impl != "sdpa":
+            assert row["agrees"] and row["max_abs_diff"] < 1e-2, row
+    assert got[("prefill", "sdpa")]["variant"] in ("causal_lower_right", "bool-mask")
+    assert got[("prefill", "tvmattn")]["qo_len"] == 8 and got[("prefill", "tvmattn")]["seq_len"] == 40
