@@ -16,6 +16,7 @@ from tir_kernels import (
     paged_prefill,
     ragged_prefill,
 )
+from tir_kernels.build import PIPELINE
 from tir_kernels.schedules import choose_decode_schedule, choose_prefill_schedule
 
 # (num_qo_heads, num_kv_heads, qk_head_dim, v_head_dim, dtype)
@@ -215,13 +216,21 @@ CUDA_BUILD_CASES = [
 
 @pytest.mark.parametrize("generator,config,symbol", CUDA_BUILD_CASES)
 def test_prefill_builds_for_cuda(generator, config, symbol):
-    """CUDA code generation succeeds; K/V and Q move in 16-byte vectors; rows reduce by shuffles."""
-    func = generator(config)
+    """CUDA code generation succeeds for both CUDA kernels: the CUDA-core one (K/V and Q move in
+    16-byte vectors, rows reduce by shuffles) and, where it applies, the Hopper tensor-core one."""
+    func = generator(config, choose_prefill_schedule(config))
     assert func.attrs["global_symbol"] == symbol
-    module = tvm.compile(tvm.IRModule({symbol: func}), target=config.tvm_target())
+    module = tvm.compile(tvm.IRModule({symbol: func}), target=config.tvm_target(), tir_pipeline=PIPELINE)
     cuda = module.mod.imports[0].inspect_source()
     assert "__shfl_xor_sync" in cuda
     assert ("uint4" if config.elem_bytes == 2 else "float4") in cuda
+    if config.dtype == "float32":
+        return
+    func = generator(config)
+    assert func.attrs["global_symbol"] == symbol
+    module = tvm.compile(tvm.IRModule({symbol: func}), target=config.tvm_target(), tir_pipeline=PIPELINE)
+    cuda = module.mod.imports[0].inspect_source()
+    assert "wgmma.mma_async" in cuda and "cp.async.cg.shared.global" in cuda and "mbarrier" in cuda
 
 
 def test_prefill_schedule_validation():

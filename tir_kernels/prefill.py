@@ -350,6 +350,15 @@ def _symbol(base: str, config: AttentionConfig) -> str:
     return base + ("_sliding_window" if config.sliding_window else "")
 
 
+def _tensor_cores(config: AttentionConfig, schedule) -> bool:
+    """Whether the Hopper tensor-core kernel serves this call (see prefill_sm90)."""
+    from . import prefill_sm90
+
+    if schedule is not None:
+        return isinstance(schedule, prefill_sm90.WgmmaPrefillSchedule)
+    return prefill_sm90.wgmma_problem(config) is None
+
+
 def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
     """Paged-KV prefill PrimFunc, arguments in the contract's order:
 
@@ -360,7 +369,13 @@ def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = No
     causal i32, rotary_mode i32, rope_scale f32, rope_theta f32, sm_scale f32.
     The KV of request b is its visible paged tokens; causal query i of qo_len sees keys
     j <= kv_len - qo_len + i. Rows that see no key get o = 0 and lse = EMPTY_LSE.
+    On Hopper, fp16/bf16 configs get the tensor-core kernel (prefill_sm90) unless a
+    CUDA-core `PrefillSchedule` is passed.
     """
+    if _tensor_cores(config, schedule):
+        from . import prefill_sm90
+
+        return prefill_sm90.paged_prefill_wgmma(config, schedule)
     if config.v_head_dim != config.head_dim:
         raise ValueError(
             f"v_head_dim={config.v_head_dim} is not supported by paged_prefill: expected head_dim={config.head_dim}"
@@ -462,7 +477,12 @@ def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = N
     o [total_q, Hq, Dv], lse [total_q, Hq] f32 (base 2), causal i32, rotary_mode i32,
     rope_scale f32, rope_theta f32, sm_scale f32. Dqk = config.head_dim, Dv = config.v_head_dim.
     Key j of request b is row kv_indptr[b] + j, at RoPE position k_rope_pos_offset[b] + j.
+    On Hopper, fp16/bf16 configs get the tensor-core kernel as in `paged_prefill`.
     """
+    if _tensor_cores(config, schedule):
+        from . import prefill_sm90
+
+        return prefill_sm90.ragged_prefill_wgmma(config, schedule)
     sched = _schedule_for(config, schedule)
     macros = _prefill_macros(config, sched)
     L = loop_kinds(config)

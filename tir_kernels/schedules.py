@@ -209,3 +209,60 @@ def choose_prefill_schedule(config: AttentionConfig) -> PrefillSchedule:
     tile_q = 64 if max(config.head_dim, config.v_head_dim) <= 128 else 32
     return PrefillSchedule(threads_y=threads_y, threads_x=threads_x,
                            rows_per_thread=max(1, tile_q // threads_y), cols_per_thread=32 // threads_x)
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaPrefillSchedule:
+    """Tiling of the Hopper tensor-core prefill (`prefill_sm90`).
+
+    A CTA has three warpgroups: a producer that gathers K/V with cp.async and two wgmma
+    consumers of 64 packed query rows each (tile_q = 128). tile_kv: keys per step (the N of
+    S = Q K^T); stages: K/V buffers in the ring; producer_regs / consumer_regs: registers per
+    thread after `setmaxnreg` (the three warpgroups share the SM's 64K registers).
+    """
+
+    tile_kv: int
+    stages: int
+    producer_regs: int = 40
+    consumer_regs: int = 232
+
+    tile_q = 128
+    REGISTER_FILE = 65536
+
+    def __post_init__(self):
+        _require(self.tile_kv % 16 == 0 and 16 <= self.tile_kv <= 256, f"tile_kv={self.tile_kv} must be a multiple of 16 in 16..256")
+        _require(self.stages >= 2, f"stages={self.stages} must be >= 2")
+        for name in ("producer_regs", "consumer_regs"):
+            value = getattr(self, name)
+            _require(value % 8 == 0 and 24 <= value <= 256, f"{name}={value} must be a multiple of 8 in 24..256")
+        _require(128 * (self.producer_regs + 2 * self.consumer_regs) <= self.REGISTER_FILE,
+                 f"producer_regs + 2 * consumer_regs = {self.producer_regs + 2 * self.consumer_regs} exceeds 512")
+
+    def shared_bytes(self, config: AttentionConfig) -> int:
+        """The Q tile and `stages` K and V tiles, two bytes an element."""
+        return 2 * (self.tile_q * config.head_dim + self.stages * self.tile_kv * (config.head_dim + config.v_head_dim))
+
+    def accumulator_registers(self, config: AttentionConfig) -> int:
+        """fp32 S and O fragments and the packed P of one consumer thread."""
+        return self.tile_kv // 2 + config.v_head_dim // 2 + self.tile_kv // 4
+
+    def check(self, config: AttentionConfig) -> None:
+        limit = CUDA_MAX_SHARED_BYTES["sm_90"]
+        _require(self.shared_bytes(config) <= limit,
+                 f"tile_kv={self.tile_kv}, stages={self.stages} need {self.shared_bytes(config)} bytes of shared memory,"
+                 f" sm_90 has {limit}")
+        # leave ~56 registers for addresses, softmax state and descriptors
+        _require(self.accumulator_registers(config) + 56 <= self.consumer_regs,
+                 f"tile_kv={self.tile_kv} with v_head_dim={config.v_head_dim} needs"
+                 f" {self.accumulator_registers(config)} accumulator registers; consumer_regs={self.consumer_regs}")
+
+
+def choose_wgmma_prefill_schedule(config: AttentionConfig) -> WgmmaPrefillSchedule:
+    """128 keys a step (64 when the output fragment is 256 wide), as many stages (up to 3) as
+    shared memory holds."""
+    tile_kv = 128 if config.v_head_dim <= 128 else 64
+    for stages in (3, 2):
+        sched = WgmmaPrefillSchedule(tile_kv=tile_kv, stages=stages)
+        if sched.shared_bytes(config) <= CUDA_MAX_SHARED_BYTES["sm_90"]:
+            return sched
+    return WgmmaPrefillSchedule(tile_kv=64, stages=2)

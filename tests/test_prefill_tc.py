@@ -1,0 +1,150 @@
+"""The Hopper tensor-core prefill (tir_kernels/prefill_sm90.py) against the float64 reference.
+
+The shape matrix (dtype x head dim x GQA group x page size x causal x sliding window) is
+sampled: each case below exercises several axes at once, and together they cover every value
+of each axis. Outputs are NaN-poisoned and unowned page slots hold junk (tests/harness.py).
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+from harness import make_paged_batch, randn
+from test_prefill import check, expected, indptr, paged_inputs, requests_for, run_paged, run_ragged
+
+from tir_kernels import AttentionConfig, default_sm_scale, paged_prefill, ragged_prefill
+from tir_kernels.build import uses_tirx_pipeline
+from tir_kernels.prefill_sm90 import wgmma_problem
+from tir_kernels.schedules import WgmmaPrefillSchedule, choose_prefill_schedule
+
+# (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding)
+TC_PAGED_CASES = [
+    (8, 8, 128, 16, "float16", False),
+    (16, 4, 64, 1, "bfloat16", False),
+    (32, 2, 128, 64, "bfloat16", True),
+    (16, 1, 256, 128, "float16", False),
+    (32, 4, 64, 128, "float16", True),
+    (8, 1, 128, 8, "bfloat16", False),
+    (16, 2, 256, 16, "bfloat16", True),
+    (4, 4, 64, 32, "float16", False),
+]
+# (num_qo_heads, num_kv_heads, qk_head_dim, v_head_dim, dtype)
+TC_RAGGED_CASES = [
+    (8, 8, 128, 128, "float16"),
+    (16, 4, 192, 128, "bfloat16"),
+    (16, 1, 128, 64, "float16"),
+    (32, 8, 256, 256, "bfloat16"),
+    (8, 2, 64, 64, "bfloat16"),
+]
+
+
+def case_id(case):
+    return "-".join(str(x) for x in case)
+
+
+def test_tensor_cores_serve_hopper_fp16_and_bf16():
+    """Which configs take the tensor-core path (no GPU needed: only the generator's choice)."""
+    hopper = AttentionConfig(32, 8, 128, dtype="bfloat16", target="cuda:sm_90")
+    assert wgmma_problem(hopper) is None
+    assert uses_tirx_pipeline(paged_prefill(hopper))
+    assert uses_tirx_pipeline(ragged_prefill(hopper.replace(head_dim=192, v_head_dim=128)))
+    assert "dtype" in wgmma_problem(hopper.replace(dtype="float32"))
+    assert "head_dim=80" in wgmma_problem(hopper.replace(head_dim=80))
+    assert "inline_rope" in wgmma_problem(hopper.replace(inline_rope=True))
+    assert "Hopper" in wgmma_problem(hopper.replace(target="cuda:sm_80"))
+    assert "Hopper" in wgmma_problem(hopper.replace(target="llvm"))
+    # an explicit CUDA-core schedule keeps the CUDA-core kernel
+    assert not uses_tirx_pipeline(paged_prefill(hopper, choose_prefill_schedule(hopper)))
+    with pytest.raises(ValueError, match="dtype"):
+        paged_prefill(hopper.replace(dtype="float32"), WgmmaPrefillSchedule(tile_kv=128, stages=2))
+
+
+def test_wgmma_schedule_validation():
+    config = AttentionConfig(32, 8, 256, dtype="float16", target="cuda:sm_90")
+    with pytest.raises(ValueError, match="shared memory"):
+        WgmmaPrefillSchedule(tile_kv=128, stages=4).check(config)
+    with pytest.raises(ValueError, match="accumulator registers"):
+        WgmmaPrefillSchedule(tile_kv=128, stages=2).check(config.replace(head_dim=64, v_head_dim=256))
+    with pytest.raises(ValueError, match="stages"):
+        WgmmaPrefillSchedule(tile_kv=128, stages=1)
+    with pytest.raises(ValueError, match="consumer_regs"):
+        WgmmaPrefillSchedule(tile_kv=128, stages=2, consumer_regs=250)
+
+
+def _tc_config(**fields):
+    config = AttentionConfig(target="cuda", **fields)
+    assert wgmma_problem(config) is None, wgmma_problem(config)
+    return config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", TC_PAGED_CASES, ids=case_id)
+def test_paged_prefill_tensor_cores(kernels, case, causal):
+    hq, hkv, d, ps, dtype, sliding = case
+    config = _tc_config(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, page_size=ps,
+                        sliding_window=sliding)
+    rng = np.random.default_rng(zlib.crc32(case_id(case).encode()))
+    # the usual ragged requests, plus a 1-token request beside a long one and several tiles
+    requests = requests_for(ps) + [(1, 700), (300, 1100)]
+    batch, q, qo_indptr = paged_inputs(rng, config, requests)
+    o, lse = run_paged(kernels, config, batch, q, qo_indptr, causal)
+    check(config, o, lse, qo_indptr, expected(q, qo_indptr, batch.visible, default_sm_scale(d), causal))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", TC_RAGGED_CASES, ids=case_id)
+def test_ragged_prefill_tensor_cores(kernels, case, causal):
+    hq, hkv, dqk, dv, dtype = case
+    config = _tc_config(num_qo_heads=hq, num_kv_heads=hkv, head_dim=dqk, v_head_dim=dv, dtype=dtype)
+    rng = np.random.default_rng(zlib.crc32(case_id(case).encode()))
+    requests = [(37, 37), (20, 100), (1, 50), (0, 10), (3, 0), (129, 129), (1, 900), (260, 400)]
+    qo_lens, kv_lens = zip(*requests)
+    q = randn(rng, (sum(qo_lens), hq, dqk), dtype)
+    k = randn(rng, (sum(kv_lens), hkv, dqk), dtype)
+    v = randn(rng, (sum(kv_lens), hkv, dv), dtype)
+    qo_indptr, kv_indptr = indptr(qo_lens), indptr(kv_lens)
+    o, lse = run_ragged(kernels, config, q, qo_indptr, k, v, kv_indptr, causal)
+    kv_of = lambda i: (k[kv_indptr[i]:kv_indptr[i + 1]], v[kv_indptr[i]:kv_indptr[i + 1]])  # noqa: E731
+    check(config, o, lse, qo_indptr, expected(q, qo_indptr, kv_of, default_sm_scale(dqk), causal))
+
+
+@pytest.mark.gpu
+def test_tensor_cores_match_cuda_cores(kernels):
+    """Both CUDA kernels of the same config agree closely (same inputs, fp32 accumulation)."""
+    config = _tc_config(num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)
+    rng = np.random.default_rng(5)
+    batch, q, qo_indptr = paged_inputs(rng, config, [(500, 1500), (1, 64), (64, 64)])
+    tc = run_paged(kernels, config, batch, q, qo_indptr, True)
+    simt = run_paged(_CudaCores(kernels), config, batch, q, qo_indptr, True)
+    np.testing.assert_allclose(tc[0], simt[0], atol=2e-3)
+    np.testing.assert_allclose(tc[1], simt[1], atol=1e-3)
+
+
+def paged_prefill_cuda_cores(config: AttentionConfig):
+    return paged_prefill(config, choose_prefill_schedule(config))
+
+
+class _CudaCores:
+    """The session's kernel cache, serving paged_prefill with its CUDA-core schedule."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def get(self, generator, config):
+        assert generator is paged_prefill
+        return self.kernels.get(paged_prefill_cuda_cores, config)
+
+
+@pytest.mark.gpu
+def test_long_context_tensor_cores(kernels):
+    """128 new tokens over a 32768-token context (and a 1-token step beside it), float64 reference."""
+    config = _tc_config(num_qo_heads=8, num_kv_heads=2, head_dim=128, dtype="bfloat16", page_size=64)
+    rng = np.random.default_rng(32768)
+    lengths = [32768, 32768]
+    batch = make_paged_batch(rng, lengths, 2, 128, 64, "bfloat16")
+    q = randn(rng, (129, 8, 128), "bfloat16")
+    qo_indptr = indptr([128, 1])
+    o, lse = run_paged(kernels, config, batch, q, qo_indptr, True)
+    check(config, o, lse, qo_indptr, expected(q, qo_indptr, batch.visible, default_sm_scale(128), True))

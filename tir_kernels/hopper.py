@@ -1,0 +1,82 @@
+"""Device-side building blocks of the Hopper (sm_90a) tensor-core kernels.
+
+What the kernels need beyond TVMScript's `T.ptx[...]` dialect:
+- register fences: an empty asm that takes a register by reference, so that nvcc keeps reads
+  and writes of wgmma accumulator / operand registers between `wgmma.fence` and
+  `wgmma.wait_group` (TVM's own `noop_barrier` crashes in codegen in 0.27);
+- packing two fp32 values into one fp16x2 / bf16x2 register (the A operand of `O += P V`);
+- the 128-byte-swizzled shared-memory layout that wgmma descriptors read, and the
+  descriptor fields for K-major and MN-major operands.
+
+A tile of R rows x W columns (W a multiple of 64 two-byte elements) is stored as W/64
+"panels" of R x 64 elements; within a panel, row r occupies 128 bytes and its 16-byte chunk
+c sits at chunk c ^ (r % 8) (the hardware's 128B swizzle, with panels 1024-byte aligned).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+PANEL = 64  # two-byte elements per 128-byte swizzled row
+CHUNK = 8  # two-byte elements per 16-byte chunk
+SWIZZLE_128B = 3  # encode_matrix_descriptor's code for the 128-byte swizzle
+# Stride byte offset of a 128B-swizzled operand: 8 rows x 128 bytes, in 16-byte units.
+SWIZZLE_SBO = 64
+
+PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+
+# TVM emits a func_call's source once per function name: one source string per helper.
+_FENCE_F32 = r"""
+__device__ __forceinline__ void tvmattn_fence_f32(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
+"""
+_FENCE_U32 = r"""
+__device__ __forceinline__ void tvmattn_fence_u32(unsigned int& r) { asm volatile("" : "+r"(r) :: "memory"); }
+"""
+_PACK = {
+    "float16": ("tvmattn_pack_half2", r"""
+#include <cuda_fp16.h>
+__device__ __forceinline__ unsigned int tvmattn_pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<unsigned int*>(&h);
+}
+"""),
+    "bfloat16": ("tvmattn_pack_bfloat162", r"""
+#include <cuda_bf16.h>
+__device__ __forceinline__ unsigned int tvmattn_pack_bfloat162(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned int*>(&h);
+}
+"""),
+}
+
+
+def fence_f32(reg):
+    """Keep nvcc from moving accesses of fp32 register `reg` across a wgmma fence or wait."""
+    return T.cuda.func_call("tvmattn_fence_f32", reg, source_code=_FENCE_F32)
+
+
+def fence_u32(reg):
+    """fence_f32 for a 32-bit integer register."""
+    return T.cuda.func_call("tvmattn_fence_u32", reg, source_code=_FENCE_U32)
+
+
+def pack2(dtype: str, lo, hi):
+    """Two fp32 values -> one 32-bit register holding (dtype(lo), dtype(hi)), lo in the low half."""
+    name, source = _PACK[dtype]
+    return T.cuda.func_call(name, lo, hi, source_code=source, return_type="uint32")
+
+
+def swizzled(rows: int, r, c):
+    """Element offset of (r, c) in a 128B-swizzled tile of `rows` rows (c counts elements)."""
+    return (c // PANEL) * rows * PANEL + r * PANEL + T.bitwise_xor((c % PANEL) // CHUNK, r % 8) * CHUNK + c % CHUNK
+
+
+def panel_bytes(rows: int) -> int:
+    """Bytes between two 64-column panels of a tile of `rows` rows."""
+    return rows * PANEL * 2
+
+
+def wgmma_name(m_n_k: str, dtype: str) -> str:
+    """The wgmma mnemonic for fp32 accumulation of `dtype` operands, e.g. m_n_k = "m64n128k16"."""
+    t = PTX_TYPE[dtype]
+    return f"wgmma.mma_async.sync.aligned.{m_n_k}.f32.{t}.{t}"

@@ -1,0 +1,480 @@
+"""Prefill attention on Hopper tensor cores (sm_90a): paged and ragged K/V, fp16 and bf16.
+
+Same contract, grid and work split as the CUDA-core kernels in `prefill.py` (a CTA owns one
+KV head and a tile of 128 packed query rows of one request, packed row p = query p // G,
+head kv_head * G + p % G; tiles of a request are numbered from the last, so the longest
+causal rows start first), on a different machine model:
+
+  warpgroup 0, the producer: gathers the K and V rows of each step through the page table
+    (or the ragged index) with 16-byte `cp.async` copies into a ring of `stages` shared
+    buffers in the 128B-swizzled layout wgmma reads (rows past the visible end are zero
+    filled, so junk in unowned page slots never reaches the math), and signals each buffer
+    full on an mbarrier; it waits on a second mbarrier until both consumers emptied it.
+  warpgroups 1 and 2, the consumers: 64 query rows each. Q is copied once (cp.async). Per
+    step: S = Q K^T by `wgmma` (both operands in shared memory), the causal / end mask on
+    the steps that cross it, online softmax in base 2 in registers, P packed to 16-bit
+    registers in the layout of wgmma's A operand, O += P V by `wgmma` (V read MN-major).
+    The epilogue writes o = O / l and lse = m + log2(l) (EMPTY_LSE and o = 0 for a row that
+    saw no key).
+
+Inline RoPE (rotary_mode == 1) is not done on tensor cores: `prefill.py` keeps serving it.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm.script import tirx as T
+
+from .build import TIRX_ATTR
+from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, paged_position
+from .config import AttentionConfig
+from .hopper import CHUNK, PANEL, SWIZZLE_128B, SWIZZLE_SBO, fence_f32, fence_u32, pack2, swizzled, wgmma_name
+from .schedules import WgmmaPrefillSchedule, choose_wgmma_prefill_schedule
+
+WARPGROUP = 128
+CONSUMERS = 2
+ROWS_PER_CONSUMER = 64  # rows of one wgmma m64 tile
+FULL_WARP = 0xFFFFFFFF
+MASKED = -1.0e30  # score of a masked key (finite: exp2 of it minus any running max is 0)
+
+
+def wgmma_problem(config: AttentionConfig) -> str | None:
+    """Why the tensor-core prefill cannot serve `config`, or None when it can."""
+    if config.inline_rope:
+        return "inline_rope=True (RoPE inside the kernel)"
+    if not config.is_gpu or config.cuda_arch not in ("sm_90", "sm_90a"):
+        return f"target {config.target!r} is not a Hopper GPU (sm_90)"
+    if config.dtype not in ("float16", "bfloat16"):
+        return f"dtype={config.dtype!r} (tensor cores serve float16 and bfloat16)"
+    for field in ("head_dim", "v_head_dim"):
+        value = getattr(config, field)
+        if value % PANEL or value > 256:
+            return f"{field}={value} (tensor cores serve multiples of {PANEL} up to 256)"
+    return None
+
+
+def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
+    dtype, G = config.dtype, config.group_size
+    D_QK, D_V = config.head_dim, config.v_head_dim
+    BM, BN, ST = sched.tile_q, sched.tile_kv, sched.stages
+    Q_ELEMS, K_ELEMS, V_ELEMS = BM * D_QK, BN * D_QK, BN * D_V
+    K_OFF = Q_ELEMS
+    V_OFF = K_OFF + ST * K_ELEMS
+    SMEM_ELEMS = V_OFF + ST * V_ELEMS
+    WG_S = wgmma_name(f"m64n{BN}k16", dtype)  # S = Q K^T, both operands K-major in shared memory
+    WG_O = wgmma_name(f"m64n{D_V}k16", dtype)  # O += P V, P from registers, V MN-major
+    NS, NO, NP = BN // 2, D_V // 2, BN // 4  # registers per thread: S, O (fp32) and P (16-bit pairs)
+
+    def row_tiles(qo_indptr, b):
+        return ceildiv((qo_indptr[b + 1] - qo_indptr[b]) * G, BM)
+
+    def num_slots(total_q, batch):
+        """Upper bound of the number of row tiles over all requests."""
+        return ceildiv(total_q * G, BM) + batch
+
+    def visible_end(kv_len, qo_len, p, causal):
+        """Number of leading keys packed row p may see (all of them when not causal)."""
+        last = kv_len - qo_len + T.min(p // G, qo_len - 1) + 1
+        return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
+
+    @T.macro
+    def find_tile(qo_indptr_, batch_, slot_, req_, tile_):
+        """req_[0] <- request of tile slot slot_, tile_[0] <- its row tile (-1: the slot has none)."""
+        walk = T.alloc_local((2,), "int32")  # request, first slot of that request
+        walk[0] = 0
+        walk[1] = 0
+        req_[0] = 0
+        tile_[0] = -1
+        while walk[0] < batch_:
+            if slot_ < walk[1] + row_tiles(qo_indptr_, walk[0]):
+                req_[0] = walk[0]
+                tile_[0] = walk[1] + row_tiles(qo_indptr_, walk[0]) - 1 - slot_
+                walk[0] = batch_
+            else:
+                walk[1] = walk[1] + row_tiles(qo_indptr_, walk[0])
+                walk[0] = walk[0] + 1
+
+    @T.macro
+    def copy_rows(smem_, base_, rows_, tile_rows_, width_, tid_, src_, valid_):
+        """cp.async rows 0..rows_ of width_ elements into the swizzled tile of tile_rows_ rows at
+        smem_[base_] (WARPGROUP threads, 16 bytes each per step; consecutive threads copy
+        consecutive chunks of a row). src_(r, c): address of element c of row r; valid_(r)
+        False: zeros."""
+        for it in T.unroll(ceildiv(rows_ * (width_ // CHUNK), WARPGROUP)):
+            idx = T.meta_var(it * WARPGROUP + tid_)
+            r = T.meta_var(idx // (width_ // CHUNK))
+            c = T.meta_var(idx % (width_ // CHUNK) * CHUNK)
+            if rows_ * (width_ // CHUNK) % WARPGROUP == 0 or idx < rows_ * (width_ // CHUNK):
+                T.ptx["cp.async.cg.shared.global"](
+                    smem_.ptr_to([base_ + swizzled(tile_rows_, r, c)]), src_(r, c), 16,
+                    T.Cast("uint32", T.if_then_else(valid_(r), 16, 0)))
+
+    @T.macro
+    def copy_kv(smem_, s_, t_, kv_end_, tid_, kv_row_, k_ptr_, v_ptr_):
+        """Step t_'s K and V rows -> buffer s_ (cp.async; rows past kv_end_ zero-filled). When K
+        and V rows are equally wide, one lookup of a key's slot serves both copies."""
+        if D_QK == D_V:
+            slot = T.alloc_local((1,), "int32")
+            for it in T.unroll(ceildiv(BN * (D_QK // CHUNK), WARPGROUP)):
+                idx = T.meta_var(it * WARPGROUP + tid_)
+                r = T.meta_var(idx // (D_QK // CHUNK))
+                c = T.meta_var(idx % (D_QK // CHUNK) * CHUNK)
+                if BN * (D_QK // CHUNK) % WARPGROUP == 0 or idx < BN * (D_QK // CHUNK):
+                    slot[0] = kv_row_(T.min(t_ * BN + r, kv_end_ - 1))
+                    T.ptx["cp.async.cg.shared.global"](
+                        smem_.ptr_to([K_OFF + s_ * K_ELEMS + swizzled(BN, r, c)]), k_ptr_(slot[0], c), 16,
+                        T.Cast("uint32", T.if_then_else(t_ * BN + r < kv_end_, 16, 0)))
+                    T.ptx["cp.async.cg.shared.global"](
+                        smem_.ptr_to([V_OFF + s_ * V_ELEMS + swizzled(BN, r, c)]), v_ptr_(slot[0], c), 16,
+                        T.Cast("uint32", T.if_then_else(t_ * BN + r < kv_end_, 16, 0)))
+        else:
+            copy_rows(smem_, K_OFF + s_ * K_ELEMS, BN, BN, D_QK, tid_,
+                      lambda r, c: k_ptr_(kv_row_(T.min(t_ * BN + r, kv_end_ - 1)), c),
+                      lambda r: t_ * BN + r < kv_end_)
+            copy_rows(smem_, V_OFF + s_ * V_ELEMS, BN, BN, D_V, tid_,
+                      lambda r, c: v_ptr_(kv_row_(T.min(t_ * BN + r, kv_end_ - 1)), c),
+                      lambda r: t_ * BN + r < kv_end_)
+
+    @T.macro
+    def produce(smem_, full_, empty_, nkv_, kv_end_, tid_, kv_row_, k_ptr_, v_ptr_):
+        """Producer warpgroup: K/V rows of steps 0..nkv_ into the ring; a buffer is signalled
+        full once this thread's copies into it have landed (fence, then mbarrier arrive)."""
+        for t in T.serial(nkv_):
+            if t >= ST:
+                T.cuda.mbarrier_wait(empty_.ptr_to([t % ST]), ((t // ST) + 1) % 2)
+            copy_kv(smem_, t % ST, t, kv_end_, tid_, kv_row_, k_ptr_, v_ptr_)
+            T.ptx["cp.async.commit_group"]()
+            if t >= 1:
+                T.ptx["cp.async.wait_group"](1)
+                T.ptx["fence.proxy.async.shared::cta"]()
+                T.ptx.mbarrier.arrive.shared.b64(full_.ptr_to([(t - 1) % ST]))
+        if nkv_ > 0:
+            T.ptx["cp.async.wait_group"](0)
+            T.ptx["fence.proxy.async.shared::cta"]()
+            T.ptx.mbarrier.arrive.shared.b64(full_.ptr_to([(nkv_ - 1) % ST]))
+
+    @T.macro
+    def s_mma(smem_, sacc_, cw_, s_):
+        """sacc_ <- Q (this consumer's 64 rows) K^T of buffer s_, on tensor cores."""
+        desc_q = T.alloc_local((1,), "uint64")
+        desc_k = T.alloc_local((1,), "uint64")
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(D_QK // 16):
+            T.cuda.wgmma.encode_matrix_descriptor(
+                desc_q.ptr_to([0]),
+                smem_.ptr_to([(kk * 16 // PANEL) * BM * PANEL + cw_ * ROWS_PER_CONSUMER * PANEL + kk * 16 % PANEL]),
+                1, SWIZZLE_SBO, SWIZZLE_128B)
+            T.cuda.wgmma.encode_matrix_descriptor(
+                desc_k.ptr_to([0]),
+                smem_.ptr_to([K_OFF + s_ * K_ELEMS + (kk * 16 // PANEL) * BN * PANEL + kk * 16 % PANEL]),
+                1, SWIZZLE_SBO, SWIZZLE_128B)
+            T.ptx[WG_S](*[sacc_[i] for i in range(NS)], desc_q[0], desc_k[0], T.bool(kk > 0), 1, 1, 0, 0)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        for i in T.unroll(NS):
+            T.evaluate(fence_f32(sacc_[i]))
+
+    @T.macro
+    def pv_mma(smem_, oacc_, preg_, s_):
+        """oacc_ += P V of buffer s_ (P from registers; V rows are the reduction axis)."""
+        desc_v = T.alloc_local((1,), "uint64")
+        for q in T.unroll(NP):
+            T.evaluate(fence_u32(preg_[q]))
+        for i in T.unroll(NO):
+            T.evaluate(fence_f32(oacc_[i]))
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(BN // 16):
+            # keys 16kk..16kk+15: 16 rows further; LBO: from one 64-column panel of V to the next
+            T.cuda.wgmma.encode_matrix_descriptor(
+                desc_v.ptr_to([0]), smem_.ptr_to([V_OFF + s_ * V_ELEMS + kk * 16 * PANEL]),
+                BN * PANEL * 2 // 16, SWIZZLE_SBO, SWIZZLE_128B)
+            T.ptx[WG_O](*[oacc_[i] for i in range(NO)], preg_[kk * 4], preg_[kk * 4 + 1], preg_[kk * 4 + 2],
+                        preg_[kk * 4 + 3], desc_v[0], T.bool(True), 1, 1, 1)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        for i in T.unroll(NO):
+            T.evaluate(fence_f32(oacc_[i]))
+        for q in T.unroll(NP):
+            T.evaluate(fence_u32(preg_[q]))
+
+    @T.macro
+    def mask(sacc_, kv_start_, vis_end_, lane_):
+        """Scores of keys at or past a row's visible end -> MASKED. Accumulator element
+        i * 4 + e of a thread is (row r0 + 8 (e // 2), key 8 i + 2 (lane % 4) + e % 2)."""
+        for i in T.unroll(NS // 4):
+            for e in T.unroll(4):
+                sacc_[i * 4 + e] = T.if_then_else(
+                    kv_start_ + i * 8 + (lane_ % 4) * 2 + e % 2 >= vis_end_[e // 2], T.float32(MASKED),
+                    sacc_[i * 4 + e])
+
+    @T.macro
+    def quad_reduce(buf_, idx_, op_):
+        """buf_[idx_] <- op_ over the 4 lanes that hold one accumulator row."""
+        buf_[idx_] = op_(buf_[idx_], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], 1, 32, 32))
+        buf_[idx_] = op_(buf_[idx_], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], 2, 32, 32))
+
+    @T.macro
+    def softmax(sacc_, preg_, oacc_, m_, l_, scale_):
+        """Online softmax step of the thread's two rows (base 2): new row maxima m_, rescale
+        l_ and oacc_ by exp2(old - new), P = exp2(S * scale_ - m_) packed into preg_."""
+        row_max = T.alloc_local((2,), "float32")
+        alpha = T.alloc_local((2,), "float32")
+        for r in T.unroll(2):
+            row_max[r] = m_[r]
+        for i in T.unroll(NS // 4):
+            for e in T.unroll(4):
+                row_max[e // 2] = T.max(row_max[e // 2], sacc_[i * 4 + e] * scale_)
+        for r in T.unroll(2):
+            quad_reduce(row_max, r, T.max)
+            alpha[r] = T.exp2(m_[r] - row_max[r])
+            m_[r] = row_max[r]
+            l_[r] = l_[r] * alpha[r]
+        for i in T.unroll(NS // 4):
+            for e in T.unroll(4):
+                sacc_[i * 4 + e] = T.exp2(sacc_[i * 4 + e] * scale_ - m_[e // 2])
+                l_[e // 2] = l_[e // 2] + sacc_[i * 4 + e]
+        for i in T.unroll(NO // 4):
+            for e in T.unroll(4):
+                oacc_[i * 4 + e] = oacc_[i * 4 + e] * alpha[e // 2]
+        for q in T.unroll(NP):
+            preg_[q] = pack2(dtype, sacc_[q * 2], sacc_[q * 2 + 1])
+
+    @T.macro
+    def store(oacc_, m_, l_, rows_, row0_, lane_, write_o_, write_lse_):
+        """o = O / l and lse = m + log2(l) of the thread's rows row0_ and row0_ + 8 that exist."""
+        for r in T.unroll(2):
+            quad_reduce(l_, r, lambda a, b: a + b)
+        for i in T.unroll(NO // 4):
+            for e in T.unroll(4):
+                if row0_ + (e // 2) * 8 < rows_:
+                    write_o_(row0_ + (e // 2) * 8, i * 8 + (lane_ % 4) * 2 + e % 2, T.if_then_else(
+                        l_[e // 2] > T.float32(0), oacc_[i * 4 + e] / l_[e // 2], T.float32(0)))
+        if lane_ % 4 == 0:
+            for r in T.unroll(2):
+                if row0_ + r * 8 < rows_:
+                    write_lse_(row0_ + r * 8, T.if_then_else(
+                        l_[r] > T.float32(0), m_[r] + T.log2(l_[r]), T.float32(EMPTY_LSE)))
+
+    @T.macro
+    def consume(smem_, full_, empty_, nkv_, free_end_, kv_len_, qo_len_, p0_, rows_, causal_, scale_, cw_, tid_,
+                q_ptr_, write_o_, write_lse_):
+        """Consumer warpgroup cw_: rows p0_ + 64 cw_ .. of the tile, over steps 0..nkv_."""
+        sacc = T.alloc_local((NS,), "float32")
+        oacc = T.alloc_local((NO,), "float32")
+        preg = T.alloc_local((NP,), "uint32")
+        m = T.alloc_local((2,), "float32")
+        lsum = T.alloc_local((2,), "float32")
+        vis_end = T.alloc_local((2,), "int32")
+        warp = T.meta_var(tid_ // 32)
+        lane = T.meta_var(tid_ % 32)
+        row0 = T.meta_var(cw_ * ROWS_PER_CONSUMER + warp * 16 + lane // 4)  # the thread's first row in the tile
+        # Q rows of this consumer -> shared memory (zeros past the tile's rows)
+        copy_rows(smem_, cw_ * ROWS_PER_CONSUMER * PANEL, ROWS_PER_CONSUMER, BM, D_QK, tid_,
+                  lambda r, c: q_ptr_(T.min(p0_ + cw_ * ROWS_PER_CONSUMER + r, T.max(rows_ - 1, 0)), c),
+                  lambda r: p0_ + cw_ * ROWS_PER_CONSUMER + r < rows_)
+        T.ptx["cp.async.commit_group"]()
+        T.ptx["cp.async.wait_group"](0)
+        T.ptx["fence.proxy.async.shared::cta"]()
+        T.ptx["bar.sync"](T.uint32(1) + T.Cast("uint32", cw_), T.uint32(WARPGROUP))
+        for i in T.unroll(NO):
+            oacc[i] = T.float32(0)
+        for r in T.unroll(2):
+            m[r] = T.float32(EMPTY_LSE)
+            lsum[r] = T.float32(0)
+            vis_end[r] = visible_end(kv_len_, qo_len_, p0_ + row0 + r * 8, causal_)
+        for t in T.serial(nkv_):
+            s = T.meta_var(t % ST)
+            T.cuda.mbarrier_wait(full_.ptr_to([s]), (t // ST) % 2)
+            s_mma(smem_, sacc, cw_, s)
+            if (t + 1) * BN > free_end_:
+                mask(sacc, t * BN, vis_end, lane)
+            softmax(sacc, preg, oacc, m, lsum, scale_)
+            pv_mma(smem_, oacc, preg, s)
+            if tid_ == 0:
+                T.ptx.mbarrier.arrive.shared.b64(empty_.ptr_to([s]))
+        store(oacc, m, lsum, rows_, p0_ + row0, lane, write_o_, write_lse_)
+
+    @T.macro
+    def kernel(qo_indptr_, batch_, total_q_, Hkv_, causal_, sm_scale_, q_ptr_, kv_len_, kv_row_, k_ptr_, v_ptr_,
+               write_o_, write_lse_):
+        """The device part: one CTA per (tile slot, KV head), 3 warpgroups.
+
+        Accessors of request b and KV head hkv: q_ptr_(b, hkv, p, c) address of element c of
+        packed row p's query; kv_len_(b) visible keys; kv_row_(b, j) where key j lives (an
+        int32 handle); k_ptr_(hkv, row, c) / v_ptr_(hkv, row, c) addresses of element c of
+        that key / value; write_o_(b, hkv, p, c, value), write_lse_(b, hkv, p, value).
+        """
+        T.device_entry()
+        bx = T.cta_id([num_slots(total_q_, batch_) * Hkv_])
+        wg = T.warpgroup_id([CONSUMERS + 1])
+        tid = T.thread_id_in_wg([WARPGROUP])
+        smem = T.alloc_buffer((SMEM_ELEMS,), dtype, scope="shared.dyn", align=1024)
+        full = T.alloc_shared((ST,), "uint64")
+        empty = T.alloc_shared((ST,), "uint64")
+        req = T.alloc_local((1,), "int32")
+        tile = T.alloc_local((1,), "int32")
+        if wg == 0 and tid == 0:
+            for s in T.unroll(ST):
+                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(WARPGROUP))
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(CONSUMERS))
+            T.ptx.fence.mbarrier_init.release.cluster()
+        T.cuda.cta_sync()
+        find_tile(qo_indptr_, batch_, bx // Hkv_, req, tile)
+        b: T.let[T.int32] = req[0]
+        hkv: T.let[T.int32] = bx % Hkv_
+        qo_len: T.let[T.int32] = qo_indptr_[b + 1] - qo_indptr_[b]
+        kv_len_v: T.let[T.int32] = kv_len_(b)
+        rows: T.let[T.int32] = T.if_then_else(tile[0] >= 0, qo_len * G, 0)
+        p0: T.let[T.int32] = T.max(tile[0], 0) * BM
+        # keys every row of the tile sees (no mask below) and keys its last row sees
+        free_end: T.let[T.int32] = visible_end(kv_len_v, qo_len, p0, causal_)
+        kv_end: T.let[T.int32] = T.if_then_else(rows > 0, visible_end(kv_len_v, qo_len, p0 + BM - 1, causal_), 0)
+        nkv: T.let[T.int32] = ceildiv(kv_end, BN)
+        if wg == 0:
+            T.ptx["setmaxnreg.dec.sync.aligned.u32"](sched.producer_regs)
+            produce(smem, full, empty, nkv, kv_end, tid, lambda j: kv_row_(b, j), lambda row, c: k_ptr_(hkv, row, c),
+                    lambda row, c: v_ptr_(hkv, row, c))
+        else:
+            T.ptx["setmaxnreg.inc.sync.aligned.u32"](sched.consumer_regs)
+            consume(smem, full, empty, nkv, free_end, kv_len_v, qo_len, p0, rows, causal_,
+                    sm_scale_ * T.float32(LOG2E), wg - 1, tid, lambda p, c: q_ptr_(b, hkv, p, c),
+                    lambda p, c, val: write_o_(b, hkv, p, c, val), lambda p, val: write_lse_(b, hkv, p, val))
+
+    return kernel
+
+
+NO_ROPE_MESSAGE = ("rotary_mode=1: this tensor-core prefill applies no inline RoPE; build the kernel from a"
+                   " config with inline_rope=True to get the CUDA-core prefill that does")
+
+
+def _finish(func, symbol: str):
+    """Name the kernel, route it through the TIRx pipeline and build it for sm_90a."""
+    return (func.with_attr("global_symbol", symbol).with_attr(TIRX_ATTR, True)
+            .with_attr("target", tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")))
+
+
+def _schedule_for(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None) -> WgmmaPrefillSchedule:
+    problem = wgmma_problem(config)
+    if problem:
+        raise ValueError(f"the tensor-core prefill does not serve {problem}")
+    sched = schedule or choose_wgmma_prefill_schedule(config)
+    sched.check(config)
+    return sched
+
+
+def paged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None = None):
+    """Tensor-core body of `prefill.paged_prefill` (same arguments), rotary_mode 0 only."""
+    sched = _schedule_for(config, schedule)
+    kernel = _macros(config, sched)
+    dtype, ps, D = config.dtype, config.page_size, config.head_dim
+    Hq, Hkv, G, sliding = config.num_qo_heads, config.num_kv_heads, config.group_size, config.sliding_window
+
+    @T.prim_func
+    def batch_prefill_paged_kv(
+        q_handle: T.handle,
+        qo_indptr_handle: T.handle,
+        pages_handle: T.handle,
+        page_indptr_handle: T.handle,
+        page_indices_handle: T.handle,
+        length_info_handle: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        num_pages = T.int64()
+        nnz_pages = T.int32()
+        qo_indptr_offset = T.int32()
+        page_indptr_offset = T.int32()
+        page_indices_offset = T.int32()
+        length_offset = T.int32()
+        k_pos_offset = T.int32()
+        q_pos_offset = T.int32()
+        Q = T.match_buffer(q_handle, (total_q, Hq, D), dtype, align=16)
+        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
+        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype, align=16)
+        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_offset)
+        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=page_indices_offset)
+        length_info = T.match_buffer(length_info_handle, length_info_shape(B, sliding), "int32",
+                                     elem_offset=length_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
+        O = T.match_buffer(o_handle, (total_q, Hq, D), dtype)
+        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
+        T.Assert(rotary_mode == 0, NO_ROPE_MESSAGE)
+        kernel(qo_indptr, B, total_q, Hkv, causal, sm_scale,
+               lambda b, hkv, p, c: Q.ptr_to([qo_indptr[b] + p // G, hkv * G + p % G, c]),
+               lambda b: kv_chunk_len(page_indptr[b + 1] - page_indptr[b], ps, length_info, b, sliding),
+               # a key's slot in the page pool: page id * page_size + offset
+               lambda b, j: page_indices[page_indptr[b] + paged_position(j, length_info, b, sliding) // ps] * ps
+               + paged_position(j, length_info, b, sliding) % ps,
+               lambda hkv, slot, c: pages.ptr_to([slot // ps, 0, hkv, slot % ps, c]),
+               lambda hkv, slot, c: pages.ptr_to([slot // ps, 1, hkv, slot % ps, c]),
+               lambda b, hkv, p, c, val: T.buffer_store(O, T.Cast(dtype, val),
+                                                        [qo_indptr[b] + p // G, hkv * G + p % G, c]),
+               lambda b, hkv, p, val: T.buffer_store(lse, val, [qo_indptr[b] + p // G, hkv * G + p % G]))
+
+    return _finish(batch_prefill_paged_kv, "batch_prefill_paged_kv" + ("_sliding_window" if sliding else ""))
+
+
+def ragged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None = None):
+    """Tensor-core body of `prefill.ragged_prefill` (same arguments), rotary_mode 0 only."""
+    sched = _schedule_for(config, schedule)
+    kernel = _macros(config, sched)
+    dtype, D_QK, D_V = config.dtype, config.head_dim, config.v_head_dim
+    Hq, Hkv, G = config.num_qo_heads, config.num_kv_heads, config.group_size
+
+    @T.prim_func
+    def batch_prefill_ragged_kv(
+        q_handle: T.handle,
+        qo_indptr_handle: T.handle,
+        k_handle: T.handle,
+        v_handle: T.handle,
+        kv_indptr_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        total_kv = T.int32()
+        qo_indptr_offset = T.int32()
+        kv_indptr_offset = T.int32()
+        q_pos_offset = T.int32()
+        k_pos_offset = T.int32()
+        Q = T.match_buffer(q_handle, (total_q, Hq, D_QK), dtype, align=16)
+        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
+        K = T.match_buffer(k_handle, (total_kv, Hkv, D_QK), dtype, align=16)
+        V = T.match_buffer(v_handle, (total_kv, Hkv, D_V), dtype, align=16)
+        kv_indptr = T.match_buffer(kv_indptr_handle, (B + 1,), "int32", elem_offset=kv_indptr_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
+        O = T.match_buffer(o_handle, (total_q, Hq, D_V), dtype)
+        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
+        T.Assert(rotary_mode == 0, NO_ROPE_MESSAGE)
+        kernel(qo_indptr, B, total_q, Hkv, causal, sm_scale,
+               lambda b, hkv, p, c: Q.ptr_to([qo_indptr[b] + p // G, hkv * G + p % G, c]),
+               lambda b: kv_indptr[b + 1] - kv_indptr[b],
+               lambda b, j: kv_indptr[b] + j,
+               lambda hkv, row, c: K.ptr_to([row, hkv, c]),
+               lambda hkv, row, c: V.ptr_to([row, hkv, c]),
+               lambda b, hkv, p, c, val: T.buffer_store(O, T.Cast(dtype, val),
+                                                        [qo_indptr[b] + p // G, hkv * G + p % G, c]),
+               lambda b, hkv, p, val: T.buffer_store(lse, val, [qo_indptr[b] + p // G, hkv * G + p % G]))
+
+    return _finish(batch_prefill_ragged_kv, "batch_prefill_ragged_kv")
