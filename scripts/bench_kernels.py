@@ -624,18 +624,35 @@ def schedule_summary(schedule) -> str:
     return f"{type(schedule).__name__}({fields})"
 
 
-def tvmattn_variant(kernel: str, config, func) -> str:
-    """The path and schedule tvmattn chose: "wgmma ..." where the kernel uses Hopper tensor cores."""
-    from tir_kernels import schedules
+# Tensor-core paths, told apart by the instructions in the kernel's TIR, and where their
+# schedule chooser may live (the first that exists is asked).
+TENSOR_CORE_PATHS = (
+    ("wgmma", "wgmma",
+     (("prefill_sm90", "choose_wgmma_prefill_schedule"), ("schedules", "choose_wgmma_prefill_schedule"))),
+    ("mma", "ptx.mma",
+     (("prefill_sm80", "choose_mma_prefill_schedule"), ("schedules", "choose_mma_prefill_schedule"))),
+)
 
-    tensor_cores = "wgmma" in str(func)
-    chooser = ("choose_decode_schedule" if kernel == "decode" else
-               "choose_wgmma_prefill_schedule" if tensor_cores else "choose_prefill_schedule")
-    try:
-        summary = schedule_summary(getattr(schedules, chooser)(config))
-    except Exception:  # noqa: BLE001 - the label is informative only
-        summary = "default"
-    return ("wgmma " if tensor_cores else "") + summary
+
+def tvmattn_variant(kernel: str, config, func) -> str:
+    """The path and schedule tvmattn chose: "wgmma ..." (Hopper) or "mma ..." (sm_80 tensor cores)
+    where the kernel uses tensor cores, else the CUDA-core schedule."""
+    import importlib
+
+    text = str(func)
+    path, choosers = "", (("schedules", "choose_decode_schedule" if kernel == "decode" else "choose_prefill_schedule"),)
+    for name, marker, places in TENSOR_CORE_PATHS:
+        if marker in text:
+            path, choosers = name, places
+            break
+    summary = "default"
+    for module, chooser in choosers:
+        try:
+            summary = schedule_summary(getattr(importlib.import_module(f"tir_kernels.{module}"), chooser)(config))
+            break
+        except Exception:  # noqa: BLE001 - the label is informative only
+            continue
+    return f"{path} {summary}" if path else summary
 
 
 def build_kernels(kernel: str, ctx: Context) -> list:

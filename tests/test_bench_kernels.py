@@ -313,3 +313,20 @@ def test_cpu_smoke_run(bench, monkeypatch, capsys):
             assert row["agrees"] and row["max_abs_diff"] < 1e-2, row
     assert got[("prefill", "sdpa")]["variant"] in ("causal_lower_right", "bool-mask")
     assert got[("prefill", "tvmattn")]["qo_len"] == 8 and got[("prefill", "tvmattn")]["seq_len"] == 40
+
+
+class FakeFunc:
+    def __init__(self, text):
+        self.text = text
+
+    def __str__(self):
+        return self.text
+
+
+@pytest.mark.parametrize("text, prefix", [("T.ptx.wgmma_mma_async(...)", "wgmma "), ("T.ptx.mma(...)", "mma "),
+                                          ("T.exp2(...)", "PrefillSchedule(")])
+def test_tvmattn_variant_names_the_tensor_core_path(bench, text, prefix):
+    from tir_kernels import AttentionConfig
+
+    config = AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target="cuda:sm_90")
+    assert bench.tvmattn_variant("prefill", config, FakeFunc(text)).startswith(prefix)
