@@ -51,11 +51,12 @@ RAGGED_CASES = [
     (32, 4, 96, 96, "float16"),
 ]
 
-# Schedules other than the default (one stage, 8 warps, Q fragments from shared memory; 2 warps
-# with 128-key tiles), on a ragged fp16 d128 config.
+# Schedules other than the default on a ragged fp16 d128 config: one stage, 8 warps, Q
+# fragments from shared memory; 2 warps with 128-key tiles; 32 rows per warp (two m16 tiles).
 SCHEDULES = [
     MmaPrefillSchedule(warps=8, tile_kv=32, stages=1, q_in_registers=False),
     MmaPrefillSchedule(warps=2, tile_kv=128, stages=2, q_in_registers=True),
+    MmaPrefillSchedule(warps=4, rows_per_warp=32, tile_kv=32, stages=2, q_in_registers=False),
 ]
 
 
@@ -70,7 +71,7 @@ def ragged_case_id(case):
 
 
 def schedule_id(s):
-    return f"w{s.warps}-kv{s.tile_kv}-st{s.stages}" + ("-qreg" if s.q_in_registers else "-qsmem")
+    return f"w{s.warps}-r{s.rows_per_warp}-kv{s.tile_kv}-st{s.stages}" + ("-qreg" if s.q_in_registers else "-qsmem")
 
 
 @pytest.fixture(scope="session")
@@ -321,9 +322,14 @@ def test_mma_prefill_schedule_validation():
         MmaPrefillSchedule(stages=3)
     with pytest.raises(ValueError, match="warps"):
         MmaPrefillSchedule(warps=0)
+    with pytest.raises(ValueError, match="rows_per_warp"):
+        MmaPrefillSchedule(rows_per_warp=8)
+    with pytest.raises(ValueError, match="fragment registers"):
+        ragged_prefill_mma(AttentionConfig(8, 2, 128, dtype="float16", target="cuda:sm_80"),
+                           MmaPrefillSchedule(rows_per_warp=32, tile_kv=64, q_in_registers=True))
     config = AttentionConfig(8, 2, 256, dtype="float16", target="cuda:sm_89")
     with pytest.raises(ValueError, match="shared memory"):
-        ragged_prefill_mma(config, MmaPrefillSchedule(warps=8, tile_kv=64, stages=2))
+        ragged_prefill_mma(config, MmaPrefillSchedule(warps=8, tile_kv=64, stages=2, q_in_registers=False))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])

@@ -8,9 +8,10 @@ is valid there), which is how the GPU tests exercise it on the H200.
 
 Work mapping and grid are prefill.py's: blockIdx.x = tile slot * Hkv + kv head, the slot's
 request and row tile found by `find_tile` (tiles of a request numbered from the last, so the
-tiles that see most keys start first). A block of `warps` warps owns tile_q = 16 * warps
-packed query rows (packed row p = query p // G, head kv_head * G + p % G) of one request and
-one KV head; warp w owns rows 16w..16w+15.
+tiles that see most keys start first). A block of `warps` warps owns tile_q = warps *
+rows_per_warp packed query rows (packed row p = query p // G, head kv_head * G + p % G) of one
+request and one KV head; warp w owns rows_per_warp (16 or 32: one or two m16 MMA tiles)
+consecutive rows from w * rows_per_warp.
 
 Per block (all data movement 16-byte `cp.async`, into XOR-swizzled shared tiles):
   load_q: the Q tile -> shared (rows past the request zero-filled); with
@@ -19,7 +20,8 @@ Per block (all data movement 16-byte `cp.async`, into XOR-swizzled shared tiles)
     table, or kv_indptr for ragged); rows past the last visible key are zero-filled, so junk
     (NaN) in unowned page slots never reaches the math. `stages` = 2: the next tile is loaded
     while this one is computed.
-  s_mma: S = Q K^T per warp (16 x tile_kv, fp32 accumulators; K fragments by ldmatrix).
+  s_mma: S = Q K^T per warp (rows_per_warp x tile_kv, fp32 accumulators; K fragments by
+    ldmatrix, each used for every m16 tile of the warp).
   mask: scores past the end or above the causal diagonal -> lowest float, only on tiles that
     need it.
   softmax: online softmax in registers, scores scaled by sm_scale * log2(e) and exponentiated
@@ -46,10 +48,13 @@ from .prefill import _prefill_macros, _schedule_for, _symbol
 from .schedules import CUDA_DEFAULT_SHARED_BYTES, CUDA_MAX_SHARED_BYTES, PrefillSchedule, choose_prefill_schedule
 
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
-ROWS_PER_WARP = 16  # the M of m16n8k16
+ROWS_PER_MMA = 16  # the M of m16n8k16
 CHUNK = 8  # 16-bit elements per 16-byte chunk (cp.async size, one ldmatrix row)
 SWIZZLE = 8  # chunks per XOR-swizzle period: 8 chunks = 128 bytes = the 32 banks
 FULL_WARP = 0xFFFFFFFF
+# Registers per thread the S / O accumulators and Q fragments may take (ptxas: 240 in all at
+# d256 with 144 of them, no spills; the rest holds addresses and the softmax state).
+MAX_FRAGMENT_REGISTERS = 192
 MIN_ARCH = 80  # cp.async, bf16 mma and ldmatrix.trans for 16-bit types: sm_80 and newer
 
 
@@ -62,7 +67,10 @@ def _require(cond: bool, what: str) -> None:
 class MmaPrefillSchedule:
     """Tiling of `paged_prefill_mma` / `ragged_prefill_mma`.
 
-    warps: warps per block; each owns 16 packed query rows, so tile_q = 16 * warps.
+    warps: warps per block.
+    rows_per_warp: packed query rows each warp owns, 16 or 32 (one or two m16 MMA tiles: 32
+      reuses each K / V fragment for twice the MMAs, at twice the S and O registers);
+      tile_q = rows_per_warp * warps.
     tile_kv: keys per step (a multiple of 16).
     stages: K/V tiles in shared memory (2: the next tile loads while this one is computed).
     q_in_registers: keep each warp's Q fragments in registers for the whole loop (fewer
@@ -70,18 +78,20 @@ class MmaPrefillSchedule:
     """
 
     warps: int = 4
+    rows_per_warp: int = 16
     tile_kv: int = 64
     stages: int = 2
     q_in_registers: bool = True
 
     def __post_init__(self):
         _require(1 <= self.warps <= 16, f"warps={self.warps} must be 1..16")
+        _require(self.rows_per_warp in (16, 32), f"rows_per_warp={self.rows_per_warp} must be 16 or 32")
         _require(self.tile_kv >= 16 and self.tile_kv % 16 == 0, f"tile_kv={self.tile_kv} must be a multiple of 16")
         _require(self.stages in (1, 2), f"stages={self.stages} must be 1 or 2")
 
     @property
     def tile_q(self) -> int:
-        return ROWS_PER_WARP * self.warps
+        return self.rows_per_warp * self.warps
 
     @property
     def num_threads(self) -> int:
@@ -93,7 +103,20 @@ class MmaPrefillSchedule:
         kv = self.stages * self.tile_kv * (_Tile(config.head_dim).stride + _Tile(config.v_head_dim).stride)
         return 2 * (q + kv)
 
+    def fragment_registers(self, config: AttentionConfig) -> int:
+        """32-bit registers per thread held across the loop: the S and O accumulators (4 per
+        m16n8 tile) and, with q_in_registers, the Q fragments (4 per m16k16 tile)."""
+        m_tiles = self.rows_per_warp // ROWS_PER_MMA
+        q = m_tiles * config.head_dim // 16 * 4 if self.q_in_registers else 0
+        return m_tiles * (self.tile_kv + config.v_head_dim) // 8 * 4 + q
+
     def check(self, config: AttentionConfig) -> None:
+        _require(
+            self.fragment_registers(config) <= MAX_FRAGMENT_REGISTERS,
+            f"rows_per_warp={self.rows_per_warp}, tile_kv={self.tile_kv}, q_in_registers={self.q_in_registers} hold"
+            f" {self.fragment_registers(config)} fragment registers per thread with head_dim={config.head_dim},"
+            f" v_head_dim={config.v_head_dim}; at most {MAX_FRAGMENT_REGISTERS} leave room under the 255 limit",
+        )
         limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
         _require(
             self.shared_bytes(config) <= limit,
@@ -103,14 +126,19 @@ class MmaPrefillSchedule:
 
 
 def choose_mma_prefill_schedule(config: AttentionConfig) -> MmaPrefillSchedule:
-    """4 warps (64 packed query rows) per block. Head dims up to 128: 64 keys per step, Q
-    fragments in registers (about 32 + 32 + 64 accumulator/fragment registers per thread at
-    d128; 80 KiB of shared memory). Above 128: 32 keys per step and Q fragments read from
-    shared memory per step, so the O accumulators (4 * v_head_dim / 8 registers) fit and
-    shared memory stays at 96 KiB (Ada's 99 KiB limit)."""
-    if max(config.head_dim, config.v_head_dim) <= 128:
-        return MmaPrefillSchedule(warps=4, tile_kv=64, stages=2, q_in_registers=True)
-    return MmaPrefillSchedule(warps=4, tile_kv=32, stages=2, q_in_registers=False)
+    """4 warps per block, 64 keys per step. Head dims up to 64: 32 rows per warp (128-row
+    tiles), Q fragments read from shared memory per step (128 fragment registers; with them
+    in registers ptxas needs all 255). Up to 128: 16 rows per warp (64-row tiles), Q fragments
+    in registers (128 fragment registers, 175 in all; 80 KiB of shared memory at d128).
+    Above 128: 32 keys per step and Q fragments read from shared memory per step, so the O
+    accumulators (4 * v_head_dim / 8 registers) fit and shared memory stays at 96 KiB (Ada's
+    99 KiB limit)."""
+    width = max(config.head_dim, config.v_head_dim)
+    if width <= 64:
+        return MmaPrefillSchedule(warps=4, rows_per_warp=32, tile_kv=64, stages=2, q_in_registers=False)
+    if width <= 128:
+        return MmaPrefillSchedule(warps=4, rows_per_warp=16, tile_kv=64, stages=2, q_in_registers=True)
+    return MmaPrefillSchedule(warps=4, rows_per_warp=16, tile_kv=32, stages=2, q_in_registers=False)
 
 
 class _Tile:
@@ -152,7 +180,7 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
     L = loop_kinds(config)
     dtype, G = config.dtype, config.group_size
     D_QK, D_V = config.head_dim, config.v_head_dim
-    BQ, BK, NT, WARPS, STAGES = sched.tile_q, sched.tile_kv, sched.num_threads, sched.warps, sched.stages
+    BQ, BK, NT, STAGES = sched.tile_q, sched.tile_kv, sched.num_threads, sched.stages
     QT, KT, VT = _Tile(D_QK), _Tile(D_QK), _Tile(D_V)
     KSTEPS_QK, KSTEPS_PV = D_QK // 16, BK // 16  # k16 steps of S = QK^T and of O += PV
     SN, ON = BK // 8, D_V // 8  # n8 blocks of S and of O
@@ -164,6 +192,17 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
     Q_OFF, K_OFF = 0, BQ * QT.stride  # element offsets of the regions of the shared buffer
     V_OFF = K_OFF + STAGES * BK * KT.stride
     SMEM_ELEMS = V_OFF + STAGES * BK * VT.stride
+    M, RW = sched.rows_per_warp // ROWS_PER_MMA, sched.rows_per_warp  # m16 tiles and rows per warp
+
+    def acc(m, blocks, nb):
+        """Index of the first of the 4 accumulator registers of m16 tile m, n8 block nb (of
+        `blocks` per m16 tile): registers +0, +1 hold row g, +2, +3 row g + 8 (g = lane / 4)."""
+        return (m * blocks + nb) * 4
+
+    def row_of(r):
+        """Row of this thread's accumulator row r (0 .. 2M-1) relative to its first: r = 2m + h
+        is row g + 8h of m16 tile m."""
+        return r // 2 * ROWS_PER_MMA + r % 2 * 8
 
     def visible_end(kv_len, qo_len, p, causal):
         """Number of leading keys packed row p may see (all of them when not causal)."""
@@ -215,102 +254,109 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
                       V_OFF + stage_ * BK * VT.stride, v_at_, 0, None, tid_)
 
     @T.macro
-    def load_q_frag(smem_, qf_, base_, kk_, warp_, lane_):
-        """A fragment of Q for k16 step kk_ of this warp's 16 rows -> qf_[base_..base_+3]."""
+    def load_q_frag(smem_, qf_, base_, kk_, row0_, lane_):
+        """A fragment of Q for k16 step kk_ of the 16 rows from row0_ -> qf_[base_..base_+3]."""
         T.ptx[LDSM](qf_[base_], qf_[base_ + 1], qf_[base_ + 2], qf_[base_ + 3],
-                    smem_.ptr_to([Q_OFF + QT.offset(warp_ * ROWS_PER_WARP + lane_ % 16, kk_ * 2 + lane_ // 16)]))
+                    smem_.ptr_to([Q_OFF + QT.offset(row0_ + lane_ % 16, kk_ * 2 + lane_ // 16)]))
 
     @T.macro
     def s_mma(smem_, qf_, s_, stage_, warp_, lane_):
-        """s_mma: s_ <- Q K^T of this warp's 16 rows and the tile's BK keys."""
+        """s_mma: s_ <- Q K^T of this warp's rows and the tile's BK keys."""
         kf = T.alloc_buffer((4,), "uint32", scope="local")
-        qk = T.alloc_buffer((4,), "uint32", scope="local")
-        for i in L.unroll(SN * 4):
+        qk = T.alloc_buffer((M * 4,), "uint32", scope="local")
+        for i in L.unroll(M * SN * 4):
             s_[i] = T.float32(0)
         for kk in L.unroll(KSTEPS_QK):
             if not sched.q_in_registers:
-                load_q_frag(smem_, qk, 0, kk, warp_, lane_)
+                for m in L.unroll(M):
+                    load_q_frag(smem_, qk, m * 4, kk, warp_ * RW + m * 16, lane_)
             for np_ in L.unroll(SN // 2):
                 T.ptx[LDSM](kf[0], kf[1], kf[2], kf[3], smem_.ptr_to([
                     K_OFF + stage_ * BK * KT.stride
                     + KT.offset(np_ * 16 + lane_ % 8 + lane_ // 16 * 8, kk * 2 + lane_ // 8 % 2)]))
-                for h in L.unroll(2):
-                    n = T.meta_var((np_ * 2 + h) * 4)
-                    if sched.q_in_registers:
-                        T.ptx[MMA](s_[n], s_[n + 1], s_[n + 2], s_[n + 3],
-                                   qf_[kk * 4], qf_[kk * 4 + 1], qf_[kk * 4 + 2], qf_[kk * 4 + 3],
-                                   kf[h * 2], kf[h * 2 + 1], s_[n], s_[n + 1], s_[n + 2], s_[n + 3])
-                    else:
-                        T.ptx[MMA](s_[n], s_[n + 1], s_[n + 2], s_[n + 3], qk[0], qk[1], qk[2], qk[3],
-                                   kf[h * 2], kf[h * 2 + 1], s_[n], s_[n + 1], s_[n + 2], s_[n + 3])
+                for m in L.unroll(M):
+                    for h in L.unroll(2):
+                        n = T.meta_var(acc(m, SN, np_ * 2 + h))
+                        a = T.meta_var((m * KSTEPS_QK + kk) * 4 if sched.q_in_registers else m * 4)
+                        if sched.q_in_registers:
+                            T.ptx[MMA](s_[n], s_[n + 1], s_[n + 2], s_[n + 3], qf_[a], qf_[a + 1], qf_[a + 2],
+                                       qf_[a + 3], kf[h * 2], kf[h * 2 + 1], s_[n], s_[n + 1], s_[n + 2], s_[n + 3])
+                        else:
+                            T.ptx[MMA](s_[n], s_[n + 1], s_[n + 2], s_[n + 3], qk[a], qk[a + 1], qk[a + 2],
+                                       qk[a + 3], kf[h * 2], kf[h * 2 + 1], s_[n], s_[n + 1], s_[n + 2], s_[n + 3])
 
     @T.macro
     def mask(s_, kv_start_, kv_len_, qo_len_, p_, causal_, lane_):
         """Scores of keys past kv_len_ or above the causal diagonal -> lowest float.
-        p_: packed row of this thread's first accumulator row (the second is p_ + 8)."""
-        for h in L.unroll(2):
+        p_: packed row of this thread's first accumulator row (see `row_of`)."""
+        for r in L.unroll(2 * M):
             for nb in L.unroll(SN):
                 for e in L.unroll(2):
-                    if kv_start_ + nb * 8 + lane_ % 4 * 2 + e >= visible_end(kv_len_, qo_len_, p_ + h * 8, causal_):
-                        s_[nb * 4 + h * 2 + e] = T.min_value("float32")
+                    if kv_start_ + nb * 8 + lane_ % 4 * 2 + e >= visible_end(kv_len_, qo_len_, p_ + row_of(r), causal_):
+                        s_[acc(r // 2, SN, nb) + r % 2 * 2 + e] = T.min_value("float32")
 
     @T.macro
-    def softmax(s_, o_, m_run_, l_run_, scale_):
-        """Online softmax of this thread's two rows: rescale the state to the new row maxima,
-        s_ -> P = exp2(s_ * scale_ - m) (unnormalised; l_run_ keeps this thread's partial sums)."""
+    def softmax(s_, o_, m_run_, l_run_):
+        """Online softmax of this thread's 2 * M rows: rescale the state to the new row maxima,
+        s_ -> P = exp2(s_ - m) (unnormalised; l_run_ keeps this thread's partial sums)."""
         m_new = T.alloc_buffer((1,), "float32", scope="local")
         alpha = T.alloc_buffer((1,), "float32", scope="local")
-        for h in L.unroll(2):
-            m_new[0] = m_run_[h]
+        for r in L.unroll(2 * M):
+            m_new[0] = m_run_[r]
             for nb in L.unroll(SN):
                 for e in L.unroll(2):
-                    m_new[0] = T.max(m_new[0], s_[nb * 4 + h * 2 + e])
+                    m_new[0] = T.max(m_new[0], s_[acc(r // 2, SN, nb) + r % 2 * 2 + e])
             for k in L.unroll(2):  # the 4 lanes of a quad hold the row
                 m_new[0] = T.max(m_new[0], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), m_new[0], 1 << k, 32, 32))
-            alpha[0] = T.exp2(m_run_[h] - m_new[0])
-            m_run_[h] = m_new[0]
-            l_run_[h] = l_run_[h] * alpha[0]
+            alpha[0] = T.exp2(m_run_[r] - m_new[0])
+            m_run_[r] = m_new[0]
+            l_run_[r] = l_run_[r] * alpha[0]
             for nb in L.unroll(SN):
                 for e in L.unroll(2):
-                    s_[nb * 4 + h * 2 + e] = T.exp2(s_[nb * 4 + h * 2 + e] - m_new[0])
-                    l_run_[h] = l_run_[h] + s_[nb * 4 + h * 2 + e]
+                    i = T.meta_var(acc(r // 2, SN, nb) + r % 2 * 2 + e)
+                    s_[i] = T.exp2(s_[i] - m_new[0])
+                    l_run_[r] = l_run_[r] + s_[i]
             for nb in L.unroll(ON):
                 for e in L.unroll(2):
-                    o_[nb * 4 + h * 2 + e] = o_[nb * 4 + h * 2 + e] * alpha[0]
+                    o_[acc(r // 2, ON, nb) + r % 2 * 2 + e] = o_[acc(r // 2, ON, nb) + r % 2 * 2 + e] * alpha[0]
 
     @T.macro
     def pv_mma(s_, smem_, o_, stage_, lane_):
         """pv_mma: o_ += P V, P from the S accumulators packed to 16-bit pairs."""
-        pf = T.alloc_buffer((4,), "uint32", scope="local")
+        pf = T.alloc_buffer((M * 4,), "uint32", scope="local")
         vf = T.alloc_buffer((4,), "uint32", scope="local")
         for kk in L.unroll(KSTEPS_PV):
-            for i in L.unroll(4):  # a0..a3: rows g / g+8 of key blocks 2kk and 2kk+1
-                T.ptx[PACK](pf[i], s_[(kk * 2 + i // 2) * 4 + i % 2 * 2 + 1], s_[(kk * 2 + i // 2) * 4 + i % 2 * 2])
+            for m in L.unroll(M):
+                for i in L.unroll(4):  # a0..a3: rows g / g+8 of key blocks 2kk and 2kk+1
+                    T.ptx[PACK](pf[m * 4 + i], s_[acc(m, SN, kk * 2 + i // 2) + i % 2 * 2 + 1],
+                                s_[acc(m, SN, kk * 2 + i // 2) + i % 2 * 2])
             for np_ in L.unroll(ON // 2):
                 T.ptx[LDSM_T](vf[0], vf[1], vf[2], vf[3], smem_.ptr_to([
                     V_OFF + stage_ * BK * VT.stride
                     + VT.offset(kk * 16 + lane_ % 8 + lane_ // 8 % 2 * 8, np_ * 2 + lane_ // 16)]))
-                for h in L.unroll(2):
-                    n = T.meta_var((np_ * 2 + h) * 4)
-                    T.ptx[MMA](o_[n], o_[n + 1], o_[n + 2], o_[n + 3], pf[0], pf[1], pf[2], pf[3],
-                               vf[h * 2], vf[h * 2 + 1], o_[n], o_[n + 1], o_[n + 2], o_[n + 3])
+                for m in L.unroll(M):
+                    for h in L.unroll(2):
+                        n = T.meta_var(acc(m, ON, np_ * 2 + h))
+                        T.ptx[MMA](o_[n], o_[n + 1], o_[n + 2], o_[n + 3], pf[m * 4], pf[m * 4 + 1], pf[m * 4 + 2],
+                                   pf[m * 4 + 3], vf[h * 2], vf[h * 2 + 1], o_[n], o_[n + 1], o_[n + 2], o_[n + 3])
 
     @T.macro
     def store(o_, m_run_, l_run_, rows_, p_, lane_, write_o_, write_lse_):
-        """o = acc / l and lse = m + log2(l) for this thread's two rows (p_, p_ + 8); rows that
+        """o = acc / l and lse = m + log2(l) for this thread's rows p_ + row_of(r); rows that
         saw no key get 0 and EMPTY_LSE."""
         inv = T.alloc_buffer((1,), "float32", scope="local")
-        for h in L.unroll(2):
+        for r in L.unroll(2 * M):
             for k in L.unroll(2):
-                l_run_[h] = l_run_[h] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), l_run_[h], 1 << k, 32, 32)
-            if p_ + h * 8 < rows_:
-                inv[0] = T.if_then_else(l_run_[h] > T.float32(0), T.float32(1) / l_run_[h], T.float32(0))
+                l_run_[r] = l_run_[r] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), l_run_[r], 1 << k, 32, 32)
+            if p_ + row_of(r) < rows_:
+                inv[0] = T.if_then_else(l_run_[r] > T.float32(0), T.float32(1) / l_run_[r], T.float32(0))
                 for nb in L.unroll(ON):
                     for e in L.vector(2):
-                        write_o_(p_ + h * 8, nb * 8 + lane_ % 4 * 2 + e, o_[nb * 4 + h * 2 + e] * inv[0])
+                        write_o_(p_ + row_of(r), nb * 8 + lane_ % 4 * 2 + e,
+                                 o_[acc(r // 2, ON, nb) + r % 2 * 2 + e] * inv[0])
                 if lane_ % 4 == 0:
-                    write_lse_(p_ + h * 8, T.if_then_else(
-                        l_run_[h] > T.float32(0), m_run_[h] + T.log2(l_run_[h]), T.float32(EMPTY_LSE)))
+                    write_lse_(p_ + row_of(r), T.if_then_else(
+                        l_run_[r] > T.float32(0), m_run_[r] + T.log2(l_run_[r]), T.float32(EMPTY_LSE)))
 
     @T.macro
     def attend(q_at_, kv_row_, k_at_, v_at_, write_o_, write_lse_, qo_len_, kv_len_, tile_, causal_, sm_scale_,
@@ -321,11 +367,11 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
         # One shared buffer carved by hand (Q | K stages | V stages): TVM's merging of shared
         # allocations does not see accesses made through addresses in asm operands.
         smem = T.alloc_buffer((SMEM_ELEMS,), dtype, scope=shared)
-        qf = T.alloc_buffer((KSTEPS_QK * 4 if sched.q_in_registers else 4,), "uint32", scope="local")
-        s = T.alloc_buffer((SN * 4,), "float32", scope="local")
-        o = T.alloc_buffer((ON * 4,), "float32", scope="local")
-        m_run = T.alloc_buffer((2,), "float32", scope="local")
-        l_run = T.alloc_buffer((2,), "float32", scope="local")
+        qf = T.alloc_buffer((M * KSTEPS_QK * 4 if sched.q_in_registers else 4,), "uint32", scope="local")
+        s = T.alloc_buffer((M * SN * 4,), "float32", scope="local")
+        o = T.alloc_buffer((M * ON * 4,), "float32", scope="local")
+        m_run = T.alloc_buffer((2 * M,), "float32", scope="local")
+        l_run = T.alloc_buffer((2 * M,), "float32", scope="local")
         warp = tid_ // 32
         lane = tid_ % 32
         qo_len = qo_len_  # bound once: the arguments may be expressions that read memory
@@ -335,14 +381,14 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
         # around the body, whose barriers every thread must reach.
         rows = T.if_then_else(tile_ >= 0, qo_len * G, 0)
         p0 = T.max(tile_, 0) * BQ
-        p_thread = p0 + warp * ROWS_PER_WARP + lane // 4  # packed row of accumulator rows 0..1; +8 for 2..3
+        p_thread = p0 + warp * RW + lane // 4  # packed row of accumulator row 0 (see row_of)
         # Keys seen by every row of the tile (no mask needed below) and by its last row.
         free_end = visible_end(kv_len, qo_len, p0, causal_)
         kv_end = T.if_then_else(tile_ >= 0, visible_end(kv_len, qo_len, p0 + BQ - 1, causal_), 0)
-        for h in L.unroll(2):
-            m_run[h] = T.float32(EMPTY_LSE)
-            l_run[h] = T.float32(0)
-        for i in L.unroll(ON * 4):
+        for r in L.unroll(2 * M):
+            m_run[r] = T.float32(EMPTY_LSE)
+            l_run[r] = T.float32(0)
+        for i in L.unroll(M * ON * 4):
             o[i] = T.float32(0)
         load_q(q_at_, smem, rows, p0, tid_)
         T.ptx["cp.async.commit_group"]()
@@ -352,8 +398,9 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
         T.ptx["cp.async.wait_group"](1)  # Q has landed (the groups complete in order)
         T.tvm_storage_sync(shared)
         if sched.q_in_registers:
-            for kk in L.unroll(KSTEPS_QK):
-                load_q_frag(smem, qf, kk * 4, kk, warp, lane)
+            for m in L.unroll(M):
+                for kk in L.unroll(KSTEPS_QK):
+                    load_q_frag(smem, qf, (m * KSTEPS_QK + kk) * 4, kk, warp * RW + m * 16, lane)
         for t in T.serial(ceildiv(kv_end, BK)):
             T.ptx["cp.async.wait_group"](0)  # tile t has landed ...
             T.tvm_storage_sync(shared)  # ... for every thread, and no warp still reads tile t - 1
@@ -362,11 +409,11 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
                     load_kv(kv_row_, k_at_, v_at_, smem, (t + 1) % 2, (t + 1) * BK, kv_end, tid_)
                     T.ptx["cp.async.commit_group"]()
             s_mma(smem, qf, s, t % STAGES, warp, lane)
-            for i in L.unroll(SN * 4):
+            for i in L.unroll(M * SN * 4):
                 s[i] = s[i] * scale
             if (t + 1) * BK > free_end:
                 mask(s, t * BK, kv_len, qo_len, p_thread, causal_, lane)
-            softmax(s, o, m_run, l_run, scale)
+            softmax(s, o, m_run, l_run)
             pv_mma(s, smem, o, t % STAGES, lane)
             if STAGES == 1:
                 if (t + 1) * BK < kv_end:
