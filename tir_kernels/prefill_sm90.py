@@ -35,6 +35,7 @@ WARPGROUP = 128
 CONSUMERS = 2
 ROWS_PER_CONSUMER = 64  # rows of one wgmma m64 tile
 FULL_WARP = 0xFFFFFFFF
+TURN_BARRIER = 3  # named barriers 3 and 4: the consumers' turns (1 and 2 guard their Q tiles)
 MASKED = -1.0e30  # score of a masked key (finite: exp2 of it minus any running max is 0)
 
 
@@ -64,6 +65,7 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
     WG_S = wgmma_name(f"m64n{BN}k16", dtype)  # S = Q K^T, both operands K-major in shared memory
     WG_O = wgmma_name(f"m64n{D_V}k16", dtype)  # O += P V, P from registers, V MN-major
     NS, NO, NP = BN // 2, D_V // 2, BN // 4  # registers per thread: S, O (fp32) and P (16-bit pairs)
+    PINGPONG = sched.pingpong
 
     def row_tiles(qo_indptr, b):
         return ceildiv((qo_indptr[b + 1] - qo_indptr[b]) * G, BM)
@@ -282,10 +284,20 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
             m[r] = T.float32(EMPTY_LSE)
             lsum[r] = T.float32(0)
             vis_end[r] = visible_end(kv_len_, qo_len_, p0_ + row0 + r * 8, causal_)
+        if PINGPONG:
+            if cw_ == 1 and nkv_ > 0:
+                T.ptx["bar.arrive"](T.uint32(TURN_BARRIER), T.uint32(2 * WARPGROUP))  # consumer 0 goes first
         for t in T.serial(nkv_):
             s = T.meta_var(t % ST)
             T.cuda.mbarrier_wait(full_.ptr_to([s]), (t // ST) % 2)
+            if PINGPONG:
+                # the two consumers take turns on the tensor cores, so that one's softmax runs
+                # while the other's S = QK^T does
+                T.ptx["bar.sync"](T.uint32(TURN_BARRIER) + T.Cast("uint32", cw_), T.uint32(2 * WARPGROUP))
             s_mma(smem_, sacc, cw_, s)
+            if PINGPONG:
+                if cw_ == 0 or t + 1 < nkv_:
+                    T.ptx["bar.arrive"](T.uint32(TURN_BARRIER + 1) - T.Cast("uint32", cw_), T.uint32(2 * WARPGROUP))
             if (t + 1) * BN > free_end_:
                 mask(sacc, t * BN, vis_end, lane)
             softmax(sacc, preg, oacc, m, lsum, scale_)

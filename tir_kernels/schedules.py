@@ -218,13 +218,16 @@ class WgmmaPrefillSchedule:
     A CTA has three warpgroups: a producer that gathers K/V with cp.async and two wgmma
     consumers of 64 packed query rows each (tile_q = 128). tile_kv: keys per step (the N of
     S = Q K^T); stages: K/V buffers in the ring; producer_regs / consumer_regs: registers per
-    thread after `setmaxnreg` (the three warpgroups share the SM's 64K registers).
+    thread after `setmaxnreg` (the three warpgroups share the SM's 64K registers);
+    pingpong: the consumers take turns issuing S = Q K^T (named barriers), so that one's
+    softmax overlaps the other's matrix multiply.
     """
 
     tile_kv: int
     stages: int
     producer_regs: int = 40
     consumer_regs: int = 232
+    pingpong: bool = True
 
     tile_q = 128
     REGISTER_FILE = 65536

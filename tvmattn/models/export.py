@@ -29,6 +29,7 @@ import tvm
 from tvm import relax
 
 from tir_kernels import tvm_target
+from tir_kernels.build import PIPELINE
 from tir_kernels.support import TargetName, dtype_problem, numpy_dtype, page_size_problem
 
 from .config import ModelConfig
@@ -121,7 +122,8 @@ def compile_module(mod: tvm.IRModule, options: BuildOptions) -> relax.VMExecutab
     """Compile an exported module for options' target with the model pipeline (models/pipeline.py)."""
     target = options.tvm_target()
     with target:
-        return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
+        # tir_kernels' pipeline: the Hopper attention kernels are lowered by TVM's TIRx pipeline
+        return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target), tir_pipeline=PIPELINE)
 
 
 def compile_library(config: ModelConfig, options: BuildOptions | None = None, **kwargs) -> ModelLibrary:
