@@ -6,15 +6,23 @@ softmax (running max, denominator, output) over the rows it reads; rows are comb
 shared memory, and splits (when more than one) are merged in FP32 by a second kernel.
 The split count is computed at launch from the batch size, so small batches still fill
 the GPU. On the CPU the same code runs with one thread per block and no split.
+
+Per block (`split_kernel`): `attend` = `load_q`, then per step of TILE rows `load_kv`,
+`scores` and `accumulate` (online softmax, softmax.py); then `combine_rows` merges the row
+groups and finishes (o / l, lse) into o / lse, or into the split workspace that
+`merge_splits` merges. Every merge and finish is the softmax.py arithmetic.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from tvm.script import tirx as T
 
-from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position, rope_value
-from .config import AttentionConfig
+from .common import LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position, rope_value
+from .config import AttentionConfig, RopeScaling
 from .schedules import DecodeSchedule, choose_decode_schedule
+from .softmax import finished_l, prob, softmax_macros
 
 
 def _check(config: AttentionConfig) -> None:
@@ -22,6 +30,291 @@ def _check(config: AttentionConfig) -> None:
         raise ValueError(
             f"v_head_dim={config.v_head_dim} is not supported by paged_decode: expected head_dim={config.head_dim}"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    """Compile-time sizes of one paged_decode kernel (its config and schedule)."""
+
+    gpu: bool
+    dtype: str
+    ps: int  # page size
+    D: int
+    Hq: int
+    Hkv: int
+    G: int  # GQA group size
+    sliding: bool
+    scaling: RopeScaling | None
+    LANES: int  # threads sharing one KV row (threadIdx.x)
+    ROWS: int  # KV rows read side by side (threadIdx.y)
+    RPT: int  # rows each thread reads per step
+    HB: int  # query heads a block serves
+    EPL: int  # elements of a row held by one lane
+    VEC: int  # elements per 16-byte load
+    MAX_SPLITS: int
+    TARGET_BLOCKS: int
+
+    @classmethod
+    def of(cls, config: AttentionConfig, sched: DecodeSchedule) -> "_Dims":
+        epl = config.head_dim // sched.lanes
+        return cls(
+            gpu=config.is_gpu, dtype=config.dtype, ps=config.page_size, D=config.head_dim,
+            Hq=config.num_qo_heads, Hkv=config.num_kv_heads, G=config.group_size,
+            sliding=config.sliding_window, scaling=config.rope_scaling,
+            LANES=sched.lanes, ROWS=sched.rows, RPT=sched.rows_per_thread, HB=sched.heads_per_block,
+            EPL=epl, VEC=min(epl, 16 // config.elem_bytes) if config.is_gpu else epl,
+            MAX_SPLITS=sched.max_splits, TARGET_BLOCKS=sched.target_blocks,
+        )
+
+    @property
+    def CHUNKS(self) -> int:  # blocks per KV head along the GQA group
+        return self.G // self.HB
+
+    @property
+    def TILE(self) -> int:  # KV rows a block consumes per step
+        return self.ROWS * self.RPT
+
+    @property
+    def NTHREADS(self) -> int:
+        return self.LANES * self.ROWS
+
+    @property
+    def shared(self) -> str:
+        return "shared" if self.gpu else "local"
+
+    def num_splits(self, batch):
+        """Splits per request, chosen at launch so that batch * heads * splits fills the GPU."""
+        if self.MAX_SPLITS == 1:
+            return 1
+        return T.min(T.max(ceildiv(self.TARGET_BLOCKS, batch * self.Hkv * self.CHUNKS), 1), self.MAX_SPLITS)
+
+    def head(self, hc, h):
+        """Query head of the h-th head served by head chunk hc."""
+        return (hc // self.CHUNKS) * self.G + (hc % self.CHUNKS) * self.HB + h
+
+
+def _load_macros(dims: _Dims, L):
+    """load_q and load_kv: one lane's slice of q and of a step's K/V rows, into registers."""
+    dtype, ps, D, sliding, scaling = dims.dtype, dims.ps, dims.D, dims.sliding, dims.scaling
+    ROWS, RPT, HB, EPL, VEC = dims.ROWS, dims.RPT, dims.HB, dims.EPL, dims.VEC
+
+    @T.macro
+    def load_q(q_, b_, h0_, tx_, q_pos_, rotate_, rope_scale_, rope_theta_, sm_scale_, q_loc_):
+        """q_loc_ [HB * EPL] f32 <- elements tx_ * EPL.. of heads h0_.. of request b_'s query,
+        RoPE'd when rotate_, times sm_scale_ * log2(e) (scores in the exp2 domain)."""
+        for h in L.unroll(HB):
+            for e in L.unroll(EPL):
+                if rotate_:
+                    q_loc_[h * EPL + e] = rope_value(
+                        lambda i: q_[b_, h0_ + h, i], tx_ * EPL + e, q_pos_[b_], D, rope_theta_, rope_scale_, scaling
+                    ) * sm_scale_ * T.float32(LOG2E)
+                else:
+                    q_loc_[h * EPL + e] = T.Cast("float32", q_[b_, h0_ + h, tx_ * EPL + e]) * sm_scale_ * T.float32(LOG2E)
+
+    @T.macro
+    def load_kv(pages_, indices_, length_info_, k_pos_, page_begin_, b_, hkv_, j0_, j_end_, ty_, tx_, rotate_,
+                rope_scale_, rope_theta_, k_loc_, v_loc_):
+        """k_loc_, v_loc_ [RPT * EPL] (dtype) <- this lane's elements of KV rows j0_ + r * ROWS + ty_,
+        K RoPE'd when rotate_; zero from j_end_ on. Issues every load of a step before any arithmetic."""
+        page_loc = T.alloc_buffer((RPT,), "int32", scope="local")
+        slot_loc = T.alloc_buffer((RPT,), "int32", scope="local")
+        for r in L.unroll(RPT):
+            j = j0_ + r * ROWS + ty_
+            if j < j_end_:
+                pos = paged_position(j, length_info_, b_, sliding)
+                page_loc[r] = indices_[page_begin_ + pos // ps]
+                slot_loc[r] = pos % ps
+                if rotate_:
+                    for e in L.unroll(EPL):
+                        k_loc_[r * EPL + e] = T.Cast(dtype, rope_value(
+                            lambda i: pages_[page_loc[r], 0, hkv_, slot_loc[r], i], tx_ * EPL + e,
+                            k_pos_[b_] + j, D, rope_theta_, rope_scale_, scaling))
+                else:
+                    for c in L.unroll(EPL // VEC):
+                        for e in L.vector(VEC):
+                            k_loc_[r * EPL + c * VEC + e] = pages_[page_loc[r], 0, hkv_, slot_loc[r], tx_ * EPL + c * VEC + e]
+                for c in L.unroll(EPL // VEC):
+                    for e in L.vector(VEC):
+                        v_loc_[r * EPL + c * VEC + e] = pages_[page_loc[r], 1, hkv_, slot_loc[r], tx_ * EPL + c * VEC + e]
+            else:
+                # Rows past the end get weight 0; zero them so 0 * garbage cannot make NaN.
+                for e in L.unroll(EPL):
+                    k_loc_[r * EPL + e] = T.Cast(dtype, 0)
+                    v_loc_[r * EPL + e] = T.Cast(dtype, 0)
+
+    return load_q, load_kv
+
+
+def _attend_macro(dims: _Dims, L):
+    """attend: the online softmax of one block's rows over one split."""
+    ps, D, G, sliding = dims.ps, dims.D, dims.G, dims.sliding
+    LANES, ROWS, RPT, HB, EPL = dims.LANES, dims.ROWS, dims.RPT, dims.HB, dims.EPL
+    CHUNKS, TILE = dims.CHUNKS, dims.TILE
+    LOG_LANES = LANES.bit_length() - 1
+    sm = softmax_macros(L)
+    load_q, load_kv = _load_macros(dims, L)
+
+    @T.macro
+    def lane_allreduce(buf_, idx_):
+        """buf_[idx_] <- sum over the LANES threads that share a row (xor butterfly)."""
+        for k_ in T.unroll(LOG_LANES):
+            buf_[idx_] = buf_[idx_] + T.tvm_warp_shuffle_xor(
+                T.tvm_warp_activemask(), buf_[idx_], T.shift_right(LANES, k_ + 1), LANES, 32
+            )
+
+    @T.macro
+    def scores(q_loc_, k_loc_, s_loc_, h_, j0_, j_end_, ty_):
+        """s_loc_[h_ * RPT + r] <- q . k of head h_ and row j0_ + r * ROWS + ty_ (base 2, summed
+        over the lanes); the lowest float for rows from j_end_ on."""
+        for r in L.unroll(RPT):
+            s_loc_[h_ * RPT + r] = T.float32(0)
+            for e in L.unroll(EPL):
+                s_loc_[h_ * RPT + r] = s_loc_[h_ * RPT + r] + q_loc_[h_ * EPL + e] * T.Cast("float32", k_loc_[r * EPL + e])
+            lane_allreduce(s_loc_, h_ * RPT + r)
+            if j0_ + r * ROWS + ty_ >= j_end_:
+                s_loc_[h_ * RPT + r] = T.min_value("float32")
+
+    @T.macro
+    def accumulate(s_loc_, v_loc_, m_loc_, d_loc_, o_loc_, h_):
+        """Online-softmax step of head h_ over the step's RPT rows: move the state to the new
+        max (softmax.update), then add p = exp2(s - m) to d and p * v to o."""
+        m_new = T.alloc_buffer((1,), "float32", scope="local")
+        m_new[0] = m_loc_[h_]
+        for r in L.unroll(RPT):
+            m_new[0] = T.max(m_new[0], s_loc_[h_ * RPT + r])
+        sm.update(m_loc_, d_loc_, o_loc_, h_, EPL, m_new[0])
+        for r in L.unroll(RPT):
+            s_loc_[h_ * RPT + r] = prob(s_loc_[h_ * RPT + r], m_loc_[h_])
+            d_loc_[h_] = d_loc_[h_] + s_loc_[h_ * RPT + r]
+            for e in L.unroll(EPL):
+                o_loc_[h_ * EPL + e] = o_loc_[h_ * EPL + e] + s_loc_[h_ * RPT + r] * T.Cast("float32", v_loc_[r * EPL + e])
+
+    @T.macro
+    def attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, rotate_, rope_scale_,
+               rope_theta_, sm_scale_, b_, hc_, split_, nsplit_, ty_, tx_, row_m_, row_d_, row_o_):
+        """Online softmax of split `split_` of request b_ for head chunk hc_: row group ty_
+        leaves its max, denominator and unnormalised output in row_m_/row_d_ [ROWS * HB] and
+        row_o_ [ROWS * HB * D] (f32). rotate_ (a Python bool) applies RoPE to q and k."""
+        hkv = hc_ // CHUNKS
+        h0 = hkv * G + (hc_ % CHUNKS) * HB
+        q_loc = T.alloc_buffer((HB * EPL,), "float32", scope="local")
+        o_loc = T.alloc_buffer((HB * EPL,), "float32", scope="local")
+        m_loc = T.alloc_buffer((HB,), "float32", scope="local")
+        d_loc = T.alloc_buffer((HB,), "float32", scope="local")
+        s_loc = T.alloc_buffer((HB * RPT,), "float32", scope="local")
+        k_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope="local")
+        v_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope="local")
+        page_begin = indptr_[b_]
+        kv_len = kv_chunk_len(indptr_[b_ + 1] - page_begin, ps, length_info_, b_, sliding)
+        split_len = ceildiv(kv_len, nsplit_)
+        j_begin = T.min(split_ * split_len, kv_len)
+        j_end = T.min(j_begin + split_len, kv_len)
+        sm.init(m_loc, d_loc, o_loc, HB, EPL)
+        load_q(q_, b_, h0, tx_, q_pos_, rotate_, rope_scale_, rope_theta_, sm_scale_, q_loc)
+        for step in T.serial(ceildiv(j_end - j_begin, TILE)):
+            load_kv(pages_, indices_, length_info_, k_pos_, page_begin, b_, hkv, j_begin + step * TILE, j_end,
+                    ty_, tx_, rotate_, rope_scale_, rope_theta_, k_loc, v_loc)
+            for h in L.unroll(HB):
+                scores(q_loc, k_loc, s_loc, h, j_begin + step * TILE, j_end, ty_)
+                accumulate(s_loc, v_loc, m_loc, d_loc, o_loc, h)
+        for h in L.unroll(HB):
+            if tx_ == 0:
+                row_m_[ty_ * HB + h] = m_loc[h]
+                row_d_[ty_ * HB + h] = d_loc[h]
+            for e in L.unroll(EPL):
+                row_o_[(ty_ * HB + h) * D + tx_ * EPL + e] = o_loc[h * EPL + e]
+
+    return attend
+
+
+def _merge_macros(dims: _Dims, L):
+    """combine_rows (the row groups of a block) and merge_splits (the splits of a request)."""
+    dtype, D, Hq = dims.dtype, dims.D, dims.Hq
+    LANES, ROWS, HB, NTHREADS = dims.LANES, dims.ROWS, dims.HB, dims.NTHREADS
+    sm = softmax_macros(L)
+
+    @T.macro
+    def combine_rows(row_m_, row_d_, row_o_, ty_, tx_, write_o, write_lse):
+        """Merge the ROWS row-group states of each served head and finish them;
+        write_o(h, e, value) and write_lse(h, value) store (o = 0, EMPTY_LSE for no key)."""
+        m_all = T.alloc_buffer((1,), "float32", scope="local")
+        d_all = T.alloc_buffer((1,), "float32", scope="local")
+        acc = T.alloc_buffer((1,), "float32", scope="local")
+        for step in T.serial(ceildiv(HB * D, NTHREADS)):
+            if step * NTHREADS + ty_ * LANES + tx_ < HB * D:
+                h = (step * NTHREADS + ty_ * LANES + tx_) // D
+                e = (step * NTHREADS + ty_ * LANES + tx_) % D
+                sm.combine(ROWS, lambda y: row_m_[y * HB + h], lambda y: row_d_[y * HB + h],
+                           lambda y: row_o_[(y * HB + h) * D + e], m_all, d_all, acc)
+                sm.finalize(m_all, d_all, acc, 0, 1)
+                write_o(h, e, acc[0])
+                if e == 0:
+                    write_lse(h, m_all[0])
+
+    @T.macro
+    def merge_splits(o_part_, lse_part_, O_, lse_):
+        """O_ [B, Hq, D], lse_ [B, Hq] <- the FP32 merge of each (request, head)'s finished
+        split states o_part_ [splits * B * Hq * D], lse_part_ [splits * B * Hq]; empty splits
+        add nothing."""
+        batch = O_.shape[0]
+        for b in L.block(batch, "x", outer=True):
+            for h in L.block(Hq, "y"):
+                for e in L.thread(D, "x"):
+                    m_all = T.alloc_buffer((1,), "float32", scope="local")
+                    d_all = T.alloc_buffer((1,), "float32", scope="local")
+                    acc = T.alloc_buffer((1,), "float32", scope="local")
+                    # Split s's finished state (o, lse) is the state (m = lse, l = 1, o), or empty.
+                    sm.combine(dims.num_splits(batch),
+                               lambda s: lse_part_[(s * batch + b) * Hq + h],
+                               lambda s: finished_l(lse_part_[(s * batch + b) * Hq + h]),
+                               lambda s: o_part_[((s * batch + b) * Hq + h) * D + e]
+                               * finished_l(lse_part_[(s * batch + b) * Hq + h]),
+                               m_all, d_all, acc)
+                    sm.finalize(m_all, d_all, acc, 0, 1)
+                    O_[b, h, e] = T.Cast(dtype, acc[0])
+                    if e == 0:
+                        lse_[b, h] = m_all[0]
+
+    return combine_rows, merge_splits
+
+
+def _split_kernel_macro(dims: _Dims, L):
+    """split_kernel: one block per (request, head chunk, split), attend then combine_rows."""
+    dtype, D, Hq, Hkv, shared = dims.dtype, dims.D, dims.Hq, dims.Hkv, dims.shared
+    LANES, ROWS, HB = dims.LANES, dims.ROWS, dims.HB
+    attend = _attend_macro(dims, L)
+    combine_rows, _ = _merge_macros(dims, L)
+
+    @T.macro
+    def split_kernel(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, o_, lse_, o_part_, lse_part_,
+                     rotate_, rope_scale_, rope_theta_, sm_scale_):
+        """The attention kernel: with one split it writes o_ / lse_, else the split partials."""
+        batch = q_.shape[0]
+        for b in L.block(batch, "x", outer=True):
+            for hc in L.block(Hkv * dims.CHUNKS, "y"):
+                for split in L.block(dims.num_splits(batch), "z"):
+                    for ty in L.thread(ROWS, "y"):
+                        for tx in L.thread(LANES, "x"):
+                            row_m = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
+                            row_d = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
+                            row_o = T.alloc_buffer((ROWS * HB * D,), "float32", scope=shared)
+                            attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_,
+                                   rotate_, rope_scale_, rope_theta_, sm_scale_,
+                                   b, hc, split, dims.num_splits(batch), ty, tx, row_m, row_d, row_o)
+                            if dims.gpu:
+                                T.tvm_storage_sync("shared")
+                            if dims.num_splits(batch) == 1:
+                                combine_rows(row_m, row_d, row_o, ty, tx,
+                                             lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, dims.head(hc, h), e]),
+                                             lambda h, val: T.buffer_store(lse_, val, [b, dims.head(hc, h)]))
+                            else:
+                                combine_rows(row_m, row_d, row_o, ty, tx,
+                                             lambda h, e, val: T.buffer_store(
+                                                 o_part_, val, [((split * batch + b) * Hq + dims.head(hc, h)) * D + e]),
+                                             lambda h, val: T.buffer_store(
+                                                 lse_part_, val, [(split * batch + b) * Hq + dims.head(hc, h)]))
+
+    return split_kernel
 
 
 def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None):
@@ -36,177 +329,11 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None
     _check(config)
     sched = schedule or choose_decode_schedule(config)
     sched.check(config)
+    dims = _Dims.of(config, sched)
     L = loop_kinds(config)
-    gpu = config.is_gpu
-
-    dtype, ps, D = config.dtype, config.page_size, config.head_dim
-    Hq, Hkv, G = config.num_qo_heads, config.num_kv_heads, config.group_size
-    sliding, scaling = config.sliding_window, config.rope_scaling
-    LANES, ROWS, RPT, HB = sched.lanes, sched.rows, sched.rows_per_thread, sched.heads_per_block
-    LOG_LANES = LANES.bit_length() - 1
-    EPL = D // LANES  # elements of a row held by one lane
-    VEC = min(EPL, 16 // config.elem_bytes) if gpu else EPL  # elements per 16-byte load
-    CHUNKS = G // HB  # blocks per KV head along the GQA group
-    NTHREADS = LANES * ROWS
-    TILE = ROWS * RPT  # KV rows a block consumes per step
-    MAX_SPLITS, TARGET_BLOCKS = sched.max_splits, sched.target_blocks
-    shared = "shared" if gpu else "local"
-
-    def num_splits(batch):
-        """Splits per request, chosen at launch so that batch * heads * splits fills the GPU."""
-        if MAX_SPLITS == 1:
-            return 1
-        return T.min(T.max(ceildiv(TARGET_BLOCKS, batch * Hkv * CHUNKS), 1), MAX_SPLITS)
-
-    @T.macro
-    def lane_allreduce(buf_, idx_):
-        """buf_[idx_] <- sum over the LANES threads that share a row (xor butterfly)."""
-        for k_ in T.unroll(LOG_LANES):
-            buf_[idx_] = buf_[idx_] + T.tvm_warp_shuffle_xor(
-                T.tvm_warp_activemask(), buf_[idx_], T.shift_right(LANES, k_ + 1), LANES, 32
-            )
-
-    @T.macro
-    def attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, rotate_, rope_scale_,
-               rope_theta_, sm_scale_, b_, hc_, split_, nsplit_, ty_, tx_, row_m_, row_d_, row_o_):
-        """Online softmax of split `split_` of request b_ for one head chunk: each row group
-        (ty_) leaves its max, denominator and unnormalised output in row_m_/row_d_/row_o_.
-        rotate_ (a Python bool) applies RoPE to q and k: two kernels, no branch in the loop."""
-        hkv = hc_ // CHUNKS
-        h0 = hkv * G + (hc_ % CHUNKS) * HB
-        q_loc = T.alloc_buffer((HB * EPL,), "float32", scope="local")
-        o_loc = T.alloc_buffer((HB * EPL,), "float32", scope="local")
-        m_loc = T.alloc_buffer((HB,), "float32", scope="local")
-        d_loc = T.alloc_buffer((HB,), "float32", scope="local")
-        m_old = T.alloc_buffer((1,), "float32", scope="local")
-        s_loc = T.alloc_buffer((HB * RPT,), "float32", scope="local")
-        k_loc = T.alloc_buffer((RPT * EPL,), dtype, scope="local")
-        v_loc = T.alloc_buffer((RPT * EPL,), dtype, scope="local")
-        page_loc = T.alloc_buffer((RPT,), "int32", scope="local")
-        slot_loc = T.alloc_buffer((RPT,), "int32", scope="local")
-        page_begin = indptr_[b_]
-        kv_len = kv_chunk_len(indptr_[b_ + 1] - page_begin, ps, length_info_, b_, sliding)
-        split_len = ceildiv(kv_len, nsplit_)
-        j_begin = T.min(split_ * split_len, kv_len)
-        j_end = T.min(j_begin + split_len, kv_len)
-        for h in L.unroll(HB):
-            m_loc[h] = T.float32(EMPTY_LSE)
-            d_loc[h] = T.float32(0)
-            for e in L.unroll(EPL):
-                o_loc[h * EPL + e] = T.float32(0)
-                if rotate_:
-                    q_loc[h * EPL + e] = rope_value(
-                        lambda i: q_[b_, h0 + h, i], tx_ * EPL + e, q_pos_[b_], D, rope_theta_, rope_scale_, scaling
-                    ) * sm_scale_ * T.float32(LOG2E)
-                else:
-                    q_loc[h * EPL + e] = T.Cast("float32", q_[b_, h0 + h, tx_ * EPL + e]) * sm_scale_ * T.float32(LOG2E)
-        for step in T.serial(ceildiv(j_end - j_begin, TILE)):
-            # Issue every K and V load of the step before any arithmetic.
-            for r in L.unroll(RPT):
-                j = j_begin + step * TILE + r * ROWS + ty_
-                if j < j_end:
-                    pos = paged_position(j, length_info_, b_, sliding)
-                    page_loc[r] = indices_[page_begin + pos // ps]
-                    slot_loc[r] = pos % ps
-                    if rotate_:
-                        for e in L.unroll(EPL):
-                            k_loc[r * EPL + e] = T.Cast(dtype, rope_value(
-                                lambda i: pages_[page_loc[r], 0, hkv, slot_loc[r], i], tx_ * EPL + e,
-                                k_pos_[b_] + j, D, rope_theta_, rope_scale_, scaling))
-                    else:
-                        for c in L.unroll(EPL // VEC):
-                            for e in L.vector(VEC):
-                                k_loc[r * EPL + c * VEC + e] = pages_[page_loc[r], 0, hkv, slot_loc[r], tx_ * EPL + c * VEC + e]
-                    for c in L.unroll(EPL // VEC):
-                        for e in L.vector(VEC):
-                            v_loc[r * EPL + c * VEC + e] = pages_[page_loc[r], 1, hkv, slot_loc[r], tx_ * EPL + c * VEC + e]
-                else:
-                    # Rows past the end get weight 0; zero them so 0 * garbage cannot make NaN.
-                    for e in L.unroll(EPL):
-                        k_loc[r * EPL + e] = T.Cast(dtype, 0)
-                        v_loc[r * EPL + e] = T.Cast(dtype, 0)
-            for h in L.unroll(HB):
-                for r in L.unroll(RPT):
-                    s_loc[h * RPT + r] = T.float32(0)
-                    for e in L.unroll(EPL):
-                        s_loc[h * RPT + r] = s_loc[h * RPT + r] + q_loc[h * EPL + e] * T.Cast("float32", k_loc[r * EPL + e])
-                    lane_allreduce(s_loc, h * RPT + r)
-                    if j_begin + step * TILE + r * ROWS + ty_ >= j_end:
-                        s_loc[h * RPT + r] = T.min_value("float32")
-                m_old[0] = m_loc[h]
-                for r in L.unroll(RPT):
-                    m_loc[h] = T.max(m_loc[h], s_loc[h * RPT + r])
-                d_loc[h] = d_loc[h] * T.exp2(m_old[0] - m_loc[h])
-                for e in L.unroll(EPL):
-                    o_loc[h * EPL + e] = o_loc[h * EPL + e] * T.exp2(m_old[0] - m_loc[h])
-                for r in L.unroll(RPT):
-                    s_loc[h * RPT + r] = T.exp2(s_loc[h * RPT + r] - m_loc[h])
-                    d_loc[h] = d_loc[h] + s_loc[h * RPT + r]
-                    for e in L.unroll(EPL):
-                        o_loc[h * EPL + e] = o_loc[h * EPL + e] + s_loc[h * RPT + r] * T.Cast("float32", v_loc[r * EPL + e])
-        for h in L.unroll(HB):
-            if tx_ == 0:
-                row_m_[ty_ * HB + h] = m_loc[h]
-                row_d_[ty_ * HB + h] = d_loc[h]
-            for e in L.unroll(EPL):
-                row_o_[(ty_ * HB + h) * D + tx_ * EPL + e] = o_loc[h * EPL + e]
-
-    @T.macro
-    def combine_rows(row_m_, row_d_, row_o_, ty_, tx_, write_o, write_lse):
-        """Merge the ROWS row-group states; write_o(h, e, value) and write_lse(h, value) store."""
-        m_all = T.alloc_buffer((1,), "float32", scope="local")
-        d_all = T.alloc_buffer((1,), "float32", scope="local")
-        acc = T.alloc_buffer((1,), "float32", scope="local")
-        for step in T.serial(ceildiv(HB * D, NTHREADS)):
-            if step * NTHREADS + ty_ * LANES + tx_ < HB * D:
-                h = (step * NTHREADS + ty_ * LANES + tx_) // D
-                e = (step * NTHREADS + ty_ * LANES + tx_) % D
-                m_all[0] = T.float32(EMPTY_LSE)
-                for y in T.serial(ROWS):
-                    m_all[0] = T.max(m_all[0], row_m_[y * HB + h])
-                d_all[0] = T.float32(0)
-                acc[0] = T.float32(0)
-                for y in T.serial(ROWS):
-                    d_all[0] = d_all[0] + row_d_[y * HB + h] * T.exp2(row_m_[y * HB + h] - m_all[0])
-                    acc[0] = acc[0] + row_o_[(y * HB + h) * D + e] * T.exp2(row_m_[y * HB + h] - m_all[0])
-                if d_all[0] > T.float32(0):
-                    write_o(h, e, acc[0] / d_all[0])
-                    if e == 0:
-                        write_lse(h, m_all[0] + T.log2(d_all[0]))
-                else:
-                    write_o(h, e, T.float32(0))
-                    if e == 0:
-                        write_lse(h, T.float32(EMPTY_LSE))
-
-    def head(hc, h):
-        return (hc // CHUNKS) * G + (hc % CHUNKS) * HB + h
-
-    @T.macro
-    def split_kernel(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, o_, lse_, o_part_, lse_part_,
-                     rotate_, rope_scale_, rope_theta_, sm_scale_):
-        """The attention kernel: one block per (request, head chunk, split)."""
-        batch = q_.shape[0]
-        for b in L.block(batch, "x", outer=True):
-            for hc in L.block(Hkv * CHUNKS, "y"):
-                for split in L.block(num_splits(batch), "z"):
-                    for ty in L.thread(ROWS, "y"):
-                        for tx in L.thread(LANES, "x"):
-                            row_m = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
-                            row_d = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
-                            row_o = T.alloc_buffer((ROWS * HB * D,), "float32", scope=shared)
-                            attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_,
-                                   rotate_, rope_scale_, rope_theta_, sm_scale_,
-                                   b, hc, split, num_splits(batch), ty, tx, row_m, row_d, row_o)
-                            if gpu:
-                                T.tvm_storage_sync("shared")
-                            if num_splits(batch) == 1:
-                                combine_rows(row_m, row_d, row_o, ty, tx,
-                                             lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, head(hc, h), e]),
-                                             lambda h, val: T.buffer_store(lse_, val, [b, head(hc, h)]))
-                            else:
-                                combine_rows(row_m, row_d, row_o, ty, tx,
-                                             lambda h, e, val: T.buffer_store(o_part_, val, [((split * batch + b) * Hq + head(hc, h)) * D + e]),
-                                             lambda h, val: T.buffer_store(lse_part_, val, [(split * batch + b) * Hq + head(hc, h)]))
+    split_kernel = _split_kernel_macro(dims, L)
+    _, merge_splits = _merge_macros(dims, L)
+    dtype, ps, D, Hq, Hkv, sliding = dims.dtype, dims.ps, dims.D, dims.Hq, dims.Hkv, dims.sliding
 
     @T.prim_func
     def batch_decode_paged_kv(
@@ -244,8 +371,8 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None
         O = T.match_buffer(o_handle, (B, Hq, D), dtype)
         lse = T.match_buffer(lse_handle, (B, Hq), "float32")
         # Split partials: FP32 output and LSE per split (workspace; unused when one split).
-        o_part = T.alloc_buffer((num_splits(B) * B * Hq * D,), "float32")
-        lse_part = T.alloc_buffer((num_splits(B) * B * Hq,), "float32")
+        o_part = T.alloc_buffer((dims.num_splits(B) * B * Hq * D,), "float32")
+        lse_part = T.alloc_buffer((dims.num_splits(B) * B * Hq,), "float32")
 
         if rotary_mode == 1:
             split_kernel(Q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
@@ -253,30 +380,7 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None
         else:
             split_kernel(Q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
                          O, lse, o_part, lse_part, False, rope_scale, rope_theta, sm_scale)
-        if num_splits(B) > 1:
-            # Merge the splits of each (request, head) in FP32.
-            for b in L.block(B, "x", outer=True):
-                for h in L.block(Hq, "y"):
-                    for e in L.thread(D, "x"):
-                        m_all = T.alloc_buffer((1,), "float32", scope="local")
-                        d_all = T.alloc_buffer((1,), "float32", scope="local")
-                        acc = T.alloc_buffer((1,), "float32", scope="local")
-                        m_all[0] = T.float32(EMPTY_LSE)
-                        for s in T.serial(num_splits(B)):
-                            m_all[0] = T.max(m_all[0], lse_part[(s * B + b) * Hq + h])
-                        d_all[0] = T.float32(0)
-                        acc[0] = T.float32(0)
-                        for s in T.serial(num_splits(B)):
-                            if lse_part[(s * B + b) * Hq + h] > T.float32(EMPTY_LSE):
-                                d_all[0] = d_all[0] + T.exp2(lse_part[(s * B + b) * Hq + h] - m_all[0])
-                                acc[0] = acc[0] + o_part[((s * B + b) * Hq + h) * D + e] * T.exp2(lse_part[(s * B + b) * Hq + h] - m_all[0])
-                        if d_all[0] > T.float32(0):
-                            O[b, h, e] = T.Cast(dtype, acc[0] / d_all[0])
-                            if e == 0:
-                                lse[b, h] = m_all[0] + T.log2(d_all[0])
-                        else:
-                            O[b, h, e] = T.Cast(dtype, T.float32(0))
-                            if e == 0:
-                                lse[b, h] = T.float32(EMPTY_LSE)
+        if dims.num_splits(B) > 1:
+            merge_splits(o_part, lse_part, O, lse)  # in FP32, per (request, head)
 
     return batch_decode_paged_kv.with_attr("global_symbol", "batch_decode_paged_kv")

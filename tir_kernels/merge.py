@@ -12,6 +12,7 @@ from .common import loop_kinds
 from .config import AttentionConfig
 from .page_ops import num_blocks
 from .schedules import CopySchedule, choose_copy_schedule
+from .softmax import softmax_macros
 
 
 def merge_state(config: AttentionConfig, schedule: CopySchedule | None = None):
@@ -21,7 +22,7 @@ def merge_state(config: AttentionConfig, schedule: CopySchedule | None = None):
     With m = max(lse, lse_other), w = exp2(lse - m), w_other = exp2(lse_other - m):
     o <- (w * o + w_other * o_other) / (w + w_other), lse <- m + log2(w + w_other), in FP32.
     A row that saw no key carries lse = EMPTY_LSE (finite), so two empty rows merge to a
-    finite value without NaN.
+    finite value without NaN. The arithmetic is `softmax_macros(...).merge` (softmax.py).
 
     One thread per chunk of a row; a block holds whole rows (threadIdx.y), and the row's
     new LSE is stored only after every thread of the block has read the old one.
@@ -30,6 +31,7 @@ def merge_state(config: AttentionConfig, schedule: CopySchedule | None = None):
     sched = schedule or choose_copy_schedule(config, Dv)
     sched.check(Dv)
     L = loop_kinds(config)
+    sm = softmax_macros(L)
     gpu = config.is_gpu
     VEC, CH = sched.vector, sched.chunks(Dv)
     ROWS = max(1, sched.threads // CH)  # rows (n, head) per block
@@ -50,7 +52,7 @@ def merge_state(config: AttentionConfig, schedule: CopySchedule | None = None):
         for bx in L.block(num_blocks(N * Hq, ROWS), "x", outer=True):
             for ty in L.thread(ROWS, "y"):
                 for tx in L.thread(CH, "x"):
-                    # weight, other weight, new lse, 1 / (weight + other weight)
+                    # weight, other weight, merged lse, 1 / (sum of the weights)
                     w = T.alloc_buffer((4,), "float32", scope="local")
                     a = T.alloc_buffer((VEC,), dtype, scope="local")
                     b = T.alloc_buffer((VEC,), dtype, scope="local")
@@ -58,20 +60,11 @@ def merge_state(config: AttentionConfig, schedule: CopySchedule | None = None):
                     if row < N * Hq:
                         n = row // Hq
                         h = row % Hq
-                        w[2] = T.max(lse[n, h], lse_other[n, h])
-                        w[0] = T.exp2(lse[n, h] - w[2])
-                        w[1] = T.exp2(lse_other[n, h] - w[2])
-                        w[2] = w[2] + T.log2(w[0] + w[1])
-                        w[3] = T.float32(1) / (w[0] + w[1])
                         for e in L.vector(VEC):
                             a[e] = O[n, h, tx * VEC + e]
                         for e in L.vector(VEC):
                             b[e] = O_other[n, h, tx * VEC + e]
-                        for e in L.unroll(VEC):
-                            a[e] = T.Cast(
-                                dtype,
-                                (T.Cast("float32", a[e]) * w[0] + T.Cast("float32", b[e]) * w[1]) * w[3],
-                            )
+                        sm.merge(a, b, VEC, lse[n, h], lse_other[n, h], w)
                         for e in L.vector(VEC):
                             O[n, h, tx * VEC + e] = a[e]
                     if gpu:
