@@ -59,6 +59,16 @@ def test_tensor_cores_serve_hopper_fp16_and_bf16():
         paged_prefill(hopper.replace(dtype="float32"), WgmmaPrefillSchedule(tile_kv=128, stages=2))
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89"])
+def test_ampere_and_ada_get_the_mma_sync_kernel(arch):
+    config = AttentionConfig(32, 8, 128, dtype="float16", target=f"cuda:{arch}")
+    for generator in (paged_prefill, ragged_prefill):
+        func = generator(config)
+        assert not uses_tirx_pipeline(func)
+        assert "mma.sync" in func.script() or "mma" in func.script()
+        assert "mma" not in generator(config.replace(dtype="float32")).script()
+
+
 def test_wgmma_schedule_validation():
     config = AttentionConfig(32, 8, 256, dtype="float16", target="cuda:sm_90")
     with pytest.raises(ValueError, match="shared memory"):

@@ -28,19 +28,23 @@ Per block:
     O_gemm: P (via shared memory) times V into per-thread fp32 output registers
   store: o = acc / l, lse = m + log2(l) (base 2); a row that saw no key gets o = 0 and
     lse = EMPTY_LSE.
-rotary_mode selects one of two kernels on the host (with RoPE in Q_load and KV_load, or
-without), so neither branches on it. S_gemm, softmax and O_gemm are separate macros, ready
-to be replaced by tensor-core versions.
+The softmax state (init, update to a new max, finalize) is softmax.py's, shared with decode
+and merge_state. rotary_mode selects one of two kernels on the host (with RoPE in Q_load and
+KV_load, or without), so neither branches on it. The macros come from small factories, one
+per phase: `_find_tile_macro`, `_load_macros` (Q_load, KV_load), `_gemm_macros` (S_gemm,
+O_gemm), `_softmax_macros` (mask, softmax, store); `_prefill_macros` composes them in
+`attend`. Sizes and index arithmetic are `_Tiling`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 from tvm.script import tirx as T
 
-from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position, rope_value
-from .config import AttentionConfig
+from .common import LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position, rope_value
+from .config import AttentionConfig, RopeScaling
 from .schedules import (
     CUDA_VECTOR_BYTES,
     PREFILL_P_ROW_PAD,
@@ -48,6 +52,7 @@ from .schedules import (
     PrefillSchedule,
     choose_prefill_schedule,
 )
+from .softmax import prob, softmax_macros
 
 SMEM_VEC = 4  # fp32 elements per shared-memory vector read (16 bytes)
 # Shuffle mask: every lane of a block's warps takes part (threads per block are a multiple
@@ -63,49 +68,71 @@ class PrefillMacros(NamedTuple):
     attend: object
 
 
-def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillMacros:
-    L = loop_kinds(config)
-    gpu = config.is_gpu
-    dtype, G, scaling = config.dtype, config.group_size, config.rope_scaling
-    D_QK, D_V = config.head_dim, config.v_head_dim
-    TY, TX, TM, TN = sched.threads_y, sched.threads_x, sched.rows_per_thread, sched.cols_per_thread
-    BQ, BK, NT = sched.tile_q, sched.tile_kv, sched.num_threads
-    LOG_TX = TX.bit_length() - 1
-    VEC = CUDA_VECTOR_BYTES // config.elem_bytes  # elements per 16-byte global load
-    QS, KS, VS = D_QK + PREFILL_ROW_PAD, D_QK + PREFILL_ROW_PAD, D_V + PREFILL_ROW_PAD  # shared row strides
-    PS = BK + PREFILL_P_ROW_PAD
-    OC = D_V // TX  # output columns per thread
-    shared = "shared.dyn" if gpu else "local"
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+    """Compile-time sizes of one CUDA-core prefill kernel (its config and schedule) and the
+    index arithmetic on them."""
 
-    def row_tiles(qo_indptr, b):
-        return ceildiv((qo_indptr[b + 1] - qo_indptr[b]) * G, BQ)
+    gpu: bool
+    dtype: str
+    G: int  # GQA group size
+    scaling: RopeScaling | None
+    D_QK: int
+    D_V: int
+    TY: int  # threads along a tile's rows (threadIdx.y)
+    TX: int  # threads along a row (threadIdx.x)
+    TM: int  # query rows per thread
+    TN: int  # keys (score columns) per thread
+    BQ: int  # packed query rows per tile
+    BK: int  # keys per K/V tile
+    NT: int  # threads per block
+    VEC: int  # elements per 16-byte global load
+    QS: int  # shared-memory row strides of Q, K, V and P (padded)
+    KS: int
+    VS: int
+    PS: int
+    OC: int  # output columns per thread
+    shared: str  # scope of the tiles: "shared.dyn" on CUDA
 
-    def num_slots(total_q, batch):
+    @classmethod
+    def of(cls, config: AttentionConfig, sched: PrefillSchedule) -> "_Tiling":
+        D_QK, D_V, BK = config.head_dim, config.v_head_dim, sched.tile_kv
+        return cls(
+            gpu=config.is_gpu, dtype=config.dtype, G=config.group_size, scaling=config.rope_scaling,
+            D_QK=D_QK, D_V=D_V, TY=sched.threads_y, TX=sched.threads_x, TM=sched.rows_per_thread,
+            TN=sched.cols_per_thread, BQ=sched.tile_q, BK=BK, NT=sched.num_threads,
+            VEC=CUDA_VECTOR_BYTES // config.elem_bytes, QS=D_QK + PREFILL_ROW_PAD, KS=D_QK + PREFILL_ROW_PAD,
+            VS=D_V + PREFILL_ROW_PAD, PS=BK + PREFILL_P_ROW_PAD, OC=D_V // sched.threads_x,
+            shared="shared.dyn" if config.is_gpu else "local",
+        )
+
+    def row_tiles(self, qo_indptr, b):
+        return ceildiv((qo_indptr[b + 1] - qo_indptr[b]) * self.G, self.BQ)
+
+    def num_slots(self, total_q, batch):
         """Upper bound of the number of row tiles over all requests."""
-        return ceildiv(total_q * G, BQ) + batch
+        return ceildiv(total_q * self.G, self.BQ) + batch
 
-    def chunks(width):
+    def chunks(self, width):
         """16-byte chunks of a row of `width` elements."""
-        return width // VEC
+        return width // self.VEC
 
-    def load_iters(rows, width):
+    def load_iters(self, rows, width):
         """Steps for NT threads to load `rows` rows of `width` elements, a chunk each."""
-        return ceildiv(rows * chunks(width), NT)
+        return ceildiv(rows * self.chunks(width), self.NT)
 
-    def out_col(tx, c):
+    def out_col(self, tx, c):
         """Output column of a thread's c-th output register."""
-        return tx * SMEM_VEC + (c // SMEM_VEC) * TX * SMEM_VEC + c % SMEM_VEC
+        return tx * SMEM_VEC + (c // SMEM_VEC) * self.TX * SMEM_VEC + c % SMEM_VEC
 
-    def visible_end(kv_len, qo_len, p, causal):
+    def visible_end(self, kv_len, qo_len, p, causal):
         """Number of leading keys packed row p may see (all of them when not causal)."""
-        last = kv_len - qo_len + T.min(p // G, qo_len - 1) + 1
+        last = kv_len - qo_len + T.min(p // self.G, qo_len - 1) + 1
         return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
 
-    @T.macro
-    def sync_threads():
-        """Block-wide barrier (CUDA only: the CPU runs one thread per block)."""
-        if gpu:
-            T.tvm_storage_sync(shared)
+
+def _find_tile_macro(dims: _Tiling):
+    """find_tile: which request and row tile a tile slot holds."""
 
     @T.macro
     def find_tile(qo_indptr_, batch_, slot_, req_, tile_):
@@ -118,22 +145,22 @@ def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillM
         req_[0] = 0
         tile_[0] = -1
         while cur[0] < batch_:
-            if slot_ < first[0] + row_tiles(qo_indptr_, cur[0]):
+            if slot_ < first[0] + dims.row_tiles(qo_indptr_, cur[0]):
                 req_[0] = cur[0]
-                tile_[0] = first[0] + row_tiles(qo_indptr_, cur[0]) - 1 - slot_
+                tile_[0] = first[0] + dims.row_tiles(qo_indptr_, cur[0]) - 1 - slot_
                 cur[0] = batch_
             else:
-                first[0] = first[0] + row_tiles(qo_indptr_, cur[0])
+                first[0] = first[0] + dims.row_tiles(qo_indptr_, cur[0])
                 cur[0] = cur[0] + 1
 
-    @T.macro
-    def row_allreduce(buf_, idx_, op_):
-        """buf_[idx_] <- op_ over the TX threads of a row (xor butterfly)."""
-        for k_ in L.unroll(LOG_TX):
-            buf_[idx_] = op_(
-                buf_[idx_],
-                T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], T.shift_right(TX, k_ + 1), TX, 32),
-            )
+    return find_tile
+
+
+def _load_macros(dims: _Tiling, L):
+    """Q_load and KV_load: global memory (16-byte loads, RoPE'd when asked) -> shared fp32."""
+    dtype, scaling, D_QK, QS = dims.dtype, dims.scaling, dims.D_QK, dims.QS
+    BQ, BK, NT, VEC = dims.BQ, dims.BK, dims.NT, dims.VEC
+    chunks, load_iters = dims.chunks, dims.load_iters
 
     @T.macro
     def store_fp32(dst_, base_, src_, src_base_, scale_):
@@ -196,6 +223,14 @@ def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillM
                 store_fp32(smem_, c // chunks(width_) * stride_ + c % chunks(width_) * VEC, stage_, it * VEC,
                            T.float32(1))
 
+    return load_q, stage_kv, commit_kv
+
+
+def _gemm_macros(dims: _Tiling, L):
+    """S_gemm and O_gemm on register micro-tiles, operands from shared memory (fp32)."""
+    D_QK, TY, TX, TM, TN, BK = dims.D_QK, dims.TY, dims.TX, dims.TM, dims.TN, dims.BK
+    QS, KS, VS, PS, OC = dims.QS, dims.KS, dims.VS, dims.PS, dims.OC
+
     @T.macro
     def s_gemm(qs_, ks_, s_, ty_, tx_):
         """S_gemm: s_[m, n] <- q row (ty_ + TY m) . k row (tx_ + TX n), from shared memory."""
@@ -216,34 +251,6 @@ def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillM
                         s_[m * TN + n] = s_[m * TN + n] + qf[m * SMEM_VEC + e] * kf[n * SMEM_VEC + e]
 
     @T.macro
-    def mask(s_, kv_start_, kv_len_, qo_len_, p0_, causal_, ty_, tx_):
-        """Scores of keys past kv_len_ or above the causal diagonal -> -inf."""
-        for m in L.unroll(TM):
-            for n in L.unroll(TN):
-                if kv_start_ + tx_ + TX * n >= visible_end(kv_len_, qo_len_, p0_ + ty_ + TY * m, causal_):
-                    s_[m * TN + n] = T.min_value("float32")
-
-    @T.macro
-    def softmax(s_, ps_, o_, m_run_, l_run_, ty_, tx_):
-        """Online softmax: rescale the state to the new row maxima, s_ -> P (in ps_)."""
-        m_new = T.alloc_buffer((1,), "float32", scope="local")
-        alpha = T.alloc_buffer((1,), "float32", scope="local")
-        for m in L.unroll(TM):
-            m_new[0] = m_run_[m]
-            for n in L.unroll(TN):
-                m_new[0] = T.max(m_new[0], s_[m * TN + n])
-            row_allreduce(m_new, 0, T.max)
-            alpha[0] = T.exp2(m_run_[m] - m_new[0])
-            m_run_[m] = m_new[0]
-            l_run_[m] = l_run_[m] * alpha[0]
-            for n in L.unroll(TN):
-                s_[m * TN + n] = T.exp2(s_[m * TN + n] - m_new[0])
-                l_run_[m] = l_run_[m] + s_[m * TN + n]
-                ps_[(ty_ + TY * m) * PS + tx_ + TX * n] = s_[m * TN + n]
-            for c in L.unroll(OC):
-                o_[m * OC + c] = o_[m * OC + c] * alpha[0]
-
-    @T.macro
     def o_gemm(ps_, vs_, o_, ty_, tx_):
         """O_gemm: o_[m, c] += sum_j P[row m, j] V[j, out_col(c)], from shared memory."""
         pf = T.alloc_buffer((TM * SMEM_VEC,), "float32", scope="local")
@@ -255,26 +262,86 @@ def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillM
             for e in L.unroll(SMEM_VEC):
                 for g in L.unroll(OC // SMEM_VEC):
                     for e2 in L.vector(SMEM_VEC):
-                        vf[g * SMEM_VEC + e2] = vs_[(jc * SMEM_VEC + e) * VS + out_col(tx_, g * SMEM_VEC + e2)]
+                        vf[g * SMEM_VEC + e2] = vs_[(jc * SMEM_VEC + e) * VS + dims.out_col(tx_, g * SMEM_VEC + e2)]
                 for m in L.unroll(TM):
                     for c in L.unroll(OC):
                         o_[m * OC + c] = o_[m * OC + c] + pf[m * SMEM_VEC + e] * vf[c]
 
+    return s_gemm, o_gemm
+
+
+def _softmax_macros(dims: _Tiling, L):
+    """mask, softmax and store: the per-row online softmax of a tile (softmax.py's state
+    macros; a row's TX threads agree on its max by warp shuffles and sum their l at the end)."""
+    TY, TX, TM, TN, PS, OC = dims.TY, dims.TX, dims.TM, dims.TN, dims.PS, dims.OC
+    LOG_TX = TX.bit_length() - 1
+    sm = softmax_macros(L)
+
+    @T.macro
+    def row_allreduce(buf_, idx_, op_):
+        """buf_[idx_] <- op_ over the TX threads of a row (xor butterfly)."""
+        for k_ in L.unroll(LOG_TX):
+            buf_[idx_] = op_(
+                buf_[idx_],
+                T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], T.shift_right(TX, k_ + 1), TX, 32),
+            )
+
+    @T.macro
+    def mask(s_, kv_start_, kv_len_, qo_len_, p0_, causal_, ty_, tx_):
+        """Scores of keys past kv_len_ or above the causal diagonal -> -inf."""
+        for m in L.unroll(TM):
+            for n in L.unroll(TN):
+                if kv_start_ + tx_ + TX * n >= dims.visible_end(kv_len_, qo_len_, p0_ + ty_ + TY * m, causal_):
+                    s_[m * TN + n] = T.min_value("float32")
+
+    @T.macro
+    def softmax(s_, ps_, o_, m_run_, l_run_, ty_, tx_):
+        """Online softmax: move each row's state to its new max (softmax.update), then
+        s_ -> P = exp2(s - m) (into ps_) and l += this thread's part of the row sum of P."""
+        m_new = T.alloc_buffer((1,), "float32", scope="local")
+        for m in L.unroll(TM):
+            m_new[0] = m_run_[m]
+            for n in L.unroll(TN):
+                m_new[0] = T.max(m_new[0], s_[m * TN + n])
+            row_allreduce(m_new, 0, T.max)
+            sm.update(m_run_, l_run_, o_, m, OC, m_new[0])
+            for n in L.unroll(TN):
+                s_[m * TN + n] = prob(s_[m * TN + n], m_new[0])
+                l_run_[m] = l_run_[m] + s_[m * TN + n]
+                ps_[(ty_ + TY * m) * PS + tx_ + TX * n] = s_[m * TN + n]
+
     @T.macro
     def store(o_, m_run_, l_run_, rows_, p0_, ty_, tx_, write_o_, write_lse_):
-        """o = acc / l and lse = m + log2(l) per row; rows that saw no key get 0 and EMPTY_LSE."""
-        inv = T.alloc_buffer((1,), "float32", scope="local")
+        """Finish each row (softmax.finalize: o / l, lse = m + log2(l); o = 0 and EMPTY_LSE
+        for a row that saw no key) and write it."""
         for m in L.unroll(TM):
             row_allreduce(l_run_, m, lambda a, b: a + b)
             if p0_ + ty_ + TY * m < rows_:
-                inv[0] = T.if_then_else(l_run_[m] > T.float32(0), T.float32(1) / l_run_[m], T.float32(0))
+                sm.finalize(m_run_, l_run_, o_, m, OC)
                 for g in L.unroll(OC // SMEM_VEC):
                     for e in L.vector(SMEM_VEC):
-                        write_o_(p0_ + ty_ + TY * m, out_col(tx_, g * SMEM_VEC + e),
-                                 o_[m * OC + g * SMEM_VEC + e] * inv[0])
+                        write_o_(p0_ + ty_ + TY * m, dims.out_col(tx_, g * SMEM_VEC + e), o_[m * OC + g * SMEM_VEC + e])
                 if tx_ == 0:
-                    write_lse_(p0_ + ty_ + TY * m, T.if_then_else(
-                        l_run_[m] > T.float32(0), m_run_[m] + T.log2(l_run_[m]), T.float32(EMPTY_LSE)))
+                    write_lse_(p0_ + ty_ + TY * m, m_run_[m])
+
+    return sm.init, mask, softmax, store
+
+
+def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillMacros:
+    dims = _Tiling.of(config, sched)
+    L = loop_kinds(config)
+    dtype, G, D_QK, D_V = dims.dtype, dims.G, dims.D_QK, dims.D_V
+    TX, TM, TN, BQ, BK = dims.TX, dims.TM, dims.TN, dims.BQ, dims.BK
+    QS, KS, VS, PS, OC, VEC, shared = dims.QS, dims.KS, dims.VS, dims.PS, dims.OC, dims.VEC, dims.shared
+    load_q, stage_kv, commit_kv = _load_macros(dims, L)
+    s_gemm, o_gemm = _gemm_macros(dims, L)
+    init, mask, softmax, store = _softmax_macros(dims, L)
+
+    @T.macro
+    def sync_threads():
+        """Block-wide barrier (CUDA only: the CPU runs one thread per block)."""
+        if dims.gpu:
+            T.tvm_storage_sync(shared)
 
     @T.macro
     def attend(q_at_, q_pos_at_, kv_row_, k_at_, v_at_, k_pos_base_, write_o_, write_lse_, qo_len_, kv_len_, tile_,
@@ -291,8 +358,8 @@ def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillM
         ks = T.alloc_buffer((BK * KS,), "float32", scope=shared)
         vs = T.alloc_buffer((BK * VS,), "float32", scope=shared)
         ps = T.alloc_buffer((BQ * PS,), "float32", scope=shared)
-        k_stage = T.alloc_buffer((load_iters(BK, D_QK) * VEC,), dtype, scope="local")
-        v_stage = T.alloc_buffer((load_iters(BK, D_V) * VEC,), dtype, scope="local")
+        k_stage = T.alloc_buffer((dims.load_iters(BK, D_QK) * VEC,), dtype, scope="local")
+        v_stage = T.alloc_buffer((dims.load_iters(BK, D_V) * VEC,), dtype, scope="local")
         s = T.alloc_buffer((TM * TN,), "float32", scope="local")
         o = T.alloc_buffer((TM * OC,), "float32", scope="local")
         m_run = T.alloc_buffer((TM,), "float32", scope="local")
@@ -306,13 +373,9 @@ def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillM
         rows = T.if_then_else(tile_ >= 0, qo_len * G, 0)
         p0 = T.max(tile_, 0) * BQ
         # Keys seen by every row of the tile (no mask needed below) and by its last row.
-        free_end = visible_end(kv_len, qo_len, p0, causal_)
-        kv_end = T.if_then_else(tile_ >= 0, visible_end(kv_len, qo_len, p0 + BQ - 1, causal_), 0)
-        for m in L.unroll(TM):
-            m_run[m] = T.float32(EMPTY_LSE)
-            l_run[m] = T.float32(0)
-            for c in L.unroll(OC):
-                o[m * OC + c] = T.float32(0)
+        free_end = dims.visible_end(kv_len, qo_len, p0, causal_)
+        kv_end = T.if_then_else(tile_ >= 0, dims.visible_end(kv_len, qo_len, p0 + BQ - 1, causal_), 0)
+        init(m_run, l_run, o, TM, OC)
         load_q(q_at_, q_pos_at_, qs, rows, p0, tid, rotate_, rope_scale_, rope_theta_, sm_scale_ * T.float32(LOG2E))
         stage_kv(k_stage, kv_row_, k_at_, D_QK, 0, kv_end, tid, rotate_, k_pos_base, rope_scale_, rope_theta_)
         stage_kv(v_stage, kv_row_, v_at_, D_V, 0, kv_end, tid, False, k_pos_base, rope_scale_, rope_theta_)
@@ -337,7 +400,7 @@ def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillM
             o_gemm(ps, vs, o, ty_, tx_)
         store(o, m_run, l_run, rows, p0, ty_, tx_, write_o_, write_lse_)
 
-    return PrefillMacros(num_slots, find_tile, attend)
+    return PrefillMacros(dims.num_slots, _find_tile_macro(dims), attend)
 
 
 def _schedule_for(config: AttentionConfig, schedule: PrefillSchedule | None) -> PrefillSchedule:
@@ -350,13 +413,26 @@ def _symbol(base: str, config: AttentionConfig) -> str:
     return base + ("_sliding_window" if config.sliding_window else "")
 
 
-def _tensor_cores(config: AttentionConfig, schedule) -> bool:
-    """Whether the Hopper tensor-core kernel serves this call (see prefill_sm90)."""
-    from . import prefill_sm90
+def _tensor_core_kernels(config: AttentionConfig, schedule):
+    """The tensor-core generator pair (paged, ragged) that serves this call, or None.
 
+    A schedule picks its kernel; without one, Hopper (sm_90) fp16/bf16 configs get the wgmma
+    kernel (prefill_sm90) and sm_80..sm_89 ones the mma.sync kernel (prefill_sm80); float32,
+    the CPU and configs a tensor-core kernel cannot serve keep the CUDA-core kernel below.
+    """
+    from . import prefill_sm80, prefill_sm90
+
+    sm90 = (prefill_sm90.paged_prefill_wgmma, prefill_sm90.ragged_prefill_wgmma)
+    sm80 = (prefill_sm80.paged_prefill_mma, prefill_sm80.ragged_prefill_mma)
     if schedule is not None:
-        return isinstance(schedule, prefill_sm90.WgmmaPrefillSchedule)
-    return prefill_sm90.wgmma_problem(config) is None
+        if isinstance(schedule, prefill_sm90.WgmmaPrefillSchedule):
+            return sm90
+        return sm80 if isinstance(schedule, prefill_sm80.MmaPrefillSchedule) else None
+    if prefill_sm90.wgmma_problem(config) is None:
+        return sm90
+    if config.is_gpu and config.dtype in ("float16", "bfloat16") and 80 <= int(config.cuda_arch[3:].rstrip("a")) < 90:
+        return sm80
+    return None
 
 
 def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
@@ -369,13 +445,12 @@ def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = No
     causal i32, rotary_mode i32, rope_scale f32, rope_theta f32, sm_scale f32.
     The KV of request b is its visible paged tokens; causal query i of qo_len sees keys
     j <= kv_len - qo_len + i. Rows that see no key get o = 0 and lse = EMPTY_LSE.
-    On Hopper, fp16/bf16 configs get the tensor-core kernel (prefill_sm90) unless a
-    CUDA-core `PrefillSchedule` is passed.
+    fp16/bf16 configs on sm_80 and newer get a tensor-core kernel (see `_tensor_core_kernels`)
+    unless a CUDA-core `PrefillSchedule` is passed.
     """
-    if _tensor_cores(config, schedule):
-        from . import prefill_sm90
-
-        return prefill_sm90.paged_prefill_wgmma(config, schedule)
+    tensor_cores = _tensor_core_kernels(config, schedule)
+    if tensor_cores:
+        return tensor_cores[0](config, schedule)
     if config.v_head_dim != config.head_dim:
         raise ValueError(
             f"v_head_dim={config.v_head_dim} is not supported by paged_prefill: expected head_dim={config.head_dim}"
@@ -477,12 +552,11 @@ def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = N
     o [total_q, Hq, Dv], lse [total_q, Hq] f32 (base 2), causal i32, rotary_mode i32,
     rope_scale f32, rope_theta f32, sm_scale f32. Dqk = config.head_dim, Dv = config.v_head_dim.
     Key j of request b is row kv_indptr[b] + j, at RoPE position k_rope_pos_offset[b] + j.
-    On Hopper, fp16/bf16 configs get the tensor-core kernel as in `paged_prefill`.
+    fp16/bf16 configs on sm_80 and newer get a tensor-core kernel as in `paged_prefill`.
     """
-    if _tensor_cores(config, schedule):
-        from . import prefill_sm90
-
-        return prefill_sm90.ragged_prefill_wgmma(config, schedule)
+    tensor_cores = _tensor_core_kernels(config, schedule)
+    if tensor_cores:
+        return tensor_cores[1](config, schedule)
     sched = _schedule_for(config, schedule)
     macros = _prefill_macros(config, sched)
     L = loop_kinds(config)

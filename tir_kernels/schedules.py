@@ -207,8 +207,13 @@ def choose_prefill_schedule(config: AttentionConfig) -> PrefillSchedule:
         threads_x //= 2
     threads_y = 128 // threads_x
     tile_q = 64 if max(config.head_dim, config.v_head_dim) <= 128 else 32
-    return PrefillSchedule(threads_y=threads_y, threads_x=threads_x,
-                           rows_per_thread=max(1, tile_q // threads_y), cols_per_thread=32 // threads_x)
+    limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
+    while True:  # fewer rows per block where the arch has less shared memory (sm_86/sm_89: 99 KiB)
+        sched = PrefillSchedule(threads_y=threads_y, threads_x=threads_x,
+                                rows_per_thread=max(1, tile_q // threads_y), cols_per_thread=32 // threads_x)
+        if sched.shared_bytes(config) <= limit or sched.rows_per_thread == 1:
+            return sched
+        tile_q //= 2
 
 
 @dataclasses.dataclass(frozen=True)
