@@ -30,6 +30,7 @@ from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, 
 from .config import AttentionConfig
 from .hopper import CHUNK, PANEL, SWIZZLE_128B, SWIZZLE_SBO, fence_f32, fence_u32, pack2, swizzled, wgmma_name
 from .schedules import WgmmaPrefillSchedule, choose_wgmma_prefill_schedule
+from .softmax import finalize_lse, finalize_scale, prob, rescale_factor
 
 WARPGROUP = 128
 CONSUMERS = 2
@@ -228,12 +229,12 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                 row_max[e // 2] = T.max(row_max[e // 2], sacc_[i * 4 + e] * scale_)
         for r in T.unroll(2):
             quad_reduce(row_max, r, T.max)
-            alpha[r] = T.exp2(m_[r] - row_max[r])
+            alpha[r] = rescale_factor(m_[r], row_max[r])
             m_[r] = row_max[r]
             l_[r] = l_[r] * alpha[r]
         for i in T.unroll(NS // 4):
             for e in T.unroll(4):
-                sacc_[i * 4 + e] = T.exp2(sacc_[i * 4 + e] * scale_ - m_[e // 2])
+                sacc_[i * 4 + e] = prob(sacc_[i * 4 + e] * scale_, m_[e // 2])
                 l_[e // 2] = l_[e // 2] + sacc_[i * 4 + e]
         for i in T.unroll(NO // 4):
             for e in T.unroll(4):
@@ -249,13 +250,12 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
         for i in T.unroll(NO // 4):
             for e in T.unroll(4):
                 if row0_ + (e // 2) * 8 < rows_:
-                    write_o_(row0_ + (e // 2) * 8, i * 8 + (lane_ % 4) * 2 + e % 2, T.if_then_else(
-                        l_[e // 2] > T.float32(0), oacc_[i * 4 + e] / l_[e // 2], T.float32(0)))
+                    write_o_(row0_ + (e // 2) * 8, i * 8 + (lane_ % 4) * 2 + e % 2,
+                             oacc_[i * 4 + e] * finalize_scale(l_[e // 2]))
         if lane_ % 4 == 0:
             for r in T.unroll(2):
                 if row0_ + r * 8 < rows_:
-                    write_lse_(row0_ + r * 8, T.if_then_else(
-                        l_[r] > T.float32(0), m_[r] + T.log2(l_[r]), T.float32(EMPTY_LSE)))
+                    write_lse_(row0_ + r * 8, finalize_lse(m_[r], l_[r]))
 
     @T.macro
     def consume(smem_, full_, empty_, nkv_, free_end_, kv_len_, qo_len_, p0_, rows_, causal_, scale_, cw_, tid_,
