@@ -16,6 +16,12 @@ agree between the caches, else the run fails.
     python scripts/bench_cache.py                 # H200: 32 layers, 32/8 heads, d 128, fp16, page 16
     python scripts/bench_cache.py --device cpu    # tiny smoke run on the CPU
     python scripts/bench_cache.py --workloads 1x1024 --steps 50 --caches tvmattn,tvm-cpp+tvm
+    python scripts/bench_cache.py --json cache.json   # also the rows of shared/docs/bench-format.md
+
+--json PATH writes a row per cache and workload (`make_row`): bench "cache", kernel "step", impl the
+cache's name above, batch, seq_len (the context), qo_len 1, ms (wall, median), host_ms (median),
+max_abs_diff against the baseline cache (tvm-cpp+tvm, where it ran), and the model's shape. The rows
+measured so far are written even when the run fails.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from typing import Protocol
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tvm  # noqa: E402
 from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # noqa: E402
@@ -41,6 +49,7 @@ from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_positio
 from tvm.runtime import ShapeTuple  # noqa: E402
 from tvm.s_tir import dlight  # noqa: E402
 
+import bench_rows  # noqa: E402
 from tir_kernels import AttentionConfig  # noqa: E402
 
 
@@ -463,15 +472,37 @@ def format_table(model: ModelShape, options: BenchOptions, results: list[Measure
     return "\n".join(lines)
 
 
-def run(preset: Preset, workloads: Sequence[Workload], caches: Sequence[str], options: BenchOptions) -> str:
-    """Benchmark every workload; returns the report (table + agreement lines)."""
+def make_row(model: ModelShape, options: BenchOptions, r: Measurement, target: str, meta: dict,
+             baseline: Measurement | None = None) -> dict:
+    """One row of shared/docs/bench-format.md for a measured decode step; max_abs_diff: of its
+    first-step outputs against `baseline`'s (left out without one)."""
+    row = {"bench": "cache", "kernel": "step", "impl": r.cache, "variant": target, "dtype": model.dtype,
+           "num_layers": model.num_layers, "head_dim": model.head_dim, "num_qo_heads": model.num_qo_heads,
+           "num_kv_heads": model.num_kv_heads, "page_size": model.page_size, "batch": r.workload.batch,
+           "seq_len": r.workload.context, "qo_len": 1, "ms": r.wall_ms, "host_ms": r.host_ms,
+           "steps": options.steps, "warmup": options.warmup}
+    if baseline is not None:
+        row.update(max_abs_diff=max_output_diff(r, baseline), reference=baseline.cache)
+    row.update(meta)
+    return row
+
+
+def run(preset: Preset, workloads: Sequence[Workload], caches: Sequence[str], options: BenchOptions,
+        rows: list | None = None) -> str:
+    """Benchmark every workload; returns the report (table + agreement lines). With a list for
+    `rows`, each workload's rows (`make_row`) are appended to it as soon as it is measured."""
     from tvmattn.runtime.cache import target_for
 
     device = preset.device()
     target = target_for(device)  # the kernels' target, as tvmattn.PagedKVCache picks it
+    meta = bench_rows.run_meta(gpu=target != "llvm") if rows is not None else {}
     results, agreement = [], []
     for workload in workloads:
         measured = bench_workload(preset.model, workload, caches, target, device, options)
+        if rows is not None:
+            baseline = next((r for r in measured if r.cache == BASELINE), None)
+            rows += [make_row(preset.model, options, r, target, meta, baseline if r is not baseline else None)
+                     for r in measured]
         agreement += check_agreement(measured, preset.tolerance)
         results += measured
     report = "\n".join([format_table(preset.model, options, results), "", "first-step outputs:", *agreement])
@@ -488,7 +519,11 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--prefill-chunk", type=int)
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON (shared/docs/bench-format.md)")
     args = parser.parse_args(argv)
+    problem = bench_rows.output_path_problem(args.json)
+    if problem:
+        parser.error(f"argument --json: {problem}")
     preset = PRESETS[args.device]
     options = dataclasses.replace(preset.options, **{k: v for k, v in dict(
         warmup=args.warmup, steps=args.steps, prefill_chunk=args.prefill_chunk).items() if v is not None})
@@ -497,7 +532,18 @@ def main(argv=None) -> None:
     unknown = [c for c in caches if c not in CACHES]
     if unknown:
         parser.error(f"unknown caches {unknown}; choose from {list(CACHES)}")
-    print(run(preset, workloads, caches, options))
+    if not args.json:
+        print(run(preset, workloads, caches, options))
+        return
+    rows: list[dict] = []
+    try:
+        report = run(preset, workloads, caches, options, rows)
+    except BaseException:
+        if rows:
+            bench_rows.write_rows(rows, args.json)
+        raise
+    print(report)
+    bench_rows.write_rows(rows, args.json)
 
 
 if __name__ == "__main__":

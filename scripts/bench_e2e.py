@@ -16,7 +16,13 @@ random weights with the model's shapes (speed does not depend on the values); th
 which. Libraries are built into --libs when missing (needs a TVM with its compiler); a library
 built elsewhere by `scripts/compile.py --target cuda` (cubins embedded) is used as it is.
 
-    python scripts/bench_e2e.py [--model smollm2-135m] [--libs build/e2e] [--batches 1,16,64]
+    python scripts/bench_e2e.py [--model smollm2-135m] [--libs build/e2e] [--batches 1,16,64] [--json e2e.json]
+
+--json PATH writes the results as rows of shared/docs/bench-format.md (`make_row`): bench "e2e",
+kernel "prefill" (batch 1, qo_len = seq_len = --prompt-len) or "decode" (qo_len 1, seq_len =
+--prompt-len: the prompt each sequence holds when the warm-up steps begin), one row per library with
+impl "tvmattn" (our cache) or "tvm-stock-cache", ms per prefill call / decode step, tokens_per_s,
+and max_abs_diff: the max |diff| between the two libraries' logits (the same in both rows).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -32,17 +39,21 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 from tvm.runtime import ShapeTuple  # noqa: E402
 
+import bench_rows  # noqa: E402
 import tvmattn  # noqa: E402,F401  - registers tvmattn.*
 from tvmattn.build import PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar  # noqa: E402
 
 KV_CACHES = ("tvmattn", "tvm")
 LABELS = {"tvmattn": "tvmattn cache", "tvm": "TVM stock cache"}
+IMPLS = {"tvmattn": "tvmattn", "tvm": "tvm-stock-cache"}  # the rows' impl of each library
 WARMUP_STEPS = 3
 
 
@@ -59,7 +70,12 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=int, default=0, metavar="BATCH",
                    help="also print the top GPU kernels of a decode step at this batch size, per cache")
     p.add_argument("--target", default="cuda", choices=["cuda", "llvm"], help="llvm: a CPU smoke run of this script")
-    return p.parse_args(argv)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON rows (shared/docs/bench-format.md)")
+    args = p.parse_args(argv)
+    problem = bench_rows.output_path_problem(args.json)
+    if problem:
+        p.error(f"argument --json: {problem}")
+    return args
 
 
 def library_path(args, kv_cache: str) -> Path:
@@ -215,6 +231,32 @@ class DecodeTiming:
     plan_s: float  # of which begin_forward
 
 
+def agrees(diff: float, scale: float) -> bool:
+    """The rows' `agrees`: max |diff| of the two libraries' logits finite and within 2e-2 of the
+    largest |logit| (at least 1), the tolerance of the run's agreement check."""
+    return math.isfinite(diff) and diff <= 2e-2 * max(scale, 1.0)
+
+
+def make_row(kernel: str, kv_cache: str, *, batch: int, prompt_len: int, seconds: float, diff: float, scale: float,
+             target: str, dtype: str, meta: dict, timing: DecodeTiming | None = None, extra: dict | None = None) -> dict:
+    """One row of shared/docs/bench-format.md for `kv_cache`'s library ("tvmattn" or "tvm"):
+    `seconds` per prefill call (kernel "prefill", one sequence of `prompt_len` tokens) or per decode
+    step (kernel "decode", `batch` sequences holding `prompt_len` prompt tokens, one token each);
+    `diff`/`scale`: max |diff| between the two libraries' logits / max |logit| of the stock one."""
+    if kernel not in ("prefill", "decode"):
+        raise ValueError(f"kernel {kernel!r}: expected 'prefill' or 'decode'")
+    prefill = kernel == "prefill"
+    row = {"bench": "e2e", "kernel": kernel, "impl": IMPLS[kv_cache], "variant": f"{target}/{dtype}", "dtype": dtype,
+           "batch": batch, "seq_len": prompt_len, "qo_len": prompt_len if prefill else 1, "ms": 1e3 * seconds,
+           "tokens_per_s": (prompt_len if prefill else batch) / seconds,
+           "max_abs_diff": diff, "max_abs_logit": scale, "agrees": agrees(diff, scale)}
+    if timing is not None:
+        row.update(host_ms=1e3 * timing.host_s, begin_forward_ms=1e3 * timing.plan_s)
+    row.update(extra or {})
+    row.update(meta)
+    return row
+
+
 def profile_decode(runner: Runner, prompts, steps: int = 5, top: int = 15) -> None:
     """Print the GPU kernels of `steps` decode steps by total time (torch.profiler / CUPTI)."""
     from torch.profiler import ProfilerActivity, profile
@@ -255,6 +297,13 @@ def main(argv=None) -> int:
 
     failures = []
     rows = []
+    json_rows = []
+    common = dict(target=args.target, dtype=metadata["build_options"]["dtype"],
+                  meta=bench_rows.run_meta(gpu=args.target == "cuda") if args.json else {})
+    kv_config = metadata["kv_cache"]
+    model_fields = {"model": args.model, "num_layers": config["num_hidden_layers"], "head_dim": kv_config["head_dim"],
+                    "num_qo_heads": kv_config["num_qo_heads"], "num_kv_heads": kv_config["num_kv_heads"],
+                    "page_size": page}
     # prefill
     prefill_s, prefill_logits = {}, {}
     for kv, runner in runners.items():
@@ -269,6 +318,9 @@ def main(argv=None) -> int:
     agreement = [f"prefill logits: max |diff| {diff:.3e} (max |logit| {scale:.3e})"]
     if diff > 2e-2 * max(scale, 1.0):
         failures.append("prefill logits disagree")
+    json_rows += [make_row("prefill", kv, batch=1, prompt_len=args.prompt_len, seconds=prefill_s[kv], diff=diff,
+                           scale=scale, **common, extra={**model_fields, "reps": args.reps})
+                  for kv in KV_CACHES]
     rows.append((f"prefill {args.prompt_len}", 1,
                  *(args.prompt_len / prefill_s[kv] for kv in KV_CACHES),
                  *(1e3 * prefill_s[kv] for kv in KV_CACHES)))
@@ -277,10 +329,11 @@ def main(argv=None) -> int:
     host_lines = []
     for batch in batches:
         prompts = [tvm.runtime.tensor(np.roll(prompt, 7 * i), device=device) for i in range(batch)]
-        step_s, first = {}, {}
+        step_s, first, timings = {}, {}, {}
         for kv, runner in runners.items():
             timing, first[kv] = bench_decode(runner, prompts, args.steps)
             step_s[kv] = timing.step_s
+            timings[kv] = timing
             host_lines.append(f"decode batch {batch}, {LABELS[kv]}: host {1e3 * timing.host_s:.3f} ms per step "
                               f"(begin_forward {1e3 * timing.plan_s:.3f} ms), wall {1e3 * timing.step_s:.3f} ms")
         diff = float(np.abs(first["tvmattn"] - first["tvm"]).max())
@@ -288,6 +341,10 @@ def main(argv=None) -> int:
         agreement.append(f"decode batch {batch}, first step logits: max |diff| {diff:.3e} (max |logit| {scale:.3e})")
         if diff > 2e-2 * max(scale, 1.0):
             failures.append(f"decode batch {batch} logits disagree")
+        json_rows += [make_row("decode", kv, batch=batch, prompt_len=args.prompt_len, seconds=step_s[kv], diff=diff,
+                               scale=scale, **common, timing=timings[kv],
+                               extra={**model_fields, "steps": args.steps, "warmup_steps": WARMUP_STEPS})
+                      for kv in KV_CACHES]
         rows.append(("decode", batch, *(batch / step_s[kv] for kv in KV_CACHES),
                      *(1e3 * step_s[kv] for kv in KV_CACHES)))
 
@@ -312,6 +369,8 @@ def main(argv=None) -> int:
     print()
     for line in agreement:
         print(line)
+    if args.json:
+        bench_rows.write_rows(json_rows, args.json)
     if failures:
         print("FAILED: " + "; ".join(failures))
         return 1

@@ -23,18 +23,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from typing import NamedTuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+for _path in (REPO, os.path.join(REPO, "scripts")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from bench_rows import git_commit, now_iso, write_json  # noqa: E402
 
 NUM_QO_HEADS, NUM_KV_HEADS = 32, 8
 DTYPES = ("float16", "bfloat16")
@@ -140,19 +141,6 @@ def agrees(diff: float, dtype: str) -> bool:
     return math.isfinite(diff) and diff <= TOLERANCE.get(dtype, 2e-2)
 
 
-def git_commit() -> str:
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
-
-
-def now_iso() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
 # ---------------------------------------------------------------------------------------------
 # Tables, JSON and plots (from rows; no GPU)
 
@@ -221,12 +209,6 @@ def format_tables(rows) -> str:
                    f" MISMATCH: max |diff| vs {REFERENCE} above {TOLERANCE['float16']:g} in float16,"
                    f" {TOLERANCE['bfloat16']:g} in bfloat16)")
     return "\n".join(out)
-
-
-def write_json(rows, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
-        f.write("\n")
 
 
 REQUIRED_FIELDS = ("kernel", "impl", "batch", "seq_len", "ms")

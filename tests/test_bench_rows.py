@@ -1,0 +1,215 @@
+"""The benchmark scripts' --json rows without a GPU: scripts/bench_rows.py (commit, date, device,
+JSON writing), the rows of scripts/bench_e2e.py (its run needs two compiled model libraries: minutes
+even for a tiny model on the CPU, so only its row building and options are tested here) and of
+scripts/bench_cache.py (its row building, and one tiny CPU run of TVM's C++ cache with --json)."""
+
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import sys
+import types
+
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+if SCRIPTS not in sys.path:
+    sys.path.insert(0, SCRIPTS)
+
+import bench_rows  # noqa: E402
+
+META = {"device": "NVIDIA H200", "date": "2026-01-01T00:00:00+00:00", "commit": "abc1234"}
+# shared/docs/bench-format.md: the fields every row of these benchmarks carries
+COMMON_FIELDS = ("bench", "kernel", "impl", "batch", "seq_len", "ms", "device", "date", "commit")
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", os.path.join(SCRIPTS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    return load_script("bench_e2e")
+
+
+@pytest.fixture(scope="module")
+def cache_bench():
+    return load_script("bench_cache")
+
+
+# --- scripts/bench_rows.py ---------------------------------------------------------------------
+
+
+def test_git_commit():
+    commit = bench_rows.git_commit()
+    assert commit == "unknown" or (4 <= len(commit) <= 40 and all(c in "0123456789abcdef" for c in commit))
+
+
+def test_git_commit_outside_a_repository(tmp_path):
+    assert bench_rows.git_commit(str(tmp_path)) == "unknown"
+    assert bench_rows.git_commit(str(tmp_path / "missing")) == "unknown"
+
+
+def test_now_iso():
+    text = bench_rows.now_iso()
+    stamp = datetime.datetime.fromisoformat(text)
+    assert stamp.utcoffset() == datetime.timedelta(0) and "." not in text
+    assert abs((datetime.datetime.now(datetime.timezone.utc) - stamp).total_seconds()) < 60
+
+
+def test_cpu_device_name():
+    assert bench_rows.device_name(gpu=False) == (platform.processor() or "cpu")
+
+
+def fake_torch(available):
+    cuda = types.SimpleNamespace(is_available=lambda: available, get_device_name=lambda *a: "NVIDIA H200")
+    return types.SimpleNamespace(cuda=cuda)
+
+
+def test_gpu_device_name_from_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(True))
+    assert bench_rows.device_name() == "NVIDIA H200"
+    assert bench_rows.device_name(gpu=False) == (platform.processor() or "cpu")
+
+
+def test_gpu_device_name_without_a_gpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(False))
+    fake_tvm = types.SimpleNamespace(cuda=lambda i: types.SimpleNamespace(exist=False, device_name=None))
+    monkeypatch.setitem(sys.modules, "tvm", fake_tvm)
+    assert bench_rows.device_name() == (platform.processor() or "cpu")
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    fake_tvm.cuda = lambda i: types.SimpleNamespace(exist=True, device_name="NVIDIA H200")
+    assert bench_rows.device_name() == "NVIDIA H200"
+
+
+def test_run_meta(monkeypatch):
+    monkeypatch.setattr(bench_rows, "git_commit", lambda: "abc1234")
+    meta = bench_rows.run_meta(gpu=False)
+    assert list(meta) == ["device", "date", "commit"]
+    assert meta["device"] == (platform.processor() or "cpu") and meta["commit"] == "abc1234"
+    datetime.datetime.fromisoformat(meta["date"])
+
+
+def test_write_rows_round_trip(tmp_path, capsys):
+    rows = [{"bench": "e2e", "kernel": "decode", "impl": "tvmattn", "batch": 1, "seq_len": 512, "ms": 1.5,
+             "agrees": True, **META}, {"bench": "e2e", "kernel": "decode", "impl": "tvm-stock-cache", "ms": 2.0}]
+    path = tmp_path / "rows.json"
+    path.write_text("old contents, replaced")
+    bench_rows.write_rows(rows, str(path))
+    assert capsys.readouterr().out == f"wrote 2 rows to {path}\n"
+    text = path.read_text()
+    assert json.loads(text) == rows and text.endswith("]\n")
+    bench_rows.write_json([], str(path))
+    assert json.loads(path.read_text()) == []
+
+
+def test_output_path_problem(tmp_path):
+    assert bench_rows.output_path_problem(None) is None
+    assert bench_rows.output_path_problem(str(tmp_path / "rows.json")) is None
+    assert bench_rows.output_path_problem("rows.json") is None  # the current folder
+    assert "does not exist" in bench_rows.output_path_problem(str(tmp_path / "missing" / "rows.json"))
+
+
+def test_bench_kernels_uses_the_helper():
+    bench = load_script("bench_kernels")
+    assert bench.git_commit is bench_rows.git_commit and bench.write_json is bench_rows.write_json
+
+
+# --- scripts/bench_e2e.py ----------------------------------------------------------------------
+
+
+def test_e2e_prefill_row(e2e):
+    row = e2e.make_row("prefill", "tvm", batch=1, prompt_len=512, seconds=0.004, diff=1e-3, scale=20.0,
+                       target="cuda", dtype="float16", meta=META, extra={"model": "smollm2-135m", "page_size": 16})
+    assert row["bench"] == "e2e" and row["kernel"] == "prefill" and row["impl"] == "tvm-stock-cache"
+    assert (row["batch"], row["qo_len"], row["seq_len"]) == (1, 512, 512)
+    assert row["ms"] == pytest.approx(4.0) and row["tokens_per_s"] == pytest.approx(128000.0)
+    assert row["max_abs_diff"] == 1e-3 and row["agrees"] is True
+    assert row["variant"] == "cuda/float16" and row["dtype"] == "float16"
+    assert row["model"] == "smollm2-135m" and row["page_size"] == 16 and "host_ms" not in row
+    assert all(field in row for field in COMMON_FIELDS)
+    assert list(row)[-3:] == ["device", "date", "commit"] and row["commit"] == "abc1234"
+    json.dumps(row)  # flat and serializable
+
+
+def test_e2e_decode_row(e2e):
+    timing = e2e.DecodeTiming(step_s=0.002, host_s=0.0015, plan_s=0.0005)
+    row = e2e.make_row("decode", "tvmattn", batch=16, prompt_len=512, seconds=timing.step_s, diff=0.5, scale=10.0,
+                       target="llvm", dtype="float32", meta=META, timing=timing)
+    assert row["impl"] == "tvmattn" and row["kernel"] == "decode"
+    assert (row["batch"], row["qo_len"], row["seq_len"]) == (16, 1, 512)
+    assert row["ms"] == pytest.approx(2.0) and row["tokens_per_s"] == pytest.approx(8000.0)
+    assert row["host_ms"] == pytest.approx(1.5) and row["begin_forward_ms"] == pytest.approx(0.5)
+    assert row["agrees"] is False  # 0.5 > 2e-2 * 10
+    assert all(isinstance(v, (str, int, float, bool)) for v in row.values())
+
+
+def test_e2e_agreement(e2e):
+    assert e2e.agrees(1e-2, 0.1) and not e2e.agrees(3e-2, 0.1)  # scale at least 1
+    assert e2e.agrees(0.3, 20.0) and not e2e.agrees(0.5, 20.0)
+    assert not e2e.agrees(float("nan"), 1.0)
+    with pytest.raises(ValueError, match="kernel"):
+        e2e.make_row("step", "tvm", batch=1, prompt_len=1, seconds=1.0, diff=0.0, scale=1.0, target="cuda",
+                     dtype="float16", meta={})
+
+
+def test_e2e_json_option(e2e, tmp_path, capsys):
+    assert e2e.parse_args([]).json is None
+    assert e2e.parse_args(["--json", str(tmp_path / "e2e.json")]).json == str(tmp_path / "e2e.json")
+    with pytest.raises(SystemExit) as exit_info:
+        e2e.parse_args(["--json", str(tmp_path / "missing" / "e2e.json")])
+    assert exit_info.value.code == 2 and "argument --json" in capsys.readouterr().err
+
+
+# --- scripts/bench_cache.py --------------------------------------------------------------------
+
+
+def measurement(cache_bench, cache, outputs, wall_ms=2.0):
+    return cache_bench.Measurement(cache, cache_bench.Workload(4, 1024), host_ms=0.5, wall_ms=wall_ms,
+                                   first_outputs=tuple(outputs))
+
+
+def test_cache_rows(cache_bench):
+    import numpy as np
+
+    model = cache_bench.ModelShape(32, 32, 8, 128, "float16", 16)
+    options = cache_bench.BenchOptions(warmup=2, steps=7)
+    base = measurement(cache_bench, "tvm-cpp+tvm", [np.zeros((4, 32, 128), "float16")] * 2)
+    ours = measurement(cache_bench, "tvmattn", [np.zeros((4, 32, 128), "float16"),
+                                                np.full((4, 32, 128), 0.25, "float16")], wall_ms=1.0)
+    row = cache_bench.make_row(model, options, ours, "cuda:sm_90", META, base)
+    assert row["bench"] == "cache" and row["kernel"] == "step" and row["impl"] == "tvmattn"
+    assert (row["batch"], row["seq_len"], row["qo_len"]) == (4, 1024, 1)
+    assert row["ms"] == 1.0 and row["host_ms"] == 0.5 and row["steps"] == 7 and row["warmup"] == 2
+    assert row["max_abs_diff"] == 0.25 and row["reference"] == "tvm-cpp+tvm"
+    assert (row["dtype"], row["head_dim"], row["num_qo_heads"], row["num_kv_heads"], row["page_size"]) == \
+        ("float16", 128, 32, 8, 16)
+    assert all(field in row for field in COMMON_FIELDS) and row["variant"] == "cuda:sm_90"
+    baseline_row = cache_bench.make_row(model, options, base, "cuda:sm_90", META)
+    assert "max_abs_diff" not in baseline_row and baseline_row["impl"] == "tvm-cpp+tvm"
+    json.dumps([row, baseline_row])
+
+
+def test_cache_json_option_refuses_a_missing_folder(cache_bench, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cache_bench.main(["--device", "cpu", "--json", str(tmp_path / "missing" / "cache.json")])
+    assert exit_info.value.code == 2 and "argument --json" in capsys.readouterr().err
+
+
+def test_cache_cpu_run_writes_rows(cache_bench, tmp_path, capsys):
+    """One tiny CPU run of TVM's C++ cache with its own kernels (the quickest to build): the table
+    prints as without --json, then the rows go to the file."""
+    path = tmp_path / "cache.json"
+    cache_bench.main(["--device", "cpu", "--workloads", "2x16", "--caches", "tvm-cpp+tvm", "--warmup", "1",
+                      "--steps", "1", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "tvm-cpp+tvm" in out and out.endswith(f"wrote 1 rows to {path}\n")
+    (row,) = json.loads(path.read_text())
+    assert row["bench"] == "cache" and row["impl"] == "tvm-cpp+tvm" and row["variant"] == "llvm"
+    assert (row["batch"], row["seq_len"]) == (2, 16) and row["ms"] > 0 and row["host_ms"] > 0
+    assert row["device"] == (platform.processor() or "cpu") and row["commit"] == bench_rows.git_commit()
