@@ -9,10 +9,11 @@ import zlib
 
 import numpy as np
 import pytest
+import reference as ref
 from harness import make_paged_batch, randn
-from test_prefill import check, expected, indptr, paged_inputs, requests_for, run_paged, run_ragged
+from test_prefill import check, expected, indptr, paged_inputs, requests_for, rope_args, run_paged, run_ragged
 
-from tir_kernels import AttentionConfig, default_sm_scale, paged_prefill, ragged_prefill
+from tir_kernels import AttentionConfig, RopeScaling, default_sm_scale, paged_prefill, ragged_prefill
 from tir_kernels.build import uses_tirx_pipeline
 from tir_kernels.prefill_sm90 import wgmma_problem
 from tir_kernels.schedules import WgmmaPrefillSchedule, choose_prefill_schedule
@@ -50,7 +51,6 @@ def test_tensor_cores_serve_hopper_fp16_and_bf16():
     assert uses_tirx_pipeline(ragged_prefill(hopper.replace(head_dim=192, v_head_dim=128)))
     assert "dtype" in wgmma_problem(hopper.replace(dtype="float32"))
     assert "head_dim=80" in wgmma_problem(hopper.replace(head_dim=80))
-    assert "inline_rope" in wgmma_problem(hopper.replace(inline_rope=True))
     assert "Hopper" in wgmma_problem(hopper.replace(target="cuda:sm_80"))
     assert "Hopper" in wgmma_problem(hopper.replace(target="llvm"))
     # an explicit CUDA-core schedule keeps the CUDA-core kernel
@@ -158,3 +158,41 @@ def test_long_context_tensor_cores(kernels):
     qo_indptr = indptr([128, 1])
     o, lse = run_paged(kernels, config, batch, q, qo_indptr, True)
     check(config, o, lse, qo_indptr, expected(q, qo_indptr, batch.visible, default_sm_scale(128), True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,scaling", [("float16", 128, None), ("bfloat16", 64, RopeScaling(8.0, 1.0, 4.0, 64))],
+                         ids=["fp16-d128-rope", "bf16-d64-llama3-rope"])
+def test_tensor_cores_inline_rope(kernels, dtype, head_dim, scaling):
+    """rotary_mode=1 on the tensor-core kernels: q rotated at q_rope_position, key j at
+    k_rope_pos_offset + j (the same kernel serves both modes, chosen at run time)."""
+    config = _tc_config(num_qo_heads=16, num_kv_heads=4, head_dim=head_dim, dtype=dtype, page_size=16,
+                        rope_scaling=scaling)
+    rng = np.random.default_rng(head_dim)
+    requests = [(37, 37), (20, 300), (1, 50), (0, 10), (3, 0), (200, 200)]
+    batch, q, qo_indptr = paged_inputs(rng, config, requests)
+    k_pos, q_pos = rope_args(*zip(*requests))
+    rope = (5e5, 0.5)
+    o, lse = run_paged(kernels, config, batch, q, qo_indptr, True, 1, rope, k_pos, q_pos)
+    want = expected(q, qo_indptr, batch.visible, default_sm_scale(head_dim), True, (*rope, scaling), k_pos, q_pos)
+    check_rotated(config, o, lse, qo_indptr, want)
+    # ragged: the same requests with contiguous K/V
+    kv_lens = [kv for _, kv in requests]
+    k = np.concatenate([batch.visible(i)[0] for i in range(len(requests))])
+    v = np.concatenate([batch.visible(i)[1] for i in range(len(requests))])
+    kv_indptr = indptr(kv_lens)
+    o, lse = run_ragged(kernels, config, q, qo_indptr, k, v, kv_indptr, True, 1, rope, k_pos, q_pos)
+    check_rotated(config, o, lse, qo_indptr, want)
+
+
+def check_rotated(config, o, lse, qo_indptr, want):
+    """`check`, with the LSE tolerance widened by the rounding of the rotated q and k to the
+    kernel's 16-bit dtype (tensor cores take 16-bit operands; bf16 keeps 8 bits of mantissa,
+    so a score of size ~10 moves by ~0.04)."""
+    rtol, atol = ref.TOLERANCES[config.dtype]
+    lse_atol = 0.05 if config.dtype == "bfloat16" else ref.LSE_TOLERANCE[1]
+    for i, (eo, else_) in enumerate(want):
+        s, e = qo_indptr[i], qo_indptr[i + 1]
+        np.testing.assert_allclose(o[s:e], eo, rtol=rtol, atol=atol, err_msg=f"o of request {i}")
+        np.testing.assert_allclose(lse[s:e], else_, rtol=ref.LSE_TOLERANCE[0], atol=lse_atol,
+                                   err_msg=f"lse of request {i}")

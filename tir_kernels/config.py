@@ -75,9 +75,6 @@ class AttentionConfig:
       sliding_window_offset, sink_size) instead of [batch].
     rope_theta / rope_scale: constants of the split-rotary kernel (attention kernels take
       them at run time); rope_scaling: optional Llama-3 frequency scaling, used everywhere.
-    inline_rope: the attention kernels will be called with rotary_mode=1 (RoPE applied inside
-      them, K cached unrotated). The Hopper tensor-core prefill applies no RoPE, so such a
-      config keeps the CUDA-core prefill; other kernels serve both modes either way.
     """
 
     num_qo_heads: int
@@ -91,7 +88,6 @@ class AttentionConfig:
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
     rope_scaling: RopeScaling | None = None
-    inline_rope: bool = False
 
     def __post_init__(self):
         if self.v_head_dim == 0:

@@ -17,16 +17,20 @@ causal rows start first), on a different machine model:
     The epilogue writes o = O / l and lse = m + log2(l) (EMPTY_LSE and o = 0 for a row that
     saw no key).
 
-Inline RoPE (rotary_mode == 1) is not done on tensor cores: `prefill.py` keeps serving it.
+Inline RoPE (rotary_mode == 1, chosen at run time) rotates Q as the consumers store it and K
+as the producer does (plain loads and shared-memory stores instead of cp.async): correct, and
+slower than the default mode where keys are cached rotated.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import tvm
 from tvm.script import tirx as T
 
 from .build import TIRX_ATTR
-from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, paged_position
+from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, paged_position, rope_value
 from .config import AttentionConfig
 from .hopper import CHUNK, PANEL, SWIZZLE_128B, SWIZZLE_SBO, fence_f32, fence_u32, pack2, swizzled, wgmma_name
 from .schedules import WgmmaPrefillSchedule, choose_wgmma_prefill_schedule
@@ -42,8 +46,6 @@ MASKED = -1.0e30  # score of a masked key (finite: exp2 of it minus any running 
 
 def wgmma_problem(config: AttentionConfig) -> str | None:
     """Why the tensor-core prefill cannot serve `config`, or None when it can."""
-    if config.inline_rope:
-        return "inline_rope=True (RoPE inside the kernel)"
     if not config.is_gpu or config.cuda_arch not in ("sm_90", "sm_90a"):
         return f"target {config.target!r} is not a Hopper GPU (sm_90)"
     if config.dtype not in ("float16", "bfloat16"):
@@ -56,7 +58,7 @@ def wgmma_problem(config: AttentionConfig) -> str | None:
 
 
 def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
-    dtype, G = config.dtype, config.group_size
+    dtype, G, scaling = config.dtype, config.group_size, config.rope_scaling
     D_QK, D_V = config.head_dim, config.v_head_dim
     BM, BN, ST = sched.tile_q, sched.tile_kv, sched.stages
     Q_ELEMS, K_ELEMS, V_ELEMS = BM * D_QK, BN * D_QK, BN * D_V
@@ -113,6 +115,21 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                     T.Cast("uint32", T.if_then_else(valid_(r), 16, 0)))
 
     @T.macro
+    def rope_rows(smem_, base_, rows_, tile_rows_, tid_, at_, pos_, valid_, rope_):
+        """Inline RoPE (rotary_mode 1): rows 0..rows_ of D_QK elements, rotated at position
+        pos_(r), stored (st.shared) into the swizzled tile of tile_rows_ rows at smem_[base_];
+        zeros where valid_(r) is False. at_(r, d): element d of row r (r clamped by the caller)."""
+        for it in T.serial(ceildiv(rows_ * (D_QK // CHUNK), WARPGROUP)):
+            idx = T.meta_var(it * WARPGROUP + tid_)
+            r = T.meta_var(idx // (D_QK // CHUNK))
+            c = T.meta_var(idx % (D_QK // CHUNK) * CHUNK)
+            if idx < rows_ * (D_QK // CHUNK):
+                for e in T.serial(CHUNK):  # not unrolled: few registers live (the producer has 40)
+                    smem_[base_ + swizzled(tile_rows_, r, c) + e] = T.if_then_else(
+                        valid_(r), T.Cast(dtype, rope_value(lambda i: at_(r, i), c + e, pos_(r), D_QK, rope_.theta,
+                                                            rope_.scale, scaling)), T.Cast(dtype, 0))
+
+    @T.macro
     def copy_kv(smem_, s_, t_, kv_end_, tid_, kv_row_, k_ptr_, v_ptr_):
         """Step t_'s K and V rows -> buffer s_ (cp.async; rows past kv_end_ zero-filled). When K
         and V rows are equally wide, one lookup of a key's slot serves both copies."""
@@ -139,13 +156,13 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                       lambda r: t_ * BN + r < kv_end_)
 
     @T.macro
-    def produce(smem_, full_, empty_, nkv_, kv_end_, tid_, kv_row_, k_ptr_, v_ptr_):
-        """Producer warpgroup: K/V rows of steps 0..nkv_ into the ring; a buffer is signalled
-        full once this thread's copies into it have landed (fence, then mbarrier arrive)."""
+    def produce_steps(smem_, full_, empty_, nkv_, copy_step_):
+        """The producer's ring: copy_step_(t) issues step t's copies into buffer t % ST; a buffer is
+        signalled full once this thread's copies into it have landed (fence, then mbarrier arrive)."""
         for t in T.serial(nkv_):
             if t >= ST:
                 T.cuda.mbarrier_wait(empty_.ptr_to([t % ST]), ((t // ST) + 1) % 2)
-            copy_kv(smem_, t % ST, t, kv_end_, tid_, kv_row_, k_ptr_, v_ptr_)
+            copy_step_(t)
             T.ptx["cp.async.commit_group"]()
             if t >= 1:
                 T.ptx["cp.async.wait_group"](1)
@@ -155,6 +172,28 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
             T.ptx["cp.async.wait_group"](0)
             T.ptx["fence.proxy.async.shared::cta"]()
             T.ptx.mbarrier.arrive.shared.b64(full_.ptr_to([(nkv_ - 1) % ST]))
+
+    @T.macro
+    def rope_kv_step(smem_, t_, kv_end_, tid_, kv_row_, v_ptr_, k_at_, k_pos_base_, rope_):
+        """Step t_ with inline RoPE: rotated keys stored, values copied (cp.async)."""
+        rope_rows(smem_, K_OFF + (t_ % ST) * K_ELEMS, BN, BN, tid_,
+                  lambda r, d: k_at_(kv_row_(T.min(t_ * BN + r, kv_end_ - 1)), d),
+                  lambda r: k_pos_base_ + t_ * BN + r, lambda r: t_ * BN + r < kv_end_, rope_)
+        copy_rows(smem_, V_OFF + (t_ % ST) * V_ELEMS, BN, BN, D_V, tid_,
+                  lambda r, c: v_ptr_(kv_row_(T.min(t_ * BN + r, kv_end_ - 1)), c),
+                  lambda r: t_ * BN + r < kv_end_)
+
+    @T.macro
+    def produce(smem_, full_, empty_, nkv_, kv_end_, tid_, kv_row_, k_ptr_, v_ptr_, k_at_, k_pos_base_, rope_):
+        """Producer warpgroup: K/V rows of steps 0..nkv_ into the ring. With inline RoPE the keys
+        are rotated on the way (k_at_(row, d): element d of a key) in a loop of its own, so that
+        the plain loop keeps its registers."""
+        if rope_.mode == 1:
+            produce_steps(smem_, full_, empty_, nkv_, lambda t: rope_kv_step(
+                smem_, t, kv_end_, tid_, kv_row_, v_ptr_, k_at_, k_pos_base_, rope_))
+        else:
+            produce_steps(smem_, full_, empty_, nkv_, lambda t: copy_kv(
+                smem_, t % ST, t, kv_end_, tid_, kv_row_, k_ptr_, v_ptr_))
 
     @T.macro
     def s_mma(smem_, sacc_, cw_, s_):
@@ -259,7 +298,7 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
 
     @T.macro
     def consume(smem_, full_, empty_, nkv_, free_end_, kv_len_, qo_len_, p0_, rows_, causal_, scale_, cw_, tid_,
-                q_ptr_, write_o_, write_lse_):
+                q_ptr_, q_at_, q_pos_, rope_, write_o_, write_lse_):
         """Consumer warpgroup cw_: rows p0_ + 64 cw_ .. of the tile, over steps 0..nkv_."""
         sacc = T.alloc_local((NS,), "float32")
         oacc = T.alloc_local((NO,), "float32")
@@ -271,9 +310,15 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
         lane = T.meta_var(tid_ % 32)
         row0 = T.meta_var(cw_ * ROWS_PER_CONSUMER + warp * 16 + lane // 4)  # the thread's first row in the tile
         # Q rows of this consumer -> shared memory (zeros past the tile's rows)
-        copy_rows(smem_, cw_ * ROWS_PER_CONSUMER * PANEL, ROWS_PER_CONSUMER, BM, D_QK, tid_,
-                  lambda r, c: q_ptr_(T.min(p0_ + cw_ * ROWS_PER_CONSUMER + r, T.max(rows_ - 1, 0)), c),
-                  lambda r: p0_ + cw_ * ROWS_PER_CONSUMER + r < rows_)
+        if rope_.mode == 1:
+            rope_rows(smem_, cw_ * ROWS_PER_CONSUMER * PANEL, ROWS_PER_CONSUMER, BM, tid_,
+                      lambda r, d: q_at_(T.min(p0_ + cw_ * ROWS_PER_CONSUMER + r, T.max(rows_ - 1, 0)), d),
+                      lambda r: q_pos_(T.min(p0_ + cw_ * ROWS_PER_CONSUMER + r, T.max(rows_ - 1, 0))),
+                      lambda r: p0_ + cw_ * ROWS_PER_CONSUMER + r < rows_, rope_)
+        else:
+            copy_rows(smem_, cw_ * ROWS_PER_CONSUMER * PANEL, ROWS_PER_CONSUMER, BM, D_QK, tid_,
+                      lambda r, c: q_ptr_(T.min(p0_ + cw_ * ROWS_PER_CONSUMER + r, T.max(rows_ - 1, 0)), c),
+                      lambda r: p0_ + cw_ * ROWS_PER_CONSUMER + r < rows_)
         T.ptx["cp.async.commit_group"]()
         T.ptx["cp.async.wait_group"](0)
         T.ptx["fence.proxy.async.shared::cta"]()
@@ -307,14 +352,16 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
         store(oacc, m, lsum, rows_, p0_ + row0, lane, write_o_, write_lse_)
 
     @T.macro
-    def kernel(qo_indptr_, batch_, total_q_, Hkv_, causal_, sm_scale_, q_ptr_, kv_len_, kv_row_, k_ptr_, v_ptr_,
-               write_o_, write_lse_):
+    def kernel(qo_indptr_, batch_, total_q_, Hkv_, causal_, sm_scale_, rope_, q_ptr_, q_at_, q_pos_, kv_len_, kv_row_,
+               k_ptr_, v_ptr_, k_at_, k_pos_, write_o_, write_lse_):
         """The device part: one CTA per (tile slot, KV head), 3 warpgroups.
 
         Accessors of request b and KV head hkv: q_ptr_(b, hkv, p, c) address of element c of
         packed row p's query; kv_len_(b) visible keys; kv_row_(b, j) where key j lives (an
         int32 handle); k_ptr_(hkv, row, c) / v_ptr_(hkv, row, c) addresses of element c of
         that key / value; write_o_(b, hkv, p, c, value), write_lse_(b, hkv, p, value).
+        Inline RoPE (rope_.mode == 1) also reads q_at_(b, hkv, p, d) / k_at_(hkv, row, d) (element
+        values), q_pos_(b, p) and k_pos_(b) (positions of packed row p and of key 0).
         """
         T.device_entry()
         bx = T.cta_id([num_slots(total_q_, batch_) * Hkv_])
@@ -345,18 +392,24 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
         if wg == 0:
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](sched.producer_regs)
             produce(smem, full, empty, nkv, kv_end, tid, lambda j: kv_row_(b, j), lambda row, c: k_ptr_(hkv, row, c),
-                    lambda row, c: v_ptr_(hkv, row, c))
+                    lambda row, c: v_ptr_(hkv, row, c), lambda row, d: k_at_(hkv, row, d), k_pos_(b), rope_)
         else:
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](sched.consumer_regs)
             consume(smem, full, empty, nkv, free_end, kv_len_v, qo_len, p0, rows, causal_,
                     sm_scale_ * T.float32(LOG2E), wg - 1, tid, lambda p, c: q_ptr_(b, hkv, p, c),
+                    lambda p, d: q_at_(b, hkv, p, d), lambda p: q_pos_(b, p), rope_,
                     lambda p, c, val: write_o_(b, hkv, p, c, val), lambda p, val: write_lse_(b, hkv, p, val))
 
     return kernel
 
 
-NO_ROPE_MESSAGE = ("rotary_mode=1: this tensor-core prefill applies no inline RoPE; build the kernel from a"
-                   " config with inline_rope=True to get the CUDA-core prefill that does")
+class Rope(NamedTuple):
+    """The kernel's run-time RoPE arguments: mode (rotary_mode; 1 = rotate q and k inside),
+    scale and theta."""
+
+    mode: object
+    scale: object
+    theta: object
 
 
 def _finish(func, symbol: str):
@@ -375,7 +428,7 @@ def _schedule_for(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None
 
 
 def paged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None = None):
-    """Tensor-core body of `prefill.paged_prefill` (same arguments), rotary_mode 0 only."""
+    """Tensor-core body of `prefill.paged_prefill` (same arguments and semantics)."""
     sched = _schedule_for(config, schedule)
     kernel = _macros(config, sched)
     dtype, ps, D = config.dtype, config.page_size, config.head_dim
@@ -421,15 +474,18 @@ def paged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule 
         q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
         O = T.match_buffer(o_handle, (total_q, Hq, D), dtype)
         lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
-        T.Assert(rotary_mode == 0, NO_ROPE_MESSAGE)
-        kernel(qo_indptr, B, total_q, Hkv, causal, sm_scale,
+        kernel(qo_indptr, B, total_q, Hkv, causal, sm_scale, Rope(rotary_mode, rope_scale, rope_theta),
                lambda b, hkv, p, c: Q.ptr_to([qo_indptr[b] + p // G, hkv * G + p % G, c]),
+               lambda b, hkv, p, d: Q[qo_indptr[b] + p // G, hkv * G + p % G, d],
+               lambda b, p: q_rope_position[qo_indptr[b] + p // G],
                lambda b: kv_chunk_len(page_indptr[b + 1] - page_indptr[b], ps, length_info, b, sliding),
                # a key's slot in the page pool: page id * page_size + offset
                lambda b, j: page_indices[page_indptr[b] + paged_position(j, length_info, b, sliding) // ps] * ps
                + paged_position(j, length_info, b, sliding) % ps,
                lambda hkv, slot, c: pages.ptr_to([slot // ps, 0, hkv, slot % ps, c]),
                lambda hkv, slot, c: pages.ptr_to([slot // ps, 1, hkv, slot % ps, c]),
+               lambda hkv, slot, d: pages[slot // ps, 0, hkv, slot % ps, d],
+               lambda b: k_rope_pos_offset[b],
                lambda b, hkv, p, c, val: T.buffer_store(O, T.Cast(dtype, val),
                                                         [qo_indptr[b] + p // G, hkv * G + p % G, c]),
                lambda b, hkv, p, val: T.buffer_store(lse, val, [qo_indptr[b] + p // G, hkv * G + p % G]))
@@ -438,7 +494,7 @@ def paged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule 
 
 
 def ragged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None = None):
-    """Tensor-core body of `prefill.ragged_prefill` (same arguments), rotary_mode 0 only."""
+    """Tensor-core body of `prefill.ragged_prefill` (same arguments and semantics)."""
     sched = _schedule_for(config, schedule)
     kernel = _macros(config, sched)
     dtype, D_QK, D_V = config.dtype, config.head_dim, config.v_head_dim
@@ -478,13 +534,16 @@ def ragged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule
         k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
         O = T.match_buffer(o_handle, (total_q, Hq, D_V), dtype)
         lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
-        T.Assert(rotary_mode == 0, NO_ROPE_MESSAGE)
-        kernel(qo_indptr, B, total_q, Hkv, causal, sm_scale,
+        kernel(qo_indptr, B, total_q, Hkv, causal, sm_scale, Rope(rotary_mode, rope_scale, rope_theta),
                lambda b, hkv, p, c: Q.ptr_to([qo_indptr[b] + p // G, hkv * G + p % G, c]),
+               lambda b, hkv, p, d: Q[qo_indptr[b] + p // G, hkv * G + p % G, d],
+               lambda b, p: q_rope_position[qo_indptr[b] + p // G],
                lambda b: kv_indptr[b + 1] - kv_indptr[b],
                lambda b, j: kv_indptr[b] + j,
                lambda hkv, row, c: K.ptr_to([row, hkv, c]),
                lambda hkv, row, c: V.ptr_to([row, hkv, c]),
+               lambda hkv, row, d: K[row, hkv, d],
+               lambda b: k_rope_pos_offset[b],
                lambda b, hkv, p, c, val: T.buffer_store(O, T.Cast(dtype, val),
                                                         [qo_indptr[b] + p // G, hkv * G + p % G, c]),
                lambda b, hkv, p, val: T.buffer_store(lse, val, [qo_indptr[b] + p // G, hkv * G + p % G]))

@@ -95,8 +95,7 @@ class CacheOptions:
             return AttentionConfig(self.num_qo_heads, self.num_kv_heads, self.qk_head_dim, self.v_head_dim,
                                    dtype=self.dtype, page_size=self.page_size, target=target,
                                    rope_theta=self.rope_theta, rope_scale=self.rope_scale,
-                                   rope_scaling=self.rope_scaling,
-                                   inline_rope=self.effective_rope_mode == RopeMode.INLINE)
+                                   rope_scaling=self.rope_scaling)
         except ValueError as error:
             raise KVCacheError(f"no kernels for this cache configuration: {error}") from None
 

@@ -58,10 +58,10 @@ class KernelSet:
 
 # slot -> (generator, the config fields the generator reads besides shapes/dtype/target).
 _GENERATORS = {
-    "prefill_ragged": (tir_kernels.ragged_prefill, ("rope_scaling", "inline_rope")),
-    "prefill_paged": (tir_kernels.paged_prefill, ("rope_scaling", "inline_rope")),
+    "prefill_ragged": (tir_kernels.ragged_prefill, ("rope_scaling",)),
+    "prefill_paged": (tir_kernels.paged_prefill, ("rope_scaling",)),
     "decode_paged": (tir_kernels.paged_decode, ("rope_scaling",)),
-    "prefill_paged_sliding_window": (tir_kernels.paged_prefill, ("rope_scaling", "sliding_window", "inline_rope")),
+    "prefill_paged_sliding_window": (tir_kernels.paged_prefill, ("rope_scaling", "sliding_window")),
     "decode_paged_sliding_window": (tir_kernels.paged_decode, ("rope_scaling", "sliding_window")),
     "transpose_append": (tir_kernels.transpose_append, ()),
     "split_rotary": (tir_kernels.split_rotary, ("rope_theta", "rope_scale", "rope_scaling")),
@@ -70,8 +70,7 @@ _GENERATORS = {
     "debug_get_kv": (tir_kernels.debug_get_kv, ()),
     "merge_state": (tir_kernels.merge_state, ()),
 }
-_NEUTRAL = {"rope_theta": 10000.0, "rope_scale": 1.0, "rope_scaling": None, "sliding_window": False,
-            "inline_rope": False}
+_NEUTRAL = {"rope_theta": 10000.0, "rope_scale": 1.0, "rope_scaling": None, "sliding_window": False}
 
 
 def paged_slots(sliding_window: bool) -> tuple[str, str]:
