@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 import reference as ref
-from harness import make_paged_batch, randn
+from harness import JUNK, make_paged_batch, randn
 from test_prefill import check, expected, indptr, paged_inputs, requests_for, rope_args, run_paged, run_ragged
 
 from tir_kernels import AttentionConfig, RopeScaling, default_sm_scale, paged_prefill, ragged_prefill
@@ -161,7 +161,8 @@ def test_long_context_tensor_cores(kernels):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,head_dim,scaling", [("float16", 128, None), ("bfloat16", 64, RopeScaling(8.0, 1.0, 4.0, 64))],
+@pytest.mark.parametrize("dtype,head_dim,scaling",
+                         [("float16", 128, None), ("bfloat16", 64, RopeScaling(8.0, 1.0, 4.0, 64))],
                          ids=["fp16-d128-rope", "bf16-d64-llama3-rope"])
 def test_tensor_cores_inline_rope(kernels, dtype, head_dim, scaling):
     """rotary_mode=1 on the tensor-core kernels: q rotated at q_rope_position, key j at
@@ -196,3 +197,18 @@ def check_rotated(config, o, lse, qo_indptr, want):
         np.testing.assert_allclose(o[s:e], eo, rtol=rtol, atol=atol, err_msg=f"o of request {i}")
         np.testing.assert_allclose(lse[s:e], else_, rtol=ref.LSE_TOLERANCE[0], atol=lse_atol,
                                    err_msg=f"lse of request {i}")
+
+
+@pytest.mark.gpu
+def test_tensor_cores_ignore_nan_in_unowned_slots(kernels):
+    """NaN (not just a large finite junk value) in every page slot no request owns, including
+    the tails of last pages that a 128-key step covers: nothing of it reaches o or lse."""
+    config = _tc_config(num_qo_heads=16, num_kv_heads=2, head_dim=128, dtype="float16", page_size=16)
+    rng = np.random.default_rng(7)
+    batch, q, qo_indptr = paged_inputs(rng, config, [(5, 21), (16, 16), (1, 33), (40, 100), (130, 130)])
+    junk = batch.pages.astype(np.float32) == JUNK
+    assert junk.any()
+    batch.pages = np.where(junk, np.nan, batch.pages).astype(batch.pages.dtype)
+    for causal in (True, False):
+        o, lse = run_paged(kernels, config, batch, q, qo_indptr, causal)
+        check(config, o, lse, qo_indptr, expected(q, qo_indptr, batch.visible, default_sm_scale(128), causal))

@@ -46,6 +46,7 @@ from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, 
 from .config import AttentionConfig
 from .prefill import _prefill_macros, _schedule_for, _symbol
 from .schedules import CUDA_DEFAULT_SHARED_BYTES, CUDA_MAX_SHARED_BYTES, PrefillSchedule, choose_prefill_schedule
+from .softmax import finalize_lse, finalize_scale, prob, rescale_factor
 
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 ROWS_PER_MMA = 16  # the M of m16n8k16
@@ -308,13 +309,13 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
                     m_new[0] = T.max(m_new[0], s_[acc(r // 2, SN, nb) + r % 2 * 2 + e])
             for k in L.unroll(2):  # the 4 lanes of a quad hold the row
                 m_new[0] = T.max(m_new[0], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), m_new[0], 1 << k, 32, 32))
-            alpha[0] = T.exp2(m_run_[r] - m_new[0])
+            alpha[0] = rescale_factor(m_run_[r], m_new[0])
             m_run_[r] = m_new[0]
             l_run_[r] = l_run_[r] * alpha[0]
             for nb in L.unroll(SN):
                 for e in L.unroll(2):
                     i = T.meta_var(acc(r // 2, SN, nb) + r % 2 * 2 + e)
-                    s_[i] = T.exp2(s_[i] - m_new[0])
+                    s_[i] = prob(s_[i], m_new[0])
                     l_run_[r] = l_run_[r] + s_[i]
             for nb in L.unroll(ON):
                 for e in L.unroll(2):
@@ -349,14 +350,13 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
             for k in L.unroll(2):
                 l_run_[r] = l_run_[r] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), l_run_[r], 1 << k, 32, 32)
             if p_ + row_of(r) < rows_:
-                inv[0] = T.if_then_else(l_run_[r] > T.float32(0), T.float32(1) / l_run_[r], T.float32(0))
+                inv[0] = finalize_scale(l_run_[r])
                 for nb in L.unroll(ON):
                     for e in L.vector(2):
                         write_o_(p_ + row_of(r), nb * 8 + lane_ % 4 * 2 + e,
                                  o_[acc(r // 2, ON, nb) + r % 2 * 2 + e] * inv[0])
                 if lane_ % 4 == 0:
-                    write_lse_(p_ + row_of(r), T.if_then_else(
-                        l_run_[r] > T.float32(0), m_run_[r] + T.log2(l_run_[r]), T.float32(EMPTY_LSE)))
+                    write_lse_(p_ + row_of(r), finalize_lse(m_run_[r], l_run_[r]))
 
     @T.macro
     def attend(q_at_, kv_row_, k_at_, v_at_, write_o_, write_lse_, qo_len_, kv_len_, tile_, causal_, sm_scale_,

@@ -238,7 +238,8 @@ class WgmmaPrefillSchedule:
     REGISTER_FILE = 65536
 
     def __post_init__(self):
-        _require(self.tile_kv % 16 == 0 and 16 <= self.tile_kv <= 256, f"tile_kv={self.tile_kv} must be a multiple of 16 in 16..256")
+        _require(self.tile_kv % 16 == 0 and 16 <= self.tile_kv <= 256,
+                 f"tile_kv={self.tile_kv} must be a multiple of 16 in 16..256")
         _require(self.stages >= 2, f"stages={self.stages} must be >= 2")
         for name in ("producer_regs", "consumer_regs"):
             value = getattr(self, name)
@@ -257,8 +258,8 @@ class WgmmaPrefillSchedule:
     def check(self, config: AttentionConfig) -> None:
         limit = CUDA_MAX_SHARED_BYTES["sm_90"]
         _require(self.shared_bytes(config) <= limit,
-                 f"tile_kv={self.tile_kv}, stages={self.stages} need {self.shared_bytes(config)} bytes of shared memory,"
-                 f" sm_90 has {limit}")
+                 f"tile_kv={self.tile_kv}, stages={self.stages} need {self.shared_bytes(config)} bytes of shared"
+                 f" memory, sm_90 has {limit}")
         # leave ~56 registers for addresses, softmax state and descriptors
         _require(self.accumulator_registers(config) + 56 <= self.consumer_regs,
                  f"tile_kv={self.tile_kv} with v_head_dim={config.v_head_dim} needs"
