@@ -68,6 +68,7 @@ def expected(q, qo_indptr, kv_of, sm_scale, causal, rope=None, k_pos=None, q_pos
 
 
 def check(config, o, lse, qo_indptr, want):
+    assert np.isfinite(o).all() and np.isfinite(lse).all(), "unwritten (NaN) or non-finite outputs"
     rtol, atol = ref.TOLERANCES[config.dtype]
     for i, (eo, else_) in enumerate(want):
         s, e = qo_indptr[i], qo_indptr[i + 1]

@@ -11,9 +11,9 @@ import zlib
 
 import numpy as np
 import pytest
-import reference as ref
 import tvm
 from harness import JUNK, device_for, empty, index_view, make_paged_batch, randn, tensor
+from test_prefill import check, expected, indptr, rope_args
 
 from tir_kernels import AttentionConfig, default_sm_scale, paged_prefill, ragged_prefill
 from tir_kernels.prefill_sm80 import (
@@ -86,42 +86,6 @@ def requests_for(page_size):
     mixed with 1-token requests."""
     return [(37, 37), (20, 100), (1, 50), (min(5, 2 * page_size), 2 * page_size), (0, 10), (3, 0),
             (page_size, 3 * page_size), (70, 150), (1, 1), (130, 333), (1, 257)]
-
-
-def indptr(lengths):
-    return np.cumsum([0, *lengths]).astype(np.int32)
-
-
-def rope_args(qo_lens, kv_lens):
-    """k_rope_pos_offset [B] and q_rope_position [total_q]: new tokens follow the history."""
-    k_pos = np.array([3 + 5 * i for i in range(len(kv_lens))], np.int32)
-    q_pos = np.concatenate(
-        [k_pos[i] + kv - qo + np.arange(qo) for i, (qo, kv) in enumerate(zip(qo_lens, kv_lens))]
-    ).astype(np.int32)
-    return k_pos, q_pos
-
-
-def expected(q, qo_indptr, kv_of, sm_scale, causal, rope=None, k_pos=None, q_pos=None):
-    """Per-request float64 reference; kv_of(i) -> (k, v); rope = (theta, scale, scaling) or None."""
-    out = []
-    for i in range(len(qo_indptr) - 1):
-        s, e = qo_indptr[i], qo_indptr[i + 1]
-        qi, (k, v) = q[s:e], kv_of(i)
-        if rope is not None:
-            qi = ref.rope(qi, q_pos[s:e], *rope)
-            k = ref.rope(k, k_pos[i] + np.arange(len(k)), *rope)
-        out.append(ref.attention(qi, k, v, sm_scale, causal))
-    return out
-
-
-def check(config, o, lse, qo_indptr, want):
-    assert np.isfinite(o).all() and np.isfinite(lse).all(), "unwritten (NaN) or non-finite outputs"
-    rtol, atol = ref.TOLERANCES[config.dtype]
-    for i, (eo, else_) in enumerate(want):
-        s, e = qo_indptr[i], qo_indptr[i + 1]
-        np.testing.assert_allclose(o[s:e], eo, rtol=rtol, atol=atol, err_msg=f"o of request {i}")
-        np.testing.assert_allclose(lse[s:e], else_, rtol=ref.LSE_TOLERANCE[0], atol=ref.LSE_TOLERANCE[1],
-                                   err_msg=f"lse of request {i}")
 
 
 def paged_inputs(rng, config, requests):

@@ -11,9 +11,24 @@ import numpy as np
 import pytest
 import reference as ref
 from harness import JUNK, make_paged_batch, randn
-from test_prefill import check, expected, indptr, paged_inputs, requests_for, rope_args, run_paged, run_ragged
+from test_prefill import (
+    check,
+    expected,
+    indptr,
+    paged_inputs,
+    requests_for,
+    rope_args,
+    run_paged,
+    run_ragged,
+)
 
-from tir_kernels import AttentionConfig, RopeScaling, default_sm_scale, paged_prefill, ragged_prefill
+from tir_kernels import (
+    AttentionConfig,
+    RopeScaling,
+    default_sm_scale,
+    paged_prefill,
+    ragged_prefill,
+)
 from tir_kernels.build import uses_tirx_pipeline
 from tir_kernels.prefill_sm90 import wgmma_problem
 from tir_kernels.schedules import WgmmaPrefillSchedule, choose_prefill_schedule

@@ -43,8 +43,9 @@ from typing import NamedTuple
 
 from tvm.script import tirx as T
 
-from .common import LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position, rope_value
+from .common import LOG2E, ceildiv, kv_chunk_len, loop_kinds, paged_position, rope_value
 from .config import AttentionConfig, RopeScaling
+from .prefill_contract import paged_prefill_func, ragged_prefill_func
 from .schedules import (
     CUDA_VECTOR_BYTES,
     PREFILL_P_ROW_PAD,
@@ -409,10 +410,6 @@ def _schedule_for(config: AttentionConfig, schedule: PrefillSchedule | None) -> 
     return sched
 
 
-def _symbol(base: str, config: AttentionConfig) -> str:
-    return base + ("_sliding_window" if config.sliding_window else "")
-
-
 def _tensor_core_kernels(config: AttentionConfig, schedule):
     """The tensor-core generator pair (paged, ragged) that serves this call, or None.
 
@@ -458,8 +455,8 @@ def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = No
     sched = _schedule_for(config, schedule)
     macros = _prefill_macros(config, sched)
     L = loop_kinds(config)
-    dtype, ps, D = config.dtype, config.page_size, config.head_dim
-    Hq, Hkv, G = config.num_qo_heads, config.num_kv_heads, config.group_size
+    dtype, ps = config.dtype, config.page_size
+    Hkv, G = config.num_kv_heads, config.group_size
     TY, TX, sliding = sched.threads_y, sched.threads_x, config.sliding_window
 
     @T.macro
@@ -492,56 +489,7 @@ def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = No
                         tile[0], causal_, rotate_, rope_scale_, rope_theta_, sm_scale_, ty, tx,
                     )
 
-    @T.prim_func
-    def batch_prefill_paged_kv(
-        q_handle: T.handle,
-        qo_indptr_handle: T.handle,
-        pages_handle: T.handle,
-        page_indptr_handle: T.handle,
-        page_indices_handle: T.handle,
-        length_info_handle: T.handle,
-        k_rope_pos_offset_handle: T.handle,
-        q_rope_position_handle: T.handle,
-        o_handle: T.handle,
-        lse_handle: T.handle,
-        causal: T.int32,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.noalias": True})
-        B = T.int32()
-        total_q = T.int32()
-        num_pages = T.int64()
-        nnz_pages = T.int32()
-        qo_indptr_offset = T.int32()
-        page_indptr_offset = T.int32()
-        page_indices_offset = T.int32()
-        length_offset = T.int32()
-        k_pos_offset = T.int32()
-        q_pos_offset = T.int32()
-        Q = T.match_buffer(q_handle, (total_q, Hq, D), dtype)
-        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
-        # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment and gathers.
-        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype)
-        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_offset)
-        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=page_indices_offset)
-        length_info = T.match_buffer(length_info_handle, length_info_shape(B, sliding), "int32",
-                                     elem_offset=length_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
-        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
-        O = T.match_buffer(o_handle, (total_q, Hq, D), dtype)
-        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
-        # RoPE is chosen on the host: two kernels, neither branching on it inside.
-        if rotary_mode == 1:
-            kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position, O,
-                   lse, causal, True, rope_scale, rope_theta, sm_scale)
-        else:
-            kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position, O,
-                   lse, causal, False, rope_scale, rope_theta, sm_scale)
-
-    return batch_prefill_paged_kv.with_attr("global_symbol", _symbol("batch_prefill_paged_kv", config))
+    return paged_prefill_func(config, kernel)
 
 
 def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
@@ -560,8 +508,7 @@ def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = N
     sched = _schedule_for(config, schedule)
     macros = _prefill_macros(config, sched)
     L = loop_kinds(config)
-    dtype, D_QK, D_V = config.dtype, config.head_dim, config.v_head_dim
-    Hq, Hkv, G = config.num_qo_heads, config.num_kv_heads, config.group_size
+    dtype, Hkv, G = config.dtype, config.num_kv_heads, config.group_size
     TY, TX = sched.threads_y, sched.threads_x
 
     @T.macro
@@ -592,46 +539,4 @@ def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = N
                         tile[0], causal_, rotate_, rope_scale_, rope_theta_, sm_scale_, ty, tx,
                     )
 
-    @T.prim_func
-    def batch_prefill_ragged_kv(
-        q_handle: T.handle,
-        qo_indptr_handle: T.handle,
-        k_handle: T.handle,
-        v_handle: T.handle,
-        kv_indptr_handle: T.handle,
-        q_rope_position_handle: T.handle,
-        k_rope_pos_offset_handle: T.handle,
-        o_handle: T.handle,
-        lse_handle: T.handle,
-        causal: T.int32,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.noalias": True})
-        B = T.int32()
-        total_q = T.int32()
-        total_kv = T.int32()
-        qo_indptr_offset = T.int32()
-        kv_indptr_offset = T.int32()
-        q_pos_offset = T.int32()
-        k_pos_offset = T.int32()
-        Q = T.match_buffer(q_handle, (total_q, Hq, D_QK), dtype)
-        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
-        K = T.match_buffer(k_handle, (total_kv, Hkv, D_QK), dtype)
-        V = T.match_buffer(v_handle, (total_kv, Hkv, D_V), dtype)
-        kv_indptr = T.match_buffer(kv_indptr_handle, (B + 1,), "int32", elem_offset=kv_indptr_offset)
-        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
-        O = T.match_buffer(o_handle, (total_q, Hq, D_V), dtype)
-        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
-        # RoPE is chosen on the host: two kernels, neither branching on it inside.
-        if rotary_mode == 1:
-            kernel(Q, qo_indptr, K, V, kv_indptr, q_rope_position, k_rope_pos_offset, O, lse, causal, True, rope_scale,
-                   rope_theta, sm_scale)
-        else:
-            kernel(Q, qo_indptr, K, V, kv_indptr, q_rope_position, k_rope_pos_offset, O, lse, causal, False,
-                   rope_scale, rope_theta, sm_scale)
-
-    return batch_prefill_ragged_kv.with_attr("global_symbol", "batch_prefill_ragged_kv")
+    return ragged_prefill_func(config, kernel)

@@ -30,8 +30,9 @@ import tvm
 from tvm.script import tirx as T
 
 from .build import TIRX_ATTR
-from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, paged_position, rope_value
+from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, paged_position, rope_value
 from .config import AttentionConfig
+from .prefill_contract import paged_prefill_func, ragged_prefill_func
 from .hopper import CHUNK, PANEL, SWIZZLE_128B, SWIZZLE_SBO, fence_f32, fence_u32, pack2, swizzled, wgmma_name
 from .schedules import WgmmaPrefillSchedule, choose_wgmma_prefill_schedule
 from .softmax import finalize_lse, finalize_scale, prob, rescale_factor
@@ -412,10 +413,10 @@ class Rope(NamedTuple):
     theta: object
 
 
-def _finish(func, symbol: str):
-    """Name the kernel, route it through the TIRx pipeline and build it for sm_90a."""
-    return (func.with_attr("global_symbol", symbol).with_attr(TIRX_ATTR, True)
-            .with_attr("target", tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")))
+def _finish(func):
+    """Route the kernel through the TIRx pipeline and build it for sm_90a."""
+    return func.with_attr(TIRX_ATTR, True).with_attr(
+        "target", tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm"))
 
 
 def _schedule_for(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None) -> WgmmaPrefillSchedule:
@@ -431,50 +432,14 @@ def paged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule 
     """Tensor-core body of `prefill.paged_prefill` (same arguments and semantics)."""
     sched = _schedule_for(config, schedule)
     kernel = _macros(config, sched)
-    dtype, ps, D = config.dtype, config.page_size, config.head_dim
-    Hq, Hkv, G, sliding = config.num_qo_heads, config.num_kv_heads, config.group_size, config.sliding_window
+    dtype, ps, Hkv, G = config.dtype, config.page_size, config.num_kv_heads, config.group_size
+    sliding = config.sliding_window
 
-    @T.prim_func
-    def batch_prefill_paged_kv(
-        q_handle: T.handle,
-        qo_indptr_handle: T.handle,
-        pages_handle: T.handle,
-        page_indptr_handle: T.handle,
-        page_indices_handle: T.handle,
-        length_info_handle: T.handle,
-        k_rope_pos_offset_handle: T.handle,
-        q_rope_position_handle: T.handle,
-        o_handle: T.handle,
-        lse_handle: T.handle,
-        causal: T.int32,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.noalias": True})
-        B = T.int32()
-        total_q = T.int32()
-        num_pages = T.int64()
-        nnz_pages = T.int32()
-        qo_indptr_offset = T.int32()
-        page_indptr_offset = T.int32()
-        page_indices_offset = T.int32()
-        length_offset = T.int32()
-        k_pos_offset = T.int32()
-        q_pos_offset = T.int32()
-        Q = T.match_buffer(q_handle, (total_q, Hq, D), dtype, align=16)
-        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
-        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype, align=16)
-        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_offset)
-        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=page_indices_offset)
-        length_info = T.match_buffer(length_info_handle, length_info_shape(B, sliding), "int32",
-                                     elem_offset=length_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
-        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
-        O = T.match_buffer(o_handle, (total_q, Hq, D), dtype)
-        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
-        kernel(qo_indptr, B, total_q, Hkv, causal, sm_scale, Rope(rotary_mode, rope_scale, rope_theta),
+    @T.macro
+    def paged(Q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position, O, lse,
+              causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+        kernel(qo_indptr, k_rope_pos_offset.shape[0], Q.shape[0], Hkv, causal, sm_scale,
+               Rope(rotary_mode, rope_scale, rope_theta),
                lambda b, hkv, p, c: Q.ptr_to([qo_indptr[b] + p // G, hkv * G + p % G, c]),
                lambda b, hkv, p, d: Q[qo_indptr[b] + p // G, hkv * G + p % G, d],
                lambda b, p: q_rope_position[qo_indptr[b] + p // G],
@@ -490,51 +455,20 @@ def paged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule 
                                                         [qo_indptr[b] + p // G, hkv * G + p % G, c]),
                lambda b, hkv, p, val: T.buffer_store(lse, val, [qo_indptr[b] + p // G, hkv * G + p % G]))
 
-    return _finish(batch_prefill_paged_kv, "batch_prefill_paged_kv" + ("_sliding_window" if sliding else ""))
+    return _finish(paged_prefill_func(config, paged, rope_on_host=False, align=16))
 
 
 def ragged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None = None):
     """Tensor-core body of `prefill.ragged_prefill` (same arguments and semantics)."""
     sched = _schedule_for(config, schedule)
     kernel = _macros(config, sched)
-    dtype, D_QK, D_V = config.dtype, config.head_dim, config.v_head_dim
-    Hq, Hkv, G = config.num_qo_heads, config.num_kv_heads, config.group_size
+    dtype, Hkv, G = config.dtype, config.num_kv_heads, config.group_size
 
-    @T.prim_func
-    def batch_prefill_ragged_kv(
-        q_handle: T.handle,
-        qo_indptr_handle: T.handle,
-        k_handle: T.handle,
-        v_handle: T.handle,
-        kv_indptr_handle: T.handle,
-        q_rope_position_handle: T.handle,
-        k_rope_pos_offset_handle: T.handle,
-        o_handle: T.handle,
-        lse_handle: T.handle,
-        causal: T.int32,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.noalias": True})
-        B = T.int32()
-        total_q = T.int32()
-        total_kv = T.int32()
-        qo_indptr_offset = T.int32()
-        kv_indptr_offset = T.int32()
-        q_pos_offset = T.int32()
-        k_pos_offset = T.int32()
-        Q = T.match_buffer(q_handle, (total_q, Hq, D_QK), dtype, align=16)
-        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
-        K = T.match_buffer(k_handle, (total_kv, Hkv, D_QK), dtype, align=16)
-        V = T.match_buffer(v_handle, (total_kv, Hkv, D_V), dtype, align=16)
-        kv_indptr = T.match_buffer(kv_indptr_handle, (B + 1,), "int32", elem_offset=kv_indptr_offset)
-        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
-        O = T.match_buffer(o_handle, (total_q, Hq, D_V), dtype)
-        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
-        kernel(qo_indptr, B, total_q, Hkv, causal, sm_scale, Rope(rotary_mode, rope_scale, rope_theta),
+    @T.macro
+    def ragged(Q, qo_indptr, K, V, kv_indptr, q_rope_position, k_rope_pos_offset, O, lse, causal, rotary_mode,
+               rope_scale, rope_theta, sm_scale):
+        kernel(qo_indptr, k_rope_pos_offset.shape[0], Q.shape[0], Hkv, causal, sm_scale,
+               Rope(rotary_mode, rope_scale, rope_theta),
                lambda b, hkv, p, c: Q.ptr_to([qo_indptr[b] + p // G, hkv * G + p % G, c]),
                lambda b, hkv, p, d: Q[qo_indptr[b] + p // G, hkv * G + p % G, d],
                lambda b, p: q_rope_position[qo_indptr[b] + p // G],
@@ -548,4 +482,4 @@ def ragged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule
                                                         [qo_indptr[b] + p // G, hkv * G + p % G, c]),
                lambda b, hkv, p, val: T.buffer_store(lse, val, [qo_indptr[b] + p // G, hkv * G + p % G]))
 
-    return _finish(batch_prefill_ragged_kv, "batch_prefill_ragged_kv")
+    return _finish(ragged_prefill_func(config, ragged, rope_on_host=False, align=16))

@@ -1,0 +1,146 @@
+"""The two prefill PrimFuncs of the attention-backend contract, written once.
+
+`paged_prefill` / `ragged_prefill` have three implementations (the CUDA-core kernel in
+prefill.py, the sm_80 mma.sync kernel in prefill_sm80.py, the Hopper wgmma kernel in
+prefill_sm90.py). Each supplies a `kernel` macro; the functions here wrap it in the PrimFunc
+with the contract's parameters (their docstrings list them), buffer matching and global
+symbol, so the signature lives in one place.
+
+The macro takes the matched buffers and scalars in the PrimFunc's order:
+  paged:  kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info,
+                 k_rope_pos_offset, q_rope_position, O, lse, causal, rotary, rope_scale,
+                 rope_theta, sm_scale)
+  ragged: kernel(Q, qo_indptr, K, V, kv_indptr, q_rope_position, k_rope_pos_offset, O, lse,
+                 causal, rotary, rope_scale, rope_theta, sm_scale)
+`rotary` is a Python bool when `rope_on_host` (the PrimFunc then holds two variants of the
+kernel and picks one on the host from rotary_mode), else the run-time rotary_mode itself.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .common import length_info_shape
+from .config import AttentionConfig
+
+DEFAULT_ALIGN = -1  # T.match_buffer's default
+
+
+def paged_symbol(config: AttentionConfig) -> str:
+    return "batch_prefill_paged_kv" + ("_sliding_window" if config.sliding_window else "")
+
+
+RAGGED_SYMBOL = "batch_prefill_ragged_kv"
+
+
+def paged_prefill_func(config: AttentionConfig, kernel, *, rope_on_host: bool = True, align: int = DEFAULT_ALIGN):
+    """The paged prefill PrimFunc around `kernel` (see the module docstring)."""
+    dtype, ps, D = config.dtype, config.page_size, config.head_dim
+    Hq, Hkv, sliding = config.num_qo_heads, config.num_kv_heads, config.sliding_window
+
+    @T.prim_func
+    def batch_prefill_paged_kv(
+        q_handle: T.handle,
+        qo_indptr_handle: T.handle,
+        pages_handle: T.handle,
+        page_indptr_handle: T.handle,
+        page_indices_handle: T.handle,
+        length_info_handle: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        num_pages = T.int64()
+        nnz_pages = T.int32()
+        qo_indptr_offset = T.int32()
+        page_indptr_offset = T.int32()
+        page_indices_offset = T.int32()
+        length_offset = T.int32()
+        k_pos_offset = T.int32()
+        q_pos_offset = T.int32()
+        Q = T.match_buffer(q_handle, (total_q, Hq, D), dtype, align=align)
+        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
+        # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment and gathers.
+        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype, align=align)
+        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_offset)
+        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=page_indices_offset)
+        length_info = T.match_buffer(length_info_handle, length_info_shape(B, sliding), "int32",
+                                     elem_offset=length_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
+        O = T.match_buffer(o_handle, (total_q, Hq, D), dtype)
+        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
+        if rope_on_host:
+            if rotary_mode == 1:
+                kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
+                       q_rope_position, O, lse, causal, True, rope_scale, rope_theta, sm_scale)
+            else:
+                kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
+                       q_rope_position, O, lse, causal, False, rope_scale, rope_theta, sm_scale)
+        else:
+            kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
+                   O, lse, causal, rotary_mode, rope_scale, rope_theta, sm_scale)
+
+    return batch_prefill_paged_kv.with_attr("global_symbol", paged_symbol(config))
+
+
+def ragged_prefill_func(config: AttentionConfig, kernel, *, rope_on_host: bool = True, align: int = DEFAULT_ALIGN):
+    """The ragged prefill PrimFunc around `kernel` (see the module docstring)."""
+    dtype, D_QK, D_V = config.dtype, config.head_dim, config.v_head_dim
+    Hq, Hkv = config.num_qo_heads, config.num_kv_heads
+
+    @T.prim_func
+    def batch_prefill_ragged_kv(
+        q_handle: T.handle,
+        qo_indptr_handle: T.handle,
+        k_handle: T.handle,
+        v_handle: T.handle,
+        kv_indptr_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        total_kv = T.int32()
+        qo_indptr_offset = T.int32()
+        kv_indptr_offset = T.int32()
+        q_pos_offset = T.int32()
+        k_pos_offset = T.int32()
+        Q = T.match_buffer(q_handle, (total_q, Hq, D_QK), dtype, align=align)
+        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
+        K = T.match_buffer(k_handle, (total_kv, Hkv, D_QK), dtype, align=align)
+        V = T.match_buffer(v_handle, (total_kv, Hkv, D_V), dtype, align=align)
+        kv_indptr = T.match_buffer(kv_indptr_handle, (B + 1,), "int32", elem_offset=kv_indptr_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
+        O = T.match_buffer(o_handle, (total_q, Hq, D_V), dtype)
+        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
+        if rope_on_host:
+            if rotary_mode == 1:
+                kernel(Q, qo_indptr, K, V, kv_indptr, q_rope_position, k_rope_pos_offset, O, lse, causal, True,
+                       rope_scale, rope_theta, sm_scale)
+            else:
+                kernel(Q, qo_indptr, K, V, kv_indptr, q_rope_position, k_rope_pos_offset, O, lse, causal, False,
+                       rope_scale, rope_theta, sm_scale)
+        else:
+            kernel(Q, qo_indptr, K, V, kv_indptr, q_rope_position, k_rope_pos_offset, O, lse, causal, rotary_mode,
+                   rope_scale, rope_theta, sm_scale)
+
+    return batch_prefill_ragged_kv.with_attr("global_symbol", RAGGED_SYMBOL)
