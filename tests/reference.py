@@ -22,11 +22,12 @@ TOLERANCES = {
 LSE_TOLERANCE = (1e-3, 2e-3)
 
 
-def attention(q, k, v, sm_scale: float, causal: bool):
+def attention(q, k, v, sm_scale: float, causal: bool, visible=None):
     """Attention of one request.
 
     q [qo_len, Hq, D], k [kv_len, Hkv, D], v [kv_len, Hkv, Dv] (any float dtype).
-    Query i sees key j when not causal, or when j <= kv_len - qo_len + i.
+    Query i sees key j when not causal, or when j <= kv_len - qo_len + i; or, when given,
+    when visible[i, j] (a [qo_len, kv_len] bool mask, e.g. `tree_visibility`).
     Returns o [qo_len, Hq, Dv] float64 and lse [qo_len, Hq] float64 (base 2).
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
@@ -40,9 +41,10 @@ def attention(q, k, v, sm_scale: float, causal: bool):
     k_per_head = np.repeat(k, group, axis=1)  # [kv_len, Hq, D]
     v_per_head = np.repeat(v, group, axis=1)
     scores = np.einsum("qhd,khd->hqk", q, k_per_head) * sm_scale * math.log2(math.e)
-    visible = np.ones((qo_len, kv_len), dtype=bool)
-    if causal:
-        visible = np.arange(kv_len)[None, :] <= (kv_len - qo_len + np.arange(qo_len))[:, None]
+    if visible is None:
+        visible = np.ones((qo_len, kv_len), dtype=bool)
+        if causal:
+            visible = np.arange(kv_len)[None, :] <= (kv_len - qo_len + np.arange(qo_len))[:, None]
     scores = np.where(visible[None], scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     has_key = np.isfinite(row_max)
@@ -90,3 +92,43 @@ def merge_states(o1, lse1, o2, lse2):
     w1, w2 = np.exp2(lse1 - m), np.exp2(lse2 - m)
     o = (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
     return o, m + np.log2(w1 + w2)
+
+
+def tree_visibility(parents, history: int, qo_len: int) -> np.ndarray:
+    """[qo_len, history + n] bool: which keys each query node of a token tree sees.
+
+    parents[i]: node i's parent (-1: a root; parents come before children); the keys are
+    `history` committed tokens then the n tree nodes; the queries are the last qo_len nodes.
+    A query sees the history, its ancestors (walked through `parents`) and itself.
+    """
+    n = len(parents)
+    seen = np.zeros((qo_len, history + n), dtype=bool)
+    seen[:, :history] = True
+    for row, node in enumerate(range(n - qo_len, n)):
+        while node >= 0:
+            seen[row, history + node] = True
+            node = parents[node]
+    return seen
+
+
+def dfs_intervals(parents) -> np.ndarray:
+    """[n, 2] int32: each node's DFS interval [begin, end) (TVM's tree_attn_mask layout): node
+    k is an ancestor of node q, or q itself, exactly when begin[k] <= begin[q] < end[k]."""
+    n = len(parents)
+    children = [[] for _ in range(n)]
+    roots = []
+    for i, p in enumerate(parents):
+        (roots if p < 0 else children[p]).append(i)
+    out = np.zeros((n, 2), np.int32)
+    counter = 0
+    stack = [(r, False) for r in reversed(roots)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            out[node, 1] = counter
+            continue
+        out[node, 0] = counter
+        counter += 1
+        stack.append((node, True))
+        stack.extend((c, False) for c in reversed(children[node]))
+    return out

@@ -25,6 +25,7 @@ _EXPORTS = {
     "split_rotary": "rotary",
     "paged_prefill": "prefill",
     "ragged_prefill": "prefill",
+    "tree_mask_paged_prefill": "prefill",
     "CopySchedule": "schedules",
     "DecodeSchedule": "schedules",
     "PrefillSchedule": "schedules",

@@ -41,11 +41,13 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from .common import LOG2E, ceildiv, kv_chunk_len, loop_kinds, paged_position, rope_value
 from .config import AttentionConfig, RopeScaling
-from .prefill_contract import paged_prefill_func, ragged_prefill_func
+from .masks import is_tree, mask_of_request
+from .prefill_contract import paged_prefill_func, ragged_prefill_func, tree_paged_prefill_func
 from .schedules import (
     CUDA_VECTOR_BYTES,
     PREFILL_P_ROW_PAD,
@@ -127,9 +129,25 @@ class _Tiling:
         return tx * SMEM_VEC + (c // SMEM_VEC) * self.TX * SMEM_VEC + c % SMEM_VEC
 
     def visible_end(self, kv_len, qo_len, p, causal):
-        """Number of leading keys packed row p may see (all of them when not causal)."""
+        """Number of leading keys packed row p may see (all of them when not causal). `causal`
+        is the causal flag or a token tree's `TreeMask` (within the causal bound)."""
         last = kv_len - qo_len + T.min(p // self.G, qo_len - 1) + 1
+        if is_tree(causal):
+            return T.max(T.min(last, kv_len), 0)
         return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
+
+    def unmasked_end(self, kv_len, qo_len, p0, causal):
+        """Keys every row of the tile from packed row p0 on sees: no mask is needed below."""
+        if is_tree(causal):
+            return T.min(self.visible_end(kv_len, qo_len, p0, causal), causal.history(kv_len))
+        return self.visible_end(kv_len, qo_len, p0, causal)
+
+    def hidden(self, j, kv_len, qo_len, p, causal):
+        """Whether key j is masked for packed row p."""
+        if is_tree(causal):
+            return tirx.any(j >= self.visible_end(kv_len, qo_len, p, causal),
+                            causal.hides(j, p // self.G, kv_len, qo_len))
+        return j >= self.visible_end(kv_len, qo_len, p, causal)
 
 
 def _find_tile_macro(dims: _Tiling):
@@ -292,7 +310,7 @@ def _softmax_macros(dims: _Tiling, L):
         """Scores of keys past kv_len_ or above the causal diagonal -> -inf."""
         for m in L.unroll(TM):
             for n in L.unroll(TN):
-                if kv_start_ + tx_ + TX * n >= dims.visible_end(kv_len_, qo_len_, p0_ + ty_ + TY * m, causal_):
+                if dims.hidden(kv_start_ + tx_ + TX * n, kv_len_, qo_len_, p0_ + ty_ + TY * m, causal_):
                     s_[m * TN + n] = T.min_value("float32")
 
     @T.macro
@@ -374,7 +392,7 @@ def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillM
         rows = T.if_then_else(tile_ >= 0, qo_len * G, 0)
         p0 = T.max(tile_, 0) * BQ
         # Keys seen by every row of the tile (no mask needed below) and by its last row.
-        free_end = dims.visible_end(kv_len, qo_len, p0, causal_)
+        free_end = dims.unmasked_end(kv_len, qo_len, p0, causal_)
         kv_end = T.if_then_else(tile_ >= 0, dims.visible_end(kv_len, qo_len, p0 + BQ - 1, causal_), 0)
         init(m_run, l_run, o, TM, OC)
         load_q(q_at_, q_pos_at_, qs, rows, p0, tid, rotate_, rope_scale_, rope_theta_, sm_scale_ * T.float32(LOG2E))
@@ -432,27 +450,9 @@ def _tensor_core_kernels(config: AttentionConfig, schedule):
     return None
 
 
-def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
-    """Paged-KV prefill PrimFunc, arguments in the contract's order:
-
-    q [total_q, Hq, D], qo_indptr [B+1] i32, pages [P, 2, Hkv, page_size, D],
-    page_indptr [B+1] i32, page_indices [nnz] i32, length_info [B] i32 (or [3, B] when
-    sliding: last_page_len, sliding_window_offset, sink_size), k_rope_pos_offset [B] i32,
-    q_rope_position [total_q] i32, o [total_q, Hq, D], lse [total_q, Hq] f32 (base 2),
-    causal i32, rotary_mode i32, rope_scale f32, rope_theta f32, sm_scale f32.
-    The KV of request b is its visible paged tokens; causal query i of qo_len sees keys
-    j <= kv_len - qo_len + i. Rows that see no key get o = 0 and lse = EMPTY_LSE.
-    fp16/bf16 configs on sm_80 and newer get a tensor-core kernel (see `_tensor_core_kernels`)
-    unless a CUDA-core `PrefillSchedule` is passed.
-    """
-    tensor_cores = _tensor_core_kernels(config, schedule)
-    if tensor_cores:
-        return tensor_cores[0](config, schedule)
-    if config.v_head_dim != config.head_dim:
-        raise ValueError(
-            f"v_head_dim={config.v_head_dim} is not supported by paged_prefill: expected head_dim={config.head_dim}"
-        )
-    sched = _schedule_for(config, schedule)
+def _paged_kernel(config: AttentionConfig, sched: PrefillSchedule):
+    """The CUDA-core paged kernel macro (prefill_contract's paged argument order); its mask
+    argument is the causal flag or `masks.TreeMasks`."""
     macros = _prefill_macros(config, sched)
     L = loop_kinds(config)
     dtype, ps = config.dtype, config.page_size
@@ -486,10 +486,33 @@ def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = No
                         lambda p, val: T.buffer_store(lse_, val, [q0 + p // G, hkv * G + p % G]),
                         qo_indptr_[b + 1] - q0,
                         kv_chunk_len(page_indptr_[b + 1] - page0, ps, length_info_, b, sliding),
-                        tile[0], causal_, rotate_, rope_scale_, rope_theta_, sm_scale_, ty, tx,
+                        tile[0], mask_of_request(causal_, b), rotate_, rope_scale_, rope_theta_, sm_scale_, ty, tx,
                     )
 
-    return paged_prefill_func(config, kernel)
+    return kernel
+
+
+def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
+    """Paged-KV prefill PrimFunc, arguments in the contract's order:
+
+    q [total_q, Hq, D], qo_indptr [B+1] i32, pages [P, 2, Hkv, page_size, D],
+    page_indptr [B+1] i32, page_indices [nnz] i32, length_info [B] i32 (or [3, B] when
+    sliding: last_page_len, sliding_window_offset, sink_size), k_rope_pos_offset [B] i32,
+    q_rope_position [total_q] i32, o [total_q, Hq, D], lse [total_q, Hq] f32 (base 2),
+    causal i32, rotary_mode i32, rope_scale f32, rope_theta f32, sm_scale f32.
+    The KV of request b is its visible paged tokens; causal query i of qo_len sees keys
+    j <= kv_len - qo_len + i. Rows that see no key get o = 0 and lse = EMPTY_LSE.
+    fp16/bf16 configs on sm_80 and newer get a tensor-core kernel (see `_tensor_core_kernels`)
+    unless a CUDA-core `PrefillSchedule` is passed.
+    """
+    tensor_cores = _tensor_core_kernels(config, schedule)
+    if tensor_cores:
+        return tensor_cores[0](config, schedule)
+    if config.v_head_dim != config.head_dim:
+        raise ValueError(
+            f"v_head_dim={config.v_head_dim} is not supported by paged_prefill: expected head_dim={config.head_dim}"
+        )
+    return paged_prefill_func(config, _paged_kernel(config, _schedule_for(config, schedule)))
 
 
 def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
@@ -536,7 +559,22 @@ def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = N
                         lambda p, val: T.buffer_store(lse_, val, [q0 + p // G, hkv * G + p % G]),
                         qo_indptr_[b + 1] - q0,
                         kv_indptr_[b + 1] - kv0,
-                        tile[0], causal_, rotate_, rope_scale_, rope_theta_, sm_scale_, ty, tx,
+                        tile[0], mask_of_request(causal_, b), rotate_, rope_scale_, rope_theta_, sm_scale_, ty, tx,
                     )
 
     return ragged_prefill_func(config, kernel)
+
+
+def tree_mask_paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
+    """Token-tree attention over paged K/V (speculative decoding): TVM's `tree_attn_paged_kv`
+    arguments (see prefill_contract.tree_paged_prefill_func). A request's queries are the last
+    nodes of its token tree, which are the last keys of its paged sequence; a query node sees
+    the committed history, its ancestors and itself (masks.TreeMask). CUDA-core kernel."""
+    if config.sliding_window:
+        raise ValueError("sliding_window=True is not supported by tree_mask_paged_prefill: token trees need the"
+                         " whole sequence (expected sliding_window=False)")
+    if config.v_head_dim != config.head_dim:
+        raise ValueError(f"v_head_dim={config.v_head_dim} is not supported by tree_mask_paged_prefill: expected"
+                         f" head_dim={config.head_dim}")
+    return tree_paged_prefill_func(config, _paged_kernel(config, _schedule_for(config, schedule)))
+
