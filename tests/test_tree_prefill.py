@@ -11,7 +11,7 @@ import tvm
 from harness import device_for, empty, index_view, make_paged_batch, randn, tensor
 from test_prefill import check, indptr
 
-from tir_kernels import AttentionConfig, default_sm_scale, tree_mask_paged_prefill
+from tir_kernels import AttentionConfig, default_sm_scale, tree_mask_paged_prefill, tree_mask_ragged_prefill
 
 
 def chain(n):
@@ -124,8 +124,9 @@ def test_tree_mask_refuses_what_it_cannot_do(kernels):
         run_tree(kernels, config, batch, q, qo_indptr, mn_indptr, intervals, rotary_mode=1)
 
 
-def test_tree_mask_builds_for_cuda():
-    """CUDA code generation (no GPU needed); the GPU runs the cases above under the gpu mark."""
+def test_tree_masks_build_for_cuda():
+    """CUDA code generation of both tree kernels (no GPU needed); the GPU runs the cases above
+    under the gpu mark."""
     from tir_kernels.build import PIPELINE
 
     config = AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target="cuda:sm_90")
@@ -133,3 +134,39 @@ def test_tree_mask_builds_for_cuda():
     assert func.attrs["global_symbol"] == "tree_attn_paged_kv"
     module = tvm.compile(tvm.IRModule({"tree_attn_paged_kv": func}), target=config.tvm_target(), tir_pipeline=PIPELINE)
     assert "__shfl_xor_sync" in module.mod.imports[0].inspect_source()
+    func = tree_mask_ragged_prefill(config)
+    assert func.attrs["global_symbol"] == "batch_tree_attn"
+    module = tvm.compile(tvm.IRModule({"batch_tree_attn": func}), target=config.tvm_target(), tir_pipeline=PIPELINE)
+    assert "__shfl_xor_sync" in module.mod.imports[0].inspect_source()
+
+
+@pytest.mark.parametrize("case", [(8, 2, 64, 64, "float16"), (4, 4, 128, 64, "float32"), (16, 4, 192, 128, "bfloat16")],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_tree_mask_ragged_prefill(kernels, target, case):
+    """Ragged K/V: each request's keys are the nodes of this forward (its last qo_len nodes)."""
+    hq, hkv, dqk, dv, dtype = case
+    config = AttentionConfig(hq, hkv, dqk, v_head_dim=dv, dtype=dtype, target=target)
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    trees = [([-1], 1), (chain(7), 7), (star(9), 9), (balanced(15), 15), (random_tree(40, 1), 40), (forest(12), 12),
+             (random_tree(24, 2), 10), (random_tree(256, 3), 256)]
+    qo_lens = [qo for _, qo in trees]
+    q = randn(rng, (sum(qo_lens), hq, dqk), dtype)
+    k = randn(rng, (sum(qo_lens), hkv, dqk), dtype)
+    v = randn(rng, (sum(qo_lens), hkv, dv), dtype)
+    qo_indptr = indptr(qo_lens)
+    mn_indptr = indptr([len(parents) for parents, _ in trees])
+    intervals = np.concatenate([ref.dfs_intervals(parents) for parents, _ in trees]).astype(np.int32)
+    dev = device_for(config)
+    fn = kernels.get(tree_mask_ragged_prefill, config)
+    o = empty((q.shape[0], hq, dv), dtype, dev)
+    lse = empty((q.shape[0], hq), "float32", dev)
+    fn(tensor(q, dev), index_view(qo_indptr, dev, offset=5), tensor(k, dev), tensor(v, dev),
+       index_view(qo_indptr, dev, offset=9), index_view(np.zeros(q.shape[0], np.int32), dev, offset=2),
+       index_view(mn_indptr, dev, offset=4), index_view(intervals, dev, offset=6), o, lse, 0, 1.0, 1e4,
+       default_sm_scale(dqk))
+    want = []
+    for i, (parents, qo_len) in enumerate(trees):
+        s, e = qo_indptr[i], qo_indptr[i + 1]
+        seen = ref.tree_visibility(parents, 0, qo_len)[:, len(parents) - qo_len:]  # keys: the last qo_len nodes
+        want.append(ref.attention(q[s:e], k[s:e], v[s:e], default_sm_scale(dqk), True, visible=seen))
+    check(config, o.numpy().astype(np.float64), lse.numpy(), qo_indptr, want)

@@ -26,6 +26,7 @@ _EXPORTS = {
     "paged_prefill": "prefill",
     "ragged_prefill": "prefill",
     "tree_mask_paged_prefill": "prefill",
+    "tree_mask_ragged_prefill": "prefill",
     "CopySchedule": "schedules",
     "DecodeSchedule": "schedules",
     "PrefillSchedule": "schedules",

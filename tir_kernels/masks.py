@@ -6,6 +6,7 @@ request b are rows indptr[b]..indptr[b+1] of `order`) and `order [total_nodes, 2
 DFS interval [begin, end)). For one request (`TreeMasks.of(b)`):
 - its tree's nodes are the last tree_len of its keys, in order (parent before child), and its
   queries are the last qo_len of those nodes (a tree may have grown over earlier forwards);
+  with ragged K/V holding only this forward's nodes, the keys are the tree's last kv_len nodes;
 - query node q sees key node k when k's interval contains q's begin: k is q or an ancestor;
 - keys before the tree (the committed history) are seen by every query.
 Every visible key is also visible under the causal mask, so kernels keep their causal bounds
@@ -39,7 +40,7 @@ class TreeMask(NamedTuple):
         nodes are clamped into the request's tree, so no read leaves it)."""
         first, last = self.indptr[self.b], self.indptr[self.b + 1] - 1
         q_node = T.min(T.max(first + query + self.tree_len() - qo_len, first), last)
-        k_node = T.min(T.max(first + j - self.history(kv_len), first), last)
+        k_node = T.min(T.max(first + j + self.tree_len() - kv_len, first), last)  # keys end with the tree
         q_begin = self.order[q_node, 0]
         return tirx.all(j >= self.history(kv_len),
                         tirx.any(q_begin < self.order[k_node, 0], q_begin >= self.order[k_node, 1]))

@@ -47,7 +47,12 @@ from tvm.script import tirx as T
 from .common import LOG2E, ceildiv, kv_chunk_len, loop_kinds, paged_position, rope_value
 from .config import AttentionConfig, RopeScaling
 from .masks import is_tree, mask_of_request
-from .prefill_contract import paged_prefill_func, ragged_prefill_func, tree_paged_prefill_func
+from .prefill_contract import (
+    paged_prefill_func,
+    ragged_prefill_func,
+    tree_paged_prefill_func,
+    tree_ragged_prefill_func,
+)
 from .schedules import (
     CUDA_VECTOR_BYTES,
     PREFILL_P_ROW_PAD,
@@ -515,20 +520,9 @@ def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = No
     return paged_prefill_func(config, _paged_kernel(config, _schedule_for(config, schedule)))
 
 
-def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
-    """Ragged-KV prefill PrimFunc (K/V packed over the batch), arguments in the contract's order:
-
-    q [total_q, Hq, Dqk], qo_indptr [B+1] i32, k [total_kv, Hkv, Dqk], v [total_kv, Hkv, Dv],
-    kv_indptr [B+1] i32, q_rope_position [total_q] i32, k_rope_pos_offset [B] i32,
-    o [total_q, Hq, Dv], lse [total_q, Hq] f32 (base 2), causal i32, rotary_mode i32,
-    rope_scale f32, rope_theta f32, sm_scale f32. Dqk = config.head_dim, Dv = config.v_head_dim.
-    Key j of request b is row kv_indptr[b] + j, at RoPE position k_rope_pos_offset[b] + j.
-    fp16/bf16 configs on sm_80 and newer get a tensor-core kernel as in `paged_prefill`.
-    """
-    tensor_cores = _tensor_core_kernels(config, schedule)
-    if tensor_cores:
-        return tensor_cores[1](config, schedule)
-    sched = _schedule_for(config, schedule)
+def _ragged_kernel(config: AttentionConfig, sched: PrefillSchedule):
+    """The CUDA-core ragged kernel macro (prefill_contract's ragged argument order); its mask
+    argument is the causal flag or `masks.TreeMasks`."""
     macros = _prefill_macros(config, sched)
     L = loop_kinds(config)
     dtype, Hkv, G = config.dtype, config.num_kv_heads, config.group_size
@@ -562,7 +556,23 @@ def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = N
                         tile[0], mask_of_request(causal_, b), rotate_, rope_scale_, rope_theta_, sm_scale_, ty, tx,
                     )
 
-    return ragged_prefill_func(config, kernel)
+    return kernel
+
+
+def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
+    """Ragged-KV prefill PrimFunc (K/V packed over the batch), arguments in the contract's order:
+
+    q [total_q, Hq, Dqk], qo_indptr [B+1] i32, k [total_kv, Hkv, Dqk], v [total_kv, Hkv, Dv],
+    kv_indptr [B+1] i32, q_rope_position [total_q] i32, k_rope_pos_offset [B] i32,
+    o [total_q, Hq, Dv], lse [total_q, Hq] f32 (base 2), causal i32, rotary_mode i32,
+    rope_scale f32, rope_theta f32, sm_scale f32. Dqk = config.head_dim, Dv = config.v_head_dim.
+    Key j of request b is row kv_indptr[b] + j, at RoPE position k_rope_pos_offset[b] + j.
+    fp16/bf16 configs on sm_80 and newer get a tensor-core kernel as in `paged_prefill`.
+    """
+    tensor_cores = _tensor_core_kernels(config, schedule)
+    if tensor_cores:
+        return tensor_cores[1](config, schedule)
+    return ragged_prefill_func(config, _ragged_kernel(config, _schedule_for(config, schedule)))
 
 
 def tree_mask_paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
@@ -577,4 +587,11 @@ def tree_mask_paged_prefill(config: AttentionConfig, schedule: PrefillSchedule |
         raise ValueError(f"v_head_dim={config.v_head_dim} is not supported by tree_mask_paged_prefill: expected"
                          f" head_dim={config.head_dim}")
     return tree_paged_prefill_func(config, _paged_kernel(config, _schedule_for(config, schedule)))
+
+
+def tree_mask_ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
+    """Token-tree attention over ragged K/V (the tree's own nodes as keys): TVM's
+    `batch_tree_attn` arguments (see prefill_contract.tree_ragged_prefill_func); a query node
+    sees its ancestors and itself (masks.TreeMask). CUDA-core kernel."""
+    return tree_ragged_prefill_func(config, _ragged_kernel(config, _schedule_for(config, schedule)))
 

@@ -214,3 +214,65 @@ def tree_paged_prefill_func(config: AttentionConfig, kernel):
                lse, TreeMasks(mn_indptr, tree_mask), False, rope_scale, rope_theta, sm_scale)
 
     return tree_attn_paged_kv.with_attr("global_symbol", TREE_PAGED_SYMBOL)
+
+
+TREE_RAGGED_SYMBOL = "batch_tree_attn"
+
+
+def tree_ragged_prefill_func(config: AttentionConfig, kernel):
+    """The token-tree ragged prefill PrimFunc (TVM's `batch_tree_attn` arguments) around a
+    ragged `kernel` macro, which gets `masks.TreeMasks` in place of the causal flag:
+
+    q [total_q, Hq, Dqk], qo_indptr [B+1], k [total_kv, Hkv, Dqk], v [total_kv, Hkv, Dv],
+    kv_indptr [B+1], q_rope_position [total_q], tree_attn_mn_indptr [B+1] i32,
+    tree_attn_mask [total_nodes, 2] i32, o [total_q, Hq, Dv], lse [total_q, Hq] f32,
+    rotary_mode i32 (must be 0), rope_scale f32, rope_theta f32, sm_scale f32.
+    """
+    dtype, D_QK, D_V = config.dtype, config.head_dim, config.v_head_dim
+    Hq, Hkv = config.num_qo_heads, config.num_kv_heads
+
+    @T.prim_func
+    def batch_tree_attn(
+        q_handle: T.handle,
+        qo_indptr_handle: T.handle,
+        k_handle: T.handle,
+        v_handle: T.handle,
+        kv_indptr_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        tree_attn_mn_indptr_handle: T.handle,
+        tree_attn_mask_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B1 = T.int32()  # batch size + 1: no [B] argument here defines the batch size itself
+        total_q = T.int32()
+        total_kv = T.int32()
+        total_nodes = T.int32()
+        qo_indptr_offset = T.int32()
+        kv_indptr_offset = T.int32()
+        q_pos_offset = T.int32()
+        mn_indptr_offset = T.int32()
+        mask_offset = T.int32()
+        Q = T.match_buffer(q_handle, (total_q, Hq, D_QK), dtype)
+        qo_indptr = T.match_buffer(qo_indptr_handle, (B1,), "int32", elem_offset=qo_indptr_offset)
+        K = T.match_buffer(k_handle, (total_kv, Hkv, D_QK), dtype)
+        V = T.match_buffer(v_handle, (total_kv, Hkv, D_V), dtype)
+        kv_indptr = T.match_buffer(kv_indptr_handle, (B1,), "int32", elem_offset=kv_indptr_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (total_q,), "int32", elem_offset=q_pos_offset)
+        mn_indptr = T.match_buffer(tree_attn_mn_indptr_handle, (B1,), "int32", elem_offset=mn_indptr_offset)
+        tree_mask = T.match_buffer(tree_attn_mask_handle, (total_nodes, 2), "int32", elem_offset=mask_offset)
+        O = T.match_buffer(o_handle, (total_q, Hq, D_V), dtype)
+        lse = T.match_buffer(lse_handle, (total_q, Hq), "float32")
+        # The ragged kernel reads the batch size, and (for RoPE, off here) each request's key
+        # position offset, from a [B] buffer; the first B entries of kv_indptr serve as one.
+        batch_view = T.decl_buffer((B1 - 1,), "int32", data=kv_indptr.data, elem_offset=kv_indptr_offset)
+        T.Assert(rotary_mode == 0, TREE_ROPE_MESSAGE)
+        kernel(Q, qo_indptr, K, V, kv_indptr, q_rope_position, batch_view, O, lse, TreeMasks(mn_indptr, tree_mask),
+               False, rope_scale, rope_theta, sm_scale)
+
+    return batch_tree_attn.with_attr("global_symbol", TREE_RAGGED_SYMBOL)

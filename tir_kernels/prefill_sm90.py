@@ -32,8 +32,18 @@ from tvm.script import tirx as T
 from .build import TIRX_ATTR
 from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, paged_position, rope_value
 from .config import AttentionConfig
+from .hopper import (
+    CHUNK,
+    PANEL,
+    SWIZZLE_128B,
+    SWIZZLE_SBO,
+    fence_f32,
+    fence_u32,
+    pack2,
+    swizzled,
+    wgmma_name,
+)
 from .prefill_contract import paged_prefill_func, ragged_prefill_func
-from .hopper import CHUNK, PANEL, SWIZZLE_128B, SWIZZLE_SBO, fence_f32, fence_u32, pack2, swizzled, wgmma_name
 from .schedules import WgmmaPrefillSchedule, choose_wgmma_prefill_schedule
 from .softmax import finalize_lse, finalize_scale, prob, rescale_factor
 
