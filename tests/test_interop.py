@@ -7,9 +7,8 @@ single page; at the end: shared prefix, cascade over depths + merge), pop tokens
 back with debug_get_kv. The test keeps each sequence's K/V unpaged and checks every layer's
 output against the float64 reference and the cached K/V against what was appended.
 
-Slots we do not fill: MLA (`[]`) and tree attention. Tree attention is off (`[]`) except in
-the token-tree test, which borrows TVM's own tree kernels so that committing accepted
-tree nodes reaches our compact_copy.
+Slots we do not fill: MLA (`[]`) and tree attention, which is off (`[]`) except in the
+token-tree test; that one runs with our tree kernels and, as an anchor, with TVM's.
 """
 
 from __future__ import annotations
@@ -39,6 +38,8 @@ from tir_kernels import (
     merge_state,
     paged_decode,
     paged_prefill,
+    tree_mask_paged_prefill,
+    tree_mask_ragged_prefill,
     ragged_prefill,
     split_rotary,
     transpose_append,
@@ -78,7 +79,15 @@ def tvm_tree_paged(config: AttentionConfig):
     return tree_attn_with_paged_kv_cache_cpu(*args)
 
 
-def create_cache(kernels, config: AttentionConfig, rope_mode: RopeMode, sliding: bool = False, tree: bool = False):
+def tree_kernel(kernels, whose: str, kind: str, config: AttentionConfig):
+    """Tree-attention kernel of `whose` ("ours" or "tvm") for the paged or ragged slot."""
+    generators = {("ours", "paged"): tree_mask_paged_prefill, ("ours", "ragged"): tree_mask_ragged_prefill,
+                  ("tvm", "paged"): tvm_tree_paged, ("tvm", "ragged"): tvm_tree_ragged}
+    return kernels.get(generators[whose, kind], config)
+
+
+def create_cache(kernels, config: AttentionConfig, rope_mode: RopeMode, sliding: bool = False, tree: str = ""):
+    """tree: "" (tree slots off), "ours" or "tvm" (whose tree-attention kernels fill them)."""
     """TVM's cache with our kernels (CreateArgs: paged_kv_cache.cc's 28 arguments by name)."""
 
     def ours(generator, *extra, cfg=config):
@@ -106,8 +115,8 @@ def create_cache(kernels, config: AttentionConfig, rope_mode: RopeMode, sliding:
         decode_paged=["tirx", ours(paged_decode)],
         prefill_paged_sliding=["tirx", ours(paged_prefill, cfg=sliding_config)] if sliding else [],
         decode_paged_sliding=["tirx", ours(paged_decode, cfg=sliding_config)] if sliding else [],
-        tree_paged=["tirx", kernels.get(tvm_tree_paged, config)] if tree else [],
-        tree_ragged=["tirx", kernels.get(tvm_tree_ragged, config)] if tree else [],
+        tree_paged=["tirx", tree_kernel(kernels, tree, "paged", config)] if tree else [],
+        tree_ragged=["tirx", tree_kernel(kernels, tree, "ragged", config)] if tree else [],
         mla_prefill=[],
         merge=[ours(merge_state)],
         split_rotary=ours(split_rotary),
@@ -123,7 +132,7 @@ class CacheUnderTest:
     hold (K rotated when RoPE is NORMAL), and, with a sliding window, (window, sink)."""
 
     def __init__(self, kernels, target: str, rope_mode: RopeMode = RopeMode.NONE, sliding: bool = False,
-                 tree: bool = False, seed: int = 0):
+                 tree: str = "", seed: int = 0):
         self.config = AttentionConfig(HQ, HKV, D, dtype=DTYPE, page_size=PAGE_SIZE, target=target,
                                       rope_theta=ROPE_THETA, rope_scale=ROPE_SCALE)
         self.device = device_for(self.config)
@@ -306,12 +315,13 @@ def test_tvm_cache_sliding_window(kernels, target):
     c.check_cached_kv()
 
 
-def test_tvm_cache_commit_token_tree(kernels, target):
-    """Committing accepted token-tree nodes moves their K/V with our compact_copy.
-
-    The tree-attention slots hold TVM's own tree kernels (we have none); everything else,
-    compact_copy included, is ours."""
-    c = CacheUnderTest(kernels, target, tree=True, seed=9)
+@pytest.mark.parametrize("tree_kernels", ["ours", "tvm"])
+def test_tvm_cache_commit_token_tree(kernels, target, tree_kernels):
+    """TVM's cache runs a token tree (tree_attn_mn_indptr and tree_attn_mask filled by its C++)
+    through the tree-attention slots, ours (tree_mask_paged_prefill / tree_mask_ragged_prefill)
+    or TVM's, checked against the reference; committing accepted nodes moves their K/V with
+    our compact_copy."""
+    c = CacheUnderTest(kernels, target, tree=tree_kernels, seed=9)
     c.add(0)
     c.add(1)
     c.forward([1, 0], [9, 21])
