@@ -68,6 +68,9 @@ def test_tensor_cores_serve_hopper_fp16_and_bf16():
     assert "head_dim=80" in wgmma_problem(hopper.replace(head_dim=80))
     assert "Hopper" in wgmma_problem(hopper.replace(target="cuda:sm_80"))
     assert "Hopper" in wgmma_problem(hopper.replace(target="llvm"))
+    # head dims wgmma does not tile take the mma.sync kernel (run on the H200 in test_prefill_mma)
+    odd = paged_prefill(hopper.replace(head_dim=80, v_head_dim=80))
+    assert not uses_tirx_pipeline(odd) and "mma" in odd.script()
     # an explicit CUDA-core schedule keeps the CUDA-core kernel
     assert not uses_tirx_pipeline(paged_prefill(hopper, choose_prefill_schedule(hopper)))
     with pytest.raises(ValueError, match="dtype"):

@@ -437,8 +437,9 @@ def _tensor_core_kernels(config: AttentionConfig, schedule):
     """The tensor-core generator pair (paged, ragged) that serves this call, or None.
 
     A schedule picks its kernel; without one, Hopper (sm_90) fp16/bf16 configs get the wgmma
-    kernel (prefill_sm90) and sm_80..sm_89 ones the mma.sync kernel (prefill_sm80); float32,
-    the CPU and configs a tensor-core kernel cannot serve keep the CUDA-core kernel below.
+    kernel (prefill_sm90), and sm_80..sm_89 ones (and Hopper ones whose head dims wgmma does
+    not tile, e.g. 80) the mma.sync kernel (prefill_sm80); float32 and the CPU keep the
+    CUDA-core kernel below.
     """
     from . import prefill_sm80, prefill_sm90
 
@@ -450,7 +451,8 @@ def _tensor_core_kernels(config: AttentionConfig, schedule):
         return sm80 if isinstance(schedule, prefill_sm80.MmaPrefillSchedule) else None
     if prefill_sm90.wgmma_problem(config) is None:
         return sm90
-    if config.is_gpu and config.dtype in ("float16", "bfloat16") and 80 <= int(config.cuda_arch[3:].rstrip("a")) < 90:
+    # sm_80..sm_89, and Hopper configs wgmma does not tile (head dims not a multiple of 64)
+    if config.is_gpu and config.dtype in ("float16", "bfloat16") and int(config.cuda_arch[3:].rstrip("a")) >= 80:
         return sm80
     return None
 
