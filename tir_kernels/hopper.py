@@ -71,9 +71,10 @@ def swizzled(rows: int, r, c):
     return (c // PANEL) * rows * PANEL + r * PANEL + T.bitwise_xor((c % PANEL) // CHUNK, r % 8) * CHUNK + c % CHUNK
 
 
-def panel_bytes(rows: int) -> int:
-    """Bytes between two 64-column panels of a tile of `rows` rows."""
-    return rows * PANEL * 2
+def panel_stride_16b(rows: int) -> int:
+    """Distance between two 64-column panels of a tile of `rows` rows, in 16-byte units (the
+    leading byte offset of an MN-major operand that spans several panels)."""
+    return rows * PANEL * 2 // 16
 
 
 def wgmma_name(m_n_k: str, dtype: str) -> str:

@@ -40,6 +40,7 @@ from .hopper import (
     fence_f32,
     fence_u32,
     pack2,
+    panel_stride_16b,
     swizzled,
     wgmma_name,
 )
@@ -240,7 +241,7 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
             # keys 16kk..16kk+15: 16 rows further; LBO: from one 64-column panel of V to the next
             T.cuda.wgmma.encode_matrix_descriptor(
                 desc_v.ptr_to([0]), smem_.ptr_to([V_OFF + s_ * V_ELEMS + kk * 16 * PANEL]),
-                BN * PANEL * 2 // 16, SWIZZLE_SBO, SWIZZLE_128B)
+                panel_stride_16b(BN), SWIZZLE_SBO, SWIZZLE_128B)
             T.ptx[WG_O](*[oacc_[i] for i in range(NO)], preg_[kk * 4], preg_[kk * 4 + 1], preg_[kk * 4 + 2],
                         preg_[kk * 4 + 3], desc_v[0], T.bool(True), 1, 1, 1)
         T.ptx.wgmma.commit_group.sync.aligned()
