@@ -77,9 +77,11 @@ def check(config, o, lse, qo_indptr, want):
                                    err_msg=f"lse of request {i}")
 
 
-def run_paged(kernels, config, batch, q, qo_indptr, causal, rotary_mode=0, rope=(1e4, 1.0), k_pos=None, q_pos=None):
+def run_paged(kernels, config, batch, q, qo_indptr, causal, rotary_mode=0, rope=(1e4, 1.0), k_pos=None, q_pos=None,
+              generator=paged_prefill, extra=()):
+    """Run `generator(config, *extra)` (built once per session) on a paged batch; (o, lse) in numpy."""
     dev = device_for(config)
-    fn = kernels.get(paged_prefill, config)
+    fn = kernels.get(generator, config, *extra)
     total_q, b = q.shape[0], batch.batch
     o = empty((total_q, config.num_qo_heads, config.head_dim), config.dtype, dev)
     lse = empty((total_q, config.num_qo_heads), "float32", dev)
@@ -95,9 +97,10 @@ def run_paged(kernels, config, batch, q, qo_indptr, causal, rotary_mode=0, rope=
 
 
 def run_ragged(kernels, config, q, qo_indptr, k, v, kv_indptr, causal, rotary_mode=0, rope=(1e4, 1.0), k_pos=None,
-               q_pos=None):
+               q_pos=None, generator=ragged_prefill, extra=()):
+    """Run `generator(config, *extra)` (built once per session) on ragged K/V; (o, lse) in numpy."""
     dev = device_for(config)
-    fn = kernels.get(ragged_prefill, config)
+    fn = kernels.get(generator, config, *extra)
     total_q, b = q.shape[0], len(qo_indptr) - 1
     o = empty((total_q, config.num_qo_heads, config.v_head_dim), config.dtype, dev)
     lse = empty((total_q, config.num_qo_heads), "float32", dev)
@@ -252,11 +255,12 @@ def test_prefill_schedule_validation():
                                                                  cols_per_thread=4))
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_89"])  # sm_89: 99 KiB of shared memory per block
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("head_dim,v_head_dim", [(d, d) for d in range(16, 257, 16)] + [(192, 128), (128, 16)])
-def test_default_cuda_schedules_fit_every_head_dim(dtype, head_dim, v_head_dim):
+def test_default_cuda_schedules_fit_every_head_dim(dtype, head_dim, v_head_dim, arch):
     """The default CUDA schedules are valid for every head-dim pair a config accepts."""
-    config = AttentionConfig(32, 8, head_dim, v_head_dim=v_head_dim, dtype=dtype, target="cuda")
+    config = AttentionConfig(32, 8, head_dim, v_head_dim=v_head_dim, dtype=dtype, target=f"cuda:{arch}")
     choose_prefill_schedule(config).check(config)
     decode_config = config.replace(v_head_dim=head_dim)
     choose_decode_schedule(decode_config).check(decode_config)

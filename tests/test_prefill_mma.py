@@ -11,8 +11,9 @@ import zlib
 
 import numpy as np
 import pytest
+import test_prefill as prefill_tests
 import tvm
-from harness import JUNK, device_for, empty, index_view, make_paged_batch, randn, tensor
+from harness import JUNK, make_paged_batch, randn
 from test_prefill import check, expected, indptr, rope_args
 
 from tir_kernels import AttentionConfig, default_sm_scale, paged_prefill, ragged_prefill
@@ -109,21 +110,8 @@ def paged_inputs(rng, config, requests):
     return batch, q, indptr(qo_lens)
 
 
-def run_paged(kernels, config, batch, q, qo_indptr, causal, rotary_mode=0, rope=(1e4, 1.0), k_pos=None, q_pos=None):
-    dev = device_for(config)
-    fn = kernels.get(paged_prefill_mma, config)
-    total_q, b = q.shape[0], batch.batch
-    o = empty((total_q, config.num_qo_heads, config.head_dim), config.dtype, dev)
-    lse = empty((total_q, config.num_qo_heads), "float32", dev)
-    k_pos = np.zeros(b, np.int32) if k_pos is None else k_pos
-    q_pos = np.zeros(total_q, np.int32) if q_pos is None else q_pos
-    theta, scale = rope
-    fn(tensor(q, dev), index_view(qo_indptr, dev, offset=5), tensor(batch.pages, dev),
-       index_view(batch.page_indptr, dev), index_view(batch.page_indices, dev),
-       index_view(batch.length_info(), dev, offset=3), index_view(k_pos, dev, offset=11),
-       index_view(q_pos, dev, offset=2), o, lse, int(causal), rotary_mode, scale, theta,
-       default_sm_scale(config.head_dim))
-    return o.numpy().astype(np.float64), lse.numpy()
+def run_paged(*args, **kwargs):
+    return prefill_tests.run_paged(*args, generator=paged_prefill_mma, **kwargs)
 
 
 def ragged_inputs(rng, config, requests):
@@ -135,20 +123,10 @@ def ragged_inputs(rng, config, requests):
     return q, indptr(qo_lens), k, v, indptr(kv_lens)
 
 
-def run_ragged(kernels, config, q, qo_indptr, k, v, kv_indptr, causal, schedule=None, rotary_mode=0,
-               rope=(1e4, 1.0), k_pos=None, q_pos=None):
-    dev = device_for(config)
-    fn = kernels.get(ragged_prefill_mma, config, schedule)
-    total_q, b = q.shape[0], len(qo_indptr) - 1
-    o = empty((total_q, config.num_qo_heads, config.v_head_dim), config.dtype, dev)
-    lse = empty((total_q, config.num_qo_heads), "float32", dev)
-    k_pos = np.zeros(b, np.int32) if k_pos is None else k_pos
-    q_pos = np.zeros(total_q, np.int32) if q_pos is None else q_pos
-    theta, scale = rope
-    fn(tensor(q, dev), index_view(qo_indptr, dev, offset=5), tensor(k, dev), tensor(v, dev),
-       index_view(kv_indptr, dev, offset=9), index_view(q_pos, dev, offset=2), index_view(k_pos, dev, offset=11),
-       o, lse, int(causal), rotary_mode, scale, theta, default_sm_scale(config.head_dim))
-    return o.numpy().astype(np.float64), lse.numpy()
+def run_ragged(kernels, config, q, qo_indptr, k, v, kv_indptr, causal, schedule=None, *rope):
+    """test_prefill.run_ragged on ragged_prefill_mma(config, schedule); rope: rotary_mode, ..."""
+    return prefill_tests.run_ragged(kernels, config, q, qo_indptr, k, v, kv_indptr, causal, *rope,
+                                    generator=ragged_prefill_mma, extra=(schedule,))
 
 
 def ragged_kv_of(k, v, kv_indptr):

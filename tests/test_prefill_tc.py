@@ -145,24 +145,13 @@ def test_tensor_cores_match_cuda_cores(kernels):
     rng = np.random.default_rng(5)
     batch, q, qo_indptr = paged_inputs(rng, config, [(500, 1500), (1, 64), (64, 64)])
     tc = run_paged(kernels, config, batch, q, qo_indptr, True)
-    simt = run_paged(_CudaCores(kernels), config, batch, q, qo_indptr, True)
+    simt = run_paged(kernels, config, batch, q, qo_indptr, True, generator=paged_prefill_cuda_cores)
     np.testing.assert_allclose(tc[0], simt[0], atol=2e-3)
     np.testing.assert_allclose(tc[1], simt[1], atol=1e-3)
 
 
 def paged_prefill_cuda_cores(config: AttentionConfig):
     return paged_prefill(config, choose_prefill_schedule(config))
-
-
-class _CudaCores:
-    """The session's kernel cache, serving paged_prefill with its CUDA-core schedule."""
-
-    def __init__(self, kernels):
-        self.kernels = kernels
-
-    def get(self, generator, config):
-        assert generator is paged_prefill
-        return self.kernels.get(paged_prefill_cuda_cores, config)
 
 
 @pytest.mark.gpu

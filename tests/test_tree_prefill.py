@@ -117,6 +117,8 @@ def test_a_chain_is_causal_prefill(kernels):
 def test_tree_mask_refuses_what_it_cannot_do(kernels):
     with pytest.raises(ValueError, match="sliding_window"):
         tree_mask_paged_prefill(AttentionConfig(8, 2, 64, sliding_window=True))
+    with pytest.raises(ValueError, match="v_head_dim=128"):
+        tree_mask_paged_prefill(AttentionConfig(8, 2, 64, v_head_dim=128))
     config = AttentionConfig(8, 2, 64, dtype="float32", page_size=16)
     rng = np.random.default_rng(4)
     batch, q, qo_indptr, mn_indptr, intervals = tree_inputs(rng, config, [(4, star(3), 3)])
