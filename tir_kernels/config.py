@@ -135,6 +135,11 @@ class AttentionConfig:
     def cuda_arch(self) -> str:
         return TargetName.parse(self.target).cuda_arch
 
+    @property
+    def sm_version(self) -> int:
+        """The CUDA compute capability as a number (90 for "sm_90" and "sm_90a"); 0 on the CPU."""
+        return int(self.cuda_arch[3:].rstrip("a")) if self.is_gpu else 0
+
     def tvm_target(self) -> tvm.target.Target:
         """The TVM target this config builds for."""
         return tvm_target(self.target)

@@ -452,7 +452,7 @@ def _tensor_core_kernels(config: AttentionConfig, schedule):
     if prefill_sm90.wgmma_problem(config) is None:
         return sm90
     # sm_80..sm_89, and Hopper configs wgmma does not tile (head dims not a multiple of 64)
-    if config.is_gpu and config.dtype in ("float16", "bfloat16") and int(config.cuda_arch[3:].rstrip("a")) >= 80:
+    if config.dtype in ("float16", "bfloat16") and config.sm_version >= 80:
         return sm80
     return None
 

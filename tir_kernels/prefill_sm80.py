@@ -170,7 +170,7 @@ def _check_config(config: AttentionConfig, generator: str) -> None:
             f"dtype={config.dtype!r} is not supported by {generator}: expected one of {tuple(MMA_DTYPES)}"
             " (tensor-core prefill; paged_prefill / ragged_prefill serve float32)"
         )
-    if not config.is_gpu or int(config.cuda_arch[3:].rstrip("a")) < MIN_ARCH:
+    if config.sm_version < MIN_ARCH:
         raise ValueError(
             f"target={config.target!r} is not supported by {generator}: expected a CUDA target of sm_{MIN_ARCH}"
             " or newer"
