@@ -451,8 +451,6 @@ def test_token_tree_chains(target):
         cache.begin_forward([0], [1])
     cache.commit_accepted_token_tree_nodes([0, 1], [1, -1])  # keep 2 of 3, none of 4
     assert cache.sequence_state(0)["length"] == 7 and cache.sequence_state(1)["length"] == 6
-    with pytest.raises(KVCacheError, match="token trees are not supported yet"):
-        cache.begin_forward([0], [3], token_tree_parent_ptr=[-1, 0, 0])
     cache.popn(0, 2)
     m.forward([0, 1], [1, 1])
     m.check_kv()
@@ -592,8 +590,7 @@ BAD_SEQUENCE_OPS = {
     "zero length": (lambda c: c.begin_forward([0, 2], [1, 0]), "at least one token"),
     "over the chunk": (lambda c: c.begin_forward([0, 2], [30, 19]), "prefill_chunk_size=48"),
     "no free pages": (lambda c: c.begin_forward([2, 0], [40, 1]), "the KV cache is full"),
-    "token tree": (lambda c: c.begin_forward([0], [3], [-1, 0, 0]), "token trees are not supported yet"),
-    "bad parent": (lambda c: c.begin_forward([0], [2], [-1, 1]), "expected -1 or an earlier node"),
+    "bad parent": (lambda c: c.begin_forward([0], [2], [-1, 1]), r"expected -1 \(a root\) or an earlier node"),
     "commit without tree": (lambda c: c.commit_accepted_token_tree_nodes([0], [0]), "no token tree"),
     "attention outside a step": (lambda c: c.attention_with_fused_qkv(0, SM_SCALE, None, None), "begin_forward"),
     "positions outside a step": (lambda c: c.get_query_positions(), "begin_forward"),

@@ -90,8 +90,8 @@ def _library_kernels(spec: KVCacheSpec) -> dict[str, rx.Expr]:
         "decode_paged": _spec(tir_kernels.paged_decode(plain), "tvmattn_decode_paged"),
         "prefill_paged_sliding": _spec(tir_kernels.paged_prefill(sliding), "tvmattn_prefill_paged_sliding"),
         "decode_paged_sliding": _spec(tir_kernels.paged_decode(sliding), "tvmattn_decode_paged_sliding"),
-        "tree_paged": rx.Tuple([]),  # token trees beyond chains are not supported yet
-        "tree_ragged": rx.Tuple([]),
+        "tree_paged": _spec(tir_kernels.tree_mask_paged_prefill(plain), "tvmattn_tree_attn_paged_kv"),
+        "tree_ragged": rx.Tuple([]),  # run only by self_attention, which the models do not call
         "mla_prefill": rx.Tuple([]),
         "merge": rx.Tuple([_kernel(tir_kernels.merge_state(plain), "tvmattn_merge_state")]),
         "split_rotary": _kernel(tir_kernels.split_rotary(plain), "tvmattn_split_rotary"),

@@ -130,7 +130,7 @@ class TIRPagedDecode(PagedDecode):
 
 
 class PagedPrefillTreeMask(AttnBackend):
-    """Token-tree attention over paged K/V (tvmattn has no such kernel yet)."""
+    """Token-tree attention over paged K/V (a node sees the history and its ancestors)."""
 
     def mha(self, q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
             q_rope_position, tree_attn_mn_indptr, tree_attn_mask, rope_mode, rotary_scale, rotary_theta,
@@ -156,7 +156,7 @@ class TIRPagedPrefillTreeMask(PagedPrefillTreeMask):
 
 
 class RaggedPrefillTreeMask(AttnBackend):
-    """Token-tree attention over packed K/V (tvmattn has no such kernel yet)."""
+    """Token-tree attention over packed K/V (the nodes of this forward)."""
 
     def mha(self, q, k, v, qo_indptr, kv_indptr, q_rope_position, tree_attn_mn_indptr, tree_attn_mask,
             rope_mode, rotary_scale, rotary_theta, sm_scale, attn_output, attn_lse):

@@ -13,7 +13,11 @@ Semantics follow TVM's C++ cache (paged_kv_cache.cc), with these choices:
 - a cache with `support_sliding_window` applies RoPE "normal" as "inline" (in the attention
   kernels, at positions within the cache), as TVM does, since cached keys move when the
   window slides;
-- `begin_forward` with `token_tree_parent_ptr` accepts chains only (no tree-mask kernels yet);
+- token trees (`begin_forward` with `token_tree_parent_ptr`) may grow over several forwards
+  before a commit, which moves the accepted path into place with compact_copy (TVM's commit
+  handles only trees appended in the last forward); trees that are not chains are refused in
+  caches with support_sliding_window or inline RoPE (as TVM does), and a sequence with an
+  uncommitted tree cannot be forked;
 - MHA only: `v_head_dim` must equal `qk_head_dim`.
 Every method validates its arguments before changing anything and raises KVCacheError.
 """
@@ -28,13 +32,15 @@ import tvm
 from tir_kernels import AttentionConfig, RopeScaling
 from tir_kernels.support import cuda_arch_of, dtype_problem, numpy_dtype, page_size_problem
 
-from .backends import PagedDecode, PagedPrefill, RaggedPrefill, RopeMode, backend_from_spec
+from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPrefill, RaggedPrefillTreeMask,
+                       RopeMode, backend_from_spec)
 from .errors import KVCacheError, check, check_finite, check_int, check_tensor
 from .forward import Kernels, Rope, Step, Workspace
-from .kernels import KernelSet, default_kernels, paged_slots
+from .kernels import Deferred, KernelSet, default_kernels, paged_slots
 from .pages import PageAllocator
 from .plan import DeviceArrays, ForwardPlan, build_plan, plan_size_bound
 from .sequences import PageCopy, SequenceTable
+from .trees import accepted_path, check_new_nodes, compact_copies, is_chain, tree_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,17 +250,29 @@ class PagedKVCache:
         """Start a step that appends append_lengths[i] tokens to seq_ids[i].
 
         Plans every launch of the step on the host and uploads its index arrays with one copy.
-        token_tree_parent_ptr: parent of each new token within its sequence's token tree
-        (-1: root); only chains are supported (then this is ordinary appending, to be committed
-        with commit_accepted_token_tree_nodes).
+        token_tree_parent_ptr: for speculative decoding, the parent of each new token within its
+        sequence's token tree (-1: a root; parents before children; every sequence of the step
+        gives its tokens' parents, an ordinary sequence a chain). A tree may grow over several
+        steps; commit_accepted_token_tree_nodes then keeps one path. A node sees the history
+        before its tree, its ancestors and itself; its RoPE position is the committed length
+        plus its depth.
         """
         seq_ids, lengths = self._check_batch(seq_ids, append_lengths)
         seqs = [self._table.get(seq_id, f"seq_ids[{i}]") for i, seq_id in enumerate(seq_ids)]
-        tree = self._check_tree(seqs, lengths, token_tree_parent_ptr)
-        self._arrays.reserve(plan_size_bound(seqs, lengths, self.options.page_size))
-        appended, copies = self._table.reserve(seqs, lengths, tree)
+        trees = self._check_tree(seqs, lengths, token_tree_parent_ptr)
+        masked = trees is not None and not all(is_chain(seq.tree + new) for seq, new in zip(seqs, trees))
+        if masked:
+            self._check_tree_support()
+        nodes = sum(seq.tree_tokens for seq in seqs) + sum(lengths) if masked else 0
+        self._arrays.reserve(plan_size_bound(seqs, lengths, self.options.page_size, nodes))
+        appended, copies = self._table.reserve(seqs, lengths, trees)
         self._copy_pages(copies)
-        plan = build_plan(seq_ids, appended, lengths, self.options.page_size, self.options.support_sliding_window)
+        tree = None
+        if masked:
+            tree = tree_step([a.seq.tree for a in appended], [a.seq.length - a.seq.tree_tokens for a in appended],
+                             lengths)
+        plan = build_plan(seq_ids, appended, lengths, self.options.page_size, self.options.support_sliding_window,
+                          tree=tree)
         self._begin_backends(plan)
         arrays = self._arrays.upload(plan)
         self._step = Step(plan, arrays, self._step_kernels, self._workspace.views(plan.total), self._rope)
@@ -277,36 +295,62 @@ class PagedKVCache:
               "split the step into chunks")
         return seq_ids, lengths
 
-    def _check_tree(self, seqs: list, lengths: list, parents) -> bool:
-        """True for a token-tree step (chains only); checks uncommitted trees otherwise."""
+    def _check_tree(self, seqs: list, lengths: list, parents) -> list | None:
+        """The new nodes' parents per sequence (None without a token tree); checks them, or
+        that no sequence has an uncommitted tree when there are none."""
         if parents is None:
             for seq in seqs:
                 check(seq.tree_tokens == 0, f"sequence {seq.seq_id} has {seq.tree_tokens} token-tree tokens not "
                       "committed yet; call commit_accepted_token_tree_nodes first")
-            return False
+            return None
         parents = _int_list("token_tree_parent_ptr", parents)
         check(len(parents) == sum(lengths), f"token_tree_parent_ptr has {len(parents)} entries, expected one per "
               f"new token ({sum(lengths)})")
-        start = 0
+        trees, start = [], 0
         for seq, n in zip(seqs, lengths):
-            for j, parent in enumerate(parents[start : start + n]):
-                node = seq.tree_tokens + j  # index in the sequence's (uncommitted) tree
-                check(-1 <= parent < node, f"token_tree_parent_ptr: node {node} of sequence {seq.seq_id} has "
-                      f"parent {parent}, expected -1 or an earlier node")
-                check(parent == node - 1, "token trees are not supported yet: tvmattn has no tree-mask attention "
-                      f"kernels, so every tree must be a chain (node {node} of sequence {seq.seq_id} has parent "
-                      f"{parent}, not {node - 1})")
+            check_new_nodes(seq.seq_id, seq.tree, parents[start : start + n])
+            trees.append(parents[start : start + n])
             start += n
-        return True
+        return trees
+
+    def _check_tree_support(self) -> None:
+        """This cache can run a step whose token trees are not all chains; builds the tree-mask
+        kernels on first use."""
+        check(not self.options.support_sliding_window, "token trees that are not chains are not supported by a "
+              "cache with support_sliding_window (tree attention has no sliding-window kernels, as in TVM)")
+        check(self._rope.mode != RopeMode.INLINE, "token trees that are not chains are not supported with "
+              'rope_mode="inline": a node\'s RoPE position is its depth, not its place in the cache; use "normal"')
+        if self._step_kernels.tree_paged is not None:
+            return
+        built, backends = {}, {}
+        for slot, role in (("tree_attn_paged_kv", PagedPrefillTreeMask), ("tree_attn_ragged", RaggedPrefillTreeMask)):
+            spec = getattr(self.kernels, slot)
+            if isinstance(spec, Deferred):
+                spec = built[slot] = spec.build()
+            backends[slot] = backend_from_spec(spec, role)
+        check(backends["tree_attn_paged_kv"] is not None, "kernels: slot 'tree_attn_paged_kv' is empty, so this "
+              "cache cannot run token trees that are not chains")
+        self.kernels = dataclasses.replace(self.kernels, **built)
+        self._step_kernels = dataclasses.replace(self._step_kernels, tree_paged=backends["tree_attn_paged_kv"],
+                                                 tree_ragged=backends["tree_attn_ragged"])
 
     def _begin_backends(self, plan: ForwardPlan) -> None:
         """The backends' plan step (nothing for TIR kernels)."""
         opts, host, k = self.options, plan.host, self._step_kernels
         heads = (opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim, opts.v_head_dim)
-        if not plan.decode:
-            indptr = host.append_indptr
-            k.ragged.begin_forward(indptr, indptr, len(plan.lengths), plan.total, *heads, True)
-        for depth, level in enumerate(host.fused):
+        if plan.tree:
+            (level,), indptr = host.fused, host.append_indptr
+            for backend in (k.tree_paged, k.tree_ragged):
+                if backend is not None:
+                    backend.begin_forward(level.page_indptr, level.length_info, indptr, len(plan.lengths),
+                                          opts.page_size, *heads, self._rope.mode)
+            levels = host.cross  # for cross_attention
+        else:
+            levels = host.fused
+            if not plan.decode:
+                indptr = host.append_indptr
+                k.ragged.begin_forward(indptr, indptr, len(plan.lengths), plan.total, *heads, True)
+        for depth, level in enumerate(levels):
             indptr = level.page_indptr
             if level.kernel == "decode":
                 k.paged_decode.begin_forward(depth, indptr, len(indptr) - 1, opts.page_size, *heads,
@@ -354,6 +398,8 @@ class PagedKVCache:
         """
         step = self._active("self_attention")
         self._layer(layer_id)
+        check(not step.tree or self._step_kernels.tree_ragged is not None, "self_attention: this step has token "
+              "trees and the kernels' slot 'tree_attn_ragged' is empty")
         q, k, v, o = (self._tensor(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o)))
         lse = self._tensor("lse", lse, "float32")
         step.self_attention(q, k, v, o, lse, check_finite("sm_scale", sm_scale))
@@ -366,6 +412,8 @@ class PagedKVCache:
         """
         step = self._active("cross_attention")
         pages = self._layer(layer_id)
+        check(not step.grown_tree, "cross_attention: a token tree of this step grew over an earlier forward, so "
+              "its history holds uncommitted nodes that only some queries see; use attention_with_fused_qkv")
         q, o, lse = self._tensor("q", q), self._tensor("o", o), self._tensor("lse", lse, "float32")
         step.cross_attention(pages, q, o, lse, check_finite("sm_scale", sm_scale))
 
@@ -383,8 +431,12 @@ class PagedKVCache:
 
     # -- commits of token trees
     def commit_accepted_token_tree_nodes(self, seq_ids, leaf_indices) -> None:
-        """Keep, per sequence, the path from its tree's root to leaf_indices[i] (-1: drop the
-        whole tree). Trees are chains, so this keeps the first leaf + 1 tree tokens."""
+        """Keep, per sequence, the path from its tree's root to node leaf_indices[i] of its
+        uncommitted token tree (-1: keep none) and drop the other nodes.
+
+        The path's K/V move into the tree's first slots (compact_copy, every layer), so the
+        sequence ends exactly as if the accepted tokens had been appended one by one.
+        """
         seq_ids, leaves = _int_list("seq_ids", seq_ids), _int_list("leaf_indices", leaf_indices)
         check(len(seq_ids) == len(leaves), f"seq_ids has {len(seq_ids)} entries but leaf_indices has {len(leaves)}")
         check(len(set(seq_ids)) == len(seq_ids), f"seq_ids {seq_ids} names a sequence twice")
@@ -394,10 +446,32 @@ class PagedKVCache:
                   f"sequence {seq.seq_id}: no token tree to commit (or it is committed already)")
             check(-1 <= leaf < max(seq.tree_tokens, 1), f"leaf_indices: {leaf} is not a node of the token tree of "
                   f"sequence {seq.seq_id} ({seq.tree_tokens} nodes)")
+        self._compact(seqs, leaves)
         for seq, leaf in zip(seqs, leaves):
-            self._table.popn(seq.seq_id, seq.tree_tokens - (leaf + 1))
-            seq.tree_tokens = 0
+            kept = len(accepted_path(seq.tree, leaf))
+            self._table.popn(seq.seq_id, seq.tree_tokens - kept)
+            seq.tree = []
         self._step = None
+
+    def _compact(self, seqs: list, leaves: list) -> None:
+        """Move each accepted path into place (compact_copy over every layer's pages)."""
+        indptr, sources, destinations = [0], [], []
+        for seq, leaf in zip(seqs, leaves):
+            first = seq.length - seq.tree_tokens
+            pairs = compact_copies(seq.tree, leaf, first)
+            if pairs:
+                positions = seq.positions(first, seq.length, self.options.page_size)
+                sources += [int(positions[src - first]) for src, _ in pairs]
+                destinations += [int(positions[dst - first]) for _, dst in pairs]
+            indptr.append(len(sources))
+        if not sources:
+            return
+        check(self.kernels.compact_copy is not None, "kernels: slot 'compact_copy' is empty, so this cache cannot "
+              "commit token trees that are not chains")
+        indptr_dev = tvm.runtime.tensor(np.asarray(indptr, dtype=np.int32), device=self.device)
+        pos_dev = tvm.runtime.tensor(np.asarray([sources, destinations], dtype=np.int32), device=self.device)
+        for pool in self._pools:
+            self.kernels.compact_copy(pool, indptr_dev, pos_dev, len(seqs))
 
     # -- queries
     def empty(self) -> bool:
@@ -434,7 +508,7 @@ class PagedKVCache:
     def sequence_state(self, seq_id: int) -> dict:
         """A copy of a sequence's bookkeeping: pages, length, window fields."""
         seq = self._table.get(seq_id)
-        return {field: (list(value) if field == "pages" else value)
+        return {field: (list(value) if isinstance(value, list) else value)
                 for field in seq.__slots__ for value in (getattr(seq, field),)}
 
     def sequence_ids(self) -> list:

@@ -9,6 +9,9 @@ attention_with_fused_qkv, per layer:
   decode step:  transpose_append(k, v); [shared level -> o]; paged decode -> o (merged)
   prefill step: ragged causal prefill over the new tokens -> o; [shared level]; history
                 level; each merged into o by LSE; then transpose_append(k, v)
+  tree step:    transpose_append(k, v); tree-mask paged prefill over whole sequences -> o
+self_attention runs ragged prefill over the new tokens (tree-mask ragged prefill in a tree
+step), cross_attention the history levels.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class Kernels:
     split_rotary: object
     transpose_append: object
     merge: object
+    tree_paged: object = None  # PagedPrefillTreeMask, for tree steps
+    tree_ragged: object = None  # RaggedPrefillTreeMask, for tree steps
 
 
 class Workspace:
@@ -76,12 +81,15 @@ class Step:
         """arrays: the plan's arrays as device views."""
         self.plan = plan
         self.decode = plan.decode
+        self.tree = plan.tree
+        # some tree has nodes from earlier forwards (in the pages, seen only by their descendants)
+        self.grown_tree = plan.tree and bool((plan.host.tree[0][1:] - plan.host.tree[0][:-1] > plan.lengths).any())
         self._a = arrays
         self._k = kernels
         self._rope = rope
         self.q, self.k, self.v = work["q"], work["k"], work["v"]
         self.o_tmp, self.lse, self.lse_tmp = work["o_tmp"], work["lse"], work["lse_tmp"]
-        self._fused = [self._level(level) for level in arrays.fused]
+        self._fused = [] if plan.tree else [self._level(level) for level in arrays.fused]
         self._cross = [self._level(level) for level in arrays.cross]
         self._apply_rope = int(rope.mode == RopeMode.NORMAL)
 
@@ -116,13 +124,28 @@ class Step:
     def _ragged(self, q, k, v, o, lse, sm_scale: float) -> None:
         a, rope = self._a, self._rope
         indptr = a.append_indptr
+        if self.tree:
+            mn_indptr, mask = a.tree
+            self._k.tree_ragged.mha(q, k, v, indptr, indptr, a.q_positions, mn_indptr, mask, rope.mode, rope.scale,
+                                    rope.theta, sm_scale, o, lse)
+            return
         self._k.ragged.mha(q, k, v, indptr, indptr, a.q_positions, a.k_ragged_offset, True, rope.mode,
                            rope.scale, rope.theta, sm_scale, o, lse)
+
+    def _tree_paged(self, pages, q, o, lse, sm_scale: float) -> None:
+        a, rope = self._a, self._rope
+        (level,), (mn_indptr, mask) = a.fused, a.tree
+        self._k.tree_paged.mha(q, level.qo_indptr, pages, level.page_indptr, level.page_indices, level.length_info,
+                               level.k_offset, a.q_positions, mn_indptr, mask, rope.mode, rope.scale, rope.theta,
+                               sm_scale, o, lse)
 
     def attention_with_fused_qkv(self, pages, qkv, o, sm_scale: float) -> None:
         q, k, v, positions = self.q, self.k, self.v, self._a.append_positions
         self._k.split_rotary(qkv, self._a.q_positions, q, k, v, self._apply_rope)
-        if self.decode:
+        if self.tree:
+            self._k.transpose_append(pages, k, v, positions)
+            self._tree_paged(pages, q, o, self.lse, sm_scale)
+        elif self.decode:
             self._k.transpose_append(pages, k, v, positions)
             self._paged(self._fused, pages, q, o, self.lse, sm_scale, have_output=False)
         else:

@@ -11,7 +11,9 @@ Slot names (the `kernels=` keys of PagedKVCache), with what each holds:
 
 A cache with `support_sliding_window` runs the sliding-window variants for every sequence
 (sink 0, offset 0 for a sequence without a window), as TVM's cache does; otherwise the plain
-ones. Slots the cache does not run are left `[]` / None by `default_kernels`.
+ones. The tree-mask slots (run only by token-tree steps, which sliding-window caches refuse)
+hold a `Deferred` that the cache builds on the first tree step. Slots the cache does not run
+are left `[]` / None by `default_kernels`.
 """
 
 from __future__ import annotations
@@ -69,7 +71,10 @@ _GENERATORS = {
     "compact_copy": (tir_kernels.compact_copy, ()),
     "debug_get_kv": (tir_kernels.debug_get_kv, ()),
     "merge_state": (tir_kernels.merge_state, ()),
+    "tree_attn_paged_kv": (tir_kernels.tree_mask_paged_prefill, ()),
+    "tree_attn_ragged": (tir_kernels.tree_mask_ragged_prefill, ()),
 }
+TREE_SLOTS = ("tree_attn_paged_kv", "tree_attn_ragged")
 _NEUTRAL = {"rope_theta": 10000.0, "rope_scale": 1.0, "rope_scaling": None, "sliding_window": False}
 
 
@@ -81,9 +86,20 @@ def paged_slots(sliding_window: bool) -> tuple[str, str]:
 
 
 def slots_used(sliding_window: bool) -> tuple:
-    """The slots a cache runs (tree-mask slots are never run: token trees other than chains
-    are not supported yet)."""
+    """The slots a cache builds when it is created (the tree-mask slots are deferred)."""
     return ("prefill_ragged",) + paged_slots(sliding_window) + FUNCTION_SLOTS
+
+
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """tvmattn's kernel for a slot, built on first use (`build()`; once per process)."""
+
+    slot: str
+    config: AttentionConfig
+    num_layers: int
+
+    def build(self):
+        return build_slot(self.slot, self.config, self.num_layers)
 
 
 def default_kernels(config: AttentionConfig, num_layers: int, *, sliding_window: bool = False,
@@ -99,6 +115,8 @@ def default_kernels(config: AttentionConfig, num_layers: int, *, sliding_window:
     if unknown:
         raise KVCacheError(f"kernels: unknown slots {unknown}; the slots are {list(SLOTS)}")
     built = {slot: build_slot(slot, config, num_layers) for slot in slots_used(sliding_window) if slot not in overrides}
+    if not sliding_window:
+        built.update({slot: Deferred(slot, config, num_layers) for slot in TREE_SLOTS if slot not in overrides})
     return KernelSet(**built, **overrides)
 
 

@@ -10,6 +10,11 @@ Two ways to attend, chosen per step:
   a sliding window drops tokens only after the step: the new tokens see the whole cached
   window plus each other.
 
+- tree (some sequence's token tree is not a chain; see tvmattn.runtime.trees): the new tokens
+  are appended first, then tree-mask paged prefill runs over each whole sequence (history,
+  earlier nodes of its tree and this step's nodes): a node sees the history and its
+  ancestors. q_positions are then the committed length plus each node's depth. No cascade.
+
 Cascade (one shared level): a run of adjacent sequences of the batch whose page tables start
 with the same full pages (forks of one prefix) attends to those shared pages once, as one
 request of a paged prefill holding all their queries (non-causal: every query comes after the
@@ -31,6 +36,8 @@ N = new tokens):
   prefill qo_indptr [R+1] (the shared level's own; append_indptr for the history level); None
   for paged decode. In a decode step cross's last level has its own length_info: the same
   tables without the new tokens (a last page of length 0 contributes nothing).
+- tree: (mn_indptr [B+1], mask [total_nodes, 2]) in a tree step, else absent; fused is then the
+  tree level over whole sequences (qo_indptr = append_indptr) and cross the history level.
 Levels share arrays (fused and cross the same tables; append_indptr as qo_indptr); each array
 is packed once, where it first appears.
 """
@@ -45,6 +52,7 @@ import numpy as np
 import tvm
 
 from .sequences import Appended, ceildiv
+from .trees import TreeStep
 from .upload import make_uploader
 
 ALIGN = 16  # int32 elements: every packed array starts at a 64-byte boundary
@@ -87,12 +95,13 @@ class PlanArrays(NamedTuple, Generic[T]):
     append_positions: T  # [N]
     fused: tuple[LevelArrays[T], ...]  # run by attention_with_fused_qkv (after the ragged part in prefill)
     cross: tuple[LevelArrays[T], ...]  # over the history, run by cross_attention
+    tree: tuple[T, ...] = ()  # (tree_attn_mn_indptr, tree_attn_mask) in a tree step
 
     def map(self, f: Callable[[T], U]) -> PlanArrays[U]:
         """The same arrays with f applied to each, in packing order."""
         return PlanArrays(f(self.q_positions), f(self.append_indptr), f(self.k_ragged_offset),
                           f(self.append_positions), tuple([level.map(f) for level in self.fused]),
-                          tuple([level.map(f) for level in self.cross]))
+                          tuple([level.map(f) for level in self.cross]), tuple([f(a) for a in self.tree]))
 
 
 @dataclasses.dataclass
@@ -103,6 +112,7 @@ class ForwardPlan:
     lengths: list
     total: int
     decode: bool  # append first, then paged decode over whole sequences
+    tree: bool  # append first, then tree-mask paged prefill over whole sequences
     buffer: np.ndarray  # int32, all arrays packed
     specs: PlanArrays[ArraySpec]  # where each array lies in buffer
     host: PlanArrays[np.ndarray]  # the arrays as packed (for backends' begin_forward)
@@ -168,9 +178,11 @@ class PagedTable:
 
 
 def build_plan(seq_ids: list, appended: list[Appended], lengths: list, page_size: int, sliding: bool,
-               cascade: bool = True) -> ForwardPlan:
+               cascade: bool = True, tree: TreeStep | None = None) -> ForwardPlan:
     """The plan of a step. appended[i] describes seq_ids[i] (see SequenceTable.reserve);
-    sliding: the paged kernels read length_info as [3, R]."""
+    sliding: the paged kernels read length_info as [3, R]; tree: the arrays of a tree step."""
+    if tree is not None:
+        return _tree_plan(seq_ids, appended, lengths, page_size, sliding, tree)
     decode = all(n == 1 for n in lengths) and not any(a.seq.window_size for a in appended)
     q_positions, indptr, k_ragged_offset, append_positions = _new_tokens(appended, lengths)
     tables = [a.seq if decode else a.history for a in appended]
@@ -190,9 +202,25 @@ def build_plan(seq_ids: list, appended: list[Appended], lengths: list, page_size
         fused = shared + ([paged] if main.page_indices else [])
         cross = shared + [paged]
     host = PlanArrays(q_positions, indptr, k_ragged_offset, append_positions, tuple(fused), tuple(cross))
+    return _pack(seq_ids, lengths, decode, False, host)
+
+
+def _tree_plan(seq_ids: list, appended: list[Appended], lengths: list, page_size: int, sliding: bool,
+               tree: TreeStep) -> ForwardPlan:
+    """A tree step (see the module docstring)."""
+    _, indptr, k_ragged_offset, append_positions = _new_tokens(appended, lengths)
+    whole = _main_table([a.seq for a in appended], [], page_size).arrays(sliding, indptr)
+    history = _main_table([a.history for a in appended], [], page_size)
+    cross = history.arrays(sliding, None if all(n == 1 for n in lengths) else indptr)
+    host = PlanArrays(tree.q_positions, indptr, k_ragged_offset, append_positions, (whole,), (cross,),
+                      (tree.mn_indptr, tree.mask))
+    return _pack(seq_ids, lengths, False, True, host)
+
+
+def _pack(seq_ids: list, lengths: list, decode: bool, tree: bool, host: PlanArrays[np.ndarray]) -> ForwardPlan:
     packer = Packer()
     specs = host.map(packer.add)
-    return ForwardPlan(list(seq_ids), list(lengths), sum(lengths), decode, packer.finish(), specs, host)
+    return ForwardPlan(list(seq_ids), list(lengths), sum(lengths), decode, tree, packer.finish(), specs, host)
 
 
 def _new_tokens(appended: list[Appended], lengths: list) -> tuple:
@@ -282,11 +310,11 @@ def common_prefix(a: list, b: list, limit: int) -> int:
     return low
 
 
-def plan_size_bound(seqs: list, lengths: list, page_size: int) -> int:
+def plan_size_bound(seqs: list, lengths: list, page_size: int, tree_nodes: int = 0) -> int:
     """An upper bound of the packed size (elements) of the plan of a step, known before the
-    step changes any page table."""
+    step changes any page table; tree_nodes: the nodes of the step's token trees."""
     pages = sum(len(seq.pages) + ceildiv(n, page_size) + 1 for seq, n in zip(seqs, lengths))
-    return 2 * pages + 2 * sum(lengths) + 16 * (len(seqs) + 2) + 24 * ALIGN
+    return 2 * pages + 2 * sum(lengths) + 2 * tree_nodes + 16 * (len(seqs) + 2) + 26 * ALIGN
 
 
 class BufferViews(dict):

@@ -58,7 +58,12 @@ class Sequence:
     sink_size: int = 0  # attention-sink tokens requested with the window
     sink: int = 0  # sink tokens in effect (0 until the window first slides)
     window_offset: int = 0  # slot of the first windowed token
-    tree_tokens: int = 0  # tokens of a token-tree step not yet committed
+    tree: list = dataclasses.field(default_factory=list)  # parents of the uncommitted token tree's nodes
+
+    @property
+    def tree_tokens(self) -> int:
+        """Tokens of the uncommitted token tree (the sequence's last ones)."""
+        return len(self.tree)
 
     @property
     def slot_end(self) -> int:
@@ -70,7 +75,7 @@ class Sequence:
 
     def copy(self) -> "Sequence":
         return Sequence(self.seq_id, list(self.pages), self.length, self.window_size, self.sink_size,
-                        self.sink, self.window_offset, self.tree_tokens)
+                        self.sink, self.window_offset, list(self.tree))
 
     def assign(self, other: "Sequence") -> None:
         """Take every field of `other` (used to roll back)."""
@@ -202,7 +207,7 @@ class SequenceTable:
         if seq.sink and length <= seq.sink:  # only sink tokens are left: slots 0..length-1
             seq.sink = seq.window_offset = 0
         seq.length = length
-        seq.tree_tokens = max(seq.tree_tokens - n, 0)
+        del seq.tree[max(len(seq.tree) - n, 0):]  # the last nodes: what is left is still a tree
         keep = ceildiv(seq.slot_end, self.page_size)
         self.allocator.release_all(seq.pages[keep:])
         del seq.pages[keep:]
@@ -223,8 +228,9 @@ class SequenceTable:
         return seq_id
 
     # -- appending (begin_forward)
-    def reserve(self, seqs: list, lengths: list, tree: bool) -> tuple[list, list]:
-        """Make room for `lengths[i]` new tokens in `seqs[i]` and slide windows.
+    def reserve(self, seqs: list, lengths: list, trees: list | None) -> tuple[list, list]:
+        """Make room for `lengths[i]` new tokens in `seqs[i]` and slide windows; the new tokens
+        are nodes of its token tree with parents `trees[i]` (trees None: no token tree).
 
         Returns (appended per sequence, page copies to run before the step). Pages come, in
         this order, for copy-on-write (from pages free before the step), then freed by
@@ -240,10 +246,10 @@ class SequenceTable:
                 histories = [_history(old, seq, c) for old, seq, c in zip(before, seqs, copies)]
                 fresh = [self._slide(seq, layout) for seq, layout in zip(seqs, layouts)]
                 self._check_free(sum(fresh))
-                for seq, layout, count, n in zip(seqs, layouts, fresh, lengths):
+                for i, (seq, layout, count) in enumerate(zip(seqs, layouts, fresh)):
                     seq.pages += self.allocator.alloc_many(count)
                     seq.length, seq.sink, seq.window_offset = layout.length, layout.sink, layout.window_offset
-                    seq.tree_tokens = seq.tree_tokens + n if tree else 0
+                    seq.tree = seq.tree + list(trees[i]) if trees is not None else []
         except BaseException:
             for seq, old in zip(seqs, before):
                 seq.assign(old)
