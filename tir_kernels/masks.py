@@ -45,6 +45,25 @@ class TreeMask(NamedTuple):
         return tirx.all(j >= self.history(kv_len),
                         tirx.any(q_begin < self.order[k_node, 0], q_begin >= self.order[k_node, 1]))
 
+    # Per-row and per-key parts of `hides`, for kernels that hoist the row's part out of their
+    # KV loop (the tensor-core kernels): hidden(j) = j >= history and
+    # not (key_begin(j) <= query_begin < key_end(j)).
+
+    def query_node(self, query, qo_len):
+        """Node of query `query` (0..qo_len-1), clamped into the tree (read it only when the
+        tree has a node: tree_len() > 0)."""
+        first, last = self.indptr[self.b], self.indptr[self.b + 1] - 1
+        return T.min(T.max(first + query + self.tree_len() - qo_len, first), last)
+
+    def key0_node(self, kv_len):
+        """Node of key 0 (valid as a node only for keys at or past the history): key j is node
+        key0_node + j."""
+        return self.indptr[self.b + 1] - kv_len
+
+    def key_span(self, node, bound):
+        """Bound `bound` of node `node`'s DFS interval [begin, end): 0 the begin, 1 the end."""
+        return self.order[node, bound]
+
 
 class TreeMasks(NamedTuple):
     """The tree-attention buffers of a batch: indptr [B+1] i32, order [total_nodes, 2] i32."""

@@ -433,8 +433,9 @@ def _schedule_for(config: AttentionConfig, schedule: PrefillSchedule | None) -> 
     return sched
 
 
-def _tensor_core_kernels(config: AttentionConfig, schedule):
-    """The tensor-core generator pair (paged, ragged) that serves this call, or None.
+def _tensor_core_kernels(config: AttentionConfig, schedule, tree: bool = False):
+    """The tensor-core generator pair (paged, ragged) that serves this call, or None; with
+    `tree`, the token-tree pair (tree_mask_paged_prefill / tree_mask_ragged_prefill).
 
     A schedule picks its kernel; without one, Hopper (sm_90) fp16/bf16 configs get the wgmma
     kernel (prefill_sm90), and sm_80..sm_89 ones (and Hopper ones whose head dims wgmma does
@@ -443,8 +444,12 @@ def _tensor_core_kernels(config: AttentionConfig, schedule):
     """
     from . import prefill_sm80, prefill_sm90
 
-    sm90 = (prefill_sm90.paged_prefill_wgmma, prefill_sm90.ragged_prefill_wgmma)
-    sm80 = (prefill_sm80.paged_prefill_mma, prefill_sm80.ragged_prefill_mma)
+    if tree:
+        sm90 = (prefill_sm90.tree_paged_prefill_wgmma, prefill_sm90.tree_ragged_prefill_wgmma)
+        sm80 = (prefill_sm80.tree_paged_prefill_mma, prefill_sm80.tree_ragged_prefill_mma)
+    else:
+        sm90 = (prefill_sm90.paged_prefill_wgmma, prefill_sm90.ragged_prefill_wgmma)
+        sm80 = (prefill_sm80.paged_prefill_mma, prefill_sm80.ragged_prefill_mma)
     if schedule is not None:
         if isinstance(schedule, prefill_sm90.WgmmaPrefillSchedule):
             return sm90
@@ -581,19 +586,27 @@ def tree_mask_paged_prefill(config: AttentionConfig, schedule: PrefillSchedule |
     """Token-tree attention over paged K/V (speculative decoding): TVM's `tree_attn_paged_kv`
     arguments (see prefill_contract.tree_paged_prefill_func). A request's queries are the last
     nodes of its token tree, which are the last keys of its paged sequence; a query node sees
-    the committed history, its ancestors and itself (masks.TreeMask). CUDA-core kernel."""
+    the committed history, its ancestors and itself (masks.TreeMask). fp16/bf16 configs on
+    sm_80 and newer run on tensor cores as in `paged_prefill` (`_tensor_core_kernels`); keys
+    are cached rotated (rotary_mode must be 0)."""
     if config.sliding_window:
         raise ValueError("sliding_window=True is not supported by tree_mask_paged_prefill: token trees need the"
                          " whole sequence (expected sliding_window=False)")
     if config.v_head_dim != config.head_dim:
         raise ValueError(f"v_head_dim={config.v_head_dim} is not supported by tree_mask_paged_prefill: expected"
                          f" head_dim={config.head_dim}")
+    tensor_cores = _tensor_core_kernels(config, schedule, tree=True)
+    if tensor_cores:
+        return tensor_cores[0](config, schedule)
     return tree_paged_prefill_func(config, _paged_kernel(config, _schedule_for(config, schedule)))
 
 
 def tree_mask_ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
     """Token-tree attention over ragged K/V (the tree's own nodes as keys): TVM's
     `batch_tree_attn` arguments (see prefill_contract.tree_ragged_prefill_func); a query node
-    sees its ancestors and itself (masks.TreeMask). CUDA-core kernel."""
+    sees its ancestors and itself (masks.TreeMask). Tensor cores as in `tree_mask_paged_prefill`."""
+    tensor_cores = _tensor_core_kernels(config, schedule, tree=True)
+    if tensor_cores:
+        return tensor_cores[1](config, schedule)
     return tree_ragged_prefill_func(config, _ragged_kernel(config, _schedule_for(config, schedule)))
 

@@ -40,13 +40,25 @@ from __future__ import annotations
 
 import dataclasses
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, loop_kinds, paged_position
 from .config import AttentionConfig
+from .masks import is_tree, mask_of_request
 from .prefill import _prefill_macros, _schedule_for
-from .prefill_contract import paged_prefill_func, ragged_prefill_func
-from .schedules import CUDA_DEFAULT_SHARED_BYTES, CUDA_MAX_SHARED_BYTES, PrefillSchedule, choose_prefill_schedule
+from .prefill_contract import (
+    paged_prefill_func,
+    ragged_prefill_func,
+    tree_paged_prefill_func,
+    tree_ragged_prefill_func,
+)
+from .schedules import (
+    CUDA_DEFAULT_SHARED_BYTES,
+    CUDA_MAX_SHARED_BYTES,
+    PrefillSchedule,
+    choose_prefill_schedule,
+)
 from .softmax import finalize_lse, finalize_scale, prob, rescale_factor
 
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
@@ -207,9 +219,19 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
         return r // 2 * ROWS_PER_MMA + r % 2 * 8
 
     def visible_end(kv_len, qo_len, p, causal):
-        """Number of leading keys packed row p may see (all of them when not causal)."""
+        """Number of leading keys packed row p may see (all of them when not causal). `causal`
+        is the causal flag or a token tree's `masks.TreeMask` (within the causal bound)."""
         last = kv_len - qo_len + T.min(p // G, qo_len - 1) + 1
+        if is_tree(causal):
+            return T.max(T.min(last, kv_len), 0)
         return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
+
+    def unmasked_end(kv_len, qo_len, p0, causal):
+        """Keys every row of the tile from packed row p0 on sees: no mask is needed below (a
+        token tree's history at most)."""
+        if is_tree(causal):
+            return T.min(visible_end(kv_len, qo_len, p0, causal), causal.history(kv_len))
+        return visible_end(kv_len, qo_len, p0, causal)
 
     @T.macro
     def copy_rows(smem_, tile_, rows_, handle_, valid_, dst0_, src0_, dst1_, src1_, tid_):
@@ -295,6 +317,37 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
             for nb in L.unroll(SN):
                 for e in L.unroll(2):
                     if kv_start_ + nb * 8 + lane_ % 4 * 2 + e >= visible_end(kv_len_, qo_len_, p_ + row_of(r), causal_):
+                        s_[acc(r // 2, SN, nb) + r % 2 * 2 + e] = T.min_value("float32")
+
+    @T.macro
+    def tree_rows(tree_, kv_len_, qo_len_, p_, vis_end_, q_begin_, keys_):
+        """Per-row and per-block values of the tree mask, hoisted out of the KV loop: for the
+        thread's rows r (packed row p_ + row_of(r)), vis_end_[r] <- its causal bound and
+        q_begin_[r] <- the DFS begin of its node; keys_ <- [history, node of key 0]."""
+        keys_[0] = tree_.history(kv_len_)
+        keys_[1] = tree_.key0_node(kv_len_)
+        for r in L.unroll(2 * M):
+            vis_end_[r] = visible_end(kv_len_, qo_len_, p_ + row_of(r), tree_)
+            q_begin_[r] = 0
+            if tree_.tree_len() > 0:
+                q_begin_[r] = tree_.key_span(tree_.query_node((p_ + row_of(r)) // G, qo_len_), 0)
+
+    @T.macro
+    def tree_mask(s_, kv_start_, tree_, vis_end_, q_begin_, keys_, lane_):
+        """`mask` under a token tree: keys past a row's causal bound, and keys past the history
+        that are not the row's node or an ancestor of it -> lowest float. The interval of each
+        of the thread's key columns is read once for all its rows."""
+        span = T.alloc_buffer((2,), "int32", scope="local")
+        for nb in L.unroll(SN):
+            for e in L.unroll(2):
+                j = T.meta_var(kv_start_ + nb * 8 + lane_ % 4 * 2 + e)
+                span[0] = T.int32(-2147483647)  # keys of the history: an interval holding every node
+                span[1] = T.int32(2147483647)
+                if j >= keys_[0] and j < vis_end_[2 * M - 1]:
+                    span[0] = tree_.key_span(keys_[1] + j, 0)
+                    span[1] = tree_.key_span(keys_[1] + j, 1)
+                for r in L.unroll(2 * M):
+                    if tirx.any(j >= vis_end_[r], q_begin_[r] < span[0], q_begin_[r] >= span[1]):
                         s_[acc(r // 2, SN, nb) + r % 2 * 2 + e] = T.min_value("float32")
 
     @T.macro
@@ -384,8 +437,13 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
         p0 = T.max(tile_, 0) * BQ
         p_thread = p0 + warp * RW + lane // 4  # packed row of accumulator row 0 (see row_of)
         # Keys seen by every row of the tile (no mask needed below) and by its last row.
-        free_end = visible_end(kv_len, qo_len, p0, causal_)
+        free_end = unmasked_end(kv_len, qo_len, p0, causal_)
         kv_end = T.if_then_else(tile_ >= 0, visible_end(kv_len, qo_len, p0 + BQ - 1, causal_), 0)
+        if is_tree(causal_):
+            vis_end = T.alloc_buffer((2 * M,), "int32", scope="local")
+            q_begin = T.alloc_buffer((2 * M,), "int32", scope="local")
+            tree_keys = T.alloc_buffer((2,), "int32", scope="local")
+            tree_rows(causal_, kv_len, qo_len, p_thread, vis_end, q_begin, tree_keys)
         for r in L.unroll(2 * M):
             m_run[r] = T.float32(EMPTY_LSE)
             l_run[r] = T.float32(0)
@@ -413,7 +471,10 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
             for i in L.unroll(M * SN * 4):
                 s[i] = s[i] * scale
             if (t + 1) * BK > free_end:
-                mask(s, t * BK, kv_len, qo_len, p_thread, causal_, lane)
+                if is_tree(causal_):
+                    tree_mask(s, t * BK, causal_, vis_end, q_begin, tree_keys, lane)
+                else:
+                    mask(s, t * BK, kv_len, qo_len, p_thread, causal_, lane)
             softmax(s, o, m_run, l_run)
             pv_mma(s, smem, o, t % STAGES, lane)
             if STAGES == 1:
@@ -466,12 +527,18 @@ def paged_prefill_mma(config: AttentionConfig, schedule: MmaPrefillSchedule | No
     causal i32, rotary_mode i32, rope_scale f32, rope_theta f32, sm_scale f32.
     dtype float16 or bfloat16, a CUDA target of sm_80 or newer (ValueError otherwise).
     """
+    return paged_prefill_func(config, _paged_macro(config, schedule, "paged_prefill_mma"))
+
+
+def _paged_macro(config: AttentionConfig, schedule: MmaPrefillSchedule | None, generator: str):
+    """The paged kernel macro (prefill_contract's paged argument order; its mask argument is
+    the causal flag or `masks.TreeMasks`)."""
     if config.v_head_dim != config.head_dim:
         raise ValueError(
-            f"v_head_dim={config.v_head_dim} is not supported by paged_prefill_mma: expected"
+            f"v_head_dim={config.v_head_dim} is not supported by {generator}: expected"
             f" head_dim={config.head_dim}"
         )
-    kern = _Kernels(config, schedule, "paged_prefill_mma")
+    kern = _Kernels(config, schedule, generator)
     L = loop_kinds(config)
     dtype, ps = config.dtype, config.page_size
     Hkv, G = config.num_kv_heads, config.group_size
@@ -511,10 +578,10 @@ def paged_prefill_mma(config: AttentionConfig, schedule: MmaPrefillSchedule | No
                                    write_lse, qo_len, kv_len, tile[0], causal_, True, rope_scale_, rope_theta_,
                                    sm_scale_, tid // CORE_TX, tid % CORE_TX)
                 else:
-                    kern.attend(q_at, kv_row, k_at, v_at, write_o, write_lse, qo_len, kv_len, tile[0], causal_,
-                              sm_scale_, tid)
+                    kern.attend(q_at, kv_row, k_at, v_at, write_o, write_lse, qo_len, kv_len, tile[0],
+                                mask_of_request(causal_, b), sm_scale_, tid)
 
-    return paged_prefill_func(config, kernel)
+    return kernel
 
 
 def ragged_prefill_mma(config: AttentionConfig, schedule: MmaPrefillSchedule | None = None):
@@ -527,7 +594,13 @@ def ragged_prefill_mma(config: AttentionConfig, schedule: MmaPrefillSchedule | N
     rope_scale f32, rope_theta f32, sm_scale f32. Dqk = config.head_dim, Dv = config.v_head_dim.
     dtype float16 or bfloat16, a CUDA target of sm_80 or newer (ValueError otherwise).
     """
-    kern = _Kernels(config, schedule, "ragged_prefill_mma")
+    return ragged_prefill_func(config, _ragged_macro(config, schedule, "ragged_prefill_mma"))
+
+
+def _ragged_macro(config: AttentionConfig, schedule: MmaPrefillSchedule | None, generator: str):
+    """The ragged kernel macro (prefill_contract's ragged argument order; its mask argument is
+    the causal flag or `masks.TreeMasks`)."""
+    kern = _Kernels(config, schedule, generator)
     L = loop_kinds(config)
     dtype, Hkv, G = config.dtype, config.num_kv_heads, config.group_size
     CORE_TX = kern.core_sched.threads_x
@@ -562,10 +635,23 @@ def ragged_prefill_mma(config: AttentionConfig, schedule: MmaPrefillSchedule | N
                                    write_lse, qo_len, kv_len, tile[0], causal_, True, rope_scale_, rope_theta_,
                                    sm_scale_, tid // CORE_TX, tid % CORE_TX)
                 else:
-                    kern.attend(q_at, kv_row, k_at, v_at, write_o, write_lse, qo_len, kv_len, tile[0], causal_,
-                              sm_scale_, tid)
+                    kern.attend(q_at, kv_row, k_at, v_at, write_o, write_lse, qo_len, kv_len, tile[0],
+                                mask_of_request(causal_, b), sm_scale_, tid)
 
-    return ragged_prefill_func(config, kernel)
+    return kernel
 
 
-__all__ = ["MmaPrefillSchedule", "choose_mma_prefill_schedule", "paged_prefill_mma", "ragged_prefill_mma"]
+def tree_paged_prefill_mma(config: AttentionConfig, schedule: MmaPrefillSchedule | None = None):
+    """Tensor-core body of `prefill.tree_mask_paged_prefill` (TVM's `tree_attn_paged_kv`
+    arguments): the paged kernel with the token-tree mask (masks.TreeMask) in place of the
+    causal one; keys are cached rotated (rotary_mode must be 0, asserted by the PrimFunc)."""
+    return tree_paged_prefill_func(config, _paged_macro(config, schedule, "tree_paged_prefill_mma"))
+
+
+def tree_ragged_prefill_mma(config: AttentionConfig, schedule: MmaPrefillSchedule | None = None):
+    """Tensor-core body of `prefill.tree_mask_ragged_prefill` (TVM's `batch_tree_attn` arguments)."""
+    return tree_ragged_prefill_func(config, _ragged_macro(config, schedule, "tree_ragged_prefill_mma"))
+
+
+__all__ = ["MmaPrefillSchedule", "choose_mma_prefill_schedule", "paged_prefill_mma", "ragged_prefill_mma",
+           "tree_paged_prefill_mma", "tree_ragged_prefill_mma"]

@@ -12,7 +12,9 @@ causal rows start first), on a different machine model:
     full on an mbarrier; it waits on a second mbarrier until both consumers emptied it.
   warpgroups 1 and 2, the consumers: 64 query rows each. Q is copied once (cp.async). Per
     step: S = Q K^T by `wgmma` (both operands in shared memory), the causal / end mask on
-    the steps that cross it, online softmax in base 2 in registers, P packed to 16-bit
+    the steps that cross it (with a token tree, masks.TreeMask: also the tree's test on the
+    steps past the request's history, the row's node's DFS begin read once before the loop
+    and each key's interval once per masked step), online softmax in base 2 in registers, P packed to 16-bit
     registers in the layout of wgmma's A operand, O += P V by `wgmma` (V read MN-major).
     The epilogue writes o = O / l and lse = m + log2(l) (EMPTY_LSE and o = 0 for a row that
     saw no key).
@@ -27,6 +29,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import tvm
+from tvm import tirx
 from tvm.script import tirx as T
 
 from .build import TIRX_ATTR
@@ -44,7 +47,13 @@ from .hopper import (
     swizzled,
     wgmma_name,
 )
-from .prefill_contract import paged_prefill_func, ragged_prefill_func
+from .masks import is_tree, mask_of_request
+from .prefill_contract import (
+    paged_prefill_func,
+    ragged_prefill_func,
+    tree_paged_prefill_func,
+    tree_ragged_prefill_func,
+)
 from .schedules import WgmmaPrefillSchedule, choose_wgmma_prefill_schedule
 from .softmax import finalize_lse, finalize_scale, prob, rescale_factor
 
@@ -90,9 +99,19 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
         return ceildiv(total_q * G, BM) + batch
 
     def visible_end(kv_len, qo_len, p, causal):
-        """Number of leading keys packed row p may see (all of them when not causal)."""
+        """Number of leading keys packed row p may see (all of them when not causal). `causal`
+        is the causal flag or a token tree's `masks.TreeMask` (within the causal bound)."""
         last = kv_len - qo_len + T.min(p // G, qo_len - 1) + 1
+        if is_tree(causal):
+            return T.max(T.min(last, kv_len), 0)
         return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
+
+    def unmasked_end(kv_len, qo_len, p0, causal):
+        """Keys every row of the tile from packed row p0 on sees: no mask is needed below (a
+        token tree's history at most)."""
+        if is_tree(causal):
+            return T.min(visible_end(kv_len, qo_len, p0, causal), causal.history(kv_len))
+        return visible_end(kv_len, qo_len, p0, causal)
 
     @T.macro
     def find_tile(qo_indptr_, batch_, slot_, req_, tile_):
@@ -262,6 +281,37 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                     sacc_[i * 4 + e])
 
     @T.macro
+    def tree_rows(tree_, kv_len_, qo_len_, p_, q_begin_, keys_):
+        """Per-row and per-block values of the tree mask, hoisted out of the KV loop:
+        q_begin_[r] <- DFS begin of the node of packed row p_ + 8 r; keys_ <- [history, node of
+        key 0]."""
+        keys_[0] = tree_.history(kv_len_)
+        keys_[1] = tree_.key0_node(kv_len_)
+        for r in T.unroll(2):
+            q_begin_[r] = 0
+            if tree_.tree_len() > 0:
+                q_begin_[r] = tree_.key_span(tree_.query_node((p_ + r * 8) // G, qo_len_), 0)
+
+    @T.macro
+    def tree_mask(sacc_, kv_start_, vis_end_, tree_, q_begin_, keys_, lane_):
+        """`mask`, and keys past the history that are not the row's node or an ancestor of it
+        (the row's node's DFS begin is outside the key's interval) -> MASKED. The interval of
+        each of the thread's key columns is read once for both its rows."""
+        span = T.alloc_local((2,), "int32")
+        for i in T.unroll(NS // 4):
+            for c in T.unroll(2):
+                j = T.meta_var(kv_start_ + i * 8 + (lane_ % 4) * 2 + c)
+                span[0] = T.int32(-2147483647)  # keys of the history: an interval holding every node
+                span[1] = T.int32(2147483647)
+                if j >= keys_[0] and j < vis_end_[1]:
+                    span[0] = tree_.key_span(keys_[1] + j, 0)
+                    span[1] = tree_.key_span(keys_[1] + j, 1)
+                for h in T.unroll(2):
+                    sacc_[i * 4 + h * 2 + c] = T.if_then_else(
+                        tirx.any(j >= vis_end_[h], q_begin_[h] < span[0], q_begin_[h] >= span[1]), T.float32(MASKED),
+                        sacc_[i * 4 + h * 2 + c])
+
+    @T.macro
     def quad_reduce(buf_, idx_, op_):
         """buf_[idx_] <- op_ over the 4 lanes that hold one accumulator row."""
         buf_[idx_] = op_(buf_[idx_], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], 1, 32, 32))
@@ -311,13 +361,17 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
     @T.macro
     def consume(smem_, full_, empty_, nkv_, free_end_, kv_len_, qo_len_, p0_, rows_, causal_, scale_, cw_, tid_,
                 q_ptr_, q_at_, q_pos_, rope_, write_o_, write_lse_):
-        """Consumer warpgroup cw_: rows p0_ + 64 cw_ .. of the tile, over steps 0..nkv_."""
+        """Consumer warpgroup cw_: rows p0_ + 64 cw_ .. of the tile, over steps 0..nkv_. causal_:
+        the causal flag or request b's `masks.TreeMask`."""
         sacc = T.alloc_local((NS,), "float32")
         oacc = T.alloc_local((NO,), "float32")
         preg = T.alloc_local((NP,), "uint32")
         m = T.alloc_local((2,), "float32")
         lsum = T.alloc_local((2,), "float32")
         vis_end = T.alloc_local((2,), "int32")
+        if is_tree(causal_):
+            q_begin = T.alloc_local((2,), "int32")
+            tree_keys = T.alloc_local((2,), "int32")
         warp = T.meta_var(tid_ // 32)
         lane = T.meta_var(tid_ % 32)
         row0 = T.meta_var(cw_ * ROWS_PER_CONSUMER + warp * 16 + lane // 4)  # the thread's first row in the tile
@@ -341,6 +395,8 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
             m[r] = T.float32(EMPTY_LSE)
             lsum[r] = T.float32(0)
             vis_end[r] = visible_end(kv_len_, qo_len_, p0_ + row0 + r * 8, causal_)
+        if is_tree(causal_):
+            tree_rows(causal_, kv_len_, qo_len_, p0_ + row0, q_begin, tree_keys)
         if PINGPONG:
             if cw_ == 1 and nkv_ > 0:
                 T.ptx["bar.arrive"](T.uint32(TURN_BARRIER), T.uint32(2 * WARPGROUP))  # consumer 0 goes first
@@ -356,7 +412,10 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                 if cw_ == 0 or t + 1 < nkv_:
                     T.ptx["bar.arrive"](T.uint32(TURN_BARRIER + 1) - T.Cast("uint32", cw_), T.uint32(2 * WARPGROUP))
             if (t + 1) * BN > free_end_:
-                mask(sacc, t * BN, vis_end, lane)
+                if is_tree(causal_):
+                    tree_mask(sacc, t * BN, vis_end, causal_, q_begin, tree_keys, lane)
+                else:
+                    mask(sacc, t * BN, vis_end, lane)
             softmax(sacc, preg, oacc, m, lsum, scale_)
             pv_mma(smem_, oacc, preg, s)
             if tid_ == 0:
@@ -393,13 +452,14 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
         find_tile(qo_indptr_, batch_, bx // Hkv_, req, tile)
         b: T.let[T.int32] = req[0]
         hkv: T.let[T.int32] = bx % Hkv_
+        req_mask = T.meta_var(mask_of_request(causal_, b))  # the flag, or request b's tree
         qo_len: T.let[T.int32] = qo_indptr_[b + 1] - qo_indptr_[b]
         kv_len_v: T.let[T.int32] = kv_len_(b)
         rows: T.let[T.int32] = T.if_then_else(tile[0] >= 0, qo_len * G, 0)
         p0: T.let[T.int32] = T.max(tile[0], 0) * BM
         # keys every row of the tile sees (no mask below) and keys its last row sees
-        free_end: T.let[T.int32] = visible_end(kv_len_v, qo_len, p0, causal_)
-        kv_end: T.let[T.int32] = T.if_then_else(rows > 0, visible_end(kv_len_v, qo_len, p0 + BM - 1, causal_), 0)
+        free_end: T.let[T.int32] = unmasked_end(kv_len_v, qo_len, p0, req_mask)
+        kv_end: T.let[T.int32] = T.if_then_else(rows > 0, visible_end(kv_len_v, qo_len, p0 + BM - 1, req_mask), 0)
         nkv: T.let[T.int32] = ceildiv(kv_end, BN)
         if wg == 0:
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](sched.producer_regs)
@@ -407,7 +467,7 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                     lambda row, c: v_ptr_(hkv, row, c), lambda row, d: k_at_(hkv, row, d), k_pos_(b), rope_)
         else:
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](sched.consumer_regs)
-            consume(smem, full, empty, nkv, free_end, kv_len_v, qo_len, p0, rows, causal_,
+            consume(smem, full, empty, nkv, free_end, kv_len_v, qo_len, p0, rows, req_mask,
                     sm_scale_ * T.float32(LOG2E), wg - 1, tid, lambda p, c: q_ptr_(b, hkv, p, c),
                     lambda p, d: q_at_(b, hkv, p, d), lambda p: q_pos_(b, p), rope_,
                     lambda p, c, val: write_o_(b, hkv, p, c, val), lambda p, val: write_lse_(b, hkv, p, val))
@@ -439,8 +499,8 @@ def _schedule_for(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None
     return sched
 
 
-def paged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None = None):
-    """Tensor-core body of `prefill.paged_prefill` (same arguments and semantics)."""
+def _paged_macro(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None):
+    """The paged kernel macro (prefill_contract's paged argument order)."""
     sched = _schedule_for(config, schedule)
     kernel = _macros(config, sched)
     dtype, ps, Hkv, G = config.dtype, config.page_size, config.num_kv_heads, config.group_size
@@ -466,11 +526,11 @@ def paged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule 
                                                         [qo_indptr[b] + p // G, hkv * G + p % G, c]),
                lambda b, hkv, p, val: T.buffer_store(lse, val, [qo_indptr[b] + p // G, hkv * G + p % G]))
 
-    return _finish(paged_prefill_func(config, paged, rope_on_host=False, align=16))
+    return paged
 
 
-def ragged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None = None):
-    """Tensor-core body of `prefill.ragged_prefill` (same arguments and semantics)."""
+def _ragged_macro(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None):
+    """The ragged kernel macro (prefill_contract's ragged argument order)."""
     sched = _schedule_for(config, schedule)
     kernel = _macros(config, sched)
     dtype, Hkv, G = config.dtype, config.num_kv_heads, config.group_size
@@ -493,4 +553,26 @@ def ragged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule
                                                         [qo_indptr[b] + p // G, hkv * G + p % G, c]),
                lambda b, hkv, p, val: T.buffer_store(lse, val, [qo_indptr[b] + p // G, hkv * G + p % G]))
 
-    return _finish(ragged_prefill_func(config, ragged, rope_on_host=False, align=16))
+    return ragged
+
+
+def paged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None = None):
+    """Tensor-core body of `prefill.paged_prefill` (same arguments and semantics)."""
+    return _finish(paged_prefill_func(config, _paged_macro(config, schedule), rope_on_host=False, align=16))
+
+
+def ragged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None = None):
+    """Tensor-core body of `prefill.ragged_prefill` (same arguments and semantics)."""
+    return _finish(ragged_prefill_func(config, _ragged_macro(config, schedule), rope_on_host=False, align=16))
+
+
+def tree_paged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None = None):
+    """Tensor-core body of `prefill.tree_mask_paged_prefill` (TVM's `tree_attn_paged_kv`
+    arguments): the paged kernel with the token-tree mask in place of the causal one; keys are
+    cached rotated (rotary_mode must be 0, asserted by the PrimFunc)."""
+    return _finish(tree_paged_prefill_func(config, _paged_macro(config, schedule)))
+
+
+def tree_ragged_prefill_wgmma(config: AttentionConfig, schedule: WgmmaPrefillSchedule | None = None):
+    """Tensor-core body of `prefill.tree_mask_ragged_prefill` (TVM's `batch_tree_attn` arguments)."""
+    return _finish(tree_ragged_prefill_func(config, _ragged_macro(config, schedule)))
