@@ -17,7 +17,12 @@ import tvm
 from harness import device_for, empty, index_view, make_paged_batch, randn, tensor
 from test_prefill import check, indptr
 
-from tir_kernels import AttentionConfig, default_sm_scale, tree_mask_paged_prefill, tree_mask_ragged_prefill
+from tir_kernels import (
+    AttentionConfig,
+    default_sm_scale,
+    tree_mask_paged_prefill,
+    tree_mask_ragged_prefill,
+)
 from tir_kernels.build import uses_tirx_pipeline
 from tir_kernels.prefill_sm80 import MmaPrefillSchedule
 
