@@ -6,12 +6,24 @@ keys each query sees, QK^T and PV at 2 flops per multiply-add). Every implementa
 one process on the same inputs, and every output is compared with torch SDPA's: "MISMATCH"
 marks a max |diff| above 2e-2 (float16) or 5e-2 (bfloat16).
 
+Token trees (speculative decoding), with --tree [BxN@L ...] (default 32x64@4160): B requests, each
+a tree of N nodes (the queries) over L keys, the last N of which are the tree's nodes (L-N history
+tokens before it); one row per tree form, a random tree per request (parents drawn with a fixed seed)
+and a chain of N (which is plain causal attention). Implementations: tvmattn's tree_mask_paged_prefill
+("tvmattn"), tvmattn's plain causal paged_prefill on the same tokens ("tvmattn-causal", the yardstick),
+TVM's tree kernel (tree_attn_with_paged_kv_cache, page size 16 only) and SDPA with the tree's boolean
+mask, which is the reference the tree rows are checked against (the causal row against causal SDPA).
+Every tree_prefill row counts the causal FLOPs of the shape (the formula above, as for a causal
+prefill of N tokens over L keys), whatever the mask hides, so that TFLOP/s ratios are time ratios;
+ours/tvmattn-causal is the tree kernel's speed over the causal one's.
+
 Shapes: decode BxL, B requests of L keys each. Prefill BxL, B requests of L new tokens each
 and no history; or BxQ@L, chunked prefill: Q new tokens each over L keys in total (L-Q of them
 cached before), causal: new token i sees keys j <= L-Q+i. Heads: 32 query / 8 KV.
 
     python scripts/bench_kernels.py                                  # default shapes, fp16 + bf16
     python scripts/bench_kernels.py --decode --prefill 1x4096 8x512@8192 --dtype bfloat16 --json k.json
+    python scripts/bench_kernels.py --decode --prefill --tree --json tree.json  # token trees only
     python scripts/bench_kernels.py --from-json k.json --plot k.png  # no GPU needed
 
 A run needs a CUDA GPU and torch; FlashInfer (BatchPrefillWithPagedKVCacheWrapper, fa2 and, on
@@ -44,7 +56,11 @@ DEFAULT_HEAD_DIMS = (128,)
 DEFAULT_PAGE_SIZE = 16
 DECODE_SHAPES = ["1x4096", "1x32768", "8x32768", "64x4096", "256x2048"]
 PREFILL_SHAPES = ["1x4096", "4x4096", "1x16384", "8x512@8192"]
-KERNELS = ("decode", "prefill", "ragged_prefill")
+TREE_SHAPES = ["32x64@4160"]  # 32 trees of 64 nodes over 4096 history tokens
+TREE_FORMS = ("random", "chain")
+TREE_SEED = 0
+TVM_TREE_PAGE_SIZE = 16  # TVM's paged tree kernel is written for this page size
+KERNELS = ("decode", "prefill", "ragged_prefill", "tree_prefill")
 TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2}
 ELEM_BYTES = {"float16": 2, "bfloat16": 2}
 L2_BYTES = 60 << 20
@@ -107,6 +123,55 @@ def causal_visible_keys(qo_len: int, seq_len: int) -> int:
 def causal_flops(batch: int, qo_len: int, seq_len: int, num_qo_heads: int, head_dim: int) -> int:
     """FLOPs of causal attention: QK^T and PV, 2 flops per multiply-add, over the visible keys only."""
     return 4 * batch * num_qo_heads * head_dim * causal_visible_keys(qo_len, seq_len)
+
+
+def tree_parents(form: str, nodes: int, seed: int) -> list[int]:
+    """Parent of each node of a token tree (-1: the root; parents come before children): a chain,
+    or a random tree whose node i hangs under a node drawn uniformly from 0..i-1."""
+    import random
+
+    if form == "chain":
+        return [i - 1 for i in range(nodes)]
+    if form != "random":
+        raise ValueError(f"bad tree form {form!r}: expected one of {TREE_FORMS}")
+    rng = random.Random(seed)
+    return [-1] + [rng.randrange(i) for i in range(1, nodes)]
+
+
+def dfs_intervals(parents) -> list[tuple[int, int]]:
+    """Each node's DFS interval [begin, end) (TVM's tree_attn_mask layout): node k is node q or an
+    ancestor of it exactly when begin[k] <= begin[q] < end[k]."""
+    children: list[list[int]] = [[] for _ in parents]
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            children[parent].append(node)
+    spans = [[0, 0] for _ in parents]
+    counter = 0
+    stack = [(node, False) for node in reversed(range(len(parents))) if parents[node] < 0]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            spans[node][1] = counter
+            continue
+        spans[node][0] = counter
+        counter += 1
+        stack.append((node, True))
+        stack.extend((child, False) for child in reversed(children[node]))
+    return [tuple(span) for span in spans]
+
+
+def tree_visible(parents, history: int) -> list[list[bool]]:
+    """[N][history + N]: which keys each node sees (the history, its ancestors and itself),
+    found by walking the parents (independent of the DFS intervals the kernels get)."""
+    rows = []
+    for node in range(len(parents)):
+        row = [True] * history + [False] * len(parents)
+        walk = node
+        while walk >= 0:
+            row[history + walk] = True
+            walk = parents[walk]
+        rows.append(row)
+    return rows
 
 
 def decode_bytes(batch: int, seq_len: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
@@ -176,18 +241,19 @@ def format_tables(rows) -> str:
         anchors = [i for i in impls if i != OURS]
         cells: dict = {}
         for r in group:
-            cells.setdefault((r["batch"], r.get("qo_len", 1), r["seq_len"]), {})[r["impl"]] = r
+            cells.setdefault((r["batch"], r.get("qo_len", 1), r["seq_len"], r.get("tree")), {})[r["impl"]] = r
         out.append(f"\n{kernel}, {dtype}, head_dim {head_dim}, {hq} q / {hkv} kv heads, page {page_size}: ms and {unit}"
                    f" ({device or 'unknown device'}, commit {commit or 'unknown'})")
         cell_w = 19
-        head = f"{'shape':>12} | " + " | ".join(f"{i:>{cell_w}}" for i in impls)
+        label_w = 19 if any(r.get("tree") for r in group) else 12
+        head = f"{'shape':>{label_w}} | " + " | ".join(f"{i:>{cell_w}}" for i in impls)
         if OURS in impls and anchors:
             head += " | " + " ".join(f"{'ours/' + short(a):>12}" for a in anchors)
         head += f" | max|diff| vs {REFERENCE}"
         out.append(head)
-        for (batch, qo_len, seq_len), by_impl in cells.items():
-            label = Shape(batch, qo_len, seq_len).label
-            line = f"{label:>12} | " + " | ".join(
+        for (batch, qo_len, seq_len, tree), by_impl in cells.items():
+            label = Shape(batch, qo_len, seq_len).label + (f" {tree}" if tree else "")
+            line = f"{label:>{label_w}} | " + " | ".join(
                 f"{by_impl[i]['ms']:>9.3f} {by_impl[i][field]:>9.4g}" if i in by_impl else f"{'-':>{cell_w}}"
                 for i in impls)
             if OURS in impls and anchors:
@@ -356,6 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ragged", action="store_true",
                         help="also bench the ragged prefill (tir_kernels.ragged_prefill, contiguous K/V) on the"
                              " prefill shapes")
+    parser.add_argument("--tree", nargs="*", type=_shape_type("tree_prefill"), default=None, metavar="BxN@L",
+                        help="token-tree rows: B trees of N nodes over L keys each (L-N history; a random tree"
+                             " and a chain each), tvmattn's tree kernel beside its causal prefill and TVM's tree"
+                             f" kernel; the flag alone: {' '.join(TREE_SHAPES)} (default: no tree rows)")
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES), help="dtypes (default: both)")
     parser.add_argument("--head-dim", nargs="+", type=int, choices=HEAD_DIMS, default=list(DEFAULT_HEAD_DIMS),
                         metavar="D", help=f"head dims, of {HEAD_DIMS} (default: {DEFAULT_HEAD_DIMS[0]})")
@@ -400,8 +470,15 @@ def main(argv=None) -> int:
             print(f"warning: {e}; the rows go to {json_path}", file=sys.stderr)
     decode = [parse_shape(s, "decode") for s in DECODE_SHAPES] if args.decode is None else args.decode
     prefill = [parse_shape(s, "prefill") for s in PREFILL_SHAPES] if args.prefill is None else args.prefill
-    rows = run(args, decode, prefill)
+    rows = run(args, decode, prefill, tree_shapes(args.tree))
     return finish(rows, json_path, args.plot)
+
+
+def tree_shapes(option) -> list:
+    """The --tree shapes: none without the flag, TREE_SHAPES for the flag alone."""
+    if option is None:
+        return []
+    return option or [parse_shape(s, "tree_prefill") for s in TREE_SHAPES]
 
 
 def finish(rows, json_path, plot_path) -> int:
@@ -641,6 +718,9 @@ def build_kernels(kernel: str, ctx: Context) -> list:
     """[(impl, variant, function)] of tvmattn and TVM for one kernel kind; failures print a skip."""
     from tir_kernels import build
 
+    if kernel == "tree_prefill":
+        return build_tree_kernels(ctx)
+
     built = []
     try:
         func = tvmattn_func(kernel, ctx.config)
@@ -862,7 +942,105 @@ def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict
     return rows
 
 
-def run(args, decode_shapes, prefill_shapes) -> list[dict]:
+OURS_CAUSAL = "tvmattn-causal"  # tree rows: tvmattn's plain causal paged prefill on the same tokens
+
+
+def tvm_tree_anchor(config):
+    from tvm.relax.frontend.nn.llm.tree_attn import (
+        tree_attn_with_paged_kv_cache,
+        tree_attn_with_paged_kv_cache_cpu,
+    )
+
+    args = (config.num_kv_heads, config.num_qo_heads, config.head_dim, config.dtype, {})
+    if not config.is_gpu:  # the CPU smoke run
+        return tree_attn_with_paged_kv_cache_cpu(*args)
+    return tree_attn_with_paged_kv_cache(*args, config.tvm_target())
+
+
+def build_tree_kernels(ctx: Context) -> list:
+    """[(impl, variant, function)] for the tree rows: tvmattn's tree kernel, its causal paged prefill
+    and TVM's tree kernel; failures print a skip."""
+    import tir_kernels
+
+    built = []
+    for impl, generator in ((OURS, tir_kernels.tree_mask_paged_prefill), (OURS_CAUSAL, tir_kernels.paged_prefill)):
+        try:
+            func = generator(ctx.config)
+            variant = tvmattn_variant("prefill", ctx.config, func) + ("" if impl == OURS else " causal")
+            built.append((impl, variant, tir_kernels.build(func, ctx.config)))
+        except Exception as e:  # noqa: BLE001 - report and go on with the others
+            skip(impl, "tree_prefill", ctx, "build", e)
+    problem = tvm_anchor_problem("tree_prefill", ctx.dtype, ctx.head_dim)
+    if not problem and ctx.page_size != TVM_TREE_PAGE_SIZE:
+        problem = f"TVM's paged tree kernel is written for page size {TVM_TREE_PAGE_SIZE}, not {ctx.page_size}"
+    if problem:
+        skip("tvm", "tree_prefill", ctx, "", problem)
+        return built
+    try:
+        built.append(("tvm", "tir", tir_kernels.build(tvm_tree_anchor(ctx.config), ctx.config)))
+    except Exception as e:  # noqa: BLE001
+        skip("tvm", "tree_prefill", ctx, "build", e)
+    return built
+
+
+def bench_tree(ctx: Context, shape: Shape, iters: int, gen) -> list[dict]:
+    """Rows of the token-tree kernels on one shape, for each tree form (see the module docstring):
+    every request's queries are the N nodes of its tree, the last N of its L keys."""
+    import torch
+
+    B, N, L, D = shape.batch, shape.qo_len, shape.seq_len, ctx.head_dim
+    history = L - N
+    inputs = Inputs(ctx, shape, 1, gen)
+    i32 = torch.int32
+    mn_indptr = torch.arange(0, B * N + 1, N, device=DEVICE, dtype=i32)
+    rope = [1.0, 1e4, ctx.sm_scale]
+    qs = inputs.q.view(B, N, NUM_QO_HEADS, D).transpose(1, 2)
+    rows = []
+    _, causal_ref_call, causal_ref, _ = sdpa_reference("prefill", ctx, shape, inputs)
+    del causal_ref_call
+    for form in TREE_FORMS:
+        trees = [tree_parents(form, N, TREE_SEED + b) for b in range(B)]
+        intervals = torch.tensor([span for parents in trees for span in dfs_intervals(parents)], dtype=i32,
+                                 device=DEVICE)
+        mask = torch.tensor([tree_visible(parents, history) for parents in trees], dtype=torch.bool,
+                            device=DEVICE).view(B, 1, N, L)
+
+        def reference(i, mask=mask):
+            return sdpa(qs, inputs.k, inputs.v, attn_mask=mask).transpose(1, 2).reshape(B * N, NUM_QO_HEADS, D)
+
+        ref = reference(0)
+        meta = {**ctx.meta, "tree": form, "history": history, "flops": "causal"}
+        for impl, variant, fn in ctx.kernels["tree_prefill"]:
+            o = torch.empty_like(inputs.q)
+            lse = torch.empty(inputs.q.shape[:2], device=DEVICE, dtype=torch.float32)
+            head = [to_tvm(inputs.q), to_tvm(inputs.qo_indptr), inputs.tvm_pools[0], to_tvm(inputs.page_indptr),
+                    to_tvm(inputs.page_indices), to_tvm(inputs.last_page_len), to_tvm(inputs.zeros_b),
+                    to_tvm(inputs.q_pos), to_tvm(o), to_tvm(lse)]
+            if impl == OURS_CAUSAL:
+                args, want = [*head, 1, 0, *rope], causal_ref
+            else:
+                args, want = [*head, 0, *rope, to_tvm(mn_indptr), to_tvm(intervals)], ref
+
+            def call(i, fn=fn, args=args):
+                fn(*args)
+
+            try:
+                call(0)
+                synchronize()
+            except Exception as e:  # noqa: BLE001
+                skip(impl, "tree_prefill", ctx, f"{shape.label} {form}", e)
+                continue
+            rows.append(make_row("tree_prefill", impl, variant, ctx.dtype, D, ctx.page_size, shape,
+                                 time_ms(call, iters), max_diff(o, want), meta))
+        rows.append(make_row("tree_prefill", REFERENCE, "bool-mask", ctx.dtype, D, ctx.page_size, shape,
+                             time_ms(reference, iters), None, meta))
+    del inputs
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run(args, decode_shapes, prefill_shapes, tree_shapes=()) -> list[dict]:
     import time
 
     import torch
@@ -880,6 +1058,7 @@ def run(args, decode_shapes, prefill_shapes) -> list[dict]:
     print(f"{meta['device']} ({target}), commit {meta['commit']}, torch {torch.__version__}")
     kinds = (["decode"] if decode_shapes else []) + (["prefill"] if prefill_shapes else [])
     kinds += ["ragged_prefill"] if prefill_shapes and args.ragged else []
+    kinds += ["tree_prefill"] if tree_shapes else []
     rows = []
     for dtype in args.dtype:
         for head_dim in args.head_dim:
@@ -892,12 +1071,16 @@ def run(args, decode_shapes, prefill_shapes) -> list[dict]:
             print(f"{dtype}, head_dim {head_dim}: kernels built in {time.time() - t0:.1f} s")
             group = []
             gen = torch.Generator(device=DEVICE).manual_seed(0)
-            prefill_kinds = [k for k in kinds if k != "decode"]
+            prefill_kinds = [k for k in kinds if k in ("prefill", "ragged_prefill")]
             todo = [(["decode"], shape, args.iters) for shape in decode_shapes]
             todo += [(prefill_kinds, shape, max(3, args.iters // 4)) for shape in prefill_shapes]
+            todo += [(["tree_prefill"], shape, max(3, args.iters // 4)) for shape in tree_shapes]
             for shape_kinds, shape, iters in todo:
                 try:
-                    group += bench_shape(shape_kinds, ctx, shape, iters, gen)
+                    if shape_kinds == ["tree_prefill"]:
+                        group += bench_tree(ctx, shape, iters, gen)
+                    else:
+                        group += bench_shape(shape_kinds, ctx, shape, iters, gen)
                 except Exception as e:  # noqa: BLE001 - out of memory, say: keep the other shapes' rows
                     skip("every impl", "/".join(shape_kinds), ctx, shape.label, e)
                     if DEVICE == "cuda":
