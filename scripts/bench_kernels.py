@@ -47,7 +47,7 @@ for _path in (REPO, os.path.join(REPO, "scripts")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from bench_rows import git_commit, now_iso, write_json  # noqa: E402
+from bench_rows import git_commit, now_iso, write_json
 
 NUM_QO_HEADS, NUM_KV_HEADS = 32, 8
 DTYPES = ("float16", "bfloat16")
@@ -1005,8 +1005,8 @@ def bench_tree(ctx: Context, shape: Shape, iters: int, gen) -> list[dict]:
         mask = torch.tensor([tree_visible(parents, history) for parents in trees], dtype=torch.bool,
                             device=DEVICE).view(B, 1, N, L)
 
-        def reference(i, mask=mask):
-            return sdpa(qs, inputs.k, inputs.v, attn_mask=mask).transpose(1, 2).reshape(B * N, NUM_QO_HEADS, D)
+        def reference(i, mask=mask, k=inputs.k, v=inputs.v):
+            return sdpa(qs, k, v, attn_mask=mask).transpose(1, 2).reshape(B * N, NUM_QO_HEADS, D)
 
         ref = reference(0)
         meta = {**ctx.meta, "tree": form, "history": history, "flops": "causal"}
