@@ -96,8 +96,76 @@ def test_help(bench, capsys):
         bench.main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for word in ("BxQ@L", "--from-json", "--ragged", "--dtype", "--head-dim", "--page-size", "--plot", "--json"):
+    for word in ("BxQ@L", "--from-json", "--ragged", "--tree", "BxN@L", "--dtype", "--head-dim", "--page-size", "--plot",
+                 "--json"):
         assert word in out
+
+
+# --- token trees ------------------------------------------------------------------------------
+
+
+def test_tree_option(bench, capsys):
+    assert bench.tree_shapes(None) == []  # no --tree: no tree rows
+    assert [s.label for s in bench.tree_shapes([])] == ["32x64@4160"]  # the flag alone: 32 trees of 64 over 4096
+    args = bench.build_parser().parse_args(["--tree", "4x16@80", "2x8@8"])
+    assert [tuple(s) for s in bench.tree_shapes(args.tree)] == [(4, 16, 80), (2, 8, 8)]
+    assert bench.build_parser().parse_args([]).tree is None
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--tree", "4x100@80"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --tree" in err and "Q=100 exceed the context L=80" in err
+
+
+@pytest.mark.parametrize("form", ["random", "chain"])
+def test_tree_forms(bench, form):
+    parents = bench.tree_parents(form, 64, 3)
+    assert parents[0] == -1 and all(0 <= p < i for i, p in enumerate(parents) if i)
+    assert parents == bench.tree_parents(form, 64, 3)  # the seed fixes the tree
+    if form == "chain":
+        assert parents == list(range(-1, 63))
+    else:
+        assert parents != bench.tree_parents(form, 64, 4) and parents != list(range(-1, 63))
+    with pytest.raises(ValueError, match="bad tree form"):
+        bench.tree_parents("bush", 8, 0)
+
+
+@pytest.mark.parametrize("parents", [[-1], [-1, 0, 1, 2], [-1, 0, 0, 0], [-1, 0, 0, 1, 1, 2, 2], [-1, 0, -1, 2, 3, 0],
+                                     "random"])
+def test_tree_intervals_match_the_ancestor_walk(bench, parents):
+    """The DFS intervals the kernels get and the mask the reference uses say the same thing."""
+    parents = bench.tree_parents("random", 40, 7) if parents == "random" else parents
+    spans = bench.dfs_intervals(parents)
+    visible = bench.tree_visible(parents, 5)
+    for q, row in enumerate(visible):
+        assert row[:5] == [True] * 5  # the history
+        for k in range(len(parents)):
+            assert row[5 + k] == (spans[k][0] <= spans[q][0] < spans[k][1]), (q, k)
+    assert sorted(b for b, _ in spans) == list(range(len(parents)))
+
+
+def test_tree_rows_in_tables_and_json(bench, tmp_path, capsys):
+    """Tree rows: one line per shape and tree form, tvmattn's rate over its causal prefill's, the
+    causal FLOP formula; --from-json reads them back."""
+    shape = bench.parse_shape("32x64@4160", "tree_prefill")
+    rows = []
+    for form in ("random", "chain"):
+        meta = {**META, "tree": form, "history": 4096, "flops": "causal"}
+        for impl, ms, diff in (("tvmattn", 0.4, 1e-4), ("tvmattn-causal", 0.5, 1e-4), ("tvm", 40.0, 1e-4),
+                               ("sdpa", 0.8, None)):
+            rows.append(bench.make_row("tree_prefill", impl, "v", "float16", 128, 16, shape, ms, diff, meta))
+    assert rows[0]["tflops"] == pytest.approx(bench.causal_flops(32, 64, 4160, 32, 128) / 0.4e-3 / 1e12)
+    lines = bench.format_tables(rows).splitlines()
+    header = next(line for line in lines if "ours/" in line)
+    assert "ours/tvmattn-causal" in header and "ours/tvm" in header
+    random_line = next(line for line in lines if "32x64@4160 random" in line)
+    assert "32x64@4160 chain" in "\n".join(lines)
+    ratios = random_line.split("|")[5].split()  # over tvm, sdpa, tvmattn-causal
+    assert ratios == ["100.00", "2.00", "1.25"]
+    saved = tmp_path / "tree.json"
+    bench.write_json(rows, str(saved))
+    assert bench.main(["--from-json", str(saved)]) == 0
+    assert "32x64@4160 random" in capsys.readouterr().out
 
 
 # --- work counts ------------------------------------------------------------------------------
@@ -330,3 +398,25 @@ def test_tvmattn_variant_names_the_tensor_core_path(bench, text, prefix):
 
     config = AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target="cuda:sm_90")
     assert bench.tvmattn_variant("prefill", config, FakeFunc(text)).startswith(prefix)
+
+
+def test_cpu_smoke_run_tree(bench, monkeypatch, capsys):
+    """The --tree plumbing on the CPU: tvmattn's tree kernel, its causal prefill and TVM's tree kernel
+    (llvm) on a random tree and a chain per request over a history, each against SDPA with the tree's
+    mask (the causal one against causal SDPA)."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "import_flashinfer", lambda: None)
+    args = bench.build_parser().parse_args(["--decode", "--prefill", "--tree", "2x6@30", "--dtype", "float16",
+                                            "--head-dim", "64", "--iters", "1"])
+    rows = bench.run(args, args.decode, args.prefill, bench.tree_shapes(args.tree))
+    out = capsys.readouterr().out
+    assert "  skip " not in out and "MISMATCH in" not in out, out
+    got = {(r["tree"], r["impl"]): r for r in rows}
+    assert set(got) == {(form, impl) for form in ("random", "chain")
+                        for impl in ("tvmattn", "tvmattn-causal", "tvm", "sdpa")}
+    for (_, impl), row in got.items():
+        assert row["kernel"] == "tree_prefill" and row["history"] == 24 and row["flops"] == "causal"
+        assert row["qo_len"] == 6 and row["seq_len"] == 30 and row["ms"] > 0
+        if impl != "sdpa":
+            assert row["agrees"] and row["max_abs_diff"] < 1e-2, row
