@@ -8,6 +8,9 @@ Exported functions (`vm[name]`):
 - `batch_prefill(input_embeds [1, n, hidden], logit_positions [k] int32, cache, params)
    -> (logits [1, k, vocab] f32, cache)`
 - `batch_decode(input_embeds [b, 1, hidden], cache, params) -> (logits [b, 1, vocab] f32, cache)`
+- `batch_verify(input_embeds [1, n, hidden], cache, params) -> (logits [1, n, vocab] f32, cache)`:
+   every node of the step's token trees (begin_forward got token_tree_parent_ptr), for
+   speculative decoding
 - `create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
    support_sliding_window) -> cache` (ShapeTuple([value]) each, as MLC-LLM passes them)
 - `_metadata() -> str` (JSON: see `metadata`)
@@ -93,7 +96,8 @@ def metadata(config: ModelConfig, options: BuildOptions, params: list[tuple[str,
         "params": [{"name": name, "shape": [int(d) for d in p.shape], "dtype": str(p.dtype)} for name, p in params],
         "kv_cache": {"kind": options.kv_cache, **spec.to_dict()},
         "build_options": dataclasses.asdict(options),
-        "functions": ["embed", "prefill", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache"],
+        "functions": ["embed", "prefill", "decode", "batch_prefill", "batch_decode", "batch_verify",
+                      "create_paged_kv_cache"],
         "param_mode": "packed",
     }
 

@@ -129,6 +129,13 @@ class LlamaForCausalLM(nn.Module):
         """input_embeds [batch, 1, hidden] -> (logits [batch, 1, vocab], cache)."""
         return self.logits(self.model(input_embeds, paged_kv_cache)), paged_kv_cache
 
+    def batch_verify(self, input_embeds: nn.Tensor, paged_kv_cache):
+        """input_embeds [1, n, hidden]: every node of the step's token trees (the sequences
+        packed in begin_forward order, each tree's nodes parent before child, with the tree
+        given to begin_forward as token_tree_parent_ptr) -> (logits [1, n, vocab] of every
+        node, cache). Speculative decoding verifies a draft with it."""
+        return self.logits(self.model(input_embeds, paged_kv_cache)), paged_kv_cache
+
     def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                               prefill_chunk_size: tirx.Var, page_size: tirx.Var, support_sliding_window: tirx.Var):
         args = (self.cache_spec, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
@@ -150,6 +157,8 @@ class LlamaForCausalLM(nn.Module):
                               "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
                               "paged_kv_cache": cache, "$": packed},
             "batch_decode": {"input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], dtype),
+                             "paged_kv_cache": cache, "$": packed},
+            "batch_verify": {"input_embeds": nn.spec.Tensor([1, "seq_len", hidden], dtype),
                              "paged_kv_cache": cache, "$": packed},
             "create_paged_kv_cache": {
                 "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int, "page_size": int,
