@@ -2,7 +2,8 @@
 - `smollm2`: compile SmolLM2-135M-Instruct once (cached) and answer prompts (the main job);
 - `compile`: compile a model into a library bundle (OUT.so, OUT.params.npz, OUT.runtime.json);
   `scripts/compile.py` is the same command;
-- `generate`: answer prompts with a bundle made by `compile`;
+- `generate`: answer prompts with a bundle made by `compile` (`--speculative prompt-lookup|draft-model`:
+  greedy speculative decoding, tvmattn/speculative.py);
 - `demo`: the kernel smoke run (paged prefill and decode vs numpy).
 
 A thin argparse layer over `tvmattn.quickstart`, `tvmattn.build`, `tvmattn.generate` and
@@ -22,6 +23,7 @@ from tir_kernels import support
 from . import __version__
 from .build import MODEL_NAMES
 from .quickstart import DEFAULT_PROMPT
+from .speculative import DEFAULT_DRAFT_LEN, MAX_DRAFT_LEN, MODES
 
 
 # ------------------------------------------------------------------ argument types (parse time)
@@ -140,6 +142,62 @@ def _generation_options(command: argparse.ArgumentParser) -> None:
                          help="send the prompt as it is, without the model's chat template")
 
 
+def _bounded_int(low: int, high: int):
+    def parse(text: str) -> int:
+        value = _int_at_least(low)(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {value}")
+        return value
+
+    return parse
+
+
+def _speculative_options(command: argparse.ArgumentParser) -> None:
+    group = command.add_argument_group(
+        "speculative decoding",
+        "Greedy only: --temperature must be 0 (speculative sampling is not implemented, so sampling is refused). "
+        "The tokens are those of plain greedy decoding; a batch of prompts works. The library must export "
+        "batch_verify (libraries compiled before it existed need a recompile).")
+    group.add_argument("--speculative", choices=MODES, default=None,
+                       help="prompt-lookup: drafts from n-gram matches in the prompt and the answer so far; "
+                            "draft-model: a second library (--draft-lib) drafts")
+    group.add_argument("--draft-len", type=_bounded_int(1, MAX_DRAFT_LEN), default=None, metavar="K",
+                       help=f"most draft tokens per verify step (default {DEFAULT_DRAFT_LEN})")
+    group.add_argument("--tree-width", type=_int_at_least(1), default=None, metavar="W",
+                       help="draft tree width: up to W different n-gram continuations merged as a trie "
+                            "(prompt-lookup), or the top-W tokens at the first draft position (draft-model); "
+                            "default 1, a chain")
+    group.add_argument("--draft-lib", type=_library, default=None, metavar="DRAFT.so",
+                       help="the drafting library of --speculative draft-model (same tokenizer; it may be --lib "
+                            "itself)")
+    group.add_argument("--compare-plain", action="store_true",
+                       help="also run plain greedy decoding first and print both speeds and whether the tokens "
+                            "are identical")
+
+
+def speculative_problem(args) -> str | None:
+    """A cross-argument error of the speculative options, or None."""
+    mode = getattr(args, "speculative", None)
+    if mode is None:
+        for flag in ("draft_len", "tree_width", "draft_lib"):
+            if getattr(args, flag, None) is not None:
+                return f"argument --{flag.replace('_', '-')}: needs --speculative"
+        if getattr(args, "compare_plain", False):
+            return "argument --compare-plain: needs --speculative"
+        return None
+    if args.temperature > 0:
+        return (f"argument --temperature: speculative decoding is greedy only (got {args.temperature:g}); "
+                f"use --temperature 0 or leave out --speculative")
+    if mode == "draft-model" and args.draft_lib is None:
+        return "argument --draft-lib: --speculative draft-model needs --draft-lib DRAFT.so"
+    if mode != "draft-model" and args.draft_lib is not None:
+        return f"argument --draft-lib: only --speculative draft-model takes a draft library, not {mode}"
+    draft_len = args.draft_len or DEFAULT_DRAFT_LEN
+    if (args.tree_width or 1) > draft_len:
+        return f"argument --tree-width: {args.tree_width} exceeds --draft-len {draft_len}"
+    return None
+
+
 def add_compile_options(command: argparse.ArgumentParser) -> None:
     """The options of `compile` (also scripts/compile.py)."""
     command.add_argument("--model", required=True, type=_model,
@@ -201,6 +259,7 @@ def parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", action="append", required=True,
                           help="prompt text; repeat for a batch (batch_prefill / batch_decode)")
     _generation_options(generate)
+    _speculative_options(generate)
 
     demo = commands.add_parser("demo", formatter_class=_Formatter,
                                help="build paged prefill and decode, run them on a small batch and check them "
@@ -268,16 +327,38 @@ def _generate(args) -> int:
 
     if not batch:
         print(f"> {args.prompt[0]}", file=sys.stderr)
+    speculative, plain = None, None
     try:
         generator = Generator(args.lib)
+        if getattr(args, "speculative", None) is not None:
+            from .speculative import SpeculativeOptions
+
+            speculative = SpeculativeOptions(args.speculative, args.draft_len or DEFAULT_DRAFT_LEN,
+                                             args.tree_width or 1, args.draft_lib)
+            if args.compare_plain:
+                plain = generator.generate(args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
         result = generator.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
-                                    stream=None if batch else out, on_answer=finished if batch else None)
+                                    stream=None if batch else out, on_answer=finished if batch else None,
+                                    speculative=speculative)
     except GenerateError as err:
         return _fail(str(err))
     if not batch:
         out("\n")
-    print(result.summary(), file=sys.stderr)
+    if plain is not None:
+        print(f"plain greedy: {plain.summary()}", file=sys.stderr)
+        print(f"speculative:  {result.summary()}", file=sys.stderr)
+    else:
+        print(result.summary(), file=sys.stderr)
+    if speculative is not None:
+        print(result.speculative_summary(), file=sys.stderr)
+    if plain is not None:
+        same = plain.tokens == result.tokens
+        speedup = result.decode_tokens_per_s / plain.decode_tokens_per_s
+        print(f"decode speedup over plain greedy: {speedup:.2f}x; tokens identical: {'yes' if same else 'NO'}",
+              file=sys.stderr)
+        if not same:
+            return 1
     return 0
 
 
@@ -297,7 +378,11 @@ COMMANDS = {"smollm2": _smollm2, "compile": _compile, "generate": _generate, "de
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(argv)
+    top = parser()
+    args = top.parse_args(argv)
+    problem = speculative_problem(args)
+    if problem:
+        top._subparsers._group_actions[0].choices[args.command].error(problem)
     args.argv = argv
     return COMMANDS[args.command](args)
 

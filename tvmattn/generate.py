@@ -5,10 +5,18 @@ load OUT.params.npz, create the paged KV cache, tokenize, prefill then decode.
 one prompt goes through `prefill` / `decode`, several through `batch_prefill` / `batch_decode`.
 Greedy when temperature == 0, otherwise temperature + top-p (nucleus) sampling with a seeded
 numpy generator. `python -m tvmattn generate` is the command line over it.
+
+Speculative (greedy) decoding: `generate_tokens(..., speculative=SpeculativeOptions(...))`
+drafts token trees (prompt lookup, or a draft library: `DraftModel`), verifies every active
+sequence's tree in one `batch_verify` step (begin_forward gets the trees' parent arrays) and
+keeps the accepted path (`commit_accepted_token_tree_nodes`); tvmattn/speculative.py describes
+the trees and the acceptance. Its tokens are those of plain greedy decoding; batches work as in
+plain decoding. Temperature > 0 is refused (no speculative sampling).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import struct
@@ -28,6 +36,8 @@ from tir_kernels import support
 from .runtime import ffi as _ffi  # noqa: F401  - registers tvmattn.* before the library is loaded
 from .build import PARAMS_SUFFIX, RUNTIME_SUFFIX, file_record, sidecar
 from .models.kv_cache import KV_CACHE_KINDS
+from .speculative import (DraftTree, PromptLookup, SpeculativeOptions, SpeculativeStats, accept_greedy, common_prefix,
+                          draft_model_tree)
 
 
 class GenerateError(ValueError):
@@ -44,6 +54,8 @@ class Generation:
     decode_steps: int
     # with keep_logits: per prompt, the float32 logits [len(tokens), vocab] each token was chosen from
     logits: list[np.ndarray] | None = None
+    # speculative decoding only: trees verified (one per sequence and step), drafts fed, drafts accepted
+    speculative: SpeculativeStats | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -64,6 +76,15 @@ class Generation:
                 f"({self.prefill_tokens_per_s:.1f} tokens/s); decode: {self.decode_tokens} tokens in "
                 f"{self.decode_s:.3f} s ({self.decode_tokens_per_s:.1f} tokens/s, {self.decode_steps} steps of "
                 f"batch <= {len(self.tokens)})")
+
+    def speculative_summary(self) -> str:
+        """One line of the speculative counts (empty for plain decoding)."""
+        stats = self.speculative
+        if stats is None:
+            return ""
+        return (f"speculative ({stats.mode}): {stats.accepted} of {stats.drafted} drafted tokens accepted "
+                f"({100 * stats.acceptance_rate:.1f}%), {stats.mean_accepted:.2f} accepted per verify step "
+                f"({stats.verify_steps} trees verified)")
 
 
 def render_chat(template: str, prompt: str) -> str:
@@ -346,9 +367,18 @@ class Generator:
         prefix = "tvmattn." if kind == "tvmattn" else "vm.builtin."
         self._host = {name: tvm.get_global_func(prefix + name) for name in
                       ("kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_begin_forward",
-                       "kv_state_end_forward")}
+                       "kv_state_end_forward", "kv_state_popn", "attention_kv_cache_commit_accepted_token_tree_nodes")}
+        self.lib_path = lib_path
         self.cache = None
         self._capacity = 0
+        self._drafts: dict[Path, Generator] = {}
+
+    def sibling(self) -> "Generator":
+        """The same loaded library (VM, weights, tokenizer) with a KV cache of its own: a model
+        drafting for itself."""
+        other = copy.copy(self)
+        other.cache, other._capacity, other._drafts = None, 0, {}
+        return other
 
     # ------------------------------------------------------------------ token level
     def _ensure_cache(self, needed: int) -> None:
@@ -369,8 +399,10 @@ class Generator:
         ids = tvm.runtime.tensor(np.array(tokens, dtype=np.int32), device=self.device)
         return self.vm["embed"](ids, self.params).numpy()
 
-    def _forward(self, function: str, seq_ids: list[int], lengths: list[int], embeds: np.ndarray, *extra):
-        self._host["kv_state_begin_forward"](self.cache, ShapeTuple(seq_ids), ShapeTuple(lengths))
+    def _forward(self, function: str, seq_ids: list[int], lengths: list[int], embeds: np.ndarray, *extra,
+                 parents: list[int] | None = None):
+        tree = () if parents is None else (ShapeTuple(parents),)
+        self._host["kv_state_begin_forward"](self.cache, ShapeTuple(seq_ids), ShapeTuple(lengths), *tree)
         logits, _ = self.vm[function](tvm.runtime.tensor(embeds, device=self.device), *extra, self.cache,
                                       self.params)
         self._host["kv_state_end_forward"](self.cache)
@@ -396,10 +428,12 @@ class Generator:
     def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0,
                         top_p: float = 1.0, seed: int = 0,
                         on_token: Callable[[int, int], None] | None = None, keep_logits: bool = False,
-                        on_finish: Callable[[int], None] | None = None) -> Generation:
+                        on_finish: Callable[[int], None] | None = None,
+                        speculative: SpeculativeOptions | None = None) -> Generation:
         """Generate from token-id prompts; on_token(prompt index, token) is called per new token,
         on_finish(prompt index) when that prompt's answer is complete;
-        keep_logits: also return the logits each token was chosen from (Generation.logits)."""
+        keep_logits: also return the logits each token was chosen from (Generation.logits);
+        speculative: greedy speculative decoding (temperature must be 0), same tokens."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise GenerateError("every prompt needs at least one token")
         if len(prompts) > self.settings["max_batch_size"]:
@@ -409,6 +443,8 @@ class Generator:
             raise GenerateError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:
             raise GenerateError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        if speculative is not None:
+            self._check_speculative(speculative, temperature)
         vocab = self.metadata["model_config"]["vocab_size"]
         for index, prompt in enumerate(prompts):  # the library's embedding lookup does not check its indices
             outside = next((t for t in prompt if not 0 <= t < vocab), None)
@@ -430,6 +466,14 @@ class Generator:
             logits = self._prefill(seq_ids, prompts)
             prefill_s = time.perf_counter() - start
             _check_finite(logits, 0, seq_ids)
+            if speculative is not None:
+                start = time.perf_counter()
+                steps, stats = self._speculative_loop(speculative, prompts, logits, generated, kept, max_new_tokens,
+                                                      on_token, on_finish, keep_logits)
+                decode_s = time.perf_counter() - start
+                return Generation([], generated, [len(p) for p in prompts], prefill_s, decode_s, steps,
+                                  [np.stack(rows) if rows else np.zeros((0, 0), np.float32) for rows in kept]
+                                  if keep_logits else None, stats)
             active = list(seq_ids)
             steps = 0
             start = time.perf_counter()
@@ -468,6 +512,129 @@ class Generator:
                           [np.stack(rows) if rows else np.zeros((0, 0), np.float32) for rows in kept]
                           if keep_logits else None)
 
+    # ------------------------------------------------------------------ speculative decoding
+    def _check_speculative(self, options: SpeculativeOptions, temperature: float) -> None:
+        if temperature > 0:
+            raise GenerateError(f"speculative decoding is greedy only: temperature must be 0, got {temperature} "
+                                f"(speculative sampling is not implemented)")
+        if "batch_verify" not in self.metadata.get("functions", []):
+            raise GenerateError(f"{self.lib_path} has no batch_verify function (compiled before speculative "
+                                f"decoding existed); recompile it")
+        if options.mode == "draft-model":
+            self._draft_generator(options)
+
+    def _draft_generator(self, options: SpeculativeOptions) -> "Generator":
+        """The drafting library of options.draft_lib (loaded once; this library itself when it
+        is the same file), checked to share this one's vocabulary."""
+        path = Path(options.draft_lib)
+        if path.resolve() == self.lib_path.resolve():
+            return self.sibling()
+        key = path.resolve()
+        if key not in self._drafts:
+            try:
+                draft = Generator(path)
+            except GenerateError as err:
+                raise GenerateError(f"--draft-lib: {err}") from None
+            ours, theirs = self.metadata["model_config"]["vocab_size"], draft.metadata["model_config"]["vocab_size"]
+            if ours != theirs or (self.tokenizer is not None and draft.tokenizer is not None
+                                  and self.tokenizer.get_vocab() != draft.tokenizer.get_vocab()):
+                raise GenerateError(f"--draft-lib {str(path)!r}: its vocabulary ({theirs} tokens) differs from that "
+                                    f"of {self.lib_path} ({ours}); the draft model needs the same tokenizer")
+            self._drafts[key] = draft
+        return self._drafts[key]
+
+    def _verify(self, seq_ids: list[int], trees: list[DraftTree], step: int) -> list[np.ndarray]:
+        """One batch_verify step over the sequences' trees -> the logits [len(tree), vocab] of
+        each tree's nodes. The trees stay uncommitted in the cache (see _commit)."""
+        tokens = [t for tree in trees for t in tree.tokens]
+        parents = [p for tree in trees for p in tree.parents]
+        logits = self._forward("batch_verify", seq_ids, [len(t) for t in trees], self._embed(tokens)[None],
+                               parents=parents)[0]
+        _check_finite(logits, step, [s for s, tree in zip(seq_ids, trees) for _ in tree.tokens])
+        ends = np.cumsum([len(t) for t in trees])
+        return [logits[end - len(tree):end] for end, tree in zip(ends, trees)]
+
+    def _commit(self, seq_ids: list[int], leaves: list[int]) -> None:
+        self._host["attention_kv_cache_commit_accepted_token_tree_nodes"](self.cache, ShapeTuple(seq_ids),
+                                                                          ShapeTuple(leaves))
+
+    def _speculative_loop(self, options: SpeculativeOptions, prompts: list[list[int]], logits: np.ndarray,
+                          generated: list[list[int]], kept: list[list[np.ndarray]], max_new_tokens: int,
+                          on_token, on_finish, keep_logits: bool) -> tuple[int, SpeculativeStats]:
+        """Greedy speculative decoding after the prefill (logits: each prompt's last row) ->
+        (model steps, counts). Fills generated / kept as the plain loop does."""
+        stats = SpeculativeStats(options.mode)
+        seq_ids = list(range(len(prompts)))
+
+        def emit(seq_id: int, token: int, row: np.ndarray) -> bool:
+            """Append a chosen token; False when the sequence is complete."""
+            if token in self.stop_ids:
+                return False
+            generated[seq_id].append(token)
+            if keep_logits:
+                kept[seq_id].append(np.array(row, dtype=np.float32))
+            if on_token is not None:
+                on_token(seq_id, token)
+            return len(generated[seq_id]) < max_new_tokens
+
+        def finish(seq_id: int) -> None:
+            if on_finish is not None:
+                on_finish(seq_id)
+
+        active = []
+        for row, seq_id in enumerate(seq_ids):
+            if emit(seq_id, int(np.argmax(logits[row])), logits[row]):
+                active.append(seq_id)
+            else:
+                finish(seq_id)
+        if options.mode == "prompt-lookup":
+            drafter = PromptLookup(options.draft_len, options.tree_width, options.max_ngram, options.min_ngram)
+        else:
+            drafter = DraftModel(self._draft_generator(options), seq_ids, options.tree_width,
+                                 sum(len(p) for p in prompts) + len(prompts) * (max_new_tokens + options.draft_len),
+                                 max(len(p) for p in prompts) + max_new_tokens + options.draft_len)
+        steps = 0
+        try:
+            while active:
+                # a tree's drafts beyond what the answer can still take are useless; all trees
+                # of a step (root + drafts each) must fit one prefill chunk
+                room = self.settings["prefill_chunk"] // len(active) - 1
+                contexts = [prompts[s] + generated[s] for s in active]
+                budgets = [min(options.draft_len, max_new_tokens - len(generated[s]) - 1, room) for s in active]
+                if isinstance(drafter, PromptLookup):
+                    trees = [drafter.draft(c, b) for c, b in zip(contexts, budgets)]
+                else:
+                    trees = drafter.draft(active, contexts, budgets)
+                steps += 1
+                if all(t.num_drafts == 0 for t in trees):  # nothing drafted: a plain decode step
+                    embeds = self._embed([c[-1] for c in contexts])[:, None, :]
+                    function = "decode" if len(active) == 1 else "batch_decode"
+                    rows = self._forward(function, active, [1] * len(active), embeds)[:, 0]
+                    _check_finite(rows, steps, active)
+                    node_logits = [rows[i:i + 1] for i in range(len(active))]
+                else:
+                    node_logits = self._verify(active, trees, steps)
+                accepted = [accept_greedy(tree, rows) for tree, rows in zip(trees, node_logits)]
+                if any(t.num_drafts for t in trees):
+                    self._commit(active, [path[-1] for path, _ in accepted])
+                next_active = []
+                for seq_id, tree, rows, (path, bonus) in zip(active, trees, node_logits, accepted):
+                    if tree.num_drafts:
+                        stats.verify_steps += 1
+                        stats.drafted += tree.num_drafts
+                        stats.accepted += len(path) - 1
+                    chosen = [(tree.tokens[node], rows[parent]) for parent, node in zip(path, path[1:])]
+                    chosen.append((bonus, rows[path[-1]]))
+                    if all(emit(seq_id, token, row) for token, row in chosen):
+                        next_active.append(seq_id)
+                    else:
+                        finish(seq_id)
+                active = next_active
+        finally:
+            if isinstance(drafter, DraftModel):
+                drafter.close()
+        return steps, stats
+
     # ------------------------------------------------------------------ text level
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -479,7 +646,8 @@ class Generator:
 
     def generate(self, prompts: list[str], max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, chat: bool = True, stream: Callable[[str], None] | None = None,
-                 on_answer: Callable[[int, str], None] | None = None) -> Generation:
+                 on_answer: Callable[[int, str], None] | None = None,
+                 speculative: SpeculativeOptions | None = None) -> Generation:
         """Generate from text prompts.
 
         stream(text piece): with one prompt, called as its text arrives (a piece never ends inside
@@ -507,8 +675,68 @@ class Generator:
                 on_answer(index, self.tokenizer.decode(tokens[index]))
 
         result = self.generate_tokens(ids, max_new_tokens, temperature, top_p, seed, on_token=on_token,
-                                      on_finish=on_finish)
+                                      on_finish=on_finish, speculative=speculative)
         result.texts = [self.tokenizer.decode(t) for t in result.tokens]
         if stream is not None and result.texts[0] != shown[0]:
             stream(result.texts[0][len(shown[0]):])
         return result
+
+
+class DraftModel:
+    """A drafting library with a KV cache of its own (tvmattn/speculative.py): greedy drafts,
+    the top `width` tokens at the first draft position; its cache is rolled back (popn) to the
+    longest prefix it shares with each sequence before the next draft."""
+
+    def __init__(self, generator: Generator, seq_ids: list[int], width: int, total_tokens: int, longest: int):
+        if longest > generator.settings["context_window"]:
+            raise GenerateError(f"--draft-lib {str(generator.lib_path)!r}: {longest} tokens (prompt, answer and "
+                                f"draft) exceed its context window {generator.settings['context_window']}")
+        if len(seq_ids) > generator.settings["max_batch_size"]:
+            raise GenerateError(f"--draft-lib {str(generator.lib_path)!r}: {len(seq_ids)} prompts exceed its max "
+                                f"batch size {generator.settings['max_batch_size']}")
+        self.generator, self.width = generator, width
+        generator._ensure_cache(total_tokens)
+        self.cached: dict[int, list[int]] = {}
+        for seq_id in seq_ids:
+            generator._host["kv_state_add_sequence"](generator.cache, seq_id)
+            self.cached[seq_id] = []
+
+    def close(self) -> None:
+        for seq_id in self.cached:
+            self.generator._host["kv_state_remove_sequence"](self.generator.cache, seq_id)
+        self.cached = {}
+
+    def draft(self, seq_ids: list[int], contexts: list[list[int]], budgets: list[int]) -> list[DraftTree]:
+        """One tree per sequence (contexts end with the pending token) of at most budgets[i] drafts."""
+        g = self.generator
+        trees = [DraftTree.root(c[-1]) for c in contexts]
+        want = [i for i, b in enumerate(budgets) if b >= 1]
+        if not want:
+            return trees
+        feeds = []
+        for i in want:  # roll the draft cache back to what it shares with the sequence
+            have, context = self.cached[seq_ids[i]], contexts[i]
+            keep = min(common_prefix(have, context), len(context) - 1)  # the last token is fed for its logits
+            if keep < len(have):
+                g._host["kv_state_popn"](g.cache, seq_ids[i], len(have) - keep)
+                del have[keep:]
+            feeds.append(context[keep:])
+            have.extend(context[keep:])
+        first = g._prefill([seq_ids[i] for i in want], feeds)
+        widths = {i: min(self.width, budgets[i]) for i in want}
+        chains: dict[int, list[int]] = {i: [] for i in want}
+        current = {i: int(np.argmax(first[k])) for k, i in enumerate(want)}
+        while True:  # greedy chain below the best first token
+            going = [i for i in want if len(chains[i]) < budgets[i] - widths[i]]
+            if not going:
+                break
+            embeds = g._embed([current[i] for i in going])[:, None, :]
+            rows = g._forward("decode" if len(going) == 1 else "batch_decode", [seq_ids[i] for i in going],
+                              [1] * len(going), embeds)[:, 0]
+            for k, i in enumerate(going):
+                self.cached[seq_ids[i]].append(current[i])
+                current[i] = int(np.argmax(rows[k]))
+                chains[i].append(current[i])
+        for k, i in enumerate(want):
+            trees[i] = draft_model_tree(contexts[i][-1], first[k], chains[i], widths[i])
+        return trees

@@ -1,0 +1,261 @@
+"""Speculative decoding (greedy): draft token trees, verify them in one model step, accept the
+longest path the model agrees with.
+
+A verify step of one sequence feeds a token tree through the library's `batch_verify`:
+
+- node 0, the root, is the *pending* token: the last token chosen (it is part of the answer)
+  but not yet in the KV cache (plain decoding feeds it in the next `decode` step);
+- the other nodes are draft tokens, each a guess of the token that follows its parent's path;
+  `parents[i]` is node i's parent (-1 for the root), always an earlier node, and siblings hold
+  different tokens. The cache's `begin_forward` gets these parents as `token_tree_parent_ptr`.
+
+`batch_verify` returns the logits after every node's root-to-node path. Acceptance
+(`accept_greedy`) walks from the root: the model's next token after a node is the argmax of
+its logits; when a child of the node holds that token, the child is accepted and the walk goes
+on from it, otherwise the walk stops and that argmax is the *bonus* token (the new pending
+token). The accepted path's draft tokens and the bonus are exactly the tokens plain greedy
+decoding would have produced, one per step; the cache keeps the path
+(`commit_accepted_token_tree_nodes(seq_ids, [leaf])`) and drops the other nodes. A step thus
+yields 1 + (accepted drafts) tokens.
+
+Drafters (a tree has at most `draft_len` draft nodes besides the root):
+
+- `PromptLookup` (no second model): n-gram lookup in the sequence so far (prompt + answer,
+  ending with the pending token). For n from `max_ngram` down to `min_ngram`, the last n
+  tokens are searched for earlier occurrences, the most recent first; the tokens that followed
+  an occurrence are a *continuation*. With `tree_width` W = 1 the first continuation found
+  (longest n-gram, most recent occurrence) is a chain of up to draft_len tokens. With W > 1,
+  up to W continuations that differ are merged as a trie under the root (shared prefixes share
+  nodes), filled breadth first: depth 1 of every continuation, then depth 2, ..., until the
+  draft_len budget is spent, so alternatives near the root (where they matter most) come
+  before long tails. Node order is that insertion order: parents before children.
+- `DraftModel` (in `tvmattn.generate`, it drives a library): another compiled library with the same vocabulary (any size; a model can
+  draft for itself) with its own KV cache drafts greedily: with W = 1 a chain of draft_len
+  argmax tokens; with W > 1 the top-W tokens after the root as siblings, and the argmax chain
+  continued below the first of them (draft_len - W + 1 deep), draft_len nodes in all. After
+  each verify step its cache is rolled back (popn) to the longest prefix it shares with the
+  accepted sequence; the tokens it lacks are fed before the next draft.
+
+Only greedy decoding is speculative here (temperature 0); sampling would need speculative
+sampling (rejection against the draft distribution), which is not implemented, and the
+generator refuses it. This module holds the pure logic (numpy only, no TVM import); the loop
+that drives a library lives in `tvmattn.generate.Generator`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+MODES = ("prompt-lookup", "draft-model")
+MAX_DRAFT_LEN = 255  # draft nodes per tree (the root makes 256)
+DEFAULT_DRAFT_LEN = 8
+DEFAULT_MAX_NGRAM = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOptions:
+    """mode: "prompt-lookup" or "draft-model"; draft_len: most draft nodes per tree (1..255);
+    tree_width: continuations (prompt-lookup) or top-k tokens at the first draft position
+    (draft-model); draft_lib: the drafting library (draft-model only); max_ngram / min_ngram:
+    the n-gram sizes prompt lookup tries, longest first. Raises ValueError."""
+
+    mode: str
+    draft_len: int = DEFAULT_DRAFT_LEN
+    tree_width: int = 1
+    draft_lib: str | None = None
+    max_ngram: int = DEFAULT_MAX_NGRAM
+    min_ngram: int = 1
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"speculative mode {self.mode!r} is not supported: expected one of {MODES}")
+        if not 1 <= self.draft_len <= MAX_DRAFT_LEN:
+            raise ValueError(f"draft_len must be from 1 to {MAX_DRAFT_LEN}, got {self.draft_len}")
+        if not 1 <= self.tree_width <= self.draft_len:
+            raise ValueError(f"tree_width must be from 1 to draft_len ({self.draft_len}), got {self.tree_width}")
+        if (self.mode == "draft-model") != (self.draft_lib is not None):
+            raise ValueError("draft_lib is needed by mode 'draft-model' and only by it")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+
+@dataclasses.dataclass
+class DraftTree:
+    """A token tree: node 0 is the root (the pending token); parents[i] < i for i > 0."""
+
+    tokens: list[int]
+    parents: list[int]
+
+    @classmethod
+    def root(cls, token: int) -> "DraftTree":
+        return cls([int(token)], [-1])
+
+    @classmethod
+    def chain(cls, root: int, drafts: Sequence[int]) -> "DraftTree":
+        return cls([int(root), *(int(t) for t in drafts)], list(range(-1, len(drafts))))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.tokens) - 1
+
+    def add(self, parent: int, token: int) -> int:
+        """Append a node; returns its index."""
+        self.tokens.append(int(token))
+        self.parents.append(int(parent))
+        return len(self.tokens) - 1
+
+    def child(self, node: int, token: int) -> int | None:
+        """The child of `node` holding `token`, or None."""
+        for index in range(node + 1, len(self.tokens)):
+            if self.parents[index] == node and self.tokens[index] == token:
+                return index
+        return None
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def check(self) -> None:
+        """ValueError unless this is a well-formed tree (one root, parents first, distinct siblings)."""
+        if len(self.tokens) != len(self.parents) or not self.tokens or self.parents[0] != -1:
+            raise ValueError("a draft tree needs a root (node 0, parent -1) and one parent per token")
+        seen = set()
+        for index, parent in enumerate(self.parents[1:], start=1):
+            if not 0 <= parent < index:
+                raise ValueError(f"node {index}: parent {parent} is not an earlier node")
+            if (parent, self.tokens[index]) in seen:
+                raise ValueError(f"node {index}: a sibling already holds token {self.tokens[index]}")
+            seen.add((parent, self.tokens[index]))
+
+
+def build_trie(root: int, continuations: Sequence[Sequence[int]], budget: int) -> DraftTree:
+    """Merge continuations (each a guess of the tokens after the root) into a trie of at most
+    `budget` draft nodes, breadth first: depth d of every continuation (in their order) before
+    depth d + 1. Shared prefixes share nodes."""
+    tree = DraftTree.root(root)
+    at = [0] * len(continuations)  # the node each continuation has reached; None: stopped
+    for depth in range(max((len(c) for c in continuations), default=0)):
+        for index, continuation in enumerate(continuations):
+            if at[index] is None or depth >= len(continuation):
+                continue
+            node = tree.child(at[index], continuation[depth])
+            if node is None:
+                if tree.num_drafts >= budget:
+                    at[index] = None
+                    continue
+                node = tree.add(at[index], continuation[depth])
+            at[index] = node
+    return tree
+
+
+def ngram_continuations(context: Sequence[int], length: int, count: int = 1, max_ngram: int = DEFAULT_MAX_NGRAM,
+                        min_ngram: int = 1) -> list[list[int]]:
+    """Up to `count` different continuations of up to `length` tokens for `context`: for n
+    from max_ngram down to min_ngram, each earlier occurrence of the last n tokens (most recent
+    first) gives the tokens that followed it. A continuation equal to a prefix of one already
+    found is skipped (it would add no node to a trie)."""
+    found: list[list[int]] = []
+    if length < 1 or count < 1:
+        return found
+    tokens = np.asarray(context, dtype=np.int64)
+    size = len(tokens)
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        pattern = tokens[size - n:]
+        # occurrences starting at i with i + n < size (at least one token follows), latest first
+        starts = np.flatnonzero(tokens[: size - n] == pattern[0])
+        for i in starts[::-1]:
+            if n > 1 and not np.array_equal(tokens[i:i + n], pattern):
+                continue
+            continuation = tokens[i + n:i + n + length].tolist()
+            if any(c[:len(continuation)] == continuation for c in found):
+                continue
+            found.append(continuation)
+            if len(found) == count:
+                return found
+    return found
+
+
+class PromptLookup:
+    """Drafts from n-gram matches in the sequence so far (module docstring)."""
+
+    def __init__(self, draft_len: int, tree_width: int = 1, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = 1):
+        self.draft_len, self.tree_width = draft_len, tree_width
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def draft(self, context: Sequence[int], budget: int | None = None) -> DraftTree:
+        """The tree for a sequence whose tokens so far are `context` (its last one is the
+        pending token, the root), with at most min(budget, draft_len) draft nodes."""
+        budget = self.draft_len if budget is None else min(budget, self.draft_len)
+        if budget < 1:
+            return DraftTree.root(context[-1])
+        continuations = ngram_continuations(context, budget, self.tree_width, self.max_ngram, self.min_ngram)
+        return build_trie(context[-1], continuations, budget)
+
+
+def accept_greedy(tree: DraftTree, logits: np.ndarray) -> tuple[list[int], int]:
+    """(accepted path: node indices from the root, bonus token) for a tree and the logits
+    [len(tree), vocab] after each node: a child is accepted when it holds the argmax of its
+    parent's logits; the bonus is the argmax after the last accepted node."""
+    node, path = 0, [0]
+    while True:
+        best = int(np.argmax(logits[node]))
+        child = tree.child(node, best)
+        if child is None:
+            return path, best
+        node = child
+        path.append(node)
+
+
+def draft_model_tree(root: int, first_logits: np.ndarray, chain: Sequence[int], width: int) -> DraftTree:
+    """The draft model's tree: the top-`width` tokens of first_logits (the draft model's logits
+    after the root) as the root's children, best first, and `chain` (the draft model's greedy
+    tokens after the best one) below the best child."""
+    order = np.argsort(-first_logits, kind="stable")[:width]
+    tree = DraftTree.root(root)
+    for token in order:
+        tree.add(0, int(token))
+    parent = 1
+    for token in chain:
+        parent = tree.add(parent, token)
+    return tree
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclasses.dataclass
+class SpeculativeStats:
+    """Counts of a speculative generation: verify steps, draft nodes fed, draft tokens accepted."""
+
+    mode: str
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Draft tokens accepted per verify step (each step also yields its bonus token)."""
+        return self.accepted / self.verify_steps if self.verify_steps else 0.0
