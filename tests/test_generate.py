@@ -213,10 +213,13 @@ SMOLLM2_LOGITS_RTOL = 1e-4
 
 @pytest.fixture(scope="module")
 def smollm2_cache(tmp_path_factory):
-    """A TVMATTN_CACHE folder holding the library `python -m tvmattn smollm2` builds (built once)."""
+    """A TVMATTN_CACHE folder holding the library `python -m tvmattn smollm2` builds: built once
+    per test session (the folder is the session's; tests/test_speculative.py imports this fixture
+    and finds the library there)."""
     from tvmattn.quickstart import cached_library
 
-    folder = tmp_path_factory.mktemp("tvmattn-cache")
+    folder = tmp_path_factory.getbasetemp() / "tvmattn-cache"
+    folder.mkdir(exist_ok=True)
     saved = os.environ.get("TVMATTN_CACHE")
     os.environ["TVMATTN_CACHE"] = str(folder)
     try:
