@@ -513,8 +513,7 @@ def test_backend_specs():
     for spec in (["tir", f], ["tirx", f], f, tvm.runtime.convert(["tirx", f])):
         backend = backend_from_spec(spec, PagedPrefill)
         assert isinstance(backend, TIRPagedPrefill) and backend.kind == "tir"
-    with pytest.raises(KVCacheError, match="FlashInfer backend is not available yet"):
-        backend_from_spec(["flashinfer", f, f], PagedPrefill)
+    assert backend_from_spec(["flashinfer", f, f], PagedPrefill).kind == "flashinfer"  # tests/test_flashinfer.py
     with pytest.raises(KVCacheError, match="spec must be"):
         backend_from_spec(["cutlass", f], RaggedPrefill)
     assert issubclass(FlashInferPagedPrefill, PagedPrefill)
@@ -704,6 +703,7 @@ def test_invalid_options():
                          ({"qk_head_dim": 24}, "no kernels for this cache configuration"),
                          ({"kernels": {"nope": []}}, "unknown slots"),
                          ({"kernels": {"prefill_paged": []}}, "slot 'prefill_paged' is empty"),
-                         ({"kernels": {"decode_paged": ["flashinfer", print, print]}}, "FlashInfer")]:
+                         ({"kernels": {"decode_paged": ["flashinfer", 1, print]}}, "must be functions"),
+                         ({"backend": "triton"}, "backend must be one of")]:
         with pytest.raises(KVCacheError, match=message):
             PagedKVCache(**{**base, **bad})

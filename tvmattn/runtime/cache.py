@@ -25,6 +25,7 @@ Every method validates its arguments before changing anything and raises KVCache
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import tvm
@@ -33,7 +34,9 @@ from tir_kernels import AttentionConfig, RopeScaling
 from tir_kernels.support import cuda_arch_of, dtype_problem, numpy_dtype, page_size_problem
 
 from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPrefill, RaggedPrefillTreeMask,
-                       RopeMode, backend_from_spec)
+                       RopeMode, backend_from_spec, bind_workspace)
+from tvmattn.flashinfer.select import attention_kernels
+
 from .errors import KVCacheError, check, check_finite, check_int, check_tensor
 from .forward import Kernels, Rope, Step, Workspace
 from .kernels import Deferred, KernelSet, default_kernels, paged_slots
@@ -41,6 +44,8 @@ from .pages import PageAllocator
 from .plan import DeviceArrays, ForwardPlan, build_plan, plan_size_bound
 from .sequences import PageCopy, SequenceTable
 from .trees import accepted_path, check_new_nodes, compact_copies, is_chain, tree_step
+
+log = logging.getLogger("tvmattn.cache")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +149,10 @@ class PagedKVCache:
       device: a tvm.runtime.Device (default tvm.cpu()).
       kernels: optional overrides, slot name -> backend spec or function (see tvmattn.runtime.kernels);
         every other slot gets tvmattn's kernel for this configuration, built once per process.
+      backend: "tir" (tvmattn's kernels) or "flashinfer" (FlashInfer's modules, built by
+        `python -m tvmattn.flashinfer.build`, in the prefill and decode slots; where FlashInfer
+        cannot serve the cache it falls back to TIR with a logged warning, see
+        tvmattn.flashinfer.select); `self.backend` says which one runs.
 
     Threads: a cache is not thread-safe. It takes no locks; its methods (and the `tvmattn.*`
     functions over it) must be called from one thread at a time, as a model's forward calls
@@ -158,16 +167,19 @@ class PagedKVCache:
                  max_num_sequences: int = 32, max_total_seq_len: int = 4096, prefill_chunk_size: int = 2048,
                  rope_mode: str = "none", rope_scale: float = 1.0, rope_theta: float = 10000.0,
                  rope_scaling: RopeScaling | dict | None = None, support_sliding_window: bool = False,
-                 device=None, kernels: dict | None = None):
+                 device=None, kernels: dict | None = None, backend: str = "tir"):
         self.options = CacheOptions(num_layers, num_qo_heads, num_kv_heads, qk_head_dim, v_head_dim, dtype,
                                     page_size, max_num_sequences, max_total_seq_len, prefill_chunk_size,
                                     rope_mode, rope_scale, rope_theta, rope_scaling, support_sliding_window)
         opts = self.options
         self.device = tvm.cpu() if device is None else device
         self.target = target_for(self.device)
+        self.backend, kernels = attention_kernels(backend, opts, self.target, kernels)
         self.kernels: KernelSet = default_kernels(opts.attention_config(self.target), opts.num_layers,
                                                   sliding_window=opts.support_sliding_window, overrides=kernels)
         self._step_kernels = self._check_kernels(self.kernels)
+        k = self._step_kernels
+        self._flashinfer_workspace = bind_workspace((k.ragged, k.paged_prefill, k.paged_decode), self.device)
         self._rope = Rope(opts.effective_rope_mode, opts.rope_scale, opts.rope_theta)
         self._allocator = PageAllocator(opts.num_pages)
         self._table = SequenceTable(self._allocator, opts.page_size, opts.max_num_sequences,
@@ -322,6 +334,8 @@ class PagedKVCache:
               'rope_mode="inline": a node\'s RoPE position is its depth, not its place in the cache; use "normal"')
         if self._step_kernels.tree_paged is not None:
             return
+        if self.backend == "flashinfer":
+            log.warning("token trees run tvmattn's TIR tree-mask kernels: FlashInfer has no tree-mask attention")
         built, backends = {}, {}
         for slot, role in (("tree_attn_paged_kv", PagedPrefillTreeMask), ("tree_attn_ragged", RaggedPrefillTreeMask)):
             spec = getattr(self.kernels, slot)
@@ -350,7 +364,13 @@ class PagedKVCache:
             if not plan.decode:
                 indptr = host.append_indptr
                 k.ragged.begin_forward(indptr, indptr, len(plan.lengths), plan.total, *heads, True)
-        for depth, level in enumerate(levels):
+        self._begin_levels(plan, levels, 0)
+
+    def _begin_levels(self, plan: ForwardPlan, levels, first_depth: int) -> None:
+        """The paged backends' plan step of `levels`, at depths first_depth, first_depth + 1, ..."""
+        opts, k = self.options, self._step_kernels
+        heads = (opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim, opts.v_head_dim)
+        for depth, level in enumerate(levels, first_depth):
             indptr = level.page_indptr
             if level.kernel == "decode":
                 k.paged_decode.begin_forward(depth, indptr, len(indptr) - 1, opts.page_size, *heads,
@@ -415,6 +435,9 @@ class PagedKVCache:
         check(not step.grown_tree, "cross_attention: a token tree of this step grew over an earlier forward, so "
               "its history holds uncommitted nodes that only some queries see; use attention_with_fused_qkv")
         q, o, lse = self._tensor("q", q), self._tensor("o", o), self._tensor("lse", lse, "float32")
+        if not step.cross_planned:  # cross levels have plans of their own (FlashInfer), made on first use
+            self._begin_levels(step.plan, step.plan.host.cross, step.cross_depth)
+            step.cross_planned = True
         step.cross_attention(pages, q, o, lse, check_finite("sm_scale", sm_scale))
 
     def merge_attn_output_inplace(self, o1, lse1, o2, lse2) -> None:

@@ -89,25 +89,30 @@ class Step:
         self._rope = rope
         self.q, self.k, self.v = work["q"], work["k"], work["v"]
         self.o_tmp, self.lse, self.lse_tmp = work["o_tmp"], work["lse"], work["lse_tmp"]
-        self._fused = [] if plan.tree else [self._level(level) for level in arrays.fused]
-        self._cross = [self._level(level) for level in arrays.cross]
+        self._fused = [] if plan.tree else [self._level(d, level) for d, level in enumerate(arrays.fused)]
+        # cross levels have depths of their own after the fused ones (their plans may differ);
+        # the cache plans them on the first cross_attention (in a tree step, in begin_forward)
+        self.cross_depth = len(self._fused)
+        self.cross_planned = plan.tree
+        self._cross = [self._level(self.cross_depth + d, level) for d, level in enumerate(arrays.cross)]
         self._apply_rope = int(rope.mode == RopeMode.NORMAL)
 
-    def _level(self, level: LevelArrays):
-        """A function (pages, q, o, lse, sm_scale) running one paged level."""
+    def _level(self, depth: int, level: LevelArrays):
+        """A function (pages, q, o, lse, sm_scale) running one paged level (the backends' plan
+        of `depth`)."""
         rope, q_positions = self._rope, self._a.q_positions
         indptr, indices, info, k_offset = level.page_indptr, level.page_indices, level.length_info, level.k_offset
         if level.kernel == "decode":
             mha = self._k.paged_decode.mha
 
             def run(pages, q, o, lse, sm_scale):
-                mha(0, q, pages, indptr, indices, info, k_offset, q_positions, rope.mode, rope.scale, rope.theta,
-                    sm_scale, o, lse)
+                mha(depth, q, pages, indptr, indices, info, k_offset, q_positions, rope.mode, rope.scale,
+                    rope.theta, sm_scale, o, lse)
         else:
             mha, qo_indptr = self._k.paged_prefill.mha, level.qo_indptr
 
             def run(pages, q, o, lse, sm_scale):
-                mha(0, q, qo_indptr, pages, indptr, indices, info, q_positions, k_offset, False, rope.mode,
+                mha(depth, q, qo_indptr, pages, indptr, indices, info, q_positions, k_offset, False, rope.mode,
                     rope.scale, rope.theta, sm_scale, o, lse)
         return run
 

@@ -1,0 +1,340 @@
+"""The FlashInfer backend: plan and run arguments, views, fallbacks and errors (CPU, with fake
+plan/run callables; no flashinfer package needed), and on a GPU with built modules the cache
+scenarios of test_cache.py against the same float64 references.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import tvm
+from harness import empty, has_gpu, randn, tensor
+
+from tir_kernels import default_sm_scale
+from tvmattn import KVCacheError, PagedKVCache
+from tvmattn.flashinfer import FlashInferConfig, available, modules
+from tvmattn.flashinfer.build import _rename_exports
+from tvmattn.flashinfer.select import attention_kernels, config_for, why_not
+from tvmattn.flashinfer.views import paged_kv_views, rebased
+from tvmattn.runtime.backends import (FlashInferPagedDecode, FlashInferPagedPrefill, FlashInferRaggedPrefill,
+                                      FlashInferTensorCoreDecode, FlashInferWorkspace, PagedDecode, PagedPrefill,
+                                      RaggedPrefill, RopeMode, backend_from_spec)
+from tvmattn.runtime.cache import CacheOptions
+
+HQ, HKV, D, PAGE = 4, 2, 64, 4
+THETA, SCALE = 1e4, 0.5
+
+
+class Recorder:
+    """Fake plan/run functions: plan returns a fresh token (its call number) and both record
+    their arguments."""
+
+    def __init__(self):
+        self.plans, self.runs = [], []
+
+    def plan(self, *args):
+        self.plans.append(args)
+        return ["plan", len(self.plans) - 1]
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+def fake_cache(rope_mode="normal", **options):
+    rec = {slot: Recorder() for slot in ("prefill_ragged", "prefill_paged", "decode_paged")}
+    kernels = {slot: ["flashinfer", r.run, r.plan] for slot, r in rec.items()}
+    cache = PagedKVCache(num_layers=2, num_qo_heads=HQ, num_kv_heads=HKV, qk_head_dim=D, page_size=PAGE,
+                         max_num_sequences=8, max_total_seq_len=256, prefill_chunk_size=64, rope_mode=rope_mode,
+                         rope_theta=THETA, rope_scale=SCALE, kernels=kernels, **options)
+    return cache, rec
+
+
+def host(t) -> np.ndarray:
+    return np.from_dlpack(t) if t.is_contiguous() is False else t.numpy()
+
+
+def fused_qkv(cache, n):
+    rng = np.random.default_rng(0)
+    qkv = tensor(randn(rng, (n, HQ + 2 * HKV, D), "float16"), tvm.cpu())
+    o = empty((n, HQ, D), "float16", tvm.cpu())
+    cache.attention_with_fused_qkv(0, 0.125, qkv, o)
+
+
+def test_views_rebase_and_split_the_pool():
+    base = tvm.runtime.tensor(np.arange(40, dtype=np.int32))
+    view = base._create_view((5,), "int32", 12)  # a non-zero byte offset, as the cache's index arrays
+    re = rebased(view)
+    assert re.data_ptr() == view.data_ptr() and tuple(re.shape) == (5,)
+    np.testing.assert_array_equal(host(re), [3, 4, 5, 6, 7])
+    pool = np.arange(3 * 2 * HKV * PAGE * 8, dtype=np.float16).reshape(3, 2, HKV, PAGE, 8)
+    pages = tvm.runtime.tensor(pool)
+    k, v = paged_kv_views(pages)
+    assert tuple(k.strides) == tuple(v.strides) == (2 * HKV * PAGE * 8, PAGE * 8, 8, 1)
+    assert v.data_ptr() - k.data_ptr() == HKV * PAGE * 8 * 2 and k.data_ptr() == pages.data_ptr()
+    np.testing.assert_array_equal(host(k), pool[:, 0])
+    np.testing.assert_array_equal(host(v), pool[:, 1])
+    with pytest.raises(ValueError, match="pages must be"):
+        paged_kv_views(tvm.runtime.tensor(np.zeros((3, 4), np.float16)))
+
+
+def test_prefill_plans_and_runs_in_attn_backend_order():
+    cache, rec = fake_cache()
+    cache.add_sequence(0)
+    cache.add_sequence(1)
+    cache.begin_forward([0, 1], [5, 3])  # no history: the ragged part only
+    ragged = rec["prefill_ragged"]
+    (args,) = ragged.plans
+    ws = cache._flashinfer_workspace
+    assert args[0] is ws.float and args[1] is ws.slot(0)[1] and args[2] is ws.slot(0)[2]
+    np.testing.assert_array_equal(args[3].numpy(), [0, 5, 8])  # qo_indptr
+    np.testing.assert_array_equal(args[4].numpy(), [0, 5, 8])  # kv_indptr
+    np.testing.assert_array_equal(args[5].numpy(), [5, 3])  # kv_len
+    assert args[6:] == (8, 2, HQ, HKV, 1, False, D, D, True, -1, -1, False, 0, 0)
+    assert rec["prefill_paged"].plans == [] and rec["decode_paged"].plans == []
+    fused_qkv(cache, 8)
+    (run,) = ragged.runs
+    assert run[0] is ws.float and run[1] is ws.slot(0)[1] and run[2] == ["plan", 0]
+    np.testing.assert_array_equal(host(run[6]), [0, 5, 8])
+    np.testing.assert_array_equal(host(run[7]), [0, 5, 8])
+    assert run[10:] == (1, 0, -1, False, 0.125, 1 / SCALE, 1 / THETA)
+    cache.end_forward()
+
+    cache.begin_forward([0, 1], [2, 4])  # now with history: ragged + a paged prefill level
+    (paged,) = rec["prefill_paged"].plans
+    assert paged[0] is ws.float and paged[1] is ws.slot(1)[1]
+    np.testing.assert_array_equal(paged[3].numpy(), [0, 2, 6])  # qo_indptr
+    np.testing.assert_array_equal(paged[4].numpy(), [0, 2, 3])  # page_indptr: 5 and 3 tokens in pages of 4
+    np.testing.assert_array_equal(paged[5].numpy(), [5, 3])  # kv_len
+    assert paged[6:] == (6, 2, HQ, HKV, PAGE, False, D, D, False, -1, -1, False, 0, 0)
+    fused_qkv(cache, 6)
+    (run,) = rec["prefill_paged"].runs
+    pool = cache._pools[0]
+    assert run[2] == ["plan", 0] and run[3] is not None
+    assert run[4].data_ptr() == pool.data_ptr() and tuple(run[4].shape) == (int(pool.shape[0]), HKV, PAGE, D)
+    np.testing.assert_array_equal(host(run[6]), [0, 2, 6])
+    np.testing.assert_array_equal(host(run[7]), [0, 2, 3])
+    np.testing.assert_array_equal(host(run[9]), [1, 3])  # last_page_len
+    assert run[12:] == (0, 1, -1, False, 0.125, 1 / SCALE, 1 / THETA)
+
+
+def test_decode_plan_once_per_forward_and_depth_with_cascade():
+    cache, rec = fake_cache()
+    cache.add_sequence(0)
+    cache.begin_forward([0], [40])
+    cache.end_forward()
+    cache.fork_sequence(0, 1)
+    cache.fork_sequence(0, 2)
+    cache.begin_forward([1, 2], [1, 1])  # a shared level (paged prefill, depth 0) + own pages (decode, depth 1)
+    plan = cache.current_plan()
+    assert [level.kernel for level in plan.host.fused] == ["prefill", "decode"]
+    ws = cache._flashinfer_workspace
+    (shared,) = rec["prefill_paged"].plans
+    (dec,) = rec["decode_paged"].plans
+    assert shared[1] is ws.slot(1)[1] and dec[1] is ws.slot(2)[1]
+    np.testing.assert_array_equal(dec[3].numpy(), plan.host.fused[1].page_indptr)
+    assert dec[4:11] == (2, HQ, HKV, PAGE, False, -1, 0.0) and dec[11:13] == (D, D)
+    assert str(dec[13].dtype) == "float16" and tuple(dec[13].shape) == (0,)
+    fused_qkv(cache, 2)
+    assert len(rec["prefill_paged"].plans) == 1 and len(rec["decode_paged"].plans) == 1, "one plan per depth"
+    (drun,) = rec["decode_paged"].runs
+    assert drun[2] == ["plan", 0] and drun[11:] == (1, -1, False, 0.125, 1 / SCALE, 1 / THETA)
+    np.testing.assert_array_equal(host(drun[8]), plan.host.fused[1].length_info)
+    # cross_attention plans its own levels (after the fused depths) on first use, once
+    q = tensor(randn(np.random.default_rng(1), (2, HQ, D), "float16"), tvm.cpu())
+    o, lse = empty((2, HQ, D), "float16", tvm.cpu()), empty((2, HQ), "float32", tvm.cpu())
+    cache.cross_attention(0, 0.125, q, o, lse)
+    cache.cross_attention(1, 0.125, q, o, lse)
+    assert len(rec["decode_paged"].plans) == 2 and rec["decode_paged"].plans[1][1] is ws.slot(4)[1]
+    assert rec["decode_paged"].runs[-1][2] == ["plan", 1]
+
+
+def test_tensor_core_decode_plans_a_prefill():
+    rec = Recorder()
+    backend = FlashInferTensorCoreDecode(rec.run, rec.plan)
+    backend.bind(FlashInferWorkspace(tvm.cpu(), float_bytes=64, int_bytes=64))
+    backend.begin_forward(0, np.array([0, 3, 5], np.int32), 2, 16, 32, 8, 128, 128, RopeMode.NORMAL, "float16",
+                          "float16")
+    (args,) = rec.plans
+    np.testing.assert_array_equal(args[3].numpy(), [0, 1, 2])
+    np.testing.assert_array_equal(args[5].numpy(), [48, 32])
+    assert args[6:] == (2, 2, 32, 8, 16, False, 128, 128, False, -1, -1, False, 0, 0)
+    pages = tvm.runtime.tensor(np.zeros((6, 2, 8, 16, 128), np.float16))
+    idx = tvm.runtime.tensor(np.array([0, 3, 5], np.int32))
+    backend.mha(0, "q", pages, idx, idx, idx, None, None, RopeMode.NORMAL, 1.0, 5e5, 0.1, "o", "lse")
+    (run,) = rec.runs
+    np.testing.assert_array_equal(host(run[6]), [0, 1, 2])
+    assert run[12:] == (0, 1, -1, False, 0.1, 1.0, 1 / 5e5)
+
+
+def test_specs_and_workspace_errors():
+    f = tvm.get_global_func("runtime.GetDeviceAttr")
+    for role, cls in ((PagedPrefill, FlashInferPagedPrefill), (RaggedPrefill, FlashInferRaggedPrefill),
+                      (PagedDecode, FlashInferPagedDecode)):
+        backend = backend_from_spec(["flashinfer", f, f], role)
+        assert isinstance(backend, cls) and backend.kind == "flashinfer"
+    ragged = backend_from_spec(["flashinfer", f, f, 192, 128], RaggedPrefill)
+    assert (ragged.qk_head_dim_override, ragged.v_head_dim_override) == (192, 128)
+    with pytest.raises(KVCacheError, match="must be functions"):
+        backend_from_spec(["flashinfer", 1, f], PagedDecode)
+    with pytest.raises(KVCacheError, match="no workspace bound"):
+        backend.begin_forward(0, np.array([0, 1], np.int32), 1, 16, 4, 2, 64, 64, RopeMode.NONE, "float16", "float16")
+    with pytest.raises(KVCacheError, match="no plan for depth 3"):
+        backend._planned(3)
+
+
+def _options(**kw):
+    return CacheOptions(**{"num_layers": 1, "num_qo_heads": 32, "num_kv_heads": 8, "qk_head_dim": 128, **kw})
+
+
+def test_fallback_reasons():
+    assert why_not(_options(), "cuda:sm_90a") is None
+    assert why_not(_options(), "cuda:sm_80") is None
+    assert "not a CUDA GPU" in why_not(_options(), "llvm")
+    assert "sm_80 or newer" in why_not(_options(), "cuda:sm_75")
+    assert "sliding windows" in why_not(_options(support_sliding_window=True), "cuda:sm_90a")
+    assert "inline" in why_not(_options(rope_mode="inline"), "cuda:sm_90a")
+    assert "head dim 96" in why_not(_options(qk_head_dim=96), "cuda:sm_90a")
+    assert "float32" in why_not(_options(dtype="float32"), "cuda:sm_90a")
+    assert config_for(_options(), "cuda:sm_90").arch == "sm_90a"
+
+
+def test_cpu_cache_falls_back_to_tir_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="tvmattn.flashinfer"):
+        cache = PagedKVCache(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, qk_head_dim=D, page_size=PAGE,
+                             max_total_seq_len=64, prefill_chunk_size=16, backend="flashinfer")
+    assert cache.backend == "tir" and cache._flashinfer_workspace is None
+    assert "falling back to tvmattn's TIR kernels: the device is not a CUDA GPU" in caplog.text
+    assert cache.kernels.decode_paged[0] == "tirx"
+
+
+def test_missing_modules_and_bad_backend_are_errors(tmp_path):
+    with pytest.raises(KVCacheError, match=r"not built .*python -m tvmattn.flashinfer.build --dtype float16 "
+                                           r"--head-dim 128 --arch sm_90a"):
+        attention_kernels("flashinfer", _options(), "cuda:sm_90a", None, base=tmp_path)
+    with pytest.raises(KVCacheError, match="backend must be one of"):
+        attention_kernels("cutlass", _options(), "cuda:sm_90a", None)
+    with pytest.raises(KVCacheError, match="backend must be one of"):
+        PagedKVCache(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, qk_head_dim=D, backend="triton")
+    assert attention_kernels("tir", _options(), "cuda:sm_90a", {"x": 1}) == ("tir", {"x": 1})
+
+
+def test_config_keys_and_export_renaming(tmp_path):
+    config = FlashInferConfig()
+    assert config.key() == FlashInferConfig().key() != FlashInferConfig(dtype="bfloat16").key()
+    assert config.cuda_arch_list() == "9.0" and FlashInferConfig(arch="sm_80").cuda_arch_list() == "8.0"
+    assert config.problem() is None and "sm_80" in FlashInferConfig(arch="sm_75").problem()
+    assert not available(config, base=tmp_path)
+    binding = tmp_path / "x_binding.cu"
+    binding.write_text("TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, Plan);\nTVM_FFI_DLL_EXPORT_TYPED_FUNC(run, Run);\n")
+    for _ in range(2):  # idempotent
+        _rename_exports([binding], "batch_decode")
+    assert binding.read_text() == ("TVM_FFI_DLL_EXPORT_TYPED_FUNC(batch_decode_plan, Plan);\n"
+                                   "TVM_FFI_DLL_EXPORT_TYPED_FUNC(batch_decode_run, Run);\n")
+
+
+BUILT = available(FlashInferConfig())
+
+
+@pytest.mark.skipif(not BUILT, reason="FlashInfer modules not built (python -m tvmattn.flashinfer.build)")
+def test_built_modules_load_without_flashinfer():
+    """The built modules load with tvm_ffi alone and export TVM's function names."""
+    dec = modules.load(FlashInferConfig(), "decode")
+    pre = modules.load(FlashInferConfig(), "prefill_fa2")
+    assert all(callable(f) for f in (dec.plan, dec.run, pre.plan, pre.ragged_run, pre.paged_run))
+    assert modules.manifest(FlashInferConfig())["tvm_ffi"]
+
+
+# -- GPU: the cache scenarios of test_cache.py with the FlashInfer backend (fp16, d128)
+
+GPU_KINDS = [pytest.param(("cuda_core", "fa2"), id="fa2-cudacore"),
+             pytest.param(("tensor_core", "fa2"), id="fa2-tensorcore"),
+             pytest.param(("cuda_core", "fa3"), id="fa3-cudacore")]
+
+
+@pytest.fixture
+def fi_model(monkeypatch, request):
+    """test_cache.Model on CUDA with FlashInfer kernels (8/2 heads, d128: the built modules' head dim)."""
+    if not has_gpu():
+        pytest.skip("no GPU")
+    decode, prefill = request.param
+    config = FlashInferConfig()
+    kinds = ["decode", f"prefill_{prefill}"]
+    if not available(config, kinds):
+        pytest.skip(f"FlashInfer modules {kinds} not built")
+    import test_cache as tc
+
+    from tvmattn.flashinfer.select import flashinfer_specs
+
+    monkeypatch.setattr(tc, "HQ", 8)
+    monkeypatch.setattr(tc, "HKV", 2)
+    monkeypatch.setattr(tc, "D", 128)
+    monkeypatch.setattr(tc, "SM_SCALE", default_sm_scale(128))
+
+    def make(rope_mode="none", page_size=16, seed=0, **options):
+        m = tc.Model("cuda", rope_mode, page_size=page_size, seed=seed,
+                     kernels=flashinfer_specs(config, decode=decode, prefill=prefill), **options)
+        assert m.cache._flashinfer_workspace is not None
+        return m
+
+    return tc, make
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fi_model", GPU_KINDS, indirect=True)
+@pytest.mark.parametrize("rope_mode", ["none", "normal"])
+def test_gpu_prefill_decode_fork_popn(fi_model, rope_mode):
+    tc, make = fi_model
+    m = make(rope_mode, seed=3)
+    m.add(0)
+    m.add(1)
+    m.forward([0, 1], [37, 16])
+    for _ in range(3):
+        m.forward([0, 1], [1, 1])
+    m.forward([0, 1], [5, 1])  # mixed
+    m.fork(0, 2)
+    m.fork(0, 3, 20)
+    for _ in range(2):
+        m.forward([2, 3, 1], [1, 1, 1])  # cascade: shared prefix + own pages
+    m.forward([2, 3], [7, 9])
+    m.popn(2, 4)
+    m.forward([2, 0], [1, 3])
+    m.check_kv()
+    for seq_id in list(m.k):
+        m.remove(seq_id)
+    m.check_no_leaks()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fi_model", GPU_KINDS[:1], indirect=True)
+def test_gpu_self_and_cross_attention(fi_model):
+    tc, make = fi_model
+    m = make("none", seed=11)
+    m.add(0)
+    m.add(1)
+    m.forward([0, 1], [9, 30])
+    import reference as ref
+
+    for lengths in ([3, 5], [1, 1]):
+        m.cache.begin_forward([0, 1], lengths)
+        total = sum(lengths)
+        q, k, v = (randn(m.rng, (total, h, tc.D), "float16") for h in (tc.HQ, tc.HKV, tc.HKV))
+        o_self, o_cross = (empty((total, tc.HQ, tc.D), "float16", m.device) for _ in range(2))
+        lse_self, lse_cross = (empty((total, tc.HQ), "float32", m.device) for _ in range(2))
+        dev = m.device
+        m.cache.self_attention(1, tc.SM_SCALE, tensor(q, dev), tensor(k, dev), tensor(v, dev), o_self, lse_self)
+        m.cache.cross_attention(1, tc.SM_SCALE, tensor(q, dev), o_cross, lse_cross)
+        m.cache.merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross)
+        m.cache.end_forward()
+        start = 0
+        for seq_id, n in zip((0, 1), lengths):
+            rows = slice(start, start + n)
+            keys = np.concatenate([m.k[seq_id][1], k[rows]])
+            values = np.concatenate([m.v[seq_id][1], v[rows]])
+            o, lse = ref.attention(q[rows], keys, values, tc.SM_SCALE, causal=True)
+            np.testing.assert_allclose(o_self.numpy()[rows], o, rtol=tc.RTOL, atol=tc.ATOL)
+            np.testing.assert_allclose(lse_self.numpy()[rows], lse, *ref.LSE_TOLERANCE)
+            start += n
+        m.cache.popn(0, lengths[0])
+        m.cache.popn(1, lengths[1])

@@ -1,0 +1,86 @@
+"""Choosing the attention backend of a cache: tvmattn's TIR kernels or FlashInfer's modules.
+
+`attention_kernels(backend, options, target, kernels)` gives the backend a cache runs and its
+kernel overrides. FlashInfer serves the ragged prefill, paged prefill and paged decode slots of
+a cache on a CUDA GPU of sm_80 or newer, in float16/bfloat16, with head dim 64, 128 or 256,
+without sliding windows and without inline RoPE; anything else falls back to TIR with a logged
+warning that says why. Token-tree steps always run TIR tree-mask kernels (FlashInfer has none;
+the cache warns on the first one). Asking for FlashInfer where it could serve but its modules
+are not built is an error (KVCacheError naming the build command).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .modules import FlashInferConfig, FlashInferModulesMissing, load
+
+log = logging.getLogger("tvmattn.flashinfer")
+
+BACKENDS = ("tir", "flashinfer")
+DECODE_KINDS = ("cuda_core", "tensor_core")
+PREFILL_KINDS = ("fa2", "fa3")
+
+
+def config_for(options, target: str) -> FlashInferConfig:
+    arch = target.split(":", 1)[1] if target.startswith("cuda:") else ""
+    if arch == "sm_90":
+        arch = "sm_90a"
+    return FlashInferConfig(options.dtype, options.qk_head_dim, options.v_head_dim, False, arch)
+
+
+def why_not(options, target: str) -> str | None:
+    """Why FlashInfer cannot serve a cache of `options` on `target` (None: it can)."""
+    from tvmattn.runtime.backends import RopeMode
+
+    if not target.startswith("cuda"):
+        return f"the device is not a CUDA GPU (target {target})"
+    if ":" not in target:
+        return "the GPU's arch is unknown"
+    if options.support_sliding_window:
+        return "the cache supports sliding windows (FlashInfer's modules here have no window/sink offsets)"
+    if options.effective_rope_mode == RopeMode.INLINE:
+        return 'rope_mode is "inline" (FlashInfer\'s inline RoPE ignores the cache\'s RoPE position arrays)'
+    return config_for(options, target).problem()
+
+
+def attention_kernels(backend: str, options, target: str, kernels: dict | None, *, decode: str = "cuda_core",
+                      prefill: str = "fa2", base=None) -> tuple[str, dict | None]:
+    """(backend the cache runs, kernel overrides): for "flashinfer", FlashInfer specs for the
+    attention slots (the caller's own `kernels` win), or a warning and TIR when it cannot serve."""
+    from tvmattn.runtime.errors import KVCacheError
+
+    if backend not in BACKENDS:
+        raise KVCacheError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "tir":
+        return "tir", kernels
+    if decode not in DECODE_KINDS or prefill not in PREFILL_KINDS:
+        raise KVCacheError(f"FlashInfer decode must be one of {DECODE_KINDS} and prefill one of {PREFILL_KINDS}, "
+                           f"got {decode!r}, {prefill!r}")
+    reason = why_not(options, target)
+    if reason is not None:
+        log.warning("FlashInfer backend not used, falling back to tvmattn's TIR kernels: %s", reason)
+        return "tir", kernels
+    try:
+        specs = flashinfer_specs(config_for(options, target), decode=decode, prefill=prefill, base=base)
+    except FlashInferModulesMissing as error:
+        raise KVCacheError(str(error)) from None
+    return "flashinfer", {**specs, **dict(kernels or {})}
+
+
+def flashinfer_specs(config: FlashInferConfig, *, decode: str = "cuda_core", prefill: str = "fa2",
+                     base=None) -> dict:
+    """Kernel overrides (slot -> spec) running FlashInfer's built modules of `config`: prefill
+    "fa2" or "fa3", decode "cuda_core" (its decode kernel) or "tensor_core" (its prefill kernel
+    with one query per request). FlashInferModulesMissing when a module is not built."""
+    pre = load(config, f"prefill_{prefill}", base)
+    specs = {"prefill_ragged": ["flashinfer", pre.ragged_run, pre.plan],
+             "prefill_paged": ["flashinfer", pre.paged_run, pre.plan]}
+    if decode == "cuda_core":
+        dec = load(config, "decode", base)
+        specs["decode_paged"] = ["flashinfer", dec.run, dec.plan]
+    else:
+        from tvmattn.runtime.backends import FlashInferTensorCoreDecode
+
+        specs["decode_paged"] = FlashInferTensorCoreDecode(pre.paged_run, pre.plan)
+    return specs
