@@ -252,6 +252,8 @@ class _FlashInfer:
         self.v_head_dim_override = int(v_head_dim)
         self.workspace: FlashInferWorkspace | None = None
         self._plans: dict = {}  # depth -> (float workspace, int workspace, plan_info)
+        self._kv: dict = {}  # (data pointer, shape) of a page pool -> its (K, V) views
+        self._rebased: dict = {}  # (data pointer, shape) of an index array -> its view (this forward's)
 
     def bind(self, workspace: FlashInferWorkspace) -> None:
         self.workspace = workspace
@@ -263,6 +265,30 @@ class _FlashInfer:
 
     def _keep(self, depth, buffers: tuple, plan_info) -> None:
         self._plans[depth] = (buffers[0], buffers[1], plan_info)
+        self._rebased.clear()  # a new forward's index arrays
+
+    def _views(self, pages) -> tuple:
+        """K and V views of a page pool (kept: a cache's pools live as long as its backends)."""
+        from tvmattn.flashinfer.views import paged_kv_views
+
+        key = (pages.data_ptr(), tuple(pages.shape))
+        views = self._kv.get(key)
+        if views is None:
+            views = self._kv[key] = paged_kv_views(pages)
+        return views
+
+    def _base(self, array):
+        """`array` re-based to byte offset 0 (kept until the next plan)."""
+        from tvmattn.flashinfer.views import rebased
+
+        key = (array.data_ptr(), tuple(array.shape))
+        view = self._rebased.get(key)
+        if view is None:
+            view = self._rebased[key] = rebased(array)
+        return view
+
+    def mha(self, *args):
+        self.run(*self.run_args(*args))
 
     def _planned(self, depth):
         try:
@@ -302,15 +328,14 @@ class FlashInferPagedPrefill(_FlashInfer, PagedPrefill):
                          False, int(qk_head_dim), int(v_head_dim), bool(causal), -1, -1, False, 0, 0)
         self._keep(depth, buffers, info)
 
-    def mha(self, depth, q, qo_indptr, pages, page_indptr, page_indices, length_info, q_rope_position,
-            k_rope_pos_offset, causal, rope_mode, rotary_scale, rotary_theta, sm_scale, attn_output, attn_lse):
-        from tvmattn.flashinfer.views import paged_kv_views, rebased
-
+    def run_args(self, depth, q, qo_indptr, pages, page_indptr, page_indices, length_info, q_rope_position,
+                 k_rope_pos_offset, causal, rope_mode, rotary_scale, rotary_theta, sm_scale, attn_output, attn_lse):
+        """The arguments of `run` for mha(...) (same arguments): attn_backend.h's order."""
         float_ws, int_ws, info = self._planned(depth)
-        k, v = paged_kv_views(pages)
-        self.run(float_ws, int_ws, info, q, k, v, rebased(qo_indptr), rebased(page_indptr), rebased(page_indices),
-                 rebased(length_info), attn_output, attn_lse, int(causal), 1, -1, False, float(sm_scale),
-                 _rcp(rotary_scale), _rcp(rotary_theta))
+        k, v = self._views(pages)
+        return (float_ws, int_ws, info, q, k, v, self._base(qo_indptr), self._base(page_indptr),
+                self._base(page_indices), self._base(length_info), attn_output, attn_lse, int(causal), 1, -1, False,
+                float(sm_scale), _rcp(rotary_scale), _rcp(rotary_theta))
 
 
 class FlashInferRaggedPrefill(_FlashInfer, RaggedPrefill):
@@ -329,13 +354,12 @@ class FlashInferRaggedPrefill(_FlashInfer, RaggedPrefill):
                          int(qk_head_dim), int(v_head_dim), bool(causal), -1, -1, False, 0, 0)
         self._keep(0, buffers, info)
 
-    def mha(self, q, k, v, qo_indptr, kv_indptr, q_rope_position, k_rope_pos_offset, causal, rope_mode,
-            rotary_scale, rotary_theta, sm_scale, attn_output, attn_lse):
-        from tvmattn.flashinfer.views import rebased
-
+    def run_args(self, q, k, v, qo_indptr, kv_indptr, q_rope_position, k_rope_pos_offset, causal, rope_mode,
+                 rotary_scale, rotary_theta, sm_scale, attn_output, attn_lse):
+        """The arguments of `run` for mha(...) (same arguments): attn_backend.h's order."""
         float_ws, int_ws, info = self._planned(0)
-        self.run(float_ws, int_ws, info, q, k, v, rebased(qo_indptr), rebased(kv_indptr), attn_output, attn_lse,
-                 int(causal), 0, -1, False, float(sm_scale), _rcp(rotary_scale), _rcp(rotary_theta))
+        return (float_ws, int_ws, info, q, k, v, self._base(qo_indptr), self._base(kv_indptr), attn_output, attn_lse,
+                int(causal), 0, -1, False, float(sm_scale), _rcp(rotary_scale), _rcp(rotary_theta))
 
 
 class FlashInferPagedDecode(_FlashInfer, PagedDecode):
@@ -351,14 +375,14 @@ class FlashInferPagedDecode(_FlashInfer, PagedDecode):
                          int(page_size), False, -1, 0.0, int(qk_head_dim), int(v_head_dim), empty_q, empty_kv)
         self._keep(depth, buffers, info)
 
-    def mha(self, depth, q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
-            rope_mode, rotary_scale, rotary_theta, sm_scale, attn_output, attn_lse):
-        from tvmattn.flashinfer.views import paged_kv_views, rebased
-
+    def run_args(self, depth, q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
+                 q_rope_position, rope_mode, rotary_scale, rotary_theta, sm_scale, attn_output, attn_lse):
+        """The arguments of `run` for mha(...) (same arguments): attn_backend.h's order."""
         float_ws, int_ws, info = self._planned(depth)
-        k, v = paged_kv_views(pages)
-        self.run(float_ws, int_ws, info, q, k, v, rebased(page_indptr), rebased(page_indices), rebased(length_info),
-                 attn_output, attn_lse, 1, -1, False, float(sm_scale), _rcp(rotary_scale), _rcp(rotary_theta))
+        k, v = self._views(pages)
+        return (float_ws, int_ws, info, q, k, v, self._base(page_indptr), self._base(page_indices),
+                self._base(length_info), attn_output, attn_lse, 1, -1, False, float(sm_scale), _rcp(rotary_scale),
+                _rcp(rotary_theta))
 
 
 class FlashInferTensorCoreDecode(_FlashInfer, PagedDecode):
@@ -393,16 +417,15 @@ class FlashInferTensorCoreDecode(_FlashInfer, PagedDecode):
             self._qo_indptr[key] = tvm.runtime.tensor(np.arange(batch + 1, dtype=np.int32), device=device)
         return self._qo_indptr[key]
 
-    def mha(self, depth, q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
-            rope_mode, rotary_scale, rotary_theta, sm_scale, attn_output, attn_lse):
-        from tvmattn.flashinfer.views import paged_kv_views, rebased
-
+    def run_args(self, depth, q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
+                 q_rope_position, rope_mode, rotary_scale, rotary_theta, sm_scale, attn_output, attn_lse):
+        """The arguments of the prefill `run` for mha(...) (same arguments)."""
         float_ws, int_ws, info = self._planned(depth)
-        k, v = paged_kv_views(pages)
+        k, v = self._views(pages)
         qo_indptr = self._arange(int(page_indptr.shape[0]) - 1, pages.device)
-        self.run(float_ws, int_ws, info, q, k, v, qo_indptr, rebased(page_indptr), rebased(page_indices),
-                 rebased(length_info), attn_output, attn_lse, 0, 1, -1, False, float(sm_scale), _rcp(rotary_scale),
-                 _rcp(rotary_theta))
+        return (float_ws, int_ws, info, q, k, v, qo_indptr, self._base(page_indptr), self._base(page_indices),
+                self._base(length_info), attn_output, attn_lse, 0, 1, -1, False, float(sm_scale), _rcp(rotary_scale),
+                _rcp(rotary_theta))
 
 
 def bind_workspace(backends, device) -> FlashInferWorkspace | None:
