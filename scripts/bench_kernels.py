@@ -26,8 +26,11 @@ cached before), causal: new token i sees keys j <= L-Q+i. Heads: 32 query / 8 KV
     python scripts/bench_kernels.py --decode --prefill --tree --json tree.json  # token trees only
     python scripts/bench_kernels.py --from-json k.json --plot k.png  # no GPU needed
 
-A run needs a CUDA GPU and torch; FlashInfer (BatchPrefillWithPagedKVCacheWrapper, fa2 and, on
-sm_90, fa3) is added where `import flashinfer` works. --json writes the rows in the format of
+A run needs a CUDA GPU and torch. FlashInfer rows: from the modules built by
+`python -m tvmattn.flashinfer.build` where they are present (decode on CUDA cores
+"flashinfer-decode" and on tensor cores "flashinfer-decode-tc", prefill "flashinfer-fa2" and
+"flashinfer-fa3"; no flashinfer package needed), else from the flashinfer package
+(BatchPrefillWithPagedKVCacheWrapper, fa2 and, on sm_90, fa3) where `import flashinfer` works. --json writes the rows in the format of
 shared/docs/bench-format.md; --plot draws rate against context length (needs matplotlib).
 """
 
@@ -531,6 +534,7 @@ class Context:
         self.flashinfer = flashinfer
         self.fi_backends = fi_backends
         self.workspace = None  # FlashInfer's, allocated on first use
+        self.fi_workspace = None  # the FlashInfer modules' (tvmattn.runtime.backends.FlashInferWorkspace)
 
     @property
     def torch_dtype(self):
@@ -827,6 +831,85 @@ def flashinfer_calls(kernel: str, ctx: Context, inputs: Inputs) -> list:
     return calls
 
 
+FI_MODULE_IMPLS = {  # kernel -> [(impl, module kind, decode flavour)] of the built FlashInfer modules
+    "decode": [("flashinfer-decode", "decode", "cuda_core"), ("flashinfer-decode-tc", "prefill_fa2", "tensor_core")],
+    "prefill": [("flashinfer-fa2", "prefill_fa2", None), ("flashinfer-fa3", "prefill_fa3", None)],
+    "ragged_prefill": [("flashinfer-fa2", "prefill_fa2", None), ("flashinfer-fa3", "prefill_fa3", None)],
+}
+
+
+def module_calls(kernel: str, ctx: Context, inputs: Inputs) -> list:
+    """[(impl, variant, call(i) -> output)] of the FlashInfer modules built by tvmattn.flashinfer
+    (no flashinfer package needed), run through tvmattn's FlashInfer backends: planned once, then
+    `run` with the arguments the backend's mha passes (precomputed, so that only the kernel is timed)."""
+    import torch
+
+    from tvmattn.flashinfer import FlashInferConfig, available, load
+    from tvmattn.runtime import backends as fb
+
+    if DEVICE != "cuda" or kernel not in FI_MODULE_IMPLS:
+        return []
+    arch = ctx.config.target.partition(":")[2]
+    config = FlashInferConfig(ctx.dtype, ctx.head_dim, ctx.head_dim, False, "sm_90a" if arch == "sm_90" else arch)
+    if config.problem() is not None:
+        return []
+    if ctx.fi_workspace is None:
+        import tvm
+
+        ctx.fi_workspace = fb.FlashInferWorkspace(tvm.cuda(0))
+    hq, hkv, d, ps, dt = NUM_QO_HEADS, NUM_KV_HEADS, ctx.head_dim, ctx.page_size, ctx.dtype
+    host = {name: getattr(inputs, name).cpu().numpy() for name in ("qo_indptr", "page_indptr", "last_page_len")}
+    batch = len(host["page_indptr"]) - 1
+    calls = []
+    for impl, kind, decode in FI_MODULE_IMPLS[kernel]:
+        if not available(config, (kind,)):
+            continue
+        try:
+            funcs = load(config, kind)
+            o = torch.empty_like(inputs.q)
+            lse = torch.empty(inputs.q.shape[:2], device=DEVICE, dtype=torch.float32)
+            q, o_t, lse_t = to_tvm(inputs.q), to_tvm(o), to_tvm(lse)
+            tail = (1.0, 1e4, ctx.sm_scale, o_t, lse_t)
+            if kernel == "decode":
+                cls = fb.FlashInferPagedDecode if decode == "cuda_core" else fb.FlashInferTensorCoreDecode
+                backend = cls(funcs.run if decode == "cuda_core" else funcs.paged_run, funcs.plan)
+                backend.bind(ctx.fi_workspace)
+                backend.begin_forward(0, host["page_indptr"], batch, ps, hq, hkv, d, d, fb.RopeMode.NONE, dt, dt)
+                idx = [to_tvm(inputs.page_indptr), to_tvm(inputs.page_indices), to_tvm(inputs.last_page_len)]
+                args = [backend.run_args(0, q, pool, *idx, None, None, fb.RopeMode.NONE, *tail)
+                        for pool in inputs.tvm_pools]
+                variant = "aot paged HND" + (" tensor-core" if decode == "tensor_core" else "")
+            elif kernel == "prefill":
+                backend = fb.FlashInferPagedPrefill(funcs.paged_run, funcs.plan)
+                backend.bind(ctx.fi_workspace)
+                backend.begin_forward(0, host["qo_indptr"], host["page_indptr"], host["last_page_len"], batch,
+                                      int(inputs.q.shape[0]), ps, hq, hkv, d, d, True)
+                args = [backend.run_args(0, q, to_tvm(inputs.qo_indptr), inputs.tvm_pools[0],
+                                         to_tvm(inputs.page_indptr), to_tvm(inputs.page_indices),
+                                         to_tvm(inputs.last_page_len), None, None, True, fb.RopeMode.NONE, *tail)]
+                variant = "aot paged HND"
+            else:
+                backend = fb.FlashInferRaggedPrefill(funcs.ragged_run, funcs.plan)
+                backend.bind(ctx.fi_workspace)
+                kv_indptr = inputs.kv_indptr.cpu().numpy()
+                backend.begin_forward(host["qo_indptr"], kv_indptr, batch, int(inputs.q.shape[0]), hq, hkv, d, d,
+                                      True)
+                args = [backend.run_args(q, to_tvm(inputs.k_packed), to_tvm(inputs.v_packed),
+                                         to_tvm(inputs.qo_indptr), to_tvm(inputs.kv_indptr), None, None, True,
+                                         fb.RopeMode.NONE, *tail)]
+                variant = "aot ragged NHD"
+        except Exception as e:  # noqa: BLE001 - report and go on with the others
+            skip(impl, kernel, ctx, "plan", e)
+            continue
+
+        def call(i, run=backend.run, args=args, o=o):
+            run(*args[i % len(args)])
+            return o
+
+        calls.append((impl, variant, call))
+    return calls
+
+
 def tvm_args(kernel: str, ctx: Context, inputs: Inputs, o, lse) -> list:
     """The contract's arguments of a decode / paged prefill / ragged prefill kernel."""
     rope = [1.0, 1e4, ctx.sm_scale]
@@ -924,7 +1007,7 @@ def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict
             diff = max_diff(o, ref)
             rows.append(make_row(kernel, impl, impl_variant, ctx.dtype, ctx.head_dim, ctx.page_size, shape,
                                  time_ms(call, iters), diff, ctx.meta))
-        for impl, impl_variant, fi_call in flashinfer_calls(kernel, ctx, inputs):
+        for impl, impl_variant, fi_call in module_calls(kernel, ctx, inputs) or flashinfer_calls(kernel, ctx, inputs):
             try:
                 out = fi_call(0)
                 synchronize()
