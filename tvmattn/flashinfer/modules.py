@@ -125,14 +125,44 @@ def load(config: FlashInferConfig, kind: str, base: Path | None = None) -> Funct
 
 @functools.lru_cache(maxsize=None)
 def _load(path: str, kind: str) -> Functions:
-    import tvm_ffi
-
-    module = tvm_ffi.load_module(path)
+    module = _module(path)
     prefix = PREFIX[kind]
     if kind == "decode":
         return Functions(kind, module[f"{prefix}_plan"], run=module[f"{prefix}_run"])
     return Functions(kind, module[f"{prefix}_plan"], ragged_run=module[f"{prefix}_ragged_run"],
                      paged_run=module[f"{prefix}_paged_run"])
+
+
+NAME_PREFIX = "tvmattn.flashinfer"
+
+
+def function_name(config: FlashInferConfig, kind: str, function: str) -> str:
+    """A name for one function of a built module, resolved at run time by `resolve` (how a model
+    library refers to the modules that ship beside it): "tvmattn.flashinfer/<key>/<kind>/<function>"."""
+    return f"{NAME_PREFIX}/{config.key()}/{kind}/{PREFIX[kind]}_{function}"
+
+
+def resolve(name: str):
+    """The function a `function_name` names, loaded from build/flashinfer (or
+    $TVMATTN_FLASHINFER_DIR); FlashInferModulesMissing when the module is not there."""
+    parts = str(name).split("/")
+    if len(parts) != 4 or parts[0] != NAME_PREFIX or parts[2] not in KINDS:
+        raise ValueError(f"not a FlashInfer function name: {name!r} (expected {NAME_PREFIX}/<key>/<kind>/<function>)")
+    _, key, kind, function = parts
+    path = root() / key / f"{kind}.so"
+    if not path.is_file():
+        raise FlashInferModulesMissing(
+            f"FlashInfer module {kind!r} of configuration {key} is not built ({path} is missing); build it with "
+            "`python -m tvmattn.flashinfer.build` for that dtype, head dim and arch, or set TVMATTN_FLASHINFER_DIR "
+            "to the folder holding it")
+    return _module(str(path))[function]
+
+
+@functools.lru_cache(maxsize=None)
+def _module(path: str):
+    import tvm_ffi
+
+    return tvm_ffi.load_module(path)
 
 
 def manifest(config: FlashInferConfig, base: Path | None = None) -> dict | None:

@@ -31,17 +31,32 @@ def config_for(options, target: str) -> FlashInferConfig:
 
 def why_not(options, target: str) -> str | None:
     """Why FlashInfer cannot serve a cache of `options` on `target` (None: it can)."""
-    from tvmattn.runtime.backends import RopeMode
-
     if not target.startswith("cuda"):
         return f"the device is not a CUDA GPU (target {target})"
     if ":" not in target:
         return "the GPU's arch is unknown"
+    return cache_problem(options) or config_for(options, target).problem()
+
+
+def cache_problem(options) -> str | None:
+    """Why FlashInfer's modules (built without RoPE, no windows) give wrong results in a cache of
+    `options` whatever the device (None: they do not)."""
+    from tvmattn.runtime.backends import RopeMode
+
     if options.support_sliding_window:
         return "the cache supports sliding windows (FlashInfer's modules here have no window/sink offsets)"
     if options.effective_rope_mode == RopeMode.INLINE:
         return 'rope_mode is "inline" (FlashInfer\'s inline RoPE ignores the cache\'s RoPE position arrays)'
-    return config_for(options, target).problem()
+    return None
+
+
+def _is_flashinfer(spec) -> bool:
+    if getattr(spec, "kind", None) == "flashinfer":
+        return True
+    try:
+        return not callable(spec) and len(spec) > 0 and str(spec[0]) == "flashinfer"
+    except TypeError:
+        return False
 
 
 def attention_kernels(backend: str, options, target: str, kernels: dict | None, *, decode: str = "cuda_core",
@@ -52,8 +67,14 @@ def attention_kernels(backend: str, options, target: str, kernels: dict | None, 
 
     if backend not in BACKENDS:
         raise KVCacheError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    given = [slot for slot, spec in dict(kernels or {}).items() if _is_flashinfer(spec)]
+    problem = cache_problem(options)
+    if given and problem:  # FlashInfer specs given by the caller (a model library's, say)
+        log.warning("FlashInfer kernels given for %s not used, falling back to tvmattn's TIR kernels: %s",
+                    ", ".join(given), problem)
+        kernels = {slot: spec for slot, spec in kernels.items() if slot not in given}
     if backend == "tir":
-        return "tir", kernels
+        return ("flashinfer" if given and not problem else "tir"), kernels
     if decode not in DECODE_KINDS or prefill not in PREFILL_KINDS:
         raise KVCacheError(f"FlashInfer decode must be one of {DECODE_KINDS} and prefill one of {PREFILL_KINDS}, "
                            f"got {decode!r}, {prefill!r}")

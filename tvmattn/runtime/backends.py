@@ -449,11 +449,28 @@ FLAVOURS = {
 }
 
 
+def _resolve_names(functions) -> list:
+    """run and plan of a FlashInfer spec: functions, or names of built modules' functions (a model
+    library's spec, see tvmattn.flashinfer.modules.function_name) loaded here."""
+    out = []
+    for function in functions:
+        if isinstance(function, str):
+            from tvmattn.flashinfer.modules import FlashInferModulesMissing, resolve
+
+            try:
+                function = resolve(function)
+            except (FlashInferModulesMissing, ValueError) as error:
+                raise KVCacheError(str(error)) from None
+        out.append(function)
+    return out
+
+
 def backend_from_spec(spec, role: type) -> AttnBackend | None:
     """A backend of `role` (one of the FLAVOURS keys) from a spec.
 
     spec: None or [] (not provided: returns None); a function (TIR); ["tir" | "tirx", f];
-    ["flashinfer", run, plan(, qk_head_dim, v_head_dim)]; or a backend of that role already.
+    ["flashinfer", run, plan(, qk_head_dim, v_head_dim)] (run and plan functions, or names from
+    tvmattn.flashinfer.modules.function_name); or a backend of that role already.
     """
     if role not in FLAVOURS:
         raise KVCacheError(f"role must be one of {[r.__name__ for r in FLAVOURS]}, got {role!r}")
@@ -476,7 +493,7 @@ def backend_from_spec(spec, role: type) -> AttnBackend | None:
     if tag in ("tir", "tirx") and len(items) == 2 and callable(items[1]):
         return tir(items[1])
     if tag == "flashinfer" and flashinfer is not None and len(items) in (3, 5):
-        return flashinfer(*items[1:])
+        return flashinfer(*_resolve_names(items[1:3]), *items[3:])
     raise KVCacheError(
         f'a {role.__name__} spec must be [], ["tir" | "tirx", f] or ["flashinfer", run, plan(, qk_head_dim, '
         f"v_head_dim)], got {spec!r}"
