@@ -338,3 +338,71 @@ def test_gpu_self_and_cross_attention(fi_model):
             start += n
         m.cache.popn(0, lengths[0])
         m.cache.popn(1, lengths[1])
+
+
+# -- model libraries: --attn-backend flashinfer
+
+
+def _lib_spec(**kw):
+    from tvmattn.models.kv_cache import KVCacheSpec
+
+    return KVCacheSpec(**{"num_layers": 2, "num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                          "dtype": "float16", "target": "cuda:sm_90a", **kw})
+
+
+def test_library_backend_choice(monkeypatch, tmp_path):
+    from tvmattn.build import BuildError, _attention_backend
+    from tvmattn.models.kv_cache import flashinfer_problem
+
+    logs = []
+    assert _attention_backend("tir", _lib_spec(), logs.append) == "tir"
+    assert _attention_backend("flashinfer", _lib_spec(target="llvm"), logs.append) == "tir"
+    assert "FlashInfer cannot serve this library (the target is llvm" in logs[-1]
+    assert "head dim 80" in flashinfer_problem(_lib_spec(head_dim=80))
+    monkeypatch.setenv("TVMATTN_FLASHINFER_DIR", str(tmp_path))
+    with pytest.raises(BuildError, match="is not built .*python -m tvmattn.flashinfer.build"):
+        _attention_backend("flashinfer", _lib_spec(), logs.append)
+
+
+def test_library_specs_name_the_modules(monkeypatch, tmp_path):
+    """A FlashInfer library's attention slots name the built modules' functions; the cache
+    resolves the names when it is created (a clear error where the modules are missing)."""
+    from tvmattn.flashinfer.modules import function_name
+    from tvmattn.models.kv_cache import _flashinfer_specs
+
+    config = FlashInferConfig()
+    name = function_name(config, "prefill_fa2", "paged_run")
+    assert name == f"tvmattn.flashinfer/{config.key()}/prefill_fa2/batch_prefill_paged_run"
+    monkeypatch.setenv("TVMATTN_FLASHINFER_DIR", str(tmp_path))
+    with pytest.raises(KVCacheError, match="is not built"):
+        backend_from_spec(["flashinfer", name, function_name(config, "prefill_fa2", "plan")], PagedPrefill)
+    with pytest.raises(KVCacheError, match="not a FlashInfer function name"):
+        backend_from_spec(["flashinfer", "batch_prefill_paged_run", "x"], PagedPrefill)
+    folder = tmp_path / config.key()
+    folder.mkdir()
+    for kind in ("decode", "prefill_fa2"):
+        (folder / f"{kind}.so").write_bytes(b"")
+    specs = _flashinfer_specs(_lib_spec())
+    assert [str(x.value) for x in specs["decode_paged"].fields] == [
+        "flashinfer", function_name(config, "decode", "run"), function_name(config, "decode", "plan")]
+    assert str(specs["prefill_ragged"].fields[1].value).endswith("/prefill_fa2/batch_prefill_ragged_run")
+
+
+@pytest.mark.skipif(not BUILT, reason="FlashInfer modules not built (python -m tvmattn.flashinfer.build)")
+def test_library_spec_names_resolve_to_the_built_functions():
+    from tvmattn.flashinfer.modules import function_name
+
+    config = FlashInferConfig()
+    spec = tvm.runtime.convert(["flashinfer", function_name(config, "decode", "run"),
+                                function_name(config, "decode", "plan")])
+    backend = backend_from_spec(spec, PagedDecode)
+    assert isinstance(backend, FlashInferPagedDecode) and callable(backend.run) and callable(backend.plan)
+
+
+def test_flashinfer_specs_given_to_a_sliding_window_cache_fall_back(caplog):
+    f = tvm.get_global_func("runtime.GetDeviceAttr")
+    with caplog.at_level(logging.WARNING, logger="tvmattn.flashinfer"):
+        backend, kernels = attention_kernels("tir", _options(support_sliding_window=True), "cuda:sm_90a",
+                                             {"prefill_ragged": ["flashinfer", f, f], "copy_single_page": f})
+    assert backend == "tir" and kernels == {"copy_single_page": f}
+    assert "given for prefill_ragged not used" in caplog.text and "sliding windows" in caplog.text

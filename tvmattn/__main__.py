@@ -221,6 +221,9 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
                          help="most tokens per prefill call (default: min(context window, 2048))")
     command.add_argument("--kv-cache", default="tvmattn", choices=("tvmattn", "tvm"),
                          help="tvmattn's paged KV cache, or TVM's stock cache (for comparison)")
+    command.add_argument("--attn-backend", default="tir", choices=("tir", "flashinfer"),
+                         help="attention kernels of tvmattn's cache: its TIR kernels, or FlashInfer's modules "
+                              "(built by python -m tvmattn.flashinfer.build; they ship beside the library)")
     command.add_argument("--dump-ir", default=None, metavar="DIR",
                          help="also write the Relax module and the compiled library's text to DIR")
 
@@ -307,7 +310,8 @@ def _compile(args) -> int:
             print(f"note: the library will hold CUDA source, compiled when it loads ({reason})", file=sys.stderr)
         compile_model(args.model, args.output, target=target, dtype=args.dtype, page_size=args.page_size,
                       max_batch_size=args.max_batch_size, context_window=args.context_window,
-                      prefill_chunk=args.prefill_chunk, kv_cache=args.kv_cache, dump_ir=args.dump_ir)
+                      prefill_chunk=args.prefill_chunk, kv_cache=args.kv_cache, dump_ir=args.dump_ir,
+                      attn_backend=args.attn_backend)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0

@@ -208,19 +208,41 @@ def _positive(name: str, value: int | None) -> None:
         raise BuildError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _attention_backend(attn_backend: str, spec, log: Callable[[str], None]) -> str:
+    """The attention backend a library of `spec` gets: "flashinfer" only where it can serve the
+    target (else a warning and "tir"); BuildError when its modules are not built."""
+    if attn_backend != "flashinfer":
+        return attn_backend
+    from .flashinfer.modules import FlashInferModulesMissing
+    from .models.kv_cache import _flashinfer_specs, flashinfer_problem
+
+    problem = flashinfer_problem(spec)
+    if problem:
+        log(f"[compile] warning: FlashInfer cannot serve this library ({problem}); using tvmattn's TIR kernels")
+        return "tir"
+    try:
+        _flashinfer_specs(spec)
+    except FlashInferModulesMissing as err:
+        raise BuildError(str(err)) from None
+    return "flashinfer"
+
+
 def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cuda_arch: str | None = None,
                   dtype: str | None = None, page_size: int = 16, max_batch_size: int = 4,
                   context_window: int | None = None, prefill_chunk: int | None = None,
                   kv_cache: str = "tvmattn", dump_ir: str | Path | None = None,
-                  log: Callable[[str], None] = print) -> BuildResult:
+                  log: Callable[[str], None] = print, attn_backend: str = "tir") -> BuildResult:
     """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
 
     dtype defaults to float32 on llvm and float16 on cuda; context_window defaults to the
     model's max_position_embeddings capped at 4096; prefill_chunk to min(context_window, 2048).
+    attn_backend: "tir" or "flashinfer" (tvmattn's cache runs FlashInfer's modules built by
+    `python -m tvmattn.flashinfer.build`, which ship beside the library; see models/kv_cache.py;
+    falls back to "tir" with a warning where FlashInfer cannot serve the target).
     Raises BuildError (a ValueError) for bad arguments or an unsupported model.
     """
     from .models import BuildOptions, ModelConfig, ModelConfigError, compile_module, export_module, pack_params
-    from .models.kv_cache import KV_CACHE_KINDS
+    from .models.kv_cache import ATTN_BACKENDS, KV_CACHE_KINDS, attention_backend
 
     for name, value in (("--max-batch-size", max_batch_size), ("--context-window", context_window),
                         ("--prefill-chunk", prefill_chunk)):
@@ -229,6 +251,10 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
         raise BuildError(f"--page-size must be {support.page_size_problem(page_size)}, got {page_size!r}")
     if kv_cache not in KV_CACHE_KINDS:
         raise BuildError(f"--kv-cache {kv_cache!r} is not supported: expected one of {KV_CACHE_KINDS}")
+    if attn_backend not in ATTN_BACKENDS:
+        raise BuildError(f"--attn-backend {attn_backend!r} is not supported: expected one of {ATTN_BACKENDS}")
+    if attn_backend == "flashinfer" and kv_cache != "tvmattn":
+        raise BuildError("--attn-backend flashinfer needs --kv-cache tvmattn (TVM's stock cache here runs TIR only)")
     if dtype is not None and support.dtype_problem(dtype):
         raise BuildError(f"--dtype {dtype!r} is not supported: expected {support.dtype_problem(dtype)}")
     out_path = Path(out_path)
@@ -258,8 +284,11 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
 
     start = time.perf_counter()
     options = BuildOptions(target=target, dtype=dtype, page_size=page_size, kv_cache=kv_cache)
-    log(f"[compile] exporting the Relax module (target {target}, dtype {dtype}, kv cache {kv_cache})")
-    mod, document = export_module(config, options)
+    attn_backend = _attention_backend(attn_backend, options.cache_spec(config), log)
+    log(f"[compile] exporting the Relax module (target {target}, dtype {dtype}, kv cache {kv_cache}, "
+        f"attention {attn_backend})")
+    with attention_backend(attn_backend):
+        mod, document = export_module(config, options)
     if dump_ir is not None:
         Path(dump_ir).mkdir(parents=True, exist_ok=True)
         (Path(dump_ir) / "model.relax.py").write_text(mod.script(show_meta=False))

@@ -9,6 +9,13 @@ comes back to the VM as an opaque object (see tvmattn/ffi.py); `attention_with_f
 emits `tvmattn.attention_kv_cache_attention_with_fused_qkv` on it. The process that runs the
 library must have imported tvmattn (that registers the `tvmattn.*` functions).
 
+Attention backend: tvmattn's TIR kernels by default; inside `attention_backend("flashinfer")`
+(python -m tvmattn compile --attn-backend flashinfer) the ragged prefill, paged prefill and
+paged decode slots are FlashInfer specs naming the functions of the modules built by
+`python -m tvmattn.flashinfer.build` (tvmattn.flashinfer.modules.function_name); the cache
+loads them when the library creates it, from build/flashinfer or $TVMATTN_FLASHINFER_DIR, so
+the modules ship beside the library (not inside it). The sliding-window and tree slots stay TIR.
+
 `tvm_stock_kv_cache(...)` builds TVM's own `TIRPagedKVCache` with the same options (the
 baseline); both objects offer the same `attention_with_fused_qkv(layer_id, qkv, num_qo_heads,
 sm_scale)`.
@@ -16,6 +23,8 @@ sm_scale)`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -34,6 +43,21 @@ from ..runtime.ffi import AttnKind, CreateArgs
 CREATE = "tvmattn.paged_attention_kv_cache_create"
 ATTENTION_WITH_FUSED_QKV = "tvmattn.attention_kv_cache_attention_with_fused_qkv"
 KV_CACHE_KINDS = ("tvmattn", "tvm")
+ATTN_BACKENDS = ("tir", "flashinfer")
+_ATTN_BACKEND = contextvars.ContextVar("tvmattn_attn_backend", default="tir")
+
+
+@contextlib.contextmanager
+def attention_backend(name: str):
+    """Libraries exported inside this context run `name` ("tir" or "flashinfer") in their
+    attention slots (see the module docstring)."""
+    if name not in ATTN_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTN_BACKENDS}, got {name!r}")
+    token = _ATTN_BACKEND.set(name)
+    try:
+        yield
+    finally:
+        _ATTN_BACKEND.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,15 +103,49 @@ def _spec(func: tirx.PrimFunc, name: str) -> rx.Tuple:
     return rx.Tuple([tvm.ir.StringImm("tirx"), _kernel(func, name)])
 
 
+def flashinfer_problem(spec: KVCacheSpec) -> str | None:
+    """Why a library of `spec` cannot run FlashInfer (None: it can; the modules must be built)."""
+    from ..flashinfer.modules import FlashInferConfig
+
+    arch = spec.target.partition(":")[2]
+    if not spec.target.startswith("cuda") or not arch:
+        return f"the target is {spec.target}, not a CUDA GPU arch"
+    return FlashInferConfig(spec.dtype, spec.head_dim, spec.head_dim, False,
+                            "sm_90a" if arch == "sm_90" else arch).problem()
+
+
+def _flashinfer_specs(spec: KVCacheSpec) -> dict[str, rx.Expr]:
+    """The FlashInfer specs of the attention slots: names of the built modules' functions."""
+    from ..flashinfer.modules import FlashInferConfig, FlashInferModulesMissing, function_name, missing_message
+
+    arch = spec.target.partition(":")[2]
+    config = FlashInferConfig(spec.dtype, spec.head_dim, spec.head_dim, False, "sm_90a" if arch == "sm_90" else arch)
+    for kind in ("decode", "prefill_fa2"):
+        from ..flashinfer.modules import module_path
+
+        if not module_path(config, kind).is_file():
+            raise FlashInferModulesMissing(missing_message(config, kind))
+
+    def fi(kind: str, run: str) -> rx.Tuple:
+        return rx.Tuple([tvm.ir.StringImm("flashinfer"), tvm.ir.StringImm(function_name(config, kind, run)),
+                         tvm.ir.StringImm(function_name(config, kind, "plan"))])
+
+    return {"prefill_ragged": fi("prefill_fa2", "ragged_run"), "prefill_paged": fi("prefill_fa2", "paged_run"),
+            "decode_paged": fi("decode", "run")}
+
+
 def _library_kernels(spec: KVCacheSpec) -> dict[str, rx.Expr]:
     """CreateArgs field -> the kernel (or spec) compiled into the library, for each slot."""
     plain, sliding = spec.attention_config(False), spec.attention_config(True)
-    return {
-        "transpose_append_mha": _kernel(tir_kernels.transpose_append(plain), "tvmattn_transpose_append"),
-        "transpose_append_mla": rx.Tuple([]),
+    attention = _flashinfer_specs(spec) if _ATTN_BACKEND.get() == "flashinfer" else {
         "prefill_ragged": _spec(tir_kernels.ragged_prefill(plain), "tvmattn_prefill_ragged"),
         "prefill_paged": _spec(tir_kernels.paged_prefill(plain), "tvmattn_prefill_paged"),
         "decode_paged": _spec(tir_kernels.paged_decode(plain), "tvmattn_decode_paged"),
+    }
+    return {
+        "transpose_append_mha": _kernel(tir_kernels.transpose_append(plain), "tvmattn_transpose_append"),
+        "transpose_append_mla": rx.Tuple([]),
+        **attention,
         "prefill_paged_sliding": _spec(tir_kernels.paged_prefill(sliding), "tvmattn_prefill_paged_sliding"),
         "decode_paged_sliding": _spec(tir_kernels.paged_decode(sliding), "tvmattn_decode_paged_sliding"),
         "tree_paged": _spec(tir_kernels.tree_mask_paged_prefill(plain), "tvmattn_tree_attn_paged_kv"),
