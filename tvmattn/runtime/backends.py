@@ -213,8 +213,8 @@ def _host_device(device):
     import tvm
 
     if device.dlpack_device_type() == 2:  # kDLCUDA
-        host = tvm.runtime.device("cuda_host", 0)
         try:
+            host = tvm.runtime.device(3, 0)  # kDLCUDAHost
             tvm.runtime.empty((1,), "uint8", device=host)
             return host
         except Exception:  # noqa: BLE001 - a TVM without cuda_host allocation: pageable memory works too
@@ -278,10 +278,13 @@ class _FlashInfer:
         return views
 
     def _base(self, array):
-        """`array` re-based to byte offset 0 (kept until the next plan)."""
+        """`array` re-based to byte offset 0 (kept until the next plan): FlashInfer ignores DLPack's
+        byte_offset, and a model library's VM may hand views of its storage with one."""
         from tvmattn.flashinfer.views import rebased
 
-        key = (array.data_ptr(), tuple(array.shape))
+        if not hasattr(array, "data_ptr"):
+            return array
+        key = (array.data_ptr(), tuple(array.shape), str(array.dtype))
         view = self._rebased.get(key)
         if view is None:
             view = self._rebased[key] = rebased(array)
@@ -333,8 +336,9 @@ class FlashInferPagedPrefill(_FlashInfer, PagedPrefill):
         """The arguments of `run` for mha(...) (same arguments): attn_backend.h's order."""
         float_ws, int_ws, info = self._planned(depth)
         k, v = self._views(pages)
-        return (float_ws, int_ws, info, q, k, v, self._base(qo_indptr), self._base(page_indptr),
-                self._base(page_indices), self._base(length_info), attn_output, attn_lse, int(causal), 1, -1, False,
+        b = self._base
+        return (float_ws, int_ws, info, b(q), k, v, b(qo_indptr), b(page_indptr), b(page_indices), b(length_info),
+                b(attn_output), b(attn_lse), int(causal), 1, -1, False,
                 float(sm_scale), _rcp(rotary_scale), _rcp(rotary_theta))
 
 
@@ -358,7 +362,8 @@ class FlashInferRaggedPrefill(_FlashInfer, RaggedPrefill):
                  rotary_scale, rotary_theta, sm_scale, attn_output, attn_lse):
         """The arguments of `run` for mha(...) (same arguments): attn_backend.h's order."""
         float_ws, int_ws, info = self._planned(0)
-        return (float_ws, int_ws, info, q, k, v, self._base(qo_indptr), self._base(kv_indptr), attn_output, attn_lse,
+        b = self._base
+        return (float_ws, int_ws, info, b(q), b(k), b(v), b(qo_indptr), b(kv_indptr), b(attn_output), b(attn_lse),
                 int(causal), 0, -1, False, float(sm_scale), _rcp(rotary_scale), _rcp(rotary_theta))
 
 
@@ -380,9 +385,9 @@ class FlashInferPagedDecode(_FlashInfer, PagedDecode):
         """The arguments of `run` for mha(...) (same arguments): attn_backend.h's order."""
         float_ws, int_ws, info = self._planned(depth)
         k, v = self._views(pages)
-        return (float_ws, int_ws, info, q, k, v, self._base(page_indptr), self._base(page_indices),
-                self._base(length_info), attn_output, attn_lse, 1, -1, False, float(sm_scale), _rcp(rotary_scale),
-                _rcp(rotary_theta))
+        b = self._base
+        return (float_ws, int_ws, info, b(q), k, v, b(page_indptr), b(page_indices), b(length_info),
+                b(attn_output), b(attn_lse), 1, -1, False, float(sm_scale), _rcp(rotary_scale), _rcp(rotary_theta))
 
 
 class FlashInferTensorCoreDecode(_FlashInfer, PagedDecode):
@@ -423,9 +428,9 @@ class FlashInferTensorCoreDecode(_FlashInfer, PagedDecode):
         float_ws, int_ws, info = self._planned(depth)
         k, v = self._views(pages)
         qo_indptr = self._arange(int(page_indptr.shape[0]) - 1, pages.device)
-        return (float_ws, int_ws, info, q, k, v, qo_indptr, self._base(page_indptr), self._base(page_indices),
-                self._base(length_info), attn_output, attn_lse, 0, 1, -1, False, float(sm_scale), _rcp(rotary_scale),
-                _rcp(rotary_theta))
+        b = self._base
+        return (float_ws, int_ws, info, b(q), k, v, qo_indptr, b(page_indptr), b(page_indices), b(length_info),
+                b(attn_output), b(attn_lse), 0, 1, -1, False, float(sm_scale), _rcp(rotary_scale), _rcp(rotary_theta))
 
 
 def bind_workspace(backends, device) -> FlashInferWorkspace | None:
