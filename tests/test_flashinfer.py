@@ -406,3 +406,15 @@ def test_flashinfer_specs_given_to_a_sliding_window_cache_fall_back(caplog):
                                              {"prefill_ragged": ["flashinfer", f, f], "copy_single_page": f})
     assert backend == "tir" and kernels == {"copy_single_page": f}
     assert "given for prefill_ragged not used" in caplog.text and "sliding windows" in caplog.text
+
+
+def test_fa3_plan_takes_its_own_arguments():
+    """FA3's plan stops at window_left (16 arguments); the backends pass FA2's list (20)."""
+    rec = Recorder()
+    plan = modules._adapt("prefill_fa3", "batch_prefill_plan", rec.plan)
+    backend = FlashInferPagedPrefill(rec.run, plan)
+    backend.bind(FlashInferWorkspace(tvm.cpu(), float_bytes=64, int_bytes=64))
+    backend.begin_forward(0, np.array([0, 2], np.int32), np.array([0, 1], np.int32), np.array([3], np.int32), 1, 2,
+                          16, 32, 8, 128, 128, False)
+    assert len(rec.plans[0]) == 16 and rec.plans[0][-1] == -1
+    assert modules._adapt("prefill_fa2", "batch_prefill_plan", print) is print

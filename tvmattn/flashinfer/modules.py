@@ -127,10 +127,24 @@ def load(config: FlashInferConfig, kind: str, base: Path | None = None) -> Funct
 def _load(path: str, kind: str) -> Functions:
     module = _module(path)
     prefix = PREFIX[kind]
+    plan = _adapt(kind, f"{prefix}_plan", module[f"{prefix}_plan"])
     if kind == "decode":
-        return Functions(kind, module[f"{prefix}_plan"], run=module[f"{prefix}_run"])
-    return Functions(kind, module[f"{prefix}_plan"], ragged_run=module[f"{prefix}_ragged_run"],
-                     paged_run=module[f"{prefix}_paged_run"])
+        return Functions(kind, plan, run=module[f"{prefix}_run"])
+    return Functions(kind, plan, ragged_run=module[f"{prefix}_ragged_run"], paged_run=module[f"{prefix}_paged_run"])
+
+
+FA3_PLAN_ARGS = 16  # FA3's plan ends at window_left: no fixed_split_size .. uniform_q_len
+
+
+def _adapt(kind: str, function: str, func):
+    """FA3's plan takes the FA2 plan's first 16 arguments only; the backends pass FA2's list."""
+    if kind == "prefill_fa3" and function.endswith("_plan"):
+
+        def plan(*args):
+            return func(*args[:FA3_PLAN_ARGS])
+
+        return plan
+    return func
 
 
 NAME_PREFIX = "tvmattn.flashinfer"
@@ -155,7 +169,7 @@ def resolve(name: str):
             f"FlashInfer module {kind!r} of configuration {key} is not built ({path} is missing); build it with "
             "`python -m tvmattn.flashinfer.build` for that dtype, head dim and arch, or set TVMATTN_FLASHINFER_DIR "
             "to the folder holding it")
-    return _module(str(path))[function]
+    return _adapt(kind, function, _module(str(path))[function])
 
 
 @functools.lru_cache(maxsize=None)
