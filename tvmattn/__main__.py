@@ -170,6 +170,9 @@ def _speculative_options(command: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-lib", type=_library, default=None, metavar="DRAFT.so",
                        help="the drafting library of --speculative draft-model (same tokenizer; it may be --lib "
                             "itself)")
+    group.add_argument("--fixed-draft-len", action="store_true",
+                       help="draft --draft-len tokens at every step (default: each sequence's draft length adapts: "
+                            "doubled after a fully accepted draft, else one more than the tokens accepted)")
     group.add_argument("--compare-plain", action="store_true",
                        help="also run plain greedy decoding first and print both speeds and whether the tokens "
                             "are identical")
@@ -182,8 +185,9 @@ def speculative_problem(args) -> str | None:
         for flag in ("draft_len", "tree_width", "draft_lib"):
             if getattr(args, flag, None) is not None:
                 return f"argument --{flag.replace('_', '-')}: needs --speculative"
-        if getattr(args, "compare_plain", False):
-            return "argument --compare-plain: needs --speculative"
+        for flag in ("compare_plain", "fixed_draft_len"):
+            if getattr(args, flag, False):
+                return f"argument --{flag.replace('_', '-')}: needs --speculative"
         return None
     if args.temperature > 0:
         return (f"argument --temperature: speculative decoding is greedy only (got {args.temperature:g}); "
@@ -338,7 +342,7 @@ def _generate(args) -> int:
             from .speculative import SpeculativeOptions
 
             speculative = SpeculativeOptions(args.speculative, args.draft_len or DEFAULT_DRAFT_LEN,
-                                             args.tree_width or 1, args.draft_lib)
+                                             args.tree_width or 1, args.draft_lib, adaptive=not args.fixed_draft_len)
             if args.compare_plain:
                 plain = generator.generate(args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
         result = generator.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

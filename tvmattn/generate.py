@@ -37,7 +37,7 @@ from .runtime import ffi as _ffi  # noqa: F401  - registers tvmattn.* before the
 from .build import PARAMS_SUFFIX, RUNTIME_SUFFIX, file_record, sidecar
 from .models.kv_cache import KV_CACHE_KINDS
 from .speculative import (DraftTree, PromptLookup, SpeculativeOptions, SpeculativeStats, accept_greedy, common_prefix,
-                          draft_model_tree)
+                          draft_model_tree, next_draft_len, tree_depth)
 
 
 class GenerateError(ValueError):
@@ -593,6 +593,7 @@ class Generator:
             drafter = DraftModel(self._draft_generator(options), seq_ids, options.tree_width,
                                  sum(len(p) for p in prompts) + len(prompts) * (max_new_tokens + options.draft_len),
                                  max(len(p) for p in prompts) + max_new_tokens + options.draft_len)
+        limits = {seq_id: options.draft_len for seq_id in seq_ids}  # per-sequence draft length
         steps = 0
         try:
             while active:
@@ -600,7 +601,7 @@ class Generator:
                 # of a step (root + drafts each) must fit one prefill chunk
                 room = self.settings["prefill_chunk"] // len(active) - 1
                 contexts = [prompts[s] + generated[s] for s in active]
-                budgets = [min(options.draft_len, max_new_tokens - len(generated[s]) - 1, room) for s in active]
+                budgets = [min(limits[s], max_new_tokens - len(generated[s]) - 1, room) for s in active]
                 if isinstance(drafter, PromptLookup):
                     trees = [drafter.draft(c, b) for c, b in zip(contexts, budgets)]
                 else:
@@ -623,6 +624,9 @@ class Generator:
                         stats.verify_steps += 1
                         stats.drafted += tree.num_drafts
                         stats.accepted += len(path) - 1
+                        if options.adaptive:
+                            limits[seq_id] = next_draft_len(limits[seq_id], len(path) - 1, tree_depth(tree),
+                                                            options.draft_len)
                     chosen = [(tree.tokens[node], rows[parent]) for parent, node in zip(path, path[1:])]
                     chosen.append((bonus, rows[path[-1]]))
                     if all(emit(seq_id, token, row) for token, row in chosen):

