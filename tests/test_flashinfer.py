@@ -150,6 +150,33 @@ def test_decode_plan_once_per_forward_and_depth_with_cascade():
     assert rec["decode_paged"].runs[-1][2] == ["plan", 1]
 
 
+def test_self_attention_in_a_decode_step_plans_the_ragged_prefill():
+    """A decode step plans no ragged prefill; self_attention plans it (once) instead of running
+    the last prefill's plan, and plans of earlier forwards are forgotten."""
+    cache, rec = fake_cache()
+    cache.add_sequence(0)
+    cache.add_sequence(1)
+    for lengths in ([5, 3], [2, 2]):  # the second plans a paged prefill level (depth 0) too
+        cache.begin_forward([0, 1], lengths)
+        fused_qkv(cache, sum(lengths))
+        cache.end_forward()
+    assert len(rec["prefill_paged"].plans) == 1
+    cache.begin_forward([0, 1], [1, 1])
+    ragged = rec["prefill_ragged"]
+    assert len(ragged.plans) == 2
+    rng = np.random.default_rng(2)
+    q, k, v = (tensor(randn(rng, (2, h, D), "float16"), tvm.cpu()) for h in (HQ, HKV, HKV))
+    o, lse = empty((2, HQ, D), "float16", tvm.cpu()), empty((2, HQ), "float32", tvm.cpu())
+    for layer in (0, 1):
+        cache.self_attention(layer, 0.125, q, k, v, o, lse)
+    assert len(ragged.plans) == 3, "planned once, on the first self_attention"
+    np.testing.assert_array_equal(ragged.plans[2][3].numpy(), [0, 1, 2])
+    assert ragged.plans[2][6:8] == (2, 2)
+    assert [run[2] for run in ragged.runs[-2:]] == [["plan", 2], ["plan", 2]]
+    with pytest.raises(KVCacheError, match="no plan for depth 0"):
+        cache._step_kernels.paged_prefill._planned(0)  # the last forward's plans are gone
+
+
 def test_tensor_core_decode_plans_a_prefill():
     rec = Recorder()
     backend = FlashInferTensorCoreDecode(rec.run, rec.plan)
@@ -387,8 +414,9 @@ def test_gpu_prefill_decode_fork_popn(fi_model, rope_mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fi_model", GPU_KINDS[:1], indirect=True)
-@pytest.mark.xfail(strict=False, reason="on the H200 (run of this commit's parent) o after the merge was NaN "
-                   "(the same test passes on the CPU with the emulated run functions); not diagnosed yet")
+@pytest.mark.xfail(strict=False, reason="NaN on the H200 before the fix of the stale ragged plan in decode steps "
+                   "(self_attention after a decode begin_forward); not re-run on a GPU since: drop this mark once "
+                   "it passes there")
 def test_gpu_self_and_cross_attention(fi_model):
     _self_and_cross(fi_model)
 

@@ -51,6 +51,9 @@ class AttnBackend:
     def __init__(self, func):
         self.func = func
 
+    def new_forward(self) -> None:
+        """A forward step begins (its plans come next); nothing to do for TIR kernels."""
+
     def _unsupported(self, what: str):
         raise KVCacheError(f"{type(self).__name__}: {what} is not supported by this backend")
 
@@ -257,6 +260,12 @@ class _FlashInfer:
 
     def bind(self, workspace: FlashInferWorkspace) -> None:
         self.workspace = workspace
+
+    def new_forward(self) -> None:
+        """Forget the last forward's plans: a run without this forward's plan is an error, never
+        a stale plan."""
+        self._plans.clear()
+        self._rebased.clear()
 
     def _slot(self, index: int) -> tuple:
         if self.workspace is None:

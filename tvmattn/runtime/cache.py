@@ -352,6 +352,8 @@ class PagedKVCache:
         """The backends' plan step (nothing for TIR kernels)."""
         opts, host, k = self.options, plan.host, self._step_kernels
         heads = (opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim, opts.v_head_dim)
+        for backend in (k.ragged, k.paged_prefill, k.paged_decode):
+            backend.new_forward()
         if plan.tree:
             (level,), indptr = host.fused, host.append_indptr
             for backend in (k.tree_paged, k.tree_ragged):
@@ -362,9 +364,14 @@ class PagedKVCache:
         else:
             levels = host.fused
             if not plan.decode:
-                indptr = host.append_indptr
-                k.ragged.begin_forward(indptr, indptr, len(plan.lengths), plan.total, *heads, True)
+                self._begin_ragged(plan)
         self._begin_levels(plan, levels, 0)
+
+    def _begin_ragged(self, plan: ForwardPlan) -> None:
+        """The ragged prefill's plan step (causal, over the step's new tokens)."""
+        opts, indptr = self.options, plan.host.append_indptr
+        self._step_kernels.ragged.begin_forward(indptr, indptr, len(plan.lengths), plan.total, opts.num_qo_heads,
+                                                opts.num_kv_heads, opts.qk_head_dim, opts.v_head_dim, True)
 
     def _begin_levels(self, plan: ForwardPlan, levels, first_depth: int) -> None:
         """The paged backends' plan step of `levels`, at depths first_depth, first_depth + 1, ..."""
@@ -422,6 +429,9 @@ class PagedKVCache:
               "trees and the kernels' slot 'tree_attn_ragged' is empty")
         q, k, v, o = (self._tensor(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o)))
         lse = self._tensor("lse", lse, "float32")
+        if not step.ragged_planned:  # a decode step: the ragged prefill is planned on first use
+            self._begin_ragged(step.plan)
+            step.ragged_planned = True
         step.self_attention(q, k, v, o, lse, check_finite("sm_scale", sm_scale))
 
     def cross_attention(self, layer_id: int, sm_scale: float, q, o, lse) -> None:

@@ -94,6 +94,9 @@ class Step:
         # the cache plans them on the first cross_attention (in a tree step, in begin_forward)
         self.cross_depth = len(self._fused)
         self.cross_planned = plan.tree
+        # a decode step plans no ragged prefill (attention_with_fused_qkv runs none); the cache
+        # plans it on the first self_attention
+        self.ragged_planned = not plan.decode or plan.tree
         self._cross = [self._level(self.cross_depth + d, level) for d, level in enumerate(arrays.cross)]
         self._apply_rope = int(rope.mode == RopeMode.NORMAL)
 
