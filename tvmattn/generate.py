@@ -461,15 +461,22 @@ class Generator:
             self._host["kv_state_add_sequence"](self.cache, seq_id)
         generated: list[list[int]] = [[] for _ in prompts]
         kept: list[list[np.ndarray]] = [[] for _ in prompts]
+        drafter = None
         try:
             start = time.perf_counter()
             logits = self._prefill(seq_ids, prompts)
+            if speculative is not None and speculative.mode == "draft-model":  # the draft model's prefill
+                drafter = DraftModel(self._draft_generator(speculative), seq_ids, speculative.tree_width,
+                                     sum(len(p) for p in prompts) + len(prompts) * (max_new_tokens
+                                                                                    + speculative.draft_len),
+                                     max(len(p) for p in prompts) + max_new_tokens + speculative.draft_len)
+                drafter.prefill(seq_ids, prompts)
             prefill_s = time.perf_counter() - start
             _check_finite(logits, 0, seq_ids)
             if speculative is not None:
                 start = time.perf_counter()
                 steps, stats = self._speculative_loop(speculative, prompts, logits, generated, kept, max_new_tokens,
-                                                      on_token, on_finish, keep_logits)
+                                                      on_token, on_finish, keep_logits, drafter)
                 decode_s = time.perf_counter() - start
                 return Generation([], generated, [len(p) for p in prompts], prefill_s, decode_s, steps,
                                   [np.stack(rows) if rows else np.zeros((0, 0), np.float32) for rows in kept]
@@ -508,6 +515,8 @@ class Generator:
         finally:
             for seq_id in seq_ids:
                 self._host["kv_state_remove_sequence"](self.cache, seq_id)
+            if drafter is not None:
+                drafter.close()
         return Generation([], generated, [len(p) for p in prompts], prefill_s, decode_s, steps,
                           [np.stack(rows) if rows else np.zeros((0, 0), np.float32) for rows in kept]
                           if keep_logits else None)
@@ -560,9 +569,11 @@ class Generator:
 
     def _speculative_loop(self, options: SpeculativeOptions, prompts: list[list[int]], logits: np.ndarray,
                           generated: list[list[int]], kept: list[list[np.ndarray]], max_new_tokens: int,
-                          on_token, on_finish, keep_logits: bool) -> tuple[int, SpeculativeStats]:
-        """Greedy speculative decoding after the prefill (logits: each prompt's last row) ->
-        (model steps, counts). Fills generated / kept as the plain loop does."""
+                          on_token, on_finish, keep_logits: bool,
+                          drafter: DraftModel | None = None) -> tuple[int, SpeculativeStats]:
+        """Greedy speculative decoding after the prefill (logits: each prompt's last row; drafter:
+        the draft model, prefilled, for mode draft-model) -> (model steps, counts). Fills
+        generated / kept as the plain loop does."""
         stats = SpeculativeStats(options.mode)
         seq_ids = list(range(len(prompts)))
 
@@ -589,54 +600,46 @@ class Generator:
                 finish(seq_id)
         if options.mode == "prompt-lookup":
             drafter = PromptLookup(options.draft_len, options.tree_width, options.max_ngram, options.min_ngram)
-        else:
-            drafter = DraftModel(self._draft_generator(options), seq_ids, options.tree_width,
-                                 sum(len(p) for p in prompts) + len(prompts) * (max_new_tokens + options.draft_len),
-                                 max(len(p) for p in prompts) + max_new_tokens + options.draft_len)
         limits = {seq_id: options.draft_len for seq_id in seq_ids}  # per-sequence draft length
         steps = 0
-        try:
-            while active:
-                # a tree's drafts beyond what the answer can still take are useless; all trees
-                # of a step (root + drafts each) must fit one prefill chunk
-                room = self.settings["prefill_chunk"] // len(active) - 1
-                contexts = [prompts[s] + generated[s] for s in active]
-                budgets = [min(limits[s], max_new_tokens - len(generated[s]) - 1, room) for s in active]
-                if isinstance(drafter, PromptLookup):
-                    trees = [drafter.draft(c, b) for c, b in zip(contexts, budgets)]
+        while active:
+            # a tree's drafts beyond what the answer can still take are useless; all trees
+            # of a step (root + drafts each) must fit one prefill chunk
+            room = self.settings["prefill_chunk"] // len(active) - 1
+            contexts = [prompts[s] + generated[s] for s in active]
+            budgets = [min(limits[s], max_new_tokens - len(generated[s]) - 1, room) for s in active]
+            if isinstance(drafter, PromptLookup):
+                trees = [drafter.draft(c, b) for c, b in zip(contexts, budgets)]
+            else:
+                trees = drafter.draft(active, contexts, budgets)
+            steps += 1
+            if all(t.num_drafts == 0 for t in trees):  # nothing drafted: a plain decode step
+                embeds = self._embed([c[-1] for c in contexts])[:, None, :]
+                function = "decode" if len(active) == 1 else "batch_decode"
+                rows = self._forward(function, active, [1] * len(active), embeds)[:, 0]
+                _check_finite(rows, steps, active)
+                node_logits = [rows[i:i + 1] for i in range(len(active))]
+            else:
+                node_logits = self._verify(active, trees, steps)
+            accepted = [accept_greedy(tree, rows) for tree, rows in zip(trees, node_logits)]
+            if any(t.num_drafts for t in trees):
+                self._commit(active, [path[-1] for path, _ in accepted])
+            next_active = []
+            for seq_id, tree, rows, (path, bonus) in zip(active, trees, node_logits, accepted):
+                if tree.num_drafts:
+                    stats.verify_steps += 1
+                    stats.drafted += tree.num_drafts
+                    stats.accepted += len(path) - 1
+                    if options.adaptive:
+                        limits[seq_id] = next_draft_len(limits[seq_id], len(path) - 1, tree_depth(tree),
+                                                        options.draft_len)
+                chosen = [(tree.tokens[node], rows[parent]) for parent, node in zip(path, path[1:])]
+                chosen.append((bonus, rows[path[-1]]))
+                if all(emit(seq_id, token, row) for token, row in chosen):
+                    next_active.append(seq_id)
                 else:
-                    trees = drafter.draft(active, contexts, budgets)
-                steps += 1
-                if all(t.num_drafts == 0 for t in trees):  # nothing drafted: a plain decode step
-                    embeds = self._embed([c[-1] for c in contexts])[:, None, :]
-                    function = "decode" if len(active) == 1 else "batch_decode"
-                    rows = self._forward(function, active, [1] * len(active), embeds)[:, 0]
-                    _check_finite(rows, steps, active)
-                    node_logits = [rows[i:i + 1] for i in range(len(active))]
-                else:
-                    node_logits = self._verify(active, trees, steps)
-                accepted = [accept_greedy(tree, rows) for tree, rows in zip(trees, node_logits)]
-                if any(t.num_drafts for t in trees):
-                    self._commit(active, [path[-1] for path, _ in accepted])
-                next_active = []
-                for seq_id, tree, rows, (path, bonus) in zip(active, trees, node_logits, accepted):
-                    if tree.num_drafts:
-                        stats.verify_steps += 1
-                        stats.drafted += tree.num_drafts
-                        stats.accepted += len(path) - 1
-                        if options.adaptive:
-                            limits[seq_id] = next_draft_len(limits[seq_id], len(path) - 1, tree_depth(tree),
-                                                            options.draft_len)
-                    chosen = [(tree.tokens[node], rows[parent]) for parent, node in zip(path, path[1:])]
-                    chosen.append((bonus, rows[path[-1]]))
-                    if all(emit(seq_id, token, row) for token, row in chosen):
-                        next_active.append(seq_id)
-                    else:
-                        finish(seq_id)
-                active = next_active
-        finally:
-            if isinstance(drafter, DraftModel):
-                drafter.close()
+                    finish(seq_id)
+            active = next_active
         return steps, stats
 
     # ------------------------------------------------------------------ text level
@@ -704,6 +707,12 @@ class DraftModel:
         for seq_id in seq_ids:
             generator._host["kv_state_add_sequence"](generator.cache, seq_id)
             self.cached[seq_id] = []
+
+    def prefill(self, seq_ids: list[int], prompts: list[list[int]]) -> None:
+        """Feed the prompts (part of the prefill step: the drafts then need one token's feed)."""
+        self.generator._prefill(seq_ids, prompts)
+        for seq_id, prompt in zip(seq_ids, prompts):
+            self.cached[seq_id] = list(prompt)
 
     def close(self) -> None:
         for seq_id in self.cached:
