@@ -5,8 +5,10 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   default pipeline runs as a separate transpose kernel of every weight at every call (5 per
   layer, measured on the H200: more time than the attention); fused, each projection is one
   `NT_matmul` that dlight's GEMV / Matmul rules schedule.
-- on the CPU, dlight's CPU rules (GEMV for decode projections, Reduction for norms) after
-  fusion; the default CPU pipeline schedules nothing.
+- on the CPU, after fusion: cpu_matmul.CPUMatmul for the multi-token projections (prefill,
+  batch_prefill, batch_verify, batch_decode: token tiles that share each weight read, vectorized;
+  unscheduled they re-read every weight per token), then dlight's CPU rules (GEMV for the
+  single-token decode projections, Reduction for norms); the default CPU pipeline schedules nothing.
 The attention kernels from tir_kernels are already scheduled and pass through unchanged.
 """
 
@@ -27,7 +29,10 @@ def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
     else:
         from tvm.relax.backend.cpu_generic import pipeline as backend
 
-        schedule = [dl.ApplyDefaultSchedule(dl.cpu.GEMV(), dl.cpu.Reduction())]
+        from .cpu_matmul import CPUMatmul
+
+        # CPUMatmul first: it leaves single-token (static) matmuls to GEMV
+        schedule = [dl.ApplyDefaultSchedule(CPUMatmul(), dl.cpu.GEMV(), dl.cpu.Reduction())]
 
     @tvm.transform.module_pass(opt_level=0, name="TvmattnModelPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
