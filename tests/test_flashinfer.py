@@ -414,9 +414,6 @@ def test_gpu_prefill_decode_fork_popn(fi_model, rope_mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fi_model", GPU_KINDS[:1], indirect=True)
-@pytest.mark.xfail(strict=False, reason="NaN on the H200 before the fix of the stale ragged plan in decode steps "
-                   "(self_attention after a decode begin_forward); not re-run on a GPU since: drop this mark once "
-                   "it passes there")
 def test_gpu_self_and_cross_attention(fi_model):
     _self_and_cross(fi_model)
 

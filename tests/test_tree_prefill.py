@@ -218,7 +218,7 @@ def check_ragged_tree(kernels, config, seed, extra=()):
 # --- tensor cores (GPU) ----------------------------------------------------------------------
 
 # (num_qo_heads, num_kv_heads, head_dim, page_size, dtype): fp16 and bf16, head dims 64/128/256,
-# GQA groups 1/2/4/8/16, page sizes 1/16/64, on the Hopper wgmma kernel.
+# GQA groups 1/2/3/4/6/8/16, page sizes 1/16/64, on the Hopper wgmma kernel.
 TC_CASES = [
     (8, 8, 128, 16, "float16"),
     (16, 4, 64, 1, "bfloat16"),
@@ -226,6 +226,8 @@ TC_CASES = [
     (8, 1, 128, 64, "bfloat16"),
     (16, 8, 256, 16, "bfloat16"),
     (16, 1, 64, 16, "float16"),
+    (9, 3, 64, 16, "float16"),  # SmolLM2's heads: a group of 3 packs rows across tiles unevenly
+    (12, 2, 128, 16, "bfloat16"),  # a group of 6
 ]
 # The mma.sync kernel: an explicit schedule on a head dim wgmma serves, and head dim 96 (which
 # Hopper sends to mma.sync by itself).
