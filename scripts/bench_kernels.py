@@ -1007,7 +1007,9 @@ def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict
             diff = max_diff(o, ref)
             rows.append(make_row(kernel, impl, impl_variant, ctx.dtype, ctx.head_dim, ctx.page_size, shape,
                                  time_ms(call, iters), diff, ctx.meta))
+            progress(rows[-1])
         for impl, impl_variant, fi_call in module_calls(kernel, ctx, inputs) or flashinfer_calls(kernel, ctx, inputs):
+            print(f"  {kernel} {shape.label} {impl}: running", file=sys.stderr, flush=True)
             try:
                 out = fi_call(0)
                 synchronize()
@@ -1017,12 +1019,19 @@ def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict
             diff = max_diff(out.view(ref.shape), ref)
             rows.append(make_row(kernel, impl, impl_variant, ctx.dtype, ctx.head_dim, ctx.page_size, shape,
                                  time_ms(fi_call, iters), diff, ctx.meta))
+            progress(rows[-1])
         rows.append(make_row(kernel, REFERENCE, variant, ctx.dtype, ctx.head_dim, ctx.page_size, shape, sdpa_ms,
                              ref_diff, ctx.meta))
     del inputs
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def progress(row: dict) -> None:
+    """One line on stderr per measured row, as it is measured (the tables come at the end)."""
+    print(f"  {row['kernel']} {row['impl']} {row['dtype']} b{row['batch']} L{row['seq_len']}: {row['ms']:.4f} ms",
+          file=sys.stderr, flush=True)
 
 
 OURS_CAUSAL = "tvmattn-causal"  # tree rows: tvmattn's plain causal paged prefill on the same tokens
