@@ -35,20 +35,9 @@ if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
 
 import bench_rows  # noqa: E402
 
-CODE = '''import math
+from tvmattn.speculative import EXAMPLE_PROMPTS  # noqa: E402
 
-def area(radius):
-    return math.pi * radius * radius
-
-def circumference(radius):
-    return 2 * math.pi * radius
-
-print(area(2), circumference(2))'''
-PROMPTS = {
-    "code-edit": "Rename the function `area` to `circle_area` in this code and show the full code:\n```python\n" + CODE
-                 + "\n```",
-    "free-form": "Write a short story about a robot who learns to paint.",
-}
+PROMPTS = EXAMPLE_PROMPTS
 MODES = ("prompt-lookup", "draft-model")
 
 

@@ -5,16 +5,15 @@ difference). Usage: python scripts/spec_divergence.py LIB.so [--mode draft-model
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import PROMPTS  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tvmattn.generate import Generator  # noqa: E402
-from tvmattn.speculative import SpeculativeOptions  # noqa: E402
+from tvmattn.speculative import EXAMPLE_PROMPTS, SpeculativeOptions  # noqa: E402
 
 
 def main() -> int:
@@ -26,7 +25,7 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=48)
     args = p.parse_args()
     generator = Generator(args.lib)
-    for name, text in PROMPTS.items():
+    for name, text in EXAMPLE_PROMPTS.items():
         ids = generator.encode(text)
         plain = generator.generate_tokens([ids], max_new_tokens=args.max_new_tokens, keep_logits=True)
         options = SpeculativeOptions(args.mode, args.draft_len, args.width,

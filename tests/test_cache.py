@@ -369,6 +369,20 @@ def test_cascade_prefill_plan(target):
     m.check_no_leaks()
 
 
+def self_plus_cross(m: Model, layer: int, total: int) -> tuple:
+    """In the step begun: self_attention of random q, k, v merged with cross_attention, then
+    end_forward. Returns q, k, v (numpy) and the merged o, lse (device tensors)."""
+    dev = m.device
+    q, k, v = (randn(m.rng, (total, h, D), DTYPE) for h in (HQ, HKV, HKV))
+    o_self, o_cross = (empty((total, HQ, D), DTYPE, dev) for _ in range(2))
+    lse_self, lse_cross = (empty((total, HQ), "float32", dev) for _ in range(2))
+    m.cache.self_attention(layer, SM_SCALE, tensor(q, dev), tensor(k, dev), tensor(v, dev), o_self, lse_self)
+    m.cache.cross_attention(layer, SM_SCALE, tensor(q, dev), o_cross, lse_cross)
+    m.cache.merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross)
+    m.cache.end_forward()
+    return q, k, v, o_self, lse_self
+
+
 @pytest.mark.parametrize("rope_mode", ["none", "inline"])
 def test_self_and_cross_attention_merge_to_full_attention(target, rope_mode):
     """self_attention (new tokens, causal) merged with cross_attention (the cached tokens) is
@@ -381,15 +395,7 @@ def test_self_and_cross_attention_merge_to_full_attention(target, rope_mode):
         history = [m.length(0), m.length(1)]
         before = [read_kv(m.cache, s, m.length(s), m.device) for s in (0, 1)]
         m.cache.begin_forward([0, 1], lengths)
-        total = sum(lengths)
-        q, k, v = (randn(m.rng, (total, h, D), DTYPE) for h in (HQ, HKV, HKV))
-        o_self, o_cross = (empty((total, HQ, D), DTYPE, m.device) for _ in range(2))
-        lse_self, lse_cross = (empty((total, HQ), "float32", m.device) for _ in range(2))
-        dev = m.device
-        m.cache.self_attention(1, SM_SCALE, tensor(q, dev), tensor(k, dev), tensor(v, dev), o_self, lse_self)
-        m.cache.cross_attention(1, SM_SCALE, tensor(q, dev), o_cross, lse_cross)
-        m.cache.merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross)
-        m.cache.end_forward()
+        q, k, v, o_self, lse_self = self_plus_cross(m, 1, sum(lengths))
         start = 0
         for seq_id, n, h in zip((0, 1), lengths, history):
             rows = slice(start, start + n)
@@ -599,14 +605,17 @@ BAD_SEQUENCE_OPS = {
 }
 
 
-@pytest.mark.parametrize("case", BAD_SEQUENCE_OPS, ids=list(BAD_SEQUENCE_OPS))
-def test_bad_input_leaves_the_cache_unchanged(case):
-    m = populated()
-    op, message = BAD_SEQUENCE_OPS[case]
+def check_refused(m: Model, op, message: str) -> None:
+    """op(cache) raises KVCacheError matching `message` and leaves the cache's state as it was."""
     before = state(m)
     with pytest.raises(KVCacheError, match=message):
         op(m.cache)
     assert state(m) == before
+
+
+@pytest.mark.parametrize("case", BAD_SEQUENCE_OPS, ids=list(BAD_SEQUENCE_OPS))
+def test_bad_input_leaves_the_cache_unchanged(case):
+    check_refused(populated(), *BAD_SEQUENCE_OPS[case])
 
 
 def test_too_many_sequences():

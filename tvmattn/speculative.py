@@ -58,6 +58,24 @@ DEFAULT_DRAFT_LEN = 8
 DEFAULT_MAX_NGRAM = 4
 
 
+_CODE = """import math
+
+def area(radius):
+    return math.pi * radius * radius
+
+def circumference(radius):
+    return 2 * math.pi * radius
+
+print(area(2), circumference(2))"""
+# Two prompts the tests and benchmarks share: a repetitive one (the answer copies code from the
+# prompt, where prompt lookup drafts well) and a free-form one.
+EXAMPLE_PROMPTS = {
+    "code-edit": "Rename the function `area` to `circle_area` in this code and show the full code:\n```python\n"
+                 + _CODE + "\n```",
+    "free-form": "Write a short story about a robot who learns to paint.",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeOptions:
     """mode: "prompt-lookup" or "draft-model"; draft_len: most draft nodes per tree (1..255);
