@@ -103,17 +103,21 @@ class Model:
         self.cache.begin_forward(seq_ids, lengths)
         positions = np.concatenate([h + np.arange(n) for h, n in zip(history, lengths)])
         np.testing.assert_array_equal(self.cache.get_query_positions().numpy(), positions, err_msg="query positions")
-        total = sum(lengths)
+        self.check_layers(sum(lengths), lambda layer, qkv: self._expected(seq_ids, lengths, history, layer, qkv),
+                          f"forward {seq_ids} {lengths}")
+        self.cache.end_forward()
+        for seq_id in seq_ids:
+            self._slide(seq_id)
+
+    def check_layers(self, total: int, expected_of, what: str) -> None:
+        """Every layer of the step begun: attention_with_fused_qkv of random qkv [total, ...]
+        against expected_of(layer, qkv) (which also updates the truth)."""
         for layer in range(LAYERS):
             qkv = randn(self.rng, (total, HQ + 2 * HKV, D), DTYPE)
             o = empty((total, HQ, D), DTYPE, self.device)
             self.cache.attention_with_fused_qkv(layer, SM_SCALE, tensor(qkv, self.device), o)
-            expected = self._expected(seq_ids, lengths, history, layer, qkv)
-            np.testing.assert_allclose(o.numpy().astype(np.float64), expected, rtol=RTOL, atol=ATOL,
-                                       err_msg=f"layer {layer} of forward {seq_ids} {lengths}")
-        self.cache.end_forward()
-        for seq_id in seq_ids:
-            self._slide(seq_id)
+            np.testing.assert_allclose(o.numpy().astype(np.float64), expected_of(layer, qkv), rtol=RTOL, atol=ATOL,
+                                       err_msg=f"layer {layer} of {what}")
 
     def _expected(self, seq_ids, lengths, history, layer, qkv) -> np.ndarray:
         out, start = [], 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import reference as ref
-from harness import empty, randn, tensor, to_dtype
+from harness import empty, tensor, to_dtype
 from test_cache import (ATOL, DTYPE, HKV, HQ, LAYERS, ROPE_SCALE, ROPE_THETA, RTOL, SM_SCALE, D, Model, check_refused,
                         read_kv, self_plus_cross)
 from test_tree_prefill import balanced, chain, forest, random_tree, star
@@ -60,18 +60,13 @@ class TreeModel(Model):
             positions.append(committed + np.asarray(depths(tree)[len(tree) - len(new):], dtype=np.int64))
         positions = np.concatenate(positions)
         np.testing.assert_array_equal(self.cache.get_query_positions().numpy(), positions, err_msg="query positions")
-        total = sum(lengths)
-        for layer in range(LAYERS):
-            qkv = randn(self.rng, (total, HQ + 2 * HKV, D), DTYPE)
-            o = empty((total, HQ, D), DTYPE, self.device)
-            self.cache.attention_with_fused_qkv(layer, SM_SCALE, tensor(qkv, self.device), o)
-            expected, start = [], 0
-            for seq_id, n in zip(seq_ids, lengths):
-                rows = qkv[start : start + n]
-                expected.append(self._attend_tree(seq_id, layer, rows, positions[start : start + n]))
-                start += n
-            np.testing.assert_allclose(o.numpy().astype(np.float64), np.concatenate(expected), rtol=RTOL, atol=ATOL,
-                                       err_msg=f"layer {layer} of tree forward {seq_ids} {new_parents}")
+        bounds = np.cumsum([0, *lengths])
+
+        def expected_of(layer, qkv):
+            return np.concatenate([self._attend_tree(seq_id, layer, qkv[b:e], positions[b:e])
+                                   for seq_id, b, e in zip(seq_ids, bounds[:-1], bounds[1:])])
+
+        self.check_layers(sum(lengths), expected_of, f"tree forward {seq_ids} {new_parents}")
         self.cache.end_forward()
 
     def _attend_tree(self, seq_id, layer, rows, positions) -> np.ndarray:
@@ -285,3 +280,17 @@ def test_read_kv_after_commit_is_the_accepted_path_only():
     keep = [0, 1, 2, 3 + 1, 3 + 2, 3 + 4, 3 + 5]
     np.testing.assert_array_equal(k_after, k_before[:, keep])
     np.testing.assert_array_equal(v_after, v_before[:, keep])
+
+
+def test_self_attention_without_the_ragged_tree_kernel_is_refused():
+    m = TreeModel("llvm", "none", page_size=4, seed=28, kernels={"tree_attn_ragged": []})
+    m.add(0)
+    m.forward([0], [5])
+    m.cache.begin_forward([0], [3], token_tree_parent_ptr=[-1, 0, 0])
+    q, k, v = (tensor(np.zeros((3, h, D), np.float16), m.device) for h in (HQ, HKV, HKV))
+    o, lse = empty((3, HQ, D), DTYPE, m.device), empty((3, HQ), "float32", m.device)
+    with pytest.raises(KVCacheError, match="slot 'tree_attn_ragged' is empty"):
+        m.cache.self_attention(0, SM_SCALE, q, k, v, o, lse)
+    m.cache.end_forward()
+    m.cache.commit_accepted_token_tree_nodes([0], [-1])
+    m.check_no_leaks()

@@ -32,11 +32,10 @@ import tvm
 
 from tir_kernels import AttentionConfig, RopeScaling
 from tir_kernels.support import cuda_arch_of, dtype_problem, numpy_dtype, page_size_problem
+from tvmattn.flashinfer.select import attention_kernels
 
 from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPrefill, RaggedPrefillTreeMask,
                        RopeMode, backend_from_spec, bind_workspace)
-from tvmattn.flashinfer.select import attention_kernels
-
 from .errors import KVCacheError, check, check_finite, check_int, check_tensor
 from .forward import Kernels, Rope, Step, Workspace
 from .kernels import Deferred, KernelSet, default_kernels, paged_slots
@@ -479,19 +478,19 @@ class PagedKVCache:
                   f"sequence {seq.seq_id}: no token tree to commit (or it is committed already)")
             check(-1 <= leaf < max(seq.tree_tokens, 1), f"leaf_indices: {leaf} is not a node of the token tree of "
                   f"sequence {seq.seq_id} ({seq.tree_tokens} nodes)")
-        self._compact(seqs, leaves)
-        for seq, leaf in zip(seqs, leaves):
-            kept = len(accepted_path(seq.tree, leaf))
-            self._table.popn(seq.seq_id, seq.tree_tokens - kept)
+        paths = [accepted_path(seq.tree, leaf) for seq, leaf in zip(seqs, leaves)]
+        self._compact(seqs, paths)
+        for seq, path in zip(seqs, paths):
+            self._table.popn(seq.seq_id, seq.tree_tokens - len(path))
             seq.tree = []
         self._step = None
 
-    def _compact(self, seqs: list, leaves: list) -> None:
+    def _compact(self, seqs: list, paths: list) -> None:
         """Move each accepted path into place (compact_copy over every layer's pages)."""
         indptr, sources, destinations = [0], [], []
-        for seq, leaf in zip(seqs, leaves):
+        for seq, path in zip(seqs, paths):
             first = seq.length - seq.tree_tokens
-            pairs = compact_copies(seq.tree, leaf, first)
+            pairs = compact_copies(path, first)
             if pairs:
                 positions = seq.positions(first, seq.length, self.options.page_size)
                 sources += [int(positions[src - first]) for src, _ in pairs]

@@ -107,8 +107,8 @@ def tree_step(trees: list, committed: list, lengths: list) -> TreeStep:
     return TreeStep(np.asarray(positions, dtype=np.int32), mn_indptr, mask)
 
 
-def compact_copies(parents: list, leaf: int, first: int) -> list[tuple[int, int]]:
-    """(source token, destination token) pairs that move the accepted path to `leaf` into
-    place: node k of the path goes to token first + k (first = the tree's first token).
+def compact_copies(path: list, first: int) -> list[tuple[int, int]]:
+    """(source token, destination token) pairs that move an accepted path (`accepted_path`)
+    into place: node k of the path goes to token first + k (first = the tree's first token).
     Nodes already in place are skipped; no destination is a later pair's source."""
-    return [(first + node, first + k) for k, node in enumerate(accepted_path(parents, leaf)) if node != k]
+    return [(first + node, first + k) for k, node in enumerate(path) if node != k]
