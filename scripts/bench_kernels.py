@@ -534,7 +534,10 @@ class Context:
         self.flashinfer = flashinfer
         self.fi_backends = fi_backends
         self.workspace = None  # FlashInfer's, allocated on first use
-        self.fi_workspace = None  # the FlashInfer modules' (tvmattn.runtime.backends.FlashInferWorkspace)
+        # the FlashInfer modules' workspaces (tvmattn.runtime.backends.FlashInferWorkspace), one per impl:
+        # a plan writes its schedule into its workspace's int buffers, so two backends planned side by
+        # side must not share one (the first one's run would read the second one's schedule)
+        self.fi_workspaces: dict = {}
 
     @property
     def torch_dtype(self):
@@ -853,10 +856,8 @@ def module_calls(kernel: str, ctx: Context, inputs: Inputs) -> list:
     config = FlashInferConfig(ctx.dtype, ctx.head_dim, ctx.head_dim, False, "sm_90a" if arch == "sm_90" else arch)
     if config.problem() is not None:
         return []
-    if ctx.fi_workspace is None:
-        import tvm
+    import tvm
 
-        ctx.fi_workspace = fb.FlashInferWorkspace(tvm.cuda(0))
     hq, hkv, d, ps, dt = NUM_QO_HEADS, NUM_KV_HEADS, ctx.head_dim, ctx.page_size, ctx.dtype
     host = {name: getattr(inputs, name).cpu().numpy() for name in ("qo_indptr", "page_indptr", "last_page_len")}
     batch = len(host["page_indptr"]) - 1
@@ -866,6 +867,9 @@ def module_calls(kernel: str, ctx: Context, inputs: Inputs) -> list:
             continue
         try:
             funcs = load(config, kind)
+            if impl not in ctx.fi_workspaces:
+                ctx.fi_workspaces[impl] = fb.FlashInferWorkspace(tvm.cuda(0))
+            workspace = ctx.fi_workspaces[impl]
             o = torch.empty_like(inputs.q)
             lse = torch.empty(inputs.q.shape[:2], device=DEVICE, dtype=torch.float32)
             q, o_t, lse_t = to_tvm(inputs.q), to_tvm(o), to_tvm(lse)
@@ -873,7 +877,7 @@ def module_calls(kernel: str, ctx: Context, inputs: Inputs) -> list:
             if kernel == "decode":
                 cls = fb.FlashInferPagedDecode if decode == "cuda_core" else fb.FlashInferTensorCoreDecode
                 backend = cls(funcs.run if decode == "cuda_core" else funcs.paged_run, funcs.plan)
-                backend.bind(ctx.fi_workspace)
+                backend.bind(workspace)
                 backend.begin_forward(0, host["page_indptr"], batch, ps, hq, hkv, d, d, fb.RopeMode.NONE, dt, dt)
                 idx = [to_tvm(inputs.page_indptr), to_tvm(inputs.page_indices), to_tvm(inputs.last_page_len)]
                 args = [backend.run_args(0, q, pool, *idx, None, None, fb.RopeMode.NONE, *tail)
@@ -881,7 +885,7 @@ def module_calls(kernel: str, ctx: Context, inputs: Inputs) -> list:
                 variant = "aot paged HND" + (" tensor-core" if decode == "tensor_core" else "")
             elif kernel == "prefill":
                 backend = fb.FlashInferPagedPrefill(funcs.paged_run, funcs.plan)
-                backend.bind(ctx.fi_workspace)
+                backend.bind(workspace)
                 backend.begin_forward(0, host["qo_indptr"], host["page_indptr"], host["last_page_len"], batch,
                                       int(inputs.q.shape[0]), ps, hq, hkv, d, d, True)
                 args = [backend.run_args(0, q, to_tvm(inputs.qo_indptr), inputs.tvm_pools[0],
@@ -890,7 +894,7 @@ def module_calls(kernel: str, ctx: Context, inputs: Inputs) -> list:
                 variant = "aot paged HND"
             else:
                 backend = fb.FlashInferRaggedPrefill(funcs.ragged_run, funcs.plan)
-                backend.bind(ctx.fi_workspace)
+                backend.bind(workspace)
                 kv_indptr = inputs.kv_indptr.cpu().numpy()
                 backend.begin_forward(host["qo_indptr"], kv_indptr, batch, int(inputs.q.shape[0]), hq, hkv, d, d,
                                       True)
