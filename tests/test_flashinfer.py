@@ -346,14 +346,19 @@ EMULATED = {"prefill_ragged": ["flashinfer", _emu_ragged_run, _emu_plan],
             "decode_paged": ["flashinfer", _emu_decode_run, _emu_plan]}
 
 
+def _set_heads(monkeypatch, tc, heads: int, kv_heads: int, head_dim: int) -> None:
+    """test_cache's model shape for this test: query heads, KV heads, head dim (and its softmax scale)."""
+    monkeypatch.setattr(tc, "HQ", heads)
+    monkeypatch.setattr(tc, "HKV", kv_heads)
+    monkeypatch.setattr(tc, "D", head_dim)
+    monkeypatch.setattr(tc, "SM_SCALE", default_sm_scale(head_dim))
+
+
 @pytest.fixture
 def emulated_model(monkeypatch):
     import test_cache as tc
 
-    monkeypatch.setattr(tc, "HQ", 8)
-    monkeypatch.setattr(tc, "HKV", 2)
-    monkeypatch.setattr(tc, "D", 128)
-    monkeypatch.setattr(tc, "SM_SCALE", default_sm_scale(128))
+    _set_heads(monkeypatch, tc, 8, 2, 128)
 
     def make(rope_mode="none", page_size=16, seed=0, **options):
         return tc.Model("llvm", rope_mode, page_size=page_size, seed=seed, kernels=dict(EMULATED), **options)
@@ -372,18 +377,22 @@ def test_emulated_flashinfer_self_and_cross(emulated_model):
 
 # -- GPU: the cache scenarios of test_cache.py with the FlashInfer backend (fp16, d128)
 
-GPU_KINDS = [pytest.param(("cuda_core", "fa2"), id="fa2-cudacore"),
-             pytest.param(("tensor_core", "fa2"), id="fa2-tensorcore"),
-             pytest.param(("cuda_core", "fa3"), id="fa3-cudacore")]
+GPU_KINDS = [pytest.param(("cuda_core", "fa2", 128), id="fa2-cudacore"),
+             pytest.param(("tensor_core", "fa2", 128), id="fa2-tensorcore"),
+             pytest.param(("cuda_core", "fa3", 128), id="fa3-cudacore"),
+             pytest.param(("tensor_core", "fa3", 128), id="fa3-tensorcore"),
+             pytest.param(("cuda_core", "fa2", 64), id="fa2-cudacore-d64"),  # SmolLM2's head dim and group
+             pytest.param(("cuda_core", "fa3", 64), id="fa3-cudacore-d64")]
+GPU_HEADS = {128: (8, 2), 64: (9, 3)}  # head dim -> (query heads, KV heads) of the test model
 
 
 @pytest.fixture
 def fi_model(monkeypatch, request):
-    """test_cache.Model on CUDA with FlashInfer kernels (8/2 heads, d128: the built modules' head dim)."""
+    """test_cache.Model on CUDA with FlashInfer kernels (8/2 heads at d128, 9/3 at d64)."""
     if not has_gpu():
         pytest.skip("no GPU")
-    decode, prefill = request.param
-    config = FlashInferConfig()
+    decode, prefill, head_dim = request.param
+    config = FlashInferConfig(qk_head_dim=head_dim, v_head_dim=head_dim)
     kinds = ["decode", f"prefill_{prefill}"]
     if not available(config, kinds):
         pytest.skip(f"FlashInfer modules {kinds} not built")
@@ -391,10 +400,7 @@ def fi_model(monkeypatch, request):
 
     from tvmattn.flashinfer.select import flashinfer_specs
 
-    monkeypatch.setattr(tc, "HQ", 8)
-    monkeypatch.setattr(tc, "HKV", 2)
-    monkeypatch.setattr(tc, "D", 128)
-    monkeypatch.setattr(tc, "SM_SCALE", default_sm_scale(128))
+    _set_heads(monkeypatch, tc, *GPU_HEADS[head_dim], head_dim)
 
     def make(rope_mode="none", page_size=16, seed=0, **options):
         m = tc.Model("cuda", rope_mode, page_size=page_size, seed=seed,
@@ -520,6 +526,17 @@ def test_library_specs_name_the_modules(monkeypatch, tmp_path):
     assert [str(x.value) for x in specs["decode_paged"].fields] == [
         "flashinfer", function_name(config, "decode", "run"), function_name(config, "decode", "plan")]
     assert str(specs["prefill_ragged"].fields[1].value).endswith("/prefill_fa2/batch_prefill_ragged_run")
+
+
+def test_library_metadata_names_its_attention_backend():
+    from tvmattn.models.kv_cache import attention_backend, attention_backend_record
+
+    assert attention_backend_record(_lib_spec()) == {"name": "tir"}
+    with attention_backend("flashinfer"):
+        record = attention_backend_record(_lib_spec(head_dim=64))
+    assert record["name"] == "flashinfer" and record["flashinfer"] == "0.7.2.post1"
+    assert record["modules"] == FlashInferConfig(qk_head_dim=64, v_head_dim=64).key()
+    assert record["kinds"]["decode_paged"] == "decode"
 
 
 @pytest.mark.skipif(not BUILT, reason="FlashInfer modules not built (python -m tvmattn.flashinfer.build)")

@@ -36,7 +36,7 @@ from tir_kernels.build import PIPELINE
 from tir_kernels.support import TargetName, dtype_problem, numpy_dtype, page_size_problem
 
 from .config import ModelConfig
-from .kv_cache import KV_CACHE_KINDS, KVCacheSpec
+from .kv_cache import KV_CACHE_KINDS, KVCacheSpec, attention_backend_record
 from .llama import LlamaForCausalLM, hf_parameter_sources
 from .pipeline import relax_pipeline
 
@@ -94,7 +94,7 @@ def metadata(config: ModelConfig, options: BuildOptions, params: list[tuple[str,
         "model_type": "llama",
         "model_config": config.to_dict(),
         "params": [{"name": name, "shape": [int(d) for d in p.shape], "dtype": str(p.dtype)} for name, p in params],
-        "kv_cache": {"kind": options.kv_cache, **spec.to_dict()},
+        "kv_cache": {"kind": options.kv_cache, **spec.to_dict(), "attention_backend": attention_backend_record(spec)},
         "build_options": dataclasses.asdict(options),
         "functions": ["embed", "prefill", "decode", "batch_prefill", "batch_decode", "batch_verify",
                       "create_paged_kv_cache"],

@@ -60,6 +60,23 @@ def attention_backend(name: str):
         _ATTN_BACKEND.reset(token)
 
 
+def current_attention_backend() -> str:
+    """The attention backend ("tir" or "flashinfer") of libraries exported now (see attention_backend)."""
+    return _ATTN_BACKEND.get()
+
+
+def attention_backend_record(spec: KVCacheSpec) -> dict[str, Any]:
+    """What a library's metadata says of its attention kernels: {"name": "tir"} or, for FlashInfer,
+    the module configuration (its folder under build/flashinfer) and the kinds it runs."""
+    name = current_attention_backend()
+    if name != "flashinfer":
+        return {"name": name}
+    from ..flashinfer.modules import FLASHINFER_VERSION
+
+    return {"name": name, "flashinfer": FLASHINFER_VERSION, "modules": _flashinfer_config(spec).key(),
+            "kinds": {"prefill_ragged": "prefill_fa2", "prefill_paged": "prefill_fa2", "decode_paged": "decode"}}
+
+
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec:
     """What a model library's cache holds, fixed at compile time.
@@ -105,24 +122,25 @@ def _spec(func: tirx.PrimFunc, name: str) -> rx.Tuple:
 
 def flashinfer_problem(spec: KVCacheSpec) -> str | None:
     """Why a library of `spec` cannot run FlashInfer (None: it can; the modules must be built)."""
-    from ..flashinfer.modules import FlashInferConfig
-
     arch = spec.target.partition(":")[2]
     if not spec.target.startswith("cuda") or not arch:
         return f"the target is {spec.target}, not a CUDA GPU arch"
-    return FlashInferConfig(spec.dtype, spec.head_dim, spec.head_dim, False,
-                            "sm_90a" if arch == "sm_90" else arch).problem()
+    return _flashinfer_config(spec).problem()
+
+
+def _flashinfer_config(spec: KVCacheSpec):
+    from ..flashinfer.modules import FlashInferConfig
+
+    arch = spec.target.partition(":")[2]
+    return FlashInferConfig(spec.dtype, spec.head_dim, spec.head_dim, False, "sm_90a" if arch == "sm_90" else arch)
 
 
 def _flashinfer_specs(spec: KVCacheSpec) -> dict[str, rx.Expr]:
     """The FlashInfer specs of the attention slots: names of the built modules' functions."""
-    from ..flashinfer.modules import FlashInferConfig, FlashInferModulesMissing, function_name, missing_message
+    from ..flashinfer.modules import FlashInferModulesMissing, function_name, missing_message, module_path
 
-    arch = spec.target.partition(":")[2]
-    config = FlashInferConfig(spec.dtype, spec.head_dim, spec.head_dim, False, "sm_90a" if arch == "sm_90" else arch)
+    config = _flashinfer_config(spec)
     for kind in ("decode", "prefill_fa2"):
-        from ..flashinfer.modules import module_path
-
         if not module_path(config, kind).is_file():
             raise FlashInferModulesMissing(missing_message(config, kind))
 
@@ -137,7 +155,7 @@ def _flashinfer_specs(spec: KVCacheSpec) -> dict[str, rx.Expr]:
 def _library_kernels(spec: KVCacheSpec) -> dict[str, rx.Expr]:
     """CreateArgs field -> the kernel (or spec) compiled into the library, for each slot."""
     plain, sliding = spec.attention_config(False), spec.attention_config(True)
-    attention = _flashinfer_specs(spec) if _ATTN_BACKEND.get() == "flashinfer" else {
+    attention = _flashinfer_specs(spec) if current_attention_backend() == "flashinfer" else {
         "prefill_ragged": _spec(tir_kernels.ragged_prefill(plain), "tvmattn_prefill_ragged"),
         "prefill_paged": _spec(tir_kernels.paged_prefill(plain), "tvmattn_prefill_paged"),
         "decode_paged": _spec(tir_kernels.paged_decode(plain), "tvmattn_decode_paged"),
