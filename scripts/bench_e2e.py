@@ -51,9 +51,11 @@ import bench_rows  # noqa: E402
 import tvmattn  # noqa: E402,F401  - registers tvmattn.*
 from tvmattn.build import PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar  # noqa: E402
 
-KV_CACHES = ("tvmattn", "tvm")
-LABELS = {"tvmattn": "tvmattn cache", "tvm": "TVM stock cache"}
-IMPLS = {"tvmattn": "tvmattn", "tvm": "tvm-stock-cache"}  # the rows' impl of each library
+KV_CACHES = ("tvmattn", "tvm")  # always run; "flashinfer" (--flashinfer) is ours with FlashInfer's kernels
+LABELS = {"tvmattn": "tvmattn cache", "tvm": "TVM stock cache", "flashinfer": "tvmattn cache + FlashInfer"}
+IMPLS = {"tvmattn": "tvmattn", "tvm": "tvm-stock-cache", "flashinfer": "tvmattn-flashinfer"}  # the rows' impl
+BUILD = {"tvmattn": dict(kv_cache="tvmattn"), "tvm": dict(kv_cache="tvm"),  # compile_model arguments
+         "flashinfer": dict(kv_cache="tvmattn", attn_backend="flashinfer")}
 WARMUP_STEPS = 3
 
 
@@ -71,7 +73,11 @@ def parse_args(argv=None):
                    help="also print the top GPU kernels of a decode step at this batch size, per cache")
     p.add_argument("--target", default="cuda", choices=["cuda", "llvm"], help="llvm: a CPU smoke run of this script")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON rows (shared/docs/bench-format.md)")
+    p.add_argument("--flashinfer", action="store_true",
+                   help="also run a third library, our cache with FlashInfer's attention kernels (--attn-backend "
+                        "flashinfer; its modules must be built: python -m tvmattn.flashinfer.build)")
     args = p.parse_args(argv)
+    args.libraries = KV_CACHES + (("flashinfer",) if args.flashinfer else ())
     problem = bench_rows.output_path_problem(args.json)
     if problem:
         p.error(f"argument --json: {problem}")
@@ -85,18 +91,18 @@ def library_path(args, kv_cache: str) -> Path:
 def ensure_libraries(args, max_batch: int) -> None:
     Path(args.libs).mkdir(parents=True, exist_ok=True)
     context = args.prompt_len + args.steps + WARMUP_STEPS + 8
-    for kv_cache in KV_CACHES:
-        path = library_path(args, kv_cache)
+    for library in args.libraries:
+        path = library_path(args, library)
         if path.is_file():
             continue
-        print(f"building {path} (kv cache {kv_cache})")
+        print(f"building {path} ({LABELS[library]})")
         compile_model(args.model, path, target=args.target, max_batch_size=max_batch, context_window=context,
-                      prefill_chunk=args.prompt_len, kv_cache=kv_cache, log=lambda m: print("  " + m))
+                      prefill_chunk=args.prompt_len, log=lambda m: print("  " + m), **BUILD[library])
 
 
 def load_weights(args, device, metadata) -> tuple[list, str]:
-    """The same parameter tensors for both libraries: stored weights if either library has them."""
-    for kv_cache in KV_CACHES:
+    """The same parameter tensors for every library: stored weights if any library has them."""
+    for kv_cache in args.libraries:
         file = sidecar(library_path(args, kv_cache), PARAMS_SUFFIX)
         if file.is_file():
             with np.load(file) as stored:
@@ -239,10 +245,10 @@ def agrees(diff: float, scale: float) -> bool:
 
 def make_row(kernel: str, kv_cache: str, *, batch: int, prompt_len: int, seconds: float, diff: float, scale: float,
              target: str, dtype: str, meta: dict, timing: DecodeTiming | None = None, extra: dict | None = None) -> dict:
-    """One row of shared/docs/bench-format.md for `kv_cache`'s library ("tvmattn" or "tvm"):
+    """One row of shared/docs/bench-format.md for `kv_cache`'s library ("tvmattn", "tvm", "flashinfer"):
     `seconds` per prefill call (kernel "prefill", one sequence of `prompt_len` tokens) or per decode
     step (kernel "decode", `batch` sequences holding `prompt_len` prompt tokens, one token each);
-    `diff`/`scale`: max |diff| between the two libraries' logits / max |logit| of the stock one."""
+    `diff`/`scale`: max |diff| between this library's logits and the stock one's / max |logit| of the stock one."""
     if kernel not in ("prefill", "decode"):
         raise ValueError(f"kernel {kernel!r}: expected 'prefill' or 'decode'")
     prefill = kernel == "prefill"
@@ -282,7 +288,7 @@ def main(argv=None) -> int:
     pages_per_sequence = -(-(args.prompt_len + args.steps + WARMUP_STEPS + 8) // page)
     capacity = max_batch * pages_per_sequence * page
     runners = {kv: Runner(library_path(args, kv), device, params, capacity, max_batch, args.prompt_len)
-               for kv in KV_CACHES}
+               for kv in args.libraries}
     config = metadata["model_config"]
     vocab = config["vocab_size"]
     rng = np.random.default_rng(args.seed)
@@ -313,17 +319,29 @@ def main(argv=None) -> int:
         print(f"{LABELS[kv]}: first prefill call (loads the GPU modules) {time.perf_counter() - start:.3f} s")
         runner.host["remove_sequence"](runner.cache, 0)
         prefill_s[kv] = bench_prefill(runner, prompt_ids, args.reps)
-    diff = float(np.abs(prefill_logits["tvmattn"] - prefill_logits["tvm"]).max())
-    scale = float(np.abs(prefill_logits["tvm"]).max())
-    agreement = [f"prefill logits: max |diff| {diff:.3e} (max |logit| {scale:.3e})"]
-    if diff > 2e-2 * max(scale, 1.0):
-        failures.append("prefill logits disagree")
-    json_rows += [make_row("prefill", kv, batch=1, prompt_len=args.prompt_len, seconds=prefill_s[kv], diff=diff,
+    libraries = args.libraries
+    ours = [kv for kv in libraries if kv != "tvm"]
+    agreement = []
+
+    def compare(what: str, logits: dict) -> tuple[dict, float]:
+        """max |diff| of each library's logits against the stock cache's (0 for the stock one); a
+        disagreement is a failure."""
+        scale = float(np.abs(logits["tvm"]).max())
+        diffs = {"tvm": 0.0}
+        for kv in ours:
+            diffs[kv] = float(np.abs(logits[kv] - logits["tvm"]).max())
+            agreement.append(f"{what}, {LABELS[kv]} vs stock: max |diff| {diffs[kv]:.3e} (max |logit| {scale:.3e})")
+            if not agrees(diffs[kv], scale):
+                failures.append(f"{what}: {LABELS[kv]} disagrees with the stock cache")
+        diffs["tvm"] = max(diffs[kv] for kv in ours)
+        return diffs, scale
+
+    diffs, scale = compare("prefill logits", prefill_logits)
+    json_rows += [make_row("prefill", kv, batch=1, prompt_len=args.prompt_len, seconds=prefill_s[kv], diff=diffs[kv],
                            scale=scale, **common, extra={**model_fields, "reps": args.reps})
-                  for kv in KV_CACHES]
-    rows.append((f"prefill {args.prompt_len}", 1,
-                 *(args.prompt_len / prefill_s[kv] for kv in KV_CACHES),
-                 *(1e3 * prefill_s[kv] for kv in KV_CACHES)))
+                  for kv in libraries]
+    rows.append((f"prefill {args.prompt_len}", 1, {kv: args.prompt_len / prefill_s[kv] for kv in libraries},
+                 {kv: 1e3 * prefill_s[kv] for kv in libraries}))
 
     # decode
     host_lines = []
@@ -336,17 +354,13 @@ def main(argv=None) -> int:
             timings[kv] = timing
             host_lines.append(f"decode batch {batch}, {LABELS[kv]}: host {1e3 * timing.host_s:.3f} ms per step "
                               f"(begin_forward {1e3 * timing.plan_s:.3f} ms), wall {1e3 * timing.step_s:.3f} ms")
-        diff = float(np.abs(first["tvmattn"] - first["tvm"]).max())
-        scale = float(np.abs(first["tvm"]).max())
-        agreement.append(f"decode batch {batch}, first step logits: max |diff| {diff:.3e} (max |logit| {scale:.3e})")
-        if diff > 2e-2 * max(scale, 1.0):
-            failures.append(f"decode batch {batch} logits disagree")
-        json_rows += [make_row("decode", kv, batch=batch, prompt_len=args.prompt_len, seconds=step_s[kv], diff=diff,
-                               scale=scale, **common, timing=timings[kv],
+        diffs, scale = compare(f"decode batch {batch}, first step logits", first)
+        json_rows += [make_row("decode", kv, batch=batch, prompt_len=args.prompt_len, seconds=step_s[kv],
+                               diff=diffs[kv], scale=scale, **common, timing=timings[kv],
                                extra={**model_fields, "steps": args.steps, "warmup_steps": WARMUP_STEPS})
-                      for kv in KV_CACHES]
-        rows.append(("decode", batch, *(batch / step_s[kv] for kv in KV_CACHES),
-                     *(1e3 * step_s[kv] for kv in KV_CACHES)))
+                      for kv in libraries]
+        rows.append(("decode", batch, {kv: batch / step_s[kv] for kv in libraries},
+                     {kv: 1e3 * step_s[kv] for kv in libraries}))
 
     if args.profile:
         prompts = [tvm.runtime.tensor(np.roll(prompt, 7 * i), device=device) for i in range(args.profile)]
@@ -355,15 +369,19 @@ def main(argv=None) -> int:
             profile_decode(runner, prompts)
 
     print()
-    print(f"{'phase':>12} {'batch':>5} {'tvmattn tokens/s':>17} {'stock tokens/s':>15} {'tvmattn ms':>11} "
-          f"{'stock ms':>9} {'speedup':>8}")
-    print("-" * 84)
-    for phase, batch, ours, stock, ours_ms, stock_ms in rows:
-        print(f"{phase:>12} {batch:>5} {ours:>17.1f} {stock:>15.1f} {ours_ms:>11.3f} {stock_ms:>9.3f} "
-              f"{ours / stock:>8.2f}")
-    print("(tokens/s: prompt tokens per second in prefill, generated tokens per second in decode, one token per "
+    short = {"tvmattn": "tvmattn", "tvm": "stock", "flashinfer": "flashinfer"}
+    header = f"{'phase':>12} {'batch':>5} " + " ".join(f"{short[kv] + ' tok/s':>17}" for kv in libraries)
+    header += " " + " ".join(f"{short[kv] + ' ms':>14}" for kv in libraries)
+    header += " " + " ".join(f"{short[kv] + '/stock':>17}" for kv in ours)
+    print(header)
+    print("-" * len(header))
+    for phase, batch, rate, ms in rows:
+        print(f"{phase:>12} {batch:>5} " + " ".join(f"{rate[kv]:>17.1f}" for kv in libraries) + " "
+              + " ".join(f"{ms[kv]:>14.3f}" for kv in libraries) + " "
+              + " ".join(f"{rate[kv] / rate['tvm']:>17.2f}" for kv in ours))
+    print("(tok/s: prompt tokens per second in prefill, generated tokens per second in decode, one token per "
           "sequence per step; ms: per prefill call / per decode step, synchronized; "
-          "speedup = tvmattn tokens/s / stock tokens/s)")
+          "X/stock = X's tokens/s / the stock cache's)")
     for line in host_lines:
         print(line)
     print()
