@@ -526,6 +526,9 @@ def test_library_specs_name_the_modules(monkeypatch, tmp_path):
     assert [str(x.value) for x in specs["decode_paged"].fields] == [
         "flashinfer", function_name(config, "decode", "run"), function_name(config, "decode", "plan")]
     assert str(specs["prefill_ragged"].fields[1].value).endswith("/prefill_fa2/batch_prefill_ragged_run")
+    (folder / "prefill_fa3.so").write_bytes(b"")  # on sm_90a the Hopper prefill where it is built
+    specs = _flashinfer_specs(_lib_spec())
+    assert str(specs["prefill_paged"].fields[1].value).endswith("/prefill_fa3/batch_prefill_paged_run")
 
 
 def test_library_metadata_names_its_attention_backend():

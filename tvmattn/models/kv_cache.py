@@ -11,7 +11,8 @@ library must have imported tvmattn (that registers the `tvmattn.*` functions).
 
 Attention backend: tvmattn's TIR kernels by default; inside `attention_backend("flashinfer")`
 (python -m tvmattn compile --attn-backend flashinfer) the ragged prefill, paged prefill and
-paged decode slots are FlashInfer specs naming the functions of the modules built by
+paged decode slots are FlashInfer specs (decode on CUDA cores, as TVM's FlashInfer cache does;
+prefill FA3 on sm_90a where its module is built, else FA2) naming the functions of the modules built by
 `python -m tvmattn.flashinfer.build` (tvmattn.flashinfer.modules.function_name); the cache
 loads them when the library creates it, from build/flashinfer or $TVMATTN_FLASHINFER_DIR, so
 the modules ship beside the library (not inside it). The sliding-window and tree slots stay TIR.
@@ -73,8 +74,9 @@ def attention_backend_record(spec: KVCacheSpec) -> dict[str, Any]:
         return {"name": name}
     from ..flashinfer.modules import FLASHINFER_VERSION
 
+    prefill = _flashinfer_prefill_kind(_flashinfer_config(spec))
     return {"name": name, "flashinfer": FLASHINFER_VERSION, "modules": _flashinfer_config(spec).key(),
-            "kinds": {"prefill_ragged": "prefill_fa2", "prefill_paged": "prefill_fa2", "decode_paged": "decode"}}
+            "kinds": {"prefill_ragged": prefill, "prefill_paged": prefill, "decode_paged": "decode"}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +137,13 @@ def _flashinfer_config(spec: KVCacheSpec):
     return FlashInferConfig(spec.dtype, spec.head_dim, spec.head_dim, False, "sm_90a" if arch == "sm_90" else arch)
 
 
+def _flashinfer_prefill_kind(config) -> str:
+    """FlashInfer's Hopper prefill (FA3) on sm_90a where it is built, else FA2."""
+    from ..flashinfer.modules import module_path
+
+    return "prefill_fa3" if config.arch == "sm_90a" and module_path(config, "prefill_fa3").is_file() else "prefill_fa2"
+
+
 def _flashinfer_specs(spec: KVCacheSpec) -> dict[str, rx.Expr]:
     """The FlashInfer specs of the attention slots: names of the built modules' functions."""
     from ..flashinfer.modules import FlashInferModulesMissing, function_name, missing_message, module_path
@@ -148,7 +157,8 @@ def _flashinfer_specs(spec: KVCacheSpec) -> dict[str, rx.Expr]:
         return rx.Tuple([tvm.ir.StringImm("flashinfer"), tvm.ir.StringImm(function_name(config, kind, run)),
                          tvm.ir.StringImm(function_name(config, kind, "plan"))])
 
-    return {"prefill_ragged": fi("prefill_fa2", "ragged_run"), "prefill_paged": fi("prefill_fa2", "paged_run"),
+    prefill = _flashinfer_prefill_kind(config)
+    return {"prefill_ragged": fi(prefill, "ragged_run"), "prefill_paged": fi(prefill, "paged_run"),
             "decode_paged": fi("decode", "run")}
 
 
