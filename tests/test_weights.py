@@ -23,6 +23,7 @@ pytest.importorskip("tokenizers")
 
 from tvmattn.weights import (
     SMOLLM2_INSTALL,
+    QuantizedTensor,
     WeightError,
     chat_template,
     dequantize,
@@ -72,6 +73,9 @@ def encode(x: np.ndarray, kind: str) -> tuple[np.ndarray, QT | None, np.ndarray]
         return x.astype(np.float16), None, x.astype(np.float16).astype(np.float32)
     if kind == "BF16":  # the upper 16 bits of each float32 (truncation)
         return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8), QT.BF16, bf16_round(x)
+    if kind == "Q4_0":  # gguf's own quantizer; the exact values from gguf's own dequantizer
+        raw = gguf.quants.quantize(x, QT.Q4_0)
+        return raw, QT.Q4_0, gguf.quants.dequantize(raw, QT.Q4_0).astype(np.float32)
     raw, exact = (quantize_q8_0 if kind == "Q8_0" else quantize_q4_1)(x)
     return raw, QT[kind], exact
 
@@ -205,7 +209,7 @@ def tiny_config(tied=True) -> dict:
 # ---------------------------------------------------------------- dequantization
 
 
-@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q8_0", "Q4_1", "Q4_0"])
 def test_dequantize_matches_definition_and_gguf_reference(kind):
     x = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32) * 3
     array, raw_dtype, exact = encode(x, kind)
@@ -289,6 +293,41 @@ def test_read_tiny_gguf(tmp_path, tied, bias, arch):
     assert model.rope_freq_factors is None
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_read_tiny_gguf_keeping_blocks(tmp_path, tied):
+    """keep_quantized: Q4_0/Q4_1/Q8_0 matrices come back as QuantizedTensors (q/k rows un-permuted
+    like the dequantized ones), everything else as before."""
+    path = tmp_path / "tiny.gguf"
+    override = {"blk.1.ffn_up.weight": encode(np.random.default_rng(4).standard_normal(
+        (TINY["inter"], TINY["hidden"])).astype(np.float32), "Q4_0")[:2]}
+    write_tiny_gguf(path, np.random.default_rng(3), tied=tied, override=override)
+    plain, kept = read_gguf(path), read_gguf(path, keep_quantized=True)
+    assert sorted(plain.tensors) == sorted(kept.tensors) and plain.hf_config == kept.hf_config
+    kinds = {}
+    for name, value in kept.tensors.items():
+        if isinstance(value, QuantizedTensor):
+            kinds[value.type_name] = kinds.get(value.type_name, 0) + 1
+            assert value.shape == plain.tensors[name].shape
+            np.testing.assert_array_equal(value.dequantize(), plain.tensors[name], err_msg=name)
+        else:
+            np.testing.assert_array_equal(value, plain.tensors[name], err_msg=name)
+    # per layer Q4_1 gate and q, Q8_0 k and down; Q4_0 up of layer 1; Q8_0 token_embd; Q4_1 output
+    assert kinds == {"Q4_1": 2 * TINY["layers"] + (not tied), "Q8_0": 2 * TINY["layers"] + 1, "Q4_0": 1}
+
+
+@pytest.mark.parametrize("name,kind", [("token_embd.weight", "Q8_0"), ("blk.0.attn_q.weight", "Q4_1")])
+def test_gguf_non_finite_scale_kept_quantized(tmp_path, name, kind):
+    rng = np.random.default_rng(27)
+    rows, cols = (len(tiny_vocab()[0]), TINY["hidden"]) if name == "token_embd.weight" else (TINY["hidden"],) * 2
+    array, raw_dtype, _ = encode(rng.standard_normal((rows, cols)).astype(np.float32), kind)
+    array = array.copy()
+    array[3, 0:2] = np.array([np.inf], np.float16).view(np.uint8)  # the scale of row 3's first block
+    path = corrupt(tmp_path, rng, override={name: (array, raw_dtype)})
+    with pytest.raises(WeightError, match=rf"bad\.gguf: tensor '{re.escape(name)}': 1 non-finite scale.* {kind} "
+                                          r"blocks, the first in row \d+, block 0"):
+        read_gguf(path, keep_quantized=True)
+
+
 def test_tiny_gguf_tokenizer_and_template(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, np.random.default_rng(4))
@@ -341,11 +380,12 @@ def test_not_a_gguf_file(tmp_path):
         read_gguf(tmp_path / "missing.gguf")
 
 
-def test_unsupported_quantization_type(tmp_path):
-    q4_0 = np.zeros((TINY["inter"], TINY["hidden"] // 32 * 18), np.uint8)
-    path = corrupt(tmp_path, np.random.default_rng(7), override={"blk.1.ffn_up.weight": (q4_0, QT.Q4_0)})
-    with pytest.raises(WeightError, match=r"bad\.gguf: tensor 'blk\.1\.ffn_up\.weight': unsupported tensor type Q4_0"):
-        read_gguf(path)
+@pytest.mark.parametrize("keep_quantized", [False, True])
+def test_unsupported_quantization_type(tmp_path, keep_quantized):
+    q5_0 = np.zeros((TINY["inter"], TINY["hidden"] // 32 * 22), np.uint8)
+    path = corrupt(tmp_path, np.random.default_rng(7), override={"blk.1.ffn_up.weight": (q5_0, QT.Q5_0)})
+    with pytest.raises(WeightError, match=r"bad\.gguf: tensor 'blk\.1\.ffn_up\.weight': unsupported tensor type Q5_0"):
+        read_gguf(path, keep_quantized=keep_quantized)
 
 
 def test_wrong_shape_for_config(tmp_path):

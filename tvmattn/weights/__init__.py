@@ -14,5 +14,7 @@ from .gguf_file import read_gguf as read_gguf
 from .gguf_file import tokenizer_from_gguf as tokenizer_from_gguf
 from .locate import SMOLLM2_INSTALL as SMOLLM2_INSTALL
 from .locate import smollm2_path as smollm2_path
+from .quant import QUANT_TYPES as QUANT_TYPES
+from .quant import QuantizedTensor as QuantizedTensor
 from .quant import dequantize as dequantize
 from .safetensors_folder import read_safetensors_folder as read_safetensors_folder

@@ -83,7 +83,8 @@ class LoadedModel:
 
     path: the file (GGUF) or folder (safetensors) read.
     hf_config: Hugging Face `config.json` style keys (model_type, hidden_size, ...).
-    tensors: float32 arrays under Hugging Face names, shapes as in the module docstring.
+    tensors: float32 arrays under Hugging Face names, shapes as in the module docstring (read with
+        keep_quantized, block-quantized matrices are quant.QuantizedTensor, of the same shapes).
     rope_freq_factors: GGUF `rope_freqs.weight` ([head_dim // 2] float32 divisors of the RoPE
         frequencies, how llama.cpp stores Llama-3 scaling), or None.
     """

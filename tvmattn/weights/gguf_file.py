@@ -1,8 +1,9 @@
 """GGUF files (read with the `gguf` package): config, dequantized tensors, tokenizer, chat template.
 
 Supported: architectures `llama` (q/k rows un-permuted, see `unpermute_rows`) and `qwen2`;
-tensor types F32, F16, BF16, Q8_0, Q4_1; byte-level BPE tokenizers (`tokenizer.ggml.model`
-"gpt2") with the GPT-2 or StarCoder/SmolLM pre-tokenizer.
+tensor types F32, F16, BF16, Q4_0, Q4_1, Q8_0 (block-quantized matrices dequantized to float32,
+or with `keep_quantized` kept as `QuantizedTensor`s); byte-level BPE tokenizers
+(`tokenizer.ggml.model` "gpt2") with the GPT-2 or StarCoder/SmolLM pre-tokenizer.
 
 A corrupt file is refused with a WeightError naming the file and tensor, never read into a broken
 model: each tensor's data must lie inside the file, aligned, overlapping no other tensor's data
@@ -21,7 +22,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from .common import Extent, LoadedModel, WeightError, check_disjoint, check_finite, check_inside, check_tensors, fail
-from .quant import FLOAT_TYPES, LAYOUTS, dequantize, nbytes
+from .quant import FLOAT_TYPES, LAYOUTS, QUANT_TYPES, QuantizedTensor, dequantize, nbytes, split_blocks
 
 # architecture -> (Hugging Face model_type, architectures entry, q/k rows permuted for interleaved RoPE)
 ARCHITECTURES = {
@@ -221,11 +222,14 @@ def role_types(name: str) -> tuple[str, tuple[str, ...]]:
     return "matrix", tuple(LAYOUTS)
 
 
-def read_tensor(path: pathlib.Path, reader: gguf.GGUFReader, tensor) -> np.ndarray:
+def read_tensor(path: pathlib.Path, reader: gguf.GGUFReader, tensor,
+                keep_quantized: bool = False) -> np.ndarray | QuantizedTensor:
     """One GGUF tensor as finite float32, numpy (row-major) shape: GGUF's [ne0, ne1] is numpy's [ne1, ne0].
 
     CheckedReader has checked the entry's extent and block shape; here its type is checked against
     what we read and what its role allows, and its decoded values for NaN and Inf.
+    keep_quantized: a 2-D matrix of a block type (QUANT_TYPES) comes back as a QuantizedTensor,
+    its scales and mins checked finite (then every value is).
     """
     type_name = tensor.tensor_type.name
     if type_name not in LAYOUTS:
@@ -235,13 +239,21 @@ def read_tensor(path: pathlib.Path, reader: gguf.GGUFReader, tensor) -> np.ndarr
         raise fail(path, tensor.name, f"type {type_name} is not allowed for a {role} (allowed: {', '.join(allowed)})")
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     start = int(tensor.data_offset)
-    values = dequantize(reader.data[start:start + nbytes(type_name, math.prod(shape))], type_name, shape)
+    raw = reader.data[start:start + nbytes(type_name, math.prod(shape))]
+    if keep_quantized and type_name in QUANT_TYPES and len(shape) == 2:
+        kept = split_blocks(raw, type_name, shape)
+        problem = kept.scales_problem()
+        if problem:
+            raise fail(path, tensor.name, problem)
+        return kept
+    values = dequantize(raw, type_name, shape)
     check_finite(path, tensor.name, values)
     return values
 
 
-def read_gguf(path) -> LoadedModel:
-    """Config and float32 weights (HF names and shapes, rotate-half q/k) of a GGUF model file."""
+def read_gguf(path, keep_quantized: bool = False) -> LoadedModel:
+    """Config and float32 weights (HF names and shapes, rotate-half q/k) of a GGUF model file;
+    with keep_quantized, matrices stored in a block type (QUANT_TYPES) are QuantizedTensors."""
     path, reader = open_gguf(path)
     meta = metadata(path, reader)
     arch = architecture(path, meta)
@@ -253,7 +265,7 @@ def read_gguf(path) -> LoadedModel:
         name = hf_name(path, tensor.name)
         if name in tensors:
             raise fail(path, tensor.name, "appears twice")
-        tensors[name] = read_tensor(path, reader, tensor)
+        tensors[name] = read_tensor(path, reader, tensor, keep_quantized)
     embed = tensors.get("model.embed_tokens.weight")
     if embed is None:
         raise fail(path, "token_embd.weight", "missing")
@@ -264,7 +276,11 @@ def read_gguf(path) -> LoadedModel:
     if ARCHITECTURES[arch][2]:
         for name in [n for n in tensors if ".self_attn.q_proj." in n or ".self_attn.k_proj." in n]:
             n_head = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
-            tensors[name] = np.ascontiguousarray(unpermute_rows(tensors[name], n_head))
+            value = tensors[name]
+            if isinstance(value, QuantizedTensor):  # rows move whole: every part's rows alike
+                tensors[name] = value.map_rows(lambda part, n_head=n_head: unpermute_rows(part, n_head))
+            else:
+                tensors[name] = np.ascontiguousarray(unpermute_rows(value, n_head))
     return LoadedModel(path=path, hf_config=config, tensors=tensors, rope_freq_factors=rope_freqs)
 
 
