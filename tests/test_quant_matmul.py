@@ -1,0 +1,165 @@
+"""Fused dequantize + matmul and embedding lookup over GGUF blocks (tvmattn/models/quant_matmul.py).
+
+Every kernel against dequantize-then-matmul in numpy: the blocks are made by gguf's own quantizer
+(gguf.quants.quantize) and dequantized for the reference by gguf's own dequantizer, so the
+reference shares no code with the kernels or with tvmattn.weights. Shapes are odd on purpose:
+row counts that are no multiple of the vector width or of the row tile (37, 19), K of 3 and 5
+blocks, 1 token (GEMV) and several (GEMM: a symbolic token count run with 1, 3, 8 and 17 tokens,
+and a static 5), every vector width a host may have. Each kernel is built once per module.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import tvm
+
+from tvmattn.models.quant_matmul import (
+    CPUSchedule,
+    QuantMatmulConfig,
+    host_target,
+    kernel,
+    matmul_algorithm,
+    schedule,
+)
+from tvmattn.weights.quant import PACKED, QUANT_TYPES, QuantizedTensor, split_blocks
+
+QT = gguf.GGMLQuantizationType
+FORMATS = list(QUANT_TYPES)
+SHAPES = [(37, 96), (64, 160), (19, 32)]  # (rows N, K): N odd / even; K = 3, 5, 1 blocks
+TOKENS = (1, 3, 8, 17)
+
+
+@pytest.fixture(scope="module")
+def built():
+    """(config, schedule) -> compiled kernel, built once."""
+    cache = {}
+
+    def get(config: QuantMatmulConfig, plan: CPUSchedule | None = None):
+        key = (config, plan)
+        if key not in cache:
+            cache[key] = tvm.compile(kernel(config, plan), target=host_target())
+        return cache[key]
+
+    return get
+
+
+def quantized(fmt: str, rows: int, cols: int, seed: int) -> tuple[QuantizedTensor, np.ndarray]:
+    """(the blocks split into arrays, gguf's own dequantization of them [rows, cols] float32)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.1, 3.0, (rows, 1))).astype(np.float32)
+    raw = gguf.quants.quantize(w, QT[fmt])
+    return split_blocks(raw, fmt, (rows, cols)), gguf.quants.dequantize(raw, QT[fmt]).astype(np.float32)
+
+
+def run_matmul(fn, config: QuantMatmulConfig, blocks: QuantizedTensor, x: np.ndarray) -> np.ndarray:
+    parts = [tvm.runtime.tensor(blocks.parts[name]) for name, _, _ in config.part_shapes()]
+    out = tvm.runtime.tensor(np.full((x.shape[0], config.n), np.nan, np.float32))
+    fn(tvm.runtime.tensor(x), *parts, out)
+    return out.numpy()
+
+
+def check(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T  # bounds the rounding
+    assert np.isfinite(got).all()
+    assert (np.abs(got - want) <= 1e-6 * scale + 1e-6).all(), np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_gemv_matches_dequantize_then_matmul(built, fmt, rows, cols):
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=1)
+    blocks, w = quantized(fmt, rows, cols, seed=rows + cols)
+    np.testing.assert_array_equal(blocks.dequantize(), w)  # our split agrees with gguf's blocks
+    x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
+    check(run_matmul(built(config), config, blocks, x), x, w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_gemm_symbolic_tokens_matches_dequantize_then_matmul(built, fmt, rows, cols):
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=None)
+    blocks, w = quantized(fmt, rows, cols, seed=2 * rows + cols)
+    fn = built(config)
+    for tokens in TOKENS:
+        x = np.random.default_rng(tokens).standard_normal((tokens, cols)).astype(np.float32)
+        check(run_matmul(fn, config, blocks, x), x, w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemm_static_tokens(built, fmt):
+    config = QuantMatmulConfig(fmt, 37, 96, tokens=5)  # 5: not a multiple of the token tile
+    blocks, w = quantized(fmt, 37, 96, seed=5)
+    x = np.random.default_rng(5).standard_normal((5, 96)).astype(np.float32)
+    check(run_matmul(built(config), config, blocks, x), x, w)
+
+
+@pytest.mark.parametrize("lanes", [4, 8, 16])
+@pytest.mark.parametrize("tokens", [1, None])
+def test_every_vector_width(built, lanes, tokens):
+    """The schedules of hosts with SSE (4 lanes), AVX2 (8) and AVX-512 (16), on this host."""
+    fmt = "Q4_1"
+    config = QuantMatmulConfig(fmt, 19, 96, tokens=tokens)
+    plan = CPUSchedule(lanes=lanes, rows=4 if tokens else 2, chunk=8)
+    blocks, w = quantized(fmt, 19, 96, seed=lanes)
+    x = np.random.default_rng(lanes).standard_normal((1 if tokens else 6, 96)).astype(np.float32)
+    check(run_matmul(built(config, plan), config, blocks, x), x, w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_take_reads_rows(built, fmt):
+    config = QuantMatmulConfig(fmt, 37, 160, op="take")
+    blocks, w = quantized(fmt, 37, 160, seed=9)
+    ids = np.array([0, 36, 5, 5, 17], np.int32)
+    parts = [tvm.runtime.tensor(blocks.parts[name]) for name, _, _ in config.part_shapes()]
+    out = tvm.runtime.tensor(np.full((len(ids), 160), np.nan, np.float32))
+    built(config)(tvm.runtime.tensor(ids), *parts, out)
+    np.testing.assert_array_equal(out.numpy(), w[ids])
+
+
+def test_part_shapes_follow_the_block_layout():
+    config = QuantMatmulConfig("Q4_1", 8, 64)
+    assert config.part_shapes() == [("qs", "uint8", (8, 32)), ("d", "float16", (8, 2)), ("m", "float16", (8, 2))]
+    assert [p[0] for p in QuantMatmulConfig("Q8_0", 8, 64).part_shapes()] == [p[0] for p in PACKED["Q8_0"]]
+    assert QuantMatmulConfig("Q8_0", 8, 64).part_shapes()[0] == ("qs", "int8", (8, 64))
+
+
+def test_algorithm_is_unscheduled_and_schedule_marks_it():
+    config = QuantMatmulConfig("Q4_0", 8, 64, tokens=1)
+    func = matmul_algorithm(config)
+    assert "tirx.is_scheduled" not in (func.attrs or {})
+    scheduled = schedule(func, config)
+    assert scheduled.attrs["tirx.is_scheduled"] and int(scheduled.attrs["op_pattern"]) == 8
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"fmt": "Q5_0", "n": 8, "k": 64}, "fmt='Q5_0'"),
+    ({"fmt": "Q4_1", "n": 8, "k": 48}, "k=48: expected a multiple of 32"),
+    ({"fmt": "Q4_1", "n": 0, "k": 64}, "n=0"),
+    ({"fmt": "Q4_1", "n": 8, "k": 64, "tokens": 0}, "tokens=0"),
+    ({"fmt": "Q4_1", "n": 8, "k": 64, "op": "gather"}, "op='gather'"),
+    ({"fmt": "Q4_1", "n": 8, "k": 64, "target": "cuda"}, "only 'llvm'"),
+])
+def test_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        QuantMatmulConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"lanes": 12}, "lanes=12"), ({"rows": 0}, "rows=0"), ({"rows": 4, "chunk": 6}, "chunk=6"),
+])
+def test_schedule_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CPUSchedule(**kwargs)
+
+
+def test_quantized_tensor_checks_its_parts():
+    blocks, _ = quantized("Q4_1", 4, 64, seed=0)
+    with pytest.raises(ValueError, match="part 'm'"):
+        QuantizedTensor("Q4_1", (4, 64), {k: v for k, v in blocks.parts.items() if k != "m"})
+    with pytest.raises(ValueError, match="part 'qs'"):
+        QuantizedTensor("Q4_1", (4, 64), {**blocks.parts, "qs": blocks.parts["qs"][:, :16]})
+    with pytest.raises(ValueError, match="type_name='Q4_K'"):
+        QuantizedTensor("Q4_K", (4, 64), blocks.parts)
