@@ -148,6 +148,74 @@ class AttentionConfig:
         return dataclasses.replace(self, **changes)
 
 
+# The largest latent (output) width of an MLA kernel: the split-merge kernel gives each output
+# column a thread, and CUDA blocks have at most 1024.
+MAX_MLA_LATENT_DIM = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """What an MLA (multi-head latent attention, DeepSeek-V2/V3) kernel computes.
+
+    Every head attends to the same cached row per token: the latent vector (latent_dim values,
+    also the value) followed by the rotary key part (rope_dim values). Queries are "absorbed"
+    (already projected into that space), so q has latent_dim + rope_dim values per head and the
+    output latent_dim. The defaults are DeepSeek-V2/V3's (latent 512, rope 64); num_heads is 128
+    for V2/V3 and 16 for V2-Lite.
+
+    num_heads: query heads (all share the one latent row).
+    latent_dim: latent rank, the output width (a multiple of 16, at most MAX_MLA_LATENT_DIM).
+    rope_dim: width of the rotary key part (a multiple of 16 up to MAX_HEAD_DIM, may be 0).
+    dtype, page_size, target: as in AttentionConfig. Pages are [num_pages, page_size, qk_dim].
+    """
+
+    num_heads: int
+    latent_dim: int = 512
+    rope_dim: int = 64
+    dtype: str = "float16"
+    page_size: int = 16
+    target: str = "llvm"
+
+    def __post_init__(self):
+        if not isinstance(self.num_heads, int) or isinstance(self.num_heads, bool) or self.num_heads <= 0:
+            _fail("num_heads", self.num_heads, "a positive integer")
+        latent = self.latent_dim
+        if not isinstance(latent, int) or latent <= 0 or latent % 16 or latent > MAX_MLA_LATENT_DIM:
+            _fail("latent_dim", latent, f"a multiple of 16 from 16 to {MAX_MLA_LATENT_DIM}")
+        rope = self.rope_dim
+        if not isinstance(rope, int) or rope < 0 or rope % 16 or rope > MAX_HEAD_DIM:
+            _fail("rope_dim", rope, f"a multiple of 16 from 0 to {MAX_HEAD_DIM}")
+        for field, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
+            expected = problem(getattr(self, field))
+            if expected:
+                _fail(field, getattr(self, field), expected)
+        TargetName.parse(self.target)  # raises ValueError naming the target
+
+    @property
+    def qk_dim(self) -> int:
+        """Values per cached row and per query head: latent_dim + rope_dim."""
+        return self.latent_dim + self.rope_dim
+
+    @property
+    def is_gpu(self) -> bool:
+        return TargetName.parse(self.target).is_cuda
+
+    @property
+    def elem_bytes(self) -> int:
+        return tvm.runtime.DataType(self.dtype).bits // 8
+
+    @property
+    def cuda_arch(self) -> str:
+        return TargetName.parse(self.target).cuda_arch
+
+    def tvm_target(self) -> tvm.target.Target:
+        """The TVM target this config builds for."""
+        return tvm_target(self.target)
+
+    def replace(self, **changes) -> "MLAConfig":
+        return dataclasses.replace(self, **changes)
+
+
 def tvm_target(target: str, *, schedule_rules: bool = False) -> tvm.target.Target:
     """The TVM target of a target string ("llvm", "cuda", "cuda:sm_XY"; see tir_kernels.support).
 
