@@ -1,0 +1,369 @@
+"""MLA kernels (tir_kernels/mla.py) against an independent float64 numpy reference, CPU and CUDA.
+
+The reference expands the latent cache into ordinary per-head K and V (every head's key for
+token j is the whole cached row [latent, rope], its value the latent part) and runs plain
+multi-head attention (reference.attention). Page operations are compared bit for bit.
+"""
+
+import dataclasses
+import zlib
+
+import numpy as np
+import pytest
+import tvm
+import reference as ref
+from harness import JUNK, device_for, empty, index_view, randn, tensor, to_dtype
+
+from tir_kernels import (
+    AttentionConfig,
+    MLAConfig,
+    MLASchedule,
+    choose_mla_schedule,
+    mla_copy_single_page,
+    mla_debug_get_kv,
+    mla_paged_decode,
+    mla_paged_prefill,
+    mla_transpose_append,
+)
+
+# DeepSeek's softmax scale comes from the original qk head dim (128 + 64), not from the
+# latent width: the kernels take the caller's scale.
+SM_SCALE = 1.0 / np.sqrt(192.0)
+
+# Small configs for the CPU: (num_heads, latent_dim, rope_dim, page_size, dtype); every dtype,
+# page sizes 1/16/64, a head count that is not a power of two, and no rope part.
+CASES = [
+    (4, 64, 16, 16, "float32"),
+    (8, 32, 16, 1, "float16"),
+    (3, 48, 32, 64, "bfloat16"),
+    (16, 64, 0, 16, "float16"),
+]
+# DeepSeek-V2-Lite (16 heads) and V2/V3 (128 heads): latent 512, rope 64.
+DEEPSEEK_CASES = [
+    (16, 512, 64, 16, "bfloat16"),
+    (128, 512, 64, 64, "float16"),
+]
+
+
+def case_id(case):
+    h, latent, rope, ps, dtype = case
+    return f"h{h}-l{latent}-r{rope}-ps{ps}-{dtype}"
+
+
+def make_config(case, target):
+    h, latent, rope, ps, dtype = case
+    return MLAConfig(h, latent_dim=latent, rope_dim=rope, dtype=dtype, page_size=ps, target=target)
+
+
+def rng_for(*parts):
+    return np.random.default_rng(zlib.crc32("-".join(map(str, parts)).encode()))
+
+
+@dataclasses.dataclass
+class LatentBatch:
+    """Per-request latent rows laid into one MLA page pool with shuffled page ids.
+
+    rows[i]: [len_i, qk_dim] of request i (the unpaged truth); pages [P, page_size, qk_dim] with
+    JUNK in every slot no request owns; page_indptr [B+1], page_indices [nnz], last_page_len [B].
+    """
+
+    rows: list
+    pages: np.ndarray
+    page_indptr: np.ndarray
+    page_indices: np.ndarray
+    last_page_len: np.ndarray
+
+
+def make_latent_batch(rng, lengths, config: MLAConfig, spare_pages=3) -> LatentBatch:
+    ps = config.page_size
+    rows = [randn(rng, (n, config.qk_dim), config.dtype) for n in lengths]
+    pages_per_req = [-(-n // ps) for n in lengths]
+    total = sum(pages_per_req) + spare_pages
+    pages = np.full((total, ps, config.qk_dim), JUNK, dtype=np.float64)
+    order = rng.permutation(total)
+    indptr, indices, last = [0], [], []
+    cursor = 0
+    for n, r, npg in zip(lengths, rows, pages_per_req):
+        ids = order[cursor : cursor + npg]
+        cursor += npg
+        for slot in range(n):
+            pages[ids[slot // ps], slot % ps] = r[slot]
+        indices.extend(ids.tolist())
+        indptr.append(len(indices))
+        last.append(n - (npg - 1) * ps if npg else 0)
+    return LatentBatch(rows, to_dtype(pages, config.dtype), np.array(indptr, np.int32), np.array(indices, np.int32),
+                       np.array(last, np.int32))
+
+
+def expected_attention(q, rows, latent_dim, causal):
+    """q [qo_len, H, qk_dim] against latent rows [kv_len, qk_dim]: o [qo_len, H, latent_dim] and
+    lse [qo_len, H] (float64, base 2), by ordinary attention over the expanded per-head K and V."""
+    heads = q.shape[1]
+    rows = np.asarray(rows, np.float64)
+    k = np.repeat(rows[:, None, :], heads, axis=1)  # [kv_len, H, qk_dim]
+    v = np.repeat(rows[:, None, :latent_dim], heads, axis=1)  # [kv_len, H, latent_dim]
+    return ref.attention(q, k, v, SM_SCALE, causal)
+
+
+def check(config, o, lse, expected_o, expected_lse, what):
+    rtol, atol = ref.TOLERANCES[config.dtype]
+    np.testing.assert_allclose(o, expected_o, rtol=rtol, atol=atol, err_msg=f"o of {what}")
+    np.testing.assert_allclose(lse, expected_lse, rtol=ref.LSE_TOLERANCE[0], atol=ref.LSE_TOLERANCE[1],
+                               err_msg=f"lse of {what}")
+
+
+def run_decode(kernels, config, batch, q, schedule=None):
+    dev = device_for(config)
+    fn = kernels.get(mla_paged_decode, config, schedule) if schedule else kernels.get(mla_paged_decode, config)
+    b = len(batch.rows)
+    o = empty((b, config.num_heads, config.latent_dim), config.dtype, dev)
+    lse = empty((b, config.num_heads), "float32", dev)
+    fn(tensor(q, dev), tensor(batch.pages, dev), index_view(batch.page_indptr, dev),
+       index_view(batch.page_indices, dev, offset=5), index_view(batch.last_page_len, dev, offset=3), o, lse, SM_SCALE)
+    return o.numpy().astype(np.float64), lse.numpy()
+
+
+def check_decode(kernels, config, lengths, rng, schedule=None):
+    batch = make_latent_batch(rng, lengths, config)
+    q = randn(rng, (len(lengths), config.num_heads, config.qk_dim), config.dtype)
+    o, lse = run_decode(kernels, config, batch, q, schedule)
+    for i, rows in enumerate(batch.rows):
+        eo, el = expected_attention(q[i : i + 1], rows, config.latent_dim, causal=False)
+        check(config, o[i], lse[i], eo[0], el[0], f"request {i} (length {lengths[i]})")
+
+
+def run_prefill(kernels, config, batch, q, qo_indptr, causal):
+    dev = device_for(config)
+    fn = kernels.get(mla_paged_prefill, config)
+    total = q.shape[0]
+    o = empty((total, config.num_heads, config.latent_dim), config.dtype, dev)
+    lse = empty((total, config.num_heads), "float32", dev)
+    fn(tensor(q, dev), index_view(qo_indptr, dev, offset=9), tensor(batch.pages, dev),
+       index_view(batch.page_indptr, dev), index_view(batch.page_indices, dev, offset=5),
+       index_view(batch.last_page_len, dev, offset=3), o, lse, int(causal), SM_SCALE)
+    return o.numpy().astype(np.float64), lse.numpy()
+
+
+def check_prefill(kernels, config, qo_lens, kv_lens, causal, rng):
+    batch = make_latent_batch(rng, kv_lens, config)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q = randn(rng, (int(qo_indptr[-1]), config.num_heads, config.qk_dim), config.dtype)
+    o, lse = run_prefill(kernels, config, batch, q, qo_indptr, causal)
+    for i, rows in enumerate(batch.rows):
+        lo, hi = qo_indptr[i], qo_indptr[i + 1]
+        eo, el = expected_attention(q[lo:hi], rows, config.latent_dim, causal)
+        check(config, o[lo:hi], lse[lo:hi], eo, el, f"request {i} (qo_len {qo_lens[i]}, kv_len {kv_lens[i]})")
+
+
+def decode_lengths(page_size):
+    # Empty history, one token, exactly one and two pages, ragged lengths.
+    return [0, 1, page_size, 2 * page_size, 37, 3 * page_size + 5, 130]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_mla_decode(kernels, target, case):
+    config = make_config(case, target)
+    check_decode(kernels, config, decode_lengths(config.page_size), rng_for("decode", case_id(case)))
+
+
+@pytest.mark.parametrize("batch_size", [1, 64])
+def test_mla_decode_batch_sizes(kernels, target, batch_size):
+    """Batch 1 with a long history; batch 64 with ragged lengths, some empty."""
+    config = make_config(CASES[1], target)
+    rng = rng_for("decode-batch", batch_size)
+    lengths = [300] if batch_size == 1 else rng.integers(0, 40, size=batch_size).tolist()
+    check_decode(kernels, config, lengths, rng)
+
+
+def test_mla_decode_split_kv_cpu(kernels):
+    """The split-KV path (partials, then the FP32 merge) on the CPU, with empty splits."""
+    config = make_config(CASES[0], "llvm")
+    schedule = MLASchedule(threads_y=1, threads_x=1, rows_per_thread=4, cols_per_thread=8, max_splits=5,
+                           target_blocks=64)
+    check_decode(kernels, config, [0, 3, 1, 40, 77], rng_for("decode-split"), schedule)
+
+
+def prefill_requests(page_size):
+    """(qo_len, kv_len) per request: single tokens, no history, history, no new tokens, page
+    boundaries, an empty history, and fewer keys than queries (causal rows that see nothing)."""
+    return [(1, 1), (5, 5), (3, 20), (0, 7), (4, 2 * page_size + 3), (6, 0), (2, page_size), (7, 3)]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_mla_prefill(kernels, target, case, causal):
+    config = make_config(case, target)
+    qo_lens, kv_lens = zip(*prefill_requests(config.page_size))
+    check_prefill(kernels, config, list(qo_lens), list(kv_lens), causal, rng_for("prefill", case_id(case), causal))
+
+
+@pytest.mark.parametrize("batch_size", [1, 64])
+def test_mla_prefill_batch_sizes(kernels, target, batch_size):
+    """Many short requests (as TVM's cache calls the MLA prefill for decode: causal = 0)."""
+    config = make_config(CASES[2], target)
+    rng = rng_for("prefill-batch", batch_size)
+    qo_lens = rng.integers(1, 4, size=batch_size).tolist()
+    kv_lens = [q + int(rng.integers(0, 70)) for q in qo_lens]
+    check_prefill(kernels, config, qo_lens, kv_lens, batch_size == 1, rng)
+
+
+@pytest.mark.parametrize("case", DEEPSEEK_CASES, ids=case_id)
+def test_mla_deepseek_decode(kernels, target, case):
+    config = make_config(case, target)
+    check_decode(kernels, config, [0, 17, 100], rng_for("deepseek-decode", case_id(case)))
+
+
+@pytest.mark.parametrize("case", DEEPSEEK_CASES, ids=case_id)
+def test_mla_deepseek_prefill(kernels, target, case):
+    config = make_config(case, target)
+    check_prefill(kernels, config, [3, 1, 2], [20, 64, 0], True, rng_for("deepseek-prefill", case_id(case)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_size,length", [(1, 3000), (3, 700), (64, 90)])
+def test_mla_decode_split_kv_gpu(kernels, batch_size, length):
+    """DeepSeek-V3 shape on CUDA: small batches split the history over blocks."""
+    config = make_config(DEEPSEEK_CASES[1], "cuda").replace(page_size=16)
+    lengths = [length + 17 * i for i in range(batch_size)]
+    check_decode(kernels, config, lengths, rng_for("split-gpu", batch_size))
+
+
+# Page operations: (latent_dim, rope_dim, page_size, dtype).
+PAGE_CASES = [(64, 16, 16, "float16"), (512, 64, 1, "bfloat16"), (32, 0, 64, "float32")]
+
+
+def page_case_id(case):
+    latent, rope, ps, dtype = case
+    return f"l{latent}-r{rope}-ps{ps}-{dtype}"
+
+
+def page_config(case, target):
+    latent, rope, ps, dtype = case
+    return MLAConfig(1, latent_dim=latent, rope_dim=rope, dtype=dtype, page_size=ps, target=target)
+
+
+def assert_same(actual, expected, what):
+    """Bit-exact equality (copies must not round)."""
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    uint = np.dtype(f"u{expected.dtype.itemsize}")
+    mismatch = np.argwhere(np.asarray(actual).view(uint) != np.asarray(expected).view(uint))
+    assert mismatch.size == 0, f"{what}: {len(mismatch)} elements differ, first at {tuple(mismatch[0])}"
+
+
+@pytest.mark.parametrize("case", PAGE_CASES, ids=page_case_id)
+def test_mla_transpose_append(kernels, target, case):
+    """Rows land at their (page, slot) of a shuffled pool; -1 skips; every other slot is kept."""
+    config = page_config(case, target)
+    dev = device_for(config)
+    rng = rng_for("append", page_case_id(case))
+    n, ps = 37, config.page_size
+    num_pages = -(-(n + 9) // ps) + 2
+    pool = randn(rng, (num_pages, ps, config.qk_dim), config.dtype)
+    kv = randn(rng, (n, config.qk_dim), config.dtype)
+    positions = rng.choice(num_pages * ps, size=n, replace=False).astype(np.int32)
+    positions[rng.choice(n, size=6, replace=False)] = -1
+    expected = pool.copy()
+    for i, pos in enumerate(positions):
+        if pos >= 0:
+            expected[pos // ps, pos % ps] = kv[i]
+    pages = tensor(pool, dev)
+    kernels.get(mla_transpose_append, config)(pages, tensor(kv, dev), index_view(positions, dev))
+    assert_same(pages.numpy(), expected, "pages")
+    # No tokens: nothing changes (and the launch still has a block).
+    kernels.get(mla_transpose_append, config)(pages, tensor(kv[:0], dev), index_view(positions[:0], dev))
+    assert_same(pages.numpy(), expected, "pages after an empty append")
+
+
+@pytest.mark.parametrize("case", PAGE_CASES, ids=page_case_id)
+def test_mla_copy_single_page(kernels, target, case):
+    """Slots [0, copy_length) of page src go to page tgt; the rest of the pool is kept."""
+    config = page_config(case, target)
+    dev = device_for(config)
+    rng = rng_for("copy", page_case_id(case))
+    ps = config.page_size
+    pool = randn(rng, (5, ps, config.qk_dim), config.dtype)
+    pages = tensor(pool, dev)
+    expected = pool.copy()
+    for src, tgt, length in [(1, 3, max(1, ps // 2)), (4, 0, ps)]:
+        expected[tgt, :length] = expected[src, :length]
+        kernels.get(mla_copy_single_page, config)(pages, src, tgt, length)
+        assert_same(pages.numpy(), expected, f"pages after copying {length} slots of page {src} to {tgt}")
+
+
+@pytest.mark.parametrize("case", PAGE_CASES, ids=page_case_id)
+def test_mla_debug_get_kv(kernels, target, case):
+    """kv[layer_id, i] <- the row at position_map[i]; the other layers are untouched."""
+    config = page_config(case, target)
+    dev = device_for(config)
+    rng = rng_for("debug", page_case_id(case))
+    ps, layers, layer_id = config.page_size, 3, 1
+    pool = randn(rng, (6, ps, config.qk_dim), config.dtype)
+    positions = rng.choice(6 * ps, size=min(11, 6 * ps), replace=False).astype(np.int32)
+    out = randn(rng, (layers, len(positions), config.qk_dim), config.dtype)
+    expected = out.copy()
+    expected[layer_id] = pool.reshape(-1, config.qk_dim)[positions]
+    result = tensor(out, dev)
+    kernels.get(mla_debug_get_kv, config, layers)(tensor(pool, dev), index_view(positions, dev), result, layer_id)
+    assert_same(result.numpy(), expected, "kv")
+
+
+def test_mla_config_validation():
+    config = MLAConfig(128)
+    assert (config.latent_dim, config.rope_dim, config.qk_dim) == (512, 64, 576)  # DeepSeek-V2/V3
+    for field, value in [("num_heads", 0), ("latent_dim", 40), ("latent_dim", 2048), ("rope_dim", 8),
+                         ("rope_dim", -16), ("dtype", "int8"), ("page_size", 3), ("target", "rocm")]:
+        with pytest.raises(ValueError, match=field if field != "target" else "rocm"):
+            MLAConfig(**{"num_heads": 4, field: value})
+    with pytest.raises(TypeError, match="MLAConfig"):
+        mla_paged_decode(AttentionConfig(8, 1, 64))
+
+
+def test_mla_schedule_validation():
+    cpu = MLAConfig(8, latent_dim=64, rope_dim=16)
+    gpu = MLAConfig(128, target="cuda:sm_90")
+    with pytest.raises(ValueError, match="power of two"):
+        MLASchedule(threads_y=8, threads_x=3, rows_per_thread=2, cols_per_thread=2)
+    with pytest.raises(ValueError, match="must be 1 on the CPU"):
+        mla_paged_decode(cpu, MLASchedule(threads_y=8, threads_x=4, rows_per_thread=2, cols_per_thread=8))
+    with pytest.raises(ValueError, match="prefill does not split"):
+        mla_paged_prefill(cpu, MLASchedule(threads_y=1, threads_x=1, rows_per_thread=4, cols_per_thread=8,
+                                           max_splits=4))
+    with pytest.raises(ValueError, match="latent_dim"):
+        mla_paged_decode(gpu.replace(latent_dim=96), MLASchedule(threads_y=16, threads_x=16, rows_per_thread=2,
+                                                                 cols_per_thread=2))
+    with pytest.raises(ValueError, match="shared"):
+        mla_paged_decode(gpu, MLASchedule(threads_y=16, threads_x=16, rows_per_thread=4, cols_per_thread=4))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90"])
+def test_choose_mla_schedule_fits(arch):
+    """The chosen CUDA schedules fit each arch's shared memory for every DeepSeek and test shape."""
+    for h, latent, rope, ps, dtype in CASES + DEEPSEEK_CASES:
+        config = MLAConfig(h, latent_dim=latent, rope_dim=rope, dtype=dtype, page_size=ps, target=f"cuda:{arch}")
+        for decode in (True, False):
+            sched = choose_mla_schedule(config, decode)
+            sched.check(config)
+            assert sched.num_threads >= 32 and (sched.max_splits > 1) == decode
+
+
+def cuda_source(func, config):
+    module = tvm.compile(tvm.IRModule({"main": func}), target=config.tvm_target())
+    return module.mod.imports[0].inspect_source()
+
+
+@pytest.mark.parametrize("generator", [mla_paged_decode, mla_paged_prefill], ids=["decode", "prefill"])
+@pytest.mark.parametrize("case", [(128, 512, 64, 16, "float16"), (16, 512, 64, 64, "bfloat16"),
+                                  (128, 512, 64, 1, "float32")], ids=case_id)
+def test_mla_cuda_codegen(generator, case):
+    """DeepSeek shapes build for CUDA without a GPU, with 16-byte latent loads."""
+    source = cuda_source(generator(make_config(case, "cuda:sm_90")), make_config(case, "cuda:sm_90"))
+    assert "__syncthreads" in source
+    assert ("uint4" in source) or ("float4" in source)
+
+
+@pytest.mark.parametrize("generator,args", [(mla_transpose_append, ()), (mla_copy_single_page, ()),
+                                            (mla_debug_get_kv, (2,))], ids=["append", "copy", "debug"])
+def test_mla_page_ops_cuda_codegen(generator, args):
+    config = page_config(PAGE_CASES[0], "cuda")
+    source = cuda_source(generator(config, *args), config)
+    assert "uint4" in source
