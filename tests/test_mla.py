@@ -11,14 +11,18 @@ import zlib
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 import reference as ref
 from harness import JUNK, device_for, empty, index_view, randn, tensor, to_dtype
+from tvm.relax.frontend.nn.llm.kv_cache import AttnKind
+from tvm.runtime import ShapeTuple
 
 from tir_kernels import (
     AttentionConfig,
     MLAConfig,
     MLASchedule,
     choose_mla_schedule,
+    merge_state,
     mla_copy_single_page,
     mla_debug_get_kv,
     mla_paged_decode,
@@ -367,3 +371,108 @@ def test_mla_page_ops_cuda_codegen(generator, args):
     config = page_config(PAGE_CASES[0], "cuda")
     source = cuda_source(generator(config, *args), config)
     assert "uint4" in source
+
+
+def _not_called(*args):
+    raise AssertionError("an MLA cache without token trees or RoPE never calls this function")
+
+
+def create_tvm_mla_cache(kernels, config: MLAConfig, num_layers: int):
+    """TVM's own C++ paged KV cache with every layer MLA and our MLA kernels in its slots
+    (`vm.builtin.paged_attention_kv_cache_create`, paged_kv_cache.cc's positional arguments)."""
+    dev = device_for(config)
+    merge_config = AttentionConfig(config.num_heads, config.num_heads, config.latent_dim, dtype=config.dtype,
+                                   target=config.target)
+    unused = tvm_ffi.convert(_not_called)
+    args = [
+        ShapeTuple([8, 1024, 256, config.page_size, 0]),  # seqs, token capacity, prefill chunk, page size, sliding
+        ShapeTuple([0, num_layers]),  # layer_indptr: one pipeline stage
+        config.num_heads,  # num_qo_heads
+        1,  # num_kv_heads: one latent row per token
+        config.qk_dim,  # qk_head_dim
+        config.latent_dim,  # v_head_dim
+        ShapeTuple([int(AttnKind.MLA)] * num_layers),
+        False,  # enable_kv_transfer
+        0,  # rope_mode: none (the rope part is cached rotated)
+        1.0,  # rope_scale
+        1e4,  # rope_theta
+        None,  # rope_ext_factors
+        tvm.runtime.empty((), config.dtype, device=dev),  # the pages' dtype and device
+        None,  # transpose_append (MHA)
+        kernels.get(mla_transpose_append, config),
+        [], [], [], [], [], [], [],  # ragged / paged prefill, decode, sliding prefill / decode, tree paged / ragged
+        ["tirx", kernels.get(mla_paged_prefill, config)],
+        [kernels.get(merge_state, merge_config)],  # merges the cascade depths of cross-attention
+        unused,  # split_rotary
+        kernels.get(mla_copy_single_page, config),
+        kernels.get(mla_debug_get_kv, config, num_layers),
+        unused,  # compact_copy
+    ]
+    return tvm.get_global_func("vm.builtin.paged_attention_kv_cache_create")(*args)
+
+
+def test_mla_in_tvm_cache(kernels, target):
+    """TVM's C++ cache drives our MLA kernels as a DeepSeek model does: append_mla_kv, then
+    cross-attention over the cache (prefill: the history; decode: the history and the new
+    token), across forks (a partly copied page, cascade depths merged by merge_state) and popn;
+    every output and LSE against the expanded reference, the cached rows by debug_get_kv_mla."""
+    config = MLAConfig(4, latent_dim=64, rope_dim=16, dtype="float16", page_size=16, target=target)
+    dev = device_for(config)
+    layers = 2
+    cache = create_tvm_mla_cache(kernels, config, layers)
+    rng = rng_for("tvm-cache")
+    rows = {}  # seq -> per layer [len, qk_dim]: what the cache must hold
+
+    def builtin(name, *args):
+        return tvm.get_global_func(f"vm.builtin.{name}")(cache, *args)
+
+    def add(seq):
+        builtin("kv_state_add_sequence", seq)
+        rows[seq] = [np.zeros((0, config.qk_dim), np.float16) for _ in range(layers)]
+
+    def forward(seq_ids, lengths):
+        builtin("kv_state_begin_forward", ShapeTuple(seq_ids), ShapeTuple(lengths))
+        decode = all(n == 1 for n in lengths)  # TVM appends before attention in decode steps only
+        for layer in range(layers):
+            new = [randn(rng, (n, config.qk_dim), config.dtype) for n in lengths]
+            builtin("attention_kv_cache_append_mla_kv", layer, tensor(np.concatenate(new), dev))
+            history = [rows[s][layer] for s in seq_ids]
+            for s, kv in zip(seq_ids, new):
+                rows[s][layer] = np.concatenate([rows[s][layer], kv])
+            keys = [rows[s][layer] for s in seq_ids] if decode else history
+            q = [randn(rng, (n, config.num_heads, config.qk_dim), config.dtype) for n in lengths]
+            o = empty((sum(lengths), config.num_heads, config.latent_dim), config.dtype, dev)
+            lse = empty((sum(lengths), config.num_heads), "float32", dev)
+            builtin("attention_kv_cache_cross_attention", layer, SM_SCALE, tensor(np.concatenate(q), dev), o, lse)
+            o, lse = o.numpy().astype(np.float64), lse.numpy()
+            start = 0
+            for s, qs, k in zip(seq_ids, q, keys):
+                eo, el = expected_attention(qs, k, config.latent_dim, causal=False)
+                end = start + len(qs)
+                check(config, o[start:end], lse[start:end], eo, el, f"sequence {s}, layer {layer}")
+                start = end
+        builtin("kv_state_end_forward")
+
+    add(0)
+    add(1)
+    builtin("kv_state_begin_forward", ShapeTuple([0, 1]), ShapeTuple([20, 5]))  # no history: append only
+    for layer in range(layers):
+        new = [randn(rng, (n, config.qk_dim), config.dtype) for n in (20, 5)]
+        builtin("attention_kv_cache_append_mla_kv", layer, tensor(np.concatenate(new), dev))
+        rows[0][layer], rows[1][layer] = new
+    builtin("kv_state_end_forward")
+    forward([0, 1], [1, 1])
+    # At 20 (page size 16): 0 and 2 share page 0 as a block of its own (a cascade depth), and
+    # copy_single_page copies the first 4 slots of page 1 for 2.
+    builtin("kv_state_fork_sequence", 0, 2, 20)
+    rows[2] = [r[:20].copy() for r in rows[0]]
+    forward([0, 2, 1], [3, 4, 2])  # cross-attention per depth, merged by merge_state
+    forward([0, 1, 2], [1, 1, 1])
+    builtin("kv_state_popn", 1, 2)
+    rows[1] = [r[:-2] for r in rows[1]]
+    forward([1, 0], [1, 17])
+    for seq, expected in rows.items():
+        n = len(expected[0])
+        kv = empty((layers, n, config.qk_dim), config.dtype, dev)
+        builtin("attention_kv_cache_debug_get_kv_mla", seq, 0, n, kv)
+        assert_same(kv.numpy(), np.stack(expected), f"cached rows of sequence {seq}")
