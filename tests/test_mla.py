@@ -232,6 +232,24 @@ def test_mla_decode_split_kv_gpu(kernels, batch_size, length):
     check_decode(kernels, config, lengths, rng_for("split-gpu", batch_size))
 
 
+@pytest.mark.parametrize("case", DEEPSEEK_CASES[:1] + CASES[1:2], ids=case_id)
+def test_merge_state_at_latent_width(kernels, target, case):
+    """merge_state (merge.py) with an MLAConfig merges o [n, heads, latent_dim] (as the cache merges
+    cross-attention over cascade depths); rows empty on one side take the other side."""
+    config = make_config(case, target)
+    dev = device_for(config)
+    rng = rng_for("merge", case_id(case))
+    n, h, width = 9, config.num_heads, config.latent_dim
+    o1, o2 = randn(rng, (n, h, width), config.dtype), randn(rng, (n, h, width), config.dtype)
+    lse1 = rng.uniform(-8, 20, (n, h)).astype(np.float32)
+    lse2 = rng.uniform(-8, 20, (n, h)).astype(np.float32)
+    lse1[3], lse2[5] = ref.EMPTY_LSE, ref.EMPTY_LSE
+    expected_o, expected_lse = ref.merge_states(o1, lse1, o2, lse2)
+    o, lse = tensor(o1, dev), tensor(lse1, dev)
+    kernels.get(merge_state, config)(o, lse, tensor(o2, dev), tensor(lse2, dev))
+    check(config, o.numpy().astype(np.float64), lse.numpy(), expected_o, expected_lse, "the merge")
+
+
 # Page operations: (latent_dim, rope_dim, page_size, dtype).
 PAGE_CASES = [(64, 16, 16, "float16"), (512, 64, 1, "bfloat16"), (32, 0, 64, "float32")]
 
@@ -355,11 +373,12 @@ def cuda_source(func, config):
     return module.mod.imports[0].inspect_source()
 
 
-@pytest.mark.parametrize("generator", [mla_paged_decode, mla_paged_prefill], ids=["decode", "prefill"])
+@pytest.mark.parametrize("generator", [mla_paged_decode, mla_paged_prefill, merge_state], ids=["decode", "prefill",
+                                                                                              "merge"])
 @pytest.mark.parametrize("case", [(128, 512, 64, 16, "float16"), (16, 512, 64, 64, "bfloat16"),
                                   (128, 512, 64, 1, "float32")], ids=case_id)
 def test_mla_cuda_codegen(generator, case):
-    """DeepSeek shapes build for CUDA without a GPU, with 16-byte latent loads."""
+    """DeepSeek shapes build for CUDA without a GPU, with 16-byte loads."""
     source = cuda_source(generator(make_config(case, "cuda:sm_90")), make_config(case, "cuda:sm_90"))
     assert "__syncthreads" in source
     assert ("uint4" in source) or ("float4" in source)
@@ -381,8 +400,6 @@ def create_tvm_mla_cache(kernels, config: MLAConfig, num_layers: int):
     """TVM's own C++ paged KV cache with every layer MLA and our MLA kernels in its slots
     (`vm.builtin.paged_attention_kv_cache_create`, paged_kv_cache.cc's positional arguments)."""
     dev = device_for(config)
-    merge_config = AttentionConfig(config.num_heads, config.num_heads, config.latent_dim, dtype=config.dtype,
-                                   target=config.target)
     unused = tvm_ffi.convert(_not_called)
     args = [
         ShapeTuple([8, 1024, 256, config.page_size, 0]),  # seqs, token capacity, prefill chunk, page size, sliding
@@ -402,7 +419,7 @@ def create_tvm_mla_cache(kernels, config: MLAConfig, num_layers: int):
         kernels.get(mla_transpose_append, config),
         [], [], [], [], [], [], [],  # ragged / paged prefill, decode, sliding prefill / decode, tree paged / ragged
         ["tirx", kernels.get(mla_paged_prefill, config)],
-        [kernels.get(merge_state, merge_config)],  # merges the cascade depths of cross-attention
+        [kernels.get(merge_state, config)],  # merges the cascade depths of cross-attention
         unused,  # split_rotary
         kernels.get(mla_copy_single_page, config),
         kernels.get(mla_debug_get_kv, config, num_layers),

@@ -196,6 +196,17 @@ class MLAConfig:
         """Values per cached row and per query head: latent_dim + rope_dim."""
         return self.latent_dim + self.rope_dim
 
+    # TVM's cache names the output shape of an MLA layer as it does an MHA one's (o [n,
+    # num_qo_heads, v_head_dim]); with these names `merge_state(mla_config)` (merge.py) merges MLA
+    # outputs at the latent width (512 for DeepSeek, beyond AttentionConfig's head-dim limit).
+    @property
+    def num_qo_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.latent_dim
+
     @property
     def is_gpu(self) -> bool:
         return TargetName.parse(self.target).is_cuda
