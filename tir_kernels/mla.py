@@ -124,21 +124,23 @@ class MLASchedule:
 
 def choose_mla_schedule(config: MLAConfig, decode: bool) -> MLASchedule:
     """CPU: one thread computing a 16 (decode: at most `num_heads`) x 32 tile, no split.
-    CUDA: 16 threads along a row (fewer where latent_dim is not a multiple of 64), 2 rows per
-    thread, 32 rows per block (16 for decode with 16 heads or fewer), 32 latent rows per step,
-    fewer where the arch's shared memory does not hold the tiles; decode splits up to 64 ways."""
+    CUDA: 16 x 16 threads (fewer along a row where latent_dim is not a multiple of 64), 32 rows
+    per block (16 for decode with 16 heads or fewer: one row per thread), 32 latent rows per
+    step (16 in float32, whose staged rows take twice the registers), fewer where the arch's
+    shared memory does not hold the tiles; decode splits up to 64 ways."""
     if not config.is_gpu:
         rows = min(config.num_heads, 16) if decode else 16
         return MLASchedule(threads_y=1, threads_x=1, rows_per_thread=rows, cols_per_thread=32)
     threads_x = 16
     while config.latent_dim % (4 * threads_x):
         threads_x //= 2
+    threads_y = 16
     rows = 16 if decode and config.num_heads <= 16 else 32
-    tile_kv = 32
+    tile_kv = 32 if config.elem_bytes == 2 else 16
     limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
     while True:
         sched = MLASchedule(
-            threads_y=rows // 2, threads_x=threads_x, rows_per_thread=2,
+            threads_y=threads_y, threads_x=threads_x, rows_per_thread=rows // threads_y,
             cols_per_thread=max(1, tile_kv // threads_x),
             max_splits=64 if decode else 1,
         )
