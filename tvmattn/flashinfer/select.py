@@ -92,16 +92,19 @@ def attention_kernels(backend: str, options, target: str, kernels: dict | None, 
 def flashinfer_specs(config: FlashInferConfig, *, decode: str = "cuda_core", prefill: str = "fa2",
                      base=None) -> dict:
     """Kernel overrides (slot -> spec) running FlashInfer's built modules of `config`: prefill
-    "fa2" or "fa3", decode "cuda_core" (its decode kernel) or "tensor_core" (its prefill kernel
-    with one query per request). FlashInferModulesMissing when a module is not built."""
+    "fa2" or "fa3", decode "cuda_core" (its decode kernel) or "tensor_core" (its FA2 prefill
+    kernel with one query per request, whichever the prefill). FlashInferModulesMissing when a module is not built."""
     pre = load(config, f"prefill_{prefill}", base)
     specs = {"prefill_ragged": ["flashinfer", pre.ragged_run, pre.plan],
              "prefill_paged": ["flashinfer", pre.paged_run, pre.plan]}
     if decode == "cuda_core":
         dec = load(config, "decode", base)
         specs["decode_paged"] = ["flashinfer", dec.run, dec.plan]
-    else:
+    else:  # FA2's paged prefill: FA3's reads each request's key count from the plan, which the
+        # decode plan step can only bound (it gets no last-page lengths), so FA3 would attend to
+        # the unused rows of last pages
         from tvmattn.runtime.backends import FlashInferTensorCoreDecode
 
-        specs["decode_paged"] = FlashInferTensorCoreDecode(pre.paged_run, pre.plan)
+        fa2 = pre if prefill == "fa2" else load(config, "prefill_fa2", base)
+        specs["decode_paged"] = FlashInferTensorCoreDecode(fa2.paged_run, fa2.plan)
     return specs
