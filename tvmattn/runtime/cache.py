@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
+from array import array
 
 import numpy as np
 import tvm
@@ -40,7 +42,7 @@ from .errors import KVCacheError, check, check_finite, check_int, check_tensor
 from .forward import Kernels, Rope, Step, Workspace
 from .kernels import Deferred, KernelSet, default_kernels, paged_slots
 from .pages import PageAllocator
-from .plan import DeviceArrays, ForwardPlan, build_plan, plan_size_bound
+from .plan import DeviceArrays, ForwardPlan, build_plan, build_plan_arrays, plan_size_bound
 from .sequences import PageCopy, SequenceTable
 from .trees import accepted_path, check_new_nodes, compact_copies, is_chain, tree_step
 
@@ -269,21 +271,27 @@ class PagedKVCache:
         plus its depth.
         """
         seq_ids, lengths = self._check_batch(seq_ids, append_lengths)
-        seqs = [self._table.get(seq_id, f"seq_ids[{i}]") for i, seq_id in enumerate(seq_ids)]
+        seqs = self._sequences(seq_ids)
         trees = self._check_tree(seqs, lengths, token_tree_parent_ptr)
         masked = trees is not None and not all(is_chain(seq.tree + new) for seq, new in zip(seqs, trees))
         if masked:
             self._check_tree_support()
         nodes = sum(seq.tree_tokens for seq in seqs) + sum(lengths) if masked else 0
-        self._arrays.reserve(plan_size_bound(seqs, lengths, self.options.page_size, nodes))
-        appended, copies = self._table.reserve(seqs, lengths, trees)
-        self._copy_pages(copies)
-        tree = None
-        if masked:
-            tree = tree_step([a.seq.tree for a in appended], [a.seq.length - a.seq.tree_tokens for a in appended],
-                             lengths)
-        plan = build_plan(seq_ids, appended, lengths, self.options.page_size, self.options.support_sliding_window,
-                          tree=tree)
+        page_size, sliding = self.options.page_size, self.options.support_sliding_window
+        self._arrays.reserve(plan_size_bound(seqs, lengths, page_size, nodes))
+        if trees is None and not any(map(_WINDOW_SIZE, seqs)):
+            # the usual step (no sliding window, no token tree): planned with numpy over the batch
+            batch, copies = self._table.reserve_plain(seqs, lengths)
+            self._copy_pages(copies)
+            plan = build_plan_arrays(seq_ids, lengths, batch, page_size, sliding)
+        else:
+            appended, copies = self._table.reserve(seqs, lengths, trees)
+            self._copy_pages(copies)
+            tree = None
+            if masked:
+                tree = tree_step([a.seq.tree for a in appended],
+                                 [a.seq.length - a.seq.tree_tokens for a in appended], lengths)
+            plan = build_plan(seq_ids, appended, lengths, page_size, sliding, tree=tree)
         self._begin_backends(plan)
         arrays = self._arrays.upload(plan)
         self._step = Step(plan, arrays, self._step_kernels, self._workspace.views(plan.total), self._rope)
@@ -299,20 +307,30 @@ class PagedKVCache:
               f"{len(lengths)}: they must have one entry per sequence")
         check(len(seq_ids) > 0, "seq_ids is empty: a forward needs at least one sequence")
         check(len(set(seq_ids)) == len(seq_ids), f"seq_ids {seq_ids} names a sequence twice")
-        for i, n in enumerate(lengths):
-            check(n >= 1, f"append_lengths[{i}]={n}: every sequence must append at least one token")
+        if min(lengths) < 1:
+            i = next(i for i, n in enumerate(lengths) if n < 1)
+            raise KVCacheError(f"append_lengths[{i}]={lengths[i]}: every sequence must append at least one token")
         total, chunk = sum(lengths), self.options.prefill_chunk_size
         check(total <= chunk, f"append_lengths add up to {total} tokens, more than prefill_chunk_size={chunk}; "
               "split the step into chunks")
         return seq_ids, lengths
 
+    def _sequences(self, seq_ids: list) -> list:
+        """The sequences named by seq_ids (KVCacheError names the first unknown one)."""
+        table = self._table.seqs
+        if not table.keys() >= set(seq_ids):
+            for i, seq_id in enumerate(seq_ids):
+                self._table.get(seq_id, f"seq_ids[{i}]")
+        return list(map(table.__getitem__, seq_ids))
+
     def _check_tree(self, seqs: list, lengths: list, parents) -> list | None:
         """The new nodes' parents per sequence (None without a token tree); checks them, or
         that no sequence has an uncommitted tree when there are none."""
         if parents is None:
-            for seq in seqs:
-                check(seq.tree_tokens == 0, f"sequence {seq.seq_id} has {seq.tree_tokens} token-tree tokens not "
-                      "committed yet; call commit_accepted_token_tree_nodes first")
+            if any(map(len, map(_TREE, seqs))):
+                for seq in seqs:
+                    check(seq.tree_tokens == 0, f"sequence {seq.seq_id} has {seq.tree_tokens} token-tree tokens "
+                          "not committed yet; call commit_accepted_token_tree_nodes first")
             return None
         parents = _int_list("token_tree_parent_ptr", parents)
         check(len(parents) == sum(lengths), f"token_tree_parent_ptr has {len(parents)} entries, expected one per "
@@ -540,7 +558,7 @@ class PagedKVCache:
     def sequence_state(self, seq_id: int) -> dict:
         """A copy of a sequence's bookkeeping: pages, length, window fields."""
         seq = self._table.get(seq_id)
-        return {field: (list(value) if isinstance(value, list) else value)
+        return {field: (list(value) if isinstance(value, (list, array)) else value)
                 for field in seq.__slots__ for value in (getattr(seq, field),)}
 
     def sequence_ids(self) -> list:
@@ -551,11 +569,17 @@ class PagedKVCache:
         return None if self._step is None else self._step.plan
 
 
+_WINDOW_SIZE = operator.attrgetter("window_size")
+_TREE = operator.attrgetter("tree")
+
+
 def _int_list(name: str, values) -> list:
     try:
         items = list(values)
     except TypeError:
         raise KVCacheError(f"{name} must be a sequence of integers, got {values!r}") from None
+    if set(map(type, items)) <= {int}:  # plain ints (the usual case) need no conversion
+        return items
     return [check_int(f"{name}[{i}]", value) for i, value in enumerate(items)]
 
 

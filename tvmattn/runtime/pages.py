@@ -3,7 +3,9 @@
 Invariants (checked by `check_invariants`, used by the tests):
 - a page is either free (reference count 0, on the free list exactly once) or used
   (reference count >= 1, not on the free list);
-- `num_free == len(free list)`.
+- `num_free == len(free list)`;
+- `num_shared` = the number of pages with two or more references (a cheap "no page is
+  shared" test for the planner's copy-on-write check).
 
 Pages are handed out lowest id first (the free list is a stack whose top is the lowest id
 after construction). A sequence owns one reference to each page in its page table; forks
@@ -17,6 +19,8 @@ counts are exactly as before (the same pages in the same free-list order).
 from __future__ import annotations
 
 import contextlib
+
+import numpy as np
 
 from .errors import KVCacheError
 
@@ -32,6 +36,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))
+        self.num_shared = 0  # pages with two or more references
         self._journal: list | None = None
 
     @property
@@ -40,6 +45,10 @@ class PageAllocator:
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
+
+    def refcounts(self, pages: np.ndarray) -> np.ndarray:
+        """[n] int64: the reference count of each of `pages` ([n] integer array)."""
+        return np.fromiter(map(self._refs.__getitem__, pages.tolist()), np.int64, len(pages))
 
     def alloc(self) -> int:
         """A free page, now with one reference; KVCacheError when none is left."""
@@ -62,6 +71,8 @@ class PageAllocator:
     def retain(self, page: int) -> None:
         """One more owner of a used page."""
         self._refs[page] += 1
+        if self._refs[page] == 2:
+            self.num_shared += 1
         self._log(_RETAIN, page)
 
     def release(self, page: int) -> None:
@@ -69,6 +80,8 @@ class PageAllocator:
         self._refs[page] -= 1
         if self._refs[page] == 0:
             self._free.append(page)
+        elif self._refs[page] == 1:
+            self.num_shared -= 1
         self._log(_RELEASE, page)
 
     def release_all(self, pages) -> None:
@@ -102,10 +115,14 @@ class PageAllocator:
                 self._free.append(page)
             elif op == _RETAIN:
                 self._refs[page] -= 1
+                if self._refs[page] == 1:
+                    self.num_shared -= 1
             else:
                 if self._refs[page] == 0:
                     self._free.pop()
                 self._refs[page] += 1
+                if self._refs[page] == 2:
+                    self.num_shared += 1
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the free list and the reference counts disagree."""
@@ -114,3 +131,5 @@ class PageAllocator:
         for page, refs in enumerate(self._refs):
             assert refs >= 0, f"page {page} has {refs} references"
             assert (refs == 0) == (page in free), f"page {page}: {refs} references, free={page in free}"
+        shared = sum(refs >= 2 for refs in self._refs)
+        assert self.num_shared == shared, f"num_shared is {self.num_shared}, but {shared} pages are shared"

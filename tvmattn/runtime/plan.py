@@ -15,6 +15,13 @@ Two ways to attend, chosen per step:
   earlier nodes of its tree and this step's nodes): a node sees the history and its
   ancestors. q_positions are then the committed length plus each node's depth. No cascade.
 
+Two planners build the same plans: `build_plan`, sequence by sequence from the `Appended` of
+`SequenceTable.reserve` (every kind of step), and `build_plan_arrays`, with numpy over the
+whole batch from the flat tables of `SequenceTable.reserve_plain` (steps without sliding
+windows or token trees: the usual decode and prefill steps, which PagedKVCache plans this way).
+tests/test_plan_vectorized.py checks that they agree array by array; a change to one needs the
+same change to the other.
+
 Cascade (one shared level): a run of adjacent sequences of the batch whose page tables start
 with the same full pages (forks of one prefix) attends to those shared pages once, as one
 request of a paged prefill holding all their queries (non-causal: every query comes after the
@@ -46,12 +53,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from typing import Callable, Generic, Hashable, NamedTuple, TypeVar
 
 import numpy as np
 import tvm
 
-from .sequences import Appended, ceildiv
+from .sequences import Appended, AppendedArrays, TableArrays
 from .trees import TreeStep
 from .upload import make_uploader
 
@@ -205,6 +213,118 @@ def build_plan(seq_ids: list, appended: list[Appended], lengths: list, page_size
     return _pack(seq_ids, lengths, decode, False, host)
 
 
+def build_plan_arrays(seq_ids: list, lengths: list, batch: AppendedArrays, page_size: int, sliding: bool,
+                      cascade: bool = True) -> ForwardPlan:
+    """`build_plan` for a batch without sliding windows or token trees, from the flat tables of
+    `SequenceTable.reserve_plain`, with numpy over the whole batch: exactly the same arrays.
+    Python loops run only over cascade groups (and over the batch when some neighbours share
+    their first page, see cascade_groups_arrays)."""
+    n, decode = batch.lengths, batch.decode
+    history = batch.history.slot_end.astype(np.int32)  # the lengths before the step
+    if decode:  # one token per sequence: its position is the history length
+        indptr, q_positions = np.arange(len(n) + 1, dtype=np.int32), history.copy()
+    else:
+        indptr = np.zeros(len(n) + 1, dtype=np.int32)
+        n.cumsum(out=indptr[1:])
+        q_positions = np.repeat(history - indptr[:-1], n) + np.arange(indptr[-1], dtype=np.int32)
+    tables = batch.seqs if decode else batch.history
+    groups = cascade_groups_arrays(tables, page_size) if cascade and batch.shared else []
+    shared = []
+    if groups:
+        qo_indptr = _int32(_shared_qo_indptr(groups, indptr))
+        shared = [_shared_table_arrays(groups, tables, page_size).arrays(sliding, qo_indptr)]
+    page_indptr, page_indices, last_page_len, k_offset = _main_arrays(tables, groups, page_size)
+    paged = LevelArrays(page_indptr, page_indices, _length_info(last_page_len, sliding), k_offset,
+                        None if decode else indptr)
+    if decode:
+        fused = shared + [paged]
+        history_info = _length_info(np.maximum(last_page_len - 1, 0), sliding)
+        cross = shared + [paged._replace(length_info=history_info)]
+    else:
+        fused = shared + ([paged] if page_indices.size else [])
+        cross = shared + [paged]
+    host = PlanArrays(q_positions, indptr, history, batch.positions, tuple(fused), tuple(cross))
+    return _pack(seq_ids, lengths, decode, False, host)
+
+
+def _length_info(last_page_len: np.ndarray, sliding: bool) -> np.ndarray:
+    """PagedTable.length_info without sliding windows, int32: [R], or [3, R] (last_page_len,
+    window_offset = 0, sink = 0) for sliding-window kernels."""
+    if not sliding:
+        return last_page_len.astype(np.int32)
+    info = np.zeros((3, len(last_page_len)), dtype=np.int32)
+    info[0] = last_page_len
+    return info
+
+
+def _main_arrays(tables: TableArrays, groups: list, page_size: int) -> tuple:
+    """_main_table over flat tables: each sequence's pages after its shared prefix. Returns
+    page_indptr [B+1] int32, page_indices [nnz] int32, last_page_len [B] int64, k_offset [B] int32."""
+    if not groups:
+        last_page_len = tables.slot_end - (tables.counts - 1) * page_size
+        if not tables.counts.all():
+            last_page_len[tables.counts == 0] = 0
+        return (tables.indptr.astype(np.int32), tables.pages, last_page_len,
+                np.zeros(len(tables.counts), dtype=np.int32))
+    skip = np.zeros(len(tables.counts), dtype=np.int64)  # shared pages per sequence
+    for begin, end, shared in groups:
+        skip[begin:end] = shared
+    counts = tables.counts - skip
+    indptr = np.zeros(len(counts) + 1, dtype=np.int32)
+    counts.cumsum(out=indptr[1:])
+    within = np.arange(len(tables.pages)) - np.repeat(tables.indptr[:-1], tables.counts)
+    pages = tables.pages[within >= np.repeat(skip, tables.counts)]  # without each one's first skip[b]
+    last_page_len = np.where(counts > 0, tables.slot_end - (tables.counts - 1) * page_size, 0)
+    return indptr, pages, last_page_len, (skip * page_size).astype(np.int32)
+
+
+def _shared_table_arrays(groups: list, tables: TableArrays, page_size: int) -> PagedTable:
+    """_shared_table over flat tables (a request per group and per run between groups)."""
+    table = PagedTable(page_size)
+    for kind, begin, end, shared in _shared_requests(groups, len(tables.slot_end)):
+        if kind == "group":
+            start = int(tables.indptr[begin])
+            table.add(tables.pages[start : start + shared].tolist(), shared * page_size)
+        else:
+            table.add([], 0)
+    return table
+
+
+def cascade_groups_arrays(tables: TableArrays, page_size: int) -> list[tuple[int, int, int]]:
+    """cascade_groups over flat tables (no sliding windows). Without two neighbours that share
+    their first full page (the usual batch) no Python loop runs; otherwise the greedy scan of
+    cascade_groups runs over the common prefixes of neighbours: within a group every sequence
+    shares `shared` pages with the group's first one, so its common prefix with that one is its
+    common prefix with its predecessor, capped at `shared`."""
+    if len(tables.slot_end) < 2 or not tables.pages.size:
+        return []
+    full = tables.slot_end // page_size
+    starts = tables.indptr[:-1]
+    first = tables.pages[np.minimum(starts, len(tables.pages) - 1)]  # a sequence with full > 0 has pages
+    candidates = np.flatnonzero((full[:-1] > 0) & (full[1:] > 0) & (first[:-1] == first[1:]))
+    if not candidates.size:
+        return []
+    neighbour = [0] * len(full)  # neighbour[j]: common full pages of sequences j - 1 and j
+    for b in candidates.tolist():
+        limit = int(min(full[b], full[b + 1]))
+        a = tables.pages[starts[b] : starts[b] + limit]
+        differ = np.flatnonzero(a != tables.pages[starts[b + 1] : starts[b + 1] + limit])
+        neighbour[b + 1] = int(differ[0]) if differ.size else limit
+    full = full.tolist()
+    groups, i = [], 0
+    while i < len(full):
+        shared, j = full[i], i + 1
+        while j < len(full):
+            common = min(shared, full[j], neighbour[j])
+            if common == 0 or (j - i) * common < (j - i - 1) * shared:
+                break
+            shared, j = common, j + 1
+        if j - i >= 2:
+            groups.append((i, j, shared))
+        i = j
+    return groups
+
+
 def _tree_plan(seq_ids: list, appended: list[Appended], lengths: list, page_size: int, sliding: bool,
                tree: TreeStep) -> ForwardPlan:
     """A tree step (see the module docstring)."""
@@ -313,8 +433,12 @@ def common_prefix(a: list, b: list, limit: int) -> int:
 def plan_size_bound(seqs: list, lengths: list, page_size: int, tree_nodes: int = 0) -> int:
     """An upper bound of the packed size (elements) of the plan of a step, known before the
     step changes any page table; tree_nodes: the nodes of the step's token trees."""
-    pages = sum(len(seq.pages) + ceildiv(n, page_size) + 1 for seq, n in zip(seqs, lengths))
+    # sum(ceil(n / page_size) + 1) <= sum(n) // page_size + 2 * len(seqs)
+    pages = sum(map(len, map(_PAGES, seqs))) + sum(lengths) // page_size + 2 * len(seqs)
     return 2 * pages + 2 * sum(lengths) + 2 * tree_nodes + 16 * (len(seqs) + 2) + 26 * ALIGN
+
+
+_PAGES = operator.attrgetter("pages")
 
 
 class BufferViews(dict):

@@ -16,6 +16,9 @@ sliding-window kernels read: length_info = (last_page_len, window_offset, sink).
 Invariant: `len(pages) == ceil(slot_end / page_size)` with `slot_end = window_offset + length -
 sink`, the slot after the last token.
 
+Page tables are `array.array("i")` (int32): list-like for the per-sequence code, and a
+batch's tables join into one numpy array without a Python loop (`TableArrays.gather`).
+
 Sharing: pages are reference counted (`PageAllocator`). A fork shares its parent's full pages
 and gets a private copy of a partly filled page at the fork point (a `PageCopy` the cache runs
 for every layer), so it never sees its parent's later tokens. `popn` may leave a sequence
@@ -27,6 +30,8 @@ undoes its page changes when it runs out of pages.
 from __future__ import annotations
 
 import dataclasses
+import operator
+from array import array
 from typing import NamedTuple
 
 import numpy as np
@@ -37,6 +42,11 @@ from .pages import PageAllocator
 
 def ceildiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def page_array(pages=()) -> array:
+    """A page table: an int32 array.array of page ids."""
+    return array("i", pages)
 
 
 class PageCopy(NamedTuple):
@@ -52,7 +62,7 @@ class Sequence:
     """One sequence's state (see the module docstring for the slot layout)."""
 
     seq_id: int
-    pages: list = dataclasses.field(default_factory=list)
+    pages: array = dataclasses.field(default_factory=page_array)  # int32 page ids
     length: int = 0
     window_size: int = 0  # 0: no sliding window
     sink_size: int = 0  # attention-sink tokens requested with the window
@@ -74,7 +84,7 @@ class Sequence:
         return self.slot_end - (len(self.pages) - 1) * page_size if self.pages else 0
 
     def copy(self) -> "Sequence":
-        return Sequence(self.seq_id, list(self.pages), self.length, self.window_size, self.sink_size,
+        return Sequence(self.seq_id, page_array(self.pages), self.length, self.window_size, self.sink_size,
                         self.sink, self.window_offset, list(self.tree))
 
     def assign(self, other: "Sequence") -> None:
@@ -138,6 +148,40 @@ class Appended:
     positions: list
 
 
+class TableArrays(NamedTuple):
+    """The page tables of B sequences without sliding windows, as flat numpy arrays."""
+
+    pages: np.ndarray  # [nnz] int32: sequence b's pages are pages[indptr[b] : indptr[b + 1]]
+    indptr: np.ndarray  # [B+1] int64
+    counts: np.ndarray  # [B] int64: pages per sequence
+    slot_end: np.ndarray  # [B] int64: the slot after the last token (= the length without a window)
+
+    @staticmethod
+    def gather(seqs: list) -> "TableArrays":
+        """The current tables of `seqs` (none may have a sliding window), copied."""
+        batch = len(seqs)
+        counts = np.fromiter(map(len, map(_PAGES, seqs)), np.int64, batch)
+        indptr = np.zeros(batch + 1, np.int64)
+        counts.cumsum(out=indptr[1:])
+        pages = np.frombuffer(bytearray(b"".join(map(_PAGES, seqs))), np.int32)
+        return TableArrays(pages, indptr, counts, np.fromiter(map(_LENGTH, seqs), np.int64, batch))
+
+
+_LENGTH = operator.attrgetter("length")
+_PAGES = operator.attrgetter("pages")
+
+
+class AppendedArrays(NamedTuple):
+    """A batch appended by `SequenceTable.reserve_plain`, as `Appended` describes one sequence."""
+
+    history: TableArrays  # before the append, with copy-on-write copies in place
+    seqs: TableArrays  # after the append
+    lengths: np.ndarray  # [B] int64: tokens appended per sequence
+    decode: bool  # every sequence appended one token
+    positions: np.ndarray  # [N] int32: pool position of each new token
+    shared: bool  # some page has several owners (else no two sequences share a page: no cascade)
+
+
 class SequenceTable:
     """The sequences of a cache, over a shared `PageAllocator`."""
 
@@ -193,7 +237,7 @@ class SequenceTable:
         pages = parent.pages[:full]
         if partial:
             copy = PageCopy(parent.pages[full], self.allocator.alloc(), partial)
-            pages = pages + [copy.dst]
+            pages.append(copy.dst)  # pages is a copy (a slice)
         for page in parent.pages[:full]:
             self.allocator.retain(page)
         self.seqs[child_id] = Sequence(child_id, pages, end)
@@ -247,7 +291,7 @@ class SequenceTable:
                 fresh = [self._slide(seq, layout) for seq, layout in zip(seqs, layouts)]
                 self._check_free(sum(fresh))
                 for i, (seq, layout, count) in enumerate(zip(seqs, layouts, fresh)):
-                    seq.pages += self.allocator.alloc_many(count)
+                    seq.pages.extend(self.allocator.alloc_many(count))
                     seq.length, seq.sink, seq.window_offset = layout.length, layout.sink, layout.window_offset
                     seq.tree = seq.tree + list(trees[i]) if trees is not None else []
         except BaseException:
@@ -257,6 +301,83 @@ class SequenceTable:
         appended = [Appended(h, seq, self._new_positions(seq, layout, n))
                     for h, seq, layout, n in zip(histories, seqs, layouts, lengths)]
         return appended, [c for c in copies if c is not None]
+
+    def reserve_plain(self, seqs: list, lengths: list) -> tuple[AppendedArrays, list]:
+        """`reserve(seqs, lengths, None)` for a batch in which no sequence has a sliding window
+        or a token tree (lengths >= 1), with numpy over the whole batch instead of a Python
+        loop: the same page changes (the same pages from the allocator, in the same order) and
+        the same errors (on KVCacheError nothing changed).
+
+        Returns (the batch before and after the append, page copies to run before the step).
+        Python loops run only over the sequences that need copy-on-write or new pages, and
+        once to add each sequence's length.
+        """
+        ps = self.page_size
+        decode = sum(lengths) == len(lengths)  # one token per sequence
+        n = np.array(lengths, dtype=np.int64)
+        history = TableArrays.gather(seqs)
+        first_slot = history.slot_end
+        end = first_slot + n
+        if decode:  # a new page where the token starts one
+            used = first_slot % ps  # slots used in the last page
+            fresh = used == 0
+            total = int(np.count_nonzero(fresh))
+        else:
+            fresh = (end + (ps - 1)) // ps - history.counts  # new pages per sequence
+            total = int(fresh.sum())
+        cow, copies = [], []
+        shared = self._shared_last_pages(history)
+        if shared:
+            with self.allocator.transaction():  # as reserve: copy-on-write first, then new pages
+                for b, used_slots in shared:
+                    page = seqs[b].pages[-1]
+                    if self.allocator.refcount(page) > 1:  # (an earlier copy may have left it private)
+                        cow.append(b)
+                        copies.append(PageCopy(page, self.allocator.alloc(), used_slots))
+                        self.allocator.release(page)
+                self._check_free(total)
+                new_pages = self.allocator.alloc_many(total)
+        else:
+            self._check_free(total)
+            new_pages = self.allocator.alloc_many(total)  # (all or nothing)
+        # the sequences after the append (tree stays [], sink and window_offset 0)
+        for b, copy in zip(cow, copies):
+            seqs[b].pages[-1] = history.pages[history.indptr[b + 1] - 1] = copy.dst
+        if total:
+            fresh = fresh.astype(np.int64)
+            fresh_end = fresh.cumsum()
+            for b in np.flatnonzero(fresh).tolist():
+                seqs[b].pages.extend(new_pages[fresh_end[b] - fresh[b] : fresh_end[b]])
+            after_indptr = history.indptr.copy()
+            after_indptr[1:] += fresh_end
+            after = TableArrays(np.insert(history.pages, np.repeat(history.indptr[1:], fresh), new_pages),
+                                after_indptr, history.counts + fresh, end)
+        else:
+            after = TableArrays(history.pages, history.indptr, history.counts, end)
+        for seq, count in zip(seqs, lengths):
+            seq.length += count
+        # pool position of each new token: its slot's page in the table after the append
+        if decode:  # the last page
+            pages, slots_in_page = after.pages[after.indptr[1:] - 1], used
+        else:  # token t of sequence b is in slot first_slot[b] + t - (its sequence's first token)
+            owner = np.repeat(np.arange(len(n)), n)
+            slots = np.arange(len(owner)) - np.repeat(n.cumsum() - n - first_slot, n)
+            pages, slots_in_page = after.pages[after.indptr[owner] + slots // ps], slots % ps
+        positions = (pages * np.int64(ps) + slots_in_page).astype(np.int32)  # in int64, as Python ints
+        batch = AppendedArrays(history, after, n, decode, positions, self.allocator.num_shared > 0)
+        return batch, copies
+
+    def _shared_last_pages(self, history: TableArrays) -> list[tuple[int, int]]:
+        """(sequence, used slots) of the sequences whose last page is partly filled and shared
+        with another sequence before the step, in order (their append writes into it)."""
+        if not self.allocator.num_shared or not history.pages.size:  # (no forks: the usual case)
+            return []
+        used = history.slot_end % self.page_size
+        last = history.pages[history.indptr[1:] - 1]  # meaningful where used > 0 (a page exists)
+        shared = (used > 0) & (self.allocator.refcounts(last) > 1)
+        if not shared.any():
+            return []
+        return [(b, int(used[b])) for b in np.flatnonzero(shared).tolist()]
 
     def _copy_on_write(self, seq: Sequence, layout: AppendLayout) -> PageCopy | None:
         """Give `seq` a private copy of its last page when the append writes into it while
