@@ -1,4 +1,5 @@
-"""split_rotary (split fused QKV, RoPE on q and k) against reference.rope."""
+"""split_rotary (split fused QKV, RoPE on q and k) against reference.rope, and
+split_rotary_append (the same split with k and v written straight into their page slots)."""
 
 import numpy as np
 import pytest
@@ -6,7 +7,7 @@ import tvm
 import reference as ref
 from harness import device_for, empty, index_view, randn, tensor
 
-from tir_kernels import AttentionConfig, RopeScaling, split_rotary
+from tir_kernels import AttentionConfig, RopeScaling, split_rotary, split_rotary_append
 
 LLAMA3 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
 
@@ -25,10 +26,19 @@ def case_id(case):
     return f"hq{hq}-hkv{hkv}-d{d}-{dtype}-theta{theta:g}-scale{scale:g}" + ("-llama3" if scaling else "")
 
 
-def make_config(case, target):
+def make_config(case, target, page_size=16):
     hq, hkv, d, dtype, theta, scale, scaling = case
     return AttentionConfig(hq, hkv, d, dtype=dtype, target=target, rope_theta=theta, rope_scale=scale,
-                           rope_scaling=scaling)
+                           rope_scaling=scaling, page_size=page_size)
+
+
+def expected_qkv(case, qkv, positions, apply_rope):
+    """(q, k, v) as float64: the heads of qkv, q and k rotated to `positions` when apply_rope."""
+    hq, hkv, d, dtype, theta, scale, scaling = case
+    q, k, v = (x.astype(np.float64) for x in (qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]))
+    if apply_rope:
+        q, k = (ref.rope(x, positions, theta, scale, scaling) for x in (q, k))
+    return q, k, v
 
 
 @pytest.mark.parametrize("apply_rope", [1, 0], ids=["rope", "no-rope"])
@@ -57,16 +67,49 @@ def test_split_rotary(kernels, target, case, apply_rope):
         np.testing.assert_allclose(out.astype(np.float64), expected, rtol=rtol, atol=atol, err_msg=name)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("apply_rope", [1, 0], ids=["rope", "no-rope"])
+@pytest.mark.parametrize("case", CASES[:3], ids=case_id)
+def test_split_rotary_append(kernels, target, case, apply_rope, page_size):
+    """q as split_rotary's; k and v land in their slots of the pool (a negative slot stores
+    nothing), every other slot keeps its value."""
+    hq, hkv, d, dtype, *_ = case
+    config = make_config(case, target, page_size)
+    dev = device_for(config)
+    rng = np.random.default_rng(hq * 100 + page_size)
+    n, num_pages = 19, 48 // page_size + 2
+    qkv = randn(rng, (n, hq + 2 * hkv, d), dtype)
+    positions = rng.integers(0, 300, n).astype(np.int32)
+    slots = rng.permutation(num_pages * page_size)[:n].astype(np.int32)
+    slots[[3, 11]] = -1
+    pool = randn(rng, (num_pages, 2, hkv, page_size, d), dtype)
+    pages, q = tensor(pool, dev), empty((n, hq, d), dtype, dev)
+    kernels.get(split_rotary_append, config)(tensor(qkv, dev), index_view(positions, dev, offset=5), q, pages,
+                                             index_view(slots, dev, offset=2), apply_rope)
+    q_ref, k_ref, v_ref = expected_qkv(case, qkv, positions, apply_rope)
+    want = pool.astype(np.float64)
+    for token, slot in enumerate(slots):
+        if slot >= 0:
+            want[slot // page_size, 0, :, slot % page_size] = k_ref[token]
+            want[slot // page_size, 1, :, slot % page_size] = v_ref[token]
+    rtol, atol = ref.TOLERANCES[dtype] if apply_rope else (0, 0)
+    np.testing.assert_allclose(q.numpy().astype(np.float64), q_ref, rtol=rtol, atol=atol, err_msg="q")
+    np.testing.assert_allclose(pages.numpy().astype(np.float64), want, rtol=rtol, atol=atol, err_msg="pages")
+
+
 def test_split_rotary_validation():
     with pytest.raises(ValueError, match="v_head_dim"):
         split_rotary(AttentionConfig(4, 4, 64, v_head_dim=128))
+    with pytest.raises(ValueError, match="v_head_dim=128 is not supported by split_rotary_append"):
+        split_rotary_append(AttentionConfig(4, 4, 64, v_head_dim=128))
 
 
+@pytest.mark.parametrize("generator", [split_rotary, split_rotary_append], ids=lambda g: g.__name__)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_cuda_codegen(case):
-    """split_rotary compiles for CUDA (no GPU needed) and moves 16 bytes per access."""
+def test_cuda_codegen(case, generator):
+    """split_rotary(_append) compiles for CUDA (no GPU needed) and moves 16 bytes per access."""
     config = make_config(case, "cuda")
-    func = split_rotary(config)
+    func = generator(config)
     name = str(func.attrs["global_symbol"])
     source = tvm.compile(tvm.IRModule({name: func}), target=config.tvm_target()).mod.imports[0].inspect_source()
     vector_type = "float4" if config.dtype == "float32" else "uint4"

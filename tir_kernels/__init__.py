@@ -31,6 +31,7 @@ _EXPORTS = {
     "debug_get_kv": "page_ops",
     "transpose_append": "page_ops",
     "split_rotary": "rotary",
+    "split_rotary_append": "rotary",
     "paged_prefill": "prefill",
     "ragged_prefill": "prefill",
     "tree_mask_paged_prefill": "prefill",
