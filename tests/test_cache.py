@@ -196,6 +196,22 @@ def test_prefill_then_decode(target, rope_mode, page_size):
     m.check_no_leaks()
 
 
+@pytest.mark.parametrize("rope_mode", ["none", "normal"])
+def test_decode_without_the_fused_split_append(target, rope_mode):
+    """With no split_rotary_append kernel, decode steps run split_rotary then transpose_append
+    (as model libraries and caches with replaced split/append kernels do): same results."""
+    m = Model(target, rope_mode, page_size=4, seed=5, kernels={"split_rotary_append": None})
+    assert m.cache.kernels.split_rotary_append is None
+    assert Model(target, rope_mode, page_size=4).cache.kernels.split_rotary_append is not None
+    for seq_id in (0, 1):
+        m.add(seq_id)
+    m.forward([0, 1], [6, 3])
+    for _ in range(3):
+        m.forward([0, 1], [1, 1])
+    m.check_kv()
+    m.check_no_leaks()
+
+
 def test_mixed_prefill_and_decode_batch(target):
     m = Model(target, "inline", page_size=4, seed=2)
     for seq_id in range(4):

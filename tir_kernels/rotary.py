@@ -141,8 +141,8 @@ def split_rotary_append(config: AttentionConfig, schedule: CopySchedule | None =
                                        qkv, s, h, c, position_map[s], apply_rope > 0)
                     elif h < Hq + Hkv:
                         if slot >= 0:
-                            rotate_or_copy(
-                                lambda e, val: T.buffer_store(pages, val, [slot // ps, 0, h - Hq, slot % ps, c * VEC + e]),
+                            rotate_or_copy(lambda e, val: T.buffer_store(
+                                pages, val, [slot // ps, 0, h - Hq, slot % ps, c * VEC + e]),
                                 qkv, s, h, c, position_map[s], apply_rope > 0)
                     elif slot >= 0:
                         for e in L.vector(VEC):

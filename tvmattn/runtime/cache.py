@@ -209,8 +209,10 @@ class PagedKVCache:
         for slot in ("transpose_append", "split_rotary", "copy_single_page", "merge_state"):
             check(callable(getattr(kernels, slot)), f"kernels: slot {slot!r} must be a function, "
                   f"got {getattr(kernels, slot)!r}")
+        fused = kernels.split_rotary_append
+        check(fused is None or callable(fused), f"kernels: slot 'split_rotary_append' must be a function, got {fused!r}")
         return Kernels(backends["prefill_ragged"], backends[paged[0]], backends[paged[1]], kernels.split_rotary,
-                       kernels.transpose_append, kernels.merge_state)
+                       kernels.transpose_append, kernels.merge_state, split_rotary_append=fused)
 
     # -- sequences
     def add_sequence(self, seq_id: int) -> None:

@@ -5,11 +5,13 @@ launches of one layer; they take the layer's pages, the caller's tensors and sm_
 nothing else (the cache has checked the arguments).
 
 attention_with_fused_qkv, per layer:
-  split_rotary(qkv) -> q, k, v (RoPE applied when the mode is "normal")
-  decode step:  transpose_append(k, v); [shared level -> o]; paged decode -> o (merged)
-  prefill step: ragged causal prefill over the new tokens -> o; [shared level]; history
-                level; each merged into o by LSE; then transpose_append(k, v)
-  tree step:    transpose_append(k, v); tree-mask paged prefill over whole sequences -> o
+  decode step:  split_rotary_append(qkv) -> q, k and v into their page slots (one launch; or
+                split_rotary then transpose_append where the cache has no fused kernel);
+                [shared level -> o]; paged decode -> o (merged)
+  prefill step: split_rotary(qkv) -> q, k, v (RoPE applied when the mode is "normal"); ragged
+                causal prefill over the new tokens -> o; [shared level]; history level; each
+                merged into o by LSE; then transpose_append(k, v)
+  tree step:    as a decode step, then tree-mask paged prefill over whole sequences -> o
 self_attention runs ragged prefill over the new tokens (tree-mask ragged prefill in a tree
 step), cross_attention the history levels.
 """
@@ -44,6 +46,7 @@ class Kernels:
     merge: object
     tree_paged: object = None  # PagedPrefillTreeMask, for tree steps
     tree_ragged: object = None  # RaggedPrefillTreeMask, for tree steps
+    split_rotary_append: object = None  # split_rotary + transpose_append in one launch (optional)
 
 
 class Workspace:
@@ -147,16 +150,25 @@ class Step:
                                level.k_offset, a.q_positions, mn_indptr, mask, rope.mode, rope.scale, rope.theta,
                                sm_scale, o, lse)
 
+    def _split_append(self, pages, qkv) -> None:
+        """self.q <- the query heads of qkv; its key and value heads -> their page slots."""
+        a, k = self._a, self._k
+        if k.split_rotary_append is not None:
+            k.split_rotary_append(qkv, a.q_positions, self.q, pages, a.append_positions, self._apply_rope)
+        else:
+            k.split_rotary(qkv, a.q_positions, self.q, self.k, self.v, self._apply_rope)
+            k.transpose_append(pages, self.k, self.v, a.append_positions)
+
     def attention_with_fused_qkv(self, pages, qkv, o, sm_scale: float) -> None:
         q, k, v, positions = self.q, self.k, self.v, self._a.append_positions
-        self._k.split_rotary(qkv, self._a.q_positions, q, k, v, self._apply_rope)
         if self.tree:
-            self._k.transpose_append(pages, k, v, positions)
+            self._split_append(pages, qkv)
             self._tree_paged(pages, q, o, self.lse, sm_scale)
         elif self.decode:
-            self._k.transpose_append(pages, k, v, positions)
+            self._split_append(pages, qkv)
             self._paged(self._fused, pages, q, o, self.lse, sm_scale, have_output=False)
         else:
+            self._k.split_rotary(qkv, self._a.q_positions, q, k, v, self._apply_rope)
             self._ragged(q, k, v, o, self.lse, sm_scale)
             self._paged(self._fused, pages, q, o, self.lse, sm_scale, have_output=True)
             self._k.transpose_append(pages, k, v, positions)

@@ -7,7 +7,10 @@ Slot names (the `kernels=` keys of PagedKVCache), with what each holds:
   `decode_paged`, `prefill_paged_sliding_window`, `decode_paged_sliding_window` (length_info
   [3, B]), `tree_attn_paged_kv`, `tree_attn_ragged`;
 - auxiliary kernels, as functions with the contract's arguments: `transpose_append`,
-  `split_rotary`, `copy_single_page`, `compact_copy`, `debug_get_kv`, `merge_state`.
+  `split_rotary`, `copy_single_page`, `compact_copy`, `debug_get_kv`, `merge_state`;
+- `split_rotary_append` (optional, not in TVM's contract): split_rotary and transpose_append in
+  one launch (tir_kernels.split_rotary_append), run in decode and tree steps. Built only where
+  neither split_rotary nor transpose_append is replaced (a replaced one must run as given).
 
 A cache with `support_sliding_window` runs the sliding-window variants for every sequence
 (sink 0, offset 0 for a sequence without a window), as TVM's cache does; otherwise the plain
@@ -36,7 +39,8 @@ ATTENTION_SLOTS = (
     "tree_attn_ragged",
 )
 FUNCTION_SLOTS = ("transpose_append", "split_rotary", "copy_single_page", "compact_copy", "debug_get_kv", "merge_state")
-SLOTS = ATTENTION_SLOTS + FUNCTION_SLOTS
+OPTIONAL_SLOTS = ("split_rotary_append",)
+SLOTS = ATTENTION_SLOTS + FUNCTION_SLOTS + OPTIONAL_SLOTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,7 @@ class KernelSet:
     compact_copy: object = None
     debug_get_kv: object = None
     merge_state: object = None
+    split_rotary_append: object = None
 
 
 # slot -> (generator, the config fields the generator reads besides shapes/dtype/target).
@@ -67,6 +72,7 @@ _GENERATORS = {
     "decode_paged_sliding_window": (tir_kernels.paged_decode, ("rope_scaling", "sliding_window")),
     "transpose_append": (tir_kernels.transpose_append, ()),
     "split_rotary": (tir_kernels.split_rotary, ("rope_theta", "rope_scale", "rope_scaling")),
+    "split_rotary_append": (tir_kernels.split_rotary_append, ("rope_theta", "rope_scale", "rope_scaling")),
     "copy_single_page": (tir_kernels.copy_single_page, ()),
     "compact_copy": (tir_kernels.compact_copy, ()),
     "debug_get_kv": (tir_kernels.debug_get_kv, ()),
@@ -117,6 +123,8 @@ def default_kernels(config: AttentionConfig, num_layers: int, *, sliding_window:
     built = {slot: build_slot(slot, config, num_layers) for slot in slots_used(sliding_window) if slot not in overrides}
     if not sliding_window:
         built.update({slot: Deferred(slot, config, num_layers) for slot in TREE_SLOTS if slot not in overrides})
+    if "split_rotary_append" not in overrides and not {"split_rotary", "transpose_append"} & set(overrides):
+        built["split_rotary_append"] = build_slot("split_rotary_append", config, num_layers)
     return KernelSet(**built, **overrides)
 
 
