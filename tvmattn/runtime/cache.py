@@ -43,7 +43,7 @@ from .forward import Kernels, Rope, Step, Workspace
 from .kernels import Deferred, KernelSet, default_kernels, paged_slots
 from .pages import PageAllocator
 from .plan import DeviceArrays, ForwardPlan, build_plan, build_plan_arrays, plan_size_bound
-from .sequences import PageCopy, SequenceTable
+from .sequences import PageCopy, SequenceTable, TableArrays
 from .trees import accepted_path, check_new_nodes, compact_copies, is_chain, tree_step
 
 log = logging.getLogger("tvmattn.cache")
@@ -280,13 +280,16 @@ class PagedKVCache:
             self._check_tree_support()
         nodes = sum(seq.tree_tokens for seq in seqs) + sum(lengths) if masked else 0
         page_size, sliding = self.options.page_size, self.options.support_sliding_window
-        self._arrays.reserve(plan_size_bound(seqs, lengths, page_size, nodes))
         if trees is None and not any(map(_WINDOW_SIZE, seqs)):
             # the usual step (no sliding window, no token tree): planned with numpy over the batch
-            batch, copies = self._table.reserve_plain(seqs, lengths)
+            tables = TableArrays.gather(seqs)
+            self._arrays.reserve(plan_size_bound(len(tables.pages), lengths, page_size))
+            batch, copies = self._table.reserve_plain(seqs, lengths, tables)
             self._copy_pages(copies)
             plan = build_plan_arrays(seq_ids, lengths, batch, page_size, sliding)
         else:
+            pages = sum(len(seq.pages) for seq in seqs)
+            self._arrays.reserve(plan_size_bound(pages, lengths, page_size, nodes))
             appended, copies = self._table.reserve(seqs, lengths, trees)
             self._copy_pages(copies)
             tree = None

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import operator
 from typing import Callable, Generic, Hashable, NamedTuple, TypeVar
 
 import numpy as np
@@ -430,15 +429,13 @@ def common_prefix(a: list, b: list, limit: int) -> int:
     return low
 
 
-def plan_size_bound(seqs: list, lengths: list, page_size: int, tree_nodes: int = 0) -> int:
+def plan_size_bound(pages: int, lengths: list, page_size: int, tree_nodes: int = 0) -> int:
     """An upper bound of the packed size (elements) of the plan of a step, known before the
-    step changes any page table; tree_nodes: the nodes of the step's token trees."""
-    # sum(ceil(n / page_size) + 1) <= sum(n) // page_size + 2 * len(seqs)
-    pages = sum(map(len, map(_PAGES, seqs))) + sum(lengths) // page_size + 2 * len(seqs)
-    return 2 * pages + 2 * sum(lengths) + 2 * tree_nodes + 16 * (len(seqs) + 2) + 26 * ALIGN
-
-
-_PAGES = operator.attrgetter("pages")
+    step changes any page table: pages, the step's sequences' pages in all; tree_nodes, the
+    nodes of the step's token trees."""
+    # sum(ceil(n / page_size) + 1) <= sum(n) // page_size + 2 * len(lengths)
+    pages += sum(lengths) // page_size + 2 * len(lengths)
+    return 2 * pages + 2 * sum(lengths) + 2 * tree_nodes + 16 * (len(lengths) + 2) + 26 * ALIGN
 
 
 class BufferViews(dict):

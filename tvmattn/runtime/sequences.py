@@ -302,11 +302,13 @@ class SequenceTable:
                     for h, seq, layout, n in zip(histories, seqs, layouts, lengths)]
         return appended, [c for c in copies if c is not None]
 
-    def reserve_plain(self, seqs: list, lengths: list) -> tuple[AppendedArrays, list]:
+    def reserve_plain(self, seqs: list, lengths: list,
+                      tables: TableArrays | None = None) -> tuple[AppendedArrays, list]:
         """`reserve(seqs, lengths, None)` for a batch in which no sequence has a sliding window
         or a token tree (lengths >= 1), with numpy over the whole batch instead of a Python
         loop: the same page changes (the same pages from the allocator, in the same order) and
-        the same errors (on KVCacheError nothing changed).
+        the same errors (on KVCacheError nothing changed). tables: `TableArrays.gather(seqs)`
+        where the caller has it already (it becomes the returned history).
 
         Returns (the batch before and after the append, page copies to run before the step).
         Python loops run only over the sequences that need copy-on-write or new pages, and
@@ -315,7 +317,7 @@ class SequenceTable:
         ps = self.page_size
         decode = sum(lengths) == len(lengths)  # one token per sequence
         n = np.array(lengths, dtype=np.int64)
-        history = TableArrays.gather(seqs)
+        history = TableArrays.gather(seqs) if tables is None else tables
         first_slot = history.slot_end
         end = first_slot + n
         if decode:  # a new page where the token starts one
@@ -344,18 +346,12 @@ class SequenceTable:
         for b, copy in zip(cow, copies):
             seqs[b].pages[-1] = history.pages[history.indptr[b + 1] - 1] = copy.dst
         if total:
-            fresh = fresh.astype(np.int64)
             fresh_end = fresh.cumsum()
             for b in np.flatnonzero(fresh).tolist():
                 seqs[b].pages.extend(new_pages[fresh_end[b] - fresh[b] : fresh_end[b]])
-            after_indptr = history.indptr.copy()
-            after_indptr[1:] += fresh_end
-            after = TableArrays(np.insert(history.pages, np.repeat(history.indptr[1:], fresh), new_pages),
-                                after_indptr, history.counts + fresh, end)
-        else:
-            after = TableArrays(history.pages, history.indptr, history.counts, end)
         for seq, count in zip(seqs, lengths):
             seq.length += count
+        after = TableArrays.gather(seqs) if total else TableArrays(history.pages, history.indptr, history.counts, end)
         # pool position of each new token: its slot's page in the table after the append
         if decode:  # the last page
             pages, slots_in_page = after.pages[after.indptr[1:] - 1], used
