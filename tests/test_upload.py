@@ -9,14 +9,28 @@ import numpy as np
 import pytest
 import tvm
 
-from tvmattn.runtime.upload import AsyncUploader, SyncUploader, make_uploader
+from tvmattn.runtime.upload import AsyncUploader, HostUploader, SyncUploader, make_uploader
 
 
-def test_cpu_uses_the_plain_copy():
+def test_cpu_writes_through_an_alias():
     uploader = make_uploader(tvm.cpu())
-    assert isinstance(uploader, SyncUploader)
+    assert isinstance(uploader, HostUploader)
     device_array = tvm.runtime.empty((5,), "int32", device=tvm.cpu())
     uploader.copy(np.arange(5, dtype=np.int32), device_array)
+    np.testing.assert_array_equal(device_array.numpy(), np.arange(5))
+    buffer = tvm.runtime.empty((16,), "int32", device=tvm.cpu())
+    buffer.copyfrom(np.zeros(16, np.int32))
+    views = [buffer._create_view((6,), "int32", 0), buffer._create_view((3,), "int32", 4 * 10)]
+    for step, view in enumerate([views[0], views[0], views[1], views[0]]):  # the same view again, then others
+        host = np.arange(view.shape[0], dtype=np.int32) + 100 * step
+        uploader.copy(host, view)
+        np.testing.assert_array_equal(view.numpy(), host)
+    np.testing.assert_array_equal(buffer.numpy()[6:10], 0)  # nothing outside the views
+
+
+def test_sync_uploader_copies():
+    device_array = tvm.runtime.empty((5,), "int32", device=tvm.cpu())
+    SyncUploader().copy(np.arange(5, dtype=np.int32), device_array)
     np.testing.assert_array_equal(device_array.numpy(), np.arange(5))
 
 
