@@ -710,6 +710,8 @@ def tvmattn_variant(kernel: str, config, func) -> str:
     for name, marker, places in TENSOR_CORE_PATHS:
         if marker in text:
             path, choosers = name, places
+            if kernel == "decode":  # the tensor-core decode (decode_tc.py) has a schedule of its own
+                choosers = (("schedules", "choose_tc_decode_schedule"),)
             break
     summary = "default"
     for module, chooser in choosers:

@@ -17,6 +17,7 @@ _EXPORTS = {
     "default_sm_scale": "config",
     "tvm_target": "config",
     "paged_decode": "decode",
+    "paged_decode_tc": "decode_tc",
     "merge_state": "merge",
     "MLAConfig": "config",
     "MLASchedule": "mla",
@@ -39,9 +40,11 @@ _EXPORTS = {
     "CopySchedule": "schedules",
     "DecodeSchedule": "schedules",
     "PrefillSchedule": "schedules",
+    "TensorCoreDecodeSchedule": "schedules",
     "choose_copy_schedule": "schedules",
     "choose_decode_schedule": "schedules",
     "choose_prefill_schedule": "schedules",
+    "choose_tc_decode_schedule": "schedules",
 }
 
 __all__ = sorted(_EXPORTS)

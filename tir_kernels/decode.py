@@ -21,7 +21,7 @@ from tvm.script import tirx as T
 
 from .common import LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position, rope_value
 from .config import AttentionConfig, RopeScaling
-from .schedules import DecodeSchedule, choose_decode_schedule
+from .schedules import DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_schedule, tc_decode_applies
 from .softmax import finished_l, prob, softmax_macros
 
 
@@ -317,7 +317,13 @@ def _split_kernel_macro(dims: _Dims, L):
     return split_kernel
 
 
-def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None):
+# Whether paged_decode(config) serves fp16/bf16 GQA groups of 4..16 on CUDA sm_80+ with the
+# tensor-core kernel (decode_tc.py; `schedules.tc_decode_applies`); tests/test_decode_tc.py runs
+# it on the GPU.
+TENSOR_CORE_DECODE = False
+
+
+def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | TensorCoreDecodeSchedule | None = None):
     """Paged decode PrimFunc, arguments in the contract's order:
 
     q [B, Hq, D], pages [P, 2, Hkv, page_size, D], page_indptr [B+1] i32,
@@ -325,7 +331,16 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | None = None
     q_rope_position [B] i32, o [B, Hq, D], lse [B, Hq] f32 (base 2), rotary_mode i32,
     rope_scale f32, rope_theta f32, sm_scale f32.
     A request with no visible token gets o = 0 and lse = EMPTY_LSE.
+
+    Without a schedule, fp16/bf16 configs with GQA groups of 4..16 on CUDA sm_80 and newer get
+    the tensor-core kernel (decode_tc.paged_decode_tc), as does a TensorCoreDecodeSchedule; a
+    DecodeSchedule, and every other config, the CUDA-core kernel of this module.
     """
+    if isinstance(schedule, TensorCoreDecodeSchedule) or (
+            schedule is None and TENSOR_CORE_DECODE and tc_decode_applies(config)):
+        from .decode_tc import paged_decode_tc  # (decode_tc builds on this module)
+
+        return paged_decode_tc(config, schedule)
     _check(config)
     sched = schedule or choose_decode_schedule(config)
     sched.check(config)

@@ -80,6 +80,164 @@ def choose_decode_schedule(config: AttentionConfig) -> DecodeSchedule:
     )
 
 
+# Tensor-core decode (`decode_tc`): the dtypes, smallest arch and GQA groups it serves.
+TC_DECODE_DTYPES = ("float16", "bfloat16")
+TC_DECODE_MIN_ARCH = 80  # cp.async, ldmatrix and bf16 mma.sync: sm_80 and newer
+TC_DECODE_MIN_GROUP = 4  # below, 16-row MMA tiles waste more than the CUDA-core kernel loses
+TC_DECODE_MAX_GROUP = 16  # the query heads of a group are the M = 16 rows of one MMA tile
+# 32-bit registers per thread the O accumulators, S accumulators and Q fragments may take.
+TC_DECODE_MAX_FRAGMENT_REGISTERS = 192
+
+
+def _mma_row_stride(width: int) -> int:
+    """Elements per shared-memory row of 16-bit `width`-wide rows in prefill_sm80's layout:
+    swizzled rows of a multiple of 8 chunks are unpadded, others get one 16-byte chunk."""
+    return width if (width // 8) % 8 == 0 else width + 8
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorCoreDecodeSchedule:
+    """Tiling of the tensor-core paged decode (`decode_tc.paged_decode_tc`).
+
+    A block serves one request, one KV head (its whole GQA group as the M = 16 rows of
+    m16n8k16 MMAs) and one split of the request's keys. Each step the block loads a tile of
+    tile_kv = warps * keys_per_warp keys into one of `stages` shared-memory buffers
+    (cp.async); warp w computes keys w * keys_per_warp.. of the tile; warps are merged in
+    shared memory at the end.
+    warps: warps per block; keys_per_warp: keys each warp takes per step (multiple of 16);
+    stages: tiles in the cp.async ring (>= 2); q_in_registers: Q's A fragments stay in
+    registers (else read from shared memory per step).
+    Split-KV: the grid has min(max(floor(target_blocks / (batch * num_kv_heads)), 1),
+    max_splits) split slots per request (chosen at launch; target_blocks is about the blocks
+    resident at once); a request uses min(slots, ceil(kv_len / min_split_keys)) of them, each
+    a whole number of tiles; one split writes o / lse directly, more are merged in FP32.
+    """
+
+    warps: int = 4
+    keys_per_warp: int = 16
+    stages: int = 3
+    q_in_registers: bool = True
+    max_splits: int = 64
+    target_blocks: int = 2 * CUDA_NUM_SMS
+    min_split_keys: int = 256
+
+    def __post_init__(self):
+        _require(1 <= self.warps <= 16, f"warps={self.warps} must be 1..16")
+        _require(self.keys_per_warp >= 16 and self.keys_per_warp % 16 == 0,
+                 f"keys_per_warp={self.keys_per_warp} must be a multiple of 16")
+        _require(2 <= self.stages <= 8, f"stages={self.stages} must be 2..8")
+        _require(self.max_splits >= 1, f"max_splits={self.max_splits} must be >= 1")
+        _require(self.target_blocks >= 1, f"target_blocks={self.target_blocks} must be >= 1")
+        _require(self.min_split_keys >= 1, f"min_split_keys={self.min_split_keys} must be >= 1")
+
+    @property
+    def tile_kv(self) -> int:
+        return self.warps * self.keys_per_warp
+
+    @property
+    def label(self) -> str:
+        """Short name: w<warps>k<keys_per_warp>s<stages>t<target_blocks>m<min_split_keys>[x<max_splits>][-qsmem]."""
+        return (f"w{self.warps}k{self.keys_per_warp}s{self.stages}t{self.target_blocks}m{self.min_split_keys}"
+                + (f"x{self.max_splits}" if self.max_splits != 64 else "") + ("" if self.q_in_registers else "-qsmem"))
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.warps
+
+    def shared_bytes(self, config: AttentionConfig) -> int:
+        """The Q tile (16 rows) and `stages` K and V tiles (16-bit elements), or the fp32
+        states the warps are merged through at the end (they reuse the same memory)."""
+        stride = _mma_row_stride(config.head_dim)
+        tiles = 2 * (16 * stride + 2 * self.stages * self.tile_kv * stride)
+        merge = 4 * (self.warps * config.group_size * config.head_dim + 2 * 16 * self.warps)
+        return max(tiles, merge)
+
+    def fragment_registers(self, config: AttentionConfig) -> int:
+        """O accumulators (head_dim / 2), S accumulators (keys_per_warp / 2) and, with
+        q_in_registers, Q fragments (head_dim / 4) per thread."""
+        q = config.head_dim // 4 if self.q_in_registers else 4
+        return config.head_dim // 2 + self.keys_per_warp // 2 + q
+
+    def check(self, config: AttentionConfig) -> None:
+        _require(config.dtype in TC_DECODE_DTYPES,
+                 f"dtype={config.dtype!r}: the tensor-core decode serves {TC_DECODE_DTYPES}")
+        _require(config.is_gpu and config.sm_version >= TC_DECODE_MIN_ARCH,
+                 f"target={config.target!r}: the tensor-core decode needs CUDA sm_{TC_DECODE_MIN_ARCH} or newer")
+        _require(config.group_size <= TC_DECODE_MAX_GROUP,
+                 f"GQA group {config.group_size}: the tensor-core decode serves groups up to {TC_DECODE_MAX_GROUP}")
+        _require(config.head_dim % 16 == 0 and config.v_head_dim == config.head_dim,
+                 f"head_dim={config.head_dim}, v_head_dim={config.v_head_dim}: the tensor-core decode needs equal"
+                 " head dims, a multiple of 16")
+        _require(self.fragment_registers(config) <= TC_DECODE_MAX_FRAGMENT_REGISTERS,
+                 f"keys_per_warp={self.keys_per_warp}, q_in_registers={self.q_in_registers} hold"
+                 f" {self.fragment_registers(config)} fragment registers per thread at head_dim={config.head_dim};"
+                 f" at most {TC_DECODE_MAX_FRAGMENT_REGISTERS}")
+        limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
+        _require(self.shared_bytes(config) <= limit,
+                 f"tile_kv={self.tile_kv}, stages={self.stages} need {self.shared_bytes(config)} bytes of shared"
+                 f" memory, {config.cuda_arch} has {limit}")
+
+
+def tc_decode_applies(config: AttentionConfig) -> bool:
+    """Whether `paged_decode` serves `config` on tensor cores (see TensorCoreDecodeSchedule.check)."""
+    return (config.is_gpu and config.dtype in TC_DECODE_DTYPES and config.sm_version >= TC_DECODE_MIN_ARCH
+            and TC_DECODE_MIN_GROUP <= config.group_size <= TC_DECODE_MAX_GROUP
+            and config.head_dim % 16 == 0 and config.v_head_dim == config.head_dim and config.head_dim <= 256)
+
+
+def tc_decode_resident_blocks(config: AttentionConfig, sched: TensorCoreDecodeSchedule) -> int:
+    """Blocks of `sched` an SM holds at once: by shared memory (1 KiB reserved per block) and
+    by registers (about 168 per thread: ptxas used 160 at head dim 128)."""
+    limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
+    by_shared = (limit + 1024) // (sched.shared_bytes(config) + 1024)
+    by_registers = 65536 // (168 * sched.num_threads)
+    return max(1, min(by_shared, by_registers))
+
+
+def choose_tc_decode_schedule(config: AttentionConfig) -> TensorCoreDecodeSchedule:
+    """4 warps of 16 keys (64-key tiles), 3 stages (2 above head dim 128, where Q fragments are
+    read from shared memory per step to leave registers for the 256-wide O accumulators); fewer
+    stages or warps where the arch's shared memory is smaller."""
+    wide = config.head_dim > 128
+    sched = TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=2 if wide else 3, q_in_registers=not wide)
+    limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
+    # Where shared memory is short (sm_86 / sm_89: 99 KiB), fewer stages, then fewer warps.
+    while sched.shared_bytes(config) > limit and sched.stages > 2:
+        sched = dataclasses.replace(sched, stages=sched.stages - 1)
+    while sched.shared_bytes(config) > limit and sched.warps > 1:
+        sched = dataclasses.replace(sched, warps=sched.warps // 2)
+    # one wave of resident blocks: split counts round down to it
+    return dataclasses.replace(sched, target_blocks=CUDA_NUM_SMS * tc_decode_resident_blocks(config, sched))
+
+
+def tc_decode_candidates(config: AttentionConfig) -> dict:
+    """name -> TensorCoreDecodeSchedule: the default and the variants `scripts/tune_decode.py`
+    measures beside it (tests/test_decode_tc.py runs each on the GPU), those valid for config."""
+    base = choose_tc_decode_schedule(config)
+    qreg = base.q_in_registers
+    variants = [
+        base,
+        dataclasses.replace(base, min_split_keys=128),
+        dataclasses.replace(base, target_blocks=2 * base.target_blocks),
+        TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=2, q_in_registers=qreg),
+        TensorCoreDecodeSchedule(warps=4, keys_per_warp=32, stages=2, q_in_registers=qreg),
+        TensorCoreDecodeSchedule(warps=8, keys_per_warp=16, stages=2, q_in_registers=qreg),
+        TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=4, q_in_registers=qreg),
+    ]
+    out = {}
+    for sched in variants:
+        if sched is not base:
+            sched = dataclasses.replace(sched, target_blocks=sched.target_blocks if sched.stages == base.stages
+                                        and sched.warps == base.warps and sched.keys_per_warp == base.keys_per_warp
+                                        else CUDA_NUM_SMS * tc_decode_resident_blocks(config, sched))
+        try:
+            sched.check(config)
+        except ValueError:
+            continue
+        out.setdefault(sched.label, sched)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class CopySchedule:
     """Thread mapping of the element-wise kernels (page ops, merge_state, split_rotary).

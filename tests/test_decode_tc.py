@@ -1,0 +1,248 @@
+"""paged_decode_tc (tensor-core paged decode, tir_kernels/decode_tc.py) against the float64
+reference.
+
+GPU tests build for the present GPU's arch (`cuda:sm_90` on the H200: mma.sync, ldmatrix and
+cp.async run there). Page slots no request owns hold NaN, so a kernel that reads past a
+request's keys shows it. CPU tests check the CUDA source for sm_80 and sm_90 (no driver, no
+nvcc), the signature, the schedule checks and the dispatch of `paged_decode`.
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+import reference as ref
+import tvm
+from harness import JUNK, device_for, empty, index_view, make_paged_batch, randn, tensor
+
+from tir_kernels import AttentionConfig, TensorCoreDecodeSchedule, default_sm_scale, paged_decode
+from tir_kernels.decode_tc import paged_decode_tc
+from tir_kernels.schedules import choose_tc_decode_schedule, tc_decode_applies, tc_decode_candidates
+from tir_kernels.support import present_cuda_arch
+
+# (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding): fp16 and bf16, GQA group
+# 4 / 8 / 16, head dim 64 / 128 / 256, page size 1 / 16 / 64, with and without a window.
+CASES = [
+    (32, 8, 128, 16, "float16", False),
+    (32, 8, 128, 16, "bfloat16", False),
+    (16, 4, 128, 1, "float16", False),
+    (32, 4, 128, 64, "bfloat16", False),
+    (16, 1, 64, 16, "float16", False),
+    (8, 2, 64, 1, "bfloat16", True),
+    (16, 2, 256, 16, "bfloat16", False),
+    (32, 2, 256, 64, "float16", True),
+    (64, 4, 128, 16, "float16", True),
+    (16, 1, 128, 64, "bfloat16", False),
+]
+
+# The schedules scripts/tune_decode.py measures (schedules.tc_decode_candidates), on the
+# benchmark config (32 q / 8 kv heads, d128, page 16), and explicit ones with few splits.
+BENCH_CONFIG = AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target="cuda:sm_90")
+SCHEDULES = list(tc_decode_candidates(BENCH_CONFIG).values()) + [
+    TensorCoreDecodeSchedule(warps=2, keys_per_warp=32, stages=4, target_blocks=132, max_splits=16),
+    TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=3, q_in_registers=False, min_split_keys=64),
+]
+
+
+def case_id(case):
+    hq, hkv, d, ps, dtype, sliding = case
+    return f"hq{hq}-hkv{hkv}-d{d}-ps{ps}-{dtype}" + ("-sliding" if sliding else "")
+
+
+def schedule_id(s):
+    return s.label
+
+
+def lengths_for(page_size):
+    """Empty history, one key, page-boundary lengths, ragged ones, several tiles, a long one."""
+    return [0, 1, page_size, 2 * page_size, 37, 3 * page_size + 5, 130, 64, 65, 1000]
+
+
+@pytest.fixture(scope="session")
+def gpu_target():
+    return f"cuda:{present_cuda_arch()}"
+
+
+def run(kernels, config, batch, q, schedule=None, rotary_mode=0, rope=(1.0, 1e4), q_pos=None, k_pos=None):
+    dev = device_for(config)
+    fn = kernels.get(paged_decode_tc, config, schedule)
+    b = batch.batch
+    o = empty((b, config.num_qo_heads, config.head_dim), config.dtype, dev)
+    lse = empty((b, config.num_qo_heads), "float32", dev)
+    q_pos = np.zeros(b, np.int32) if q_pos is None else q_pos
+    k_pos = np.zeros(b, np.int32) if k_pos is None else k_pos
+    fn(tensor(q, dev), tensor(batch.pages, dev), index_view(batch.page_indptr, dev),
+       index_view(batch.page_indices, dev), index_view(batch.length_info(), dev, offset=3),
+       index_view(k_pos, dev, offset=11), index_view(q_pos, dev, offset=2), o, lse,
+       rotary_mode, rope[0], rope[1], default_sm_scale(config.head_dim))
+    return o.numpy().astype(np.float64), lse.numpy()
+
+
+def inputs(rng, config, lengths):
+    batch = make_paged_batch(rng, lengths, config.num_kv_heads, config.head_dim, config.page_size, config.dtype,
+                             sliding=config.sliding_window)
+    junk = batch.pages.astype(np.float32) == JUNK
+    batch.pages[junk] = np.nan  # unowned slots: NaN
+    q = randn(rng, (batch.batch, config.num_qo_heads, config.head_dim), config.dtype)
+    return batch, q
+
+
+def check(config, batch, q, o, lse, rope=None, q_pos=None, k_pos=None):
+    rtol, atol = ref.TOLERANCES[config.dtype]
+    for i in range(batch.batch):
+        k, v = batch.visible(i)
+        qi = q[i : i + 1]
+        if rope is not None:
+            qi = ref.rope(qi, q_pos[i : i + 1], rope[1], rope[0], None)
+            k = ref.rope(k, k_pos[i] + np.arange(len(k)), rope[1], rope[0], None)
+        eo, else_ = ref.attention(qi, k, v, default_sm_scale(config.head_dim), causal=False)
+        np.testing.assert_allclose(o[i], eo[0], rtol=rtol, atol=atol, err_msg=f"o of request {i}")
+        np.testing.assert_allclose(lse[i], else_[0], rtol=ref.LSE_TOLERANCE[0], atol=ref.LSE_TOLERANCE[1],
+                                   err_msg=f"lse of request {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_paged_decode_tc(kernels, gpu_target, case):
+    hq, hkv, d, ps, dtype, sliding = case
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=gpu_target, sliding_window=sliding)
+    rng = np.random.default_rng(zlib.crc32(case_id(case).encode()))
+    batch, q = inputs(rng, config, lengths_for(ps))
+    o, lse = run(kernels, config, batch, q)
+    check(config, batch, q, o, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_size,length", [(1, 3000), (1, 129), (3, 700), (17, 300), (256, 33)])
+def test_paged_decode_tc_split_kv(kernels, gpu_target, batch_size, length):
+    """Batch 1..256 with ragged lengths: small batches split their keys over blocks (merged
+    in FP32), 256 requests take one split each."""
+    config = AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target=gpu_target)
+    rng = np.random.default_rng(batch_size * 1000 + length)
+    lengths = [length + 17 * i if i % 5 != 4 else 0 for i in range(batch_size)]
+    batch, q = inputs(rng, config, lengths)
+    o, lse = run(kernels, config, batch, q)
+    check(config, batch, q, o, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=schedule_id)
+def test_paged_decode_tc_schedules(kernels, gpu_target, schedule):
+    config = BENCH_CONFIG.replace(target=gpu_target)
+    for batch_size, lengths in ((1, [2500]), (2, [300, 129]), (9, [0, 1, 16, 63, 64, 65, 200, 1000, 777])):
+        rng = np.random.default_rng(batch_size)
+        batch, q = inputs(rng, config, lengths)
+        o, lse = run(kernels, config, batch, q, schedule)
+        check(config, batch, q, o, lse)
+
+
+@pytest.mark.gpu
+def test_paged_decode_tc_inline_rope(kernels, gpu_target):
+    """rotary_mode=1 runs the CUDA-core kernel held in the same PrimFunc."""
+    config = AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target=gpu_target)
+    rng = np.random.default_rng(5)
+    batch, q = inputs(rng, config, [5, 16, 40, 1500])
+    q_pos = np.array([9, 30, 100, 1600], np.int32)
+    k_pos = np.array([4, 14, 60, 100], np.int32)
+    rope = (0.5, 5e5)
+    o, lse = run(kernels, config, batch, q, None, 1, rope, q_pos, k_pos)
+    check(config, batch, q, o, lse, rope, q_pos, k_pos)
+
+
+@pytest.mark.gpu
+def test_paged_decode_dispatches_to_tensor_cores(kernels, gpu_target):
+    """paged_decode(config) of a group of 8 in bf16 is the tensor-core kernel (while the
+    dispatch is on), and correct."""
+    from tir_kernels import decode
+
+    config = AttentionConfig(32, 4, 128, dtype="bfloat16", page_size=16, target=gpu_target)
+    assert ("mma" in str(paged_decode(config))) == (decode.TENSOR_CORE_DECODE and tc_decode_applies(config))
+    rng = np.random.default_rng(9)
+    batch, q = inputs(rng, config, [0, 100, 4000, 33])
+    fn = kernels.get(paged_decode, config)
+    dev = device_for(config)
+    o = empty((batch.batch, config.num_qo_heads, 128), config.dtype, dev)
+    lse = empty((batch.batch, config.num_qo_heads), "float32", dev)
+    zeros = np.zeros(batch.batch, np.int32)
+    fn(tensor(q, dev), tensor(batch.pages, dev), index_view(batch.page_indptr, dev),
+       index_view(batch.page_indices, dev), index_view(batch.length_info(), dev), index_view(zeros, dev),
+       index_view(zeros, dev), o, lse, 0, 1.0, 1e4, default_sm_scale(128))
+    check(config, batch, q, o.numpy().astype(np.float64), lse.numpy())
+
+
+def signature(func):
+    def describe(p):
+        if type(p.ty).__name__ == "BufferType":
+            return p.name, str(p.dtype), str(p.shape), str(p.elem_offset)
+        return p.name, str(p.ty)
+    return [describe(p) for p in func.params]
+
+
+@pytest.mark.parametrize("config", [
+    AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target="cuda:sm_90"),
+    AttentionConfig(16, 1, 256, dtype="bfloat16", page_size=1, target="cuda:sm_80", sliding_window=True),
+    AttentionConfig(16, 4, 64, dtype="float16", page_size=64, target="cuda:sm_89"),
+], ids=["fp16-d128-sm90", "bf16-d256-g16-sliding-sm80", "fp16-d64-sm89"])
+def test_decode_tc_builds_cuda_source(config):
+    """Same signature and symbol as the CUDA-core decode; mma.sync m16n8k16 with fp32
+    accumulation, ldmatrix (.trans for V) and 16-byte cp.async in the source."""
+    func, core = paged_decode_tc(config), paged_decode(config.replace(target="llvm"))
+    assert func.attrs["global_symbol"] == core.attrs["global_symbol"]
+    assert signature(func) == signature(core)
+    module = tvm.compile(tvm.IRModule({"batch_decode_paged_kv": func}), target=config.tvm_target())
+    cuda = module.mod.imports[0].inspect_source()
+    mma = "bf16" if config.dtype == "bfloat16" else "f16"
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32" in cuda
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in cuda
+    assert "cp.async.cg.shared.global [%0], [%1], 16;" in cuda
+
+
+def test_tc_decode_schedule_validation():
+    with pytest.raises(ValueError, match="keys_per_warp"):
+        TensorCoreDecodeSchedule(keys_per_warp=24)
+    with pytest.raises(ValueError, match="stages"):
+        TensorCoreDecodeSchedule(stages=1)
+    with pytest.raises(ValueError, match="warps"):
+        TensorCoreDecodeSchedule(warps=0)
+    cuda = AttentionConfig(32, 8, 128, dtype="float16", target="cuda:sm_90")
+    with pytest.raises(ValueError, match="dtype"):
+        paged_decode_tc(cuda.replace(dtype="float32"))
+    with pytest.raises(ValueError, match="target"):
+        paged_decode_tc(cuda.replace(target="llvm"))
+    with pytest.raises(ValueError, match="sm_80"):
+        paged_decode_tc(cuda.replace(target="cuda:sm_75"))
+    with pytest.raises(ValueError, match="GQA group"):
+        paged_decode_tc(AttentionConfig(64, 2, 128, dtype="float16", target="cuda:sm_90"))
+    with pytest.raises(ValueError, match="shared memory"):
+        paged_decode_tc(cuda, TensorCoreDecodeSchedule(warps=8, keys_per_warp=32, stages=4))
+    with pytest.raises(ValueError, match="fragment registers"):
+        paged_decode_tc(cuda.replace(head_dim=256, v_head_dim=256),
+                        TensorCoreDecodeSchedule(keys_per_warp=64, q_in_registers=True))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_default_tc_decode_schedules_fit(arch, dtype):
+    """The default schedule is valid for every config the dispatch sends to tensor cores."""
+    for d in range(16, 257, 16):
+        for hq, hkv in ((16, 4), (32, 4), (16, 1), (32, 2)):
+            config = AttentionConfig(hq, hkv, d, dtype=dtype, target=f"cuda:{arch}")
+            assert tc_decode_applies(config)
+            choose_tc_decode_schedule(config).check(config)
+
+
+def test_tc_decode_dispatch():
+    """paged_decode picks the tensor-core kernel for fp16/bf16 groups of 4..16 on CUDA sm_80+
+    and the CUDA-core kernel for small groups, fp32, older archs and the CPU."""
+    from tir_kernels import decode
+
+    def uses_mma(config):
+        return "ptx.mma" in str(paged_decode(config)) or "mma.sync" in str(paged_decode(config))
+
+    base = AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target="cuda:sm_90")
+    assert uses_mma(base) == decode.TENSOR_CORE_DECODE
+    assert uses_mma(base.replace(dtype="bfloat16", num_kv_heads=2)) == decode.TENSOR_CORE_DECODE
+    assert not uses_mma(base.replace(num_kv_heads=16))  # group 2
+    assert not uses_mma(base.replace(dtype="float32"))
+    assert not uses_mma(base.replace(target="cuda:sm_75"))
+    assert not uses_mma(base.replace(target="llvm"))

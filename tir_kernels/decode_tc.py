@@ -1,0 +1,456 @@
+"""Tensor-core paged decode for GQA groups of 4..16 (fp16/bf16, CUDA sm_80 and newer).
+
+`paged_decode_tc(config)` returns the PrimFunc of `decode.paged_decode` (same parameters,
+argument order, semantics and global symbol; its docstring is the contract), computed with
+`mma.sync.aligned.m16n8k16` and fp32 accumulation, the instructions and shared-memory layout of
+prefill_sm80 (they also run on sm_90, which is how the H200 runs them).
+
+Work mapping: a block serves one request, one KV head and one split of the request's visible
+keys (blockIdx = request, KV head, split; the split count is chosen at launch from the batch
+size, as in decode.py, and the splits are merged in FP32 by decode.py's merge kernel). The G
+query heads of the KV head are the M rows of the MMAs (padded with zero rows to 16), so each
+K/V row is read from memory once for the whole group.
+
+Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
+  load_q: the group's query rows -> shared (cp.async), then A fragments (ldmatrix).
+  load_tile: K and V rows of a tile of tile_kv = warps * keys_per_warp keys -> one of `stages`
+    ring buffers, 16-byte cp.async, threads_per_row threads per row (a row's page-table lookup
+    is done once per thread, before its copies); rows past the split's end are zero-filled.
+  Per step, warp w computes keys w * keys_per_warp.. of the tile: S = Q K^T (ldmatrix K), the
+    online softmax of its rows in registers (base 2, softmax.py's arithmetic), O += P V (P
+    packed from the S accumulators, ldmatrix.trans V).
+  finish: the warps' (m, l, O) states are merged through shared memory (softmax.combine) and
+    finished into o / lse, or into the split workspace.
+
+rotary_mode == 1 (RoPE inside the kernel) runs decode.py's CUDA-core kernel, compiled into the
+same PrimFunc and picked on the host (as prefill_sm80 does with prefill.py's).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position
+from .config import AttentionConfig
+from .decode import _check, _Dims, _merge_macros, _split_kernel_macro
+from .prefill_sm80 import CHUNK, FULL_WARP, MMA_DTYPES, ROWS_PER_MMA, _Tile
+from .schedules import TensorCoreDecodeSchedule, choose_decode_schedule, choose_tc_decode_schedule
+from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor, softmax_macros
+
+
+def threads_per_row(chunks: int) -> int:
+    """Threads that copy one K/V row together: 4 (64 contiguous bytes per 4 lanes) where the
+    row's 16-byte chunks allow, else 2 or 1."""
+    for tpr in (4, 2, 1):
+        if chunks % tpr == 0:
+            return tpr
+    return 1
+
+
+def grid_splits(sched: TensorCoreDecodeSchedule, num_kv_heads: int, batch):
+    """Split slots per request in the grid, chosen at launch: floor(target_blocks / (batch *
+    num_kv_heads)), within 1..max_splits (rounded down, so that batch * heads * splits stays
+    within one wave of target_blocks resident blocks)."""
+    if sched.max_splits == 1:
+        return 1
+    return T.min(T.max(sched.target_blocks // (batch * num_kv_heads), 1), sched.max_splits)
+
+
+def request_splits(sched: TensorCoreDecodeSchedule, slots, kv_len):
+    """Splits request with kv_len keys uses: at most the grid's slots, each of at least
+    min_split_keys keys (a short request takes fewer, or one: then no merge)."""
+    if sched.max_splits == 1:
+        return 1
+    return T.min(slots, T.max(ceildiv(kv_len, sched.min_split_keys), 1))
+
+
+def split_length(sched: TensorCoreDecodeSchedule, kv_len, nsplit):
+    """Keys per split: kv_len / nsplit rounded up to whole tiles."""
+    return ceildiv(ceildiv(kv_len, nsplit), sched.tile_kv) * sched.tile_kv
+
+
+def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
+    """The tensor-core decode kernel and its split merge (see the module docstring)."""
+    L = loop_kinds(config)
+    sm = softmax_macros(L)
+    dtype, G, D, ps, sliding = config.dtype, config.group_size, config.head_dim, config.page_size, config.sliding_window
+    Hq, Hkv = config.num_qo_heads, config.num_kv_heads
+    NW, KPW, STAGES, QREG = sched.warps, sched.keys_per_warp, sched.stages, sched.q_in_registers
+    BK, NT = sched.tile_kv, sched.num_threads
+    TL = _Tile(D)  # Q, K and V rows share the layout
+    KSTEPS_QK, KSTEPS_PV = D // 16, KPW // 16
+    SN, ON = KPW // 8, D // 8  # n8 blocks of S and of O per warp
+    UPPER = G > 8  # rows g + 8 of the accumulators hold query heads too
+    HALVES = 2 if UPPER else 1
+    MMA = f"mma.sync.aligned.m16n8k16.row.col.f32.{MMA_DTYPES[dtype]}.{MMA_DTYPES[dtype]}.f32"
+    PACK = f"cvt.rn.{MMA_DTYPES[dtype]}x2.f32"
+    LDSM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
+    LDSM_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
+    CP_ASYNC = "cp.async.cg.shared.global"
+    MS = sched.max_splits
+    shared = "shared.dyn"
+    # One fp32 shared buffer, addressed in 16-bit elements for the tiles (halved for the
+    # fp32 index; every tile offset is a multiple of a 16-byte chunk): Q | K stages | V stages.
+    # At the end the same memory holds the warps' states: O [NW, G, D] | m [NW, 16] | l [NW, 16].
+    Q_OFF, K_OFF = 0, ROWS_PER_MMA * TL.stride
+    V_OFF = K_OFF + STAGES * BK * TL.stride
+    TILE_ELEMS = V_OFF + STAGES * BK * TL.stride
+    C_O, C_M = 0, NW * G * D
+    C_L = C_M + NW * ROWS_PER_MMA
+    SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA)
+    TPR = threads_per_row(TL.chunks)
+    RP = NT // TPR  # rows a pass of the block's threads copies
+    PASSES = ceildiv(BK, RP)
+    CPT = TL.chunks // TPR  # chunks per thread per row
+
+    def word(elem):
+        """fp32 index of a 16-bit element offset (a multiple of 8)."""
+        return elem // 2
+
+    @T.macro
+    def load_q(q_, smem_, b_, hkv_, tid_):
+        """The group's G query rows -> the Q region (cp.async); rows G..15 zero."""
+        for it in L.unroll(ceildiv(ROWS_PER_MMA * TL.chunks, NT)):
+            c = T.meta_var(it * NT + tid_)
+            r = T.meta_var(c // TL.chunks)
+            ch = T.meta_var(c % TL.chunks)
+            if ROWS_PER_MMA * TL.chunks % NT == 0 or c < ROWS_PER_MMA * TL.chunks:
+                if r < G:
+                    T.ptx[CP_ASYNC](smem_.ptr_to([word(Q_OFF + TL.offset(r, ch))]),
+                                    T.address_of(q_[b_, hkv_ * G + r, ch * CHUNK]), 16)
+                else:
+                    for e in L.vector(4):
+                        smem_[word(Q_OFF + TL.offset(r, ch)) + e] = T.float32(0)
+
+    @T.macro
+    def load_tile(pages_, indices_, length_info_, smem_, b_, hkv_, page0_, stage_, kv0_, kv_end_, tid_):
+        """K and V rows kv0_.. of one tile -> ring buffer stage_; zeros from kv_end_ on."""
+        page = T.alloc_buffer((PASSES,), "int32", scope="local")
+        slot = T.alloc_buffer((PASSES,), "int32", scope="local")
+        for p in L.unroll(PASSES):  # every page-table lookup before any copy
+            j = T.meta_var(kv0_ + p * RP + tid_ // TPR)
+            page[p] = 0
+            slot[p] = 0
+            if j < kv_end_:
+                page[p] = indices_[page0_ + paged_position(j, length_info_, b_, sliding) // ps]
+                slot[p] = paged_position(j, length_info_, b_, sliding) % ps
+        for p in L.unroll(PASSES):
+            r = T.meta_var(p * RP + tid_ // TPR)
+            if BK % RP == 0 or r < BK:
+                if kv0_ + r < kv_end_:
+                    for c in L.unroll(CPT):
+                        ch = T.meta_var(tid_ % TPR + c * TPR)
+                        T.ptx[CP_ASYNC](smem_.ptr_to([word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
+                                        T.address_of(pages_[page[p], 0, hkv_, slot[p], ch * CHUNK]), 16)
+                        T.ptx[CP_ASYNC](smem_.ptr_to([word(V_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
+                                        T.address_of(pages_[page[p], 1, hkv_, slot[p], ch * CHUNK]), 16)
+                else:
+                    for c in L.unroll(CPT):
+                        ch = T.meta_var(tid_ % TPR + c * TPR)
+                        for e in L.vector(4):
+                            smem_[word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch)) + e] = T.float32(0)
+                        for e in L.vector(4):
+                            smem_[word(V_OFF + stage_ * BK * TL.stride + TL.offset(r, ch)) + e] = T.float32(0)
+
+    @T.macro
+    def load_q_frag(smem_, qf_, base_, kk_, lane_):
+        """A fragment of Q for k16 step kk_ -> qf_[base_..base_+3]."""
+        T.ptx[LDSM](qf_[base_], qf_[base_ + 1], qf_[base_ + 2], qf_[base_ + 3],
+                    smem_.ptr_to([word(Q_OFF + TL.offset(lane_ % 16, kk_ * 2 + lane_ // 16))]))
+
+    @T.macro
+    def s_mma(smem_, qf_, s_, stage_, warp_, lane_):
+        """s_ <- Q K^T of the warp's KPW keys of the tile in stage stage_."""
+        kf = T.alloc_buffer((4,), "uint32", scope="local")
+        qk = T.alloc_buffer((4,), "uint32", scope="local")
+        for i in L.unroll(SN * 4):
+            s_[i] = T.float32(0)
+        for kk in L.unroll(KSTEPS_QK):
+            if not QREG:
+                load_q_frag(smem_, qk, 0, kk, lane_)
+            for np_ in L.unroll(SN // 2):
+                T.ptx[LDSM](kf[0], kf[1], kf[2], kf[3], smem_.ptr_to([word(
+                    K_OFF + stage_ * BK * TL.stride
+                    + TL.offset(warp_ * KPW + np_ * 16 + lane_ % 8 + lane_ // 16 * 8, kk * 2 + lane_ // 8 % 2))]))
+                for h in L.unroll(2):
+                    n = T.meta_var((np_ * 2 + h) * 4)
+                    if QREG:
+                        T.ptx[MMA](s_[n], s_[n + 1], s_[n + 2], s_[n + 3], qf_[kk * 4], qf_[kk * 4 + 1],
+                                   qf_[kk * 4 + 2], qf_[kk * 4 + 3], kf[h * 2], kf[h * 2 + 1],
+                                   s_[n], s_[n + 1], s_[n + 2], s_[n + 3])
+                    else:
+                        T.ptx[MMA](s_[n], s_[n + 1], s_[n + 2], s_[n + 3], qk[0], qk[1], qk[2], qk[3],
+                                   kf[h * 2], kf[h * 2 + 1], s_[n], s_[n + 1], s_[n + 2], s_[n + 3])
+
+    @T.macro
+    def softmax(s_, o_, m_run_, l_run_, key0_, kv_end_, scale_, lane_):
+        """Online softmax of the thread's rows (g, and g + 8 when the group has more than 8
+        heads) over the warp's keys key0_..: scale to base 2, mask keys from kv_end_ on, move
+        the state to the new max, s_ -> P = exp2(s - m) (l_run_ keeps this thread's sums)."""
+        m_new = T.alloc_buffer((1,), "float32", scope="local")
+        alpha = T.alloc_buffer((1,), "float32", scope="local")
+        for r in L.unroll(HALVES):
+            for nb in L.unroll(SN):
+                for e in L.unroll(2):
+                    s_[nb * 4 + r * 2 + e] = s_[nb * 4 + r * 2 + e] * scale_
+            if key0_ + KPW > kv_end_:
+                for nb in L.unroll(SN):
+                    for e in L.unroll(2):
+                        if key0_ + nb * 8 + lane_ % 4 * 2 + e >= kv_end_:
+                            s_[nb * 4 + r * 2 + e] = T.min_value("float32")
+            m_new[0] = m_run_[r]
+            for nb in L.unroll(SN):
+                for e in L.unroll(2):
+                    m_new[0] = T.max(m_new[0], s_[nb * 4 + r * 2 + e])
+            for k in L.unroll(2):  # the 4 lanes of a quad hold the row
+                m_new[0] = T.max(m_new[0], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), m_new[0], 1 << k, 32, 32))
+            alpha[0] = rescale_factor(m_run_[r], m_new[0])
+            m_run_[r] = m_new[0]
+            l_run_[r] = l_run_[r] * alpha[0]
+            for nb in L.unroll(SN):
+                for e in L.unroll(2):
+                    s_[nb * 4 + r * 2 + e] = prob(s_[nb * 4 + r * 2 + e], m_new[0])
+                    l_run_[r] = l_run_[r] + s_[nb * 4 + r * 2 + e]
+            for nb in L.unroll(ON):
+                for e in L.unroll(2):
+                    o_[nb * 4 + r * 2 + e] = o_[nb * 4 + r * 2 + e] * alpha[0]
+
+    @T.macro
+    def pv_mma(s_, smem_, o_, stage_, warp_, lane_):
+        """o_ += P V over the warp's keys, P packed from the S accumulators (rows g + 8 are
+        zero when the group has at most 8 heads)."""
+        pf = T.alloc_buffer((4,), "uint32", scope="local")
+        vf = T.alloc_buffer((4,), "uint32", scope="local")
+        for kk in L.unroll(KSTEPS_PV):
+            # a0 / a2: row g, keys 16kk..+7 / +8..+15; a1 / a3: row g + 8
+            T.ptx[PACK](pf[0], s_[kk * 8 + 1], s_[kk * 8])
+            T.ptx[PACK](pf[2], s_[kk * 8 + 5], s_[kk * 8 + 4])
+            if UPPER:
+                T.ptx[PACK](pf[1], s_[kk * 8 + 3], s_[kk * 8 + 2])
+                T.ptx[PACK](pf[3], s_[kk * 8 + 7], s_[kk * 8 + 6])
+            else:
+                pf[1] = T.uint32(0)
+                pf[3] = T.uint32(0)
+            for np_ in L.unroll(ON // 2):
+                T.ptx[LDSM_T](vf[0], vf[1], vf[2], vf[3], smem_.ptr_to([word(
+                    V_OFF + stage_ * BK * TL.stride
+                    + TL.offset(warp_ * KPW + kk * 16 + lane_ % 8 + lane_ // 8 % 2 * 8, np_ * 2 + lane_ // 16))]))
+                for h in L.unroll(2):
+                    n = T.meta_var((np_ * 2 + h) * 4)
+                    T.ptx[MMA](o_[n], o_[n + 1], o_[n + 2], o_[n + 3], pf[0], pf[1], pf[2], pf[3],
+                               vf[h * 2], vf[h * 2 + 1], o_[n], o_[n + 1], o_[n + 2], o_[n + 3])
+
+    @T.macro
+    def finish(smem_, o_, m_run_, l_run_, warp_, lane_, tid_, write_o_, write_lse_):
+        """Merge the warps' states through shared memory and finish them: write_o_(h, e, value)
+        and write_lse_(h, value) for the group's heads h (o = 0, EMPTY_LSE for no key)."""
+        m_all = T.alloc_buffer((1,), "float32", scope="local")
+        l_all = T.alloc_buffer((1,), "float32", scope="local")
+        acc = T.alloc_buffer((1,), "float32", scope="local")
+        T.ptx["cp.async.wait_group"](0)
+        T.tvm_storage_sync(shared)  # no warp still reads a tile: the memory is free
+        for r in L.unroll(HALVES):
+            for k in L.unroll(2):
+                l_run_[r] = l_run_[r] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), l_run_[r], 1 << k, 32, 32)
+            if lane_ // 4 + r * 8 < G:
+                for nb in L.unroll(ON):
+                    for e in L.unroll(2):
+                        smem_[C_O + (warp_ * G + lane_ // 4 + r * 8) * D + nb * 8 + lane_ % 4 * 2 + e] = (
+                            o_[nb * 4 + r * 2 + e])
+                if lane_ % 4 == 0:
+                    smem_[C_M + warp_ * ROWS_PER_MMA + lane_ // 4 + r * 8] = m_run_[r]
+                    smem_[C_L + warp_ * ROWS_PER_MMA + lane_ // 4 + r * 8] = l_run_[r]
+        T.tvm_storage_sync(shared)
+        for it in L.unroll(ceildiv(G * D, NT)):
+            idx = T.meta_var(it * NT + tid_)
+            if G * D % NT == 0 or idx < G * D:
+                sm.combine(NW, lambda y: smem_[C_M + y * ROWS_PER_MMA + idx // D],
+                           lambda y: smem_[C_L + y * ROWS_PER_MMA + idx // D],
+                           lambda y: smem_[C_O + (y * G + idx // D) * D + idx % D], m_all, l_all, acc)
+                sm.finalize(m_all, l_all, acc, 0, 1)
+                write_o_(idx // D, idx % D, acc[0])
+                if idx % D == 0:
+                    write_lse_(idx // D, m_all[0])
+
+    @T.macro
+    def tc_kernel(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_):
+        """One block per (request, KV head, split slot); slots past the request's split count
+        do nothing. A request of one split writes o / lse, others the split workspace."""
+        batch = q_.shape[0]
+        for b in L.block(batch, "x", outer=True):
+            for hkv in L.block(Hkv, "y"):
+                for split in L.block(grid_splits(sched, Hkv, batch), "z"):
+                    for tid in L.thread(NT, "x"):
+                        smem = T.alloc_buffer((SMEM_WORDS,), "float32", scope=shared)
+                        qf = T.alloc_buffer((KSTEPS_QK * 4 if QREG else 4,), "uint32", scope="local")
+                        s = T.alloc_buffer((SN * 4,), "float32", scope="local")
+                        o = T.alloc_buffer((ON * 4,), "float32", scope="local")
+                        m_run = T.alloc_buffer((HALVES,), "float32", scope="local")
+                        l_run = T.alloc_buffer((HALVES,), "float32", scope="local")
+                        warp = tid // 32
+                        lane = tid % 32
+                        page0 = indptr_[b]
+                        kv_len = kv_chunk_len(indptr_[b + 1] - page0, ps, length_info_, b, sliding)
+                        nsplit = request_splits(sched, grid_splits(sched, Hkv, batch), kv_len)
+                        split_len = split_length(sched, kv_len, nsplit)
+                        j_begin = T.min(split * split_len, kv_len)
+                        j_end = T.min(j_begin + split_len, kv_len)
+                        ntiles = T.if_then_else(split < nsplit, ceildiv(j_end - j_begin, BK), 0)
+                        scale = sm_scale_ * T.float32(LOG2E)
+                        for r in L.unroll(HALVES):
+                            m_run[r] = T.float32(EMPTY_LSE)
+                            l_run[r] = T.float32(0)
+                        for i in L.unroll(ON * 4):
+                            o[i] = T.float32(0)
+                        load_q(q_, smem, b, hkv, tid)
+                        T.ptx["cp.async.commit_group"]()
+                        for st in L.unroll(STAGES - 1):
+                            if st < ntiles:
+                                load_tile(pages_, indices_, length_info_, smem, b, hkv, page0, st,
+                                          j_begin + st * BK, j_end, tid)
+                            T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
+                        T.ptx["cp.async.wait_group"](STAGES - 1)  # Q has landed
+                        T.tvm_storage_sync(shared)
+                        if QREG:
+                            for kk in L.unroll(KSTEPS_QK):
+                                load_q_frag(smem, qf, kk * 4, kk, lane)
+                        for t in T.serial(ntiles):
+                            T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
+                            T.tvm_storage_sync(shared)  # ... for all, and no warp reads tile t - 1
+                            if t + STAGES - 1 < ntiles:
+                                load_tile(pages_, indices_, length_info_, smem, b, hkv, page0,
+                                          (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid)
+                            T.ptx["cp.async.commit_group"]()
+                            s_mma(smem, qf, s, t % STAGES, warp, lane)
+                            softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
+                            pv_mma(s, smem, o, t % STAGES, warp, lane)
+                        if nsplit == 1:
+                            if split == 0:
+                                finish(smem, o, m_run, l_run, warp, lane, tid,
+                                       lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, hkv * G + h, e]),
+                                       lambda h, val: T.buffer_store(lse_, val, [b, hkv * G + h]))
+                        elif split < nsplit:
+                            finish(smem, o, m_run, l_run, warp, lane, tid,
+                                   lambda h, e, val: T.buffer_store(
+                                       o_part_, val, [((split * batch + b) * Hq + hkv * G + h) * D + e]),
+                                   lambda h, val: T.buffer_store(
+                                       lse_part_, val, [(split * batch + b) * Hq + hkv * G + h]))
+
+    @T.macro
+    def merge(indptr_, length_info_, o_part_, lse_part_, o_, lse_):
+        """o_, lse_ <- the FP32 merge of the split states of each (request, query head) whose
+        request took more than one split: block (request, head), one thread per column; split
+        s's finished state (o, lse) counts as (m = lse, l = finished_l(lse), o * l)."""
+        batch = o_.shape[0]
+        for b in L.block(batch, "x", outer=True):
+            for h in L.block(Hq, "y"):
+                for e in L.thread(D, "x"):
+                    w = T.alloc_buffer((MS,), "float32", scope="shared")
+                    m_all = T.alloc_buffer((1,), "float32", scope="local")
+                    l_all = T.alloc_buffer((1,), "float32", scope="local")
+                    acc = T.alloc_buffer((1,), "float32", scope="local")
+                    kv_len = kv_chunk_len(indptr_[b + 1] - indptr_[b], ps, length_info_, b, sliding)
+                    nsplit = request_splits(sched, grid_splits(sched, Hkv, batch), kv_len)
+                    if nsplit > 1:
+                        for it in L.unroll(ceildiv(MS, D)):
+                            if it * D + e < nsplit:
+                                w[it * D + e] = lse_part_[((it * D + e) * batch + b) * Hq + h]
+                        T.tvm_storage_sync("shared")
+                        m_all[0] = T.float32(EMPTY_LSE)
+                        for y in L.unroll(MS):
+                            if y < nsplit:
+                                m_all[0] = T.max(m_all[0], w[y])
+                        T.tvm_storage_sync("shared")
+                        for it in L.unroll(ceildiv(MS, D)):
+                            if it * D + e < nsplit:
+                                w[it * D + e] = finished_l(w[it * D + e]) * rescale_factor(w[it * D + e], m_all[0])
+                        T.tvm_storage_sync("shared")
+                        l_all[0] = T.float32(0)
+                        acc[0] = T.float32(0)
+                        for y in L.unroll(MS):
+                            if y < nsplit:
+                                l_all[0] = l_all[0] + w[y]
+                                acc[0] = acc[0] + w[y] * o_part_[((y * batch + b) * Hq + h) * D + e]
+                        o_[b, h, e] = T.Cast(dtype, acc[0] * finalize_scale(l_all[0]))
+                        if e == 0:
+                            lse_[b, h] = finalize_lse(m_all[0], l_all[0])
+
+    return tc_kernel, merge
+
+
+def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule | None = None):
+    """Paged decode on tensor cores; the PrimFunc of `decode.paged_decode` (same arguments,
+    semantics and global symbol):
+
+    q [B, Hq, D], pages [P, 2, Hkv, page_size, D], page_indptr [B+1] i32,
+    page_indices [nnz] i32, length_info [B] (or [3, B] sliding) i32, k_rope_pos_offset [B] i32,
+    q_rope_position [B] i32, o [B, Hq, D], lse [B, Hq] f32 (base 2), rotary_mode i32,
+    rope_scale f32, rope_theta f32, sm_scale f32.
+    A request with no visible token gets o = 0 and lse = EMPTY_LSE. dtype float16 or bfloat16,
+    CUDA sm_80 or newer, GQA group up to 16 (ValueError otherwise); rotary_mode == 1 runs
+    decode.py's CUDA-core kernel.
+    """
+    _check(config)
+    sched = schedule or choose_tc_decode_schedule(config)
+    sched.check(config)
+    cc_dims = _Dims.of(config, choose_decode_schedule(config))
+    L = loop_kinds(config)
+    tc_kernel, tc_merge = _tc_macros(config, sched)
+    cc_split_kernel = _split_kernel_macro(cc_dims, L)
+    _, cc_merge = _merge_macros(cc_dims, L)
+    dtype, ps, D, Hq, Hkv, sliding = config.dtype, config.page_size, config.head_dim, config.num_qo_heads, \
+        config.num_kv_heads, config.sliding_window
+
+    @T.prim_func
+    def batch_decode_paged_kv(
+        q_handle: T.handle,
+        pages_handle: T.handle,
+        page_indptr_handle: T.handle,
+        page_indices_handle: T.handle,
+        length_info_handle: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        num_pages = T.int64()
+        nnz_pages = T.int32()
+        indptr_offset = T.int32()
+        indices_offset = T.int32()
+        length_offset = T.int32()
+        k_pos_offset = T.int32()
+        q_pos_offset = T.int32()
+        Q = T.match_buffer(q_handle, (B, Hq, D), dtype)
+        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype)
+        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
+        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
+        length_info = T.match_buffer(length_info_handle, length_info_shape(B, sliding), "int32",
+                                     elem_offset=length_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_pos_offset)
+        O = T.match_buffer(o_handle, (B, Hq, D), dtype)  # noqa: E741 - the contract's name
+        lse = T.match_buffer(lse_handle, (B, Hq), "float32")
+        # Split partials of either kernel: FP32 output and LSE per split.
+        o_part = T.alloc_buffer((T.max(grid_splits(sched, Hkv, B), cc_dims.num_splits(B)) * B * Hq * D,), "float32")
+        lse_part = T.alloc_buffer((T.max(grid_splits(sched, Hkv, B), cc_dims.num_splits(B)) * B * Hq,), "float32")
+
+        if rotary_mode == 1:
+            cc_split_kernel(Q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
+                            O, lse, o_part, lse_part, True, rope_scale, rope_theta, sm_scale)
+            if cc_dims.num_splits(B) > 1:
+                cc_merge(o_part, lse_part, O, lse)
+        else:
+            tc_kernel(Q, pages, page_indptr, page_indices, length_info, O, lse, o_part, lse_part, sm_scale)
+            if grid_splits(sched, Hkv, B) > 1:
+                tc_merge(page_indptr, length_info, o_part, lse_part, O, lse)
+
+    return batch_decode_paged_kv.with_attr("global_symbol", "batch_decode_paged_kv")
+
+
+__all__ = ["paged_decode_tc", "threads_per_row"]
