@@ -13,9 +13,10 @@ K/V row is read from memory once for the whole group.
 
 Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
   load_q: the group's query rows -> shared (cp.async), then A fragments (ldmatrix).
-  load_tile: K and V rows of a tile of tile_kv = warps * keys_per_warp keys -> one of `stages`
-    ring buffers, 16-byte cp.async, threads_per_row threads per row (a row's page-table lookup
-    is done once per thread, before its copies); rows past the split's end are zero-filled.
+  lookup / issue: K and V rows of a tile of tile_kv = warps * keys_per_warp keys -> one of
+    `stages` ring buffers, 16-byte cp.async, threads_per_row threads per row; each thread reads
+    the page table once per row it copies, a tile ahead of the copies; rows past the split's
+    end are zero-filled.
   Per step, warp w computes keys w * keys_per_warp.. of the tile: S = Q K^T (ldmatrix K), the
     online softmax of its rows in registers (base 2, softmax.py's arithmetic), O += P V (P
     packed from the S accumulators, ldmatrix.trans V).
@@ -123,17 +124,21 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                         smem_[word(Q_OFF + TL.offset(r, ch)) + e] = T.float32(0)
 
     @T.macro
-    def load_tile(pages_, indices_, length_info_, smem_, b_, hkv_, page0_, stage_, kv0_, kv_end_, tid_):
-        """K and V rows kv0_.. of one tile -> ring buffer stage_; zeros from kv_end_ on."""
-        page = T.alloc_buffer((PASSES,), "int32", scope="local")
-        slot = T.alloc_buffer((PASSES,), "int32", scope="local")
-        for p in L.unroll(PASSES):  # every page-table lookup before any copy
+    def lookup(indices_, length_info_, b_, page0_, kv0_, kv_end_, tid_, page_, slot_):
+        """page_, slot_ [PASSES] <- where this thread's rows of the tile from key kv0_ live
+        (every page-table read of a tile before any of its copies)."""
+        for p in L.unroll(PASSES):
             j = T.meta_var(kv0_ + p * RP + tid_ // TPR)
-            page[p] = 0
-            slot[p] = 0
+            page_[p] = 0
+            slot_[p] = 0
             if j < kv_end_:
-                page[p] = indices_[page0_ + paged_position(j, length_info_, b_, sliding) // ps]
-                slot[p] = paged_position(j, length_info_, b_, sliding) % ps
+                page_[p] = indices_[page0_ + paged_position(j, length_info_, b_, sliding) // ps]
+                slot_[p] = paged_position(j, length_info_, b_, sliding) % ps
+
+    @T.macro
+    def issue(pages_, smem_, hkv_, stage_, kv0_, kv_end_, tid_, page_, slot_):
+        """cp.async of this thread's chunks of K and V rows kv0_.. (found by `lookup`) -> ring
+        buffer stage_; zeros from kv_end_ on."""
         for p in L.unroll(PASSES):
             r = T.meta_var(p * RP + tid_ // TPR)
             if BK % RP == 0 or r < BK:
@@ -141,9 +146,9 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
                         T.ptx[CP_ASYNC](smem_.ptr_to([word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
-                                        T.address_of(pages_[page[p], 0, hkv_, slot[p], ch * CHUNK]), 16)
+                                        T.address_of(pages_[page_[p], 0, hkv_, slot_[p], ch * CHUNK]), 16)
                         T.ptx[CP_ASYNC](smem_.ptr_to([word(V_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
-                                        T.address_of(pages_[page[p], 1, hkv_, slot[p], ch * CHUNK]), 16)
+                                        T.address_of(pages_[page_[p], 1, hkv_, slot_[p], ch * CHUNK]), 16)
                 else:
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
@@ -287,6 +292,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                         o = T.alloc_buffer((ON * 4,), "float32", scope="local")
                         m_run = T.alloc_buffer((HALVES,), "float32", scope="local")
                         l_run = T.alloc_buffer((HALVES,), "float32", scope="local")
+                        pg = T.alloc_buffer((PASSES,), "int32", scope="local")
+                        sl = T.alloc_buffer((PASSES,), "int32", scope="local")
                         warp = tid // 32
                         lane = tid % 32
                         page0 = indptr_[b]
@@ -306,9 +313,13 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                         T.ptx["cp.async.commit_group"]()
                         for st in L.unroll(STAGES - 1):
                             if st < ntiles:
-                                load_tile(pages_, indices_, length_info_, smem, b, hkv, page0, st,
-                                          j_begin + st * BK, j_end, tid)
+                                lookup(indices_, length_info_, b, page0, j_begin + st * BK, j_end, tid, pg, sl)
+                                issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl)
                             T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
+                        # Page lookups run a tile ahead of the copies: their latency hides
+                        # behind a step of arithmetic.
+                        if STAGES - 1 < ntiles:
+                            lookup(indices_, length_info_, b, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl)
                         T.ptx["cp.async.wait_group"](STAGES - 1)  # Q has landed
                         T.tvm_storage_sync(shared)
                         if QREG:
@@ -318,8 +329,11 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                             T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
                             T.tvm_storage_sync(shared)  # ... for all, and no warp reads tile t - 1
                             if t + STAGES - 1 < ntiles:
-                                load_tile(pages_, indices_, length_info_, smem, b, hkv, page0,
-                                          (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid)
+                                issue(pages_, smem, hkv, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK,
+                                      j_end, tid, pg, sl)
+                                if t + STAGES < ntiles:
+                                    lookup(indices_, length_info_, b, page0, j_begin + (t + STAGES) * BK, j_end, tid,
+                                           pg, sl)
                             T.ptx["cp.async.commit_group"]()
                             s_mma(smem, qf, s, t % STAGES, warp, lane)
                             softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
