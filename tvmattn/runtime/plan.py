@@ -247,10 +247,10 @@ def build_plan_arrays(seq_ids: list, lengths: list, batch: AppendedArrays, page_
 
 
 def _length_info(last_page_len: np.ndarray, sliding: bool) -> np.ndarray:
-    """PagedTable.length_info without sliding windows, int32: [R], or [3, R] (last_page_len,
-    window_offset = 0, sink = 0) for sliding-window kernels."""
+    """PagedTable.length_info without sliding windows from last_page_len [R] int32: itself, or
+    [3, R] (last_page_len, window_offset = 0, sink = 0) for sliding-window kernels."""
     if not sliding:
-        return last_page_len.astype(np.int32)
+        return last_page_len
     info = np.zeros((3, len(last_page_len)), dtype=np.int32)
     info[0] = last_page_len
     return info
@@ -258,13 +258,13 @@ def _length_info(last_page_len: np.ndarray, sliding: bool) -> np.ndarray:
 
 def _main_arrays(tables: TableArrays, groups: list, page_size: int) -> tuple:
     """_main_table over flat tables: each sequence's pages after its shared prefix. Returns
-    page_indptr [B+1] int32, page_indices [nnz] int32, last_page_len [B] int64, k_offset [B] int32."""
+    int32 page_indptr [B+1], page_indices [nnz], last_page_len [B] and k_offset [B] (without
+    cascade groups the first two are the tables' own arrays)."""
     if not groups:
-        last_page_len = tables.slot_end - (tables.counts - 1) * page_size
+        last_page_len = (tables.slot_end - (tables.counts - 1) * page_size).astype(np.int32)
         if not tables.counts.all():
             last_page_len[tables.counts == 0] = 0
-        return (tables.indptr.astype(np.int32), tables.pages, last_page_len,
-                np.zeros(len(tables.counts), dtype=np.int32))
+        return tables.indptr, tables.pages, last_page_len, np.zeros(len(tables.counts), dtype=np.int32)
     skip = np.zeros(len(tables.counts), dtype=np.int64)  # shared pages per sequence
     for begin, end, shared in groups:
         skip[begin:end] = shared
@@ -273,7 +273,7 @@ def _main_arrays(tables: TableArrays, groups: list, page_size: int) -> tuple:
     counts.cumsum(out=indptr[1:])
     within = np.arange(len(tables.pages)) - np.repeat(tables.indptr[:-1], tables.counts)
     pages = tables.pages[within >= np.repeat(skip, tables.counts)]  # without each one's first skip[b]
-    last_page_len = np.where(counts > 0, tables.slot_end - (tables.counts - 1) * page_size, 0)
+    last_page_len = np.where(counts > 0, tables.slot_end - (tables.counts - 1) * page_size, 0).astype(np.int32)
     return indptr, pages, last_page_len, (skip * page_size).astype(np.int32)
 
 
