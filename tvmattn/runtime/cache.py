@@ -210,7 +210,8 @@ class PagedKVCache:
             check(callable(getattr(kernels, slot)), f"kernels: slot {slot!r} must be a function, "
                   f"got {getattr(kernels, slot)!r}")
         fused = kernels.split_rotary_append
-        check(fused is None or callable(fused), f"kernels: slot 'split_rotary_append' must be a function, got {fused!r}")
+        check(fused is None or callable(fused),
+              f"kernels: slot 'split_rotary_append' must be a function, got {fused!r}")
         return Kernels(backends["prefill_ragged"], backends[paged[0]], backends[paged[1]], kernels.split_rotary,
                        kernels.transpose_append, kernels.merge_state, split_rotary_append=fused)
 
