@@ -320,7 +320,7 @@ def _split_kernel_macro(dims: _Dims, L):
 # Whether paged_decode(config) serves fp16/bf16 GQA groups of 4..16 on CUDA sm_80+ with the
 # tensor-core kernel (decode_tc.py; `schedules.tc_decode_applies`); tests/test_decode_tc.py runs
 # it on the GPU.
-TENSOR_CORE_DECODE = False
+TENSOR_CORE_DECODE = True
 
 
 def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | TensorCoreDecodeSchedule | None = None):

@@ -197,7 +197,14 @@ def tc_decode_resident_blocks(config: AttentionConfig, sched: TensorCoreDecodeSc
 def choose_tc_decode_schedule(config: AttentionConfig) -> TensorCoreDecodeSchedule:
     """4 warps of 16 keys (64-key tiles), 3 stages (2 above head dim 128, where Q fragments are
     read from shared memory per step to leave registers for the 256-wide O accumulators); fewer
-    stages or warps where the arch's shared memory is smaller."""
+    stages or warps where the arch's shared memory is smaller.
+
+    H200, 32 q / 8 kv heads, d128, page 16, fp16 (scripts/tune_decode.py, 2026-12-01): this
+    schedule (w4k16s3t264m256) gave 1026-1031 / 2708-2740 / 3629-3657 / 3621-3670 /
+    3721-3737 / 3767-3781 GB/s at 1x4096 / 1x32768 / 8x32768 / 64x4096 / 128x8192 / 256x2048;
+    w4k16s4t132m256 (4 stages, one block per SM) was faster on every shape (1098-1109 / 2968-2977
+    / 3977-3984 / 3880-3895 / 3974-3992 / 3889-3904) but has only run on that config on the GPU,
+    so it is not the default yet."""
     wide = config.head_dim > 128
     sched = TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=2 if wide else 3, q_in_registers=not wide)
     limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
@@ -223,6 +230,10 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
         TensorCoreDecodeSchedule(warps=4, keys_per_warp=32, stages=2, q_in_registers=qreg),
         TensorCoreDecodeSchedule(warps=8, keys_per_warp=16, stages=2, q_in_registers=qreg),
         TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=4, q_in_registers=qreg),
+        TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=6, q_in_registers=qreg),
+        TensorCoreDecodeSchedule(warps=4, keys_per_warp=32, stages=3, q_in_registers=qreg),
+        TensorCoreDecodeSchedule(warps=8, keys_per_warp=16, stages=3, q_in_registers=qreg),
+        TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=4, q_in_registers=qreg, min_split_keys=512),
     ]
     out = {}
     for sched in variants:
