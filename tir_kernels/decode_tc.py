@@ -6,10 +6,13 @@ argument order, semantics and global symbol; its docstring is the contract), com
 prefill_sm80 (they also run on sm_90, which is how the H200 runs them).
 
 Work mapping: a block serves one request, one KV head and one split of the request's visible
-keys (blockIdx = request, KV head, split; the split count is chosen at launch from the batch
-size, as in decode.py, and the splits are merged in FP32 by decode.py's merge kernel). The G
-query heads of the KV head are the M rows of the MMAs (padded with zero rows to 16), so each
-K/V row is read from memory once for the whole group.
+keys (blockIdx = request, KV head, split slot). The grid's split slots per request are chosen at
+launch from the batch size (`grid_splits`: about one wave of resident blocks); each request
+uses as many of them as its length allows (`request_splits`: at least min_split_keys keys a
+split, whole tiles); a request of one split writes o / lse directly, the others are merged in
+FP32 by `merge` (one block per request and query head). The G query heads of the KV head are
+the M rows of the MMAs (padded with zero rows to 16), so each K/V row is read from memory once
+for the whole group.
 
 Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
   load_q: the group's query rows -> shared (cp.async), then A fragments (ldmatrix).
