@@ -28,6 +28,7 @@ from tir_kernels import (
     paged_prefill,
     ragged_prefill,
     split_rotary,
+    split_rotary_append,
     transpose_append,
 )
 from tvmattn.runtime.cache import PagedKVCache
@@ -307,3 +308,20 @@ def test_create_argument_count(kernels):
     with pytest.raises(KVCacheError, match="expected 28 or 29 positional arguments .* got 27"):
         api("paged_attention_kv_cache_create")(*args[:27])
     assert isinstance(api("paged_attention_kv_cache_create")(*args, None), PagedKVCache)
+
+
+def test_create_extension_kernels(kernels):
+    """A 29th argument tagged "tvmattn_extensions" adds tvmattn's own kernels (split_rotary_append,
+    run by decode steps); without it a create call's cache runs split_rotary + transpose_append."""
+    config = config_for("llvm")
+    args = create_args(kernels, config).positional()
+    create = api("paged_attention_kv_cache_create")
+    fused = kernels.get(split_rotary_append, config)
+    cache = create(*args, ["tvmattn_extensions", "split_rotary_append", fused])
+    assert cache.kernels.split_rotary_append is not None
+    assert create(*args).kernels.split_rotary_append is None
+    assert create(*args, ["something TVM reserves"]).kernels.split_rotary_append is None
+    with pytest.raises(KVCacheError, match="unknown tvmattn_extensions slots \\['fused_everything'\\]"):
+        create(*args, ["tvmattn_extensions", "fused_everything", fused])
+    with pytest.raises(KVCacheError, match="slot/kernel pairs"):
+        create(*args, ["tvmattn_extensions", "split_rotary_append"])

@@ -39,7 +39,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 import tir_kernels
 from tir_kernels import AttentionConfig, RopeScaling
 
-from ..runtime.ffi import AttnKind, CreateArgs
+from ..runtime.ffi import EXTENSIONS_TAG, AttnKind, CreateArgs
 
 CREATE = "tvmattn.paged_attention_kv_cache_create"
 ATTENTION_WITH_FUSED_QKV = "tvmattn.attention_kv_cache_attention_with_fused_qkv"
@@ -162,6 +162,14 @@ def _flashinfer_specs(spec: KVCacheSpec) -> dict[str, rx.Expr]:
             "decode_paged": fi("decode", "run")}
 
 
+def _extensions(spec: KVCacheSpec) -> rx.Tuple:
+    """The create call's 29th argument: tvmattn's own kernels beyond TVM's contract
+    (runtime/ffi.py extension_slots): split_rotary_append, one launch per layer fewer in decode."""
+    func = tir_kernels.split_rotary_append(spec.attention_config(False))
+    return rx.Tuple([tvm.ir.StringImm(EXTENSIONS_TAG), tvm.ir.StringImm("split_rotary_append"),
+                     _kernel(func, "tvmattn_split_rotary_append")])
+
+
 def _library_kernels(spec: KVCacheSpec) -> dict[str, rx.Expr]:
     """CreateArgs field -> the kernel (or spec) compiled into the library, for each slot."""
     plain, sliding = spec.attention_config(False), spec.attention_config(True)
@@ -221,7 +229,8 @@ class TvmattnKVCache(nn.Object):
             init=rx.op.zeros((), spec.dtype),
             **_library_kernels(spec),
         )
-        return cls(_expr=rx.call_pure_packed(CREATE, *args.positional(), ty_args=rx.AnyType()), _name=name)
+        return cls(_expr=rx.call_pure_packed(CREATE, *args.positional(), _extensions(spec), ty_args=rx.AnyType()),
+                   _name=name)
 
     def attention_with_fused_qkv(self, layer_id: int, qkv: nn.Tensor, num_qo_heads: int,
                                  sm_scale: float) -> nn.Tensor:

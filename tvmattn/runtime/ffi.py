@@ -6,7 +6,8 @@ docs/interface.md as `tvmattn.<name>`, with the arguments of TVM's `vm.builtin.<
 same order, the cache first. Two creation functions exist:
 
 - `tvmattn.paged_attention_kv_cache_create(*args)`: TVM's positional create call, 28 arguments
-  (a 29th is accepted and ignored, as TVM does); see `CreateArgs` for every position. The
+  (a 29th is accepted; TVM reserves it and ignores it, and so do we unless it is tvmattn's
+  extension list, see `extension_slots`); see `CreateArgs` for every position. The
   attention kernels in positions 15..22 are backend specs (`[]`, `["tirx"|"tir", f]`,
   `["flashinfer", run, plan(, qk_dim, v_dim)]`) and the auxiliary functions plain packed
   functions; the cache is built to run exactly those (e.g. the kernels compiled into a model
@@ -405,9 +406,34 @@ def _is_tensor(value) -> bool:
     return isinstance(value, tvm_ffi.Tensor)
 
 
+EXTENSIONS_TAG = "tvmattn_extensions"
+EXTENSION_SLOTS = ("split_rotary_append",)
+
+
+def extension_slots(args) -> dict:
+    """tvmattn's own kernels in the create call's 29th argument (TVM reserves that position and
+    ignores it): [EXTENSIONS_TAG, slot, kernel, slot, kernel, ...]; {} when it holds anything else."""
+    if len(args) <= len(dataclasses.fields(CreateArgs)) or not isinstance(args[-1], tvm_ffi.Array):
+        return {}
+    items = list(args[-1])
+    if not items or str(items[0]) != EXTENSIONS_TAG:
+        return {}
+    if len(items) % 2 != 1:
+        raise _create_error(f"the {EXTENSIONS_TAG} argument must hold slot/kernel pairs, got {len(items) - 1} items")
+    slots = {str(items[i]): items[i + 1] for i in range(1, len(items), 2)}
+    unknown = sorted(set(slots) - set(EXTENSION_SLOTS))
+    if unknown:
+        raise _create_error(f"unknown {EXTENSIONS_TAG} slots {unknown}; known: {list(EXTENSION_SLOTS)}")
+    return slots
+
+
 def paged_attention_kv_cache_create(*args, library_kernels: bool = True) -> PagedKVCache:
-    """TVM's positional create call (see CreateArgs) -> PagedKVCache."""
-    return PagedKVCache(**cache_options(CreateArgs.from_positional(args), library_kernels))
+    """TVM's positional create call (see CreateArgs) -> PagedKVCache. A 29th argument tagged
+    EXTENSIONS_TAG (model libraries built by tvmattn) adds tvmattn's own kernels."""
+    options = cache_options(CreateArgs.from_positional(args), library_kernels)
+    if library_kernels:
+        options["kernels"].update(extension_slots(args))
+    return PagedKVCache(**options)
 
 
 def create_paged_kv_cache(options) -> PagedKVCache:
