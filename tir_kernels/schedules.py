@@ -195,18 +195,19 @@ def tc_decode_resident_blocks(config: AttentionConfig, sched: TensorCoreDecodeSc
 
 
 def choose_tc_decode_schedule(config: AttentionConfig) -> TensorCoreDecodeSchedule:
-    """4 warps of 16 keys (64-key tiles), 3 stages (2 above head dim 128, where Q fragments are
-    read from shared memory per step to leave registers for the 256-wide O accumulators); fewer
-    stages or warps where the arch's shared memory is smaller.
+    """4 warps of 16 keys (64-key tiles), 4 stages (2 above head dim 128, where Q fragments are
+    read from shared memory per step to leave registers for the 256-wide O accumulators), splits
+    of at least 128 keys; fewer stages or warps where the arch's shared memory is smaller.
 
-    H200, 32 q / 8 kv heads, d128, page 16, fp16 (scripts/tune_decode.py, 2026-12-01): this
-    schedule (w4k16s3t264m256) gave 1026-1031 / 2708-2740 / 3629-3657 / 3621-3670 /
-    3721-3737 / 3767-3781 GB/s at 1x4096 / 1x32768 / 8x32768 / 64x4096 / 128x8192 / 256x2048;
-    w4k16s4t132m256 (4 stages, one block per SM) was faster on every shape (1098-1109 / 2968-2977
-    / 3977-3984 / 3880-3895 / 3974-3992 / 3889-3904) but has only run on that config on the GPU,
-    so it is not the default yet."""
+    H200, 32 q / 8 kv heads, d128, page 16, fp16 (scripts/tune_decode.py, 2026-12-01), GB/s at
+    1x4096 / 1x32768 / 8x32768 / 64x4096 / 128x8192 / 256x2048: 3 stages (w4k16s3t264m256, the
+    first default) 1026-1031 / 2708-2740 / 3629-3657 / 3621-3670 / 3721-3737 / 3767-3781; 4
+    stages, one block per SM (w4k16s4t132m256) 1098-1109 / 2968-2977 / 3977-3984 / 3880-3895 /
+    3974-3992 / 3889-3904. Splits of 128 keys instead of 256 let groups of 8 (4 KV heads) fill
+    the SMs at batch 1 (they have half the blocks of groups of 4)."""
     wide = config.head_dim > 128
-    sched = TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=2 if wide else 3, q_in_registers=not wide)
+    sched = TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=2 if wide else 4, q_in_registers=not wide,
+                                     min_split_keys=128)
     limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
     # Where shared memory is short (sm_86 / sm_89: 99 KiB), fewer stages, then fewer warps.
     while sched.shared_bytes(config) > limit and sched.stages > 2:
@@ -234,6 +235,8 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
         TensorCoreDecodeSchedule(warps=4, keys_per_warp=32, stages=3, q_in_registers=qreg),
         TensorCoreDecodeSchedule(warps=8, keys_per_warp=16, stages=3, q_in_registers=qreg),
         TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=4, q_in_registers=qreg, min_split_keys=512),
+        TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=3, q_in_registers=qreg),  # the first default
+        TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=4, q_in_registers=qreg),  # min split 256
     ]
     out = {}
     for sched in variants:
