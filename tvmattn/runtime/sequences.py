@@ -153,14 +153,14 @@ class TableArrays(NamedTuple):
 
     pages: np.ndarray  # [nnz] int32: sequence b's pages are pages[indptr[b] : indptr[b + 1]]
     indptr: np.ndarray  # [B+1] int32
-    counts: np.ndarray  # [B] int64: pages per sequence
+    counts: np.ndarray  # [B] int32: pages per sequence
     slot_end: np.ndarray  # [B] int64: the slot after the last token (= the length without a window)
 
     @staticmethod
     def gather(seqs: list) -> "TableArrays":
         """The current tables of `seqs` (none may have a sliding window), copied."""
         batch = len(seqs)
-        counts = np.fromiter(map(len, map(_PAGES, seqs)), np.int64, batch)
+        counts = np.fromiter(map(len, map(_PAGES, seqs)), np.int32, batch)
         indptr = np.zeros(batch + 1, np.int32)
         counts.cumsum(out=indptr[1:])
         pages = np.frombuffer(bytearray(b"".join(map(_PAGES, seqs))), np.int32)
