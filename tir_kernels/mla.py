@@ -47,11 +47,10 @@ from .schedules import (
     CopySchedule,
     choose_copy_schedule,
 )
-from .softmax import finished_l, prob, softmax_macros
+from .simt_tile import SMEM_VEC, gemm_macros, out_col, tile_softmax_macros
+from .softmax import finished_l, softmax_macros
 
-SMEM_VEC = 4  # fp32 elements per shared-memory vector access (16 bytes)
 ROW_PAD = 4  # extra fp32 words per shared-memory row, so rows start in different banks
-FULL_WARP = 0xFFFFFFFF
 
 DECODE_SYMBOL = "batch_decode_paged_kv_mla"
 PREFILL_SYMBOL = "batch_prefill_paged_kv_mla"
@@ -201,6 +200,10 @@ class _Dims:
         return self.D_QK + ROW_PAD
 
     @property
+    def VS(self) -> int:  # values are the first D_L columns of the latent tile
+        return self.KS
+
+    @property
     def PS(self) -> int:
         return self.BK + ROW_PAD
 
@@ -226,7 +229,7 @@ class _Dims:
 
     def out_col(self, tx, c):
         """Output column of a thread's c-th output register."""
-        return tx * SMEM_VEC + (c // SMEM_VEC) * self.TX * SMEM_VEC + c % SMEM_VEC
+        return out_col(self.TX, tx, c)
 
     def num_splits(self, batch):
         """Splits per request, chosen at launch so that batch * head tiles * splits fills the GPU."""
@@ -307,115 +310,13 @@ def _load_macros(dims: _Dims, L):
     return load_q, stage_kv, commit_kv
 
 
-def _gemm_macros(dims: _Dims, L):
-    """s_gemm (S = Q K^T over all D_QK columns) and o_gemm (O += P V, V = the first D_L
-    columns of the same latent tile), register micro-tiles from shared fp32."""
-    D_QK, TY, TX, TM, TN, BK = dims.D_QK, dims.TY, dims.TX, dims.TM, dims.TN, dims.BK
-    QS, KS, PS, OC = dims.QS, dims.KS, dims.PS, dims.OC
-
-    @T.macro
-    def s_gemm(qs_, ks_, s_, ty_, tx_):
-        """s_[m, n] <- q row (ty_ + TY m) . latent row (tx_ + TX n)."""
-        qf = T.alloc_buffer((TM * SMEM_VEC,), "float32", scope="local")
-        kf = T.alloc_buffer((TN * SMEM_VEC,), "float32", scope="local")
-        for i in L.unroll(TM * TN):
-            s_[i] = T.float32(0)
-        for dk in T.serial(D_QK // SMEM_VEC):
-            for m in L.unroll(TM):
-                for e in L.vector(SMEM_VEC):
-                    qf[m * SMEM_VEC + e] = qs_[(ty_ + TY * m) * QS + dk * SMEM_VEC + e]
-            for n in L.unroll(TN):
-                for e in L.vector(SMEM_VEC):
-                    kf[n * SMEM_VEC + e] = ks_[(tx_ + TX * n) * KS + dk * SMEM_VEC + e]
-            for m in L.unroll(TM):
-                for n in L.unroll(TN):
-                    for e in L.unroll(SMEM_VEC):
-                        s_[m * TN + n] = s_[m * TN + n] + qf[m * SMEM_VEC + e] * kf[n * SMEM_VEC + e]
-
-    @T.macro
-    def o_gemm(ps_, ks_, o_, ty_, tx_):
-        """o_[m, c] += sum_j P[row m, j] * latent[j, out_col(c)]."""
-        pf = T.alloc_buffer((TM * SMEM_VEC,), "float32", scope="local")
-        vf = T.alloc_buffer((OC,), "float32", scope="local")
-        for jc in T.serial(BK // SMEM_VEC):
-            for m in L.unroll(TM):
-                for e in L.vector(SMEM_VEC):
-                    pf[m * SMEM_VEC + e] = ps_[(ty_ + TY * m) * PS + jc * SMEM_VEC + e]
-            for e in L.unroll(SMEM_VEC):
-                for g in L.unroll(OC // SMEM_VEC):
-                    for e2 in L.vector(SMEM_VEC):
-                        vf[g * SMEM_VEC + e2] = ks_[(jc * SMEM_VEC + e) * KS + dims.out_col(tx_, g * SMEM_VEC + e2)]
-                for m in L.unroll(TM):
-                    for c in L.unroll(OC):
-                        o_[m * OC + c] = o_[m * OC + c] + pf[m * SMEM_VEC + e] * vf[c]
-
-    return s_gemm, o_gemm
-
-
-def _softmax_macros(dims: _Dims, L):
-    """mask, softmax, store: the per-row online softmax (softmax.py's state macros; a row's TX
-    threads agree on its max by warp shuffles and sum their partial l at the end)."""
-    TY, TX, TM, TN, PS, OC = dims.TY, dims.TX, dims.TM, dims.TN, dims.PS, dims.OC
-    LOG_TX = TX.bit_length() - 1
-    sm = softmax_macros(L)
-
-    @T.macro
-    def row_allreduce(buf_, idx_, op_):
-        """buf_[idx_] <- op_ over the TX threads of a row (xor butterfly)."""
-        for k_ in L.unroll(LOG_TX):
-            buf_[idx_] = op_(
-                buf_[idx_],
-                T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], T.shift_right(TX, k_ + 1), TX, 32),
-            )
-
-    @T.macro
-    def mask(s_, j0_, j_end_, visible_end_, p0_, ty_, tx_):
-        """Scores of keys from j_end_ on, or from visible_end_(row) on, -> the lowest float."""
-        for m in L.unroll(TM):
-            for n in L.unroll(TN):
-                if tirx.any(j0_ + tx_ + TX * n >= j_end_, j0_ + tx_ + TX * n >= visible_end_(p0_ + ty_ + TY * m)):
-                    s_[m * TN + n] = T.min_value("float32")
-
-    @T.macro
-    def softmax(s_, ps_, o_, m_run_, l_run_, ty_, tx_):
-        """Move each row's state to its new max (softmax.update), then s_ -> P = exp2(s - m)
-        (into ps_) and l += this thread's part of the row sum of P."""
-        m_new = T.alloc_buffer((1,), "float32", scope="local")
-        for m in L.unroll(TM):
-            m_new[0] = m_run_[m]
-            for n in L.unroll(TN):
-                m_new[0] = T.max(m_new[0], s_[m * TN + n])
-            row_allreduce(m_new, 0, T.max)
-            sm.update(m_run_, l_run_, o_, m, OC, m_new[0])
-            for n in L.unroll(TN):
-                s_[m * TN + n] = prob(s_[m * TN + n], m_new[0])
-                l_run_[m] = l_run_[m] + s_[m * TN + n]
-                ps_[(ty_ + TY * m) * PS + tx_ + TX * n] = s_[m * TN + n]
-
-    @T.macro
-    def store(o_, m_run_, l_run_, rows_, p0_, ty_, tx_, write_o_, write_lse_):
-        """Finish each row (softmax.finalize) and write rows below rows_:
-        write_o_(p, column, value) and write_lse_(p, value)."""
-        for m in L.unroll(TM):
-            row_allreduce(l_run_, m, lambda a, b: a + b)
-            if p0_ + ty_ + TY * m < rows_:
-                sm.finalize(m_run_, l_run_, o_, m, OC)
-                for g in L.unroll(OC // SMEM_VEC):
-                    for e in L.vector(SMEM_VEC):
-                        write_o_(p0_ + ty_ + TY * m, dims.out_col(tx_, g * SMEM_VEC + e), o_[m * OC + g * SMEM_VEC + e])
-                if tx_ == 0:
-                    write_lse_(p0_ + ty_ + TY * m, m_run_[m])
-
-    return sm.init, mask, softmax, store
-
-
 def _attend_macro(dims: _Dims, L):
     """attend: the online softmax of one block's rows over one range of keys (module docstring)."""
     dtype, D_QK, BQ, BK, QS, KS, PS = dims.dtype, dims.D_QK, dims.BQ, dims.BK, dims.QS, dims.KS, dims.PS
     TX, VEC, shared = dims.TX, dims.VEC, dims.shared
     load_q, stage_kv, commit_kv = _load_macros(dims, L)
-    s_gemm, o_gemm = _gemm_macros(dims, L)
-    init, mask, softmax, _ = _softmax_macros(dims, L)
+    s_gemm, o_gemm = gemm_macros(dims, L)
+    init, mask, softmax, _ = tile_softmax_macros(dims, L)
 
     @T.macro
     def sync_threads():
@@ -459,7 +360,8 @@ def _attend_macro(dims: _Dims, L):
             # barrier between the S_gemm reads and the P writes; place it here explicitly.
             sync_threads()
             if j_begin + (t + 1) * BK > free_end:
-                mask(s, j_begin + t * BK, j_end, visible_end_, p0, ty_, tx_)
+                mask(s, lambda p, j: tirx.any(j_begin + t * BK + j >= j_end, j_begin + t * BK + j >= visible_end_(p)),
+                     p0, ty_, tx_)
             softmax(s, ps, o_, m_run_, l_run_, ty_, tx_)
             sync_threads()
             o_gemm(ps, ks, o_, ty_, tx_)
@@ -521,7 +423,7 @@ def mla_paged_decode(config: MLAConfig, schedule: MLASchedule | None = None):
     dims = _Dims.of(config, sched)
     L = loop_kinds(config)
     attend = _attend_macro(dims, L)
-    _, _, _, store = _softmax_macros(dims, L)
+    _, _, _, store = tile_softmax_macros(dims, L)
     merge_splits = _merge_splits_macro(dims, L)
     dtype, ps, H, D_QK, D_L = dims.dtype, dims.ps, dims.H, dims.D_QK, dims.D_L
     TY, TX, TM, OC, BQ = dims.TY, dims.TX, dims.TM, dims.OC, dims.BQ
@@ -635,7 +537,7 @@ def mla_paged_prefill(config: MLAConfig, schedule: MLASchedule | None = None):
     dims = _Dims.of(config, sched)
     L = loop_kinds(config)
     attend = _attend_macro(dims, L)
-    _, _, _, store = _softmax_macros(dims, L)
+    _, _, _, store = tile_softmax_macros(dims, L)
     find_tile = _find_tile_macro(dims)
     dtype, ps, H, D_QK, D_L = dims.dtype, dims.ps, dims.H, dims.D_QK, dims.D_L
     TY, TX, TM, OC, BQ = dims.TY, dims.TX, dims.TM, dims.OC, dims.BQ

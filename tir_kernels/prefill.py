@@ -31,9 +31,9 @@ Per block:
 The softmax state (init, update to a new max, finalize) is softmax.py's, shared with decode
 and merge_state. rotary_mode selects one of two kernels on the host (with RoPE in Q_load and
 KV_load, or without), so neither branches on it. The macros come from small factories, one
-per phase: `_find_tile_macro`, `_load_macros` (Q_load, KV_load), `_gemm_macros` (S_gemm,
-O_gemm), `_softmax_macros` (mask, softmax, store); `_prefill_macros` composes them in
-`attend`. Sizes and index arithmetic are `_Tiling`'s.
+per phase: `_find_tile_macro`, `_load_macros` (Q_load, KV_load), and simt_tile.py's
+`gemm_macros` (S_gemm, O_gemm) and `tile_softmax_macros` (mask, softmax, store), which the
+MLA kernels share; `_prefill_macros` composes them in `attend`. Sizes and index arithmetic are `_Tiling`'s.
 """
 
 from __future__ import annotations
@@ -60,12 +60,7 @@ from .schedules import (
     PrefillSchedule,
     choose_prefill_schedule,
 )
-from .softmax import prob, softmax_macros
-
-SMEM_VEC = 4  # fp32 elements per shared-memory vector read (16 bytes)
-# Shuffle mask: every lane of a block's warps takes part (threads per block are a multiple
-# of 32, and the reductions are reached in uniform control flow).
-FULL_WARP = 0xFFFFFFFF
+from .simt_tile import SMEM_VEC, gemm_macros, out_col, tile_softmax_macros
 
 
 class PrefillMacros(NamedTuple):
@@ -131,7 +126,7 @@ class _Tiling:
 
     def out_col(self, tx, c):
         """Output column of a thread's c-th output register."""
-        return tx * SMEM_VEC + (c // SMEM_VEC) * self.TX * SMEM_VEC + c % SMEM_VEC
+        return out_col(self.TX, tx, c)
 
     def visible_end(self, kv_len, qo_len, p, causal):
         """Number of leading keys packed row p may see (all of them when not causal). `causal`
@@ -250,107 +245,6 @@ def _load_macros(dims: _Tiling, L):
     return load_q, stage_kv, commit_kv
 
 
-def _gemm_macros(dims: _Tiling, L):
-    """S_gemm and O_gemm on register micro-tiles, operands from shared memory (fp32)."""
-    D_QK, TY, TX, TM, TN, BK = dims.D_QK, dims.TY, dims.TX, dims.TM, dims.TN, dims.BK
-    QS, KS, VS, PS, OC = dims.QS, dims.KS, dims.VS, dims.PS, dims.OC
-
-    @T.macro
-    def s_gemm(qs_, ks_, s_, ty_, tx_):
-        """S_gemm: s_[m, n] <- q row (ty_ + TY m) . k row (tx_ + TX n), from shared memory."""
-        qf = T.alloc_buffer((TM * SMEM_VEC,), "float32", scope="local")
-        kf = T.alloc_buffer((TN * SMEM_VEC,), "float32", scope="local")
-        for i in L.unroll(TM * TN):
-            s_[i] = T.float32(0)
-        for dk in T.serial(D_QK // SMEM_VEC):
-            for m in L.unroll(TM):
-                for e in L.vector(SMEM_VEC):
-                    qf[m * SMEM_VEC + e] = qs_[(ty_ + TY * m) * QS + dk * SMEM_VEC + e]
-            for n in L.unroll(TN):
-                for e in L.vector(SMEM_VEC):
-                    kf[n * SMEM_VEC + e] = ks_[(tx_ + TX * n) * KS + dk * SMEM_VEC + e]
-            for m in L.unroll(TM):
-                for n in L.unroll(TN):
-                    for e in L.unroll(SMEM_VEC):
-                        s_[m * TN + n] = s_[m * TN + n] + qf[m * SMEM_VEC + e] * kf[n * SMEM_VEC + e]
-
-    @T.macro
-    def o_gemm(ps_, vs_, o_, ty_, tx_):
-        """O_gemm: o_[m, c] += sum_j P[row m, j] V[j, out_col(c)], from shared memory."""
-        pf = T.alloc_buffer((TM * SMEM_VEC,), "float32", scope="local")
-        vf = T.alloc_buffer((OC,), "float32", scope="local")
-        for jc in T.serial(BK // SMEM_VEC):
-            for m in L.unroll(TM):
-                for e in L.vector(SMEM_VEC):
-                    pf[m * SMEM_VEC + e] = ps_[(ty_ + TY * m) * PS + jc * SMEM_VEC + e]
-            for e in L.unroll(SMEM_VEC):
-                for g in L.unroll(OC // SMEM_VEC):
-                    for e2 in L.vector(SMEM_VEC):
-                        vf[g * SMEM_VEC + e2] = vs_[(jc * SMEM_VEC + e) * VS + dims.out_col(tx_, g * SMEM_VEC + e2)]
-                for m in L.unroll(TM):
-                    for c in L.unroll(OC):
-                        o_[m * OC + c] = o_[m * OC + c] + pf[m * SMEM_VEC + e] * vf[c]
-
-    return s_gemm, o_gemm
-
-
-def _softmax_macros(dims: _Tiling, L):
-    """mask, softmax and store: the per-row online softmax of a tile (softmax.py's state
-    macros; a row's TX threads agree on its max by warp shuffles and sum their l at the end)."""
-    TY, TX, TM, TN, PS, OC = dims.TY, dims.TX, dims.TM, dims.TN, dims.PS, dims.OC
-    LOG_TX = TX.bit_length() - 1
-    sm = softmax_macros(L)
-
-    @T.macro
-    def row_allreduce(buf_, idx_, op_):
-        """buf_[idx_] <- op_ over the TX threads of a row (xor butterfly)."""
-        for k_ in L.unroll(LOG_TX):
-            buf_[idx_] = op_(
-                buf_[idx_],
-                T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], T.shift_right(TX, k_ + 1), TX, 32),
-            )
-
-    @T.macro
-    def mask(s_, kv_start_, kv_len_, qo_len_, p0_, causal_, ty_, tx_):
-        """Scores of keys past kv_len_ or above the causal diagonal -> -inf."""
-        for m in L.unroll(TM):
-            for n in L.unroll(TN):
-                if dims.hidden(kv_start_ + tx_ + TX * n, kv_len_, qo_len_, p0_ + ty_ + TY * m, causal_):
-                    s_[m * TN + n] = T.min_value("float32")
-
-    @T.macro
-    def softmax(s_, ps_, o_, m_run_, l_run_, ty_, tx_):
-        """Online softmax: move each row's state to its new max (softmax.update), then
-        s_ -> P = exp2(s - m) (into ps_) and l += this thread's part of the row sum of P."""
-        m_new = T.alloc_buffer((1,), "float32", scope="local")
-        for m in L.unroll(TM):
-            m_new[0] = m_run_[m]
-            for n in L.unroll(TN):
-                m_new[0] = T.max(m_new[0], s_[m * TN + n])
-            row_allreduce(m_new, 0, T.max)
-            sm.update(m_run_, l_run_, o_, m, OC, m_new[0])
-            for n in L.unroll(TN):
-                s_[m * TN + n] = prob(s_[m * TN + n], m_new[0])
-                l_run_[m] = l_run_[m] + s_[m * TN + n]
-                ps_[(ty_ + TY * m) * PS + tx_ + TX * n] = s_[m * TN + n]
-
-    @T.macro
-    def store(o_, m_run_, l_run_, rows_, p0_, ty_, tx_, write_o_, write_lse_):
-        """Finish each row (softmax.finalize: o / l, lse = m + log2(l); o = 0 and EMPTY_LSE
-        for a row that saw no key) and write it."""
-        for m in L.unroll(TM):
-            row_allreduce(l_run_, m, lambda a, b: a + b)
-            if p0_ + ty_ + TY * m < rows_:
-                sm.finalize(m_run_, l_run_, o_, m, OC)
-                for g in L.unroll(OC // SMEM_VEC):
-                    for e in L.vector(SMEM_VEC):
-                        write_o_(p0_ + ty_ + TY * m, dims.out_col(tx_, g * SMEM_VEC + e), o_[m * OC + g * SMEM_VEC + e])
-                if tx_ == 0:
-                    write_lse_(p0_ + ty_ + TY * m, m_run_[m])
-
-    return sm.init, mask, softmax, store
-
-
 def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillMacros:
     dims = _Tiling.of(config, sched)
     L = loop_kinds(config)
@@ -358,8 +252,8 @@ def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillM
     TX, TM, TN, BQ, BK = dims.TX, dims.TM, dims.TN, dims.BQ, dims.BK
     QS, KS, VS, PS, OC, VEC, shared = dims.QS, dims.KS, dims.VS, dims.PS, dims.OC, dims.VEC, dims.shared
     load_q, stage_kv, commit_kv = _load_macros(dims, L)
-    s_gemm, o_gemm = _gemm_macros(dims, L)
-    init, mask, softmax, store = _softmax_macros(dims, L)
+    s_gemm, o_gemm = gemm_macros(dims, L)
+    init, mask, softmax, store = tile_softmax_macros(dims, L)
 
     @T.macro
     def sync_threads():
@@ -418,7 +312,7 @@ def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillM
             # barrier between the S_gemm reads and the P writes; place it here explicitly.
             sync_threads()
             if (t + 1) * BK > free_end:
-                mask(s, t * BK, kv_len, qo_len, p0, causal_, ty_, tx_)
+                mask(s, lambda p, j: dims.hidden(t * BK + j, kv_len, qo_len, p, causal_), p0, ty_, tx_)
             softmax(s, ps, o, m_run, l_run, ty_, tx_)
             sync_threads()
             o_gemm(ps, vs, o, ty_, tx_)
