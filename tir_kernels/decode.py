@@ -22,7 +22,7 @@ from tvm.script import tirx as T
 from .common import LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position, rope_value
 from .config import AttentionConfig, RopeScaling
 from .schedules import DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_schedule, tc_decode_applies
-from .softmax import finished_l, prob, softmax_macros
+from .softmax import merge_splits_macro, prob, softmax_macros
 
 
 def _check(config: AttentionConfig) -> None:
@@ -251,31 +251,7 @@ def _merge_macros(dims: _Dims, L):
                 if e == 0:
                     write_lse(h, m_all[0])
 
-    @T.macro
-    def merge_splits(o_part_, lse_part_, O_, lse_):
-        """O_ [B, Hq, D], lse_ [B, Hq] <- the FP32 merge of each (request, head)'s finished
-        split states o_part_ [splits * B * Hq * D], lse_part_ [splits * B * Hq]; empty splits
-        add nothing."""
-        batch = O_.shape[0]
-        for b in L.block(batch, "x", outer=True):
-            for h in L.block(Hq, "y"):
-                for e in L.thread(D, "x"):
-                    m_all = T.alloc_buffer((1,), "float32", scope="local")
-                    d_all = T.alloc_buffer((1,), "float32", scope="local")
-                    acc = T.alloc_buffer((1,), "float32", scope="local")
-                    # Split s's finished state (o, lse) is the state (m = lse, l = 1, o), or empty.
-                    sm.combine(dims.num_splits(batch),
-                               lambda s: lse_part_[(s * batch + b) * Hq + h],
-                               lambda s: finished_l(lse_part_[(s * batch + b) * Hq + h]),
-                               lambda s: o_part_[((s * batch + b) * Hq + h) * D + e]
-                               * finished_l(lse_part_[(s * batch + b) * Hq + h]),
-                               m_all, d_all, acc)
-                    sm.finalize(m_all, d_all, acc, 0, 1)
-                    O_[b, h, e] = T.Cast(dtype, acc[0])
-                    if e == 0:
-                        lse_[b, h] = m_all[0]
-
-    return combine_rows, merge_splits
+    return combine_rows, merge_splits_macro(L, dtype, Hq, D, dims.num_splits)
 
 
 def _split_kernel_macro(dims: _Dims, L):
@@ -348,7 +324,38 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | TensorCoreD
     L = loop_kinds(config)
     split_kernel = _split_kernel_macro(dims, L)
     _, merge_splits = _merge_macros(dims, L)
-    dtype, ps, D, Hq, Hkv, sliding = dims.dtype, dims.ps, dims.D, dims.Hq, dims.Hkv, dims.sliding
+    Hq, D = dims.Hq, dims.D
+
+    @T.macro
+    def kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, k_rope_pos_offset_, q_rope_position_, O_,
+               lse_, rotary_mode_, rope_scale_, rope_theta_, sm_scale_):
+        batch = Q_.shape[0]
+        # Split partials: FP32 output and LSE per split (workspace; unused when one split).
+        o_part = T.alloc_buffer((dims.num_splits(batch) * batch * Hq * D,), "float32")
+        lse_part = T.alloc_buffer((dims.num_splits(batch) * batch * Hq,), "float32")
+        if rotary_mode_ == 1:
+            split_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, k_rope_pos_offset_, q_rope_position_,
+                         O_, lse_, o_part, lse_part, True, rope_scale_, rope_theta_, sm_scale_)
+        else:
+            split_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, k_rope_pos_offset_, q_rope_position_,
+                         O_, lse_, o_part, lse_part, False, rope_scale_, rope_theta_, sm_scale_)
+        if dims.num_splits(batch) > 1:
+            merge_splits(o_part, lse_part, O_, lse_)  # in FP32, per (request, head)
+
+    return decode_func(config, kernel)
+
+
+DECODE_SYMBOL = "batch_decode_paged_kv"
+
+
+def decode_func(config: AttentionConfig, kernel):
+    """The paged decode PrimFunc of the contract (paged_decode's docstring lists its
+    parameters) around `kernel`, a macro taking the matched buffers and scalars in order:
+    kernel(Q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
+    q_rope_position, O, lse, rotary_mode, rope_scale, rope_theta, sm_scale). The CUDA-core
+    kernel here and the tensor-core one (decode_tc.py) share it."""
+    dtype, ps, D = config.dtype, config.page_size, config.head_dim
+    Hq, Hkv, sliding = config.num_qo_heads, config.num_kv_heads, config.sliding_window
 
     @T.prim_func
     def batch_decode_paged_kv(
@@ -380,22 +387,13 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | TensorCoreD
         pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype)
         page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
         page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
-        length_info = T.match_buffer(length_info_handle, length_info_shape(B, sliding), "int32", elem_offset=length_offset)
+        length_info = T.match_buffer(length_info_handle, length_info_shape(B, sliding), "int32",
+                                     elem_offset=length_offset)
         k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
         q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_pos_offset)
-        O = T.match_buffer(o_handle, (B, Hq, D), dtype)
+        O = T.match_buffer(o_handle, (B, Hq, D), dtype)  # noqa: E741 - the contract's name
         lse = T.match_buffer(lse_handle, (B, Hq), "float32")
-        # Split partials: FP32 output and LSE per split (workspace; unused when one split).
-        o_part = T.alloc_buffer((dims.num_splits(B) * B * Hq * D,), "float32")
-        lse_part = T.alloc_buffer((dims.num_splits(B) * B * Hq,), "float32")
+        kernel(Q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position, O, lse,
+               rotary_mode, rope_scale, rope_theta, sm_scale)
 
-        if rotary_mode == 1:
-            split_kernel(Q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
-                         O, lse, o_part, lse_part, True, rope_scale, rope_theta, sm_scale)
-        else:
-            split_kernel(Q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
-                         O, lse, o_part, lse_part, False, rope_scale, rope_theta, sm_scale)
-        if dims.num_splits(B) > 1:
-            merge_splits(o_part, lse_part, O, lse)  # in FP32, per (request, head)
-
-    return batch_decode_paged_kv.with_attr("global_symbol", "batch_decode_paged_kv")
+    return batch_decode_paged_kv.with_attr("global_symbol", DECODE_SYMBOL)

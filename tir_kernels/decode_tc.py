@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position
+from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, loop_kinds, paged_position
 from .config import AttentionConfig
-from .decode import _check, _Dims, _merge_macros, _split_kernel_macro
+from .decode import _check, _Dims, _merge_macros, _split_kernel_macro, decode_func
 from .prefill_sm80 import CHUNK, FULL_WARP, MMA_DTYPES, ROWS_PER_MMA, _Tile
 from .schedules import TensorCoreDecodeSchedule, choose_decode_schedule, choose_tc_decode_schedule
 from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor, softmax_macros
@@ -415,59 +415,27 @@ def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule 
     tc_kernel, tc_merge = _tc_macros(config, sched)
     cc_split_kernel = _split_kernel_macro(cc_dims, L)
     _, cc_merge = _merge_macros(cc_dims, L)
-    dtype, ps, D, Hq, Hkv, sliding = config.dtype, config.page_size, config.head_dim, config.num_qo_heads, \
-        config.num_kv_heads, config.sliding_window
+    Hq, Hkv, D = config.num_qo_heads, config.num_kv_heads, config.head_dim
 
-    @T.prim_func
-    def batch_decode_paged_kv(
-        q_handle: T.handle,
-        pages_handle: T.handle,
-        page_indptr_handle: T.handle,
-        page_indices_handle: T.handle,
-        length_info_handle: T.handle,
-        k_rope_pos_offset_handle: T.handle,
-        q_rope_position_handle: T.handle,
-        o_handle: T.handle,
-        lse_handle: T.handle,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.noalias": True})
-        B = T.int32()
-        num_pages = T.int64()
-        nnz_pages = T.int32()
-        indptr_offset = T.int32()
-        indices_offset = T.int32()
-        length_offset = T.int32()
-        k_pos_offset = T.int32()
-        q_pos_offset = T.int32()
-        Q = T.match_buffer(q_handle, (B, Hq, D), dtype)
-        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype)
-        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
-        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
-        length_info = T.match_buffer(length_info_handle, length_info_shape(B, sliding), "int32",
-                                     elem_offset=length_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_pos_offset)
-        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_pos_offset)
-        O = T.match_buffer(o_handle, (B, Hq, D), dtype)  # noqa: E741 - the contract's name
-        lse = T.match_buffer(lse_handle, (B, Hq), "float32")
+    @T.macro
+    def kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, k_rope_pos_offset_, q_rope_position_, O_,
+               lse_, rotary_mode_, rope_scale_, rope_theta_, sm_scale_):
+        batch = Q_.shape[0]
         # Split partials of either kernel: FP32 output and LSE per split.
-        o_part = T.alloc_buffer((T.max(grid_splits(sched, Hkv, B), cc_dims.num_splits(B)) * B * Hq * D,), "float32")
-        lse_part = T.alloc_buffer((T.max(grid_splits(sched, Hkv, B), cc_dims.num_splits(B)) * B * Hq,), "float32")
-
-        if rotary_mode == 1:
-            cc_split_kernel(Q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
-                            O, lse, o_part, lse_part, True, rope_scale, rope_theta, sm_scale)
-            if cc_dims.num_splits(B) > 1:
-                cc_merge(o_part, lse_part, O, lse)
+        splits = T.meta_var(T.max(grid_splits(sched, Hkv, batch), cc_dims.num_splits(batch)))
+        o_part = T.alloc_buffer((splits * batch * Hq * D,), "float32")
+        lse_part = T.alloc_buffer((splits * batch * Hq,), "float32")
+        if rotary_mode_ == 1:
+            cc_split_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, k_rope_pos_offset_,
+                            q_rope_position_, O_, lse_, o_part, lse_part, True, rope_scale_, rope_theta_, sm_scale_)
+            if cc_dims.num_splits(batch) > 1:
+                cc_merge(o_part, lse_part, O_, lse_)
         else:
-            tc_kernel(Q, pages, page_indptr, page_indices, length_info, O, lse, o_part, lse_part, sm_scale)
-            if grid_splits(sched, Hkv, B) > 1:
-                tc_merge(page_indptr, length_info, o_part, lse_part, O, lse)
+            tc_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_)
+            if grid_splits(sched, Hkv, batch) > 1:
+                tc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
 
-    return batch_decode_paged_kv.with_attr("global_symbol", "batch_decode_paged_kv")
+    return decode_func(config, kernel)
 
 
 __all__ = ["paged_decode_tc", "threads_per_row"]

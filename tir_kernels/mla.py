@@ -48,7 +48,7 @@ from .schedules import (
     choose_copy_schedule,
 )
 from .simt_tile import SMEM_VEC, gemm_macros, out_col, tile_softmax_macros
-from .softmax import finished_l, softmax_macros
+from .softmax import merge_splits_macro
 
 ROW_PAD = 4  # extra fp32 words per shared-memory row, so rows start in different banks
 
@@ -381,33 +381,7 @@ def _schedule_for(config: MLAConfig, schedule: MLASchedule | None, decode: bool)
 
 def _merge_splits_macro(dims: _Dims, L):
     """merge_splits: the FP32 merge of each (request, head)'s split states (decode)."""
-    dtype, H, D_L = dims.dtype, dims.H, dims.D_L
-    sm = softmax_macros(L)
-
-    @T.macro
-    def merge_splits(o_part_, lse_part_, O_, lse_):
-        """O_ [B, H, D_L], lse_ [B, H] <- merge over the splits of o_part_ [splits * B * H * D_L],
-        lse_part_ [splits * B * H] (finished states; empty splits add nothing)."""
-        batch = O_.shape[0]
-        for b in L.block(batch, "x", outer=True):
-            for h in L.block(H, "y"):
-                for e in L.thread(D_L, "x"):
-                    m_all = T.alloc_buffer((1,), "float32", scope="local")
-                    d_all = T.alloc_buffer((1,), "float32", scope="local")
-                    acc = T.alloc_buffer((1,), "float32", scope="local")
-                    # Split s's finished state (o, lse) is the state (m = lse, l = 1, o), or empty.
-                    sm.combine(dims.num_splits(batch),
-                               lambda s: lse_part_[(s * batch + b) * H + h],
-                               lambda s: finished_l(lse_part_[(s * batch + b) * H + h]),
-                               lambda s: o_part_[((s * batch + b) * H + h) * D_L + e]
-                               * finished_l(lse_part_[(s * batch + b) * H + h]),
-                               m_all, d_all, acc)
-                    sm.finalize(m_all, d_all, acc, 0, 1)
-                    O_[b, h, e] = T.Cast(dtype, acc[0])
-                    if e == 0:
-                        lse_[b, h] = m_all[0]
-
-    return merge_splits
+    return merge_splits_macro(L, dims.dtype, dims.H, dims.D_L, dims.num_splits)
 
 
 def mla_paged_decode(config: MLAConfig, schedule: MLASchedule | None = None):

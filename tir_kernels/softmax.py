@@ -178,3 +178,35 @@ __all__ = [
     "rescale_factor",
     "softmax_macros",
 ]
+
+
+def merge_splits_macro(loops: LoopKinds, dtype: str, heads: int, width: int, num_splits):
+    """merge_splits(o_part_, lse_part_, O_, lse_): O_ [B, heads, width] (dtype), lse_ [B, heads]
+    <- the FP32 merge of each (request, head)'s finished split states, o_part_
+    [splits * B * heads * width], lse_part_ [splits * B * heads] with splits = num_splits(B);
+    an empty split (lse EMPTY_LSE) adds nothing. One block per (request, head), a thread per
+    output column; split s's finished state (o, lse) is the state (m = lse, l = 1, o)."""
+    L = loops
+    sm = softmax_macros(L)
+
+    @T.macro
+    def merge_splits(o_part_, lse_part_, O_, lse_):
+        batch = O_.shape[0]
+        for b in L.block(batch, "x", outer=True):
+            for h in L.block(heads, "y"):
+                for e in L.thread(width, "x"):
+                    m_all = T.alloc_buffer((1,), "float32", scope="local")
+                    d_all = T.alloc_buffer((1,), "float32", scope="local")
+                    acc = T.alloc_buffer((1,), "float32", scope="local")
+                    sm.combine(num_splits(batch),
+                               lambda s: lse_part_[(s * batch + b) * heads + h],
+                               lambda s: finished_l(lse_part_[(s * batch + b) * heads + h]),
+                               lambda s: o_part_[((s * batch + b) * heads + h) * width + e]
+                               * finished_l(lse_part_[(s * batch + b) * heads + h]),
+                               m_all, d_all, acc)
+                    sm.finalize(m_all, d_all, acc, 0, 1)
+                    O_[b, h, e] = T.Cast(dtype, acc[0])
+                    if e == 0:
+                        lse_[b, h] = m_all[0]
+
+    return merge_splits
