@@ -256,7 +256,8 @@ class _FlashInfer:
         self.workspace: FlashInferWorkspace | None = None
         self._plans: dict = {}  # depth -> (float workspace, int workspace, plan_info)
         self._kv: dict = {}  # (data pointer, shape) of a page pool -> its (K, V) views
-        self._rebased: dict = {}  # (data pointer, shape) of an index array -> its view (this forward's)
+        # this forward's re-based views: by (data pointer, shape, dtype), and by id(tensor) -> (tensor, view)
+        self._rebased: dict = {}
 
     def bind(self, workspace: FlashInferWorkspace) -> None:
         self.workspace = workspace
@@ -278,25 +279,35 @@ class _FlashInfer:
 
     def _views(self, pages) -> tuple:
         """K and V views of a page pool (kept: a cache's pools live as long as its backends)."""
+        hit = self._kv.get(id(pages))
+        if hit is not None and hit[0] is pages:
+            return hit[1]
         from tvmattn.flashinfer.views import paged_kv_views
 
         key = (pages.data_ptr(), tuple(pages.shape))
         views = self._kv.get(key)
         if views is None:
             views = self._kv[key] = paged_kv_views(pages)
+        self._kv[id(pages)] = (pages, views)
         return views
 
     def _base(self, array):
         """`array` re-based to byte offset 0 (kept until the next plan): FlashInfer ignores DLPack's
-        byte_offset, and a model library's VM may hand views of its storage with one."""
-        from tvmattn.flashinfer.views import rebased
-
+        byte_offset, and a model library's VM may hand views of its storage with one. The same
+        tensor object (the plan's index views, passed to every layer) is found by identity; a
+        new object (the VM's q, o, lse) by its data pointer, shape and dtype."""
+        hit = self._rebased.get(id(array))
+        if hit is not None and hit[0] is array:
+            return hit[1]
         if not hasattr(array, "data_ptr"):
             return array
+        from tvmattn.flashinfer.views import rebased
+
         key = (array.data_ptr(), tuple(array.shape), str(array.dtype))
         view = self._rebased.get(key)
         if view is None:
             view = self._rebased[key] = rebased(array)
+        self._rebased[id(array)] = (array, view)
         return view
 
     def mha(self, *args):
