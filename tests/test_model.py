@@ -371,7 +371,7 @@ def test_metadata_lists_every_parameter(bias_model):
     assert meta["model_config"]["rope_scaling"]["factor"] == 8.0
     assert meta["kv_cache"]["kind"] == "tvmattn" and meta["kv_cache"]["page_size"] == PAGE_SIZE
     assert meta["build_options"] == {"target": "llvm", "dtype": "float32", "page_size": PAGE_SIZE,
-                                     "kv_cache": "tvmattn"}
+                                     "kv_cache": "tvmattn", "weight_formats": []}
     for name in ("embed", "prefill", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache"):
         assert name in meta["functions"]
 
@@ -391,6 +391,109 @@ def test_export_library_loads_from_disk(tmp_path):
     model.params = pack_params(library.metadata, model.hf_weights)
     model.torch = TorchLlama(TIED, model.hf_weights)
     run_single(Session(model, vm), PROMPT[:6], steps=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights kept in GGUF blocks (models/quant_linear.py): the torch model runs on the dequantized
+# weights; the library multiplies with the blocks (fused kernels) and must match it as closely.
+# ---------------------------------------------------------------------------------------------
+# HF tensor -> block type ("F32": a float tensor; a fused projection with one makes the whole
+# projection float). TIED: Q8_0 tied table, every type somewhere, layer 1's q/k/v mixed (float).
+TIED_KINDS = {
+    "model.embed_tokens.weight": "Q8_0",
+    **{f"model.layers.0.self_attn.{x}_proj.weight": "Q4_0" for x in "qkv"},
+    "model.layers.0.self_attn.o_proj.weight": "Q8_0", "model.layers.0.mlp.gate_proj.weight": "Q4_1",
+    "model.layers.0.mlp.up_proj.weight": "Q4_1", "model.layers.0.mlp.down_proj.weight": "Q4_0",
+    "model.layers.1.self_attn.q_proj.weight": "Q4_1", "model.layers.1.self_attn.k_proj.weight": "Q4_1",
+    "model.layers.1.self_attn.v_proj.weight": "F32", "model.layers.1.self_attn.o_proj.weight": "Q4_1",
+    "model.layers.1.mlp.gate_proj.weight": "Q8_0", "model.layers.1.mlp.up_proj.weight": "Q8_0",
+    "model.layers.1.mlp.down_proj.weight": "Q4_1",
+}
+# BIAS_SCALED: q/k/v bias, a separate Q4_0 head, down_proj K = 96 (3 blocks)
+BIAS_KINDS = {"lm_head.weight": "Q4_0", "model.embed_tokens.weight": "F32",
+              **{f"model.layers.{i}.{m}.weight": kind for i, kind in ((0, "Q4_1"), (1, "Q8_0"))
+                 for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}}
+
+
+def quantized_model(hf: dict, kinds: dict[str, str], seed: int) -> Model:
+    """A library with the blocks of `kinds` kept quantized (blocks made by gguf's quantizer), its
+    params, and the torch model on gguf's dequantization of the same blocks."""
+    import gguf
+
+    from tvmattn.models import BuildOptions
+    from tvmattn.models.quant_linear import plan_weight_formats
+    from tvmattn.weights import split_blocks
+
+    weights = random_hf_weights(hf, seed)
+    tensors, dequantized = dict(weights), dict(weights)
+    for name, kind in kinds.items():
+        if kind != "F32":
+            raw = gguf.quants.quantize(weights[name], gguf.GGMLQuantizationType[kind])
+            tensors[name] = split_blocks(raw, kind, weights[name].shape)
+            dequantized[name] = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32)
+    model = Model.__new__(Model)
+    model.hf, model.kv_cache, model.config = hf, "tvmattn", ModelConfig.from_hf(hf)
+    model.device, model.tolerance = tvm.cpu(), LOGITS_TOLERANCE["float32"]
+    formats = plan_weight_formats(hf_parameter_sources(model.config), tensors)
+    model.library = compile_library(model.config, BuildOptions(page_size=PAGE_SIZE,
+                                                               weight_formats=tuple(sorted(formats.items()))))
+    model.hf_weights = tensors
+    model.params = pack_params(model.library.metadata, tensors)
+    model.torch = TorchLlama(hf, dequantized)
+    return model
+
+
+@pytest.fixture(scope="module")
+def quant_tied_model() -> Model:
+    return quantized_model(TIED, TIED_KINDS, seed=4)
+
+
+def test_quantized_weights_match_torch_on_dequantized_weights(quant_tied_model):
+    """Prefill + decode (GEMM + GEMV kernels, the Q8_0 tied head and embedding lookup) and
+    batch_prefill + batch_decode (the GEMM with a symbolic token count) against torch."""
+    run_single(Session(quant_tied_model), PROMPT, steps=5)
+    run_batch(Session(quant_tied_model), PROMPTS, steps=3)
+
+
+def test_quantized_metadata_and_plan(quant_tied_model):
+    params = {p["name"]: p for p in quant_tied_model.library.metadata["params"]}
+    hidden, inter = TIED["hidden_size"], TIED["intermediate_size"]
+    assert params["model.embed_tokens.weight_qs"]["dtype"] == "int8"
+    assert params["model.embed_tokens.weight_d"] == {"name": "model.embed_tokens.weight_d", "dtype": "float16",
+                                                     "shape": [TIED["vocab_size"], hidden // 32]}
+    assert params["model.layers.0.mlp.gate_up_proj.weight_qs"] == {
+        "name": "model.layers.0.mlp.gate_up_proj.weight_qs", "dtype": "uint8", "shape": [2 * inter, hidden // 2]}
+    assert "model.layers.0.mlp.gate_up_proj.weight_m" in params  # Q4_1 has mins, Q4_0 none
+    assert "model.layers.0.mlp.down_proj.weight_m" not in params
+    # layer 1's q/k/v mix Q4_1 and a float v: the fused projection is dequantized
+    assert params["model.layers.1.self_attn.qkv_proj.weight"]["dtype"] == "float32"
+    assert "model.layers.1.self_attn.qkv_proj.weight_qs" not in params
+    formats = dict(quant_tied_model.library.metadata["build_options"]["weight_formats"])
+    assert formats["model.layers.0.self_attn.qkv_proj"] == "Q4_0" and formats["model.embed_tokens"] == "Q8_0"
+    assert "model.layers.1.self_attn.qkv_proj" not in formats
+
+
+def test_quantized_bias_and_separate_head_match_torch():
+    run_single(Session(quantized_model(BIAS_SCALED, BIAS_KINDS, seed=5)), PROMPT, steps=3)
+
+
+def test_pack_params_refuses_other_blocks(quant_tied_model):
+    tensors = dict(quant_tied_model.hf_weights)
+    tensors["model.layers.0.mlp.up_proj.weight"] = np.zeros((TIED["intermediate_size"], TIED["hidden_size"]),
+                                                            np.float32)
+    with pytest.raises(ValueError, match=r"gate_proj.weight\+.*up_proj.weight for parameter "
+                                         r"'model.layers.0.mlp.gate_up_proj.weight_qs': expected Q4_1 blocks"):
+        pack_params(quant_tied_model.library.metadata, tensors)
+
+
+def test_build_options_refuse_quantized_weights_off_the_cpu():
+    from tvmattn.models import BuildOptions
+
+    with pytest.raises(ValueError, match="need target 'llvm' and dtype 'float32'"):
+        BuildOptions(target="cuda:sm_90", dtype="float16", weight_formats=(("lm_head", "Q4_1"),))
+    with pytest.raises(ValueError, match="'Q6_K' is not supported"):
+        BuildOptions(weight_formats=(("lm_head", "Q6_K"),))
 
 
 # CUDA kernels need head_dim >= 32 (a multiple of 4 * the schedule's threads): 128 / 2 heads.

@@ -216,6 +216,10 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
                               f"else {support.DEFAULT_CUDA_ARCH})")
     command.add_argument("--dtype", default=None, choices=support.DTYPES,
                          help="weights and activations (default: float32 on llvm, float16 on cuda)")
+    command.add_argument("--quantization", default=None, choices=("keep", "f16", "f32"),
+                         help="keep: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay quantized in the library, run by "
+                              "fused dequantize + matmul kernels (llvm, float32 activations); f16 / f32: every "
+                              "weight dequantized to that type (sets --dtype); default: dequantized to --dtype")
     command.add_argument("--page-size", type=_page_size, default=16, help="tokens per KV-cache page")
     command.add_argument("--max-batch-size", type=_int_at_least(1), default=4,
                          help="most sequences decoded together")
@@ -250,6 +254,9 @@ def parser() -> argparse.ArgumentParser:
     smollm2.add_argument("--gguf", default=None, type=_gguf,
                          help="run the same job on another Llama-family GGUF file (default: the installed "
                               "SmolLM2-135M-Instruct)")
+    smollm2.add_argument("--quantization", default=None, choices=("keep", "f16", "f32"),
+                         help="weights of the library: keep (the GGUF's Q4_0/Q4_1/Q8_0 blocks, fused kernels; "
+                              "llvm only), f16 or f32 (dequantized); default: dequantized to the target's dtype")
     _generation_options(smollm2)
 
     compile_ = commands.add_parser("compile", formatter_class=_Formatter,
@@ -291,7 +298,8 @@ def _smollm2(args) -> int:
     from .weights import WeightError
 
     try:
-        args.lib = cached_library(args.target, log=lambda m: print(m, file=sys.stderr), weights=args.gguf)
+        args.lib = cached_library(args.target, log=lambda m: print(m, file=sys.stderr), weights=args.gguf,
+                                  quantization=args.quantization)
     except (BuildError, WeightError) as err:
         return _fail(str(err))
     args.prompt = args.prompt or [DEFAULT_PROMPT]
@@ -315,7 +323,7 @@ def _compile(args) -> int:
         compile_model(args.model, args.output, target=target, dtype=args.dtype, page_size=args.page_size,
                       max_batch_size=args.max_batch_size, context_window=args.context_window,
                       prefill_chunk=args.prefill_chunk, kv_cache=args.kv_cache, dump_ir=args.dump_ir,
-                      attn_backend=args.attn_backend)
+                      attn_backend=args.attn_backend, quantization=args.quantization)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0

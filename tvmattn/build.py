@@ -32,6 +32,11 @@ import numpy as np
 from tir_kernels import support
 
 MODEL_NAMES = ("smollm2-135m",)
+# --quantization: keep a GGUF's Q4_0 / Q4_1 / Q8_0 matrices in their blocks (llvm, float32
+# activations, fused dequantize + matmul kernels), or dequantize every weight to f16 / f32 (the
+# library dtype); None: dequantize to the library dtype (float32 on llvm, float16 on cuda)
+QUANTIZATIONS = ("keep", "f16", "f32")
+QUANTIZATION_DTYPES = {"f16": "float16", "f32": "float32", "keep": "float32"}
 RUNTIME_SUFFIX = ".runtime.json"
 PARAMS_SUFFIX = ".params.npz"
 
@@ -88,8 +93,10 @@ def _gguf_runtime(path: Path) -> dict[str, Any]:
     return {"tokenizer": tokenizer.to_str(), "chat_template": chat_template(path), "stop_token_ids": stop}
 
 
-def load_model(model: str) -> tuple[dict[str, Any], dict[str, np.ndarray] | None, dict[str, Any]]:
-    """(HF config, HF-named float32 tensors or None, run-time tokenizer info) of a --model value."""
+def load_model(model: str, keep_quantized: bool = False
+               ) -> tuple[dict[str, Any], dict[str, np.ndarray] | None, dict[str, Any]]:
+    """(HF config, HF-named float32 tensors or None, run-time tokenizer info) of a --model value
+    (keep_quantized: a GGUF's block-quantized matrices as QuantizedTensors)."""
     from .weights import read_gguf, read_safetensors_folder, smollm2_path
 
     if model in MODEL_NAMES:
@@ -100,7 +107,7 @@ def load_model(model: str) -> tuple[dict[str, Any], dict[str, np.ndarray] | None
             raise BuildError(f"--model {model!r}: no such file; expected one of {MODEL_NAMES}, "
                              f"a .gguf file or a config.json")
     if path.suffix == ".gguf":
-        loaded = read_gguf(path)
+        loaded = read_gguf(path, keep_quantized=keep_quantized)
         return loaded.hf_config, loaded.tensors, _gguf_runtime(path)
     if path.is_dir():
         path = path / "config.json"
@@ -227,11 +234,26 @@ def _attention_backend(attn_backend: str, spec, log: Callable[[str], None]) -> s
     return "flashinfer"
 
 
+def _weight_formats(config, tensors: dict | None, log: Callable[[str], None]) -> tuple[tuple[str, str], ...]:
+    """(parameter prefix, block type) of every layer whose weights stay quantized (--quantization keep)."""
+    from .models import hf_parameter_sources
+    from .models.quant_linear import plan_weight_formats
+
+    sources = hf_parameter_sources(config)
+    formats = plan_weight_formats(sources, tensors or {})
+    matrices = [name for name in sources if name.endswith(".weight") and "norm" not in name]
+    kinds = sorted(set(formats.values()))
+    log(f"[compile] quantization keep: {len(formats)} of {len(matrices)} weight matrices stay quantized "
+        f"({', '.join(kinds) or 'none'}); the others are dequantized to float32")
+    return tuple(sorted(formats.items()))
+
+
 def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cuda_arch: str | None = None,
                   dtype: str | None = None, page_size: int = 16, max_batch_size: int = 4,
                   context_window: int | None = None, prefill_chunk: int | None = None,
                   kv_cache: str = "tvmattn", dump_ir: str | Path | None = None,
-                  log: Callable[[str], None] = print, attn_backend: str = "tir") -> BuildResult:
+                  log: Callable[[str], None] = print, attn_backend: str = "tir",
+                  quantization: str | None = None) -> BuildResult:
     """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
 
     dtype defaults to float32 on llvm and float16 on cuda; context_window defaults to the
@@ -239,6 +261,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     attn_backend: "tir" or "flashinfer" (tvmattn's cache runs FlashInfer's modules built by
     `python -m tvmattn.flashinfer.build`, which ship beside the library; see models/kv_cache.py;
     falls back to "tir" with a warning where FlashInfer cannot serve the target).
+    quantization: see QUANTIZATIONS ("keep" needs llvm and float32; "f16" / "f32" set the dtype).
     Raises BuildError (a ValueError) for bad arguments or an unsupported model.
     """
     from .models import BuildOptions, ModelConfig, ModelConfigError, compile_module, export_module, pack_params
@@ -263,6 +286,17 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     if not out_path.parent.is_dir():
         raise BuildError(f"-o {str(out_path)!r}: folder {str(out_path.parent)!r} does not exist")
     target = resolve_target(target, cuda_arch)
+    if quantization is not None:
+        if quantization not in QUANTIZATIONS:
+            raise BuildError(f"--quantization {quantization!r} is not supported: expected one of {QUANTIZATIONS}")
+        wanted = QUANTIZATION_DTYPES[quantization]
+        if dtype is not None and dtype != wanted:
+            raise BuildError(f"--quantization {quantization} needs --dtype {wanted} (weights and activations), "
+                             f"got --dtype {dtype}")
+        if quantization == "keep" and target != "llvm":
+            raise BuildError(f"--quantization keep: the fused quantized kernels are scheduled for llvm only "
+                             f"(target {target}); use --quantization f16 there")
+        dtype = wanted
     dtype = dtype or ("float32" if target == "llvm" else "float16")
     timings: dict[str, float] = {}
 
@@ -272,7 +306,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
 
     start = time.perf_counter()
     log(f"[compile] loading model {model!r}")
-    hf_config, tensors, runtime = load_model(model)
+    hf_config, tensors, runtime = load_model(model, keep_quantized=quantization == "keep")
     try:
         config = ModelConfig.from_hf(hf_config)
     except ModelConfigError as err:
@@ -283,7 +317,9 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     prefill_chunk = prefill_chunk or min(context_window, 2048)
 
     start = time.perf_counter()
-    options = BuildOptions(target=target, dtype=dtype, page_size=page_size, kv_cache=kv_cache)
+    weight_formats = _weight_formats(config, tensors, log) if quantization == "keep" else ()
+    options = BuildOptions(target=target, dtype=dtype, page_size=page_size, kv_cache=kv_cache,
+                           weight_formats=weight_formats)
     attn_backend = _attention_backend(attn_backend, options.cache_spec(config), log)
     log(f"[compile] exporting the Relax module (target {target}, dtype {dtype}, kv cache {kv_cache}, "
         f"attention {attn_backend})")

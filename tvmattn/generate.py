@@ -39,6 +39,9 @@ from .models.kv_cache import KV_CACHE_KINDS
 from .speculative import (DraftTree, PromptLookup, SpeculativeOptions, SpeculativeStats, accept_greedy, common_prefix,
                           draft_model_tree, next_draft_len, tree_depth)
 
+# dtypes of library parameters: the float types, and the block arrays of weights kept quantized
+PARAM_DTYPES = (*support.DTYPES, "uint8", "int8")
+
 
 class GenerateError(ValueError):
     """A missing or inconsistent library bundle, or a bad generation argument."""
@@ -173,8 +176,8 @@ def read_runtime(file: Path) -> dict[str, Any]:
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise fields.error(f"{where}.shape should list sizes, got {shape!r}")
         dtype = fields.get(param, "dtype", "a string", where)
-        if support.dtype_problem(dtype):
-            raise fields.error(f"{where}.dtype must be {support.dtype_problem(dtype)}, got {dtype!r}")
+        if dtype not in PARAM_DTYPES:
+            raise fields.error(f"{where}.dtype must be one of {PARAM_DTYPES}, got {dtype!r}")
     fields.get(fields.get(metadata, "build_options", "an object", "metadata"), "target", "a string",
                "metadata.build_options")
     kv_cache = fields.get(metadata, "kv_cache", "an object", "metadata")

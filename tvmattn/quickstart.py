@@ -43,16 +43,20 @@ def _sources_digest() -> str:
     return digest.hexdigest()
 
 
-def library_path(target: str, weights: Path, name: str = MODEL) -> Path:
-    """Where the cache keeps the library of a resolved target and a weight file."""
+def library_path(target: str, weights: Path, name: str = MODEL, quantization: str | None = None) -> Path:
+    """Where the cache keeps the library of a resolved target, a weight file and a --quantization."""
     stat = weights.stat()
-    key = hashlib.sha256(f"{_sources_digest()}|{target}|{weights}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    return models_dir() / f"{name}-{target.replace(':', '-')}-{key.hexdigest()[:12]}.so"
+    quant = "" if quantization is None else f"|{quantization}"
+    key = hashlib.sha256(f"{_sources_digest()}|{target}|{weights}|{stat.st_size}|{stat.st_mtime_ns}{quant}".encode())
+    suffix = "" if quantization is None else f"-{quantization}"
+    return models_dir() / f"{name}-{target.replace(':', '-')}{suffix}-{key.hexdigest()[:12]}.so"
 
 
-def cached_library(target: str = "auto", log: Callable[[str], None] = print, weights: str | Path | None = None) -> Path:
+def cached_library(target: str = "auto", log: Callable[[str], None] = print, weights: str | Path | None = None,
+                   quantization: str | None = None) -> Path:
     """Path of a compiled library for target ("auto", "llvm", "cuda" or "cuda:sm_XY"), built
-    first when the cache lacks it. weights: a GGUF file (default: SmolLM2-135M-Instruct)."""
+    first when the cache lacks it. weights: a GGUF file (default: SmolLM2-135M-Instruct);
+    quantization: compile_model's (None: the weights dequantized to the target's dtype)."""
     from .weights import smollm2_path
 
     name = MODEL if weights is None else Path(weights).stem
@@ -60,13 +64,13 @@ def cached_library(target: str = "auto", log: Callable[[str], None] = print, wei
     if not weights.is_file():
         raise BuildError(f"weights {str(weights)!r}: no such file")
     resolved = resolve_target(target)  # once: compile_model and the cache key see the same target
-    library = library_path(resolved, weights, name)
+    library = library_path(resolved, weights, name, quantization)
     if all(p.is_file() for p in (library, sidecar(library, PARAMS_SUFFIX), sidecar(library, RUNTIME_SUFFIX))):
         log(f"[smollm2] using the compiled library {library}")
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     log(f"[smollm2] compiling {weights.name} for {resolved} (once; cached in {library.parent})")
-    settings = {"max_batch_size": MAX_BATCH_SIZE, "context_window": CONTEXT_WINDOW}
+    settings = {"max_batch_size": MAX_BATCH_SIZE, "context_window": CONTEXT_WINDOW, "quantization": quantization}
     if resolved.startswith("cuda") and _needs_standin():
         _compile_with_standin(weights, library, resolved, settings, log)
     else:
@@ -94,6 +98,8 @@ def _compile_with_standin(weights: Path, library: Path, target: str, settings: d
     command = [sys.executable, "-m", "tvmattn", "compile", "--model", str(weights), "--target", target,
                "-o", str(library), "--max-batch-size", str(settings["max_batch_size"]),
                "--context-window", str(settings["context_window"])]
+    if settings.get("quantization"):
+        command += ["--quantization", settings["quantization"]]
     log("[smollm2] no CUDA driver in this process: compiling in a child with the stand-in driver")
     child = subprocess.run(command, env=standin_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in child.stdout.splitlines():

@@ -39,6 +39,7 @@ from .config import ModelConfig
 from .kv_cache import KV_CACHE_KINDS, KVCacheSpec, attention_backend_record
 from .llama import LlamaForCausalLM, hf_parameter_sources
 from .pipeline import relax_pipeline
+from .quant_linear import dequantized, packed_part, split_part_name
 
 METADATA_FUNCTION = "_metadata"
 
@@ -46,13 +47,17 @@ METADATA_FUNCTION = "_metadata"
 @dataclasses.dataclass(frozen=True)
 class BuildOptions:
     """target: "llvm", "cuda" or "cuda:sm_XX"; dtype: weights and activations; page_size: KV
-    page size compiled into tvmattn's kernels; kv_cache: "tvmattn" or "tvm" (TVM's stock cache).
-    dtype, page size and target are checked against tir_kernels.support (ValueError)."""
+    page size compiled into tvmattn's kernels; kv_cache: "tvmattn" or "tvm" (TVM's stock cache);
+    weight_formats: (parameter prefix, GGUF block type) of each layer kept quantized
+    (quant_linear.py; llvm and float32 only). dtype, page size and target are checked against
+    tir_kernels.support (ValueError). An llvm library with quantized weights is compiled for the
+    host's CPU."""
 
     target: str = "llvm"
     dtype: str = "float32"
     page_size: int = 16
     kv_cache: str = "tvmattn"
+    weight_formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         for name, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
@@ -62,6 +67,15 @@ class BuildOptions:
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache={self.kv_cache!r} is not supported: expected one of {KV_CACHE_KINDS}")
         TargetName.parse(self.target)
+        if self.weight_formats:
+            from ..weights.quant import QUANT_TYPES
+
+            bad = [fmt for _, fmt in self.weight_formats if fmt not in QUANT_TYPES]
+            if bad:
+                raise ValueError(f"weight_formats: {bad[0]!r} is not supported: expected one of {QUANT_TYPES}")
+            if self.target != "llvm" or self.dtype != "float32":
+                raise ValueError(f"weight_formats (quantized weights) need target 'llvm' and dtype 'float32', "
+                                 f"got {self.target!r} and {self.dtype!r}")
 
     def cache_spec(self, config: ModelConfig) -> KVCacheSpec:
         return KVCacheSpec(
@@ -72,6 +86,12 @@ class BuildOptions:
         )
 
     def tvm_target(self) -> tvm.target.Target:
+        if self.target == "llvm" and self.weight_formats:
+            from .quant_matmul import host_target
+
+            # the host CPU's instructions and vector width for the fused kernels (plain "llvm" is
+            # SSE2); float builds keep plain llvm: dlight's schedules take 3.5x longer to compile for it
+            return host_target()
         return tvm_target(self.target, schedule_rules=True)
 
 
@@ -112,11 +132,12 @@ def _attach_metadata(mod: tvm.IRModule, document: dict[str, Any]) -> tvm.IRModul
 
 def export_module(config: ModelConfig, options: BuildOptions) -> tuple[tvm.IRModule, dict[str, Any]]:
     """The Relax IRModule of the model library (before compilation) and its metadata."""
-    model = LlamaForCausalLM(config, options.cache_spec(config), options.kv_cache)
+    formats = dict(options.weight_formats)
+    model = LlamaForCausalLM(config, options.cache_spec(config), options.kv_cache, formats)
     model.to(options.dtype)
     mod, params = model.export_tvm(spec=model.get_default_spec())
-    document = metadata(config, options, params)
-    expected = list(hf_parameter_sources(config))
+    document = json.loads(json.dumps(metadata(config, options, params)))  # JSON types, as `_metadata` returns it
+    expected = list(hf_parameter_sources(config, formats))
     if [name for name, _ in params] != expected:
         raise AssertionError(f"model parameters {[n for n, _ in params]} differ from the HF map {expected}")
     return _attach_metadata(mod, document), document
@@ -159,7 +180,8 @@ def pack_params(document: dict[str, Any], tensors: Mapping[str, np.ndarray]) -> 
     library's dtype; fused projections are concatenated. Raises ValueError naming a missing
     tensor or a wrong shape."""
     config = ModelConfig(**{**document["model_config"], "rope_scaling": None})
-    sources = hf_parameter_sources(config)
+    formats = dict(map(tuple, document["build_options"].get("weight_formats", ())))
+    sources = hf_parameter_sources(config, formats)
     dtype = np.dtype(numpy_dtype(document["build_options"]["dtype"]))
     packed = []
     for param in document["params"]:
@@ -167,8 +189,19 @@ def pack_params(document: dict[str, Any], tensors: Mapping[str, np.ndarray]) -> 
         missing = [n for n in names if n not in tensors]
         if missing:
             raise ValueError(f"weights: tensor {missing[0]!r} (for parameter {param['name']!r}) is missing")
-        value = np.concatenate([np.asarray(tensors[n]) for n in names], axis=0) if len(names) > 1 \
-            else np.asarray(tensors[names[0]])
+        quantized = split_part_name(param["name"])
+        if quantized is not None and quantized[0] in formats:  # a block array: kept in its own dtype
+            try:
+                value = packed_part([tensors[n] for n in names], formats[quantized[0]], quantized[1])
+            except ValueError as err:
+                raise ValueError(f"weights: {'+'.join(names)} for parameter {param['name']!r}: {err}") from None
+            if list(value.shape) != param["shape"] or str(value.dtype) != param["dtype"]:
+                raise ValueError(f"weights: {'+'.join(names)} gives {value.dtype} {list(value.shape)}, "
+                                 f"parameter {param['name']!r} needs {param['dtype']} {param['shape']}")
+            packed.append(np.ascontiguousarray(value))
+            continue
+        value = np.concatenate([dequantized(tensors[n]) for n in names], axis=0) if len(names) > 1 \
+            else dequantized(tensors[names[0]])
         if list(value.shape) != param["shape"]:
             raise ValueError(f"weights: {'+'.join(names)} has shape {list(value.shape)}, "
                              f"parameter {param['name']!r} needs {param['shape']}")

@@ -9,6 +9,10 @@ head (its own matrix, or the embedding matrix when tied). Logits are float32.
 Parameter names are HF's with the fused projections renamed: `...self_attn.qkv_proj.*` holds
 q_proj, k_proj, v_proj stacked on the output axis, `...mlp.gate_up_proj.weight` holds gate_proj
 then up_proj (see `hf_parameter_sources`).
+
+`weight_formats` (parameter prefix -> GGUF block type, see quant_linear.py) keeps the named
+matrices quantized: their layers are QuantLinear / QuantEmbedding, whose `<prefix>.weight`
+becomes the block arrays `<prefix>.weight_qs`, `<prefix>.weight_d` (and `<prefix>.weight_m`).
 """
 
 from __future__ import annotations
@@ -19,18 +23,30 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from typing import Mapping
+
+from ..weights.quant import PACKED
 from .config import ModelConfig
 from .kv_cache import KVCacheSpec, TvmattnKVCache, kv_cache_object_type, tvm_stock_kv_cache
+from .quant_linear import PART_PREFIX, QuantEmbedding, QuantLinear
+
+
+def _linear(formats: Mapping[str, str], prefix: str, in_features: int, out_features: int, bias: bool = False):
+    """nn.Linear, or QuantLinear when `formats` keeps the layer at `prefix` quantized."""
+    if prefix in formats:
+        return QuantLinear(in_features, out_features, formats[prefix], bias=bias)
+    return nn.Linear(in_features, out_features, bias=bias)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, formats: Mapping[str, str] = {}, prefix: str = ""):
         self.num_q_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.sm_scale = 1.0 / math.sqrt(config.head_dim)
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = _linear(formats, f"{prefix}.qkv_proj", config.hidden_size, config.q_size + 2 * config.kv_size,
+                                bias=config.attention_bias)
+        self.o_proj = _linear(formats, f"{prefix}.o_proj", config.q_size, config.hidden_size)
 
     def forward(self, x: nn.Tensor, cache, layer_id: int) -> nn.Tensor:
         b, s, _ = x.shape
@@ -41,10 +57,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, formats: Mapping[str, str] = {}, prefix: str = ""):
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = _linear(formats, f"{prefix}.gate_up_proj", config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = _linear(formats, f"{prefix}.down_proj", config.intermediate_size, config.hidden_size)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -52,9 +68,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+    def __init__(self, config: ModelConfig, formats: Mapping[str, str] = {}, prefix: str = ""):
+        self.self_attn = Attention(config, formats, f"{prefix}.self_attn")
+        self.mlp = MLP(config, formats, f"{prefix}.mlp")
         self.input_layernorm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False)
 
@@ -64,9 +80,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+    def __init__(self, config: ModelConfig, formats: Mapping[str, str] = {}):
+        if "model.embed_tokens" in formats:
+            self.embed_tokens = QuantEmbedding(config.vocab_size, config.hidden_size, formats["model.embed_tokens"])
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config, formats, f"model.layers.{i}")
+                                     for i in range(config.num_hidden_layers)])
         self.norm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False)
 
     def forward(self, x: nn.Tensor, cache) -> nn.Tensor:
@@ -85,20 +105,25 @@ class LlamaForCausalLM(nn.Module):
     """The decoder and its exported functions.
 
     kv_cache: "tvmattn" (tvmattn's cache with the kernels compiled into the library) or "tvm"
-    (TVM's stock TIRPagedKVCache); cache_spec fixes the cache's compile-time options.
+    (TVM's stock TIRPagedKVCache); cache_spec fixes the cache's compile-time options;
+    weight_formats: the layers kept quantized (module docstring).
     """
 
-    def __init__(self, config: ModelConfig, cache_spec: KVCacheSpec, kv_cache: str = "tvmattn"):
+    def __init__(self, config: ModelConfig, cache_spec: KVCacheSpec, kv_cache: str = "tvmattn",
+                 weight_formats: Mapping[str, str] | None = None):
+        formats = dict(weight_formats or {})
         self.config = config
         self.cache_spec = cache_spec
         self.kv_cache = kv_cache
         self.dtype = cache_spec.dtype
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, formats)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = _linear(formats, "lm_head", config.hidden_size, config.vocab_size)
 
     def logits(self, h: nn.Tensor) -> nn.Tensor:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.model.embed_tokens, QuantEmbedding):
+            out = self.model.embed_tokens.lm_head(h)
+        elif self.config.tie_word_embeddings:
             out = op.matmul(h, op.permute_dims(self.model.embed_tokens.weight))
         else:
             out = self.lm_head(h)
@@ -168,9 +193,25 @@ class LlamaForCausalLM(nn.Module):
         return nn.spec.ModuleSpec.from_raw(spec, self)
 
 
-def hf_parameter_sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+def hf_parameter_sources(config: ModelConfig, weight_formats: Mapping[str, str] | None = None
+                         ) -> dict[str, tuple[str, ...]]:
     """Parameter name -> the HF tensors it is made of, concatenated along axis 0, in the
-    order the model declares its parameters."""
+    order the model declares its parameters (a layer kept quantized: one entry per block array,
+    `<prefix>.weight_<part>`, each made of the same HF tensors)."""
+    sources = _float_parameter_sources(config)
+    formats = weight_formats or {}
+    out: dict[str, tuple[str, ...]] = {}
+    for name, names in sources.items():
+        prefix = name[:-len(".weight")] if name.endswith(".weight") else None
+        if prefix in formats:
+            for part, _, _ in PACKED[formats[prefix]]:
+                out[f"{prefix}.{PART_PREFIX}{part}"] = names
+        else:
+            out[name] = names
+    return out
+
+
+def _float_parameter_sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     sources: dict[str, tuple[str, ...]] = {"model.embed_tokens.weight": ("model.embed_tokens.weight",)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"

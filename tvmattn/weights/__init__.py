@@ -17,4 +17,5 @@ from .locate import smollm2_path as smollm2_path
 from .quant import QUANT_TYPES as QUANT_TYPES
 from .quant import QuantizedTensor as QuantizedTensor
 from .quant import dequantize as dequantize
+from .quant import split_blocks as split_blocks
 from .safetensors_folder import read_safetensors_folder as read_safetensors_folder

@@ -1,0 +1,134 @@
+"""Linear layers and embeddings whose weights stay in a GGUF block format, for the Llama model.
+
+`QuantLinear` (instead of nn.Linear) and `QuantEmbedding` (instead of nn.Embedding; it also
+serves a tied LM head, `QuantEmbedding.lm_head`) hold the block arrays of
+tvmattn.weights.quant.PACKED as parameters named `weight_<part>` (for example
+`model.layers.0.mlp.down_proj.weight_qs`, uint8 [N, K/2], and `...weight_d`, float16 [N, K/32])
+and call the fused kernels of quant_matmul.py: the GEMV for a statically single token (decode),
+the GEMM otherwise (prefill, batch_prefill, batch_decode, batch_verify). Activations are float32.
+
+`weight_formats` (plan_weight_formats) says which layers stay quantized: a map from a layer's
+parameter prefix (`model.layers.0.self_attn.qkv_proj`, `model.embed_tokens`, `lm_head`) to its
+block type. `packed_part` makes a layer's parameter arrays from the HF tensors it is built of.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Mapping
+
+import numpy as np
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from ..weights.quant import PACKED, QUANT_TYPES, QuantizedTensor, concat_rows
+from .quant_matmul import QuantMatmulConfig, kernel
+
+PART_PREFIX = "weight_"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(config: QuantMatmulConfig):
+    return kernel(config)
+
+
+def _parameters(module: nn.Module, fmt: str, rows: int, cols: int) -> None:
+    for name, dtype, per_block in PACKED[fmt]:
+        setattr(module, PART_PREFIX + name, nn.Parameter((rows, cols // 32 * per_block), dtype))
+
+
+def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor) -> nn.Tensor:
+    """x [..., cols] float32 -> [..., rows] float32 through the fused kernel."""
+    lead = list(x.shape[:-1])
+    tokens = 1
+    for d in lead:
+        tokens = tokens * d
+    static = tokens if isinstance(tokens, int) else None
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=static)
+    flat = op.reshape(x, (tokens, cols))
+    parts = [getattr(module, PART_PREFIX + name) for name, _, _ in PACKED[fmt]]
+    out = op.tensor_ir_op(_kernel(config), config.name, args=[flat, *parts],
+                          out=nn.Tensor.placeholder((tokens, rows), "float32"))
+    return op.reshape(out, (*lead, rows))
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T (+ bias) with W [out_features, in_features] kept in block type `fmt`."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False):
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        _parameters(self, fmt, out_features, in_features)
+        self.bias = nn.Parameter((out_features,), "float32") if bias else None
+
+    def to(self, dtype: str | None = None) -> None:
+        """The block arrays keep their dtypes; activations and the bias are float32 (checked by
+        BuildOptions), so nothing changes."""
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        y = _matmul(self, self.fmt, self.out_features, self.in_features, x)
+        return y + self.bias if self.bias is not None else y
+
+
+class QuantEmbedding(nn.Module):
+    """The token table [num, dim] kept in block type `fmt`: lookup (forward) and, when the LM head
+    is tied to it, logits = h @ table.T (lm_head)."""
+
+    def __init__(self, num: int, dim: int, fmt: str):
+        self.num, self.dim, self.fmt = num, dim, fmt
+        _parameters(self, fmt, num, dim)
+
+    def to(self, dtype: str | None = None) -> None:
+        """The block arrays keep their dtypes."""
+
+    def forward(self, ids: nn.Tensor) -> nn.Tensor:
+        """ids [n] int32 (each in [0, num): the caller checks) -> [n, dim] float32."""
+        config = QuantMatmulConfig(self.fmt, self.num, self.dim, op="take")
+        parts = [getattr(self, PART_PREFIX + name) for name, _, _ in PACKED[self.fmt]]
+        return op.tensor_ir_op(_kernel(config), config.name, args=[ids, *parts],
+                               out=nn.Tensor.placeholder((ids.shape[0], self.dim), "float32"))
+
+    def lm_head(self, h: nn.Tensor) -> nn.Tensor:
+        """h [..., dim] float32 -> logits [..., num] float32."""
+        return _matmul(self, self.fmt, self.num, self.dim, h)
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+def plan_weight_formats(sources: Mapping[str, tuple[str, ...]], tensors: Mapping[str, object]) -> dict[str, str]:
+    """Which layers stay quantized: parameter prefix -> block type, for every `<prefix>.weight`
+    parameter of `sources` (parameter name -> the HF tensors it is made of) whose HF tensors are
+    all QuantizedTensors of one type in QUANT_TYPES; the others are dequantized."""
+    formats = {}
+    for name, names in sources.items():
+        if not name.endswith(".weight") or any(n not in tensors for n in names):
+            continue
+        values = [tensors[n] for n in names]
+        kinds = {v.type_name if isinstance(v, QuantizedTensor) else None for v in values}
+        if len(kinds) == 1 and next(iter(kinds)) in QUANT_TYPES:
+            formats[name[:-len(".weight")]] = next(iter(kinds))
+    return formats
+
+
+def split_part_name(name: str) -> tuple[str, str] | None:
+    """`<prefix>.weight_<part>` -> (prefix, part), else None."""
+    prefix, _, last = name.rpartition(".")
+    if not last.startswith(PART_PREFIX):
+        return None
+    return prefix, last[len(PART_PREFIX):]
+
+
+def packed_part(values: list, fmt: str, part: str) -> np.ndarray:
+    """The array `part` of the block-type `fmt` matrix made of `values` (QuantizedTensors, stacked
+    along the rows). Raises ValueError naming the problem (a dequantized or other-type input)."""
+    if not all(isinstance(v, QuantizedTensor) for v in values):
+        raise ValueError(f"expected {fmt} blocks, got a dequantized tensor")
+    stacked = values[0] if len(values) == 1 else concat_rows(values)
+    if stacked.type_name != fmt:
+        raise ValueError(f"expected {fmt} blocks, got {stacked.type_name}")
+    return stacked.parts[part]
+
+
+def dequantized(value) -> np.ndarray:
+    """A tensor as a float32-or-float array (a QuantizedTensor dequantized)."""
+    return value.dequantize() if isinstance(value, QuantizedTensor) else np.asarray(value)
