@@ -212,6 +212,43 @@ def test_decode_without_the_fused_split_append(target, rope_mode):
     m.check_no_leaks()
 
 
+@pytest.mark.parametrize("rope_mode", ["none", "normal"])
+def test_attention_with_shared_kv(target, rope_mode):
+    """A layer reading layer 0's cache (attention_with_shared_kv): in prefill, chunked prefill
+    and decode steps it equals attention over layer 0's keys and values and appends nothing;
+    before layer 0 has run in the step it is refused."""
+    m = Model(target, rope_mode, page_size=4, seed=7)
+    seq_ids = [0, 1]
+    for seq_id in seq_ids:
+        m.add(seq_id)
+    for lengths in ([9, 5], [3, 6], [1, 1], [1, 1]):
+        history = [m.length(s) for s in seq_ids]
+        total = sum(lengths)
+        m.cache.begin_forward(seq_ids, lengths)
+        q = randn(m.rng, (total, HQ, D), DTYPE)
+        o = empty((total, HQ, D), DTYPE, m.device)
+        k0, v0 = (empty((total, HKV, D), DTYPE, m.device) for _ in range(2))
+        with pytest.raises(KVCacheError, match="source layer 0 has not run attention_with_fused_qkv"):
+            m.cache.attention_with_shared_kv(0, SM_SCALE, tensor(q, m.device), k0, v0, o)
+        m.check_layers(total, lambda layer, qkv: m._expected(seq_ids, lengths, history, layer, qkv), "step")
+        positions = np.concatenate([h + np.arange(n) for h, n in zip(history, lengths)])
+        if rope_mode == "normal":  # q and k as split_rotary gives them
+            q = to_dtype(ref.rope(q, positions, ROPE_THETA, ROPE_SCALE), DTYPE)
+        # layer 0's new keys and values of the step: the last rows of its truth
+        k_new = np.concatenate([m.k[s][0][len(m.k[s][0]) - n:] for s, n in zip(seq_ids, lengths)]).astype(DTYPE)
+        v_new = np.concatenate([m.v[s][0][len(m.v[s][0]) - n:] for s, n in zip(seq_ids, lengths)]).astype(DTYPE)
+        m.cache.attention_with_shared_kv(0, SM_SCALE, tensor(q, m.device), tensor(k_new, m.device),
+                                         tensor(v_new, m.device), o)
+        expected, start = [], 0
+        for seq_id, n in zip(seq_ids, lengths):
+            rows = q[start:start + n].astype(np.float64)
+            expected.append(ref.attention(rows, m.k[seq_id][0], m.v[seq_id][0], SM_SCALE, causal=True)[0])
+            start += n
+        np.testing.assert_allclose(o.numpy().astype(np.float64), np.concatenate(expected), rtol=RTOL, atol=ATOL)
+        m.cache.end_forward()
+    m.check_no_leaks()
+
+
 def test_mixed_prefill_and_decode_batch(target):
     m = Model(target, "inline", page_size=4, seed=2)
     for seq_id in range(4):

@@ -440,6 +440,22 @@ class PagedKVCache:
         pages = self._layer(layer_id)
         qkv, o = self._tensor("qkv", qkv), self._tensor("o", o)
         step.attention_with_fused_qkv(pages, qkv, o, check_finite("sm_scale", sm_scale))
+        step.appended_layers.add(layer_id)
+
+    def attention_with_shared_kv(self, source_layer_id: int, sm_scale: float, q, k, v, o) -> None:
+        """Attention of this step's new tokens over the K/V of layer `source_layer_id` (a layer
+        that shares another's cache), appending nothing; that layer must have run
+        attention_with_fused_qkv in this step (its new K/V are then in its pages).
+
+        q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, Dv]: the query and the source layer's key and value
+        of the step's tokens, as split_rotary gives them (RoPE applied in rope_mode "normal")
+        -> o [n, Hq, Dv]."""
+        step = self._active("attention_with_shared_kv")
+        pages = self._layer(source_layer_id)
+        check(source_layer_id in step.appended_layers, f"attention_with_shared_kv: source layer {source_layer_id} "
+              "has not run attention_with_fused_qkv in this step, so its pages lack the step's K/V")
+        q, k, v, o = (self._tensor(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o)))
+        step.attend(pages, q, k, v, o, check_finite("sm_scale", sm_scale))
 
     def self_attention(self, layer_id: int, sm_scale: float, q, k, v, o, lse) -> None:
         """Causal attention among this step's new tokens only (nothing is cached).

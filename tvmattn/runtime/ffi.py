@@ -216,6 +216,11 @@ def attention_with_fused_qkv(cache, layer_id, sm_scale, qkv, o):
     cache.attention_with_fused_qkv(layer_id, sm_scale, qkv, o)
 
 
+@_api("attention_kv_cache_attention_with_shared_kv")
+def attention_with_shared_kv(cache, source_layer_id, sm_scale, q, k, v, o):
+    cache.attention_with_shared_kv(source_layer_id, sm_scale, q, k, v, o)
+
+
 @_api("attention_kv_cache_self_attention")
 def self_attention(cache, layer_id, sm_scale, q, k, v, o, lse):
     cache.self_attention(layer_id, sm_scale, q, k, v, o, lse)

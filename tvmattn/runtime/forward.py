@@ -13,7 +13,8 @@ attention_with_fused_qkv, per layer:
                 merged into o by LSE; then transpose_append(k, v)
   tree step:    as a decode step, then tree-mask paged prefill over whole sequences -> o
 self_attention runs ragged prefill over the new tokens (tree-mask ragged prefill in a tree
-step), cross_attention the history levels.
+step), cross_attention the history levels. attention_with_shared_kv runs a step's attention
+(the part after the append) for a layer that reads another layer's pages.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class Step:
         self.ragged_planned = not plan.decode or plan.tree
         self._cross = [self._level(self.cross_depth + d, level) for d, level in enumerate(arrays.cross)]
         self._apply_rope = int(rope.mode == RopeMode.NORMAL)
+        self.appended_layers: set = set()  # layers whose new K/V this step has appended
 
     def _level(self, depth: int, level: LevelArrays):
         """A function (pages, q, o, lse, sm_scale) running one paged level (the backends' plan
@@ -160,18 +162,25 @@ class Step:
             k.transpose_append(pages, self.k, self.v, a.append_positions)
 
     def attention_with_fused_qkv(self, pages, qkv, o, sm_scale: float) -> None:
-        q, k, v, positions = self.q, self.k, self.v, self._a.append_positions
-        if self.tree:
+        q, k, v = self.q, self.k, self.v
+        if self.tree or self.decode:
             self._split_append(pages, qkv)
-            self._tree_paged(pages, q, o, self.lse, sm_scale)
-        elif self.decode:
-            self._split_append(pages, qkv)
-            self._paged(self._fused, pages, q, o, self.lse, sm_scale, have_output=False)
         else:
             self._k.split_rotary(qkv, self._a.q_positions, q, k, v, self._apply_rope)
+        self.attend(pages, q, k, v, o, sm_scale)
+        if not (self.tree or self.decode):
+            self._k.transpose_append(pages, k, v, self._a.append_positions)
+
+    def attend(self, pages, q, k, v, o, sm_scale: float) -> None:
+        """The attention of a step's tokens over `pages` (history, and the new tokens: in the
+        pages in decode and tree steps, in k and v in prefill steps) -> o."""
+        if self.tree:
+            self._tree_paged(pages, q, o, self.lse, sm_scale)
+        elif self.decode:
+            self._paged(self._fused, pages, q, o, self.lse, sm_scale, have_output=False)
+        else:
             self._ragged(q, k, v, o, self.lse, sm_scale)
             self._paged(self._fused, pages, q, o, self.lse, sm_scale, have_output=True)
-            self._k.transpose_append(pages, k, v, positions)
 
     def self_attention(self, q, k, v, o, lse, sm_scale: float) -> None:
         self._ragged(q, k, v, o, lse, sm_scale)
