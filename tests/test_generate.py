@@ -251,9 +251,40 @@ def test_main_job_answers_from_the_cached_library(smollm2_cache):
     assert "tokens/s" in done.stderr
 
 
+@pytest.fixture(scope="module")
+def smollm2_keep(tmp_path_factory):
+    """The SmolLM2 library with its Q4_1 / Q8_0 weights kept quantized (`--quantization keep`),
+    in the session's cache folder."""
+    from tvmattn.quickstart import cached_library
+
+    folder = tmp_path_factory.getbasetemp() / "tvmattn-cache"
+    folder.mkdir(exist_ok=True)
+    saved = os.environ.get("TVMATTN_CACHE")
+    os.environ["TVMATTN_CACHE"] = str(folder)
+    try:
+        return Generator(cached_library("llvm", log=quiet, quantization="keep"))
+    finally:
+        if saved is None:
+            del os.environ["TVMATTN_CACHE"]
+        else:
+            os.environ["TVMATTN_CACHE"] = saved
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_kept_quantized_matches_torch_and_the_float_library(smollm2_keep):
+    """The fused quantized kernels compute the same model: 32 greedy tokens and every step's
+    logits equal the float64 torch model's on the dequantized weights (as the float library's)."""
+    check_smollm2_against_torch(smollm2_keep)
+
+
 @pytest.mark.slow
 @needs_smollm2
 def test_smollm2_answers_paris_and_matches_torch(smollm2):
+    check_smollm2_against_torch(smollm2)
+
+
+def check_smollm2_against_torch(smollm2):
     from tvmattn.weights import smollm2_path
 
     prompt = "What is the capital of France?"
