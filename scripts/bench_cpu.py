@@ -4,7 +4,7 @@ For each --quantization (default `f32,keep`; `default`: compile's default) the l
 into --libs (default build/bench_cpu/<quantization>/smollm2.so) with the main job's settings, or
 reused from there with --reuse (the folder is not keyed by the sources: delete it or leave out
 --reuse after a code change). Each library runs in a child process of its own, so that its row's
-peak memory (ru_maxrss: resident set, TVM and numpy included) is its own: one sequence is prefilled
+peak memory (VmHWM: resident set, TVM, torch and numpy included) is its own: one sequence is prefilled
 with a --prompt-tokens prompt (random token ids, fixed seed; one prefill call) and then decodes
 --decode-tokens tokens greedily (stop tokens ignored, so every run decodes the same count); each
 step includes the embedding, the cache's begin/end_forward and the logits' copy to the host, as the
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -47,6 +46,14 @@ def _quantizations(text: str) -> list[str]:
     if not names or bad:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of {QUANTIZATIONS}, got {text!r}")
     return names
+
+
+def peak_rss() -> int:
+    """This process's peak resident set in bytes: VmHWM, which starts afresh at exec (ru_maxrss
+    keeps the high-water mark of the process before exec: the compiling parent's)."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def measure(lib: str, prompt_tokens: int, decode_tokens: int, reps: int) -> dict:
@@ -79,7 +86,7 @@ def measure(lib: str, prompt_tokens: int, decode_tokens: int, reps: int) -> dict
     params = os.path.getsize(lib.replace(".so", ".params.npz"))
     return {"prefill_tok_s": prompt_tokens / best_prefill, "decode_tok_s": decode_tokens / best_decode,
             "prefill_s": best_prefill, "decode_s": best_decode, "params_bytes": params,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "tokens": tokens}
+            "peak_rss_bytes": peak_rss(), "tokens": tokens}
 
 
 def check_tokens(lib: str, max_new_tokens: int) -> list[list[int]]:
