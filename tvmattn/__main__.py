@@ -254,9 +254,9 @@ def parser() -> argparse.ArgumentParser:
     smollm2.add_argument("--gguf", default=None, type=_gguf,
                          help="run the same job on another Llama-family GGUF file (default: the installed "
                               "SmolLM2-135M-Instruct)")
-    smollm2.add_argument("--quantization", default=None, choices=("keep", "f16", "f32"),
+    smollm2.add_argument("--quantization", default="auto", choices=("auto", "keep", "f16", "f32"),
                          help="weights of the library: keep (the GGUF's Q4_0/Q4_1/Q8_0 blocks, fused kernels; "
-                              "llvm only), f16 or f32 (dequantized); default: dequantized to the target's dtype")
+                              "llvm only), f16 or f32 (dequantized); auto: keep on llvm, the target's dtype on cuda")
     _generation_options(smollm2)
 
     compile_ = commands.add_parser("compile", formatter_class=_Formatter,
