@@ -48,9 +48,15 @@ def _sources_digest() -> str:
 
 
 def library_path(target: str, weights: Path, name: str = MODEL, quantization: str | None = None) -> Path:
-    """Where the cache keeps the library of a resolved target, a weight file and a --quantization."""
+    """Where the cache keeps the library of a resolved target, a weight file and a --quantization.
+    An llvm library is compiled for this machine's CPU (models/quant_matmul.host_target), so the
+    CPU's name is part of the key: a cache shared with another kind of CPU builds its own."""
     stat = weights.stat()
     quant = "" if quantization is None else f"|{quantization}"
+    if target == "llvm":
+        from .models.quant_matmul import host_cpu
+
+        quant += f"|{host_cpu()[0]}"
     key = hashlib.sha256(f"{_sources_digest()}|{target}|{weights}|{stat.st_size}|{stat.st_mtime_ns}{quant}".encode())
     suffix = "" if quantization is None else f"-{quantization}"
     return models_dir() / f"{name}-{target.replace(':', '-')}{suffix}-{key.hexdigest()[:12]}.so"
