@@ -10,12 +10,13 @@ and a static 5), every vector width a host may have. Each kernel is built once p
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import tvm
 
-from tvmattn.models.quant_matmul import (
+gguf = pytest.importorskip("gguf")  # the reference's quantizer (absent on the GPU machine)
+
+from tvmattn.models.quant_matmul import (  # noqa: E402 - after the gguf check: tvmattn.weights imports gguf
     CPUSchedule,
     QuantMatmulConfig,
     host_target,
@@ -23,7 +24,7 @@ from tvmattn.models.quant_matmul import (
     matmul_algorithm,
     schedule,
 )
-from tvmattn.weights.quant import PACKED, QUANT_TYPES, QuantizedTensor, split_blocks
+from tvmattn.weights.quant import PACKED, QUANT_TYPES, QuantizedTensor, split_blocks  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
 FORMATS = list(QUANT_TYPES)
