@@ -47,7 +47,7 @@ from .schedules import (
     CopySchedule,
     choose_copy_schedule,
 )
-from .simt_tile import SMEM_VEC, gemm_macros, out_col, tile_softmax_macros
+from .simt_tile import SMEM_VEC, find_tile_macro, gemm_macros, out_col, tile_softmax_macros
 from .softmax import merge_splits_macro
 
 ROW_PAD = 4  # extra fp32 words per shared-memory row, so rows start in different banks
@@ -470,32 +470,6 @@ def mla_paged_decode(config: MLAConfig, schedule: MLASchedule | None = None):
     return batch_decode_paged_kv_mla.with_attr("global_symbol", DECODE_SYMBOL)
 
 
-def _find_tile_macro(dims: _Dims):
-    """find_tile (prefill): which request and row tile a tile slot holds."""
-
-    @T.macro
-    def find_tile(qo_indptr_, batch_, slot_, req_, tile_):
-        """req_[0] <- request of tile slot slot_, tile_[0] <- its row tile, numbered from the
-        request's last (the rows that see most keys start first); tile_[0] = -1 (req_[0] = 0)
-        when the slot has no tile."""
-        cur = T.alloc_buffer((1,), "int32", scope="local")
-        first = T.alloc_buffer((1,), "int32", scope="local")
-        cur[0] = 0
-        first[0] = 0
-        req_[0] = 0
-        tile_[0] = -1
-        while cur[0] < batch_:
-            if slot_ < first[0] + dims.row_tiles(qo_indptr_, cur[0]):
-                req_[0] = cur[0]
-                tile_[0] = first[0] + dims.row_tiles(qo_indptr_, cur[0]) - 1 - slot_
-                cur[0] = batch_
-            else:
-                first[0] = first[0] + dims.row_tiles(qo_indptr_, cur[0])
-                cur[0] = cur[0] + 1
-
-    return find_tile
-
-
 def mla_paged_prefill(config: MLAConfig, schedule: MLASchedule | None = None):
     """MLA paged prefill PrimFunc, arguments in the contract's order:
 
@@ -512,7 +486,7 @@ def mla_paged_prefill(config: MLAConfig, schedule: MLASchedule | None = None):
     L = loop_kinds(config)
     attend = _attend_macro(dims, L)
     _, _, _, store = tile_softmax_macros(dims, L)
-    find_tile = _find_tile_macro(dims)
+    find_tile = find_tile_macro(dims.row_tiles)
     dtype, ps, H, D_QK, D_L = dims.dtype, dims.ps, dims.H, dims.D_QK, dims.D_L
     TY, TX, TM, OC, BQ = dims.TY, dims.TX, dims.TM, dims.OC, dims.BQ
 

@@ -31,7 +31,7 @@ Per block:
 The softmax state (init, update to a new max, finalize) is softmax.py's, shared with decode
 and merge_state. rotary_mode selects one of two kernels on the host (with RoPE in Q_load and
 KV_load, or without), so neither branches on it. The macros come from small factories, one
-per phase: `_find_tile_macro`, `_load_macros` (Q_load, KV_load), and simt_tile.py's
+per phase: `_load_macros` (Q_load, KV_load), and simt_tile.py's `find_tile_macro`,
 `gemm_macros` (S_gemm, O_gemm) and `tile_softmax_macros` (mask, softmax, store), which the
 MLA kernels share; `_prefill_macros` composes them in `attend`. Sizes and index arithmetic are `_Tiling`'s.
 """
@@ -60,7 +60,7 @@ from .schedules import (
     PrefillSchedule,
     choose_prefill_schedule,
 )
-from .simt_tile import SMEM_VEC, gemm_macros, out_col, tile_softmax_macros
+from .simt_tile import SMEM_VEC, find_tile_macro, gemm_macros, out_col, tile_softmax_macros
 
 
 class PrefillMacros(NamedTuple):
@@ -148,31 +148,6 @@ class _Tiling:
             return tirx.any(j >= self.visible_end(kv_len, qo_len, p, causal),
                             causal.hides(j, p // self.G, kv_len, qo_len))
         return j >= self.visible_end(kv_len, qo_len, p, causal)
-
-
-def _find_tile_macro(dims: _Tiling):
-    """find_tile: which request and row tile a tile slot holds."""
-
-    @T.macro
-    def find_tile(qo_indptr_, batch_, slot_, req_, tile_):
-        """req_[0] <- request of tile slot slot_ and tile_[0] <- its row tile; tile_[0] = -1
-        (and req_[0] = 0) when the slot has no tile."""
-        cur = T.alloc_buffer((1,), "int32", scope="local")
-        first = T.alloc_buffer((1,), "int32", scope="local")
-        cur[0] = 0
-        first[0] = 0
-        req_[0] = 0
-        tile_[0] = -1
-        while cur[0] < batch_:
-            if slot_ < first[0] + dims.row_tiles(qo_indptr_, cur[0]):
-                req_[0] = cur[0]
-                tile_[0] = first[0] + dims.row_tiles(qo_indptr_, cur[0]) - 1 - slot_
-                cur[0] = batch_
-            else:
-                first[0] = first[0] + dims.row_tiles(qo_indptr_, cur[0])
-                cur[0] = cur[0] + 1
-
-    return find_tile
 
 
 def _load_macros(dims: _Tiling, L):
@@ -318,7 +293,7 @@ def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillM
             o_gemm(ps, vs, o, ty_, tx_)
         store(o, m_run, l_run, rows, p0, ty_, tx_, write_o_, write_lse_)
 
-    return PrefillMacros(dims.num_slots, _find_tile_macro(dims), attend)
+    return PrefillMacros(dims.num_slots, find_tile_macro(dims.row_tiles), attend)
 
 
 def _schedule_for(config: AttentionConfig, schedule: PrefillSchedule | None) -> PrefillSchedule:

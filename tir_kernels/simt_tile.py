@@ -10,6 +10,7 @@ sit in shared memory as fp32 rows of stride QS (queries), KS (keys), VS (values)
 - `tile_softmax_macros`: init, mask, softmax (online: softmax.py's update) and store
   (softmax.py's finalize); a row's TX threads agree on its max by warp shuffles and sum their
   parts of l at the end.
+- `find_tile_macro`: which request and row tile a block's tile slot holds (prefill grids).
 """
 
 from __future__ import annotations
@@ -129,3 +130,29 @@ def tile_softmax_macros(dims, L):
                     write_lse_(p0_ + ty_ + TY * m, m_run_[m])
 
     return sm.init, mask, softmax, store
+
+
+def find_tile_macro(row_tiles):
+    """find_tile(qo_indptr_, batch_, slot_, req_, tile_): req_[0] <- the request of tile slot
+    slot_ and tile_[0] <- its row tile, numbered from the request's last (the rows that see
+    most keys start first); tile_[0] = -1 (req_[0] = 0) when the slot has no tile.
+    row_tiles(qo_indptr, b): the row tiles of request b."""
+
+    @T.macro
+    def find_tile(qo_indptr_, batch_, slot_, req_, tile_):
+        cur = T.alloc_buffer((1,), "int32", scope="local")
+        first = T.alloc_buffer((1,), "int32", scope="local")
+        cur[0] = 0
+        first[0] = 0
+        req_[0] = 0
+        tile_[0] = -1
+        while cur[0] < batch_:
+            if slot_ < first[0] + row_tiles(qo_indptr_, cur[0]):
+                req_[0] = cur[0]
+                tile_[0] = first[0] + row_tiles(qo_indptr_, cur[0]) - 1 - slot_
+                cur[0] = batch_
+            else:
+                first[0] = first[0] + row_tiles(qo_indptr_, cur[0])
+                cur[0] = cur[0] + 1
+
+    return find_tile
