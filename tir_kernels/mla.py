@@ -47,7 +47,7 @@ from .schedules import (
     CopySchedule,
     choose_copy_schedule,
 )
-from .simt_tile import SMEM_VEC, find_tile_macro, gemm_macros, out_col, tile_softmax_macros
+from .simt_tile import find_tile_macro, gemm_macros, load_macros, out_col, tile_softmax_macros
 from .softmax import merge_splits_macro
 
 ROW_PAD = 4  # extra fp32 words per shared-memory row, so rows start in different banks
@@ -169,6 +169,7 @@ class _Dims:
     VEC: int  # elements per 16-byte global access
     MAX_SPLITS: int
     TARGET_BLOCKS: int
+    scaling: None = None  # RoPE frequency scaling read by simt_tile.load_macros: MLA kernels rotate nothing
 
     @classmethod
     def of(cls, config: MLAConfig, sched: MLASchedule) -> "_Dims":
@@ -252,69 +253,11 @@ class _Dims:
         return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
 
 
-def _load_macros(dims: _Dims, L):
-    """load_q, stage_kv, commit_kv: global memory (16-byte loads) -> registers -> shared fp32."""
-    dtype, D_QK, QS, KS = dims.dtype, dims.D_QK, dims.QS, dims.KS
-    BQ, BK, NT, VEC = dims.BQ, dims.BK, dims.NT, dims.VEC
-    chunks, load_iters = dims.chunks, dims.load_iters
-
-    @T.macro
-    def store_fp32(dst_, base_, src_, src_base_, scale_):
-        """dst_[base_ + e] <- float32(src_[src_base_ + e]) * scale_ for e < VEC."""
-        for g in L.unroll(VEC // SMEM_VEC):
-            for e in L.vector(SMEM_VEC):
-                dst_[base_ + g * SMEM_VEC + e] = T.Cast("float32", src_[src_base_ + g * SMEM_VEC + e]) * scale_
-
-    @T.macro
-    def load_q(q_at_, qs_, rows_, p0_, tid_, qscale_):
-        """qs_[r, :] <- q of packed row p0_ + r times qscale_; zero for rows from rows_ on."""
-        stage = T.alloc_buffer((VEC,), dtype, scope="local")
-        for it in L.unroll(load_iters(BQ, D_QK)):
-            c = T.meta_var(it * NT + tid_)
-            r = c // chunks(D_QK)
-            c0 = T.meta_var(c % chunks(D_QK) * VEC)  # inline, so 16-byte alignment stays provable
-            if c < BQ * chunks(D_QK):
-                if p0_ + r < rows_:
-                    for e in L.vector(VEC):
-                        stage[e] = q_at_(p0_ + r, c0 + e)
-                else:
-                    for e in L.vector(VEC):
-                        stage[e] = T.Cast(dtype, 0)
-                store_fp32(qs_, r * QS + c0, stage, 0, qscale_)
-
-    @T.macro
-    def stage_kv(stage_, slot_of_, kv_at_, j0_, j_end_, tid_):
-        """Latent rows j0_ .. j0_ + BK - 1 (all D_QK values) -> this thread's registers; zero
-        from j_end_ on (so that 0 * junk cannot make NaN)."""
-        slot = T.alloc_buffer((1,), "int32", scope="local")
-        for it in L.unroll(load_iters(BK, D_QK)):
-            c = T.meta_var(it * NT + tid_)
-            j = j0_ + c // chunks(D_QK)
-            c0 = T.meta_var(c % chunks(D_QK) * VEC)
-            if c < BK * chunks(D_QK) and j < j_end_:
-                slot[0] = slot_of_(j)
-                for e in L.vector(VEC):
-                    stage_[it * VEC + e] = kv_at_(slot[0], c0 + e)
-            else:
-                for e in L.vector(VEC):
-                    stage_[it * VEC + e] = T.Cast(dtype, 0)
-
-    @T.macro
-    def commit_kv(stage_, ks_, tid_):
-        """The staged latent rows -> shared memory in fp32."""
-        for it in L.unroll(load_iters(BK, D_QK)):
-            c = T.meta_var(it * NT + tid_)
-            if c < BK * chunks(D_QK):
-                store_fp32(ks_, c // chunks(D_QK) * KS + c % chunks(D_QK) * VEC, stage_, it * VEC, T.float32(1))
-
-    return load_q, stage_kv, commit_kv
-
-
 def _attend_macro(dims: _Dims, L):
     """attend: the online softmax of one block's rows over one range of keys (module docstring)."""
     dtype, D_QK, BQ, BK, QS, KS, PS = dims.dtype, dims.D_QK, dims.BQ, dims.BK, dims.QS, dims.KS, dims.PS
     TX, VEC, shared = dims.TX, dims.VEC, dims.shared
-    load_q, stage_kv, commit_kv = _load_macros(dims, L)
+    load_q, stage_kv, commit_kv = load_macros(dims, L)
     s_gemm, o_gemm = gemm_macros(dims, L)
     init, mask, softmax, _ = tile_softmax_macros(dims, L)
 
@@ -347,14 +290,14 @@ def _attend_macro(dims: _Dims, L):
         # Keys every row of the tile sees: steps below need no mask.
         free_end = T.min(j_end, visible_end_(p0))
         init(m_run_, l_run_, o_, dims.TM, dims.OC)
-        load_q(q_at_, qs, rows, p0, tid, sm_scale_ * T.float32(LOG2E))
-        stage_kv(stage, slot_of_, kv_at_, j_begin, j_end, tid)
+        load_q(q_at_, None, qs, rows, p0, tid, False, None, None, sm_scale_ * T.float32(LOG2E))
+        stage_kv(stage, slot_of_, kv_at_, D_QK, j_begin, j_end, tid, False, None, None, None)
         for t in T.serial(ceildiv(j_end - j_begin, BK)):
             sync_threads()
-            commit_kv(stage, ks, tid)
+            commit_kv(stage, ks, D_QK, KS, tid)
             sync_threads()
             if j_begin + (t + 1) * BK < j_end:
-                stage_kv(stage, slot_of_, kv_at_, j_begin + (t + 1) * BK, j_end, tid)
+                stage_kv(stage, slot_of_, kv_at_, D_QK, j_begin + (t + 1) * BK, j_end, tid, False, None, None, None)
             s_gemm(qs, ks, s, ty_, tx_)
             # TVM's barrier planner sees the dynamic shared pool as one buffer, so it wants a
             # barrier between the S_gemm reads and the P writes; place it here explicitly.

@@ -31,9 +31,10 @@ Per block:
 The softmax state (init, update to a new max, finalize) is softmax.py's, shared with decode
 and merge_state. rotary_mode selects one of two kernels on the host (with RoPE in Q_load and
 KV_load, or without), so neither branches on it. The macros come from small factories, one
-per phase: `_load_macros` (Q_load, KV_load), and simt_tile.py's `find_tile_macro`,
-`gemm_macros` (S_gemm, O_gemm) and `tile_softmax_macros` (mask, softmax, store), which the
-MLA kernels share; `_prefill_macros` composes them in `attend`. Sizes and index arithmetic are `_Tiling`'s.
+per phase, all in simt_tile.py (the MLA kernels share them): `load_macros` (Q_load, KV_load),
+`find_tile_macro`,
+`gemm_macros` (S_gemm, O_gemm) and `tile_softmax_macros` (mask, softmax, store);
+`_prefill_macros` composes them in `attend`. Sizes and index arithmetic are `_Tiling`'s.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from typing import NamedTuple
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import LOG2E, ceildiv, kv_chunk_len, loop_kinds, paged_position, rope_value
+from .common import LOG2E, ceildiv, kv_chunk_len, loop_kinds, paged_position
 from .config import AttentionConfig, RopeScaling
 from .masks import is_tree, mask_of_request
 from .prefill_contract import (
@@ -60,7 +61,7 @@ from .schedules import (
     PrefillSchedule,
     choose_prefill_schedule,
 )
-from .simt_tile import SMEM_VEC, find_tile_macro, gemm_macros, out_col, tile_softmax_macros
+from .simt_tile import find_tile_macro, gemm_macros, load_macros, out_col, tile_softmax_macros
 
 
 class PrefillMacros(NamedTuple):
@@ -150,83 +151,13 @@ class _Tiling:
         return j >= self.visible_end(kv_len, qo_len, p, causal)
 
 
-def _load_macros(dims: _Tiling, L):
-    """Q_load and KV_load: global memory (16-byte loads, RoPE'd when asked) -> shared fp32."""
-    dtype, scaling, D_QK, QS = dims.dtype, dims.scaling, dims.D_QK, dims.QS
-    BQ, BK, NT, VEC = dims.BQ, dims.BK, dims.NT, dims.VEC
-    chunks, load_iters = dims.chunks, dims.load_iters
-
-    @T.macro
-    def store_fp32(dst_, base_, src_, src_base_, scale_):
-        """dst_[base_ + e] <- float32(src_[src_base_ + e]) * scale_ for e < VEC, 16 bytes at a time."""
-        for g in L.unroll(VEC // SMEM_VEC):
-            for e in L.vector(SMEM_VEC):
-                dst_[base_ + g * SMEM_VEC + e] = T.Cast("float32", src_[src_base_ + g * SMEM_VEC + e]) * scale_
-
-    @T.macro
-    def load_q(at_, pos_at_, qs_, rows_, p0_, tid_, rotate_, rope_scale_, rope_theta_, qscale_):
-        """Q_load: qs_[r, :] <- q of packed row p0_ + r (RoPE'd when rotate_) * qscale_; zero past the rows."""
-        stage = T.alloc_buffer((VEC,), dtype, scope="local")
-        for it in L.unroll(load_iters(BQ, D_QK)):
-            c = T.meta_var(it * NT + tid_)
-            r = c // chunks(D_QK)
-            c0 = T.meta_var(c % chunks(D_QK) * VEC)  # inline, so 16-byte alignment stays provable
-            if c < BQ * chunks(D_QK):
-                if rotate_:
-                    for e in L.unroll(VEC):
-                        qs_[r * QS + c0 + e] = T.if_then_else(p0_ + r < rows_, qscale_ * rope_value(
-                            lambda i: at_(p0_ + r, i), c0 + e, pos_at_(p0_ + r), D_QK, rope_theta_, rope_scale_, scaling
-                        ), T.float32(0))
-                else:
-                    if p0_ + r < rows_:
-                        for e in L.vector(VEC):
-                            stage[e] = at_(p0_ + r, c0 + e)
-                    else:
-                        for e in L.vector(VEC):
-                            stage[e] = T.Cast(dtype, 0)
-                    store_fp32(qs_, r * QS + c0, stage, 0, qscale_)
-
-    @T.macro
-    def stage_kv(stage_, row_of_, at_, width_, kv_start_, kv_end_, tid_, rotate_, pos_base_, rope_scale_, rope_theta_):
-        """KV_load, step 1: keys / values kv_start_.. (width_ wide, RoPE'd when rotate_) -> registers;
-        zero from kv_end_ on."""
-        row = T.alloc_buffer((1,), "int32", scope="local")
-        for it in L.unroll(load_iters(BK, width_)):
-            c = T.meta_var(it * NT + tid_)
-            j = kv_start_ + c // chunks(width_)
-            c0 = T.meta_var(c % chunks(width_) * VEC)  # inline, so 16-byte alignment stays provable
-            if c < BK * chunks(width_) and j < kv_end_:
-                row[0] = row_of_(j)
-                if rotate_:
-                    for e in L.unroll(VEC):
-                        stage_[it * VEC + e] = T.Cast(dtype, rope_value(
-                            lambda i: at_(row[0], i), c0 + e, pos_base_ + j, width_, rope_theta_, rope_scale_, scaling))
-                else:
-                    for e in L.vector(VEC):
-                        stage_[it * VEC + e] = at_(row[0], c0 + e)
-            else:
-                for e in L.vector(VEC):
-                    stage_[it * VEC + e] = T.Cast(dtype, 0)
-
-    @T.macro
-    def commit_kv(stage_, smem_, width_, stride_, tid_):
-        """KV_load, step 2: the staged rows -> shared memory in fp32."""
-        for it in L.unroll(load_iters(BK, width_)):
-            c = T.meta_var(it * NT + tid_)
-            if c < BK * chunks(width_):
-                store_fp32(smem_, c // chunks(width_) * stride_ + c % chunks(width_) * VEC, stage_, it * VEC,
-                           T.float32(1))
-
-    return load_q, stage_kv, commit_kv
-
-
 def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillMacros:
     dims = _Tiling.of(config, sched)
     L = loop_kinds(config)
     dtype, G, D_QK, D_V = dims.dtype, dims.G, dims.D_QK, dims.D_V
     TX, TM, TN, BQ, BK = dims.TX, dims.TM, dims.TN, dims.BQ, dims.BK
     QS, KS, VS, PS, OC, VEC, shared = dims.QS, dims.KS, dims.VS, dims.PS, dims.OC, dims.VEC, dims.shared
-    load_q, stage_kv, commit_kv = _load_macros(dims, L)
+    load_q, stage_kv, commit_kv = load_macros(dims, L)
     s_gemm, o_gemm = gemm_macros(dims, L)
     init, mask, softmax, store = tile_softmax_macros(dims, L)
 

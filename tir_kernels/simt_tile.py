@@ -10,6 +10,7 @@ sit in shared memory as fp32 rows of stride QS (queries), KS (keys), VS (values)
 - `tile_softmax_macros`: init, mask, softmax (online: softmax.py's update) and store
   (softmax.py's finalize); a row's TX threads agree on its max by warp shuffles and sum their
   parts of l at the end.
+- `load_macros`: load_q, stage_kv, commit_kv (global -> registers -> shared fp32, RoPE optional).
 - `find_tile_macro`: which request and row tile a block's tile slot holds (prefill grids).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .common import rope_value
 from .softmax import prob, softmax_macros
 
 SMEM_VEC = 4  # fp32 elements per shared-memory vector access (16 bytes)
@@ -156,3 +158,74 @@ def find_tile_macro(row_tiles):
                 cur[0] = cur[0] + 1
 
     return find_tile
+
+
+def load_macros(dims, L):
+    """load_q (Q_load) and stage_kv / commit_kv (KV_load): global memory (16-byte loads, RoPE'd
+    when asked) -> registers -> shared fp32. dims.scaling: the RoPE frequency scaling (or None)."""
+    dtype, scaling, D_QK, QS = dims.dtype, dims.scaling, dims.D_QK, dims.QS
+    BQ, BK, NT, VEC = dims.BQ, dims.BK, dims.NT, dims.VEC
+    chunks, load_iters = dims.chunks, dims.load_iters
+
+    @T.macro
+    def store_fp32(dst_, base_, src_, src_base_, scale_):
+        """dst_[base_ + e] <- float32(src_[src_base_ + e]) * scale_ for e < VEC, 16 bytes at a time."""
+        for g in L.unroll(VEC // SMEM_VEC):
+            for e in L.vector(SMEM_VEC):
+                dst_[base_ + g * SMEM_VEC + e] = T.Cast("float32", src_[src_base_ + g * SMEM_VEC + e]) * scale_
+
+    @T.macro
+    def load_q(at_, pos_at_, qs_, rows_, p0_, tid_, rotate_, rope_scale_, rope_theta_, qscale_):
+        """Q_load: qs_[r, :] <- q of packed row p0_ + r (RoPE'd when rotate_) * qscale_; zero past the rows."""
+        stage = T.alloc_buffer((VEC,), dtype, scope="local")
+        for it in L.unroll(load_iters(BQ, D_QK)):
+            c = T.meta_var(it * NT + tid_)
+            r = c // chunks(D_QK)
+            c0 = T.meta_var(c % chunks(D_QK) * VEC)  # inline, so 16-byte alignment stays provable
+            if c < BQ * chunks(D_QK):
+                if rotate_:
+                    for e in L.unroll(VEC):
+                        qs_[r * QS + c0 + e] = T.if_then_else(p0_ + r < rows_, qscale_ * rope_value(
+                            lambda i: at_(p0_ + r, i), c0 + e, pos_at_(p0_ + r), D_QK, rope_theta_, rope_scale_, scaling
+                        ), T.float32(0))
+                else:
+                    if p0_ + r < rows_:
+                        for e in L.vector(VEC):
+                            stage[e] = at_(p0_ + r, c0 + e)
+                    else:
+                        for e in L.vector(VEC):
+                            stage[e] = T.Cast(dtype, 0)
+                    store_fp32(qs_, r * QS + c0, stage, 0, qscale_)
+
+    @T.macro
+    def stage_kv(stage_, row_of_, at_, width_, kv_start_, kv_end_, tid_, rotate_, pos_base_, rope_scale_, rope_theta_):
+        """KV_load, step 1: keys / values kv_start_.. (width_ wide, RoPE'd when rotate_) -> registers;
+        zero from kv_end_ on."""
+        row = T.alloc_buffer((1,), "int32", scope="local")
+        for it in L.unroll(load_iters(BK, width_)):
+            c = T.meta_var(it * NT + tid_)
+            j = kv_start_ + c // chunks(width_)
+            c0 = T.meta_var(c % chunks(width_) * VEC)  # inline, so 16-byte alignment stays provable
+            if c < BK * chunks(width_) and j < kv_end_:
+                row[0] = row_of_(j)
+                if rotate_:
+                    for e in L.unroll(VEC):
+                        stage_[it * VEC + e] = T.Cast(dtype, rope_value(
+                            lambda i: at_(row[0], i), c0 + e, pos_base_ + j, width_, rope_theta_, rope_scale_, scaling))
+                else:
+                    for e in L.vector(VEC):
+                        stage_[it * VEC + e] = at_(row[0], c0 + e)
+            else:
+                for e in L.vector(VEC):
+                    stage_[it * VEC + e] = T.Cast(dtype, 0)
+
+    @T.macro
+    def commit_kv(stage_, smem_, width_, stride_, tid_):
+        """KV_load, step 2: the staged rows -> shared memory in fp32."""
+        for it in L.unroll(load_iters(BK, width_)):
+            c = T.meta_var(it * NT + tid_)
+            if c < BK * chunks(width_):
+                store_fp32(smem_, c // chunks(width_) * stride_ + c % chunks(width_) * VEC, stage_, it * VEC,
+                           T.float32(1))
+
+    return load_q, stage_kv, commit_kv
