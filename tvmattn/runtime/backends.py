@@ -279,36 +279,18 @@ class _FlashInfer:
 
     def _views(self, pages) -> tuple:
         """K and V views of a page pool (kept: a cache's pools live as long as its backends)."""
-        hit = self._kv.get(id(pages))
-        if hit is not None and hit[0] is pages:
-            return hit[1]
         from tvmattn.flashinfer.views import paged_kv_views
 
-        key = (pages.data_ptr(), tuple(pages.shape))
-        views = self._kv.get(key)
-        if views is None:
-            views = self._kv[key] = paged_kv_views(pages)
-        self._kv[id(pages)] = (pages, views)
-        return views
+        return _memo(self._kv, pages, lambda: (pages.data_ptr(), tuple(pages.shape)), paged_kv_views)
 
     def _base(self, array):
         """`array` re-based to byte offset 0 (kept until the next plan): FlashInfer ignores DLPack's
-        byte_offset, and a model library's VM may hand views of its storage with one. The same
-        tensor object (the plan's index views, passed to every layer) is found by identity; a
-        new object (the VM's q, o, lse) by its data pointer, shape and dtype."""
-        hit = self._rebased.get(id(array))
-        if hit is not None and hit[0] is array:
-            return hit[1]
+        byte_offset, and a model library's VM may hand views of its storage with one."""
         if not hasattr(array, "data_ptr"):
             return array
         from tvmattn.flashinfer.views import rebased
 
-        key = (array.data_ptr(), tuple(array.shape), str(array.dtype))
-        view = self._rebased.get(key)
-        if view is None:
-            view = self._rebased[key] = rebased(array)
-        self._rebased[id(array)] = (array, view)
-        return view
+        return _memo(self._rebased, array, lambda: (array.data_ptr(), tuple(array.shape), str(array.dtype)), rebased)
 
     def mha(self, *args):
         self.run(*self.run_args(*args))
@@ -321,6 +303,21 @@ class _FlashInfer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(run={self.run!r}, plan={self.plan!r})"
+
+
+def _memo(memo: dict, tensor, key_of, make):
+    """make(tensor), remembered in `memo`: found by the tensor's identity first (the plan's index
+    views and the pools are the same objects at every layer), else by key_of() (a new object over
+    the same memory, e.g. the VM's q, o, lse each layer)."""
+    hit = memo.get(id(tensor))
+    if hit is not None and hit[0] is tensor:  # the entry holds the tensor, so its id is not reused
+        return hit[1]
+    key = key_of()
+    value = memo.get(key)
+    if value is None:
+        value = memo[key] = make(tensor)
+    memo[id(tensor)] = (tensor, value)
+    return value
 
 
 def _kv_lengths(page_indptr, last_page_len, page_size: int):
