@@ -203,6 +203,8 @@ def test_decode_without_the_fused_split_append(target, rope_mode):
     m = Model(target, rope_mode, page_size=4, seed=5, kernels={"split_rotary_append": None})
     assert m.cache.kernels.split_rotary_append is None
     assert Model(target, rope_mode, page_size=4).cache.kernels.split_rotary_append is not None
+    with pytest.raises(KVCacheError, match="slot 'split_rotary_append' must be a function"):
+        Model(target, rope_mode, page_size=4, kernels={"split_rotary_append": "not a kernel"})
     for seq_id in (0, 1):
         m.add(seq_id)
     m.forward([0, 1], [6, 3])
