@@ -51,11 +51,16 @@ import bench_rows  # noqa: E402
 import tvmattn  # noqa: E402,F401  - registers tvmattn.*
 from tvmattn.build import PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar  # noqa: E402
 
-KV_CACHES = ("tvmattn", "tvm")  # always run; "flashinfer" (--flashinfer) is ours with FlashInfer's kernels
-LABELS = {"tvmattn": "tvmattn cache", "tvm": "TVM stock cache", "flashinfer": "tvmattn cache + FlashInfer"}
-IMPLS = {"tvmattn": "tvmattn", "tvm": "tvm-stock-cache", "flashinfer": "tvmattn-flashinfer"}  # the rows' impl
+# always run: ours eagerly, ours replaying CUDA graphs (the same library; --no-cuda-graph leaves it out),
+# the stock cache; "flashinfer" (--flashinfer) is ours with FlashInfer's kernels
+KV_CACHES = ("tvmattn", "graph", "tvm")
+LABELS = {"tvmattn": "tvmattn cache", "graph": "tvmattn cache, CUDA graphs", "tvm": "TVM stock cache",
+          "flashinfer": "tvmattn cache + FlashInfer"}
+IMPLS = {"tvmattn": "tvmattn", "graph": "tvmattn-cuda-graph", "tvm": "tvm-stock-cache",
+         "flashinfer": "tvmattn-flashinfer"}  # the rows' impl
 BUILD = {"tvmattn": dict(kv_cache="tvmattn"), "tvm": dict(kv_cache="tvm"),  # compile_model arguments
          "flashinfer": dict(kv_cache="tvmattn", attn_backend="flashinfer")}
+LIBRARY = {"graph": "tvmattn"}  # runs another entry's library
 WARMUP_STEPS = 3
 
 
@@ -76,8 +81,11 @@ def parse_args(argv=None):
     p.add_argument("--flashinfer", action="store_true",
                    help="also run a third library, our cache with FlashInfer's attention kernels (--attn-backend "
                         "flashinfer; its modules must be built: python -m tvmattn.flashinfer.build)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="leave out the CUDA-graph runs of our library")
     args = p.parse_args(argv)
-    args.libraries = KV_CACHES + (("flashinfer",) if args.flashinfer else ())
+    graphs = args.target == "cuda" and not args.no_cuda_graph
+    args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer
+                                                                                  else ())
     problem = bench_rows.output_path_problem(args.json)
     if problem:
         p.error(f"argument --json: {problem}")
@@ -85,7 +93,7 @@ def parse_args(argv=None):
 
 
 def library_path(args, kv_cache: str) -> Path:
-    return Path(args.libs) / f"{args.name}-{kv_cache}.so"
+    return Path(args.libs) / f"{args.name}-{LIBRARY.get(kv_cache, kv_cache)}.so"
 
 
 def ensure_libraries(args, max_batch: int) -> None:
@@ -93,7 +101,7 @@ def ensure_libraries(args, max_batch: int) -> None:
     context = args.prompt_len + args.steps + WARMUP_STEPS + 8
     for library in args.libraries:
         path = library_path(args, library)
-        if path.is_file():
+        if path.is_file() or library in LIBRARY:
             continue
         print(f"building {path} ({LABELS[library]})")
         compile_model(args.model, path, target=args.target, max_batch_size=max_batch, context_window=context,
@@ -125,7 +133,8 @@ def load_weights(args, device, metadata) -> tuple[list, str]:
 class Runner:
     """One library in the VM with its cache; every call runs on the GPU, synchronized where timed."""
 
-    def __init__(self, path: Path, device, params, capacity: int, max_batch: int, prefill_chunk: int):
+    def __init__(self, path: Path, device, params, capacity: int, max_batch: int, prefill_chunk: int,
+                 graph: bool = False):
         self.device, self.params = device, params
         start = time.perf_counter()
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), device)
@@ -143,6 +152,18 @@ class Runner:
             ShapeTuple([0]))
         self.hidden = self.metadata["model_config"]["hidden_size"]
         self.plan_s = self.host_s = 0.0  # host seconds in begin_forward / in whole forwards
+        self.graphs = None  # DecodeGraphs: decode steps replayed as CUDA graphs
+        if graph:
+            from tvmattn.runtime.graphs import DecodeGraphs
+
+            if "decode_step" not in self.metadata["functions"]:
+                raise SystemExit(f"{path} has no decode_step (built before CUDA-graph support): delete it to rebuild")
+            self.graph_ids: dict = {}
+            self.graphs = DecodeGraphs(self.cache, self._decode_step, max_batch)
+
+    def _decode_step(self, bucket: int):
+        logits, _ = self.vm["decode_step"](self.graph_ids[bucket], self.cache, self.params)
+        return logits
 
     def embed(self, ids, shape):
         return self.vm["embed"](ids, self.params)._create_view(shape)
@@ -163,6 +184,20 @@ class Runner:
 
     def decode(self, seq_ids: list[int], ids):
         b = len(seq_ids)
+        if self.graphs is not None:
+            from tvmattn.runtime.graphs import bucket_of
+
+            start = time.perf_counter()
+            bucket = bucket_of(b, self.graphs.buckets)
+            if bucket not in self.graph_ids:
+                self.graph_ids[bucket] = tvm.runtime.empty((bucket,), "int32", device=self.device)
+            buffer = self.graph_ids[bucket]
+            (buffer if b == bucket else buffer._create_view((b,), "int32", 0)).copyfrom(ids)
+            logits = self.graphs.run(seq_ids)
+            if b != bucket:
+                logits = logits._create_view((b, *logits.shape[1:]), "float32", 0)
+            self.host_s += time.perf_counter() - start
+            return logits
         function = "decode" if b == 1 else "batch_decode"
         return self.forward(function, seq_ids, [1] * b, self.embed(ids, (b, 1, self.hidden)))
 
@@ -287,7 +322,8 @@ def main(argv=None) -> int:
     page = metadata["kv_cache"]["page_size"]
     pages_per_sequence = -(-(args.prompt_len + args.steps + WARMUP_STEPS + 8) // page)
     capacity = max_batch * pages_per_sequence * page
-    runners = {kv: Runner(library_path(args, kv), device, params, capacity, max_batch, args.prompt_len)
+    runners = {kv: Runner(library_path(args, kv), device, params, capacity, max_batch, args.prompt_len,
+                          graph=kv == "graph")
                for kv in args.libraries}
     config = metadata["model_config"]
     vocab = config["vocab_size"]
@@ -369,7 +405,7 @@ def main(argv=None) -> int:
             profile_decode(runner, prompts)
 
     print()
-    short = {"tvmattn": "tvmattn", "tvm": "stock", "flashinfer": "flashinfer"}
+    short = {"tvmattn": "tvmattn", "graph": "graph", "tvm": "stock", "flashinfer": "flashinfer"}
     header = f"{'phase':>12} {'batch':>5} " + " ".join(f"{short[kv] + ' tok/s':>17}" for kv in libraries)
     header += " " + " ".join(f"{short[kv] + ' ms':>14}" for kv in libraries)
     header += " " + " ".join(f"{short[kv] + '/stock':>17}" for kv in ours)

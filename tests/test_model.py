@@ -311,6 +311,29 @@ def test_batch_prefill_and_decode_match_torch(bias_model):
     run_batch(Session(bias_model), PROMPTS, steps=5)
 
 
+def test_decode_step_from_token_ids_matches_torch(bias_model):
+    """decode_step (ids -> logits of a whole step, the unit CUDA graphs capture) after a
+    batch prefill: every row against torch, for batches of 2 and 1."""
+    session = Session(bias_model)
+    seq_ids = [3, 8]
+    for seq_id in seq_ids:
+        session.add(seq_id)
+    session.batch_prefill(seq_ids, PROMPTS, [len(PROMPTS[0]) - 1, sum(map(len, PROMPTS)) - 1])
+    tokens = [7, 90]
+    for step in range(3):
+        active = seq_ids if step < 2 else seq_ids[1:]
+        ids = tvm.runtime.tensor(np.array(tokens[: len(active)], np.int32), device=session.device)
+        session.host("kv_state_begin_forward")(session.cache, ShapeTuple(active), ShapeTuple([1] * len(active)))
+        logits, _ = session.vm["decode_step"](ids, session.cache, session.params)
+        session.host("kv_state_end_forward")(session.cache)
+        for row, (seq_id, token) in enumerate(zip(active, tokens)):
+            session.tokens[seq_id].append(token)
+            np.testing.assert_allclose(logits.numpy()[row, 0], expected_last(bias_model, session.tokens[seq_id]),
+                                       **bias_model.tolerance, err_msg=f"decode_step {step}, sequence {seq_id}")
+        tokens = [int(np.argmax(row)) for row in logits.numpy()[:, 0]]
+    assert "decode_step" in bias_model.library.metadata["functions"]
+
+
 def test_cache_with_sliding_window_support_matches_torch(bias_model):
     """support_sliding_window=1 runs the sliding-window kernels and RoPE inside attention (with
     the Llama-3 scaling); with no window enabled the logits are the full-attention ones."""

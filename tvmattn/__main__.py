@@ -140,6 +140,8 @@ def _generation_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--seed", type=_seed, default=0, help="seed of the sampler (with --temperature > 0)")
     command.add_argument("--no-chat", action="store_true",
                          help="send the prompt as it is, without the model's chat template")
+    command.add_argument("--no-cuda-graph", action="store_true",
+                         help="on CUDA, run every decode step eagerly instead of replaying CUDA graphs")
 
 
 def _bounded_int(low: int, high: int):
@@ -345,7 +347,7 @@ def _generate(args) -> int:
         print(f"> {args.prompt[0]}", file=sys.stderr)
     speculative, plain = None, None
     try:
-        generator = Generator(args.lib)
+        generator = Generator(args.lib, cuda_graph=not getattr(args, "no_cuda_graph", False))
         if getattr(args, "speculative", None) is not None:
             from .speculative import SpeculativeOptions
 

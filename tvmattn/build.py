@@ -319,7 +319,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     start = time.perf_counter()
     weight_formats = _weight_formats(config, tensors, log) if quantization == "keep" else ()
     options = BuildOptions(target=target, dtype=dtype, page_size=page_size, kv_cache=kv_cache,
-                           weight_formats=weight_formats)
+                           weight_formats=weight_formats, max_batch_size=max_batch_size)
     attn_backend = _attention_backend(attn_backend, options.cache_spec(config), log)
     log(f"[compile] exporting the Relax module (target {target}, dtype {dtype}, kv cache {kv_cache}, "
         f"attention {attn_backend})")

@@ -328,8 +328,12 @@ class Generator:
     parameters are still checked). Any broken file is a GenerateError naming it and the problem.
     """
 
-    def __init__(self, lib_path: str | Path):
+    def __init__(self, lib_path: str | Path, cuda_graph: bool = True):
+        """cuda_graph: on CUDA, replay plain decode steps as CUDA graphs (one per batch bucket,
+        tvmattn.runtime.graphs) where the library exports `decode_step` and runs tvmattn's
+        cache with its TIR kernels; otherwise (or False) every step runs eagerly."""
         lib_path = Path(lib_path)
+        self.cuda_graph = cuda_graph
         runtime_file = sidecar(lib_path, RUNTIME_SUFFIX)
         for path in (lib_path, runtime_file):
             if not path.is_file():
@@ -375,12 +379,15 @@ class Generator:
         self.cache = None
         self._capacity = 0
         self._drafts: dict[Path, Generator] = {}
+        self._graphs = None  # DecodeGraphs of the current cache (see _graph_decode)
+        self._graph_ids: dict[int, Any] = {}  # bucket -> its token-id input buffer on the device
 
     def sibling(self) -> "Generator":
         """The same loaded library (VM, weights, tokenizer) with a KV cache of its own: a model
         drafting for itself."""
         other = copy.copy(self)
         other.cache, other._capacity, other._drafts = None, 0, {}
+        other._graphs, other._graph_ids, other.cuda_graph = None, {}, False  # drafts run eagerly
         return other
 
     # ------------------------------------------------------------------ token level
@@ -397,6 +404,36 @@ class Generator:
                 ShapeTuple([self.settings["max_batch_size"]]), ShapeTuple([min(needed * 2, capacity)]),
                 ShapeTuple([self.settings["prefill_chunk"]]), ShapeTuple([page]), ShapeTuple([0]))
             self._capacity = min(needed * 2, capacity)
+            self._graphs, self._graph_ids = None, {}  # graphs belong to the cache they captured
+
+    @property
+    def uses_cuda_graph(self) -> bool:
+        """Plain decode steps replay CUDA graphs (see __init__'s cuda_graph)."""
+        from .runtime.cache import PagedKVCache
+
+        return (self.cuda_graph and self.device.dlpack_device_type() == tvm.cuda(0).dlpack_device_type()
+                and "decode_step" in self.metadata.get("functions", ()) and isinstance(self.cache, PagedKVCache)
+                and self.cache.backend == "tir")
+
+    def _decode_step(self, bucket: int):
+        """The captured unit: the library's decode_step over the bucket's id buffer -> logits."""
+        logits, _ = self.vm["decode_step"](self._graph_ids[bucket], self.cache, self.params)
+        return logits
+
+    def _graph_decode(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
+        """One decode step replayed as a CUDA graph -> logits [len(seq_ids), vocab] f32."""
+        from .runtime.graphs import DecodeGraphs, bucket_of
+
+        if self._graphs is None:
+            self._graphs = DecodeGraphs(self.cache, self._decode_step, self.settings["max_batch_size"])
+        bucket = bucket_of(len(seq_ids), self._graphs.buckets)
+        ids = self._graph_ids.get(bucket)
+        if ids is None:
+            ids = self._graph_ids[bucket] = tvm.runtime.empty((bucket,), "int32", device=self.device)
+        host = np.zeros(bucket, np.int32)
+        host[: len(tokens)] = tokens
+        ids.copyfrom(host)
+        return self._graphs.run(seq_ids).numpy()[: len(seq_ids), 0]
 
     def _embed(self, tokens: list[int]) -> np.ndarray:
         ids = tvm.runtime.tensor(np.array(tokens, dtype=np.int32), device=self.device)
@@ -507,6 +544,11 @@ class Generator:
                 active = next_active
                 if not active:
                     break
+                if self.uses_cuda_graph:
+                    logits = self._graph_decode(active, tokens)
+                    steps += 1
+                    _check_finite(logits, steps, active)
+                    continue
                 embeds = self._embed(tokens)[:, None, :]
                 if len(active) == 1 and len(prompts) == 1:
                     logits = self._forward("decode", active, [1], embeds)[:, 0]

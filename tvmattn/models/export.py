@@ -8,6 +8,9 @@ Exported functions (`vm[name]`):
 - `batch_prefill(input_embeds [1, n, hidden], logit_positions [k] int32, cache, params)
    -> (logits [1, k, vocab] f32, cache)`
 - `batch_decode(input_embeds [b, 1, hidden], cache, params) -> (logits [b, 1, vocab] f32, cache)`
+- `decode_step(input_ids [b] int32, cache, params) -> (logits [b, 1, vocab] f32, cache)`: a whole
+   decode step from token ids; on CUDA its intermediates live in storage allocated once per VM
+   (b <= max_batch_size), so a CUDA graph can capture it (tvmattn.runtime.graphs)
 - `batch_verify(input_embeds [1, n, hidden], cache, params) -> (logits [1, n, vocab] f32, cache)`:
    every node of the step's token trees (begin_forward got token_tree_parent_ptr), for
    speculative decoding
@@ -58,8 +61,11 @@ class BuildOptions:
     page_size: int = 16
     kv_cache: str = "tvmattn"
     weight_formats: tuple[tuple[str, str], ...] = ()
+    max_batch_size: int = 4  # the most sequences of one decode_step (its storage is planned for it)
 
     def __post_init__(self):
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size!r} is not supported: expected an int >= 1")
         for name, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
             expected = problem(getattr(self, name))
             if expected:
@@ -116,7 +122,7 @@ def metadata(config: ModelConfig, options: BuildOptions, params: list[tuple[str,
         "params": [{"name": name, "shape": [int(d) for d in p.shape], "dtype": str(p.dtype)} for name, p in params],
         "kv_cache": {"kind": options.kv_cache, **spec.to_dict(), "attention_backend": attention_backend_record(spec)},
         "build_options": dataclasses.asdict(options),
-        "functions": ["embed", "prefill", "decode", "batch_prefill", "batch_decode", "batch_verify",
+        "functions": ["embed", "prefill", "decode", "batch_prefill", "batch_decode", "decode_step", "batch_verify",
                       "create_paged_kv_cache"],
         "param_mode": "packed",
     }
@@ -136,6 +142,8 @@ def export_module(config: ModelConfig, options: BuildOptions) -> tuple[tvm.IRMod
     model = LlamaForCausalLM(config, options.cache_spec(config), options.kv_cache, formats)
     model.to(options.dtype)
     mod, params = model.export_tvm(spec=model.get_default_spec())
+    step = mod.get_global_var("decode_step")  # storage planned for the largest batch (see pipeline.py)
+    mod[step] = mod[step].with_attr("tir_var_upper_bound", {"batch_size": options.max_batch_size})
     document = json.loads(json.dumps(metadata(config, options, params)))  # JSON types, as `_metadata` returns it
     expected = list(hf_parameter_sources(config, formats))
     if [name for name, _ in params] != expected:

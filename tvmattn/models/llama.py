@@ -154,6 +154,14 @@ class LlamaForCausalLM(nn.Module):
         """input_embeds [batch, 1, hidden] -> (logits [batch, 1, vocab], cache)."""
         return self.logits(self.model(input_embeds, paged_kv_cache)), paged_kv_cache
 
+    def decode_step(self, input_ids: nn.Tensor, paged_kv_cache):
+        """input_ids [batch] int32 -> (logits [batch, 1, vocab] f32, cache): a whole decode step
+        (embedding, every layer, final norm, logits) in one call, the unit a CUDA graph captures
+        (tvmattn.runtime.graphs); its intermediates live in storage allocated once."""
+        h = self.model.embed_tokens(input_ids)
+        h = op.reshape(h, (input_ids.shape[0], 1, self.config.hidden_size))
+        return self.logits(self.model(h, paged_kv_cache)), paged_kv_cache
+
     def batch_verify(self, input_embeds: nn.Tensor, paged_kv_cache):
         """input_embeds [1, n, hidden]: every node of the step's token trees (the sequences
         packed in begin_forward order, each tree's nodes parent before child, with the tree
@@ -183,6 +191,8 @@ class LlamaForCausalLM(nn.Module):
                               "paged_kv_cache": cache, "$": packed},
             "batch_decode": {"input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], dtype),
                              "paged_kv_cache": cache, "$": packed},
+            "decode_step": {"input_ids": nn.spec.Tensor(["batch_size"], "int32"), "paged_kv_cache": cache,
+                            "$": packed},
             "batch_verify": {"input_embeds": nn.spec.Tensor([1, "seq_len", hidden], dtype),
                              "paged_kv_cache": cache, "$": packed},
             "create_paged_kv_cache": {

@@ -13,6 +13,11 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   (`SingleRowReduction`): dlight's CPU Reduction rule makes the weight cast's hidden axis its
   parallel loop and recomputes the whole norm inside it, hidden-size times the work (SmolLM2:
   0.8 ms per norm, 61 per decode step).
+- on CUDA, after memory planning: `lift_graph_storage`, the storage of `decode_step` (planned for
+  its batch upper bound) allocated once per VM instead of per call, so a CUDA graph that
+  captured a step can be replayed (tvmattn.runtime.graphs). It runs TVM's RewriteCUDAGraph on
+  that function alone: with a symbolic batch it only lifts the allocations, and the other
+  functions keep TVM's default (no capture regions between the cache's attention calls).
 The attention kernels from tir_kernels are already scheduled and pass through unchanged.
 """
 
@@ -46,6 +51,34 @@ class SingleRowReduction(ScheduleRule):
         return s_tir.Schedule(func)
 
 
+GRAPH_FUNCTIONS = ("decode_step",)  # functions whose storage is allocated once (captured by CUDA graphs)
+
+
+@tvm.transform.module_pass(opt_level=0, name="LiftGraphStorage")
+def lift_graph_storage(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+    """After StaticPlanBlockMemory: the static storage of GRAPH_FUNCTIONS comes from
+    `vm.builtin.cuda_graph.get_cached_alloc` (allocated by the first call, kept by the VM)."""
+    graph_vars = [gv for gv in mod.get_global_vars() if gv.name_hint in GRAPH_FUNCTIONS]
+    if not graph_vars:
+        return mod
+    kernels = {gv: func for gv, func in mod.functions.items() if isinstance(func, tirx.PrimFunc)}
+    sub = tvm.IRModule({**kernels, **{gv: mod[gv] for gv in graph_vars}})
+    with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
+        sub = relax.transform.RewriteCUDAGraph()(sub)
+    for gv, func in sub.functions.items():
+        if isinstance(func, relax.Function):
+            mod[gv] = func
+    return mod
+
+
+def _finalize(backend, target: tvm.target.Target) -> list:
+    passes = list(backend.finalize_passes(target))
+    if target.kind.name == "cuda":
+        planned = next(i for i, p in enumerate(passes) if p.info.name == "StaticPlanBlockMemory")
+        passes.insert(planned + 1, lift_graph_storage)
+    return passes
+
+
 def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
     """The module pass that lowers a model library's Relax module for `target`."""
     from tvm.s_tir import dlight as dl
@@ -67,7 +100,7 @@ def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
         with target:
             passes = ([relax.transform.FuseTransposeMatmul()] + backend.library_dispatch_passes(target)
                       + backend.legalize_passes(target) + schedule + backend.dataflow_lower_passes(target)
-                      + backend.finalize_passes(target))
+                      + _finalize(backend, target))
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

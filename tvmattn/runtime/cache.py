@@ -40,6 +40,7 @@ from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPr
                        RopeMode, backend_from_spec, bind_workspace)
 from .errors import KVCacheError, check, check_finite, check_int, check_tensor
 from .forward import Kernels, Rope, Step, Workspace
+from .graphs import empty_decode_plan, graph_layout, layout_end, pad_decode_plan
 from .kernels import Deferred, KernelSet, default_kernels, paged_slots
 from .pages import PageAllocator
 from .plan import DeviceArrays, ForwardPlan, build_plan, build_plan_arrays, plan_size_bound
@@ -190,6 +191,11 @@ class PagedKVCache:
         self._workspace = Workspace(opts.prefill_chunk_size, opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim,
                                     opts.v_head_dim, opts.dtype, self.device)
         self._arrays = DeviceArrays(self.device)
+        # CUDA-graph decode steps: a plan buffer of their own, created on first use (_graph_layout)
+        self._graph_arrays: DeviceArrays | None = None
+        self._graph_page_capacity = 0
+        self._graph_layouts: dict = {}
+        self._graph_generation = 0
         self._step: Step | None = None
         self._shapes: dict = {}
 
@@ -298,8 +304,12 @@ class PagedKVCache:
                 tree = tree_step([a.seq.tree for a in appended],
                                  [a.seq.length - a.seq.tree_tokens for a in appended], lengths)
             plan = build_plan(seq_ids, appended, lengths, page_size, sliding, tree=tree)
+        self._start_step(plan, self._arrays)
+
+    def _start_step(self, plan: ForwardPlan, device_arrays: DeviceArrays) -> None:
+        """The backends' plan step, the upload, and the Step that the layers' calls run."""
         self._begin_backends(plan)
-        arrays = self._arrays.upload(plan)
+        arrays = device_arrays.upload(plan)
         self._step = Step(plan, arrays, self._step_kernels, self._workspace.views(plan.total), self._rope)
         self._shapes = self._step_shapes(plan.total)
 
@@ -575,6 +585,66 @@ class PagedKVCache:
         positions = tvm.runtime.tensor(seq.positions(start, end, opts.page_size), device=self.device)
         for layer, pool in enumerate(self._pools):
             self.kernels.debug_get_kv(pool, positions, k, v, layer)
+
+    # -- CUDA-graph decode (tvmattn.runtime.graphs)
+    def begin_graph_decode(self, seq_ids, bucket: int) -> None:
+        """begin_forward of a decode step (one new token per sequence) for a CUDA-graph replay:
+        planned without cascade, padded to `bucket` rows, in the bucket's fixed layout in the
+        graph-plan buffer (see tvmattn.runtime.graphs). The step's tensors have `bucket` rows."""
+        seq_ids, lengths = self._check_batch(seq_ids, [1] * len(seq_ids))
+        limit = min(self.options.max_num_sequences, self.options.prefill_chunk_size)
+        check(isinstance(bucket, int) and len(seq_ids) <= bucket <= limit,
+              f"bucket={bucket!r}: expected an int from the batch size {len(seq_ids)} to {limit}")
+        seqs = self._sequences(seq_ids)
+        check(not any(map(_WINDOW_SIZE, seqs)), "a graph decode step cannot hold sequences with a sliding window")
+        self._check_tree(seqs, lengths, None)
+        tables = TableArrays.gather(seqs)
+        layout = self._graph_layout(bucket, len(tables.pages) + 2 * bucket)
+        batch, copies = self._table.reserve_plain(seqs, lengths, tables)
+        self._copy_pages(copies)
+        plan = build_plan_arrays(seq_ids, lengths, batch, self.options.page_size, self.options.support_sliding_window,
+                                 cascade=False)
+        self._start_step(pad_decode_plan(plan, bucket, layout), self._graph_arrays)
+
+    def reserve_decode_workspace(self, max_batch: int | None = None) -> None:
+        """Run the paged decode kernel (layer 0's pages, scratch outputs) at every batch size up
+        to max_batch (default max_num_sequences), so that TVM's per-thread CUDA workspace pool
+        holds pages for the largest split-KV partials this cache asks for and never frees one
+        that a captured graph uses (tvmattn.runtime.graphs)."""
+        max_batch = max_batch or self.options.max_num_sequences
+        check(self._step is None, "reserve_decode_workspace: a forward step is in progress")
+        for batch in range(1, min(max(max_batch, self.options.max_num_sequences), self.options.prefill_chunk_size) + 1):
+            self._start_step(pad_decode_plan(empty_decode_plan(self.options.support_sliding_window), batch,
+                                             self._graph_layout(batch, 2 * batch)), self._graph_arrays)
+            self._step.decode_scratch(self._pools[0])
+            self._step = None
+
+    def graph_state(self) -> tuple:
+        """What a captured graph depends on besides the plan's contents: the graph-plan buffer
+        and the kernels a decode step launches (a graph captured against another is stale)."""
+        k = self._step_kernels
+        return (self._graph_generation, id(k.paged_decode), id(k.split_rotary_append), id(k.split_rotary),
+                id(k.transpose_append))
+
+    def graph_plan_bytes(self) -> int:
+        return 0 if self._graph_arrays is None else 4 * self._graph_arrays.capacity
+
+    def _graph_layout(self, bucket: int, page_indices: int):
+        """The bucket's graph layout, with a page capacity of at least `page_indices` (a larger
+        one means a new graph-plan buffer: graphs captured before are recaptured)."""
+        opts = self.options
+        if self._graph_arrays is None or page_indices > self._graph_page_capacity:
+            self._graph_page_capacity = max(page_indices, 2 * self._graph_page_capacity,
+                                            opts.num_pages + opts.max_num_sequences)
+            end = layout_end(graph_layout(opts.max_num_sequences, self._graph_page_capacity, True))
+            self._graph_arrays = DeviceArrays(self.device, end)
+            self._graph_layouts = {}
+            self._graph_generation += 1
+        layout = self._graph_layouts.get(bucket)
+        if layout is None:
+            layout = self._graph_layouts[bucket] = graph_layout(bucket, self._graph_page_capacity,
+                                                                opts.support_sliding_window)
+        return layout
 
     # -- inspection (tests)
     def sequence_state(self, seq_id: int) -> dict:

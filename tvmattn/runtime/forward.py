@@ -182,6 +182,11 @@ class Step:
             self._ragged(q, k, v, o, self.lse, sm_scale)
             self._paged(self._fused, pages, q, o, self.lse, sm_scale, have_output=True)
 
+    def decode_scratch(self, pages) -> None:
+        """The step's paged decode over `pages` from the q workspace into the scratch o/lse
+        (PagedKVCache.reserve_decode_workspace: only the launch matters, not the result)."""
+        self._paged(self._fused, pages, self.q, self.o_tmp, self.lse_tmp, 1.0, have_output=False)
+
     def self_attention(self, q, k, v, o, lse, sm_scale: float) -> None:
         self._ragged(q, k, v, o, lse, sm_scale)
 

@@ -1,0 +1,204 @@
+"""Specification of CUDA-graph decode (tvmattn/runtime/graphs.py, PagedKVCache.begin_graph_decode,
+a model library's decode_step, Generator's graph path).
+
+- The graph plan (CPU and CUDA): a decode step planned with `begin_graph_decode` into a bucket's
+  fixed layout, padded rows included, gives every real row the attention of the unpaged
+  reference and appends nothing for the padding, over steps with sequences added, removed,
+  forked and popped, crossing page boundaries and buckets; its layout does not depend on the
+  sequences; bad input is refused with the cache unchanged.
+- Replay (CUDA): DecodeGraphs replays equal the same steps run eagerly, bit for bit, and the
+  reference; a model library's decode_step replayed by Generator gives the eager tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from harness import empty, randn, tensor
+from test_cache import DTYPE, HKV, HQ, LAYERS, RTOL, ATOL, SM_SCALE, D, Model
+
+from tvmattn import KVCacheError
+from tvmattn.runtime.graphs import bucket_of, buckets_for, graph_layout
+
+QKV_HEADS = HQ + 2 * HKV
+
+
+def graph_step(m: Model, seq_ids: list, bucket: int, qkv: list | None = None) -> list:
+    """One graph-planned decode step run eagerly; each layer's real rows checked against the
+    reference. qkv: per layer [bucket, Hq + 2 Hkv, D] (random if None). Returns each layer's o."""
+    n = len(seq_ids)
+    history = [m.length(s) for s in seq_ids]
+    m.cache.begin_graph_decode(seq_ids, bucket)
+    np.testing.assert_array_equal(m.cache.get_query_positions().numpy()[:n], history)
+    outputs = []
+    for layer in range(LAYERS):
+        rows = randn(m.rng, (bucket, QKV_HEADS, D), DTYPE) if qkv is None else qkv[layer]
+        o = empty((bucket, HQ, D), DTYPE, m.device)
+        m.cache.attention_with_fused_qkv(layer, SM_SCALE, tensor(rows, m.device), o)
+        out = o.numpy()
+        expected = m._expected(seq_ids, [1] * n, history, layer, rows[:n])
+        np.testing.assert_allclose(out[:n].astype(np.float64), expected, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"layer {layer}, graph step {seq_ids} in bucket {bucket}")
+        outputs.append(out)
+    m.cache.end_forward()
+    return outputs
+
+
+def test_buckets():
+    assert buckets_for(1) == (1,)
+    assert buckets_for(6) == (1, 2, 4, 6)
+    assert buckets_for(8) == (1, 2, 4, 8)
+    assert bucket_of(3, buckets_for(6)) == 4 and bucket_of(5, buckets_for(6)) == 6
+    with pytest.raises(KVCacheError, match="exceeds the largest graph bucket 6"):
+        bucket_of(7, buckets_for(6))
+
+
+def test_layout_depends_on_the_bucket_only():
+    a, b = graph_layout(4, 100, False), graph_layout(4, 100, False)
+    assert a == b and a.fused[0].page_indices.offset > a.fused[0].k_offset.offset  # page indices last
+    assert graph_layout(8, 100, False) != a
+    assert graph_layout(4, 100, True).fused[0].length_info.shape == (3, 4)
+
+
+@pytest.mark.parametrize("rope_mode,page_size", [("none", 4), ("normal", 1), ("inline", 16)])
+def test_graph_plan_steps_match_the_reference(target, rope_mode, page_size):
+    m = Model(target, rope_mode, page_size, seed=7, max_num_sequences=8)
+    for seq_id in (0, 1, 2):
+        m.add(seq_id)
+    m.forward([0, 1, 2], [5, 1, 8])  # eager prefill; then graph-planned decode steps
+    layouts = set()
+    for step in range(6):  # crosses page boundaries (page sizes 1 and 4)
+        graph_step(m, [0, 1, 2], 4)
+        layouts.add(m.cache._graph_layouts[4])
+    assert len(layouts) == 1
+    m.fork(0, 3)  # shares pages: no cascade in a graph step
+    m.popn(1, 2)
+    m.add(4)
+    m.forward([4], [3])
+    graph_step(m, [3, 0, 1, 4, 2], 8)  # bucket 8, three padded rows
+    m.remove(2)
+    graph_step(m, [1], 1)
+    graph_step(m, [4, 3], 2)
+    for _ in range(3):
+        m.forward([0, 3], [1, 1])  # eager steps in between
+        graph_step(m, [0, 1, 3, 4], 4)
+    m.check_kv()  # padding appended nothing
+    m.check_no_leaks()
+
+
+def test_graph_plan_refusals_leave_the_cache_unchanged():
+    m = Model("llvm", "none", 4, sliding=True, seed=3, max_num_sequences=4)
+    for seq_id in (0, 1):
+        m.add(seq_id)
+    m.add(2, window=(8, 2))
+    m.forward([0, 1, 2], [3, 4, 5])
+    before = {s: m.cache.sequence_state(s) for s in (0, 1, 2)}
+    pages = m.cache.get_num_available_pages()
+    for seq_ids, bucket, match in (([0, 1], 1, "bucket=1"), ([0, 1], 5, "bucket=5"), ([0, 7], 2, "7"),
+                                   ([0, 2], 2, "sliding window"), ([0, 0], 2, "twice")):
+        with pytest.raises(KVCacheError, match=match):
+            m.cache.begin_graph_decode(seq_ids, bucket)
+        assert {s: m.cache.sequence_state(s) for s in (0, 1, 2)} == before
+        assert m.cache.get_num_available_pages() == pages
+        assert m.cache.current_plan() is None
+    graph_step(m, [0, 1], 2)  # sliding-window kernels (length_info [3, B]) for sequences without one
+    m.check_kv()
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay on the GPU
+
+
+class FixedBuffers:
+    """Per bucket and layer, qkv and o tensors at fixed addresses (what a captured step reads
+    and writes)."""
+
+    def __init__(self, device, buckets):
+        self.qkv = {b: [empty((b, QKV_HEADS, D), DTYPE, device) for _ in range(LAYERS)] for b in buckets}
+        self.o = {b: [empty((b, HQ, D), DTYPE, device) for _ in range(LAYERS)] for b in buckets}
+
+    def step(self, cache):
+        def run(bucket: int):
+            for layer in range(LAYERS):
+                cache.attention_with_fused_qkv(layer, SM_SCALE, self.qkv[bucket][layer], self.o[bucket][layer])
+            return self.o[bucket]
+
+        return run
+
+
+@pytest.mark.gpu
+def test_replay_equals_eager_and_the_reference():
+    from tvmattn.runtime.graphs import DecodeGraphs
+
+    graph, eager = (Model("cuda", "normal", 4, seed=11, max_num_sequences=8) for _ in range(2))
+    buffers = FixedBuffers(graph.device, buckets_for(8))
+    graphs = DecodeGraphs(graph.cache, buffers.step(graph.cache), 8)
+    rng = np.random.default_rng(5)
+
+    def both(op, *args):
+        getattr(graph, op)(*args)
+        getattr(eager, op)(*args)
+
+    def step(seq_ids):
+        bucket = bucket_of(len(seq_ids), graphs.buckets)
+        qkv = [randn(rng, (bucket, QKV_HEADS, D), DTYPE) for _ in range(LAYERS)]
+        for layer in range(LAYERS):
+            buffers.qkv[bucket][layer].copyfrom(qkv[layer])
+        history = [graph.length(s) for s in seq_ids]
+        outputs = graphs.run(seq_ids)
+        replayed = [o.numpy() for o in outputs]
+        for layer in range(LAYERS):
+            expected = graph._expected(seq_ids, [1] * len(seq_ids), history, layer, qkv[layer][: len(seq_ids)])
+            np.testing.assert_allclose(replayed[layer][: len(seq_ids)].astype(np.float64), expected, rtol=RTOL,
+                                       atol=ATOL, err_msg=f"replay of {seq_ids}, layer {layer}")
+        eager_out = graph_step(eager, seq_ids, bucket, qkv)
+        for layer in range(LAYERS):
+            np.testing.assert_array_equal(replayed[layer][: len(seq_ids)], eager_out[layer][: len(seq_ids)],
+                                          err_msg=f"replay vs eager, {seq_ids}, layer {layer}")
+
+    for seq_id in (0, 1, 2):
+        both("add", seq_id)
+    both("forward", [0, 1, 2], [6, 13, 1])
+    for _ in range(5):
+        step([0, 1, 2])  # bucket 4: captured once, then replayed
+    both("fork", 1, 5)
+    both("popn", 0, 3)
+    step([5, 1, 0])
+    both("remove", 2)
+    for seq_id in (6, 7, 8):
+        both("add", seq_id)
+    both("forward", [6, 7, 8], [2, 9, 4])
+    for _ in range(4):
+        step([0, 1, 5, 6, 7, 8])  # bucket 8
+        step([7])  # bucket 1
+    assert graphs.captures == 3 and graphs.replays == 15
+    assert graphs.memory_bytes > 0
+    graph.check_kv()
+    eager.check_kv()
+    graph.check_no_leaks()
+
+
+@pytest.mark.gpu
+def test_generator_replays_decode_steps_with_the_eager_tokens(tmp_path):
+    """A float16 CUDA library (a tiny GGUF model): Generator with graphs (the default) gives the
+    tokens and logits of Generator without them, for one prompt and a batch."""
+    pytest.importorskip("gguf")
+    from test_weights import write_tiny_gguf
+
+    from tvmattn.build import compile_model, resolve_target
+    from tvmattn.generate import Generator
+
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path, np.random.default_rng(7))
+    library = tmp_path / "tiny.so"
+    compile_model(str(gguf_path), library, target=resolve_target("cuda"), max_batch_size=4, log=lambda m: None)
+    graphed, eager = Generator(library), Generator(library, cuda_graph=False)
+    prompts = [[5, 17, 9, 3, 42], [9, 4, 10], [12, 8, 3, 3, 45, 27, 0]]
+    for batch in (prompts[:1], prompts):
+        a = graphed.generate_tokens(batch, max_new_tokens=12, keep_logits=True)
+        b = eager.generate_tokens(batch, max_new_tokens=12, keep_logits=True)
+        assert graphed.uses_cuda_graph and not eager.uses_cuda_graph
+        assert a.tokens == b.tokens
+        for x, y in zip(a.logits, b.logits):
+            np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2)
+    assert graphed._graphs.captures >= 2 and graphed._graphs.replays >= 12
