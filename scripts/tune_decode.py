@@ -15,6 +15,7 @@ for that dtype), "tvm" (TVM's TIR kernel), "sdpa". Kernels are compiled in `--jo
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -35,17 +36,24 @@ def config_for(dtype: str, head_dim: int, page_size: int, num_kv_heads: int | No
                            page_size=page_size, target="cuda:sm_90" if bk.DEVICE == "cuda" else "llvm")
 
 
-def jobs_for(dtypes, sweep, head_dim: int, page_size: int, kv_heads) -> list:
-    """[(dtype, impl, variant, num_kv_heads)] to build; variant: "default", "cuda-core", "tvm" or
-    a candidate label (candidates with the first of kv_heads only)."""
-    from tir_kernels.schedules import tc_decode_candidates
+def jobs_for(dtypes, sweep, head_dim: int, page_size: int, kv_heads, baselines: bool = True,
+             sweep_all_kv: bool = False, table: bool = False) -> list:
+    """[(dtype, impl, variant, num_kv_heads)] to build; variant: "default", "cuda-core", "tvm", a
+    candidate label (candidates with the first of kv_heads only, unless sweep_all_kv) or
+    "table:<label>" (each schedule the decode table picks for the config; measured together as
+    "tvmattn-table", the host-side choice per shape)."""
+    from tir_kernels.schedules import decode_schedule_label, decode_variants, tc_decode_candidates
 
     jobs = []
     for kv in kv_heads:
         for dtype in dtypes:
-            jobs += [(dtype, impl, variant, kv) for impl, variant in
-                     (("tvmattn", "default"), ("tvmattn-cuda-core", "cuda-core"), ("tvm", "tvm"))]
-            if dtype in sweep and kv == kv_heads[0]:
+            base = (("tvmattn", "default"), ("tvmattn-cuda-core", "cuda-core"), ("tvm", "tvm"))
+            jobs += [(dtype, impl, variant, kv) for impl, variant in (base if baselines else base[:1])]
+            if table:
+                for sched, _ in decode_variants(config_for(dtype, head_dim, page_size, kv)):
+                    label = decode_schedule_label(sched)
+                    jobs.append((dtype, f"table:{label}", f"table:{label}", kv))
+            if dtype in sweep and (sweep_all_kv or kv == kv_heads[0]):
                 for label in tc_decode_candidates(config_for(dtype, head_dim, page_size, kv)):
                     jobs.append((dtype, f"tvmattn-tc-{label}", label, kv))
     return jobs
@@ -54,7 +62,8 @@ def jobs_for(dtypes, sweep, head_dim: int, page_size: int, kv_heads) -> list:
 def make_func(job, head_dim: int, page_size: int):
     """(PrimFunc, variant description) of one job."""
     from tir_kernels import paged_decode
-    from tir_kernels.schedules import choose_decode_schedule, tc_decode_candidates
+    from tir_kernels.schedules import (choose_decode_schedule, decode_schedule_label, decode_variants,
+                                       tc_decode_candidates)
 
     dtype, _, variant, kv = job
     config = config_for(dtype, head_dim, page_size, kv)
@@ -66,6 +75,9 @@ def make_func(job, head_dim: int, page_size: int):
         return paged_decode(config, sched), bk.schedule_summary(sched)
     if variant == "tvm":
         return bk.tvm_anchor("decode", config), "tir"
+    if variant.startswith("table:"):
+        sched = {decode_schedule_label(s): s for s, _ in decode_variants(config)}[variant[6:]]
+        return paged_decode(config, sched), variant[6:]
     sched = tc_decode_candidates(config)[variant]
     return paged_decode(config, sched), f"mma {bk.schedule_summary(sched)}"
 
@@ -126,19 +138,161 @@ def build_all(jobs, head_dim, page_size, nproc: int):
     return built
 
 
+def display_name(row) -> str:
+    return row["impl"] + (" (graph)" if str(row.get("variant", "")).startswith("cuda-graph") else "")
+
+
 def print_table(group, shapes, title: str) -> None:
-    """GB/s per impl and shape; * marks a row that disagrees with SDPA."""
-    impls = sorted({r["impl"] for r in group}, key=bk.impl_sort_key)
+    """GB/s per impl and shape; * marks a row that disagrees with SDPA; "(graph)": replayed
+    from a CUDA graph."""
+    names = sorted({display_name(r) for r in group}, key=lambda n: (bk.impl_sort_key(n.split(" ")[0]), n))
     print(f"\n{title}: GB/s (* = disagrees with SDPA)")
-    print(f"{'impl':<36}" + "".join(f"{s.label:>11}" for s in shapes))
-    for impl in impls:
+    print(f"{'impl':<44}" + "".join(f"{s.label:>11}" for s in shapes))
+    for name in names:
         cells = []
         for s in shapes:
-            r = [x for x in group if x["impl"] == impl and x["batch"] == s.batch and x["seq_len"] == s.seq_len]
+            r = [x for x in group if display_name(x) == name and x["batch"] == s.batch and x["seq_len"] == s.seq_len]
             mark = "*" if r and r[0].get("agrees") is False else " "
             cells.append(f"{r[0]['gbps']:>10.0f}{mark}" if r else f"{'-':>11}")
-        print(f"{impl:<36}" + "".join(cells))
+        print(f"{name:<44}" + "".join(cells))
     print(flush=True)
+
+
+def table_impl(built, dtype: str, kv: int, head_dim: int, page_size: int):
+    """("tvmattn-table", description, function): the table's variants of the config behind the
+    cache's host-side choice (tvmattn.runtime.kernels.DecodeByShape), or None."""
+    from tir_kernels.schedules import decode_schedule_label, decode_variants
+
+    from tvmattn.runtime.kernels import DecodeByShape
+
+    variants = decode_variants(config_for(dtype, head_dim, page_size, kv))
+    funcs = []
+    for sched, shapes in variants:
+        job = (dtype, f"table:{decode_schedule_label(sched)}", f"table:{decode_schedule_label(sched)}", kv)
+        if job not in built:
+            return None
+        funcs.append((built[job][0], shapes or [(1, 1)]))
+    labels = "+".join(decode_schedule_label(s) for s, _ in variants)
+    return "tvmattn-table", f"table {labels}", DecodeByShape(funcs, page_size)
+
+
+def graph_rows(ctx, shape, impls, iters: int, gen, meta: dict) -> list:
+    """Rows (variant "cuda-graph") of each impl's time per call replayed from a CUDA graph of
+    `iters` calls (cycling the page pools, as the eager timing does): the kernels' GPU time
+    without the host's launch cost. An impl whose capture fails is skipped with a message."""
+    import torch
+    import tvm_ffi
+
+    pool_bytes = shape.batch * math.ceil(shape.seq_len / ctx.page_size) * ctx.page_size * bk.NUM_KV_HEADS \
+        * ctx.head_dim * 2 * bk.ELEM_BYTES[ctx.dtype]
+    inputs = bk.Inputs(ctx, shape, bk.copies_for(pool_bytes), gen)
+    rows = []
+    for impl, desc, fn in impls:
+        o = torch.empty_like(inputs.q)
+        lse = torch.empty(inputs.q.shape[:2], device=bk.DEVICE, dtype=torch.float32)
+        args = bk.tvm_args("decode", ctx, inputs, o, lse)
+        arglists = [[args[0], pool, *args[2:]] for pool in inputs.tvm_pools]
+        try:
+            for a in arglists:  # warm-up: the workspace pool holds its buffers before capture
+                fn(*a)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with tvm_ffi.use_torch_stream(torch.cuda.graph(graph)):
+                for i in range(iters):
+                    fn(*arglists[i % len(arglists)])
+            graph.replay()
+            torch.cuda.synchronize()
+            samples = []
+            for _ in range(5):
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                stop.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(stop) / iters)
+        except Exception as e:  # noqa: BLE001 - reported
+            print(f"  graph {impl} {shape.label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            torch.cuda.synchronize()
+            continue
+        samples.sort()
+        rows.append(bk.make_row("decode", impl, f"cuda-graph {desc}", ctx.dtype, ctx.head_dim, ctx.page_size,
+                                shape, samples[len(samples) // 2], None, meta))
+        print(f"  graph {impl} {shape.label}: {rows[-1]['ms'] * 1e3:.1f} us", flush=True)
+    return rows
+
+
+def default_label(dtype: str, head_dim: int, group: int, page_size: int) -> str:
+    """The label of today's default tensor-core schedule for a bucket (32 query heads)."""
+    from tir_kernels.schedules import choose_tc_decode_schedule
+
+    return choose_tc_decode_schedule(config_for(dtype, head_dim, page_size, bk.NUM_QO_HEADS // group)).label
+
+
+def choose_table(rows, max_variants: int, min_gain: float, default=default_label) -> list:
+    """Table buckets from measured rows: per (dtype, head dim, group), the candidate schedules
+    ("tvmattn-tc-<label>" rows that agree with SDPA) chosen greedily, at most max_variants of
+    them: the first is the best by the product of its GB/s over the bucket's shapes, unless the
+    default (default(dtype, head_dim, group, page_size)) comes within min_gain of it (a factor,
+    e.g. 1.02): then the default; each next one the one that raises the product of the per-shape
+    best most, while it raises it by more than min_gain; each shape then takes the best chosen
+    schedule. (Measurement noise is about 1%: smaller gains would pick noise.)"""
+    from collections import defaultdict
+
+    groups = defaultdict(lambda: defaultdict(dict))  # bucket -> label -> shape -> gbps
+    for r in rows:
+        if (not r["impl"].startswith("tvmattn-tc-") or r.get("agrees") is False
+                or str(r.get("variant", "")).startswith("cuda-graph")):
+            continue
+        key = (r["dtype"], r["head_dim"], r["num_qo_heads"] // r["num_kv_heads"], r["page_size"])
+        groups[key][r["impl"][len("tvmattn-tc-"):]][(r["batch"], r["seq_len"])] = r["gbps"]
+    buckets = []
+    for (dtype, head_dim, group, page_size), by_label in sorted(groups.items()):
+        shapes = sorted({shape for m in by_label.values() for shape in m})
+        labels = [lab for lab, m in by_label.items() if all(shape in m for shape in shapes)]
+        if not labels:
+            continue
+
+        def score(chosen):
+            return sum(math.log(max(by_label[lab][shape] for lab in chosen)) for shape in shapes)
+
+        chosen = [max(labels, key=lambda lab: score([lab]))]
+        base = default(dtype, head_dim, group, page_size)
+        if base in labels and score([base]) >= score(chosen) - math.log(min_gain):
+            chosen = [base]
+        while len(chosen) < max_variants:
+            best = max((lab for lab in labels if lab not in chosen), key=lambda lab: score(chosen + [lab]),
+                       default=None)
+            if best is None or score(chosen + [best]) - score(chosen) <= math.log(min_gain):
+                break
+            chosen.append(best)
+        entries = []
+        for shape in shapes:
+            lab = max(chosen, key=lambda lab: by_label[lab][shape])
+            entries.append({"batch": shape[0], "seq_len": shape[1], "schedule": lab,
+                            "gbps": round(by_label[lab][shape], 1),
+                            "best_gbps": round(max(m[shape] for m in by_label.values()), 1),
+                            "best": max(labels, key=lambda x: by_label[x][shape])})
+        buckets.append({"dtype": dtype, "head_dim": head_dim, "group": group, "page_size": page_size,
+                        "shapes": entries})
+    return buckets
+
+
+def write_table(path: str, buckets: list, candidates: dict, meta: dict, command: str) -> None:
+    """The table file (see schedules.py, "Decode schedule table")."""
+    import json
+
+    from tir_kernels.schedules import schedule_to_dict
+
+    used = sorted({e["schedule"] for b in buckets for e in b["shapes"]})
+    table = {"about": "Decode schedule per (dtype, head dim, GQA group) bucket and (batch, context) shape, "
+                      "measured by scripts/tune_decode.py; read by tir_kernels/schedules.py",
+             "command": command, "device": meta["device"], "arch": "sm_90", "sms": 132, "date": meta["date"],
+             "commit": meta["commit"], "schedules": {lab: schedule_to_dict(candidates[lab]) for lab in used},
+             "buckets": buckets}
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}: {len(buckets)} buckets, schedules {used}")
 
 
 def main(argv=None) -> int:
@@ -150,13 +304,26 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[bk.NUM_KV_HEADS],
                         help=f"KV head counts ({bk.NUM_QO_HEADS} query heads; default: {bk.NUM_KV_HEADS})")
+    parser.add_argument("--sweep-all-kv", action="store_true",
+                        help="measure the candidates for every --kv-heads count (default: the first)")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="leave out the CUDA-core kernel and TVM's kernel (SDPA still checks)")
+    parser.add_argument("--with-table", action="store_true",
+                        help="also measure tvmattn-table: the decode table's variants chosen per shape on the host")
+    parser.add_argument("--table", metavar="PATH", help="write a decode table chosen from the candidates' rows")
+    parser.add_argument("--table-variants", type=int, default=3, help="most schedules per bucket in --table")
+    parser.add_argument("--table-gain", type=float, default=1.02,
+                        help="a further schedule must raise the bucket's product of GB/s by this factor")
+    parser.add_argument("--graph", nargs="*", metavar="IMPL",
+                        help="also time these impls (default: tvmattn, tvmattn-table) replayed from a CUDA graph")
     parser.add_argument("--page-size", type=int, default=bk.DEFAULT_PAGE_SIZE)
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--jobs", type=int, default=8, help="build processes")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     shapes = [bk.parse_shape(s, "decode") for s in args.shapes]
-    jobs = jobs_for(args.dtype, args.sweep, args.head_dim, args.page_size, args.kv_heads)
+    jobs = jobs_for(args.dtype, args.sweep, args.head_dim, args.page_size, args.kv_heads,
+                    baselines=not args.no_baselines, sweep_all_kv=args.sweep_all_kv, table=args.with_table)
     built = build_all(jobs, args.head_dim, args.page_size, args.jobs)
 
     import torch
@@ -170,7 +337,11 @@ def main(argv=None) -> int:
             config = config_for(dtype, args.head_dim, args.page_size, kv)
             ctx = bk.Context(config, meta, None, [])
             ctx.kernels["decode"] = [(impl, desc, fn) for (dt, impl, _, k), (fn, desc) in built.items()
-                                     if dt == dtype and k == kv]
+                                     if dt == dtype and k == kv and not impl.startswith("table:")]
+            if args.with_table:
+                impl = table_impl(built, dtype, kv, args.head_dim, args.page_size)
+                if impl is not None:
+                    ctx.kernels["decode"].append(impl)
             gen = torch.Generator(device=bk.DEVICE).manual_seed(0)
             group = []
             for shape in shapes:
@@ -180,6 +351,15 @@ def main(argv=None) -> int:
                     print(f"  skip {dtype} {shape.label}: {type(e).__name__}: {e}")
                     if bk.DEVICE == "cuda":
                         torch.cuda.empty_cache()
+            if args.graph is not None and bk.DEVICE == "cuda":
+                wanted = args.graph or ["tvmattn", "tvmattn-table"]
+                impls = [k for k in ctx.kernels["decode"] if k[0] in wanted]
+                for shape in shapes:
+                    try:
+                        group += graph_rows(ctx, shape, impls, max(args.iters, 20), gen, meta)
+                    except Exception as e:  # noqa: BLE001 - out of memory, say
+                        print(f"  skip graph {dtype} {shape.label}: {type(e).__name__}: {e}")
+                        torch.cuda.empty_cache()
             for r in group:  # (make_row's head count and bytes are the module's defaults)
                 r["num_kv_heads"] = kv
                 r["gbps"] = bk.decode_bytes(r["batch"], r["seq_len"], bk.NUM_QO_HEADS, kv, r["head_dim"],
@@ -188,6 +368,20 @@ def main(argv=None) -> int:
             print_table(group, shapes, f"{dtype} d{args.head_dim} ps{args.page_size} {bk.NUM_QO_HEADS}q/{kv}kv")
     if args.json:
         bk.write_json(rows, args.json)
+    if args.table:
+        from tir_kernels.schedules import tc_decode_candidates
+
+        candidates = {}
+        for kv in args.kv_heads:
+            for dtype in args.sweep:
+                candidates.update(tc_decode_candidates(config_for(dtype, args.head_dim, args.page_size, kv)))
+        buckets = choose_table(rows, args.table_variants, args.table_gain)
+        for b in buckets:
+            print(f"table {b['dtype']} d{b['head_dim']} group {b['group']}: "
+                  + ", ".join(f"{e['batch']}x{e['seq_len']} {e['schedule']} {e['gbps']:.0f}"
+                              f" (best {e['best']} {e['best_gbps']:.0f})" for e in b["shapes"]))
+        write_table(args.table, buckets, candidates, meta, "python3 scripts/tune_decode.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]))
     return 0
 
 

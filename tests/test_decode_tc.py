@@ -17,7 +17,9 @@ from harness import JUNK, device_for, empty, index_view, make_paged_batch, randn
 
 from tir_kernels import AttentionConfig, TensorCoreDecodeSchedule, default_sm_scale, paged_decode
 from tir_kernels.decode_tc import paged_decode_tc
-from tir_kernels.schedules import choose_tc_decode_schedule, tc_decode_applies, tc_decode_candidates
+from tir_kernels.schedules import (choose_decode_variant, choose_tc_decode_schedule, decode_schedule_label,
+                                   decode_variants, load_decode_table, schedule_from_dict, tc_decode_applies,
+                                   tc_decode_candidates)
 from tir_kernels.support import present_cuda_arch
 
 # (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding): fp16 and bf16, GQA group
@@ -42,6 +44,13 @@ SCHEDULES = list(tc_decode_candidates(BENCH_CONFIG).values()) + [
     TensorCoreDecodeSchedule(warps=2, keys_per_warp=32, stages=4, target_blocks=132, max_splits=16),
     TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=3, q_in_registers=False, min_split_keys=64),
 ]
+
+
+# Every schedule the decode table (tir_kernels/decode_table.json) can pick, with a config of its
+# bucket: (label, schedule, num_kv_heads of 32 query heads, head_dim, dtype, page_size).
+TABLE = load_decode_table()
+TABLE_CASES = sorted({(e["schedule"], 32 // b["group"], b["head_dim"], b["dtype"], b["page_size"])
+                      for b in TABLE.get("buckets", []) for e in b["shapes"]})
 
 
 def case_id(case):
@@ -134,6 +143,29 @@ def test_paged_decode_tc_schedules(kernels, gpu_target, schedule):
         batch, q = inputs(rng, config, lengths)
         o, lse = run(kernels, config, batch, q, schedule)
         check(config, batch, q, o, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TABLE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decode_table_schedules(kernels, gpu_target, case):
+    """Each schedule the table can pick, on its bucket's config and on the other 16-bit dtype,
+    for batches that take one split and several (ragged lengths, empty requests)."""
+    label, kv, d, dtype, ps = case
+    sched = schedule_from_dict(TABLE["schedules"][label])
+    for dt in (dtype, "bfloat16" if dtype == "float16" else "float16"):
+        config = AttentionConfig(32, kv, d, dtype=dt, page_size=ps, target=gpu_target)
+        for batch_size, lengths in ((1, [3000]), (5, [0, 1, 129, 700, 2049]), (40, [33 * i + 7 for i in range(40)])):
+            rng = np.random.default_rng(batch_size + kv)
+            batch, q = inputs(rng, config, lengths)
+            fn = kernels.get(paged_decode, config, sched)
+            dev = device_for(config)
+            o = empty((batch.batch, config.num_qo_heads, d), config.dtype, dev)
+            lse = empty((batch.batch, config.num_qo_heads), "float32", dev)
+            zeros = np.zeros(batch.batch, np.int32)
+            fn(tensor(q, dev), tensor(batch.pages, dev), index_view(batch.page_indptr, dev),
+               index_view(batch.page_indices, dev), index_view(batch.length_info(), dev), index_view(zeros, dev),
+               index_view(zeros, dev), o, lse, 0, 1.0, 1e4, default_sm_scale(d))
+            check(config, batch, q, o.numpy().astype(np.float64), lse.numpy())
 
 
 @pytest.mark.gpu
@@ -246,3 +278,78 @@ def test_tc_decode_dispatch():
     assert not uses_mma(base.replace(dtype="float32"))
     assert not uses_mma(base.replace(target="cuda:sm_75"))
     assert not uses_mma(base.replace(target="llvm"))
+
+
+def test_decode_table_file():
+    """The committed table: its schedules are valid for their buckets' configs and are among the
+    candidates the GPU tests run (test_paged_decode_tc_schedules runs the candidates of the
+    benchmark config; test_decode_table_schedules each table schedule on its bucket)."""
+    assert TABLE, "tir_kernels/decode_table.json is missing"
+    assert TABLE["arch"] == "sm_90" and TABLE["buckets"]
+    for label, kv, d, dtype, ps in TABLE_CASES:
+        config = AttentionConfig(32, kv, d, dtype=dtype, page_size=ps, target="cuda:sm_90")
+        sched = schedule_from_dict(TABLE["schedules"][label])
+        assert decode_schedule_label(sched) == label
+        sched.check(config)
+        assert label in tc_decode_candidates(config)
+    for b in TABLE["buckets"]:
+        assert {e["schedule"] for e in b["shapes"]} <= set(TABLE["schedules"])
+
+
+def _table(entries, group=4, dtype="float16", head_dim=128):
+    schedules = {}
+    shapes = []
+    for batch, seq_len, sched in entries:
+        schedules[decode_schedule_label(sched)] = {"kind": "tensor-core", **__import__("dataclasses").asdict(sched)}
+        shapes.append({"batch": batch, "seq_len": seq_len, "schedule": decode_schedule_label(sched)})
+    return {"arch": "sm_90", "sms": 132, "schedules": schedules,
+            "buckets": [{"dtype": dtype, "head_dim": head_dim, "group": group, "page_size": 16, "shapes": shapes}]}
+
+
+def test_decode_table_lookup():
+    """Nearest bucket (head dim exact, arch exact, other 16-bit dtype and nearest group as
+    fallbacks), nearest shape in log2 space; the defaults without an entry."""
+    a = TensorCoreDecodeSchedule(stages=4, target_blocks=132, min_split_keys=128)
+    b = TensorCoreDecodeSchedule(stages=4, target_blocks=132, min_split_keys=512, l2_prefetch=256)
+    table = _table([(1, 4096, a), (1, 32768, b), (64, 4096, a), (16, 32768, b)])
+    g4 = AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target="cuda:sm_90")
+    assert choose_decode_variant(g4, 1, 3000, table) == a
+    assert choose_decode_variant(g4, 1, 30000, table) == b
+    assert choose_decode_variant(g4, 4, 40000, table) == b
+    assert choose_decode_variant(g4, 200, 2048, table) == a
+    assert choose_decode_variant(g4, table=table) == b  # no shape: the largest (16 x 32768)
+    assert choose_decode_variant(g4.replace(dtype="bfloat16"), 1, 30000, table) == b
+    assert choose_decode_variant(g4.replace(num_kv_heads=4), 1, 30000, table) == b  # group 8 -> bucket 4
+    assert [s for s, _ in decode_variants(g4, table)] == [a, b]
+    assert dict(decode_variants(g4, table))[b] == [(1, 32768), (16, 32768)]
+    # not served by the table: other arch, head dim, the CPU, groups the tensor cores do not take
+    for config in (g4.replace(target="cuda:sm_80"), g4.replace(head_dim=64, v_head_dim=64),
+                   g4.replace(target="llvm"), g4.replace(num_kv_heads=32)):
+        assert decode_variants(config, table) == [(choose_decode_variant(config, table={}), [])]
+    assert choose_decode_variant(g4.replace(target="cuda:sm_80"), 1, 100, table) == choose_tc_decode_schedule(
+        g4.replace(target="cuda:sm_80"))
+
+
+def test_decode_by_shape_picks_on_the_host():
+    """The cache's decode over several compiled variants runs the one of the nearest table
+    shape, estimating the context from the page-index count."""
+    from types import SimpleNamespace
+
+    from tvmattn.runtime.kernels import DecodeByShape
+
+    calls = []
+
+    def variant(name):
+        return lambda *args: calls.append((name, len(args)))
+
+    fn = DecodeByShape([(variant("short"), [(1, 4096), (64, 4096)]), (variant("long"), [(1, 32768)])], page_size=16)
+
+    def call(batch, pages):
+        fn(SimpleNamespace(shape=(batch, 32, 128)), None, None, SimpleNamespace(shape=(pages,)), *range(9))
+        return calls[-1]
+
+    assert call(1, 256) == ("short", 13)  # 4096 keys
+    assert call(1, 2048) == ("long", 13)  # 32768 keys
+    assert call(1, 1500) == ("long", 13)  # 24000 keys: nearer 32768 in log2
+    assert call(64, 64 * 300) == ("short", 13)
+    assert fn.pick(1, 2048) == 1 and (1, 2048) in fn._memo

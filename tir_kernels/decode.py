@@ -21,7 +21,8 @@ from tvm.script import tirx as T
 
 from .common import LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position, rope_value
 from .config import AttentionConfig, RopeScaling
-from .schedules import DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_schedule, tc_decode_applies
+from .schedules import (DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_schedule, choose_decode_variant,
+                        tc_decode_applies)
 from .softmax import merge_splits_macro, prob, softmax_macros
 
 
@@ -308,12 +309,17 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | TensorCoreD
     rope_scale f32, rope_theta f32, sm_scale f32.
     A request with no visible token gets o = 0 and lse = EMPTY_LSE.
 
-    Without a schedule, fp16/bf16 configs with GQA groups of 4..16 on CUDA sm_80 and newer get
-    the tensor-core kernel (decode_tc.paged_decode_tc), as does a TensorCoreDecodeSchedule; a
-    DecodeSchedule, and every other config, the CUDA-core kernel of this module.
+    Without a schedule, a CUDA config takes `schedules.choose_decode_variant(config)` (the
+    decode table's choice for the config's bucket, else the defaults: fp16/bf16 configs with GQA
+    groups of 4..16 on sm_80 and newer get the tensor-core kernel, decode_tc.paged_decode_tc);
+    a TensorCoreDecodeSchedule runs the tensor-core kernel; a DecodeSchedule, and every other
+    config, the CUDA-core kernel of this module.
     """
-    if isinstance(schedule, TensorCoreDecodeSchedule) or (
-            schedule is None and TENSOR_CORE_DECODE and tc_decode_applies(config)):
+    if schedule is None and config.is_gpu:  # the table's choice for the config (schedules.py)
+        schedule = choose_decode_variant(config)
+        if isinstance(schedule, TensorCoreDecodeSchedule) and not (TENSOR_CORE_DECODE and tc_decode_applies(config)):
+            schedule = choose_decode_schedule(config)
+    if isinstance(schedule, TensorCoreDecodeSchedule):
         from .decode_tc import paged_decode_tc  # (decode_tc builds on this module)
 
         return paged_decode_tc(config, schedule)

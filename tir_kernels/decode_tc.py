@@ -91,6 +91,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     LDSM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
     LDSM_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
     CP_ASYNC = "cp.async.cg.shared.global"
+    CP_ASYNC_KV = CP_ASYNC + (f".L2::{sched.l2_prefetch}B" if sched.l2_prefetch else "")
     MS = sched.max_splits
     shared = "shared.dyn"
     # One fp32 shared buffer, addressed in 16-bit elements for the tiles (halved for the
@@ -148,10 +149,10 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 if kv0_ + r < kv_end_:
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
-                        T.ptx[CP_ASYNC](smem_.ptr_to([word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
-                                        T.address_of(pages_[page_[p], 0, hkv_, slot_[p], ch * CHUNK]), 16)
-                        T.ptx[CP_ASYNC](smem_.ptr_to([word(V_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
-                                        T.address_of(pages_[page_[p], 1, hkv_, slot_[p], ch * CHUNK]), 16)
+                        T.ptx[CP_ASYNC_KV](smem_.ptr_to([word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
+                                           T.address_of(pages_[page_[p], 0, hkv_, slot_[p], ch * CHUNK]), 16)
+                        T.ptx[CP_ASYNC_KV](smem_.ptr_to([word(V_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
+                                           T.address_of(pages_[page_[p], 1, hkv_, slot_[p], ch * CHUNK]), 16)
                 else:
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)

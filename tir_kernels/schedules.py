@@ -7,6 +7,9 @@ one for a config; tests and benchmarks may pass their own.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
 
 from .common import is_power_of_two
 from .config import AttentionConfig
@@ -111,6 +114,8 @@ class TensorCoreDecodeSchedule:
     max_splits) split slots per request (chosen at launch; target_blocks is about the blocks
     resident at once); a request uses min(slots, ceil(kv_len / min_split_keys)) of them, each
     a whole number of tiles; one split writes o / lse directly, more are merged in FP32.
+    l2_prefetch: 0, or 64 / 128 / 256: the K/V copies ask L2 to fetch that many bytes around
+    each 16-byte access (cp.async's .L2::<n>B hint); 0: no hint.
     """
 
     warps: int = 4
@@ -120,6 +125,7 @@ class TensorCoreDecodeSchedule:
     max_splits: int = 64
     target_blocks: int = 2 * CUDA_NUM_SMS
     min_split_keys: int = 256
+    l2_prefetch: int = 0
 
     def __post_init__(self):
         _require(1 <= self.warps <= 16, f"warps={self.warps} must be 1..16")
@@ -129,6 +135,7 @@ class TensorCoreDecodeSchedule:
         _require(self.max_splits >= 1, f"max_splits={self.max_splits} must be >= 1")
         _require(self.target_blocks >= 1, f"target_blocks={self.target_blocks} must be >= 1")
         _require(self.min_split_keys >= 1, f"min_split_keys={self.min_split_keys} must be >= 1")
+        _require(self.l2_prefetch in (0, 64, 128, 256), f"l2_prefetch={self.l2_prefetch} must be 0, 64, 128 or 256")
 
     @property
     def tile_kv(self) -> int:
@@ -136,9 +143,11 @@ class TensorCoreDecodeSchedule:
 
     @property
     def label(self) -> str:
-        """Short name: w<warps>k<keys_per_warp>s<stages>t<target_blocks>m<min_split_keys>[x<max_splits>][-qsmem]."""
+        """Short name: w<warps>k<keys_per_warp>s<stages>t<target_blocks>m<min_split_keys>[x<max_splits>][-qsmem]
+        [-p<l2_prefetch>]."""
         return (f"w{self.warps}k{self.keys_per_warp}s{self.stages}t{self.target_blocks}m{self.min_split_keys}"
-                + (f"x{self.max_splits}" if self.max_splits != 64 else "") + ("" if self.q_in_registers else "-qsmem"))
+                + (f"x{self.max_splits}" if self.max_splits != 64 else "") + ("" if self.q_in_registers else "-qsmem")
+                + (f"-p{self.l2_prefetch}" if self.l2_prefetch else ""))
 
     @property
     def num_threads(self) -> int:
@@ -220,36 +229,163 @@ def choose_tc_decode_schedule(config: AttentionConfig) -> TensorCoreDecodeSchedu
 
 def tc_decode_candidates(config: AttentionConfig) -> dict:
     """name -> TensorCoreDecodeSchedule: the default and the variants `scripts/tune_decode.py`
-    measures beside it (tests/test_decode_tc.py runs each on the GPU), those valid for config."""
+    measures beside it (tests/test_decode_tc.py runs each on the GPU), those valid for config.
+    A variant's target_blocks is one wave of its resident blocks (times `waves`)."""
     base = choose_tc_decode_schedule(config)
     qreg = base.q_in_registers
+
+    def tc(warps, kpw, stages, min_split_keys=128, waves=1):
+        sched = TensorCoreDecodeSchedule(warps=warps, keys_per_warp=kpw, stages=stages, q_in_registers=qreg,
+                                         min_split_keys=min_split_keys)
+        return dataclasses.replace(sched, target_blocks=waves * CUDA_NUM_SMS * tc_decode_resident_blocks(config, sched))
+
+    # The H200 sweep of 2026-12-01 (docs/perf-notes.md) also measured 2 and 3 blocks per SM
+    # (w4k16s2, w4k16s3, w2k16s6, w2k32s3, w2k16s4 with splits of 64 and 256 keys) and w4k32s3 /
+    # w8k16s3: 5-20% slower than the default at every shape; w2k16s4 stays as their representative.
     variants = [
         base,
-        dataclasses.replace(base, min_split_keys=128),
+        dataclasses.replace(base, min_split_keys=256),
+        dataclasses.replace(base, min_split_keys=512),
         dataclasses.replace(base, target_blocks=2 * base.target_blocks),
-        TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=2, q_in_registers=qreg),
-        TensorCoreDecodeSchedule(warps=4, keys_per_warp=32, stages=2, q_in_registers=qreg),
-        TensorCoreDecodeSchedule(warps=8, keys_per_warp=16, stages=2, q_in_registers=qreg),
-        TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=4, q_in_registers=qreg),
-        TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=6, q_in_registers=qreg),
-        TensorCoreDecodeSchedule(warps=4, keys_per_warp=32, stages=3, q_in_registers=qreg),
-        TensorCoreDecodeSchedule(warps=8, keys_per_warp=16, stages=3, q_in_registers=qreg),
-        TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=4, q_in_registers=qreg, min_split_keys=512),
-        TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=3, q_in_registers=qreg),  # the first default
-        TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=4, q_in_registers=qreg),  # min split 256
+        tc(4, 32, 2), tc(8, 16, 2), tc(4, 16, 6), tc(2, 16, 4),
+        # L2 prefetch hints on the K/V copies
+        dataclasses.replace(base, l2_prefetch=128),
+        dataclasses.replace(base, l2_prefetch=256),
+        dataclasses.replace(base, min_split_keys=256, l2_prefetch=256),
+        dataclasses.replace(tc(4, 16, 6), l2_prefetch=256),
     ]
     out = {}
     for sched in variants:
-        if sched is not base:
-            sched = dataclasses.replace(sched, target_blocks=sched.target_blocks if sched.stages == base.stages
-                                        and sched.warps == base.warps and sched.keys_per_warp == base.keys_per_warp
-                                        else CUDA_NUM_SMS * tc_decode_resident_blocks(config, sched))
         try:
             sched.check(config)
         except ValueError:
             continue
         out.setdefault(sched.label, sched)
     return out
+
+
+# Decode schedule table (tir_kernels/decode_table.json, written by scripts/tune_decode.py
+# --table): per (dtype, head dim, GQA group) bucket of one CUDA arch and SM count, the schedule
+# measured fastest at each (batch, context) shape. A config takes the nearest bucket's entries
+# (same head dim and arch; the other 16-bit dtype and then the nearest group where its own is
+# absent); a shape the nearest entry in log2(batch), log2(context). Schedules that do not fit
+# the config are skipped; no entry: today's defaults.
+DECODE_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_table.json")
+
+
+def schedule_from_dict(params: dict):
+    """A DecodeSchedule or TensorCoreDecodeSchedule from a table's schedule entry
+    ({"kind": "tensor-core" | "cuda-core", fields...})."""
+    params = dict(params)
+    kind = params.pop("kind")
+    cls = {"tensor-core": TensorCoreDecodeSchedule, "cuda-core": DecodeSchedule}[kind]
+    return cls(**params)
+
+
+def schedule_to_dict(sched) -> dict:
+    kind = "tensor-core" if isinstance(sched, TensorCoreDecodeSchedule) else "cuda-core"
+    return {"kind": kind, **dataclasses.asdict(sched)}
+
+
+def decode_schedule_label(sched) -> str:
+    """A schedule's short name: TensorCoreDecodeSchedule.label, or cc-l<lanes>r<rows>p<rows per
+    thread>h<heads per block>t<target_blocks>x<max_splits> for the CUDA-core kernel."""
+    if isinstance(sched, TensorCoreDecodeSchedule):
+        return sched.label
+    return (f"cc-l{sched.lanes}r{sched.rows}p{sched.rows_per_thread}h{sched.heads_per_block}"
+            f"t{sched.target_blocks}x{sched.max_splits}")
+
+
+_TABLE_CACHE: dict = {}
+
+
+def load_decode_table(path: str | None = None) -> dict:
+    """The table file as a dict (read once per path); {} where it is absent."""
+    path = path or DECODE_TABLE_PATH
+    if path not in _TABLE_CACHE:
+        try:
+            with open(path) as f:
+                _TABLE_CACHE[path] = json.load(f)
+        except FileNotFoundError:
+            _TABLE_CACHE[path] = {}
+    return _TABLE_CACHE[path]
+
+
+def _fits(config: AttentionConfig, sched) -> bool:
+    try:
+        if isinstance(sched, TensorCoreDecodeSchedule) and not tc_decode_applies(config):
+            return False
+        sched.check(config)
+        return True
+    except ValueError:
+        return False
+
+
+def decode_table_entries(config: AttentionConfig, table: dict | None = None) -> list:
+    """[(batch, seq_len, schedule)] of the bucket nearest to config whose schedules fit it, or []
+    (not CUDA, another arch or SM count, no bucket of this head dim)."""
+    table = load_decode_table() if table is None else table
+    if not table or not config.is_gpu or config.cuda_arch != table.get("arch") or config.head_dim != config.v_head_dim:
+        return []
+    if table.get("sms", CUDA_NUM_SMS) != CUDA_NUM_SMS:
+        return []
+    schedules = table.get("schedules", {})
+    buckets = [b for b in table.get("buckets", []) if b["head_dim"] == config.head_dim
+               and _dtype_bytes(b["dtype"]) == config.elem_bytes]
+    if not buckets:
+        return []
+
+    def distance(b):
+        return (abs(math.log2(b["group"]) - math.log2(config.group_size)), b["dtype"] != config.dtype)
+
+    bucket = min(buckets, key=distance)
+    out = []
+    for e in bucket["shapes"]:
+        sched = schedule_from_dict(schedules[e["schedule"]])
+        if _fits(config, sched):
+            out.append((e["batch"], e["seq_len"], sched))
+    return out
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"float16": 2, "bfloat16": 2, "float32": 4}.get(dtype, 0)
+
+
+def nearest_entry(entries: list, batch: int, seq_len: int):
+    """The schedule of the entry nearest to (batch, seq_len) in log2 space (ties: the first)."""
+    b, n = math.log2(max(batch, 1)), math.log2(max(seq_len, 1))
+    return min(entries, key=lambda e: abs(math.log2(e[0]) - b) + abs(math.log2(e[1]) - n))[2]
+
+
+def default_decode_schedule(config: AttentionConfig):
+    """Today's default without a table: tensor cores where they apply, else the CUDA-core one."""
+    return choose_tc_decode_schedule(config) if tc_decode_applies(config) else choose_decode_schedule(config)
+
+
+def choose_decode_variant(config: AttentionConfig, batch: int | None = None, seq_len: int | None = None,
+                          table: dict | None = None):
+    """The decode schedule for config (and, where given, a batch of requests of about seq_len
+    keys) from the table; without a shape, the table's schedule for the bucket's largest shape
+    (where the kernel spends the most time); the defaults where the table has nothing."""
+    entries = decode_table_entries(config, table)
+    if not entries:
+        return default_decode_schedule(config)
+    if batch is None:
+        return max(entries, key=lambda e: e[0] * e[1])[2]
+    return nearest_entry(entries, batch, seq_len or 1)
+
+
+def decode_variants(config: AttentionConfig, table: dict | None = None) -> list:
+    """[(schedule, [(batch, seq_len), ...])]: the distinct schedules the table chooses for
+    config, each with the shapes it serves (the variants a cache compiles and picks on the host);
+    [(default, [])] where the table has nothing."""
+    entries = decode_table_entries(config, table)
+    if not entries:
+        return [(default_decode_schedule(config), [])]
+    out: dict = {}
+    for batch, seq_len, sched in entries:
+        out.setdefault(sched, []).append((batch, seq_len))
+    return list(out.items())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -129,14 +129,67 @@ def default_kernels(config: AttentionConfig, num_layers: int, *, sliding_window:
 
 
 def build_slot(slot: str, config: AttentionConfig, num_layers: int):
-    """tvmattn's kernel for one slot: a function, or ["tirx", function] for attention slots."""
+    """tvmattn's kernel for one slot: a function, or ["tirx", function] for attention slots.
+    A decode slot whose config the decode table (tir_kernels/decode_table.json) serves with more
+    than one schedule gets a `DecodeByShape` over those variants (each compiled once)."""
     generator, reads = _GENERATORS[slot]
     neutral = {field: value for field, value in _NEUTRAL.items() if field not in reads}
     if "sliding_window" in reads:
         neutral["sliding_window"] = True
     extra = (num_layers,) if slot == "debug_get_kv" else ()
-    func = _build(generator, config.replace(**neutral), extra)
+    config = config.replace(**neutral)
+    if generator is tir_kernels.paged_decode:
+        return ["tirx", decode_kernel(config)]
+    func = _build(generator, config, extra)
     return ["tirx", func] if slot in ATTENTION_SLOTS else func
+
+
+@functools.lru_cache(maxsize=None)
+def decode_kernel(config: AttentionConfig):
+    """The paged decode of config: one compiled function, or a `DecodeByShape` over the table's
+    variants for config (schedules.decode_variants)."""
+    from tir_kernels.schedules import decode_variants
+
+    variants = decode_variants(config)
+    if len(variants) == 1 and not variants[0][1]:  # no table entry: paged_decode's own choice
+        return _build(tir_kernels.paged_decode, config, ())
+    built = [(_build(tir_kernels.paged_decode, config, (sched,)), shapes) for sched, shapes in variants]
+    if len(built) == 1:
+        return built[0][0]
+    return DecodeByShape(built, config.page_size)
+
+
+class DecodeByShape:
+    """A paged decode function over several compiled variants of one config, each serving the
+    table's (batch, context) shapes it was measured fastest at: a call runs the variant of the
+    nearest shape (log2 distance in batch and in mean context, the context estimated from the
+    page-index count: page_indices.shape[0] * page_size / batch). Choices are memoized per
+    (batch, page count). Same arguments as the decode kernel (the contract's)."""
+
+    MEMO_LIMIT = 4096
+
+    def __init__(self, variants, page_size: int):
+        self.variants = [func for func, _ in variants]
+        self.entries = [(b, n, i) for i, (_, shapes) in enumerate(variants) for b, n in shapes]
+        self.page_size = page_size
+        self._memo: dict = {}
+
+    def pick(self, batch: int, num_pages: int) -> int:
+        """Index of the variant for `batch` requests holding `num_pages` pages in all."""
+        key = (batch, num_pages)
+        index = self._memo.get(key)
+        if index is None:
+            from tir_kernels.schedules import nearest_entry
+
+            index = nearest_entry(self.entries, batch, max(1, num_pages * self.page_size // max(batch, 1)))
+            if len(self._memo) >= self.MEMO_LIMIT:
+                self._memo.clear()
+            self._memo[key] = index
+        return index
+
+    def __call__(self, q, pages, page_indptr, page_indices, *args):
+        func = self.variants[self.pick(int(q.shape[0]), int(page_indices.shape[0]))]
+        return func(q, pages, page_indptr, page_indices, *args)
 
 
 @functools.lru_cache(maxsize=None)
