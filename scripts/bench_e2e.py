@@ -162,8 +162,9 @@ class Runner:
             self.graphs = DecodeGraphs(self.cache, self._decode_step, max_batch)
 
     def _decode_step(self, bucket: int):
-        logits, _ = self.vm["decode_step"](self.graph_ids[bucket], self.cache, self.params)
-        return logits
+        from tvmattn.generate import library_decode_step
+
+        return library_decode_step(self.vm, self.graph_ids[bucket], self.cache, self.params, self.hidden)
 
     def embed(self, ids, shape):
         return self.vm["embed"](ids, self.params)._create_view(shape)

@@ -319,6 +319,19 @@ def _check_finite(logits: np.ndarray, step: int, seq_ids: list[int]) -> None:
 
 
 
+def library_decode_step(vm: relax.VirtualMachine, ids, cache, params, hidden: int):
+    """One decode step of a model library from token ids [b] int32 on the device -> logits
+    [b, 1, vocab] f32: what a CUDA graph captures. b = 1 runs `embed` then the static `decode`
+    (whose matmuls get dlight's single-row GEMV, several times faster at one row than the
+    symbolic-batch kernels); larger b runs `decode_step` (storage allocated once per VM)."""
+    if ids.shape[0] == 1:
+        embeds = vm["embed"](ids, params)._create_view((1, 1, hidden))
+        logits, _ = vm["decode"](embeds, cache, params)
+    else:
+        logits, _ = vm["decode_step"](ids, cache, params)
+    return logits
+
+
 class Generator:
     """A loaded library bundle: VM, weights, tokenizer and KV cache.
 
@@ -416,9 +429,8 @@ class Generator:
                 and self.cache.backend == "tir")
 
     def _decode_step(self, bucket: int):
-        """The captured unit: the library's decode_step over the bucket's id buffer -> logits."""
-        logits, _ = self.vm["decode_step"](self._graph_ids[bucket], self.cache, self.params)
-        return logits
+        return library_decode_step(self.vm, self._graph_ids[bucket], self.cache, self.params,
+                                   self.metadata["model_config"]["hidden_size"])
 
     def _graph_decode(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
         """One decode step replayed as a CUDA graph -> logits [len(seq_ids), vocab] f32."""
