@@ -85,6 +85,40 @@ def test_paged_decode_split_kv(kernels, batch_size, length):
     check(config, o, lse, expected)
 
 
+CPU_SPLIT_SCHEDULES = [
+    None,  # the default CPU schedule: splits up to 2 tasks per core
+    DecodeSchedule(lanes=1, rows=1, rows_per_thread=4, heads_per_block=1, max_splits=16, target_blocks=64),
+    DecodeSchedule(lanes=1, rows=1, rows_per_thread=16, heads_per_block=3, max_splits=5, target_blocks=64),
+]
+
+
+@pytest.mark.parametrize("sched", CPU_SPLIT_SCHEDULES, ids=["default", "hb1-x16", "hb3-x5"])
+@pytest.mark.parametrize("lengths,sliding", [([700], False), ([5], False), ([0, 300, 33], False), ([400, 90], True)],
+                         ids=["1x700", "1x5", "3-ragged", "sliding"])
+def test_paged_decode_cpu_split_kv(kernels, sched, lengths, sliding):
+    """CPU blocks of (request, head chunk, split) in one parallel loop, split-KV merged: small
+    batches with few KV heads (SmolLM2's 9 / 3 heads, d64), more splits than keys included."""
+    hq, hkv, d, ps, dtype = 9, 3, 64, 16, "float32"
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target="llvm", sliding_window=sliding)
+    rng = np.random.default_rng(len(lengths) * 1000 + lengths[0])
+    batch = make_paged_batch(rng, lengths, hkv, d, ps, dtype, sliding=sliding)
+    q = randn(rng, (batch.batch, hq, d), dtype)
+    o, lse = run_decode(kernels if sched is None else _Scheduled(kernels, sched), config, batch, q)
+    expected = [ref.attention(q[i : i + 1], *batch.visible(i), default_sm_scale(d), causal=False)
+                for i in range(batch.batch)]
+    check(config, o, lse, expected)
+
+
+class _Scheduled:
+    """kernels.get(paged_decode, config) with a given schedule."""
+
+    def __init__(self, kernels, sched):
+        self.kernels, self.sched = kernels, sched
+
+    def get(self, generator, config):
+        return self.kernels.get(generator, config, self.sched)
+
+
 def test_decode_schedule_validation():
     config = AttentionConfig(8, 2, 64)
     with pytest.raises(ValueError, match="heads_per_block"):

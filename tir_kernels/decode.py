@@ -5,7 +5,10 @@ group, over one split of the request's visible KV tokens. Each thread keeps an o
 softmax (running max, denominator, output) over the rows it reads; rows are combined in
 shared memory, and splits (when more than one) are merged in FP32 by a second kernel.
 The split count is computed at launch from the batch size, so small batches still fill
-the GPU. On the CPU the same code runs with one thread per block and no split.
+the GPU. On the CPU the same code runs with one thread per block: every (request, head
+chunk, split) block is a task of one parallel loop (so batch 1 with few KV heads still
+splits its keys over the cores), a thread reads rows_per_thread rows per step, and its
+element loops are vector loops (q . k in VL-lane partial sums, added pairwise).
 
 Per block (`split_kernel`): `attend` = `load_q`, then per step of TILE rows `load_kv`,
 `scores` and `accumulate` (online softmax, softmax.py); then `combine_rows` merges the row
@@ -24,6 +27,23 @@ from .config import AttentionConfig, RopeScaling
 from .schedules import (DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_schedule, choose_decode_variant,
                         tc_decode_applies)
 from .softmax import merge_splits_macro, prob, softmax_macros
+
+
+# 2**f on [-0.5, 0.5]: degree-6 fit of the relative error (1e-7 evaluated in float32, as exp2f)
+_EXP2_POLY = (1.0, 0.6931472, 0.24022646, 0.05550329, 0.00961852, 0.0013399861, 0.00015337577)
+
+
+def exp2_vector(x):
+    """2**x (float32) in arithmetic that LLVM vectorizes (exp2f is a library call per lane):
+    x clamped to [-126, 126], 2**round(x) from the exponent bits times a polynomial of the rest.
+    The CPU decode's probabilities; accurate to about 1e-7 relative (below 2**-126: 2**-126)."""
+    xc = T.min(T.max(x, T.float32(-126.0)), T.float32(126.0))
+    n = T.nearbyint(xc)
+    f = xc - n
+    poly = T.float32(_EXP2_POLY[-1])
+    for c in reversed(_EXP2_POLY[:-1]):
+        poly = poly * f + T.float32(c)
+    return poly * T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
 
 
 def _check(config: AttentionConfig) -> None:
@@ -54,6 +74,7 @@ class _Dims:
     VEC: int  # elements per 16-byte load
     MAX_SPLITS: int
     TARGET_BLOCKS: int
+    VL: int  # CPU: float lanes of the q . k partial sums (a power of two dividing EPL)
 
     @classmethod
     def of(cls, config: AttentionConfig, sched: DecodeSchedule) -> "_Dims":
@@ -65,6 +86,7 @@ class _Dims:
             LANES=sched.lanes, ROWS=sched.rows, RPT=sched.rows_per_thread, HB=sched.heads_per_block,
             EPL=epl, VEC=min(epl, 16 // config.elem_bytes) if config.is_gpu else epl,
             MAX_SPLITS=sched.max_splits, TARGET_BLOCKS=sched.target_blocks,
+            VL=next(v for v in (8, 4, 2, 1) if epl % v == 0),
         )
 
     @property
@@ -150,8 +172,9 @@ def _attend_macro(dims: _Dims, L):
     """attend: the online softmax of one block's rows over one split."""
     ps, D, G, sliding = dims.ps, dims.D, dims.G, dims.sliding
     LANES, ROWS, RPT, HB, EPL = dims.LANES, dims.ROWS, dims.RPT, dims.HB, dims.EPL
-    CHUNKS, TILE = dims.CHUNKS, dims.TILE
+    CHUNKS, TILE, VL = dims.CHUNKS, dims.TILE, dims.VL
     LOG_LANES = LANES.bit_length() - 1
+    elementwise = L.unroll if dims.gpu else T.vectorized  # o += p * v: vector loops on the CPU
     sm = softmax_macros(L)
     load_q, load_kv = _load_macros(dims, L)
 
@@ -164,16 +187,42 @@ def _attend_macro(dims: _Dims, L):
             )
 
     @T.macro
+    def halve(part_, at_, width):
+        """CPU: part_[at_ + v] += part_[at_ + v + width] for v < width (a step of the pairwise sum)."""
+        for v in T.vectorized(width):
+            part_[at_ + v] = part_[at_ + v] + part_[at_ + v + width]
+
+    @T.macro
     def scores(q_loc_, k_loc_, s_loc_, h_, j0_, j_end_, ty_):
         """s_loc_[h_ * RPT + r] <- q . k of head h_ and row j0_ + r * ROWS + ty_ (base 2, summed
         over the lanes); the lowest float for rows from j_end_ on."""
-        for r in L.unroll(RPT):
-            s_loc_[h_ * RPT + r] = T.float32(0)
-            for e in L.unroll(EPL):
-                s_loc_[h_ * RPT + r] = s_loc_[h_ * RPT + r] + q_loc_[h_ * EPL + e] * T.Cast("float32", k_loc_[r * EPL + e])
-            lane_allreduce(s_loc_, h_ * RPT + r)
-            if j0_ + r * ROWS + ty_ >= j_end_:
-                s_loc_[h_ * RPT + r] = T.min_value("float32")
+        if dims.gpu:
+            for r in L.unroll(RPT):
+                s_loc_[h_ * RPT + r] = T.float32(0)
+                for e in L.unroll(EPL):
+                    s_loc_[h_ * RPT + r] = s_loc_[h_ * RPT + r] + q_loc_[h_ * EPL + e] * T.Cast("float32", k_loc_[r * EPL + e])
+                lane_allreduce(s_loc_, h_ * RPT + r)
+                if j0_ + r * ROWS + ty_ >= j_end_:
+                    s_loc_[h_ * RPT + r] = T.min_value("float32")
+        else:
+            part = T.alloc_buffer((RPT * VL,), "float32", scope="local")
+            for r in T.serial(RPT):
+                for v in T.vectorized(VL):
+                    part[r * VL + v] = T.float32(0)
+                for c in T.serial(EPL // VL):
+                    for v in T.vectorized(VL):
+                        part[r * VL + v] = part[r * VL + v] + q_loc_[h_ * EPL + c * VL + v] * T.Cast(
+                            "float32", k_loc_[r * EPL + c * VL + v])
+                if VL >= 16:
+                    halve(part, r * VL, 8)
+                if VL >= 8:
+                    halve(part, r * VL, 4)
+                if VL >= 4:
+                    halve(part, r * VL, 2)
+                if VL >= 2:
+                    halve(part, r * VL, 1)
+                s_loc_[h_ * RPT + r] = T.if_then_else(j0_ + r * ROWS + ty_ >= j_end_, T.min_value("float32"),
+                                                      part[r * VL])
 
     @T.macro
     def accumulate(s_loc_, v_loc_, m_loc_, d_loc_, o_loc_, h_):
@@ -184,10 +233,14 @@ def _attend_macro(dims: _Dims, L):
         for r in L.unroll(RPT):
             m_new[0] = T.max(m_new[0], s_loc_[h_ * RPT + r])
         sm.update(m_loc_, d_loc_, o_loc_, h_, EPL, m_new[0])
+        if not dims.gpu:  # the step's probabilities as vectors (prob's arithmetic, exp2_vector)
+            for r in T.vectorized(RPT):
+                s_loc_[h_ * RPT + r] = exp2_vector(s_loc_[h_ * RPT + r] - m_loc_[h_])
         for r in L.unroll(RPT):
-            s_loc_[h_ * RPT + r] = prob(s_loc_[h_ * RPT + r], m_loc_[h_])
+            if dims.gpu:
+                s_loc_[h_ * RPT + r] = prob(s_loc_[h_ * RPT + r], m_loc_[h_])
             d_loc_[h_] = d_loc_[h_] + s_loc_[h_ * RPT + r]
-            for e in L.unroll(EPL):
+            for e in elementwise(EPL):
                 o_loc_[h_ * EPL + e] = o_loc_[h_ * EPL + e] + s_loc_[h_ * RPT + r] * T.Cast("float32", v_loc_[r * EPL + e])
 
     @T.macro
@@ -263,33 +316,48 @@ def _split_kernel_macro(dims: _Dims, L):
     combine_rows, _ = _merge_macros(dims, L)
 
     @T.macro
+    def block(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, o_, lse_, o_part_, lse_part_,
+              rotate_, rope_scale_, rope_theta_, sm_scale_, batch, b, hc, split):
+        """One block: request b, head chunk hc, split `split`."""
+        for ty in L.thread(ROWS, "y"):
+            for tx in L.thread(LANES, "x"):
+                row_m = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
+                row_d = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
+                row_o = T.alloc_buffer((ROWS * HB * D,), "float32", scope=shared)
+                attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_,
+                       rotate_, rope_scale_, rope_theta_, sm_scale_,
+                       b, hc, split, dims.num_splits(batch), ty, tx, row_m, row_d, row_o)
+                if dims.gpu:
+                    T.tvm_storage_sync("shared")
+                if dims.num_splits(batch) == 1:
+                    combine_rows(row_m, row_d, row_o, ty, tx,
+                                 lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, dims.head(hc, h), e]),
+                                 lambda h, val: T.buffer_store(lse_, val, [b, dims.head(hc, h)]))
+                else:
+                    combine_rows(row_m, row_d, row_o, ty, tx,
+                                 lambda h, e, val: T.buffer_store(
+                                     o_part_, val, [((split * batch + b) * Hq + dims.head(hc, h)) * D + e]),
+                                 lambda h, val: T.buffer_store(
+                                     lse_part_, val, [(split * batch + b) * Hq + dims.head(hc, h)]))
+
+    @T.macro
     def split_kernel(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, o_, lse_, o_part_, lse_part_,
                      rotate_, rope_scale_, rope_theta_, sm_scale_):
         """The attention kernel: with one split it writes o_ / lse_, else the split partials."""
         batch = q_.shape[0]
-        for b in L.block(batch, "x", outer=True):
-            for hc in L.block(Hkv * dims.CHUNKS, "y"):
-                for split in L.block(dims.num_splits(batch), "z"):
-                    for ty in L.thread(ROWS, "y"):
-                        for tx in L.thread(LANES, "x"):
-                            row_m = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
-                            row_d = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
-                            row_o = T.alloc_buffer((ROWS * HB * D,), "float32", scope=shared)
-                            attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_,
-                                   rotate_, rope_scale_, rope_theta_, sm_scale_,
-                                   b, hc, split, dims.num_splits(batch), ty, tx, row_m, row_d, row_o)
-                            if dims.gpu:
-                                T.tvm_storage_sync("shared")
-                            if dims.num_splits(batch) == 1:
-                                combine_rows(row_m, row_d, row_o, ty, tx,
-                                             lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, dims.head(hc, h), e]),
-                                             lambda h, val: T.buffer_store(lse_, val, [b, dims.head(hc, h)]))
-                            else:
-                                combine_rows(row_m, row_d, row_o, ty, tx,
-                                             lambda h, e, val: T.buffer_store(
-                                                 o_part_, val, [((split * batch + b) * Hq + dims.head(hc, h)) * D + e]),
-                                             lambda h, val: T.buffer_store(
-                                                 lse_part_, val, [(split * batch + b) * Hq + dims.head(hc, h)]))
+        if dims.gpu:
+            for b in L.block(batch, "x", outer=True):
+                for hc in L.block(Hkv * dims.CHUNKS, "y"):
+                    for split in L.block(dims.num_splits(batch), "z"):
+                        block(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, o_, lse_, o_part_,
+                              lse_part_, rotate_, rope_scale_, rope_theta_, sm_scale_, batch, b, hc, split)
+        else:
+            # CPU: every (request, head chunk, split) block is a task of one parallel loop
+            for task in T.parallel(batch * Hkv * dims.CHUNKS * dims.num_splits(batch)):
+                block(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, o_, lse_, o_part_, lse_part_,
+                      rotate_, rope_scale_, rope_theta_, sm_scale_, batch,
+                      task // (Hkv * dims.CHUNKS * dims.num_splits(batch)),
+                      task // dims.num_splits(batch) % (Hkv * dims.CHUNKS), task % dims.num_splits(batch))
 
     return split_kernel
 

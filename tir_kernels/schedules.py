@@ -60,7 +60,11 @@ class DecodeSchedule:
 
 def choose_decode_schedule(config: AttentionConfig) -> DecodeSchedule:
     if not config.is_gpu:
-        return DecodeSchedule(lanes=1, rows=1, rows_per_thread=1, heads_per_block=config.group_size)
+        # One thread per block; a block reads 16 rows per step (one max update per 16 rows,
+        # 16 independent dot products); splits so that batch * KV heads * splits >= 2 tasks
+        # per core (batch 1 of SmolLM2's 3 KV heads: 2 splits, 6 tasks on 2 cores).
+        return DecodeSchedule(lanes=1, rows=1, rows_per_thread=16, heads_per_block=config.group_size,
+                              max_splits=16, target_blocks=2 * (os.cpu_count() or 1))
     vec = CUDA_VECTOR_BYTES // config.elem_bytes
     # Each lane of a row owns whole 16-byte vectors: the largest power of two <= 32 dividing
     # the vectors per row (32 at head_dim 128 and 256 in fp16, fewer for head dims such as 80).
