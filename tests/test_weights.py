@@ -388,6 +388,102 @@ def test_unsupported_quantization_type(tmp_path, keep_quantized):
         read_gguf(path, keep_quantized=keep_quantized)
 
 
+# ---------------------------------------------------------------- K-quants (Q4_K, Q6_K)
+
+K_LAYOUTS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}  # bytes per 256 elements, offsets of fp16 scales
+
+
+def k_quant_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """GGUF bytes [rows, cols / 256 * size] of random K-quant blocks: random bits (every pattern is a
+    valid block) with random finite fp16 scales."""
+    size, scale_at = K_LAYOUTS[kind]
+    raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    for at in scale_at:
+        raw[:, :, at:at + 2] = (rng.standard_normal((rows, cols // 256, 1)) * 0.05).astype("<f2").view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_one_tensor_gguf(path, name: str, array: np.ndarray, raw_dtype: QT) -> None:
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor(name, array, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def read_only_tensor(path, keep_quantized: bool):
+    from tvmattn.weights.gguf_file import open_gguf, read_tensor
+
+    path, reader = open_gguf(path)
+    return read_tensor(path, reader, reader.tensors[0], keep_quantized)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quants_match_gguf_reference_plain_and_kept(tmp_path, kind):
+    """A K-quant matrix read from a file, dequantized or kept (its parts' own dequantization), equals
+    gguf's dequantizer bit for bit; an odd row count and three super-blocks per row."""
+    raw = k_quant_blocks(kind, 7, 768, np.random.default_rng(11))
+    reference = gguf.quants.dequantize(raw, QT[kind]).astype(np.float32)
+    np.testing.assert_array_equal(dequantize(raw, kind, (7, 768)), reference)
+    path = tmp_path / "k.gguf"
+    write_one_tensor_gguf(path, "blk.0.ffn_up.weight", raw, QT[kind])
+    np.testing.assert_array_equal(read_only_tensor(path, keep_quantized=False), reference)
+    kept = read_only_tensor(path, keep_quantized=True)
+    assert isinstance(kept, QuantizedTensor) and kept.type_name == kind and kept.shape == (7, 768)
+    np.testing.assert_array_equal(kept.dequantize(), reference)
+    assert kept.nbytes <= raw.nbytes * 1.03  # kept parts: Q6_K as stored, Q4_K's 6-bit scales as bytes
+
+
+def test_q4_k_scale_packing():
+    """The 6-bit scales and mins of one Q4_K block, written by hand: sub-blocks 0-3 from the low 6
+    bits of bytes 0-3 / 4-7, sub-blocks 4-7 from the nibbles of bytes 8-11 plus the top 2 bits."""
+    from tvmattn.weights.quant import unpack_q4_k_scales
+
+    sc = np.array([1, 2, 3, 63, 17, 40, 5, 33], np.uint8)
+    mn = np.array([60, 0, 9, 31, 48, 7, 22, 63], np.uint8)
+    packed = np.zeros(12, np.uint8)
+    packed[0:4] = (sc[0:4] & 63) | ((sc[4:8] >> 4) << 6)
+    packed[4:8] = (mn[0:4] & 63) | ((mn[4:8] >> 4) << 6)
+    packed[8:12] = (sc[4:8] & 15) | ((mn[4:8] & 15) << 4)
+    got_sc, got_mn = unpack_q4_k_scales(packed)
+    np.testing.assert_array_equal(got_sc, sc)
+    np.testing.assert_array_equal(got_mn, mn)
+
+
+@pytest.mark.parametrize("kind,field", [("Q4_K", 0), ("Q4_K", 2), ("Q6_K", 208)])
+@pytest.mark.parametrize("keep_quantized", [False, True])
+def test_k_quant_non_finite_scale(tmp_path, kind, field, keep_quantized):
+    raw = k_quant_blocks(kind, 5, 512, np.random.default_rng(12))
+    size = K_LAYOUTS[kind][0]
+    raw[2, size + field:size + field + 2] = np.array([np.inf], "<f2").view(np.uint8)  # row 2, super-block 1
+    path = tmp_path / "bad.gguf"
+    write_one_tensor_gguf(path, "blk.0.ffn_up.weight", raw, QT[kind])
+    where = r"the first in row 2, block 1" if keep_quantized else r"non-finite"
+    with pytest.raises(WeightError, match=rf"bad\.gguf: tensor 'blk\.0\.ffn_up\.weight': .*{where}"):
+        read_only_tensor(path, keep_quantized)
+
+
+def test_k_quant_row_not_a_whole_super_block(tmp_path):
+    """A tensor typed Q6_K whose rows hold 128 elements (written as Q4_0, then retyped)."""
+    path = tmp_path / "bad.gguf"
+    write_one_tensor_gguf(path, "blk.0.ffn_up.weight", np.zeros((4, 128 // 32 * 18), np.uint8), QT.Q4_0)
+    patch_tensor_info(path, "blk.0.ffn_up.weight", kind=QT.Q6_K)
+    with pytest.raises(WeightError, match=r"bad\.gguf: tensor 'blk\.0\.ffn_up\.weight': row length 128 is not a "
+                                          r"multiple of the Q6_K block \(256 elements\)"):
+        read_only_tensor(path, keep_quantized=True)
+
+
+@pytest.mark.parametrize("kind", [QT.Q5_K, QT.Q3_K, QT.IQ4_NL])
+def test_unsupported_k_quant_names_the_tensor(tmp_path, kind):
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    path = tmp_path / "bad.gguf"
+    write_one_tensor_gguf(path, "blk.0.ffn_up.weight", np.zeros((4, 512 // block_elems * block_bytes), np.uint8), kind)
+    with pytest.raises(WeightError, match=rf"bad\.gguf: tensor 'blk\.0\.ffn_up\.weight': unsupported tensor "
+                                          rf"type {kind.name}"):
+        read_only_tensor(path, keep_quantized=True)
+
+
 def test_wrong_shape_for_config(tmp_path):
     wrong = np.zeros((TINY["hidden"], 8), np.float32)  # k_proj must have kv_heads * head_dim = 32 rows
     path = corrupt(tmp_path, np.random.default_rng(8), override={"blk.0.attn_k.weight": (wrong, None)})
