@@ -1,11 +1,13 @@
 """Fused dequantize + matmul and embedding lookup over GGUF blocks (tvmattn/models/quant_matmul.py).
 
 Every kernel against dequantize-then-matmul in numpy: the blocks are made by gguf's own quantizer
-(gguf.quants.quantize) and dequantized for the reference by gguf's own dequantizer, so the
-reference shares no code with the kernels or with tvmattn.weights. Shapes are odd on purpose:
-row counts that are no multiple of the vector width or of the row tile (37, 19), K of 3 and 5
-blocks, 1 token (GEMV) and several (GEMM: a symbolic token count run with 1, 3, 8 and 17 tokens,
-and a static 5), every vector width a host may have. Each kernel is built once per module.
+(gguf.quants.quantize; for the K-quants, which it cannot quantize, random bytes with random finite
+fp16 scales: every bit pattern of the other fields is a valid block) and dequantized for the
+reference by gguf's own dequantizer, so the reference shares no code with the kernels or with
+tvmattn.weights. Shapes are odd on purpose: row counts that are no multiple of the vector width or
+of the row tile (37, 19), K of 3 and 5 blocks (1, 2 and 3 super-blocks for the K-quants), 1 token
+(GEMV) and several (GEMM: a symbolic token count run with 1, 3, 8 and 17 tokens, and a static 5),
+every vector width a host may have. Each kernel is built once per module.
 """
 
 from __future__ import annotations
@@ -19,17 +21,31 @@ gguf = pytest.importorskip("gguf")  # the reference's quantizer (absent on the G
 from tvmattn.models.quant_matmul import (  # noqa: E402 - after the gguf check: tvmattn.weights imports gguf
     CPUSchedule,
     QuantMatmulConfig,
+    gemv_algorithm,
     host_target,
     kernel,
     matmul_algorithm,
     schedule,
 )
-from tvmattn.weights.quant import PACKED, QUANT_TYPES, QuantizedTensor, split_blocks  # noqa: E402
+from tvmattn.weights.quant import LAYOUTS, PACKED, QUANT_TYPES, QuantizedTensor, split_blocks  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
 FORMATS = list(QUANT_TYPES)
+K_QUANTS = ("Q4_K", "Q6_K")
 SHAPES = [(37, 96), (64, 160), (19, 32)]  # (rows N, K): N odd / even; K = 3, 5, 1 blocks
+K_SHAPES = [(37, 768), (64, 512), (19, 256)]  # K = 3, 2, 1 super-blocks
+CASES = [(fmt, rows, cols) for fmt in FORMATS for rows, cols in (K_SHAPES if fmt in K_QUANTS else SHAPES)]
 TOKENS = (1, 3, 8, 17)
+FP16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of the fp16 scales in a GGUF block
+
+
+def case_id(case) -> str:
+    return "{}-{}x{}".format(*case)
+
+
+def wide(fmt: str) -> int:
+    """A row length of a few blocks of fmt."""
+    return 512 if fmt in K_QUANTS else 160
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +65,16 @@ def built():
 def quantized(fmt: str, rows: int, cols: int, seed: int) -> tuple[QuantizedTensor, np.ndarray]:
     """(the blocks split into arrays, gguf's own dequantization of them [rows, cols] float32)."""
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.1, 3.0, (rows, 1))).astype(np.float32)
-    raw = gguf.quants.quantize(w, QT[fmt])
+    if fmt in K_QUANTS:
+        elems, size = LAYOUTS[fmt]
+        raw = rng.integers(0, 256, (rows, cols // elems, size), dtype=np.uint8)
+        for at in FP16_FIELDS[fmt]:
+            scales = (rng.standard_normal((rows, cols // elems)) * rng.uniform(0.001, 0.1, (rows, 1)))
+            raw[:, :, at:at + 2] = scales.astype("<f2")[..., None].view(np.uint8)
+        raw = raw.reshape(rows, -1)
+    else:
+        w = (rng.standard_normal((rows, cols)) * rng.uniform(0.1, 3.0, (rows, 1))).astype(np.float32)
+        raw = gguf.quants.quantize(w, QT[fmt])
     return split_blocks(raw, fmt, (rows, cols)), gguf.quants.dequantize(raw, QT[fmt]).astype(np.float32)
 
 
@@ -68,8 +92,7 @@ def check(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
     assert (np.abs(got - want) <= 1e-6 * scale + 1e-6).all(), np.abs(got - want).max()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("fmt,rows,cols", CASES, ids=[case_id(c) for c in CASES])
 def test_gemv_matches_dequantize_then_matmul(built, fmt, rows, cols):
     config = QuantMatmulConfig(fmt, rows, cols, tokens=1)
     blocks, w = quantized(fmt, rows, cols, seed=rows + cols)
@@ -78,8 +101,7 @@ def test_gemv_matches_dequantize_then_matmul(built, fmt, rows, cols):
     check(run_matmul(built(config), config, blocks, x), x, w)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("fmt,rows,cols", CASES, ids=[case_id(c) for c in CASES])
 def test_gemm_symbolic_tokens_matches_dequantize_then_matmul(built, fmt, rows, cols):
     config = QuantMatmulConfig(fmt, rows, cols, tokens=None)
     blocks, w = quantized(fmt, rows, cols, seed=2 * rows + cols)
@@ -91,9 +113,10 @@ def test_gemm_symbolic_tokens_matches_dequantize_then_matmul(built, fmt, rows, c
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gemm_static_tokens(built, fmt):
-    config = QuantMatmulConfig(fmt, 37, 96, tokens=5)  # 5: not a multiple of the token tile
-    blocks, w = quantized(fmt, 37, 96, seed=5)
-    x = np.random.default_rng(5).standard_normal((5, 96)).astype(np.float32)
+    cols = 256 if fmt in K_QUANTS else 96
+    config = QuantMatmulConfig(fmt, 37, cols, tokens=5)  # 5: not a multiple of the token tile
+    blocks, w = quantized(fmt, 37, cols, seed=5)
+    x = np.random.default_rng(5).standard_normal((5, cols)).astype(np.float32)
     check(run_matmul(built(config), config, blocks, x), x, w)
 
 
@@ -111,11 +134,11 @@ def test_every_vector_width(built, lanes, tokens):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_take_reads_rows(built, fmt):
-    config = QuantMatmulConfig(fmt, 37, 160, op="take")
-    blocks, w = quantized(fmt, 37, 160, seed=9)
+    config = QuantMatmulConfig(fmt, 37, wide(fmt), op="take")
+    blocks, w = quantized(fmt, 37, wide(fmt), seed=9)
     ids = np.array([0, 36, 5, 5, 17], np.int32)
     parts = [tvm.runtime.tensor(blocks.parts[name]) for name, _, _ in config.part_shapes()]
-    out = tvm.runtime.tensor(np.full((len(ids), 160), np.nan, np.float32))
+    out = tvm.runtime.tensor(np.full((len(ids), wide(fmt)), np.nan, np.float32))
     built(config)(tvm.runtime.tensor(ids), *parts, out)
     np.testing.assert_array_equal(out.numpy(), w[ids])
 
@@ -125,19 +148,32 @@ def test_part_shapes_follow_the_block_layout():
     assert config.part_shapes() == [("qs", "uint8", (8, 32)), ("d", "float16", (8, 2)), ("m", "float16", (8, 2))]
     assert [p[0] for p in QuantMatmulConfig("Q8_0", 8, 64).part_shapes()] == [p[0] for p in PACKED["Q8_0"]]
     assert QuantMatmulConfig("Q8_0", 8, 64).part_shapes()[0] == ("qs", "int8", (8, 64))
+    assert QuantMatmulConfig("Q4_K", 8, 512).part_shapes() == [
+        ("qs", "uint8", (8, 256)), ("sc", "uint8", (8, 16)), ("mn", "uint8", (8, 16)), ("d", "float16", (8, 2)),
+        ("dmin", "float16", (8, 2))]
+    assert QuantMatmulConfig("Q6_K", 8, 512).part_shapes() == [
+        ("ql", "uint8", (8, 256)), ("qh", "uint8", (8, 128)), ("sc", "int8", (8, 32)), ("d", "float16", (8, 2))]
 
 
-def test_algorithm_is_unscheduled_and_schedule_marks_it():
-    config = QuantMatmulConfig("Q4_0", 8, 64, tokens=1)
-    func = matmul_algorithm(config)
+@pytest.mark.parametrize("tokens", [1, None])
+def test_algorithm_is_unscheduled_and_schedule_marks_it(tokens):
+    config = QuantMatmulConfig("Q4_0", 8, 64, tokens=tokens)
+    func = gemv_algorithm(config, 8) if tokens == 1 else matmul_algorithm(config)
     assert "tirx.is_scheduled" not in (func.attrs or {})
     scheduled = schedule(func, config)
     assert scheduled.attrs["tirx.is_scheduled"] and int(scheduled.attrs["op_pattern"]) == 8
 
 
+def test_gemv_lanes_must_divide_the_sub_block():
+    with pytest.raises(ValueError, match="lanes=32 must divide the Q6_K sub-block of 16"):
+        gemv_algorithm(QuantMatmulConfig("Q6_K", 8, 256, tokens=1), 32)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"fmt": "Q5_0", "n": 8, "k": 64}, "fmt='Q5_0'"),
     ({"fmt": "Q4_1", "n": 8, "k": 48}, "k=48: expected a multiple of 32"),
+    ({"fmt": "Q4_K", "n": 8, "k": 320}, "k=320: expected a multiple of 256"),
+    ({"fmt": "Q5_K", "n": 8, "k": 256}, "fmt='Q5_K'"),
     ({"fmt": "Q4_1", "n": 0, "k": 64}, "n=0"),
     ({"fmt": "Q4_1", "n": 8, "k": 64, "tokens": 0}, "tokens=0"),
     ({"fmt": "Q4_1", "n": 8, "k": 64, "op": "gather"}, "op='gather'"),
@@ -162,5 +198,8 @@ def test_quantized_tensor_checks_its_parts():
         QuantizedTensor("Q4_1", (4, 64), {k: v for k, v in blocks.parts.items() if k != "m"})
     with pytest.raises(ValueError, match="part 'qs'"):
         QuantizedTensor("Q4_1", (4, 64), {**blocks.parts, "qs": blocks.parts["qs"][:, :16]})
-    with pytest.raises(ValueError, match="type_name='Q4_K'"):
-        QuantizedTensor("Q4_K", (4, 64), blocks.parts)
+    with pytest.raises(ValueError, match="type_name='Q5_K'"):
+        QuantizedTensor("Q5_K", (4, 64), blocks.parts)
+    k_blocks, _ = quantized("Q6_K", 4, 256, seed=0)
+    with pytest.raises(ValueError, match="part 'qh'"):
+        QuantizedTensor("Q6_K", (4, 256), {**k_blocks.parts, "qh": k_blocks.parts["qh"][:, :32]})

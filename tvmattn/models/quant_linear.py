@@ -21,7 +21,7 @@ import numpy as np
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ..weights.quant import PACKED, QUANT_TYPES, QuantizedTensor, concat_rows
+from ..weights.quant import PACKED, QUANT_TYPES, QuantizedTensor, concat_rows, part_shapes
 from .quant_matmul import QuantMatmulConfig, kernel
 
 PART_PREFIX = "weight_"
@@ -33,8 +33,8 @@ def _kernel(config: QuantMatmulConfig):
 
 
 def _parameters(module: nn.Module, fmt: str, rows: int, cols: int) -> None:
-    for name, dtype, per_block in PACKED[fmt]:
-        setattr(module, PART_PREFIX + name, nn.Parameter((rows, cols // 32 * per_block), dtype))
+    for name, dtype, shape in part_shapes(fmt, rows, cols):
+        setattr(module, PART_PREFIX + name, nn.Parameter(shape, dtype))
 
 
 def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor) -> nn.Tensor:

@@ -1,28 +1,35 @@
 """Fused dequantize + matmul (and embedding lookup) over GGUF block-quantized weights.
 
-Weights W [N, K] (N output features, K input features, a multiple of 32) arrive as the separate
-arrays of tvmattn.weights.quant.PACKED, rows first:
+Weights W [N, K] (N output features, K input features, whole blocks) arrive as the separate
+arrays of tvmattn.weights.quant.PACKED, rows first (shapes: quant.part_shapes):
   Q4_0: qs uint8 [N, K/2], d float16 [N, K/32]                 w = d * (q - 8)
   Q4_1: qs uint8 [N, K/2], d float16 [N, K/32], m float16 [.]  w = d * q + m
   Q8_0: qs int8 [N, K],    d float16 [N, K/32]                 w = d * q
-  (4-bit: byte b of block kb holds element kb*32 + b in its low nibble, kb*32 + 16 + b in its high one.)
+  Q4_K: qs uint8 [N, K/2], sc, mn uint8 [N, K/32], d, dmin float16 [N, K/256]
+                                                               w = (d * sc) * q - dmin * mn
+  Q6_K: ql uint8 [N, K/2], qh uint8 [N, K/4], sc int8 [N, K/16], d float16 [N, K/256]
+                                                               w = (d * sc) * (q - 32)
+  (nibble and bit orders: tvmattn/weights/quant.py.)
 
-The algorithm is written once (`matmul_algorithm`, `take_algorithm`: TE computes, no schedule):
+The algorithms (TE computes, no schedule):
 
-    W[n, k] = dequant(parts, n, k)                 float32
-    Y[t, n] = sum_k X[t, k] * W[n, k]              X float32 [T, K], Y float32 [T, N]
-    E[i, k] = dequant(parts, ids[i], k)            ids int32 [I], E float32 [I, K]
+    W[n, k] = dequant(parts, n, k)                 float32, rounded as GGML's dequantizers
+    Y[t, n] = sum_k X[t, k] * W[n, k]              X float32 [T, K], Y float32 [T, N]   (matmul_algorithm)
+    E[i, k] = dequant(parts, ids[i], k)            ids int32 [I], E float32 [I, K]      (take_algorithm)
 
-and scheduled per target (`schedule`). On llvm (`_schedule_gemv`, `_schedule_gemm`, for the
-vector width of the host's CPU; compile for `host_target()`):
-- GEMV (T statically 1, decode): the dequantization inlined into the dot products; parallel over
-  chunks of rows; per row tile of NR rows, K in blocks of 32 read as 32 / V vectors of V lanes
-  (V = the host's float lanes), NR x 32 accumulators in registers, summed at the end.
+and, for one token, Y in block-factored form (`gemv_algorithm`: W = scale * q + offset per
+sub-block, the scale and offset applied once per sub-block and lane, not per weight), scheduled
+per target (`schedule`). On llvm (`_schedule_gemv`, `_schedule_gemm`, for the vector width of the
+host's CPU; compile for `host_target()`):
+- GEMV (T statically 1, decode): parallel over chunks of rows; per row tile of NR rows and
+  sub-block, V-lane dot products of the integer quants with X in a register, scaled into NR x V
+  accumulators, summed at the end. (The scale per weight made Q8_0's LM head latency-bound on
+  one accumulator: 49152 x 576 on one core, 4.9 -> 1.7-2.0 ms.)
 - GEMM (T symbolic, prefill): per parallel chunk of NB rows, the chunk of W is dequantized once
   into an f32 scratch tile [NB, K], which every token tile then multiplies as CPUMatmul does
   (tokens padded to MR, MR x NR x V register tile of lanes along K).
 - take: parallel over ids, vectorized over K.
-Only llvm is scheduled today; a CUDA schedule of the same algorithm is the next step.
+Only llvm is scheduled today; a CUDA schedule of the same algorithms is the next step.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import functools
 import tvm
 from tvm import s_tir, te, tirx
 
-from ..weights.quant import BLOCK, PACKED, QUANT_TYPES
+from ..weights.quant import BLOCK, BLOCK_ELEMS, QUANT_TYPES, SUPER_BLOCK, part_shapes
 
 OPS = ("matmul", "take")
 
@@ -82,8 +89,8 @@ class QuantMatmulConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
-        if self.k % BLOCK:
-            raise ValueError(f"k={self.k}: expected a multiple of {BLOCK} (whole blocks)")
+        if self.k % BLOCK_ELEMS[self.fmt]:
+            raise ValueError(f"k={self.k}: expected a multiple of {BLOCK_ELEMS[self.fmt]} (whole {self.fmt} blocks)")
         if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens <= 0):
             raise ValueError(f"tokens={self.tokens!r}: expected None (symbolic) or a positive integer")
         if self.op not in OPS:
@@ -99,14 +106,31 @@ class QuantMatmulConfig:
 
     def part_shapes(self) -> list[tuple[str, str, tuple[int, int]]]:
         """(name, dtype, shape) of each weight array, in argument order."""
-        return [(name, dtype, (self.n, self.k // BLOCK * per_block)) for name, dtype, per_block in PACKED[self.fmt]]
+        return part_shapes(self.fmt, self.n, self.k)
 
 
 # ---------------------------------------------------------------------------- algorithm
 
 
+def _bits(byte, shift, mask: int):
+    """(byte >> shift) & mask, uint8."""
+    return (byte >> shift.astype("uint8")) & tirx.const(mask, "uint8")
+
+
 def _dequant(fmt: str, parts: dict[str, te.Tensor], row, col):
-    """The float32 value of W[row, col] from the block arrays."""
+    """The float32 value of W[row, col] from the block arrays (rounded as GGML's dequantizers)."""
+    f32 = "float32"
+    if fmt == "Q4_K":  # (d * sc) * q - dmin * m: both products exact in float32
+        sub, sup = col // BLOCK, col // SUPER_BLOCK
+        q = _bits(parts["qs"][row, col // 64 * 32 + col % 32], sub % 2 * 4, 15).astype(f32)
+        return (parts["d"][row, sup].astype(f32) * parts["sc"][row, sub].astype(f32) * q
+                - parts["dmin"][row, sup].astype(f32) * parts["mn"][row, sub].astype(f32))
+    if fmt == "Q6_K":  # (d * sc) * (q - 32)
+        half, quarter, lane = col // 128, col % 128 // 32, col % 32
+        low = _bits(parts["ql"][row, half * 64 + quarter % 2 * 32 + lane], quarter // 2 * 4, 15)
+        high = _bits(parts["qh"][row, half * 32 + lane], quarter * 2, 3)
+        q = (low | (high << tirx.const(4, "uint8"))).astype(f32) - tirx.const(32.0, f32)
+        return parts["d"][row, col // SUPER_BLOCK].astype(f32) * parts["sc"][row, col // 16].astype(f32) * q
     blk = col // BLOCK
     d = parts["d"][row, blk].astype("float32")
     if fmt == "Q8_0":
@@ -137,6 +161,82 @@ def matmul_algorithm(config: QuantMatmulConfig) -> tirx.PrimFunc:
     w = te.compute((n, k), lambda r, c: _dequant(config.fmt, parts, r, c), name="dequant")
     red = te.reduce_axis((_i64(0), k), name="k")
     y = te.compute((tokens, n), lambda t, r: te.sum(x[t, red] * w[r, red], axis=red), name="matmul")
+    return te.create_prim_func([x, *parts.values(), y])
+
+
+def _block_terms(fmt: str, parts: dict[str, te.Tensor]):
+    """(SB, q, scale, offset): W[n, c] = scale(n, s) * q(n, c) + offset(n, s) for c in sub-block
+    s = c // SB, with q integer-valued (float32) and the sub-block's scale and offset float32."""
+    f32 = "float32"
+
+    def half(name):
+        return lambda n, s, per=1: parts[name][n, s // per].astype(f32)
+
+    if fmt == "Q8_0":
+        return BLOCK, lambda n, c: parts["qs"][n, c].astype(f32), half("d"), None
+    if fmt in ("Q4_0", "Q4_1"):
+        def q(n, c):
+            return _bits(parts["qs"][n, c // BLOCK * 16 + c % 16], c % BLOCK // 16 * 4, 15).astype(f32)
+        if fmt == "Q4_0":
+            return BLOCK, q, half("d"), lambda n, s: parts["d"][n, s].astype(f32) * tirx.const(-8.0, f32)
+        return BLOCK, q, half("d"), half("m")
+    if fmt == "Q4_K":
+        def q(n, c):
+            return _bits(parts["qs"][n, c // 64 * 32 + c % 32], c // BLOCK % 2 * 4, 15).astype(f32)
+
+        def scale(n, s):
+            return parts["d"][n, s // 8].astype(f32) * parts["sc"][n, s].astype(f32)
+
+        def offset(n, s):
+            return tirx.const(0.0, f32) - parts["dmin"][n, s // 8].astype(f32) * parts["mn"][n, s].astype(f32)
+
+        return BLOCK, q, scale, offset
+
+    def q6(n, c):  # Q6_K: 6-bit q - 32, sub-blocks of 16
+        half_, quarter, lane = c // 128, c % 128 // 32, c % 32
+        low = _bits(parts["ql"][n, half_ * 64 + quarter % 2 * 32 + lane], quarter // 2 * 4, 15)
+        high = _bits(parts["qh"][n, half_ * 32 + lane], quarter * 2, 3)
+        return (low | (high << tirx.const(4, "uint8"))).astype(f32) - tirx.const(32.0, f32)
+
+    def scale6(n, s):
+        return parts["d"][n, s // 16].astype(f32) * parts["sc"][n, s].astype(f32)
+
+    return 16, q6, scale6, None
+
+
+def gemv_algorithm(config: QuantMatmulConfig, lanes: int) -> tirx.PrimFunc:
+    """The one-token product in block-factored form (same arguments as matmul_algorithm):
+
+        P[n, s, v]  = sum_h q(n, s*SB + h*V + v) * X[s*SB + h*V + v]     (V = lanes, SB = sub-block)
+        XS[s, v]    = sum_h X[s*SB + h*V + v]                             (formats with offsets)
+        A[n, v]     = sum_s scale(n, s) * P[n, s, v] + offset(n, s) * XS[s, v]
+        Y[n]        = sum_v A[n, v]
+
+    so the scales multiply once per sub-block and lane instead of once per weight (the sums are
+    dequantize-then-matmul's, associated differently: float32 rounding differs, not the values)."""
+    fmt = config.fmt
+    parts = _placeholders(config)
+    sb, q, scale, offset = _block_terms(fmt, parts)
+    if sb % lanes:
+        raise ValueError(f"lanes={lanes} must divide the {fmt} sub-block of {sb}")
+    one, n, k, v_ = _i64(1), _i64(config.n), _i64(config.k), _i64(lanes)
+    nsb = _i64(config.k // sb)
+    x = te.placeholder((one, k), "float32", name="x")
+    h = te.reduce_axis((_i64(0), _i64(sb // lanes)), name="h")
+    part = te.compute((one, n, nsb, v_), lambda t, r, s, v: te.sum(
+        q(r, s * sb + h * lanes + v) * x[t, s * sb + h * lanes + v], axis=h), name="block_dot")
+    s2 = te.reduce_axis((_i64(0), nsb), name="s")
+    if offset is None:
+        acc = te.compute((one, n, v_), lambda t, r, v: te.sum(scale(r, s2) * part[t, r, s2, v], axis=s2),
+                         name="scaled")
+    else:
+        h2 = te.reduce_axis((_i64(0), _i64(sb // lanes)), name="h2")
+        xs = te.compute((one, nsb, v_), lambda t, s, v: te.sum(x[t, s * sb + h2 * lanes + v], axis=h2),
+                        name="x_block_sum")
+        acc = te.compute((one, n, v_), lambda t, r, v: te.sum(
+            scale(r, s2) * part[t, r, s2, v] + offset(r, s2) * xs[t, s2, v], axis=s2), name="scaled")
+    w = te.reduce_axis((_i64(0), v_), name="w")
+    y = te.compute((one, n), lambda t, r: te.sum(acc[t, r, w], axis=w), name="matmul")
     return te.create_prim_func([x, *parts.values(), y])
 
 
@@ -195,30 +295,34 @@ def _divisor_at_most(n: int, limit: int, multiple_of: int = 1) -> int:
 
 
 def _schedule_gemv(sch: s_tir.Schedule, config: QuantMatmulConfig, plan: CPUSchedule) -> None:
-    mm = sch.get_sblock("matmul")
-    sch.compute_inline(sch.get_sblock("dequant"))
-    t, r, k = sch.get_loops(mm)
-    ko, kh, kv = sch.split(k, factors=[None, BLOCK // plan.lanes, plan.lanes])
-    rf = sch.rfactor(kv, factor_axis=2)  # rf[t, n, V]: V accumulator lanes per row
+    """gemv_algorithm's blocks: XS once per call (a few vectors); parallel chunks of rows; per row
+    tile of NR rows and sub-block, the V-lane dot products P (h unrolled) in a register, scaled (and
+    the offsets added) into NR x V accumulators; the lanes' sum once per row tile."""
+    acc, part, lane_sum = (sch.get_sblock(name) for name in ("scaled", "block_dot", "matmul"))
     nr = _divisor_at_most(config.n, plan.rows)
     nb = _divisor_at_most(config.n, plan.chunk, nr)
-    t, r, ko, kh, kv = sch.get_loops(rf)
+    t, r, v, s = sch.get_loops(acc)
     rp, rm, ri = sch.split(r, factors=[None, nb // nr, nr])
-    sch.reorder(rp, rm, t, ko, kh, ri, kv)
+    sch.reorder(rp, rm, t, s, ri, v)
     sch.parallel(rp)
-    sch.unroll(kh)
+    sch.compute_at(part, ri, preserve_unit_loops=True)
+    pv, ph = sch.get_loops(part)[-2:]
+    sch.reorder(ph, pv)
+    sch.unroll(ph)
+    sch.vectorize(pv)
+    sch.set_scope(part, 0, "local")
+    pinit = sch.decompose_reduction(part, ph)
+    sch.vectorize(sch.get_loops(pinit)[-1])
     sch.unroll(ri)
-    sch.vectorize(kv)
-    init = sch.decompose_reduction(rf, ko)
-    ii = sch.get_loops(init)
-    sch.unroll(ii[-2])
-    sch.vectorize(ii[-1])
-    sch.set_scope(rf, 0, "local")
-    sch.reverse_compute_at(mm, rm, preserve_unit_loops=True)
-    lanes, _, rows = sch.get_loops(mm)[-3:]
-    sch.reorder(rows, lanes)
-    sch.unroll(rows)
-    sch.unroll(lanes)
+    sch.vectorize(v)
+    sch.set_scope(acc, 0, "local")
+    init = sch.decompose_reduction(acc, s)
+    ir, iv = sch.get_loops(init)[-2:]
+    sch.unroll(ir)
+    sch.vectorize(iv)
+    sch.reverse_compute_at(lane_sum, rm, preserve_unit_loops=True)
+    for loop in sch.get_loops(lane_sum)[-2:]:
+        sch.unroll(loop)
 
 
 def _schedule_gemm(sch: s_tir.Schedule, config: QuantMatmulConfig, plan: CPUSchedule) -> None:
@@ -290,7 +394,15 @@ def schedule(func: tirx.PrimFunc, config: QuantMatmulConfig, plan: CPUSchedule |
     return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
 
 
+def algorithm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
+    """The unscheduled PrimFunc `schedule` expects for `config`: take_algorithm, gemv_algorithm (one
+    static token, with the plan's lanes) or matmul_algorithm."""
+    if config.op == "take":
+        return take_algorithm(config)
+    return gemv_algorithm(config, plan.lanes) if config.tokens == 1 else matmul_algorithm(config)
+
+
 def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.PrimFunc:
     """The scheduled PrimFunc of `config` (see the module docstring for its arguments)."""
-    func = matmul_algorithm(config) if config.op == "matmul" else take_algorithm(config)
-    return schedule(func, config, plan).with_attr("global_symbol", config.name)
+    plan = plan or choose_schedule(config)
+    return schedule(algorithm(config, plan), config, plan).with_attr("global_symbol", config.name)
