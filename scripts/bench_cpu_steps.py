@@ -8,7 +8,13 @@ For each library given, one sequence is prefilled with --context tokens; then, e
 - prefill N: `prefill` of N tokens into a fresh sequence (removed afterwards).
 Times include begin/end_forward and copying the logits to the host, as Generator does.
 
+--profile N: instead, one decode step at --context (after warm-up; --profile-prefill T: a prefill
+of T tokens) with every call of the VM timed (its instrument hook; N: rows of the table, the
+functions by total time), and the step's time outside them (embedding, begin/end_forward,
+logits to the host).
+
     python scripts/bench_cpu_steps.py LIB.so [LIB2.so ...] [--verify 4,8,9] [--prefill 64,512]
+                                      [--profile 25 [--profile-prefill 512]]
 """
 
 from __future__ import annotations
@@ -73,6 +79,61 @@ def bench(lib: str, context: int, verify: list[int], prefill: list[int], reps: i
     return results
 
 
+def profile(lib: str, context: int, rows: int, prefill: int = 0) -> str:
+    """The calls of one decode step (or, with prefill, of a prefill of that many tokens into a
+    fresh sequence) timed one by one (the VM's instrument hook: perf_counter before and after
+    each call), summed per function, the `rows` largest; and the step's time outside the VM's
+    calls."""
+    import collections
+
+    g = Generator(lib)
+    vocab = g.metadata["model_config"]["vocab_size"]
+    tokens = np.random.default_rng(0).integers(0, vocab, size=max(context + 1, prefill)).tolist()
+    g._ensure_cache(context + prefill + 64)
+    host = g._host
+    host["kv_state_add_sequence"](g.cache, 0)
+    g._forward("prefill", [0], [context], g._embed(tokens[:context])[None])
+
+    def step():
+        if prefill:
+            host["kv_state_add_sequence"](g.cache, 1)
+            g._forward("prefill", [1], [prefill], g._embed(tokens[:prefill])[None])
+            host["kv_state_remove_sequence"](g.cache, 1)
+            return
+        g._forward("decode", [0], [1], g._embed(tokens[context:])[None])
+        host["kv_state_popn"](g.cache, 0, 1)
+
+    plain = _median_ms(step, 3 if prefill else 20)
+    totals: dict = collections.defaultdict(float)
+    counts: dict = collections.defaultdict(int)
+    started: list = []
+
+    def instrument(func, symbol, before, ret, *args):
+        if before:
+            started.append(time.perf_counter())
+        else:
+            totals[str(symbol)] += time.perf_counter() - started.pop()
+            counts[str(symbol)] += 1
+        return 0
+
+    g.vm.set_instrument(instrument)
+    reps = 1 if prefill else 5
+    start = time.perf_counter()
+    for _ in range(reps):
+        step()
+    instrumented = (time.perf_counter() - start) / reps * 1e3
+    g.vm.set_instrument(None)
+    calls = sum(totals.values()) / reps * 1e3
+    lines = [f"{'function':<60} {'calls':>6} {'ms/step':>8} {'share':>6}"]
+    for name, total in sorted(totals.items(), key=lambda kv: -kv[1])[:rows]:
+        ms = total / reps * 1e3
+        lines.append(f"{name[:60]:<60} {counts[name] // reps:6d} {ms:8.3f} {ms / calls:6.1%}")
+    lines.append(f"{'prefill ' + str(prefill) if prefill else 'decode'} step {plain:.2f} ms (median, not "
+                 f"instrumented); instrumented {instrumented:.2f} ms, "
+                 f"of which {calls:.2f} ms inside the {sum(counts.values()) // reps} calls")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("libs", nargs="+")
@@ -80,8 +141,14 @@ def main(argv=None) -> int:
     p.add_argument("--verify", default="4,8,9")
     p.add_argument("--prefill", default="8,64,512")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="profile a decode step, N table rows")
+    p.add_argument("--profile-prefill", type=int, default=0, metavar="T",
+                   help="with --profile: a prefill of T tokens instead of a decode step")
     args = p.parse_args(argv)
     for lib in args.libs:
+        if args.profile:
+            print(lib + ":\n" + profile(lib, args.context, args.profile, args.profile_prefill), flush=True)
+            continue
         results = bench(lib, args.context, _ints(args.verify), _ints(args.prefill), args.reps)
         print(lib + ": " + ", ".join(f"{k} {v:.1f} ms" for k, v in results.items()), flush=True)
     return 0
