@@ -353,3 +353,38 @@ def test_decode_by_shape_picks_on_the_host():
     assert call(1, 1500) == ("long", 13)  # 24000 keys: nearer 32768 in log2
     assert call(64, 64 * 300) == ("short", 13)
     assert fn.pick(1, 2048) == 1 and (1, 2048) in fn._memo
+
+
+def test_cache_decode_slot_compiles_the_table_variants(monkeypatch):
+    """The cache's decode slot: one compiled function where the table has one schedule for the
+    config (or none), a DecodeByShape over each schedule's function (built once) where it has
+    several; the CPU keeps paged_decode's own choice."""
+    from tir_kernels import schedules
+
+    from tvmattn.runtime import kernels
+
+    a = TensorCoreDecodeSchedule(stages=4, target_blocks=132, min_split_keys=128)
+    b = TensorCoreDecodeSchedule(stages=4, target_blocks=132, min_split_keys=512, l2_prefetch=256)
+    built = []
+
+    def fake_build(generator, config, extra):
+        built.append(extra)
+        return ("compiled", extra)
+
+    monkeypatch.setattr(kernels, "_build", fake_build)
+    config = AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target="cuda:sm_90")
+    try:
+        kernels.decode_kernel.cache_clear()
+        two = _table([(1, 4096, a), (1, 32768, b), (64, 4096, a)])
+        monkeypatch.setattr(schedules, "load_decode_table", lambda path=None: two)
+        tag, fn = kernels.build_slot("decode_paged", config, 2)
+        assert tag == "tirx" and isinstance(fn, kernels.DecodeByShape)
+        assert fn.variants == [("compiled", (a,)), ("compiled", (b,))] and built == [(a,), (b,)]
+        assert fn.variants[fn.pick(1, 2048)] == ("compiled", (b,))
+        assert kernels.build_slot("decode_paged", config, 2)[1] is fn  # built once per config
+        kernels.decode_kernel.cache_clear()
+        monkeypatch.setattr(schedules, "load_decode_table", lambda path=None: _table([(1, 4096, a), (64, 4096, a)]))
+        assert kernels.build_slot("decode_paged", config, 2) == ["tirx", ("compiled", (a,))]
+        assert kernels.build_slot("decode_paged", config.replace(target="llvm"), 2) == ["tirx", ("compiled", ())]
+    finally:
+        kernels.decode_kernel.cache_clear()
