@@ -175,6 +175,18 @@ def test_replay_equals_eager_and_the_reference():
     assert graphs.memory_bytes > 0
     graph.check_kv()
     eager.check_kv()
+    for seq_id in list(graph.k):
+        both("remove", seq_id)
+    # forks of one long sequence read more page indices than the graph plan holds: a larger
+    # buffer, and every graph captured again
+    both("add", 20)
+    both("forward", [20], [250])
+    for child in range(21, 28):
+        both("fork", 20, child)
+    step(list(range(20, 28)))
+    assert graphs.captures == 4
+    step(list(range(20, 28)))
+    assert graphs.captures == 4
     graph.check_no_leaks()
 
 

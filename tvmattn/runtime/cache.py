@@ -606,6 +606,14 @@ class PagedKVCache:
                                  cascade=False)
         self._start_step(pad_decode_plan(plan, bucket, layout), self._graph_arrays)
 
+    def reserve_graph_plan(self, seq_ids, bucket: int) -> int:
+        """Make the graph-plan buffer large enough for a graph decode step of seq_ids in `bucket`
+        (a larger one replaces it: graphs captured before are recaptured); returns its
+        generation (see graph_state)."""
+        pages = sum(len(seq.pages) for seq in self._sequences(_int_list("seq_ids", seq_ids)))
+        self._graph_layout(bucket, pages + 2 * bucket)
+        return self._graph_generation
+
     def reserve_decode_workspace(self, max_batch: int | None = None) -> None:
         """Run the paged decode kernel (layer 0's pages, scratch outputs) at every batch size up
         to max_batch (default max_num_sequences), so that TVM's per-thread CUDA workspace pool

@@ -243,7 +243,7 @@ class DecodeGraphs:
             raise KVCacheError("CUDA graphs need the CUDA runtime (libcudart), which TVM did not load")
         self._runtime = runtime
         self._graphs: dict[int, _Graph] = {}
-        self._reserved = False
+        self._reserved = None  # the graph-plan buffer generation the workspace was reserved for
         self.captures = 0  # graphs captured so far (recaptures included)
         self.replays = 0
 
@@ -254,9 +254,10 @@ class DecodeGraphs:
         """One decode step of `seq_ids` (one new token each, inputs already written) -> the
         bucket's outputs (see the class docstring)."""
         bucket = bucket_of(len(seq_ids), self.buckets)
-        if not self._reserved:
+        generation = self.cache.reserve_graph_plan(seq_ids, bucket)
+        if self._reserved != generation:  # first use, or a new graph-plan buffer (page capacity)
             self.cache.reserve_decode_workspace(self.max_batch)
-            self._reserved = True
+            self._reserved = generation
         self.cache.begin_graph_decode(seq_ids, bucket)
         try:
             graph = self._graphs.get(bucket)
