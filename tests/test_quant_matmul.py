@@ -5,8 +5,9 @@ Every kernel against dequantize-then-matmul in numpy: the blocks are made by ggu
 fp16 scales: every bit pattern of the other fields is a valid block) and dequantized for the
 reference by gguf's own dequantizer, so the reference shares no code with the kernels or with
 tvmattn.weights. Shapes are odd on purpose: row counts that are no multiple of the vector width or
-of the row tile (37, 19), K of 3 and 5 blocks (1, 2 and 3 super-blocks for the K-quants), 1 token
-(GEMV) and several (GEMM: a symbolic token count run with 1, 3, 8 and 17 tokens, and a static 5),
+of the row tile (37, 19) or whole GEMM tiles of 3 rows (48), K of 1, 2, 3 and 5 blocks (1, 2 and 3
+super-blocks for the K-quants), 1 token (GEMV) and several (GEMM: a symbolic token count run with
+1, 3, 8 and 17 tokens, and a static 5),
 every vector width a host may have. Each kernel is built once per module.
 """
 
@@ -32,7 +33,7 @@ from tvmattn.weights.quant import LAYOUTS, PACKED, QUANT_TYPES, QuantizedTensor,
 QT = gguf.GGMLQuantizationType
 FORMATS = list(QUANT_TYPES)
 K_QUANTS = ("Q4_K", "Q6_K")
-SHAPES = [(37, 96), (64, 160), (19, 32)]  # (rows N, K): N odd / even; K = 3, 5, 1 blocks
+SHAPES = [(37, 96), (64, 160), (19, 32), (48, 64)]  # (rows N, K): K = 3, 5, 1, 2 blocks
 K_SHAPES = [(37, 768), (64, 512), (19, 256)]  # K = 3, 2, 1 super-blocks
 CASES = [(fmt, rows, cols) for fmt in FORMATS for rows, cols in (K_SHAPES if fmt in K_QUANTS else SHAPES)]
 TOKENS = (1, 3, 8, 17)

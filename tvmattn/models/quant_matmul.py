@@ -281,12 +281,13 @@ class CPUSchedule:
 
 def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
     """The schedule of `config` on this host: its vector width; GEMV row tiles of 4 rows for 4-bit
-    blocks (compute-bound: independent accumulators) and of 1 row for Q8_0 (memory-bound: each row
-    tile is a stream of its own; SmolLM2's 49152 x 576 head: 2.4 ms with 1 row, 4.7-5.4 ms with
-    2-8 on 2 Zen 4 cores); 2 rows x 4 tokens for the GEMM."""
+    blocks and of 1 row for Q8_0 (memory-bound: each row tile is a stream of its own; SmolLM2's
+    49152 x 576 head on one Zen 4 core: 1.7-2.0 ms with 1 row, 4.4-5.1 ms with 2-4); GEMM register
+    tiles of 3 rows x 4 tokens (12 accumulators; Q4_1 1536 x 576 x 120 tokens on one core: 1.6-2.2x
+    the 2 x 4 tile's rate, 4 x 3 and 3 x 5 spill)."""
     lanes = host_cpu()[1]
     if config.op == "matmul" and config.tokens != 1:
-        return CPUSchedule(lanes=lanes, rows=2, token_tile=4, chunk=32)
+        return CPUSchedule(lanes=lanes, rows=3, token_tile=4, chunk=48)
     return CPUSchedule(lanes=lanes, rows=1 if config.fmt == "Q8_0" else 4, chunk=64)
 
 
