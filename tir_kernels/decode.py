@@ -22,11 +22,12 @@ import dataclasses
 
 from tvm.script import tirx as T
 
-from .common import LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position, rope_value
+from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position, rope_value
 from .config import AttentionConfig, RopeScaling
 from .schedules import (DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_schedule, choose_decode_variant,
                         tc_decode_applies)
-from .softmax import merge_splits_macro, prob, softmax_macros
+from .softmax import (finalize_lse, finalize_scale, finished_l, merge_splits_macro, prob, rescale_factor,
+                      softmax_macros)
 
 
 # 2**f on [-0.5, 0.5]: degree-6 fit of the relative error (1e-7 evaluated in float32, as exp2f)
@@ -294,18 +295,57 @@ def _merge_macros(dims: _Dims, L):
         m_all = T.alloc_buffer((1,), "float32", scope="local")
         d_all = T.alloc_buffer((1,), "float32", scope="local")
         acc = T.alloc_buffer((1,), "float32", scope="local")
-        for step in T.serial(ceildiv(HB * D, NTHREADS)):
-            if step * NTHREADS + ty_ * LANES + tx_ < HB * D:
-                h = (step * NTHREADS + ty_ * LANES + tx_) // D
-                e = (step * NTHREADS + ty_ * LANES + tx_) % D
-                sm.combine(ROWS, lambda y: row_m_[y * HB + h], lambda y: row_d_[y * HB + h],
-                           lambda y: row_o_[(y * HB + h) * D + e], m_all, d_all, acc)
-                sm.finalize(m_all, d_all, acc, 0, 1)
-                write_o(h, e, acc[0])
-                if e == 0:
-                    write_lse(h, m_all[0])
+        if not dims.gpu and ROWS == 1:
+            # CPU, one row group: its state is the block's (combining one state is exp2(0) = 1
+            # times it); finish each head once, its row as a vector
+            for h in T.serial(HB):
+                d_all[0] = finalize_scale(row_d_[h])
+                for e in T.vectorized(D):
+                    write_o(h, e, row_o_[h * D + e] * d_all[0])
+                write_lse(h, finalize_lse(row_m_[h], row_d_[h]))
+        else:
+            for step in T.serial(ceildiv(HB * D, NTHREADS)):
+                if step * NTHREADS + ty_ * LANES + tx_ < HB * D:
+                    h = (step * NTHREADS + ty_ * LANES + tx_) // D
+                    e = (step * NTHREADS + ty_ * LANES + tx_) % D
+                    sm.combine(ROWS, lambda y: row_m_[y * HB + h], lambda y: row_d_[y * HB + h],
+                               lambda y: row_o_[(y * HB + h) * D + e], m_all, d_all, acc)
+                    sm.finalize(m_all, d_all, acc, 0, 1)
+                    write_o(h, e, acc[0])
+                    if e == 0:
+                        write_lse(h, m_all[0])
 
-    return combine_rows, merge_splits_macro(L, dtype, Hq, D, dims.num_splits)
+    @T.macro
+    def merge_splits_cpu(o_part_, lse_part_, O_, lse_):
+        """CPU: merge_splits with each split's weight computed once per (request, head) and the
+        rows as vectors (softmax.combine's arithmetic: weight finished_l(lse) * exp2(lse - max))."""
+        batch = O_.shape[0]
+        nsplit = dims.num_splits(batch)
+        for bh in T.parallel(batch * Hq):
+            m_all = T.alloc_buffer((1,), "float32", scope="local")
+            d_all = T.alloc_buffer((1,), "float32", scope="local")
+            w = T.alloc_buffer((1,), "float32", scope="local")
+            o_acc = T.alloc_buffer((D,), "float32", scope="local")
+            m_all[0] = T.float32(EMPTY_LSE)
+            for s in T.serial(nsplit):
+                m_all[0] = T.max(m_all[0], lse_part_[s * batch * Hq + bh])
+            d_all[0] = T.float32(0)
+            for e in T.vectorized(D):
+                o_acc[e] = T.float32(0)
+            for s in T.serial(nsplit):
+                w[0] = finished_l(lse_part_[s * batch * Hq + bh]) * rescale_factor(lse_part_[s * batch * Hq + bh],
+                                                                                  m_all[0])
+                d_all[0] = d_all[0] + w[0]
+                for e in T.vectorized(D):
+                    o_acc[e] = o_acc[e] + o_part_[(s * batch * Hq + bh) * D + e] * w[0]
+            w[0] = finalize_scale(d_all[0])
+            for e in T.vectorized(D):
+                O_[bh // Hq, bh % Hq, e] = T.Cast(dtype, o_acc[e] * w[0])
+            lse_[bh // Hq, bh % Hq] = finalize_lse(m_all[0], d_all[0])
+
+    if dims.gpu:
+        return combine_rows, merge_splits_macro(L, dtype, Hq, D, dims.num_splits)
+    return combine_rows, merge_splits_cpu
 
 
 def _split_kernel_macro(dims: _Dims, L):
