@@ -373,7 +373,11 @@ class Generator:
         if library_metadata != self.metadata:
             raise GenerateError(f"{lib_path} and {runtime_file} come from different builds (their metadata "
                                 f"differ); recompile")
-        self.params = [tvm.runtime.tensor(p, device=self.device) for p in params]
+        # each host array is dropped once copied, so the weights are not held twice at the peak
+        params.reverse()
+        self.params = []
+        while params:
+            self.params.append(tvm.runtime.tensor(params.pop(), device=self.device))
         self.tokenizer = None
         if self.runtime.get("tokenizer"):
             import tokenizers
