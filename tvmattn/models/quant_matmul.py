@@ -288,7 +288,9 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
     lanes = host_cpu()[1]
     if config.op == "matmul" and config.tokens != 1:
         return CPUSchedule(lanes=lanes, rows=3, token_tile=4, chunk=48)
-    return CPUSchedule(lanes=lanes, rows=1 if config.fmt == "Q8_0" else 4, chunk=64)
+    # GEMV chunks of 32 rows: SmolLM2's 576- and 960-row projections then split into an even
+    # number of tasks (18, 30; 9 and 15 with 64), balanced on 2 cores
+    return CPUSchedule(lanes=lanes, rows=1 if config.fmt == "Q8_0" else 4, chunk=32)
 
 
 def _divisor_at_most(n: int, limit: int, multiple_of: int = 1) -> int:
