@@ -394,7 +394,7 @@ def test_metadata_lists_every_parameter(bias_model):
     assert meta["model_config"]["rope_scaling"]["factor"] == 8.0
     assert meta["kv_cache"]["kind"] == "tvmattn" and meta["kv_cache"]["page_size"] == PAGE_SIZE
     assert meta["build_options"] == {"target": "llvm", "dtype": "float32", "page_size": PAGE_SIZE,
-                                     "kv_cache": "tvmattn", "weight_formats": []}
+                                     "kv_cache": "tvmattn", "weight_formats": [], "max_batch_size": 4}
     for name in ("embed", "prefill", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache"):
         assert name in meta["functions"]
 
@@ -515,8 +515,10 @@ def test_build_options_refuse_quantized_weights_off_the_cpu():
 
     with pytest.raises(ValueError, match="need target 'llvm' and dtype 'float32'"):
         BuildOptions(target="cuda:sm_90", dtype="float16", weight_formats=(("lm_head", "Q4_1"),))
-    with pytest.raises(ValueError, match="'Q6_K' is not supported"):
-        BuildOptions(weight_formats=(("lm_head", "Q6_K"),))
+    with pytest.raises(ValueError, match="'Q5_K' is not supported"):
+        BuildOptions(weight_formats=(("lm_head", "Q5_K"),))
+    with pytest.raises(ValueError, match="max_batch_size=0 is not supported"):
+        BuildOptions(max_batch_size=0)
 
 
 # CUDA kernels need head_dim >= 32 (a multiple of 4 * the schedule's threads): 128 / 2 heads.
