@@ -4,9 +4,10 @@ For each --quantization (default `f32,keep`; `default`: compile's default) the l
 into --libs (default build/bench_cpu/<quantization>/smollm2.so) with the main job's settings, or
 reused from there with --reuse (the folder is not keyed by the sources: delete it or leave out
 --reuse after a code change). When llama-cpp-python is importable (and unless --no-llama-cpp), the
-same GGUF runs on llama.cpp too (n_threads and n_threads_batch: --threads, default the CPU count,
-which is also the size of TVM's thread pool; n_ctx the prompt plus the decoded tokens; n_batch the
-prompt, so it is one batch as ours is one prefill call; greedy: the argmax of its logits).
+same GGUF runs on llama.cpp too (n_threads and n_threads_batch: --threads, default the CPU count;
+our children get TVM_NUM_THREADS=--threads, since TVM's own default is half the CPUs, one thread
+on this 2-CPU machine; n_ctx the prompt plus the decoded tokens; n_batch the prompt, so it is one
+batch as ours is one prefill call; greedy: the argmax of its logits).
 
 Every engine runs in a child process of its own, so that its memory is its own; the children run
 one after the other, --rounds times in turn (ours, llama.cpp, ours, ...), so that a load spike of
@@ -174,7 +175,8 @@ def _run_child(args, extra: list[str]) -> dict:
     command = [sys.executable, os.path.abspath(__file__), *extra, "--prompt-tokens", str(args.prompt_tokens),
                "--decode-tokens", str(args.decode_tokens), "--reps", str(args.reps), "--threads", str(args.threads),
                "--check-tokens", str(args.check_tokens)] + (["--check"] if args.check else [])
-    out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True).stdout
+    env = {**os.environ, "TVM_NUM_THREADS": str(args.threads)}  # TVM's default here is half the CPUs
+    out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True, env=env).stdout
     return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
 
 
@@ -227,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="timed runs per child (after one warm-up)")
     parser.add_argument("--rounds", type=int, default=1, help="children per engine, run in turn")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("TVM_NUM_THREADS", os.cpu_count())),
-                        help="llama.cpp's threads (TVM's pool: TVM_NUM_THREADS, else the CPU count)")
+                        help="threads of both engines: llama.cpp's n_threads, TVM_NUM_THREADS of our children "
+                             "(default: TVM_NUM_THREADS, else the CPU count)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even when installed")
     parser.add_argument("--check", action="store_true", help="compare greedy tokens on the test prompts")
     parser.add_argument("--check-tokens", type=int, default=64, help="tokens per test prompt for --check")
