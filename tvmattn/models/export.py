@@ -88,7 +88,8 @@ class BuildOptions:
             num_layers=config.num_hidden_layers, num_qo_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=self.dtype,
             target=self.target, page_size=self.page_size, rope_theta=config.rope_theta,
-            rope_scaling=config.rope_scaling,
+            rope_scaling=config.rope_scaling, sliding_window=config.sliding_window,
+            sliding_layers=config.sliding_layers,
         )
 
     def tvm_target(self) -> tvm.target.Target:

@@ -85,6 +85,9 @@ class KVCacheSpec:
 
     page_size is compiled into tvmattn's kernels: create_paged_kv_cache must be called with it.
     rope_theta / rope_scale / rope_scaling: RoPE applied to q and k before caching ("normal").
+    sliding_window / sliding_layers: layers marked True are MHA_SLIDING in the create call's
+    attn_kinds, with the window size as cache_config's 6th value (TVM's layer_sliding_window_size);
+    () means every layer MHA.
     """
 
     num_layers: int
@@ -97,6 +100,25 @@ class KVCacheSpec:
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
     rope_scaling: RopeScaling | None = None
+    sliding_window: int = 0
+    sliding_layers: tuple[bool, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "sliding_layers", tuple(bool(x) for x in self.sliding_layers))
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
+        if any(self.sliding_layers) and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window={self.sliding_window!r}: sliding layers need a positive window")
+
+    @property
+    def attn_kinds(self) -> list[int]:
+        """TVM's per-layer AttnKind values (MHA, or MHA_SLIDING for a sliding layer)."""
+        sliding = self.sliding_layers or (False,) * self.num_layers
+        return [int(AttnKind.MHA_SLIDING if s else AttnKind.MHA) for s in sliding]
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(self.sliding_layers)
 
     def attention_config(self, sliding_window: bool = False) -> AttentionConfig:
         return AttentionConfig(
@@ -108,6 +130,7 @@ class KVCacheSpec:
     def to_dict(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self)
         fields["rope_scaling"] = None if self.rope_scaling is None else dataclasses.asdict(self.rope_scaling)
+        fields["sliding_layers"] = list(self.sliding_layers)
         return fields
 
 
@@ -210,6 +233,8 @@ class TvmattnKVCache(nn.Object):
         fails at creation with the VM's shape-mismatch error."""
         values = [max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window]
         expected = [max_batch_size, max_total_seq_len, prefill_chunk_size, spec.page_size, support_sliding_window]
+        if spec.has_sliding_layers:  # TVM's layer_sliding_window_size, read by MHA_SLIDING layers
+            values, expected = values + [spec.sliding_window], expected + [spec.sliding_window]
         cache_config = rx.BlockBuilder.current().match_cast(
             rx.ShapeExpr(values), rx.ShapeType(expected), "cache_config_with_compiled_page_size"
         )
@@ -220,7 +245,7 @@ class TvmattnKVCache(nn.Object):
             num_kv_heads=rx.prim_value(spec.num_kv_heads),
             qk_head_dim=rx.prim_value(spec.head_dim),
             v_head_dim=rx.prim_value(spec.head_dim),
-            attn_kinds=rx.ShapeExpr([int(AttnKind.MHA)] * spec.num_layers),
+            attn_kinds=rx.ShapeExpr(spec.attn_kinds),
             enable_kv_transfer=rx.prim_value(False),
             rope_mode=rx.prim_value(int(RopeMode.NORMAL)),
             rope_scale=rx.prim_value(float(spec.rope_scale)),
@@ -254,8 +279,9 @@ def tvm_stock_kv_cache(spec: KVCacheSpec, max_batch_size, max_total_seq_len, pre
     """TVM's own TIRPagedKVCache with TVM's kernels, configured like `spec` (page size at run time)."""
     rope_scaling = {} if spec.rope_scaling is None else {"rope_type": "llama3",
                                                            **dataclasses.asdict(spec.rope_scaling)}
+    sliding = spec.sliding_layers or (False,) * spec.num_layers
     return TIRPagedKVCache(
-        attn_kind="mha",
+        attn_kind=["mha_sliding" if s else "mha" for s in sliding],
         max_batch_size=max_batch_size,
         max_total_seq_len=max_total_seq_len,
         prefill_chunk_size=prefill_chunk_size,
@@ -280,6 +306,7 @@ def tvm_stock_kv_cache(spec: KVCacheSpec, max_batch_size, max_total_seq_len, pre
         target=AttentionConfig(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
                                target=spec.target).tvm_target(),
         name=name,
+        layer_sliding_window_size=spec.sliding_window if spec.has_sliding_layers else 1024,
     )
 
 
