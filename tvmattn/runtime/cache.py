@@ -18,7 +18,11 @@ Semantics follow TVM's C++ cache (paged_kv_cache.cc), with these choices:
   handles only trees appended in the last forward); trees that are not chains are refused in
   caches with support_sliding_window or inline RoPE (as TVM does), and a sequence with an
   uncommitted tree cannot be forked;
-- MHA only: `v_head_dim` must equal `qk_head_dim`.
+- per-layer kinds (`attn_kinds`, TVM's AttnKind): MHA layers need `v_head_dim == qk_head_dim`;
+  MHA_SLIDING layers attend to each token's last `layer_sliding_window_size` tokens in every
+  step (tvmattn.runtime.windows; TVM does so in decode steps only); a cache is either every
+  layer MLA (tvmattn.runtime.mla: latent pages, append_mla_kv / self_attention /
+  cross_attention, no token trees, no sliding windows, as in TVM) or MHA / MHA_SLIDING.
 Every method validates its arguments before changing anything and raises KVCacheError.
 """
 
@@ -38,14 +42,17 @@ from tvmattn.flashinfer.select import attention_kernels
 
 from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPrefill, RaggedPrefillTreeMask,
                        RopeMode, backend_from_spec, bind_workspace)
-from .errors import KVCacheError, check, check_finite, check_int, check_tensor
+from .errors import KVCacheError, as_tensor, check, check_finite, check_int, check_tensor
 from .forward import Kernels, Rope, Step, Workspace
 from .graphs import empty_decode_plan, graph_layout, layout_end, pad_decode_plan
 from .kernels import Deferred, KernelSet, default_kernels, paged_slots
+from .kinds import AttnKind, parse_attn_kinds
+from .mla import MLAStep, check_mla_kernels, merge_for, mla_config, mla_kernel_set, ragged_for
 from .pages import PageAllocator
-from .plan import DeviceArrays, ForwardPlan, build_plan, build_plan_arrays, plan_size_bound
+from .plan import DeviceArrays, ForwardPlan, build_plan, build_plan_arrays, plan_size_bound, with_window
 from .sequences import PageCopy, SequenceTable, TableArrays
 from .trees import accepted_path, check_new_nodes, compact_copies, is_chain, tree_step
+from .windows import WindowStep, window_level
 
 log = logging.getLogger("tvmattn.cache")
 
@@ -69,6 +76,8 @@ class CacheOptions:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | dict | None = None
     support_sliding_window: bool = False
+    attn_kinds: tuple | None = None  # per layer AttnKind (None, or one kind: every layer)
+    layer_sliding_window_size: int = 1024  # the window of MHA_SLIDING layers
 
     def __post_init__(self):
         for name in ("num_layers", "num_qo_heads", "num_kv_heads", "qk_head_dim", "max_num_sequences",
@@ -76,8 +85,19 @@ class CacheOptions:
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         if self.v_head_dim is None:
             object.__setattr__(self, "v_head_dim", self.qk_head_dim)
-        check(self.v_head_dim == self.qk_head_dim, f"v_head_dim={self.v_head_dim}: must equal qk_head_dim="
-              f"{self.qk_head_dim} (a different v_head_dim is MLA, which is not supported yet)")
+        object.__setattr__(self, "v_head_dim", check_int("v_head_dim", self.v_head_dim, 1))
+        object.__setattr__(self, "attn_kinds", parse_attn_kinds(self.attn_kinds, self.num_layers))
+        object.__setattr__(self, "layer_sliding_window_size",
+                           check_int("layer_sliding_window_size", self.layer_sliding_window_size, 1))
+        if self.is_mla:
+            check(self.v_head_dim < self.qk_head_dim, f"v_head_dim={self.v_head_dim}: an MLA cache's v_head_dim is "
+                  f"the latent width, less than qk_head_dim={self.qk_head_dim} (latent + rope)")
+            check(not self.support_sliding_window, "support_sliding_window: MLA layers have no sliding windows "
+                  "(as in TVM)")
+        else:
+            check(self.v_head_dim == self.qk_head_dim, f"v_head_dim={self.v_head_dim}: must equal qk_head_dim="
+                  f"{self.qk_head_dim} for MHA layers (a v_head_dim below qk_head_dim is an MLA cache: "
+                  'attn_kinds="mla")')
         check(self.num_qo_heads % self.num_kv_heads == 0,
               f"num_kv_heads={self.num_kv_heads} must divide num_qo_heads={self.num_qo_heads}")
         object.__setattr__(self, "page_size", check_int("page_size", self.page_size))
@@ -90,6 +110,25 @@ class CacheOptions:
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
         object.__setattr__(self, "support_sliding_window", bool(self.support_sliding_window))
+        check(not (self.has_layer_windows and self.effective_rope_mode == RopeMode.INLINE),
+              f"rope_mode={self.rope_mode!r}: MHA_SLIDING layers need RoPE applied before caching or by the model "
+              "(inline RoPE, also what support_sliding_window turns \"normal\" into, is not supported with them)")
+
+    @property
+    def is_mla(self) -> bool:
+        """Every layer is MLA."""
+        return self.attn_kinds[0] == AttnKind.MLA
+
+    @property
+    def has_layer_windows(self) -> bool:
+        """Some layer is MHA_SLIDING."""
+        return AttnKind.MHA_SLIDING in self.attn_kinds
+
+    @property
+    def sequence_windows(self) -> bool:
+        """Sequences may get sliding windows (support_sliding_window, which TVM turns off in a
+        cache with MHA_SLIDING layers)."""
+        return self.support_sliding_window and not self.has_layer_windows
 
     @property
     def num_pages(self) -> int:
@@ -148,6 +187,10 @@ class PagedKVCache:
         (applied inside attention; K cached unrotated); rope_scale, rope_theta, rope_scaling
         (Llama-3 RopeScaling or a Hugging Face dict).
       support_sliding_window: sequences may get a sliding window with an attention sink.
+      attn_kinds: per-layer kinds (TVM's AttnKind: "mha", "mla", "mha_sliding" or their
+        integers), one for every layer or None (MHA). "mla" (every layer): pages
+        [num_pages, page_size, qk_head_dim], qk_head_dim = latent + rope, v_head_dim = latent.
+      layer_sliding_window_size: the window of "mha_sliding" layers (TVM's default, 1024).
       device: a tvm.runtime.Device (default tvm.cpu()).
       kernels: optional overrides, slot name -> backend spec or function (see tvmattn.runtime.kernels);
         every other slot gets tvmattn's kernel for this configuration, built once per process.
@@ -169,27 +212,37 @@ class PagedKVCache:
                  max_num_sequences: int = 32, max_total_seq_len: int = 4096, prefill_chunk_size: int = 2048,
                  rope_mode: str = "none", rope_scale: float = 1.0, rope_theta: float = 10000.0,
                  rope_scaling: RopeScaling | dict | None = None, support_sliding_window: bool = False,
+                 attn_kinds=None, layer_sliding_window_size: int = 1024,
                  device=None, kernels: dict | None = None, backend: str = "tir"):
         self.options = CacheOptions(num_layers, num_qo_heads, num_kv_heads, qk_head_dim, v_head_dim, dtype,
                                     page_size, max_num_sequences, max_total_seq_len, prefill_chunk_size,
-                                    rope_mode, rope_scale, rope_theta, rope_scaling, support_sliding_window)
+                                    rope_mode, rope_scale, rope_theta, rope_scaling, support_sliding_window,
+                                    attn_kinds, layer_sliding_window_size)
         opts = self.options
         self.device = tvm.cpu() if device is None else device
         self.target = target_for(self.device)
-        self.backend, kernels = attention_kernels(backend, opts, self.target, kernels)
-        self.kernels: KernelSet = default_kernels(opts.attention_config(self.target), opts.num_layers,
-                                                  sliding_window=opts.support_sliding_window, overrides=kernels)
-        self._step_kernels = self._check_kernels(self.kernels)
+        self._kinds = opts.attn_kinds
+        self._mla = self._window_decode = None
+        if opts.is_mla:
+            self._init_mla_kernels(backend, kernels)
+        else:
+            self.backend, kernels = attention_kernels(backend, opts, self.target, kernels)
+            self.kernels: KernelSet = default_kernels(
+                opts.attention_config(self.target), opts.num_layers, sliding_window=opts.sequence_windows,
+                layer_windows=opts.has_layer_windows, overrides=kernels)
+            self._step_kernels = self._check_kernels(self.kernels)
         k = self._step_kernels
         self._flashinfer_workspace = bind_workspace((k.ragged, k.paged_prefill, k.paged_decode), self.device)
         self._rope = Rope(opts.effective_rope_mode, opts.rope_scale, opts.rope_theta)
         self._allocator = PageAllocator(opts.num_pages)
-        self._table = SequenceTable(self._allocator, opts.page_size, opts.max_num_sequences,
-                                    opts.support_sliding_window)
-        self._pools = [self._zeros((opts.num_pages, 2, opts.num_kv_heads, opts.page_size, opts.qk_head_dim))
-                       for _ in range(opts.num_layers)]
+        self._table = SequenceTable(self._allocator, opts.page_size, opts.max_num_sequences, opts.sequence_windows)
+        if opts.is_mla:
+            page_shape = (opts.num_pages, opts.page_size, opts.qk_head_dim)
+        else:
+            page_shape = (opts.num_pages, 2, opts.num_kv_heads, opts.page_size, opts.qk_head_dim)
+        self._pools = [self._zeros(page_shape) for _ in range(opts.num_layers)]
         self._workspace = Workspace(opts.prefill_chunk_size, opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim,
-                                    opts.v_head_dim, opts.dtype, self.device)
+                                    opts.v_head_dim, opts.dtype, self.device, split_qkv=not opts.is_mla)
         self._arrays = DeviceArrays(self.device)
         # CUDA-graph decode steps: a plan buffer of their own, created on first use (_graph_layout)
         self._graph_arrays: DeviceArrays | None = None
@@ -204,9 +257,28 @@ class PagedKVCache:
         pool.copyfrom(np.zeros(shape, dtype=numpy_dtype(self.options.dtype)))
         return pool
 
+    def _init_mla_kernels(self, backend: str, kernels: dict | None) -> None:
+        """The kernels of an MLA cache (TIR only: FlashInfer's MLA modules are not built here)."""
+        opts = self.options
+        if backend != "tir":
+            log.warning("backend %r not used for MLA layers: tvmattn runs them with its TIR kernels", backend)
+        self.backend = "tir"
+        config = mla_config(opts.num_qo_heads, opts.qk_head_dim, opts.v_head_dim, opts.dtype, opts.page_size,
+                            self.target)
+        self.kernels = mla_kernel_set(config, opts.num_layers, dict(kernels or {}))
+        self._mla = check_mla_kernels(self.kernels)
+        m = self._mla
+        self._step_kernels = Kernels(m.ragged, m.prefill, m.decode, None, None, m.merge)
+
     def _check_kernels(self, kernels: KernelSet) -> Kernels:
         """The backends and functions a step runs; KVCacheError names a missing slot."""
-        paged = paged_slots(self.options.support_sliding_window)
+        paged = paged_slots(self.options.sequence_windows)
+        if self.options.has_layer_windows:
+            self._window_decode = backend_from_spec(kernels.decode_paged_sliding_window, PagedDecode)
+            check(self._window_decode is not None, "kernels: slot 'decode_paged_sliding_window' is empty, but the "
+                  "cache's MHA_SLIDING layers run it")
+            check(self._window_decode.kind == "tir", "kernels: slot 'decode_paged_sliding_window' must be a TIR "
+                  "kernel (FlashInfer's modules have no window offsets)")
         roles = {"prefill_ragged": RaggedPrefill, paged[0]: PagedPrefill, paged[1]: PagedDecode}
         backends = {}
         for slot, role in roles.items():
@@ -258,6 +330,8 @@ class PagedKVCache:
     def enable_sliding_window_for_seq(self, seq_id: int, window_size: int, sink_size: int) -> None:
         """Keep only the first `sink_size` and the last `window_size - sink_size` tokens of the
         sequence (0 <= sink_size < window_size); the window slides as tokens are appended."""
+        check(not self.options.has_layer_windows, "enable_sliding_window_for_seq: this cache has MHA_SLIDING layers "
+              "(their window is layer_sliding_window_size); per-sequence windows are off in such a cache, as in TVM")
         self._table.enable_sliding_window(seq_id, window_size, sink_size)
         self._step = None
 
@@ -280,13 +354,15 @@ class PagedKVCache:
         plus its depth.
         """
         seq_ids, lengths = self._check_batch(seq_ids, append_lengths)
+        check(token_tree_parent_ptr is None or not self.options.is_mla, "token_tree_parent_ptr: token trees are not "
+              "supported in an MLA cache (as in TVM)")
         seqs = self._sequences(seq_ids)
         trees = self._check_tree(seqs, lengths, token_tree_parent_ptr)
         masked = trees is not None and not all(is_chain(seq.tree + new) for seq, new in zip(seqs, trees))
         if masked:
             self._check_tree_support()
         nodes = sum(seq.tree_tokens for seq in seqs) + sum(lengths) if masked else 0
-        page_size, sliding = self.options.page_size, self.options.support_sliding_window
+        page_size, sliding = self.options.page_size, self.options.sequence_windows
         if trees is None and not any(map(_WINDOW_SIZE, seqs)):
             # the usual step (no sliding window, no token tree): planned with numpy over the batch
             tables = TableArrays.gather(seqs)
@@ -294,6 +370,7 @@ class PagedKVCache:
             batch, copies = self._table.reserve_plain(seqs, lengths, tables)
             self._copy_pages(copies)
             plan = build_plan_arrays(seq_ids, lengths, batch, page_size, sliding)
+            after = batch.seqs
         else:
             pages = sum(len(seq.pages) for seq in seqs)
             self._arrays.reserve(plan_size_bound(pages, lengths, page_size, nodes))
@@ -304,13 +381,23 @@ class PagedKVCache:
                 tree = tree_step([a.seq.tree for a in appended],
                                  [a.seq.length - a.seq.tree_tokens for a in appended], lengths)
             plan = build_plan(seq_ids, appended, lengths, page_size, sliding, tree=tree)
+            after = None if not self.options.has_layer_windows else TableArrays.gather([a.seq for a in appended])
+        if self.options.has_layer_windows:
+            plan = with_window(plan, window_level(after, lengths, self.options.layer_sliding_window_size, page_size))
         self._start_step(plan, self._arrays)
 
     def _start_step(self, plan: ForwardPlan, device_arrays: DeviceArrays) -> None:
         """The backends' plan step, the upload, and the Step that the layers' calls run."""
-        self._begin_backends(plan)
+        if not self.options.is_mla:
+            self._begin_backends(plan)
         arrays = device_arrays.upload(plan)
-        self._step = Step(plan, arrays, self._step_kernels, self._workspace.views(plan.total), self._rope)
+        work = self._workspace.views(plan.total)
+        if self._mla is not None:
+            self._step = MLAStep(plan, arrays, self._step_kernels, work, self._rope, self._mla)
+        elif self._window_decode is not None:
+            self._step = WindowStep(plan, arrays, self._step_kernels, work, self._rope, self._window_decode)
+        else:
+            self._step = Step(plan, arrays, self._step_kernels, work, self._rope)
         self._shapes = self._step_shapes(plan.total)
 
     def end_forward(self) -> None:
@@ -363,6 +450,8 @@ class PagedKVCache:
         kernels on first use."""
         check(not self.options.support_sliding_window, "token trees that are not chains are not supported by a "
               "cache with support_sliding_window (tree attention has no sliding-window kernels, as in TVM)")
+        check(not self.options.has_layer_windows, "token trees that are not chains are not supported by a cache "
+              "with MHA_SLIDING layers (tree attention has no sliding-window kernels)")
         check(self._rope.mode != RopeMode.INLINE, "token trees that are not chains are not supported with "
               'rope_mode="inline": a node\'s RoPE position is its depth, not its place in the cache; use "normal"')
         if self._step_kernels.tree_paged is not None:
@@ -422,6 +511,8 @@ class PagedKVCache:
     def _step_shapes(self, n: int) -> dict:
         opts = self.options
         hq, hkv, d, dv = opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim, opts.v_head_dim
+        if opts.is_mla:
+            return {"kv": (n, d), "q": (n, hq, d), "o": (n, hq, dv), "lse": (n, hq)}
         return {"qkv": (n, hq + 2 * hkv, d), "q": (n, hq, d), "k": (n, hkv, d), "v": (n, hkv, dv),
                 "o": (n, hq, dv), "lse": (n, hq)}
 
@@ -437,43 +528,76 @@ class PagedKVCache:
             layer_id = check_int("layer_id", layer_id, 0, self.options.num_layers - 1)
         return self._pools[layer_id]
 
+    def _layer_of_kind(self, what: str, layer_id, kinds: tuple, use: str):
+        """The pages of layer_id, whose kind must be one of `kinds` (else KVCacheError naming `use`)."""
+        pages = self._layer(layer_id)
+        kind = self._kinds[int(layer_id)]
+        if kind not in kinds:
+            raise KVCacheError(f"{what}: layer {layer_id} is an {kind.name} layer; {use}")
+        return pages, kind
+
     def _tensor(self, name: str, tensor, dtype: str | None = None):
         return check_tensor(name, tensor, self._shapes[name], dtype or self.options.dtype, self.device)
 
     def attention_with_fused_qkv(self, layer_id: int, sm_scale: float, qkv, o) -> None:
         """Attention of this step's new tokens over their sequences (history + new tokens,
-        causal), appending the new K/V to the layer's pages.
+        causal; an MHA_SLIDING layer's within each token's window), appending the new K/V to
+        the layer's pages.
 
         qkv [n, Hq + 2*Hkv, D] (heads: q, then k, then v), o [n, Hq, Dv]; n = tokens of the step.
         """
         step = self._active("attention_with_fused_qkv")
-        pages = self._layer(layer_id)
+        pages, kind = self._layer_of_kind("attention_with_fused_qkv", layer_id, _MHA_KINDS,
+                                          "MLA layers run append_mla_kv, self_attention and cross_attention")
         qkv, o = self._tensor("qkv", qkv), self._tensor("o", o)
-        step.attention_with_fused_qkv(pages, qkv, o, check_finite("sm_scale", sm_scale))
+        if kind == AttnKind.MHA_SLIDING:
+            step.attention_in_window(pages, qkv, o, check_finite("sm_scale", sm_scale))
+        else:
+            step.attention_with_fused_qkv(pages, qkv, o, check_finite("sm_scale", sm_scale))
         step.appended_layers.add(layer_id)
 
     def attention_with_shared_kv(self, source_layer_id: int, sm_scale: float, q, k, v, o) -> None:
         """Attention of this step's new tokens over the K/V of layer `source_layer_id` (a layer
-        that shares another's cache), appending nothing; that layer must have run
-        attention_with_fused_qkv in this step (its new K/V are then in its pages).
+        that shares another's cache; an MHA_SLIDING source's window applies), appending
+        nothing; that layer must have run attention_with_fused_qkv in this step (its new K/V
+        are then in its pages).
 
         q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, Dv]: the query and the source layer's key and value
         of the step's tokens, as split_rotary gives them (RoPE applied in rope_mode "normal")
         -> o [n, Hq, Dv]."""
         step = self._active("attention_with_shared_kv")
-        pages = self._layer(source_layer_id)
+        pages, kind = self._layer_of_kind("attention_with_shared_kv", source_layer_id, _MHA_KINDS,
+                                          "only MHA layers' K/V can be shared (as in TVM)")
         check(source_layer_id in step.appended_layers, f"attention_with_shared_kv: source layer {source_layer_id} "
               "has not run attention_with_fused_qkv in this step, so its pages lack the step's K/V")
         q, k, v, o = (self._tensor(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o)))
-        step.attend(pages, q, k, v, o, check_finite("sm_scale", sm_scale))
+        if kind == AttnKind.MHA_SLIDING:
+            step.attend_in_window(pages, q, o, check_finite("sm_scale", sm_scale))
+        else:
+            step.attend(pages, q, k, v, o, check_finite("sm_scale", sm_scale))
+
+    def append_mla_kv(self, layer_id: int, kv) -> None:
+        """Write this step's latent rows kv [n, qk_head_dim] (latent, then rope part) into the
+        MLA layer's pages; n = tokens of the step."""
+        step = self._active("append_mla_kv")
+        pages, _ = self._layer_of_kind("append_mla_kv", layer_id, (AttnKind.MLA,),
+                                       "MHA layers append in attention_with_fused_qkv")
+        step.append_mla_kv(pages, self._tensor("kv", kv))
+        step.appended_layers.add(layer_id)
 
     def self_attention(self, layer_id: int, sm_scale: float, q, k, v, o, lse) -> None:
         """Causal attention among this step's new tokens only (nothing is cached).
 
-        q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, Dv] -> o [n, Hq, Dv], lse [n, Hq] f32 (base 2).
+        MHA layer: q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, Dv] -> o [n, Hq, Dv], lse [n, Hq] f32
+        (base 2). MLA layer: the model's own head dims, q and k [n, Hq, d_qk], v and o [n, Hq, d_v]
+        (e.g. 192 / 128), no RoPE in the kernel.
         """
         step = self._active("self_attention")
-        self._layer(layer_id)
+        _, kind = self._layer_of_kind("self_attention", layer_id, (AttnKind.MHA, AttnKind.MLA),
+                                      "a windowed layer has no self/cross split (use attention_with_fused_qkv)")
+        if kind == AttnKind.MLA:
+            self._mla_self_attention(step, q, k, v, o, lse, check_finite("sm_scale", sm_scale))
+            return
         check(not step.tree or self._step_kernels.tree_ragged is not None, "self_attention: this step has token "
               "trees and the kernels' slot 'tree_attn_ragged' is empty")
         q, k, v, o = (self._tensor(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o)))
@@ -483,18 +607,34 @@ class PagedKVCache:
             step.ragged_planned = True
         step.self_attention(q, k, v, o, lse, check_finite("sm_scale", sm_scale))
 
+    def _mla_self_attention(self, step, q, k, v, o, lse, sm_scale: float) -> None:
+        """MLA self-attention: shapes checked against each other, the ragged prefill of their dims."""
+        opts, n = self.options, step.plan.total
+        q = as_rows("q", q, n, opts.num_qo_heads, opts.dtype, self.device)
+        d_qk = int(q.shape[2])
+        k = check_tensor("k", k, (n, opts.num_qo_heads, d_qk), opts.dtype, self.device)
+        v = as_rows("v", v, n, opts.num_qo_heads, opts.dtype, self.device)
+        d_v = int(v.shape[2])
+        o = check_tensor("o", o, (n, opts.num_qo_heads, d_v), opts.dtype, self.device)
+        lse = check_tensor("lse", lse, (n, opts.num_qo_heads), "float32", self.device)
+        ragged = self._mla.ragged or ragged_for(opts.num_qo_heads, d_qk, d_v, opts.dtype, self.target)
+        step.mla_self_attention(ragged, q, k, v, o, lse, sm_scale)
+
     def cross_attention(self, layer_id: int, sm_scale: float, q, o, lse) -> None:
         """Attention of this step's queries over the cached tokens before the step (no mask).
 
-        q [n, Hq, D] -> o [n, Hq, Dv], lse [n, Hq] f32 (base 2; rows with no key: o = 0,
-        lse = -5e4).
+        MHA layer: q [n, Hq, D] -> o [n, Hq, Dv], lse [n, Hq] f32 (base 2; rows with no key:
+        o = 0, lse = -5e4). MLA layer: absorbed q [n, Hq, qk_head_dim] -> o [n, Hq, v_head_dim]
+        (the latent width); in a decode step over the history and the step's rows (appended
+        by append_mla_kv first), as TVM's cache does.
         """
         step = self._active("cross_attention")
-        pages = self._layer(layer_id)
+        pages, kind = self._layer_of_kind("cross_attention", layer_id, (AttnKind.MHA, AttnKind.MLA),
+                                          "a windowed layer has no self/cross split (use attention_with_fused_qkv)")
         check(not step.grown_tree, "cross_attention: a token tree of this step grew over an earlier forward, so "
               "its history holds uncommitted nodes that only some queries see; use attention_with_fused_qkv")
         q, o, lse = self._tensor("q", q), self._tensor("o", o), self._tensor("lse", lse, "float32")
-        if not step.cross_planned:  # cross levels have plans of their own (FlashInfer), made on first use
+        if not step.cross_planned and kind != AttnKind.MLA:  # cross levels have plans of their own (FlashInfer)
             self._begin_levels(step.plan, step.plan.host.cross, step.cross_depth)
             step.cross_planned = True
         step.cross_attention(pages, q, o, lse, check_finite("sm_scale", sm_scale))
@@ -502,14 +642,21 @@ class PagedKVCache:
     def merge_attn_output_inplace(self, o1, lse1, o2, lse2) -> None:
         """(o1, lse1) <- the merge of two attention results over disjoint keys (base-2 LSE).
 
-        o1, o2 [n, Hq, Dv]; lse1, lse2 [n, Hq] f32.
+        o1, o2 [n, Hq, Dv]; lse1, lse2 [n, Hq] f32. In an MLA cache Dv is the width of the
+        merged outputs (the model's v head dim, e.g. 128, or the latent width).
         """
         opts = self.options
         n = _rows("o1", o1)
-        shapes = {"o": (n, opts.num_qo_heads, opts.v_head_dim), "lse": (n, opts.num_qo_heads)}
+        width, merge = opts.v_head_dim, self.kernels.merge_state
+        if opts.is_mla:
+            o1 = as_rows("o1", o1, n, opts.num_qo_heads, opts.dtype, self.device)
+            width = int(o1.shape[2])
+            if width != opts.v_head_dim:
+                merge = self._mla.merge_output or merge_for(opts.num_qo_heads, width, opts.dtype, self.target)
+        shapes = {"o": (n, opts.num_qo_heads, width), "lse": (n, opts.num_qo_heads)}
         tensors = [check_tensor(name, t, shapes[name[:-1]], opts.dtype if name[0] == "o" else "float32",
                                 self.device) for name, t in (("o1", o1), ("lse1", lse1), ("o2", o2), ("lse2", lse2))]
-        self.kernels.merge_state(*tensors)
+        merge(*tensors)
 
     # -- commits of token trees
     def commit_accepted_token_tree_nodes(self, seq_ids, leaf_indices) -> None:
@@ -573,18 +720,33 @@ class PagedKVCache:
     def debug_get_kv(self, seq_id: int, start: int, end: int, k, v) -> None:
         """Copy K and V of tokens start .. end-1 of a sequence, every layer, into
         k [num_layers, end - start, Hkv, D] and v [num_layers, end - start, Hkv, Dv]."""
+        check(not self.options.is_mla, "debug_get_kv: this is an MLA cache; use debug_get_kv_mla")
+        positions, n = self._debug_positions(seq_id, start, end)
+        opts = self.options
+        k = check_tensor("k", k, (opts.num_layers, n, opts.num_kv_heads, opts.qk_head_dim), opts.dtype, self.device)
+        v = check_tensor("v", v, (opts.num_layers, n, opts.num_kv_heads, opts.v_head_dim), opts.dtype, self.device)
+        for layer, pool in enumerate(self._pools):
+            self.kernels.debug_get_kv(pool, positions, k, v, layer)
+
+    def debug_get_kv_mla(self, seq_id: int, start: int, end: int, kv) -> None:
+        """Copy the latent rows of tokens start .. end-1 of a sequence, every layer, into
+        kv [num_layers, end - start, qk_head_dim] (an MLA cache)."""
+        check(self.options.is_mla, "debug_get_kv_mla: this cache has no MLA layers; use debug_get_kv")
+        positions, n = self._debug_positions(seq_id, start, end)
+        opts = self.options
+        kv = check_tensor("kv", kv, (opts.num_layers, n, opts.qk_head_dim), opts.dtype, self.device)
+        for layer, pool in enumerate(self._pools):
+            self.kernels.debug_get_kv(pool, positions, kv, layer)
+
+    def _debug_positions(self, seq_id: int, start: int, end: int) -> tuple:
+        """(int32 pool positions of tokens start .. end-1 on the device, end - start), checked."""
         check(self.kernels.debug_get_kv is not None, "kernels: slot 'debug_get_kv' is empty")
         seq = self._table.get(seq_id)
         start, end = check_int("start", start), check_int("end", end)
         check(0 <= start < end <= seq.length, f"start={start}, end={end}: expected 0 <= start < end <= "
               f"{seq.length} (the length of sequence {seq_id})")
-        opts = self.options
-        n = end - start
-        k = check_tensor("k", k, (opts.num_layers, n, opts.num_kv_heads, opts.qk_head_dim), opts.dtype, self.device)
-        v = check_tensor("v", v, (opts.num_layers, n, opts.num_kv_heads, opts.v_head_dim), opts.dtype, self.device)
-        positions = tvm.runtime.tensor(seq.positions(start, end, opts.page_size), device=self.device)
-        for layer, pool in enumerate(self._pools):
-            self.kernels.debug_get_kv(pool, positions, k, v, layer)
+        positions = tvm.runtime.tensor(seq.positions(start, end, self.options.page_size), device=self.device)
+        return positions, end - start
 
     # -- CUDA-graph decode (tvmattn.runtime.graphs)
     def begin_graph_decode(self, seq_ids, bucket: int) -> None:
@@ -670,6 +832,7 @@ class PagedKVCache:
 
 
 _WINDOW_SIZE = operator.attrgetter("window_size")
+_MHA_KINDS = (AttnKind.MHA, AttnKind.MHA_SLIDING)
 _TREE = operator.attrgetter("tree")
 
 
@@ -681,6 +844,15 @@ def _int_list(name: str, values) -> list:
     if set(map(type, items)) <= {int}:  # plain ints (the usual case) need no conversion
         return items
     return [check_int(f"{name}[{i}]", value) for i, value in enumerate(items)]
+
+
+def as_rows(name: str, tensor, n: int, heads: int, dtype: str, device):
+    """`tensor` as a Tensor [n, heads, d] (any d) of dtype and device, else KVCacheError."""
+    tensor = as_tensor(name, tensor)
+    shape = tuple(int(x) for x in tensor.shape)
+    if len(shape) != 3 or shape[:2] != (n, heads):
+        raise KVCacheError(f"{name} must have shape ({n}, {heads}, d), got {shape}")
+    return check_tensor(name, tensor, tensor.shape, dtype, device)
 
 
 def _rows(name: str, tensor) -> int:

@@ -48,7 +48,6 @@ same Python object, so the wrappers below receive the `PagedKVCache` itself. Con
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import inspect
 import operator
@@ -58,6 +57,7 @@ import tvm_ffi
 
 from .cache import PagedKVCache
 from .errors import KVCacheError
+from .kinds import AttnKind as AttnKind, parse_attn_kinds  # AttnKind: re-exported
 
 PREFIX = "tvmattn."
 VM_PREFIX = "vm.builtin."
@@ -123,13 +123,6 @@ def _api(name: str):
         return wrapper
 
     return decorate
-
-
-def _mla_not_supported(name: str):
-    def fn(cache, *args):
-        raise KVCacheError(f"{PREFIX}{name}: MLA (multi-head latent attention) is not supported yet")
-
-    return _api(name)(fn)
 
 
 @_api("kv_state_clear")
@@ -238,22 +231,21 @@ def merge_attn_output_inplace(cache, o1, lse1, o2, lse2):
     return [o1, lse1]
 
 
-_mla_not_supported("attention_kv_cache_debug_get_kv_mla")
-_mla_not_supported("attention_kv_cache_append_mla_kv")
+@_api("attention_kv_cache_debug_get_kv_mla")
+def debug_get_kv_mla(cache, seq_id, start, end, kv):
+    cache.debug_get_kv_mla(seq_id, start, end, kv)
+
+
+@_api("attention_kv_cache_append_mla_kv")
+def append_mla_kv(cache, layer_id, kv):
+    """Returns the cache, as TVM's builtin does (the model threads it through)."""
+    cache.append_mla_kv(layer_id, kv)
+    return cache
 
 
 # --------------------------------------------------------------------------------------------
 # Creation
 # --------------------------------------------------------------------------------------------
-class AttnKind(enum.IntEnum):
-    """TVM's per-layer attention kinds (attn_utils.h)."""
-
-    MHA = 0
-    MLA = 1
-    LINEAR = 2
-    MHA_SLIDING = 3
-
-
 ROPE_MODES = {0: "none", 1: "normal", 2: "inline"}
 
 
@@ -263,14 +255,17 @@ class CreateArgs:
     paged_kv_cache.cc); the field order IS the argument order.
 
     cache_config: [reserved_num_seqs, total_token_capacity, prefill_chunk_size, page_size,
-      support_sliding_window(, layer_sliding_window_size)]; the last is only used by MHA_SLIDING
-      layers, which tvmattn does not support.
+      support_sliding_window(, layer_sliding_window_size)]; the last (default 1024, as TVM's) is
+      the window of MHA_SLIDING layers.
     layer_indptr: [0, num_layers] (one pipeline stage; Disco groups are not supported).
-    attn_kinds: per layer, AttnKind (MHA only).
+    attn_kinds: per layer, AttnKind: MHA / MHA_SLIDING, or MLA for every layer.
     enable_kv_transfer must be False and rope_ext_factors not a tensor (both unsupported).
     init: a tensor whose dtype and device are the cache's.
     Attention slots (prefill_ragged .. mla_prefill) are backend specs; merge is an array of merge
-    functions (the first is MHA's); transpose_append_mla and mla_prefill must stay unset / [].
+    functions: the first merges cascade levels (at v_head_dim), a second (MLA caches) is
+    merge_attn_output_inplace's. In an MLA cache, transpose_append_mla, mla_prefill,
+    copy_single_page and debug_get_kv are the MLA layout's, and prefill_ragged is the
+    self-attention's (at the model's own head dims).
     A 29th argument (TVM reserves it, unused) is accepted and ignored.
     """
 
@@ -321,6 +316,8 @@ class CreateArgs:
 # CreateArgs field -> PagedKVCache `kernels` slot name.
 KERNEL_SLOTS = {
     "transpose_append_mha": "transpose_append",
+    "transpose_append_mla": "transpose_append_mla",
+    "mla_prefill": "prefill_paged_mla",
     "prefill_ragged": "prefill_ragged",
     "prefill_paged": "prefill_paged",
     "decode_paged": "decode_paged",
@@ -356,20 +353,16 @@ def cache_options(args: CreateArgs, library_kernels: bool = True) -> dict:
         raise _create_error(f"layer_indptr must be [0, num_layers] (one pipeline stage), got {layer_indptr}")
     num_layers = layer_indptr[1]
     kinds = _ints(args.attn_kinds, "paged_attention_kv_cache_create", "attn_kinds")
-    for kind in set(kinds) - {AttnKind.MHA}:
-        name = AttnKind(kind).name if kind in AttnKind._value2member_map_ else str(kind)
-        what = "MLA is not supported yet" if kind == AttnKind.MLA else "only MHA layers are supported"
-        raise _create_error(f"attn_kinds contains {name} layers: {what}")
-    if len(kinds) != num_layers:
-        raise _create_error(f"attn_kinds has {len(kinds)} entries for {num_layers} layers")
+    try:
+        kinds = parse_attn_kinds(kinds, num_layers)
+    except KVCacheError as error:
+        raise _create_error(str(error)) from None
     if bool(args.enable_kv_transfer):
         raise _create_error("enable_kv_transfer (disaggregation) is not supported")
     if _is_tensor(args.rope_ext_factors):
         raise _create_error("rope_ext_factors (LongRoPE) is not supported")
     if int(args.rope_mode) not in ROPE_MODES:
         raise _create_error(f"rope_mode must be 0 (none), 1 (normal) or 2 (inline), got {args.rope_mode}")
-    if args.mla_prefill is not None and len(args.mla_prefill):
-        raise _create_error("an MLA prefill kernel was given: MLA is not supported yet")
     if not _is_tensor(args.init):
         raise _create_error(f"init (position 12) must be a tensor, got {type(args.init).__name__}")
     reserved_num_seqs, total_token_capacity, prefill_chunk_size, page_size, sliding = config[:5]
@@ -388,6 +381,8 @@ def cache_options(args: CreateArgs, library_kernels: bool = True) -> dict:
         rope_scale=float(args.rope_scale),
         rope_theta=float(args.rope_theta),
         support_sliding_window=bool(sliding),
+        attn_kinds=kinds,
+        layer_sliding_window_size=config[5] if len(config) == 6 else 1024,
         device=args.init.device,
     )
     if library_kernels:
@@ -404,6 +399,8 @@ def library_kernel_slots(args: CreateArgs) -> dict:
     if not len(args.merge):
         raise _create_error("merge (position 23) must hold at least the MHA merge function")
     slots["merge_state"] = args.merge[0]
+    if len(args.merge) > 1:
+        slots["merge_attn_output"] = args.merge[1]
     return slots
 
 
@@ -412,7 +409,7 @@ def _is_tensor(value) -> bool:
 
 
 EXTENSIONS_TAG = "tvmattn_extensions"
-EXTENSION_SLOTS = ("split_rotary_append",)
+EXTENSION_SLOTS = ("split_rotary_append", "decode_paged_mla")
 
 
 def extension_slots(args) -> dict:

@@ -55,7 +55,8 @@ class Workspace:
     q [C, Hq, D], k [C, Hkv, D], v [C, Hkv, Dv], o_tmp [C, Hq, Dv], lse and lse_tmp [C, Hq] f32."""
 
     def __init__(self, chunk: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
-                 dtype: str, device):
+                 dtype: str, device, split_qkv: bool = True):
+        """split_qkv: allocate q, k and v (MLA caches, whose caller passes them, do not)."""
         shapes = {
             "q": ((num_qo_heads, head_dim), dtype),
             "k": ((num_kv_heads, head_dim), dtype),
@@ -64,6 +65,8 @@ class Workspace:
             "lse": ((num_qo_heads,), "float32"),
             "lse_tmp": ((num_qo_heads,), "float32"),
         }
+        if not split_qkv:
+            shapes = {name: shape for name, shape in shapes.items() if name not in ("q", "k", "v")}
         self._buffers = {name: BufferViews(tvm.runtime.empty((chunk, *row), dt, device=device),
                                            functools.partial(_rows, row, dt))
                          for name, (row, dt) in shapes.items()}
@@ -91,7 +94,7 @@ class Step:
         self._a = arrays
         self._k = kernels
         self._rope = rope
-        self.q, self.k, self.v = work["q"], work["k"], work["v"]
+        self.q, self.k, self.v = work.get("q"), work.get("k"), work.get("v")
         self.o_tmp, self.lse, self.lse_tmp = work["o_tmp"], work["lse"], work["lse_tmp"]
         self._fused = [] if plan.tree else [self._level(d, level) for d, level in enumerate(arrays.fused)]
         # cross levels have depths of their own after the fused ones (their plans may differ);

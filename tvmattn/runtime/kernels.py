@@ -11,10 +11,15 @@ Slot names (the `kernels=` keys of PagedKVCache), with what each holds:
 - `split_rotary_append` (optional, not in TVM's contract): split_rotary and transpose_append in
   one launch (tir_kernels.split_rotary_append), run in decode and tree steps. Built only where
   neither split_rotary nor transpose_append is replaced (a replaced one must run as given).
+- MLA caches (tvmattn.runtime.mla builds their set): `prefill_paged_mla` (TVM's mla_prefill),
+  `decode_paged_mla` (ours, not in TVM's create call), `transpose_append_mla`, and
+  `merge_attn_output` (TVM's second merge function, run by merge_attn_output_inplace); there
+  `copy_single_page`, `debug_get_kv` and `merge_state` are the MLA layout's.
 
 A cache with `support_sliding_window` runs the sliding-window variants for every sequence
 (sink 0, offset 0 for a sequence without a window), as TVM's cache does; otherwise the plain
-ones. The tree-mask slots (run only by token-tree steps, which sliding-window caches refuse)
+ones. A cache with MHA_SLIDING layers also runs `decode_paged_sliding_window` for those layers.
+The tree-mask slots (run only by token-tree steps, which sliding-window caches refuse)
 hold a `Deferred` that the cache builds on the first tree step. Slots the cache does not run
 are left `[]` / None by `default_kernels`.
 """
@@ -37,9 +42,11 @@ ATTENTION_SLOTS = (
     "decode_paged_sliding_window",
     "tree_attn_paged_kv",
     "tree_attn_ragged",
+    "prefill_paged_mla",
+    "decode_paged_mla",
 )
 FUNCTION_SLOTS = ("transpose_append", "split_rotary", "copy_single_page", "compact_copy", "debug_get_kv", "merge_state")
-OPTIONAL_SLOTS = ("split_rotary_append",)
+OPTIONAL_SLOTS = ("split_rotary_append", "transpose_append_mla", "merge_attn_output")
 SLOTS = ATTENTION_SLOTS + FUNCTION_SLOTS + OPTIONAL_SLOTS
 
 
@@ -61,6 +68,10 @@ class KernelSet:
     debug_get_kv: object = None
     merge_state: object = None
     split_rotary_append: object = None
+    prefill_paged_mla: object = ()
+    decode_paged_mla: object = ()
+    transpose_append_mla: object = None
+    merge_attn_output: object = None
 
 
 # slot -> (generator, the config fields the generator reads besides shapes/dtype/target).
@@ -108,19 +119,25 @@ class Deferred:
         return build_slot(self.slot, self.config, self.num_layers)
 
 
+def check_slot_names(overrides: dict) -> None:
+    unknown = sorted(set(overrides) - set(SLOTS))
+    if unknown:
+        raise KVCacheError(f"kernels: unknown slots {unknown}; the slots are {list(SLOTS)}")
+
+
 def default_kernels(config: AttentionConfig, num_layers: int, *, sliding_window: bool = False,
-                    overrides: dict | None = None) -> KernelSet:
+                    layer_windows: bool = False, overrides: dict | None = None) -> KernelSet:
     """tvmattn's kernels for `config` (its target is the cache's device) in every slot the cache
     runs, except those given in `overrides` (slot -> spec or function), which are used as given.
+    layer_windows: the cache has MHA_SLIDING layers (decode_paged_sliding_window is built too).
 
     Each kernel is compiled once per process: a second cache whose kernels have the same
     configuration builds nothing.
     """
     overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - set(SLOTS))
-    if unknown:
-        raise KVCacheError(f"kernels: unknown slots {unknown}; the slots are {list(SLOTS)}")
-    built = {slot: build_slot(slot, config, num_layers) for slot in slots_used(sliding_window) if slot not in overrides}
+    check_slot_names(overrides)
+    used = slots_used(sliding_window) + (("decode_paged_sliding_window",) if layer_windows else ())
+    built = {slot: build_slot(slot, config, num_layers) for slot in used if slot not in overrides}
     if not sliding_window:
         built.update({slot: Deferred(slot, config, num_layers) for slot in TREE_SLOTS if slot not in overrides})
     if "split_rotary_append" not in overrides and not {"split_rotary", "transpose_append"} & set(overrides):
