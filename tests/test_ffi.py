@@ -279,24 +279,25 @@ def test_not_a_cache():
         api("kv_state_clear")(tvm.runtime.empty((1,), "float32"))
 
 
-@pytest.mark.parametrize("name, args", [
-    ("attention_kv_cache_debug_get_kv_mla", (0, 0, 1, None)),
-    ("attention_kv_cache_append_mla_kv", (0, None)),
+@pytest.mark.parametrize("name, args, message", [
+    ("attention_kv_cache_debug_get_kv_mla", (0, 0, 1, None), "this cache has no MLA layers"),
+    ("attention_kv_cache_append_mla_kv", (0, None), "append_mla_kv: no forward step"),
 ])
-def test_mla_functions_not_supported(cache, name, args):
-    with pytest.raises(KVCacheError, match="MLA .* not supported yet"):
+def test_mla_functions_on_an_mha_cache(cache, name, args, message):
+    """MLA caches: tests/test_cache_mla.py."""
+    with pytest.raises(KVCacheError, match=message):
         api(name)(cache, *args)
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(attn_kinds=ShapeTuple([1, 1])), "MLA is not supported yet"),
-    (dict(attn_kinds=ShapeTuple([0, 3])), "MHA_SLIDING .* only MHA layers are supported"),
+    (dict(attn_kinds=ShapeTuple([1, 0])), "attn_kinds mixes MLA layers with MHA"),
+    (dict(attn_kinds=ShapeTuple([0, 2])), r"attn_kinds\[1\] is LINEAR"),
     (dict(enable_kv_transfer=True), "enable_kv_transfer"),
     (dict(rope_ext_factors=tvm.runtime.empty((32,), "float32")), "rope_ext_factors"),
     (dict(layer_indptr=ShapeTuple([0, 1, 2])), "one pipeline stage"),
     (dict(cache_config=ShapeTuple([8, 1024, 256])), "cache_config"),
     (dict(rope_mode=5), "rope_mode"),
-], ids=["mla", "layer-sliding", "kv-transfer", "rope-ext-factors", "pipeline", "cache-config", "rope-mode"])
+], ids=["mla-and-mha", "linear", "kv-transfer", "rope-ext-factors", "pipeline", "cache-config", "rope-mode"])
 def test_unsupported_create_options(kernels, change, message):
     args = create_args(kernels, config_for("llvm"), **change).positional()
     with pytest.raises(KVCacheError, match=message):
