@@ -1,9 +1,10 @@
 """`PagedKVCache`: the paged K/V pools of a model's attention layers and the sequences in them.
 
 Owns the device pools (one tensor per layer, `[num_pages, 2, Hkv, page_size, D]`, index 0 =
-K, 1 = V), the page allocator and sequence table, the kernels, and the forward step in
-progress. Sequence operations change the host bookkeeping (and copy pages on the device when
-a fork or a copy-on-write needs it); `begin_forward` plans a step on the host and uploads its
+K, 1 = V; in an MLA cache `[num_pages, page_size, qk_head_dim]`, one latent row per token),
+the page allocator and sequence table, the kernels, and the forward step in progress.
+Sequence operations change the host bookkeeping (and copy pages on the device when a fork
+or a copy-on-write needs it); `begin_forward` plans a step on the host and uploads its
 index arrays with one copy; the per-layer attention calls check their arguments and launch.
 
 Semantics follow TVM's C++ cache (paged_kv_cache.cc), with these choices:
