@@ -469,11 +469,17 @@ class Generator:
     def _forward(self, function: str, seq_ids: list[int], lengths: list[int], embeds: np.ndarray, *extra,
                  parents: list[int] | None = None):
         tree = () if parents is None else (ShapeTuple(parents),)
+        one_each = function in ("prefill", "batch_prefill") and all(n == 1 for n in lengths)
+        if one_each:
+            # the cache plans a step of one token per sequence as a decode step (TVM's rule; an
+            # MLA library's prefill functions would then count the new tokens twice): decode it
+            function, extra, embeds = "batch_decode", (), embeds.reshape(len(seq_ids), 1, -1)
         self._host["kv_state_begin_forward"](self.cache, ShapeTuple(seq_ids), ShapeTuple(lengths), *tree)
         logits, _ = self.vm[function](tvm.runtime.tensor(embeds, device=self.device), *extra, self.cache,
                                       self.params)
         self._host["kv_state_end_forward"](self.cache)
-        return logits.numpy()
+        logits = logits.numpy()
+        return logits.reshape(1, len(seq_ids), -1) if one_each else logits
 
     def _prefill(self, seq_ids: list[int], prompts: list[list[int]]) -> np.ndarray:
         """-> [len(prompts), vocab] logits of each prompt's last token."""
