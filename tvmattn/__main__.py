@@ -236,6 +236,9 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
                               "(built by python -m tvmattn.flashinfer.build; they ship beside the library)")
     command.add_argument("--dump-ir", default=None, metavar="DIR",
                          help="also write the Relax module and the compiled library's text to DIR")
+    command.add_argument("--random-weights", default=None, type=_int_at_least(0), metavar="SEED",
+                         help="a model without weights (a config.json alone) gets random parameters from SEED "
+                              "(smoke runs; default: the library is written without parameters)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -325,7 +328,8 @@ def _compile(args) -> int:
         compile_model(args.model, args.output, target=target, dtype=args.dtype, page_size=args.page_size,
                       max_batch_size=args.max_batch_size, context_window=args.context_window,
                       prefill_chunk=args.prefill_chunk, kv_cache=args.kv_cache, dump_ir=args.dump_ir,
-                      attn_backend=args.attn_backend, quantization=args.quantization)
+                      attn_backend=args.attn_backend, quantization=args.quantization,
+                      random_weights=args.random_weights)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0

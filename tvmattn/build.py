@@ -248,12 +248,29 @@ def _weight_formats(config, tensors: dict | None, log: Callable[[str], None]) ->
     return tuple(sorted(formats.items()))
 
 
+def random_params(document: dict[str, Any], seed: int) -> list[np.ndarray]:
+    """Random parameters for a library's metadata["params"], in its dtype: vectors (norms) near
+    1, the token embedding N(0, 1), other matrices N(0, 1 / in_features) (activations stay O(1))."""
+    rng = np.random.default_rng(seed)
+    dtype = support.numpy_dtype(document["build_options"]["dtype"])
+    params = []
+    for param in document["params"]:
+        shape = param["shape"]
+        if len(shape) == 1:
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            scale = 1.0 if "embed_tokens" in param["name"] else shape[-1] ** -0.5
+            value = scale * rng.standard_normal(shape)
+        params.append(value.astype(dtype))
+    return params
+
+
 def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cuda_arch: str | None = None,
                   dtype: str | None = None, page_size: int = 16, max_batch_size: int = 4,
                   context_window: int | None = None, prefill_chunk: int | None = None,
                   kv_cache: str = "tvmattn", dump_ir: str | Path | None = None,
                   log: Callable[[str], None] = print, attn_backend: str = "tir",
-                  quantization: str | None = None) -> BuildResult:
+                  quantization: str | None = None, random_weights: int | None = None) -> BuildResult:
     """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
 
     dtype defaults to float32 on llvm and float16 on cuda; context_window defaults to the
@@ -262,9 +279,12 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     `python -m tvmattn.flashinfer.build`, which ship beside the library; see models/kv_cache.py;
     falls back to "tir" with a warning where FlashInfer cannot serve the target).
     quantization: see QUANTIZATIONS ("keep" needs llvm and float32; "f16" / "f32" set the dtype).
+    random_weights: a seed; a model without weights (a config.json alone) then gets random
+    parameters (`random_params`), so that the bundle runs (tests, smoke runs).
     Raises BuildError (a ValueError) for bad arguments or an unsupported model.
     """
-    from .models import BuildOptions, ModelConfig, ModelConfigError, compile_module, export_module, pack_params
+    from .models import BuildOptions, ModelConfigError, compile_module, export_module, pack_params
+    from .models.config import ModelConfig, model_config_from_hf
     from .models.kv_cache import ATTN_BACKENDS, KV_CACHE_KINDS, attention_backend
 
     for name, value in (("--max-batch-size", max_batch_size), ("--context-window", context_window),
@@ -308,9 +328,12 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     log(f"[compile] loading model {model!r}")
     hf_config, tensors, runtime = load_model(model, keep_quantized=quantization == "keep")
     try:
-        config = ModelConfig.from_hf(hf_config)
+        config = model_config_from_hf(hf_config)
     except ModelConfigError as err:
         raise BuildError(f"--model {model!r}: unsupported model: {err}") from None
+    if quantization == "keep" and not isinstance(config, ModelConfig):
+        raise BuildError(f"--quantization keep: the fused quantized kernels serve the Llama family only, "
+                         f"not {hf_config.get('model_type')!r}")
     stage("load model", start)
     max_positions = hf_config.get("max_position_embeddings") or 4096
     context_window = context_window or min(int(max_positions), 4096)
@@ -339,6 +362,9 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
         except ValueError as err:
             raise BuildError(f"--model {model!r}: {err}") from None
         stage("pack weights", start)
+    elif random_weights is not None:
+        log(f"[compile] no weights found beside the config: random parameters (seed {random_weights})")
+        params = random_params(document, random_weights)
     else:
         log("[compile] no weights found beside the config: writing the library only")
 

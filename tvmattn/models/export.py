@@ -38,9 +38,10 @@ from tir_kernels import tvm_target
 from tir_kernels.build import PIPELINE
 from tir_kernels.support import TargetName, dtype_problem, numpy_dtype, page_size_problem
 
-from .config import ModelConfig
+from .architectures import architecture
+from .architectures import cache_spec as architecture_cache_spec
+from .config import AnyModelConfig, model_config_from_dict
 from .kv_cache import KV_CACHE_KINDS, KVCacheSpec, attention_backend_record
-from .llama import LlamaForCausalLM, hf_parameter_sources
 from .pipeline import relax_pipeline
 from .quant_linear import dequantized, packed_part, split_part_name
 
@@ -83,14 +84,9 @@ class BuildOptions:
                 raise ValueError(f"weight_formats (quantized weights) need target 'llvm' and dtype 'float32', "
                                  f"got {self.target!r} and {self.dtype!r}")
 
-    def cache_spec(self, config: ModelConfig) -> KVCacheSpec:
-        return KVCacheSpec(
-            num_layers=config.num_hidden_layers, num_qo_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=self.dtype,
-            target=self.target, page_size=self.page_size, rope_theta=config.rope_theta,
-            rope_scaling=config.rope_scaling, sliding_window=config.sliding_window,
-            sliding_layers=config.sliding_layers,
-        )
+    def cache_spec(self, config: AnyModelConfig) -> KVCacheSpec:
+        """KVCacheSpec (Llama family) or MLACacheSpec (DeepSeek) of `config` (architectures.py)."""
+        return architecture_cache_spec(config, self)
 
     def tvm_target(self) -> tvm.target.Target:
         if self.target == "llvm" and self.weight_formats:
@@ -114,17 +110,16 @@ class ModelLibrary:
         return [p["name"] for p in self.metadata["params"]]
 
 
-def metadata(config: ModelConfig, options: BuildOptions, params: list[tuple[str, Any]]) -> dict[str, Any]:
+def metadata(config: AnyModelConfig, options: BuildOptions, params: list[tuple[str, Any]]) -> dict[str, Any]:
     """The JSON document `_metadata` returns."""
     spec = options.cache_spec(config)
     return {
-        "model_type": "llama",
+        "model_type": architecture(config).model_type,
         "model_config": config.to_dict(),
         "params": [{"name": name, "shape": [int(d) for d in p.shape], "dtype": str(p.dtype)} for name, p in params],
         "kv_cache": {"kind": options.kv_cache, **spec.to_dict(), "attention_backend": attention_backend_record(spec)},
         "build_options": dataclasses.asdict(options),
-        "functions": ["embed", "prefill", "decode", "batch_prefill", "batch_decode", "decode_step", "batch_verify",
-                      "create_paged_kv_cache"],
+        "functions": list(architecture(config).functions),
         "param_mode": "packed",
     }
 
@@ -137,16 +132,18 @@ def _attach_metadata(mod: tvm.IRModule, document: dict[str, Any]) -> tvm.IRModul
     return mod
 
 
-def export_module(config: ModelConfig, options: BuildOptions) -> tuple[tvm.IRModule, dict[str, Any]]:
+def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IRModule, dict[str, Any]]:
     """The Relax IRModule of the model library (before compilation) and its metadata."""
     formats = dict(options.weight_formats)
-    model = LlamaForCausalLM(config, options.cache_spec(config), options.kv_cache, formats)
+    arch = architecture(config)
+    model = arch.model_class(config, options.cache_spec(config), options.kv_cache, formats)
     model.to(options.dtype)
     mod, params = model.export_tvm(spec=model.get_default_spec())
-    step = mod.get_global_var("decode_step")  # storage planned for the largest batch (see pipeline.py)
-    mod[step] = mod[step].with_attr("tir_var_upper_bound", {"batch_size": options.max_batch_size})
+    if "decode_step" in arch.functions:  # storage planned for the largest batch (see pipeline.py)
+        step = mod.get_global_var("decode_step")
+        mod[step] = mod[step].with_attr("tir_var_upper_bound", {"batch_size": options.max_batch_size})
     document = json.loads(json.dumps(metadata(config, options, params)))  # JSON types, as `_metadata` returns it
-    expected = list(hf_parameter_sources(config, formats))
+    expected = list(arch.parameter_sources(config, formats))
     if [name for name, _ in params] != expected:
         raise AssertionError(f"model parameters {[n for n, _ in params]} differ from the HF map {expected}")
     return _attach_metadata(mod, document), document
@@ -160,15 +157,16 @@ def compile_module(mod: tvm.IRModule, options: BuildOptions) -> relax.VMExecutab
         return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target), tir_pipeline=PIPELINE)
 
 
-def compile_library(config: ModelConfig, options: BuildOptions | None = None, **kwargs) -> ModelLibrary:
+def compile_library(config: AnyModelConfig, options: BuildOptions | None = None, **kwargs) -> ModelLibrary:
     """Export and compile the library in memory (options, or BuildOptions fields as kwargs)."""
     options = options or BuildOptions(**kwargs)
     mod, document = export_module(config, options)
     return ModelLibrary(compile_module(mod, options), document)
 
 
-def export_library(config: ModelConfig, target: str = "llvm", dtype: str = "float32", out_path: str | Path = "model.so",
-                   *, page_size: int = 16, kv_cache: str = "tvmattn") -> ModelLibrary:
+def export_library(config: AnyModelConfig, target: str = "llvm", dtype: str = "float32",
+                   out_path: str | Path = "model.so", *, page_size: int = 16,
+                   kv_cache: str = "tvmattn") -> ModelLibrary:
     """Compile the library and write it to out_path (a shared library for relax.VirtualMachine)."""
     library = compile_library(config, BuildOptions(target=target, dtype=dtype, page_size=page_size,
                                                     kv_cache=kv_cache))
@@ -188,9 +186,11 @@ def pack_params(document: dict[str, Any], tensors: Mapping[str, np.ndarray]) -> 
     """HF-named tensors (e.g. from tvmattn.weights) -> the library's params list, in order, in the
     library's dtype; fused projections are concatenated. Raises ValueError naming a missing
     tensor or a wrong shape."""
-    config = ModelConfig(**{**document["model_config"], "rope_scaling": None})
+    config = model_config_from_dict(document.get("model_type", "llama"), document["model_config"])
     formats = dict(map(tuple, document["build_options"].get("weight_formats", ())))
-    sources = hf_parameter_sources(config, formats)
+    arch = architecture(config)
+    sources = arch.parameter_sources(config, formats)
+    tensors = arch.prepare_tensors(config, tensors)
     dtype = np.dtype(numpy_dtype(document["build_options"]["dtype"]))
     packed = []
     for param in document["params"]:
