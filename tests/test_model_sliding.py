@@ -1,6 +1,11 @@
 """A Llama-family library with alternating sliding-window layers (Gemma-2's pattern, Mistral's
 window) against an independent float64 torch model, on the CPU (llvm, float32) and on CUDA (fp16).
 
+The library is compiled once by `compile_model` from the example config
+(scripts/sliding-window-tiny-config.json: 3 layers, window 8, sliding_window_pattern 2, so
+layers 0 and 2 slide) with random parameters (`--random-weights`), turned back into HF tensors
+for the torch model (qkv_proj split into q, k, v; gate_up_proj into gate, up).
+
 The torch model is the Llama one of test_model.py with an explicit mask per layer: a query at
 position p of a sliding layer sees the keys j with p - window < j <= p (HF's Mistral / Gemma-2
 sliding mask), a full layer every j <= p. No KV cache there: every step recomputes the whole
@@ -11,25 +16,27 @@ call (TVM's attn_kinds) and the window as cache_config's sixth value.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import tvm
+from tvm import relax
 
 import tvmattn  # noqa: F401  - registers the tvmattn.* functions the library calls
 from test_model import LOGITS_TOLERANCE, PAGE_SIZE, Session, TorchLlama, random_hf_weights, run_batch, run_single
+from tvmattn.build import compile_model
+from tvmattn.generate import Generator
 from tvmattn.models import ModelConfig, ModelConfigError, compile_library, pack_params
 from tvmattn.models.config import model_config_from_hf
 from tvmattn.runtime.ffi import AttnKind
 
-WINDOW = 8
-SLIDING = {  # Gemma-2's alternation (layers 0 and 2 slide), Llama otherwise
-    "model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "tie_word_embeddings": False, "sliding_window": WINDOW, "sliding_window_pattern": 2,
-}
+CONFIG_FILE = Path(__file__).resolve().parent.parent / "scripts" / "sliding-window-tiny-config.json"
+SLIDING = json.loads(CONFIG_FILE.read_text())
+WINDOW = SLIDING["sliding_window"]
 
 
 class TorchSlidingLlama(TorchLlama):
@@ -68,30 +75,68 @@ class TorchSlidingLlama(TorchLlama):
         return (x @ self.w["lm_head.weight"].T).numpy()
 
 
-class SlidingModel:
-    """A compiled library, its packed random weights and the torch model (Session's interface)."""
+def hf_weights(hf: dict, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The library's parameters as HF tensors (fused projections split)."""
+    d = hf["hidden_size"] // hf["num_attention_heads"]
+    q_rows, kv_rows = hf["num_attention_heads"] * d, hf["num_key_value_heads"] * d
+    out = {}
+    for name, value in named.items():
+        value = value.astype(np.float32)
+        if name.endswith("qkv_proj.weight"):
+            parts = np.split(value, [q_rows, q_rows + kv_rows])
+            out.update({name.replace("qkv_proj", f"{x}_proj"): part for x, part in zip("qkv", parts)})
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = np.split(value, 2)
+            out.update({name.replace("gate_up_proj", "gate_proj"): gate, name.replace("gate_up_proj", "up_proj"): up})
+        else:
+            out[name] = value
+    return out
 
-    def __init__(self, kv_cache: str, seed: int, target: str = "llvm", dtype: str = "float32"):
-        self.kv_cache = kv_cache
+
+class SlidingModel:
+    """A bundle from compile_model with random parameters, loaded into a VM, and the torch model
+    on the same weights (Session's interface: params, device, kv_cache, tolerance, torch)."""
+
+    def __init__(self, folder: Path, seed: int, target: str = "llvm", dtype: str = "float32"):
+        self.lib = folder / "model.so"
+        compile_model(str(CONFIG_FILE), self.lib, target=target, dtype=dtype, page_size=PAGE_SIZE, max_batch_size=4,
+                      context_window=256, prefill_chunk=64, random_weights=seed, log=lambda m: None)
+        self.kv_cache = "tvmattn"
         self.config = ModelConfig.from_hf(SLIDING)
         self.device = tvm.cpu() if target == "llvm" else tvm.cuda()
         self.tolerance = LOGITS_TOLERANCE[dtype]
-        self.library = compile_library(self.config, target=target, dtype=dtype, page_size=PAGE_SIZE,
-                                       kv_cache=kv_cache)
+        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.lib)), self.device)
+        self.metadata = json.loads(str(self.vm["_metadata"]()))
+        with np.load(folder / "model.params.npz") as stored:
+            self.params = [stored[f"p{i}"] for i in range(len(self.metadata["params"]))]
+        named = {p["name"]: value for p, value in zip(self.metadata["params"], self.params)}
+        self.torch = TorchSlidingLlama(SLIDING, hf_weights(SLIDING, named), self.config.sliding_layers, WINDOW)
+
+    def session(self) -> Session:
+        return Session(self, vm=self.vm)
+
+
+class StockSlidingModel:
+    """The same model on TVM's C++ cache (compile_library, HF random weights packed)."""
+
+    def __init__(self, seed: int):
+        self.kv_cache = "tvm"
+        self.device = tvm.cpu()
+        self.tolerance = LOGITS_TOLERANCE["float32"]
+        self.library = compile_library(ModelConfig.from_hf(SLIDING), page_size=PAGE_SIZE, kv_cache="tvm")
         weights = random_hf_weights(SLIDING, seed)
         self.params = pack_params(self.library.metadata, weights)
-        stored = {name: w.astype(dtype).astype(np.float32) for name, w in weights.items()}
-        self.torch = TorchSlidingLlama(SLIDING, stored, self.config.sliding_layers, WINDOW)
+        self.torch = TorchSlidingLlama(SLIDING, weights, ModelConfig.from_hf(SLIDING).sliding_layers, WINDOW)
 
 
 @pytest.fixture(scope="module")
-def sliding_model() -> SlidingModel:
-    return SlidingModel("tvmattn", seed=3)
+def sliding_model(tmp_path_factory) -> SlidingModel:
+    return SlidingModel(tmp_path_factory.mktemp("sliding"), seed=3)
 
 
 @pytest.fixture(scope="module")
-def stock_sliding_model() -> SlidingModel:
-    return SlidingModel("tvm", seed=3)
+def stock_sliding_model() -> StockSlidingModel:
+    return StockSlidingModel(seed=3)
 
 
 PROMPT = [5, 17, 99, 3, 42, 64, 7, 120, 1, 33, 18, 77, 2, 90, 11, 54, 26, 8, 71]  # 19 > WINDOW, crosses a page
@@ -127,17 +172,17 @@ def test_cache_spec_names_the_layer_kinds():
 
 def test_prefill_then_decode_matches_torch(sliding_model):
     """A prompt past the window, then decode steps: every step's logits against torch."""
-    run_single(Session(sliding_model), PROMPT, steps=6)
+    run_single(sliding_model.session(), PROMPT, steps=6)
 
 
 def test_batch_of_different_lengths_matches_torch(sliding_model):
     """batch_prefill scores every position of a 5- and a 13-token prompt, then batch_decode."""
-    run_batch(Session(sliding_model), PROMPTS, steps=6)
+    run_batch(sliding_model.session(), PROMPTS, steps=6)
 
 
 def test_chunked_prefill_matches_torch(sliding_model):
     """A prompt in three prefill chunks (history inside and outside the window) then decode."""
-    session = Session(sliding_model)
+    session = sliding_model.session()
     session.add(0)
     for chunk in (PROMPT[:5], PROMPT[5:14], PROMPT[14:]):
         logits = session.prefill(0, chunk)
@@ -156,10 +201,24 @@ def test_stock_cache_matches_torch_within_the_window(stock_sliding_model):
     run_single(Session(stock_sliding_model), PROMPT[:WINDOW], steps=8)
 
 
+def test_generator_runs_the_bundle(sliding_model):
+    """Generator answers one prompt past the window and a batch; every logits row against torch."""
+    generator = Generator(sliding_model.lib)
+    for prompts in ([PROMPT], PROMPTS):
+        result = generator.generate_tokens(prompts, max_new_tokens=6, keep_logits=True)
+        for prompt, tokens, rows in zip(prompts, result.tokens, result.logits):
+            assert tokens == [int(np.argmax(row)) for row in rows] and len(tokens) == 6
+            expected = sliding_model.torch.logits(prompt + tokens[:-1])[len(prompt) - 1:]
+            np.testing.assert_allclose(rows, expected, **sliding_model.tolerance)
+
+
 @pytest.mark.gpu
-def test_cuda_float16_matches_torch():
+def test_cuda_float16_matches_torch(tmp_path):
     from tir_kernels.support import resolve_target
 
-    model = SlidingModel("tvmattn", seed=3, target=resolve_target("cuda"), dtype="float16")
-    run_single(Session(model), PROMPT, steps=6)
-    run_batch(Session(model), PROMPTS, steps=4)
+    model = SlidingModel(tmp_path, seed=3, target=resolve_target("cuda"), dtype="float16")
+    run_single(model.session(), PROMPT, steps=6)
+    run_batch(model.session(), PROMPTS, steps=4)
+    result = Generator(model.lib).generate_tokens(PROMPTS, max_new_tokens=4, keep_logits=True)
+    for prompt, tokens, rows in zip(PROMPTS, result.tokens, result.logits):
+        np.testing.assert_allclose(rows, model.torch.logits(prompt + tokens[:-1])[len(prompt) - 1:], **model.tolerance)
