@@ -4,8 +4,8 @@
 layer: append_mla_kv of the step's latent rows, then
 - in a decode step (every sequence appends one token) cross_attention over the history and the
   new rows;
-- otherwise self_attention among the new tokens at the model's own head dims (48 / 32 here,
-  192 / 128 in DeepSeek), cross_attention over the history, and merge_attn_output_inplace.
+- otherwise self_attention among the new tokens at the model's own head dims (192 / 128, as
+  in DeepSeek), cross_attention over the history, and merge_attn_output_inplace.
 Beside the cache it keeps each sequence's latent rows unpaged and checks every output and LSE
 against plain multi-head attention over per-head K (the whole row) and V (its latent part),
 tests/reference.py, and the cached rows through debug_get_kv_mla (bit for bit).
@@ -31,7 +31,7 @@ from tvmattn.runtime.ffi import AttnKind, install_vm_builtins, paged_attention_k
 
 LAYERS, HEADS, LATENT, ROPE, DTYPE = 2, 4, 64, 16, "float16"
 QK = LATENT + ROPE
-SELF_QK, SELF_V = 48, 32  # the model's own (not absorbed) head dims of self-attention
+SELF_QK, SELF_V = 192, 128  # the model's own (not absorbed) head dims of self-attention, as DeepSeek's
 SM_SCALE = 1.0 / np.sqrt(SELF_QK)
 RTOL, ATOL = ref.TOLERANCES[DTYPE]
 
@@ -323,7 +323,7 @@ def _bad_calls(m: MLAModel, n: int) -> dict:
         "cross o width": (lambda c: c.cross_attention(0, SM_SCALE, t((n, HEADS, QK)), o_self, lse),
                           r"o must have shape \(2, 4, 64\)"),
         "self k mismatch": (lambda c: c.self_attention(0, SM_SCALE, q, v, v, o_self, lse), r"k must have shape"),
-        "self o mismatch": (lambda c: c.self_attention(0, SM_SCALE, q, k, v, o, lse), r"o must have shape \(2, 4, 32"),
+        "self o mismatch": (lambda c: c.self_attention(0, SM_SCALE, q, k, v, o, lse), r"o must have shape \(2, 4, 128"),
         "self heads": (lambda c: c.self_attention(0, SM_SCALE, t((n, 2, SELF_QK)), k, v, o_self, lse),
                        r"q must have shape \(2, 4, d\)"),
         "merge widths": (lambda c: c.merge_attn_output_inplace(o_self, lse, o, lse), "o2 must have shape"),
