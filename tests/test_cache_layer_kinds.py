@@ -8,8 +8,8 @@ kind of step (prefills longer than the window, prefills over a history, decode, 
 
 TVM's own C++ cache, with the same kernels from the same create call, attends the same way in
 decode steps (checked against ours); in a prefill step over a history it does not (its history
-part is causal over the window's last tokens and its new tokens unwindowed), which the last
-test shows. Bad kinds and calls raise KVCacheError and leave the cache as it was. CPU always;
+part is causal over the window's last tokens and its new tokens unwindowed), nor after a fork
+(the window applied per cascade depth), which test_where_tvm_cache_leaves_the_window shows. Bad kinds and calls raise KVCacheError and leave the cache as it was. CPU always;
 CUDA through the `target` fixture where a GPU is present.
 """
 
@@ -273,20 +273,37 @@ def test_tvm_cache_agrees_in_decode_steps(target):
                                    err_msg=f"output {i}: ours against TVM's cache")
 
 
-def test_tvm_cache_prefill_over_a_history_is_not_windowed():
-    """Where TVM's cache leaves the window (a prefill over a history: the history's last W
-    tokens masked causally, the new tokens unwindowed), ours follows the window reference."""
+def test_where_tvm_cache_leaves_the_window():
+    """Where TVM's cache leaves the window, ours follows the window reference: a prefill over a
+    history (TVM: the history's last W tokens masked causally, the new tokens unwindowed), and a
+    decode step after a fork (TVM: the window applied to each cascade depth's block on its own)."""
     args = create_args("llvm", 4).positional()
-    theirs = KindsModel(seed=8, cache=TVMCache(tvm.get_global_func("vm.builtin.paged_attention_kv_cache_create")(
-        *args)))
-    theirs.add(0)
-    theirs.forward([0], [WINDOW])
-    with pytest.raises(AssertionError, match=r"layer 0 \(mha_sliding\)"):
-        theirs.forward([0], [4])
-    ours = KindsModel(seed=8, cache=paged_attention_kv_cache_create(*args))
-    ours.add(0)
-    ours.forward([0], [WINDOW])
-    ours.forward([0], [4])
+
+    def tvm_cache():
+        return TVMCache(tvm.get_global_func("vm.builtin.paged_attention_kv_cache_create")(*args))
+
+    for cache, leaves in ((tvm_cache(), True), (paged_attention_kv_cache_create(*args), False)):
+        m = KindsModel(seed=8, cache=cache)
+        m.add(0)
+        m.forward([0], [WINDOW])
+        if leaves:
+            with pytest.raises(AssertionError, match=r"layer 0 \(mha_sliding\) of \[0\] \[4\]"):
+                m.forward([0], [4])
+        else:
+            m.forward([0], [4])
+    for cache, leaves in ((tvm_cache(), True), (paged_attention_kv_cache_create(*args), False)):
+        m = KindsModel(seed=7, cache=cache)
+        m.add(0)
+        m.add(1)
+        m.forward([0, 1], [WINDOW, 3])
+        for _ in range(6):
+            m.forward([0, 1], [1, 1])
+        m.fork(0, 2, 6)
+        if leaves:
+            with pytest.raises(AssertionError, match=r"layer 0 \(mha_sliding\) of \[2, 0\]"):
+                m.forward([2, 0], [1, 1])
+        else:
+            m.forward([2, 0], [1, 1])
 
 
 # ---------------------------------------------------------------------------------------------
