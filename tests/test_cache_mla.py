@@ -17,6 +17,8 @@ the cache as it was. CPU always; CUDA through the `target` fixture where a GPU i
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import reference as ref
@@ -33,22 +35,38 @@ LAYERS, HEADS, LATENT, ROPE, DTYPE = 2, 4, 64, 16, "float16"
 QK = LATENT + ROPE
 SELF_QK, SELF_V = 192, 128  # the model's own (not absorbed) head dims of self-attention, as DeepSeek's
 SM_SCALE = 1.0 / np.sqrt(SELF_QK)
-RTOL, ATOL = ref.TOLERANCES[DTYPE]
 
 
 def device_of(target: str):
     return tvm.cuda(0) if target.startswith("cuda") else tvm.cpu(0)
 
 
-def check_close(actual, expected, what: str, lse: bool = False) -> None:
-    rtol, atol = ref.LSE_TOLERANCE if lse else (RTOL, ATOL)
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """An MLA model's attention sizes: query heads, latent and rope widths, dtype."""
+
+    heads: int = HEADS
+    latent: int = LATENT
+    rope: int = ROPE
+    dtype: str = DTYPE
+
+    @property
+    def qk(self) -> int:
+        return self.latent + self.rope
+
+
+DEEPSEEK_V2_LITE = Dims(16, 512, 64, "bfloat16")
+
+
+def check_close(actual, expected, what: str, lse: bool = False, dtype: str = DTYPE) -> None:
+    rtol, atol = ref.LSE_TOLERANCE if lse else ref.TOLERANCES[dtype]
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
 
 
-def expanded_attention(q, rows, causal: bool):
-    """q [qo, H, QK] over latent rows [kv, QK]: every head's key is the row, its value the latent part."""
+def expanded_attention(q, rows, latent: int, causal: bool):
+    """q [qo, H, qk] over latent rows [kv, qk]: every head's key is the row, its value the latent part."""
     k = np.repeat(np.asarray(rows, np.float64)[:, None, :], q.shape[1], axis=1)
-    return ref.attention(q, k, k[:, :, :LATENT], SM_SCALE, causal)
+    return ref.attention(q, k, k[:, :, :latent], SM_SCALE, causal)
 
 
 class MLAModel:
@@ -57,12 +75,13 @@ class MLAModel:
     cache, or ours through install_vm_builtins) with the cache first."""
 
     def __init__(self, target="llvm", page_size=16, seed=0, cache=None, call=None, cross_without_history=True,
-                 **options):
+                 dims: Dims = Dims(), **options):
         self.device = device_of(target)
+        self.d = dims
         options = {"max_num_sequences": 8, "max_total_seq_len": 512, "prefill_chunk_size": 128, **options}
-        self.cache = cache or PagedKVCache(num_layers=LAYERS, num_qo_heads=HEADS, num_kv_heads=1, qk_head_dim=QK,
-                                           v_head_dim=LATENT, dtype=DTYPE, page_size=page_size, attn_kinds="mla",
-                                           device=self.device, **options)
+        self.cache = cache or PagedKVCache(num_layers=LAYERS, num_qo_heads=dims.heads, num_kv_heads=1,
+                                           qk_head_dim=dims.qk, v_head_dim=dims.latent, dtype=dims.dtype,
+                                           page_size=page_size, attn_kinds="mla", device=self.device, **options)
         self.call = call or (lambda name, *args: getattr(self.cache, name)(*args))
         self.rng = np.random.default_rng(seed)
         self.rows: dict[int, list] = {}
@@ -73,7 +92,7 @@ class MLAModel:
 
     def add(self, seq_id):
         self.call("add_sequence", seq_id)
-        self.rows[seq_id] = [np.zeros((0, QK)) for _ in range(LAYERS)]
+        self.rows[seq_id] = [np.zeros((0, self.d.qk)) for _ in range(LAYERS)]
 
     def fork(self, parent, child, pos=-1):
         self.call("fork_sequence", parent, child, pos)
@@ -96,7 +115,7 @@ class MLAModel:
         decode = all(n == 1 for n in lengths)
         total = sum(lengths)
         for layer in range(LAYERS):
-            kv = randn(self.rng, (total, QK), DTYPE)
+            kv = randn(self.rng, (total, self.d.qk), self.d.dtype)
             self.call("append_mla_kv", layer, tensor(kv, self.device))
             history = [self.rows[s][layer] for s in seq_ids]
             starts = np.cumsum([0] + lengths)
@@ -112,42 +131,45 @@ class MLAModel:
         self.call("end_forward")
 
     def _cross(self, layer, total, starts, keys, what):
-        q = randn(self.rng, (total, HEADS, QK), DTYPE)
-        o, lse = empty((total, HEADS, LATENT), DTYPE, self.device), empty((total, HEADS), "float32", self.device)
+        d = self.d
+        q = randn(self.rng, (total, d.heads, d.qk), d.dtype)
+        o = empty((total, d.heads, d.latent), d.dtype, self.device)
+        lse = empty((total, d.heads), "float32", self.device)
         self.call("cross_attention", layer, SM_SCALE, tensor(q, self.device), o, lse)
         o, lse = o.numpy().astype(np.float64), lse.numpy()
         for i, rows in enumerate(keys):
             lo, hi = starts[i], starts[i + 1]
-            eo, el = expanded_attention(q[lo:hi], rows, causal=False)
-            check_close(o[lo:hi], eo, f"cross o of request {i}, {what}")
+            eo, el = expanded_attention(q[lo:hi], rows, d.latent, causal=False)
+            check_close(o[lo:hi], eo, f"cross o of request {i}, {what}", dtype=d.dtype)
             check_close(lse[lo:hi], el, f"cross lse of request {i}, {what}", lse=True)
         return o, lse
 
     def _self_and_merge(self, layer, total, starts, lse_cross, what):
-        q, k = (randn(self.rng, (total, HEADS, SELF_QK), DTYPE) for _ in range(2))
-        v = randn(self.rng, (total, HEADS, SELF_V), DTYPE)
-        o, lse = empty((total, HEADS, SELF_V), DTYPE, self.device), empty((total, HEADS), "float32", self.device)
+        h, dtype = self.d.heads, self.d.dtype
+        q, k = (randn(self.rng, (total, h, SELF_QK), dtype) for _ in range(2))
+        v = randn(self.rng, (total, h, SELF_V), dtype)
+        o, lse = empty((total, h, SELF_V), dtype, self.device), empty((total, h), "float32", self.device)
         self.call("self_attention", layer, SM_SCALE, *(tensor(x, self.device) for x in (q, k, v)), o, lse)
         o_self, lse_self = o.numpy().astype(np.float64), lse.numpy()
         for i in range(len(starts) - 1):
             lo, hi = starts[i], starts[i + 1]
             eo, el = ref.attention(q[lo:hi], k[lo:hi], v[lo:hi], SM_SCALE, causal=True)
-            check_close(o_self[lo:hi], eo, f"self o of request {i}, {what}")
+            check_close(o_self[lo:hi], eo, f"self o of request {i}, {what}", dtype=dtype)
             check_close(lse_self[lo:hi], el, f"self lse of request {i}, {what}", lse=True)
         if lse_cross is None:
             return o_self
         # the cross output projected to the self-attention's width (the model's W_UV), then merged
-        projected = randn(self.rng, (total, HEADS, SELF_V), DTYPE)
+        projected = randn(self.rng, (total, h, SELF_V), dtype)
         self.call("merge_attn_output_inplace", o, lse, tensor(projected, self.device),
                   tensor(lse_cross.astype(np.float32), self.device))
-        eo, el = ref.merge_states(o_self.astype(np.float16).astype(np.float64), lse_self, projected, lse_cross)
-        check_close(o.numpy().astype(np.float64), eo, f"merged o, {what}")
+        eo, el = ref.merge_states(o_self, lse_self, projected, lse_cross)
+        check_close(o.numpy().astype(np.float64), eo, f"merged o, {what}", dtype=dtype)
         check_close(lse.numpy(), el, f"merged lse, {what}", lse=True)
         return o.numpy().astype(np.float64)
 
     def read_rows(self, seq_id):
         n = len(self.rows[seq_id][0])
-        kv = empty((LAYERS, n, QK), DTYPE, self.device)
+        kv = empty((LAYERS, n, self.d.qk), self.d.dtype, self.device)
         self.call("debug_get_kv_mla", seq_id, 0, n, kv)
         return kv.numpy().astype(np.float64)
 
@@ -202,6 +224,23 @@ def test_mla_fork_popn_cascade(target):
     m.check_rows()
     m.remove(1)
     m.forward([0, 2, 3], [1, 1, 1])
+    m.check_no_leaks(initial)
+
+
+@pytest.mark.gpu
+def test_mla_deepseek_v2_lite_shapes():
+    """DeepSeek-V2-Lite's attention (16 heads, latent 512, rope 64, bf16) on the GPU: prefill,
+    an extend step over a history, decode steps across a page boundary, a fork."""
+    m = MLAModel("cuda", 16, seed=5, dims=DEEPSEEK_V2_LITE)
+    initial = m.cache.get_num_available_pages()
+    m.add(0)
+    m.add(1)
+    m.forward([0, 1], [40, 9])
+    m.forward([1, 0], [24, 3])
+    for _ in range(3):
+        m.forward([0, 1], [1, 1])
+    m.fork(0, 2, 30)
+    m.forward([2, 0, 1], [1, 1, 1])
     m.check_no_leaks(initial)
 
 
