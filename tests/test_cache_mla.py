@@ -227,11 +227,10 @@ def test_mla_fork_popn_cascade(target):
     m.check_no_leaks(initial)
 
 
-@pytest.mark.gpu
-def test_mla_deepseek_v2_lite_shapes():
-    """DeepSeek-V2-Lite's attention (16 heads, latent 512, rope 64, bf16) on the GPU: prefill,
-    an extend step over a history, decode steps across a page boundary, a fork."""
-    m = MLAModel("cuda", 16, seed=5, dims=DEEPSEEK_V2_LITE)
+def test_mla_deepseek_v2_lite_shapes(target):
+    """DeepSeek-V2-Lite's attention (16 heads, latent 512, rope 64, bf16): prefill, an extend
+    step over a history, decode steps across a page boundary, a fork."""
+    m = MLAModel(target, 16, seed=5, dims=DEEPSEEK_V2_LITE)
     initial = m.cache.get_num_available_pages()
     m.add(0)
     m.add(1)
