@@ -9,8 +9,9 @@ kind of step (prefills longer than the window, prefills over a history, decode, 
 TVM's own C++ cache, with the same kernels from the same create call, attends the same way in
 decode steps (checked against ours); in a prefill step over a history it does not (its history
 part is causal over the window's last tokens and its new tokens unwindowed), nor after a fork
-(the window applied per cascade depth), which test_where_tvm_cache_leaves_the_window shows. Bad kinds and calls raise KVCacheError and leave the cache as it was. CPU always;
-CUDA through the `target` fixture where a GPU is present.
+(the window applied per cascade depth), which test_where_tvm_cache_leaves_the_window shows.
+Bad kinds and calls raise KVCacheError and leave the cache as it was. CPU always; CUDA through
+the `target` fixture where a GPU is present.
 """
 
 from __future__ import annotations
@@ -190,10 +191,17 @@ def test_window_wider_than_every_sequence_is_full_attention():
 
 
 def test_window_plan_one_request_per_token():
-    """The windowed level: one decode request per new token, its window's pages only."""
+    """The windowed level: one decode request per new token, its window's pages only; none in a
+    step whose sequences all fit in the window (MHA_SLIDING layers then run as MHA layers)."""
     m = KindsModel(page_size=4, seed=6)
     m.add(0)
-    m.forward([0], [9])
+
+    def no_window(seq_ids, lengths):
+        m.cache.begin_forward(seq_ids, lengths)
+        assert m.cache.current_plan().host.window == ()
+
+    m.forward([0], [WINDOW], begin=no_window)
+    m.forward([0], [4])
 
     def check(seq_ids, lengths):
         m.cache.begin_forward(seq_ids, lengths)

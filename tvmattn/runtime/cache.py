@@ -383,8 +383,10 @@ class PagedKVCache:
                                  [a.seq.length - a.seq.tree_tokens for a in appended], lengths)
             plan = build_plan(seq_ids, appended, lengths, page_size, sliding, tree=tree)
             after = None if not self.options.has_layer_windows else TableArrays.gather([a.seq for a in appended])
-        if self.options.has_layer_windows:
-            plan = with_window(plan, window_level(after, lengths, self.options.layer_sliding_window_size, page_size))
+        window = self.options.layer_sliding_window_size
+        if self.options.has_layer_windows and int(after.slot_end.max()) > window:
+            # some sequence is longer than the window (else MHA_SLIDING layers attend as MHA layers)
+            plan = with_window(plan, window_level(after, lengths, window, page_size))
         self._start_step(plan, self._arrays)
 
     def _start_step(self, plan: ForwardPlan, device_arrays: DeviceArrays) -> None:
@@ -395,7 +397,7 @@ class PagedKVCache:
         work = self._workspace.views(plan.total)
         if self._mla is not None:
             self._step = MLAStep(plan, arrays, self._step_kernels, work, self._rope, self._mla)
-        elif self._window_decode is not None:
+        elif plan.host.window:
             self._step = WindowStep(plan, arrays, self._step_kernels, work, self._rope, self._window_decode)
         else:
             self._step = Step(plan, arrays, self._step_kernels, work, self._rope)
@@ -551,7 +553,7 @@ class PagedKVCache:
         pages, kind = self._layer_of_kind("attention_with_fused_qkv", layer_id, _MHA_KINDS,
                                           "MLA layers run append_mla_kv, self_attention and cross_attention")
         qkv, o = self._tensor("qkv", qkv), self._tensor("o", o)
-        if kind == AttnKind.MHA_SLIDING:
+        if kind == AttnKind.MHA_SLIDING and step.plan.host.window:
             step.attention_in_window(pages, qkv, o, check_finite("sm_scale", sm_scale))
         else:
             step.attention_with_fused_qkv(pages, qkv, o, check_finite("sm_scale", sm_scale))
@@ -572,7 +574,7 @@ class PagedKVCache:
         check(source_layer_id in step.appended_layers, f"attention_with_shared_kv: source layer {source_layer_id} "
               "has not run attention_with_fused_qkv in this step, so its pages lack the step's K/V")
         q, k, v, o = (self._tensor(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o)))
-        if kind == AttnKind.MHA_SLIDING:
+        if kind == AttnKind.MHA_SLIDING and step.plan.host.window:
             step.attend_in_window(pages, q, o, check_finite("sm_scale", sm_scale))
         else:
             step.attend(pages, q, k, v, o, check_finite("sm_scale", sm_scale))

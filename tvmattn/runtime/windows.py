@@ -9,7 +9,9 @@ Plan (`window_level`, host numpy, once per step): one paged-decode request per n
 its page table the pages its window touches and length_info [3, N] = (slots used in the last
 page, slot of the window's first token in the first page, sink 0), read by the
 sliding-window decode kernel (`decode_paged_sliding_window`). Launches (`WindowStep`): the
-new tokens' K/V are appended first, then that one decode launch over all of them.
+new tokens' K/V are appended first, then that one decode launch over all of them. A step whose
+sequences are all no longer than W (after the append) needs no window: there the cache plans
+no level and MHA_SLIDING layers run as MHA layers (the same keys, cascade and prefill kernels).
 
 TVM's C++ cache attends the same way in decode steps; in other steps it runs the history's
 last W tokens through the causal sliding prefill and the new tokens unwindowed, so a query
