@@ -147,6 +147,8 @@ def _spec(func: tirx.PrimFunc, name: str) -> rx.Tuple:
 
 def flashinfer_problem(spec: KVCacheSpec) -> str | None:
     """Why a library of `spec` cannot run FlashInfer (None: it can; the modules must be built)."""
+    if not isinstance(spec, KVCacheSpec):
+        return "its layers are MLA (FlashInfer's MLA modules are not built)"
     arch = spec.target.partition(":")[2]
     if not spec.target.startswith("cuda") or not arch:
         return f"the target is {spec.target}, not a CUDA GPU arch"
