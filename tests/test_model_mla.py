@@ -237,11 +237,15 @@ def test_generator_runs_the_bundle(mla_model):
             assert tokens == [int(np.argmax(row)) for row in rows]
 
 
+# On CUDA, head dims the tensor-core prefill tiles (ragged 128 / 64, as in test_prefill_tc.py).
+GPU_HF = {**HF, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64, "kv_lora_rank": 128}
+
+
 @pytest.mark.gpu
 def test_cuda_float16_matches_torch(tmp_path):
     from tir_kernels.support import resolve_target
 
-    model = MLAModel(HF, tmp_path, seed=5, target=resolve_target("cuda"), dtype="float16")
+    model = MLAModel(GPU_HF, tmp_path, seed=5, target=resolve_target("cuda"), dtype="float16")
     run_single(model.session(), PROMPT, steps=6)
     run_batch(model.session(), PROMPTS, steps=4)
     result = Generator(model.lib).generate_tokens(PROMPTS, max_new_tokens=4, keep_logits=True)
