@@ -1,9 +1,12 @@
-"""Models on the tvmattn cache: the Llama-family decoder (`llama`), its configuration
-(`config`), the nn-level KV cache that emits `tvmattn.*` calls (`kv_cache`) and the library
-export (`export`)."""
+"""Models on the tvmattn cache: the Llama-family decoder (`llama`, optionally with sliding-window
+layers), the DeepSeek-V2 MLA decoder (`deepseek`, on the MLA cache of `mla_cache`), their
+configurations (`config`), the nn-level KV cache that emits `tvmattn.*` calls (`kv_cache`), the
+choice of decoder per config (`architectures`) and the library export (`export`)."""
 
+from .config import DeepseekV2Config as DeepseekV2Config
 from .config import ModelConfig as ModelConfig
 from .config import ModelConfigError as ModelConfigError
+from .config import model_config_from_hf as model_config_from_hf
 from .export import BuildOptions as BuildOptions
 from .export import ModelLibrary as ModelLibrary
 from .export import compile_library as compile_library
