@@ -371,6 +371,7 @@ def test_bad_calls_on_windowed_layers_leave_the_cache_unchanged():
         "debug_get_kv_mla": (lambda c: c.debug_get_kv_mla(0, 0, 1, o), "no MLA layers"),
         "shared before its layer": (lambda c: c.attention_with_shared_kv(0, SM_SCALE, q, k, k, o), "source layer 0"),
         "tree": (lambda c: c.begin_forward([0], [3], [-1, 0, 0]), "MHA_SLIDING layers"),
+        "graph decode": (lambda c: c.begin_graph_decode([0], 1), r"MHA layers only; this cache has \['MHA_SLIDING'\]"),
     }
 
     def state():

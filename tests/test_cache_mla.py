@@ -367,6 +367,7 @@ def _bad_calls(m: MLAModel, n: int) -> dict:
         "merge widths": (lambda c: c.merge_attn_output_inplace(o_self, lse, o, lse), "o2 must have shape"),
         "debug_get_kv on MLA": (lambda c: c.debug_get_kv(0, 0, 1, o, o), "use debug_get_kv_mla"),
         "debug_get_kv_mla shape": (lambda c: c.debug_get_kv_mla(0, 0, 2, t((LAYERS, 3, QK))), "kv must have shape"),
+        "graph decode": (lambda c: c.begin_graph_decode([0], 1), r"MHA layers only; this cache has \['MLA'\]"),
     }
 
 

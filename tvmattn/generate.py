@@ -441,7 +441,7 @@ class Generator:
 
         return (self.cuda_graph and self.device.dlpack_device_type() == tvm.cuda(0).dlpack_device_type()
                 and "decode_step" in self.metadata.get("functions", ()) and isinstance(self.cache, PagedKVCache)
-                and self.cache.backend == "tir")
+                and self.cache.backend == "tir" and self.cache.graph_decode_supported)
 
     def _decode_step(self, bucket: int):
         return library_decode_step(self.vm, self._graph_ids[bucket], self.cache, self.params,

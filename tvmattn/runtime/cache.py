@@ -756,6 +756,7 @@ class PagedKVCache:
         """begin_forward of a decode step (one new token per sequence) for a CUDA-graph replay:
         planned without cascade, padded to `bucket` rows, in the bucket's fixed layout in the
         graph-plan buffer (see tvmattn.runtime.graphs). The step's tensors have `bucket` rows."""
+        self._check_graph_decode("begin_graph_decode")
         seq_ids, lengths = self._check_batch(seq_ids, [1] * len(seq_ids))
         limit = min(self.options.max_num_sequences, self.options.prefill_chunk_size)
         check(isinstance(bucket, int) and len(seq_ids) <= bucket <= limit,
@@ -784,6 +785,7 @@ class PagedKVCache:
         to max_batch (default max_num_sequences), so that TVM's per-thread CUDA workspace pool
         holds pages for the largest split-KV partials this cache asks for and never frees one
         that a captured graph uses (tvmattn.runtime.graphs)."""
+        self._check_graph_decode("reserve_decode_workspace")
         max_batch = max_batch or self.options.max_num_sequences
         check(self._step is None, "reserve_decode_workspace: a forward step is in progress")
         for batch in range(1, min(max(max_batch, self.options.max_num_sequences), self.options.prefill_chunk_size) + 1):
@@ -801,6 +803,16 @@ class PagedKVCache:
 
     def graph_plan_bytes(self) -> int:
         return 0 if self._graph_arrays is None else 4 * self._graph_arrays.capacity
+
+    @property
+    def graph_decode_supported(self) -> bool:
+        """CUDA-graph decode steps serve caches of MHA layers only (an MLA layer's kernels and an
+        MHA_SLIDING layer's window level are not in the graph layout)."""
+        return set(self._kinds) == {AttnKind.MHA}
+
+    def _check_graph_decode(self, what: str) -> None:
+        check(self.graph_decode_supported, f"{what}: CUDA-graph decode steps serve caches of MHA layers only; this "
+              f"cache has {sorted({kind.name for kind in self._kinds} - {'MHA'})} layers (run begin_forward)")
 
     def _graph_layout(self, bucket: int, page_indices: int):
         """The bucket's graph layout, with a page capacity of at least `page_indices` (a larger
