@@ -14,7 +14,7 @@ import numpy as np
 
 from .config import DEEPSEEK_V2, AnyModelConfig, DeepseekV2Config
 
-LLAMA_FUNCTIONS = ("embed", "prefill", "decode", "batch_prefill", "batch_decode", "batch_verify",
+LLAMA_FUNCTIONS = ("embed", "prefill", "decode", "batch_prefill", "batch_decode", "decode_step", "batch_verify",
                    "create_paged_kv_cache")
 
 
