@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,12 +133,15 @@ class TorchLlama:
         bias = self.w.get(f"{name}.bias")
         return y if bias is None else y + bias
 
+    def mask(self, n: int, layer: int) -> torch.Tensor:
+        """[n, n] bool: query p sees key j (causal; subclasses may window it per layer)."""
+        return torch.ones(n, n, dtype=torch.bool).tril()
+
     def logits(self, tokens: list[int]) -> np.ndarray:
         """[len(tokens), vocab] logits of every position."""
         n = len(tokens)
         x = self.w["model.embed_tokens.weight"][torch.tensor(tokens)]
         positions = torch.arange(n)
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
         for i in range(self.hf["num_hidden_layers"]):
             p = f"model.layers.{i}"
             h = self._rms_norm(x, self.w[f"{p}.input_layernorm.weight"])
@@ -147,7 +151,7 @@ class TorchLlama:
             group = self.heads // self.kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(self.d)
-            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+            probs = scores.masked_fill(~self.mask(n, i), float("-inf")).softmax(-1)
             o = torch.einsum("hqk,khd->qhd", probs, v).reshape(n, self.heads * self.d)
             x = x + self._linear(o, f"{p}.self_attn.o_proj")
             h = self._rms_norm(x, self.w[f"{p}.post_attention_layernorm.weight"])
@@ -192,6 +196,16 @@ def stock_model() -> Model:
 @pytest.fixture(scope="module")
 def tied_model() -> Model:
     return Model(TIED, "tvmattn", seed=1)
+
+
+def load_bundle(library: Path, device) -> tuple:
+    """A compiled bundle (library + params.npz beside it) -> (vm, metadata, params in order,
+    {parameter name: value})."""
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)), device)
+    metadata = json.loads(str(vm["_metadata"]()))
+    with np.load(library.with_name(library.stem + ".params.npz")) as stored:
+        params = [stored[f"p{i}"] for i in range(len(metadata["params"]))]
+    return vm, metadata, params, {p["name"]: value for p, value in zip(metadata["params"], params)}
 
 
 class Session:

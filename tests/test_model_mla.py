@@ -25,10 +25,9 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from tvm import relax
 
 import tvmattn  # noqa: F401  - registers the tvmattn.* functions the library calls
-from test_model import LOGITS_TOLERANCE, Session, run_batch, run_single
+from test_model import LOGITS_TOLERANCE, Session, load_bundle, run_batch, run_single
 from tvmattn.build import compile_model
 from tvmattn.generate import Generator
 from tvmattn.models import ModelConfigError
@@ -141,11 +140,7 @@ class MLAModel:
         self.kv_cache = "tvmattn"
         self.device = tvm.cpu() if target == "llvm" else tvm.cuda()
         self.tolerance = LOGITS_TOLERANCE[dtype]
-        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.lib)), self.device)
-        self.metadata = json.loads(str(self.vm["_metadata"]()))
-        with np.load(folder / "model.params.npz") as stored:
-            self.params = [stored[f"p{i}"] for i in range(len(self.metadata["params"]))]
-        named = {p["name"]: value for p, value in zip(self.metadata["params"], self.params)}
+        self.vm, self.metadata, self.params, named = load_bundle(self.lib, self.device)
         self.torch = TorchDeepseekV2(hf, hf_weights(hf, named))
 
     def session(self) -> Session:

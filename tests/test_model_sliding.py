@@ -17,17 +17,16 @@ call (TVM's attn_kinds) and the window as cache_config's sixth value.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import tvm
-from tvm import relax
 
 import tvmattn  # noqa: F401  - registers the tvmattn.* functions the library calls
-from test_model import LOGITS_TOLERANCE, PAGE_SIZE, Session, TorchLlama, random_hf_weights, run_batch, run_single
+from test_model import (LOGITS_TOLERANCE, PAGE_SIZE, Session, TorchLlama, load_bundle, random_hf_weights, run_batch,
+                        run_single)
 from tvmattn.build import compile_model
 from tvmattn.generate import Generator
 from tvmattn.models import ModelConfig, ModelConfigError, compile_library, pack_params
@@ -51,28 +50,6 @@ class TorchSlidingLlama(TorchLlama):
         p, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
         visible = j <= p
         return visible & (p - j < self.window) if self.sliding[layer] else visible
-
-    def logits(self, tokens: list[int]) -> np.ndarray:
-        n = len(tokens)
-        x = self.w["model.embed_tokens.weight"][torch.tensor(tokens)]
-        positions = torch.arange(n)
-        for i in range(self.hf["num_hidden_layers"]):
-            p = f"model.layers.{i}"
-            h = self._rms_norm(x, self.w[f"{p}.input_layernorm.weight"])
-            q = self._rope(self._linear(h, f"{p}.self_attn.q_proj").view(n, self.heads, self.d), positions)
-            k = self._rope(self._linear(h, f"{p}.self_attn.k_proj").view(n, self.kv_heads, self.d), positions)
-            v = self._linear(h, f"{p}.self_attn.v_proj").view(n, self.kv_heads, self.d)
-            group = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(self.d)
-            probs = scores.masked_fill(~self.mask(n, i), float("-inf")).softmax(-1)
-            o = torch.einsum("hqk,khd->qhd", probs, v).reshape(n, self.heads * self.d)
-            x = x + self._linear(o, f"{p}.self_attn.o_proj")
-            h = self._rms_norm(x, self.w[f"{p}.post_attention_layernorm.weight"])
-            gate, up = self._linear(h, f"{p}.mlp.gate_proj"), self._linear(h, f"{p}.mlp.up_proj")
-            x = x + self._linear(torch.nn.functional.silu(gate) * up, f"{p}.mlp.down_proj")
-        x = self._rms_norm(x, self.w["model.norm.weight"])
-        return (x @ self.w["lm_head.weight"].T).numpy()
 
 
 def hf_weights(hf: dict, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -105,11 +82,7 @@ class SlidingModel:
         self.config = ModelConfig.from_hf(SLIDING)
         self.device = tvm.cpu() if target == "llvm" else tvm.cuda()
         self.tolerance = LOGITS_TOLERANCE[dtype]
-        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.lib)), self.device)
-        self.metadata = json.loads(str(self.vm["_metadata"]()))
-        with np.load(folder / "model.params.npz") as stored:
-            self.params = [stored[f"p{i}"] for i in range(len(self.metadata["params"]))]
-        named = {p["name"]: value for p, value in zip(self.metadata["params"], self.params)}
+        self.vm, self.metadata, self.params, named = load_bundle(self.lib, self.device)
         self.torch = TorchSlidingLlama(SLIDING, hf_weights(SLIDING, named), self.config.sliding_layers, WINDOW)
 
     def session(self) -> Session:
