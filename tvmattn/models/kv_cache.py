@@ -220,6 +220,16 @@ def _library_kernels(spec: KVCacheSpec) -> dict[str, rx.Expr]:
     }
 
 
+def compiled_cache_config(values: list, compiled_page_size: int, extra: list = ()) -> rx.Expr:
+    """The create call's cache_config: values (max_batch_size, max_total_seq_len,
+    prefill_chunk_size, page_size, support_sliding_window) + extra, match-cast to a shape whose
+    page size is the one the kernels were compiled for (another fails at creation with the VM's
+    shape-mismatch error)."""
+    expected = [*values[:3], compiled_page_size, values[4], *extra]
+    return rx.BlockBuilder.current().match_cast(rx.ShapeExpr([*values, *extra]), rx.ShapeType(expected),
+                                                "cache_config_with_compiled_page_size")
+
+
 class TvmattnKVCache(nn.Object):
     """tvmattn's PagedKVCache as an nn object (created by `create`, or a function parameter
     declared with `nn.spec.Object(object_type=TvmattnKVCache)`)."""
@@ -233,13 +243,10 @@ class TvmattnKVCache(nn.Object):
         page_size must be spec.page_size at run time (the kernels are compiled for it): the
         cache configuration is match-cast to a shape with that page size, so another value
         fails at creation with the VM's shape-mismatch error."""
-        values = [max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window]
-        expected = [max_batch_size, max_total_seq_len, prefill_chunk_size, spec.page_size, support_sliding_window]
-        if spec.has_sliding_layers:  # TVM's layer_sliding_window_size, read by MHA_SLIDING layers
-            values, expected = values + [spec.sliding_window], expected + [spec.sliding_window]
-        cache_config = rx.BlockBuilder.current().match_cast(
-            rx.ShapeExpr(values), rx.ShapeType(expected), "cache_config_with_compiled_page_size"
-        )
+        # TVM's layer_sliding_window_size, read by MHA_SLIDING layers
+        extra = [spec.sliding_window] if spec.has_sliding_layers else []
+        cache_config = compiled_cache_config([max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                                              support_sliding_window], spec.page_size, extra)
         args = CreateArgs(
             cache_config=cache_config,
             layer_indptr=rx.ShapeExpr([0, spec.num_layers]),

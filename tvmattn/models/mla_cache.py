@@ -38,7 +38,7 @@ import tir_kernels
 from tir_kernels import AttentionConfig, MLAConfig
 
 from ..runtime.ffi import EXTENSIONS_TAG, AttnKind, CreateArgs
-from .kv_cache import CREATE, _kernel, _spec
+from .kv_cache import CREATE, _kernel, _spec, compiled_cache_config
 
 PREFIX = "tvmattn.attention_kv_cache_"
 
@@ -119,11 +119,8 @@ class TvmattnMLACache(nn.Object):
                name: str = "paged_kv_cache") -> "TvmattnMLACache":
         """Emit the creation of the cache (inside a function being exported); page_size must be
         spec.page_size at run time (match-cast, as TvmattnKVCache.create)."""
-        values = [max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window]
-        expected = [max_batch_size, max_total_seq_len, prefill_chunk_size, spec.page_size, support_sliding_window]
-        cache_config = rx.BlockBuilder.current().match_cast(
-            rx.ShapeExpr(values), rx.ShapeType(expected), "cache_config_with_compiled_page_size"
-        )
+        cache_config = compiled_cache_config([max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                                              support_sliding_window], spec.page_size)
         args = CreateArgs(
             cache_config=cache_config,
             layer_indptr=rx.ShapeExpr([0, spec.num_layers]),
