@@ -133,6 +133,8 @@ def test_replay_equals_eager_and_the_reference():
     graph, eager = (Model("cuda", "normal", 4, seed=11, max_num_sequences=8) for _ in range(2))
     buffers = FixedBuffers(graph.device, buckets_for(8))
     graphs = DecodeGraphs(graph.cache, buffers.step(graph.cache), 8)
+    with pytest.raises(KVCacheError, match="max_batch=9 exceeds the cache's max_num_sequences 8"):
+        DecodeGraphs(graph.cache, buffers.step(graph.cache), 9)
     rng = np.random.default_rng(5)
 
     def both(op, *args):

@@ -780,15 +780,14 @@ class PagedKVCache:
         self._graph_layout(bucket, pages + 2 * bucket)
         return self._graph_generation
 
-    def reserve_decode_workspace(self, max_batch: int | None = None) -> None:
-        """Run the paged decode kernel (layer 0's pages, scratch outputs) at every batch size up
-        to max_batch (default max_num_sequences), so that TVM's per-thread CUDA workspace pool
-        holds pages for the largest split-KV partials this cache asks for and never frees one
-        that a captured graph uses (tvmattn.runtime.graphs)."""
+    def reserve_decode_workspace(self) -> None:
+        """Run the paged decode kernel (layer 0's pages, scratch outputs) at every batch size a
+        step of this cache can have (up to max_num_sequences), so that TVM's per-thread CUDA
+        workspace pool holds pages for the largest split-KV partials this cache asks for and
+        never frees one that a captured graph uses (tvmattn.runtime.graphs)."""
         self._check_graph_decode("reserve_decode_workspace")
-        max_batch = max_batch or self.options.max_num_sequences
         check(self._step is None, "reserve_decode_workspace: a forward step is in progress")
-        for batch in range(1, min(max(max_batch, self.options.max_num_sequences), self.options.prefill_chunk_size) + 1):
+        for batch in range(1, min(self.options.max_num_sequences, self.options.prefill_chunk_size) + 1):
             self._start_step(pad_decode_plan(empty_decode_plan(self.options.support_sliding_window), batch,
                                              self._graph_layout(batch, 2 * batch)), self._graph_arrays)
             self._step.decode_scratch(self._pools[0])

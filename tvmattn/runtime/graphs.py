@@ -28,7 +28,7 @@ What makes a replay valid for any sequences:
   (Generator and scripts/bench_e2e.py read each step's logits before the next step).
 - TVM's workspace pool: the decode kernels take their split-KV partials from TVM's per-thread
   CUDA workspace pool, which frees a page only when a larger request comes. Before the first
-  capture the cache runs its decode kernels at every batch size up to max_batch
+  capture the cache runs its decode kernels at every batch size up to max_num_sequences
   (`PagedKVCache.reserve_decode_workspace`), so the pool holds pages of the largest sizes this
   cache asks for and never frees one a graph uses. A kernel outside this cache that asks the
   same thread's pool for more could still free one: run graphs from the thread that reserved.
@@ -237,6 +237,9 @@ class DecodeGraphs:
         self.cache = cache
         self.step = step
         self.max_batch = max_batch or cache.options.max_num_sequences
+        if self.max_batch > cache.options.max_num_sequences:  # the graph-plan buffer is sized for that many
+            raise KVCacheError(f"max_batch={self.max_batch} exceeds the cache's max_num_sequences "
+                               f"{cache.options.max_num_sequences}")
         self.buckets = buckets_for(self.max_batch)
         runtime = CudaRuntime.load(cache.device)
         if runtime is None:
@@ -256,7 +259,7 @@ class DecodeGraphs:
         bucket = bucket_of(len(seq_ids), self.buckets)
         generation = self.cache.reserve_graph_plan(seq_ids, bucket)
         if self._reserved != generation:  # first use, or a new graph-plan buffer (page capacity)
-            self.cache.reserve_decode_workspace(self.max_batch)
+            self.cache.reserve_decode_workspace()
             self._reserved = generation
         self.cache.begin_graph_decode(seq_ids, bucket)
         try:
