@@ -37,11 +37,11 @@ def config_for(dtype: str, head_dim: int, page_size: int, num_kv_heads: int | No
 
 
 def jobs_for(dtypes, sweep, head_dim: int, page_size: int, kv_heads, baselines: bool = True,
-             sweep_all_kv: bool = False, table: bool = False) -> list:
+             sweep_all_kv: bool = False, table: bool = False, only=None) -> list:
     """[(dtype, impl, variant, num_kv_heads)] to build; variant: "default", "cuda-core", "tvm", a
     candidate label (candidates with the first of kv_heads only, unless sweep_all_kv) or
     "table:<label>" (each schedule the decode table picks for the config; measured together as
-    "tvmattn-table", the host-side choice per shape)."""
+    "tvmattn-table", the host-side choice per shape). only: candidate labels to sweep (None: all)."""
     from tir_kernels.schedules import decode_schedule_label, decode_variants, tc_decode_candidates
 
     jobs = []
@@ -55,7 +55,8 @@ def jobs_for(dtypes, sweep, head_dim: int, page_size: int, kv_heads, baselines: 
                     jobs.append((dtype, f"table:{label}", f"table:{label}", kv))
             if dtype in sweep and (sweep_all_kv or kv == kv_heads[0]):
                 for label in tc_decode_candidates(config_for(dtype, head_dim, page_size, kv)):
-                    jobs.append((dtype, f"tvmattn-tc-{label}", label, kv))
+                    if only is None or label in only:
+                        jobs.append((dtype, f"tvmattn-tc-{label}", label, kv))
     return jobs
 
 
@@ -106,8 +107,10 @@ def build_one(args):
 
 
 def build_all(jobs, head_dim, page_size, nproc: int):
-    """{job: (function, description)}: built in worker processes (forked before CUDA is
-    touched) and loaded here; whatever fails there is built again in this process."""
+    """{job: (function, description)}: built in worker processes (spawned: a forked worker
+    inherits the parent's CUDA state, and in one sweep every forked build failed with
+    cudaErrorInitializationError) and loaded here; whatever fails there is built again in this
+    process."""
     import multiprocessing
 
     import tvm
@@ -116,7 +119,7 @@ def build_all(jobs, head_dim, page_size, nproc: int):
 
     outdir = tempfile.mkdtemp(prefix="tune_decode_")
     t0 = time.time()
-    with multiprocessing.get_context("fork").Pool(nproc) as pool:
+    with multiprocessing.get_context("spawn").Pool(nproc) as pool:
         work = [(j, head_dim, page_size, outdir) for j in jobs]
         results = {r[0]: r[1:] for r in pool.imap_unordered(build_one, work)}
     built = {}
@@ -316,6 +319,8 @@ def main(argv=None) -> int:
                         help="a further schedule must raise the bucket's product of GB/s by this factor")
     parser.add_argument("--graph", nargs="*", metavar="IMPL",
                         help="also time these impls (default: tvmattn, tvmattn-table) replayed from a CUDA graph")
+    parser.add_argument("--only", nargs="+", metavar="LABEL",
+                        help="sweep only these candidate labels (default: every candidate)")
     parser.add_argument("--page-size", type=int, default=bk.DEFAULT_PAGE_SIZE)
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--jobs", type=int, default=8, help="build processes")
@@ -323,7 +328,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     shapes = [bk.parse_shape(s, "decode") for s in args.shapes]
     jobs = jobs_for(args.dtype, args.sweep, args.head_dim, args.page_size, args.kv_heads,
-                    baselines=not args.no_baselines, sweep_all_kv=args.sweep_all_kv, table=args.with_table)
+                    baselines=not args.no_baselines, sweep_all_kv=args.sweep_all_kv, table=args.with_table,
+                    only=args.only)
     built = build_all(jobs, args.head_dim, args.page_size, args.jobs)
 
     import torch

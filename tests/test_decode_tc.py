@@ -7,6 +7,7 @@ request's keys shows it. CPU tests check the CUDA source for sm_80 and sm_90 (no
 nvcc), the signature, the schedule checks and the dispatch of `paged_decode`.
 """
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -44,6 +45,14 @@ SCHEDULES = list(tc_decode_candidates(BENCH_CONFIG).values()) + [
     TensorCoreDecodeSchedule(warps=2, keys_per_warp=32, stages=4, target_blocks=132, max_splits=16),
     TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=3, q_in_registers=False, min_split_keys=64),
 ]
+
+# The candidates of the group-8 bucket (32 q / 4 kv heads): the table may pick any of them there.
+GROUP8_CONFIG = BENCH_CONFIG.replace(num_kv_heads=4)
+GROUP8_SCHEDULES = list(tc_decode_candidates(GROUP8_CONFIG).values())
+
+# early_pages / heads_first on the configs of CASES (the default schedule of each, with the flags).
+FLAG_CASES = [(case, flags) for case in CASES for flags in ((True, False), (False, True), (True, True))
+              if case[0] // case[1] >= 4 and case[2] <= 128][:9]
 
 
 # Every schedule the decode table (tir_kernels/decode_table.json) can pick, with a config of its
@@ -146,6 +155,32 @@ def test_paged_decode_tc_schedules(kernels, gpu_target, schedule):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", GROUP8_SCHEDULES, ids=schedule_id)
+def test_paged_decode_tc_schedules_group8(kernels, gpu_target, schedule):
+    """The candidates of the group-8 bucket (split and unsplit batches, ragged and empty requests)."""
+    config = GROUP8_CONFIG.replace(target=gpu_target)
+    for batch_size, lengths in ((1, [4100]), (3, [0, 777, 129]), (70, [29 * i + 1 for i in range(70)])):
+        rng = np.random.default_rng(batch_size + 8)
+        batch, q = inputs(rng, config, lengths)
+        o, lse = run(kernels, config, batch, q, schedule)
+        check(config, batch, q, o, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,flags", FLAG_CASES, ids=lambda x: case_id(x) if len(x) == 6 else f"e{int(x[0])}h{int(x[1])}")
+def test_paged_decode_tc_early_pages_heads_first(kernels, gpu_target, case, flags):
+    """early_pages (the prologue's page lookups first) and heads_first (grid order) on fp16 /
+    bf16, page sizes 1 / 16 / 64, sliding windows, groups 4 to 16."""
+    hq, hkv, d, ps, dtype, sliding = case
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=gpu_target, sliding_window=sliding)
+    sched = dataclasses.replace(choose_tc_decode_schedule(config), early_pages=flags[0], heads_first=flags[1])
+    rng = np.random.default_rng(zlib.crc32(case_id(case).encode()) + 1)
+    batch, q = inputs(rng, config, lengths_for(ps) + [2 * 4096 + 3])
+    o, lse = run(kernels, config, batch, q, sched)
+    check(config, batch, q, o, lse)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", TABLE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_decode_table_schedules(kernels, gpu_target, case):
     """Each schedule the table can pick, on its bucket's config and on the other 16-bit dtype,
@@ -227,6 +262,38 @@ def test_decode_tc_builds_cuda_source(config):
     assert f"mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32" in cuda
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in cuda
     assert "cp.async.cg.shared.global [%0], [%1], 16;" in cuda
+
+
+def test_decode_tc_early_pages_heads_first_source():
+    """heads_first: blockIdx.x is the KV head and blockIdx.z the request (page_indptr is read at
+    blockIdx.z); early_pages: every page-table read of the prologue (PASSES * (stages - 1) of
+    them) comes before the first K/V copy; without it the reads and copies alternate."""
+    config = AttentionConfig(32, 4, 128, dtype="float16", page_size=16, target="cuda:sm_90")
+    base = choose_tc_decode_schedule(config)
+
+    def kernel_source(sched):
+        """The tensor-core kernel's body (the definition with mma.sync in it)."""
+        module = tvm.compile(tvm.IRModule({"batch_decode_paged_kv": paged_decode_tc(config, sched)}),
+                             target=config.tvm_target())
+        defs = module.mod.imports[0].inspect_source().split('extern "C" __global__')
+        bodies = [d for d in defs[1:] if d.split("\n", 1)[0].rstrip().endswith("{")]
+        return next(d for d in bodies if "ldmatrix" in d)
+
+    def prologue_order(src):
+        """'L' per page-table read, 'C' per K/V cp.async, in source order up to the main loop."""
+        src = src[:src.find("for (int t = 0;")]
+        events = sorted([(i, "L") for i in range(len(src)) if src.startswith("page_indices_ptr[", i)]
+                        + [(i, "C") for i in range(len(src)) if src.startswith("(&(pages_ptr[", i)])
+        return "".join(e for _, e in events)
+
+    flagged = kernel_source(dataclasses.replace(base, early_pages=True, heads_first=True))
+    plain = kernel_source(base)
+    assert "page_indptr_ptr[(((int)blockIdx.z)" in flagged and "page_indptr_ptr[(((int)blockIdx.x)" in plain
+    passes = 2  # 64-key tiles, 32 rows per pass of 128 threads
+    early, late = prologue_order(flagged), prologue_order(plain)
+    assert early.startswith("L" * passes * (base.stages - 1) + "C"), early[:20]
+    assert late.startswith("L" * passes + "C"), late[:20]
+    assert "L" * passes * (base.stages - 1) not in late.split("C", 1)[0]
 
 
 def test_tc_decode_schedule_validation():

@@ -107,6 +107,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     RP = NT // TPR  # rows a pass of the block's threads copies
     PASSES = ceildiv(BK, RP)
     CPT = TL.chunks // TPR  # chunks per thread per row
+    EARLY, HEADS_FIRST = sched.early_pages, sched.heads_first
+    PRE = STAGES - 1 if EARLY else 1  # tiles whose page entries a thread holds at once
 
     def word(elem):
         """fp32 index of a 16-bit element offset (a multiple of 8)."""
@@ -128,21 +130,21 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                         smem_[word(Q_OFF + TL.offset(r, ch)) + e] = T.float32(0)
 
     @T.macro
-    def lookup(indices_, length_info_, b_, page0_, kv0_, kv_end_, tid_, page_, slot_):
-        """page_, slot_ [PASSES] <- where this thread's rows of the tile from key kv0_ live
-        (every page-table read of a tile before any of its copies)."""
+    def lookup(indices_, length_info_, b_, page0_, kv0_, kv_end_, tid_, page_, slot_, at_):
+        """page_, slot_ [at_ .. at_ + PASSES) <- where this thread's rows of the tile from key kv0_
+        live (every page-table read of a tile before any of its copies)."""
         for p in L.unroll(PASSES):
             j = T.meta_var(kv0_ + p * RP + tid_ // TPR)
-            page_[p] = 0
-            slot_[p] = 0
+            page_[at_ + p] = 0
+            slot_[at_ + p] = 0
             if j < kv_end_:
-                page_[p] = indices_[page0_ + paged_position(j, length_info_, b_, sliding) // ps]
-                slot_[p] = paged_position(j, length_info_, b_, sliding) % ps
+                page_[at_ + p] = indices_[page0_ + paged_position(j, length_info_, b_, sliding) // ps]
+                slot_[at_ + p] = paged_position(j, length_info_, b_, sliding) % ps
 
     @T.macro
-    def issue(pages_, smem_, hkv_, stage_, kv0_, kv_end_, tid_, page_, slot_):
-        """cp.async of this thread's chunks of K and V rows kv0_.. (found by `lookup`) -> ring
-        buffer stage_; zeros from kv_end_ on."""
+    def issue(pages_, smem_, hkv_, stage_, kv0_, kv_end_, tid_, page_, slot_, at_):
+        """cp.async of this thread's chunks of K and V rows kv0_.. (found by `lookup`, at at_ of
+        page_ / slot_) -> ring buffer stage_; zeros from kv_end_ on."""
         for p in L.unroll(PASSES):
             r = T.meta_var(p * RP + tid_ // TPR)
             if BK % RP == 0 or r < BK:
@@ -150,9 +152,11 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
                         T.ptx[CP_ASYNC_KV](smem_.ptr_to([word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
-                                           T.address_of(pages_[page_[p], 0, hkv_, slot_[p], ch * CHUNK]), 16)
+                                           T.address_of(pages_[page_[at_ + p], 0, hkv_, slot_[at_ + p],
+                                                                ch * CHUNK]), 16)
                         T.ptx[CP_ASYNC_KV](smem_.ptr_to([word(V_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
-                                           T.address_of(pages_[page_[p], 1, hkv_, slot_[p], ch * CHUNK]), 16)
+                                           T.address_of(pages_[page_[at_ + p], 1, hkv_, slot_[at_ + p],
+                                                                ch * CHUNK]), 16)
                 else:
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
@@ -282,77 +286,101 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     write_lse_(idx // D, m_all[0])
 
     @T.macro
+    def body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, b, hkv, split,
+             tid):
+        """The work of block (request b, KV head hkv, split slot `split`), thread tid."""
+        batch = q_.shape[0]
+        smem = T.alloc_buffer((SMEM_WORDS,), "float32", scope=shared)
+        qf = T.alloc_buffer((KSTEPS_QK * 4 if QREG else 4,), "uint32", scope="local")
+        s = T.alloc_buffer((SN * 4,), "float32", scope="local")
+        o = T.alloc_buffer((ON * 4,), "float32", scope="local")
+        m_run = T.alloc_buffer((HALVES,), "float32", scope="local")
+        l_run = T.alloc_buffer((HALVES,), "float32", scope="local")
+        # page-table entries: of the next tile (main loop), or of the prologue's tiles (early_pages)
+        pg = T.alloc_buffer((PASSES * PRE,), "int32", scope="local")
+        sl = T.alloc_buffer((PASSES * PRE,), "int32", scope="local")
+        warp = tid // 32
+        lane = tid % 32
+        page0 = indptr_[b]
+        kv_len = kv_chunk_len(indptr_[b + 1] - page0, ps, length_info_, b, sliding)
+        nsplit = request_splits(sched, grid_splits(sched, Hkv, batch), kv_len)
+        split_len = split_length(sched, kv_len, nsplit)
+        j_begin = T.min(split * split_len, kv_len)
+        j_end = T.min(j_begin + split_len, kv_len)
+        ntiles = T.if_then_else(split < nsplit, ceildiv(j_end - j_begin, BK), 0)
+        scale = sm_scale_ * T.float32(LOG2E)
+        for r in L.unroll(HALVES):
+            m_run[r] = T.float32(EMPTY_LSE)
+            l_run[r] = T.float32(0)
+        for i in L.unroll(ON * 4):
+            o[i] = T.float32(0)
+        load_q(q_, smem, b, hkv, tid)
+        T.ptx["cp.async.commit_group"]()
+        if EARLY:  # every page-table read of the prologue, then every copy
+            for st in L.unroll(STAGES - 1):
+                if st < ntiles:
+                    lookup(indices_, length_info_, b, page0, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES)
+            for st in L.unroll(STAGES - 1):
+                if st < ntiles:
+                    issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES)
+                T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
+        else:
+            for st in L.unroll(STAGES - 1):
+                if st < ntiles:
+                    lookup(indices_, length_info_, b, page0, j_begin + st * BK, j_end, tid, pg, sl, 0)
+                    issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, 0)
+                T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
+        # Page lookups run a tile ahead of the copies: their latency hides behind a step of
+        # arithmetic.
+        if STAGES - 1 < ntiles:
+            lookup(indices_, length_info_, b, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0)
+        T.ptx["cp.async.wait_group"](STAGES - 1)  # Q has landed
+        T.tvm_storage_sync(shared)
+        if QREG:
+            for kk in L.unroll(KSTEPS_QK):
+                load_q_frag(smem, qf, kk * 4, kk, lane)
+        for t in T.serial(ntiles):
+            T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
+            T.tvm_storage_sync(shared)  # ... for all, and no warp reads tile t - 1
+            if t + STAGES - 1 < ntiles:
+                issue(pages_, smem, hkv, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid,
+                      pg, sl, 0)
+                if t + STAGES < ntiles:
+                    lookup(indices_, length_info_, b, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0)
+            T.ptx["cp.async.commit_group"]()
+            s_mma(smem, qf, s, t % STAGES, warp, lane)
+            softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
+            pv_mma(s, smem, o, t % STAGES, warp, lane)
+        if nsplit == 1:
+            if split == 0:
+                finish(smem, o, m_run, l_run, warp, lane, tid,
+                       lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, hkv * G + h, e]),
+                       lambda h, val: T.buffer_store(lse_, val, [b, hkv * G + h]))
+        elif split < nsplit:
+            finish(smem, o, m_run, l_run, warp, lane, tid,
+                   lambda h, e, val: T.buffer_store(o_part_, val, [((split * batch + b) * Hq + hkv * G + h) * D + e]),
+                   lambda h, val: T.buffer_store(lse_part_, val, [(split * batch + b) * Hq + hkv * G + h]))
+
+    @T.macro
     def tc_kernel(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_):
         """One block per (request, KV head, split slot); slots past the request's split count
-        do nothing. A request of one split writes o / lse, others the split workspace."""
+        do nothing. A request of one split writes o / lse, others the split workspace. The grid
+        runs requests fastest, or KV heads (heads_first)."""
         batch = q_.shape[0]
-        for b in L.block(batch, "x", outer=True):
-            for hkv in L.block(Hkv, "y"):
-                for split in L.block(grid_splits(sched, Hkv, batch), "z"):
-                    for tid in L.thread(NT, "x"):
-                        smem = T.alloc_buffer((SMEM_WORDS,), "float32", scope=shared)
-                        qf = T.alloc_buffer((KSTEPS_QK * 4 if QREG else 4,), "uint32", scope="local")
-                        s = T.alloc_buffer((SN * 4,), "float32", scope="local")
-                        o = T.alloc_buffer((ON * 4,), "float32", scope="local")
-                        m_run = T.alloc_buffer((HALVES,), "float32", scope="local")
-                        l_run = T.alloc_buffer((HALVES,), "float32", scope="local")
-                        pg = T.alloc_buffer((PASSES,), "int32", scope="local")
-                        sl = T.alloc_buffer((PASSES,), "int32", scope="local")
-                        warp = tid // 32
-                        lane = tid % 32
-                        page0 = indptr_[b]
-                        kv_len = kv_chunk_len(indptr_[b + 1] - page0, ps, length_info_, b, sliding)
-                        nsplit = request_splits(sched, grid_splits(sched, Hkv, batch), kv_len)
-                        split_len = split_length(sched, kv_len, nsplit)
-                        j_begin = T.min(split * split_len, kv_len)
-                        j_end = T.min(j_begin + split_len, kv_len)
-                        ntiles = T.if_then_else(split < nsplit, ceildiv(j_end - j_begin, BK), 0)
-                        scale = sm_scale_ * T.float32(LOG2E)
-                        for r in L.unroll(HALVES):
-                            m_run[r] = T.float32(EMPTY_LSE)
-                            l_run[r] = T.float32(0)
-                        for i in L.unroll(ON * 4):
-                            o[i] = T.float32(0)
-                        load_q(q_, smem, b, hkv, tid)
-                        T.ptx["cp.async.commit_group"]()
-                        for st in L.unroll(STAGES - 1):
-                            if st < ntiles:
-                                lookup(indices_, length_info_, b, page0, j_begin + st * BK, j_end, tid, pg, sl)
-                                issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl)
-                            T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
-                        # Page lookups run a tile ahead of the copies: their latency hides
-                        # behind a step of arithmetic.
-                        if STAGES - 1 < ntiles:
-                            lookup(indices_, length_info_, b, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl)
-                        T.ptx["cp.async.wait_group"](STAGES - 1)  # Q has landed
-                        T.tvm_storage_sync(shared)
-                        if QREG:
-                            for kk in L.unroll(KSTEPS_QK):
-                                load_q_frag(smem, qf, kk * 4, kk, lane)
-                        for t in T.serial(ntiles):
-                            T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
-                            T.tvm_storage_sync(shared)  # ... for all, and no warp reads tile t - 1
-                            if t + STAGES - 1 < ntiles:
-                                issue(pages_, smem, hkv, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK,
-                                      j_end, tid, pg, sl)
-                                if t + STAGES < ntiles:
-                                    lookup(indices_, length_info_, b, page0, j_begin + (t + STAGES) * BK, j_end, tid,
-                                           pg, sl)
-                            T.ptx["cp.async.commit_group"]()
-                            s_mma(smem, qf, s, t % STAGES, warp, lane)
-                            softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
-                            pv_mma(s, smem, o, t % STAGES, warp, lane)
-                        if nsplit == 1:
-                            if split == 0:
-                                finish(smem, o, m_run, l_run, warp, lane, tid,
-                                       lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, hkv * G + h, e]),
-                                       lambda h, val: T.buffer_store(lse_, val, [b, hkv * G + h]))
-                        elif split < nsplit:
-                            finish(smem, o, m_run, l_run, warp, lane, tid,
-                                   lambda h, e, val: T.buffer_store(
-                                       o_part_, val, [((split * batch + b) * Hq + hkv * G + h) * D + e]),
-                                   lambda h, val: T.buffer_store(
-                                       lse_part_, val, [(split * batch + b) * Hq + hkv * G + h]))
+        if HEADS_FIRST:
+            for hkv in L.block(Hkv, "x", outer=True):
+                for split in L.block(grid_splits(sched, Hkv, batch), "y"):
+                    for b in L.block(batch, "z"):
+                        for tid in L.thread(NT, "x"):
+                            body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_,
+                                 sm_scale_, b, hkv, split, tid)
+        else:
+            for b in L.block(batch, "x", outer=True):
+                for hkv in L.block(Hkv, "y"):
+                    for split in L.block(grid_splits(sched, Hkv, batch), "z"):
+                        for tid in L.thread(NT, "x"):
+                            body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_,
+                                 sm_scale_, b, hkv, split, tid)
 
     @T.macro
     def merge(indptr_, length_info_, o_part_, lse_part_, o_, lse_):

@@ -120,6 +120,12 @@ class TensorCoreDecodeSchedule:
     a whole number of tiles; one split writes o / lse directly, more are merged in FP32.
     l2_prefetch: 0, or 64 / 128 / 256: the K/V copies ask L2 to fetch that many bytes around
     each 16-byte access (cp.async's .L2::<n>B hint); 0: no hint.
+    early_pages: the prologue reads the page-table entries of all its stages - 1 tiles before
+    it issues any copy (one round trip instead of one per tile; 2 * (stages - 1) more int32
+    registers per page-table pass); False: a tile's lookup, then its copies, then the next.
+    heads_first: the grid runs (KV head, split, request) from fastest to slowest, so the blocks
+    of one request's heads and splits start together and read the same pages at about the same
+    time (the KV heads of a page slot are adjacent in memory); False: (request, KV head, split).
     """
 
     warps: int = 4
@@ -130,6 +136,8 @@ class TensorCoreDecodeSchedule:
     target_blocks: int = 2 * CUDA_NUM_SMS
     min_split_keys: int = 256
     l2_prefetch: int = 0
+    early_pages: bool = False
+    heads_first: bool = False
 
     def __post_init__(self):
         _require(1 <= self.warps <= 16, f"warps={self.warps} must be 1..16")
@@ -148,10 +156,11 @@ class TensorCoreDecodeSchedule:
     @property
     def label(self) -> str:
         """Short name: w<warps>k<keys_per_warp>s<stages>t<target_blocks>m<min_split_keys>[x<max_splits>][-qsmem]
-        [-p<l2_prefetch>]."""
+        [-p<l2_prefetch>][-e (early_pages)][-h (heads_first)]."""
         return (f"w{self.warps}k{self.keys_per_warp}s{self.stages}t{self.target_blocks}m{self.min_split_keys}"
                 + (f"x{self.max_splits}" if self.max_splits != 64 else "") + ("" if self.q_in_registers else "-qsmem")
-                + (f"-p{self.l2_prefetch}" if self.l2_prefetch else ""))
+                + (f"-p{self.l2_prefetch}" if self.l2_prefetch else "") + ("-e" if self.early_pages else "")
+                + ("-h" if self.heads_first else ""))
 
     @property
     def num_threads(self) -> int:
@@ -257,6 +266,10 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
         dataclasses.replace(base, l2_prefetch=256),
         dataclasses.replace(base, min_split_keys=256, l2_prefetch=256),
         dataclasses.replace(tc(4, 16, 6), l2_prefetch=256),
+        # the prologue's page lookups at once; the grid's heads and splits of a request together
+        dataclasses.replace(base, l2_prefetch=128, early_pages=True),
+        dataclasses.replace(base, l2_prefetch=128, heads_first=True),
+        dataclasses.replace(base, l2_prefetch=128, early_pages=True, heads_first=True),
     ]
     out = {}
     for sched in variants:
