@@ -50,9 +50,10 @@ SCHEDULES = list(tc_decode_candidates(BENCH_CONFIG).values()) + [
 GROUP8_CONFIG = BENCH_CONFIG.replace(num_kv_heads=4)
 GROUP8_SCHEDULES = list(tc_decode_candidates(GROUP8_CONFIG).values())
 
-# early_pages / heads_first on the configs of CASES (the default schedule of each, with the flags).
-FLAG_CASES = [(case, flags) for case in CASES for flags in ((True, False), (False, True), (True, True))
-              if case[0] // case[1] >= 4 and case[2] <= 128][:9]
+# (early_pages, heads_first, threads_per_row) on every config of CASES (the default schedule of
+# each, with these fields): all three on each, each alone on the first.
+FLAG_CASES = [(case, (True, True, 8)) for case in CASES] + [(CASES[0], flags) for flags in (
+    (True, False, 0), (False, True, 0), (False, False, 16))]
 
 
 # Every schedule the decode table (tir_kernels/decode_table.json) can pick, with a config of its
@@ -167,13 +168,16 @@ def test_paged_decode_tc_schedules_group8(kernels, gpu_target, schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case,flags", FLAG_CASES, ids=lambda x: case_id(x) if len(x) == 6 else f"e{int(x[0])}h{int(x[1])}")
+@pytest.mark.parametrize("case,flags", FLAG_CASES,
+                         ids=lambda x: case_id(x) if len(x) == 6 else "e{}h{}c{}".format(*map(int, x)))
 def test_paged_decode_tc_early_pages_heads_first(kernels, gpu_target, case, flags):
-    """early_pages (the prologue's page lookups first) and heads_first (grid order) on fp16 /
-    bf16, page sizes 1 / 16 / 64, sliding windows, groups 4 to 16."""
+    """early_pages (the prologue's page lookups first), heads_first (grid order) and
+    threads_per_row (8 or 16 threads a K/V row) on fp16 / bf16, head dims 64 / 128 / 256, page
+    sizes 1 / 16 / 64, sliding windows, groups 4 to 16."""
     hq, hkv, d, ps, dtype, sliding = case
     config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=gpu_target, sliding_window=sliding)
-    sched = dataclasses.replace(choose_tc_decode_schedule(config), early_pages=flags[0], heads_first=flags[1])
+    sched = dataclasses.replace(choose_tc_decode_schedule(config), early_pages=flags[0], heads_first=flags[1],
+                                threads_per_row=flags[2])
     rng = np.random.default_rng(zlib.crc32(case_id(case).encode()) + 1)
     batch, q = inputs(rng, config, lengths_for(ps) + [2 * 4096 + 3])
     o, lse = run(kernels, config, batch, q, sched)
@@ -267,7 +271,8 @@ def test_decode_tc_builds_cuda_source(config):
 def test_decode_tc_early_pages_heads_first_source():
     """heads_first: blockIdx.x is the KV head and blockIdx.z the request (page_indptr is read at
     blockIdx.z); early_pages: every page-table read of the prologue (PASSES * (stages - 1) of
-    them) comes before the first K/V copy; without it the reads and copies alternate."""
+    them) comes before the first K/V copy; without it the reads and copies alternate;
+    threads_per_row sets the page-table reads per tile (one per row a thread copies)."""
     config = AttentionConfig(32, 4, 128, dtype="float16", page_size=16, target="cuda:sm_90")
     base = choose_tc_decode_schedule(config)
 
@@ -294,6 +299,9 @@ def test_decode_tc_early_pages_heads_first_source():
     assert early.startswith("L" * passes * (base.stages - 1) + "C"), early[:20]
     assert late.startswith("L" * passes + "C"), late[:20]
     assert "L" * passes * (base.stages - 1) not in late.split("C", 1)[0]
+    # 8 threads a row: 16 rows a pass, 4 passes (page-table reads) per 64-key tile
+    wide = prologue_order(kernel_source(dataclasses.replace(base, early_pages=True, threads_per_row=8)))
+    assert wide.startswith("L" * 4 * (base.stages - 1) + "C"), wide[:20]
 
 
 def test_tc_decode_schedule_validation():
@@ -303,6 +311,8 @@ def test_tc_decode_schedule_validation():
         TensorCoreDecodeSchedule(stages=1)
     with pytest.raises(ValueError, match="warps"):
         TensorCoreDecodeSchedule(warps=0)
+    with pytest.raises(ValueError, match="threads_per_row"):
+        TensorCoreDecodeSchedule(threads_per_row=3)
     cuda = AttentionConfig(32, 8, 128, dtype="float16", target="cuda:sm_90")
     with pytest.raises(ValueError, match="dtype"):
         paged_decode_tc(cuda.replace(dtype="float32"))
@@ -314,6 +324,8 @@ def test_tc_decode_schedule_validation():
         paged_decode_tc(AttentionConfig(64, 2, 128, dtype="float16", target="cuda:sm_90"))
     with pytest.raises(ValueError, match="shared memory"):
         paged_decode_tc(cuda, TensorCoreDecodeSchedule(warps=8, keys_per_warp=32, stages=4))
+    with pytest.raises(ValueError, match="threads_per_row=16 must divide the 8"):
+        paged_decode_tc(cuda.replace(head_dim=64, v_head_dim=64), TensorCoreDecodeSchedule(threads_per_row=16))
     with pytest.raises(ValueError, match="fragment registers"):
         paged_decode_tc(cuda.replace(head_dim=256, v_head_dim=256),
                         TensorCoreDecodeSchedule(keys_per_warp=64, q_in_registers=True))

@@ -17,9 +17,10 @@ for the whole group.
 Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
   load_q: the group's query rows -> shared (cp.async), then A fragments (ldmatrix).
   lookup / issue: K and V rows of a tile of tile_kv = warps * keys_per_warp keys -> one of
-    `stages` ring buffers, 16-byte cp.async, threads_per_row threads per row; each thread reads
-    the page table once per row it copies, a tile ahead of the copies; rows past the split's
-    end are zero-filled.
+    `stages` ring buffers, 16-byte cp.async, threads_per_row threads per row (the schedule's,
+    or `threads_per_row`'s rule); each thread reads the page table once per row it copies, a
+    tile ahead of the copies (early_pages: the prologue's tiles all at once); rows past the
+    split's end are zero-filled. heads_first orders the grid (KV head, split, request).
   Per step, warp w computes keys w * keys_per_warp.. of the tile: S = Q K^T (ldmatrix K), the
     online softmax of its rows in registers (base 2, softmax.py's arithmetic), O += P V (P
     packed from the S accumulators, ldmatrix.trans V).
@@ -103,7 +104,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     C_O, C_M = 0, NW * G * D
     C_L = C_M + NW * ROWS_PER_MMA
     SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA)
-    TPR = threads_per_row(TL.chunks)
+    TPR = sched.threads_per_row or threads_per_row(TL.chunks)
     RP = NT // TPR  # rows a pass of the block's threads copies
     PASSES = ceildiv(BK, RP)
     CPT = TL.chunks // TPR  # chunks per thread per row

@@ -123,6 +123,9 @@ class TensorCoreDecodeSchedule:
     early_pages: the prologue reads the page-table entries of all its stages - 1 tiles before
     it issues any copy (one round trip instead of one per tile; 2 * (stages - 1) more int32
     registers per page-table pass); False: a tile's lookup, then its copies, then the next.
+    threads_per_row: threads that copy one K/V row together (a warp's copy instruction covers
+    32 / threads_per_row rows of threads_per_row * 16 contiguous bytes each): 1, 2, 4, 8 or 16,
+    dividing head_dim / 8; 0: the kernel's rule (4 where it divides).
     heads_first: the grid runs (KV head, split, request) from fastest to slowest, so the blocks
     of one request's heads and splits start together and read the same pages at about the same
     time (the KV heads of a page slot are adjacent in memory); False: (request, KV head, split).
@@ -138,6 +141,7 @@ class TensorCoreDecodeSchedule:
     l2_prefetch: int = 0
     early_pages: bool = False
     heads_first: bool = False
+    threads_per_row: int = 0
 
     def __post_init__(self):
         _require(1 <= self.warps <= 16, f"warps={self.warps} must be 1..16")
@@ -148,6 +152,8 @@ class TensorCoreDecodeSchedule:
         _require(self.target_blocks >= 1, f"target_blocks={self.target_blocks} must be >= 1")
         _require(self.min_split_keys >= 1, f"min_split_keys={self.min_split_keys} must be >= 1")
         _require(self.l2_prefetch in (0, 64, 128, 256), f"l2_prefetch={self.l2_prefetch} must be 0, 64, 128 or 256")
+        _require(self.threads_per_row in (0, 1, 2, 4, 8, 16),
+                 f"threads_per_row={self.threads_per_row} must be 0 (automatic), 1, 2, 4, 8 or 16")
 
     @property
     def tile_kv(self) -> int:
@@ -156,10 +162,11 @@ class TensorCoreDecodeSchedule:
     @property
     def label(self) -> str:
         """Short name: w<warps>k<keys_per_warp>s<stages>t<target_blocks>m<min_split_keys>[x<max_splits>][-qsmem]
-        [-p<l2_prefetch>][-e (early_pages)][-h (heads_first)]."""
+        [-p<l2_prefetch>][-c<threads_per_row>][-e (early_pages)][-h (heads_first)]."""
         return (f"w{self.warps}k{self.keys_per_warp}s{self.stages}t{self.target_blocks}m{self.min_split_keys}"
                 + (f"x{self.max_splits}" if self.max_splits != 64 else "") + ("" if self.q_in_registers else "-qsmem")
-                + (f"-p{self.l2_prefetch}" if self.l2_prefetch else "") + ("-e" if self.early_pages else "")
+                + (f"-p{self.l2_prefetch}" if self.l2_prefetch else "")
+                + (f"-c{self.threads_per_row}" if self.threads_per_row else "") + ("-e" if self.early_pages else "")
                 + ("-h" if self.heads_first else ""))
 
     @property
@@ -190,6 +197,9 @@ class TensorCoreDecodeSchedule:
         _require(config.head_dim % 16 == 0 and config.v_head_dim == config.head_dim,
                  f"head_dim={config.head_dim}, v_head_dim={config.v_head_dim}: the tensor-core decode needs equal"
                  " head dims, a multiple of 16")
+        _require(self.threads_per_row == 0 or (config.head_dim // 8) % self.threads_per_row == 0,
+                 f"threads_per_row={self.threads_per_row} must divide the {config.head_dim // 8} 16-byte chunks of a"
+                 f" row at head_dim={config.head_dim}")
         _require(self.fragment_registers(config) <= TC_DECODE_MAX_FRAGMENT_REGISTERS,
                  f"keys_per_warp={self.keys_per_warp}, q_in_registers={self.q_in_registers} hold"
                  f" {self.fragment_registers(config)} fragment registers per thread at head_dim={config.head_dim};"
@@ -270,6 +280,11 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
         dataclasses.replace(base, l2_prefetch=128, early_pages=True),
         dataclasses.replace(base, l2_prefetch=128, heads_first=True),
         dataclasses.replace(base, l2_prefetch=128, early_pages=True, heads_first=True),
+        # whole 128-byte lines (8 threads a row) or whole rows (16) per copy instruction
+        dataclasses.replace(base, l2_prefetch=128, threads_per_row=8, early_pages=True, heads_first=True),
+        dataclasses.replace(base, threads_per_row=8, early_pages=True, heads_first=True),
+        dataclasses.replace(base, l2_prefetch=256, threads_per_row=8, early_pages=True, heads_first=True),
+        dataclasses.replace(base, threads_per_row=16, early_pages=True, heads_first=True),
     ]
     out = {}
     for sched in variants:
