@@ -4,7 +4,7 @@ own decode kernel and torch SDPA, all on the same inputs (scripts/bench_kernels.
 checks and row format).
 
     python scripts/tune_decode.py [--shapes 1x4096 ...] [--dtype float16 bfloat16] [--sweep float16]
-                                  [--iters 8] [--jobs 8] [--json rows.json]
+                                  [--only LABEL ...] [--iters 8] [--jobs 8] [--json rows.json]
 
 Impl names: "tvmattn" (what paged_decode(config) builds: the dispatch), "tvmattn-cuda-core"
 (paged_decode with the CUDA-core schedule), "tvmattn-tc-<label>" (a candidate, with --sweep
