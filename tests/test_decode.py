@@ -1,5 +1,6 @@
 """paged_decode against the float64 reference, CPU and CUDA."""
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -9,6 +10,7 @@ import reference as ref
 from harness import PAGED_CASES, device_for, empty, index_view, make_paged_batch, paged_case_id, randn, tensor
 
 from tir_kernels import AttentionConfig, DecodeSchedule, RopeScaling, default_sm_scale, paged_decode
+from tir_kernels.schedules import choose_decode_schedule
 
 
 def lengths_for(page_size):
@@ -85,14 +87,41 @@ def test_paged_decode_split_kv(kernels, batch_size, length):
     check(config, o, lse, expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("min_split_keys", [None, 1, 32, 4096])
+def test_paged_decode_request_splits(kernels, min_split_keys):
+    """SmolLM2's heads (9 / 3, d64: the CUDA-core kernel) with ragged lengths: each request
+    takes min(slots, ceil(kv_len / min_split_keys)) splits (one: written directly, the merge
+    skips it); default, every slot, and never split."""
+    hq, hkv, d, ps, dtype = 9, 3, 64, 16, "float16"
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target="cuda")
+    lengths = [1, 0, 64, 65, 512, 3000, 17]
+    rng = np.random.default_rng(13)
+    batch = make_paged_batch(rng, lengths, hkv, d, ps, dtype)
+    q = randn(rng, (batch.batch, hq, d), dtype)
+    runner = kernels
+    if min_split_keys is not None:
+        runner = _Scheduled(kernels, dataclasses.replace(choose_decode_schedule(config), min_split_keys=min_split_keys))
+    o, lse = run_decode(runner, config, batch, q)
+    expected = [ref.attention(q[i : i + 1], *batch.visible(i), default_sm_scale(d), causal=False)
+                for i in range(batch.batch)]
+    check(config, o, lse, expected)
+
+
 CPU_SPLIT_SCHEDULES = [
     None,  # the default CPU schedule: splits up to 2 tasks per core
     DecodeSchedule(lanes=1, rows=1, rows_per_thread=4, heads_per_block=1, max_splits=16, target_blocks=64),
     DecodeSchedule(lanes=1, rows=1, rows_per_thread=16, heads_per_block=3, max_splits=5, target_blocks=64),
+    # per-request split counts: ceil(kv_len / min_split_keys) of the grid's slots (one: no merge)
+    DecodeSchedule(lanes=1, rows=1, rows_per_thread=4, heads_per_block=1, max_splits=16, target_blocks=64,
+                   min_split_keys=100),
+    DecodeSchedule(lanes=1, rows=1, rows_per_thread=16, heads_per_block=3, max_splits=5, target_blocks=64,
+                   min_split_keys=64),
 ]
 
 
-@pytest.mark.parametrize("sched", CPU_SPLIT_SCHEDULES, ids=["default", "hb1-x16", "hb3-x5"])
+@pytest.mark.parametrize("sched", CPU_SPLIT_SCHEDULES, ids=["default", "hb1-x16", "hb3-x5", "hb1-x16-m100",
+                                                            "hb3-x5-m64"])
 @pytest.mark.parametrize("lengths,sliding", [([700], False), ([5], False), ([0, 300, 33], False), ([400, 90], True)],
                          ids=["1x700", "1x5", "3-ragged", "sliding"])
 def test_paged_decode_cpu_split_kv(kernels, sched, lengths, sliding):
@@ -125,6 +154,8 @@ def test_decode_schedule_validation():
         paged_decode(config.replace(target="cuda"), DecodeSchedule(lanes=8, rows=16, rows_per_thread=2, heads_per_block=3))
     with pytest.raises(ValueError, match="lanes"):
         DecodeSchedule(lanes=3, rows=1, rows_per_thread=1, heads_per_block=1)
+    with pytest.raises(ValueError, match="min_split_keys"):
+        DecodeSchedule(lanes=8, rows=16, rows_per_thread=2, heads_per_block=1, min_split_keys=0)
     with pytest.raises(ValueError, match="v_head_dim"):
         paged_decode(AttentionConfig(8, 2, 64, v_head_dim=128))
 

@@ -4,9 +4,11 @@ Algorithm: a block serves one request, one KV head and `heads_per_block` query h
 group, over one split of the request's visible KV tokens. Each thread keeps an online
 softmax (running max, denominator, output) over the rows it reads; rows are combined in
 shared memory, and splits (when more than one) are merged in FP32 by a second kernel.
-The split count is computed at launch from the batch size, so small batches still fill
-the GPU. On the CPU the same code runs with one thread per block: every (request, head
-chunk, split) block is a task of one parallel loop (so batch 1 with few KV heads still
+The grid's split slots per request are computed at launch from the batch size, so small
+batches still fill the GPU; a request uses min(slots, ceil(kv_len / min_split_keys)) of
+them (`request_splits`, read in the kernel from its length: a captured grid stays valid for
+any lengths); a request of one split writes o / lse directly and the merge skips it.
+On the CPU the same code runs with one thread per block: every (request, head chunk, split) block is a task of one parallel loop (so batch 1 with few KV heads still
 splits its keys over the cores), a thread reads rows_per_thread rows per step, and its
 element loops are vector loops (q . k in VL-lane partial sums, added pairwise).
 
@@ -26,7 +28,7 @@ from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, 
 from .config import AttentionConfig, RopeScaling
 from .schedules import (DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_schedule, choose_decode_variant,
                         tc_decode_applies)
-from .softmax import (finalize_lse, finalize_scale, finished_l, merge_splits_macro, prob, rescale_factor,
+from .softmax import (finalize_lse, finalize_scale, finished_l, prob, rescale_factor,
                       softmax_macros)
 
 
@@ -75,6 +77,7 @@ class _Dims:
     VEC: int  # elements per 16-byte load
     MAX_SPLITS: int
     TARGET_BLOCKS: int
+    MIN_SPLIT_KEYS: int
     VL: int  # CPU: float lanes of the q . k partial sums (a power of two dividing EPL)
 
     @classmethod
@@ -86,7 +89,7 @@ class _Dims:
             sliding=config.sliding_window, scaling=config.rope_scaling,
             LANES=sched.lanes, ROWS=sched.rows, RPT=sched.rows_per_thread, HB=sched.heads_per_block,
             EPL=epl, VEC=min(epl, 16 // config.elem_bytes) if config.is_gpu else epl,
-            MAX_SPLITS=sched.max_splits, TARGET_BLOCKS=sched.target_blocks,
+            MAX_SPLITS=sched.max_splits, TARGET_BLOCKS=sched.target_blocks, MIN_SPLIT_KEYS=sched.min_split_keys,
             VL=next(v for v in (8, 4, 2, 1) if epl % v == 0),
         )
 
@@ -107,10 +110,22 @@ class _Dims:
         return "shared" if self.gpu else "local"
 
     def num_splits(self, batch):
-        """Splits per request, chosen at launch so that batch * heads * splits fills the GPU."""
+        """Split slots per request in the grid, chosen at launch so that batch * heads * splits
+        fills the GPU."""
         if self.MAX_SPLITS == 1:
             return 1
         return T.min(T.max(ceildiv(self.TARGET_BLOCKS, batch * self.Hkv * self.CHUNKS), 1), self.MAX_SPLITS)
+
+    def request_splits(self, batch, kv_len):
+        """Splits a request of kv_len visible keys uses: at most the grid's slots, each of at
+        least MIN_SPLIT_KEYS keys (a short request takes fewer, or one: then no merge)."""
+        if self.MAX_SPLITS == 1:
+            return 1
+        return T.min(self.num_splits(batch), T.max(ceildiv(kv_len, self.MIN_SPLIT_KEYS), 1))
+
+    def kv_len(self, indptr_, length_info_, b):
+        """Visible keys of request b."""
+        return kv_chunk_len(indptr_[b + 1] - indptr_[b], self.ps, length_info_, b, self.sliding)
 
     def head(self, hc, h):
         """Query head of the h-th head served by head chunk hc."""
@@ -171,7 +186,7 @@ def _load_macros(dims: _Dims, L):
 
 def _attend_macro(dims: _Dims, L):
     """attend: the online softmax of one block's rows over one split."""
-    ps, D, G, sliding = dims.ps, dims.D, dims.G, dims.sliding
+    D, G = dims.D, dims.G
     LANES, ROWS, RPT, HB, EPL = dims.LANES, dims.ROWS, dims.RPT, dims.HB, dims.EPL
     CHUNKS, TILE, VL = dims.CHUNKS, dims.TILE, dims.VL
     LOG_LANES = LANES.bit_length() - 1
@@ -246,8 +261,8 @@ def _attend_macro(dims: _Dims, L):
 
     @T.macro
     def attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, rotate_, rope_scale_,
-               rope_theta_, sm_scale_, b_, hc_, split_, nsplit_, ty_, tx_, row_m_, row_d_, row_o_):
-        """Online softmax of split `split_` of request b_ for head chunk hc_: row group ty_
+               rope_theta_, sm_scale_, b_, hc_, kv_len, split_, nsplit_, ty_, tx_, row_m_, row_d_, row_o_):
+        """Online softmax of split `split_` (of nsplit_) of request b_'s kv_len keys for head chunk hc_: row group ty_
         leaves its max, denominator and unnormalised output in row_m_/row_d_ [ROWS * HB] and
         row_o_ [ROWS * HB * D] (f32). rotate_ (a Python bool) applies RoPE to q and k."""
         hkv = hc_ // CHUNKS
@@ -260,7 +275,6 @@ def _attend_macro(dims: _Dims, L):
         k_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope="local")
         v_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope="local")
         page_begin = indptr_[b_]
-        kv_len = kv_chunk_len(indptr_[b_ + 1] - page_begin, ps, length_info_, b_, sliding)
         split_len = ceildiv(kv_len, nsplit_)
         j_begin = T.min(split_ * split_len, kv_len)
         j_end = T.min(j_begin + split_len, kv_len)
@@ -283,7 +297,8 @@ def _attend_macro(dims: _Dims, L):
 
 
 def _merge_macros(dims: _Dims, L):
-    """combine_rows (the row groups of a block) and merge_splits (the splits of a request)."""
+    """combine_rows (the row groups of a block) and merge_splits(indptr_, length_info_, o_part_,
+    lse_part_, O_, lse_) (the splits of each request that took more than one)."""
     dtype, D, Hq = dims.dtype, dims.D, dims.Hq
     LANES, ROWS, HB, NTHREADS = dims.LANES, dims.ROWS, dims.HB, dims.NTHREADS
     sm = softmax_macros(L)
@@ -316,35 +331,62 @@ def _merge_macros(dims: _Dims, L):
                         write_lse(h, m_all[0])
 
     @T.macro
-    def merge_splits_cpu(o_part_, lse_part_, O_, lse_):
+    def merge_splits_gpu(indptr_, length_info_, o_part_, lse_part_, O_, lse_):
+        """O_ [B, Hq, D], lse_ [B, Hq] <- the FP32 merge of the split states of each (request,
+        head) whose request took more than one split (`request_splits`), o_part_ [slots * B * Hq
+        * D], lse_part_ [slots * B * Hq]: one block per (request, head), a thread per column;
+        split s's finished state (o, lse) is the state (m = lse, l = finished_l(lse), o * l)."""
+        batch = O_.shape[0]
+        for b in L.block(batch, "x", outer=True):
+            for h in L.block(Hq, "y"):
+                for e in L.thread(D, "x"):
+                    m_all = T.alloc_buffer((1,), "float32", scope="local")
+                    d_all = T.alloc_buffer((1,), "float32", scope="local")
+                    acc = T.alloc_buffer((1,), "float32", scope="local")
+                    nsplit = dims.request_splits(batch, dims.kv_len(indptr_, length_info_, b))
+                    if nsplit > 1:
+                        sm.combine(nsplit,
+                                   lambda s: lse_part_[(s * batch + b) * Hq + h],
+                                   lambda s: finished_l(lse_part_[(s * batch + b) * Hq + h]),
+                                   lambda s: o_part_[((s * batch + b) * Hq + h) * D + e]
+                                   * finished_l(lse_part_[(s * batch + b) * Hq + h]),
+                                   m_all, d_all, acc)
+                        sm.finalize(m_all, d_all, acc, 0, 1)
+                        O_[b, h, e] = T.Cast(dtype, acc[0])
+                        if e == 0:
+                            lse_[b, h] = m_all[0]
+
+    @T.macro
+    def merge_splits_cpu(indptr_, length_info_, o_part_, lse_part_, O_, lse_):
         """CPU: merge_splits with each split's weight computed once per (request, head) and the
         rows as vectors (softmax.combine's arithmetic: weight finished_l(lse) * exp2(lse - max))."""
         batch = O_.shape[0]
-        nsplit = dims.num_splits(batch)
         for bh in T.parallel(batch * Hq):
             m_all = T.alloc_buffer((1,), "float32", scope="local")
             d_all = T.alloc_buffer((1,), "float32", scope="local")
             w = T.alloc_buffer((1,), "float32", scope="local")
             o_acc = T.alloc_buffer((D,), "float32", scope="local")
+            nsplit = dims.request_splits(batch, dims.kv_len(indptr_, length_info_, bh // Hq))
             m_all[0] = T.float32(EMPTY_LSE)
-            for s in T.serial(nsplit):
-                m_all[0] = T.max(m_all[0], lse_part_[s * batch * Hq + bh])
-            d_all[0] = T.float32(0)
-            for e in T.vectorized(D):
-                o_acc[e] = T.float32(0)
-            for s in T.serial(nsplit):
-                w[0] = finished_l(lse_part_[s * batch * Hq + bh]) * rescale_factor(lse_part_[s * batch * Hq + bh],
-                                                                                  m_all[0])
-                d_all[0] = d_all[0] + w[0]
+            if nsplit > 1:
+                for s in T.serial(nsplit):
+                    m_all[0] = T.max(m_all[0], lse_part_[s * batch * Hq + bh])
+                d_all[0] = T.float32(0)
                 for e in T.vectorized(D):
-                    o_acc[e] = o_acc[e] + o_part_[(s * batch * Hq + bh) * D + e] * w[0]
-            w[0] = finalize_scale(d_all[0])
-            for e in T.vectorized(D):
-                O_[bh // Hq, bh % Hq, e] = T.Cast(dtype, o_acc[e] * w[0])
-            lse_[bh // Hq, bh % Hq] = finalize_lse(m_all[0], d_all[0])
+                    o_acc[e] = T.float32(0)
+                for s in T.serial(nsplit):
+                    w[0] = finished_l(lse_part_[s * batch * Hq + bh]) * rescale_factor(lse_part_[s * batch * Hq + bh],
+                                                                                      m_all[0])
+                    d_all[0] = d_all[0] + w[0]
+                    for e in T.vectorized(D):
+                        o_acc[e] = o_acc[e] + o_part_[(s * batch * Hq + bh) * D + e] * w[0]
+                w[0] = finalize_scale(d_all[0])
+                for e in T.vectorized(D):
+                    O_[bh // Hq, bh % Hq, e] = T.Cast(dtype, o_acc[e] * w[0])
+                lse_[bh // Hq, bh % Hq] = finalize_lse(m_all[0], d_all[0])
 
     if dims.gpu:
-        return combine_rows, merge_splits_macro(L, dtype, Hq, D, dims.num_splits)
+        return combine_rows, merge_splits_gpu
     return combine_rows, merge_splits_cpu
 
 
@@ -364,26 +406,29 @@ def _split_kernel_macro(dims: _Dims, L):
                 row_m = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
                 row_d = T.alloc_buffer((ROWS * HB,), "float32", scope=shared)
                 row_o = T.alloc_buffer((ROWS * HB * D,), "float32", scope=shared)
-                attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_,
-                       rotate_, rope_scale_, rope_theta_, sm_scale_,
-                       b, hc, split, dims.num_splits(batch), ty, tx, row_m, row_d, row_o)
-                if dims.gpu:
-                    T.tvm_storage_sync("shared")
-                if dims.num_splits(batch) == 1:
-                    combine_rows(row_m, row_d, row_o, ty, tx,
-                                 lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, dims.head(hc, h), e]),
-                                 lambda h, val: T.buffer_store(lse_, val, [b, dims.head(hc, h)]))
-                else:
-                    combine_rows(row_m, row_d, row_o, ty, tx,
-                                 lambda h, e, val: T.buffer_store(
-                                     o_part_, val, [((split * batch + b) * Hq + dims.head(hc, h)) * D + e]),
-                                 lambda h, val: T.buffer_store(
-                                     lse_part_, val, [(split * batch + b) * Hq + dims.head(hc, h)]))
+                kv_len = dims.kv_len(indptr_, length_info_, b)
+                nsplit = dims.request_splits(batch, kv_len)
+                if split < nsplit:  # (uniform over the block: its syncs stay whole)
+                    attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_,
+                           rotate_, rope_scale_, rope_theta_, sm_scale_,
+                           b, hc, kv_len, split, nsplit, ty, tx, row_m, row_d, row_o)
+                    if dims.gpu:
+                        T.tvm_storage_sync("shared")
+                    if nsplit == 1:
+                        combine_rows(row_m, row_d, row_o, ty, tx,
+                                     lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, dims.head(hc, h), e]),
+                                     lambda h, val: T.buffer_store(lse_, val, [b, dims.head(hc, h)]))
+                    else:
+                        combine_rows(row_m, row_d, row_o, ty, tx,
+                                     lambda h, e, val: T.buffer_store(
+                                         o_part_, val, [((split * batch + b) * Hq + dims.head(hc, h)) * D + e]),
+                                     lambda h, val: T.buffer_store(
+                                         lse_part_, val, [(split * batch + b) * Hq + dims.head(hc, h)]))
 
     @T.macro
     def split_kernel(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, o_, lse_, o_part_, lse_part_,
                      rotate_, rope_scale_, rope_theta_, sm_scale_):
-        """The attention kernel: with one split it writes o_ / lse_, else the split partials."""
+        """The attention kernel: a request of one split writes o_ / lse_, others the split partials."""
         batch = q_.shape[0]
         if dims.gpu:
             for b in L.block(batch, "x", outer=True):
@@ -454,7 +499,7 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | TensorCoreD
             split_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, k_rope_pos_offset_, q_rope_position_,
                          O_, lse_, o_part, lse_part, False, rope_scale_, rope_theta_, sm_scale_)
         if dims.num_splits(batch) > 1:
-            merge_splits(o_part, lse_part, O_, lse_)  # in FP32, per (request, head)
+            merge_splits(page_indptr_, length_info_, o_part, lse_part, O_, lse_)  # in FP32, per (request, head)
 
     return decode_func(config, kernel)
 

@@ -459,7 +459,7 @@ def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule 
             cc_split_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, k_rope_pos_offset_,
                             q_rope_position_, O_, lse_, o_part, lse_part, True, rope_scale_, rope_theta_, sm_scale_)
             if cc_dims.num_splits(batch) > 1:
-                cc_merge(o_part, lse_part, O_, lse_)
+                cc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
         else:
             tc_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_)
             if grid_splits(sched, Hkv, batch) > 1:

@@ -33,7 +33,11 @@ class DecodeSchedule:
     rows_per_thread: rows each thread loads per step, for memory-level parallelism.
     heads_per_block: query heads of one GQA group a block serves (K/V is read once for them).
     max_splits: most blocks one request's history is split over (1: never split, no workspace).
-    target_blocks: the split count is chosen at run time as target_blocks / (batch * heads).
+    target_blocks: the grid's split slots per request are chosen at launch as
+      target_blocks / (batch * heads), at most max_splits.
+    min_split_keys: a request uses min(slots, ceil(kv_len / min_split_keys)) of the slots (read
+      in the kernel from its length, so a captured grid stays valid); one split writes o / lse
+      directly, more are merged in FP32.
     """
 
     lanes: int
@@ -42,6 +46,7 @@ class DecodeSchedule:
     heads_per_block: int
     max_splits: int = 1
     target_blocks: int = 2 * CUDA_NUM_SMS
+    min_split_keys: int = 1
 
     def __post_init__(self):
         _require(is_power_of_two(self.lanes) and self.lanes <= 32, "lanes must be a power of two <= 32")
@@ -49,6 +54,7 @@ class DecodeSchedule:
         _require(self.rows_per_thread >= 1, "rows_per_thread must be >= 1")
         _require(self.heads_per_block >= 1, "heads_per_block must be >= 1")
         _require(self.max_splits >= 1, "max_splits must be >= 1")
+        _require(self.min_split_keys >= 1, f"min_split_keys={self.min_split_keys} must be >= 1")
 
     def check(self, config: AttentionConfig) -> None:
         _require(config.head_dim % self.lanes == 0, f"lanes={self.lanes} must divide head_dim={config.head_dim}")
@@ -76,7 +82,8 @@ def choose_decode_schedule(config: AttentionConfig) -> DecodeSchedule:
     # q and o of the served heads live in registers: keep them under ~128 fp32 values.
     heads = max(h for h in range(1, config.group_size + 1) if config.group_size % h == 0 and (h == 1 or h * per_lane <= 64))
     # Measured on the H200 (docs/perf-notes.md): 2 rows per thread beat 4 and 8 (fewer
-    # registers, more resident warps); aiming at 4 blocks per SM helps long single requests.
+    # registers, more resident warps); aiming at 4 blocks per SM helps long single requests;
+    # a split of at least MIN_SPLIT_KEYS keys (short requests take fewer splits, or one).
     return DecodeSchedule(
         lanes=lanes,
         rows=max(1, 128 // lanes),
@@ -84,7 +91,12 @@ def choose_decode_schedule(config: AttentionConfig) -> DecodeSchedule:
         heads_per_block=heads,
         max_splits=64,
         target_blocks=4 * CUDA_NUM_SMS,
+        min_split_keys=CUDA_CORE_MIN_SPLIT_KEYS,
     )
+
+
+# Keys per split of the CUDA-core decode at least (the GPU default schedule's min_split_keys).
+CUDA_CORE_MIN_SPLIT_KEYS = 64
 
 
 # Tensor-core decode (`decode_tc`): the dtypes, smallest arch and GQA groups it serves.
@@ -321,11 +333,12 @@ def schedule_to_dict(sched) -> dict:
 
 def decode_schedule_label(sched) -> str:
     """A schedule's short name: TensorCoreDecodeSchedule.label, or cc-l<lanes>r<rows>p<rows per
-    thread>h<heads per block>t<target_blocks>x<max_splits> for the CUDA-core kernel."""
+    thread>h<heads per block>t<target_blocks>x<max_splits>[m<min_split_keys>] for the CUDA-core kernel."""
     if isinstance(sched, TensorCoreDecodeSchedule):
         return sched.label
     return (f"cc-l{sched.lanes}r{sched.rows}p{sched.rows_per_thread}h{sched.heads_per_block}"
-            f"t{sched.target_blocks}x{sched.max_splits}")
+            f"t{sched.target_blocks}x{sched.max_splits}"
+            + (f"m{sched.min_split_keys}" if sched.min_split_keys != 1 else ""))
 
 
 _TABLE_CACHE: dict = {}

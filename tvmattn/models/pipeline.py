@@ -25,33 +25,67 @@ The attention kernels from tir_kernels are already scheduled and pass through un
 
 from __future__ import annotations
 
+import re
+
 import tvm
 from tvm import relax, s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
 
 
+# DecodeBatchGEMV: rows per pass over the weight (the batch is padded to a multiple), and the
+# largest weight it takes (a larger one, the LM head, is re-read from memory on every pass: it
+# keeps the Matmul rule).
+DECODE_GEMV_BUCKET = 8
+DECODE_GEMV_MAX_WEIGHT_BYTES = 16 << 20
+
+
 class DecodeBatchGEMV(ScheduleRule):
     """dlight's LowBatchGEMV for matmuls over a symbolic `batch_size` (batch_decode, decode_step:
-    a few rows against a whole weight). dlight's Matmul rule, which the default CUDA pipeline
-    gives them, tiles for many rows and reads weights at a fraction of the bandwidth (measured
-    on the H200: 30.6 us for SmolLM2's down projection at batch 16). Prefill-like functions
-    (symbolic seq_len) keep the Matmul rule."""
+    a few rows against a whole weight): each pass reads the weight once for `bucket` rows, split
+    over many blocks. dlight's Matmul rule, which the default CUDA pipeline gives them, tiles
+    for many rows and reads weights at a fraction of the bandwidth (measured on the H200:
+    30.6 us for SmolLM2's down projection at batch 16). Prefill-like functions (symbolic
+    seq_len) and weights over max_weight_bytes (None: any) keep the Matmul rule."""
 
-    def __init__(self, bucket: int = 4):
+    def __init__(self, bucket: int = DECODE_GEMV_BUCKET, max_weight_bytes: int | None = DECODE_GEMV_MAX_WEIGHT_BYTES):
         from tvm.s_tir.dlight.gpu import LowBatchGEMV
 
         self._rule = LowBatchGEMV(bucket)
+        self.max_weight_bytes = max_weight_bytes
 
     def apply(self, func, target, tunable):
         if not isinstance(func, tirx.PrimFunc) or not _has_var(func, "batch_size"):
             return None
+        if self.max_weight_bytes is not None and _largest_static_read(func) > self.max_weight_bytes:
+            return None
         return self._rule.apply(func, target, tunable)
 
 
+def _largest_static_read(func: tirx.PrimFunc) -> int:
+    """Bytes of the largest buffer of static shape that func's blocks read (a matmul's weight)."""
+    sch = s_tir.Schedule(func)
+    try:
+        infos = normalize_prim_func(sch)
+    except (tvm.error.TVMError, ValueError):
+        return 0
+    largest = 0
+    for info in infos or []:
+        for region in sch.get(info.block_rv).reads:
+            buf = region.source  # (TVM 0.27: the region's buffer)
+            if all(isinstance(d, (int, tirx.IntImm)) for d in buf.shape):
+                elems = 1
+                for d in buf.shape:
+                    elems *= int(d)
+                largest = max(largest, elems * tvm.DataType(buf.dtype).bits // 8)
+    return largest
+
+
 def _has_var(func: tirx.PrimFunc, name: str) -> bool:
-    """func has a symbolic shape variable `name` (as TVMScript declares it)."""
-    return f"{name} = T.int64()" in func.script()
+    """func has a symbolic shape variable `name`: TVMScript declares it on a line of its own
+    (`name = TypeVar("name")` in TVM 0.27; the earlier check for `name = T.int64()` never matched,
+    so this rule did not apply)."""
+    return re.search(rf"^{re.escape(name)} = ", func.script(), re.MULTILINE) is not None
 
 
 class SingleRowReduction(ScheduleRule):

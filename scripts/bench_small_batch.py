@@ -1,0 +1,209 @@
+"""The GPU kernels of a small-batch decode step, variant by variant (a tuning aid, H200):
+
+- matmuls: the symbolic-batch projections of a model library's `decode_step` (taken from the
+  exported module after legalization, so the same fused PrimFuncs), scheduled by dlight's
+  default CUDA rules ("matmul", what they got before) or by models.pipeline.DecodeBatchGEMV
+  with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), at batch 1, 2, 16 and 64; checked
+  against torch (float32 products of the same fp16 inputs).
+- decode attention: tir_kernels.paged_decode with the default CUDA-core schedule and
+  min_split_keys swept, at batch 1, 16 and 64 (--len keys each).
+
+Kernel time is the device time of its kernels (torch.profiler, mean over --iters calls), not
+the host launch time.
+
+    python scripts/bench_small_batch.py [--model scripts/smollm2-config.json] [--len 520] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BATCHES = (1, 2, 16, 64)
+BUCKETS = (4, 8, 16)
+SPLIT_KEYS = (1, 16, 32, 64, 128, 256, 1 << 20)
+
+
+def device_us(fn, iters: int) -> float:
+    """Mean device time (us) of the CUDA kernels one fn() call launches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
+                and e.key not in ("cudaDeviceSynchronize",) and not e.key.startswith("Memcpy")
+                and not e.key.startswith("Memset"))
+    return total / iters
+
+
+def decode_step_matmuls(model: str, max_batch: int):
+    """{name: PrimFunc}: decode_step's legalized matmul PrimFuncs (symbolic batch_size)."""
+    import tvm
+    from tvm import relax, tirx
+    from tvm.relax.backend.cuda import pipeline as backend
+
+    from tvmattn.models import BuildOptions, export_module
+    from tvmattn.models.config import model_config_from_hf
+    from tvmattn.models.pipeline import _has_var
+
+    config = model_config_from_hf(json.load(open(model)))
+    options = BuildOptions(target="cuda:sm_90", dtype="float16", max_batch_size=max_batch)
+    mod, _ = export_module(config, options)
+    target = options.tvm_target()
+    with target:
+        legalize = list(backend.legalize_passes(target))[:-1]  # without dlight's default schedule
+        mod = tvm.transform.Sequential([relax.transform.FuseTransposeMatmul()]
+                                       + backend.library_dispatch_passes(target) + legalize)(mod)
+    funcs = {}
+    for gv, func in mod.functions.items():
+        if isinstance(func, tirx.PrimFunc) and "matmul" in gv.name_hint and _has_var(func, "batch_size"):
+            script = func.script()
+            if "(batch_size, T.int64(1)," in script:  # decode_step's [batch, 1, K] layout
+                funcs[gv.name_hint] = func
+    return funcs, target
+
+
+def schedule(func, target, variant: str):
+    """The compiled module of func under `variant` ("matmul" or "gemv-b<bucket>")."""
+    import tvm
+    from tvm.s_tir import dlight as dl
+    from tvm.relax.backend.cuda import pipeline as backend
+
+    from tvmattn.models.pipeline import DecodeBatchGEMV
+
+    mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    with target:
+        if variant.startswith("gemv-b"):
+            mod = dl.ApplyDefaultSchedule(DecodeBatchGEMV(int(variant[6:]), max_weight_bytes=None))(mod)
+        mod = list(backend.legalize_passes(target))[-1](mod)
+        return tvm.compile(mod, target=target)
+
+
+def bench_matmuls(args, rows):
+    import torch
+    import tvm
+
+    funcs, target = decode_step_matmuls(args.model, max(BATCHES))
+    for name, func in sorted(funcs.items()):
+        built = {v: schedule(func, target, v) for v in ["matmul"] + [f"gemv-b{b}" for b in BUCKETS]}
+        print(f"{name}: {[shape for shape, _ in _buffers(func)]}", flush=True)
+        for batch in BATCHES:
+            ins = _inputs(func, batch)
+            ref = _reference(func, ins)
+            for variant, lib in built.items():
+                vm_args = [tvm.runtime.from_dlpack(t) for t in ins]
+                fn = lib["main"]
+                fn(*vm_args)
+                torch.cuda.synchronize()
+                out = ins[-1].float()
+                err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+                us = device_us(lambda: fn(*vm_args), args.iters)
+                rows.append(dict(part="matmul", func=name, batch=batch, variant=variant, us=round(us, 2),
+                                 rel_err=float(f"{err:.2e}")))
+                print(f"  b{batch:<3d} {variant:10s} {us:8.2f} us  rel err {err:.1e}", flush=True)
+
+
+def _buffers(func):
+    """[(shape with batch_size as None, dtype)] of func's parameters (TVM 0.27: buffer params)."""
+    from tvm import tirx
+
+    return [([None if isinstance(d, tirx.Var) else int(d) for d in p.shape], str(p.dtype)) for p in func.params]
+
+
+def _inputs(func, batch):
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    ins = []
+    for shape, dtype in _buffers(func):
+        full = [batch if d is None else d for d in shape]
+        ins.append((torch.randn(full, generator=gen, device="cuda") * 0.5).to(getattr(torch, dtype)))
+    return ins
+
+
+def _reference(func, ins):
+    """x @ W^T in float32 (+ the residual of a fused add)."""
+    x, w = ins[0].float(), ins[1].float()
+    out = x @ w.T
+    if len(ins) == 4:  # fused_NT_matmul_add: (x, W, residual, out)
+        out = out + ins[2].float()
+    return out
+
+
+def bench_decode(args, rows):
+    import torch
+    import tvm
+
+    from tir_kernels import AttentionConfig, default_sm_scale, paged_decode
+    from tir_kernels.schedules import choose_decode_schedule
+
+    hq, hkv, d, ps = args.heads
+    config = AttentionConfig(hq, hkv, d, dtype="float16", page_size=ps, target="cuda:sm_90")
+    base = choose_decode_schedule(config)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    libs = {m: tvm.compile(paged_decode(config, dataclasses.replace(base, min_split_keys=m)), target=target)
+            for m in SPLIT_KEYS}
+    for batch in (1, 16, 64):
+        pages_per = -(-args.len // ps)
+        num_pages = batch * pages_per
+        gen = torch.Generator(device="cuda").manual_seed(batch)
+        pages = torch.randn((num_pages, 2, hkv, ps, d), generator=gen, device="cuda").half()
+        indptr = torch.arange(0, num_pages + 1, pages_per, device="cuda", dtype=torch.int32)
+        indices = torch.randperm(num_pages, generator=gen, device="cuda").int()
+        last = torch.full((batch,), args.len - (pages_per - 1) * ps, device="cuda", dtype=torch.int32)
+        pos = torch.zeros((batch,), device="cuda", dtype=torch.int32)
+        q = torch.randn((batch, hq, d), generator=gen, device="cuda").half()
+        outs = {}
+        for m, lib in libs.items():
+            o = torch.empty((batch, hq, d), device="cuda", dtype=torch.float16)
+            lse = torch.empty((batch, hq), device="cuda", dtype=torch.float32)
+            targs = [tvm.runtime.from_dlpack(t) for t in (q, pages, indptr, indices, last, pos, pos, o, lse)]
+            fn = lib["batch_decode_paged_kv"]
+
+            def call(fn=fn, targs=targs):
+                fn(*targs, 0, 1.0, 1e4, default_sm_scale(d))
+
+            call()
+            torch.cuda.synchronize()
+            outs[m] = o.float().clone()
+            us = device_us(call, args.iters)
+            err = float((outs[m] - outs[SPLIT_KEYS[0]]).abs().max())
+            rows.append(dict(part="decode", batch=batch, len=args.len, min_split_keys=m, us=round(us, 2),
+                             diff_vs_first=float(f"{err:.2e}")))
+            print(f"decode b{batch:<3d} len {args.len} min_split_keys {m:8d}: {us:8.2f} us (max |o - o[m=1]| "
+                  f"{err:.1e})", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=os.path.join(os.path.dirname(__file__), "smollm2-config.json"))
+    parser.add_argument("--len", type=int, default=520, help="keys per request of the decode part")
+    parser.add_argument("--heads", type=int, nargs=4, default=(9, 3, 64, 16), metavar=("HQ", "HKV", "D", "PAGE"))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--only", choices=("matmul", "decode"))
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    rows = []
+    if args.only != "matmul":
+        bench_decode(args, rows)
+    if args.only != "decode":
+        bench_matmuls(args, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
