@@ -9,7 +9,8 @@
   min_split_keys swept, at batch 1, 16 and 64 (--len keys each).
 
 Kernel time is the device time of its kernels (torch.profiler, mean over --iters calls), not
-the host launch time.
+the host launch time. (On the H200 on 2026-12-01 the attention part ran; the matmul part ended
+without output, cause not found: see docs/perf-notes.md; `--only matmul` runs it alone.)
 
     python scripts/bench_small_batch.py [--model scripts/smollm2-config.json] [--len 520] [--iters 20]
 """

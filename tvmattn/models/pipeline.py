@@ -14,7 +14,8 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   parallel loop and recomputes the whole norm inside it, hidden-size times the work (SmolLM2:
   0.8 ms per norm, 61 per decode step).
 - on CUDA, before dlight's default rules: `DecodeBatchGEMV`, dlight's LowBatchGEMV for the
-  matmuls of batch_decode / decode_step (symbolic batch_size), which the Matmul rule served badly;
+  matmuls of batch_decode / decode_step (symbolic batch_size; weights up to 16 MiB), which the
+  Matmul rule served badly;
 - on CUDA, after memory planning: `lift_graph_storage`, the storage of `decode_step` (planned for
   its batch upper bound) allocated once per VM instead of per call, so a CUDA graph that
   captured a step can be replayed (tvmattn.runtime.graphs). It runs TVM's RewriteCUDAGraph on
