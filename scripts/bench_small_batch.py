@@ -9,8 +9,9 @@
   min_split_keys swept, at batch 1, 16 and 64 (--len keys each).
 
 Kernel time is the device time of its kernels (torch.profiler, mean over --iters calls), not
-the host launch time. (On the H200 on 2026-12-01 the attention part ran; the matmul part ended
-without output, cause not found: see docs/perf-notes.md; `--only matmul` runs it alone.)
+the host launch time. (On the H200 on 2026-12-01 the attention part ran; the matmul part, then
+compiled after CUDA was in use, ended without output: everything is now compiled first, not
+yet run there; `--only matmul` runs it alone.)
 
     python scripts/bench_small_batch.py [--model scripts/smollm2-config.json] [--len 520] [--iters 20]
 """
@@ -91,13 +92,18 @@ def schedule(func, target, variant: str):
         return tvm.compile(mod, target=target)
 
 
-def bench_matmuls(args, rows):
+def build_matmuls(args):
+    """[(name, func, {variant: compiled module})] of decode_step's matmuls."""
+    funcs, target = decode_step_matmuls(args.model, max(BATCHES))
+    return [(name, func, {v: schedule(func, target, v) for v in ["matmul"] + [f"gemv-b{b}" for b in BUCKETS]})
+            for name, func in sorted(funcs.items())]
+
+
+def bench_matmuls(args, built_funcs, rows):
     import torch
     import tvm
 
-    funcs, target = decode_step_matmuls(args.model, max(BATCHES))
-    for name, func in sorted(funcs.items()):
-        built = {v: schedule(func, target, v) for v in ["matmul"] + [f"gemv-b{b}" for b in BUCKETS]}
+    for name, func, built in built_funcs:
         print(f"{name}: {[shape for shape, _ in _buffers(func)]}", flush=True)
         for batch in BATCHES:
             ins = _inputs(func, batch)
@@ -142,19 +148,28 @@ def _reference(func, ins):
     return out
 
 
-def bench_decode(args, rows):
-    import torch
+def build_decode(args):
+    """{min_split_keys: compiled paged_decode} with the default CUDA-core schedule."""
     import tvm
 
-    from tir_kernels import AttentionConfig, default_sm_scale, paged_decode
+    from tir_kernels import AttentionConfig, paged_decode
     from tir_kernels.schedules import choose_decode_schedule
 
     hq, hkv, d, ps = args.heads
     config = AttentionConfig(hq, hkv, d, dtype="float16", page_size=ps, target="cuda:sm_90")
     base = choose_decode_schedule(config)
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
-    libs = {m: tvm.compile(paged_decode(config, dataclasses.replace(base, min_split_keys=m)), target=target)
+    return {m: tvm.compile(paged_decode(config, dataclasses.replace(base, min_split_keys=m)), target=target)
             for m in SPLIT_KEYS}
+
+
+def bench_decode(args, libs, rows):
+    import torch
+    import tvm
+
+    from tir_kernels import default_sm_scale
+
+    hq, hkv, d, ps = args.heads
     for batch in (1, 16, 64):
         pages_per = -(-args.len // ps)
         num_pages = batch * pages_per
@@ -196,10 +211,13 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = []
-    if args.only != "matmul":
-        bench_decode(args, rows)
-    if args.only != "decode":
-        bench_matmuls(args, rows)
+    # everything is compiled before CUDA is touched (compiles after it have failed: tune_decode.py)
+    decode_libs = build_decode(args) if args.only != "matmul" else None
+    matmul_libs = build_matmuls(args) if args.only != "decode" else None
+    if decode_libs is not None:
+        bench_decode(args, decode_libs, rows)
+    if matmul_libs is not None:
+        bench_matmuls(args, matmul_libs, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
