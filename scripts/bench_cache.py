@@ -15,8 +15,14 @@ agree between the caches, else the run fails.
 
     python scripts/bench_cache.py                 # H200: 32 layers, 32/8 heads, d 128, fp16, page 16
     python scripts/bench_cache.py --device cpu    # tiny smoke run on the CPU
+    python scripts/bench_cache.py --device host   # host paths only: the CPU, kernels without bodies
     python scripts/bench_cache.py --workloads 1x1024 --steps 50 --caches tvmattn,tvm-cpp+tvm
     python scripts/bench_cache.py --json cache.json   # also the rows of shared/docs/bench-format.md
+
+`--device host` times the host paths alone, on the CPU: every kernel of every cache is compiled
+with its body removed (`null_kernel`: the same arguments and argument checks, no work), at the
+H200 preset's layers and workloads (fewer heads, a smaller head dim: pages stay small; the host
+path does not depend on them). No outputs are compared there.
 
 --json PATH writes a row per cache and workload (`make_row`): bench "cache", kernel "step", impl the
 cache's name above, batch, seq_len (the context), qo_len 1, ms (wall, median), host_ms (median),
@@ -111,6 +117,7 @@ class Preset:
     workloads: tuple[Workload, ...]
     options: BenchOptions
     tolerance: float  # max |diff| allowed between the caches' first-step outputs
+    null_kernels: bool = False  # kernels without bodies: host time only, outputs not compared
 
 
 PRESETS = {
@@ -118,7 +125,29 @@ PRESETS = {
                    (Workload(1, 1024), Workload(32, 1024), Workload(256, 512)), BenchOptions(), 2e-2),
     "cpu": Preset(tvm.cpu, ModelShape(2, 4, 2, 32, "float16", 16),
                   (Workload(1, 40), Workload(4, 24)), BenchOptions(warmup=1, steps=3, prefill_chunk=64), 2e-2),
+    "host": Preset(tvm.cpu, ModelShape(32, 4, 1, 32, "float16", 16),
+                   (Workload(1, 1024), Workload(32, 1024), Workload(256, 512)), BenchOptions(steps=50), 0.0,
+                   null_kernels=True),
 }
+
+
+def null_kernel(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """`func` without its body: a call checks the same arguments and does no work."""
+    return func.with_body(tvm.tirx.Evaluate(tvm.tirx.const(0, "int32")))
+
+
+def use_null_kernels() -> None:
+    """Every kernel compiled from here on (TVM's here, tvmattn's through tir_kernels.build) has
+    no body (for the host preset; process-wide)."""
+    import tir_kernels
+
+    global _NULL_KERNELS
+    _NULL_KERNELS = True
+    real_build = tir_kernels.build
+    tir_kernels.build = lambda func, config: real_build(null_kernel(func), config)
+
+
+_NULL_KERNELS = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +291,7 @@ class CppCache:
 def _compile_tvm(func, target: tvm.target.Target):
     """Compile one of TVM's kernels; on CUDA the unscheduled ones (transpose-append,
     debug-get-kv, split-rotary) get dlight's fallback schedule, as TVM's own pipeline does."""
-    module = tvm.IRModule({"main": func})
+    module = tvm.IRModule({"main": null_kernel(func) if _NULL_KERNELS else func})
     if target.kind.name == "cuda":
         with target:
             module = dlight.ApplyDefaultSchedule(dlight.gpu.Fallback())(module)
@@ -495,17 +524,22 @@ def run(preset: Preset, workloads: Sequence[Workload], caches: Sequence[str], op
 
     device = preset.device()
     target = target_for(device)  # the kernels' target, as tvmattn.PagedKVCache picks it
+    if preset.null_kernels:
+        use_null_kernels()
+    variant = f"{target}, null kernels" if preset.null_kernels else target
     meta = bench_rows.run_meta(gpu=target != "llvm") if rows is not None else {}
     results, agreement = [], []
     for workload in workloads:
         measured = bench_workload(preset.model, workload, caches, target, device, options)
         if rows is not None:
             baseline = next((r for r in measured if r.cache == BASELINE), None)
-            rows += [make_row(preset.model, options, r, target, meta, baseline if r is not baseline else None)
-                     for r in measured]
-        agreement += check_agreement(measured, preset.tolerance)
+            rows += [make_row(preset.model, options, r, variant, meta,
+                              None if r is baseline or preset.null_kernels else baseline) for r in measured]
+        if not preset.null_kernels:
+            agreement += check_agreement(measured, preset.tolerance)
         results += measured
-    report = "\n".join([format_table(preset.model, options, results), "", "first-step outputs:", *agreement])
+    outputs = ["first-step outputs:", *agreement] if not preset.null_kernels else ["(null kernels: host time only)"]
+    report = "\n".join([format_table(preset.model, options, results), "", *outputs])
     if any("DISAGREE" in line for line in agreement):
         raise RuntimeError(report + "\nfirst-step outputs disagree")
     return report

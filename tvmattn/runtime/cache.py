@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 from array import array
 
@@ -44,7 +45,7 @@ from tvmattn.flashinfer.select import attention_kernels
 from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPrefill, RaggedPrefillTreeMask,
                        RopeMode, backend_from_spec, bind_workspace)
 from .errors import KVCacheError, as_tensor, check, check_finite, check_int, check_tensor
-from .forward import Kernels, Rope, Step, Workspace
+from .forward import Kernels, Rope, Step, Workspace, fused_qkv_check
 from .graphs import empty_decode_plan, graph_layout, layout_end, pad_decode_plan
 from .kernels import Deferred, KernelSet, default_kernels, paged_slots
 from .kinds import AttnKind, parse_attn_kinds
@@ -242,6 +243,12 @@ class PagedKVCache:
         else:
             page_shape = (opts.num_pages, 2, opts.num_kv_heads, opts.page_size, opts.qk_head_dim)
         self._pools = [self._zeros(page_shape) for _ in range(opts.num_layers)]
+        # attention_with_fused_qkv's fast path: the MHA layers' pools and the compiled argument check
+        self._fused_check = None if opts.is_mla else fused_qkv_check(
+            opts.num_qo_heads + 2 * opts.num_kv_heads, opts.num_qo_heads, opts.qk_head_dim, opts.v_head_dim,
+            opts.dtype, page_shape, opts.attention_config(self.target).tvm_target())
+        self._fast_pages = {} if self._fused_check is None else {
+            layer: pool for layer, (pool, kind) in enumerate(zip(self._pools, self._kinds)) if kind == AttnKind.MHA}
         self._workspace = Workspace(opts.prefill_chunk_size, opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim,
                                     opts.v_head_dim, opts.dtype, self.device, split_qkv=not opts.is_mla)
         self._arrays = DeviceArrays(self.device)
@@ -549,6 +556,23 @@ class PagedKVCache:
 
         qkv [n, Hq + 2*Hkv, D] (heads: q, then k, then v), o [n, Hq, Dv]; n = tokens of the step.
         """
+        # fast path (an MHA layer, arguments that pass the compiled check): straight to the launches
+        step = self._step
+        if type(layer_id) is int and step is not None and type(sm_scale) is float and math.isfinite(sm_scale):
+            pages = self._fast_pages.get(layer_id)
+            if pages is not None:
+                try:
+                    self._fused_check(step.total, qkv, o, pages)
+                except Exception:  # noqa: BLE001 - the checks below name the bad argument
+                    pass
+                else:
+                    step.fused(pages, qkv, o, sm_scale)
+                    step.appended_layers.add(layer_id)
+                    return
+        self._attention_with_fused_qkv(layer_id, sm_scale, qkv, o)
+
+    def _attention_with_fused_qkv(self, layer_id: int, sm_scale: float, qkv, o) -> None:
+        """attention_with_fused_qkv with every argument checked in Python."""
         step = self._active("attention_with_fused_qkv")
         pages, kind = self._layer_of_kind("attention_with_fused_qkv", layer_id, _MHA_KINDS,
                                           "MLA layers run append_mla_kv, self_attention and cross_attention")
@@ -556,7 +580,7 @@ class PagedKVCache:
         if kind == AttnKind.MHA_SLIDING and step.plan.host.window:
             step.attention_in_window(pages, qkv, o, check_finite("sm_scale", sm_scale))
         else:
-            step.attention_with_fused_qkv(pages, qkv, o, check_finite("sm_scale", sm_scale))
+            step.fused(pages, qkv, o, check_finite("sm_scale", sm_scale))
         step.appended_layers.add(layer_id)
 
     def attention_with_shared_kv(self, source_layer_id: int, sm_scale: float, q, k, v, o) -> None:

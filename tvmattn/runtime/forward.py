@@ -24,7 +24,8 @@ import functools
 
 import tvm
 
-from .backends import RopeMode
+from .backends import RopeMode, TIRPagedDecode
+from .kernels import DecodeByShape
 from .plan import BufferViews, ForwardPlan, LevelArrays, PlanArrays
 
 
@@ -76,6 +77,31 @@ class Workspace:
         return {name: views[n] for name, views in self._buffers.items()}
 
 
+@functools.lru_cache(maxsize=None)
+def fused_qkv_check(qkv_heads: int, num_qo_heads: int, head_dim: int, v_head_dim: int, dtype: str,
+                    pool_shape: tuple, target):
+    """A compiled function (n, qkv, o, pages) that does nothing but TVM's argument checks:
+    qkv [n, qkv_heads, head_dim] and o [n, num_qo_heads, v_head_dim] of `dtype`, compact, on the
+    device kind of `target` and the device of `pages` (a layer's pool, `pool_shape`). It raises
+    on any mismatch; PagedKVCache.attention_with_fused_qkv then runs its Python checks, which
+    name the argument. One call costs about as much as the Python checks' two attribute reads
+    (tvm_ffi builds a dtype object per `Tensor.dtype`). None where it cannot be compiled."""
+    from tvm.script import tirx as T
+
+    @T.prim_func
+    def check(n: T.int32, qkv_handle: T.handle, o_handle: T.handle, pages_handle: T.handle):
+        T.func_attr({"global_symbol": "tvmattn_fused_qkv_check", "tir.noalias": True})
+        T.match_buffer(qkv_handle, (n, qkv_heads, head_dim), dtype, elem_offset=T.int64())
+        T.match_buffer(o_handle, (n, num_qo_heads, v_head_dim), dtype, elem_offset=T.int64())
+        T.match_buffer(pages_handle, pool_shape, dtype)
+        T.evaluate(0)
+
+    try:
+        return tvm.compile(tvm.IRModule({"main": check}), target=target)["main"]
+    except Exception:  # noqa: BLE001 - no compiler for this target: every call takes the Python checks
+        return None
+
+
 def _rows(row: tuple, dtype: str, n: int) -> tuple:
     """(shape, dtype, byte offset) of the first n rows."""
     return (n, *row), dtype, 0
@@ -87,6 +113,7 @@ class Step:
     def __init__(self, plan: ForwardPlan, arrays: PlanArrays, kernels: Kernels, work: dict, rope: Rope):
         """arrays: the plan's arrays as device views."""
         self.plan = plan
+        self.total = plan.total
         self.decode = plan.decode
         self.tree = plan.tree
         # some tree has nodes from earlier forwards (in the pages, seen only by their descendants)
@@ -107,6 +134,44 @@ class Step:
         self._cross = [self._level(self.cross_depth + d, level) for d, level in enumerate(arrays.cross)]
         self._apply_rope = int(rope.mode == RopeMode.NORMAL)
         self.appended_layers: set = set()  # layers whose new K/V this step has appended
+        # attention_with_fused_qkv(pages, qkv, o, sm_scale): in a plain decode step one closure
+        # over prebound arguments (two launches, no other Python), else the general method
+        self.fused = self._decode_launches() or self.attention_with_fused_qkv
+
+    def _decode_launches(self):
+        """attention_with_fused_qkv of a decode step with one paged level and a TIR decode kernel
+        (the usual decode step) as a closure that makes the launches with arguments bound here:
+        split_rotary_append (or split_rotary + transpose_append), then paged decode (the variant
+        of a DecodeByShape picked once for the step). None for any other step."""
+        if not self.decode or self.tree or len(self._fused) != 1 or type(self).attention_with_fused_qkv is not \
+                Step.attention_with_fused_qkv:
+            return None
+        decode = self._k.paged_decode
+        if not isinstance(decode, TIRPagedDecode) or type(decode).mha is not TIRPagedDecode.mha:
+            return None
+        a, (level,), rope = self._a, self._a.fused, self._rope
+        func = decode.func
+        if isinstance(func, DecodeByShape):
+            func = func.variants[func.pick(self.total, int(level.page_indices.shape[0]))]
+        q, lse, q_positions, positions, apply_rope = self.q, self.lse, a.q_positions, a.append_positions, \
+            self._apply_rope
+        indptr, indices, info, k_offset = level.page_indptr, level.page_indices, level.length_info, level.k_offset
+        inline, scale, theta = int(rope.mode == RopeMode.INLINE), rope.scale, rope.theta
+        split_append = self._k.split_rotary_append
+        if split_append is None and self._k.split_rotary is None:  # (an MLA step: no fused-QKV layers)
+            return None
+        if split_append is not None:
+            def launches(pages, qkv, o, sm_scale):
+                split_append(qkv, q_positions, q, pages, positions, apply_rope)
+                func(q, pages, indptr, indices, info, k_offset, q_positions, o, lse, inline, scale, theta, sm_scale)
+        else:
+            split, append, k, v = self._k.split_rotary, self._k.transpose_append, self.k, self.v
+
+            def launches(pages, qkv, o, sm_scale):
+                split(qkv, q_positions, q, k, v, apply_rope)
+                append(pages, k, v, positions)
+                func(q, pages, indptr, indices, info, k_offset, q_positions, o, lse, inline, scale, theta, sm_scale)
+        return launches
 
     def _level(self, depth: int, level: LevelArrays):
         """A function (pages, q, o, lse, sm_scale) running one paged level (the backends' plan
