@@ -13,6 +13,8 @@ runs the reference and the table the vectorized path, and the two must agree exa
   - the plan: decode flag, every host array (dtype, shape, values), the packing layout and
     the packed buffer (the arrays' places in it; padding is not initialized);
   - on a full cache: the same KVCacheError, and neither changed anything.
+Decode steps often repeat one batch: from its second step on, the vectorized path runs on the
+tables the step before kept (SequenceTable.steady), which must equal a fresh gather.
 No device and no kernels: the whole file runs in seconds on the CPU.
 """
 
@@ -29,6 +31,7 @@ from tvmattn.runtime.plan import PlanArrays, build_plan, build_plan_arrays, casc
 from tvmattn.runtime.sequences import SequenceTable, TableArrays
 
 MAX_BATCHES = (1, 3, 16, 64, 256)
+STEADY_STEPS: list = []  # the steps that ran on the kept tables of the step before (SequenceTable.steady)
 
 
 def table_state(table: SequenceTable) -> tuple:
@@ -77,16 +80,28 @@ def check_step(table: SequenceTable, seq_ids: list, lengths: list, sliding: bool
     ps = table.page_size
     ref_seqs = [ref_table.get(seq_id) for seq_id in seq_ids]
     seqs = [table.get(seq_id) for seq_id in seq_ids]
+    steady = table.steady(seq_ids)  # the kept tables of a steady run of steps, as PagedKVCache uses them
+    if steady is not None:
+        kept_seqs, tables = steady
+        assert len(kept_seqs) == len(seqs) and all(a is b for a, b in zip(kept_seqs, seqs)), what
+        gathered = TableArrays.gather(seqs)
+        for field in TableArrays._fields:
+            np.testing.assert_array_equal(getattr(tables, field), getattr(gathered, field), err_msg=f"{what}: kept "
+                                          f"{field}")
+        STEADY_STEPS.append(what)
+    else:
+        tables = TableArrays.gather(seqs) if len(seq_ids) % 2 else None  # as PagedKVCache passes them, or not
+    keep = seq_ids if len(seq_ids) % 3 else None  # keep the tables for a next steady step (or not)
     try:
         appended, ref_copies = ref_table.reserve(ref_seqs, lengths, None)
     except KVCacheError as error:
         with pytest.raises(KVCacheError) as raised:
-            table.reserve_plain(seqs, lengths)
+            table.reserve_plain(seqs, lengths, tables, keep)
         assert str(raised.value) == str(error), what
         assert table_state(table) == before == table_state(ref_table), f"{what}: a failed step changed the table"
+        assert table.steady(seq_ids) is None, what
         return False
-    tables = TableArrays.gather(seqs) if len(seq_ids) % 2 else None  # as PagedKVCache passes them, or not
-    batch, copies = table.reserve_plain(seqs, lengths, tables)
+    batch, copies = table.reserve_plain(seqs, lengths, tables, keep)
     assert copies == ref_copies, f"{what}: page copies"
     assert table_state(table) == table_state(ref_table), f"{what}: table after the append"
     for tables, ref_tables in ((batch.history, [a.history for a in appended]), (batch.seqs, [a.seq for a in appended])):
@@ -172,8 +187,9 @@ class Scenario:
         values = [1, ps, ps + 1, int(self.rng.integers(1, 3 * ps + 2))]
         return [max(1, values[k] if k < 3 else int(self.rng.integers(1, 3 * ps + 2))) for k in kinds]
 
-    def step(self, decode: bool) -> None:
-        seq_ids = self.batch()
+    def step(self, decode: bool, seq_ids: list | None = None) -> list:
+        """A step of seq_ids (default: a random batch); returns seq_ids."""
+        seq_ids = self.batch() if seq_ids is None else seq_ids
         lengths = self.lengths(len(seq_ids), decode)
         what = f"seed {self.seed}, step {self.steps}: {'decode' if decode else 'prefill'} of {len(seq_ids)}"
         cascade = self.rng.random() < 0.8
@@ -181,6 +197,7 @@ class Scenario:
             self.steps += 1
         else:
             self.full += 1
+        return seq_ids
 
     def run(self, rounds: int) -> None:
         rng = self.rng
@@ -208,9 +225,11 @@ class Scenario:
                 self.table.remove(int(rng.choice(self.ids())))
             elif op < 0.55:
                 self.step(decode=False)
-            else:
-                for _ in range(int(rng.integers(1, 4))):
-                    self.step(decode=True)
+            else:  # decode steps, often a run of them over one batch (steady, as a server decodes)
+                same = rng.random() < 0.6
+                seq_ids = None
+                for _ in range(int(rng.integers(1, 5))):
+                    seq_ids = self.step(decode=True, seq_ids=seq_ids if same else None)
             self.table.allocator.check_invariants()
 
 
@@ -219,6 +238,27 @@ def test_vectorized_plan_equals_per_sequence_plan(seed):
     scenario = Scenario(seed)
     scenario.run(rounds=30)
     assert scenario.steps > 0
+
+
+def test_steady_steps_run_on_kept_tables():
+    """Runs of steps over one batch take SequenceTable.steady's kept tables (checked in
+    check_step against a fresh gather); any change of a sequence in between drops them."""
+    STEADY_STEPS.clear()
+    for seed in range(8):
+        Scenario(seed).run(rounds=30)
+    assert len(STEADY_STEPS) >= 20, STEADY_STEPS
+    table = SequenceTable(PageAllocator(64), 4, 8, sliding_window=False)
+    ids = [0, 1, 2, 3]  # (check_step keeps the tables of a batch of 4)
+    for seq_id in ids:
+        table.add(seq_id)
+    table.reserve_plain([table.get(i) for i in ids], [5, 2, 7, 1], None, ids)
+    assert table.steady(ids) is not None and table.steady([0, 2, 1, 3]) is None and table.steady(ids[:3]) is None
+    for change in (lambda: table.popn(1, 1), lambda: table.fork(0, 5), lambda: table.remove(5),
+                   lambda: table.add(6), lambda: table.reserve_plain([table.get(0)], [1])):
+        check_step(table, ids, [1] * 4, False, True, "steady")
+        assert table.steady(ids) is not None
+        change()
+        assert table.steady(ids) is None
 
 
 def test_shared_last_page_copied_once():

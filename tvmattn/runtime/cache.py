@@ -234,6 +234,7 @@ class PagedKVCache:
                 layer_windows=opts.has_layer_windows, overrides=kernels)
             self._step_kernels = self._check_kernels(self.kernels)
         k = self._step_kernels
+        self._backend_plans = self._planning_backends()  # run _begin_backends in _start_step
         self._flashinfer_workspace = bind_workspace((k.ragged, k.paged_prefill, k.paged_decode), self.device)
         self._rope = Rope(opts.effective_rope_mode, opts.rope_scale, opts.rope_theta)
         self._allocator = PageAllocator(opts.num_pages)
@@ -361,21 +362,27 @@ class PagedKVCache:
         before its tree, its ancestors and itself; its RoPE position is the committed length
         plus its depth.
         """
-        seq_ids, lengths = self._check_batch(seq_ids, append_lengths)
-        check(token_tree_parent_ptr is None or not self.options.is_mla, "token_tree_parent_ptr: token trees are not "
-              "supported in an MLA cache (as in TVM)")
-        seqs = self._sequences(seq_ids)
-        trees = self._check_tree(seqs, lengths, token_tree_parent_ptr)
+        seq_ids, lengths, steady = self._check_batch(seq_ids, append_lengths)
+        page_size, sliding = self.options.page_size, self.options.sequence_windows
+        if steady is not None and token_tree_parent_ptr is None:
+            # the sequences of the last step, unchanged since (checked then): the usual decode step
+            (seqs, tables), trees = steady, None
+        else:
+            check(token_tree_parent_ptr is None or not self.options.is_mla, "token_tree_parent_ptr: token trees are "
+                  "not supported in an MLA cache (as in TVM)")
+            seqs = self._sequences(seq_ids)
+            trees = self._check_tree(seqs, lengths, token_tree_parent_ptr)
+            tables = None
         masked = trees is not None and not all(is_chain(seq.tree + new) for seq, new in zip(seqs, trees))
         if masked:
             self._check_tree_support()
         nodes = sum(seq.tree_tokens for seq in seqs) + sum(lengths) if masked else 0
-        page_size, sliding = self.options.page_size, self.options.sequence_windows
-        if trees is None and not any(map(_WINDOW_SIZE, seqs)):
+        if tables is not None or (trees is None and not any(map(_WINDOW_SIZE, seqs))):
             # the usual step (no sliding window, no token tree): planned with numpy over the batch
-            tables = TableArrays.gather(seqs)
+            if tables is None:
+                tables = TableArrays.gather(seqs)
             self._arrays.reserve(plan_size_bound(len(tables.pages), lengths, page_size))
-            batch, copies = self._table.reserve_plain(seqs, lengths, tables)
+            batch, copies = self._table.reserve_plain(seqs, lengths, tables, seq_ids)
             self._copy_pages(copies)
             plan = build_plan_arrays(seq_ids, lengths, batch, page_size, sliding)
             after = batch.seqs
@@ -398,7 +405,7 @@ class PagedKVCache:
 
     def _start_step(self, plan: ForwardPlan, device_arrays: DeviceArrays) -> None:
         """The backends' plan step, the upload, and the Step that the layers' calls run."""
-        if not self.options.is_mla:
+        if self._backend_plans:
             self._begin_backends(plan)
         arrays = device_arrays.upload(plan)
         work = self._workspace.views(plan.total)
@@ -408,25 +415,40 @@ class PagedKVCache:
             self._step = WindowStep(plan, arrays, self._step_kernels, work, self._rope, self._window_decode)
         else:
             self._step = Step(plan, arrays, self._step_kernels, work, self._rope)
-        self._shapes = self._step_shapes(plan.total)
+        shapes = self._shapes
+        if shapes.get("n") != plan.total:
+            self._shapes = self._step_shapes(plan.total)
+
+    def _planning_backends(self) -> bool:
+        """Some backend of a step has a plan step (FlashInfer's; TIR kernels have none)."""
+        k = self._step_kernels
+        backends = (k.ragged, k.paged_prefill, k.paged_decode, k.tree_paged, k.tree_ragged)
+        return not self.options.is_mla and any(b is not None and b.kind != "tir" for b in backends)
 
     def end_forward(self) -> None:
         """End the step: attention calls need a new begin_forward."""
         self._step = None
 
-    def _check_batch(self, seq_ids, append_lengths) -> tuple[list, list]:
+    def _check_batch(self, seq_ids, append_lengths) -> tuple[list, list, tuple | None]:
+        """(seq_ids, lengths, SequenceTable.steady(seq_ids)), checked; the sequences' existence
+        is checked later (_sequences), except in a steady step."""
         seq_ids, lengths = _int_list("seq_ids", seq_ids), _int_list("append_lengths", append_lengths)
-        check(len(seq_ids) == len(lengths), f"seq_ids has {len(seq_ids)} entries but append_lengths has "
-              f"{len(lengths)}: they must have one entry per sequence")
+        steady = self._table.steady(seq_ids)
+        # (messages are formatted only on failure: this runs every step)
+        if len(seq_ids) != len(lengths):
+            raise KVCacheError(f"seq_ids has {len(seq_ids)} entries but append_lengths has {len(lengths)}: they "
+                               "must have one entry per sequence")
         check(len(seq_ids) > 0, "seq_ids is empty: a forward needs at least one sequence")
-        check(len(set(seq_ids)) == len(seq_ids), f"seq_ids {seq_ids} names a sequence twice")
+        if steady is None and len(set(seq_ids)) != len(seq_ids):
+            raise KVCacheError(f"seq_ids {seq_ids} names a sequence twice")
         if min(lengths) < 1:
             i = next(i for i, n in enumerate(lengths) if n < 1)
             raise KVCacheError(f"append_lengths[{i}]={lengths[i]}: every sequence must append at least one token")
         total, chunk = sum(lengths), self.options.prefill_chunk_size
-        check(total <= chunk, f"append_lengths add up to {total} tokens, more than prefill_chunk_size={chunk}; "
-              "split the step into chunks")
-        return seq_ids, lengths
+        if total > chunk:
+            raise KVCacheError(f"append_lengths add up to {total} tokens, more than prefill_chunk_size={chunk}; "
+                               "split the step into chunks")
+        return seq_ids, lengths, steady
 
     def _sequences(self, seq_ids: list) -> list:
         """The sequences named by seq_ids (KVCacheError names the first unknown one)."""
@@ -479,6 +501,7 @@ class PagedKVCache:
         self.kernels = dataclasses.replace(self.kernels, **built)
         self._step_kernels = dataclasses.replace(self._step_kernels, tree_paged=backends["tree_attn_paged_kv"],
                                                  tree_ragged=backends["tree_attn_ragged"])
+        self._backend_plans = self._planning_backends()
 
     def _begin_backends(self, plan: ForwardPlan) -> None:
         """The backends' plan step (nothing for TIR kernels)."""
@@ -522,8 +545,8 @@ class PagedKVCache:
         opts = self.options
         hq, hkv, d, dv = opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim, opts.v_head_dim
         if opts.is_mla:
-            return {"kv": (n, d), "q": (n, hq, d), "o": (n, hq, dv), "lse": (n, hq)}
-        return {"qkv": (n, hq + 2 * hkv, d), "q": (n, hq, d), "k": (n, hkv, d), "v": (n, hkv, dv),
+            return {"n": n, "kv": (n, d), "q": (n, hq, d), "o": (n, hq, dv), "lse": (n, hq)}
+        return {"n": n, "qkv": (n, hq + 2 * hkv, d), "q": (n, hq, d), "k": (n, hkv, d), "v": (n, hkv, dv),
                 "o": (n, hq, dv), "lse": (n, hq)}
 
     # -- attention
@@ -781,16 +804,19 @@ class PagedKVCache:
         planned without cascade, padded to `bucket` rows, in the bucket's fixed layout in the
         graph-plan buffer (see tvmattn.runtime.graphs). The step's tensors have `bucket` rows."""
         self._check_graph_decode("begin_graph_decode")
-        seq_ids, lengths = self._check_batch(seq_ids, [1] * len(seq_ids))
+        seq_ids, lengths, steady = self._check_batch(seq_ids, [1] * len(seq_ids))
         limit = min(self.options.max_num_sequences, self.options.prefill_chunk_size)
-        check(isinstance(bucket, int) and len(seq_ids) <= bucket <= limit,
-              f"bucket={bucket!r}: expected an int from the batch size {len(seq_ids)} to {limit}")
-        seqs = self._sequences(seq_ids)
-        check(not any(map(_WINDOW_SIZE, seqs)), "a graph decode step cannot hold sequences with a sliding window")
-        self._check_tree(seqs, lengths, None)
-        tables = TableArrays.gather(seqs)
+        if not (isinstance(bucket, int) and len(seq_ids) <= bucket <= limit):
+            raise KVCacheError(f"bucket={bucket!r}: expected an int from the batch size {len(seq_ids)} to {limit}")
+        if steady is not None:  # (checked in the last step)
+            seqs, tables = steady
+        else:
+            seqs = self._sequences(seq_ids)
+            check(not any(map(_WINDOW_SIZE, seqs)), "a graph decode step cannot hold sequences with a sliding window")
+            self._check_tree(seqs, lengths, None)
+            tables = TableArrays.gather(seqs)
         layout = self._graph_layout(bucket, len(tables.pages) + 2 * bucket)
-        batch, copies = self._table.reserve_plain(seqs, lengths, tables)
+        batch, copies = self._table.reserve_plain(seqs, lengths, tables, seq_ids)
         self._copy_pages(copies)
         plan = build_plan_arrays(seq_ids, lengths, batch, self.options.page_size, self.options.support_sliding_window,
                                  cascade=False)
@@ -834,8 +860,9 @@ class PagedKVCache:
         return set(self._kinds) == {AttnKind.MHA}
 
     def _check_graph_decode(self, what: str) -> None:
-        check(self.graph_decode_supported, f"{what}: CUDA-graph decode steps serve caches of MHA layers only; this "
-              f"cache has {sorted({kind.name for kind in self._kinds} - {'MHA'})} layers (run begin_forward)")
+        if not self.graph_decode_supported:
+            raise KVCacheError(f"{what}: CUDA-graph decode steps serve caches of MHA layers only; this cache has "
+                               f"{sorted({kind.name for kind in self._kinds} - {'MHA'})} layers (run begin_forward)")
 
     def _graph_layout(self, bucket: int, page_indices: int):
         """The bucket's graph layout, with a page capacity of at least `page_indices` (a larger

@@ -54,6 +54,7 @@ is packed once, where it first appears.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Callable, Generic, Hashable, NamedTuple, TypeVar
 
@@ -223,6 +224,9 @@ def build_plan_arrays(seq_ids: list, lengths: list, batch: AppendedArrays, page_
     Python loops run only over cascade groups (and over the batch when some neighbours share
     their first page, see cascade_groups_arrays)."""
     n, decode = batch.lengths, batch.decode
+    groups = cascade_groups_arrays(batch.seqs, page_size) if decode and cascade and batch.shared else []
+    if decode and not groups:
+        return _decode_plan(seq_ids, lengths, batch, page_size, sliding)
     history = batch.history.slot_end.astype(np.int32)  # the lengths before the step
     if decode:  # one token per sequence: its position is the history length
         indptr, q_positions = np.arange(len(n) + 1, dtype=np.int32), history.copy()
@@ -231,7 +235,8 @@ def build_plan_arrays(seq_ids: list, lengths: list, batch: AppendedArrays, page_
         n.cumsum(out=indptr[1:])
         q_positions = np.repeat(history - indptr[:-1], n) + np.arange(indptr[-1], dtype=np.int32)
     tables = batch.seqs if decode else batch.history
-    groups = cascade_groups_arrays(tables, page_size) if cascade and batch.shared else []
+    if not decode:
+        groups = cascade_groups_arrays(tables, page_size) if cascade and batch.shared else []
     shared = []
     if groups:
         qo_indptr = _int32(_shared_qo_indptr(groups, indptr))
@@ -248,6 +253,66 @@ def build_plan_arrays(seq_ids: list, lengths: list, batch: AppendedArrays, page_
         cross = shared + [paged]
     host = PlanArrays(q_positions, indptr, history, batch.positions, tuple(fused), tuple(cross))
     return _pack(seq_ids, lengths, decode, False, host)
+
+
+def _decode_plan(seq_ids: list, lengths: list, batch: AppendedArrays, page_size: int, sliding: bool) -> ForwardPlan:
+    """build_plan_arrays of a decode step without cascade (the usual decode step), in as few
+    numpy calls as it takes: the token of a sequence whose history ends at slot s goes to slot
+    s % page_size of its last page, so the last page holds s % page_size + 1 slots after the
+    append and s % page_size before it (the history level's length)."""
+    tables, before = batch.seqs, batch.history.slot_end
+    history = before.astype(np.int32)  # the lengths before the step
+    used = (before % page_size).astype(np.int32)
+    indptr, k_offset = _decode_constants(len(lengths))
+    paged = LevelArrays(tables.indptr, tables.pages, _length_info(used + 1, sliding), k_offset, None)
+    host = PlanArrays(history.copy(), indptr, history, batch.positions, (paged,),
+                      (paged._replace(length_info=_length_info(used, sliding)),))
+    return _pack_decode(seq_ids, lengths, host)
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_constants(batch: int) -> tuple:
+    """Read-only int32 arrays of a decode plan of `batch` sequences: append_indptr 0..batch and
+    k_offset (zeros)."""
+    indptr, zeros = np.arange(batch + 1, dtype=np.int32), np.zeros(batch, dtype=np.int32)
+    indptr.flags.writeable = zeros.flags.writeable = False
+    return indptr, zeros
+
+
+# (batch, page indices, length_info's ndim) -> (specs, buffer size, the offsets of _decode_arrays)
+_DECODE_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _decode_arrays(host: PlanArrays) -> tuple:
+    """The distinct arrays of a one-level decode plan, in packing order (fused and cross share
+    their page tables and k_offset; cross has its own length_info)."""
+    (level,), (history,) = host.fused, host.cross
+    return (host.q_positions, host.append_indptr, host.k_ragged_offset, host.append_positions, level.page_indptr,
+            level.page_indices, level.length_info, level.k_offset, history.length_info)
+
+
+def _pack_decode(seq_ids: list, lengths: list, host: PlanArrays[np.ndarray]) -> ForwardPlan:
+    """`_pack` of a decode plan without cascade: the layout depends only on the batch size and
+    the number of page indices, so it is computed once per pair (by _pack) and the arrays are
+    copied into their places."""
+    level = host.fused[0]
+    key = (len(lengths), level.page_indices.size, level.length_info.ndim)
+    layout = _DECODE_LAYOUTS.get(key)
+    if layout is None:
+        plan = _pack(seq_ids, lengths, True, False, host)
+        (fused,), (cross,) = plan.specs.fused, plan.specs.cross
+        offsets = [spec.offset for spec in _decode_arrays(plan.specs)]
+        assert (fused.page_indptr, fused.page_indices, fused.k_offset) == \
+            (cross.page_indptr, cross.page_indices, cross.k_offset) and len(set(offsets)) == len(offsets)
+        if len(_DECODE_LAYOUTS) >= BufferViews.LIMIT:
+            _DECODE_LAYOUTS.clear()
+        _DECODE_LAYOUTS[key] = (plan.specs, plan.buffer.size, offsets)
+        return plan
+    specs, size, offsets = layout
+    buffer = np.empty(size, dtype=np.int32)
+    for offset, array in zip(offsets, _decode_arrays(host)):
+        buffer[offset : offset + array.size] = array.ravel()
+    return ForwardPlan(list(seq_ids), list(lengths), len(lengths), True, False, buffer, specs, host)
 
 
 def _length_info(last_page_len: np.ndarray, sliding: bool) -> np.ndarray:

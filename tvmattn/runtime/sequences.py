@@ -191,6 +191,9 @@ class SequenceTable:
         self.max_sequences = max_sequences
         self.sliding_window = sliding_window
         self.seqs: dict[int, Sequence] = {}
+        self.version = 0  # bumped by every method that may change a sequence (see tables)
+        # (version, seq_ids, their Sequences, TableArrays after the step) of the last reserve_plain
+        self._last_plain: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -206,21 +209,25 @@ class SequenceTable:
 
     # -- sequence management (each validates, then changes everything or nothing)
     def add(self, seq_id) -> None:
+        self.version += 1
         seq_id = self._new_id(seq_id, "seq_id")
         self.seqs[seq_id] = Sequence(seq_id)
 
     def remove(self, seq_id) -> None:
+        self.version += 1
         seq = self.get(seq_id)
         self.allocator.release_all(seq.pages)
         del self.seqs[seq.seq_id]
 
     def clear(self) -> None:
+        self.version += 1
         self.seqs.clear()
         self.allocator.reset()
 
     def fork(self, parent_id, child_id, fork_pos: int = -1) -> PageCopy | None:
         """Add `child_id` holding the first `fork_pos` tokens of `parent_id` (-1: all of them).
         Returns the copy of a partly filled page at the fork point, to run for every layer."""
+        self.version += 1
         parent = self.get(parent_id, "parent_id")
         child_id = self._new_id(child_id, "child_id")
         end = check_int("fork_pos", fork_pos, -1, parent.length)
@@ -244,6 +251,7 @@ class SequenceTable:
         return copy
 
     def popn(self, seq_id, n) -> None:
+        self.version += 1
         """Remove the last `n` tokens of a sequence (0 <= n <= length)."""
         seq = self.get(seq_id)
         n = check_int("n", n, 0, seq.length)
@@ -257,6 +265,7 @@ class SequenceTable:
         del seq.pages[keep:]
 
     def enable_sliding_window(self, seq_id, window_size, sink_size) -> None:
+        self.version += 1
         check(self.sliding_window, "this KV cache was created with support_sliding_window=False")
         seq = self.get(seq_id)
         window = check_int("window_size", window_size, 1)
@@ -282,6 +291,7 @@ class SequenceTable:
         step's appends, which run after the step's attention of each layer has read it, but
         never by a copy, which runs before. On KVCacheError (out of pages) nothing changed.
         """
+        self.version += 1
         before = [seq.copy() for seq in seqs]
         layouts = [append_layout(seq, n, self.page_size) for seq, n in zip(seqs, lengths)]
         try:
@@ -302,8 +312,18 @@ class SequenceTable:
                     for h, seq, layout, n in zip(histories, seqs, layouts, lengths)]
         return appended, [c for c in copies if c is not None]
 
-    def reserve_plain(self, seqs: list, lengths: list,
-                      tables: TableArrays | None = None) -> tuple[AppendedArrays, list]:
+    def steady(self, seq_ids: list) -> tuple[list, TableArrays] | None:
+        """(their Sequences, their TableArrays) when seq_ids are the sequences of the last
+        reserve_plain given seq_ids, in the same order, and no sequence changed since (a steady
+        run of decode steps): they exist, are distinct and have no sliding window and no token
+        tree, as then. Else None. Saves the Python passes over the batch of a step."""
+        last = self._last_plain
+        if last is not None and last[0] == self.version and last[1] == seq_ids:
+            return last[2], last[3]
+        return None
+
+    def reserve_plain(self, seqs: list, lengths: list, tables: TableArrays | None = None,
+                      seq_ids: list | None = None) -> tuple[AppendedArrays, list]:
         """`reserve(seqs, lengths, None)` for a batch in which no sequence has a sliding window
         or a token tree (lengths >= 1), with numpy over the whole batch instead of a Python
         loop: the same page changes (the same pages from the allocator, in the same order) and
@@ -312,8 +332,12 @@ class SequenceTable:
 
         Returns (the batch before and after the append, page copies to run before the step).
         Python loops run only over the sequences that need copy-on-write or new pages, and
-        once to add each sequence's length.
+        once to add each sequence's length. seq_ids: the sequences' ids (a list the caller no
+        longer changes); when given, the sequences and their tables after the step are kept for
+        `steady` (the returned arrays must then stay unchanged).
         """
+        self.version += 1
+        self._last_plain = None
         ps = self.page_size
         decode = sum(lengths) == len(lengths)  # one token per sequence
         n = np.array(lengths, dtype=np.int64)
@@ -343,6 +367,8 @@ class SequenceTable:
             self._check_free(total)
             new_pages = self.allocator.alloc_many(total)  # (all or nothing)
         # the sequences after the append (tree stays [], sink and window_offset 0)
+        if cow:  # (a copy: the tables may be the kept ones, which earlier plans hold)
+            history = history._replace(pages=history.pages.copy())
         for b, copy in zip(cow, copies):
             seqs[b].pages[-1] = history.pages[history.indptr[b + 1] - 1] = copy.dst
         if total:
@@ -361,6 +387,8 @@ class SequenceTable:
             pages, slots_in_page = after.pages[after.indptr[owner] + slots // ps], slots % ps
         positions = (pages * np.int64(ps) + slots_in_page).astype(np.int32)  # in int64, as Python ints
         batch = AppendedArrays(history, after, n, decode, positions, self.allocator.num_shared > 0)
+        if seq_ids is not None:
+            self._last_plain = (self.version, seq_ids, seqs, after)
         return batch, copies
 
     def _shared_last_pages(self, history: TableArrays) -> list[tuple[int, int]]:
@@ -401,8 +429,9 @@ class SequenceTable:
 
     def _check_free(self, needed: int) -> None:
         free = self.allocator.num_free
-        check(needed <= free, f"the KV cache is full: this forward needs {needed} more pages, {free} of "
-              f"{self.allocator.num_pages} are free")
+        if needed > free:
+            raise KVCacheError(f"the KV cache is full: this forward needs {needed} more pages, {free} of "
+                               f"{self.allocator.num_pages} are free")
 
     def _new_positions(self, seq: Sequence, layout: AppendLayout, n: int) -> list:
         """Pool position of each new token after the append (-1: dropped by the window)."""
