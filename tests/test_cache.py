@@ -196,6 +196,31 @@ def test_prefill_then_decode(target, rope_mode, page_size):
     m.check_no_leaks()
 
 
+def test_layer_calls_take_the_fast_path(target):
+    """attention_with_fused_qkv with good arguments runs none of the Python checks (the compiled
+    argument check passes them) and, in a decode step, one closure makes the launches; the
+    results are checked against the reference as in every scenario."""
+    m = Model(target, "normal", 16, seed=3)
+    assert m.cache._fused_check is not None
+    for seq_id in (0, 1):
+        m.add(seq_id)
+    checked = []
+    m.cache._attention_with_fused_qkv = lambda *args: checked.append(args)  # the checked path: must not run
+    m.forward([0, 1], [5, 19])
+    for _ in range(3):
+        m.forward([0, 1], [1, 1])
+    m.forward([1, 0], [3, 1])
+    assert checked == []
+    m.check_kv()
+    cache = PagedKVCache(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, qk_head_dim=D, dtype=DTYPE,
+                         device=device_of(target))
+    cache.add_sequence(0)
+    for lengths, fused in (([1], "launches"), ([2], "attention_with_fused_qkv")):
+        cache.begin_forward([0], lengths)
+        assert cache._step.fused.__name__ == fused
+        cache.end_forward()
+
+
 @pytest.mark.parametrize("rope_mode", ["none", "normal"])
 def test_decode_without_the_fused_split_append(target, rope_mode):
     """With no split_rotary_append kernel, decode steps run split_rotary then transpose_append

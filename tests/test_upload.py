@@ -34,6 +34,20 @@ def test_sync_uploader_copies():
     np.testing.assert_array_equal(device_array.numpy(), np.arange(5))
 
 
+@pytest.mark.parametrize("uploader", [HostUploader, SyncUploader])
+def test_copies_into_the_first_elements_of_a_larger_tensor(uploader):
+    """DeviceArrays uploads every plan into its whole buffer: the plan's n elements go first,
+    the rest stays as it was."""
+    uploader = uploader()
+    buffer = tvm.runtime.empty((40,), "int32", device=tvm.cpu())
+    buffer.copyfrom(np.full(40, -7, np.int32))
+    for step, size in enumerate([5, 33, 2, 40, 17]):
+        host = np.arange(size, dtype=np.int32) + 100 * step
+        uploader.copy(host, buffer)
+        np.testing.assert_array_equal(buffer.numpy()[:size], host)
+    np.testing.assert_array_equal(buffer.numpy()[17:], np.arange(17, 40) + 300)  # step 3's, untouched since
+
+
 @pytest.mark.gpu
 def test_cuda_uploads_are_asynchronous_and_stream_ordered():
     device = tvm.cuda(0)
@@ -44,6 +58,6 @@ def test_cuda_uploads_are_asynchronous_and_stream_ordered():
         host = (np.arange(size, dtype=np.int32) + 1) * (step + 1)
         expected = host.copy()
         view = device_array._create_view((size,), "int32", 0)
-        uploader.copy(host, view)
+        uploader.copy(host, view if step % 2 else device_array)  # a view of its size, or the whole buffer
         host[:] = -1  # the staging buffer holds the data: the caller's array is free at once
         np.testing.assert_array_equal(view.numpy(), expected)

@@ -37,6 +37,7 @@ from array import array
 
 import numpy as np
 import tvm
+import tvm_ffi
 
 from tir_kernels import AttentionConfig, RopeScaling
 from tir_kernels.support import cuda_arch_of, dtype_problem, numpy_dtype, page_size_problem
@@ -245,9 +246,7 @@ class PagedKVCache:
             page_shape = (opts.num_pages, 2, opts.num_kv_heads, opts.page_size, opts.qk_head_dim)
         self._pools = [self._zeros(page_shape) for _ in range(opts.num_layers)]
         # attention_with_fused_qkv's fast path: the MHA layers' pools and the compiled argument check
-        self._fused_check = None if opts.is_mla else fused_qkv_check(
-            opts.num_qo_heads + 2 * opts.num_kv_heads, opts.num_qo_heads, opts.qk_head_dim, opts.v_head_dim,
-            opts.dtype, page_shape, opts.attention_config(self.target).tvm_target())
+        self._fused_check = None if opts.is_mla else self._compiled_check(page_shape)
         self._fast_pages = {} if self._fused_check is None else {
             layer: pool for layer, (pool, kind) in enumerate(zip(self._pools, self._kinds)) if kind == AttnKind.MHA}
         self._workspace = Workspace(opts.prefill_chunk_size, opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim,
@@ -260,6 +259,25 @@ class PagedKVCache:
         self._graph_generation = 0
         self._step: Step | None = None
         self._shapes: dict = {}
+
+    def _compiled_check(self, page_shape: tuple):
+        """forward.fused_qkv_check for this cache, once seen to accept good arguments (else None:
+        every call takes the Python checks)."""
+        opts = self.options
+        qkv_heads = opts.num_qo_heads + 2 * opts.num_kv_heads
+        check = fused_qkv_check(qkv_heads, opts.num_qo_heads, opts.qk_head_dim, opts.v_head_dim, opts.dtype,
+                                page_shape, opts.attention_config(self.target).tvm_target())
+        if check is None:
+            return None
+        qkv = tvm.runtime.empty((1, qkv_heads, opts.qk_head_dim), opts.dtype, device=self.device)
+        o = tvm.runtime.empty((1, opts.num_qo_heads, opts.v_head_dim), opts.dtype, device=self.device)
+        try:
+            check(1, qkv, o, self._pools[0])
+        except Exception as error:  # noqa: BLE001 - a check that refuses good arguments is not used
+            log.warning("attention_with_fused_qkv: the compiled argument check refused good arguments (%s); "
+                        "every call runs the Python checks", error)
+            return None
+        return check
 
     def _zeros(self, shape: tuple) -> tvm.runtime.Tensor:
         pool = tvm.runtime.empty(shape, self.options.dtype, device=self.device)
@@ -902,6 +920,8 @@ _TREE = operator.attrgetter("tree")
 
 
 def _int_list(name: str, values) -> list:
+    if type(values) is tvm_ffi.Shape:  # (int64 values: no check needed; the FFI's begin_forward passes them)
+        return list(values)
     try:
         items = list(values)
     except TypeError:

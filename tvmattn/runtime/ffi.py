@@ -157,13 +157,18 @@ def kv_state_begin_forward(cache, seq_ids, append_lengths, token_tree_parent_ptr
     if token_tree_parent_ptr is not None:
         parents = _ints(token_tree_parent_ptr, name, "token_tree_parent_ptr")
     cache.begin_forward(
-        _ints(seq_ids, name, "seq_ids"), _ints(append_lengths, name, "append_lengths"), parents
+        _int_seq(seq_ids, name, "seq_ids"), _int_seq(append_lengths, name, "append_lengths"), parents
     )
 
 
-@_api("kv_state_end_forward")
-def kv_state_end_forward(cache):
-    cache.end_forward()
+def _int_seq(value, func: str, arg: str):
+    """A Shape as it is (the cache reads a Shape's ints without checking each), else _ints."""
+    return value if type(value) is tvm_ffi.Shape else _ints(value, func, arg)
+
+
+# The per-step and per-layer calls go straight to the cache's methods (same arguments, one
+# Python call fewer on the way from the VM).
+_api("kv_state_end_forward")(PagedKVCache.end_forward)
 
 
 @_api("attention_kv_cache_enable_sliding_window_for_seq")
@@ -204,9 +209,7 @@ def debug_get_kv(cache, seq_id, start, end, k, v):
     cache.debug_get_kv(seq_id, start, end, k, v)
 
 
-@_api("attention_kv_cache_attention_with_fused_qkv")
-def attention_with_fused_qkv(cache, layer_id, sm_scale, qkv, o):
-    cache.attention_with_fused_qkv(layer_id, sm_scale, qkv, o)
+_api("attention_kv_cache_attention_with_fused_qkv")(PagedKVCache.attention_with_fused_qkv)
 
 
 @_api("attention_kv_cache_attention_with_shared_kv")

@@ -279,40 +279,57 @@ def _decode_constants(batch: int) -> tuple:
     return indptr, zeros
 
 
-# (batch, page indices, length_info's ndim) -> (specs, buffer size, the offsets of _decode_arrays)
+# (batch, length_info's ndim) -> (template specs, the offsets of _decode_arrays); the page
+# indices come last, so a plan with P of them has the template's specs with page_indices
+# (offset, (P,)) and a buffer of offset + P elements (rounded up to ALIGN)
 _DECODE_LAYOUTS: dict[tuple, tuple] = {}
+# (batch, page indices, length_info's ndim) -> (specs, buffer size): the specs of one layout are
+# one object (DeviceArrays.upload finds its views by identity)
+_DECODE_SPECS: dict[tuple, tuple] = {}
 
 
 def _decode_arrays(host: PlanArrays) -> tuple:
     """The distinct arrays of a one-level decode plan, in packing order (fused and cross share
-    their page tables and k_offset; cross has its own length_info)."""
+    their page tables and k_offset; cross has its own length_info; page indices last)."""
     (level,), (history,) = host.fused, host.cross
     return (host.q_positions, host.append_indptr, host.k_ragged_offset, host.append_positions, level.page_indptr,
-            level.page_indices, level.length_info, level.k_offset, history.length_info)
+            level.length_info, level.k_offset, history.length_info, level.page_indices)
 
 
 def _pack_decode(seq_ids: list, lengths: list, host: PlanArrays[np.ndarray]) -> ForwardPlan:
-    """`_pack` of a decode plan without cascade: the layout depends only on the batch size and
-    the number of page indices, so it is computed once per pair (by _pack) and the arrays are
-    copied into their places."""
+    """`_pack` of a decode plan without cascade: its layout depends only on the batch size and
+    the number of page indices (the template of the batch size, computed once by _pack, with
+    the page indices' shape); the arrays are copied into their places."""
     level = host.fused[0]
-    key = (len(lengths), level.page_indices.size, level.length_info.ndim)
-    layout = _DECODE_LAYOUTS.get(key)
-    if layout is None:
+    batch, pages, ndim = len(lengths), level.page_indices.size, level.length_info.ndim
+    template = _DECODE_LAYOUTS.get((batch, ndim))
+    if template is None:
         plan = _pack(seq_ids, lengths, True, False, host)
         (fused,), (cross,) = plan.specs.fused, plan.specs.cross
         offsets = [spec.offset for spec in _decode_arrays(plan.specs)]
         assert (fused.page_indptr, fused.page_indices, fused.k_offset) == \
-            (cross.page_indptr, cross.page_indices, cross.k_offset) and len(set(offsets)) == len(offsets)
+            (cross.page_indptr, cross.page_indices, cross.k_offset) and offsets == sorted(set(offsets))
         if len(_DECODE_LAYOUTS) >= BufferViews.LIMIT:
             _DECODE_LAYOUTS.clear()
-        _DECODE_LAYOUTS[key] = (plan.specs, plan.buffer.size, offsets)
+        _DECODE_LAYOUTS[(batch, ndim)] = (plan.specs, offsets)
         return plan
-    specs, size, offsets = layout
+    specs, size = _DECODE_SPECS.get((batch, pages, ndim)) or _decode_specs(template, batch, pages, ndim)
     buffer = np.empty(size, dtype=np.int32)
-    for offset, array in zip(offsets, _decode_arrays(host)):
+    for offset, array in zip(template[1], _decode_arrays(host)):
         buffer[offset : offset + array.size] = array.ravel()
-    return ForwardPlan(list(seq_ids), list(lengths), len(lengths), True, False, buffer, specs, host)
+    return ForwardPlan(list(seq_ids), list(lengths), batch, True, False, buffer, specs, host)
+
+
+def _decode_specs(template: tuple, batch: int, pages: int, ndim: int) -> tuple:
+    """(specs, buffer size) of a decode plan of `pages` page indices from its batch's template."""
+    specs, offsets = template
+    indices = ArraySpec(offsets[-1], (pages,))
+    (fused,), (cross,) = specs.fused, specs.cross
+    specs = specs._replace(fused=(fused._replace(page_indices=indices),), cross=(cross._replace(page_indices=indices),))
+    if len(_DECODE_SPECS) >= BufferViews.LIMIT:
+        _DECODE_SPECS.clear()
+    layout = _DECODE_SPECS[(batch, pages, ndim)] = (specs, offsets[-1] + (-(-pages // ALIGN) * ALIGN or ALIGN))
+    return layout
 
 
 def _length_info(last_page_len: np.ndarray, sliding: bool) -> np.ndarray:
@@ -411,7 +428,15 @@ def with_window(plan: ForwardPlan, level: LevelArrays[np.ndarray]) -> ForwardPla
 
 
 def _pack(seq_ids: list, lengths: list, decode: bool, tree: bool, host: PlanArrays[np.ndarray]) -> ForwardPlan:
+    """Every array of `host` packed in field order, except the levels' page indices, which come
+    last (in level order): the other arrays' places then depend only on the batch, so steps
+    whose page counts differ share their device views."""
     packer = Packer()
+    late = [level.page_indices for level in (*host.fused, *host.cross, *host.window)]
+    late_ids = set(map(id, late))
+    host.map(lambda array: None if id(array) in late_ids else packer.add(array))
+    for array in late:
+        packer.add(array)
     specs = host.map(packer.add)
     return ForwardPlan(list(seq_ids), list(lengths), sum(lengths), decode, tree, packer.finish(), specs, host)
 
@@ -555,14 +580,18 @@ class DeviceArrays:
             self._views = BufferViews(buffer, _int32_place)
             # a plan's layout -> its views (consecutive decode steps mostly share one)
             self._layouts: dict[PlanArrays[ArraySpec], PlanArrays] = {}
+            self._last: tuple = (None, None)  # (specs, views) of the last upload
 
     def upload(self, plan: ForwardPlan) -> PlanArrays:
         """Copy the plan's buffer to the device; returns its arrays as int32 views."""
         self.reserve(plan.buffer.size)
-        self._uploader.copy(plan.buffer, self._views[ArraySpec(0, plan.buffer.shape)])
-        arrays = self._layouts.get(plan.specs)
-        if arrays is None:
-            if len(self._layouts) >= BufferViews.LIMIT:
-                self._layouts.clear()
-            arrays = self._layouts[plan.specs] = plan.specs.map(self._views.__getitem__)
+        specs, arrays = self._last
+        if specs is not plan.specs:  # (steady decode steps share one layout object: no lookups)
+            arrays = self._layouts.get(plan.specs)
+            if arrays is None:
+                if len(self._layouts) >= BufferViews.LIMIT:
+                    self._layouts.clear()
+                arrays = self._layouts[plan.specs] = plan.specs.map(self._views.__getitem__)
+            self._last = (plan.specs, arrays)
+        self._uploader.copy(plan.buffer, self._views.buffer)  # (into the buffer's first elements)
         return arrays

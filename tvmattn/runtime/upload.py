@@ -30,25 +30,29 @@ _CUDA_EVENT_DISABLE_TIMING = 2
 
 
 class SyncUploader:
-    """copy(host int32 array, device tensor): a blocking copy (CPU devices, or no CUDA runtime)."""
+    """copy(host int32 array [n], device int32 tensor of n or more elements): a blocking copy
+    into the tensor's first n elements (CPU devices, or no CUDA runtime)."""
 
     def copy(self, host: np.ndarray, device_view) -> None:
+        if device_view.shape != host.shape:
+            device_view = device_view._create_view(host.shape, "int32", 0)
         device_view.copyfrom(host)
 
 
 class HostUploader:
-    """copy(host int32 array, CPU tensor): a numpy assignment through a DLPack alias of the
-    tensor, made once per tensor (the last one is kept: consecutive steps of one size reuse it)."""
+    """copy(host int32 array [n], CPU int32 tensor of n or more elements): a numpy assignment
+    to its first n elements through a DLPack alias of the tensor, made once per tensor (the
+    last one is kept: consecutive steps reuse it)."""
 
     def __init__(self):
-        self._last = (None, None)  # (tensor, its numpy alias)
+        self._last = (None, None)  # (tensor, its numpy alias, flat)
 
     def copy(self, host: np.ndarray, device_view) -> None:
         tensor, alias = self._last
         if tensor is not device_view:
-            alias = np.from_dlpack(device_view)
+            alias = np.from_dlpack(device_view).reshape(-1)
             self._last = (device_view, alias)
-        alias[...] = host
+        alias[: host.size] = host.reshape(-1)
 
 
 def _load_cudart() -> ctypes.CDLL | None:
@@ -67,7 +71,8 @@ def _load_cudart() -> ctypes.CDLL | None:
 
 
 class AsyncUploader:
-    """Stream-ordered, non-blocking copies from two alternating pinned staging buffers."""
+    """Stream-ordered, non-blocking copies from two alternating pinned staging buffers:
+    copy(host int32 array [n], device tensor) writes the tensor's first n elements."""
 
     def __init__(self, cudart: ctypes.CDLL, device):
         self._rt = cudart
@@ -91,6 +96,7 @@ class AsyncUploader:
             self._call("cudaHostUnregister", ctypes.c_void_p(self._staging[index].ctypes.data))
         capacity = max(size, 1 << 14)
         self._staging = [np.empty(capacity, np.int32) for _ in range(2)]
+        self._pointers = [ctypes.c_void_p(buffer.ctypes.data) for buffer in self._staging]  # (.ctypes is slow)
         for buffer in self._staging:
             self._call("cudaHostRegister", ctypes.c_void_p(buffer.ctypes.data), ctypes.c_size_t(buffer.nbytes), 0)
 
@@ -108,7 +114,7 @@ class AsyncUploader:
         staging[: host.size] = host.ravel()
         stream = ctypes.c_void_p(tvm_ffi.get_raw_stream(self._device) or None)
         self._call("cudaSetDevice", self._device.index)
-        self._call("cudaMemcpyAsync", ctypes.c_void_p(device_view.data_ptr()), ctypes.c_void_p(staging.ctypes.data),
+        self._call("cudaMemcpyAsync", ctypes.c_void_p(device_view.data_ptr()), self._pointers[index],
                    ctypes.c_size_t(host.nbytes), _CUDA_MEMCPY_HOST_TO_DEVICE, stream)
         self._call("cudaEventRecord", self._events[index], stream)
         self._recorded[index] = True
