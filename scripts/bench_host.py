@@ -4,10 +4,12 @@ Each batch's sequences are filled to the context by prefill steps whose attentio
 called (only the page tables matter here), then steps in which every sequence appends one
 token (decode; `--append N`: N tokens, prefill) are timed with time.perf_counter around
 begin_forward and end_forward. Reported: the median and the 10th percentile in microseconds
-per step. The cache is on the CPU; its model shape (heads, head dim) does not change the host
-path, so a small one keeps the page pools small.
+per step. The cache is on the CPU (`--device cuda`: on the GPU, with its non-blocking plan
+upload); its model shape (heads, head dim) does not change the host path, so a small one keeps
+the page pools small.
 
     python scripts/bench_host.py                          # batch 1, 16, 64, 256; context 512
+    python scripts/bench_host.py --device cuda            # the cache on the GPU
     python scripts/bench_host.py --batches 1,256 --steps 500 --profile 256
     python scripts/bench_host.py --batches 16,64 --append 16 --steps 50   # prefill chunks
 """
@@ -24,19 +26,22 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import tvm  # noqa: E402
+
 from tvmattn import PagedKVCache  # noqa: E402
 
 PAGE_SIZE = 16
+DEVICES = {"cpu": tvm.cpu, "cuda": tvm.cuda}
 
 
-def make_cache(batch: int, context: int, steps: int, append: int = 1) -> PagedKVCache:
-    """A cache holding `batch` sequences of `context` tokens, with room for `steps` steps of
-    `append` more tokens each."""
+def make_cache(batch: int, context: int, steps: int, append: int = 1, device: str = "cpu") -> PagedKVCache:
+    """A cache on `device` holding `batch` sequences of `context` tokens, with room for `steps`
+    steps of `append` more tokens each."""
     tokens = batch * (context + steps * append + 2 * PAGE_SIZE)
     chunk = max(context, 2048, batch * append)
     cache = PagedKVCache(num_layers=1, num_qo_heads=1, num_kv_heads=1, qk_head_dim=64, dtype="float16",
                          page_size=PAGE_SIZE, max_num_sequences=batch, max_total_seq_len=tokens,
-                         prefill_chunk_size=chunk, rope_mode="normal")
+                         prefill_chunk_size=chunk, rope_mode="normal", device=DEVICES[device](0))
     per_step = max(1, chunk // context)
     for seq_id in range(batch):
         cache.add_sequence(seq_id)
@@ -67,10 +72,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="timed decode steps per batch")
     parser.add_argument("--append", type=int, default=1, help="tokens per sequence per timed step (1: decode)")
     parser.add_argument("--profile", type=int, default=0, help="also profile the steps of this batch (cProfile)")
+    parser.add_argument("--device", choices=sorted(DEVICES), default="cpu", help="where the cache lives")
     args = parser.parse_args()
     print(f"{'batch':>6} {'median us':>10} {'p10 us':>8}")
     for batch in (int(b) for b in args.batches.split(",")):
-        cache = make_cache(batch, args.context, args.steps * 2 + 40, args.append)
+        cache = make_cache(batch, args.context, args.steps * 2 + 40, args.append, args.device)
         times = sorted(decode_times(cache, batch, args.steps, append=args.append))
         print(f"{batch:>6} {statistics.median(times) * 1e6:10.1f} {times[len(times) // 10] * 1e6:8.1f}", flush=True)
         if batch == args.profile:
