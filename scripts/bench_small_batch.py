@@ -2,9 +2,10 @@
 
 - matmuls: the symbolic-batch projections of a model library's `decode_step` (taken from the
   exported module after legalization, so the same fused PrimFuncs), scheduled by dlight's
-  default CUDA rules ("matmul", what they got before) or by models.pipeline.DecodeBatchGEMV
-  with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), at batch 1, 2, 16 and 64; checked
-  against torch (float32 products of the same fp16 inputs).
+  default CUDA rules ("matmul"), by models.pipeline.DecodeBatchGEMV (dlight's LowBatchGEMV)
+  with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), or by models.pipeline.SmallBatchMatmul
+  (the pipeline's choice, "rows"), at batch 1, 2, 16 and 64; checked against torch (float32
+  products of the same fp16 inputs).
 - decode attention: tir_kernels.paged_decode with the default CUDA-core schedule and
   min_split_keys swept, at batch 1, 16 and 64 (--len keys each).
 
@@ -77,17 +78,19 @@ def decode_step_matmuls(model: str, max_batch: int):
 
 
 def schedule(func, target, variant: str):
-    """The compiled module of func under `variant` ("matmul" or "gemv-b<bucket>")."""
+    """The compiled module of func under `variant` ("matmul", "gemv-b<bucket>" or "rows")."""
     import tvm
     from tvm.s_tir import dlight as dl
     from tvm.relax.backend.cuda import pipeline as backend
 
-    from tvmattn.models.pipeline import DecodeBatchGEMV
+    from tvmattn.models.pipeline import DecodeBatchGEMV, SmallBatchMatmul
 
     mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     with target:
         if variant.startswith("gemv-b"):
             mod = dl.ApplyDefaultSchedule(DecodeBatchGEMV(int(variant[6:]), max_weight_bytes=None))(mod)
+        elif variant == "rows":
+            mod = dl.ApplyDefaultSchedule(SmallBatchMatmul())(mod)
         mod = list(backend.legalize_passes(target))[-1](mod)
         return tvm.compile(mod, target=target)
 
@@ -95,7 +98,7 @@ def schedule(func, target, variant: str):
 def build_matmuls(args):
     """[(name, func, {variant: compiled module})] of decode_step's matmuls."""
     funcs, target = decode_step_matmuls(args.model, max(BATCHES))
-    return [(name, func, {v: schedule(func, target, v) for v in ["matmul"] + [f"gemv-b{b}" for b in BUCKETS]})
+    return [(name, func, {v: schedule(func, target, v) for v in ["matmul", "rows"] + [f"gemv-b{b}" for b in BUCKETS]})
             for name, func in sorted(funcs.items())]
 
 

@@ -13,9 +13,12 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   (`SingleRowReduction`): dlight's CPU Reduction rule makes the weight cast's hidden axis its
   parallel loop and recomputes the whole norm inside it, hidden-size times the work (SmolLM2:
   0.8 ms per norm, 61 per decode step).
-- on CUDA, before dlight's default rules: `DecodeBatchGEMV`, dlight's LowBatchGEMV for the
-  matmuls of batch_decode / decode_step (symbolic batch_size; weights up to 16 MiB), which the
-  Matmul rule served badly;
+- on CUDA, before dlight's default rules: `SmallBatchMatmul` for the matmuls of batch_decode /
+  decode_step (`[batch_size, 1, K] x [N, K]^T`, symbolic batch_size): each weight read from
+  memory once, for every row of the batch (dlight's Matmul rule, which they got before, tiles
+  for many rows: 13-30 us per SmolLM2 projection at batch 16 on the H200, against 1.6-2.5 us
+  for the single-row GEMV of `decode`; dlight's LowBatchGEMV, `DecodeBatchGEMV` below, is kept
+  as a variant for scripts/bench_small_batch.py);
 - on CUDA, after memory planning: `lift_graph_storage`, the storage of `decode_step` (planned for
   its batch upper bound) allocated once per VM instead of per call, so a CUDA graph that
   captured a step can be replayed (tvmattn.runtime.graphs). It runs TVM's RewriteCUDAGraph on
@@ -63,12 +66,97 @@ class DecodeBatchGEMV(ScheduleRule):
         return self._rule.apply(func, target, tunable)
 
 
+class SmallBatchMatmul(ScheduleRule):
+    """`[batch_size, 1, K] x [N, K]^T` (+ element-wise epilogues: a residual add, a cast) for a
+    symbolic batch_size of a few rows (decode_step, batch_decode).
+
+    Schedule: one block per `threads // lanes` output columns, one group of `lanes` threads per
+    column splitting K into 16-byte vectors. A serial loop over the batch in chunks of `rows`
+    keeps `rows` partial sums per thread: each weight vector is loaded once per chunk and
+    multiplied with every row's vector (the rows zero-padded past the batch); the block's
+    slice of the weight (a few KiB) stays in L1 across chunks, so the weight is read from
+    memory once per call. The lanes' partial sums are combined by a warp reduction per row,
+    then the epilogue runs. Anything else (prefill shapes, K not a whole number of vectors):
+    None, for the next rule."""
+
+    def __init__(self, rows: int = 8, threads: int = 64):
+        self.rows = rows
+        self.threads = threads
+
+    def apply(self, func, target, _tunable):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda" or not _has_var(func, "batch_size"):
+            return None
+        sch = s_tir.Schedule(func)
+        try:
+            matmul = sch.get_sblock("NT_matmul")
+        except (RuntimeError, ValueError):  # ScheduleError and TVM internal errors are RuntimeErrors
+            return None
+        loops = sch.get_loops(matmul)
+        if len(loops) != 4:
+            return None
+        extents = [sch.get(loop).extent for loop in loops]
+        if (not isinstance(extents[0], tirx.Var) or extents[0].name != "batch_size"
+                or not all(isinstance(e, tirx.IntImm) for e in extents[1:]) or int(extents[1]) != 1):
+            return None
+        block = sch.get(matmul)
+        if len(block.reads) != 2 or len(block.iter_vars) != 4:
+            return None
+        vec = 16 * 8 // tvm.DataType(block.reads[1].source.dtype).bits  # elements per 16-byte weight load
+        if int(extents[3]) % vec:
+            return None
+        try:
+            return self._schedule(sch, matmul, int(extents[3]), vec)
+        except (RuntimeError, ValueError):  # ScheduleError and TVM internal errors are RuntimeErrors
+            return None
+
+    def _schedule(self, sch, matmul, k_extent: int, vec: int):
+        sch.pad_einsum(matmul, [self.rows, 1, 1, 1])
+        x_padded = sch.get_producers(matmul)  # zero-padded rows of x (the weight needs no padding)
+        for consumer in sch.get_consumers(matmul):
+            if sch.get_consumers(consumer):  # the unpadding copy, read by an epilogue
+                sch.compute_inline(consumer)
+        epilogues = sch.get_consumers(matmul)
+        lanes = 32
+        while (k_extent // vec) % lanes:
+            lanes //= 2
+        b, one, n, k = sch.get_loops(matmul)
+        chunk, row = sch.split(b, [None, self.rows])
+        col_tile, col = sch.split(n, [None, max(1, self.threads // lanes)])
+        k_step, lane, k_vec = sch.split(k, [None, lanes, vec])
+        sch.reorder(col_tile, col, chunk, one, lane, k_step, k_vec, row)
+        partial = sch.rfactor(lane, factor_axis=0)
+        col_tile, col, chunk, _, lane, k_step, k_vec, row = sch.get_loops(partial)
+        sch.bind(col_tile, "blockIdx.x")
+        sch.bind(col, "threadIdx.y")
+        sch.bind(lane, "threadIdx.x")
+        weight = sch.cache_read(partial, 1, "local")
+        sch.compute_at(weight, k_step)
+        sch.vectorize(sch.get_loops(weight)[-1])
+        for x in x_padded:
+            sch.compute_at(x, k_step)
+            sch.set_scope(x, 0, "local")
+            sch.vectorize(sch.get_loops(x)[-1])
+        sch.unroll(row)
+        sch.unroll(k_vec)
+        sch.set_scope(partial, 0, "local")
+        sch.decompose_reduction(partial, k_step)
+        sch.unroll(k_step)
+        sch.reverse_compute_at(matmul, chunk)  # the lanes' sums: one warp reduction per row
+        *_, lane_sum, row_sum = sch.get_loops(matmul)
+        sch.reorder(row_sum, lane_sum)
+        sch.bind(lane_sum, "threadIdx.x")
+        for epilogue in epilogues:
+            sch.reverse_compute_at(epilogue, chunk)
+        sch.set_scope(matmul, 0, "local")
+        return sch
+
+
 def _largest_static_read(func: tirx.PrimFunc) -> int:
     """Bytes of the largest buffer of static shape that func's blocks read (a matmul's weight)."""
     sch = s_tir.Schedule(func)
     try:
         infos = normalize_prim_func(sch)
-    except (tvm.error.TVMError, ValueError):
+    except (RuntimeError, ValueError):  # ScheduleError and TVM internal errors are RuntimeErrors
         return 0
     largest = 0
     for info in infos or []:
@@ -98,7 +186,7 @@ class SingleRowReduction(ScheduleRule):
             return None
         try:
             infos = normalize_prim_func(s_tir.Schedule(func))
-        except (tvm.error.TVMError, ValueError):
+        except (RuntimeError, ValueError):  # ScheduleError and TVM internal errors are RuntimeErrors
             return None
         if not infos or not any(bool(info.is_reduction()) for info in infos):
             return None
@@ -147,7 +235,7 @@ def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
         from tvm.relax.backend.cuda import pipeline as backend
 
         # placed before the CUDA legalize passes' own dlight rules (which skip what is scheduled)
-        decode_gemv = dl.ApplyDefaultSchedule(DecodeBatchGEMV())
+        decode_gemv = dl.ApplyDefaultSchedule(SmallBatchMatmul())
         schedule = []
     else:
         from tvm.relax.backend.cpu_generic import pipeline as backend
