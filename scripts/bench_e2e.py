@@ -18,6 +18,13 @@ built elsewhere by `scripts/compile.py --target cuda` (cubins embedded) is used 
 
     python scripts/bench_e2e.py [--model smollm2-135m] [--libs build/e2e] [--batches 1,16,64] [--json e2e.json]
 
+--quantization keep adds a library: our cache with the GGUF's block-quantized weights kept (compile
+--quantization keep: fused dequantize + matmul kernels, float16 activations), with CUDA graphs as
+'graph' and on its own weights (its params file: --model must be a GGUF; where the real file cannot
+travel, `python -m tvmattn.weights.random_gguf` writes one of its shapes and block types with random
+values); its logits are checked against the stock cache's like the others' (the same GGUF,
+dequantized to float16 there), and a line per phase gives its time against the float16 graph run's.
+
 --json PATH writes the results as rows of shared/docs/bench-format.md (`make_row`): bench "e2e",
 kernel "prefill" (batch 1, qo_len = seq_len = --prompt-len) or "decode" (qo_len 1, seq_len =
 --prompt-len: the prompt each sequence holds when the warm-up steps begin), one row per library with
@@ -55,11 +62,12 @@ from tvmattn.build import PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar 
 # the stock cache; "flashinfer" (--flashinfer) is ours with FlashInfer's kernels
 KV_CACHES = ("tvmattn", "graph", "tvm")
 LABELS = {"tvmattn": "tvmattn cache", "graph": "tvmattn cache, CUDA graphs", "tvm": "TVM stock cache",
-          "flashinfer": "tvmattn cache + FlashInfer"}
+          "flashinfer": "tvmattn cache + FlashInfer", "keep": "tvmattn cache, CUDA graphs, weights kept quantized"}
 IMPLS = {"tvmattn": "tvmattn", "graph": "tvmattn-cuda-graph", "tvm": "tvm-stock-cache",
-         "flashinfer": "tvmattn-flashinfer"}  # the rows' impl
+         "flashinfer": "tvmattn-flashinfer", "keep": "tvmattn-cuda-graph-keep"}  # the rows' impl
 BUILD = {"tvmattn": dict(kv_cache="tvmattn"), "tvm": dict(kv_cache="tvm"),  # compile_model arguments
-         "flashinfer": dict(kv_cache="tvmattn", attn_backend="flashinfer")}
+         "flashinfer": dict(kv_cache="tvmattn", attn_backend="flashinfer"),
+         "keep": dict(kv_cache="tvmattn", quantization="keep")}
 LIBRARY = {"graph": "tvmattn"}  # runs another entry's library
 WARMUP_STEPS = 3
 
@@ -82,10 +90,16 @@ def parse_args(argv=None):
                    help="also run a third library, our cache with FlashInfer's attention kernels (--attn-backend "
                         "flashinfer; its modules must be built: python -m tvmattn.flashinfer.build)")
     p.add_argument("--no-cuda-graph", action="store_true", help="leave out the CUDA-graph runs of our library")
+    p.add_argument("--quantization", default="f16", choices=["f16", "keep"],
+                   help="keep: also run our library with the GGUF's block-quantized weights kept (scripts/compile.py "
+                        "--quantization keep; fused dequantize + matmul kernels, float16 activations), with CUDA "
+                        "graphs as 'graph' and its own weights, beside the float16 libraries (needs a GGUF --model)")
     args = p.parse_args(argv)
     graphs = args.target == "cuda" and not args.no_cuda_graph
     args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer
                                                                                   else ())
+    if args.quantization == "keep":
+        args.libraries += ("keep",)
     problem = bench_rows.output_path_problem(args.json)
     if problem:
         p.error(f"argument --json: {problem}")
@@ -108,9 +122,18 @@ def ensure_libraries(args, max_batch: int) -> None:
                       prefill_chunk=args.prompt_len, log=lambda m: print("  " + m), **BUILD[library])
 
 
+def own_weights(args, device) -> list:
+    """The quantized library's own parameters (block arrays), from its params file."""
+    file = sidecar(library_path(args, "keep"), PARAMS_SUFFIX)
+    if not file.is_file():
+        raise SystemExit(f"--quantization keep: {file} is missing: --model must be a GGUF with weights")
+    with np.load(file) as stored:
+        return [tvm.runtime.tensor(stored[f"p{i}"], device=device) for i in range(len(stored.files))]
+
+
 def load_weights(args, device, metadata) -> tuple[list, str]:
-    """The same parameter tensors for every library: stored weights if any library has them."""
-    for kv_cache in args.libraries:
+    """The same parameter tensors for every float library: stored weights if any library has them."""
+    for kv_cache in (kv for kv in args.libraries if kv != "keep"):
         file = sidecar(library_path(args, kv_cache), PARAMS_SUFFIX)
         if file.is_file():
             with np.load(file) as stored:
@@ -323,8 +346,9 @@ def main(argv=None) -> int:
     page = metadata["kv_cache"]["page_size"]
     pages_per_sequence = -(-(args.prompt_len + args.steps + WARMUP_STEPS + 8) // page)
     capacity = max_batch * pages_per_sequence * page
-    runners = {kv: Runner(library_path(args, kv), device, params, capacity, max_batch, args.prompt_len,
-                          graph=kv == "graph")
+    graphs = ("graph", "keep") if args.target == "cuda" and not args.no_cuda_graph else ()
+    runners = {kv: Runner(library_path(args, kv), device, own_weights(args, device) if kv == "keep" else params,
+                          capacity, max_batch, args.prompt_len, graph=kv in graphs)
                for kv in args.libraries}
     config = metadata["model_config"]
     vocab = config["vocab_size"]
@@ -406,7 +430,7 @@ def main(argv=None) -> int:
             profile_decode(runner, prompts)
 
     print()
-    short = {"tvmattn": "tvmattn", "graph": "graph", "tvm": "stock", "flashinfer": "flashinfer"}
+    short = {"tvmattn": "tvmattn", "graph": "graph", "tvm": "stock", "flashinfer": "flashinfer", "keep": "keep"}
     header = f"{'phase':>12} {'batch':>5} " + " ".join(f"{short[kv] + ' tok/s':>17}" for kv in libraries)
     header += " " + " ".join(f"{short[kv] + ' ms':>14}" for kv in libraries)
     header += " " + " ".join(f"{short[kv] + '/stock':>17}" for kv in ours)
@@ -419,6 +443,11 @@ def main(argv=None) -> int:
     print("(tok/s: prompt tokens per second in prefill, generated tokens per second in decode, one token per "
           "sequence per step; ms: per prefill call / per decode step, synchronized; "
           "X/stock = X's tokens/s / the stock cache's)")
+    if "keep" in libraries:
+        versus = "graph" if "graph" in libraries else "tvmattn"
+        for phase, batch, rate, ms in rows:
+            print(f"{phase} batch {batch}: weights kept quantized {ms['keep']:.3f} ms vs float16 ({short[versus]}) "
+                  f"{ms[versus]:.3f} ms: {ms[versus] / ms['keep']:.2f}x")
     for line in host_lines:
         print(line)
     print()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tvm
 
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
@@ -218,6 +219,31 @@ def test_cuda_library_built_without_a_gpu_embeds_cubins(tiny, tmp_path):
     assert runtime["settings"]["gpu_code"] == "cubin", done.stdout
     assert "GPU code: cubin for sm_90" in done.stdout
     assert b"__global__" not in library.read_bytes()  # no CUDA source inside
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA kernels ahead of time")
+def test_cuda_library_keeps_quantized_weights(tiny, tmp_path):
+    """--quantization keep on CUDA: float16 activations, the GGUF's blocks as parameters (uint8
+    quants, float16 scales), the fused kernels in the library; on a GPU its logits follow the
+    float16 library's (the same weights dequantized) and the float64 reference's greedy tokens."""
+    _, gguf_path, _ = tiny
+    keep = compile_model(str(gguf_path), tmp_path / "keep.so", target="cuda", quantization="keep", log=quiet)
+    assert keep.dtype == "float16"
+    runtime = json.loads(sidecar(keep.library, ".runtime.json").read_text())
+    dtypes = {p["name"].rpartition(".")[2]: p["dtype"] for p in runtime["metadata"]["params"]}
+    assert dtypes["weight_qs"] in ("uint8", "int8") and dtypes["weight_d"] == "float16"
+    assert dict(runtime["metadata"]["build_options"]["weight_formats"])
+    if not tvm.cuda(0).exist:
+        return
+    f16 = compile_model(str(gguf_path), tmp_path / "f16.so", target="cuda", quantization="f16", log=quiet)
+    runs = []
+    for library in (keep.library, f16.library):
+        generator = Generator(library)
+        generator.stop_ids = set()
+        runs.append(generator.generate_tokens([PROMPTS[0]], max_new_tokens=4, keep_logits=True))
+    first_keep, first_f16 = runs[0].logits[0][0], runs[1].logits[0][0]
+    assert np.abs(first_keep - first_f16).max() <= 2e-2 * max(np.abs(first_f16).max(), 1.0)
+    assert runs[0].tokens[0][:2] == greedy_reference(gguf_path, PROMPTS[0], 2)
 
 
 # ---------------------------------------------------------------- the real SmolLM2-135M-Instruct

@@ -524,11 +524,14 @@ def test_pack_params_refuses_other_blocks(quant_tied_model):
         pack_params(quant_tied_model.library.metadata, tensors)
 
 
-def test_build_options_refuse_quantized_weights_off_the_cpu():
+def test_build_options_quantized_weights_need_the_targets_activation_dtype():
     from tvmattn.models import BuildOptions
 
-    with pytest.raises(ValueError, match="need target 'llvm' and dtype 'float32'"):
-        BuildOptions(target="cuda:sm_90", dtype="float16", weight_formats=(("lm_head", "Q4_1"),))
+    with pytest.raises(ValueError, match="need dtype 'float16' on 'cuda:sm_90'"):
+        BuildOptions(target="cuda:sm_90", dtype="float32", weight_formats=(("lm_head", "Q4_1"),))
+    with pytest.raises(ValueError, match="need dtype 'float32' on 'llvm'"):
+        BuildOptions(dtype="float16", weight_formats=(("lm_head", "Q4_1"),))
+    BuildOptions(target="cuda:sm_90", dtype="float16", weight_formats=(("lm_head", "Q4_1"),))
     with pytest.raises(ValueError, match="'Q5_K' is not supported"):
         BuildOptions(weight_formats=(("lm_head", "Q5_K"),))
     with pytest.raises(ValueError, match="max_batch_size=0 is not supported"):

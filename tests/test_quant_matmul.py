@@ -20,6 +20,7 @@ import tvm
 gguf = pytest.importorskip("gguf")  # the reference's quantizer (absent on the GPU machine)
 
 from tvmattn.models.quant_matmul import (  # noqa: E402 - after the gguf check: tvmattn.weights imports gguf
+    cuda_target,
     CPUSchedule,
     QuantMatmulConfig,
     gemv_algorithm,
@@ -178,7 +179,9 @@ def test_gemv_lanes_must_divide_the_sub_block():
     ({"fmt": "Q4_1", "n": 0, "k": 64}, "n=0"),
     ({"fmt": "Q4_1", "n": 8, "k": 64, "tokens": 0}, "tokens=0"),
     ({"fmt": "Q4_1", "n": 8, "k": 64, "op": "gather"}, "op='gather'"),
-    ({"fmt": "Q4_1", "n": 8, "k": 64, "target": "cuda"}, "only 'llvm'"),
+    ({"fmt": "Q4_1", "n": 8, "k": 64, "target": "rocm"}, "target='rocm'"),
+    ({"fmt": "Q4_1", "n": 8, "k": 64, "dtype": "float16"}, "dtype='float16': on llvm"),
+    ({"fmt": "Q4_1", "n": 8, "k": 64, "target": "cuda", "dtype": "bfloat16"}, "dtype='bfloat16': on cuda"),
 ])
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -204,3 +207,87 @@ def test_quantized_tensor_checks_its_parts():
     k_blocks, _ = quantized("Q6_K", 4, 256, seed=0)
     with pytest.raises(ValueError, match="part 'qh'"):
         QuantizedTensor("Q6_K", (4, 256), {**k_blocks.parts, "qh": k_blocks.parts["qh"][:, :32]})
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+SMOLLM2_SHAPES = [("Q4_1", 960, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576)]
+
+
+@pytest.fixture(scope="module")
+def built_cuda():
+    """config -> the kernel compiled for CUDA, built once."""
+    cache = {}
+
+    def get(config: QuantMatmulConfig):
+        if config not in cache:
+            cache[config] = tvm.compile(kernel(config), target=cuda_target())
+        return cache[config]
+
+    return get
+
+
+def run_cuda(fn, config: QuantMatmulConfig, blocks: QuantizedTensor, x: np.ndarray) -> np.ndarray:
+    """Y of the CUDA kernel, x rounded to config.dtype first."""
+    dev = tvm.cuda(0)
+    parts = [tvm.runtime.tensor(blocks.parts[name], device=dev) for name, _, _ in config.part_shapes()]
+    out = tvm.runtime.tensor(np.full((x.shape[0], config.n), np.nan, config.dtype), device=dev)
+    fn(tvm.runtime.tensor(x.astype(config.dtype), device=dev), *parts, out)
+    return out.numpy()
+
+
+def check_cuda(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+    """Against float64 dequantize-then-matmul of the (rounded) x: a float16 Y is within its own
+    rounding (2^-11 relative) of the float32 sum, whose error the scale bounds."""
+    xr = x.astype(got.dtype).astype(np.float64)
+    want = xr @ w.astype(np.float64).T
+    scale = np.abs(xr) @ np.abs(w).astype(np.float64).T
+    rel = 2.0 ** -11 if got.dtype == np.float16 else 0.0
+    assert np.isfinite(got).all()
+    err = np.abs(got.astype(np.float64) - want)
+    assert (err <= rel * np.abs(want) + 1e-5 * scale + 1e-6).all(), err.max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,rows,cols", CASES + SMOLLM2_SHAPES, ids=[case_id(c) for c in CASES + SMOLLM2_SHAPES])
+def test_cuda_gemv_matches_dequantize_then_matmul(built_cuda, fmt, rows, cols):
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=1, target="cuda", dtype="float16")
+    blocks, w = quantized(fmt, rows, cols, seed=rows + cols)
+    x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
+    check_cuda(run_cuda(built_cuda(config), config, blocks, x), x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,rows,cols", CASES, ids=[case_id(c) for c in CASES])
+def test_cuda_gemm_symbolic_tokens_matches_dequantize_then_matmul(built_cuda, fmt, rows, cols):
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=None, target="cuda", dtype="float16")
+    blocks, w = quantized(fmt, rows, cols, seed=2 * rows + cols)
+    fn = built_cuda(config)
+    for tokens in (*TOKENS, 70):
+        x = np.random.default_rng(tokens).standard_normal((tokens, cols)).astype(np.float32)
+        check_cuda(run_cuda(fn, config, blocks, x), x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_cuda_static_tokens_and_float32(built_cuda, fmt, dtype):
+    cols = 256 if fmt in K_QUANTS else 96
+    for tokens in (1, 5):
+        config = QuantMatmulConfig(fmt, 37, cols, tokens=tokens, target="cuda", dtype=dtype)
+        blocks, w = quantized(fmt, 37, cols, seed=5)
+        x = np.random.default_rng(5).standard_normal((tokens, cols)).astype(np.float32)
+        check_cuda(run_cuda(built_cuda(config), config, blocks, x), x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_take_reads_rows(built_cuda, fmt):
+    config = QuantMatmulConfig(fmt, 37, wide(fmt), op="take", target="cuda", dtype="float16")
+    blocks, w = quantized(fmt, 37, wide(fmt), seed=9)
+    ids = np.array([0, 36, 5, 5, 17], np.int32)
+    dev = tvm.cuda(0)
+    parts = [tvm.runtime.tensor(blocks.parts[name], device=dev) for name, _, _ in config.part_shapes()]
+    out = tvm.runtime.tensor(np.full((len(ids), wide(fmt)), np.nan, np.float16), device=dev)
+    built_cuda(config)(tvm.runtime.tensor(ids, device=dev), *parts, out)
+    np.testing.assert_array_equal(out.numpy(), w[ids].astype(np.float16))

@@ -315,6 +315,31 @@ def test_read_tiny_gguf_keeping_blocks(tmp_path, tied):
     assert kinds == {"Q4_1": 2 * TINY["layers"] + (not tied), "Q8_0": 2 * TINY["layers"] + 1, "Q4_0": 1}
 
 
+def test_random_gguf_keeps_fields_shapes_and_block_types(tmp_path):
+    """random_gguf: a skeleton (fields and tensor specs, JSON) and a GGUF written from it read back
+    as the original's config, tokenizer and block types with other (seeded) values."""
+    from tvmattn.weights.gguf_file import tokenizer_from_gguf
+    from tvmattn.weights.random_gguf import main as random_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, np.random.default_rng(3))
+    random_gguf(["skeleton", str(path), str(tmp_path / "skel.json")])
+    for name, seed in (("random0", 0), ("again0", 0), ("random1", 1)):
+        random_gguf(["write", str(tmp_path / "skel.json"), str(tmp_path / f"{name}.gguf"), "--seed", str(seed)])
+    real, fake = read_gguf(path, keep_quantized=True), read_gguf(tmp_path / "random0.gguf", keep_quantized=True)
+    assert fake.hf_config == real.hf_config and sorted(fake.tensors) == sorted(real.tensors)
+    for name, value in real.tensors.items():
+        other = fake.tensors[name]
+        assert type(other) is type(value) and getattr(other, "type_name", None) == getattr(value, "type_name", None)
+        assert other.shape == value.shape
+        plain = other.dequantize() if isinstance(other, QuantizedTensor) else other
+        assert np.isfinite(plain).all() and not np.array_equal(plain, value.dequantize() if isinstance(
+            value, QuantizedTensor) else value), name
+    assert tokenizer_from_gguf(tmp_path / "random0.gguf").to_str() == tokenizer_from_gguf(path).to_str()
+    assert (tmp_path / "random0.gguf").read_bytes() == (tmp_path / "again0.gguf").read_bytes()
+    assert (tmp_path / "random0.gguf").read_bytes() != (tmp_path / "random1.gguf").read_bytes()
+
+
 @pytest.mark.parametrize("name,kind", [("token_embd.weight", "Q8_0"), ("blk.0.attn_q.weight", "Q4_1")])
 def test_gguf_non_finite_scale_kept_quantized(tmp_path, name, kind):
     rng = np.random.default_rng(27)

@@ -220,8 +220,9 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
                          help="weights and activations (default: float32 on llvm, float16 on cuda)")
     command.add_argument("--quantization", default=None, choices=("keep", "f16", "f32"),
                          help="keep: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay quantized in the library, run by "
-                              "fused dequantize + matmul kernels (llvm, float32 activations); f16 / f32: every "
-                              "weight dequantized to that type (sets --dtype); default: dequantized to --dtype")
+                              "fused dequantize + matmul kernels (float32 activations on llvm, float16 on cuda); "
+                              "f16 / f32: every weight dequantized to that type (sets --dtype); default: dequantized "
+                              "to --dtype")
     command.add_argument("--page-size", type=_page_size, default=16, help="tokens per KV-cache page")
     command.add_argument("--max-batch-size", type=_int_at_least(1), default=4,
                          help="most sequences decoded together")

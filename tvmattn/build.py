@@ -32,9 +32,10 @@ import numpy as np
 from tir_kernels import support
 
 MODEL_NAMES = ("smollm2-135m",)
-# --quantization: keep a GGUF's Q4_0 / Q4_1 / Q8_0 matrices in their blocks (llvm, float32
-# activations, fused dequantize + matmul kernels), or dequantize every weight to f16 / f32 (the
-# library dtype); None: dequantize to the library dtype (float32 on llvm, float16 on cuda)
+# --quantization: keep a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matrices in their blocks (fused
+# dequantize + matmul kernels; activations float32 on llvm, float16 on cuda), or dequantize every
+# weight to f16 / f32 (the library dtype); None: dequantize to the library dtype (float32 on llvm,
+# float16 on cuda)
 QUANTIZATIONS = ("keep", "f16", "f32")
 QUANTIZATION_DTYPES = {"f16": "float16", "f32": "float32", "keep": "float32"}
 RUNTIME_SUFFIX = ".runtime.json"
@@ -244,7 +245,7 @@ def _weight_formats(config, tensors: dict | None, log: Callable[[str], None]) ->
     matrices = [name for name in sources if name.endswith(".weight") and "norm" not in name]
     kinds = sorted(set(formats.values()))
     log(f"[compile] quantization keep: {len(formats)} of {len(matrices)} weight matrices stay quantized "
-        f"({', '.join(kinds) or 'none'}); the others are dequantized to float32")
+        f"({', '.join(kinds) or 'none'}); the others are dequantized to the library's dtype")
     return tuple(sorted(formats.items()))
 
 
@@ -278,7 +279,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     attn_backend: "tir" or "flashinfer" (tvmattn's cache runs FlashInfer's modules built by
     `python -m tvmattn.flashinfer.build`, which ship beside the library; see models/kv_cache.py;
     falls back to "tir" with a warning where FlashInfer cannot serve the target).
-    quantization: see QUANTIZATIONS ("keep" needs llvm and float32; "f16" / "f32" set the dtype).
+    quantization: see QUANTIZATIONS ("keep": float32 on llvm, float16 on cuda; "f16" / "f32" set the dtype).
     random_weights: a seed; a model without weights (a config.json alone) then gets random
     parameters (`random_params`), so that the bundle runs (tests, smoke runs).
     Raises BuildError (a ValueError) for bad arguments or an unsupported model.
@@ -310,12 +311,11 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
         if quantization not in QUANTIZATIONS:
             raise BuildError(f"--quantization {quantization!r} is not supported: expected one of {QUANTIZATIONS}")
         wanted = QUANTIZATION_DTYPES[quantization]
+        if quantization == "keep" and target != "llvm":
+            wanted = "float16"  # CUDA's fused kernels take float16 activations
         if dtype is not None and dtype != wanted:
             raise BuildError(f"--quantization {quantization} needs --dtype {wanted} (weights and activations), "
                              f"got --dtype {dtype}")
-        if quantization == "keep" and target != "llvm":
-            raise BuildError(f"--quantization keep: the fused quantized kernels are scheduled for llvm only "
-                             f"(target {target}); use --quantization f16 there")
         dtype = wanted
     dtype = dtype or ("float32" if target == "llvm" else "float16")
     timings: dict[str, float] = {}

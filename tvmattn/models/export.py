@@ -53,7 +53,7 @@ class BuildOptions:
     """target: "llvm", "cuda" or "cuda:sm_XX"; dtype: weights and activations; page_size: KV
     page size compiled into tvmattn's kernels; kv_cache: "tvmattn" or "tvm" (TVM's stock cache);
     weight_formats: (parameter prefix, GGUF block type) of each layer kept quantized
-    (quant_linear.py; llvm and float32 only). dtype, page size and target are checked against
+    (quant_linear.py; llvm with float32, cuda with float16). dtype, page size and target are checked against
     tir_kernels.support (ValueError). An llvm library with quantized weights is compiled for the
     host's CPU."""
 
@@ -80,9 +80,10 @@ class BuildOptions:
             bad = [fmt for _, fmt in self.weight_formats if fmt not in QUANT_TYPES]
             if bad:
                 raise ValueError(f"weight_formats: {bad[0]!r} is not supported: expected one of {QUANT_TYPES}")
-            if self.target != "llvm" or self.dtype != "float32":
-                raise ValueError(f"weight_formats (quantized weights) need target 'llvm' and dtype 'float32', "
-                                 f"got {self.target!r} and {self.dtype!r}")
+            wanted = "float32" if self.target == "llvm" else "float16"
+            if self.dtype != wanted:
+                raise ValueError(f"weight_formats (quantized weights) need dtype {wanted!r} on {self.target!r} "
+                                 f"(the fused kernels' activations), got {self.dtype!r}")
 
     def cache_spec(self, config: AnyModelConfig) -> KVCacheSpec:
         """KVCacheSpec (Llama family) or MLACacheSpec (DeepSeek) of `config` (architectures.py)."""
@@ -138,7 +139,8 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
     arch = architecture(config)
     model = arch.model_class(config, options.cache_spec(config), options.kv_cache, formats)
     model.to(options.dtype)
-    mod, params = model.export_tvm(spec=model.get_default_spec())
+    with options.tvm_target():  # quant_linear picks its kernels' target from this scope
+        mod, params = model.export_tvm(spec=model.get_default_spec())
     if "decode_step" in arch.functions:  # storage planned for the largest batch (see pipeline.py)
         step = mod.get_global_var("decode_step")
         mod[step] = mod[step].with_attr("tir_var_upper_bound", {"batch_size": options.max_batch_size})

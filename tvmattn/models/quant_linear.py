@@ -5,7 +5,8 @@ serves a tied LM head, `QuantEmbedding.lm_head`) hold the block arrays of
 tvmattn.weights.quant.PACKED as parameters named `weight_<part>` (for example
 `model.layers.0.mlp.down_proj.weight_qs`, uint8 [N, K/2], and `...weight_d`, float16 [N, K/32])
 and call the fused kernels of quant_matmul.py: the GEMV for a statically single token (decode),
-the GEMM otherwise (prefill, batch_prefill, batch_decode, batch_verify). Activations are float32.
+the GEMM otherwise (prefill, batch_prefill, batch_decode, batch_verify). Activations are float32
+on the CPU and float16 on CUDA (the kernels' target: the target scope the model is exported in).
 
 `weight_formats` (plan_weight_formats) says which layers stay quantized: a map from a layer's
 parameter prefix (`model.layers.0.self_attn.qkv_proj`, `model.embed_tokens`, `lm_head`) to its
@@ -18,6 +19,7 @@ import functools
 from typing import Mapping
 
 import numpy as np
+import tvm
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
@@ -37,18 +39,25 @@ def _parameters(module: nn.Module, fmt: str, rows: int, cols: int) -> None:
         setattr(module, PART_PREFIX + name, nn.Parameter(shape, dtype))
 
 
+def kernel_target() -> str:
+    """The kernels' target kind: "cuda" inside a CUDA target's scope (the model is exported in
+    its library's target scope), else "llvm"."""
+    current = tvm.target.Target.current(allow_none=True)
+    return "cuda" if current is not None and current.kind.name == "cuda" else "llvm"
+
+
 def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor) -> nn.Tensor:
-    """x [..., cols] float32 -> [..., rows] float32 through the fused kernel."""
+    """x [..., cols] -> [..., rows] (x's dtype: float32 on llvm, float16 on cuda) through the fused kernel."""
     lead = list(x.shape[:-1])
     tokens = 1
     for d in lead:
         tokens = tokens * d
     static = tokens if isinstance(tokens, int) else None
-    config = QuantMatmulConfig(fmt, rows, cols, tokens=static)
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=static, target=kernel_target(), dtype=str(x.dtype))
     flat = op.reshape(x, (tokens, cols))
     parts = [getattr(module, PART_PREFIX + name) for name, _, _ in PACKED[fmt]]
     out = op.tensor_ir_op(_kernel(config), config.name, args=[flat, *parts],
-                          out=nn.Tensor.placeholder((tokens, rows), "float32"))
+                          out=nn.Tensor.placeholder((tokens, rows), config.dtype))
     return op.reshape(out, (*lead, rows))
 
 
@@ -61,8 +70,9 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter((out_features,), "float32") if bias else None
 
     def to(self, dtype: str | None = None) -> None:
-        """The block arrays keep their dtypes; activations and the bias are float32 (checked by
-        BuildOptions), so nothing changes."""
+        """The block arrays keep their dtypes; the bias takes the activations' dtype."""
+        if dtype is not None and self.bias is not None:
+            self.bias.to(dtype)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         y = _matmul(self, self.fmt, self.out_features, self.in_features, x)
@@ -75,20 +85,23 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, num: int, dim: int, fmt: str):
         self.num, self.dim, self.fmt = num, dim, fmt
+        self.dtype = "float32"  # of the rows it returns (the activations'): set by to()
         _parameters(self, fmt, num, dim)
 
     def to(self, dtype: str | None = None) -> None:
-        """The block arrays keep their dtypes."""
+        """The block arrays keep their dtypes; the rows looked up come in `dtype`."""
+        if dtype is not None:
+            self.dtype = dtype
 
     def forward(self, ids: nn.Tensor) -> nn.Tensor:
-        """ids [n] int32 (each in [0, num): the caller checks) -> [n, dim] float32."""
-        config = QuantMatmulConfig(self.fmt, self.num, self.dim, op="take")
+        """ids [n] int32 (each in [0, num): the caller checks) -> [n, dim] in the activations' dtype."""
+        config = QuantMatmulConfig(self.fmt, self.num, self.dim, op="take", target=kernel_target(), dtype=self.dtype)
         parts = [getattr(self, PART_PREFIX + name) for name, _, _ in PACKED[self.fmt]]
         return op.tensor_ir_op(_kernel(config), config.name, args=[ids, *parts],
-                               out=nn.Tensor.placeholder((ids.shape[0], self.dim), "float32"))
+                               out=nn.Tensor.placeholder((ids.shape[0], self.dim), self.dtype))
 
     def lm_head(self, h: nn.Tensor) -> nn.Tensor:
-        """h [..., dim] float32 -> logits [..., num] float32."""
+        """h [..., dim] -> logits [..., num], in h's dtype."""
         return _matmul(self, self.fmt, self.num, self.dim, h)
 
 

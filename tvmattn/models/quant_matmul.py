@@ -43,6 +43,7 @@ from tvm import s_tir, te, tirx
 from ..weights.quant import BLOCK, BLOCK_ELEMS, QUANT_TYPES, SUPER_BLOCK, part_shapes
 
 OPS = ("matmul", "take")
+TARGET_DTYPES = {"llvm": ("float32",), "cuda": ("float16", "float32")}  # activation dtypes per target
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,7 +73,9 @@ class QuantMatmulConfig:
 
     fmt: block type (QUANT_TYPES); n: output features (rows of W; for take, rows of the table);
     k: input features (a multiple of 32); tokens: for matmul, the static token count T, or None
-    for a symbolic one (`n_tokens`, int64); op: "matmul" or "take"; target: "llvm".
+    for a symbolic one (`n_tokens`, int64); op: "matmul" or "take"; target: "llvm" or "cuda";
+    dtype: the activations' (X, Y, E): float32 on llvm, float16 or float32 on cuda (products
+    are summed in float32 either way).
     """
 
     fmt: str
@@ -81,6 +84,7 @@ class QuantMatmulConfig:
     tokens: int | None = None
     op: str = "matmul"
     target: str = "llvm"
+    dtype: str = "float32"
 
     def __post_init__(self):
         if self.fmt not in QUANT_TYPES:
@@ -95,14 +99,18 @@ class QuantMatmulConfig:
             raise ValueError(f"tokens={self.tokens!r}: expected None (symbolic) or a positive integer")
         if self.op not in OPS:
             raise ValueError(f"op={self.op!r}: expected one of {OPS}")
-        if self.target != "llvm":
-            raise ValueError(f"target={self.target!r}: only 'llvm' is scheduled (CUDA: not yet)")
+        if self.target not in TARGET_DTYPES:
+            raise ValueError(f"target={self.target!r}: expected one of {tuple(TARGET_DTYPES)}")
+        if self.dtype not in TARGET_DTYPES[self.target]:
+            raise ValueError(f"dtype={self.dtype!r}: on {self.target} expected one of {TARGET_DTYPES[self.target]}")
 
     @property
     def name(self) -> str:
-        """A symbol naming the kernel, e.g. quant_matmul_q4_1_3072x576_n (n: symbolic tokens)."""
+        """A symbol naming the kernel, e.g. quant_matmul_q4_1_3072x576_n (n: symbolic tokens;
+        float16 activations add _f16)."""
         tokens = "" if self.op == "take" else f"_{self.tokens or 'n'}"
-        return f"quant_{self.op}_{self.fmt.lower()}_{self.n}x{self.k}{tokens}"
+        dtype = "" if self.dtype == "float32" else "_f16"
+        return f"quant_{self.op}_{self.fmt.lower()}_{self.n}x{self.k}{tokens}{dtype}"
 
     def part_shapes(self) -> list[tuple[str, str, tuple[int, int]]]:
         """(name, dtype, shape) of each weight array, in argument order."""
@@ -153,14 +161,18 @@ def _placeholders(config: QuantMatmulConfig) -> dict[str, te.Tensor]:
 
 
 def matmul_algorithm(config: QuantMatmulConfig) -> tirx.PrimFunc:
-    """Y[t, n] = sum_k X[t, k] * dequant(W)[n, k]: arguments (X f32 [T, K], *parts, Y f32 [T, N])."""
+    """Y[t, n] = sum_k X[t, k] * dequant(W)[n, k]: arguments (X [T, K], *parts, Y [T, N]) in
+    config.dtype; the sum in float32 (a float16 Y is the sum's rounding, block `cast`)."""
     parts = _placeholders(config)
     tokens = _i64(config.tokens) if config.tokens is not None else tirx.Var("n_tokens", "int64")
     n, k = _i64(config.n), _i64(config.k)
-    x = te.placeholder((tokens, k), "float32", name="x")
+    x = te.placeholder((tokens, k), config.dtype, name="x")
     w = te.compute((n, k), lambda r, c: _dequant(config.fmt, parts, r, c), name="dequant")
     red = te.reduce_axis((_i64(0), k), name="k")
-    y = te.compute((tokens, n), lambda t, r: te.sum(x[t, red] * w[r, red], axis=red), name="matmul")
+    y = te.compute((tokens, n), lambda t, r: te.sum(x[t, red].astype("float32") * w[r, red], axis=red),
+                   name="matmul")
+    if config.dtype != "float32":
+        y = te.compute((tokens, n), lambda t, r: y[t, r].astype(config.dtype), name="cast")
     return te.create_prim_func([x, *parts.values(), y])
 
 
@@ -246,13 +258,15 @@ def gemv_algorithm(config: QuantMatmulConfig, lanes: int) -> tirx.PrimFunc:
 
 
 def take_algorithm(config: QuantMatmulConfig) -> tirx.PrimFunc:
-    """E[i, k] = dequant(W)[ids[i], k]: arguments (ids int32 [I] (I symbolic), *parts, E f32 [I, K]).
+    """E[i, k] = dequant(W)[ids[i], k]: arguments (ids int32 [I] (I symbolic), *parts, E [I, K] in
+    config.dtype).
 
     An id outside [0, N) reads out of bounds: the caller checks ids (tvmattn.generate does)."""
     parts = _placeholders(config)
     ids = te.placeholder((tirx.Var("n_ids", "int64"),), "int32", name="ids")
     out = te.compute((ids.shape[0], _i64(config.k)),
-                     lambda i, c: _dequant(config.fmt, parts, ids[i].astype("int64"), c), name="take")
+                     lambda i, c: _dequant(config.fmt, parts, ids[i].astype("int64"), c).astype(config.dtype),
+                     name="take")
     return te.create_prim_func([ids, *parts.values(), out])
 
 
@@ -406,11 +420,48 @@ def _schedule_take(sch: s_tir.Schedule, config: QuantMatmulConfig, plan: CPUSche
     sch.vectorize(cv)
 
 
+def cuda_target() -> tvm.target.Target:
+    """The CUDA target the schedules read their limits from (threads, shared memory): the
+    current one when a CUDA target is in scope, else sm_90's."""
+    current = tvm.target.Target.current(allow_none=True)
+    if current is not None and current.kind.name == "cuda":
+        return current
+    return tvm.target.Target({"kind": "cuda", "arch": "sm_90", "max_shared_memory_per_block": 49152,
+                              "max_threads_per_block": 1024, "thread_warp_size": 32})
+
+
+def _schedule_cuda(func: tirx.PrimFunc, config: QuantMatmulConfig) -> tirx.PrimFunc:
+    """matmul_algorithm / take_algorithm scheduled for CUDA. The dequantization is an injective
+    producer of the product, the pattern dlight's GPU rules fuse (what MLC's q4f16 kernels
+    rely on): one static token (decode) gets dlight's GEMV (each thread group walks whole rows of
+    blocks, the weight dequantized in registers on its way into the dot product, the partial sums
+    reduced across the threads); more tokens get dlight's Matmul (tiles of W dequantized into
+    shared memory once per token tile); the embedding lookup a thread per element."""
+    from tvm.s_tir import dlight as dl
+
+    target = cuda_target()
+    if config.op == "take":
+        rules = [dl.gpu.Fallback()]
+    elif config.tokens == 1:
+        rules = [dl.gpu.GEMV(), dl.gpu.Fallback()]
+    else:
+        rules = [dl.gpu.Matmul(), dl.gpu.Fallback()]
+    for rule in rules:
+        scheduled = rule.apply(func, target, False)
+        if isinstance(scheduled, list):
+            scheduled = scheduled[0] if scheduled else None
+        if scheduled is not None:
+            return scheduled.mod["main"]
+    raise ValueError(f"{config.name}: no CUDA schedule applies")
+
+
 def schedule(func: tirx.PrimFunc, config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.PrimFunc:
     """`func` (from matmul_algorithm / take_algorithm of `config`) scheduled for config.target,
     marked scheduled (the model pipeline's dlight rules leave it alone) and opaque (never fused).
     Compile it for `host_target()`: LLVM generates code for the target's CPU (a plain "llvm"
     target is SSE2, which splits every vector into 4-lane pieces)."""
+    if config.target == "cuda":
+        return _schedule_cuda(func, config).with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
     plan = plan or choose_schedule(config)
     sch = s_tir.Schedule(func)
     if config.op == "take":
@@ -422,15 +473,18 @@ def schedule(func: tirx.PrimFunc, config: QuantMatmulConfig, plan: CPUSchedule |
     return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
 
 
-def algorithm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
-    """The unscheduled PrimFunc `schedule` expects for `config`: take_algorithm, gemv_algorithm (one
-    static token, with the plan's lanes) or matmul_algorithm."""
+def algorithm(config: QuantMatmulConfig, plan: CPUSchedule | None) -> tirx.PrimFunc:
+    """The unscheduled PrimFunc `schedule` expects for `config`: take_algorithm, on llvm
+    gemv_algorithm (one static token, with the plan's lanes), else matmul_algorithm."""
     if config.op == "take":
         return take_algorithm(config)
-    return gemv_algorithm(config, plan.lanes) if config.tokens == 1 else matmul_algorithm(config)
+    if config.target == "llvm" and config.tokens == 1:
+        return gemv_algorithm(config, (plan or choose_schedule(config)).lanes)
+    return matmul_algorithm(config)
 
 
 def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.PrimFunc:
     """The scheduled PrimFunc of `config` (see the module docstring for its arguments)."""
-    plan = plan or choose_schedule(config)
+    if config.target == "llvm":
+        plan = plan or choose_schedule(config)
     return schedule(algorithm(config, plan), config, plan).with_attr("global_symbol", config.name)
