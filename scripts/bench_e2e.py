@@ -62,7 +62,7 @@ from tvmattn.build import PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar 
 # the stock cache; "flashinfer" (--flashinfer) is ours with FlashInfer's kernels
 KV_CACHES = ("tvmattn", "graph", "tvm")
 LABELS = {"tvmattn": "tvmattn cache", "graph": "tvmattn cache, CUDA graphs", "tvm": "TVM stock cache",
-          "flashinfer": "tvmattn cache + FlashInfer", "keep": "tvmattn cache, CUDA graphs, weights kept quantized"}
+          "flashinfer": "tvmattn cache + FlashInfer", "keep": "tvmattn cache, weights kept quantized"}
 IMPLS = {"tvmattn": "tvmattn", "graph": "tvmattn-cuda-graph", "tvm": "tvm-stock-cache",
          "flashinfer": "tvmattn-flashinfer", "keep": "tvmattn-cuda-graph-keep"}  # the rows' impl
 BUILD = {"tvmattn": dict(kv_cache="tvmattn"), "tvm": dict(kv_cache="tvm"),  # compile_model arguments
