@@ -112,8 +112,8 @@ def measure(lib: str, prompt_tokens: int, decode_tokens: int, reps: int) -> dict
     def prefill(ids):  # in the generator's prefill calls (on the CPU, of CPU_PREFILL_CHUNK tokens)
         return int(np.argmax(g._prefill([0], [ids])[0]))
 
-    def decode_step(token):
-        return int(np.argmax(g._forward("decode", [0], [1], g._embed([token])[None])[0, -1]))
+    def decode_step(token):  # the generator's decode step
+        return int(np.argmax(g.decode_step([0], [token])[0]))
 
     def reset():
         host["kv_state_remove_sequence"](g.cache, 0)

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.runtime import ShapeTuple
 
@@ -408,9 +409,12 @@ class Generator:
                                 f"differ); recompile")
         # each host array is dropped once copied, so the weights are not held twice at the peak
         params.reverse()
-        self.params = []
+        tensors = []
         while params:
-            self.params.append(tvm.runtime.tensor(params.pop(), device=self.device))
+            tensors.append(tvm.runtime.tensor(params.pop(), device=self.device))
+        # one FFI array, converted once: a Python list is converted on every call that passes it
+        # (two calls a decode step, over 400 tensors for SmolLM2 kept quantized)
+        self.params = tvm_ffi.convert(tensors)
         self.tokenizer = None
         if self.runtime.get("tokenizer"):
             import tokenizers
@@ -430,6 +434,7 @@ class Generator:
         self.prefill_chunk = self.settings["prefill_chunk"]
         if self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type():
             self.prefill_chunk = min(self.prefill_chunk, CPU_PREFILL_CHUNK)
+        self._functions: dict[str, Any] = {}  # the VM's functions, looked up once (_function)
         self.cache = None
         self._capacity = 0
         self._drafts: dict[Path, Generator] = {}
@@ -492,21 +497,44 @@ class Generator:
         ids.copyfrom(host)
         return self._graphs.run(seq_ids).numpy()[: len(seq_ids), 0]
 
+    def _function(self, name: str):
+        """The library's function `name`, looked up once."""
+        function = self._functions.get(name)
+        if function is None:
+            function = self._functions[name] = self.vm[name]
+        return function
+
     def _embed(self, tokens: list[int]) -> np.ndarray:
         ids = tvm.runtime.tensor(np.array(tokens, dtype=np.int32), device=self.device)
-        return self.vm["embed"](ids, self.params).numpy()
+        return self._function("embed")(ids, self.params).numpy()
 
-    def _forward(self, function: str, seq_ids: list[int], lengths: list[int], embeds: np.ndarray, *extra,
+    def decode_step(self, seq_ids: list[int], tokens: list[int], single: bool = True) -> np.ndarray:
+        """One plain decode step of `tokens` (one per sequence) -> logits [len(seq_ids), vocab]
+        f32, as generate_tokens runs it: a CUDA graph where it uses them; else the embedding
+        lookup feeds the step on the device (no copy to the host and back), through `decode`
+        for a single sequence (`single`: the generation has one prompt), `batch_decode` otherwise."""
+        if self.uses_cuda_graph:
+            return self._graph_decode(seq_ids, tokens)
+        ids = tvm.runtime.tensor(np.array(tokens, dtype=np.int32), device=self.device)
+        hidden = self.metadata["model_config"]["hidden_size"]
+        embeds = self._function("embed")(ids, self.params)._create_view((len(tokens), 1, hidden))
+        if single and len(seq_ids) == 1:
+            return self._forward("decode", seq_ids, [1], embeds)[:, 0]
+        return self._forward("batch_decode", seq_ids, [1] * len(seq_ids), embeds)[:, 0]
+
+    def _forward(self, function: str, seq_ids: list[int], lengths: list[int], embeds, *extra,
                  parents: list[int] | None = None):
+        """embeds: a host array, or a tensor already on the device."""
         tree = () if parents is None else (ShapeTuple(parents),)
         one_each = function in ("prefill", "batch_prefill") and all(n == 1 for n in lengths)
         if one_each:
             # the cache plans a step of one token per sequence as a decode step (TVM's rule; an
             # MLA library's prefill functions would then count the new tokens twice): decode it
             function, extra, embeds = "batch_decode", (), embeds.reshape(len(seq_ids), 1, -1)
+        if isinstance(embeds, np.ndarray):
+            embeds = tvm.runtime.tensor(embeds, device=self.device)
         self._host["kv_state_begin_forward"](self.cache, ShapeTuple(seq_ids), ShapeTuple(lengths), *tree)
-        logits, _ = self.vm[function](tvm.runtime.tensor(embeds, device=self.device), *extra, self.cache,
-                                      self.params)
+        logits, _ = self._function(function)(embeds, *extra, self.cache, self.params)
         self._host["kv_state_end_forward"](self.cache)
         logits = logits.numpy()
         return logits.reshape(1, len(seq_ids), -1) if one_each else logits
@@ -610,16 +638,7 @@ class Generator:
                 active = next_active
                 if not active:
                     break
-                if self.uses_cuda_graph:
-                    logits = self._graph_decode(active, tokens)
-                    steps += 1
-                    _check_finite(logits, steps, active)
-                    continue
-                embeds = self._embed(tokens)[:, None, :]
-                if len(active) == 1 and len(prompts) == 1:
-                    logits = self._forward("decode", active, [1], embeds)[:, 0]
-                else:
-                    logits = self._forward("batch_decode", active, [1] * len(active), embeds)[:, 0]
+                logits = self.decode_step(active, tokens, single=len(prompts) == 1)
                 steps += 1
                 _check_finite(logits, steps, active)
             decode_s = time.perf_counter() - start

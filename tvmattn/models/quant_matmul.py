@@ -220,14 +220,12 @@ def gemv_algorithm(config: QuantMatmulConfig, lanes: int) -> tirx.PrimFunc:
     """The one-token product in block-factored form (same arguments as matmul_algorithm):
 
         P[n, s, v]  = sum_h q(n, s*SB + h*V + v) * X[s*SB + h*V + v]     (V = lanes, SB = sub-block)
-        A[n, v]     = sum_s scale(n, s) * P[n, s, v]                      (scale: a float32 stage)
-        Y[n]        = sum_v A[n, v]                                       (formats without offsets)
-        XS[s]       = sum_c X[s*SB + c]                                   (formats with offsets:
-        Y[n]        = sum_v A[n, v] + sum_s offset(n, s) * XS[s]           the offsets' dot product)
+        XS[s, v]    = sum_h X[s*SB + h*V + v]                             (formats with offsets)
+        A[n, v]     = sum_s scale(n, s) * P[n, s, v] + offset(n, s) * XS[s, v]   (scale, offset: float32 stages)
+        Y[n]        = sum_v A[n, v]
 
-    so the scales multiply once per sub-block and lane instead of once per weight, and the
-    offsets once per sub-block (the sums are dequantize-then-matmul's, associated differently:
-    float32 rounding differs, not the values)."""
+    so the scales multiply once per sub-block and lane instead of once per weight (the sums are
+    dequantize-then-matmul's, associated differently: float32 rounding differs, not the values)."""
     fmt = config.fmt
     parts = _placeholders(config)
     sb, q, scale, offset = _block_terms(fmt, parts)
@@ -241,19 +239,18 @@ def gemv_algorithm(config: QuantMatmulConfig, lanes: int) -> tirx.PrimFunc:
         q(r, s * sb + h * lanes + v) * x[t, s * sb + h * lanes + v], axis=h), name="block_dot")
     s2 = te.reduce_axis((_i64(0), nsb), name="s")
     scales = te.compute((n, nsb), scale, name="scales")  # float32, converted once per row tile
-    acc = te.compute((one, n, v_), lambda t, r, v: te.sum(scales[r, s2] * part[t, r, s2, v], axis=s2),
-                     name="scaled")
-    w = te.reduce_axis((_i64(0), v_), name="w")
     if offset is None:
-        y = te.compute((one, n), lambda t, r: te.sum(acc[t, r, w], axis=w), name="matmul")
-        return te.create_prim_func([x, *parts.values(), y])
-    offsets = te.compute((n, nsb), offset, name="offsets")
-    c = te.reduce_axis((_i64(0), _i64(sb)), name="c")
-    xs = te.compute((one, nsb), lambda t, s: te.sum(x[t, s * sb + c], axis=c), name="x_block_sum")
-    s3 = te.reduce_axis((_i64(0), nsb), name="s3")
-    off = te.compute((one, n), lambda t, r: te.sum(offsets[r, s3] * xs[t, s3], axis=s3), name="offset_dot")
-    lane_sum = te.compute((one, n), lambda t, r: te.sum(acc[t, r, w], axis=w), name="lane_sum")
-    y = te.compute((one, n), lambda t, r: lane_sum[t, r] + off[t, r], name="matmul")
+        acc = te.compute((one, n, v_), lambda t, r, v: te.sum(scales[r, s2] * part[t, r, s2, v], axis=s2),
+                         name="scaled")
+    else:
+        offsets = te.compute((n, nsb), offset, name="offsets")
+        h2 = te.reduce_axis((_i64(0), _i64(sb // lanes)), name="h2")
+        xs = te.compute((one, nsb, v_), lambda t, s, v: te.sum(x[t, s * sb + h2 * lanes + v], axis=h2),
+                        name="x_block_sum")
+        acc = te.compute((one, n, v_), lambda t, r, v: te.sum(
+            scales[r, s2] * part[t, r, s2, v] + offsets[r, s2] * xs[t, s2, v], axis=s2), name="scaled")
+    w = te.reduce_axis((_i64(0), v_), name="w")
+    y = te.compute((one, n), lambda t, r: te.sum(acc[t, r, w], axis=w), name="matmul")
     return te.create_prim_func([x, *parts.values(), y])
 
 
@@ -317,37 +314,20 @@ def _divisor_at_most(n: int, limit: int, multiple_of: int = 1) -> int:
 
 
 def _schedule_gemv(sch: s_tir.Schedule, config: QuantMatmulConfig, plan: CPUSchedule) -> None:
-    """gemv_algorithm's blocks, placed from the output's loops: XS once per call (a few vectors);
-    parallel chunks of rows; per row tile of NR rows, its scales converted to float32 first (a
-    loop LLVM vectorizes: Q4_1 1536 x 576 on one core 81-86 -> 66 us against a conversion per
-    sub-block and row), then per sub-block the V-lane dot products P (h unrolled) in a register,
-    scaled into NR x V accumulators (one FMA per sub-block, lane group and row); the lanes' sum
-    and the offsets' dot product (18 products for K = 576) once per row. Every intermediate of a
-    tile is local (registers and the stack: no workspace allocation per call)."""
-    acc, part = sch.get_sblock("scaled"), sch.get_sblock("block_dot")
-    with_offsets = config.fmt not in ("Q8_0", "Q6_K")
-    out = sch.get_sblock("matmul")
+    """gemv_algorithm's blocks: XS once per call (a few vectors); parallel chunks of rows; per row
+    tile of NR rows, its scales and offsets converted to float32 first (a loop LLVM vectorizes:
+    per sub-block and row they cost 5 instructions, about a fifth of the loop: Q4_1 1536 x 576 on
+    one core 81-86 -> 66 us), then per sub-block the V-lane dot products P (h unrolled) in a
+    register, scaled (and the offsets added) into NR x V accumulators; the lanes' sum once per
+    row tile."""
+    acc, part, lane_sum = (sch.get_sblock(name) for name in ("scaled", "block_dot", "matmul"))
     nr = _divisor_at_most(config.n, plan.rows)
     nb = _divisor_at_most(config.n, plan.chunk, nr)
-    loops = sch.get_loops(out)
-    rp, rm, ri = sch.split(loops[1], factors=[None, nb // nr, nr])
+    t, r, v, s = sch.get_loops(acc)
+    rp, rm, ri = sch.split(r, factors=[None, nb // nr, nr])
+    sch.reorder(rp, rm, t, s, ri, v)
     sch.parallel(rp)
-    if with_offsets:
-        for name in ("lane_sum", "offset_dot"):
-            block = sch.get_sblock(name)
-            sch.compute_at(block, rm, preserve_unit_loops=True)
-            sch.set_scope(block, 0, "local")
-            for loop in sch.get_loops(block)[-2:]:
-                sch.unroll(loop)
-        sch.compute_inline(sch.get_sblock("offsets"))
-        sch.unroll(ri)
-    else:
-        sch.unroll(ri)
-        sch.unroll(sch.get_loops(out)[-1])
-    sch.compute_at(acc, rm, preserve_unit_loops=True)
-    t, r, v, s = sch.get_loops(acc)[-4:]
-    sch.reorder(t, s, r, v)
-    sch.compute_at(part, r, preserve_unit_loops=True)
+    sch.compute_at(part, ri, preserve_unit_loops=True)
     pv, ph = sch.get_loops(part)[-2:]
     sch.reorder(ph, pv)
     sch.unroll(ph)
@@ -355,16 +335,21 @@ def _schedule_gemv(sch: s_tir.Schedule, config: QuantMatmulConfig, plan: CPUSche
     sch.set_scope(part, 0, "local")
     pinit = sch.decompose_reduction(part, ph)
     sch.vectorize(sch.get_loops(pinit)[-1])
-    sch.unroll(r)
+    sch.unroll(ri)
     sch.vectorize(v)
     sch.set_scope(acc, 0, "local")
     init = sch.decompose_reduction(acc, s)
     ir, iv = sch.get_loops(init)[-2:]
     sch.unroll(ir)
     sch.vectorize(iv)
-    scales = sch.get_sblock("scales")  # the tile's, as float32, before its sub-blocks
-    sch.compute_at(scales, rm, preserve_unit_loops=True)
-    sch.set_scope(scales, 0, "local")
+    sch.reverse_compute_at(lane_sum, rm, preserve_unit_loops=True)
+    for loop in sch.get_loops(lane_sum)[-2:]:
+        sch.unroll(loop)
+    for name in ("scales", "offsets"):  # the tile's scales (and offsets) as float32, before its rows
+        if name == "offsets" and config.fmt in ("Q8_0", "Q6_K"):
+            continue
+        block = sch.get_sblock(name)
+        sch.compute_at(block, rm, preserve_unit_loops=True)
 
 
 def _schedule_gemm(sch: s_tir.Schedule, config: QuantMatmulConfig, plan: CPUSchedule) -> None:
