@@ -95,11 +95,13 @@ def schedule(func, target, variant: str):
         return tvm.compile(mod, target=target)
 
 
+MATMUL_VARIANTS = ("matmul", "rows") + tuple(f"gemv-b{b}" for b in BUCKETS)
+
+
 def build_matmuls(args):
     """[(name, func, {variant: compiled module})] of decode_step's matmuls."""
     funcs, target = decode_step_matmuls(args.model, max(BATCHES))
-    return [(name, func, {v: schedule(func, target, v) for v in ["matmul", "rows"] + [f"gemv-b{b}" for b in BUCKETS]})
-            for name, func in sorted(funcs.items())]
+    return [(name, func, {v: schedule(func, target, v) for v in args.variants}) for name, func in sorted(funcs.items())]
 
 
 def bench_matmuls(args, built_funcs, rows):
@@ -211,6 +213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, nargs=4, default=(9, 3, 64, 16), metavar=("HQ", "HKV", "D", "PAGE"))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--only", choices=("matmul", "decode"))
+    parser.add_argument("--variants", nargs="+", choices=MATMUL_VARIANTS, default=list(MATMUL_VARIANTS),
+                        help="matmul schedules to compare")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = []

@@ -15,14 +15,16 @@ from __future__ import annotations
 import math
 import pathlib
 import re
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, processors
 
 from .common import Extent, LoadedModel, WeightError, check_disjoint, check_finite, check_inside, check_tensors, fail
 from .quant import FLOAT_TYPES, LAYOUTS, QUANT_TYPES, QuantizedTensor, dequantize, nbytes, split_blocks
+
+if TYPE_CHECKING:
+    import tokenizers
 
 # architecture -> (Hugging Face model_type, architectures entry, q/k rows permuted for interleaved RoPE)
 ARCHITECTURES = {
@@ -294,6 +296,8 @@ def field_value(path, reader: gguf.GGUFReader, key: str):
 
 def pre_tokenizer(path, pre: str):
     """The `tokenizers` pre-tokenizer matching llama.cpp's `tokenizer.ggml.pre` value."""
+    from tokenizers import pre_tokenizers
+
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in DIGIT_SPLIT_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -310,7 +314,11 @@ def tokenizer_from_gguf(path) -> tokenizers.Tokenizer:
     tokens (type 4) are added tokens. When tokenizer.ggml.add_bos_token is true, encode() with
     add_special_tokens=True (the default) prepends the BOS token, as llama.cpp does; pass
     add_special_tokens=False for text whose chat template already starts with it.
+    (`tokenizers` is imported here: reading weights does not need it.)
     """
+    import tokenizers
+    from tokenizers import decoders, models, processors
+
     path, reader = open_gguf(path)
     model_name = reader.get_field("tokenizer.ggml.model")
     model_name = model_name.contents() if model_name is not None else None
