@@ -58,7 +58,7 @@ def decode_step_matmuls(model: str, max_batch: int):
 
     from tvmattn.models import BuildOptions, export_module
     from tvmattn.models.config import model_config_from_hf
-    from tvmattn.models.pipeline import _has_var
+    from tvmattn.models.pipeline import SmallBatchMatmul, _has_var
 
     config = model_config_from_hf(json.load(open(model)))
     options = BuildOptions(target="cuda:sm_90", dtype="float16", max_batch_size=max_batch)
@@ -70,10 +70,10 @@ def decode_step_matmuls(model: str, max_batch: int):
                                        + backend.library_dispatch_passes(target) + legalize)(mod)
     funcs = {}
     for gv, func in mod.functions.items():
-        if isinstance(func, tirx.PrimFunc) and "matmul" in gv.name_hint and _has_var(func, "batch_size"):
-            script = func.script()
-            if "(batch_size, T.int64(1)," in script:  # decode_step's [batch, 1, K] layout
-                funcs[gv.name_hint] = func
+        # decode_step's [batch_size, 1, K] x [N, K]^T projections: the pattern SmallBatchMatmul takes
+        if (isinstance(func, tirx.PrimFunc) and "matmul" in gv.name_hint and _has_var(func, "batch_size")
+                and SmallBatchMatmul().apply(func, target, False) is not None):
+            funcs[gv.name_hint] = func
     return funcs, target
 
 

@@ -29,13 +29,10 @@ The attention kernels from tir_kernels are already scheduled and pass through un
 
 from __future__ import annotations
 
-import re
-
 import tvm
 from tvm import relax, s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
-
 
 # DecodeBatchGEMV: rows per pass over the weight (the batch is padded to a multiple), and the
 # largest weight it takes (a larger one, the LM head, is re-read from memory on every pass: it
@@ -171,10 +168,11 @@ def _largest_static_read(func: tirx.PrimFunc) -> int:
 
 
 def _has_var(func: tirx.PrimFunc, name: str) -> bool:
-    """func has a symbolic shape variable `name`: TVMScript declares it on a line of its own
-    (`name = TypeVar("name")` in TVM 0.27; the earlier check for `name = T.int64()` never matched,
-    so this rule did not apply)."""
-    return re.search(rf"^{re.escape(name)} = ", func.script(), re.MULTILINE) is not None
+    """func has a symbolic shape variable `name` (a variable its body uses that no parameter
+    defines). Not from func.script(): how TVMScript prints it differs between Python versions
+    (at the top of the module here, inside the function on the H200's Python 3.12), which once
+    left these rules unapplied on the GPU machine while they applied on this one."""
+    return any(var.name == name for var in tirx.analysis.undefined_vars(func.body, list(func.params)))
 
 
 class SingleRowReduction(ScheduleRule):
