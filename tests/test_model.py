@@ -408,7 +408,8 @@ def test_metadata_lists_every_parameter(bias_model):
     assert meta["model_config"]["rope_scaling"]["factor"] == 8.0
     assert meta["kv_cache"]["kind"] == "tvmattn" and meta["kv_cache"]["page_size"] == PAGE_SIZE
     assert meta["build_options"] == {"target": "llvm", "dtype": "float32", "page_size": PAGE_SIZE,
-                                     "kv_cache": "tvmattn", "weight_formats": [], "max_batch_size": 4}
+                                     "kv_cache": "tvmattn", "weight_formats": [], "max_batch_size": 4,
+                                     "small_batch_matmul": False}
     for name in ("embed", "prefill", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache"):
         assert name in meta["functions"]
 
@@ -536,6 +537,8 @@ def test_build_options_quantized_weights_need_the_targets_activation_dtype():
         BuildOptions(weight_formats=(("lm_head", "Q5_K"),))
     with pytest.raises(ValueError, match="max_batch_size=0 is not supported"):
         BuildOptions(max_batch_size=0)
+    with pytest.raises(ValueError, match="small_batch_matmul=1 is not supported"):
+        BuildOptions(small_batch_matmul=1)
 
 
 # CUDA kernels need head_dim >= 32 (a multiple of 4 * the schedule's threads): 128 / 2 heads.

@@ -63,10 +63,13 @@ class BuildOptions:
     kv_cache: str = "tvmattn"
     weight_formats: tuple[tuple[str, str], ...] = ()
     max_batch_size: int = 4  # the most sequences of one decode_step (its storage is planned for it)
+    small_batch_matmul: bool = False  # CUDA: pipeline.SmallBatchMatmul for decode_step's projections
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size!r} is not supported: expected an int >= 1")
+        if not isinstance(self.small_batch_matmul, bool):
+            raise ValueError(f"small_batch_matmul={self.small_batch_matmul!r} is not supported: expected a bool")
         for name, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
             expected = problem(getattr(self, name))
             if expected:
@@ -156,7 +159,8 @@ def compile_module(mod: tvm.IRModule, options: BuildOptions) -> relax.VMExecutab
     target = options.tvm_target()
     with target:
         # tir_kernels' pipeline: the Hopper attention kernels are lowered by TVM's TIRx pipeline
-        return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target), tir_pipeline=PIPELINE)
+        return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target, options.small_batch_matmul),
+                           tir_pipeline=PIPELINE)
 
 
 def compile_library(config: AnyModelConfig, options: BuildOptions | None = None, **kwargs) -> ModelLibrary:

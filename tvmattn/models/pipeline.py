@@ -13,12 +13,14 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   (`SingleRowReduction`): dlight's CPU Reduction rule makes the weight cast's hidden axis its
   parallel loop and recomputes the whole norm inside it, hidden-size times the work (SmolLM2:
   0.8 ms per norm, 61 per decode step).
-- on CUDA, before dlight's default rules: `SmallBatchMatmul` for the matmuls of batch_decode /
-  decode_step (`[batch_size, 1, K] x [N, K]^T`, symbolic batch_size): each weight read from
-  memory once, for every row of the batch (dlight's Matmul rule, which they got before, tiles
-  for many rows: 13-30 us per SmolLM2 projection at batch 16 on the H200, against 1.6-2.5 us
-  for the single-row GEMV of `decode`; dlight's LowBatchGEMV, `DecodeBatchGEMV` below, is kept
-  as a variant for scripts/bench_small_batch.py);
+- on CUDA, with `small_batch_matmul` (BuildOptions.small_batch_matmul; off by default, not yet
+  run on the GPU), before dlight's default rules: `SmallBatchMatmul` for the matmuls of
+  batch_decode / decode_step (`[batch_size, 1, K] x [N, K]^T`, symbolic batch_size): each weight
+  read from memory once, for every row of the batch. By default they get dlight's Matmul rule,
+  which tiles for many rows: 13-30 us per SmolLM2 projection at batch 16 on the H200, against
+  1.6-2.5 us for the single-row GEMV of `decode` (profiled at 09e2805). dlight's LowBatchGEMV
+  (`DecodeBatchGEMV`) is a variant in scripts/bench_small_batch.py: neither it nor
+  SmallBatchMatmul ever applied on the H200 before bbef7af (see `_has_var`);
 - on CUDA, after memory planning: `lift_graph_storage`, the storage of `decode_step` (planned for
   its batch upper bound) allocated once per VM instead of per call, so a CUDA graph that
   captured a step can be replayed (tvmattn.runtime.graphs). It runs TVM's RewriteCUDAGraph on
@@ -225,15 +227,17 @@ def _finalize(backend, target: tvm.target.Target) -> list:
     return passes
 
 
-def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
-    """The module pass that lowers a model library's Relax module for `target`."""
+def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = False) -> tvm.transform.Pass:
+    """The module pass that lowers a model library's Relax module for `target`; small_batch_matmul
+    (CUDA): schedule decode_step's / batch_decode's projections with `SmallBatchMatmul` (off by
+    default until it is measured on the GPU: they get dlight's Matmul rule, as measured so far)."""
     from tvm.s_tir import dlight as dl
 
     if target.kind.name == "cuda":
         from tvm.relax.backend.cuda import pipeline as backend
 
         # placed before the CUDA legalize passes' own dlight rules (which skip what is scheduled)
-        decode_gemv = dl.ApplyDefaultSchedule(SmallBatchMatmul())
+        decode_gemv = dl.ApplyDefaultSchedule(SmallBatchMatmul()) if small_batch_matmul else None
         schedule = []
     else:
         from tvm.relax.backend.cpu_generic import pipeline as backend
