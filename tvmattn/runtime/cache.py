@@ -245,8 +245,15 @@ class PagedKVCache:
         else:
             page_shape = (opts.num_pages, 2, opts.num_kv_heads, opts.page_size, opts.qk_head_dim)
         self._pools = [self._zeros(page_shape) for _ in range(opts.num_layers)]
-        # attention_with_fused_qkv's fast path: the MHA layers' pools and the compiled argument check
-        self._fused_check = None if opts.is_mla else self._compiled_check(page_shape)
+        # attention_with_fused_qkv's fast path: the MHA layers' pools and an argument check, compiled
+        # on a GPU (TVM's own checks in one FFI call); on the CPU the Python checks, because the
+        # compile's LLVM JIT would stay resident (38 MB: a sixth of SmolLM2's memory with kept weights)
+        if opts.is_mla:
+            self._fused_check = None
+        elif self.target == "llvm":
+            self._fused_check = self._python_check
+        else:
+            self._fused_check = self._compiled_check(page_shape)
         self._fast_pages = {} if self._fused_check is None else {
             layer: pool for layer, (pool, kind) in enumerate(zip(self._pools, self._kinds)) if kind == AttnKind.MHA}
         self._workspace = Workspace(opts.prefill_chunk_size, opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim,
@@ -259,6 +266,11 @@ class PagedKVCache:
         self._graph_generation = 0
         self._step: Step | None = None
         self._shapes: dict = {}
+
+    def _python_check(self, n: int, qkv, o, pages) -> None:
+        """The fast path's argument check on the CPU: qkv and o as this step needs them (raises)."""
+        self._tensor("qkv", qkv)
+        self._tensor("o", o)
 
     def _compiled_check(self, page_shape: tuple):
         """forward.fused_qkv_check for this cache, once seen to accept good arguments (else None:
