@@ -94,6 +94,8 @@ def parse_args(argv=None):
                    help="keep: also run our library with the GGUF's block-quantized weights kept (scripts/compile.py "
                         "--quantization keep; fused dequantize + matmul kernels, float16 activations), with CUDA "
                         "graphs as 'graph' and its own weights, beside the float16 libraries (needs a GGUF --model)")
+    p.add_argument("--small-batch-matmul", action="store_true",
+                   help="build every library with pipeline.SmallBatchMatmul for decode_step's projections")
     args = p.parse_args(argv)
     graphs = args.target == "cuda" and not args.no_cuda_graph
     args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer
@@ -119,7 +121,8 @@ def ensure_libraries(args, max_batch: int) -> None:
             continue
         print(f"building {path} ({LABELS[library]})")
         compile_model(args.model, path, target=args.target, max_batch_size=max_batch, context_window=context,
-                      prefill_chunk=args.prompt_len, log=lambda m: print("  " + m), **BUILD[library])
+                      prefill_chunk=args.prompt_len, log=lambda m: print("  " + m),
+                      small_batch_matmul=args.small_batch_matmul, **BUILD[library])
 
 
 def own_weights(args, device) -> list:

@@ -271,7 +271,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
                   context_window: int | None = None, prefill_chunk: int | None = None,
                   kv_cache: str = "tvmattn", dump_ir: str | Path | None = None,
                   log: Callable[[str], None] = print, attn_backend: str = "tir",
-                  quantization: str | None = None, random_weights: int | None = None) -> BuildResult:
+                  quantization: str | None = None, random_weights: int | None = None,
+                  small_batch_matmul: bool = False) -> BuildResult:
     """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
 
     dtype defaults to float32 on llvm and float16 on cuda; context_window defaults to the
@@ -280,6 +281,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     `python -m tvmattn.flashinfer.build`, which ship beside the library; see models/kv_cache.py;
     falls back to "tir" with a warning where FlashInfer cannot serve the target).
     quantization: see QUANTIZATIONS ("keep": float32 on llvm, float16 on cuda; "f16" / "f32" set the dtype).
+    small_batch_matmul: CUDA, schedule decode_step's projections with pipeline.SmallBatchMatmul.
     random_weights: a seed; a model without weights (a config.json alone) then gets random
     parameters (`random_params`), so that the bundle runs (tests, smoke runs).
     Raises BuildError (a ValueError) for bad arguments or an unsupported model.
@@ -342,7 +344,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     start = time.perf_counter()
     weight_formats = _weight_formats(config, tensors, log) if quantization == "keep" else ()
     options = BuildOptions(target=target, dtype=dtype, page_size=page_size, kv_cache=kv_cache,
-                           weight_formats=weight_formats, max_batch_size=max_batch_size)
+                           weight_formats=weight_formats, max_batch_size=max_batch_size,
+                           small_batch_matmul=small_batch_matmul)
     attn_backend = _attention_backend(attn_backend, options.cache_spec(config), log)
     log(f"[compile] exporting the Relax module (target {target}, dtype {dtype}, kv cache {kv_cache}, "
         f"attention {attn_backend})")
