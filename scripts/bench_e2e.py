@@ -94,8 +94,9 @@ def parse_args(argv=None):
                    help="keep: also run our library with the GGUF's block-quantized weights kept (scripts/compile.py "
                         "--quantization keep; fused dequantize + matmul kernels, float16 activations), with CUDA "
                         "graphs as 'graph' and its own weights, beside the float16 libraries (needs a GGUF --model)")
-    p.add_argument("--small-batch-matmul", action="store_true",
-                   help="build every library with pipeline.SmallBatchMatmul for decode_step's projections")
+    p.add_argument("--no-small-batch-matmul", dest="small_batch_matmul", action="store_false",
+                   help="build every library with dlight's Matmul rule for decode_step's projections instead of "
+                        "pipeline.SmallBatchMatmul")
     args = p.parse_args(argv)
     graphs = args.target == "cuda" and not args.no_cuda_graph
     args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer
@@ -306,7 +307,8 @@ def agrees(diff: float, scale: float) -> bool:
 
 
 def make_row(kernel: str, kv_cache: str, *, batch: int, prompt_len: int, seconds: float, diff: float, scale: float,
-             target: str, dtype: str, meta: dict, timing: DecodeTiming | None = None, extra: dict | None = None) -> dict:
+             target: str, dtype: str, meta: dict, timing: DecodeTiming | None = None,
+             extra: dict | None = None) -> dict:
     """One row of shared/docs/bench-format.md for `kv_cache`'s library ("tvmattn", "tvm", "flashinfer"):
     `seconds` per prefill call (kernel "prefill", one sequence of `prompt_len` tokens) or per decode
     step (kernel "decode", `batch` sequences holding `prompt_len` prompt tokens, one token each);
@@ -333,7 +335,8 @@ def profile_decode(runner: Runner, prompts, steps: int = 5, top: int = 15) -> No
 
     prof = profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU])
     bench_decode(runner, prompts, steps, around_steps=prof)
-    print(prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=top, max_name_column_width=60))
+    sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=60))
 
 
 def main(argv=None) -> int:

@@ -72,13 +72,14 @@ def decode_step_matmuls(model: str, max_batch: int):
     for gv, func in mod.functions.items():
         # decode_step's [batch_size, 1, K] x [N, K]^T projections: the pattern SmallBatchMatmul takes
         if (isinstance(func, tirx.PrimFunc) and "matmul" in gv.name_hint and _has_var(func, "batch_size")
-                and SmallBatchMatmul().apply(func, target, False) is not None):
+                and SmallBatchMatmul(max_weight_bytes=None).apply(func, target, False) is not None):
             funcs[gv.name_hint] = func
     return funcs, target
 
 
 def schedule(func, target, variant: str):
-    """The compiled module of func under `variant` ("matmul", "gemv-b<bucket>" or "rows")."""
+    """The compiled module of func under `variant`: "matmul", "gemv-b<bucket>", "rows" (the
+    pipeline's SmallBatchMatmul) or "rows-r<R>-t<T>" (SmallBatchMatmul(rows=R, threads=T))."""
     import tvm
     from tvm.s_tir import dlight as dl
     from tvm.relax.backend.cuda import pipeline as backend
@@ -91,11 +92,15 @@ def schedule(func, target, variant: str):
             mod = dl.ApplyDefaultSchedule(DecodeBatchGEMV(int(variant[6:]), max_weight_bytes=None))(mod)
         elif variant == "rows":
             mod = dl.ApplyDefaultSchedule(SmallBatchMatmul())(mod)
+        elif variant.startswith("rows-"):
+            rows, threads = (int(part[1:]) for part in variant.split("-")[1:])
+            mod = dl.ApplyDefaultSchedule(SmallBatchMatmul(rows=rows, threads=threads, max_weight_bytes=None))(mod)
         mod = list(backend.legalize_passes(target))[-1](mod)
         return tvm.compile(mod, target=target)
 
 
-MATMUL_VARIANTS = ("matmul", "rows") + tuple(f"gemv-b{b}" for b in BUCKETS)
+MATMUL_VARIANTS = (("matmul", "rows") + tuple(f"gemv-b{b}" for b in BUCKETS)
+                   + tuple(f"rows-r{r}-t{t}" for r in (2, 4, 8, 16) for t in (32, 64, 128)))
 
 
 def build_matmuls(args):
@@ -213,7 +218,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, nargs=4, default=(9, 3, 64, 16), metavar=("HQ", "HKV", "D", "PAGE"))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--only", choices=("matmul", "decode"))
-    parser.add_argument("--variants", nargs="+", choices=MATMUL_VARIANTS, default=list(MATMUL_VARIANTS),
+    parser.add_argument("--variants", nargs="+", choices=MATMUL_VARIANTS, default=["matmul", "rows", "gemv-b8"],
                         help="matmul schedules to compare")
     parser.add_argument("--json")
     args = parser.parse_args(argv)

@@ -2,8 +2,9 @@
 
 Spec: `[batch_size, 1, K] x [N, K]^T` with a symbolic batch (decode_step's projections, with or
 without an element-wise epilogue) is scheduled by the rule and compiles for CUDA; on the GPU it
-equals numpy for batches that are and are not multiples of its row chunk; prefill-shaped matmuls
-and K that is not a whole number of 16-byte vectors are left to the next rule (None).
+equals numpy for batches that are and are not multiples of its row chunk; prefill-shaped matmuls,
+K that is not a whole number of 16-byte vectors and weights over the cap are left to the next
+rule (None).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import tvm
 from tvm import te
 
-from tvmattn.models.pipeline import SmallBatchMatmul
+from tvmattn.models.pipeline import SMALL_BATCH_THREADS, SmallBatchMatmul
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 
@@ -56,7 +57,7 @@ def test_rule_schedules_decode_projections_for_cuda(n, k, epilogue):
         assert sch is not None
         lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=CUDA)
     source = lib.mod.imports[0].inspect_source()
-    assert "__launch_bounds__(64)" in source and "__shfl" in source
+    assert f"__launch_bounds__({SMALL_BATCH_THREADS})" in source and "__shfl" in source
 
 
 def test_rule_leaves_other_shapes_to_the_next_rule():
@@ -64,6 +65,10 @@ def test_rule_leaves_other_shapes_to_the_next_rule():
     assert rule.apply(nt_matmul(64, 576, seq=True), CUDA, False) is None  # a prefill
     assert rule.apply(nt_matmul(64, 60), CUDA, False) is None  # K not a multiple of 8 halves
     assert rule.apply(nt_matmul(64, 576), tvm.target.Target("llvm"), False) is None
+    # a weight over the cap (an LM head): re-read per block of rows, it keeps dlight's Matmul
+    capped = SmallBatchMatmul(max_weight_bytes=64 * 576 * 2 - 1)
+    assert capped.apply(nt_matmul(64, 576), CUDA, False) is None
+    assert SmallBatchMatmul(max_weight_bytes=64 * 576 * 2).apply(nt_matmul(64, 576), CUDA, False) is not None
 
 
 @pytest.mark.gpu

@@ -240,6 +240,9 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--random-weights", default=None, type=_int_at_least(0), metavar="SEED",
                          help="a model without weights (a config.json alone) gets random parameters from SEED "
                               "(smoke runs; default: the library is written without parameters)")
+    command.add_argument("--no-small-batch-matmul", dest="small_batch_matmul", action="store_false",
+                         help="CUDA: schedule decode_step's projections with dlight's Matmul rule instead of "
+                              "tvmattn's small-batch matmul schedule")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -330,7 +333,7 @@ def _compile(args) -> int:
                       max_batch_size=args.max_batch_size, context_window=args.context_window,
                       prefill_chunk=args.prefill_chunk, kv_cache=args.kv_cache, dump_ir=args.dump_ir,
                       attn_backend=args.attn_backend, quantization=args.quantization,
-                      random_weights=args.random_weights)
+                      random_weights=args.random_weights, small_batch_matmul=args.small_batch_matmul)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0

@@ -272,7 +272,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
                   kv_cache: str = "tvmattn", dump_ir: str | Path | None = None,
                   log: Callable[[str], None] = print, attn_backend: str = "tir",
                   quantization: str | None = None, random_weights: int | None = None,
-                  small_batch_matmul: bool = False) -> BuildResult:
+                  small_batch_matmul: bool = True) -> BuildResult:
     """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
 
     dtype defaults to float32 on llvm and float16 on cuda; context_window defaults to the
@@ -281,7 +281,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     `python -m tvmattn.flashinfer.build`, which ship beside the library; see models/kv_cache.py;
     falls back to "tir" with a warning where FlashInfer cannot serve the target).
     quantization: see QUANTIZATIONS ("keep": float32 on llvm, float16 on cuda; "f16" / "f32" set the dtype).
-    small_batch_matmul: CUDA, schedule decode_step's projections with pipeline.SmallBatchMatmul.
+    small_batch_matmul: CUDA, schedule decode_step's projections with pipeline.SmallBatchMatmul
+    (False: dlight's Matmul rule).
     random_weights: a seed; a model without weights (a config.json alone) then gets random
     parameters (`random_params`), so that the bundle runs (tests, smoke runs).
     Raises BuildError (a ValueError) for bad arguments or an unsupported model.

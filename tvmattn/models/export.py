@@ -63,7 +63,7 @@ class BuildOptions:
     kv_cache: str = "tvmattn"
     weight_formats: tuple[tuple[str, str], ...] = ()
     max_batch_size: int = 4  # the most sequences of one decode_step (its storage is planned for it)
-    small_batch_matmul: bool = False  # CUDA: pipeline.SmallBatchMatmul for decode_step's projections
+    small_batch_matmul: bool = True  # CUDA: pipeline.SmallBatchMatmul for decode_step's projections
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:

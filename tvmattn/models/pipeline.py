@@ -13,14 +13,12 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   (`SingleRowReduction`): dlight's CPU Reduction rule makes the weight cast's hidden axis its
   parallel loop and recomputes the whole norm inside it, hidden-size times the work (SmolLM2:
   0.8 ms per norm, 61 per decode step).
-- on CUDA, with `small_batch_matmul` (BuildOptions.small_batch_matmul; off by default, not yet
-  run on the GPU), before dlight's default rules: `SmallBatchMatmul` for the matmuls of
-  batch_decode / decode_step (`[batch_size, 1, K] x [N, K]^T`, symbolic batch_size): each weight
-  read from memory once, for every row of the batch. By default they get dlight's Matmul rule,
-  which tiles for many rows: 13-30 us per SmolLM2 projection at batch 16 on the H200, against
-  1.6-2.5 us for the single-row GEMV of `decode` (profiled at 09e2805). dlight's LowBatchGEMV
-  (`DecodeBatchGEMV`) is a variant in scripts/bench_small_batch.py: neither it nor
-  SmallBatchMatmul ever applied on the H200 before bbef7af (see `_has_var`);
+- on CUDA, with `small_batch_matmul` (BuildOptions.small_batch_matmul, on by default), before
+  dlight's default rules: `SmallBatchMatmul` for the matmuls of batch_decode / decode_step
+  (`[batch_size, 1, K] x [N, K]^T`, symbolic batch_size). Without it they get dlight's Matmul
+  rule, whose 128 x 128 tiles leave most SMs idle at these shapes: 10-28 us per SmolLM2
+  projection at any batch on the H200, against 2-5 us with SmallBatchMatmul up to batch 16.
+  dlight's LowBatchGEMV (`DecodeBatchGEMV`) is a variant in scripts/bench_small_batch.py;
 - on CUDA, after memory planning: `lift_graph_storage`, the storage of `decode_step` (planned for
   its batch upper bound) allocated once per VM instead of per call, so a CUDA graph that
   captured a step can be replayed (tvmattn.runtime.graphs). It runs TVM's RewriteCUDAGraph on
@@ -65,25 +63,41 @@ class DecodeBatchGEMV(ScheduleRule):
         return self._rule.apply(func, target, tunable)
 
 
+# SmallBatchMatmul: batch rows per block and threads per block, and the largest weight it takes.
+# Swept on the H200 (scripts/bench_small_batch.py, SmolLM2's decode_step projections at batch
+# 1/2/16/64; docs/perf-notes.md): 4 rows and 32 threads were fastest or within 0.6 us of the
+# fastest on every projection and batch (2.0-2.7 us at batch 1, 2.5-5.0 at 16, 4.2-12.5 at 64,
+# against 10.2-28.0 us for dlight's Matmul rule). A weight larger than the cap (the LM head,
+# 57 MB) is read from memory again for every block of rows, slower than dlight's Matmul from
+# batch 16 on (47.2 vs 41.7 us; 169.9 vs 45.6 at 64): it keeps the Matmul rule.
+SMALL_BATCH_ROWS = 4
+SMALL_BATCH_THREADS = 32
+SMALL_BATCH_MAX_WEIGHT_BYTES = 16 << 20
+
+
 class SmallBatchMatmul(ScheduleRule):
     """`[batch_size, 1, K] x [N, K]^T` (+ element-wise epilogues: a residual add, a cast) for a
     symbolic batch_size of a few rows (decode_step, batch_decode).
 
-    Schedule: one block per `threads // lanes` output columns, one group of `lanes` threads per
-    column splitting K into 16-byte vectors. A serial loop over the batch in chunks of `rows`
-    keeps `rows` partial sums per thread: each weight vector is loaded once per chunk and
-    multiplied with every row's vector (the rows zero-padded past the batch); the block's
-    slice of the weight (a few KiB) stays in L1 across chunks, so the weight is read from
-    memory once per call. The lanes' partial sums are combined by a warp reduction per row,
-    then the epilogue runs. Anything else (prefill shapes, K not a whole number of vectors):
-    None, for the next rule."""
+    Schedule: one block per chunk of `rows` batch rows (zero-padded past the batch) and
+    `threads // lanes` output columns, one group of `lanes` threads per column splitting K into
+    16-byte vectors. Each thread keeps `rows` partial sums: each weight vector it loads is
+    multiplied with every row's vector. The chunk is the fastest block index, so the blocks
+    that share a weight slice run at the same time: the weight comes from memory once and from
+    L2 for the other chunks. The lanes' partial sums are combined by a warp reduction per row,
+    then the epilogue runs. Anything else (prefill shapes, K not a whole number of vectors, a
+    weight over max_weight_bytes): None, for the next rule."""
 
-    def __init__(self, rows: int = 8, threads: int = 64):
+    def __init__(self, rows: int = SMALL_BATCH_ROWS, threads: int = SMALL_BATCH_THREADS,
+                 max_weight_bytes: int | None = SMALL_BATCH_MAX_WEIGHT_BYTES):
         self.rows = rows
         self.threads = threads
+        self.max_weight_bytes = max_weight_bytes
 
     def apply(self, func, target, _tunable):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda" or not _has_var(func, "batch_size"):
+            return None
+        if self.max_weight_bytes is not None and _largest_static_read(func) > self.max_weight_bytes:
             return None
         sch = s_tir.Schedule(func)
         try:
@@ -122,10 +136,13 @@ class SmallBatchMatmul(ScheduleRule):
         chunk, row = sch.split(b, [None, self.rows])
         col_tile, col = sch.split(n, [None, max(1, self.threads // lanes)])
         k_step, lane, k_vec = sch.split(k, [None, lanes, vec])
-        sch.reorder(col_tile, col, chunk, one, lane, k_step, k_vec, row)
+        sch.reorder(col_tile, chunk, col, one, lane, k_step, k_vec, row)
         partial = sch.rfactor(lane, factor_axis=0)
-        col_tile, col, chunk, _, lane, k_step, k_vec, row = sch.get_loops(partial)
-        sch.bind(col_tile, "blockIdx.x")
+        col_tile, chunk, col, _, lane, k_step, k_vec, row = sch.get_loops(partial)
+        # chunks are the fastest block index: the blocks that share a weight slice run together,
+        # so it comes from memory once and from L2 for the other chunks
+        sch.bind(chunk, "blockIdx.x")
+        sch.bind(col_tile, "blockIdx.y")
         sch.bind(col, "threadIdx.y")
         sch.bind(lane, "threadIdx.x")
         weight = sch.cache_read(partial, 1, "local")
@@ -135,17 +152,18 @@ class SmallBatchMatmul(ScheduleRule):
             sch.compute_at(x, k_step)
             sch.set_scope(x, 0, "local")
             sch.vectorize(sch.get_loops(x)[-1])
+            sch.unroll(sch.get_loops(x)[-2])  # every row's load issued before the products
         sch.unroll(row)
         sch.unroll(k_vec)
         sch.set_scope(partial, 0, "local")
         sch.decompose_reduction(partial, k_step)
         sch.unroll(k_step)
-        sch.reverse_compute_at(matmul, chunk)  # the lanes' sums: one warp reduction per row
+        sch.reverse_compute_at(matmul, col)  # the lanes' sums: one warp reduction per row
         *_, lane_sum, row_sum = sch.get_loops(matmul)
         sch.reorder(row_sum, lane_sum)
         sch.bind(lane_sum, "threadIdx.x")
         for epilogue in epilogues:
-            sch.reverse_compute_at(epilogue, chunk)
+            sch.reverse_compute_at(epilogue, col)
         sch.set_scope(matmul, 0, "local")
         return sch
 
@@ -227,10 +245,10 @@ def _finalize(backend, target: tvm.target.Target) -> list:
     return passes
 
 
-def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = False) -> tvm.transform.Pass:
+def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True) -> tvm.transform.Pass:
     """The module pass that lowers a model library's Relax module for `target`; small_batch_matmul
-    (CUDA): schedule decode_step's / batch_decode's projections with `SmallBatchMatmul` (off by
-    default until it is measured on the GPU: they get dlight's Matmul rule, as measured so far)."""
+    (CUDA): schedule decode_step's / batch_decode's projections with `SmallBatchMatmul` (False:
+    dlight's Matmul rule)."""
     from tvm.s_tir import dlight as dl
 
     if target.kind.name == "cuda":
