@@ -6,8 +6,9 @@
   with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), or by models.pipeline.SmallBatchMatmul
   (the pipeline's choice, "rows"), at batch 1, 2, 16 and 64; checked against torch (float32
   products of the same fp16 inputs).
-- decode attention: tir_kernels.paged_decode with the default CUDA-core schedule and
-  min_split_keys swept, at batch 1, 16 and 64 (--len keys each).
+- decode attention: tir_kernels.paged_decode with the default CUDA-core schedule and variants
+  of it (DECODE_VARIANTS: split size and count, rows per thread), at batch 1, 16 and 64
+  (--len keys each).
 
 Kernel time is the device time of its kernels (torch.profiler, mean over --iters calls), not
 the host launch time. (On the H200 on 2026-12-01 the attention part ran; the matmul part, then
@@ -29,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BATCHES = (1, 2, 16, 64)
 BUCKETS = (4, 8, 16)
-SPLIT_KEYS = (1, 16, 32, 64, 128, 256, 1 << 20)
 
 
 def device_us(fn, iters: int) -> float:
@@ -158,8 +158,16 @@ def _reference(func, ins):
     return out
 
 
+# decode schedules: label -> DecodeSchedule fields replaced in the default CUDA-core schedule
+# (m: min_split_keys, r: rows_per_thread, b: target_blocks in SMs)
+DECODE_VARIANTS = {"default": {}, "m1": dict(min_split_keys=1), "m128": dict(min_split_keys=128),
+                   "nosplit": dict(max_splits=1), "r4": dict(rows_per_thread=4), "r8": dict(rows_per_thread=8),
+                   "b8": dict(target_blocks=8 * 132), "r4-b8": dict(rows_per_thread=4, target_blocks=8 * 132),
+                   "b16": dict(target_blocks=16 * 132)}
+
+
 def build_decode(args):
-    """{min_split_keys: compiled paged_decode} with the default CUDA-core schedule."""
+    """{variant: compiled paged_decode}: the default CUDA-core schedule with DECODE_VARIANTS' changes."""
     import tvm
 
     from tir_kernels import AttentionConfig, paged_decode
@@ -169,8 +177,8 @@ def build_decode(args):
     config = AttentionConfig(hq, hkv, d, dtype="float16", page_size=ps, target="cuda:sm_90")
     base = choose_decode_schedule(config)
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
-    return {m: tvm.compile(paged_decode(config, dataclasses.replace(base, min_split_keys=m)), target=target)
-            for m in SPLIT_KEYS}
+    return {v: tvm.compile(paged_decode(config, dataclasses.replace(base, **DECODE_VARIANTS[v])), target=target)
+            for v in args.decode_variants}
 
 
 def bench_decode(args, libs, rows):
@@ -204,10 +212,11 @@ def bench_decode(args, libs, rows):
             torch.cuda.synchronize()
             outs[m] = o.float().clone()
             us = device_us(call, args.iters)
-            err = float((outs[m] - outs[SPLIT_KEYS[0]]).abs().max())
-            rows.append(dict(part="decode", batch=batch, len=args.len, min_split_keys=m, us=round(us, 2),
+            first = next(iter(outs))
+            err = float((outs[m] - outs[first]).abs().max())
+            rows.append(dict(part="decode", batch=batch, len=args.len, variant=m, us=round(us, 2),
                              diff_vs_first=float(f"{err:.2e}")))
-            print(f"decode b{batch:<3d} len {args.len} min_split_keys {m:8d}: {us:8.2f} us (max |o - o[m=1]| "
+            print(f"decode b{batch:<3d} len {args.len} {m:10s}: {us:8.2f} us (max |o - o[{first}]| "
                   f"{err:.1e})", flush=True)
 
 
@@ -220,6 +229,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=("matmul", "decode"))
     parser.add_argument("--variants", nargs="+", choices=MATMUL_VARIANTS, default=["matmul", "rows", "gemv-b8"],
                         help="matmul schedules to compare")
+    parser.add_argument("--decode-variants", nargs="+", choices=list(DECODE_VARIANTS), default=list(DECODE_VARIANTS),
+                        help="CUDA-core decode schedules to compare")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = []
