@@ -65,11 +65,13 @@ class DecodeBatchGEMV(ScheduleRule):
 
 # SmallBatchMatmul: batch rows per block and threads per block, and the largest weight it takes.
 # Swept on the H200 (scripts/bench_small_batch.py, SmolLM2's decode_step projections at batch
-# 1/2/16/64; docs/perf-notes.md): 4 rows and 32 threads were fastest or within 0.6 us of the
-# fastest on every projection and batch (2.0-2.7 us at batch 1, 2.5-5.0 at 16, 4.2-12.5 at 64,
-# against 10.2-28.0 us for dlight's Matmul rule). A weight larger than the cap (the LM head,
-# 57 MB) is read from memory again for every block of rows, slower than dlight's Matmul from
-# batch 16 on (47.2 vs 41.7 us; 169.9 vs 45.6 at 64): it keeps the Matmul rule.
+# 1/2/16/64; table in docs/perf-notes.md): 4 rows and 32 threads were the fastest variant at
+# batch 1 and 2 (2.0-2.5 us, against 10.2-26.5 us for dlight's Matmul rule), within 0.53 us of
+# the fastest at 16 (2.5-5.0 us) and within 0.8 us at 64 (4.2-12.5 us), where dlight's Matmul
+# is faster on one projection only (gate/up, 10.68 against 12.50 us). A weight larger than the
+# cap (the LM head, 57 MB) is read from memory again for every block of rows, slower than
+# dlight's Matmul from batch 16 on (47.22 against 41.71 us; 169.90 against 45.64 at 64): it
+# keeps the Matmul rule.
 SMALL_BATCH_ROWS = 4
 SMALL_BATCH_THREADS = 32
 SMALL_BATCH_MAX_WEIGHT_BYTES = 16 << 20
