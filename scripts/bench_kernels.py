@@ -25,6 +25,7 @@ cached before), causal: new token i sees keys j <= L-Q+i. Heads: 32 query / 8 KV
     python scripts/bench_kernels.py --decode --prefill 1x4096 8x512@8192 --dtype bfloat16 --json k.json
     python scripts/bench_kernels.py --decode --prefill --tree --json tree.json  # token trees only
     python scripts/bench_kernels.py --from-json k.json --plot k.png  # no GPU needed
+    python scripts/bench_kernels.py --mla --json mla.json            # MLA decode only (see its section)
 
 A run needs a CUDA GPU and torch. FlashInfer rows: from the modules built by
 `python -m tvmattn.flashinfer.build` where they are present (decode on CUDA cores
@@ -437,6 +438,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=_positive_int, default=20,
                         help="calls per timing sample, decode (prefill: a quarter, at least 3; default: 20)")
     parser.add_argument("--arch", type=_arch, default=None, help="CUDA arch to build for (default: the present GPU's)")
+    parser.add_argument("--mla", nargs="*", type=_shape_type("decode"), default=None, metavar="BxL",
+                        help="MLA decode only (DeepSeek latent 512 + rope 64): these shapes, or for the flag alone"
+                             f" {' '.join(MLA_SHAPES)}; heads --mla-heads, page sizes --mla-page-sizes")
+    parser.add_argument("--mla-heads", nargs="+", type=_positive_int, default=list(MLA_HEADS), metavar="H",
+                        help=f"MLA query heads (default: {' '.join(map(str, MLA_HEADS))})")
+    parser.add_argument("--mla-page-sizes", nargs="+", type=_page_size, default=list(MLA_PAGE_SIZES), metavar="P",
+                        help=f"MLA page sizes (default: {' '.join(map(str, MLA_PAGE_SIZES))})")
     parser.add_argument("--json", metavar="PATH", help="write every row as a JSON list (shared/docs/bench-format.md)")
     parser.add_argument("--plot", metavar="PNG", help="draw the rates against context length (needs matplotlib)")
     parser.add_argument("--from-json", nargs="+", metavar="PATH",
@@ -471,6 +479,9 @@ def main(argv=None) -> int:
         except PlotError as e:
             json_path = json_path or os.path.splitext(args.plot)[0] + ".json"
             print(f"warning: {e}; the rows go to {json_path}", file=sys.stderr)
+    if args.mla is not None:
+        shapes = args.mla or [parse_shape(s, "decode") for s in MLA_SHAPES]
+        return finish(run_mla(args, shapes, args.mla_heads, args.mla_page_sizes), json_path, None)
     decode = [parse_shape(s, "decode") for s in DECODE_SHAPES] if args.decode is None else args.decode
     prefill = [parse_shape(s, "prefill") for s in PREFILL_SHAPES] if args.prefill is None else args.prefill
     rows = run(args, decode, prefill, tree_shapes(args.tree))
@@ -1190,6 +1201,222 @@ def run(args, decode_shapes, prefill_shapes, tree_shapes=()) -> list[dict]:
         where = [f"{r['kernel']} {r['impl']} {r['dtype']} d{r['head_dim']} "
                  + Shape(r["batch"], r["qo_len"], r["seq_len"]).label for r in bad]
         print(f"MISMATCH in {len(bad)} rows: " + ", ".join(where))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA decode (--mla): DeepSeek's latent attention, absorbed queries [B, H, latent + rope] against
+# one latent row per token ([pages, page_size, latent + rope], shared by every head). Rate: GB/s
+# of latent-cache read (B * L * (latent + rope) * element bytes per call). Implementations in one
+# process on the same inputs: tvmattn's decode as the cache picks it (tensor cores on CUDA,
+# "tvmattn"), its SIMT kernel ("tvmattn-simt"), TVM's own MLA kernel (TVM 0.27 has only
+# `_attention_prefill_mla`, which its cache runs for decode too: one query per request, causal 0;
+# "tvm") and torch over the gathered latent (einsum, fp32 softmax; "torch"). The two anchor
+# kernels run at the first page size only (they are slow to build and to run). Every output is
+# compared with an fp32 torch reference over the unpaged latent.
+
+MLA_SHAPES = ["64x4096", "1x32768"]
+MLA_HEADS = (128, 16)  # DeepSeek-V2/V3, DeepSeek-V2-Lite
+MLA_PAGE_SIZES = (16, 64)
+MLA_LATENT, MLA_ROPE = 512, 64
+MLA_SM_SCALE = 1.0 / math.sqrt(192.0)  # DeepSeek: from the original qk head dim 128 + 64
+MLA_IMPLS = ("tvmattn", "tvmattn-simt", "tvm", "torch")
+MLA_SAMPLE_S = 0.05  # aim for about this much GPU time per timing sample
+
+
+def mla_read_bytes(batch: int, seq_len: int, qk_dim: int, elem_bytes: int) -> int:
+    """Latent-cache bytes one MLA decode call reads: every request's rows, once."""
+    return batch * seq_len * qk_dim * elem_bytes
+
+
+def mla_row(impl: str, variant: str, dtype: str, heads: int, page_size: int, shape: Shape, ms: float,
+            diff: float | None, meta: dict, latent: int = MLA_LATENT, rope: int = MLA_ROPE) -> dict:
+    """One row of shared/docs/bench-format.md for kernel mla_decode."""
+    row = {"bench": "kernels", "kernel": "mla_decode", "impl": impl, "variant": variant, "dtype": dtype,
+           "head_dim": latent + rope, "latent_dim": latent, "rope_dim": rope, "num_qo_heads": heads,
+           "num_kv_heads": 1, "page_size": page_size, "batch": shape.batch, "seq_len": shape.seq_len, "qo_len": 1,
+           "ms": ms, "gbps": mla_read_bytes(shape.batch, shape.seq_len, latent + rope, ELEM_BYTES.get(dtype, 2))
+           / ms / 1e6}
+    if diff is not None:
+        row["max_abs_diff"] = diff
+        row["agrees"] = agrees(diff, dtype)
+    row.update(meta)
+    return row
+
+
+def format_mla_tables(rows) -> str:
+    """One table per dtype / heads / page size: ms and GB/s per implementation, tvmattn's rate over
+    each other's, and the max |diff| against the fp32 reference."""
+    out = []
+    key = lambda r: (r["dtype"], r["num_qo_heads"], r["page_size"], r.get("device"), r.get("commit"))  # noqa: E731
+    for (dtype, heads, page_size, device, commit), group in _groups(rows, key).items():
+        impls = sorted({r["impl"] for r in group}, key=lambda i: (MLA_IMPLS + (i,)).index(i))
+        others = [i for i in impls if i != OURS]
+        out.append(f"\nmla_decode, {dtype}, {heads} heads, latent {group[0]['latent_dim']} + rope "
+                   f"{group[0]['rope_dim']}, page {page_size}: ms and GB/s of latent read ({device}, commit {commit})")
+        out.append(f"{'shape':>9} | " + " | ".join(f"{i:>19}" for i in impls)
+                   + (" | " + " ".join(f"{'ours/' + i:>14}" for i in others) if OURS in impls else "")
+                   + " | max|diff| vs fp32")
+        for (batch, seq_len), by_impl in _groups(group, lambda r: (r["batch"], r["seq_len"])).items():
+            by_impl = {r["impl"]: r for r in by_impl}
+            line = f"{batch}x{seq_len:<7} | " + " | ".join(
+                f"{by_impl[i]['ms']:>9.4f} {by_impl[i]['gbps']:>9.5g}" if i in by_impl else f"{'-':>19}" for i in impls)
+            if OURS in by_impl:
+                line += " | " + " ".join(f"{by_impl[OURS]['gbps'] / by_impl[i]['gbps']:>14.2f}" if i in by_impl
+                                         else f"{'-':>14}" for i in others)
+            line += " | " + " ".join(f"{i}={r['max_abs_diff']:.1e}" + ("" if r["agrees"] else " MISMATCH")
+                                     for i, r in by_impl.items() if "max_abs_diff" in r)
+            out.append(line)
+    return "\n".join(out)
+
+
+def mla_time_ms(call, budget_iters: int) -> float:
+    """time_ms with as many calls per sample as fit MLA_SAMPLE_S (at most budget_iters; slow
+    kernels: one call, one sample)."""
+    import time
+
+    t0 = time.perf_counter()
+    call(0)
+    synchronize()
+    once = time.perf_counter() - t0
+    iters = max(1, min(budget_iters, int(MLA_SAMPLE_S / max(once, 1e-6))))
+    if once > 0.05:
+        return time_ms(call, 1, repeats=1, warmup=0)
+    return time_ms(call, iters)
+
+
+def mla_kernels(config, anchors: bool = True) -> list:
+    """[(impl, variant, function, prefill-style arguments?)] built for one MLA config (without
+    anchors: tvmattn's only); a build that fails prints a skip."""
+    import tir_kernels
+    from tir_kernels.mla_tc import choose_mla_tc_schedule, mla_paged_decode_auto, supports_tc
+
+    built = []
+    variant = ("tc:" + schedule_summary(choose_mla_tc_schedule(config))) if supports_tc(config) else "simt"
+    makers = [(OURS, variant, lambda: mla_paged_decode_auto(config), False),
+              ("tvmattn-simt", schedule_summary(tir_kernels.choose_mla_schedule(config, True)),
+               lambda: tir_kernels.mla_paged_decode(config), False)]
+    if not anchors:
+        makers = makers[:1]
+    elif config.is_gpu:
+        from tvm.relax.frontend.nn.llm import _prefill_kernels
+
+        makers.append(("tvm", "_attention_prefill_mla", lambda: _prefill_kernels._attention_prefill_mla(
+            config.num_heads, config.latent_dim, config.rope_dim, config.dtype, False, config.tvm_target(),
+            config.page_size), True))
+    for impl, impl_variant, make, prefill_args in makers:
+        try:
+            built.append((impl, impl_variant, tir_kernels.build(make(), config), prefill_args))
+        except Exception as e:  # noqa: BLE001 - report and go on with the others
+            print(f"  skip {impl} (mla_decode, {config.dtype}, {config.num_heads} heads, page "
+                  f"{config.page_size}, build): {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+    return built
+
+
+def bench_mla_shape(config, kernels, shape: Shape, iters: int, gen, meta: dict) -> list[dict]:
+    """Rows of every MLA implementation on one shape, on the same inputs, against the fp32
+    reference over the unpaged latent."""
+    import torch
+
+    B, L, H, ps = shape.batch, shape.seq_len, config.num_heads, config.page_size
+    D, DL, dt, dev = config.qk_dim, config.latent_dim, getattr(torch, config.dtype), DEVICE
+    i32 = torch.int32
+    per_req = math.ceil(L / ps)
+    latent = torch.randn((B, per_req * ps, D), generator=gen, device=dev, dtype=dt)
+    q = torch.randn((B, H, D), generator=gen, device=dev, dtype=dt)
+    perm = torch.randperm(B * per_req, generator=gen, device=dev)
+    pool = torch.empty((B * per_req, ps, D), device=dev, dtype=dt)
+    pool[perm] = latent.reshape(B * per_req, ps, D)
+    latent = latent[:, :L]
+    copies = copies_for(pool.numel() * pool.element_size())
+    pools = [pool] + [pool.clone() for _ in range(copies - 1)]
+    page_indptr = torch.arange(0, B * per_req + 1, per_req, device=dev, dtype=i32)
+    page_indices = perm.to(i32)
+    last_len = torch.full((B,), L - (per_req - 1) * ps, device=dev, dtype=i32)
+    qo_indptr = torch.arange(0, B + 1, device=dev, dtype=i32)
+    s = torch.einsum("bhd,bld->bhl", q.float(), latent.float()) * MLA_SM_SCALE
+    ref = torch.einsum("bhl,bld->bhd", torch.softmax(s, -1), latent[..., :DL].float())
+    del s
+    rows = []
+    tvm_pools = [to_tvm(p) for p in pools]
+    for impl, variant, fn, prefill_args in kernels:
+        o = torch.empty((B, H, DL), device=dev, dtype=dt)
+        lse = torch.empty((B, H), device=dev, dtype=torch.float32)
+        if prefill_args:
+            args = [to_tvm(q), to_tvm(qo_indptr), None, to_tvm(page_indptr), to_tvm(page_indices), to_tvm(last_len),
+                    to_tvm(o), to_tvm(lse), 0, MLA_SM_SCALE]
+            slot = 2
+        else:
+            args = [to_tvm(q), None, to_tvm(page_indptr), to_tvm(page_indices), to_tvm(last_len), to_tvm(o),
+                    to_tvm(lse), MLA_SM_SCALE]
+            slot = 1
+
+        def call(i, fn=fn, args=args, slot=slot):
+            args[slot] = tvm_pools[i % len(tvm_pools)]
+            fn(*args)
+
+        try:
+            call(0)
+            synchronize()
+        except Exception as e:  # noqa: BLE001
+            print(f"  skip {impl} (mla_decode {shape.label}): {type(e).__name__}: {str(e).strip()[:300]}")
+            continue
+        diff = max_diff(o, ref)
+        rows.append(mla_row(impl, variant, config.dtype, H, ps, shape, mla_time_ms(call, iters), diff, meta,
+                            DL, config.rope_dim))
+        print(f"  mla_decode {impl} {config.dtype} h{H} ps{ps} {shape.label}: {rows[-1]['ms']:.4f} ms "
+              f"{rows[-1]['gbps']:.1f} GB/s diff {diff:.2e}", file=sys.stderr, flush=True)
+
+    def torch_call(i):
+        s = torch.einsum("bhd,bld->bhl", q, latent)
+        p = torch.softmax(s.float() * MLA_SM_SCALE, -1).to(dt)
+        return torch.einsum("bhl,bld->bhd", p, latent[..., :DL])
+
+    diff = max_diff(torch_call(0), ref)
+    rows.append(mla_row("torch", "einsum over the gathered latent, fp32 softmax", config.dtype, H, ps, shape,
+                        mla_time_ms(torch_call, iters), diff, meta, DL, config.rope_dim))
+    return rows
+
+
+def run_mla(args, shapes, heads=MLA_HEADS, page_sizes=MLA_PAGE_SIZES, latent=MLA_LATENT, rope=MLA_ROPE) -> list:
+    """Every MLA decode row of a run: dtypes x heads x page sizes x shapes."""
+    import time
+
+    import torch
+
+    from tir_kernels import MLAConfig
+    from tir_kernels.support import resolve_target
+
+    target = resolve_target("cuda", args.arch) if DEVICE == "cuda" else "llvm"
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    meta = {"device": device, "date": now_iso(), "commit": git_commit()}
+    print(f"{meta['device']} ({target}), commit {meta['commit']}, torch {torch.__version__}")
+    rows = []
+    for dtype in args.dtype:
+        for h in heads:
+            for ps in page_sizes:
+                config = MLAConfig(h, latent_dim=latent, rope_dim=rope, dtype=dtype, page_size=ps, target=target)
+                t0 = time.time()
+                kernels = mla_kernels(config, anchors=ps == page_sizes[0])
+                print(f"mla {dtype}, {h} heads, page {ps}: kernels built in {time.time() - t0:.1f} s", flush=True)
+                gen = torch.Generator(device=DEVICE).manual_seed(0)
+                group = []
+                for shape in shapes:
+                    try:
+                        group += bench_mla_shape(config, kernels, shape, args.iters, gen, meta)
+                        if DEVICE == "cuda":
+                            torch.cuda.empty_cache()
+                    except Exception as e:  # noqa: BLE001 - out of memory, say: keep the other shapes' rows
+                        print(f"  skip every impl (mla_decode {shape.label}): {type(e).__name__}: {e}")
+                        if DEVICE == "cuda":
+                            torch.cuda.empty_cache()
+                print(format_mla_tables(group), flush=True)
+                rows += group
+    bad = [r for r in rows if r.get("agrees") is False]
+    if bad:
+        print(f"MISMATCH in {len(bad)} mla rows: " + ", ".join(
+            f"{r['impl']} {r['dtype']} h{r['num_qo_heads']} ps{r['page_size']} {r['batch']}x{r['seq_len']}"
+            for r in bad))
     return rows
 
 

@@ -29,6 +29,13 @@ from tir_kernels import (
     mla_paged_prefill,
     mla_transpose_append,
 )
+from tir_kernels.mla_tc import (
+    MLATensorCoreSchedule,
+    choose_mla_tc_schedule,
+    mla_paged_decode_auto,
+    mla_paged_decode_tc,
+    supports_tc,
+)
 
 # DeepSeek's softmax scale comes from the original qk head dim (128 + 64), not from the
 # latent width: the kernels take the caller's scale.
@@ -116,9 +123,9 @@ def check(config, o, lse, expected_o, expected_lse, what):
                                err_msg=f"lse of {what}")
 
 
-def run_decode(kernels, config, batch, q, schedule=None):
+def run_decode(kernels, config, batch, q, schedule=None, generator=mla_paged_decode):
     dev = device_for(config)
-    fn = kernels.get(mla_paged_decode, config, schedule) if schedule else kernels.get(mla_paged_decode, config)
+    fn = kernels.get(generator, config, schedule) if schedule else kernels.get(generator, config)
     b = len(batch.rows)
     o = empty((b, config.num_heads, config.latent_dim), config.dtype, dev)
     lse = empty((b, config.num_heads), "float32", dev)
@@ -127,10 +134,10 @@ def run_decode(kernels, config, batch, q, schedule=None):
     return o.numpy().astype(np.float64), lse.numpy()
 
 
-def check_decode(kernels, config, lengths, rng, schedule=None):
+def check_decode(kernels, config, lengths, rng, schedule=None, generator=mla_paged_decode):
     batch = make_latent_batch(rng, lengths, config)
     q = randn(rng, (len(lengths), config.num_heads, config.qk_dim), config.dtype)
-    o, lse = run_decode(kernels, config, batch, q, schedule)
+    o, lse = run_decode(kernels, config, batch, q, schedule, generator)
     for i, rows in enumerate(batch.rows):
         eo, el = expected_attention(q[i : i + 1], rows, config.latent_dim, causal=False)
         check(config, o[i], lse[i], eo[0], el[0], f"request {i} (length {lengths[i]})")
@@ -493,3 +500,133 @@ def test_mla_in_tvm_cache(kernels, target):
         kv = empty((layers, n, config.qk_dim), config.dtype, dev)
         builtin("attention_kv_cache_debug_get_kv_mla", seq, 0, n, kv)
         assert_same(kv.numpy(), np.stack(expected), f"cached rows of sequence {seq}")
+
+
+# The tensor-core decode (tir_kernels/mla_tc.py): (num_heads, latent_dim, rope_dim, page_size,
+# dtype). DeepSeek-V2/V3 (128 heads: two 64-head tiles) and V2-Lite (16 heads) at page sizes
+# 16 and 64, fp16 and bf16; small shapes with a partial m-tile (3 and 40 heads), page size 1,
+# latent widths that narrow the warps' column slices (96), and no rope part.
+TC_CASES = [
+    (128, 512, 64, 16, "float16"),
+    (128, 512, 64, 64, "bfloat16"),
+    (16, 512, 64, 16, "bfloat16"),
+    (16, 512, 64, 64, "float16"),
+    (3, 96, 32, 16, "float16"),
+    (40, 128, 0, 1, "bfloat16"),
+]
+
+
+def tc_lengths(page_size, tile_kv):
+    """Empty, one token, page and tile boundaries (each side), ragged lengths."""
+    return [0, 1, page_size, page_size + 1, tile_kv - 1, tile_kv, tile_kv + 1, 2 * tile_kv + 5, 37, 301]
+
+
+def test_mla_tc_supports():
+    """The tensor-core decode serves fp16/bf16 on CUDA sm_80+ only; the auto pick falls back to
+    the SIMT kernel elsewhere, and the tensor-core generator refuses with an error naming why."""
+    assert supports_tc(MLAConfig(128, target="cuda:sm_90"))
+    assert supports_tc(MLAConfig(16, dtype="bfloat16", target="cuda:sm_80"))
+    assert not supports_tc(MLAConfig(128))  # the CPU
+    assert not supports_tc(MLAConfig(128, dtype="float32", target="cuda:sm_90"))
+    assert not supports_tc(MLAConfig(128, target="cuda:sm_75"))
+    assert not supports_tc(MLAConfig(4, latent_dim=48, rope_dim=16, target="cuda:sm_90"))
+    with pytest.raises(ValueError, match="float32"):
+        mla_paged_decode_tc(MLAConfig(128, dtype="float32", target="cuda:sm_90"))
+    with pytest.raises(ValueError, match="sm_80"):
+        mla_paged_decode_tc(MLAConfig(8, latent_dim=64, rope_dim=16))
+    with pytest.raises(TypeError, match="MLAConfig"):
+        mla_paged_decode_tc(AttentionConfig(8, 1, 64, target="cuda:sm_90"))
+    cpu = MLAConfig(8, latent_dim=64, rope_dim=16)
+    assert mla_paged_decode_auto(cpu).script() == mla_paged_decode(cpu).script()
+
+
+def test_mla_tc_schedule_validation():
+    gpu = MLAConfig(128, target="cuda:sm_90")
+    for kwargs, match in [(dict(m_tiles=0, col_slices=2, stages=2), "m_tiles"),
+                          (dict(m_tiles=2, col_slices=3, stages=2), "col_slices"),
+                          (dict(m_tiles=8, col_slices=8, stages=2), "warps"),
+                          (dict(m_tiles=2, col_slices=2, stages=1), "stages"),
+                          (dict(m_tiles=2, col_slices=2, stages=2, max_splits=0), "max_splits")]:
+        with pytest.raises(ValueError, match=match):
+            MLATensorCoreSchedule(**kwargs)
+    with pytest.raises(ValueError, match="shared memory"):
+        mla_paged_decode_tc(gpu, MLATensorCoreSchedule(m_tiles=8, col_slices=2, stages=4))
+    with pytest.raises(ValueError, match="latent_dim"):
+        mla_paged_decode_tc(gpu.replace(latent_dim=96), MLATensorCoreSchedule(m_tiles=1, col_slices=4, stages=2))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_choose_mla_tc_schedule_fits(arch):
+    """The chosen schedules fit each arch; 128 heads take 64-head tiles, 16 heads one m-tile."""
+    for case in TC_CASES:
+        config = make_config(case, f"cuda:{arch}")
+        sched = choose_mla_tc_schedule(config)
+        sched.check(config)
+        assert sched.heads_per_block >= min(config.num_heads, 16)
+    assert choose_mla_tc_schedule(MLAConfig(128, target=f"cuda:{arch}")).heads_per_block == 64
+    assert choose_mla_tc_schedule(MLAConfig(16, target=f"cuda:{arch}")).heads_per_block == 16
+
+
+@pytest.mark.parametrize("case", [TC_CASES[0], TC_CASES[2]], ids=case_id)
+def test_mla_tc_cuda_codegen(case):
+    """The tensor-core decode builds for sm_90 without a GPU: mma.sync, ldmatrix and cp.async,
+    and it is what the cache's auto pick builds on CUDA."""
+    config = make_config(case, "cuda:sm_90")
+    source = cuda_source(mla_paged_decode_tc(config), config)
+    for needle in ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async", "__syncthreads"):
+        assert needle in source
+    assert mla_paged_decode_auto(config).script() == mla_paged_decode_tc(config).script()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TC_CASES, ids=case_id)
+def test_mla_tc_decode_gpu(kernels, case):
+    """Every boundary length in one batch (split as the launch chooses for 10 requests)."""
+    config = make_config(case, "cuda")
+    lengths = tc_lengths(config.page_size, choose_mla_tc_schedule(config).tile_kv)
+    check_decode(kernels, config, lengths, rng_for("tc", case_id(case)), generator=mla_paged_decode_tc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TC_CASES[:4], ids=case_id)
+@pytest.mark.parametrize("batch_size,length", [(1, 5000), (2, 1), (5, 700), (64, 90)])
+def test_mla_tc_decode_split_gpu(kernels, case, batch_size, length):
+    """Small batches split the keys over blocks (fp32 merge), with empty splits for short
+    requests; batch 64 mostly one split."""
+    config = make_config(case, "cuda")
+    lengths = [length + 17 * i for i in range(batch_size)]
+    if batch_size == 5:
+        lengths[2] = 0
+    check_decode(kernels, config, lengths, rng_for("tc-split", case_id(case), batch_size),
+                 generator=mla_paged_decode_tc)
+
+
+@pytest.mark.gpu
+def test_mla_tc_decode_schedules_gpu(kernels):
+    """Other schedules give the same results: 2 stages, 16-head tiles without a split, 32-head
+    tiles of 4 column slices, 4 stages with at most 7 splits."""
+    config = make_config(TC_CASES[0], "cuda")
+    rng = rng_for("tc-schedules")
+    for sched in (MLATensorCoreSchedule(4, 2, 2), MLATensorCoreSchedule(1, 4, 2, max_splits=1),
+                  MLATensorCoreSchedule(2, 4, 2), MLATensorCoreSchedule(1, 2, 4, max_splits=7)):
+        check_decode(kernels, config, [0, 5, 100, 333], rng, schedule=sched, generator=mla_paged_decode_tc)
+
+
+def test_mla_bench_plumbing_cpu(monkeypatch):
+    """scripts/bench_kernels.py --mla's run on the CPU (tiny shape): a row per implementation
+    that runs there, each checked against the fp32 reference."""
+    import sys
+    import types
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_kernels
+
+    monkeypatch.setattr(bench_kernels, "DEVICE", "cpu")
+    args = types.SimpleNamespace(dtype=["float16"], arch=None, iters=2)
+    rows = bench_kernels.run_mla(args, [bench_kernels.parse_shape("2x40", "decode")], heads=(4,), page_sizes=(16,),
+                                 latent=64, rope=16)
+    assert {r["impl"] for r in rows} == {"tvmattn", "tvmattn-simt", "torch"}
+    for r in rows:
+        assert r["kernel"] == "mla_decode" and r["agrees"] and r["gbps"] > 0
+        assert r["gbps"] == pytest.approx(2 * 40 * 80 * 2 / r["ms"] / 1e6)
+    assert "mla_decode, float16, 4 heads" in bench_kernels.format_mla_tables(rows)

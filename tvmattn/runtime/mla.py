@@ -14,7 +14,8 @@ serves DeepSeek in MLC-LLM:
   the history only; cascade levels run as for MHA and merge at the latent width;
 - merge_attn_output_inplace(o1, lse1, o2, lse2) at the self-attention's value width.
 
-Kernels (`mla_kernel_set`): tir_kernels' MLA paged prefill and decode, MLA page operations,
+Kernels (`mla_kernel_set`): tir_kernels' MLA paged prefill and decode (the tensor-core decode of
+mla_tc.py on CUDA sm_80+ for float16/bfloat16, else mla.py's), MLA page operations,
 merge at the latent width; the self-attention's ragged prefill and the output merge are built
 for the dims of the first call that needs them (once per process), unless the caller's kernels
 fill those slots (a model library's, through TVM's create call).
@@ -27,6 +28,7 @@ import functools
 
 import tir_kernels
 from tir_kernels import AttentionConfig, MLAConfig
+from tir_kernels.mla_tc import mla_paged_decode_auto
 
 from .backends import PagedDecode, PagedPrefill, RaggedPrefill, RopeMode, backend_from_spec
 from .errors import KVCacheError, check
@@ -37,7 +39,7 @@ from .kernels import KernelSet, _build, check_slot_names
 _MLA_GENERATORS = {
     "transpose_append_mla": tir_kernels.mla_transpose_append,
     "prefill_paged_mla": tir_kernels.mla_paged_prefill,
-    "decode_paged_mla": tir_kernels.mla_paged_decode,
+    "decode_paged_mla": mla_paged_decode_auto,
     "merge_state": tir_kernels.merge_state,
     "copy_single_page": tir_kernels.mla_copy_single_page,
     "debug_get_kv": tir_kernels.mla_debug_get_kv,
