@@ -440,11 +440,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--arch", type=_arch, default=None, help="CUDA arch to build for (default: the present GPU's)")
     parser.add_argument("--mla", nargs="*", type=_shape_type("decode"), default=None, metavar="BxL",
                         help="MLA decode only (DeepSeek latent 512 + rope 64): these shapes, or for the flag alone"
-                             f" {' '.join(MLA_SHAPES)}; heads --mla-heads, page sizes --mla-page-sizes")
-    parser.add_argument("--mla-heads", nargs="+", type=_positive_int, default=list(MLA_HEADS), metavar="H",
-                        help=f"MLA query heads (default: {' '.join(map(str, MLA_HEADS))})")
-    parser.add_argument("--mla-page-sizes", nargs="+", type=_page_size, default=list(MLA_PAGE_SIZES), metavar="P",
-                        help=f"MLA page sizes (default: {' '.join(map(str, MLA_PAGE_SIZES))})")
+                             f" {' '.join(MLA_DECODE_SHAPES)}; heads --mla-decode-heads, page sizes"
+                             " --mla-decode-page-sizes")
+    parser.add_argument("--mla-decode-heads", nargs="+", type=_positive_int, default=list(MLA_DECODE_HEADS),
+                        metavar="H", help=f"MLA decode query heads (default: {' '.join(map(str, MLA_DECODE_HEADS))})")
+    parser.add_argument("--mla-decode-page-sizes", nargs="+", type=_page_size, default=list(MLA_DECODE_PAGE_SIZES),
+                        metavar="P",
+                        help=f"MLA decode page sizes (default: {' '.join(map(str, MLA_DECODE_PAGE_SIZES))})")
     parser.add_argument("--json", metavar="PATH", help="write every row as a JSON list (shared/docs/bench-format.md)")
     parser.add_argument("--plot", metavar="PNG", help="draw the rates against context length (needs matplotlib)")
     parser.add_argument("--from-json", nargs="+", metavar="PATH",
@@ -480,8 +482,8 @@ def main(argv=None) -> int:
             json_path = json_path or os.path.splitext(args.plot)[0] + ".json"
             print(f"warning: {e}; the rows go to {json_path}", file=sys.stderr)
     if args.mla is not None:
-        shapes = args.mla or [parse_shape(s, "decode") for s in MLA_SHAPES]
-        return finish(run_mla(args, shapes, args.mla_heads, args.mla_page_sizes), json_path, None)
+        shapes = args.mla or [parse_shape(s, "decode") for s in MLA_DECODE_SHAPES]
+        return finish(run_mla_decode(args, shapes, args.mla_decode_heads, args.mla_decode_page_sizes), json_path, None)
     decode = [parse_shape(s, "decode") for s in DECODE_SHAPES] if args.decode is None else args.decode
     prefill = [parse_shape(s, "prefill") for s in PREFILL_SHAPES] if args.prefill is None else args.prefill
     rows = run(args, decode, prefill, tree_shapes(args.tree))
@@ -1215,28 +1217,29 @@ def run(args, decode_shapes, prefill_shapes, tree_shapes=()) -> list[dict]:
 # kernels run at the first page size only (they are slow to build and to run). Every output is
 # compared with an fp32 torch reference over the unpaged latent.
 
-MLA_SHAPES = ["64x4096", "1x32768"]
-MLA_HEADS = (128, 16)  # DeepSeek-V2/V3, DeepSeek-V2-Lite
-MLA_PAGE_SIZES = (16, 64)
-MLA_LATENT, MLA_ROPE = 512, 64
-MLA_SM_SCALE = 1.0 / math.sqrt(192.0)  # DeepSeek: from the original qk head dim 128 + 64
-MLA_IMPLS = ("tvmattn", "tvmattn-simt", "tvm", "torch")
-MLA_SAMPLE_S = 0.05  # aim for about this much GPU time per timing sample
+MLA_DECODE_SHAPES = ["64x4096", "1x32768"]
+MLA_DECODE_HEADS = (128, 16)  # DeepSeek-V2/V3, DeepSeek-V2-Lite
+MLA_DECODE_PAGE_SIZES = (16, 64)
+MLA_DECODE_LATENT, MLA_DECODE_ROPE = 512, 64
+MLA_DECODE_SM_SCALE = 1.0 / math.sqrt(192.0)  # DeepSeek: from the original qk head dim 128 + 64
+MLA_DECODE_IMPLS = ("tvmattn", "tvmattn-simt", "tvm", "torch")
+MLA_DECODE_SAMPLE_S = 0.05  # aim for about this much GPU time per timing sample
 
 
-def mla_read_bytes(batch: int, seq_len: int, qk_dim: int, elem_bytes: int) -> int:
+def mla_decode_read_bytes(batch: int, seq_len: int, qk_dim: int, elem_bytes: int) -> int:
     """Latent-cache bytes one MLA decode call reads: every request's rows, once."""
     return batch * seq_len * qk_dim * elem_bytes
 
 
-def mla_row(impl: str, variant: str, dtype: str, heads: int, page_size: int, shape: Shape, ms: float,
-            diff: float | None, meta: dict, latent: int = MLA_LATENT, rope: int = MLA_ROPE) -> dict:
+def mla_decode_row(impl: str, variant: str, dtype: str, heads: int, page_size: int, shape: Shape, ms: float,
+                   diff: float | None, meta: dict, latent: int = MLA_DECODE_LATENT,
+                   rope: int = MLA_DECODE_ROPE) -> dict:
     """One row of shared/docs/bench-format.md for kernel mla_decode."""
     row = {"bench": "kernels", "kernel": "mla_decode", "impl": impl, "variant": variant, "dtype": dtype,
            "head_dim": latent + rope, "latent_dim": latent, "rope_dim": rope, "num_qo_heads": heads,
            "num_kv_heads": 1, "page_size": page_size, "batch": shape.batch, "seq_len": shape.seq_len, "qo_len": 1,
-           "ms": ms, "gbps": mla_read_bytes(shape.batch, shape.seq_len, latent + rope, ELEM_BYTES.get(dtype, 2))
-           / ms / 1e6}
+           "ms": ms}
+    row["gbps"] = mla_decode_read_bytes(shape.batch, shape.seq_len, latent + rope, ELEM_BYTES.get(dtype, 2)) / ms / 1e6
     if diff is not None:
         row["max_abs_diff"] = diff
         row["agrees"] = agrees(diff, dtype)
@@ -1244,13 +1247,13 @@ def mla_row(impl: str, variant: str, dtype: str, heads: int, page_size: int, sha
     return row
 
 
-def format_mla_tables(rows) -> str:
+def format_mla_decode_tables(rows) -> str:
     """One table per dtype / heads / page size: ms and GB/s per implementation, tvmattn's rate over
     each other's, and the max |diff| against the fp32 reference."""
     out = []
     key = lambda r: (r["dtype"], r["num_qo_heads"], r["page_size"], r.get("device"), r.get("commit"))  # noqa: E731
     for (dtype, heads, page_size, device, commit), group in _groups(rows, key).items():
-        impls = sorted({r["impl"] for r in group}, key=lambda i: (MLA_IMPLS + (i,)).index(i))
+        impls = sorted({r["impl"] for r in group}, key=lambda i: (MLA_DECODE_IMPLS + (i,)).index(i))
         others = [i for i in impls if i != OURS]
         out.append(f"\nmla_decode, {dtype}, {heads} heads, latent {group[0]['latent_dim']} + rope "
                    f"{group[0]['rope_dim']}, page {page_size}: ms and GB/s of latent read ({device}, commit {commit})")
@@ -1270,8 +1273,8 @@ def format_mla_tables(rows) -> str:
     return "\n".join(out)
 
 
-def mla_time_ms(call, budget_iters: int) -> float:
-    """time_ms with as many calls per sample as fit MLA_SAMPLE_S (at most budget_iters; slow
+def mla_decode_time_ms(call, budget_iters: int) -> float:
+    """time_ms with as many calls per sample as fit MLA_DECODE_SAMPLE_S (at most budget_iters; slow
     kernels: one call, one sample)."""
     import time
 
@@ -1279,13 +1282,13 @@ def mla_time_ms(call, budget_iters: int) -> float:
     call(0)
     synchronize()
     once = time.perf_counter() - t0
-    iters = max(1, min(budget_iters, int(MLA_SAMPLE_S / max(once, 1e-6))))
+    iters = max(1, min(budget_iters, int(MLA_DECODE_SAMPLE_S / max(once, 1e-6))))
     if once > 0.05:
         return time_ms(call, 1, repeats=1, warmup=0)
     return time_ms(call, iters)
 
 
-def mla_kernels(config, anchors: bool = True) -> list:
+def mla_decode_kernels(config, anchors: bool = True) -> list:
     """[(impl, variant, function, prefill-style arguments?)] built for one MLA config (without
     anchors: tvmattn's only); a build that fails prints a skip."""
     import tir_kernels
@@ -1313,7 +1316,7 @@ def mla_kernels(config, anchors: bool = True) -> list:
     return built
 
 
-def bench_mla_shape(config, kernels, shape: Shape, iters: int, gen, meta: dict) -> list[dict]:
+def bench_mla_decode_shape(config, kernels, shape: Shape, iters: int, gen, meta: dict) -> list[dict]:
     """Rows of every MLA implementation on one shape, on the same inputs, against the fp32
     reference over the unpaged latent."""
     import torch
@@ -1334,7 +1337,7 @@ def bench_mla_shape(config, kernels, shape: Shape, iters: int, gen, meta: dict) 
     page_indices = perm.to(i32)
     last_len = torch.full((B,), L - (per_req - 1) * ps, device=dev, dtype=i32)
     qo_indptr = torch.arange(0, B + 1, device=dev, dtype=i32)
-    s = torch.einsum("bhd,bld->bhl", q.float(), latent.float()) * MLA_SM_SCALE
+    s = torch.einsum("bhd,bld->bhl", q.float(), latent.float()) * MLA_DECODE_SM_SCALE
     ref = torch.einsum("bhl,bld->bhd", torch.softmax(s, -1), latent[..., :DL].float())
     del s
     rows = []
@@ -1344,11 +1347,11 @@ def bench_mla_shape(config, kernels, shape: Shape, iters: int, gen, meta: dict) 
         lse = torch.empty((B, H), device=dev, dtype=torch.float32)
         if prefill_args:
             args = [to_tvm(q), to_tvm(qo_indptr), None, to_tvm(page_indptr), to_tvm(page_indices), to_tvm(last_len),
-                    to_tvm(o), to_tvm(lse), 0, MLA_SM_SCALE]
+                    to_tvm(o), to_tvm(lse), 0, MLA_DECODE_SM_SCALE]
             slot = 2
         else:
             args = [to_tvm(q), None, to_tvm(page_indptr), to_tvm(page_indices), to_tvm(last_len), to_tvm(o),
-                    to_tvm(lse), MLA_SM_SCALE]
+                    to_tvm(lse), MLA_DECODE_SM_SCALE]
             slot = 1
 
         def call(i, fn=fn, args=args, slot=slot):
@@ -1362,23 +1365,25 @@ def bench_mla_shape(config, kernels, shape: Shape, iters: int, gen, meta: dict) 
             print(f"  skip {impl} (mla_decode {shape.label}): {type(e).__name__}: {str(e).strip()[:300]}")
             continue
         diff = max_diff(o, ref)
-        rows.append(mla_row(impl, variant, config.dtype, H, ps, shape, mla_time_ms(call, iters), diff, meta,
-                            DL, config.rope_dim))
+        ms = mla_decode_time_ms(call, iters)
+        rows.append(mla_decode_row(impl, variant, config.dtype, H, ps, shape, ms, diff, meta, DL, config.rope_dim))
         print(f"  mla_decode {impl} {config.dtype} h{H} ps{ps} {shape.label}: {rows[-1]['ms']:.4f} ms "
               f"{rows[-1]['gbps']:.1f} GB/s diff {diff:.2e}", file=sys.stderr, flush=True)
 
     def torch_call(i):
         s = torch.einsum("bhd,bld->bhl", q, latent)
-        p = torch.softmax(s.float() * MLA_SM_SCALE, -1).to(dt)
+        p = torch.softmax(s.float() * MLA_DECODE_SM_SCALE, -1).to(dt)
         return torch.einsum("bhl,bld->bhd", p, latent[..., :DL])
 
     diff = max_diff(torch_call(0), ref)
-    rows.append(mla_row("torch", "einsum over the gathered latent, fp32 softmax", config.dtype, H, ps, shape,
-                        mla_time_ms(torch_call, iters), diff, meta, DL, config.rope_dim))
+    ms = mla_decode_time_ms(torch_call, iters)
+    rows.append(mla_decode_row("torch", "einsum over the gathered latent, fp32 softmax", config.dtype, H, ps, shape,
+                               ms, diff, meta, DL, config.rope_dim))
     return rows
 
 
-def run_mla(args, shapes, heads=MLA_HEADS, page_sizes=MLA_PAGE_SIZES, latent=MLA_LATENT, rope=MLA_ROPE) -> list:
+def run_mla_decode(args, shapes, heads=MLA_DECODE_HEADS, page_sizes=MLA_DECODE_PAGE_SIZES, latent=MLA_DECODE_LATENT,
+                   rope=MLA_DECODE_ROPE) -> list:
     """Every MLA decode row of a run: dtypes x heads x page sizes x shapes."""
     import time
 
@@ -1397,20 +1402,20 @@ def run_mla(args, shapes, heads=MLA_HEADS, page_sizes=MLA_PAGE_SIZES, latent=MLA
             for ps in page_sizes:
                 config = MLAConfig(h, latent_dim=latent, rope_dim=rope, dtype=dtype, page_size=ps, target=target)
                 t0 = time.time()
-                kernels = mla_kernels(config, anchors=ps == page_sizes[0])
+                kernels = mla_decode_kernels(config, anchors=ps == page_sizes[0])
                 print(f"mla {dtype}, {h} heads, page {ps}: kernels built in {time.time() - t0:.1f} s", flush=True)
                 gen = torch.Generator(device=DEVICE).manual_seed(0)
                 group = []
                 for shape in shapes:
                     try:
-                        group += bench_mla_shape(config, kernels, shape, args.iters, gen, meta)
+                        group += bench_mla_decode_shape(config, kernels, shape, args.iters, gen, meta)
                         if DEVICE == "cuda":
                             torch.cuda.empty_cache()
                     except Exception as e:  # noqa: BLE001 - out of memory, say: keep the other shapes' rows
                         print(f"  skip every impl (mla_decode {shape.label}): {type(e).__name__}: {e}")
                         if DEVICE == "cuda":
                             torch.cuda.empty_cache()
-                print(format_mla_tables(group), flush=True)
+                print(format_mla_decode_tables(group), flush=True)
                 rows += group
     bad = [r for r in rows if r.get("agrees") is False]
     if bad:

@@ -623,10 +623,10 @@ def test_mla_bench_plumbing_cpu(monkeypatch):
 
     monkeypatch.setattr(bench_kernels, "DEVICE", "cpu")
     args = types.SimpleNamespace(dtype=["float16"], arch=None, iters=2)
-    rows = bench_kernels.run_mla(args, [bench_kernels.parse_shape("2x40", "decode")], heads=(4,), page_sizes=(16,),
-                                 latent=64, rope=16)
+    rows = bench_kernels.run_mla_decode(args, [bench_kernels.parse_shape("2x40", "decode")], heads=(4,),
+                                        page_sizes=(16,), latent=64, rope=16)
     assert {r["impl"] for r in rows} == {"tvmattn", "tvmattn-simt", "torch"}
     for r in rows:
         assert r["kernel"] == "mla_decode" and r["agrees"] and r["gbps"] > 0
         assert r["gbps"] == pytest.approx(2 * 40 * 80 * 2 / r["ms"] / 1e6)
-    assert "mla_decode, float16, 4 heads" in bench_kernels.format_mla_tables(rows)
+    assert "mla_decode, float16, 4 heads" in bench_kernels.format_mla_decode_tables(rows)
