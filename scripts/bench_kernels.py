@@ -447,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mla-decode-page-sizes", nargs="+", type=_page_size, default=list(MLA_DECODE_PAGE_SIZES),
                         metavar="P",
                         help=f"MLA decode page sizes (default: {' '.join(map(str, MLA_DECODE_PAGE_SIZES))})")
+    parser.add_argument("--mla-decode-variants", action="store_true",
+                        help="MLA decode: also time other tensor-core schedules (at the first page size)")
     parser.add_argument("--json", metavar="PATH", help="write every row as a JSON list (shared/docs/bench-format.md)")
     parser.add_argument("--plot", metavar="PNG", help="draw the rates against context length (needs matplotlib)")
     parser.add_argument("--from-json", nargs="+", metavar="PATH",
@@ -1288,19 +1290,46 @@ def mla_decode_time_ms(call, budget_iters: int) -> float:
     return time_ms(call, iters)
 
 
-def mla_decode_kernels(config, anchors: bool = True) -> list:
+def mla_decode_variants(config) -> list:
+    """Other tensor-core schedules to time beside the chosen one (--mla-decode-variants):
+    (m_tiles, col_slices, stages, max_splits, target_blocks)."""
+    from tir_kernels.mla_tc import MLATensorCoreSchedule, choose_mla_tc_schedule
+
+    if config.num_heads > 16:
+        shapes = [(4, 2, 2, 128, 132), (2, 4, 2, 128, 132), (4, 2, 3, 64, 132), (4, 2, 3, 128, 264)]
+    else:
+        shapes = [(1, 2, 4, 128, 132), (1, 2, 2, 128, 264), (1, 4, 2, 128, 264), (1, 4, 2, 64, 132)]
+    chosen = choose_mla_tc_schedule(config)
+    out = []
+    for m, c, st, ms, tb in shapes:
+        sched = MLATensorCoreSchedule(m, c, st, max_splits=ms, target_blocks=tb)
+        try:
+            sched.check(config)
+        except ValueError:
+            continue
+        if sched != chosen:
+            out.append(sched)
+    return out
+
+
+def mla_decode_kernels(config, anchors: bool = True, variants: bool = False) -> list:
     """[(impl, variant, function, prefill-style arguments?)] built for one MLA config (without
-    anchors: tvmattn's only); a build that fails prints a skip."""
+    anchors: tvmattn's only; with variants: also tvmattn[m,c,s,splits,blocks] for each of
+    `mla_decode_variants`); a build that fails prints a skip."""
     import tir_kernels
-    from tir_kernels.mla_tc import choose_mla_tc_schedule, mla_paged_decode_auto, supports_tc
+    from tir_kernels.mla_tc import choose_mla_tc_schedule, mla_paged_decode_auto, mla_paged_decode_tc, supports_tc
 
     built = []
     variant = ("tc:" + schedule_summary(choose_mla_tc_schedule(config))) if supports_tc(config) else "simt"
     makers = [(OURS, variant, lambda: mla_paged_decode_auto(config), False),
               ("tvmattn-simt", schedule_summary(tir_kernels.choose_mla_schedule(config, True)),
                lambda: tir_kernels.mla_paged_decode(config), False)]
+    if variants and supports_tc(config):
+        for v in mla_decode_variants(config):
+            makers.append((f"tvmattn[{v.m_tiles},{v.col_slices},{v.stages},{v.max_splits},{v.target_blocks}]",
+                           "tc:" + schedule_summary(v), lambda v=v: mla_paged_decode_tc(config, v), False))
     if not anchors:
-        makers = makers[:1]
+        makers = [m for m in makers if m[0] != "tvmattn-simt"]
     elif config.is_gpu:
         from tvm.relax.frontend.nn.llm import _prefill_kernels
 
@@ -1402,7 +1431,9 @@ def run_mla_decode(args, shapes, heads=MLA_DECODE_HEADS, page_sizes=MLA_DECODE_P
             for ps in page_sizes:
                 config = MLAConfig(h, latent_dim=latent, rope_dim=rope, dtype=dtype, page_size=ps, target=target)
                 t0 = time.time()
-                kernels = mla_decode_kernels(config, anchors=ps == page_sizes[0])
+                first = ps == page_sizes[0]
+                kernels = mla_decode_kernels(config, anchors=first,
+                                             variants=first and getattr(args, "mla_decode_variants", False))
                 print(f"mla {dtype}, {h} heads, page {ps}: kernels built in {time.time() - t0:.1f} s", flush=True)
                 gen = torch.Generator(device=DEVICE).manual_seed(0)
                 group = []

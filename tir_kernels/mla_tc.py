@@ -74,7 +74,7 @@ class MLATensorCoreSchedule:
     m_tiles: int
     col_slices: int
     stages: int
-    max_splits: int = 64
+    max_splits: int = 128
     target_blocks: int = CUDA_NUM_SMS
 
     def __post_init__(self):
