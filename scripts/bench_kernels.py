@@ -447,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mla-decode-page-sizes", nargs="+", type=_page_size, default=list(MLA_DECODE_PAGE_SIZES),
                         metavar="P",
                         help=f"MLA decode page sizes (default: {' '.join(map(str, MLA_DECODE_PAGE_SIZES))})")
+    parser.add_argument("--mla-decode-anchors", nargs="*", choices=MLA_DECODE_IMPLS[1:3],
+                        default=list(MLA_DECODE_IMPLS[1:3]),
+                        help="MLA decode anchor kernels, timed at the first page size (default: both)")
     parser.add_argument("--mla-decode-variants", action="store_true",
                         help="MLA decode: also time other tensor-core schedules (at the first page size)")
     parser.add_argument("--json", metavar="PATH", help="write every row as a JSON list (shared/docs/bench-format.md)")
@@ -1312,10 +1315,11 @@ def mla_decode_variants(config) -> list:
     return out
 
 
-def mla_decode_kernels(config, anchors: bool = True, variants: bool = False) -> list:
-    """[(impl, variant, function, prefill-style arguments?)] built for one MLA config (without
-    anchors: tvmattn's only; with variants: also tvmattn[m,c,s,splits,blocks] for each of
-    `mla_decode_variants`); a build that fails prints a skip."""
+def mla_decode_kernels(config, anchors=("tvmattn-simt", "tvm"), variants: bool = False) -> list:
+    """[(impl, variant, function, prefill-style arguments?)] built for one MLA config: tvmattn's
+    and the `anchors` among tvmattn-simt and tvm (TVM's on CUDA only); with variants, also
+    tvmattn[m,c,s,splits,blocks] for each of `mla_decode_variants`. A build that fails prints a
+    skip."""
     import tir_kernels
     from tir_kernels.mla_tc import choose_mla_tc_schedule, mla_paged_decode_auto, mla_paged_decode_tc, supports_tc
 
@@ -1328,9 +1332,9 @@ def mla_decode_kernels(config, anchors: bool = True, variants: bool = False) -> 
         for v in mla_decode_variants(config):
             makers.append((f"tvmattn[{v.m_tiles},{v.col_slices},{v.stages},{v.max_splits},{v.target_blocks}]",
                            "tc:" + schedule_summary(v), lambda v=v: mla_paged_decode_tc(config, v), False))
-    if not anchors:
+    if "tvmattn-simt" not in anchors:
         makers = [m for m in makers if m[0] != "tvmattn-simt"]
-    elif config.is_gpu:
+    if "tvm" in anchors and config.is_gpu:
         from tvm.relax.frontend.nn.llm import _prefill_kernels
 
         makers.append(("tvm", "_attention_prefill_mla", lambda: _prefill_kernels._attention_prefill_mla(
@@ -1432,7 +1436,8 @@ def run_mla_decode(args, shapes, heads=MLA_DECODE_HEADS, page_sizes=MLA_DECODE_P
                 config = MLAConfig(h, latent_dim=latent, rope_dim=rope, dtype=dtype, page_size=ps, target=target)
                 t0 = time.time()
                 first = ps == page_sizes[0]
-                kernels = mla_decode_kernels(config, anchors=first,
+                anchors = getattr(args, "mla_decode_anchors", MLA_DECODE_IMPLS[1:3]) if first else ()
+                kernels = mla_decode_kernels(config, anchors=anchors,
                                              variants=first and getattr(args, "mla_decode_variants", False))
                 print(f"mla {dtype}, {h} heads, page {ps}: kernels built in {time.time() - t0:.1f} s", flush=True)
                 gen = torch.Generator(device=DEVICE).manual_seed(0)

@@ -603,11 +603,11 @@ def test_mla_tc_decode_split_gpu(kernels, case, batch_size, length):
 
 @pytest.mark.gpu
 def test_mla_tc_decode_schedules_gpu(kernels):
-    """Other schedules give the same results: 2 stages, 16-head tiles without a split, 32-head
+    """Other schedules give the same results: 3 stages, 16-head tiles without a split, 32-head
     tiles of 4 column slices, 4 stages with at most 7 splits."""
     config = make_config(TC_CASES[0], "cuda")
     rng = rng_for("tc-schedules")
-    for sched in (MLATensorCoreSchedule(4, 2, 2), MLATensorCoreSchedule(1, 4, 2, max_splits=1),
+    for sched in (MLATensorCoreSchedule(4, 2, 3), MLATensorCoreSchedule(1, 4, 2, max_splits=1),
                   MLATensorCoreSchedule(2, 4, 2), MLATensorCoreSchedule(1, 2, 4, max_splits=7)):
         check_decode(kernels, config, [0, 5, 100, 333], rng, schedule=sched, generator=mla_paged_decode_tc)
 

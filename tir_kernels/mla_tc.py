@@ -42,6 +42,7 @@ from .schedules import CUDA_DEFAULT_SHARED_BYTES, CUDA_MAX_SHARED_BYTES, CUDA_NU
 from .softmax import finalize_lse, finalize_scale, merge_splits_macro, prob, rescale_factor
 
 KEYS_PER_WARP = 16  # keys one warp scores per tile (two n8 blocks of S)
+SM_RESERVED_SHARED_BYTES = 1024  # shared memory the driver keeps per resident block
 P_PAD = CHUNK  # extra 16-bit elements per row of P in shared memory (ldmatrix rows in distinct banks)
 
 
@@ -123,22 +124,26 @@ class MLATensorCoreSchedule:
 
 def choose_mla_tc_schedule(config: MLAConfig) -> MLATensorCoreSchedule:
     """Up to 4 m-tiles (64 heads) per block with 2 warps each (128 fp32 accumulators a thread at
-    latent 512) and 3 stages, or 2 where shared memory is short; one m-tile (16 heads or fewer):
-    4 warps (a 64-key tile) and 2 stages, or 2 warps and 4 stages. Fewer m-tiles, and fewer
-    warps per m-tile where latent_dim needs, until it fits the arch's shared memory."""
+    latent 512) and 2 stages; one m-tile (16 heads or fewer): 2 warps and 2 stages (small
+    enough for two blocks an SM). Then more stages or fewer m-tiles until it fits the arch's
+    shared memory; fewer warps per m-tile where latent_dim needs. Splits aim at one wave of
+    resident blocks (SMs x the blocks an SM's shared memory holds). H200, fp16, page 16
+    (docs/perf-notes.md): these beat 3 stages at 128 heads and 4 warps at 16 heads."""
     limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
     m_tiles = min(4, ceildiv(config.num_heads, ROWS_PER_MMA))
     candidates = []
     while m_tiles >= 1:
-        shapes = [(2, 3), (2, 2)] if m_tiles > 1 else [(4, 2), (2, 4), (2, 3), (2, 2), (1, 2)]
+        shapes = [(2, 2), (2, 3)] if m_tiles > 1 else [(2, 2), (4, 2), (1, 2)]
         candidates += [(m_tiles, cs, st) for cs, st in shapes]
         m_tiles //= 2
     for m_tiles, col_slices, stages in candidates:
         while config.latent_dim % (16 * col_slices):
             col_slices //= 2
         sched = MLATensorCoreSchedule(m_tiles, col_slices, stages)
-        if sched.shared_bytes(config) <= limit:
-            return sched
+        need = sched.shared_bytes(config)
+        if need <= limit:
+            per_sm = max(1, (limit + SM_RESERVED_SHARED_BYTES) // (need + SM_RESERVED_SHARED_BYTES))
+            return dataclasses.replace(sched, target_blocks=CUDA_NUM_SMS * per_sm)
     return sched
 
 
