@@ -567,6 +567,13 @@ def test_choose_mla_tc_schedule_fits(arch):
     assert choose_mla_tc_schedule(MLAConfig(16, target=f"cuda:{arch}")).heads_per_block == 16
 
 
+def test_mla_cache_decode_slot_uses_auto_pick():
+    """The MLA cache builds its decode slot with the auto pick (tensor cores on CUDA sm_80+)."""
+    from tvmattn.runtime import mla as runtime_mla
+
+    assert runtime_mla._MLA_GENERATORS["decode_paged_mla"] is mla_paged_decode_auto
+
+
 @pytest.mark.parametrize("case", [TC_CASES[0], TC_CASES[2]], ids=case_id)
 def test_mla_tc_cuda_codegen(case):
     """The tensor-core decode builds for sm_90 without a GPU: mma.sync, ldmatrix and cp.async,
