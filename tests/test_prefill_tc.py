@@ -51,7 +51,14 @@ TC_RAGGED_CASES = [
     (16, 1, 128, 64, "float16"),
     (32, 8, 256, 256, "bfloat16"),
     (8, 2, 64, 64, "bfloat16"),
+    # MLA self-attention over the new tokens (DeepSeek-V2-Lite / V2/V3: 16 / 128 heads, no GQA)
+    (16, 16, 192, 128, "float16"),
+    (128, 128, 192, 128, "bfloat16"),
 ]
+# MLA self-attention with each schedule the 192 / 128 head dims can take (shared memory holds
+# two 128-key stages or four 64-key ones).
+MLA_RAGGED_SCHEDULES = [WgmmaPrefillSchedule(tile_kv=128, stages=2), WgmmaPrefillSchedule(tile_kv=64, stages=4),
+                        WgmmaPrefillSchedule(tile_kv=64, stages=3)]
 
 
 def case_id(case):
@@ -136,6 +143,23 @@ def test_ragged_prefill_tensor_cores(kernels, case, causal):
     o, lse = run_ragged(kernels, config, q, qo_indptr, k, v, kv_indptr, causal)
     kv_of = lambda i: (k[kv_indptr[i]:kv_indptr[i + 1]], v[kv_indptr[i]:kv_indptr[i + 1]])  # noqa: E731
     check(config, o, lse, qo_indptr, expected(q, qo_indptr, kv_of, default_sm_scale(dqk), causal))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", MLA_RAGGED_SCHEDULES, ids=lambda s: f"k{s.tile_kv}s{s.stages}")
+def test_mla_self_attention_schedules(kernels, schedule):
+    """Ragged prefill at DeepSeek's 192 / 128 head dims (128 heads, fp16, causal) under each
+    schedule, ragged lengths across tiles and steps."""
+    config = _tc_config(num_qo_heads=128, num_kv_heads=128, head_dim=192, v_head_dim=128, dtype="float16")
+    rng = np.random.default_rng(schedule.tile_kv * 10 + schedule.stages)
+    lens = [1, 130, 64, 257, 0, 33]
+    q = randn(rng, (sum(lens), 128, 192), "float16")
+    k = randn(rng, (sum(lens), 128, 192), "float16")
+    v = randn(rng, (sum(lens), 128, 128), "float16")
+    qo_indptr = indptr(lens)
+    o, lse = run_ragged(kernels, config, q, qo_indptr, k, v, qo_indptr, True, extra=(schedule,))
+    kv_of = lambda i: (k[qo_indptr[i]:qo_indptr[i + 1]], v[qo_indptr[i]:qo_indptr[i + 1]])  # noqa: E731
+    check(config, o, lse, qo_indptr, expected(q, qo_indptr, kv_of, default_sm_scale(192), True))
 
 
 @pytest.mark.gpu
