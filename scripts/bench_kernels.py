@@ -1280,7 +1280,7 @@ def mla_self_kernels(config, variants: bool) -> list:
     todo = [(OURS, None)]
     if variants:
         chosen = choose_wgmma_prefill_schedule(config)
-        for tile_kv, stages in ((128, 2), (64, 4), (64, 3)):
+        for tile_kv, stages in ((128, 2), (64, 4)):
             sched = WgmmaPrefillSchedule(tile_kv=tile_kv, stages=stages)
             if sched != chosen:
                 todo.append((f"{OURS}-k{tile_kv}s{stages}", sched))
