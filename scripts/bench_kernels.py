@@ -1300,17 +1300,25 @@ def mla_self_kernels(config, variants: bool) -> list:
     return built
 
 
-def mla_absorbed_kernels(config) -> list:
+def mla_absorbed_kernels(config, variants: bool) -> list:
     """[(impl, variant, function)]: tvmattn's MLA paged prefill (tensor cores where it applies, and
-    the CUDA-core kernel as "tvmattn-simt"), TVM's."""
+    the CUDA-core kernel as "tvmattn-simt"; with variants the other tensor-core schedule), TVM's."""
     import tir_kernels
     from tir_kernels.mla import choose_mla_schedule
+    from tir_kernels.mla_sm90 import choose_mla_wgmma_schedule
+
     from tvm.relax.frontend.nn.llm import _prefill_kernels
 
+    simt = choose_mla_schedule(config, decode=False)
+    makers = [(OURS, lambda: tir_kernels.mla_paged_prefill(config)),
+              (f"{OURS}-simt", lambda: tir_kernels.mla_paged_prefill(config, simt))]
+    if variants:
+        other = dataclasses.replace(choose_mla_wgmma_schedule(config),
+                                    split_keys=not choose_mla_wgmma_schedule(config).split_keys)
+        makers.append((f"{OURS}-{'split' if other.split_keys else 'dup'}",
+                       lambda: tir_kernels.mla_paged_prefill(config, other)))
     built = []
-    for impl, make in ((OURS, lambda: tir_kernels.mla_paged_prefill(config)),
-                       (f"{OURS}-simt", lambda: tir_kernels.mla_paged_prefill(
-                           config, choose_mla_schedule(config, decode=False)))):
+    for impl, make in makers:
         try:
             func = make()
             variant = "wgmma" if "wgmma" in str(func) else "simt"
@@ -1447,7 +1455,7 @@ def run_mla_prefill(args) -> list[dict]:
                 t0 = time.time()
                 mla = MLAConfig(heads, latent_dim=MLA_LATENT, rope_dim=MLA_ROPE, dtype=dtype, page_size=args.page_size,
                                 target=target)
-                kernels = mla_absorbed_kernels(mla)
+                kernels = mla_absorbed_kernels(mla, args.mla_variants)
                 print(f"{dtype}, {heads} heads: absorbed kernels built in {time.time() - t0:.1f} s")
                 for shape in absorbed:
                     try:

@@ -272,6 +272,9 @@ def test_mla_prefill_tensor_core_selection():
         MLAWgmmaSchedule(tile_kv=128).check(hopper)
     with pytest.raises(ValueError, match="stages"):
         MLAWgmmaSchedule(stages=1)
+    with pytest.raises(ValueError, match="split_keys"):
+        MLAWgmmaSchedule(tile_kv=16, split_keys=True)
+    MLAWgmmaSchedule(split_keys=True).check(hopper)  # the exchange buffers fit beside the tiles
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -292,6 +295,31 @@ def test_mla_prefill_tensor_cores(kernels, case, causal):
     assert mla_wgmma_problem(config) is None
     qo_lens, kv_lens = zip(*tc_prefill_requests())
     check_prefill(kernels, config, list(qo_lens), list(kv_lens), causal, rng_for("tc-prefill", case_id(case), causal))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", TC_CASES[:2], ids=case_id)
+def test_mla_prefill_tensor_cores_split_keys(kernels, case, causal):
+    """The split_keys schedule (each consumer scores half of a step's keys; maxima and P exchanged)."""
+    config = make_config(case, "cuda")
+    rng = rng_for("tc-split", case_id(case), causal)
+    batch = make_latent_batch(rng, [1, 37, 300, 7, 130, 0, 201, 5], config)
+    qo_lens = [1, 37, 5, 0, 130, 3, 20, 9]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q = randn(rng, (int(qo_indptr[-1]), config.num_heads, config.qk_dim), config.dtype)
+    dev = device_for(config)
+    fn = kernels.get(mla_paged_prefill, config, MLAWgmmaSchedule(split_keys=True))
+    o = empty((q.shape[0], config.num_heads, config.latent_dim), config.dtype, dev)
+    lse = empty((q.shape[0], config.num_heads), "float32", dev)
+    fn(tensor(q, dev), index_view(qo_indptr, dev, offset=9), tensor(batch.pages, dev),
+       index_view(batch.page_indptr, dev), index_view(batch.page_indices, dev, offset=5),
+       index_view(batch.last_page_len, dev, offset=3), o, lse, int(causal), SM_SCALE)
+    o, lse = o.numpy().astype(np.float64), lse.numpy()
+    for i, rows in enumerate(batch.rows):
+        lo, hi = qo_indptr[i], qo_indptr[i + 1]
+        eo, el = expected_attention(q[lo:hi], rows, config.latent_dim, causal)
+        check(config, o[lo:hi], lse[lo:hi], eo, el, f"request {i}")
 
 
 @pytest.mark.gpu

@@ -59,13 +59,16 @@ BARRIER_BYTES = 64  # the ring's mbarriers and alignment slack, beside the dynam
 class MLAWgmmaSchedule:
     """Tiling of the tensor-core MLA prefill: tile_kv latent rows a step (the N of S = Q K^T),
     `stages` buffers in the ring, registers per thread after `setmaxnreg` (producer, consumers),
-    pingpong: the consumers take turns on S = Q K^T. tile_q = 64 packed rows per CTA."""
+    pingpong: the consumers take turns on S = Q K^T. split_keys: instead, consumer c computes the
+    scores of its half of the step's keys only, and the two exchange row maxima and packed P
+    through shared memory (no score computed twice; no pingpong). tile_q = 64 packed rows per CTA."""
 
     tile_kv: int = 64
     stages: int = 2
     producer_regs: int = 40
     consumer_regs: int = 232
     pingpong: bool = True
+    split_keys: bool = False
 
     tile_q = 64
     REGISTER_FILE = 65536
@@ -74,6 +77,8 @@ class MLAWgmmaSchedule:
         if self.tile_kv not in (16, 32, 64, 128):
             raise ValueError(f"invalid schedule: tile_kv={self.tile_kv} must be 16, 32, 64 or 128 (it divides the "
                              "producer's 128 threads)")
+        if self.split_keys and self.tile_kv < 32:
+            raise ValueError(f"invalid schedule: split_keys needs tile_kv >= 32, not {self.tile_kv}")
         if self.stages < 2:
             raise ValueError(f"invalid schedule: stages={self.stages} must be >= 2")
         for name in ("producer_regs", "consumer_regs"):
@@ -84,8 +89,15 @@ class MLAWgmmaSchedule:
             raise ValueError("invalid schedule: producer_regs + 2 * consumer_regs exceeds 512")
 
     def shared_bytes(self, config: MLAConfig) -> int:
-        """The Q tile and `stages` latent tiles, two bytes an element."""
-        return 2 * config.qk_dim * (self.tile_q + self.stages * self.tile_kv)
+        """The Q tile and `stages` latent tiles, two bytes an element (split_keys: and the P and
+        row-state exchange buffers)."""
+        tiles = 2 * config.qk_dim * (self.tile_q + self.stages * self.tile_kv)
+        return tiles + (self.exchange_words() * 4 if self.split_keys else 0)
+
+    def exchange_words(self) -> int:
+        """32-bit words of the split_keys exchange: packed P halves (2 consumers x 128 threads x
+        tile_kv / 8) and row maxima and sums (2 x 2 x tile_q)."""
+        return 2 * 128 * (self.tile_kv // 8) + 4 * self.tile_q
 
     def accumulator_registers(self, config: MLAConfig) -> int:
         """fp32 S and O (half the latent width) fragments and the packed P of one consumer thread."""
@@ -142,10 +154,15 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
     SMEM_ELEMS = K_OFF + ST * K_ELEMS
     WG_S = wgmma_name(f"m64n{BN}k16", dtype)
     WG_O = wgmma_name(f"m64n{DVH}k16", dtype)
+    WG_SH = wgmma_name(f"m64n{BN // 2}k16", dtype)
     NS, NO, NP = BN // 2, DVH // 2, BN // 4
     CHUNKS = D_QK // CHUNK  # 16-byte chunks per row
     TPR = WARPGROUP // BN  # producer threads per latent row
-    PINGPONG = sched.pingpong
+    PINGPONG = sched.pingpong and not sched.split_keys
+    SPLIT = sched.split_keys
+    BNH = BN // 2  # split_keys: keys per consumer and step
+    NSH, NPH = BNH // 2, BNH // 4  # its S (fp32) and P (packed) registers
+    X_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima, P halves exchanged
 
     def row_tiles(qo_indptr, b):
         return ceildiv((qo_indptr[b + 1] - qo_indptr[b]) * H, BM)
@@ -217,6 +234,27 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
             T.evaluate(fence_f32(sacc_[i]))
 
     @T.macro
+    def s_mma_half(smem_, sacc_, s_, cw_):
+        """split_keys: sacc_ <- Q K^T of keys [cw_ * BNH, (cw_ + 1) * BNH) of buffer s_."""
+        desc_q = T.alloc_local((1,), "uint64")
+        desc_k = T.alloc_local((1,), "uint64")
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(D_QK // 16):
+            T.cuda.wgmma.encode_matrix_descriptor(
+                desc_q.ptr_to([0]), smem_.ptr_to([(kk * 16 // PANEL) * BM * PANEL + kk * 16 % PANEL]),
+                1, SWIZZLE_SBO, SWIZZLE_128B)
+            T.cuda.wgmma.encode_matrix_descriptor(
+                desc_k.ptr_to([0]),
+                smem_.ptr_to([K_OFF + s_ * K_ELEMS + (kk * 16 // PANEL) * BN * PANEL + cw_ * BNH * PANEL
+                              + kk * 16 % PANEL]),
+                1, SWIZZLE_SBO, SWIZZLE_128B)
+            T.ptx[WG_SH](*[sacc_[i] for i in range(NSH)], desc_q[0], desc_k[0], T.bool(kk > 0), 1, 1, 0, 0)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        for i in T.unroll(NSH):
+            T.evaluate(fence_f32(sacc_[i]))
+
+    @T.macro
     def pv_mma(smem_, oacc_, preg_, s_, cw_):
         """oacc_ += P V[:, columns of consumer cw_] (V: the first latent columns of buffer s_)."""
         desc_v = T.alloc_local((1,), "uint64")
@@ -240,10 +278,10 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
             T.evaluate(fence_u32(preg_[q]))
 
     @T.macro
-    def mask(sacc_, kv_start_, vis_end_, lane_):
-        """Scores of keys at or past a row's visible end -> MASKED (element i * 4 + e of a thread:
-        row r0 + 8 (e // 2), key 8 i + 2 (lane % 4) + e % 2)."""
-        for i in T.unroll(NS // 4):
+    def mask(sacc_, kv_start_, vis_end_, lane_, count_):
+        """Scores (count_ of a thread) of keys at or past a row's visible end -> MASKED (element
+        i * 4 + e of a thread: row r0 + 8 (e // 2), key 8 i + 2 (lane % 4) + e % 2)."""
+        for i in T.unroll(count_ // 4):
             for e in T.unroll(4):
                 sacc_[i * 4 + e] = T.if_then_else(
                     kv_start_ + i * 8 + (lane_ % 4) * 2 + e % 2 >= vis_end_[e // 2], T.float32(MASKED),
@@ -318,13 +356,101 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
                 if cw_ == 0 or t + 1 < nkv_:
                     T.ptx["bar.arrive"](T.uint32(TURN_BARRIER + 1) - T.Cast("uint32", cw_), T.uint32(2 * WARPGROUP))
             if (t + 1) * BN > free_end_:
-                mask(sacc, t * BN, vis_end, lane)
+                mask(sacc, t * BN, vis_end, lane, NS)
             softmax(sacc, preg, oacc, m, lsum, scale_)
             pv_mma(smem_, oacc, preg, s, cw_)
             if tid_ == 0:
                 T.ptx.mbarrier.arrive.shared.b64(empty_.ptr_to([s]))
         for r in T.unroll(2):
             quad_reduce(lsum, r, lambda a, b: a + b)
+        for i in T.unroll(NO // 4):
+            for e in T.unroll(4):
+                if row0 + (e // 2) * 8 < rows_ - p0_:
+                    write_o_(p0_ + row0 + (e // 2) * 8, cw_ * DVH + i * 8 + (lane % 4) * 2 + e % 2,
+                             oacc[i * 4 + e] * finalize_scale(lsum[e // 2]))
+        if cw_ == 0 and lane % 4 == 0:
+            for r in T.unroll(2):
+                if row0 + r * 8 < rows_ - p0_:
+                    write_lse_(p0_ + row0 + r * 8, finalize_lse(m[r], lsum[r]))
+
+    @T.macro
+    def consume_split(smem_, xp_, xs_, full_, empty_, nkv_, free_end_, kv_len_, qo_len_, p0_, rows_, causal_, scale_,
+                      cw_, tid_, q_ptr_, write_o_, write_lse_):
+        """split_keys consumer cw_: scores of its half of each step's keys; row maxima through
+        xs_[cw_ * BM + row] and packed P through xp_[(cw_ * 128 + tid) * NPH + i] (the A-operand
+        fragment of a thread is the same in both consumers, so the other half is read as is);
+        output columns [cw_ * DVH, (cw_ + 1) * DVH); row sums combined at the end."""
+        sacc = T.alloc_local((NSH,), "float32")
+        oacc = T.alloc_local((NO,), "float32")
+        pown = T.alloc_local((NPH,), "uint32")
+        preg = T.alloc_local((NP,), "uint32")
+        m = T.alloc_local((2,), "float32")
+        lsum = T.alloc_local((2,), "float32")
+        mx = T.alloc_local((2,), "float32")
+        alpha = T.alloc_local((2,), "float32")
+        vis_end = T.alloc_local((2,), "int32")
+        warp = T.meta_var(tid_ // 32)
+        lane = T.meta_var(tid_ % 32)
+        row0 = T.meta_var(warp * 16 + lane // 4)
+        copy_rows(smem_, 0, cw_ * (BM // 2), BM // 2, BM, tid_,
+                  lambda r, c: q_ptr_(T.min(p0_ + r, T.max(rows_ - 1, 0)), c), lambda r: p0_ + r < rows_)
+        T.ptx["cp.async.commit_group"]()
+        T.ptx["cp.async.wait_group"](0)
+        T.ptx["fence.proxy.async.shared::cta"]()
+        T.ptx["bar.sync"](T.uint32(Q_BARRIER), T.uint32(CONSUMERS * WARPGROUP))
+        for i in T.unroll(NO):
+            oacc[i] = T.float32(0)
+        for r in T.unroll(2):
+            m[r] = T.float32(EMPTY_LSE)
+            lsum[r] = T.float32(0)
+            vis_end[r] = visible_end(kv_len_, qo_len_, p0_ + row0 + r * 8, causal_)
+        for t in T.serial(nkv_):
+            s = T.meta_var(t % ST)
+            T.cuda.mbarrier_wait(full_.ptr_to([s]), (t // ST) % 2)
+            s_mma_half(smem_, sacc, s, cw_)
+            if (t + 1) * BN > free_end_:
+                mask(sacc, t * BN + cw_ * BNH, vis_end, lane, NSH)
+            for r in T.unroll(2):
+                mx[r] = m[r]
+            for i in T.unroll(NSH // 4):
+                for e in T.unroll(4):
+                    mx[e // 2] = T.max(mx[e // 2], sacc[i * 4 + e] * scale_)
+            for r in T.unroll(2):
+                quad_reduce(mx, r, T.max)
+            if lane % 4 == 0:
+                for r in T.unroll(2):
+                    xs_[cw_ * BM + row0 + r * 8] = mx[r]
+            T.ptx["bar.sync"](T.uint32(X_BARRIER), T.uint32(CONSUMERS * WARPGROUP))
+            for r in T.unroll(2):
+                mx[r] = T.max(mx[r], xs_[(1 - cw_) * BM + row0 + r * 8])
+                alpha[r] = rescale_factor(m[r], mx[r])
+                m[r] = mx[r]
+                lsum[r] = lsum[r] * alpha[r]
+            for i in T.unroll(NSH // 4):
+                for e in T.unroll(4):
+                    sacc[i * 4 + e] = prob(sacc[i * 4 + e] * scale_, m[e // 2])
+                    lsum[e // 2] = lsum[e // 2] + sacc[i * 4 + e]
+            for q in T.unroll(NPH):
+                pown[q] = pack2(dtype, sacc[q * 2], sacc[q * 2 + 1])
+                xp_[(cw_ * WARPGROUP + tid_) * NPH + q] = pown[q]
+            for i in T.unroll(NO // 4):
+                for e in T.unroll(4):
+                    oacc[i * 4 + e] = oacc[i * 4 + e] * alpha[e // 2]
+            T.ptx["bar.sync"](T.uint32(P_BARRIER), T.uint32(CONSUMERS * WARPGROUP))
+            for h in T.unroll(2):
+                for q in T.unroll(NPH):
+                    preg[h * NPH + q] = T.if_then_else(cw_ == h, pown[q], xp_[(h * WARPGROUP + tid_) * NPH + q])
+            pv_mma(smem_, oacc, preg, s, cw_)
+            if tid_ == 0:
+                T.ptx.mbarrier.arrive.shared.b64(empty_.ptr_to([s]))
+        for r in T.unroll(2):
+            quad_reduce(lsum, r, lambda a, b: a + b)
+        if lane % 4 == 0:
+            for r in T.unroll(2):
+                xs_[2 * BM + cw_ * BM + row0 + r * 8] = lsum[r]
+        T.ptx["bar.sync"](T.uint32(X_BARRIER), T.uint32(CONSUMERS * WARPGROUP))
+        for r in T.unroll(2):
+            lsum[r] = lsum[r] + xs_[2 * BM + (1 - cw_) * BM + row0 + r * 8]
         for i in T.unroll(NO // 4):
             for e in T.unroll(4):
                 if row0 + (e // 2) * 8 < rows_ - p0_:
@@ -345,6 +471,9 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
         smem = T.alloc_buffer((SMEM_ELEMS,), dtype, scope="shared.dyn", align=1024)
         full = T.alloc_shared((ST,), "uint64")
         empty = T.alloc_shared((ST,), "uint64")
+        if SPLIT:
+            xp = T.alloc_shared((2 * WARPGROUP * NPH,), "uint32")
+            xs = T.alloc_shared((4 * BM,), "float32")
         req = T.alloc_local((1,), "int32")
         tile = T.alloc_local((1,), "int32")
         if wg == 0 and tid == 0:
@@ -371,10 +500,16 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
                     lambda slot, c: pages.ptr_to([slot // ps, slot % ps, c]))
         else:
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](sched.consumer_regs)
-            consume(smem, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal, sm_scale * T.float32(LOG2E),
-                    wg - 1, tid, lambda p, c: Q.ptr_to([q0 + p // H, p % H, c]),
-                    lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [q0 + p // H, p % H, c]),
-                    lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]))
+            if SPLIT:
+                consume_split(smem, xp, xs, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
+                              sm_scale * T.float32(LOG2E), wg - 1, tid, lambda p, c: Q.ptr_to([q0 + p // H, p % H, c]),
+                              lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [q0 + p // H, p % H, c]),
+                              lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]))
+            else:
+                consume(smem, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
+                        sm_scale * T.float32(LOG2E), wg - 1, tid, lambda p, c: Q.ptr_to([q0 + p // H, p % H, c]),
+                        lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [q0 + p // H, p % H, c]),
+                        lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]))
 
     return kernel
 
