@@ -1273,6 +1273,7 @@ def timed(call, iters: int) -> float:
 def mla_self_kernels(config, variants: bool) -> list:
     """[(impl, variant, function)]: tvmattn's ragged prefill (and its schedule variants), TVM's."""
     import tir_kernels
+    from tir_kernels.build import build
     from tir_kernels.schedules import WgmmaPrefillSchedule, choose_wgmma_prefill_schedule
     from tvm.relax.frontend.nn.llm import _prefill_kernels
 
@@ -1288,13 +1289,13 @@ def mla_self_kernels(config, variants: bool) -> list:
         try:
             func = tir_kernels.ragged_prefill(config, sched) if sched else tir_kernels.ragged_prefill(config)
             built.append((impl, tvmattn_variant("ragged_prefill", config, func) if sched is None
-                          else f"wgmma {schedule_summary(sched)}", tir_kernels.build(func, config)))
+                          else f"wgmma {schedule_summary(sched)}", build(func, config)))
         except Exception as e:  # noqa: BLE001 - report and go on with the others
             print(f"  skip {impl} (mla self-attention, {config.dtype}, {config.num_qo_heads} heads): {e}")
     try:
         func = _prefill_kernels._attention_prefill_ragged(config.num_kv_heads, config.num_qo_heads, MLA_QK_DIM,
                                                           MLA_V_DIM, config.dtype, {}, config.tvm_target())
-        built.append(("tvm", "tir", tir_kernels.build(func, config)))
+        built.append(("tvm", "tir", build(func, config)))
     except Exception as e:  # noqa: BLE001
         print(f"  skip tvm (mla self-attention, {config.dtype}): {type(e).__name__}: {str(e)[:300]}")
     return built
@@ -1304,6 +1305,7 @@ def mla_absorbed_kernels(config, variants: bool) -> list:
     """[(impl, variant, function)]: tvmattn's MLA paged prefill (tensor cores where it applies, and
     the CUDA-core kernel as "tvmattn-simt"; with variants the other tensor-core schedule), TVM's."""
     import tir_kernels
+    from tir_kernels.build import build
     from tir_kernels.mla import choose_mla_schedule
     from tir_kernels.mla_sm90 import choose_mla_wgmma_schedule
 
@@ -1322,13 +1324,13 @@ def mla_absorbed_kernels(config, variants: bool) -> list:
         try:
             func = make()
             variant = "wgmma" if "wgmma" in str(func) else "simt"
-            built.append((impl, variant, tir_kernels.build(func, config)))
+            built.append((impl, variant, build(func, config)))
         except Exception as e:  # noqa: BLE001
             print(f"  skip {impl} (mla absorbed, {config.dtype}): {type(e).__name__}: {str(e)[:300]}")
     try:
         func = _prefill_kernels._attention_prefill_mla(config.num_heads, config.latent_dim, config.rope_dim,
                                                        config.dtype, False, config.tvm_target(), config.page_size)
-        built.append(("tvm", "tir", tir_kernels.build(func, config)))
+        built.append(("tvm", "tir", build(func, config)))
     except Exception as e:  # noqa: BLE001
         print(f"  skip tvm (mla absorbed, {config.dtype}): {type(e).__name__}: {str(e)[:300]}")
     return built

@@ -255,7 +255,7 @@ def test_mla_prefill_tensor_core_selection():
     hopper = MLAConfig(128, dtype="bfloat16", target="cuda:sm_90")
     assert mla_wgmma_problem(hopper) is None
     assert uses_tirx_pipeline(mla_paged_prefill(hopper))
-    assert choose_mla_wgmma_schedule(hopper) == MLAWgmmaSchedule(tile_kv=64, stages=2)
+    assert choose_mla_wgmma_schedule(hopper) == MLAWgmmaSchedule(tile_kv=64, stages=2, split_keys=True)
     assert not uses_tirx_pipeline(mla_paged_prefill(hopper, choose_mla_schedule(hopper, decode=False)))
     assert "Hopper" in mla_wgmma_problem(hopper.replace(target="cuda:sm_80"))
     assert "Hopper" in mla_wgmma_problem(hopper.replace(target="llvm"))
@@ -298,10 +298,12 @@ def test_mla_prefill_tensor_cores(kernels, case, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_keys", [True, False], ids=["split_keys", "dup_scores"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("case", TC_CASES[:2], ids=case_id)
-def test_mla_prefill_tensor_cores_split_keys(kernels, case, causal):
-    """The split_keys schedule (each consumer scores half of a step's keys; maxima and P exchanged)."""
+def test_mla_prefill_tensor_core_schedules(kernels, case, causal, split_keys):
+    """Both schedules: split_keys (each consumer scores half of a step's keys; maxima and P
+    exchanged) and duplicated scores (each consumer scores all keys, pingpong)."""
     config = make_config(case, "cuda")
     rng = rng_for("tc-split", case_id(case), causal)
     batch = make_latent_batch(rng, [1, 37, 300, 7, 130, 0, 201, 5], config)
@@ -309,7 +311,7 @@ def test_mla_prefill_tensor_cores_split_keys(kernels, case, causal):
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     q = randn(rng, (int(qo_indptr[-1]), config.num_heads, config.qk_dim), config.dtype)
     dev = device_for(config)
-    fn = kernels.get(mla_paged_prefill, config, MLAWgmmaSchedule(split_keys=True))
+    fn = kernels.get(mla_paged_prefill, config, MLAWgmmaSchedule(split_keys=split_keys))
     o = empty((q.shape[0], config.num_heads, config.latent_dim), config.dtype, dev)
     lse = empty((q.shape[0], config.num_heads), "float32", dev)
     fn(tensor(q, dev), index_view(qo_indptr, dev, offset=9), tensor(batch.pages, dev),

@@ -13,11 +13,18 @@ A CTA has three warpgroups:
     value operand is the same buffer: its first latent_dim columns, read MN-major.
   warpgroups 1 and 2, the consumers: both own all 64 rows; consumer c accumulates output columns
     [c * latent_dim / 2, (c + 1) * latent_dim / 2) (a 64 x 512 fp32 accumulator does not fit one
-    warpgroup's registers). Each computes S = Q K^T of the step itself by `wgmma` (so the score
-    product runs twice per CTA: 65% of the executed flops are useful at 576 / 512), masks,
-    runs the online softmax in base 2 and adds P V of its columns by `wgmma` (P from registers).
-    The consumers take turns issuing S = Q K^T (named barriers) so that one's softmax overlaps
-    the other's product. Consumer 0 writes lse.
+    warpgroup's registers), so each needs P of all the step's keys. Two schedules:
+    - split_keys (the default where it fits): consumer c computes S = Q K^T by `wgmma` for its
+      half of the step's keys only, masks, exchanges its row maxima with the other consumer
+      through shared memory (named barrier), runs the online softmax in base 2 on the common
+      maxima, packs P into the registers of wgmma's A operand, and exchanges them too: a
+      thread's A fragment holds the same rows in both consumers, so the other half is read as
+      stored. Then O += P V of its columns by `wgmma`. Row sums are combined at the end.
+    - duplicated scores (split_keys=False): each consumer computes S for all the step's keys
+      itself (the score product runs twice per CTA: 65% of the executed flops are useful at
+      576 / 512), no exchange; the consumers take turns issuing S = Q K^T (named barriers) so
+      that one's softmax overlaps the other's product.
+    Consumer 0 writes lse.
 """
 
 from __future__ import annotations
@@ -133,14 +140,17 @@ def mla_wgmma_problem(config: MLAConfig) -> str | None:
 
 def choose_mla_wgmma_schedule(config: MLAConfig) -> MLAWgmmaSchedule:
     """The widest step (64, 32 or 16 latent rows) whose two stages fit shared memory and
-    registers."""
+    registers, split_keys where its exchange buffers fit too."""
     for tile_kv in (64, 32, 16):
-        sched = MLAWgmmaSchedule(tile_kv=tile_kv)
-        try:
-            sched.check(config)
-        except ValueError:
-            continue
-        return sched
+        for split in (True, False):
+            if split and tile_kv < 32:
+                continue
+            sched = MLAWgmmaSchedule(tile_kv=tile_kv, split_keys=split)
+            try:
+                sched.check(config)
+            except ValueError:
+                continue
+            return sched
     raise ValueError(f"the tensor-core MLA prefill has no schedule for qk_dim={config.qk_dim}")
 
 
