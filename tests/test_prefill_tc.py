@@ -31,7 +31,7 @@ from tir_kernels import (
 )
 from tir_kernels.build import uses_tirx_pipeline
 from tir_kernels.prefill_sm90 import wgmma_problem
-from tir_kernels.schedules import WgmmaPrefillSchedule, choose_prefill_schedule
+from tir_kernels.schedules import WgmmaPrefillSchedule, choose_prefill_schedule, choose_wgmma_prefill_schedule
 
 # (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding)
 TC_PAGED_CASES = [
@@ -104,6 +104,18 @@ def test_wgmma_schedule_validation():
         WgmmaPrefillSchedule(tile_kv=128, stages=1)
     with pytest.raises(ValueError, match="consumer_regs"):
         WgmmaPrefillSchedule(tile_kv=128, stages=2, consumer_regs=250)
+
+
+def test_wgmma_schedule_choice():
+    """128-key steps in 3 stages where they fit; MLA's 192 / 128 dims (two 128-key stages at most)
+    take four 64-key stages, measured faster on the H200; 256-wide outputs 64-key steps."""
+    hopper = AttentionConfig(32, 8, 128, dtype="float16", target="cuda:sm_90")
+    assert choose_wgmma_prefill_schedule(hopper) == WgmmaPrefillSchedule(tile_kv=128, stages=3)
+    assert choose_wgmma_prefill_schedule(hopper.replace(head_dim=64, v_head_dim=64)).tile_kv == 128
+    mla = hopper.replace(num_qo_heads=128, num_kv_heads=128, head_dim=192, v_head_dim=128)
+    assert choose_wgmma_prefill_schedule(mla) == WgmmaPrefillSchedule(tile_kv=64, stages=4)
+    assert choose_wgmma_prefill_schedule(hopper.replace(head_dim=256, v_head_dim=256)) == WgmmaPrefillSchedule(
+        tile_kv=64, stages=2)
 
 
 def _tc_config(**fields):
