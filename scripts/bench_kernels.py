@@ -26,6 +26,12 @@ cached before), causal: new token i sees keys j <= L-Q+i. Heads: 32 query / 8 KV
     python scripts/bench_kernels.py --decode --prefill --tree --json tree.json  # token trees only
     python scripts/bench_kernels.py --from-json k.json --plot k.png  # no GPU needed
     python scripts/bench_kernels.py --mla --json mla.json            # MLA decode only (see its section)
+    python scripts/bench_kernels.py --mla-prefill --dtype float16 --json mla.json  # MLA prefill only
+
+MLA prefill (--mla-prefill; kernel "mla_prefill"): DeepSeek's self-attention over the new tokens
+(ragged prefill, qk / v head dims 192 / 128, 128 or 16 heads, causal) and the absorbed paged prefill
+(q [n, H, 576] over latent pages, o [n, H, 512], causal = 0), each beside TVM's kernel and SDPA;
+see run_mla_prefill.
 
 A run needs a CUDA GPU and torch. FlashInfer rows: from the modules built by
 `python -m tvmattn.flashinfer.build` where they are present (decode on CUDA cores
@@ -64,7 +70,7 @@ TREE_SHAPES = ["32x64@4160"]  # 32 trees of 64 nodes over 4096 history tokens
 TREE_FORMS = ("random", "chain")
 TREE_SEED = 0
 TVM_TREE_PAGE_SIZE = 16  # TVM's paged tree kernel is written for this page size
-KERNELS = ("decode", "prefill", "ragged_prefill", "tree_prefill")
+KERNELS = ("decode", "prefill", "ragged_prefill", "tree_prefill", "mla_prefill")
 TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2}
 ELEM_BYTES = {"float16": 2, "bfloat16": 2}
 L2_BYTES = 60 << 20
@@ -456,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", metavar="PNG", help="draw the rates against context length (needs matplotlib)")
     parser.add_argument("--from-json", nargs="+", metavar="PATH",
                         help="no run: print the tables (and --plot, --json) from rows saved by --json; no GPU needed")
+    add_mla_prefill_arguments(parser)
     return parser
 
 
@@ -479,6 +486,8 @@ def main(argv=None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.mla_prefill is not None:
+        return finish(run_mla_prefill(args), args.json, None)
     json_path = args.json
     if args.plot:
         try:
@@ -1460,6 +1469,277 @@ def run_mla_decode(args, shapes, heads=MLA_DECODE_HEADS, page_sizes=MLA_DECODE_P
             for r in bad))
     return rows
 
+
+# MLA prefill (--mla-prefill): DeepSeek's two prefill kernels, each beside TVM's and SDPA.
+#
+# self-attention: tir_kernels.ragged_prefill at qk 192 / v 128 head dims, H query and H key heads,
+#   causal, B requests of L new tokens (as the MLA cache's self_attention calls it);
+# absorbed: tir_kernels.mla_paged_prefill, q [n, H, 576] over latent pages [P, page_size, 576],
+#   o [n, H, 512]; BxQ@L: Q new tokens per request over its L cached rows, causal = 0 (as the
+#   cache's cross_attention calls it over the history).
+# Rows: kernel "mla_prefill", head_dim / v_head_dim 192 / 128 or 576 / 512 (field "part"),
+# TFLOP/s = 2 (head_dim + v_head_dim) per query head and visible key; softmax scale 1/sqrt(192).
+
+MLA_HEADS = (128, 16)
+MLA_QK_DIM, MLA_V_DIM = 192, 128
+MLA_LATENT, MLA_ROPE = 512, 64
+MLA_SELF_SHAPES = ["1x4096", "4x2048", "16x512"]
+MLA_ABSORBED_SHAPES = ["1x512@4096", "4x256@2048", "16x64@1024"]
+MLA_SM_SCALE = 1.0 / math.sqrt(MLA_QK_DIM)
+SLOW_MS = 50.0  # an implementation slower than this per call is timed with single calls
+
+
+def add_mla_prefill_arguments(parser) -> None:
+    parser.add_argument("--mla-prefill", nargs="*", type=_shape_type("prefill"), default=None, metavar="BxL",
+                        help="MLA prefill rows instead of the others: self-attention (ragged, 192/128, causal) on"
+                             f" these shapes (the flag alone: {' '.join(MLA_SELF_SHAPES)}) and the absorbed paged"
+                             " prefill on --mla-absorbed's")
+    parser.add_argument("--mla-absorbed", nargs="*", type=_shape_type("prefill"), default=None, metavar="BxQ@L",
+                        help="absorbed MLA prefill shapes (Q new tokens over L cached rows, causal = 0; default:"
+                             f" {' '.join(MLA_ABSORBED_SHAPES)}; the flag alone: none)")
+    parser.add_argument("--mla-heads", nargs="+", type=_positive_int, default=list(MLA_HEADS),
+                        help=f"query heads of the MLA rows (default: {' '.join(map(str, MLA_HEADS))})")
+    parser.add_argument("--mla-variants", action="store_true",
+                        help="also time each tensor-core schedule the self-attention can take")
+
+
+def mla_prefill_flops(part: str, shape: Shape, heads: int, causal: bool) -> int:
+    """FLOPs of one MLA prefill call: 2 (qk + v dims) per query head and visible key."""
+    dims = MLA_QK_DIM + MLA_V_DIM if part == "self-attention" else 2 * MLA_LATENT + MLA_ROPE
+    keys = causal_visible_keys(shape.qo_len, shape.seq_len) if causal else shape.qo_len * shape.seq_len
+    return 2 * dims * shape.batch * heads * keys
+
+
+def mla_row(part: str, impl: str, variant: str, dtype: str, heads: int, page_size: int, shape: Shape, ms: float,
+            diff, meta: dict) -> dict:
+    causal = part == "self-attention"
+    head_dim, v_dim = (MLA_QK_DIM, MLA_V_DIM) if causal else (MLA_LATENT + MLA_ROPE, MLA_LATENT)
+    row = make_row("mla_prefill", impl, variant, dtype, head_dim, page_size, shape, ms, diff, meta, heads,
+                   heads if causal else 1)
+    flops = mla_prefill_flops(part, shape, heads, causal)
+    row.update({"part": part, "v_head_dim": v_dim, "causal": causal, "flops": flops, "tflops": flops / ms / 1e9})
+    if causal:  # ragged K/V: no pages
+        del row["page_size"]
+    return row
+
+
+def timed(call, iters: int) -> float:
+    """time_ms, with single calls for an implementation slower than SLOW_MS."""
+    import time
+
+    call(0)  # the first call loads the module
+    synchronize()
+    t0 = time.perf_counter()
+    call(0)
+    synchronize()
+    if (time.perf_counter() - t0) * 1e3 > SLOW_MS:
+        return time_ms(call, 1, repeats=3, warmup=0)
+    return time_ms(call, iters)
+
+
+def mla_self_kernels(config, variants: bool) -> list:
+    """[(impl, variant, function)]: tvmattn's ragged prefill (and its schedule variants), TVM's."""
+    import tir_kernels
+    from tir_kernels.build import build
+    from tir_kernels.schedules import WgmmaPrefillSchedule, choose_wgmma_prefill_schedule
+    from tvm.relax.frontend.nn.llm import _prefill_kernels
+
+    built = []
+    todo = [(OURS, None)]
+    if variants:
+        chosen = choose_wgmma_prefill_schedule(config)
+        for tile_kv, stages in ((128, 2), (64, 4)):
+            sched = WgmmaPrefillSchedule(tile_kv=tile_kv, stages=stages)
+            if sched != chosen:
+                todo.append((f"{OURS}-k{tile_kv}s{stages}", sched))
+    for impl, sched in todo:
+        try:
+            func = tir_kernels.ragged_prefill(config, sched) if sched else tir_kernels.ragged_prefill(config)
+            built.append((impl, tvmattn_variant("ragged_prefill", config, func) if sched is None
+                          else f"wgmma {schedule_summary(sched)}", build(func, config)))
+        except Exception as e:  # noqa: BLE001 - report and go on with the others
+            print(f"  skip {impl} (mla self-attention, {config.dtype}, {config.num_qo_heads} heads): {e}")
+    try:
+        func = _prefill_kernels._attention_prefill_ragged(config.num_kv_heads, config.num_qo_heads, MLA_QK_DIM,
+                                                          MLA_V_DIM, config.dtype, {}, config.tvm_target())
+        built.append(("tvm", "tir", build(func, config)))
+    except Exception as e:  # noqa: BLE001
+        print(f"  skip tvm (mla self-attention, {config.dtype}): {type(e).__name__}: {str(e)[:300]}")
+    return built
+
+
+def mla_absorbed_kernels(config, variants: bool) -> list:
+    """[(impl, variant, function)]: tvmattn's MLA paged prefill (tensor cores where it applies, and
+    the CUDA-core kernel as "tvmattn-simt"; with variants the other tensor-core schedule), TVM's."""
+    import tir_kernels
+    from tir_kernels.build import build
+    from tir_kernels.mla import choose_mla_schedule
+    from tir_kernels.mla_sm90 import choose_mla_wgmma_schedule
+
+    from tvm.relax.frontend.nn.llm import _prefill_kernels
+
+    simt = choose_mla_schedule(config, decode=False)
+    makers = [(OURS, lambda: tir_kernels.mla_paged_prefill(config)),
+              (f"{OURS}-simt", lambda: tir_kernels.mla_paged_prefill(config, simt))]
+    if variants:
+        other = dataclasses.replace(choose_mla_wgmma_schedule(config),
+                                    split_keys=not choose_mla_wgmma_schedule(config).split_keys)
+        makers.append((f"{OURS}-{'split' if other.split_keys else 'dup'}",
+                       lambda: tir_kernels.mla_paged_prefill(config, other)))
+    built = []
+    for impl, make in makers:
+        try:
+            func = make()
+            variant = "wgmma" if "wgmma" in str(func) else "simt"
+            built.append((impl, variant, build(func, config)))
+        except Exception as e:  # noqa: BLE001
+            print(f"  skip {impl} (mla absorbed, {config.dtype}): {type(e).__name__}: {str(e)[:300]}")
+    try:
+        func = _prefill_kernels._attention_prefill_mla(config.num_heads, config.latent_dim, config.rope_dim,
+                                                       config.dtype, False, config.tvm_target(), config.page_size)
+        built.append(("tvm", "tir", build(func, config)))
+    except Exception as e:  # noqa: BLE001
+        print(f"  skip tvm (mla absorbed, {config.dtype}): {type(e).__name__}: {str(e)[:300]}")
+    return built
+
+
+def bench_mla_self(kernels, config, shape: Shape, iters: int, gen, meta: dict) -> list[dict]:
+    """Causal self-attention rows of one shape: every kernel on the same ragged q, k, v, against SDPA."""
+    import torch
+
+    B, Q, L, H = shape.batch, shape.qo_len, shape.seq_len, config.num_qo_heads
+    dt, i32 = getattr(torch, config.dtype), torch.int32
+    q = torch.randn((B * Q, H, MLA_QK_DIM), generator=gen, device=DEVICE, dtype=dt)
+    k = torch.randn((B * L, H, MLA_QK_DIM), generator=gen, device=DEVICE, dtype=dt)
+    v = torch.randn((B * L, H, MLA_V_DIM), generator=gen, device=DEVICE, dtype=dt)
+    qo_indptr = torch.arange(0, B * Q + 1, Q, device=DEVICE, dtype=i32)
+    kv_indptr = torch.arange(0, B * L + 1, L, device=DEVICE, dtype=i32)
+    zeros_b, q_pos = torch.zeros(B, device=DEVICE, dtype=i32), torch.zeros(B * Q, device=DEVICE, dtype=i32)
+    qs, ks, vs = (t.view(B, -1, H, t.shape[-1]).transpose(1, 2) for t in (q, k, v))
+    if Q == L:
+        mask = {"is_causal": True}
+    else:
+        mask = {"attn_mask": torch.ones(Q, L, dtype=torch.bool, device=DEVICE).tril(diagonal=L - Q)}
+
+    def reference(i):
+        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=MLA_SM_SCALE, **mask).transpose(
+            1, 2).reshape(B * Q, H, MLA_V_DIM)
+
+    ref = reference(0)
+    rows = []
+    for impl, variant, fn in kernels:
+        o = torch.empty((B * Q, H, MLA_V_DIM), device=DEVICE, dtype=dt)
+        lse = torch.empty((B * Q, H), device=DEVICE, dtype=torch.float32)
+        args = [to_tvm(q), to_tvm(qo_indptr), to_tvm(k), to_tvm(v), to_tvm(kv_indptr), to_tvm(q_pos),
+                to_tvm(zeros_b), to_tvm(o), to_tvm(lse), 1, 0, 1.0, 1e4, MLA_SM_SCALE]
+        try:
+            ms = timed(lambda i, fn=fn, args=args: fn(*args), iters)
+        except Exception as e:  # noqa: BLE001
+            print(f"  skip {impl} (mla self-attention {shape.label}): {type(e).__name__}: {str(e)[:300]}")
+            continue
+        rows.append(mla_row("self-attention", impl, variant, config.dtype, H, 0, shape, ms, max_diff(o, ref), meta))
+        progress(rows[-1])
+    rows.append(mla_row("self-attention", REFERENCE, "is_causal" if Q == L else "bool-mask", config.dtype, H, 0,
+                        shape, timed(reference, iters), None, meta))
+    return rows
+
+
+def bench_mla_absorbed(kernels, config, shape: Shape, iters: int, gen, meta: dict) -> list[dict]:
+    """Absorbed rows of one shape (causal = 0): the kernels on one shuffled latent page pool,
+    against SDPA over the same rows gathered (every head's key the whole row, its value the latent)."""
+    import torch
+
+    B, Q, L, H, ps = shape.batch, shape.qo_len, shape.seq_len, config.num_heads, config.page_size
+    D, DL = config.qk_dim, config.latent_dim
+    dt, i32 = getattr(torch, config.dtype), torch.int32
+    per_req = math.ceil(L / ps)
+    pages = torch.randn((B * per_req, ps, D), generator=gen, device=DEVICE, dtype=dt)
+    page_indices = torch.randperm(B * per_req, generator=gen, device=DEVICE).to(i32)
+    page_indptr = torch.arange(0, B * per_req + 1, per_req, device=DEVICE, dtype=i32)
+    last_len = torch.full((B,), L - (per_req - 1) * ps, device=DEVICE, dtype=i32)
+    rows_kv = pages[page_indices.long()].view(B, per_req * ps, D)[:, :L]  # [B, L, D]
+    q = torch.randn((B * Q, H, D), generator=gen, device=DEVICE, dtype=dt)
+    qo_indptr = torch.arange(0, B * Q + 1, Q, device=DEVICE, dtype=i32)
+    qs = q.view(B, Q, H, D).transpose(1, 2)
+    ks = rows_kv.unsqueeze(1)  # [B, 1, L, D]
+    vs = rows_kv[..., :DL].unsqueeze(1).contiguous()
+    ks = ks.contiguous()
+
+    def reference(i):
+        return sdpa(qs, ks, vs, scale=MLA_SM_SCALE).transpose(1, 2).reshape(B * Q, H, DL)
+
+    ref = reference(0)
+    rows = []
+    for impl, variant, fn in kernels:
+        o = torch.empty((B * Q, H, DL), device=DEVICE, dtype=dt)
+        lse = torch.empty((B * Q, H), device=DEVICE, dtype=torch.float32)
+        args = [to_tvm(q), to_tvm(qo_indptr), to_tvm(pages), to_tvm(page_indptr), to_tvm(page_indices),
+                to_tvm(last_len), to_tvm(o), to_tvm(lse), 0, MLA_SM_SCALE]
+        try:
+            ms = timed(lambda i, fn=fn, args=args: fn(*args), iters)
+        except Exception as e:  # noqa: BLE001
+            print(f"  skip {impl} (mla absorbed {shape.label}): {type(e).__name__}: {str(e)[:300]}")
+            continue
+        rows.append(mla_row("absorbed", impl, variant, config.dtype, H, ps, shape, ms, max_diff(o, ref), meta))
+        progress(rows[-1])
+    try:
+        rows.append(mla_row("absorbed", REFERENCE, "gqa", config.dtype, H, ps, shape, timed(reference, iters), None,
+                            meta))
+    except Exception as e:  # noqa: BLE001
+        print(f"  skip sdpa timing (mla absorbed {shape.label}): {type(e).__name__}: {str(e)[:300]}")
+    return rows
+
+
+def run_mla_prefill(args) -> list[dict]:
+    """The --mla-prefill run: per dtype and head count, self-attention then absorbed rows."""
+    import time
+
+    import torch
+
+    from tir_kernels import AttentionConfig, MLAConfig
+    from tir_kernels.support import resolve_target
+
+    target = resolve_target("cuda", args.arch)
+    meta = {"device": torch.cuda.get_device_name(), "date": now_iso(), "commit": git_commit()}
+    print(f"{meta['device']} ({target}), commit {meta['commit']}, torch {torch.__version__}")
+    self_shapes = args.mla_prefill or [parse_shape(s) for s in MLA_SELF_SHAPES]
+    absorbed = [parse_shape(s) for s in MLA_ABSORBED_SHAPES] if args.mla_absorbed is None else args.mla_absorbed
+    iters = max(2, args.iters // 4)
+    rows = []
+    for dtype in args.dtype:
+        for heads in dict.fromkeys(args.mla_heads):
+            group = []
+            gen = torch.Generator(device=DEVICE).manual_seed(0)
+            t0 = time.time()
+            config = AttentionConfig(heads, heads, MLA_QK_DIM, v_head_dim=MLA_V_DIM, dtype=dtype, target=target)
+            kernels = mla_self_kernels(config, args.mla_variants)
+            print(f"{dtype}, {heads} heads: self-attention kernels built in {time.time() - t0:.1f} s")
+            for shape in self_shapes:
+                try:
+                    group += bench_mla_self(kernels, config, shape, iters, gen, meta)
+                except Exception as e:  # noqa: BLE001 - out of memory, say: keep the other rows
+                    print(f"  skip mla self-attention {shape.label}: {type(e).__name__}: {str(e)[:300]}")
+                torch.cuda.empty_cache()
+            if absorbed:
+                t0 = time.time()
+                mla = MLAConfig(heads, latent_dim=MLA_LATENT, rope_dim=MLA_ROPE, dtype=dtype, page_size=args.page_size,
+                                target=target)
+                kernels = mla_absorbed_kernels(mla, args.mla_variants)
+                print(f"{dtype}, {heads} heads: absorbed kernels built in {time.time() - t0:.1f} s")
+                for shape in absorbed:
+                    try:
+                        group += bench_mla_absorbed(kernels, mla, shape, iters, gen, meta)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  skip mla absorbed {shape.label}: {type(e).__name__}: {str(e)[:300]}")
+                    torch.cuda.empty_cache()
+            print(format_tables(group), flush=True)
+            rows += group
+    bad = [r for r in rows if r.get("agrees") is False]
+    if bad:
+        print(f"MISMATCH in {len(bad)} rows: " + ", ".join(
+            f"{r['part']} {r['impl']} {r['dtype']} h{r['num_qo_heads']} "
+            + Shape(r["batch"], r["qo_len"], r["seq_len"]).label for r in bad))
+    return rows
 
 if __name__ == "__main__":
     sys.exit(main())

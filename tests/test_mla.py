@@ -36,6 +36,8 @@ from tir_kernels.mla_tc import (
     mla_paged_decode_tc,
     supports_tc,
 )
+from tir_kernels.build import PIPELINE, uses_tirx_pipeline
+from tir_kernels.mla_sm90 import MLAWgmmaSchedule, choose_mla_wgmma_schedule, mla_wgmma_problem
 
 # DeepSeek's softmax scale comes from the original qk head dim (128 + 64), not from the
 # latent width: the kernels take the caller's scale.
@@ -239,6 +241,106 @@ def test_mla_decode_split_kv_gpu(kernels, batch_size, length):
     check_decode(kernels, config, lengths, rng_for("split-gpu", batch_size))
 
 
+# Tensor-core MLA prefill (tir_kernels/mla_sm90.py): DeepSeek-V2-Lite / V2/V3 heads, both dtypes,
+# page sizes 1 / 16 / 64; the rows of a request span several 64-row tiles and steps.
+TC_CASES = [
+    (16, 512, 64, 16, "bfloat16"),
+    (128, 512, 64, 64, "float16"),
+    (16, 512, 64, 1, "float16"),
+    (128, 512, 64, 16, "bfloat16"),
+]
+
+
+def tc_prefill_requests():
+    """(qo_len, kv_len): one token, a self-attention-sized chunk, chunks over history, a tail
+    of keys past the last full step, no new tokens, no history, fewer keys than queries."""
+    return [(1, 1), (37, 37), (5, 300), (0, 7), (130, 130), (3, 0), (20, 201), (9, 5)]
+
+
+def test_mla_prefill_tensor_core_selection():
+    """Which configs take the tensor-core MLA prefill (no GPU needed)."""
+    hopper = MLAConfig(128, dtype="bfloat16", target="cuda:sm_90")
+    assert mla_wgmma_problem(hopper) is None
+    assert uses_tirx_pipeline(mla_paged_prefill(hopper))
+    assert choose_mla_wgmma_schedule(hopper) == MLAWgmmaSchedule(tile_kv=64, stages=2, split_keys=True)
+    assert not uses_tirx_pipeline(mla_paged_prefill(hopper, choose_mla_schedule(hopper, decode=False)))
+    assert "Hopper" in mla_wgmma_problem(hopper.replace(target="cuda:sm_80"))
+    assert "Hopper" in mla_wgmma_problem(hopper.replace(target="llvm"))
+    assert "dtype" in mla_wgmma_problem(hopper.replace(dtype="float32"))
+    assert "latent_dim=64" in mla_wgmma_problem(hopper.replace(latent_dim=64))
+    assert "qk_dim" in mla_wgmma_problem(hopper.replace(rope_dim=32))
+    for config in (hopper.replace(target="cuda:sm_80"), hopper.replace(target="llvm")):
+        assert not uses_tirx_pipeline(mla_paged_prefill(config))
+    with pytest.raises(ValueError, match="does not serve"):
+        mla_paged_prefill(hopper.replace(dtype="float32"), MLAWgmmaSchedule())
+    with pytest.raises(ValueError, match="tile_kv"):
+        MLAWgmmaSchedule(tile_kv=48)
+    with pytest.raises(ValueError, match="shared memory"):
+        MLAWgmmaSchedule(tile_kv=128).check(hopper)
+    with pytest.raises(ValueError, match="stages"):
+        MLAWgmmaSchedule(stages=1)
+    with pytest.raises(ValueError, match="split_keys"):
+        MLAWgmmaSchedule(tile_kv=16, split_keys=True)
+    MLAWgmmaSchedule(split_keys=True).check(hopper)  # the exchange buffers fit beside the tiles
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mla_prefill_tensor_core_codegen(dtype):
+    """The tensor-core MLA prefill lowers to wgmma for sm_90a without a GPU."""
+    config = MLAConfig(16, dtype=dtype, target="cuda:sm_90")
+    module = tvm.compile(tvm.IRModule({"main": mla_paged_prefill(config)}), target=config.tvm_target(),
+                         tir_pipeline=PIPELINE)
+    source = "\n".join(m.inspect_source() for m in module.mod.imports)
+    assert "wgmma.mma_async" in source and "m64n256k16" in source and "cp.async" in source
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", TC_CASES, ids=case_id)
+def test_mla_prefill_tensor_cores(kernels, case, causal):
+    config = make_config(case, "cuda")
+    assert mla_wgmma_problem(config) is None
+    qo_lens, kv_lens = zip(*tc_prefill_requests())
+    check_prefill(kernels, config, list(qo_lens), list(kv_lens), causal, rng_for("tc-prefill", case_id(case), causal))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_keys", [True, False], ids=["split_keys", "dup_scores"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", TC_CASES[:2], ids=case_id)
+def test_mla_prefill_tensor_core_schedules(kernels, case, causal, split_keys):
+    """Both schedules: split_keys (each consumer scores half of a step's keys; maxima and P
+    exchanged) and duplicated scores (each consumer scores all keys, pingpong)."""
+    config = make_config(case, "cuda")
+    rng = rng_for("tc-split", case_id(case), causal)
+    batch = make_latent_batch(rng, [1, 37, 300, 7, 130, 0, 201, 5], config)
+    qo_lens = [1, 37, 5, 0, 130, 3, 20, 9]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q = randn(rng, (int(qo_indptr[-1]), config.num_heads, config.qk_dim), config.dtype)
+    dev = device_for(config)
+    fn = kernels.get(mla_paged_prefill, config, MLAWgmmaSchedule(split_keys=split_keys))
+    o = empty((q.shape[0], config.num_heads, config.latent_dim), config.dtype, dev)
+    lse = empty((q.shape[0], config.num_heads), "float32", dev)
+    fn(tensor(q, dev), index_view(qo_indptr, dev, offset=9), tensor(batch.pages, dev),
+       index_view(batch.page_indptr, dev), index_view(batch.page_indices, dev, offset=5),
+       index_view(batch.last_page_len, dev, offset=3), o, lse, int(causal), SM_SCALE)
+    o, lse = o.numpy().astype(np.float64), lse.numpy()
+    for i, rows in enumerate(batch.rows):
+        lo, hi = qo_indptr[i], qo_indptr[i + 1]
+        eo, el = expected_attention(q[lo:hi], rows, config.latent_dim, causal)
+        check(config, o[lo:hi], lse[lo:hi], eo, el, f"request {i}")
+
+
+@pytest.mark.gpu
+def test_mla_prefill_tensor_cores_many_requests(kernels):
+    """64 short requests (TVM's cache calls the MLA prefill so for decode steps, causal = 0)."""
+    config = make_config(TC_CASES[1], "cuda")
+    rng = rng_for("tc-prefill-batch")
+    qo_lens = rng.integers(1, 4, size=64).tolist()
+    kv_lens = [q + int(rng.integers(0, 150)) for q in qo_lens]
+    check_prefill(kernels, config, qo_lens, kv_lens, False, rng)
+
+
 @pytest.mark.parametrize("case", DEEPSEEK_CASES[:1] + CASES[1:2], ids=case_id)
 def test_merge_state_at_latent_width(kernels, target, case):
     """merge_state (merge.py) with an MLAConfig merges o [n, heads, latent_dim] (as the cache merges
@@ -380,8 +482,13 @@ def cuda_source(func, config):
     return module.mod.imports[0].inspect_source()
 
 
-@pytest.mark.parametrize("generator", [mla_paged_decode, mla_paged_prefill, merge_state], ids=["decode", "prefill",
-                                                                                              "merge"])
+def _simt_prefill(config):
+    """The CUDA-core MLA prefill (an explicit MLASchedule keeps it on Hopper)."""
+    return mla_paged_prefill(config, choose_mla_schedule(config, decode=False))
+
+
+@pytest.mark.parametrize("generator", [mla_paged_decode, _simt_prefill, merge_state], ids=["decode", "prefill",
+                                                                                         "merge"])
 @pytest.mark.parametrize("case", [(128, 512, 64, 16, "float16"), (16, 512, 64, 64, "bfloat16"),
                                   (128, 512, 64, 1, "float32")], ids=case_id)
 def test_mla_cuda_codegen(generator, case):

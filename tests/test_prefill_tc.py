@@ -31,7 +31,7 @@ from tir_kernels import (
 )
 from tir_kernels.build import uses_tirx_pipeline
 from tir_kernels.prefill_sm90 import wgmma_problem
-from tir_kernels.schedules import WgmmaPrefillSchedule, choose_prefill_schedule
+from tir_kernels.schedules import WgmmaPrefillSchedule, choose_prefill_schedule, choose_wgmma_prefill_schedule
 
 # (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding)
 TC_PAGED_CASES = [
@@ -51,7 +51,14 @@ TC_RAGGED_CASES = [
     (16, 1, 128, 64, "float16"),
     (32, 8, 256, 256, "bfloat16"),
     (8, 2, 64, 64, "bfloat16"),
+    # MLA self-attention over the new tokens (DeepSeek-V2-Lite / V2/V3: 16 / 128 heads, no GQA)
+    (16, 16, 192, 128, "float16"),
+    (128, 128, 192, 128, "bfloat16"),
 ]
+# MLA self-attention with each schedule the 192 / 128 head dims can take (shared memory holds
+# two 128-key stages or four 64-key ones).
+MLA_RAGGED_SCHEDULES = [WgmmaPrefillSchedule(tile_kv=128, stages=2), WgmmaPrefillSchedule(tile_kv=64, stages=4),
+                        WgmmaPrefillSchedule(tile_kv=64, stages=3)]
 
 
 def case_id(case):
@@ -99,6 +106,18 @@ def test_wgmma_schedule_validation():
         WgmmaPrefillSchedule(tile_kv=128, stages=2, consumer_regs=250)
 
 
+def test_wgmma_schedule_choice():
+    """128-key steps in 3 stages where they fit; MLA's 192 / 128 dims (two 128-key stages at most)
+    take four 64-key stages, measured faster on the H200; 256-wide outputs 64-key steps."""
+    hopper = AttentionConfig(32, 8, 128, dtype="float16", target="cuda:sm_90")
+    assert choose_wgmma_prefill_schedule(hopper) == WgmmaPrefillSchedule(tile_kv=128, stages=3)
+    assert choose_wgmma_prefill_schedule(hopper.replace(head_dim=64, v_head_dim=64)).tile_kv == 128
+    mla = hopper.replace(num_qo_heads=128, num_kv_heads=128, head_dim=192, v_head_dim=128)
+    assert choose_wgmma_prefill_schedule(mla) == WgmmaPrefillSchedule(tile_kv=64, stages=4)
+    assert choose_wgmma_prefill_schedule(hopper.replace(head_dim=256, v_head_dim=256)) == WgmmaPrefillSchedule(
+        tile_kv=64, stages=2)
+
+
 def _tc_config(**fields):
     config = AttentionConfig(target="cuda", **fields)
     assert wgmma_problem(config) is None, wgmma_problem(config)
@@ -136,6 +155,23 @@ def test_ragged_prefill_tensor_cores(kernels, case, causal):
     o, lse = run_ragged(kernels, config, q, qo_indptr, k, v, kv_indptr, causal)
     kv_of = lambda i: (k[kv_indptr[i]:kv_indptr[i + 1]], v[kv_indptr[i]:kv_indptr[i + 1]])  # noqa: E731
     check(config, o, lse, qo_indptr, expected(q, qo_indptr, kv_of, default_sm_scale(dqk), causal))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", MLA_RAGGED_SCHEDULES, ids=lambda s: f"k{s.tile_kv}s{s.stages}")
+def test_mla_self_attention_schedules(kernels, schedule):
+    """Ragged prefill at DeepSeek's 192 / 128 head dims (128 heads, fp16, causal) under each
+    schedule, ragged lengths across tiles and steps."""
+    config = _tc_config(num_qo_heads=128, num_kv_heads=128, head_dim=192, v_head_dim=128, dtype="float16")
+    rng = np.random.default_rng(schedule.tile_kv * 10 + schedule.stages)
+    lens = [1, 130, 64, 257, 0, 33]
+    q = randn(rng, (sum(lens), 128, 192), "float16")
+    k = randn(rng, (sum(lens), 128, 192), "float16")
+    v = randn(rng, (sum(lens), 128, 128), "float16")
+    qo_indptr = indptr(lens)
+    o, lse = run_ragged(kernels, config, q, qo_indptr, k, v, qo_indptr, True, extra=(schedule,))
+    kv_of = lambda i: (k[qo_indptr[i]:qo_indptr[i + 1]], v[qo_indptr[i]:qo_indptr[i + 1]])  # noqa: E731
+    check(config, o, lse, qo_indptr, expected(q, qo_indptr, kv_of, default_sm_scale(192), True))
 
 
 @pytest.mark.gpu

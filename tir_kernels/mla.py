@@ -423,7 +423,16 @@ def mla_paged_prefill(config: MLAConfig, schedule: MLASchedule | None = None):
     (absolute positions); else all of them. Rows that see none get o = 0 and lse = EMPTY_LSE.
     (TVM's cache calls it with causal = 0 for MLA cross-attention over the cached history, for
     decode too.)
+
+    Hopper fp16/bf16 configs with an even latent split (DeepSeek's 512 + 64) get the
+    tensor-core kernel (`mla_sm90`) unless `schedule` is an `MLASchedule`; an `MLAWgmmaSchedule`
+    asks for it.
     """
+    from .mla_sm90 import MLAWgmmaSchedule, mla_paged_prefill_wgmma, mla_wgmma_problem
+
+    if isinstance(schedule, MLAWgmmaSchedule) or (schedule is None and isinstance(config, MLAConfig)
+                                                  and mla_wgmma_problem(config) is None):
+        return mla_paged_prefill_wgmma(config, schedule)
     sched = _schedule_for(config, schedule, decode=False)
     dims = _Dims.of(config, sched)
     L = loop_kinds(config)

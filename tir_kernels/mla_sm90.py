@@ -1,0 +1,573 @@
+"""MLA paged prefill on Hopper tensor cores (sm_90a): absorbed queries over the latent pages.
+
+Same contract as `mla.mla_paged_prefill` (q [n, H, qk_dim], pages [P, page_size, qk_dim],
+o [n, H, latent_dim], lse base 2). The heads are the M dimension: packed row p = (token p // H,
+head p % H), a CTA owns a tile of 64 packed rows of one request (tiles numbered from the
+request's last, as in prefill_sm90), and every latent row is both the key (all qk_dim values)
+and, through its first latent_dim values, the value.
+
+A CTA has three warpgroups:
+  warpgroup 0, the producer: gathers each step's tile_kv latent rows through the page table
+    with 16-byte `cp.async` copies into a ring of `stages` buffers in the 128B-swizzled layout
+    (rows past the visible end zero-filled), and signals each buffer full on an mbarrier. The
+    value operand is the same buffer: its first latent_dim columns, read MN-major.
+  warpgroups 1 and 2, the consumers: both own all 64 rows; consumer c accumulates output columns
+    [c * latent_dim / 2, (c + 1) * latent_dim / 2) (a 64 x 512 fp32 accumulator does not fit one
+    warpgroup's registers), so each needs P of all the step's keys. Two schedules:
+    - split_keys (the default where it fits): consumer c computes S = Q K^T by `wgmma` for its
+      half of the step's keys only, masks, exchanges its row maxima with the other consumer
+      through shared memory (named barrier), runs the online softmax in base 2 on the common
+      maxima, packs P into the registers of wgmma's A operand, and exchanges them too: a
+      thread's A fragment holds the same rows in both consumers, so the other half is read as
+      stored. Then O += P V of its columns by `wgmma`. Row sums are combined at the end.
+    - duplicated scores (split_keys=False): each consumer computes S for all the step's keys
+      itself (the score product runs twice per CTA: 65% of the executed flops are useful at
+      576 / 512), no exchange; the consumers take turns issuing S = Q K^T (named barriers) so
+      that one's softmax overlaps the other's product.
+    Consumer 0 writes lse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tvm
+from tvm.script import tirx as T
+
+from .build import TIRX_ATTR
+from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len
+from .config import MLAConfig
+from .hopper import (
+    CHUNK,
+    PANEL,
+    SWIZZLE_128B,
+    SWIZZLE_SBO,
+    fence_f32,
+    fence_u32,
+    pack2,
+    panel_stride_16b,
+    swizzled,
+    wgmma_name,
+)
+from .schedules import CUDA_MAX_SHARED_BYTES
+from .simt_tile import find_tile_macro
+from .softmax import finalize_lse, finalize_scale, prob, rescale_factor
+
+WARPGROUP = 128
+CONSUMERS = 2
+FULL_WARP = 0xFFFFFFFF
+Q_BARRIER = 1  # named barrier: both consumers' halves of the Q tile have landed
+TURN_BARRIER = 3  # named barriers 3 and 4: the consumers' turns on S = Q K^T
+MASKED = -1.0e30
+BARRIER_BYTES = 64  # the ring's mbarriers and alignment slack, beside the dynamic buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAWgmmaSchedule:
+    """Tiling of the tensor-core MLA prefill: tile_kv latent rows a step (the N of S = Q K^T),
+    `stages` buffers in the ring, registers per thread after `setmaxnreg` (producer, consumers),
+    pingpong: the consumers take turns on S = Q K^T. split_keys: instead, consumer c computes the
+    scores of its half of the step's keys only, and the two exchange row maxima and packed P
+    through shared memory (no score computed twice; no pingpong). tile_q = 64 packed rows per CTA."""
+
+    tile_kv: int = 64
+    stages: int = 2
+    producer_regs: int = 40
+    consumer_regs: int = 232
+    pingpong: bool = True
+    split_keys: bool = False
+
+    tile_q = 64
+    REGISTER_FILE = 65536
+
+    def __post_init__(self):
+        if self.tile_kv not in (16, 32, 64, 128):
+            raise ValueError(f"invalid schedule: tile_kv={self.tile_kv} must be 16, 32, 64 or 128 (it divides the "
+                             "producer's 128 threads)")
+        if self.split_keys and self.tile_kv < 32:
+            raise ValueError(f"invalid schedule: split_keys needs tile_kv >= 32, not {self.tile_kv}")
+        if self.stages < 2:
+            raise ValueError(f"invalid schedule: stages={self.stages} must be >= 2")
+        for name in ("producer_regs", "consumer_regs"):
+            value = getattr(self, name)
+            if not (value % 8 == 0 and 24 <= value <= 256):
+                raise ValueError(f"invalid schedule: {name}={value} must be a multiple of 8 in 24..256")
+        if 128 * (self.producer_regs + 2 * self.consumer_regs) > self.REGISTER_FILE:
+            raise ValueError("invalid schedule: producer_regs + 2 * consumer_regs exceeds 512")
+
+    def shared_bytes(self, config: MLAConfig) -> int:
+        """The Q tile and `stages` latent tiles, two bytes an element (split_keys: and the P and
+        row-state exchange buffers)."""
+        tiles = 2 * config.qk_dim * (self.tile_q + self.stages * self.tile_kv)
+        return tiles + (self.exchange_words() * 4 if self.split_keys else 0)
+
+    def exchange_words(self) -> int:
+        """32-bit words of the split_keys exchange: packed P halves (2 consumers x 128 threads x
+        tile_kv / 8) and row maxima and sums (2 x 2 x tile_q)."""
+        return 2 * 128 * (self.tile_kv // 8) + 4 * self.tile_q
+
+    def accumulator_registers(self, config: MLAConfig) -> int:
+        """fp32 S and O (half the latent width) fragments and the packed P of one consumer thread."""
+        return self.tile_kv // 2 + config.latent_dim // 4 + self.tile_kv // 4
+
+    def check(self, config: MLAConfig) -> None:
+        limit = CUDA_MAX_SHARED_BYTES["sm_90"] - BARRIER_BYTES
+        if self.shared_bytes(config) > limit:
+            raise ValueError(f"invalid schedule: tile_kv={self.tile_kv}, stages={self.stages} need "
+                             f"{self.shared_bytes(config)} bytes of shared memory at qk_dim={config.qk_dim}, "
+                             f"sm_90 has {limit}")
+        if self.accumulator_registers(config) + 56 > self.consumer_regs:
+            raise ValueError(f"invalid schedule: tile_kv={self.tile_kv} at latent_dim={config.latent_dim} needs "
+                             f"{self.accumulator_registers(config)} accumulator registers; "
+                             f"consumer_regs={self.consumer_regs}")
+
+
+def mla_wgmma_problem(config: MLAConfig) -> str | None:
+    """Why the tensor-core MLA prefill cannot serve `config`, or None when it can."""
+    if not config.is_gpu or config.cuda_arch not in ("sm_90", "sm_90a"):
+        return f"target {config.target!r} is not a Hopper GPU (sm_90)"
+    if config.dtype not in ("float16", "bfloat16"):
+        return f"dtype={config.dtype!r} (tensor cores serve float16 and bfloat16)"
+    if config.latent_dim % (2 * PANEL) or config.latent_dim > 512:
+        return f"latent_dim={config.latent_dim} (a multiple of {2 * PANEL} up to 512: two {PANEL}-aligned halves)"
+    if config.qk_dim % PANEL:
+        return f"qk_dim={config.qk_dim} (latent + rope must be a multiple of {PANEL})"
+    sched = MLAWgmmaSchedule(tile_kv=16)
+    if sched.shared_bytes(config) > CUDA_MAX_SHARED_BYTES["sm_90"] - BARRIER_BYTES:
+        return f"qk_dim={config.qk_dim} (the tiles do not fit shared memory)"
+    return None
+
+
+def choose_mla_wgmma_schedule(config: MLAConfig) -> MLAWgmmaSchedule:
+    """The widest step (64, 32 or 16 latent rows) whose two stages fit shared memory and
+    registers, split_keys where its exchange buffers fit too."""
+    for tile_kv in (64, 32, 16):
+        for split in (True, False):
+            if split and tile_kv < 32:
+                continue
+            sched = MLAWgmmaSchedule(tile_kv=tile_kv, split_keys=split)
+            try:
+                sched.check(config)
+            except ValueError:
+                continue
+            return sched
+    raise ValueError(f"the tensor-core MLA prefill has no schedule for qk_dim={config.qk_dim}")
+
+
+def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
+    dtype, H, ps = config.dtype, config.num_heads, config.page_size
+    D_QK, D_L = config.qk_dim, config.latent_dim
+    DVH = D_L // 2  # output columns per consumer
+    BM, BN, ST = sched.tile_q, sched.tile_kv, sched.stages
+    K_OFF = BM * D_QK
+    K_ELEMS = BN * D_QK
+    SMEM_ELEMS = K_OFF + ST * K_ELEMS
+    WG_S = wgmma_name(f"m64n{BN}k16", dtype)
+    WG_O = wgmma_name(f"m64n{DVH}k16", dtype)
+    WG_SH = wgmma_name(f"m64n{BN // 2}k16", dtype)
+    NS, NO, NP = BN // 2, DVH // 2, BN // 4
+    CHUNKS = D_QK // CHUNK  # 16-byte chunks per row
+    TPR = WARPGROUP // BN  # producer threads per latent row
+    PINGPONG = sched.pingpong and not sched.split_keys
+    SPLIT = sched.split_keys
+    BNH = BN // 2  # split_keys: keys per consumer and step
+    NSH, NPH = BNH // 2, BNH // 4  # its S (fp32) and P (packed) registers
+    X_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima, P halves exchanged
+
+    def row_tiles(qo_indptr, b):
+        return ceildiv((qo_indptr[b + 1] - qo_indptr[b]) * H, BM)
+
+    find_tile = find_tile_macro(row_tiles)
+
+    def visible_end(kv_len, qo_len, p, causal):
+        """Keys packed row p sees: [0, visible_end) (causal: query i sees j <= kv_len - qo_len + i)."""
+        last = kv_len - qo_len + T.min(p // H, qo_len - 1) + 1
+        return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
+
+    @T.macro
+    def copy_rows(smem_, base_, row0_, rows_, tile_rows_, tid_, src_, valid_):
+        """cp.async rows row0_ .. row0_ + rows_ of the swizzled tile of tile_rows_ rows at
+        smem_[base_] (one warpgroup, 16 bytes a thread a step); src_(r, c): address of element c
+        of tile row r; valid_(r) False: zeros."""
+        for it in T.unroll(ceildiv(rows_ * CHUNKS, WARPGROUP)):
+            idx = T.meta_var(it * WARPGROUP + tid_)
+            r = T.meta_var(row0_ + idx // CHUNKS)
+            c = T.meta_var(idx % CHUNKS * CHUNK)
+            if rows_ * CHUNKS % WARPGROUP == 0 or idx < rows_ * CHUNKS:
+                T.ptx["cp.async.cg.shared.global"](
+                    smem_.ptr_to([base_ + swizzled(tile_rows_, r, c)]), src_(r, c), 16,
+                    T.Cast("uint32", T.if_then_else(valid_(r), 16, 0)))
+
+    @T.macro
+    def produce(smem_, full_, empty_, nkv_, kv_end_, tid_, slot_of_, row_ptr_):
+        """The ring: step t's latent rows -> buffer t % ST, signalled full once they landed."""
+        slot = T.alloc_local((1,), "int32")
+        for t in T.serial(nkv_):
+            if t >= ST:
+                T.cuda.mbarrier_wait(empty_.ptr_to([t % ST]), ((t // ST) + 1) % 2)
+            # TPR threads per latent row: one page-table lookup per thread and step
+            slot[0] = slot_of_(T.min(t * BN + tid_ // TPR, kv_end_ - 1))
+            for k in T.unroll(CHUNKS // TPR):
+                T.ptx["cp.async.cg.shared.global"](
+                    smem_.ptr_to([K_OFF + (t % ST) * K_ELEMS
+                                  + swizzled(BN, tid_ // TPR, (tid_ % TPR + k * TPR) * CHUNK)]),
+                    row_ptr_(slot[0], (tid_ % TPR + k * TPR) * CHUNK), 16,
+                    T.Cast("uint32", T.if_then_else(t * BN + tid_ // TPR < kv_end_, 16, 0)))
+            T.ptx["cp.async.commit_group"]()
+            if t >= 1:
+                T.ptx["cp.async.wait_group"](1)
+                T.ptx["fence.proxy.async.shared::cta"]()
+                T.ptx.mbarrier.arrive.shared.b64(full_.ptr_to([(t - 1) % ST]))
+        if nkv_ > 0:
+            T.ptx["cp.async.wait_group"](0)
+            T.ptx["fence.proxy.async.shared::cta"]()
+            T.ptx.mbarrier.arrive.shared.b64(full_.ptr_to([(nkv_ - 1) % ST]))
+
+    @T.macro
+    def s_mma(smem_, sacc_, s_):
+        """sacc_ <- Q (the tile's 64 rows) K^T of buffer s_."""
+        desc_q = T.alloc_local((1,), "uint64")
+        desc_k = T.alloc_local((1,), "uint64")
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(D_QK // 16):
+            T.cuda.wgmma.encode_matrix_descriptor(
+                desc_q.ptr_to([0]), smem_.ptr_to([(kk * 16 // PANEL) * BM * PANEL + kk * 16 % PANEL]),
+                1, SWIZZLE_SBO, SWIZZLE_128B)
+            T.cuda.wgmma.encode_matrix_descriptor(
+                desc_k.ptr_to([0]),
+                smem_.ptr_to([K_OFF + s_ * K_ELEMS + (kk * 16 // PANEL) * BN * PANEL + kk * 16 % PANEL]),
+                1, SWIZZLE_SBO, SWIZZLE_128B)
+            T.ptx[WG_S](*[sacc_[i] for i in range(NS)], desc_q[0], desc_k[0], T.bool(kk > 0), 1, 1, 0, 0)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        for i in T.unroll(NS):
+            T.evaluate(fence_f32(sacc_[i]))
+
+    @T.macro
+    def s_mma_half(smem_, sacc_, s_, cw_):
+        """split_keys: sacc_ <- Q K^T of keys [cw_ * BNH, (cw_ + 1) * BNH) of buffer s_."""
+        desc_q = T.alloc_local((1,), "uint64")
+        desc_k = T.alloc_local((1,), "uint64")
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(D_QK // 16):
+            T.cuda.wgmma.encode_matrix_descriptor(
+                desc_q.ptr_to([0]), smem_.ptr_to([(kk * 16 // PANEL) * BM * PANEL + kk * 16 % PANEL]),
+                1, SWIZZLE_SBO, SWIZZLE_128B)
+            T.cuda.wgmma.encode_matrix_descriptor(
+                desc_k.ptr_to([0]),
+                smem_.ptr_to([K_OFF + s_ * K_ELEMS + (kk * 16 // PANEL) * BN * PANEL + cw_ * BNH * PANEL
+                              + kk * 16 % PANEL]),
+                1, SWIZZLE_SBO, SWIZZLE_128B)
+            T.ptx[WG_SH](*[sacc_[i] for i in range(NSH)], desc_q[0], desc_k[0], T.bool(kk > 0), 1, 1, 0, 0)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        for i in T.unroll(NSH):
+            T.evaluate(fence_f32(sacc_[i]))
+
+    @T.macro
+    def pv_mma(smem_, oacc_, preg_, s_, cw_):
+        """oacc_ += P V[:, columns of consumer cw_] (V: the first latent columns of buffer s_)."""
+        desc_v = T.alloc_local((1,), "uint64")
+        for q in T.unroll(NP):
+            T.evaluate(fence_u32(preg_[q]))
+        for i in T.unroll(NO):
+            T.evaluate(fence_f32(oacc_[i]))
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(BN // 16):
+            T.cuda.wgmma.encode_matrix_descriptor(
+                desc_v.ptr_to([0]),
+                smem_.ptr_to([K_OFF + s_ * K_ELEMS + cw_ * (DVH // PANEL) * BN * PANEL + kk * 16 * PANEL]),
+                panel_stride_16b(BN), SWIZZLE_SBO, SWIZZLE_128B)
+            T.ptx[WG_O](*[oacc_[i] for i in range(NO)], preg_[kk * 4], preg_[kk * 4 + 1], preg_[kk * 4 + 2],
+                        preg_[kk * 4 + 3], desc_v[0], T.bool(True), 1, 1, 1)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        for i in T.unroll(NO):
+            T.evaluate(fence_f32(oacc_[i]))
+        for q in T.unroll(NP):
+            T.evaluate(fence_u32(preg_[q]))
+
+    @T.macro
+    def mask(sacc_, kv_start_, vis_end_, lane_, count_):
+        """Scores (count_ of a thread) of keys at or past a row's visible end -> MASKED (element
+        i * 4 + e of a thread: row r0 + 8 (e // 2), key 8 i + 2 (lane % 4) + e % 2)."""
+        for i in T.unroll(count_ // 4):
+            for e in T.unroll(4):
+                sacc_[i * 4 + e] = T.if_then_else(
+                    kv_start_ + i * 8 + (lane_ % 4) * 2 + e % 2 >= vis_end_[e // 2], T.float32(MASKED),
+                    sacc_[i * 4 + e])
+
+    @T.macro
+    def quad_reduce(buf_, idx_, op_):
+        buf_[idx_] = op_(buf_[idx_], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], 1, 32, 32))
+        buf_[idx_] = op_(buf_[idx_], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], 2, 32, 32))
+
+    @T.macro
+    def softmax(sacc_, preg_, oacc_, m_, l_, scale_):
+        """Online softmax step of the thread's two rows (base 2), P packed into preg_."""
+        row_max = T.alloc_local((2,), "float32")
+        alpha = T.alloc_local((2,), "float32")
+        for r in T.unroll(2):
+            row_max[r] = m_[r]
+        for i in T.unroll(NS // 4):
+            for e in T.unroll(4):
+                row_max[e // 2] = T.max(row_max[e // 2], sacc_[i * 4 + e] * scale_)
+        for r in T.unroll(2):
+            quad_reduce(row_max, r, T.max)
+            alpha[r] = rescale_factor(m_[r], row_max[r])
+            m_[r] = row_max[r]
+            l_[r] = l_[r] * alpha[r]
+        for i in T.unroll(NS // 4):
+            for e in T.unroll(4):
+                sacc_[i * 4 + e] = prob(sacc_[i * 4 + e] * scale_, m_[e // 2])
+                l_[e // 2] = l_[e // 2] + sacc_[i * 4 + e]
+        for i in T.unroll(NO // 4):
+            for e in T.unroll(4):
+                oacc_[i * 4 + e] = oacc_[i * 4 + e] * alpha[e // 2]
+        for q in T.unroll(NP):
+            preg_[q] = pack2(dtype, sacc_[q * 2], sacc_[q * 2 + 1])
+
+    @T.macro
+    def consume(smem_, full_, empty_, nkv_, free_end_, kv_len_, qo_len_, p0_, rows_, causal_, scale_, cw_, tid_,
+                q_ptr_, write_o_, write_lse_):
+        """Consumer cw_: all rows of the tile, output columns [cw_ * DVH, (cw_ + 1) * DVH)."""
+        sacc = T.alloc_local((NS,), "float32")
+        oacc = T.alloc_local((NO,), "float32")
+        preg = T.alloc_local((NP,), "uint32")
+        m = T.alloc_local((2,), "float32")
+        lsum = T.alloc_local((2,), "float32")
+        vis_end = T.alloc_local((2,), "int32")
+        warp = T.meta_var(tid_ // 32)
+        lane = T.meta_var(tid_ % 32)
+        row0 = T.meta_var(warp * 16 + lane // 4)  # the thread's first row in the tile
+        # each consumer copies half of the Q tile's rows (zeros past the request's rows)
+        copy_rows(smem_, 0, cw_ * (BM // 2), BM // 2, BM, tid_,
+                  lambda r, c: q_ptr_(T.min(p0_ + r, T.max(rows_ - 1, 0)), c), lambda r: p0_ + r < rows_)
+        T.ptx["cp.async.commit_group"]()
+        T.ptx["cp.async.wait_group"](0)
+        T.ptx["fence.proxy.async.shared::cta"]()
+        T.ptx["bar.sync"](T.uint32(Q_BARRIER), T.uint32(CONSUMERS * WARPGROUP))
+        for i in T.unroll(NO):
+            oacc[i] = T.float32(0)
+        for r in T.unroll(2):
+            m[r] = T.float32(EMPTY_LSE)
+            lsum[r] = T.float32(0)
+            vis_end[r] = visible_end(kv_len_, qo_len_, p0_ + row0 + r * 8, causal_)
+        if PINGPONG:
+            if cw_ == 1 and nkv_ > 0:
+                T.ptx["bar.arrive"](T.uint32(TURN_BARRIER), T.uint32(2 * WARPGROUP))  # consumer 0 goes first
+        for t in T.serial(nkv_):
+            s = T.meta_var(t % ST)
+            T.cuda.mbarrier_wait(full_.ptr_to([s]), (t // ST) % 2)
+            if PINGPONG:
+                T.ptx["bar.sync"](T.uint32(TURN_BARRIER) + T.Cast("uint32", cw_), T.uint32(2 * WARPGROUP))
+            s_mma(smem_, sacc, s)
+            if PINGPONG:
+                if cw_ == 0 or t + 1 < nkv_:
+                    T.ptx["bar.arrive"](T.uint32(TURN_BARRIER + 1) - T.Cast("uint32", cw_), T.uint32(2 * WARPGROUP))
+            if (t + 1) * BN > free_end_:
+                mask(sacc, t * BN, vis_end, lane, NS)
+            softmax(sacc, preg, oacc, m, lsum, scale_)
+            pv_mma(smem_, oacc, preg, s, cw_)
+            if tid_ == 0:
+                T.ptx.mbarrier.arrive.shared.b64(empty_.ptr_to([s]))
+        for r in T.unroll(2):
+            quad_reduce(lsum, r, lambda a, b: a + b)
+        for i in T.unroll(NO // 4):
+            for e in T.unroll(4):
+                if row0 + (e // 2) * 8 < rows_ - p0_:
+                    write_o_(p0_ + row0 + (e // 2) * 8, cw_ * DVH + i * 8 + (lane % 4) * 2 + e % 2,
+                             oacc[i * 4 + e] * finalize_scale(lsum[e // 2]))
+        if cw_ == 0 and lane % 4 == 0:
+            for r in T.unroll(2):
+                if row0 + r * 8 < rows_ - p0_:
+                    write_lse_(p0_ + row0 + r * 8, finalize_lse(m[r], lsum[r]))
+
+    @T.macro
+    def consume_split(smem_, xp_, xs_, full_, empty_, nkv_, free_end_, kv_len_, qo_len_, p0_, rows_, causal_, scale_,
+                      cw_, tid_, q_ptr_, write_o_, write_lse_):
+        """split_keys consumer cw_: scores of its half of each step's keys; row maxima through
+        xs_[cw_ * BM + row] and packed P through xp_[(cw_ * 128 + tid) * NPH + i] (the A-operand
+        fragment of a thread is the same in both consumers, so the other half is read as is);
+        output columns [cw_ * DVH, (cw_ + 1) * DVH); row sums combined at the end."""
+        sacc = T.alloc_local((NSH,), "float32")
+        oacc = T.alloc_local((NO,), "float32")
+        pown = T.alloc_local((NPH,), "uint32")
+        preg = T.alloc_local((NP,), "uint32")
+        m = T.alloc_local((2,), "float32")
+        lsum = T.alloc_local((2,), "float32")
+        mx = T.alloc_local((2,), "float32")
+        alpha = T.alloc_local((2,), "float32")
+        vis_end = T.alloc_local((2,), "int32")
+        warp = T.meta_var(tid_ // 32)
+        lane = T.meta_var(tid_ % 32)
+        row0 = T.meta_var(warp * 16 + lane // 4)
+        copy_rows(smem_, 0, cw_ * (BM // 2), BM // 2, BM, tid_,
+                  lambda r, c: q_ptr_(T.min(p0_ + r, T.max(rows_ - 1, 0)), c), lambda r: p0_ + r < rows_)
+        T.ptx["cp.async.commit_group"]()
+        T.ptx["cp.async.wait_group"](0)
+        T.ptx["fence.proxy.async.shared::cta"]()
+        T.ptx["bar.sync"](T.uint32(Q_BARRIER), T.uint32(CONSUMERS * WARPGROUP))
+        for i in T.unroll(NO):
+            oacc[i] = T.float32(0)
+        for r in T.unroll(2):
+            m[r] = T.float32(EMPTY_LSE)
+            lsum[r] = T.float32(0)
+            vis_end[r] = visible_end(kv_len_, qo_len_, p0_ + row0 + r * 8, causal_)
+        for t in T.serial(nkv_):
+            s = T.meta_var(t % ST)
+            T.cuda.mbarrier_wait(full_.ptr_to([s]), (t // ST) % 2)
+            s_mma_half(smem_, sacc, s, cw_)
+            if (t + 1) * BN > free_end_:
+                mask(sacc, t * BN + cw_ * BNH, vis_end, lane, NSH)
+            for r in T.unroll(2):
+                mx[r] = m[r]
+            for i in T.unroll(NSH // 4):
+                for e in T.unroll(4):
+                    mx[e // 2] = T.max(mx[e // 2], sacc[i * 4 + e] * scale_)
+            for r in T.unroll(2):
+                quad_reduce(mx, r, T.max)
+            if lane % 4 == 0:
+                for r in T.unroll(2):
+                    xs_[cw_ * BM + row0 + r * 8] = mx[r]
+            T.ptx["bar.sync"](T.uint32(X_BARRIER), T.uint32(CONSUMERS * WARPGROUP))
+            for r in T.unroll(2):
+                mx[r] = T.max(mx[r], xs_[(1 - cw_) * BM + row0 + r * 8])
+                alpha[r] = rescale_factor(m[r], mx[r])
+                m[r] = mx[r]
+                lsum[r] = lsum[r] * alpha[r]
+            for i in T.unroll(NSH // 4):
+                for e in T.unroll(4):
+                    sacc[i * 4 + e] = prob(sacc[i * 4 + e] * scale_, m[e // 2])
+                    lsum[e // 2] = lsum[e // 2] + sacc[i * 4 + e]
+            for q in T.unroll(NPH):
+                pown[q] = pack2(dtype, sacc[q * 2], sacc[q * 2 + 1])
+                xp_[(cw_ * WARPGROUP + tid_) * NPH + q] = pown[q]
+            for i in T.unroll(NO // 4):
+                for e in T.unroll(4):
+                    oacc[i * 4 + e] = oacc[i * 4 + e] * alpha[e // 2]
+            T.ptx["bar.sync"](T.uint32(P_BARRIER), T.uint32(CONSUMERS * WARPGROUP))
+            for h in T.unroll(2):
+                for q in T.unroll(NPH):
+                    preg[h * NPH + q] = T.if_then_else(cw_ == h, pown[q], xp_[(h * WARPGROUP + tid_) * NPH + q])
+            pv_mma(smem_, oacc, preg, s, cw_)
+            if tid_ == 0:
+                T.ptx.mbarrier.arrive.shared.b64(empty_.ptr_to([s]))
+        for r in T.unroll(2):
+            quad_reduce(lsum, r, lambda a, b: a + b)
+        if lane % 4 == 0:
+            for r in T.unroll(2):
+                xs_[2 * BM + cw_ * BM + row0 + r * 8] = lsum[r]
+        T.ptx["bar.sync"](T.uint32(X_BARRIER), T.uint32(CONSUMERS * WARPGROUP))
+        for r in T.unroll(2):
+            lsum[r] = lsum[r] + xs_[2 * BM + (1 - cw_) * BM + row0 + r * 8]
+        for i in T.unroll(NO // 4):
+            for e in T.unroll(4):
+                if row0 + (e // 2) * 8 < rows_ - p0_:
+                    write_o_(p0_ + row0 + (e // 2) * 8, cw_ * DVH + i * 8 + (lane % 4) * 2 + e % 2,
+                             oacc[i * 4 + e] * finalize_scale(lsum[e // 2]))
+        if cw_ == 0 and lane % 4 == 0:
+            for r in T.unroll(2):
+                if row0 + r * 8 < rows_ - p0_:
+                    write_lse_(p0_ + row0 + r * 8, finalize_lse(m[r], lsum[r]))
+
+    @T.macro
+    def kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, Out, lse, causal, sm_scale, batch):
+        """One CTA per tile slot, 3 warpgroups (module docstring)."""
+        T.device_entry()
+        bx = T.cta_id([ceildiv(Q.shape[0] * H, BM) + batch])
+        wg = T.warpgroup_id([CONSUMERS + 1])
+        tid = T.thread_id_in_wg([WARPGROUP])
+        smem = T.alloc_buffer((SMEM_ELEMS,), dtype, scope="shared.dyn", align=1024)
+        full = T.alloc_shared((ST,), "uint64")
+        empty = T.alloc_shared((ST,), "uint64")
+        if SPLIT:
+            xp = T.alloc_shared((2 * WARPGROUP * NPH,), "uint32")
+            xs = T.alloc_shared((4 * BM,), "float32")
+        req = T.alloc_local((1,), "int32")
+        tile = T.alloc_local((1,), "int32")
+        if wg == 0 and tid == 0:
+            for s in T.unroll(ST):
+                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(WARPGROUP))
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(CONSUMERS))
+            T.ptx.fence.mbarrier_init.release.cluster()
+        T.cuda.cta_sync()
+        find_tile(qo_indptr, batch, bx, req, tile)
+        b: T.let[T.int32] = req[0]
+        q0: T.let[T.int32] = qo_indptr[b]
+        qo_len: T.let[T.int32] = qo_indptr[b + 1] - q0
+        page0: T.let[T.int32] = page_indptr[b]
+        kv_len: T.let[T.int32] = kv_chunk_len(page_indptr[b + 1] - page0, ps, length_info, b, False)
+        rows: T.let[T.int32] = T.if_then_else(tile[0] >= 0, qo_len * H, 0)
+        p0: T.let[T.int32] = T.max(tile[0], 0) * BM
+        free_end: T.let[T.int32] = visible_end(kv_len, qo_len, p0, causal)
+        kv_end: T.let[T.int32] = T.if_then_else(rows > 0, visible_end(kv_len, qo_len, p0 + BM - 1, causal), 0)
+        nkv: T.let[T.int32] = ceildiv(kv_end, BN)
+        if wg == 0:
+            T.ptx["setmaxnreg.dec.sync.aligned.u32"](sched.producer_regs)
+            produce(smem, full, empty, nkv, kv_end, tid,
+                    lambda j: page_indices[page0 + j // ps] * ps + j % ps,
+                    lambda slot, c: pages.ptr_to([slot // ps, slot % ps, c]))
+        else:
+            T.ptx["setmaxnreg.inc.sync.aligned.u32"](sched.consumer_regs)
+            if SPLIT:
+                consume_split(smem, xp, xs, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
+                              sm_scale * T.float32(LOG2E), wg - 1, tid, lambda p, c: Q.ptr_to([q0 + p // H, p % H, c]),
+                              lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [q0 + p // H, p % H, c]),
+                              lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]))
+            else:
+                consume(smem, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
+                        sm_scale * T.float32(LOG2E), wg - 1, tid, lambda p, c: Q.ptr_to([q0 + p // H, p % H, c]),
+                        lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [q0 + p // H, p % H, c]),
+                        lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]))
+
+    return kernel
+
+
+def mla_paged_prefill_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None = None):
+    """Tensor-core body of `mla.mla_paged_prefill` (same arguments, symbol and semantics)."""
+    from .mla import PREFILL_SYMBOL
+
+    problem = mla_wgmma_problem(config)
+    if problem:
+        raise ValueError(f"the tensor-core MLA prefill does not serve {problem}")
+    sched = schedule or choose_mla_wgmma_schedule(config)
+    sched.check(config)
+    kernel = _kernel_macro(config, sched)
+    dtype, ps, H, D_QK, D_L = config.dtype, config.page_size, config.num_heads, config.qk_dim, config.latent_dim
+
+    @T.prim_func
+    def batch_prefill_paged_kv_mla(
+        q_handle: T.handle,
+        qo_indptr_handle: T.handle,
+        pages_handle: T.handle,
+        page_indptr_handle: T.handle,
+        page_indices_handle: T.handle,
+        length_info_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        causal: T.int32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        num_pages = T.int64()
+        nnz_pages = T.int32()
+        qo_indptr_offset = T.int32()
+        indptr_offset = T.int32()
+        indices_offset = T.int32()
+        length_offset = T.int32()
+        Q = T.match_buffer(q_handle, (total_q, H, D_QK), dtype, align=16)
+        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
+        pages = T.match_buffer(pages_handle, (num_pages, ps, D_QK), dtype, align=16)
+        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
+        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
+        length_info = T.match_buffer(length_info_handle, (B,), "int32", elem_offset=length_offset)
+        out = T.match_buffer(o_handle, (total_q, H, D_L), dtype)
+        lse = T.match_buffer(lse_handle, (total_q, H), "float32")
+        kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, out, lse, causal, sm_scale, B)
+
+    func = batch_prefill_paged_kv_mla.with_attr("global_symbol", PREFILL_SYMBOL)
+    return func.with_attr(TIRX_ATTR, True).with_attr(
+        "target", tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm"))
