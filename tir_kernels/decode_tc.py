@@ -10,7 +10,8 @@ keys (blockIdx = request, KV head, split slot). The grid's split slots per reque
 launch from the batch size (`grid_splits`: about one wave of resident blocks); each request
 uses as many of them as its length allows (`request_splits`: at least min_split_keys keys a
 split, whole tiles); a request of one split writes o / lse directly, the others are merged in
-FP32 by `merge` (one block per request and query head). The G query heads of the KV head are
+FP32 by `merge` (one block per request and query head; each thread loads every split's LSE and
+o of its column in one round of loads, compiled for a few split-slot counts). The G query heads of the KV head are
 the M rows of the MMAs (padded with zero rows to 16), so each K/V row is read from memory once
 for the whole group.
 
