@@ -706,20 +706,22 @@ def tvmattn_decode(config):
     """(variant, function) of tvmattn's decode as the cache runs it: each schedule the decode
     table picks for config (schedules.decode_variants) compiled once, and where there are
     several, the one of the nearest measured shape picked per call on the host
-    (tvmattn.runtime.kernels.DecodeByShape); else paged_decode(config)."""
+    (tvmattn.runtime.kernels.DecodeByShape); paged_decode(config) where the table has none."""
     from tir_kernels import build, paged_decode
     from tir_kernels.schedules import decode_schedule_label, decode_variants
 
     variants = decode_variants(config)
-    if len(variants) == 1:
+    if len(variants) == 1 and not variants[0][1]:  # no table entry: paged_decode's own choice
         func = paged_decode(config)
         return tvmattn_variant("decode", config, func), build(func, config)
+    labels = "table: " + ", ".join(f"{decode_schedule_label(sched)} at " + " ".join(f"{b}x{n}" for b, n in shapes)
+                                   for sched, shapes in variants)
+    if len(variants) == 1:
+        return labels, build(paged_decode(config, variants[0][0]), config)
     from tvmattn.runtime.kernels import DecodeByShape
 
-    funcs = [(build(paged_decode(config, sched), config), shapes or [(1, 1)]) for sched, shapes in variants]
-    labels = ", ".join(f"{decode_schedule_label(sched)} at " + " ".join(f"{b}x{n}" for b, n in shapes)
-                       for sched, shapes in variants)
-    return f"table by shape: {labels}", DecodeByShape(funcs, config.page_size)
+    funcs = [(build(paged_decode(config, sched), config), shapes) for sched, shapes in variants]
+    return labels, DecodeByShape(funcs, config.page_size)
 
 
 def tvmattn_func(kernel: str, config):
