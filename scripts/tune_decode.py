@@ -64,14 +64,13 @@ def jobs_for(dtypes, sweep, head_dim: int, page_size: int, kv_heads, baselines: 
 def make_func(job, head_dim: int, page_size: int):
     """(PrimFunc, variant description) of one job."""
     from tir_kernels import paged_decode
-    from tir_kernels.schedules import (choose_decode_schedule, decode_schedule_label, decode_variants,
-                                       tc_decode_candidates)
+    from tir_kernels.schedules import (choose_decode_schedule, choose_decode_variant, decode_schedule_label,
+                                       decode_variants, tc_decode_candidates)
 
     dtype, _, variant, kv = job
     config = config_for(dtype, head_dim, page_size, kv)
-    if variant == "default":
-        func = paged_decode(config)
-        return func, bk.tvmattn_variant("decode", config, func)
+    if variant == "default":  # the table's schedule for the config's largest measured shape, or the default
+        return paged_decode(config), f"paged_decode: {decode_schedule_label(choose_decode_variant(config))}"
     if variant == "cuda-core":
         sched = choose_decode_schedule(config)
         return paged_decode(config, sched), bk.schedule_summary(sched)
