@@ -11,9 +11,9 @@ launch from the batch size (`grid_splits`: about one wave of resident blocks); e
 uses as many of them as its length allows (`request_splits`: at least min_split_keys keys a
 split, whole tiles); a request of one split writes o / lse directly, the others are merged in
 FP32 by `merge` (one block per request and query head; each thread loads every split's LSE and
-o of its column in one round of loads, compiled for a few split-slot counts). The G query heads of the KV head are
-the M rows of the MMAs (padded with zero rows to 16), so each K/V row is read from memory once
-for the whole group.
+o of its column in one round of loads, compiled for a few split-slot counts). The G query heads
+of the KV head are the M rows of the MMAs (padded with zero rows to 16), so each K/V row is read
+from memory once for the whole group.
 
 Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
   load_q: the group's query rows -> shared (cp.async), then A fragments (ldmatrix).
@@ -130,7 +130,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     @T.macro
     def load_length_info(length_info_, b_, li_):
         """li_ <- request b_'s length_info (one load each, not behind the page count's branch),
-        shaped for kv_chunk_len / paged_position with request index 0."""
+        shaped for visible_keys and paged_position (request index 0)."""
         if sliding:
             for k in L.unroll(3):
                 li_[k, 0] = length_info_[k, b_]
