@@ -44,6 +44,7 @@ shared/docs/bench-format.md; --plot draws rate against context length (needs mat
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -195,8 +196,10 @@ def rate_field(kernel: str) -> str:
 
 def make_row(kernel: str, impl: str, variant: str, dtype: str, head_dim: int, page_size: int, shape: Shape, ms: float,
              max_abs_diff: float | None, meta: dict, num_qo_heads: int = NUM_QO_HEADS,
-             num_kv_heads: int = NUM_KV_HEADS) -> dict:
-    """One flat row of shared/docs/bench-format.md; the rate follows from the shape and `ms`."""
+             num_kv_heads: int | None = None) -> dict:
+    """One flat row of shared/docs/bench-format.md; the rate follows from the shape and `ms`
+    (num_kv_heads: the module's NUM_KV_HEADS at the call, which --kv-heads sets, by default)."""
+    num_kv_heads = NUM_KV_HEADS if num_kv_heads is None else num_kv_heads
     row = {"bench": "kernels", "kernel": kernel, "impl": impl, "variant": variant, "dtype": dtype, "head_dim": head_dim,
            "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "page_size": page_size, "batch": shape.batch,
            "seq_len": shape.seq_len, "qo_len": shape.qo_len, "ms": ms}
@@ -437,6 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
                              " and a chain each), tvmattn's tree kernel beside its causal prefill and TVM's tree"
                              f" kernel; the flag alone: {' '.join(TREE_SHAPES)} (default: no tree rows)")
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES), help="dtypes (default: both)")
+    parser.add_argument("--no-tvm", action="store_true", help="leave out TVM's own kernels (they take a build each)")
+    parser.add_argument("--kv-heads", nargs="+", type=_positive_int, default=[NUM_KV_HEADS], metavar="N",
+                        help=f"KV heads of the {NUM_QO_HEADS} query heads (GQA group {NUM_QO_HEADS} / N; "
+                             f"default: {NUM_KV_HEADS})")
     parser.add_argument("--head-dim", nargs="+", type=int, choices=HEAD_DIMS, default=list(DEFAULT_HEAD_DIMS),
                         metavar="D", help=f"head dims, of {HEAD_DIMS} (default: {DEFAULT_HEAD_DIMS[0]})")
     parser.add_argument("--page-size", type=_page_size, default=DEFAULT_PAGE_SIZE,
@@ -565,6 +572,7 @@ class Context:
         # a plan writes its schedule into its workspace's int buffers, so two backends planned side by
         # side must not share one (the first one's run would read the second one's schedule)
         self.fi_workspaces: dict = {}
+        self.no_tvm = False  # --no-tvm: no TVM kernels beside ours
 
     @property
     def torch_dtype(self):
@@ -703,6 +711,28 @@ def tvm_anchor(kernel: str, config):
     return _prefill_kernels._attention_prefill_ragged(hkv, hq, d, d, dtype, {}, target)
 
 
+def tvmattn_decode(config):
+    """(variant, function) of tvmattn's decode as the cache runs it: each schedule the decode
+    table picks for config (schedules.decode_variants) compiled once, and where there are
+    several, the one of the nearest measured shape picked per call on the host
+    (tvmattn.runtime.kernels.DecodeByShape); paged_decode(config) where the table has none."""
+    from tir_kernels import build, paged_decode
+    from tir_kernels.schedules import decode_schedule_label, decode_variants
+
+    variants = decode_variants(config)
+    if len(variants) == 1 and not variants[0][1]:  # no table entry: paged_decode's own choice
+        func = paged_decode(config)
+        return tvmattn_variant("decode", config, func), build(func, config)
+    labels = "table: " + ", ".join(f"{decode_schedule_label(sched)} at " + " ".join(f"{b}x{n}" for b, n in shapes)
+                                   for sched, shapes in variants)
+    if len(variants) == 1:
+        return labels, build(paged_decode(config, variants[0][0]), config)
+    from tvmattn.runtime.kernels import DecodeByShape
+
+    funcs = [(build(paged_decode(config, sched), config), shapes) for sched, shapes in variants]
+    return labels, DecodeByShape(funcs, config.page_size)
+
+
 def tvmattn_func(kernel: str, config):
     import tir_kernels
 
@@ -750,28 +780,46 @@ def tvmattn_variant(kernel: str, config, func) -> str:
     return f"{path} {summary}" if path else summary
 
 
-def build_kernels(kernel: str, ctx: Context) -> list:
-    """[(impl, variant, function)] of tvmattn and TVM for one kernel kind; failures print a skip."""
+def build_jobs(kernel: str, ctx: Context) -> list:
+    """[(impl, job)] for tvmattn and TVM of one kernel kind (not tree_prefill): job() compiles
+    and returns (impl, variant, function). TVM's is left out with ctx.no_tvm, and with a skip
+    line where it cannot serve the case."""
     from tir_kernels import build
 
-    if kernel == "tree_prefill":
-        return build_tree_kernels(ctx)
-
-    built = []
-    try:
+    def ours():
+        if kernel == "decode":
+            return (OURS, *tvmattn_decode(ctx.config))
         func = tvmattn_func(kernel, ctx.config)
-        built.append((OURS, tvmattn_variant(kernel, ctx.config, func), build(func, ctx.config)))
-    except Exception as e:  # noqa: BLE001 - report and go on with the others
-        skip(OURS, kernel, ctx, "build", e)
+        return OURS, tvmattn_variant(kernel, ctx.config, func), build(func, ctx.config)
+
+    def anchor():
+        return "tvm", "tir", build(tvm_anchor(kernel, ctx.config), ctx.config)
+
+    if ctx.no_tvm:
+        return [(OURS, ours)]
     problem = tvm_anchor_problem(kernel, ctx.dtype, ctx.head_dim)
     if problem:
         skip("tvm", kernel, ctx, "", problem)
-        return built
-    try:
-        built.append(("tvm", "tir", build(tvm_anchor(kernel, ctx.config), ctx.config)))
-    except Exception as e:  # noqa: BLE001
-        skip("tvm", kernel, ctx, "build", e)
+        return [(OURS, ours)]
+    return [(OURS, ours), ("tvm", anchor)]
+
+
+def collect_builds(kernel: str, ctx: Context, jobs) -> list:
+    """[(impl, variant, function)] from [(impl, job or future)]; failures print a skip."""
+    built = []
+    for impl, job in jobs:
+        try:
+            built.append(job.result() if isinstance(job, concurrent.futures.Future) else job())
+        except Exception as e:  # noqa: BLE001 - report and go on with the others
+            skip(impl, kernel, ctx, "build", e)
     return built
+
+
+def build_kernels(kernel: str, ctx: Context) -> list:
+    """[(impl, variant, function)] of tvmattn and TVM for one kernel kind; failures print a skip."""
+    if kernel == "tree_prefill":
+        return build_tree_kernels(ctx)
+    return collect_builds(kernel, ctx, build_jobs(kernel, ctx))
 
 
 def import_flashinfer():
@@ -1185,33 +1233,45 @@ def run(args, decode_shapes, prefill_shapes, tree_shapes=()) -> list[dict]:
     kinds += ["ragged_prefill"] if prefill_shapes and args.ragged else []
     kinds += ["tree_prefill"] if tree_shapes else []
     rows = []
-    for dtype in args.dtype:
-        for head_dim in args.head_dim:
-            config = AttentionConfig(NUM_QO_HEADS, NUM_KV_HEADS, head_dim, dtype=dtype, page_size=args.page_size,
-                                     target=target)
-            ctx = Context(config, meta, fi, fi_backends)
-            t0 = time.time()
-            for kernel in kinds:
-                ctx.kernels[kernel] = build_kernels(kernel, ctx)
-            print(f"{dtype}, head_dim {head_dim}: kernels built in {time.time() - t0:.1f} s")
-            group = []
-            gen = torch.Generator(device=DEVICE).manual_seed(0)
-            prefill_kinds = [k for k in kinds if k in ("prefill", "ragged_prefill")]
-            todo = [(["decode"], shape, args.iters) for shape in decode_shapes]
-            todo += [(prefill_kinds, shape, max(3, args.iters // 4)) for shape in prefill_shapes]
-            todo += [(["tree_prefill"], shape, max(3, args.iters // 4)) for shape in tree_shapes]
-            for shape_kinds, shape, iters in todo:
-                try:
-                    if shape_kinds == ["tree_prefill"]:
-                        group += bench_tree(ctx, shape, iters, gen)
-                    else:
-                        group += bench_shape(shape_kinds, ctx, shape, iters, gen)
-                except Exception as e:  # noqa: BLE001 - out of memory, say: keep the other shapes' rows
-                    skip("every impl", "/".join(shape_kinds), ctx, shape.label, e)
-                    if DEVICE == "cuda":
-                        torch.cuda.empty_cache()
-            print(format_tables(group))
-            rows += group
+    global NUM_KV_HEADS
+    contexts = [Context(AttentionConfig(NUM_QO_HEADS, kv, head_dim, dtype=dtype, page_size=args.page_size,
+                                        target=target), meta, fi, fi_backends)
+                for kv in dict.fromkeys(args.kv_heads) for dtype in args.dtype for head_dim in args.head_dim]
+    for ctx in contexts:
+        ctx.no_tvm = getattr(args, "no_tvm", False)
+    # The decode kernels of every context are compiled at once, in threads (nvcc is a subprocess).
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=8) if DEVICE == "cuda" and "decode" in kinds else None
+    decode_jobs = {id(ctx): [(impl, pool.submit(job)) for impl, job in build_jobs("decode", ctx)]
+                   for ctx in contexts} if pool else {}
+    for ctx in contexts:
+        dtype, head_dim, config = ctx.dtype, ctx.head_dim, ctx.config
+        NUM_KV_HEADS = config.num_kv_heads  # the inputs, byte counts and rows follow it
+        t0 = time.time()
+        for kernel in kinds:
+            ctx.kernels[kernel] = (collect_builds(kernel, ctx, decode_jobs[id(ctx)]) if id(ctx) in decode_jobs
+                                   and kernel == "decode" else build_kernels(kernel, ctx))
+        print(f"{dtype}, head_dim {head_dim}, {NUM_QO_HEADS}/{NUM_KV_HEADS} heads: kernels built in "
+              f"{time.time() - t0:.1f} s")
+        group = []
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        prefill_kinds = [k for k in kinds if k in ("prefill", "ragged_prefill")]
+        todo = [(["decode"], shape, args.iters) for shape in decode_shapes]
+        todo += [(prefill_kinds, shape, max(3, args.iters // 4)) for shape in prefill_shapes]
+        todo += [(["tree_prefill"], shape, max(3, args.iters // 4)) for shape in tree_shapes]
+        for shape_kinds, shape, iters in todo:
+            try:
+                if shape_kinds == ["tree_prefill"]:
+                    group += bench_tree(ctx, shape, iters, gen)
+                else:
+                    group += bench_shape(shape_kinds, ctx, shape, iters, gen)
+            except Exception as e:  # noqa: BLE001 - out of memory, say: keep the other shapes' rows
+                skip("every impl", "/".join(shape_kinds), ctx, shape.label, e)
+                if DEVICE == "cuda":
+                    torch.cuda.empty_cache()
+        print(format_tables(group))
+        rows += group
+    if pool:
+        pool.shutdown()
     bad = [r for r in rows if r.get("agrees") is False]
     if bad:
         where = [f"{r['kernel']} {r['impl']} {r['dtype']} d{r['head_dim']} "

@@ -5,6 +5,7 @@ checks and row format).
 
     python scripts/tune_decode.py [--shapes 1x4096 ...] [--dtype float16 bfloat16] [--sweep float16]
                                   [--only LABEL ...] [--iters 8] [--jobs 8] [--json rows.json]
+                                  [--graph [IMPL ...]] [--profile [IMPL ...]]
 
 Impl names: "tvmattn" (what paged_decode(config) builds: the dispatch), "tvmattn-cuda-core"
 (paged_decode with the CUDA-core schedule), "tvmattn-tc-<label>" (a candidate, with --sweep
@@ -63,14 +64,13 @@ def jobs_for(dtypes, sweep, head_dim: int, page_size: int, kv_heads, baselines: 
 def make_func(job, head_dim: int, page_size: int):
     """(PrimFunc, variant description) of one job."""
     from tir_kernels import paged_decode
-    from tir_kernels.schedules import (choose_decode_schedule, decode_schedule_label, decode_variants,
-                                       tc_decode_candidates)
+    from tir_kernels.schedules import (choose_decode_schedule, choose_decode_variant, decode_schedule_label,
+                                       decode_variants, tc_decode_candidates)
 
     dtype, _, variant, kv = job
     config = config_for(dtype, head_dim, page_size, kv)
-    if variant == "default":
-        func = paged_decode(config)
-        return func, bk.tvmattn_variant("decode", config, func)
+    if variant == "default":  # the table's schedule for the config's largest measured shape, or the default
+        return paged_decode(config), f"paged_decode: {decode_schedule_label(choose_decode_variant(config))}"
     if variant == "cuda-core":
         sched = choose_decode_schedule(config)
         return paged_decode(config, sched), bk.schedule_summary(sched)
@@ -224,6 +224,43 @@ def graph_rows(ctx, shape, impls, iters: int, gen, meta: dict) -> list:
     return rows
 
 
+def profile_shape(ctx, shape, impls, iters: int, gen) -> None:
+    """Print each impl's kernels at one shape: torch.profiler's device time per call of each
+    kernel (the split kernel, the merge), their sum, and the CUDA-event time per call of the
+    same eager loop (the difference: launch gaps and host time the GPU waited for)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    pool_bytes = shape.batch * math.ceil(shape.seq_len / ctx.page_size) * ctx.page_size * bk.NUM_KV_HEADS \
+        * ctx.head_dim * 2 * bk.ELEM_BYTES[ctx.dtype]
+    inputs = bk.Inputs(ctx, shape, bk.copies_for(pool_bytes), gen)
+    for impl, _, fn in impls:
+        o = torch.empty_like(inputs.q)
+        lse = torch.empty(inputs.q.shape[:2], device=bk.DEVICE, dtype=torch.float32)
+        args = bk.tvm_args("decode", ctx, inputs, o, lse)
+        arglists = [[args[0], pool, *args[2:]] for pool in inputs.tvm_pools]
+        for a in arglists:
+            fn(*a)
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start.record()
+            for i in range(iters):
+                fn(*arglists[i % len(arglists)])
+            stop.record()
+            torch.cuda.synchronize()
+        wall = start.elapsed_time(stop) * 1e3 / iters
+        kernels = []
+        for ev in prof.key_averages():
+            total = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if total and "Memcpy" not in ev.key and "Memset" not in ev.key:
+                kernels.append((ev.key, total / iters, ev.count / iters))
+        parts = ", ".join(f"{k} {t:.1f} us x{c:g}" for k, t, c in sorted(kernels))
+        print(f"  profile {impl} {ctx.dtype} kv{bk.NUM_KV_HEADS} {shape.label}: {parts}; kernels "
+              f"{sum(t for _, t, _ in kernels):.1f} us, events {wall:.1f} us per call", flush=True)
+    del inputs
+
+
 def default_label(dtype: str, head_dim: int, group: int, page_size: int) -> str:
     """The label of today's default tensor-core schedule for a bucket (32 query heads)."""
     from tir_kernels.schedules import choose_tc_decode_schedule
@@ -321,6 +358,9 @@ def main(argv=None) -> int:
                         help="also time these impls (default: tvmattn, tvmattn-table) replayed from a CUDA graph")
     parser.add_argument("--only", nargs="+", metavar="LABEL",
                         help="sweep only these candidate labels (default: every candidate)")
+    parser.add_argument("--profile", nargs="*", metavar="IMPL",
+                        help="print torch.profiler's device time per kernel of these impls at each shape "
+                             "(default: tvmattn and tvmattn-table)")
     parser.add_argument("--page-size", type=int, default=bk.DEFAULT_PAGE_SIZE)
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--jobs", type=int, default=8, help="build processes")
@@ -356,6 +396,15 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001 - out of memory, say
                     print(f"  skip {dtype} {shape.label}: {type(e).__name__}: {e}")
                     if bk.DEVICE == "cuda":
+                        torch.cuda.empty_cache()
+            if args.profile is not None and bk.DEVICE == "cuda":
+                wanted = args.profile or ["tvmattn", "tvmattn-table"]
+                impls = [k for k in ctx.kernels["decode"] if k[0] in wanted]
+                for shape in shapes:
+                    try:
+                        profile_shape(ctx, shape, impls, max(args.iters, 20), gen)
+                    except Exception as e:  # noqa: BLE001 - reported
+                        print(f"  skip profile {dtype} {shape.label}: {type(e).__name__}: {str(e)[:200]}")
                         torch.cuda.empty_cache()
             if args.graph is not None and bk.DEVICE == "cuda":
                 wanted = args.graph or ["tvmattn", "tvmattn-table"]

@@ -10,9 +10,10 @@ keys (blockIdx = request, KV head, split slot). The grid's split slots per reque
 launch from the batch size (`grid_splits`: about one wave of resident blocks); each request
 uses as many of them as its length allows (`request_splits`: at least min_split_keys keys a
 split, whole tiles); a request of one split writes o / lse directly, the others are merged in
-FP32 by `merge` (one block per request and query head). The G query heads of the KV head are
-the M rows of the MMAs (padded with zero rows to 16), so each K/V row is read from memory once
-for the whole group.
+FP32 by `merge` (one block per request and query head; each thread loads every split's LSE and
+o of its column in one round of loads, compiled for a few split-slot counts). The G query heads
+of the KV head are the M rows of the MMAs (padded with zero rows to 16), so each K/V row is read
+from memory once for the whole group.
 
 Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
   load_q: the group's query rows -> shared (cp.async), then A fragments (ldmatrix).
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, loop_kinds, paged_position
+from .common import EMPTY_LSE, LOG2E, ceildiv, loop_kinds, paged_position
 from .config import AttentionConfig
 from .decode import _check, _Dims, _merge_macros, _split_kernel_macro, decode_func
 from .prefill_sm80 import CHUNK, FULL_WARP, MMA_DTYPES, ROWS_PER_MMA, _Tile
@@ -111,9 +112,30 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     EARLY, HEADS_FIRST = sched.early_pages, sched.heads_first
     PRE = STAGES - 1 if EARLY else 1  # tiles whose page entries a thread holds at once
 
+    LI_SHAPE = (3, 1) if sliding else (1,)
+    # Split slots the merge is compiled for (a launch takes the first that holds its slots):
+    # 8, the slots of a batch of one, max_splits.
+    MERGE_WIDTHS = sorted({min(8, MS), min(MS, max(sched.target_blocks // Hkv, 1)), MS})
+
     def word(elem):
         """fp32 index of a 16-bit element offset (a multiple of 8)."""
         return elem // 2
+
+    def visible_keys(npages, li_):
+        """kv_chunk_len's count from the loaded length_info li_ (`load_length_info`), without a
+        branch (which would keep the length_info load behind the page count's)."""
+        last = li_[0, 0] - li_[1, 0] + li_[2, 0] if sliding else li_[0]
+        return ((npages - 1) * ps + last) * T.Cast("int32", npages > 0)
+
+    @T.macro
+    def load_length_info(length_info_, b_, li_):
+        """li_ <- request b_'s length_info (one load each, not behind the page count's branch),
+        shaped for visible_keys and paged_position (request index 0)."""
+        if sliding:
+            for k in L.unroll(3):
+                li_[k, 0] = length_info_[k, b_]
+        else:
+            li_[0] = length_info_[b_]
 
     @T.macro
     def load_q(q_, smem_, b_, hkv_, tid_):
@@ -131,16 +153,17 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                         smem_[word(Q_OFF + TL.offset(r, ch)) + e] = T.float32(0)
 
     @T.macro
-    def lookup(indices_, length_info_, b_, page0_, kv0_, kv_end_, tid_, page_, slot_, at_):
+    def lookup(indices_, li_, page0_, kv0_, kv_end_, tid_, page_, slot_, at_):
         """page_, slot_ [at_ .. at_ + PASSES) <- where this thread's rows of the tile from key kv0_
-        live (every page-table read of a tile before any of its copies)."""
+        live (every page-table read of a tile before any of its copies); li_: the request's
+        length_info (`load_length_info`)."""
         for p in L.unroll(PASSES):
             j = T.meta_var(kv0_ + p * RP + tid_ // TPR)
             page_[at_ + p] = 0
             slot_[at_ + p] = 0
             if j < kv_end_:
-                page_[at_ + p] = indices_[page0_ + paged_position(j, length_info_, b_, sliding) // ps]
-                slot_[at_ + p] = paged_position(j, length_info_, b_, sliding) % ps
+                page_[at_ + p] = indices_[page0_ + paged_position(j, li_, 0, sliding) // ps]
+                slot_[at_ + p] = paged_position(j, li_, 0, sliding) % ps
 
     @T.macro
     def issue(pages_, smem_, hkv_, stage_, kv0_, kv_end_, tid_, page_, slot_, at_):
@@ -302,8 +325,10 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         sl = T.alloc_buffer((PASSES * PRE,), "int32", scope="local")
         warp = tid // 32
         lane = tid % 32
+        li = T.alloc_buffer(LI_SHAPE, "int32", scope="local")
+        load_length_info(length_info_, b, li)
         page0 = indptr_[b]
-        kv_len = kv_chunk_len(indptr_[b + 1] - page0, ps, length_info_, b, sliding)
+        kv_len = visible_keys(indptr_[b + 1] - page0, li)
         nsplit = request_splits(sched, grid_splits(sched, Hkv, batch), kv_len)
         split_len = split_length(sched, kv_len, nsplit)
         j_begin = T.min(split * split_len, kv_len)
@@ -320,7 +345,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         if EARLY:  # every page-table read of the prologue, then every copy
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
-                    lookup(indices_, length_info_, b, page0, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES)
+                    lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES)
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
                     issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES)
@@ -328,13 +353,13 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         else:
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
-                    lookup(indices_, length_info_, b, page0, j_begin + st * BK, j_end, tid, pg, sl, 0)
+                    lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, 0)
                     issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, 0)
                 T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
         # Page lookups run a tile ahead of the copies: their latency hides behind a step of
         # arithmetic.
         if STAGES - 1 < ntiles:
-            lookup(indices_, length_info_, b, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0)
+            lookup(indices_, li, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0)
         T.ptx["cp.async.wait_group"](STAGES - 1)  # Q has landed
         T.tvm_storage_sync(shared)
         if QREG:
@@ -347,7 +372,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 issue(pages_, smem, hkv, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid,
                       pg, sl, 0)
                 if t + STAGES < ntiles:
-                    lookup(indices_, length_info_, b, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0)
+                    lookup(indices_, li, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0)
             T.ptx["cp.async.commit_group"]()
             s_mma(smem, qf, s, t % STAGES, warp, lane)
             softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
@@ -384,43 +409,67 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                                  sm_scale_, b, hkv, split, tid)
 
     @T.macro
+    def merge_slots(width, slots, indptr_, length_info_, o_part_, lse_part_, o_, lse_, b, h, e):
+        """The merge of (request b, query head h), column e, for at most `width` split slots:
+        the LSE and o of all `width` slots are loaded at once (slot index clamped to the
+        request's last split, whose copies then weigh 0), so the block waits for one round of
+        loads instead of one per split; no use of a loaded value is conditional, so the compiler
+        cannot sink the loads into per-split branches."""
+        batch = o_.shape[0]
+        lw = T.alloc_buffer((width,), "float32", scope="local")
+        ov = T.alloc_buffer((width,), "float32", scope="local")
+        li = T.alloc_buffer(LI_SHAPE, "int32", scope="local")
+        np_ = T.alloc_buffer((1,), "int32", scope="local")
+        m_all = T.alloc_buffer((1,), "float32", scope="local")
+        l_all = T.alloc_buffer((1,), "float32", scope="local")
+        acc = T.alloc_buffer((1,), "float32", scope="local")
+        wt = T.alloc_buffer((1,), "float32", scope="local")
+        np_[0] = indptr_[b + 1] - indptr_[b]
+        load_length_info(length_info_, b, li)
+        nsplit = request_splits(sched, slots, visible_keys(np_[0], li))
+        if nsplit > 1:
+            for y in L.unroll(width):
+                lw[y] = lse_part_[(T.min(y, nsplit - 1) * batch + b) * Hq + h]
+                ov[y] = o_part_[((T.min(y, nsplit - 1) * batch + b) * Hq + h) * D + e]
+            m_all[0] = T.float32(EMPTY_LSE)
+            for y in L.unroll(width):
+                m_all[0] = T.max(m_all[0], lw[y])
+            l_all[0] = T.float32(0)
+            acc[0] = T.float32(0)
+            for y in L.unroll(width):
+                wt[0] = finished_l(lw[y]) * rescale_factor(lw[y], m_all[0]) * T.Cast("float32", y < nsplit)
+                l_all[0] = l_all[0] + wt[0]
+                acc[0] = acc[0] + wt[0] * ov[y]
+            o_[b, h, e] = T.Cast(dtype, acc[0] * finalize_scale(l_all[0]))
+            if e == 0:
+                lse_[b, h] = finalize_lse(m_all[0], l_all[0])
+
+    @T.macro
     def merge(indptr_, length_info_, o_part_, lse_part_, o_, lse_):
         """o_, lse_ <- the FP32 merge of the split states of each (request, query head) whose
         request took more than one split: block (request, head), one thread per column; split
-        s's finished state (o, lse) counts as (m = lse, l = finished_l(lse), o * l)."""
+        s's finished state (o, lse) counts as (m = lse, l = finished_l(lse), o * l). The code
+        is compiled for each of MERGE_WIDTHS slot counts; the launch's slots pick one."""
         batch = o_.shape[0]
+        slots = T.meta_var(grid_splits(sched, Hkv, batch))
         for b in L.block(batch, "x", outer=True):
             for h in L.block(Hq, "y"):
                 for e in L.thread(D, "x"):
-                    w = T.alloc_buffer((MS,), "float32", scope="shared")
-                    m_all = T.alloc_buffer((1,), "float32", scope="local")
-                    l_all = T.alloc_buffer((1,), "float32", scope="local")
-                    acc = T.alloc_buffer((1,), "float32", scope="local")
-                    kv_len = kv_chunk_len(indptr_[b + 1] - indptr_[b], ps, length_info_, b, sliding)
-                    nsplit = request_splits(sched, grid_splits(sched, Hkv, batch), kv_len)
-                    if nsplit > 1:
-                        for it in L.unroll(ceildiv(MS, D)):
-                            if it * D + e < nsplit:
-                                w[it * D + e] = lse_part_[((it * D + e) * batch + b) * Hq + h]
-                        T.tvm_storage_sync("shared")
-                        m_all[0] = T.float32(EMPTY_LSE)
-                        for y in L.unroll(MS):
-                            if y < nsplit:
-                                m_all[0] = T.max(m_all[0], w[y])
-                        T.tvm_storage_sync("shared")
-                        for it in L.unroll(ceildiv(MS, D)):
-                            if it * D + e < nsplit:
-                                w[it * D + e] = finished_l(w[it * D + e]) * rescale_factor(w[it * D + e], m_all[0])
-                        T.tvm_storage_sync("shared")
-                        l_all[0] = T.float32(0)
-                        acc[0] = T.float32(0)
-                        for y in L.unroll(MS):
-                            if y < nsplit:
-                                l_all[0] = l_all[0] + w[y]
-                                acc[0] = acc[0] + w[y] * o_part_[((y * batch + b) * Hq + h) * D + e]
-                        o_[b, h, e] = T.Cast(dtype, acc[0] * finalize_scale(l_all[0]))
-                        if e == 0:
-                            lse_[b, h] = finalize_lse(m_all[0], l_all[0])
+                    args = T.meta_var((slots, indptr_, length_info_, o_part_, lse_part_, o_, lse_, b, h, e))
+                    if len(MERGE_WIDTHS) == 1:
+                        merge_slots(MERGE_WIDTHS[0], *args)
+                    elif len(MERGE_WIDTHS) == 2:
+                        if slots <= MERGE_WIDTHS[0]:
+                            merge_slots(MERGE_WIDTHS[0], *args)
+                        else:
+                            merge_slots(MERGE_WIDTHS[1], *args)
+                    else:
+                        if slots <= MERGE_WIDTHS[0]:
+                            merge_slots(MERGE_WIDTHS[0], *args)
+                        elif slots <= MERGE_WIDTHS[1]:
+                            merge_slots(MERGE_WIDTHS[1], *args)
+                        else:
+                            merge_slots(MERGE_WIDTHS[2], *args)
 
     return tc_kernel, merge
 

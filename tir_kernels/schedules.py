@@ -297,6 +297,11 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
         dataclasses.replace(base, threads_per_row=8, early_pages=True, heads_first=True),
         dataclasses.replace(base, l2_prefetch=256, threads_per_row=8, early_pages=True, heads_first=True),
         dataclasses.replace(base, threads_per_row=16, early_pages=True, heads_first=True),
+        # with -c8-e-h: two blocks per SM (3 stages), 5 stages, two waves of splits
+        dataclasses.replace(tc(4, 16, 3), threads_per_row=8, early_pages=True, heads_first=True),
+        dataclasses.replace(base, stages=5, threads_per_row=8, early_pages=True, heads_first=True),
+        dataclasses.replace(base, target_blocks=2 * base.target_blocks, threads_per_row=8, early_pages=True,
+                            heads_first=True),
     ]
     out = {}
     for sched in variants:
