@@ -28,7 +28,9 @@ from tvmattn.models.quant_matmul import (  # noqa: E402 - after the gguf check: 
     kernel,
     matmul_algorithm,
     schedule,
+    uses_cuda_gemv,
 )
+from tvmattn.models.quant_gemv_cuda import CUDAGemvSchedule, choose_gemv_schedule  # noqa: E402
 from tvmattn.weights.quant import LAYOUTS, PACKED, QUANT_TYPES, QuantizedTensor, split_blocks  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
@@ -291,3 +293,62 @@ def test_cuda_take_reads_rows(built_cuda, fmt):
     out = tvm.runtime.tensor(np.full((len(ids), wide(fmt)), np.nan, np.float16), device=dev)
     built_cuda(config)(tvm.runtime.tensor(ids, device=dev), *parts, out)
     np.testing.assert_array_equal(out.numpy(), w[ids].astype(np.float16))
+
+
+GEMV_CASES = [c for c in CASES if c[0] in ("Q4_0", "Q4_1", "Q8_0")] + [("Q4_1", 3072, 576), ("Q4_1", 576, 1536)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,rows,cols", GEMV_CASES, ids=[case_id(c) for c in GEMV_CASES])
+def test_cuda_decode_batch_matches_dequantize_then_matmul(built_cuda, fmt, rows, cols):
+    """The GEMV's passes over a decode batch (few_tokens): 1 to 17 rows, passes of 4 with a tail."""
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=None, target="cuda", dtype="float16", few_tokens=True)
+    assert uses_cuda_gemv(config)
+    blocks, w = quantized(fmt, rows, cols, seed=3 * rows + cols)
+    fn = built_cuda(config)
+    for tokens in (1, 2, 5, 16, 17):
+        x = np.random.default_rng(tokens).standard_normal((tokens, cols)).astype(np.float32)
+        check_cuda(run_cuda(fn, config, blocks, x), x, w)
+
+
+def test_cuda_gemv_routing():
+    """Which CUDA matmuls run the GEMV of quant_gemv_cuda.py and which stay with dlight."""
+    def cfg(fmt="Q4_1", n=960, k=576, **kw):
+        return QuantMatmulConfig(fmt, n, k, target="cuda", dtype="float16", **kw)
+
+    assert uses_cuda_gemv(cfg(tokens=1)) and uses_cuda_gemv(cfg(fmt="Q8_0", n=49152, tokens=1))
+    assert uses_cuda_gemv(cfg(tokens=None, few_tokens=True))
+    assert not uses_cuda_gemv(cfg(tokens=None))  # prefill: dlight's Matmul
+    assert not uses_cuda_gemv(cfg(fmt="Q8_0", n=49152, tokens=None, few_tokens=True))  # the 30 MB LM head
+    assert not uses_cuda_gemv(cfg(fmt="Q4_K", k=768, tokens=1))
+    assert not uses_cuda_gemv(QuantMatmulConfig("Q4_1", 960, 576, tokens=1))  # llvm
+    assert cfg(tokens=None, few_tokens=True).name == "quant_matmul_q4_1_960x576_b_f16"
+    with pytest.raises(ValueError, match="few_tokens=True"):
+        cfg(tokens=1, few_tokens=True)
+
+
+@pytest.mark.parametrize("k,lanes,rows", [(576, 16, 4), (1536, 16, 4), (96, 2, 32), (32, 1, 64), (160, 4, 16)])
+def test_cuda_gemv_schedule_choice(k, lanes, rows):
+    assert choose_gemv_schedule(960, k, 1) == CUDAGemvSchedule(lanes=lanes, rows=rows, token_tile=1)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"lanes": 3}, "lanes=3"), ({"rows": 0}, "rows=0"), ({"token_tile": 0}, "token_tile=0"),
+    ({"lanes": 32, "rows": 33}, "1056: at most 1024"),
+])
+def test_cuda_gemv_schedule_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CUDAGemvSchedule(**kwargs)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_cuda_gemv_source_loads_16_bytes_and_reduces_by_shuffles(fmt):
+    """The CUDA source (no GPU needed to generate it): the quants and X in 16-byte vector loads,
+    the lanes' sums by warp shuffles, 64 threads a block."""
+    if tvm.get_global_func("target.build.cuda", allow_missing=True) is None:
+        pytest.skip("TVM built without CUDA codegen")
+    config = QuantMatmulConfig(fmt, 576, 576, tokens=1, target="cuda", dtype="float16")
+    source = tvm.compile(kernel(config), target=cuda_target()).mod.imports[0].inspect_source()
+    assert "*(uint4*)(qw_ptr" in source or "*(int4*)(qw_ptr" in source
+    assert "*(uint4*)(x_ptr" in source
+    assert "__shfl_xor_sync" in source and "__launch_bounds__(64)" in source

@@ -53,7 +53,10 @@ def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor) -> 
     for d in lead:
         tokens = tokens * d
     static = tokens if isinstance(tokens, int) else None
-    config = QuantMatmulConfig(fmt, rows, cols, tokens=static, target=kernel_target(), dtype=str(x.dtype))
+    # [batch, 1, cols] with a symbolic batch: a decode step's few rows (decode_step, batch_decode)
+    few = kernel_target() == "cuda" and static is None and len(lead) == 2 and isinstance(lead[1], int) and lead[1] == 1
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=static, target=kernel_target(), dtype=str(x.dtype),
+                               few_tokens=few)
     flat = op.reshape(x, (tokens, cols))
     parts = [getattr(module, PART_PREFIX + name) for name, _, _ in PACKED[fmt]]
     out = op.tensor_ir_op(_kernel(config), config.name, args=[flat, *parts],

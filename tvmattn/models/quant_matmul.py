@@ -29,7 +29,9 @@ host's CPU; compile for `host_target()`):
   into an f32 scratch tile [NB, K], which every token tile then multiplies as CPUMatmul does
   (tokens padded to MR, MR x NR x V register tile of lanes along K).
 - take: one thread (a decode step looks up one row), vectorized over K.
-Only llvm is scheduled today; a CUDA schedule of the same algorithms is the next step.
+On CUDA: the 32-weight block formats (Q4_0, Q4_1, Q8_0) for one token or a decode batch run
+the GEMV of quant_gemv_cuda.py (`uses_cuda_gemv`); everything else, matmul_algorithm /
+take_algorithm under dlight's rules (`_schedule_cuda`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
 import tvm
 from tvm import s_tir, te, tirx
 
@@ -75,7 +78,9 @@ class QuantMatmulConfig:
     k: input features (a multiple of 32); tokens: for matmul, the static token count T, or None
     for a symbolic one (`n_tokens`, int64); op: "matmul" or "take"; target: "llvm" or "cuda";
     dtype: the activations' (X, Y, E): float32 on llvm, float16 or float32 on cuda (products
-    are summed in float32 either way).
+    are summed in float32 either way); few_tokens: the symbolic token count is a decode batch
+    (decode_step, batch_decode: a few rows), which CUDA runs as passes of its GEMV instead of
+    dlight's Matmul tiles (llvm ignores it).
     """
 
     fmt: str
@@ -85,6 +90,7 @@ class QuantMatmulConfig:
     op: str = "matmul"
     target: str = "llvm"
     dtype: str = "float32"
+    few_tokens: bool = False
 
     def __post_init__(self):
         if self.fmt not in QUANT_TYPES:
@@ -101,14 +107,16 @@ class QuantMatmulConfig:
             raise ValueError(f"op={self.op!r}: expected one of {OPS}")
         if self.target not in TARGET_DTYPES:
             raise ValueError(f"target={self.target!r}: expected one of {tuple(TARGET_DTYPES)}")
+        if self.few_tokens not in (True, False) or self.few_tokens and (self.tokens is not None or self.op != "matmul"):
+            raise ValueError(f"few_tokens={self.few_tokens!r}: expected a bool, True only for symbolic matmul tokens")
         if self.dtype not in TARGET_DTYPES[self.target]:
             raise ValueError(f"dtype={self.dtype!r}: on {self.target} expected one of {TARGET_DTYPES[self.target]}")
 
     @property
     def name(self) -> str:
-        """A symbol naming the kernel, e.g. quant_matmul_q4_1_3072x576_n (n: symbolic tokens;
-        float16 activations add _f16)."""
-        tokens = "" if self.op == "take" else f"_{self.tokens or 'n'}"
+        """A symbol naming the kernel, e.g. quant_matmul_q4_1_3072x576_n (n: symbolic tokens, b:
+        a symbolic decode batch; float16 activations add _f16)."""
+        tokens = "" if self.op == "take" else f"_{self.tokens or ('b' if self.few_tokens else 'n')}"
         dtype = "" if self.dtype == "float32" else "_f16"
         return f"quant_{self.op}_{self.fmt.lower()}_{self.n}x{self.k}{tokens}{dtype}"
 
@@ -442,6 +450,25 @@ def _schedule_cuda(func: tirx.PrimFunc, config: QuantMatmulConfig) -> tirx.PrimF
     raise ValueError(f"{config.name}: no CUDA schedule applies")
 
 
+# a decode batch's GEMV passes keep each weight block in registers but re-read X per token and
+# row: weights above this size (SmolLM2's 30 MB Q8_0 LM head) keep dlight's Matmul for a batch
+CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES = 16 << 20
+
+
+def uses_cuda_gemv(config: QuantMatmulConfig) -> bool:
+    """Whether `config` runs quant_gemv_cuda's kernel: a CUDA matmul of a 32-weight block format
+    for one static token (decode; also a few static tokens) or a decode batch (`few_tokens`) whose
+    weight is at most CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES; else dlight's rules (`_schedule_cuda`)."""
+    from .quant_gemv_cuda import GEMV_FORMATS
+
+    if config.target != "cuda" or config.op != "matmul" or config.fmt not in GEMV_FORMATS:
+        return False
+    if config.tokens is not None:
+        return config.tokens <= 8
+    weight_bytes = sum(np.prod(shape) * np.dtype(dtype).itemsize for _, dtype, shape in config.part_shapes())
+    return config.few_tokens and weight_bytes <= CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES
+
+
 def schedule(func: tirx.PrimFunc, config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.PrimFunc:
     """`func` (from matmul_algorithm / take_algorithm of `config`) scheduled for config.target,
     marked scheduled (the model pipeline's dlight rules leave it alone) and opaque (never fused).
@@ -472,6 +499,13 @@ def algorithm(config: QuantMatmulConfig, plan: CPUSchedule | None) -> tirx.PrimF
 
 def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.PrimFunc:
     """The scheduled PrimFunc of `config` (see the module docstring for its arguments)."""
+    if uses_cuda_gemv(config):
+        from .quant_gemv_cuda import choose_gemv_schedule, gemv_kernel
+
+        func = gemv_kernel(config.fmt, config.n, config.k, config.tokens, config.dtype,
+                           choose_gemv_schedule(config.n, config.k, config.tokens))
+        return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8).with_attr(
+            "global_symbol", config.name)
     if config.target == "llvm":
         plan = plan or choose_schedule(config)
     return schedule(algorithm(config, plan), config, plan).with_attr("global_symbol", config.name)

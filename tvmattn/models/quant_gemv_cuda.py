@@ -1,0 +1,195 @@
+"""A CUDA dequantize + GEMV of our own for the 32-weight GGUF blocks (Q4_0, Q4_1, Q8_0).
+
+What it computes is quant_matmul.matmul_algorithm's product for a few tokens,
+Y[t, n] = sum_k X[t, k] * W[n, k], in the block-factored form of quant_matmul.gemv_algorithm:
+per block b of 32 weights, W = d * q + offset (Q4_1: offset m; Q4_0: -8 d; Q8_0: none), so
+
+    Y[t, n] = sum_b d[n, b] * (sum_i q[n, 32b + i] * X[t, 32b + i]) + offset[n, b] * (sum_i X[t, 32b + i])
+
+with the products and sums in float32 and Y rounded once to the activations' dtype.
+
+How (`CUDAGemvSchedule`): `lanes` threads of a warp share an output row; each takes whole
+blocks (lane, lane + lanes, ...): one 16-byte load of a Q4 block's quants (two for Q8_0, the
+quants read as 32-bit words of the same array), its scale (and offset) once, and X's 32 values
+in 16-byte loads; the lanes' partial sums meet in a warp shuffle reduction. `rows` rows per
+thread block (threadIdx.y), so a 576-row projection is 144 blocks of 64 threads for the H200's
+132 SMs. More tokens than one (decode_step's symbolic batch) run in passes of `token_tile`
+tokens over the same weight blocks, which the thread reloads from L1.
+
+Arguments as quant_matmul.matmul_algorithm's: (X [T, K], *parts, Y [T, N]), shapes int64, T a
+static count or the symbolic `n_tokens`; ids and data are not checked (the model's shapes are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tvm.script import tirx as T
+
+GEMV_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+BLOCK = 32
+FULL_WARP = 0xFFFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class CUDAGemvSchedule:
+    """How the CUDA GEMV is laid out (never what it computes).
+
+    lanes: threads per output row (1, 2, 4, 8, 16 or 32: a warp's lanes reduce by shuffles);
+    rows: output rows per thread block (lanes * rows threads, at most 1024); token_tile: tokens
+    per pass over the weight for symbolic token counts (a static count is one pass).
+    """
+
+    lanes: int = 16
+    rows: int = 4
+    token_tile: int = 4
+
+    def __post_init__(self):
+        if self.lanes not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"lanes={self.lanes!r}: expected a power of 2 up to 32")
+        for name in ("rows", "token_tile"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r}: expected a positive integer")
+        if self.lanes * self.rows > 1024:
+            raise ValueError(f"lanes * rows = {self.lanes * self.rows}: at most 1024 threads per block")
+
+
+def choose_gemv_schedule(n: int, k: int, tokens: int | None) -> CUDAGemvSchedule:
+    """lanes: the largest power of 2 up to 16 not above the row's block count (SmolLM2's K of
+    576 and 1536 are 18 and 48 blocks: 16 lanes, 2 and 3 blocks each); rows: 64 threads per
+    block (576 rows: 144 blocks on 132 SMs); token tiles of 4."""
+    blocks = k // BLOCK
+    lanes = 1
+    while lanes * 2 <= min(blocks, 16):
+        lanes *= 2
+    return CUDAGemvSchedule(lanes=lanes, rows=max(1, 64 // lanes), token_tile=4 if tokens is None else tokens)
+
+
+def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: CUDAGemvSchedule):
+    """The PrimFunc (X, qs, d[, m], Y) of the module docstring for `fmt` in GEMV_FORMATS."""
+    if fmt not in GEMV_FORMATS:
+        raise ValueError(f"fmt={fmt!r}: the CUDA GEMV takes {GEMV_FORMATS}")
+    if k % BLOCK:
+        raise ValueError(f"k={k}: expected whole blocks of {BLOCK}")
+    N, K, NB = n, k, k // BLOCK
+    L, R = plan.lanes, plan.rows
+    TR = plan.token_tile if tokens is None else tokens
+    J = (NB + L - 1) // L  # blocks per lane
+    GRID = (N + R - 1) // R
+    LOG_L = L.bit_length() - 1
+    VEC = 16 // (2 if dtype == "float16" else 4)  # activations per 16-byte load
+    Q8 = fmt == "Q8_0"
+    WORDS = 8 if Q8 else 4  # 32-bit words of quants per block
+    WPR = NB * WORDS  # words per row
+    QS_COLS = K if Q8 else K // 2
+    QS_DTYPE = "int8" if Q8 else "uint8"
+    WORD = "int32" if Q8 else "uint32"
+    HAS_M = fmt == "Q4_1"
+    f32 = "float32"
+
+    @T.macro
+    def body(x, qs, d, m, y, n_tokens):
+        qw = T.decl_buffer((T.int64(N * WPR),), WORD, data=qs.data)
+        for bx in T.thread_binding(GRID, thread="blockIdx.x"):
+            for ty in T.thread_binding(R, thread="threadIdx.y"):
+                for tx in T.thread_binding(L, thread="threadIdx.x"):
+                    words = T.alloc_local((J * WORDS,), WORD)
+                    scale = T.alloc_local((J,), f32)
+                    offset = T.alloc_local((J,), f32)
+                    xv = T.alloc_local((BLOCK,), dtype)
+                    acc = T.alloc_local((TR,), f32)
+                    dot = T.alloc_local((5,), f32)
+                    row = T.Cast("int64", bx * R + ty)
+                    rowc = T.min(row, T.int64(N - 1))  # rows past N compute row N-1, never stored
+                    # the lane's blocks: quants (16-byte loads), scale and offset, once
+                    for j in T.unroll(J):
+                        b = T.min(T.Cast("int64", j * L + tx), T.int64(NB - 1))
+                        for w in T.vectorized(4):
+                            words[j * WORDS + w] = qw[rowc * WPR + b * WORDS + w]
+                        if Q8:
+                            for w in T.vectorized(4):
+                                words[j * WORDS + 4 + w] = qw[rowc * WPR + b * WORDS + 4 + w]
+                        scale[j] = T.Cast(f32, d[rowc, b])
+                        if HAS_M:
+                            offset[j] = T.Cast(f32, m[rowc, b])
+                        elif not Q8:
+                            offset[j] = T.Cast(f32, d[rowc, b]) * T.float32(-8.0)
+                    for t0 in T.serial((n_tokens + TR - 1) // TR):
+                        for t in T.unroll(TR):
+                            acc[t] = T.float32(0.0)
+                        for t in T.unroll(TR):
+                            tok = T.min(t0 * TR + t, n_tokens - 1)
+                            for j in T.unroll(J):
+                                b = T.Cast("int64", j * L + tx)
+                                if b < NB:
+                                    for c in T.unroll(BLOCK // VEC):
+                                        for v in T.vectorized(VEC):
+                                            xv[c * VEC + v] = x[tok, b * BLOCK + c * VEC + v]
+                                    for a in T.unroll(5):
+                                        dot[a] = T.float32(0.0)
+                                    # four independent partial sums (by word) keep the FMA chains short
+                                    for w in T.unroll(WORDS):
+                                        for e in T.unroll(4):
+                                            if Q8:
+                                                dot[w % 4] = dot[w % 4] + T.Cast(f32, T.shift_right(
+                                                    T.shift_left(words[j * WORDS + w], 24 - 8 * e), 24)) \
+                                                    * T.Cast(f32, xv[w * 4 + e])
+                                            else:
+                                                dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
+                                                    words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15))) \
+                                                    * T.Cast(f32, xv[w * 4 + e])
+                                                dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
+                                                    words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15))) \
+                                                    * T.Cast(f32, xv[w * 4 + e + 16])
+                                    if not Q8:
+                                        for i in T.unroll(BLOCK):
+                                            dot[4] = dot[4] + T.Cast(f32, xv[i])
+                                        acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3])) \
+                                            + offset[j] * dot[4]
+                                    else:
+                                        acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3]))
+                        for t in T.unroll(TR):
+                            for s in T.unroll(LOG_L):
+                                acc[t] = acc[t] + T.tvm_warp_shuffle_xor(
+                                    T.uint32(FULL_WARP), acc[t], T.shift_right(L, s + 1), L, 32)
+                        if tx == 0:
+                            if row < N:
+                                for t in T.unroll(TR):
+                                    if t0 * TR + t < n_tokens:
+                                        y[t0 * TR + t, row] = T.Cast(dtype, acc[t])
+
+    QS, SC = (T.int64(N), T.int64(QS_COLS)), (T.int64(N), T.int64(NB))  # the parts' shapes
+    if tokens is None:
+        if HAS_M:
+            @T.prim_func
+            def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
+                     m: T.Buffer(SC, "float16"), y_h: T.handle):
+                T.func_attr({"tirx.noalias": True})
+                n_tokens = T.int64()
+                x = T.match_buffer(x_h, (n_tokens, T.int64(K)), dtype)
+                y = T.match_buffer(y_h, (n_tokens, T.int64(N)), dtype)
+                body(x, qs, d, m, y, n_tokens)
+        else:
+            @T.prim_func
+            def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), y_h: T.handle):
+                T.func_attr({"tirx.noalias": True})
+                n_tokens = T.int64()
+                x = T.match_buffer(x_h, (n_tokens, T.int64(K)), dtype)
+                y = T.match_buffer(y_h, (n_tokens, T.int64(N)), dtype)
+                body(x, qs, d, None, y, n_tokens)
+    else:
+        XS, YS = (T.int64(tokens), T.int64(K)), (T.int64(tokens), T.int64(N))
+        if HAS_M:
+            @T.prim_func
+            def func(x: T.Buffer(XS, dtype), qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
+                     m: T.Buffer(SC, "float16"), y: T.Buffer(YS, dtype)):
+                T.func_attr({"tirx.noalias": True})
+                body(x, qs, d, m, y, T.int64(tokens))
+        else:
+            @T.prim_func
+            def func(x: T.Buffer(XS, dtype), qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
+                     y: T.Buffer(YS, dtype)):
+                T.func_attr({"tirx.noalias": True})
+                body(x, qs, d, None, y, T.int64(tokens))
+    return func
