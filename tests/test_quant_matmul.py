@@ -229,21 +229,26 @@ def built_cuda():
     return get
 
 
-def run_cuda(fn, config: QuantMatmulConfig, blocks: QuantizedTensor, x: np.ndarray) -> np.ndarray:
-    """Y of the CUDA kernel, x rounded to config.dtype first."""
+def run_cuda(fn, config: QuantMatmulConfig, blocks: QuantizedTensor, x: np.ndarray, residual=None) -> np.ndarray:
+    """Y of the CUDA kernel, x (and the residual) rounded to config.dtype first."""
     dev = tvm.cuda(0)
     parts = [tvm.runtime.tensor(blocks.parts[name], device=dev) for name, _, _ in config.part_shapes()]
+    extra = [] if residual is None else [tvm.runtime.tensor(residual.astype(config.dtype), device=dev)]
     out = tvm.runtime.tensor(np.full((x.shape[0], config.n), np.nan, config.dtype), device=dev)
-    fn(tvm.runtime.tensor(x.astype(config.dtype), device=dev), *parts, out)
+    fn(tvm.runtime.tensor(x.astype(config.dtype), device=dev), *parts, *extra, out)
     return out.numpy()
 
 
-def check_cuda(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
-    """Against float64 dequantize-then-matmul of the (rounded) x: a float16 Y is within its own
-    rounding (2^-11 relative) of the float32 sum, whose error the scale bounds."""
+def check_cuda(got: np.ndarray, x: np.ndarray, w: np.ndarray, residual=None) -> None:
+    """Against float64 dequantize-then-matmul of the (rounded) x (plus the rounded residual): a
+    float16 Y is within its own rounding (2^-11 relative) of the float32 sum, whose error the
+    scale bounds."""
     xr = x.astype(got.dtype).astype(np.float64)
     want = xr @ w.astype(np.float64).T
     scale = np.abs(xr) @ np.abs(w).astype(np.float64).T
+    if residual is not None:
+        rr = residual.astype(got.dtype).astype(np.float64)
+        want, scale = want + rr, scale + np.abs(rr)
     rel = 2.0 ** -11 if got.dtype == np.float16 else 0.0
     assert np.isfinite(got).all()
     err = np.abs(got.astype(np.float64) - want)
@@ -311,6 +316,25 @@ def test_cuda_decode_batch_matches_dequantize_then_matmul(built_cuda, fmt, rows,
         check_cuda(run_cuda(fn, config, blocks, x), x, w)
 
 
+RESIDUAL_CASES = [("Q4_1", 576, 576, 1), ("Q4_1", 576, 1536, None), ("Q4_0", 37, 96, 1), ("Q8_0", 19, 160, None),
+                  ("Q8_0", 64, 160, 5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,rows,cols,tokens", RESIDUAL_CASES)
+def test_cuda_gemv_adds_the_residual(built_cuda, fmt, rows, cols, tokens):
+    """Y = R + X W^T in one kernel (o_proj and down_proj with the decoder layer's residual)."""
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=tokens, target="cuda", dtype="float16",
+                               few_tokens=tokens is None, residual=True)
+    blocks, w = quantized(fmt, rows, cols, seed=rows + 7 * cols)
+    fn = built_cuda(config)
+    for count in ((tokens,) if tokens else (1, 3, 16)):
+        rng = np.random.default_rng(count)
+        x = rng.standard_normal((count, cols)).astype(np.float32)
+        r = (rng.standard_normal((count, rows)) * 4).astype(np.float32)
+        check_cuda(run_cuda(fn, config, blocks, x, r), x, w, r)
+
+
 def test_cuda_gemv_routing():
     """Which CUDA matmuls run the GEMV of quant_gemv_cuda.py and which stay with dlight."""
     def cfg(fmt="Q4_1", n=960, k=576, **kw):
@@ -325,9 +349,16 @@ def test_cuda_gemv_routing():
     assert cfg(tokens=None, few_tokens=True).name == "quant_matmul_q4_1_960x576_b_f16"
     with pytest.raises(ValueError, match="few_tokens=True"):
         cfg(tokens=1, few_tokens=True)
+    assert cfg(tokens=1, residual=True).name == "quant_matmul_q4_1_960x576_1_f16_res"
+    with pytest.raises(ValueError, match="residual=True needs the CUDA GEMV"):
+        kernel(cfg(tokens=None, residual=True))  # a prefill matmul adds its residual separately
+    with pytest.raises(ValueError, match="residual=True needs the CUDA GEMV"):
+        kernel(QuantMatmulConfig("Q4_1", 960, 576, tokens=1, residual=True))
+    with pytest.raises(ValueError, match="residual=1"):
+        cfg(tokens=1, residual=1)
 
 
-@pytest.mark.parametrize("k,lanes,rows", [(576, 16, 4), (1536, 16, 4), (96, 2, 32), (32, 1, 64), (160, 4, 16)])
+@pytest.mark.parametrize("k,lanes,rows", [(576, 32, 2), (1536, 32, 2), (96, 4, 16), (32, 1, 64), (160, 8, 8)])
 def test_cuda_gemv_schedule_choice(k, lanes, rows):
     assert choose_gemv_schedule(960, k, 1) == CUDAGemvSchedule(lanes=lanes, rows=rows, token_tile=1)
 
@@ -347,8 +378,9 @@ def test_cuda_gemv_source_loads_16_bytes_and_reduces_by_shuffles(fmt):
     the lanes' sums by warp shuffles, 64 threads a block."""
     if tvm.get_global_func("target.build.cuda", allow_missing=True) is None:
         pytest.skip("TVM built without CUDA codegen")
-    config = QuantMatmulConfig(fmt, 576, 576, tokens=1, target="cuda", dtype="float16")
+    config = QuantMatmulConfig(fmt, 576, 576, tokens=1, target="cuda", dtype="float16", residual=True)
     source = tvm.compile(kernel(config), target=cuda_target()).mod.imports[0].inspect_source()
     assert "*(uint4*)(qw_ptr" in source or "*(int4*)(qw_ptr" in source
     assert "*(uint4*)(x_ptr" in source
     assert "__shfl_xor_sync" in source and "__launch_bounds__(64)" in source
+    assert "r_ptr" in source

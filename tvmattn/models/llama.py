@@ -38,6 +38,13 @@ def _linear(formats: Mapping[str, str], prefix: str, in_features: int, out_featu
     return nn.Linear(in_features, out_features, bias=bias)
 
 
+def _project(linear, x: nn.Tensor, residual: nn.Tensor | None) -> nn.Tensor:
+    """residual + linear(x) (linear(x) without one); a QuantLinear adds it in its kernel where it can."""
+    if residual is None:
+        return linear(x)
+    return linear(x, residual=residual) if isinstance(linear, QuantLinear) else residual + linear(x)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, formats: Mapping[str, str] = {}, prefix: str = ""):
         self.num_q_heads = config.num_attention_heads
@@ -48,12 +55,12 @@ class Attention(nn.Module):
                                 bias=config.attention_bias)
         self.o_proj = _linear(formats, f"{prefix}.o_proj", config.q_size, config.hidden_size)
 
-    def forward(self, x: nn.Tensor, cache, layer_id: int) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, cache, layer_id: int, residual: nn.Tensor | None = None) -> nn.Tensor:
         b, s, _ = x.shape
         heads = self.num_q_heads + 2 * self.num_kv_heads
         qkv = op.reshape(self.qkv_proj(x), (b, s, heads, self.head_dim))
         o = cache.attention_with_fused_qkv(layer_id, qkv, self.num_q_heads, sm_scale=self.sm_scale)
-        return self.o_proj(op.reshape(o, (b, s, self.num_q_heads * self.head_dim)))
+        return _project(self.o_proj, op.reshape(o, (b, s, self.num_q_heads * self.head_dim)), residual)
 
 
 class MLP(nn.Module):
@@ -62,9 +69,9 @@ class MLP(nn.Module):
         self.gate_up_proj = _linear(formats, f"{prefix}.gate_up_proj", config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = _linear(formats, f"{prefix}.down_proj", config.intermediate_size, config.hidden_size)
 
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, residual: nn.Tensor | None = None) -> nn.Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+        return _project(self.down_proj, op.silu(gate) * up, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -75,8 +82,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False)
 
     def forward(self, x: nn.Tensor, cache, layer_id: int) -> nn.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cache, layer_id)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cache, layer_id, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaModel(nn.Module):

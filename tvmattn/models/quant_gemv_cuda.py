@@ -12,12 +12,16 @@ How (`CUDAGemvSchedule`): `lanes` threads of a warp share an output row; each ta
 blocks (lane, lane + lanes, ...): one 16-byte load of a Q4 block's quants (two for Q8_0, the
 quants read as 32-bit words of the same array), its scale (and offset) once, and X's 32 values
 in 16-byte loads; the lanes' partial sums meet in a warp shuffle reduction. `rows` rows per
-thread block (threadIdx.y), so a 576-row projection is 144 blocks of 64 threads for the H200's
-132 SMs. More tokens than one (decode_step's symbolic batch) run in passes of `token_tile`
-tokens over the same weight blocks, which the thread reloads from L1.
+thread block (threadIdx.y), so a 576-row projection is 288 blocks of 64 threads for the H200's
+132 SMs. Lanes past the row's blocks repeat its last block with weight 0, so the code is
+branch-free and every load is issued up front. More tokens than one (decode_step's symbolic
+batch) run in passes of `token_tile` tokens; the weight blocks stay in the thread's registers
+and X is re-read per token (from L1 / L2).
 
 Arguments as quant_matmul.matmul_algorithm's: (X [T, K], *parts, Y [T, N]), shapes int64, T a
-static count or the symbolic `n_tokens`; ids and data are not checked (the model's shapes are).
+static count or the symbolic `n_tokens`; with `residual`, (X, *parts, R [T, N], Y) for
+Y = R + X W^T (a decoder layer's residual add in the same kernel: one launch less per
+projection).
 """
 
 from __future__ import annotations
@@ -56,18 +60,21 @@ class CUDAGemvSchedule:
 
 
 def choose_gemv_schedule(n: int, k: int, tokens: int | None) -> CUDAGemvSchedule:
-    """lanes: the largest power of 2 up to 16 not above the row's block count (SmolLM2's K of
-    576 and 1536 are 18 and 48 blocks: 16 lanes, 2 and 3 blocks each); rows: 64 threads per
-    block (576 rows: 144 blocks on 132 SMs); token tiles of 4."""
+    """lanes: the smallest power of 2 up to 32 covering the row's blocks, so a lane takes as few
+    blocks as it can (each is about 200 dependent instructions: at one token the kernel is bound by
+    that latency, not by bytes; SmolLM2's K of 576 and 1536 are 18 and 48 blocks: 1 and 2 per
+    lane); rows: 64 threads per block (576 rows: 288 blocks on 132 SMs); token tiles of 4."""
     blocks = k // BLOCK
     lanes = 1
-    while lanes * 2 <= min(blocks, 16):
+    while lanes < min(blocks, 32):
         lanes *= 2
     return CUDAGemvSchedule(lanes=lanes, rows=max(1, 64 // lanes), token_tile=4 if tokens is None else tokens)
 
 
-def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: CUDAGemvSchedule):
-    """The PrimFunc (X, qs, d[, m], Y) of the module docstring for `fmt` in GEMV_FORMATS."""
+def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: CUDAGemvSchedule,
+                residual: bool = False):
+    """The PrimFunc (X, qs, d[, m][, R], Y) of the module docstring for `fmt` in GEMV_FORMATS;
+    residual: Y = R + X W^T with R [T, N] in `dtype` (the sum rounded once)."""
     if fmt not in GEMV_FORMATS:
         raise ValueError(f"fmt={fmt!r}: the CUDA GEMV takes {GEMV_FORMATS}")
     if k % BLOCK:
@@ -86,10 +93,11 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     QS_DTYPE = "int8" if Q8 else "uint8"
     WORD = "int32" if Q8 else "uint32"
     HAS_M = fmt == "Q4_1"
+    RES = residual
     f32 = "float32"
 
     @T.macro
-    def body(x, qs, d, m, y, n_tokens):
+    def body(x, qs, d, m, r, y, n_tokens):
         qw = T.decl_buffer((T.int64(N * WPR),), WORD, data=qs.data)
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             for ty in T.thread_binding(R, thread="threadIdx.y"):
@@ -110,45 +118,47 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                         if Q8:
                             for w in T.vectorized(4):
                                 words[j * WORDS + 4 + w] = qw[rowc * WPR + b * WORDS + 4 + w]
-                        scale[j] = T.Cast(f32, d[rowc, b])
+                        # a lane past the row's blocks repeats the last one with weight 0: the code
+                        # stays branch-free, so the compiler issues every load up front
+                        live = T.if_then_else(j * L + tx < NB, T.float32(1.0), T.float32(0.0))
+                        scale[j] = T.Cast(f32, d[rowc, b]) * live
                         if HAS_M:
-                            offset[j] = T.Cast(f32, m[rowc, b])
+                            offset[j] = T.Cast(f32, m[rowc, b]) * live
                         elif not Q8:
-                            offset[j] = T.Cast(f32, d[rowc, b]) * T.float32(-8.0)
+                            offset[j] = T.Cast(f32, d[rowc, b]) * T.float32(-8.0) * live
                     for t0 in T.serial((n_tokens + TR - 1) // TR):
                         for t in T.unroll(TR):
                             acc[t] = T.float32(0.0)
                         for t in T.unroll(TR):
                             tok = T.min(t0 * TR + t, n_tokens - 1)
                             for j in T.unroll(J):
-                                b = T.Cast("int64", j * L + tx)
-                                if b < NB:
-                                    for c in T.unroll(BLOCK // VEC):
-                                        for v in T.vectorized(VEC):
-                                            xv[c * VEC + v] = x[tok, b * BLOCK + c * VEC + v]
-                                    for a in T.unroll(5):
-                                        dot[a] = T.float32(0.0)
-                                    # four independent partial sums (by word) keep the FMA chains short
-                                    for w in T.unroll(WORDS):
-                                        for e in T.unroll(4):
-                                            if Q8:
-                                                dot[w % 4] = dot[w % 4] + T.Cast(f32, T.shift_right(
-                                                    T.shift_left(words[j * WORDS + w], 24 - 8 * e), 24)) \
-                                                    * T.Cast(f32, xv[w * 4 + e])
-                                            else:
-                                                dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
-                                                    words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15))) \
-                                                    * T.Cast(f32, xv[w * 4 + e])
-                                                dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
-                                                    words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15))) \
-                                                    * T.Cast(f32, xv[w * 4 + e + 16])
-                                    if not Q8:
-                                        for i in T.unroll(BLOCK):
-                                            dot[4] = dot[4] + T.Cast(f32, xv[i])
-                                        acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3])) \
-                                            + offset[j] * dot[4]
-                                    else:
-                                        acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3]))
+                                b = T.min(T.Cast("int64", j * L + tx), T.int64(NB - 1))
+                                for c in T.unroll(BLOCK // VEC):
+                                    for v in T.vectorized(VEC):
+                                        xv[c * VEC + v] = x[tok, b * BLOCK + c * VEC + v]
+                                for a in T.unroll(5):
+                                    dot[a] = T.float32(0.0)
+                                # four independent partial sums (by word) keep the FMA chains short
+                                for w in T.unroll(WORDS):
+                                    for e in T.unroll(4):
+                                        if Q8:
+                                            dot[w % 4] = dot[w % 4] + T.Cast(f32, T.shift_right(
+                                                T.shift_left(words[j * WORDS + w], 24 - 8 * e), 24)) \
+                                                * T.Cast(f32, xv[w * 4 + e])
+                                        else:
+                                            dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
+                                                words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15))) \
+                                                * T.Cast(f32, xv[w * 4 + e])
+                                            dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
+                                                words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15))) \
+                                                * T.Cast(f32, xv[w * 4 + e + 16])
+                                if not Q8:
+                                    for i in T.unroll(BLOCK):
+                                        dot[4] = dot[4] + T.Cast(f32, xv[i])
+                                    acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3])) \
+                                        + offset[j] * dot[4]
+                                else:
+                                    acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3]))
                         for t in T.unroll(TR):
                             for s in T.unroll(LOG_L):
                                 acc[t] = acc[t] + T.tvm_warp_shuffle_xor(
@@ -157,11 +167,26 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                             if row < N:
                                 for t in T.unroll(TR):
                                     if t0 * TR + t < n_tokens:
-                                        y[t0 * TR + t, row] = T.Cast(dtype, acc[t])
+                                        if RES:
+                                            y[t0 * TR + t, row] = T.Cast(dtype, acc[t] + T.Cast(
+                                                f32, r[t0 * TR + t, row]))
+                                        else:
+                                            y[t0 * TR + t, row] = T.Cast(dtype, acc[t])
 
     QS, SC = (T.int64(N), T.int64(QS_COLS)), (T.int64(N), T.int64(NB))  # the parts' shapes
+    # one signature per case: (X, qs, d[, m][, R], Y), X / R / Y of static or symbolic tokens
     if tokens is None:
-        if HAS_M:
+        if HAS_M and RES:
+            @T.prim_func
+            def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
+                     m: T.Buffer(SC, "float16"), r_h: T.handle, y_h: T.handle):
+                T.func_attr({"tirx.noalias": True})
+                n_tokens = T.int64()
+                x = T.match_buffer(x_h, (n_tokens, T.int64(K)), dtype)
+                r = T.match_buffer(r_h, (n_tokens, T.int64(N)), dtype)
+                y = T.match_buffer(y_h, (n_tokens, T.int64(N)), dtype)
+                body(x, qs, d, m, r, y, n_tokens)
+        elif HAS_M:
             @T.prim_func
             def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
                      m: T.Buffer(SC, "float16"), y_h: T.handle):
@@ -169,7 +194,17 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                 n_tokens = T.int64()
                 x = T.match_buffer(x_h, (n_tokens, T.int64(K)), dtype)
                 y = T.match_buffer(y_h, (n_tokens, T.int64(N)), dtype)
-                body(x, qs, d, m, y, n_tokens)
+                body(x, qs, d, m, None, y, n_tokens)
+        elif RES:
+            @T.prim_func
+            def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), r_h: T.handle,
+                     y_h: T.handle):
+                T.func_attr({"tirx.noalias": True})
+                n_tokens = T.int64()
+                x = T.match_buffer(x_h, (n_tokens, T.int64(K)), dtype)
+                r = T.match_buffer(r_h, (n_tokens, T.int64(N)), dtype)
+                y = T.match_buffer(y_h, (n_tokens, T.int64(N)), dtype)
+                body(x, qs, d, None, r, y, n_tokens)
         else:
             @T.prim_func
             def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), y_h: T.handle):
@@ -177,19 +212,31 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                 n_tokens = T.int64()
                 x = T.match_buffer(x_h, (n_tokens, T.int64(K)), dtype)
                 y = T.match_buffer(y_h, (n_tokens, T.int64(N)), dtype)
-                body(x, qs, d, None, y, n_tokens)
+                body(x, qs, d, None, None, y, n_tokens)
     else:
         XS, YS = (T.int64(tokens), T.int64(K)), (T.int64(tokens), T.int64(N))
-        if HAS_M:
+        if HAS_M and RES:
+            @T.prim_func
+            def func(x: T.Buffer(XS, dtype), qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
+                     m: T.Buffer(SC, "float16"), r: T.Buffer(YS, dtype), y: T.Buffer(YS, dtype)):
+                T.func_attr({"tirx.noalias": True})
+                body(x, qs, d, m, r, y, T.int64(tokens))
+        elif HAS_M:
             @T.prim_func
             def func(x: T.Buffer(XS, dtype), qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
                      m: T.Buffer(SC, "float16"), y: T.Buffer(YS, dtype)):
                 T.func_attr({"tirx.noalias": True})
-                body(x, qs, d, m, y, T.int64(tokens))
+                body(x, qs, d, m, None, y, T.int64(tokens))
+        elif RES:
+            @T.prim_func
+            def func(x: T.Buffer(XS, dtype), qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
+                     r: T.Buffer(YS, dtype), y: T.Buffer(YS, dtype)):
+                T.func_attr({"tirx.noalias": True})
+                body(x, qs, d, None, r, y, T.int64(tokens))
         else:
             @T.prim_func
             def func(x: T.Buffer(XS, dtype), qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
                      y: T.Buffer(YS, dtype)):
                 T.func_attr({"tirx.noalias": True})
-                body(x, qs, d, None, y, T.int64(tokens))
+                body(x, qs, d, None, None, y, T.int64(tokens))
     return func

@@ -15,6 +15,7 @@ block type. `packed_part` makes a layer's parameter arrays from the HF tensors i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Mapping
 
@@ -24,7 +25,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ..weights.quant import PACKED, QUANT_TYPES, QuantizedTensor, concat_rows, part_shapes
-from .quant_matmul import QuantMatmulConfig, kernel
+from .quant_matmul import QuantMatmulConfig, kernel, uses_cuda_gemv
 
 PART_PREFIX = "weight_"
 
@@ -46,8 +47,11 @@ def kernel_target() -> str:
     return "cuda" if current is not None and current.kind.name == "cuda" else "llvm"
 
 
-def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor) -> nn.Tensor:
-    """x [..., cols] -> [..., rows] (x's dtype: float32 on llvm, float16 on cuda) through the fused kernel."""
+def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor,
+            residual: nn.Tensor | None = None) -> nn.Tensor:
+    """x [..., cols] -> [..., rows] (x's dtype: float32 on llvm, float16 on cuda) through the fused
+    kernel; residual [..., rows]: returns residual + the product, in the kernel where it takes one
+    (`uses_cuda_gemv`), else as a separate add."""
     lead = list(x.shape[:-1])
     tokens = 1
     for d in lead:
@@ -57,11 +61,16 @@ def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor) -> 
     few = kernel_target() == "cuda" and static is None and len(lead) == 2 and isinstance(lead[1], int) and lead[1] == 1
     config = QuantMatmulConfig(fmt, rows, cols, tokens=static, target=kernel_target(), dtype=str(x.dtype),
                                few_tokens=few)
+    fused = residual is not None and uses_cuda_gemv(config)
+    if fused:
+        config = dataclasses.replace(config, residual=True)
     flat = op.reshape(x, (tokens, cols))
     parts = [getattr(module, PART_PREFIX + name) for name, _, _ in PACKED[fmt]]
-    out = op.tensor_ir_op(_kernel(config), config.name, args=[flat, *parts],
+    extra = [op.reshape(residual, (tokens, rows))] if fused else []
+    out = op.tensor_ir_op(_kernel(config), config.name, args=[flat, *parts, *extra],
                           out=nn.Tensor.placeholder((tokens, rows), config.dtype))
-    return op.reshape(out, (*lead, rows))
+    out = op.reshape(out, (*lead, rows))
+    return residual + out if residual is not None and not fused else out
 
 
 class QuantLinear(nn.Module):
@@ -77,9 +86,12 @@ class QuantLinear(nn.Module):
         if dtype is not None and self.bias is not None:
             self.bias.to(dtype)
 
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
-        y = _matmul(self, self.fmt, self.out_features, self.in_features, x)
-        return y + self.bias if self.bias is not None else y
+    def forward(self, x: nn.Tensor, residual: nn.Tensor | None = None) -> nn.Tensor:
+        """x @ W.T (+ bias) (+ residual: added in the kernel where it can, see _matmul)."""
+        if self.bias is not None:
+            y = _matmul(self, self.fmt, self.out_features, self.in_features, x) + self.bias
+            return y if residual is None else residual + y
+        return _matmul(self, self.fmt, self.out_features, self.in_features, x, residual)
 
 
 class QuantEmbedding(nn.Module):

@@ -80,7 +80,8 @@ class QuantMatmulConfig:
     dtype: the activations' (X, Y, E): float32 on llvm, float16 or float32 on cuda (products
     are summed in float32 either way); few_tokens: the symbolic token count is a decode batch
     (decode_step, batch_decode: a few rows), which CUDA runs as passes of its GEMV instead of
-    dlight's Matmul tiles (llvm ignores it).
+    dlight's Matmul tiles (llvm ignores it); residual: a matmul that also takes R [T, N] (dtype)
+    and returns R + X W^T (only where `uses_cuda_gemv`: the model adds it separately elsewhere).
     """
 
     fmt: str
@@ -91,6 +92,7 @@ class QuantMatmulConfig:
     target: str = "llvm"
     dtype: str = "float32"
     few_tokens: bool = False
+    residual: bool = False
 
     def __post_init__(self):
         if self.fmt not in QUANT_TYPES:
@@ -107,8 +109,10 @@ class QuantMatmulConfig:
             raise ValueError(f"op={self.op!r}: expected one of {OPS}")
         if self.target not in TARGET_DTYPES:
             raise ValueError(f"target={self.target!r}: expected one of {tuple(TARGET_DTYPES)}")
-        if self.few_tokens not in (True, False) or self.few_tokens and (self.tokens is not None or self.op != "matmul"):
+        if not isinstance(self.few_tokens, bool) or self.few_tokens and (self.tokens is not None or self.op != "matmul"):
             raise ValueError(f"few_tokens={self.few_tokens!r}: expected a bool, True only for symbolic matmul tokens")
+        if not isinstance(self.residual, bool) or self.residual and self.op != "matmul":
+            raise ValueError(f"residual={self.residual!r}: expected a bool, True only for a matmul")
         if self.dtype not in TARGET_DTYPES[self.target]:
             raise ValueError(f"dtype={self.dtype!r}: on {self.target} expected one of {TARGET_DTYPES[self.target]}")
 
@@ -118,7 +122,8 @@ class QuantMatmulConfig:
         a symbolic decode batch; float16 activations add _f16)."""
         tokens = "" if self.op == "take" else f"_{self.tokens or ('b' if self.few_tokens else 'n')}"
         dtype = "" if self.dtype == "float32" else "_f16"
-        return f"quant_{self.op}_{self.fmt.lower()}_{self.n}x{self.k}{tokens}{dtype}"
+        residual = "_res" if self.residual else ""
+        return f"quant_{self.op}_{self.fmt.lower()}_{self.n}x{self.k}{tokens}{dtype}{residual}"
 
     def part_shapes(self) -> list[tuple[str, str, tuple[int, int]]]:
         """(name, dtype, shape) of each weight array, in argument order."""
@@ -499,11 +504,13 @@ def algorithm(config: QuantMatmulConfig, plan: CPUSchedule | None) -> tirx.PrimF
 
 def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.PrimFunc:
     """The scheduled PrimFunc of `config` (see the module docstring for its arguments)."""
+    if config.residual and not uses_cuda_gemv(config):
+        raise ValueError(f"{config.name}: residual=True needs the CUDA GEMV (uses_cuda_gemv)")
     if uses_cuda_gemv(config):
         from .quant_gemv_cuda import choose_gemv_schedule, gemv_kernel
 
         func = gemv_kernel(config.fmt, config.n, config.k, config.tokens, config.dtype,
-                           choose_gemv_schedule(config.n, config.k, config.tokens))
+                           choose_gemv_schedule(config.n, config.k, config.tokens), residual=config.residual)
         return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8).with_attr(
             "global_symbol", config.name)
     if config.target == "llvm":
