@@ -7,8 +7,8 @@ add as its epilogue). Each runs for every one of the model's 30 layers with that
 weights, layer by layer as in a step (the weights together exceed the H200's 50 MB L2, as in the
 model), for --steps steps; the table gives the mean GPU time per call from CUPTI (torch.profiler),
 as bench_e2e.py --profile does. Random blocks (every bit pattern of a block is valid) and
-weights; the outputs are compared against each other once (same weights: the float16 W is the
-dequantized blocks).
+weights; layer 0's outputs are compared against each other (its float16 W is its blocks
+dequantized).
 
     python scripts/bench_quant_gemv.py [--steps 5] [--layers 30]
 """
@@ -90,7 +90,9 @@ def main(argv=None) -> int:
         for layer in range(layers):
             blocks = random_blocks(fmt, n, k, rng)
             parts = [tvm.runtime.tensor(blocks.parts[part], device=dev) for part, _, _ in config.part_shapes()]
-            w = tvm.runtime.tensor(blocks.dequantize().astype(np.float16), device=dev)
+            # layer 0's float16 W is its blocks dequantized (the outputs are compared); the others random
+            w = (blocks.dequantize() if layer == 0 else rng.standard_normal((n, k)) * 0.05).astype(np.float16)
+            w = tvm.runtime.tensor(w, device=dev)
             calls.append(((ours, [x, *parts, *([r] if residual else []), y_ours]),
                           (anchor, [x, w, *([r] if residual else []), y_f16])))
             if layer == 0:
