@@ -384,3 +384,26 @@ def test_cuda_gemv_source_loads_16_bytes_and_reduces_by_shuffles(fmt):
     assert "*(uint4*)(x_ptr" in source
     assert "__shfl_xor_sync" in source and "__launch_bounds__(64)" in source
     assert "r_ptr" in source
+
+
+def test_cuda_model_takes_the_gemv_and_fuses_the_residual():
+    """A tiny Llama exported for CUDA with kept weights: decode (one token) and decode_step /
+    batch_decode (a symbolic batch) call the GEMV, o_proj and down_proj with the residual in the
+    kernel; prefill-like functions call the symbolic-token matmul and add the residual apart."""
+    from tvmattn.models import BuildOptions, ModelConfig, export_module
+
+    hf = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-5,
+          "rope_theta": 100000.0, "tie_word_embeddings": True, "attention_bias": False}
+    formats = {"model.embed_tokens": "Q8_0", "model.layers.0.self_attn.o_proj": "Q4_0",
+               "model.layers.0.mlp.down_proj": "Q4_1", "model.layers.1.self_attn.qkv_proj": "Q4_1"}
+    options = BuildOptions(target="cuda:sm_90", dtype="float16", page_size=16,
+                           weight_formats=tuple(sorted(formats.items())))
+    mod, _ = export_module(ModelConfig.from_hf(hf), options)
+    names = {gv.name_hint for gv in mod.functions if gv.name_hint.startswith("quant_")}
+    assert names == {
+        "quant_matmul_q4_0_64x64_1_f16_res", "quant_matmul_q4_0_64x64_b_f16_res", "quant_matmul_q4_0_64x64_n_f16",
+        "quant_matmul_q4_1_64x128_1_f16_res", "quant_matmul_q4_1_64x128_b_f16_res", "quant_matmul_q4_1_64x128_n_f16",
+        "quant_matmul_q4_1_128x64_1_f16", "quant_matmul_q4_1_128x64_b_f16", "quant_matmul_q4_1_128x64_n_f16",
+        "quant_matmul_q8_0_128x64_1_f16", "quant_matmul_q8_0_128x64_b_f16", "quant_matmul_q8_0_128x64_n_f16",
+        "quant_take_q8_0_128x64_f16"}

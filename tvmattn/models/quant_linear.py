@@ -5,8 +5,12 @@ serves a tied LM head, `QuantEmbedding.lm_head`) hold the block arrays of
 tvmattn.weights.quant.PACKED as parameters named `weight_<part>` (for example
 `model.layers.0.mlp.down_proj.weight_qs`, uint8 [N, K/2], and `...weight_d`, float16 [N, K/32])
 and call the fused kernels of quant_matmul.py: the GEMV for a statically single token (decode),
-the GEMM otherwise (prefill, batch_prefill, batch_decode, batch_verify). Activations are float32
-on the CPU and float16 on CUDA (the kernels' target: the target scope the model is exported in).
+the GEMM otherwise (prefill, batch_prefill, batch_decode, batch_verify); on CUDA a decode
+batch (`[batch, 1, K]`, symbolic batch: decode_step, batch_decode) is marked `few_tokens`
+and runs the GEMV in passes. `QuantLinear(x, residual=r)` returns r + x W^T, the add inside
+the kernel where the CUDA GEMV runs it (llama's o_proj and down_proj), else a separate add.
+Activations are float32 on the CPU and float16 on CUDA (the kernels' target: the target
+scope the model is exported in).
 
 `weight_formats` (plan_weight_formats) says which layers stay quantized: a map from a layer's
 parameter prefix (`model.layers.0.self_attn.qkv_proj`, `model.embed_tokens`, `lm_head`) to its
