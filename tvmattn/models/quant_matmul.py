@@ -109,7 +109,8 @@ class QuantMatmulConfig:
             raise ValueError(f"op={self.op!r}: expected one of {OPS}")
         if self.target not in TARGET_DTYPES:
             raise ValueError(f"target={self.target!r}: expected one of {tuple(TARGET_DTYPES)}")
-        if not isinstance(self.few_tokens, bool) or self.few_tokens and (self.tokens is not None or self.op != "matmul"):
+        few_ok = not self.few_tokens or (self.tokens is None and self.op == "matmul")
+        if not isinstance(self.few_tokens, bool) or not few_ok:
             raise ValueError(f"few_tokens={self.few_tokens!r}: expected a bool, True only for symbolic matmul tokens")
         if not isinstance(self.residual, bool) or self.residual and self.op != "matmul":
             raise ValueError(f"residual={self.residual!r}: expected a bool, True only for a matmul")
