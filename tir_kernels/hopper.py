@@ -6,7 +6,10 @@ What the kernels need beyond TVMScript's `T.ptx[...]` dialect:
   `wgmma.wait_group` (TVM's own `noop_barrier` crashes in codegen in 0.27);
 - packing two fp32 values into one fp16x2 / bf16x2 register (the A operand of `O += P V`);
 - the 128-byte-swizzled shared-memory layout that wgmma descriptors read, and the
-  descriptor fields for K-major and MN-major operands.
+  descriptor fields for K-major and MN-major operands;
+- the pieces the warp-specialised kernels (prefill_sm90, mla_sm90) share: the producer's ring
+  of shared buffers (`ring_producer`) and a consumer thread's online softmax over the two rows
+  it holds of a wgmma m64 accumulator (`row_softmax`).
 
 A tile of R rows x W columns (W a multiple of 64 two-byte elements) is stored as W/64
 "panels" of R x 64 elements; within a panel, row r occupies 128 bytes and its 16-byte chunk
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .softmax import prob, rescale_factor
+
 PANEL = 64  # two-byte elements per 128-byte swizzled row
 CHUNK = 8  # two-byte elements per 16-byte chunk
 SWIZZLE_128B = 3  # encode_matrix_descriptor's code for the 128-byte swizzle
@@ -24,6 +29,7 @@ SWIZZLE_128B = 3  # encode_matrix_descriptor's code for the 128-byte swizzle
 SWIZZLE_SBO = 64
 
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+FULL_WARP = 0xFFFFFFFF
 
 # TVM emits a func_call's source once per function name: one source string per helper.
 _FENCE_F32 = r"""
@@ -81,3 +87,71 @@ def wgmma_name(m_n_k: str, dtype: str) -> str:
     """The wgmma mnemonic for fp32 accumulation of `dtype` operands, e.g. m_n_k = "m64n128k16"."""
     t = PTX_TYPE[dtype]
     return f"wgmma.mma_async.sync.aligned.{m_n_k}.f32.{t}.{t}"
+
+
+def ring_producer(stages: int):
+    """The producer's ring of `stages` shared buffers, as the macro
+    `produce_steps(full_, empty_, nkv_, copy_step_)`: copy_step_(t) issues step t's cp.async copies
+    into buffer t % stages, after waiting for the consumers to free it (mbarrier `empty_`); the
+    buffer is signalled full (mbarrier `full_`) once this thread's copies into it have landed
+    (fence.proxy.async, then arrive), one step behind so that two steps' copies are in flight."""
+    ST = stages
+
+    @T.macro
+    def produce_steps(full_, empty_, nkv_, copy_step_):
+        for t in T.serial(nkv_):
+            if t >= ST:
+                T.cuda.mbarrier_wait(empty_.ptr_to([t % ST]), ((t // ST) + 1) % 2)
+            copy_step_(t)
+            T.ptx["cp.async.commit_group"]()
+            if t >= 1:
+                T.ptx["cp.async.wait_group"](1)
+                T.ptx["fence.proxy.async.shared::cta"]()
+                T.ptx.mbarrier.arrive.shared.b64(full_.ptr_to([(t - 1) % ST]))
+        if nkv_ > 0:
+            T.ptx["cp.async.wait_group"](0)
+            T.ptx["fence.proxy.async.shared::cta"]()
+            T.ptx.mbarrier.arrive.shared.b64(full_.ptr_to([(nkv_ - 1) % ST]))
+
+    return produce_steps
+
+
+def row_softmax(ns: int, no: int, np_: int, dtype: str):
+    """Macros `(quad_reduce, softmax)` of a consumer thread of a wgmma m64 tile, which holds two
+    rows (r = 0, 1: the fragment's rows lane/4 and lane/4 + 8): ns fp32 scores, no fp32 outputs
+    and np_ 16-bit pairs of P, element e of each group of 4 belonging to row e // 2.
+    quad_reduce(buf_, idx_, op_): buf_[idx_] combined over the 4 lanes that share a row.
+    softmax(sacc_, preg_, oacc_, m_, l_, scale_): online softmax step (base 2): new row maxima
+    m_, l_ and oacc_ rescaled by exp2(old - new), P = exp2(S * scale_ - m_) packed into preg_."""
+    NS, NO, NP = ns, no, np_
+
+    @T.macro
+    def quad_reduce(buf_, idx_, op_):
+        buf_[idx_] = op_(buf_[idx_], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], 1, 32, 32))
+        buf_[idx_] = op_(buf_[idx_], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], 2, 32, 32))
+
+    @T.macro
+    def softmax(sacc_, preg_, oacc_, m_, l_, scale_):
+        row_max = T.alloc_local((2,), "float32")
+        alpha = T.alloc_local((2,), "float32")
+        for r in T.unroll(2):
+            row_max[r] = m_[r]
+        for i in T.unroll(NS // 4):
+            for e in T.unroll(4):
+                row_max[e // 2] = T.max(row_max[e // 2], sacc_[i * 4 + e] * scale_)
+        for r in T.unroll(2):
+            quad_reduce(row_max, r, T.max)
+            alpha[r] = rescale_factor(m_[r], row_max[r])
+            m_[r] = row_max[r]
+            l_[r] = l_[r] * alpha[r]
+        for i in T.unroll(NS // 4):
+            for e in T.unroll(4):
+                sacc_[i * 4 + e] = prob(sacc_[i * 4 + e] * scale_, m_[e // 2])
+                l_[e // 2] = l_[e // 2] + sacc_[i * 4 + e]
+        for i in T.unroll(NO // 4):
+            for e in T.unroll(4):
+                oacc_[i * 4 + e] = oacc_[i * 4 + e] * alpha[e // 2]
+        for q in T.unroll(NP):
+            preg_[q] = pack2(dtype, sacc_[q * 2], sacc_[q * 2 + 1])
+
+    return quad_reduce, softmax

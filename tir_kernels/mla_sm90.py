@@ -46,6 +46,8 @@ from .hopper import (
     fence_u32,
     pack2,
     panel_stride_16b,
+    ring_producer,
+    row_softmax,
     swizzled,
     wgmma_name,
 )
@@ -55,7 +57,6 @@ from .softmax import finalize_lse, finalize_scale, prob, rescale_factor
 
 WARPGROUP = 128
 CONSUMERS = 2
-FULL_WARP = 0xFFFFFFFF
 Q_BARRIER = 1  # named barrier: both consumers' halves of the Q tile have landed
 TURN_BARRIER = 3  # named barriers 3 and 4: the consumers' turns on S = Q K^T
 MASKED = -1.0e30
@@ -198,30 +199,25 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
                     smem_.ptr_to([base_ + swizzled(tile_rows_, r, c)]), src_(r, c), 16,
                     T.Cast("uint32", T.if_then_else(valid_(r), 16, 0)))
 
+    produce_steps = ring_producer(ST)
+
+    @T.macro
+    def copy_step(smem_, t, kv_end_, tid_, slot_of_, row_ptr_, slot):
+        """Step t's latent rows -> buffer t % ST (cp.async; rows past kv_end_ zero-filled)."""
+        # TPR threads per latent row: one page-table lookup per thread and step
+        slot[0] = slot_of_(T.min(t * BN + tid_ // TPR, kv_end_ - 1))
+        for k in T.unroll(CHUNKS // TPR):
+            T.ptx["cp.async.cg.shared.global"](
+                smem_.ptr_to([K_OFF + (t % ST) * K_ELEMS
+                              + swizzled(BN, tid_ // TPR, (tid_ % TPR + k * TPR) * CHUNK)]),
+                row_ptr_(slot[0], (tid_ % TPR + k * TPR) * CHUNK), 16,
+                T.Cast("uint32", T.if_then_else(t * BN + tid_ // TPR < kv_end_, 16, 0)))
+
     @T.macro
     def produce(smem_, full_, empty_, nkv_, kv_end_, tid_, slot_of_, row_ptr_):
         """The ring: step t's latent rows -> buffer t % ST, signalled full once they landed."""
         slot = T.alloc_local((1,), "int32")
-        for t in T.serial(nkv_):
-            if t >= ST:
-                T.cuda.mbarrier_wait(empty_.ptr_to([t % ST]), ((t // ST) + 1) % 2)
-            # TPR threads per latent row: one page-table lookup per thread and step
-            slot[0] = slot_of_(T.min(t * BN + tid_ // TPR, kv_end_ - 1))
-            for k in T.unroll(CHUNKS // TPR):
-                T.ptx["cp.async.cg.shared.global"](
-                    smem_.ptr_to([K_OFF + (t % ST) * K_ELEMS
-                                  + swizzled(BN, tid_ // TPR, (tid_ % TPR + k * TPR) * CHUNK)]),
-                    row_ptr_(slot[0], (tid_ % TPR + k * TPR) * CHUNK), 16,
-                    T.Cast("uint32", T.if_then_else(t * BN + tid_ // TPR < kv_end_, 16, 0)))
-            T.ptx["cp.async.commit_group"]()
-            if t >= 1:
-                T.ptx["cp.async.wait_group"](1)
-                T.ptx["fence.proxy.async.shared::cta"]()
-                T.ptx.mbarrier.arrive.shared.b64(full_.ptr_to([(t - 1) % ST]))
-        if nkv_ > 0:
-            T.ptx["cp.async.wait_group"](0)
-            T.ptx["fence.proxy.async.shared::cta"]()
-            T.ptx.mbarrier.arrive.shared.b64(full_.ptr_to([(nkv_ - 1) % ST]))
+        produce_steps(full_, empty_, nkv_, lambda t: copy_step(smem_, t, kv_end_, tid_, slot_of_, row_ptr_, slot))
 
     @T.macro
     def s_mma(smem_, sacc_, s_):
@@ -297,35 +293,7 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
                     kv_start_ + i * 8 + (lane_ % 4) * 2 + e % 2 >= vis_end_[e // 2], T.float32(MASKED),
                     sacc_[i * 4 + e])
 
-    @T.macro
-    def quad_reduce(buf_, idx_, op_):
-        buf_[idx_] = op_(buf_[idx_], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], 1, 32, 32))
-        buf_[idx_] = op_(buf_[idx_], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], 2, 32, 32))
-
-    @T.macro
-    def softmax(sacc_, preg_, oacc_, m_, l_, scale_):
-        """Online softmax step of the thread's two rows (base 2), P packed into preg_."""
-        row_max = T.alloc_local((2,), "float32")
-        alpha = T.alloc_local((2,), "float32")
-        for r in T.unroll(2):
-            row_max[r] = m_[r]
-        for i in T.unroll(NS // 4):
-            for e in T.unroll(4):
-                row_max[e // 2] = T.max(row_max[e // 2], sacc_[i * 4 + e] * scale_)
-        for r in T.unroll(2):
-            quad_reduce(row_max, r, T.max)
-            alpha[r] = rescale_factor(m_[r], row_max[r])
-            m_[r] = row_max[r]
-            l_[r] = l_[r] * alpha[r]
-        for i in T.unroll(NS // 4):
-            for e in T.unroll(4):
-                sacc_[i * 4 + e] = prob(sacc_[i * 4 + e] * scale_, m_[e // 2])
-                l_[e // 2] = l_[e // 2] + sacc_[i * 4 + e]
-        for i in T.unroll(NO // 4):
-            for e in T.unroll(4):
-                oacc_[i * 4 + e] = oacc_[i * 4 + e] * alpha[e // 2]
-        for q in T.unroll(NP):
-            preg_[q] = pack2(dtype, sacc_[q * 2], sacc_[q * 2 + 1])
+    quad_reduce, softmax = row_softmax(NS, NO, NP, dtype)
 
     @T.macro
     def consume(smem_, full_, empty_, nkv_, free_end_, kv_len_, qo_len_, p0_, rows_, causal_, scale_, cw_, tid_,

@@ -42,8 +42,9 @@ from .hopper import (
     SWIZZLE_SBO,
     fence_f32,
     fence_u32,
-    pack2,
     panel_stride_16b,
+    ring_producer,
+    row_softmax,
     swizzled,
     wgmma_name,
 )
@@ -55,12 +56,11 @@ from .prefill_contract import (
     tree_ragged_prefill_func,
 )
 from .schedules import WgmmaPrefillSchedule, choose_wgmma_prefill_schedule
-from .softmax import finalize_lse, finalize_scale, prob, rescale_factor
+from .softmax import finalize_lse, finalize_scale
 
 WARPGROUP = 128
 CONSUMERS = 2
 ROWS_PER_CONSUMER = 64  # rows of one wgmma m64 tile
-FULL_WARP = 0xFFFFFFFF
 TURN_BARRIER = 3  # named barriers 3 and 4: the consumers' turns (1 and 2 guard their Q tiles)
 MASKED = -1.0e30  # score of a masked key (finite: exp2 of it minus any running max is 0)
 
@@ -186,23 +186,7 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                       lambda r, c: v_ptr_(kv_row_(T.min(t_ * BN + r, kv_end_ - 1)), c),
                       lambda r: t_ * BN + r < kv_end_)
 
-    @T.macro
-    def produce_steps(smem_, full_, empty_, nkv_, copy_step_):
-        """The producer's ring: copy_step_(t) issues step t's copies into buffer t % ST; a buffer is
-        signalled full once this thread's copies into it have landed (fence, then mbarrier arrive)."""
-        for t in T.serial(nkv_):
-            if t >= ST:
-                T.cuda.mbarrier_wait(empty_.ptr_to([t % ST]), ((t // ST) + 1) % 2)
-            copy_step_(t)
-            T.ptx["cp.async.commit_group"]()
-            if t >= 1:
-                T.ptx["cp.async.wait_group"](1)
-                T.ptx["fence.proxy.async.shared::cta"]()
-                T.ptx.mbarrier.arrive.shared.b64(full_.ptr_to([(t - 1) % ST]))
-        if nkv_ > 0:
-            T.ptx["cp.async.wait_group"](0)
-            T.ptx["fence.proxy.async.shared::cta"]()
-            T.ptx.mbarrier.arrive.shared.b64(full_.ptr_to([(nkv_ - 1) % ST]))
+    produce_steps = ring_producer(ST)
 
     @T.macro
     def rope_kv_step(smem_, t_, kv_end_, tid_, kv_row_, v_ptr_, k_at_, k_pos_base_, rope_):
@@ -220,10 +204,10 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
         are rotated on the way (k_at_(row, d): element d of a key) in a loop of its own, so that
         the plain loop keeps its registers."""
         if rope_.mode == 1:
-            produce_steps(smem_, full_, empty_, nkv_, lambda t: rope_kv_step(
+            produce_steps(full_, empty_, nkv_, lambda t: rope_kv_step(
                 smem_, t, kv_end_, tid_, kv_row_, v_ptr_, k_at_, k_pos_base_, rope_))
         else:
-            produce_steps(smem_, full_, empty_, nkv_, lambda t: copy_kv(
+            produce_steps(full_, empty_, nkv_, lambda t: copy_kv(
                 smem_, t % ST, t, kv_end_, tid_, kv_row_, k_ptr_, v_ptr_))
 
     @T.macro
@@ -311,37 +295,7 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                         tirx.any(j >= vis_end_[h], q_begin_[h] < span[0], q_begin_[h] >= span[1]), T.float32(MASKED),
                         sacc_[i * 4 + h * 2 + c])
 
-    @T.macro
-    def quad_reduce(buf_, idx_, op_):
-        """buf_[idx_] <- op_ over the 4 lanes that hold one accumulator row."""
-        buf_[idx_] = op_(buf_[idx_], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], 1, 32, 32))
-        buf_[idx_] = op_(buf_[idx_], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), buf_[idx_], 2, 32, 32))
-
-    @T.macro
-    def softmax(sacc_, preg_, oacc_, m_, l_, scale_):
-        """Online softmax step of the thread's two rows (base 2): new row maxima m_, rescale
-        l_ and oacc_ by exp2(old - new), P = exp2(S * scale_ - m_) packed into preg_."""
-        row_max = T.alloc_local((2,), "float32")
-        alpha = T.alloc_local((2,), "float32")
-        for r in T.unroll(2):
-            row_max[r] = m_[r]
-        for i in T.unroll(NS // 4):
-            for e in T.unroll(4):
-                row_max[e // 2] = T.max(row_max[e // 2], sacc_[i * 4 + e] * scale_)
-        for r in T.unroll(2):
-            quad_reduce(row_max, r, T.max)
-            alpha[r] = rescale_factor(m_[r], row_max[r])
-            m_[r] = row_max[r]
-            l_[r] = l_[r] * alpha[r]
-        for i in T.unroll(NS // 4):
-            for e in T.unroll(4):
-                sacc_[i * 4 + e] = prob(sacc_[i * 4 + e] * scale_, m_[e // 2])
-                l_[e // 2] = l_[e // 2] + sacc_[i * 4 + e]
-        for i in T.unroll(NO // 4):
-            for e in T.unroll(4):
-                oacc_[i * 4 + e] = oacc_[i * 4 + e] * alpha[e // 2]
-        for q in T.unroll(NP):
-            preg_[q] = pack2(dtype, sacc_[q * 2], sacc_[q * 2 + 1])
+    quad_reduce, softmax = row_softmax(NS, NO, NP, dtype)
 
     @T.macro
     def store(oacc_, m_, l_, rows_, row0_, lane_, write_o_, write_lse_):
