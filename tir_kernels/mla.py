@@ -327,6 +327,93 @@ def _merge_splits_macro(dims: _Dims, L):
     return merge_splits_macro(L, dims.dtype, dims.H, dims.D_L, dims.num_splits)
 
 
+def decode_contract_func(config: MLAConfig, split_kernel, num_splits, merge_splits):
+    """The contract's MLA decode PrimFunc (`mla_paged_decode`'s arguments and symbol) around a
+    kernel body: split_kernel(Q, pages, page_indptr, page_indices, length_info, out, lse, o_part,
+    lse_part, sm_scale) writes each (request, head)'s output, or with num_splits(B) > 1 its
+    split's FP32 state into the workspace o_part / lse_part, which merge_splits(o_part, lse_part,
+    out, lse) then merges. Shared by the CUDA-core / CPU kernel and mla_tc's tensor-core one."""
+    dtype, ps, H, D_QK, D_L = config.dtype, config.page_size, config.num_heads, config.qk_dim, config.latent_dim
+
+    @T.prim_func
+    def batch_decode_paged_kv_mla(
+        q_handle: T.handle,
+        pages_handle: T.handle,
+        page_indptr_handle: T.handle,
+        page_indices_handle: T.handle,
+        length_info_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        num_pages = T.int64()
+        nnz_pages = T.int32()
+        indptr_offset = T.int32()
+        indices_offset = T.int32()
+        length_offset = T.int32()
+        Q = T.match_buffer(q_handle, (B, H, D_QK), dtype)
+        # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment and gathers.
+        pages = T.match_buffer(pages_handle, (num_pages, ps, D_QK), dtype)
+        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
+        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
+        length_info = T.match_buffer(length_info_handle, (B,), "int32", elem_offset=length_offset)
+        out = T.match_buffer(o_handle, (B, H, D_L), dtype)
+        lse = T.match_buffer(lse_handle, (B, H), "float32")
+        # Split partials: FP32 output and LSE per split (workspace; unused when one split).
+        o_part = T.alloc_buffer((num_splits(B) * B * H * D_L,), "float32")
+        lse_part = T.alloc_buffer((num_splits(B) * B * H,), "float32")
+        split_kernel(Q, pages, page_indptr, page_indices, length_info, out, lse, o_part, lse_part, sm_scale)
+        if num_splits(B) > 1:
+            merge_splits(o_part, lse_part, out, lse)  # in FP32, per (request, head)
+
+    return batch_decode_paged_kv_mla.with_attr("global_symbol", DECODE_SYMBOL)
+
+
+def prefill_contract_func(config: MLAConfig, kernel, align: int = -1):
+    """The contract's MLA prefill PrimFunc (`mla_paged_prefill`'s arguments and symbol) around
+    kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, out, lse, causal,
+    sm_scale, B); align: of q and pages (16 for 16-byte copies; -1: TVM's default). Shared by the
+    CUDA-core / CPU kernel and mla_sm90's tensor-core one."""
+    dtype, ps, H, D_QK, D_L = config.dtype, config.page_size, config.num_heads, config.qk_dim, config.latent_dim
+
+    @T.prim_func
+    def batch_prefill_paged_kv_mla(
+        q_handle: T.handle,
+        qo_indptr_handle: T.handle,
+        pages_handle: T.handle,
+        page_indptr_handle: T.handle,
+        page_indices_handle: T.handle,
+        length_info_handle: T.handle,
+        o_handle: T.handle,
+        lse_handle: T.handle,
+        causal: T.int32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        num_pages = T.int64()
+        nnz_pages = T.int32()
+        qo_indptr_offset = T.int32()
+        indptr_offset = T.int32()
+        indices_offset = T.int32()
+        length_offset = T.int32()
+        Q = T.match_buffer(q_handle, (total_q, H, D_QK), dtype, align=align)
+        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
+        # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment and gathers.
+        pages = T.match_buffer(pages_handle, (num_pages, ps, D_QK), dtype, align=align)
+        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
+        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
+        length_info = T.match_buffer(length_info_handle, (B,), "int32", elem_offset=length_offset)
+        out = T.match_buffer(o_handle, (total_q, H, D_L), dtype)
+        lse = T.match_buffer(lse_handle, (total_q, H), "float32")
+        kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, out, lse, causal, sm_scale, B)
+
+    return batch_prefill_paged_kv_mla.with_attr("global_symbol", PREFILL_SYMBOL)
+
+
 def mla_paged_decode(config: MLAConfig, schedule: MLASchedule | None = None):
     """MLA paged decode PrimFunc (one query token per request), arguments in the contract's order:
 
@@ -342,7 +429,7 @@ def mla_paged_decode(config: MLAConfig, schedule: MLASchedule | None = None):
     attend = _attend_macro(dims, L)
     _, _, _, store = tile_softmax_macros(dims, L)
     merge_splits = _merge_splits_macro(dims, L)
-    dtype, ps, H, D_QK, D_L = dims.dtype, dims.ps, dims.H, dims.D_QK, dims.D_L
+    dtype, ps, H, D_L = dims.dtype, dims.ps, dims.H, dims.D_L
     TY, TX, TM, OC, BQ = dims.TY, dims.TX, dims.TM, dims.OC, dims.BQ
 
     @T.macro
@@ -377,40 +464,7 @@ def mla_paged_decode(config: MLAConfig, schedule: MLASchedule | None = None):
                                           o_part_, val, [((split * batch + b) * H + p) * D_L + d]),
                                       lambda p, val: T.buffer_store(lse_part_, val, [(split * batch + b) * H + p]))
 
-    @T.prim_func
-    def batch_decode_paged_kv_mla(
-        q_handle: T.handle,
-        pages_handle: T.handle,
-        page_indptr_handle: T.handle,
-        page_indices_handle: T.handle,
-        length_info_handle: T.handle,
-        o_handle: T.handle,
-        lse_handle: T.handle,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.noalias": True})
-        B = T.int32()
-        num_pages = T.int64()
-        nnz_pages = T.int32()
-        indptr_offset = T.int32()
-        indices_offset = T.int32()
-        length_offset = T.int32()
-        Q = T.match_buffer(q_handle, (B, H, D_QK), dtype)
-        # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment and gathers.
-        pages = T.match_buffer(pages_handle, (num_pages, ps, D_QK), dtype)
-        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
-        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
-        length_info = T.match_buffer(length_info_handle, (B,), "int32", elem_offset=length_offset)
-        out = T.match_buffer(o_handle, (B, H, D_L), dtype)
-        lse = T.match_buffer(lse_handle, (B, H), "float32")
-        # Split partials: FP32 output and LSE per split (workspace; unused when one split).
-        o_part = T.alloc_buffer((dims.num_splits(B) * B * H * D_L,), "float32")
-        lse_part = T.alloc_buffer((dims.num_splits(B) * B * H,), "float32")
-        split_kernel(Q, pages, page_indptr, page_indices, length_info, out, lse, o_part, lse_part, sm_scale)
-        if dims.num_splits(B) > 1:
-            merge_splits(o_part, lse_part, out, lse)  # in FP32, per (request, head)
-
-    return batch_decode_paged_kv_mla.with_attr("global_symbol", DECODE_SYMBOL)
+    return decode_contract_func(config, split_kernel, dims.num_splits, merge_splits)
 
 
 def mla_paged_prefill(config: MLAConfig, schedule: MLASchedule | None = None):
@@ -439,7 +493,7 @@ def mla_paged_prefill(config: MLAConfig, schedule: MLASchedule | None = None):
     attend = _attend_macro(dims, L)
     _, _, _, store = tile_softmax_macros(dims, L)
     find_tile = find_tile_macro(dims.row_tiles)
-    dtype, ps, H, D_QK, D_L = dims.dtype, dims.ps, dims.H, dims.D_QK, dims.D_L
+    dtype, ps, H = dims.dtype, dims.ps, dims.H
     TY, TX, TM, OC, BQ = dims.TY, dims.TX, dims.TM, dims.OC, dims.BQ
 
     @T.macro
@@ -471,40 +525,7 @@ def mla_paged_prefill(config: MLAConfig, schedule: MLASchedule | None = None):
                           lambda p, d, val: T.buffer_store(O_, T.Cast(dtype, val), [q0 + p // H, p % H, d]),
                           lambda p, val: T.buffer_store(lse_, val, [q0 + p // H, p % H]))
 
-    @T.prim_func
-    def batch_prefill_paged_kv_mla(
-        q_handle: T.handle,
-        qo_indptr_handle: T.handle,
-        pages_handle: T.handle,
-        page_indptr_handle: T.handle,
-        page_indices_handle: T.handle,
-        length_info_handle: T.handle,
-        o_handle: T.handle,
-        lse_handle: T.handle,
-        causal: T.int32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.noalias": True})
-        B = T.int32()
-        total_q = T.int32()
-        num_pages = T.int64()
-        nnz_pages = T.int32()
-        qo_indptr_offset = T.int32()
-        indptr_offset = T.int32()
-        indices_offset = T.int32()
-        length_offset = T.int32()
-        Q = T.match_buffer(q_handle, (total_q, H, D_QK), dtype)
-        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
-        # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment and gathers.
-        pages = T.match_buffer(pages_handle, (num_pages, ps, D_QK), dtype)
-        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
-        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
-        length_info = T.match_buffer(length_info_handle, (B,), "int32", elem_offset=length_offset)
-        out = T.match_buffer(o_handle, (total_q, H, D_L), dtype)
-        lse = T.match_buffer(lse_handle, (total_q, H), "float32")
-        kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, out, lse, causal, sm_scale, B)
-
-    return batch_prefill_paged_kv_mla.with_attr("global_symbol", PREFILL_SYMBOL)
+    return prefill_contract_func(config, kernel)
 
 
 # Page operations on the MLA pool [num_pages, page_size, qk_dim]. Rows move in chunks of

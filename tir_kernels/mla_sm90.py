@@ -494,7 +494,7 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
 
 def mla_paged_prefill_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None = None):
     """Tensor-core body of `mla.mla_paged_prefill` (same arguments, symbol and semantics)."""
-    from .mla import PREFILL_SYMBOL
+    from .mla import prefill_contract_func
 
     problem = mla_wgmma_problem(config)
     if problem:
@@ -502,40 +502,6 @@ def mla_paged_prefill_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None
     sched = schedule or choose_mla_wgmma_schedule(config)
     sched.check(config)
     kernel = _kernel_macro(config, sched)
-    dtype, ps, H, D_QK, D_L = config.dtype, config.page_size, config.num_heads, config.qk_dim, config.latent_dim
-
-    @T.prim_func
-    def batch_prefill_paged_kv_mla(
-        q_handle: T.handle,
-        qo_indptr_handle: T.handle,
-        pages_handle: T.handle,
-        page_indptr_handle: T.handle,
-        page_indices_handle: T.handle,
-        length_info_handle: T.handle,
-        o_handle: T.handle,
-        lse_handle: T.handle,
-        causal: T.int32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.noalias": True})
-        B = T.int32()
-        total_q = T.int32()
-        num_pages = T.int64()
-        nnz_pages = T.int32()
-        qo_indptr_offset = T.int32()
-        indptr_offset = T.int32()
-        indices_offset = T.int32()
-        length_offset = T.int32()
-        Q = T.match_buffer(q_handle, (total_q, H, D_QK), dtype, align=16)
-        qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
-        pages = T.match_buffer(pages_handle, (num_pages, ps, D_QK), dtype, align=16)
-        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
-        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
-        length_info = T.match_buffer(length_info_handle, (B,), "int32", elem_offset=length_offset)
-        out = T.match_buffer(o_handle, (total_q, H, D_L), dtype)
-        lse = T.match_buffer(lse_handle, (total_q, H), "float32")
-        kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, out, lse, causal, sm_scale, B)
-
-    func = batch_prefill_paged_kv_mla.with_attr("global_symbol", PREFILL_SYMBOL)
+    func = prefill_contract_func(config, kernel, align=16)
     return func.with_attr(TIRX_ATTR, True).with_attr(
         "target", tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm"))

@@ -36,7 +36,7 @@ from tvm.script import tirx as T
 
 from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, loop_kinds
 from .config import MLAConfig
-from .mla import DECODE_SYMBOL, mla_paged_decode
+from .mla import decode_contract_func, mla_paged_decode
 from .prefill_sm80 import CHUNK, FULL_WARP, MIN_ARCH, MMA_DTYPES, ROWS_PER_MMA, _Tile
 from .schedules import CUDA_DEFAULT_SHARED_BYTES, CUDA_MAX_SHARED_BYTES, CUDA_NUM_SMS
 from .softmax import finalize_lse, finalize_scale, merge_splits_macro, prob, rescale_factor
@@ -406,40 +406,7 @@ def mla_paged_decode_tc(config: MLAConfig, schedule: MLATensorCoreSchedule | Non
                         body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_,
                              b, hc, split, tid)
 
-    @T.prim_func
-    def batch_decode_paged_kv_mla(
-        q_handle: T.handle,
-        pages_handle: T.handle,
-        page_indptr_handle: T.handle,
-        page_indices_handle: T.handle,
-        length_info_handle: T.handle,
-        o_handle: T.handle,
-        lse_handle: T.handle,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.noalias": True})
-        B = T.int32()
-        num_pages = T.int64()
-        nnz_pages = T.int32()
-        indptr_offset = T.int32()
-        indices_offset = T.int32()
-        length_offset = T.int32()
-        Q = T.match_buffer(q_handle, (B, H, D_QK), dtype)
-        # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment.
-        pages = T.match_buffer(pages_handle, (num_pages, ps, D_QK), dtype)
-        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
-        page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
-        length_info = T.match_buffer(length_info_handle, (B,), "int32", elem_offset=length_offset)
-        out = T.match_buffer(o_handle, (B, H, D_L), dtype)
-        lse = T.match_buffer(lse_handle, (B, H), "float32")
-        # Split partials: finished fp32 output and LSE per split (workspace; unused for one split).
-        o_part = T.alloc_buffer((num_splits(B) * B * H * D_L,), "float32")
-        lse_part = T.alloc_buffer((num_splits(B) * B * H,), "float32")
-        kernel(Q, pages, page_indptr, page_indices, length_info, out, lse, o_part, lse_part, sm_scale)
-        if num_splits(B) > 1:
-            merge_splits(o_part, lse_part, out, lse)
-
-    return batch_decode_paged_kv_mla.with_attr("global_symbol", DECODE_SYMBOL)
+    return decode_contract_func(config, kernel, num_splits, merge_splits)
 
 
 def mla_paged_decode_auto(config: MLAConfig):
