@@ -8,8 +8,9 @@ What the kernels need beyond TVMScript's `T.ptx[...]` dialect:
 - the 128-byte-swizzled shared-memory layout that wgmma descriptors read, and the
   descriptor fields for K-major and MN-major operands;
 - the pieces the warp-specialised kernels (prefill_sm90, mla_sm90) share: the producer's ring
-  of shared buffers (`ring_producer`) and a consumer thread's online softmax over the two rows
-  it holds of a wgmma m64 accumulator (`row_softmax`).
+  of shared buffers (`ring_producer`), the two wgmma products of a consumer warpgroup
+  (`wgmma_scores`: S = Q K^T, `wgmma_accumulate`: O += P V) and a consumer thread's online
+  softmax over the two rows it holds of a wgmma m64 accumulator (`row_softmax`).
 
 A tile of R rows x W columns (W a multiple of 64 two-byte elements) is stored as W/64
 "panels" of R x 64 elements; within a panel, row r occupies 128 bytes and its 16-byte chunk
@@ -155,3 +156,56 @@ def row_softmax(ns: int, no: int, np_: int, dtype: str):
             preg_[q] = pack2(dtype, sacc_[q * 2], sacc_[q * 2 + 1])
 
     return quad_reduce, softmax
+
+
+def wgmma_scores(name: str, ns: int, k_steps: int):
+    """Macro `scores(smem_, sacc_, q_at_, k_at_)`: sacc_ (ns fp32 registers) <- Q K^T by the wgmma
+    `name` (m64nNk16), over k_steps steps of 16 along the head dim; q_at_(kk) / k_at_(kk): element
+    offsets in smem_ of step kk's 16 columns of the 128B-swizzled, K-major Q and K tiles."""
+
+    @T.macro
+    def scores(smem_, sacc_, q_at_, k_at_):
+        desc_q = T.alloc_local((1,), "uint64")
+        desc_k = T.alloc_local((1,), "uint64")
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(k_steps):
+            T.cuda.wgmma.encode_matrix_descriptor(desc_q.ptr_to([0]), smem_.ptr_to([q_at_(kk)]), 1, SWIZZLE_SBO,
+                                                  SWIZZLE_128B)
+            T.cuda.wgmma.encode_matrix_descriptor(desc_k.ptr_to([0]), smem_.ptr_to([k_at_(kk)]), 1, SWIZZLE_SBO,
+                                                  SWIZZLE_128B)
+            T.ptx[name](*[sacc_[i] for i in range(ns)], desc_q[0], desc_k[0], T.bool(kk > 0), 1, 1, 0, 0)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        for i in T.unroll(ns):
+            T.evaluate(fence_f32(sacc_[i]))
+
+    return scores
+
+
+def wgmma_accumulate(name: str, no: int, np_: int, k_steps: int, v_rows: int):
+    """Macro `accumulate(smem_, oacc_, preg_, v_at_)`: oacc_ (no fp32 registers) += P V by the wgmma
+    `name` (m64nNk16), P from registers (np_ 16-bit pairs), over k_steps steps of 16 keys;
+    v_at_(kk): element offset in smem_ of step kk's 16 rows of the 128B-swizzled, MN-major V tile
+    of v_rows rows (its 64-column panels v_rows * 64 elements apart)."""
+
+    @T.macro
+    def accumulate(smem_, oacc_, preg_, v_at_):
+        desc_v = T.alloc_local((1,), "uint64")
+        for q in T.unroll(np_):
+            T.evaluate(fence_u32(preg_[q]))
+        for i in T.unroll(no):
+            T.evaluate(fence_f32(oacc_[i]))
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(k_steps):
+            T.cuda.wgmma.encode_matrix_descriptor(desc_v.ptr_to([0]), smem_.ptr_to([v_at_(kk)]),
+                                                  panel_stride_16b(v_rows), SWIZZLE_SBO, SWIZZLE_128B)
+            T.ptx[name](*[oacc_[i] for i in range(no)], preg_[kk * 4], preg_[kk * 4 + 1], preg_[kk * 4 + 2],
+                        preg_[kk * 4 + 3], desc_v[0], T.bool(True), 1, 1, 1)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        for i in T.unroll(no):
+            T.evaluate(fence_f32(oacc_[i]))
+        for q in T.unroll(np_):
+            T.evaluate(fence_u32(preg_[q]))
+
+    return accumulate

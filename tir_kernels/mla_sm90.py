@@ -40,16 +40,13 @@ from .config import MLAConfig
 from .hopper import (
     CHUNK,
     PANEL,
-    SWIZZLE_128B,
-    SWIZZLE_SBO,
-    fence_f32,
-    fence_u32,
     pack2,
-    panel_stride_16b,
     ring_producer,
     row_softmax,
     swizzled,
+    wgmma_accumulate,
     wgmma_name,
+    wgmma_scores,
 )
 from .schedules import CUDA_MAX_SHARED_BYTES
 from .simt_tile import find_tile_macro
@@ -219,69 +216,28 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
         slot = T.alloc_local((1,), "int32")
         produce_steps(full_, empty_, nkv_, lambda t: copy_step(smem_, t, kv_end_, tid_, slot_of_, row_ptr_, slot))
 
+    scores = wgmma_scores(WG_S, NS, D_QK // 16)
+    scores_half = wgmma_scores(WG_SH, NSH, D_QK // 16)
+    accumulate = wgmma_accumulate(WG_O, NO, NP, BN // 16, BN)
+
     @T.macro
     def s_mma(smem_, sacc_, s_):
-        """sacc_ <- Q (the tile's 64 rows) K^T of buffer s_."""
-        desc_q = T.alloc_local((1,), "uint64")
-        desc_k = T.alloc_local((1,), "uint64")
-        T.ptx.wgmma.fence.sync.aligned()
-        for kk in T.unroll(D_QK // 16):
-            T.cuda.wgmma.encode_matrix_descriptor(
-                desc_q.ptr_to([0]), smem_.ptr_to([(kk * 16 // PANEL) * BM * PANEL + kk * 16 % PANEL]),
-                1, SWIZZLE_SBO, SWIZZLE_128B)
-            T.cuda.wgmma.encode_matrix_descriptor(
-                desc_k.ptr_to([0]),
-                smem_.ptr_to([K_OFF + s_ * K_ELEMS + (kk * 16 // PANEL) * BN * PANEL + kk * 16 % PANEL]),
-                1, SWIZZLE_SBO, SWIZZLE_128B)
-            T.ptx[WG_S](*[sacc_[i] for i in range(NS)], desc_q[0], desc_k[0], T.bool(kk > 0), 1, 1, 0, 0)
-        T.ptx.wgmma.commit_group.sync.aligned()
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        for i in T.unroll(NS):
-            T.evaluate(fence_f32(sacc_[i]))
+        """sacc_ <- Q K^T of buffer s_ (every key of the step)."""
+        scores(smem_, sacc_, lambda kk: (kk * 16 // PANEL) * BM * PANEL + kk * 16 % PANEL,
+               lambda kk: K_OFF + s_ * K_ELEMS + (kk * 16 // PANEL) * BN * PANEL + kk * 16 % PANEL)
 
     @T.macro
     def s_mma_half(smem_, sacc_, s_, cw_):
         """split_keys: sacc_ <- Q K^T of keys [cw_ * BNH, (cw_ + 1) * BNH) of buffer s_."""
-        desc_q = T.alloc_local((1,), "uint64")
-        desc_k = T.alloc_local((1,), "uint64")
-        T.ptx.wgmma.fence.sync.aligned()
-        for kk in T.unroll(D_QK // 16):
-            T.cuda.wgmma.encode_matrix_descriptor(
-                desc_q.ptr_to([0]), smem_.ptr_to([(kk * 16 // PANEL) * BM * PANEL + kk * 16 % PANEL]),
-                1, SWIZZLE_SBO, SWIZZLE_128B)
-            T.cuda.wgmma.encode_matrix_descriptor(
-                desc_k.ptr_to([0]),
-                smem_.ptr_to([K_OFF + s_ * K_ELEMS + (kk * 16 // PANEL) * BN * PANEL + cw_ * BNH * PANEL
-                              + kk * 16 % PANEL]),
-                1, SWIZZLE_SBO, SWIZZLE_128B)
-            T.ptx[WG_SH](*[sacc_[i] for i in range(NSH)], desc_q[0], desc_k[0], T.bool(kk > 0), 1, 1, 0, 0)
-        T.ptx.wgmma.commit_group.sync.aligned()
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        for i in T.unroll(NSH):
-            T.evaluate(fence_f32(sacc_[i]))
+        scores_half(smem_, sacc_, lambda kk: (kk * 16 // PANEL) * BM * PANEL + kk * 16 % PANEL,
+                    lambda kk: K_OFF + s_ * K_ELEMS + (kk * 16 // PANEL) * BN * PANEL + cw_ * BNH * PANEL
+                    + kk * 16 % PANEL)
 
     @T.macro
     def pv_mma(smem_, oacc_, preg_, s_, cw_):
         """oacc_ += P V[:, columns of consumer cw_] (V: the first latent columns of buffer s_)."""
-        desc_v = T.alloc_local((1,), "uint64")
-        for q in T.unroll(NP):
-            T.evaluate(fence_u32(preg_[q]))
-        for i in T.unroll(NO):
-            T.evaluate(fence_f32(oacc_[i]))
-        T.ptx.wgmma.fence.sync.aligned()
-        for kk in T.unroll(BN // 16):
-            T.cuda.wgmma.encode_matrix_descriptor(
-                desc_v.ptr_to([0]),
-                smem_.ptr_to([K_OFF + s_ * K_ELEMS + cw_ * (DVH // PANEL) * BN * PANEL + kk * 16 * PANEL]),
-                panel_stride_16b(BN), SWIZZLE_SBO, SWIZZLE_128B)
-            T.ptx[WG_O](*[oacc_[i] for i in range(NO)], preg_[kk * 4], preg_[kk * 4 + 1], preg_[kk * 4 + 2],
-                        preg_[kk * 4 + 3], desc_v[0], T.bool(True), 1, 1, 1)
-        T.ptx.wgmma.commit_group.sync.aligned()
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        for i in T.unroll(NO):
-            T.evaluate(fence_f32(oacc_[i]))
-        for q in T.unroll(NP):
-            T.evaluate(fence_u32(preg_[q]))
+        accumulate(smem_, oacc_, preg_,
+                   lambda kk: K_OFF + s_ * K_ELEMS + cw_ * (DVH // PANEL) * BN * PANEL + kk * 16 * PANEL)
 
     @T.macro
     def mask(sacc_, kv_start_, vis_end_, lane_, count_):

@@ -38,15 +38,12 @@ from .config import AttentionConfig
 from .hopper import (
     CHUNK,
     PANEL,
-    SWIZZLE_128B,
-    SWIZZLE_SBO,
-    fence_f32,
-    fence_u32,
-    panel_stride_16b,
     ring_producer,
     row_softmax,
     swizzled,
+    wgmma_accumulate,
     wgmma_name,
+    wgmma_scores,
 )
 from .masks import is_tree, mask_of_request
 from .prefill_contract import (
@@ -210,49 +207,21 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
             produce_steps(full_, empty_, nkv_, lambda t: copy_kv(
                 smem_, t % ST, t, kv_end_, tid_, kv_row_, k_ptr_, v_ptr_))
 
+    scores = wgmma_scores(WG_S, NS, D_QK // 16)
+    accumulate = wgmma_accumulate(WG_O, NO, NP, BN // 16, BN)
+
     @T.macro
     def s_mma(smem_, sacc_, cw_, s_):
         """sacc_ <- Q (this consumer's 64 rows) K^T of buffer s_, on tensor cores."""
-        desc_q = T.alloc_local((1,), "uint64")
-        desc_k = T.alloc_local((1,), "uint64")
-        T.ptx.wgmma.fence.sync.aligned()
-        for kk in T.unroll(D_QK // 16):
-            T.cuda.wgmma.encode_matrix_descriptor(
-                desc_q.ptr_to([0]),
-                smem_.ptr_to([(kk * 16 // PANEL) * BM * PANEL + cw_ * ROWS_PER_CONSUMER * PANEL + kk * 16 % PANEL]),
-                1, SWIZZLE_SBO, SWIZZLE_128B)
-            T.cuda.wgmma.encode_matrix_descriptor(
-                desc_k.ptr_to([0]),
-                smem_.ptr_to([K_OFF + s_ * K_ELEMS + (kk * 16 // PANEL) * BN * PANEL + kk * 16 % PANEL]),
-                1, SWIZZLE_SBO, SWIZZLE_128B)
-            T.ptx[WG_S](*[sacc_[i] for i in range(NS)], desc_q[0], desc_k[0], T.bool(kk > 0), 1, 1, 0, 0)
-        T.ptx.wgmma.commit_group.sync.aligned()
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        for i in T.unroll(NS):
-            T.evaluate(fence_f32(sacc_[i]))
+        scores(smem_, sacc_,
+               lambda kk: (kk * 16 // PANEL) * BM * PANEL + cw_ * ROWS_PER_CONSUMER * PANEL + kk * 16 % PANEL,
+               lambda kk: K_OFF + s_ * K_ELEMS + (kk * 16 // PANEL) * BN * PANEL + kk * 16 % PANEL)
 
     @T.macro
     def pv_mma(smem_, oacc_, preg_, s_):
-        """oacc_ += P V of buffer s_ (P from registers; V rows are the reduction axis)."""
-        desc_v = T.alloc_local((1,), "uint64")
-        for q in T.unroll(NP):
-            T.evaluate(fence_u32(preg_[q]))
-        for i in T.unroll(NO):
-            T.evaluate(fence_f32(oacc_[i]))
-        T.ptx.wgmma.fence.sync.aligned()
-        for kk in T.unroll(BN // 16):
-            # keys 16kk..16kk+15: 16 rows further; LBO: from one 64-column panel of V to the next
-            T.cuda.wgmma.encode_matrix_descriptor(
-                desc_v.ptr_to([0]), smem_.ptr_to([V_OFF + s_ * V_ELEMS + kk * 16 * PANEL]),
-                panel_stride_16b(BN), SWIZZLE_SBO, SWIZZLE_128B)
-            T.ptx[WG_O](*[oacc_[i] for i in range(NO)], preg_[kk * 4], preg_[kk * 4 + 1], preg_[kk * 4 + 2],
-                        preg_[kk * 4 + 3], desc_v[0], T.bool(True), 1, 1, 1)
-        T.ptx.wgmma.commit_group.sync.aligned()
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        for i in T.unroll(NO):
-            T.evaluate(fence_f32(oacc_[i]))
-        for q in T.unroll(NP):
-            T.evaluate(fence_u32(preg_[q]))
+        """oacc_ += P V of buffer s_ (P from registers; V rows are the reduction axis): keys
+        16kk..16kk+15 are 16 rows further."""
+        accumulate(smem_, oacc_, preg_, lambda kk: V_OFF + s_ * V_ELEMS + kk * 16 * PANEL)
 
     @T.macro
     def mask(sacc_, kv_start_, vis_end_, lane_):
