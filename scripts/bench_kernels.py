@@ -460,11 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mla-decode-page-sizes", nargs="+", type=_page_size, default=list(MLA_DECODE_PAGE_SIZES),
                         metavar="P",
                         help=f"MLA decode page sizes (default: {' '.join(map(str, MLA_DECODE_PAGE_SIZES))})")
-    parser.add_argument("--mla-decode-anchors", nargs="*", choices=MLA_DECODE_IMPLS[1:3],
-                        default=list(MLA_DECODE_IMPLS[1:3]),
+    parser.add_argument("--mla-decode-anchors", nargs="*", choices=MLA_DECODE_ANCHORS,
+                        default=list(MLA_DECODE_ANCHORS),
                         help="MLA decode anchor kernels, timed at the first page size (default: both)")
     parser.add_argument("--mla-decode-variants", action="store_true",
-                        help="MLA decode: also time other tensor-core schedules (at the first page size)")
+                        help="MLA decode: also time other tensor-core schedules (at the first page size): the"
+                             " wgmma decode's where it serves (sm_90), else mla_tc's")
     parser.add_argument("--json", metavar="PATH", help="write every row as a JSON list (shared/docs/bench-format.md)")
     parser.add_argument("--plot", metavar="PNG", help="draw the rates against context length (needs matplotlib)")
     parser.add_argument("--from-json", nargs="+", metavar="PATH",
@@ -1285,8 +1286,10 @@ def run(args, decode_shapes, prefill_shapes, tree_shapes=()) -> list[dict]:
 # one latent row per token ([pages, page_size, latent + rope], shared by every head). Rate: GB/s
 # of latent-cache read (B * L * (latent + rope) * element bytes per call). Implementations in one
 # process on the same inputs: tvmattn's decode as the cache picks it (tensor cores on CUDA,
-# "tvmattn"), its SIMT kernel ("tvmattn-simt"), TVM's own MLA kernel (TVM 0.27 has only
-# `_attention_prefill_mla`, which its cache runs for decode too: one query per request, causal 0;
+# "tvmattn"; on sm_90 per batch between mla_tc's split mma.sync kernel, "tvmattn-tc", and
+# mla_sm90's wgmma one, "tvmattn-wgmma", both also timed alone), its SIMT kernel
+# ("tvmattn-simt"), TVM's own MLA kernel (TVM 0.27 has only `_attention_prefill_mla`, which its
+# cache runs for decode too: one query per request, causal 0;
 # "tvm") and torch over the gathered latent (einsum, fp32 softmax; "torch"). The two anchor
 # kernels run at the first page size only (they are slow to build and to run). Every output is
 # compared with an fp32 torch reference over the unpaged latent.
@@ -1296,7 +1299,10 @@ MLA_DECODE_HEADS = (128, 16)  # DeepSeek-V2/V3, DeepSeek-V2-Lite
 MLA_DECODE_PAGE_SIZES = (16, 64)
 MLA_DECODE_LATENT, MLA_DECODE_ROPE = 512, 64
 MLA_DECODE_SM_SCALE = 1.0 / math.sqrt(192.0)  # DeepSeek: from the original qk head dim 128 + 64
-MLA_DECODE_IMPLS = ("tvmattn", "tvmattn-simt", "tvm", "torch")
+MLA_DECODE_IMPLS = ("tvmattn", "tvmattn-tc", "tvmattn-wgmma", "tvmattn-simt", "tvm", "torch")
+MLA_DECODE_ANCHORS = ("tvmattn-simt", "tvm")
+# --mla-decode-variants: other schedules of the wgmma decode (MLAWgmmaSchedule fields).
+MLA_DECODE_WGMMA_VARIANTS = {"k32s4": dict(tile_kv=32, stages=4), "r24-240": dict(producer_regs=24, consumer_regs=240)}
 MLA_DECODE_SAMPLE_S = 0.05  # aim for about this much GPU time per timing sample
 
 
@@ -1386,18 +1392,32 @@ def mla_decode_variants(config) -> list:
 
 def mla_decode_kernels(config, anchors=("tvmattn-simt", "tvm"), variants: bool = False) -> list:
     """[(impl, variant, function, prefill-style arguments?)] built for one MLA config: tvmattn's
-    and the `anchors` among tvmattn-simt and tvm (TVM's on CUDA only); with variants, also
+    as the cache runs it ("tvmattn": on sm_90 the kernel `choose_mla_decode_kernel` names for the
+    call's batch; variant a function of the batch), its two tensor-core kernels on their own
+    ("tvmattn-tc": mla_tc's split mma.sync decode, "tvmattn-wgmma": mla_sm90's), the `anchors`
+    among tvmattn-simt and tvm (TVM's on CUDA only); with variants, also
     tvmattn[m,c,s,splits,blocks] for each of `mla_decode_variants`. A build that fails prints a
     skip."""
     import tir_kernels
-    from tir_kernels.mla_tc import choose_mla_tc_schedule, mla_paged_decode_auto, mla_paged_decode_tc, supports_tc
+    from tir_kernels.mla_sm90 import choose_mla_wgmma_schedule, mla_paged_decode_wgmma, mla_wgmma_decode_problem
+    from tir_kernels.mla_tc import (choose_mla_decode_kernel, choose_mla_tc_schedule, mla_paged_decode_auto,
+                                    mla_paged_decode_tc, supports_tc)
 
     built = []
     variant = ("tc:" + schedule_summary(choose_mla_tc_schedule(config))) if supports_tc(config) else "simt"
-    makers = [(OURS, variant, lambda: mla_paged_decode_auto(config), False),
-              ("tvmattn-simt", schedule_summary(tir_kernels.choose_mla_schedule(config, True)),
-               lambda: tir_kernels.mla_paged_decode(config), False)]
-    if variants and supports_tc(config):
+    wgmma = mla_wgmma_decode_problem(config) is None
+    makers = [(f"{OURS}-tc" if wgmma else OURS, variant, lambda: mla_paged_decode_auto(config), False)]
+    if wgmma:
+        makers.append((f"{OURS}-wgmma", "wgmma:" + schedule_summary(choose_mla_wgmma_schedule(config)),
+                       lambda: mla_paged_decode_wgmma(config), False))
+    makers.append(("tvmattn-simt", schedule_summary(tir_kernels.choose_mla_schedule(config, True)),
+                   lambda: tir_kernels.mla_paged_decode(config), False))
+    if variants and wgmma:
+        for name, fields in MLA_DECODE_WGMMA_VARIANTS.items():
+            v = dataclasses.replace(choose_mla_wgmma_schedule(config), **fields)
+            makers.append((f"{OURS}-wgmma-{name}", "wgmma:" + schedule_summary(v),
+                           lambda v=v: mla_paged_decode_wgmma(config, v), False))
+    if variants and supports_tc(config) and not wgmma:
         for v in mla_decode_variants(config):
             makers.append((f"tvmattn[{v.m_tiles},{v.col_slices},{v.stages},{v.max_splits},{v.target_blocks}]",
                            "tc:" + schedule_summary(v), lambda v=v: mla_paged_decode_tc(config, v), False))
@@ -1415,6 +1435,13 @@ def mla_decode_kernels(config, anchors=("tvmattn-simt", "tvm"), variants: bool =
         except Exception as e:  # noqa: BLE001 - report and go on with the others
             print(f"  skip {impl} (mla_decode, {config.dtype}, {config.num_heads} heads, page "
                   f"{config.page_size}, build): {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+    funcs = {impl[len(OURS) + 1:]: (fn, v) for impl, v, fn, _ in built if impl in (f"{OURS}-tc", f"{OURS}-wgmma")}
+    if wgmma and len(funcs) == 2:
+        def chosen(*args):
+            funcs[choose_mla_decode_kernel(config, int(args[0].shape[0]))][0](*args)
+
+        built.insert(0, (OURS, lambda batch: "chosen " + funcs[choose_mla_decode_kernel(config, batch)][1],
+                         chosen, False))
     return built
 
 
@@ -1468,6 +1495,7 @@ def bench_mla_decode_shape(config, kernels, shape: Shape, iters: int, gen, meta:
             continue
         diff = max_diff(o, ref)
         ms = mla_decode_time_ms(call, iters)
+        variant = variant(B) if callable(variant) else variant
         rows.append(mla_decode_row(impl, variant, config.dtype, H, ps, shape, ms, diff, meta, DL, config.rope_dim))
         print(f"  mla_decode {impl} {config.dtype} h{H} ps{ps} {shape.label}: {rows[-1]['ms']:.4f} ms "
               f"{rows[-1]['gbps']:.1f} GB/s diff {diff:.2e}", file=sys.stderr, flush=True)
@@ -1505,7 +1533,7 @@ def run_mla_decode(args, shapes, heads=MLA_DECODE_HEADS, page_sizes=MLA_DECODE_P
                 config = MLAConfig(h, latent_dim=latent, rope_dim=rope, dtype=dtype, page_size=ps, target=target)
                 t0 = time.time()
                 first = ps == page_sizes[0]
-                anchors = getattr(args, "mla_decode_anchors", MLA_DECODE_IMPLS[1:3]) if first else ()
+                anchors = getattr(args, "mla_decode_anchors", MLA_DECODE_ANCHORS) if first else ()
                 kernels = mla_decode_kernels(config, anchors=anchors,
                                              variants=first and getattr(args, "mla_decode_variants", False))
                 print(f"mla {dtype}, {h} heads, page {ps}: kernels built in {time.time() - t0:.1f} s", flush=True)
@@ -1547,6 +1575,14 @@ MLA_SELF_SHAPES = ["1x4096", "4x2048", "16x512"]
 MLA_ABSORBED_SHAPES = ["1x512@4096", "4x256@2048", "16x64@1024"]
 MLA_SM_SCALE = 1.0 / math.sqrt(MLA_QK_DIM)
 SLOW_MS = 50.0  # an implementation slower than this per call is timed with single calls
+# --mla-variants: other schedules of the tensor-core absorbed prefill (MLAWgmmaSchedule fields
+# over the chosen one; those that do not fit are left out).
+MLA_ABSORBED_VARIANTS = {
+    "split": dict(split_keys=True),
+    "k32s4": dict(tile_kv=32, stages=4, split_keys=True),
+    "k32s4-dup": dict(tile_kv=32, stages=4, split_keys=False),
+    "r24-240": dict(producer_regs=24, consumer_regs=240),
+}
 
 
 def add_mla_prefill_arguments(parser) -> None:
@@ -1557,6 +1593,9 @@ def add_mla_prefill_arguments(parser) -> None:
     parser.add_argument("--mla-absorbed", nargs="*", type=_shape_type("prefill"), default=None, metavar="BxQ@L",
                         help="absorbed MLA prefill shapes (Q new tokens over L cached rows, causal = 0; default:"
                              f" {' '.join(MLA_ABSORBED_SHAPES)}; the flag alone: none)")
+    parser.add_argument("--mla-absorbed-only", action="store_true",
+                        help="absorbed prefill rows only: no self-attention rows and no CUDA-core / TVM anchors"
+                             " (schedule comparisons)")
     parser.add_argument("--mla-heads", nargs="+", type=_positive_int, default=list(MLA_HEADS),
                         help=f"query heads of the MLA rows (default: {' '.join(map(str, MLA_HEADS))})")
     parser.add_argument("--mla-variants", action="store_true",
@@ -1628,7 +1667,7 @@ def mla_self_kernels(config, variants: bool) -> list:
     return built
 
 
-def mla_absorbed_kernels(config, variants: bool) -> list:
+def mla_absorbed_kernels(config, variants: bool, anchors: bool = True) -> list:
     """[(impl, variant, function)]: tvmattn's MLA paged prefill (tensor cores where it applies, and
     the CUDA-core kernel as "tvmattn-simt"; with variants the other tensor-core schedule), TVM's."""
     import tir_kernels
@@ -1639,13 +1678,19 @@ def mla_absorbed_kernels(config, variants: bool) -> list:
     from tvm.relax.frontend.nn.llm import _prefill_kernels
 
     simt = choose_mla_schedule(config, decode=False)
-    makers = [(OURS, lambda: tir_kernels.mla_paged_prefill(config)),
-              (f"{OURS}-simt", lambda: tir_kernels.mla_paged_prefill(config, simt))]
+    makers = [(OURS, lambda: tir_kernels.mla_paged_prefill(config))]
+    if anchors:
+        makers.append((f"{OURS}-simt", lambda: tir_kernels.mla_paged_prefill(config, simt)))
     if variants:
-        other = dataclasses.replace(choose_mla_wgmma_schedule(config),
-                                    split_keys=not choose_mla_wgmma_schedule(config).split_keys)
-        makers.append((f"{OURS}-{'split' if other.split_keys else 'dup'}",
-                       lambda: tir_kernels.mla_paged_prefill(config, other)))
+        chosen = choose_mla_wgmma_schedule(config)
+        for name, fields in MLA_ABSORBED_VARIANTS.items():
+            other = dataclasses.replace(chosen, **fields)
+            try:
+                other.check(config)
+            except ValueError:
+                continue
+            if other != chosen:
+                makers.append((f"{OURS}-{name}", lambda other=other: tir_kernels.mla_paged_prefill(config, other)))
     built = []
     for impl, make in makers:
         try:
@@ -1654,6 +1699,8 @@ def mla_absorbed_kernels(config, variants: bool) -> list:
             built.append((impl, variant, build(func, config)))
         except Exception as e:  # noqa: BLE001
             print(f"  skip {impl} (mla absorbed, {config.dtype}): {type(e).__name__}: {str(e)[:300]}")
+    if not anchors:
+        return built
     try:
         func = _prefill_kernels._attention_prefill_mla(config.num_heads, config.latent_dim, config.rope_dim,
                                                        config.dtype, False, config.tvm_target(), config.page_size)
@@ -1763,6 +1810,9 @@ def run_mla_prefill(args) -> list[dict]:
     meta = {"device": torch.cuda.get_device_name(), "date": now_iso(), "commit": git_commit()}
     print(f"{meta['device']} ({target}), commit {meta['commit']}, torch {torch.__version__}")
     self_shapes = args.mla_prefill or [parse_shape(s) for s in MLA_SELF_SHAPES]
+    quick = getattr(args, "mla_absorbed_only", False)
+    if quick:
+        self_shapes = []
     absorbed = [parse_shape(s) for s in MLA_ABSORBED_SHAPES] if args.mla_absorbed is None else args.mla_absorbed
     iters = max(2, args.iters // 4)
     rows = []
@@ -1772,7 +1822,7 @@ def run_mla_prefill(args) -> list[dict]:
             gen = torch.Generator(device=DEVICE).manual_seed(0)
             t0 = time.time()
             config = AttentionConfig(heads, heads, MLA_QK_DIM, v_head_dim=MLA_V_DIM, dtype=dtype, target=target)
-            kernels = mla_self_kernels(config, args.mla_variants)
+            kernels = mla_self_kernels(config, args.mla_variants) if self_shapes else []
             print(f"{dtype}, {heads} heads: self-attention kernels built in {time.time() - t0:.1f} s")
             for shape in self_shapes:
                 try:
@@ -1784,7 +1834,7 @@ def run_mla_prefill(args) -> list[dict]:
                 t0 = time.time()
                 mla = MLAConfig(heads, latent_dim=MLA_LATENT, rope_dim=MLA_ROPE, dtype=dtype, page_size=args.page_size,
                                 target=target)
-                kernels = mla_absorbed_kernels(mla, args.mla_variants)
+                kernels = mla_absorbed_kernels(mla, args.mla_variants, anchors=not quick)
                 print(f"{dtype}, {heads} heads: absorbed kernels built in {time.time() - t0:.1f} s")
                 for shape in absorbed:
                     try:

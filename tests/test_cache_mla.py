@@ -243,6 +243,36 @@ def test_mla_deepseek_v2_lite_shapes(target):
     m.check_no_leaks(initial)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [Dims(128, 512, 64, "float16"), DEEPSEEK_V2_LITE], ids=["h128-fp16", "h16-bf16"])
+def test_mla_wgmma_decode_in_cache(monkeypatch, dims):
+    """The cache's decode levels on mla_sm90's wgmma decode (picked for every batch here): decode
+    steps across page and 64-row step boundaries, a fork inside a page (a cascade level), popn,
+    against the expanded reference."""
+    from tvmattn.runtime import mla as runtime_mla
+
+    batches = []
+
+    def pick(config, batch):
+        batches.append(batch)
+        return "wgmma"
+
+    monkeypatch.setattr(runtime_mla, "choose_mla_decode_kernel", pick)
+    m = MLAModel("cuda", 16, seed=7, dims=dims)
+    initial = m.cache.get_num_available_pages()
+    for s in (0, 1, 2):
+        m.add(s)
+    m.forward([0, 1, 2], [62, 15, 1])
+    for _ in range(3):
+        m.forward([0, 1, 2], [1, 1, 1])
+    m.fork(0, 3, 40)
+    m.forward([3, 0, 1, 2], [1, 1, 1, 1])
+    m.popn(1, 5)
+    m.forward([1, 2], [1, 1])
+    m.check_no_leaks(initial)
+    assert batches and max(batches) >= 3
+
+
 def create_args(kernels, config: MLAConfig, target: str, seqs=8, capacity=512, chunk=128):
     """TVM's positional create call of an MLA cache, our kernels in its slots."""
     ragged = kernels.get(tir_kernels.ragged_prefill, AttentionConfig(HEADS, HEADS, SELF_QK, SELF_V, dtype=DTYPE,

@@ -30,14 +30,22 @@ from tir_kernels import (
     mla_transpose_append,
 )
 from tir_kernels.mla_tc import (
+    WGMMA_DECODE_SPEEDUP,
     MLATensorCoreSchedule,
+    choose_mla_decode_kernel,
     choose_mla_tc_schedule,
     mla_paged_decode_auto,
     mla_paged_decode_tc,
     supports_tc,
 )
 from tir_kernels.build import PIPELINE, uses_tirx_pipeline
-from tir_kernels.mla_sm90 import MLAWgmmaSchedule, choose_mla_wgmma_schedule, mla_wgmma_problem
+from tir_kernels.mla_sm90 import (
+    MLAWgmmaSchedule,
+    choose_mla_wgmma_schedule,
+    mla_paged_decode_wgmma,
+    mla_wgmma_decode_problem,
+    mla_wgmma_problem,
+)
 
 # DeepSeek's softmax scale comes from the original qk head dim (128 + 64), not from the
 # latent width: the kernels take the caller's scale.
@@ -724,6 +732,96 @@ def test_mla_tc_decode_schedules_gpu(kernels):
     for sched in (MLATensorCoreSchedule(4, 2, 3), MLATensorCoreSchedule(1, 4, 2, max_splits=1),
                   MLATensorCoreSchedule(2, 4, 2), MLATensorCoreSchedule(1, 2, 4, max_splits=7)):
         check_decode(kernels, config, [0, 5, 100, 333], rng, schedule=sched, generator=mla_paged_decode_tc)
+
+
+# The wgmma decode: DeepSeek shapes at both dtypes and page sizes, a partial head tile (40
+# heads, no rope part, page 1).
+WGMMA_DECODE_CASES = [
+    (128, 512, 64, 16, "float16"),
+    (128, 512, 64, 64, "bfloat16"),
+    (16, 512, 64, 16, "bfloat16"),
+    (16, 512, 64, 64, "float16"),
+    (40, 128, 0, 1, "bfloat16"),
+]
+
+
+def test_mla_wgmma_decode_selection():
+    """Which configs the wgmma decode serves, its refusals, and the per-batch pick between it and
+    mla_tc's split decode (no GPU needed)."""
+    hopper = MLAConfig(128, target="cuda:sm_90")
+    assert mla_wgmma_decode_problem(hopper) is None
+    assert uses_tirx_pipeline(mla_paged_decode_wgmma(hopper))
+    assert "Hopper" in mla_wgmma_decode_problem(hopper.replace(target="cuda:sm_80"))
+    assert "dtype" in mla_wgmma_decode_problem(hopper.replace(dtype="float32"))
+    assert "latent_dim=96" in mla_wgmma_decode_problem(hopper.replace(latent_dim=96))
+    with pytest.raises(ValueError, match="does not serve"):
+        mla_paged_decode_wgmma(hopper.replace(target="llvm"))
+    with pytest.raises(ValueError, match="split_keys"):
+        mla_paged_decode_wgmma(hopper, MLAWgmmaSchedule(split_keys=False))
+    with pytest.raises(ValueError, match="shared memory"):
+        mla_paged_decode_wgmma(hopper, MLAWgmmaSchedule(tile_kv=64, stages=3, split_keys=True))
+    # the pick: the CPU, float32 and latent widths mla_sm90 cannot take never get wgmma
+    assert choose_mla_decode_kernel(MLAConfig(128), 64) == "simt"
+    assert choose_mla_decode_kernel(hopper.replace(dtype="float32"), 64) == "simt"
+    assert choose_mla_decode_kernel(hopper.replace(target="cuda:sm_80"), 64) == "tc"
+    assert choose_mla_decode_kernel(hopper.replace(latent_dim=96), 64) == "tc"
+    # one request (a wave of 2 CTAs) splits; a full wave of whole requests does not
+    assert choose_mla_decode_kernel(hopper, 1) == "tc"
+    assert choose_mla_decode_kernel(hopper, 0) == "tc"
+    assert choose_mla_decode_kernel(hopper, 66) == ("wgmma" if WGMMA_DECODE_SPEEDUP["full"] > 1 else "tc")
+    picks = [choose_mla_decode_kernel(hopper, b) for b in range(1, 300)]
+    assert picks.index("wgmma") > 1 if "wgmma" in picks else True
+    if WGMMA_DECODE_SPEEDUP["partial"] <= 1:
+        assert all(choose_mla_decode_kernel(hopper.replace(num_heads=16), b) == "tc" for b in range(1, 300))
+
+
+def test_mla_wgmma_decode_codegen():
+    """The wgmma decode lowers for sm_90a without a GPU: one kernel (wgmma, cp.async, setmaxnreg)."""
+    config = MLAConfig(128, dtype="bfloat16", target="cuda:sm_90")
+    module = tvm.compile(tvm.IRModule({"main": mla_paged_decode_wgmma(config)}), target=config.tvm_target(),
+                         tir_pipeline=PIPELINE)
+    source = "\n".join(m.inspect_source() for m in module.mod.imports)
+    for needle in ("wgmma.mma_async", "m64n256k16", "m64n32k16", "cp.async", "setmaxnreg"):
+        assert needle in source
+
+
+def test_mla_cache_decode_slot_picks_per_batch(monkeypatch):
+    """On sm_90 the MLA cache's decode slot holds both tensor-core kernels and runs the one
+    choose_mla_decode_kernel names for each call's batch."""
+    from tvmattn.runtime import mla as runtime_mla
+
+    calls = []
+    monkeypatch.setattr(runtime_mla, "_build", lambda generator, config, extra: (
+        lambda *args: calls.append((generator.__name__, args[0].shape[0]))))
+    config = MLAConfig(128, target="cuda:sm_90")
+    kernels = runtime_mla.mla_kernel_set(config, 2, {})
+    slot = kernels.decode_paged_mla
+    assert isinstance(slot, runtime_mla.ChosenMLADecode) and set(slot.funcs) == {"tc", "wgmma"}
+    for batch in (1, 64):
+        q = np.zeros((batch, 128, 576), np.float16)
+        slot.mla(0, q, None, None, None, None, 0.1, None, None)
+    assert calls == [("mla_paged_decode_auto", 1), ("mla_paged_decode_wgmma", 64)]
+    cpu = runtime_mla.mla_kernel_set(MLAConfig(8, latent_dim=64, rope_dim=16), 2, {})
+    assert not isinstance(cpu.decode_paged_mla, runtime_mla.ChosenMLADecode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WGMMA_DECODE_CASES, ids=case_id)
+def test_mla_wgmma_decode_gpu(kernels, case):
+    """Empty, one token, page and 64-row step boundaries (each side), ragged and long lengths."""
+    config = make_config(case, "cuda")
+    lengths = tc_lengths(config.page_size, 64) + [1000, 2 * config.page_size - 1]
+    check_decode(kernels, config, lengths, rng_for("wgmma", case_id(case)), generator=mla_paged_decode_wgmma)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WGMMA_DECODE_CASES[:3], ids=case_id)
+def test_mla_wgmma_decode_many_requests_gpu(kernels, case):
+    """A wave of requests (one CTA per request and head tile), one of them empty."""
+    config = make_config(case, "cuda")
+    lengths = [90 + 37 * i for i in range(70)]
+    lengths[5] = 0
+    check_decode(kernels, config, lengths, rng_for("wgmma-many", case_id(case)), generator=mla_paged_decode_wgmma)
 
 
 def test_mla_bench_plumbing_cpu(monkeypatch):

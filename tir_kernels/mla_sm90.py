@@ -58,8 +58,6 @@ Q_BARRIER = 1  # named barrier: both consumers' halves of the Q tile have landed
 TURN_BARRIER = 3  # named barriers 3 and 4: the consumers' turns on S = Q K^T
 MASKED = -1.0e30
 BARRIER_BYTES = 64  # the ring's mbarriers and alignment slack, beside the dynamic buffer
-
-
 @dataclasses.dataclass(frozen=True)
 class MLAWgmmaSchedule:
     """Tiling of the tensor-core MLA prefill: tile_kv latent rows a step (the N of S = Q K^T),
@@ -152,7 +150,8 @@ def choose_mla_wgmma_schedule(config: MLAConfig) -> MLAWgmmaSchedule:
     raise ValueError(f"the tensor-core MLA prefill has no schedule for qk_dim={config.qk_dim}")
 
 
-def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
+def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = False):
+    """The prefill kernel macro, or (decode) the decode one."""
     dtype, H, ps = config.dtype, config.num_heads, config.page_size
     D_QK, D_L = config.qk_dim, config.latent_dim
     DVH = D_L // 2  # output columns per consumer
@@ -249,11 +248,24 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
                     kv_start_ + i * 8 + (lane_ % 4) * 2 + e % 2 >= vis_end_[e // 2], T.float32(MASKED),
                     sacc_[i * 4 + e])
 
+    @T.macro
+    def write_state(oacc_, m_, lsum_, p0_, rows_, row0_, lane_, cw_, write_o_, write_lse_):
+        """The finished rows of a consumer: o = O / l (its columns) and, consumer 0, lse."""
+        for i in T.unroll(NO // 4):
+            for e in T.unroll(4):
+                if row0_ + (e // 2) * 8 < rows_ - p0_:
+                    write_o_(p0_ + row0_ + (e // 2) * 8, cw_ * DVH + i * 8 + (lane_ % 4) * 2 + e % 2,
+                             oacc_[i * 4 + e] * finalize_scale(lsum_[e // 2]))
+        if cw_ == 0 and lane_ % 4 == 0:
+            for r in T.unroll(2):
+                if row0_ + r * 8 < rows_ - p0_:
+                    write_lse_(p0_ + row0_ + r * 8, finalize_lse(m_[r], lsum_[r]))
+
     quad_reduce, softmax = row_softmax(NS, NO, NP, dtype)
 
     @T.macro
     def consume(smem_, full_, empty_, nkv_, free_end_, kv_len_, qo_len_, p0_, rows_, causal_, scale_, cw_, tid_,
-                q_ptr_, write_o_, write_lse_):
+                q_ptr_, write_o_, write_lse_, direct_, write_part_o_, write_part_lse_):
         """Consumer cw_: all rows of the tile, output columns [cw_ * DVH, (cw_ + 1) * DVH)."""
         sacc = T.alloc_local((NS,), "float32")
         oacc = T.alloc_local((NO,), "float32")
@@ -297,23 +309,19 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
                 T.ptx.mbarrier.arrive.shared.b64(empty_.ptr_to([s]))
         for r in T.unroll(2):
             quad_reduce(lsum, r, lambda a, b: a + b)
-        for i in T.unroll(NO // 4):
-            for e in T.unroll(4):
-                if row0 + (e // 2) * 8 < rows_ - p0_:
-                    write_o_(p0_ + row0 + (e // 2) * 8, cw_ * DVH + i * 8 + (lane % 4) * 2 + e % 2,
-                             oacc[i * 4 + e] * finalize_scale(lsum[e // 2]))
-        if cw_ == 0 and lane % 4 == 0:
-            for r in T.unroll(2):
-                if row0 + r * 8 < rows_ - p0_:
-                    write_lse_(p0_ + row0 + r * 8, finalize_lse(m[r], lsum[r]))
+        if direct_:
+            write_state(oacc, m, lsum, p0_, rows_, row0, lane, cw_, write_o_, write_lse_)
+        else:
+            write_state(oacc, m, lsum, p0_, rows_, row0, lane, cw_, write_part_o_, write_part_lse_)
 
     @T.macro
     def consume_split(smem_, xp_, xs_, full_, empty_, nkv_, free_end_, kv_len_, qo_len_, p0_, rows_, causal_, scale_,
-                      cw_, tid_, q_ptr_, write_o_, write_lse_):
+                      cw_, tid_, q_ptr_, write_o_, write_lse_, direct_, write_part_o_, write_part_lse_):
         """split_keys consumer cw_: scores of its half of each step's keys; row maxima through
         xs_[cw_ * BM + row] and packed P through xp_[(cw_ * 128 + tid) * NPH + i] (the A-operand
         fragment of a thread is the same in both consumers, so the other half is read as is);
-        output columns [cw_ * DVH, (cw_ + 1) * DVH); row sums combined at the end."""
+        output columns [cw_ * DVH, (cw_ + 1) * DVH); row sums combined at the end. direct_ False
+        (decode splits): the state goes through write_part_o_ / write_part_lse_ (fp32)."""
         sacc = T.alloc_local((NSH,), "float32")
         oacc = T.alloc_local((NO,), "float32")
         pown = T.alloc_local((NPH,), "uint32")
@@ -385,15 +393,10 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
         T.ptx["bar.sync"](T.uint32(X_BARRIER), T.uint32(CONSUMERS * WARPGROUP))
         for r in T.unroll(2):
             lsum[r] = lsum[r] + xs_[2 * BM + (1 - cw_) * BM + row0 + r * 8]
-        for i in T.unroll(NO // 4):
-            for e in T.unroll(4):
-                if row0 + (e // 2) * 8 < rows_ - p0_:
-                    write_o_(p0_ + row0 + (e // 2) * 8, cw_ * DVH + i * 8 + (lane % 4) * 2 + e % 2,
-                             oacc[i * 4 + e] * finalize_scale(lsum[e // 2]))
-        if cw_ == 0 and lane % 4 == 0:
-            for r in T.unroll(2):
-                if row0 + r * 8 < rows_ - p0_:
-                    write_lse_(p0_ + row0 + r * 8, finalize_lse(m[r], lsum[r]))
+        if direct_:
+            write_state(oacc, m, lsum, p0_, rows_, row0, lane, cw_, write_o_, write_lse_)
+        else:
+            write_state(oacc, m, lsum, p0_, rows_, row0, lane, cw_, write_part_o_, write_part_lse_)
 
     @T.macro
     def kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, Out, lse, causal, sm_scale, batch):
@@ -438,14 +441,51 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule):
                 consume_split(smem, xp, xs, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
                               sm_scale * T.float32(LOG2E), wg - 1, tid, lambda p, c: Q.ptr_to([q0 + p // H, p % H, c]),
                               lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [q0 + p // H, p % H, c]),
-                              lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]))
+                              lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]), True, None, None)
             else:
                 consume(smem, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
                         sm_scale * T.float32(LOG2E), wg - 1, tid, lambda p, c: Q.ptr_to([q0 + p // H, p % H, c]),
                         lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [q0 + p // H, p % H, c]),
-                        lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]))
+                        lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]), True, None, None)
 
-    return kernel
+    HEAD_TILES = ceildiv(H, BM)
+
+    @T.macro
+    def decode_kernel(Q, pages, page_indptr, page_indices, length_info, Out, lse, sm_scale):
+        """Decode: one CTA per (request, tile of 64 heads), 3 warpgroups; the prefill's CTA with
+        one query (module docstring)."""
+        T.device_entry()
+        bx = T.cta_id([Q.shape[0] * HEAD_TILES])
+        wg = T.warpgroup_id([CONSUMERS + 1])
+        tid = T.thread_id_in_wg([WARPGROUP])
+        smem = T.alloc_buffer((SMEM_ELEMS,), dtype, scope="shared.dyn", align=1024)
+        full = T.alloc_shared((ST,), "uint64")
+        empty = T.alloc_shared((ST,), "uint64")
+        xp = T.alloc_shared((2 * WARPGROUP * NPH,), "uint32")
+        xs = T.alloc_shared((4 * BM,), "float32")
+        if wg == 0 and tid == 0:
+            for s in T.unroll(ST):
+                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(WARPGROUP))
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(CONSUMERS))
+            T.ptx.fence.mbarrier_init.release.cluster()
+        T.cuda.cta_sync()
+        b: T.let[T.int32] = bx // HEAD_TILES
+        p0: T.let[T.int32] = bx % HEAD_TILES * BM
+        page0: T.let[T.int32] = page_indptr[b]
+        kv_len: T.let[T.int32] = kv_chunk_len(page_indptr[b + 1] - page0, ps, length_info, b, False)
+        nkv: T.let[T.int32] = ceildiv(kv_len, BN)
+        if wg == 0:
+            T.ptx["setmaxnreg.dec.sync.aligned.u32"](sched.producer_regs)
+            produce(smem, full, empty, nkv, kv_len, tid, lambda j: page_indices[page0 + j // ps] * ps + j % ps,
+                    lambda slot, c: pages.ptr_to([slot // ps, slot % ps, c]))
+        else:
+            T.ptx["setmaxnreg.inc.sync.aligned.u32"](sched.consumer_regs)
+            consume_split(smem, xp, xs, full, empty, nkv, kv_len, kv_len, 1, p0, H, T.int32(0),
+                          sm_scale * T.float32(LOG2E), wg - 1, tid, lambda p, c: Q.ptr_to([b, p, c]),
+                          lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [b, p, c]),
+                          lambda p, val: T.buffer_store(lse, val, [b, p]), True, None, None)
+
+    return decode_kernel if decode else kernel
 
 
 def mla_paged_prefill_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None = None):
@@ -459,5 +499,32 @@ def mla_paged_prefill_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None
     sched.check(config)
     kernel = _kernel_macro(config, sched)
     func = prefill_contract_func(config, kernel, align=16)
+    return func.with_attr(TIRX_ATTR, True).with_attr(
+        "target", tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm"))
+
+
+def mla_wgmma_decode_problem(config: MLAConfig) -> str | None:
+    """Why the tensor-core MLA decode (`mla_paged_decode_wgmma`) cannot serve `config`, or None."""
+    problem = mla_wgmma_problem(config)
+    if problem is None and not choose_mla_wgmma_schedule(config).split_keys:
+        problem = f"qk_dim={config.qk_dim} (the split_keys exchange does not fit shared memory)"
+    return problem
+
+
+def mla_paged_decode_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None = None):
+    """Tensor-core `mla.mla_paged_decode` (same arguments, symbol and semantics): the prefill's
+    CTA with one query a request (64 heads as M, split_keys consumers), one CTA per request and
+    head tile over all its keys (no split-KV: a TIRx PrimFunc is one kernel, so the FP32 merge of
+    splits cannot follow it; small batches run mla_tc's split kernel, `choose_mla_decode_kernel`)."""
+    from .mla import decode_contract_func
+
+    problem = mla_wgmma_decode_problem(config)
+    if problem:
+        raise ValueError(f"the tensor-core MLA decode does not serve {problem}")
+    sched = schedule or choose_mla_wgmma_schedule(config)
+    if not sched.split_keys:
+        raise ValueError("invalid schedule: the tensor-core MLA decode needs split_keys=True")
+    sched.check(config)
+    func = decode_contract_func(config, _kernel_macro(config, sched, decode=True), None, None)
     return func.with_attr(TIRX_ATTR, True).with_attr(
         "target", tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm"))

@@ -409,6 +409,29 @@ def mla_paged_decode_tc(config: MLAConfig, schedule: MLATensorCoreSchedule | Non
     return decode_contract_func(config, kernel, num_splits, merge_splits)
 
 
+# Speed of one CTA of mla_sm90's wgmma decode (all of a request's keys for 64 heads) over that
+# of an SM running mla_tc's split decode, on the same rows (H200, fp16, latent 512 + rope 64,
+# page 16; docs/perf-notes.md): with every head tile full (heads >= 64) and with 16 heads.
+WGMMA_DECODE_SPEEDUP = {"full": 1.5, "partial": 0.9}
+
+
+def choose_mla_decode_kernel(config: MLAConfig, batch: int) -> str:
+    """Which built MLA decode serves a call of `batch` requests: "wgmma" (mla_sm90: one CTA per
+    request and 64-head tile, no split, so `batch * head tiles` CTAs in waves of one an SM), "tc"
+    (this module's split decode, which fills every SM) or "simt" (mla.py). wgmma where its waves,
+    each WGMMA_DECODE_SPEEDUP times faster than an SM of the split kernel, take less time than the
+    split kernel's even share of the same CTAs' rows."""
+    from .mla_sm90 import mla_wgmma_decode_problem
+
+    if not supports_tc(config):
+        return "simt"
+    if batch < 1 or mla_wgmma_decode_problem(config) is not None:
+        return "tc"
+    tiles = batch * ceildiv(config.num_heads, 64)
+    speedup = WGMMA_DECODE_SPEEDUP["full" if config.num_heads % 64 == 0 else "partial"]
+    return "wgmma" if ceildiv(tiles, CUDA_NUM_SMS) / speedup < tiles / CUDA_NUM_SMS else "tc"
+
+
 def mla_paged_decode_auto(config: MLAConfig):
     """The MLA decode kernel for `config`: tensor cores where `supports_tc`, else the SIMT
     kernel of mla.py (the CPU, float32, older GPUs)."""
@@ -417,5 +440,6 @@ def mla_paged_decode_auto(config: MLAConfig):
     return mla_paged_decode(config)
 
 
-__all__ = ["MLATensorCoreSchedule", "choose_mla_tc_schedule", "mla_paged_decode_auto", "mla_paged_decode_tc",
+__all__ = ["MLATensorCoreSchedule", "WGMMA_DECODE_SPEEDUP", "choose_mla_decode_kernel", "choose_mla_tc_schedule",
+           "mla_paged_decode_auto", "mla_paged_decode_tc",
            "supports_tc"]

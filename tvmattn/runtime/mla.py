@@ -15,7 +15,8 @@ serves DeepSeek in MLC-LLM:
 - merge_attn_output_inplace(o1, lse1, o2, lse2) at the self-attention's value width.
 
 Kernels (`mla_kernel_set`): tir_kernels' MLA paged prefill and decode (the tensor-core decode of
-mla_tc.py on CUDA sm_80+ for float16/bfloat16, else mla.py's), MLA page operations,
+mla_tc.py on CUDA sm_80+ for float16/bfloat16, else mla.py's; on sm_90 also mla_sm90's wgmma
+decode, `ChosenMLADecode` picking one of the two per call), MLA page operations,
 merge at the latent width; the self-attention's ragged prefill and the output merge are built
 for the dims of the first call that needs them (once per process), unless the caller's kernels
 fill those slots (a model library's, through TVM's create call).
@@ -28,9 +29,10 @@ import functools
 
 import tir_kernels
 from tir_kernels import AttentionConfig, MLAConfig
-from tir_kernels.mla_tc import mla_paged_decode_auto
+from tir_kernels.mla_sm90 import mla_paged_decode_wgmma, mla_wgmma_decode_problem
+from tir_kernels.mla_tc import choose_mla_decode_kernel, mla_paged_decode_auto
 
-from .backends import PagedDecode, PagedPrefill, RaggedPrefill, RopeMode, backend_from_spec
+from .backends import PagedDecode, PagedPrefill, RaggedPrefill, RopeMode, TIRPagedDecode, backend_from_spec
 from .errors import KVCacheError, check
 from .forward import Step
 from .kernels import KernelSet, _build, check_slot_names
@@ -72,10 +74,29 @@ def mla_kernel_set(config: MLAConfig, num_layers: int, overrides: dict) -> Kerne
     for slot, generator in _MLA_GENERATORS.items():
         if slot in overrides:
             continue
+        if slot == "decode_paged_mla" and mla_wgmma_decode_problem(config) is None:
+            built[slot] = ChosenMLADecode(config, {"tc": _build(generator, config, ()),
+                                                   "wgmma": _build(mla_paged_decode_wgmma, config, ())})
+            continue
         extra = (num_layers,) if slot == "debug_get_kv" else ()
         func = _build(generator, config, extra)
         built[slot] = ["tirx", func] if slot in MLA_ATTENTION_SLOTS else func
     return KernelSet(**built, **overrides)
+
+
+class ChosenMLADecode(TIRPagedDecode):
+    """An MLA decode slot of built kernels by name ("tc", "wgmma"); each call runs the one
+    `tir_kernels.mla_tc.choose_mla_decode_kernel` names for its batch size (all built with the
+    cache: nothing is compiled while serving)."""
+
+    def __init__(self, config: MLAConfig, funcs: dict):
+        super().__init__(funcs["tc"])
+        self.config = config
+        self.funcs = funcs
+
+    def mla(self, depth, q, pages, page_indptr, page_indices, length_info, sm_scale, attn_output, attn_lse):
+        func = self.funcs[choose_mla_decode_kernel(self.config, int(q.shape[0]))]
+        func(q, pages, page_indptr, page_indices, length_info, attn_output, attn_lse, sm_scale)
 
 
 @functools.lru_cache(maxsize=None)
