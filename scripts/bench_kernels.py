@@ -1302,7 +1302,7 @@ MLA_DECODE_SM_SCALE = 1.0 / math.sqrt(192.0)  # DeepSeek: from the original qk h
 MLA_DECODE_IMPLS = ("tvmattn", "tvmattn-tc", "tvmattn-wgmma", "tvmattn-simt", "tvm", "torch")
 MLA_DECODE_ANCHORS = ("tvmattn-simt", "tvm")
 # --mla-decode-variants: other schedules of the wgmma decode (MLAWgmmaSchedule fields).
-MLA_DECODE_WGMMA_VARIANTS = {"k32s4": dict(tile_kv=32, stages=4), "r24-240": dict(producer_regs=24, consumer_regs=240)}
+MLA_DECODE_WGMMA_VARIANTS = {"k64s2-split": dict(tile_kv=64, stages=2, split_keys=True)}
 MLA_DECODE_SAMPLE_S = 0.05  # aim for about this much GPU time per timing sample
 
 
@@ -1578,8 +1578,8 @@ SLOW_MS = 50.0  # an implementation slower than this per call is timed with sing
 # --mla-variants: other schedules of the tensor-core absorbed prefill (MLAWgmmaSchedule fields
 # over the chosen one; those that do not fit are left out).
 MLA_ABSORBED_VARIANTS = {
-    "split": dict(split_keys=True),
-    "k32s4": dict(tile_kv=32, stages=4, split_keys=True),
+    "k64s2-split": dict(tile_kv=64, stages=2, split_keys=True),
+    "k32s4-split": dict(tile_kv=32, stages=4, split_keys=True),
     "k32s4-dup": dict(tile_kv=32, stages=4, split_keys=False),
     "r24-240": dict(producer_regs=24, consumer_regs=240),
 }

@@ -270,7 +270,7 @@ def test_mla_prefill_tensor_core_selection():
     hopper = MLAConfig(128, dtype="bfloat16", target="cuda:sm_90")
     assert mla_wgmma_problem(hopper) is None
     assert uses_tirx_pipeline(mla_paged_prefill(hopper))
-    assert choose_mla_wgmma_schedule(hopper) == MLAWgmmaSchedule(tile_kv=64, stages=2, split_keys=True)
+    assert choose_mla_wgmma_schedule(hopper) == MLAWgmmaSchedule(tile_kv=32, stages=4, split_keys=False)
     assert not uses_tirx_pipeline(mla_paged_prefill(hopper, choose_mla_schedule(hopper, decode=False)))
     assert "Hopper" in mla_wgmma_problem(hopper.replace(target="cuda:sm_80"))
     assert "Hopper" in mla_wgmma_problem(hopper.replace(target="llvm"))
@@ -756,8 +756,6 @@ def test_mla_wgmma_decode_selection():
     assert "latent_dim=96" in mla_wgmma_decode_problem(hopper.replace(latent_dim=96))
     with pytest.raises(ValueError, match="does not serve"):
         mla_paged_decode_wgmma(hopper.replace(target="llvm"))
-    with pytest.raises(ValueError, match="split_keys"):
-        mla_paged_decode_wgmma(hopper, MLAWgmmaSchedule(split_keys=False))
     with pytest.raises(ValueError, match="shared memory"):
         mla_paged_decode_wgmma(hopper, MLAWgmmaSchedule(tile_kv=64, stages=3, split_keys=True))
     # the pick: the CPU, float32 and latent widths mla_sm90 cannot take never get wgmma
@@ -770,7 +768,7 @@ def test_mla_wgmma_decode_selection():
     assert choose_mla_decode_kernel(hopper, 0) == "tc"
     assert choose_mla_decode_kernel(hopper, 66) == ("wgmma" if WGMMA_DECODE_SPEEDUP["full"] > 1 else "tc")
     picks = [choose_mla_decode_kernel(hopper, b) for b in range(1, 300)]
-    assert picks.index("wgmma") > 1 if "wgmma" in picks else True
+    assert picks[0] == "tc" and ("wgmma" in picks) == (WGMMA_DECODE_SPEEDUP["full"] > 1)
     if WGMMA_DECODE_SPEEDUP["partial"] <= 1:
         assert all(choose_mla_decode_kernel(hopper.replace(num_heads=16), b) == "tc" for b in range(1, 300))
 

@@ -14,17 +14,24 @@ A CTA has three warpgroups:
   warpgroups 1 and 2, the consumers: both own all 64 rows; consumer c accumulates output columns
     [c * latent_dim / 2, (c + 1) * latent_dim / 2) (a 64 x 512 fp32 accumulator does not fit one
     warpgroup's registers), so each needs P of all the step's keys. Two schedules:
-    - split_keys (the default where it fits): consumer c computes S = Q K^T by `wgmma` for its
+    - split_keys: consumer c computes S = Q K^T by `wgmma` for its
       half of the step's keys only, masks, exchanges its row maxima with the other consumer
       through shared memory (named barrier), runs the online softmax in base 2 on the common
       maxima, packs P into the registers of wgmma's A operand, and exchanges them too: a
       thread's A fragment holds the same rows in both consumers, so the other half is read as
       stored. Then O += P V of its columns by `wgmma`. Row sums are combined at the end.
-    - duplicated scores (split_keys=False): each consumer computes S for all the step's keys
+    - duplicated scores (split_keys=False; the default, with four 32-row stages where they fit:
+      `choose_mla_wgmma_schedule`): each consumer computes S for all the step's keys
       itself (the score product runs twice per CTA: 65% of the executed flops are useful at
       576 / 512), no exchange; the consumers take turns issuing S = Q K^T (named barriers) so
       that one's softmax overlaps the other's product.
     Consumer 0 writes lse.
+
+Decode (`mla_paged_decode_wgmma`, `mla.mla_paged_decode`'s contract): the same CTA with one
+query a request, so packed row p is head p; one CTA per (request, 64-head tile) over all the
+request's keys. No split-KV: a TIRx PrimFunc lowers to one kernel, so an FP32 merge of splits
+cannot follow it in the same function; small batches run mla_tc's split decode instead
+(`mla_tc.choose_mla_decode_kernel`).
 """
 
 from __future__ import annotations
@@ -34,7 +41,10 @@ import dataclasses
 import tvm
 from tvm.script import tirx as T
 
+import tir_kernels as _package
+
 from .build import TIRX_ATTR
+from .build import build as _build_function
 from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len
 from .config import MLAConfig
 from .hopper import (
@@ -51,6 +61,11 @@ from .hopper import (
 from .schedules import CUDA_MAX_SHARED_BYTES
 from .simt_tile import find_tile_macro
 from .softmax import finalize_lse, finalize_scale, prob, rescale_factor
+
+# Importing the submodule `tir_kernels.build` binds the package's name `build` to the module,
+# hiding the lazily exported function `tir_kernels.build` (the runtime's and scripts' way to
+# compile) when nothing asked for it before: bind the function again.
+_package.build = _build_function
 
 WARPGROUP = 128
 CONSUMERS = 2
@@ -134,19 +149,23 @@ def mla_wgmma_problem(config: MLAConfig) -> str | None:
     return None
 
 
+# Schedules in order of preference (tile_kv, stages, split_keys). H200, DeepSeek shapes
+# (docs/perf-notes.md): four 32-row stages with duplicated scores (pingpong) beat two 64-row
+# stages with split keys by 6.9% / 5.0% / 8.0% (fp16 128 heads 1x512@4096 / 4x256@2048, bf16 16
+# heads); four 32-row stages with split keys lost 1-2%.
+WGMMA_SCHEDULE_ORDER = ((32, 4, False), (64, 2, True), (64, 2, False), (32, 2, True), (32, 2, False),
+                        (16, 4, False), (16, 2, False))
+
+
 def choose_mla_wgmma_schedule(config: MLAConfig) -> MLAWgmmaSchedule:
-    """The widest step (64, 32 or 16 latent rows) whose two stages fit shared memory and
-    registers, split_keys where its exchange buffers fit too."""
-    for tile_kv in (64, 32, 16):
-        for split in (True, False):
-            if split and tile_kv < 32:
-                continue
-            sched = MLAWgmmaSchedule(tile_kv=tile_kv, split_keys=split)
-            try:
-                sched.check(config)
-            except ValueError:
-                continue
-            return sched
+    """The first of WGMMA_SCHEDULE_ORDER that fits shared memory and registers."""
+    for tile_kv, stages, split in WGMMA_SCHEDULE_ORDER:
+        sched = MLAWgmmaSchedule(tile_kv=tile_kv, stages=stages, split_keys=split)
+        try:
+            sched.check(config)
+        except ValueError:
+            continue
+        return sched
     raise ValueError(f"the tensor-core MLA prefill has no schedule for qk_dim={config.qk_dim}")
 
 
@@ -461,8 +480,9 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
         smem = T.alloc_buffer((SMEM_ELEMS,), dtype, scope="shared.dyn", align=1024)
         full = T.alloc_shared((ST,), "uint64")
         empty = T.alloc_shared((ST,), "uint64")
-        xp = T.alloc_shared((2 * WARPGROUP * NPH,), "uint32")
-        xs = T.alloc_shared((4 * BM,), "float32")
+        if SPLIT:
+            xp = T.alloc_shared((2 * WARPGROUP * NPH,), "uint32")
+            xs = T.alloc_shared((4 * BM,), "float32")
         if wg == 0 and tid == 0:
             for s in T.unroll(ST):
                 T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(WARPGROUP))
@@ -480,10 +500,16 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
                     lambda slot, c: pages.ptr_to([slot // ps, slot % ps, c]))
         else:
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](sched.consumer_regs)
-            consume_split(smem, xp, xs, full, empty, nkv, kv_len, kv_len, 1, p0, H, T.int32(0),
-                          sm_scale * T.float32(LOG2E), wg - 1, tid, lambda p, c: Q.ptr_to([b, p, c]),
-                          lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [b, p, c]),
-                          lambda p, val: T.buffer_store(lse, val, [b, p]), True, None, None)
+            if SPLIT:
+                consume_split(smem, xp, xs, full, empty, nkv, kv_len, kv_len, 1, p0, H, T.int32(0),
+                              sm_scale * T.float32(LOG2E), wg - 1, tid, lambda p, c: Q.ptr_to([b, p, c]),
+                              lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [b, p, c]),
+                              lambda p, val: T.buffer_store(lse, val, [b, p]), True, None, None)
+            else:
+                consume(smem, full, empty, nkv, kv_len, kv_len, 1, p0, H, T.int32(0), sm_scale * T.float32(LOG2E),
+                        wg - 1, tid, lambda p, c: Q.ptr_to([b, p, c]),
+                        lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [b, p, c]),
+                        lambda p, val: T.buffer_store(lse, val, [b, p]), True, None, None)
 
     return decode_kernel if decode else kernel
 
@@ -505,15 +531,12 @@ def mla_paged_prefill_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None
 
 def mla_wgmma_decode_problem(config: MLAConfig) -> str | None:
     """Why the tensor-core MLA decode (`mla_paged_decode_wgmma`) cannot serve `config`, or None."""
-    problem = mla_wgmma_problem(config)
-    if problem is None and not choose_mla_wgmma_schedule(config).split_keys:
-        problem = f"qk_dim={config.qk_dim} (the split_keys exchange does not fit shared memory)"
-    return problem
+    return mla_wgmma_problem(config)
 
 
 def mla_paged_decode_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None = None):
     """Tensor-core `mla.mla_paged_decode` (same arguments, symbol and semantics): the prefill's
-    CTA with one query a request (64 heads as M, split_keys consumers), one CTA per request and
+    CTA with one query a request (64 heads as M, the prefill's schedule), one CTA per request and
     head tile over all its keys (no split-KV: a TIRx PrimFunc is one kernel, so the FP32 merge of
     splits cannot follow it; small batches run mla_tc's split kernel, `choose_mla_decode_kernel`)."""
     from .mla import decode_contract_func
@@ -522,8 +545,6 @@ def mla_paged_decode_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None 
     if problem:
         raise ValueError(f"the tensor-core MLA decode does not serve {problem}")
     sched = schedule or choose_mla_wgmma_schedule(config)
-    if not sched.split_keys:
-        raise ValueError("invalid schedule: the tensor-core MLA decode needs split_keys=True")
     sched.check(config)
     func = decode_contract_func(config, _kernel_macro(config, sched, decode=True), None, None)
     return func.with_attr(TIRX_ATTR, True).with_attr(
