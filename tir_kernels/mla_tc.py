@@ -31,6 +31,7 @@ latent_dim a multiple of 32) and `mla.mla_paged_decode` (SIMT; the CPU's) otherw
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from tvm.script import tirx as T
 
@@ -411,16 +412,20 @@ def mla_paged_decode_tc(config: MLAConfig, schedule: MLATensorCoreSchedule | Non
 
 # Speed of one CTA of mla_sm90's wgmma decode (all of a request's keys for 64 heads) over that
 # of an SM running mla_tc's split decode, on the same rows (H200, fp16, latent 512 + rope 64,
-# page 16; docs/perf-notes.md): with every head tile full (heads >= 64) and with 16 heads.
-WGMMA_DECODE_SPEEDUP = {"full": 1.5, "partial": 0.9}
+# page 16, docs/perf-notes.md): 128 heads, 64 x 4096: 0.2450 ms for 128 CTAs against mla_tc's
+# 0.3819 ms on 132 SMs (1.6x); 16 heads (a 64-row tile, 16 rows used): 0.2264 ms a wave against
+# 0.1142 ms for 64 tiles' rows on 132 SMs (1.0x: wgmma never wins).
+WGMMA_DECODE_SPEEDUP = {"full": 1.6, "partial": 1.0}
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_mla_decode_kernel(config: MLAConfig, batch: int) -> str:
     """Which built MLA decode serves a call of `batch` requests: "wgmma" (mla_sm90: one CTA per
     request and 64-head tile, no split, so `batch * head tiles` CTAs in waves of one an SM), "tc"
     (this module's split decode, which fills every SM) or "simt" (mla.py). wgmma where its waves,
     each WGMMA_DECODE_SPEEDUP times faster than an SM of the split kernel, take less time than the
-    split kernel's even share of the same CTAs' rows."""
+    split kernel's even share of the same CTAs' rows. Cached per (config, batch): the cache
+    asks on every decode call."""
     from .mla_sm90 import mla_wgmma_decode_problem
 
     if not supports_tc(config):
