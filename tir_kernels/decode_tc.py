@@ -44,6 +44,40 @@ from .schedules import TensorCoreDecodeSchedule, choose_decode_schedule, choose_
 from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor, softmax_macros
 
 
+MERGE_UNROLL = 8  # split slots whose partials a merging thread loads at once (fused_merge)
+FENCE, FENCE_SRC = "tvmattn_fence", "__device__ __forceinline__ void tvmattn_fence() { __threadfence(); }\n"
+LDCG, LDCG_SRC = "tvmattn_ldcg", "__device__ __forceinline__ float tvmattn_ldcg(const float* p) { return __ldcg(p); }\n"
+FMA4, FMA4_SRC = "tvmattn_fma_ldcg4", """
+// acc[0..3] += w * the 4 floats at p (16-byte aligned), read through L2 (written by other blocks).
+__device__ __forceinline__ void tvmattn_fma_ldcg4(float* acc, const float* p, float w) {
+  float4 v = __ldcg(reinterpret_cast<const float4*>(p));
+  acc[0] += w * v.x; acc[1] += w * v.y; acc[2] += w * v.z; acc[3] += w * v.w;
+}
+"""
+
+
+def _arrival_counter(slots: int):
+    """Name and CUDA source of the fused merge's arrival function over `slots` counters: a
+    module-scope __device__ array (zeroed when the module loads, as every __device__ variable
+    without an initializer); arrive(slot, n), called by one thread of a split block after the
+    block's partial is written and fenced, returns 1 to the n-th block to arrive, which resets
+    the counter to 0 for the next launch (so no per-call memset). Launches of one module must not
+    overlap in time (one stream, or graphs replayed in order)."""
+    name = f"tvmattn_decode_arrive_{slots}"
+    src = f"""
+__device__ unsigned tvmattn_decode_arrivals_{slots}[{slots}];
+__device__ __forceinline__ int {name}(int slot, int n) {{
+  __threadfence();
+  unsigned seen = atomicAdd(&tvmattn_decode_arrivals_{slots}[slot], 1u);
+  if (seen + 1u < (unsigned)n) return 0;
+  tvmattn_decode_arrivals_{slots}[slot] = 0u;
+  __threadfence();
+  return 1;
+}}
+"""
+    return name, src
+
+
 def threads_per_row(chunks: int) -> int:
     """Threads that copy one K/V row together: 4 (64 contiguous bytes per 4 lanes) where the
     row's 16-byte chunks allow, else 2 or 1."""
@@ -104,7 +138,11 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     TILE_ELEMS = V_OFF + STAGES * BK * TL.stride
     C_O, C_M = 0, NW * G * D
     C_L = C_M + NW * ROWS_PER_MMA
-    SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA)
+    # fused_merge: the merging block's split weights [G, W_SLOTS] (from word 0, after finish)
+    FUSED = sched.fused_merge and MS > 1
+    W_SLOTS = ceildiv(MS, MERGE_UNROLL) * MERGE_UNROLL
+    SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA, G * W_SLOTS if FUSED else 0)
+    MERGE_VECS = G * D // 4  # float4 columns of the group's outputs
     TPR = sched.threads_per_row or threads_per_row(TL.chunks)
     RP = NT // TPR  # rows a pass of the block's threads copies
     PASSES = ceildiv(BK, RP)
@@ -113,6 +151,9 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     PRE = STAGES - 1 if EARLY else 1  # tiles whose page entries a thread holds at once
 
     LI_SHAPE = (3, 1) if sliding else (1,)
+    # (request, KV head) arrival counters of fused_merge: a launch with more than one split slot
+    # has at most target_blocks / 2 of them
+    ARRIVE, ARRIVE_SRC = _arrival_counter(max(sched.target_blocks, 1))
     # Split slots the merge is compiled for (a launch takes the first that holds its slots):
     # 8, the slots of a batch of one, max_splits.
     MERGE_WIDTHS = sorted({min(8, MS), min(MS, max(sched.target_blocks // Hkv, 1)), MS})
@@ -310,6 +351,69 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     write_lse_(idx // D, m_all[0])
 
     @T.macro
+    def fused_merge(smem_, flag_, o_part_, lse_part_, o_, lse_, b, hkv, nsplit, warp_, lane_, tid_):
+        """After this block wrote its split's partial: count its arrival; the last of the
+        request's nsplit blocks merges the group's partials into o_ / lse_ (FP32): a warp per
+        head turns the split LSEs into normalised weights in shared memory (0 past nsplit), then
+        each thread accumulates float4 columns over MERGE_UNROLL splits per round of loads."""
+        batch = o_.shape[0]
+        lv = T.alloc_buffer((ceildiv(W_SLOTS, 32),), "float32", scope="local")
+        mx = T.alloc_buffer((1,), "float32", scope="local")
+        lsum = T.alloc_buffer((1,), "float32", scope="local")
+        acc = T.alloc_buffer((ceildiv(MERGE_VECS, NT) * 4,), "float32", scope="local")
+        last = T.alloc_buffer((1,), "int32", scope="local")
+        T.evaluate(T.cuda.func_call(FENCE, source_code=FENCE_SRC))
+        T.tvm_storage_sync(shared)
+        if tid_ == 0:
+            flag_[0] = T.cuda.func_call(ARRIVE, b * Hkv + hkv, nsplit, source_code=ARRIVE_SRC, return_type="int32")
+        T.tvm_storage_sync(shared)
+        last[0] = flag_[0]
+        if last[0] != 0:
+            for hh in L.unroll(ceildiv(G, NW)):
+                h = T.meta_var(hh * NW + warp_)
+                if G % NW == 0 or h < G:
+                    for k in L.unroll(ceildiv(W_SLOTS, 32)):
+                        lv[k] = T.float32(EMPTY_LSE)
+                        if k * 32 + lane_ < nsplit:
+                            lv[k] = T.cuda.func_call(
+                                LDCG, T.address_of(lse_part_[((k * 32 + lane_) * batch + b) * Hq + hkv * G + h]),
+                                source_code=LDCG_SRC, return_type="float32")
+                    mx[0] = T.float32(EMPTY_LSE)
+                    for k in L.unroll(ceildiv(W_SLOTS, 32)):
+                        mx[0] = T.max(mx[0], lv[k])
+                    for k in L.unroll(5):
+                        mx[0] = T.max(mx[0], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), mx[0], 1 << k, 32, 32))
+                    lsum[0] = T.float32(0)
+                    for k in L.unroll(ceildiv(W_SLOTS, 32)):
+                        lsum[0] = lsum[0] + finished_l(lv[k]) * rescale_factor(lv[k], mx[0])
+                    for k in L.unroll(5):
+                        lsum[0] = lsum[0] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), lsum[0], 1 << k, 32, 32)
+                    for k in L.unroll(ceildiv(W_SLOTS, 32)):
+                        if W_SLOTS % 32 == 0 or k * 32 + lane_ < W_SLOTS:
+                            smem_[h * W_SLOTS + k * 32 + lane_] = (finished_l(lv[k]) * rescale_factor(lv[k], mx[0])
+                                                                   * finalize_scale(lsum[0]))
+                    if lane_ == 0:
+                        lse_[b, hkv * G + h] = finalize_lse(mx[0], lsum[0])
+            T.tvm_storage_sync(shared)
+            for i in L.unroll(ceildiv(MERGE_VECS, NT) * 4):
+                acc[i] = T.float32(0)
+            for y0 in T.serial(ceildiv(nsplit, MERGE_UNROLL)):
+                for u in L.unroll(MERGE_UNROLL):
+                    for k in L.unroll(ceildiv(MERGE_VECS, NT)):
+                        v = T.meta_var(k * NT + tid_)
+                        if MERGE_VECS % NT == 0 or v < MERGE_VECS:
+                            T.evaluate(T.cuda.func_call(
+                                FMA4, T.address_of(acc[k * 4]),
+                                T.address_of(o_part_[((T.min(y0 * MERGE_UNROLL + u, nsplit - 1) * batch + b) * Hq
+                                                      + hkv * G + v // (D // 4)) * D + v % (D // 4) * 4]),
+                                smem_[v // (D // 4) * W_SLOTS + y0 * MERGE_UNROLL + u], source_code=FMA4_SRC))
+            for k in L.unroll(ceildiv(MERGE_VECS, NT)):
+                v = T.meta_var(k * NT + tid_)
+                if MERGE_VECS % NT == 0 or v < MERGE_VECS:
+                    for c in L.unroll(4):
+                        o_[b, hkv * G + v // (D // 4), v % (D // 4) * 4 + c] = T.Cast(dtype, acc[k * 4 + c])
+
+    @T.macro
     def body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, b, hkv, split,
              tid):
         """The work of block (request b, KV head hkv, split slot `split`), thread tid."""
@@ -326,6 +430,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         warp = tid // 32
         lane = tid % 32
         li = T.alloc_buffer(LI_SHAPE, "int32", scope="local")
+        flag = T.alloc_buffer((1,), "int32", scope="shared")
         load_length_info(length_info_, b, li)
         page0 = indptr_[b]
         kv_len = visible_keys(indptr_[b + 1] - page0, li)
@@ -386,6 +491,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             finish(smem, o, m_run, l_run, warp, lane, tid,
                    lambda h, e, val: T.buffer_store(o_part_, val, [((split * batch + b) * Hq + hkv * G + h) * D + e]),
                    lambda h, val: T.buffer_store(lse_part_, val, [(split * batch + b) * Hq + hkv * G + h]))
+            if FUSED:
+                fused_merge(smem, flag, o_part_, lse_part_, o_, lse_, b, hkv, nsplit, warp, lane, tid)
 
     @T.macro
     def tc_kernel(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_):
@@ -511,7 +618,7 @@ def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule 
                 cc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
         else:
             tc_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_)
-            if grid_splits(sched, Hkv, batch) > 1:
+            if not sched.fused_merge and grid_splits(sched, Hkv, batch) > 1:
                 tc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
 
     return decode_func(config, kernel)
