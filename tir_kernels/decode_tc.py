@@ -44,9 +44,15 @@ from .schedules import TensorCoreDecodeSchedule, choose_decode_schedule, choose_
 from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor, softmax_macros
 
 
-MERGE_UNROLL = 8  # split slots whose partials a merging thread loads at once (fused_merge)
-FENCE, FENCE_SRC = "tvmattn_fence", "__device__ __forceinline__ void tvmattn_fence() { __threadfence(); }\n"
+MERGE_UNROLL = 16  # split slots whose partials a merging thread loads at once (fused_merge)
 LDCG, LDCG_SRC = "tvmattn_ldcg", "__device__ __forceinline__ float tvmattn_ldcg(const float* p) { return __ldcg(p); }\n"
+LDCG4, LDCG4_SRC = "tvmattn_ldcg4", """
+// dst[0..3] <- the 4 floats at p (16-byte aligned), read through L2 (written by other blocks).
+__device__ __forceinline__ void tvmattn_ldcg4(float* dst, const float* p) {
+  float4 v = __ldcg(reinterpret_cast<const float4*>(p));
+  dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+}
+"""
 FMA4, FMA4_SRC = "tvmattn_fma_ldcg4", """
 // acc[0..3] += w * the 4 floats at p (16-byte aligned), read through L2 (written by other blocks).
 __device__ __forceinline__ void tvmattn_fma_ldcg4(float* acc, const float* p, float w) {
@@ -141,8 +147,13 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     # fused_merge: the merging block's split weights [G, W_SLOTS] (from word 0, after finish)
     FUSED = sched.fused_merge and MS > 1
     W_SLOTS = ceildiv(MS, MERGE_UNROLL) * MERGE_UNROLL
-    SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA, G * W_SLOTS if FUSED else 0)
+    FLAG_WORD = G * W_SLOTS  # the arrival's verdict, broadcast to the block (no static shared memory,
+    # which would move the dynamic buffer off its 128-byte alignment and the tiles off their swizzle)
+    SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA, FLAG_WORD + 1 if FUSED else 0)
     MERGE_VECS = G * D // 4  # float4 columns of the group's outputs
+    VECS_PER_THREAD = ceildiv(MERGE_VECS, NT)
+    HEADS_PER_WARP = ceildiv(G, NW)  # heads whose weights a warp computes
+    LANE_SLOTS = ceildiv(W_SLOTS, 32)
     TPR = sched.threads_per_row or threads_per_row(TL.chunks)
     RP = NT // TPR  # rows a pass of the block's threads copies
     PASSES = ceildiv(BK, RP)
@@ -351,63 +362,86 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     write_lse_(idx // D, m_all[0])
 
     @T.macro
-    def fused_merge(smem_, flag_, o_part_, lse_part_, o_, lse_, b, hkv, nsplit, warp_, lane_, tid_):
-        """After this block wrote its split's partial: count its arrival; the last of the
-        request's nsplit blocks merges the group's partials into o_ / lse_ (FP32): a warp per
-        head turns the split LSEs into normalised weights in shared memory (0 past nsplit), then
-        each thread accumulates float4 columns over MERGE_UNROLL splits per round of loads."""
+    def fused_merge(smem_, o_part_, lse_part_, o_, lse_, b, hkv, nsplit, warp_, lane_, tid_):
+        """After this block wrote its split's partial: count its arrival (one thread, after the
+        block's barrier: the arrival fences); the last of the request's nsplit blocks merges the
+        group's partials into o_ / lse_ (FP32). Its first MERGE_UNROLL splits' partials are loaded
+        (float4, through L2) before the weights are known; a warp per head turns the split LSEs
+        (all loaded at once) into normalised weights in shared memory (0 past nsplit); each
+        thread then accumulates its float4 columns, MERGE_UNROLL splits per round of loads."""
         batch = o_.shape[0]
-        lv = T.alloc_buffer((ceildiv(W_SLOTS, 32),), "float32", scope="local")
-        mx = T.alloc_buffer((1,), "float32", scope="local")
-        lsum = T.alloc_buffer((1,), "float32", scope="local")
-        acc = T.alloc_buffer((ceildiv(MERGE_VECS, NT) * 4,), "float32", scope="local")
+        lv = T.alloc_buffer((HEADS_PER_WARP * LANE_SLOTS,), "float32", scope="local")
+        mx = T.alloc_buffer((HEADS_PER_WARP,), "float32", scope="local")
+        lsum = T.alloc_buffer((HEADS_PER_WARP,), "float32", scope="local")
+        acc = T.alloc_buffer((VECS_PER_THREAD * 4,), "float32", scope="local")
+        pre = T.alloc_buffer((MERGE_UNROLL * VECS_PER_THREAD * 4,), "float32", scope="local")
         last = T.alloc_buffer((1,), "int32", scope="local")
-        T.evaluate(T.cuda.func_call(FENCE, source_code=FENCE_SRC))
-        T.tvm_storage_sync(shared)
+        T.tvm_storage_sync(shared)  # the block's partial is written; no thread reads the states any more
         if tid_ == 0:
-            flag_[0] = T.cuda.func_call(ARRIVE, b * Hkv + hkv, nsplit, source_code=ARRIVE_SRC, return_type="int32")
+            smem_[FLAG_WORD] = T.Cast("float32", T.cuda.func_call(ARRIVE, b * Hkv + hkv, nsplit,
+                                                                  source_code=ARRIVE_SRC, return_type="int32"))
         T.tvm_storage_sync(shared)
-        last[0] = flag_[0]
+        last[0] = T.Cast("int32", smem_[FLAG_WORD])
+        T.tvm_storage_sync(shared)  # (so that TVM needs no barrier inside the branch)
         if last[0] != 0:
-            for hh in L.unroll(ceildiv(G, NW)):
+            for u in L.unroll(MERGE_UNROLL):
+                for k in L.unroll(VECS_PER_THREAD):
+                    v = T.meta_var(k * NT + tid_)
+                    if MERGE_VECS % NT == 0 or v < MERGE_VECS:
+                        T.evaluate(T.cuda.func_call(
+                            LDCG4, T.address_of(pre[(u * VECS_PER_THREAD + k) * 4]),
+                            T.address_of(o_part_[((T.min(u, nsplit - 1) * batch + b) * Hq + hkv * G + v // (D // 4))
+                                                 * D + v % (D // 4) * 4]), source_code=LDCG4_SRC))
+            for hh in L.unroll(HEADS_PER_WARP):
+                for k in L.unroll(LANE_SLOTS):
+                    lv[hh * LANE_SLOTS + k] = T.float32(EMPTY_LSE)
+                    if k * 32 + lane_ < nsplit:
+                        if G % NW == 0 or hh * NW + warp_ < G:
+                            lv[hh * LANE_SLOTS + k] = T.cuda.func_call(
+                                LDCG, T.address_of(lse_part_[((k * 32 + lane_) * batch + b) * Hq + hkv * G + hh * NW
+                                                             + warp_]), source_code=LDCG_SRC, return_type="float32")
+            for hh in L.unroll(HEADS_PER_WARP):
+                mx[hh] = T.float32(EMPTY_LSE)
+                for k in L.unroll(LANE_SLOTS):
+                    mx[hh] = T.max(mx[hh], lv[hh * LANE_SLOTS + k])
+                for i in L.unroll(5):
+                    mx[hh] = T.max(mx[hh], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), mx[hh], 1 << i, 32, 32))
+                lsum[hh] = T.float32(0)
+                for k in L.unroll(LANE_SLOTS):
+                    lsum[hh] = lsum[hh] + finished_l(lv[hh * LANE_SLOTS + k]) * rescale_factor(lv[hh * LANE_SLOTS + k],
+                                                                                              mx[hh])
+                for i in L.unroll(5):
+                    lsum[hh] = lsum[hh] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), lsum[hh], 1 << i, 32, 32)
+            for hh in L.unroll(HEADS_PER_WARP):
                 h = T.meta_var(hh * NW + warp_)
                 if G % NW == 0 or h < G:
-                    for k in L.unroll(ceildiv(W_SLOTS, 32)):
-                        lv[k] = T.float32(EMPTY_LSE)
-                        if k * 32 + lane_ < nsplit:
-                            lv[k] = T.cuda.func_call(
-                                LDCG, T.address_of(lse_part_[((k * 32 + lane_) * batch + b) * Hq + hkv * G + h]),
-                                source_code=LDCG_SRC, return_type="float32")
-                    mx[0] = T.float32(EMPTY_LSE)
-                    for k in L.unroll(ceildiv(W_SLOTS, 32)):
-                        mx[0] = T.max(mx[0], lv[k])
-                    for k in L.unroll(5):
-                        mx[0] = T.max(mx[0], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), mx[0], 1 << k, 32, 32))
-                    lsum[0] = T.float32(0)
-                    for k in L.unroll(ceildiv(W_SLOTS, 32)):
-                        lsum[0] = lsum[0] + finished_l(lv[k]) * rescale_factor(lv[k], mx[0])
-                    for k in L.unroll(5):
-                        lsum[0] = lsum[0] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), lsum[0], 1 << k, 32, 32)
-                    for k in L.unroll(ceildiv(W_SLOTS, 32)):
+                    for k in L.unroll(LANE_SLOTS):
                         if W_SLOTS % 32 == 0 or k * 32 + lane_ < W_SLOTS:
-                            smem_[h * W_SLOTS + k * 32 + lane_] = (finished_l(lv[k]) * rescale_factor(lv[k], mx[0])
-                                                                   * finalize_scale(lsum[0]))
+                            smem_[h * W_SLOTS + k * 32 + lane_] = (
+                                finished_l(lv[hh * LANE_SLOTS + k]) * rescale_factor(lv[hh * LANE_SLOTS + k], mx[hh])
+                                * finalize_scale(lsum[hh]))
                     if lane_ == 0:
-                        lse_[b, hkv * G + h] = finalize_lse(mx[0], lsum[0])
+                        lse_[b, hkv * G + h] = finalize_lse(mx[hh], lsum[hh])
             T.tvm_storage_sync(shared)
-            for i in L.unroll(ceildiv(MERGE_VECS, NT) * 4):
-                acc[i] = T.float32(0)
-            for y0 in T.serial(ceildiv(nsplit, MERGE_UNROLL)):
+            for k in L.unroll(VECS_PER_THREAD):
+                v = T.meta_var(k * NT + tid_)
+                for c in L.unroll(4):
+                    acc[k * 4 + c] = T.float32(0)
+                    for u in L.unroll(MERGE_UNROLL):
+                        acc[k * 4 + c] = acc[k * 4 + c] + smem_[T.min(v // (D // 4), G - 1) * W_SLOTS + u] * pre[
+                            (u * VECS_PER_THREAD + k) * 4 + c]
+            for y0 in T.serial(ceildiv(nsplit, MERGE_UNROLL) - 1):
                 for u in L.unroll(MERGE_UNROLL):
-                    for k in L.unroll(ceildiv(MERGE_VECS, NT)):
+                    for k in L.unroll(VECS_PER_THREAD):
                         v = T.meta_var(k * NT + tid_)
+                        y = T.meta_var((y0 + 1) * MERGE_UNROLL + u)
                         if MERGE_VECS % NT == 0 or v < MERGE_VECS:
                             T.evaluate(T.cuda.func_call(
                                 FMA4, T.address_of(acc[k * 4]),
-                                T.address_of(o_part_[((T.min(y0 * MERGE_UNROLL + u, nsplit - 1) * batch + b) * Hq
-                                                      + hkv * G + v // (D // 4)) * D + v % (D // 4) * 4]),
-                                smem_[v // (D // 4) * W_SLOTS + y0 * MERGE_UNROLL + u], source_code=FMA4_SRC))
-            for k in L.unroll(ceildiv(MERGE_VECS, NT)):
+                                T.address_of(o_part_[((T.min(y, nsplit - 1) * batch + b) * Hq + hkv * G + v // (D // 4))
+                                                     * D + v % (D // 4) * 4]),
+                                smem_[v // (D // 4) * W_SLOTS + y], source_code=FMA4_SRC))
+            for k in L.unroll(VECS_PER_THREAD):
                 v = T.meta_var(k * NT + tid_)
                 if MERGE_VECS % NT == 0 or v < MERGE_VECS:
                     for c in L.unroll(4):
@@ -430,7 +464,6 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         warp = tid // 32
         lane = tid % 32
         li = T.alloc_buffer(LI_SHAPE, "int32", scope="local")
-        flag = T.alloc_buffer((1,), "int32", scope="shared")
         load_length_info(length_info_, b, li)
         page0 = indptr_[b]
         kv_len = visible_keys(indptr_[b + 1] - page0, li)
@@ -492,7 +525,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                    lambda h, e, val: T.buffer_store(o_part_, val, [((split * batch + b) * Hq + hkv * G + h) * D + e]),
                    lambda h, val: T.buffer_store(lse_part_, val, [(split * batch + b) * Hq + hkv * G + h]))
             if FUSED:
-                fused_merge(smem, flag, o_part_, lse_part_, o_, lse_, b, hkv, nsplit, warp, lane, tid)
+                fused_merge(smem, o_part_, lse_part_, o_, lse_, b, hkv, nsplit, warp, lane, tid)
 
     @T.macro
     def tc_kernel(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_):
