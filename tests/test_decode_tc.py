@@ -185,6 +185,25 @@ def test_paged_decode_tc_early_pages_heads_first(kernels, gpu_target, case, flag
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_paged_decode_tc_fused_merge(kernels, gpu_target, case):
+    """fused_merge (the last split block of a request and KV head merges) on every config of
+    CASES, with splits of at least 16 keys: a request takes 1 to max_splits splits (some of
+    them empty where the tile rounding leaves no keys), empty / short / page-boundary lengths;
+    consecutive calls with different split counts check that each merging block resets its
+    arrival counter for the next call."""
+    hq, hkv, d, ps, dtype, sliding = case
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=gpu_target, sliding_window=sliding)
+    sched = dataclasses.replace(choose_tc_decode_schedule(config), min_split_keys=16, early_pages=True,
+                                heads_first=True, fused_merge=True)
+    rng = np.random.default_rng(zlib.crc32(case_id(case).encode()) + 2)
+    for lengths in (lengths_for(ps) + [2 * 4096 + 3], [5000], [0], [3 * ps], [1, 4100], lengths_for(ps)):
+        batch, q = inputs(rng, config, lengths)
+        o, lse = run(kernels, config, batch, q, sched)
+        check(config, batch, q, o, lse)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", TABLE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_decode_table_schedules(kernels, gpu_target, case):
     """Each schedule the table can pick, on its bucket's config and on the other 16-bit dtype,
@@ -266,6 +285,24 @@ def test_decode_tc_builds_cuda_source(config):
     assert f"mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32" in cuda
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in cuda
     assert "cp.async.cg.shared.global [%0], [%1], 16;" in cuda
+
+
+def test_decode_tc_fused_merge_source():
+    """fused_merge: no merge kernel (one kernel fewer in the module), an arrival counter per
+    (request, KV head) slot of one launch (target_blocks of them) counted with atomicAdd."""
+    config = AttentionConfig(32, 4, 128, dtype="float16", page_size=16, target="cuda:sm_90")
+    base = dataclasses.replace(choose_tc_decode_schedule(config), early_pages=True, heads_first=True)
+
+    def kernel_source(sched):
+        module = tvm.compile(tvm.IRModule({"batch_decode_paged_kv": paged_decode_tc(config, sched)}),
+                             target=config.tvm_target())
+        return module.mod.imports[0].inspect_source()
+
+    split, fused = kernel_source(base), kernel_source(dataclasses.replace(base, fused_merge=True))
+    assert split.count('extern "C" __global__') == fused.count('extern "C" __global__') + 2  # declaration + definition
+    assert "atomicAdd" not in split and "atomicAdd(&tvmattn_decode_arrivals_" in fused
+    assert f"__device__ unsigned tvmattn_decode_arrivals_{base.target_blocks}[{base.target_blocks}];" in fused
+    assert dataclasses.replace(base, fused_merge=True).label == base.label + "-f"
 
 
 def test_decode_tc_early_pages_heads_first_source():

@@ -11,7 +11,9 @@ launch from the batch size (`grid_splits`: about one wave of resident blocks); e
 uses as many of them as its length allows (`request_splits`: at least min_split_keys keys a
 split, whole tiles); a request of one split writes o / lse directly, the others are merged in
 FP32 by `merge` (one block per request and query head; each thread loads every split's LSE and
-o of its column in one round of loads, compiled for a few split-slot counts). The G query heads
+o of its column in one round of loads, compiled for a few split-slot counts), or, with
+`fused_merge`, by the last of the request's split blocks to finish (`fused_merge` below: an
+arrival counter per (request, KV head), one launch per call). The G query heads
 of the KV head are the M rows of the MMAs (padded with zero rows to 16), so each K/V row is read
 from memory once for the whole group.
 
@@ -42,6 +44,46 @@ from .decode import _check, _Dims, _merge_macros, _split_kernel_macro, decode_fu
 from .prefill_sm80 import CHUNK, FULL_WARP, MMA_DTYPES, ROWS_PER_MMA, _Tile
 from .schedules import TensorCoreDecodeSchedule, choose_decode_schedule, choose_tc_decode_schedule
 from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor, softmax_macros
+
+
+MERGE_UNROLL = 16  # split slots whose partials a merging thread loads at once (fused_merge)
+LDCG, LDCG_SRC = "tvmattn_ldcg", "__device__ __forceinline__ float tvmattn_ldcg(const float* p) { return __ldcg(p); }\n"
+LDCG4, LDCG4_SRC = "tvmattn_ldcg4", """
+// dst[0..3] <- the 4 floats at p (16-byte aligned), read through L2 (written by other blocks).
+__device__ __forceinline__ void tvmattn_ldcg4(float* dst, const float* p) {
+  float4 v = __ldcg(reinterpret_cast<const float4*>(p));
+  dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+}
+"""
+FMA4, FMA4_SRC = "tvmattn_fma_ldcg4", """
+// acc[0..3] += w * the 4 floats at p (16-byte aligned), read through L2 (written by other blocks).
+__device__ __forceinline__ void tvmattn_fma_ldcg4(float* acc, const float* p, float w) {
+  float4 v = __ldcg(reinterpret_cast<const float4*>(p));
+  acc[0] += w * v.x; acc[1] += w * v.y; acc[2] += w * v.z; acc[3] += w * v.w;
+}
+"""
+
+
+def _arrival_counter(slots: int):
+    """Name and CUDA source of the fused merge's arrival function over `slots` counters: a
+    module-scope __device__ array (zeroed when the module loads, as every __device__ variable
+    without an initializer); arrive(slot, n), called by one thread of a split block after the
+    block's partial is written and fenced, returns 1 to the n-th block to arrive, which resets
+    the counter to 0 for the next launch (so no per-call memset). Launches of one module must not
+    overlap in time (one stream, or graphs replayed in order)."""
+    name = f"tvmattn_decode_arrive_{slots}"
+    src = f"""
+__device__ unsigned tvmattn_decode_arrivals_{slots}[{slots}];
+__device__ __forceinline__ int {name}(int slot, int n) {{
+  __threadfence();
+  unsigned seen = atomicAdd(&tvmattn_decode_arrivals_{slots}[slot], 1u);
+  if (seen + 1u < (unsigned)n) return 0;
+  tvmattn_decode_arrivals_{slots}[slot] = 0u;
+  __threadfence();
+  return 1;
+}}
+"""
+    return name, src
 
 
 def threads_per_row(chunks: int) -> int:
@@ -104,7 +146,16 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     TILE_ELEMS = V_OFF + STAGES * BK * TL.stride
     C_O, C_M = 0, NW * G * D
     C_L = C_M + NW * ROWS_PER_MMA
-    SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA)
+    # fused_merge: the merging block's split weights [G, W_SLOTS] (from word 0, after finish)
+    FUSED = sched.fused_merge and MS > 1
+    W_SLOTS = ceildiv(MS, MERGE_UNROLL) * MERGE_UNROLL
+    FLAG_WORD = G * W_SLOTS  # the arrival's verdict, broadcast to the block (no static shared memory,
+    # which would move the dynamic buffer off its 128-byte alignment and the tiles off their swizzle)
+    SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA, FLAG_WORD + 1 if FUSED else 0)
+    MERGE_VECS = G * D // 4  # float4 columns of the group's outputs
+    VECS_PER_THREAD = ceildiv(MERGE_VECS, NT)
+    HEADS_PER_WARP = ceildiv(G, NW)  # heads whose weights a warp computes
+    LANE_SLOTS = ceildiv(W_SLOTS, 32)
     TPR = sched.threads_per_row or threads_per_row(TL.chunks)
     RP = NT // TPR  # rows a pass of the block's threads copies
     PASSES = ceildiv(BK, RP)
@@ -113,6 +164,9 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     PRE = STAGES - 1 if EARLY else 1  # tiles whose page entries a thread holds at once
 
     LI_SHAPE = (3, 1) if sliding else (1,)
+    # (request, KV head) arrival counters of fused_merge: a launch with more than one split slot
+    # has at most target_blocks / 2 of them
+    ARRIVE, ARRIVE_SRC = _arrival_counter(max(sched.target_blocks, 1))
     # Split slots the merge is compiled for (a launch takes the first that holds its slots):
     # 8, the slots of a batch of one, max_splits.
     MERGE_WIDTHS = sorted({min(8, MS), min(MS, max(sched.target_blocks // Hkv, 1)), MS})
@@ -310,6 +364,92 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     write_lse_(idx // D, m_all[0])
 
     @T.macro
+    def fused_merge(smem_, o_part_, lse_part_, o_, lse_, b, hkv, nsplit, warp_, lane_, tid_):
+        """After this block wrote its split's partial: count its arrival (one thread, after the
+        block's barrier: the arrival fences); the last of the request's nsplit blocks merges the
+        group's partials into o_ / lse_ (FP32). Its first MERGE_UNROLL splits' partials are loaded
+        (float4, through L2) before the weights are known; a warp per head turns the split LSEs
+        (all loaded at once) into normalised weights in shared memory (0 past nsplit); each
+        thread then accumulates its float4 columns, MERGE_UNROLL splits per round of loads."""
+        batch = o_.shape[0]
+        lv = T.alloc_buffer((HEADS_PER_WARP * LANE_SLOTS,), "float32", scope="local")
+        mx = T.alloc_buffer((HEADS_PER_WARP,), "float32", scope="local")
+        lsum = T.alloc_buffer((HEADS_PER_WARP,), "float32", scope="local")
+        acc = T.alloc_buffer((VECS_PER_THREAD * 4,), "float32", scope="local")
+        pre = T.alloc_buffer((MERGE_UNROLL * VECS_PER_THREAD * 4,), "float32", scope="local")
+        last = T.alloc_buffer((1,), "int32", scope="local")
+        T.tvm_storage_sync(shared)  # the block's partial is written; no thread reads the states any more
+        if tid_ == 0:
+            smem_[FLAG_WORD] = T.Cast("float32", T.cuda.func_call(ARRIVE, b * Hkv + hkv, nsplit,
+                                                                  source_code=ARRIVE_SRC, return_type="int32"))
+        T.tvm_storage_sync(shared)
+        last[0] = T.Cast("int32", smem_[FLAG_WORD])
+        T.tvm_storage_sync(shared)  # (so that TVM needs no barrier inside the branch)
+        if last[0] != 0:
+            for u in L.unroll(MERGE_UNROLL):
+                for k in L.unroll(VECS_PER_THREAD):
+                    v = T.meta_var(k * NT + tid_)
+                    if MERGE_VECS % NT == 0 or v < MERGE_VECS:
+                        T.evaluate(T.cuda.func_call(
+                            LDCG4, T.address_of(pre[(u * VECS_PER_THREAD + k) * 4]),
+                            T.address_of(o_part_[((T.min(u, nsplit - 1) * batch + b) * Hq + hkv * G + v // (D // 4))
+                                                 * D + v % (D // 4) * 4]), source_code=LDCG4_SRC))
+            for hh in L.unroll(HEADS_PER_WARP):
+                for k in L.unroll(LANE_SLOTS):
+                    lv[hh * LANE_SLOTS + k] = T.float32(EMPTY_LSE)
+                    if k * 32 + lane_ < nsplit:
+                        if G % NW == 0 or hh * NW + warp_ < G:
+                            lv[hh * LANE_SLOTS + k] = T.cuda.func_call(
+                                LDCG, T.address_of(lse_part_[((k * 32 + lane_) * batch + b) * Hq + hkv * G + hh * NW
+                                                             + warp_]), source_code=LDCG_SRC, return_type="float32")
+            for hh in L.unroll(HEADS_PER_WARP):
+                mx[hh] = T.float32(EMPTY_LSE)
+                for k in L.unroll(LANE_SLOTS):
+                    mx[hh] = T.max(mx[hh], lv[hh * LANE_SLOTS + k])
+                for i in L.unroll(5):
+                    mx[hh] = T.max(mx[hh], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), mx[hh], 1 << i, 32, 32))
+                lsum[hh] = T.float32(0)
+                for k in L.unroll(LANE_SLOTS):
+                    lsum[hh] = lsum[hh] + finished_l(lv[hh * LANE_SLOTS + k]) * rescale_factor(lv[hh * LANE_SLOTS + k],
+                                                                                              mx[hh])
+                for i in L.unroll(5):
+                    lsum[hh] = lsum[hh] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), lsum[hh], 1 << i, 32, 32)
+            for hh in L.unroll(HEADS_PER_WARP):
+                h = T.meta_var(hh * NW + warp_)
+                if G % NW == 0 or h < G:
+                    for k in L.unroll(LANE_SLOTS):
+                        if W_SLOTS % 32 == 0 or k * 32 + lane_ < W_SLOTS:
+                            smem_[h * W_SLOTS + k * 32 + lane_] = (
+                                finished_l(lv[hh * LANE_SLOTS + k]) * rescale_factor(lv[hh * LANE_SLOTS + k], mx[hh])
+                                * finalize_scale(lsum[hh]))
+                    if lane_ == 0:
+                        lse_[b, hkv * G + h] = finalize_lse(mx[hh], lsum[hh])
+            T.tvm_storage_sync(shared)
+            for k in L.unroll(VECS_PER_THREAD):
+                v = T.meta_var(k * NT + tid_)
+                for c in L.unroll(4):
+                    acc[k * 4 + c] = T.float32(0)
+                    for u in L.unroll(MERGE_UNROLL):
+                        acc[k * 4 + c] = acc[k * 4 + c] + smem_[T.min(v // (D // 4), G - 1) * W_SLOTS + u] * pre[
+                            (u * VECS_PER_THREAD + k) * 4 + c]
+            for y0 in T.serial(ceildiv(nsplit, MERGE_UNROLL) - 1):
+                for u in L.unroll(MERGE_UNROLL):
+                    for k in L.unroll(VECS_PER_THREAD):
+                        v = T.meta_var(k * NT + tid_)
+                        y = T.meta_var((y0 + 1) * MERGE_UNROLL + u)
+                        if MERGE_VECS % NT == 0 or v < MERGE_VECS:
+                            T.evaluate(T.cuda.func_call(
+                                FMA4, T.address_of(acc[k * 4]),
+                                T.address_of(o_part_[((T.min(y, nsplit - 1) * batch + b) * Hq + hkv * G + v // (D // 4))
+                                                     * D + v % (D // 4) * 4]),
+                                smem_[v // (D // 4) * W_SLOTS + y], source_code=FMA4_SRC))
+            for k in L.unroll(VECS_PER_THREAD):
+                v = T.meta_var(k * NT + tid_)
+                if MERGE_VECS % NT == 0 or v < MERGE_VECS:
+                    for c in L.unroll(4):
+                        o_[b, hkv * G + v // (D // 4), v % (D // 4) * 4 + c] = T.Cast(dtype, acc[k * 4 + c])
+
+    @T.macro
     def body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, b, hkv, split,
              tid):
         """The work of block (request b, KV head hkv, split slot `split`), thread tid."""
@@ -386,6 +526,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             finish(smem, o, m_run, l_run, warp, lane, tid,
                    lambda h, e, val: T.buffer_store(o_part_, val, [((split * batch + b) * Hq + hkv * G + h) * D + e]),
                    lambda h, val: T.buffer_store(lse_part_, val, [(split * batch + b) * Hq + hkv * G + h]))
+            if FUSED:
+                fused_merge(smem, o_part_, lse_part_, o_, lse_, b, hkv, nsplit, warp, lane, tid)
 
     @T.macro
     def tc_kernel(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_):
@@ -511,7 +653,7 @@ def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule 
                 cc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
         else:
             tc_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_)
-            if grid_splits(sched, Hkv, batch) > 1:
+            if not sched.fused_merge and grid_splits(sched, Hkv, batch) > 1:
                 tc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
 
     return decode_func(config, kernel)

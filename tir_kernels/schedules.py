@@ -141,6 +141,9 @@ class TensorCoreDecodeSchedule:
     heads_first: the grid runs (KV head, split, request) from fastest to slowest, so the blocks
     of one request's heads and splits start together and read the same pages at about the same
     time (the KV heads of a page slot are adjacent in memory); False: (request, KV head, split).
+    fused_merge: the last split block of a (request, KV head) to finish merges the splits (an
+    arrival counter per (request, KV head) in the kernel module's memory), so a call is one
+    launch; False: a separate merge kernel.
     """
 
     warps: int = 4
@@ -154,6 +157,7 @@ class TensorCoreDecodeSchedule:
     early_pages: bool = False
     heads_first: bool = False
     threads_per_row: int = 0
+    fused_merge: bool = False
 
     def __post_init__(self):
         _require(1 <= self.warps <= 16, f"warps={self.warps} must be 1..16")
@@ -174,12 +178,12 @@ class TensorCoreDecodeSchedule:
     @property
     def label(self) -> str:
         """Short name: w<warps>k<keys_per_warp>s<stages>t<target_blocks>m<min_split_keys>[x<max_splits>][-qsmem]
-        [-p<l2_prefetch>][-c<threads_per_row>][-e (early_pages)][-h (heads_first)]."""
+        [-p<l2_prefetch>][-c<threads_per_row>][-e (early_pages)][-h (heads_first)][-f (fused_merge)]."""
         return (f"w{self.warps}k{self.keys_per_warp}s{self.stages}t{self.target_blocks}m{self.min_split_keys}"
                 + (f"x{self.max_splits}" if self.max_splits != 64 else "") + ("" if self.q_in_registers else "-qsmem")
                 + (f"-p{self.l2_prefetch}" if self.l2_prefetch else "")
                 + (f"-c{self.threads_per_row}" if self.threads_per_row else "") + ("-e" if self.early_pages else "")
-                + ("-h" if self.heads_first else ""))
+                + ("-h" if self.heads_first else "") + ("-f" if self.fused_merge else ""))
 
     @property
     def num_threads(self) -> int:
@@ -302,6 +306,10 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
         dataclasses.replace(base, stages=5, threads_per_row=8, early_pages=True, heads_first=True),
         dataclasses.replace(base, target_blocks=2 * base.target_blocks, threads_per_row=8, early_pages=True,
                             heads_first=True),
+        # one launch a call: the last split block merges (-f), splits of at least 128 or 256 keys
+        *(dataclasses.replace(sched, min_split_keys=keys, threads_per_row=8, early_pages=True, heads_first=True,
+                              fused_merge=True)
+          for sched in (base, tc(4, 16, 3)) for keys in (128, 256)),
     ]
     out = {}
     for sched in variants:
