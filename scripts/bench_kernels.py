@@ -21,6 +21,12 @@ Shapes: decode BxL, B requests of L keys each. Prefill BxL, B requests of L new 
 and no history; or BxQ@L, chunked prefill: Q new tokens each over L keys in total (L-Q of them
 cached before), causal: new token i sees keys j <= L-Q+i. Heads: 32 query / 8 KV.
 
+Timing: the median of 5 samples of the mean time per call (CUDA events around a host loop of
+calls: "eager", the host's launch cost included where it is the longer). Decode rows warm up
+for DECODE_WARMUP_MS and sample at least DECODE_SAMPLE_MS; on CUDA each decode row of tvmattn,
+TVM and SDPA has a second row (variant "cuda-graph ...", column "impl (graph)") of the same
+calls replayed from a CUDA graph (the GPU's time alone; --no-graph leaves them out).
+
     python scripts/bench_kernels.py                                  # default shapes, fp16 + bf16
     python scripts/bench_kernels.py --decode --prefill 1x4096 8x512@8192 --dtype bfloat16 --json k.json
     python scripts/bench_kernels.py --decode --prefill --tree --json tree.json  # token trees only
@@ -224,7 +230,9 @@ def agrees(diff: float, dtype: str) -> bool:
 
 
 def impl_sort_key(impl: str):
-    return (IMPL_ORDER.index(impl), "") if impl in IMPL_ORDER else (len(IMPL_ORDER), impl)
+    """IMPL_ORDER first, then by name; an impl's " (graph)" column right after its eager one."""
+    base, graph = (impl[:-len(" (graph)")], 1) if impl.endswith(" (graph)") else (impl, 0)
+    return (IMPL_ORDER.index(base), "", graph) if base in IMPL_ORDER else (len(IMPL_ORDER), base, graph)
 
 
 def short(impl: str) -> str:
@@ -250,11 +258,11 @@ def format_tables(rows) -> str:
     for (kernel, dtype, head_dim, hq, hkv, page_size, device, commit), group in _groups(rows, _table_key).items():
         field = rate_field(kernel)
         unit = "GB/s" if field == "gbps" else "TFLOP/s"
-        impls = sorted({r["impl"] for r in group}, key=impl_sort_key)
-        anchors = [i for i in impls if i != OURS]
+        impls = sorted({display_impl(r) for r in group}, key=impl_sort_key)
+        anchors = [i for i in impls if i != OURS and not i.endswith(" (graph)")]  # ours/X: eager rows
         cells: dict = {}
         for r in group:
-            cells.setdefault((r["batch"], r.get("qo_len", 1), r["seq_len"], r.get("tree")), {})[r["impl"]] = r
+            cells.setdefault((r["batch"], r.get("qo_len", 1), r["seq_len"], r.get("tree")), {})[display_impl(r)] = r
         out.append(f"\n{kernel}, {dtype}, head_dim {head_dim}, {hq} q / {hkv} kv heads, page {page_size}: ms and {unit}"
                    f" ({device or 'unknown device'}, commit {commit or 'unknown'})")
         cell_w = 19
@@ -340,7 +348,7 @@ def plot_rows(rows, path: str) -> None:
     groups = _groups(rows, lambda r: (r["kernel"], r.get("dtype"), r.get("head_dim")))
     if not groups:
         raise PlotError("no rows to plot")
-    impls = sorted({r["impl"] for r in rows}, key=impl_sort_key)
+    impls = sorted({display_impl(r) for r in rows}, key=impl_sort_key)
     colors = {impl: f"C{n % 10}" for n, impl in enumerate(impls)}
     batches = sorted({r["batch"] for r in rows})
     markers = {b: "osD^v<>ph*"[n % 10] for n, b in enumerate(batches)}
@@ -353,7 +361,7 @@ def plot_rows(rows, path: str) -> None:
 
         def line_key(r, chunks=kernel != "decode"):
             qo_len = r.get("qo_len", 1)
-            return (r["impl"], r["batch"], qo_len if chunks and qo_len != r["seq_len"] else None,
+            return (display_impl(r), r["batch"], qo_len if chunks and qo_len != r["seq_len"] else None,
                     r.get("device") if several_devices else None)
 
         def line_order(item):
@@ -448,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="D", help=f"head dims, of {HEAD_DIMS} (default: {DEFAULT_HEAD_DIMS[0]})")
     parser.add_argument("--page-size", type=_page_size, default=DEFAULT_PAGE_SIZE,
                         help=f"tokens per page (default: {DEFAULT_PAGE_SIZE})")
+    parser.add_argument("--no-graph", action="store_true",
+                        help="decode: leave out the rows of the same calls replayed from a CUDA graph (variant"
+                             " \"cuda-graph ...\", beside each eager row on CUDA)")
     parser.add_argument("--iters", type=_positive_int, default=20,
                         help="calls per timing sample, decode (prefill: a quarter, at least 3; default: 20)")
     parser.add_argument("--arch", type=_arch, default=None, help="CUDA arch to build for (default: the present GPU's)")
@@ -606,31 +617,104 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def time_ms(fn, iters: int, repeats: int = 5, warmup: int = 3) -> float:
-    """Median over `repeats` samples of the mean time per call (CUDA events), after warm-up calls."""
+# Decode rows (eager and graph) are timed after at least DECODE_WARMUP_MS of calls (clocks up,
+# caches and workspaces warm: a batch-1 call is ~10 us, so 3 calls were no warm-up at all), in
+# samples of at least DECODE_SAMPLE_MS (a sample of 20 such calls was ~0.2 ms).
+DECODE_WARMUP_MS = 100.0
+DECODE_SAMPLE_MS = 5.0
+MAX_SAMPLE_CALLS = 20000
+
+
+def _warm_up(fn, calls: int, ms: float) -> float:
+    """Call fn(0), fn(1), ... at least `calls` times and for at least `ms` ms (waiting for the
+    GPU); returns the time per call of the warm-up in ms (host clock, after synchronizing)."""
+    import time
+
+    n, t0 = 0, time.perf_counter()
+    while n < calls or (time.perf_counter() - t0) * 1e3 < ms:
+        fn(n)
+        n += 1
+        if ms and n % 256 == 0:
+            synchronize()  # the host must not run far ahead of the GPU it is timing
+    synchronize()
+    return (time.perf_counter() - t0) * 1e3 / max(n, 1)
+
+
+def sample_calls(iters: int, per_call_ms: float, sample_ms: float) -> int:
+    """Calls per timing sample: `iters`, or more where `iters` calls take under sample_ms."""
+    if sample_ms <= 0 or per_call_ms <= 0:
+        return iters
+    return max(iters, min(MAX_SAMPLE_CALLS, math.ceil(sample_ms / per_call_ms)))
+
+
+def time_ms(fn, iters: int, repeats: int = 5, warmup: int = 3, warmup_ms: float = 0.0,
+            sample_ms: float = 0.0) -> float:
+    """Median over `repeats` samples of the mean time per call (CUDA events), after warm-up calls
+    (at least `warmup`, and for at least warmup_ms); a sample is `iters` calls, or as many more as
+    take sample_ms (from the warm-up's time per call)."""
     import time
 
     import torch
 
-    for i in range(warmup):
-        fn(i)
-    synchronize()
+    once = _warm_up(fn, warmup, warmup_ms)
+    n = sample_calls(iters, once, sample_ms)
     samples = []
     for _ in range(repeats):
         if DEVICE != "cuda":
             t0 = time.perf_counter()
-            for i in range(iters):
+            for i in range(n):
                 fn(i)
-            samples.append((time.perf_counter() - t0) * 1e3 / iters)
+            samples.append((time.perf_counter() - t0) * 1e3 / n)
             continue
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for i in range(iters):
+        for i in range(n):
             fn(i)
         stop.record()
         torch.cuda.synchronize()
-        samples.append(start.elapsed_time(stop) / iters)
+        samples.append(start.elapsed_time(stop) / n)
     return float(statistics.median(samples))
+
+
+def graph_time_ms(fn, iters: int, repeats: int = 5, warmup_ms: float = 0.0, sample_ms: float = 0.0,
+                  tvm_stream: bool = True) -> float:
+    """Median over `repeats` samples of the time per call replayed from one CUDA graph of the
+    calls fn(0) .. fn(iters - 1) (captured on torch's capture stream; tvm_stream: TVM's launches
+    too, through tvm_ffi.use_torch_stream): the GPU's time without the host's launch cost. The
+    graph is replayed for at least warmup_ms first, and as often per sample as take sample_ms."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    capture = torch.cuda.graph(graph)
+    if tvm_stream:
+        import tvm_ffi
+
+        capture = tvm_ffi.use_torch_stream(capture)
+    with capture:
+        for i in range(iters):
+            fn(i)
+    once = _warm_up(lambda i: graph.replay(), 2, warmup_ms)
+    replays = sample_calls(1, once, sample_ms)
+    samples = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(stop) / (replays * iters))
+    return float(statistics.median(samples))
+
+
+def is_graph_row(row: dict) -> bool:
+    """A row timed from a CUDA-graph replay (variant "cuda-graph ...")."""
+    return str(row.get("variant", "")).startswith("cuda-graph")
+
+
+def display_impl(row: dict) -> str:
+    """The row's impl, with " (graph)" for a CUDA-graph row (a column of its own in the tables)."""
+    return row["impl"] + (" (graph)" if is_graph_row(row) else "")
 
 
 def max_diff(a, b) -> float:
@@ -1068,7 +1152,24 @@ def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict
     ref_kind = "decode" if decode else "prefill"
     variant, sdpa_call, ref, ref_diff = sdpa_reference(ref_kind, ctx, shape, inputs)
     synchronize()
-    sdpa_ms = time_ms(sdpa_call, iters)
+    # decode: long warm-up and samples (time_ms), and beside each eager row one of the same calls
+    # replayed from a CUDA graph (ctx.graph; variant "cuda-graph ...")
+    timing = {"warmup_ms": DECODE_WARMUP_MS, "sample_ms": DECODE_SAMPLE_MS} if decode else {}
+    graphs = decode and DEVICE == "cuda" and getattr(ctx, "graph", False)
+
+    def graph_row(impl, impl_variant, call, tvm_stream=True):
+        try:
+            ms = graph_time_ms(call, iters, tvm_stream=tvm_stream, **timing)
+        except Exception as e:  # noqa: BLE001 - reported, the eager row stands
+            synchronize()
+            skip(impl, "decode (cuda graph)", ctx, shape.label, e)
+            return []
+        row = make_row("decode", impl, f"cuda-graph {impl_variant}", ctx.dtype, ctx.head_dim, ctx.page_size, shape,
+                       ms, None, ctx.meta)
+        progress(row)
+        return [row]
+
+    sdpa_ms = time_ms(sdpa_call, iters, **timing)
     for kernel in kinds:
         for impl, impl_variant, fn in ctx.kernels[kernel]:
             o = torch.empty_like(inputs.q)
@@ -1088,8 +1189,10 @@ def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict
                 continue
             diff = max_diff(o, ref)
             rows.append(make_row(kernel, impl, impl_variant, ctx.dtype, ctx.head_dim, ctx.page_size, shape,
-                                 time_ms(call, iters), diff, ctx.meta))
+                                 time_ms(call, iters, **timing), diff, ctx.meta))
             progress(rows[-1])
+            if graphs:
+                rows += graph_row(impl, impl_variant, call)
         for impl, impl_variant, fi_call in module_calls(kernel, ctx, inputs) or flashinfer_calls(kernel, ctx, inputs):
             print(f"  {kernel} {shape.label} {impl}: running", file=sys.stderr, flush=True)
             try:
@@ -1100,10 +1203,12 @@ def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict
                 continue
             diff = max_diff(out.view(ref.shape), ref)
             rows.append(make_row(kernel, impl, impl_variant, ctx.dtype, ctx.head_dim, ctx.page_size, shape,
-                                 time_ms(fi_call, iters), diff, ctx.meta))
+                                 time_ms(fi_call, iters, **timing), diff, ctx.meta))
             progress(rows[-1])
         rows.append(make_row(kernel, REFERENCE, variant, ctx.dtype, ctx.head_dim, ctx.page_size, shape, sdpa_ms,
                              ref_diff, ctx.meta))
+        if graphs:
+            rows += graph_row(REFERENCE, variant, sdpa_call, tvm_stream=False)
     del inputs
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -1240,6 +1345,7 @@ def run(args, decode_shapes, prefill_shapes, tree_shapes=()) -> list[dict]:
                 for kv in dict.fromkeys(args.kv_heads) for dtype in args.dtype for head_dim in args.head_dim]
     for ctx in contexts:
         ctx.no_tvm = getattr(args, "no_tvm", False)
+        ctx.graph = not getattr(args, "no_graph", False)
     # The decode kernels of every context are compiled at once, in threads (nvcc is a subprocess).
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=8) if DEVICE == "cuda" and "decode" in kinds else None
     decode_jobs = {id(ctx): [(impl, pool.submit(job)) for impl, job in build_jobs("decode", ctx)]

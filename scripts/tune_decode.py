@@ -142,7 +142,7 @@ def build_all(jobs, head_dim, page_size, nproc: int):
 
 
 def display_name(row) -> str:
-    return row["impl"] + (" (graph)" if str(row.get("variant", "")).startswith("cuda-graph") else "")
+    return bk.display_impl(row)
 
 
 def print_table(group, shapes, title: str) -> None:
@@ -181,10 +181,10 @@ def table_impl(built, dtype: str, kv: int, head_dim: int, page_size: int):
 
 def graph_rows(ctx, shape, impls, iters: int, gen, meta: dict) -> list:
     """Rows (variant "cuda-graph") of each impl's time per call replayed from a CUDA graph of
-    `iters` calls (cycling the page pools, as the eager timing does): the kernels' GPU time
-    without the host's launch cost. An impl whose capture fails is skipped with a message."""
+    `iters` calls (cycling the page pools, as the eager timing does; bench_kernels.graph_time_ms
+    with the decode rows' warm-up and sample length): the kernels' GPU time without the host's
+    launch cost. An impl whose capture fails is skipped with a message."""
     import torch
-    import tvm_ffi
 
     pool_bytes = shape.batch * math.ceil(shape.seq_len / ctx.page_size) * ctx.page_size * bk.NUM_KV_HEADS \
         * ctx.head_dim * 2 * bk.ELEM_BYTES[ctx.dtype]
@@ -196,30 +196,17 @@ def graph_rows(ctx, shape, impls, iters: int, gen, meta: dict) -> list:
         args = bk.tvm_args("decode", ctx, inputs, o, lse)
         arglists = [[args[0], pool, *args[2:]] for pool in inputs.tvm_pools]
         try:
-            for a in arglists:  # warm-up: the workspace pool holds its buffers before capture
+            for a in arglists:  # the workspace pool holds its buffers before capture
                 fn(*a)
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with tvm_ffi.use_torch_stream(torch.cuda.graph(graph)):
-                for i in range(iters):
-                    fn(*arglists[i % len(arglists)])
-            graph.replay()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(5):
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                stop.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(stop) / iters)
+            ms = bk.graph_time_ms(lambda i, fn=fn: fn(*arglists[i % len(arglists)]), iters,
+                                  warmup_ms=bk.DECODE_WARMUP_MS, sample_ms=bk.DECODE_SAMPLE_MS)
         except Exception as e:  # noqa: BLE001 - reported
             print(f"  graph {impl} {shape.label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             torch.cuda.synchronize()
             continue
-        samples.sort()
         rows.append(bk.make_row("decode", impl, f"cuda-graph {desc}", ctx.dtype, ctx.head_dim, ctx.page_size,
-                                shape, samples[len(samples) // 2], None, meta))
+                                shape, ms, None, meta))
         print(f"  graph {impl} {shape.label}: {rows[-1]['ms'] * 1e3:.1f} us", flush=True)
     return rows
 

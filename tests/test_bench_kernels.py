@@ -420,3 +420,77 @@ def test_cpu_smoke_run_tree(bench, monkeypatch, capsys):
         assert row["qo_len"] == 6 and row["seq_len"] == 30 and row["ms"] > 0
         if impl != "sdpa":
             assert row["agrees"] and row["max_abs_diff"] < 1e-2, row
+
+
+# --- decode timing: warm-up, sample length, CUDA-graph rows -----------------------------------
+
+
+@pytest.mark.parametrize("iters, per_call, sample, want", [(20, 0.01, 5.0, 500), (20, 0.5, 5.0, 20),
+                                                           (20, 0.01, 0.0, 20), (3, 0.0, 5.0, 3),
+                                                           (1, 1e-7, 5.0, 20000)])
+def test_sample_calls(bench, iters, per_call, sample, want):
+    assert bench.sample_calls(iters, per_call, sample) == want
+
+
+def test_time_ms_warms_up_for_the_time_asked(bench, monkeypatch):
+    """warmup_ms of calls before any sample, and samples of at least sample_ms (here on the host
+    clock: DEVICE cpu), each call's index counted from 0."""
+    import time
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    calls = []
+
+    def fn(i):
+        calls.append(i)
+        time.sleep(1e-4)
+
+    t0 = time.perf_counter()
+    ms = bench.time_ms(fn, 2, repeats=3, warmup=3, warmup_ms=30.0, sample_ms=3.0)
+    assert (time.perf_counter() - t0) * 1e3 >= 30.0 + 3 * 3.0 * 0.5  # (sleep overshoots: the estimate is long)
+    warm = calls.index(0, 1)  # the first sample restarts at index 0
+    assert warm >= 3 and calls[:warm] == list(range(warm))
+    assert len(calls) - warm >= 3 * 5  # 3 samples of >= 3 ms (calls of 0.1 to 0.6 ms): more than 2 calls each
+    assert 0.1 <= ms < 5.0
+    calls.clear()
+    bench.time_ms(fn, 2, repeats=1, warmup=3)  # no warm-up time, no sample length: the old counts
+    assert calls == [0, 1, 2, 0, 1]
+
+
+def test_graph_rows_get_a_column_of_their_own(bench):
+    shape = bench.parse_shape("1x4096", "decode")
+    rows = [bench.make_row("decode", "tvmattn", "table", "float16", 128, 16, shape, 0.010, 1e-3, META),
+            bench.make_row("decode", "tvmattn", "cuda-graph table", "float16", 128, 16, shape, 0.008, None, META),
+            bench.make_row("decode", "sdpa", "dense", "float16", 128, 16, shape, 0.020, None, META),
+            bench.make_row("decode", "sdpa", "cuda-graph dense", "float16", 128, 16, shape, 0.016, None, META)]
+    assert [bench.display_impl(r) for r in rows] == ["tvmattn", "tvmattn (graph)", "sdpa", "sdpa (graph)"]
+    assert bench.is_graph_row(rows[1]) and not bench.is_graph_row(rows[0])
+    header, line = bench.format_tables(rows).splitlines()[2:4]
+    cols = [c.strip() for c in header.split("|")]
+    assert cols[1:5] == ["tvmattn", "tvmattn (graph)", "sdpa", "sdpa (graph)"]
+    assert cols[5].split() == ["ours/sdpa"]  # ratios of the eager rows only
+    cells = [c.split() for c in line.split("|")]
+    assert cells[1][0] == "0.010" and cells[2][0] == "0.008" and cells[5] == ["2.00"]
+    assert float(cells[2][1]) == pytest.approx(rows[1]["gbps"], rel=1e-3)
+
+
+def test_no_graph_option(bench):
+    assert bench.build_parser().parse_args([]).no_graph is False
+    assert bench.build_parser().parse_args(["--no-graph"]).no_graph is True
+
+
+@pytest.mark.gpu
+def test_graph_time_ms_replays_the_captured_calls():
+    """A captured torch call (x += 1, `iters` times) replays as a whole: x counts whole graphs, and
+    the time per call is positive and below the eager one's upper bound."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    spec = importlib.util.spec_from_file_location("bench_kernels_gpu", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x = torch.zeros(1, device="cuda", dtype=torch.float64)
+    ms = bench.graph_time_ms(lambda i: x.add_(1), 7, repeats=3, warmup_ms=5.0, sample_ms=1.0, tvm_stream=False)
+    torch.cuda.synchronize()
+    count = int(x.item())
+    assert count > 0 and count % 7 == 0
+    assert 0 < ms < 1.0
