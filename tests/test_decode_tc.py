@@ -185,17 +185,19 @@ def test_paged_decode_tc_early_pages_heads_first(kernels, gpu_target, case, flag
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fanin", [0, 3])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_paged_decode_tc_fused_merge(kernels, gpu_target, case):
-    """fused_merge (the last split block of a request and KV head merges) on every config of
-    CASES, with splits of at least 16 keys: a request takes 1 to max_splits splits (some of
-    them empty where the tile rounding leaves no keys), empty / short / page-boundary lengths;
-    consecutive calls with different split counts check that each merging block resets its
-    arrival counter for the next call."""
+def test_paged_decode_tc_fused_merge(kernels, gpu_target, case, fanin):
+    """fused_merge (the last split block of a request and KV head merges; fanin 3: as a tree of
+    runs of 3 splits) on every config of CASES, with splits of at least 16 keys: a request takes
+    1 to max_splits splits (some of them empty where the tile rounding leaves no keys; runs of
+    one split, one run, up to 22 runs), empty / short / page-boundary lengths; consecutive calls
+    with different split counts check that each merging block resets its arrival counters for
+    the next call."""
     hq, hkv, d, ps, dtype, sliding = case
     config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=gpu_target, sliding_window=sliding)
     sched = dataclasses.replace(choose_tc_decode_schedule(config), min_split_keys=16, early_pages=True,
-                                heads_first=True, fused_merge=True)
+                                heads_first=True, fused_merge=True, merge_fanin=fanin)
     rng = np.random.default_rng(zlib.crc32(case_id(case).encode()) + 2)
     for lengths in (lengths_for(ps) + [2 * 4096 + 3], [5000], [0], [3 * ps], [1, 4100], lengths_for(ps)):
         batch, q = inputs(rng, config, lengths)
@@ -303,6 +305,13 @@ def test_decode_tc_fused_merge_source():
     assert "atomicAdd" not in split and "atomicAdd(&tvmattn_decode_arrivals_" in fused
     assert f"__device__ unsigned tvmattn_decode_arrivals_{base.target_blocks}[{base.target_blocks}];" in fused
     assert dataclasses.replace(base, fused_merge=True).label == base.label + "-f"
+    tree = kernel_source(dataclasses.replace(base, fused_merge=True, merge_fanin=6))
+    assert tree.count('extern "C" __global__') == fused.count('extern "C" __global__')
+    n = base.target_blocks
+    assert f"__device__ unsigned tvmattn_decode_arrivals_{n}[{n}];" in tree
+    assert f"__device__ unsigned tvmattn_decode_arrivalsruns_{n}[{n}];" in tree  # the second level's counters
+    assert "tvmattn_decode_arrivalsruns" not in fused
+    assert dataclasses.replace(base, fused_merge=True, merge_fanin=6).label == base.label + "-f6"
 
 
 def test_decode_tc_early_pages_heads_first_source():
@@ -350,6 +359,11 @@ def test_tc_decode_schedule_validation():
         TensorCoreDecodeSchedule(warps=0)
     with pytest.raises(ValueError, match="threads_per_row"):
         TensorCoreDecodeSchedule(threads_per_row=3)
+    with pytest.raises(ValueError, match="merge_fanin=4 must be 0, or 2..max_splits=64 with fused_merge"):
+        TensorCoreDecodeSchedule(merge_fanin=4)
+    for fanin in (1, 65, -2):
+        with pytest.raises(ValueError, match=f"merge_fanin={fanin}"):
+            TensorCoreDecodeSchedule(fused_merge=True, merge_fanin=fanin)
     cuda = AttentionConfig(32, 8, 128, dtype="float16", target="cuda:sm_90")
     with pytest.raises(ValueError, match="dtype"):
         paged_decode_tc(cuda.replace(dtype="float32"))

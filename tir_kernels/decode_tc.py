@@ -64,21 +64,21 @@ __device__ __forceinline__ void tvmattn_fma_ldcg4(float* acc, const float* p, fl
 """
 
 
-def _arrival_counter(slots: int):
+def _arrival_counter(slots: int, tag: str = ""):
     """Name and CUDA source of the fused merge's arrival function over `slots` counters: a
     module-scope __device__ array (zeroed when the module loads, as every __device__ variable
     without an initializer); arrive(slot, n), called by one thread of a split block after the
     block's partial is written and fenced, returns 1 to the n-th block to arrive, which resets
     the counter to 0 for the next launch (so no per-call memset). Launches of one module must not
     overlap in time (one stream, or graphs replayed in order)."""
-    name = f"tvmattn_decode_arrive_{slots}"
+    name, counters = f"tvmattn_decode_arrive{tag}_{slots}", f"tvmattn_decode_arrivals{tag}_{slots}"
     src = f"""
-__device__ unsigned tvmattn_decode_arrivals_{slots}[{slots}];
+__device__ unsigned {counters}[{slots}];
 __device__ __forceinline__ int {name}(int slot, int n) {{
   __threadfence();
-  unsigned seen = atomicAdd(&tvmattn_decode_arrivals_{slots}[slot], 1u);
+  unsigned seen = atomicAdd(&{counters}[slot], 1u);
   if (seen + 1u < (unsigned)n) return 0;
-  tvmattn_decode_arrivals_{slots}[slot] = 0u;
+  {counters}[slot] = 0u;
   __threadfence();
   return 1;
 }}
@@ -167,6 +167,10 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     # (request, KV head) arrival counters of fused_merge: a launch with more than one split slot
     # has at most target_blocks / 2 of them
     ARRIVE, ARRIVE_SRC = _arrival_counter(max(sched.target_blocks, 1))
+    # merge_fanin: the first level counts per (request, KV head, run of splits) at the run's first
+    # block slot (batch * Hkv * slots <= target_blocks), the second per (request, KV head)
+    FANIN = sched.merge_fanin if FUSED else 0
+    ARRIVE2, ARRIVE2_SRC = _arrival_counter(max(sched.target_blocks, 1), "runs")
     # Split slots the merge is compiled for (a launch takes the first that holds its slots):
     # 8, the slots of a batch of one, max_splits.
     MERGE_WIDTHS = sorted({min(8, MS), min(MS, max(sched.target_blocks // Hkv, 1)), MS})
@@ -180,6 +184,11 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         branch (which would keep the length_info load behind the page count's)."""
         last = li_[0, 0] - li_[1, 0] + li_[2, 0] if sliding else li_[0]
         return ((npages - 1) * ps + last) * T.Cast("int32", npages > 0)
+
+    def part_row(first, count, stride, y, batch, b, h):
+        """Row of lse_part (of o_part, times D) of query head h in a merge's y-th partial (split
+        slots first, first + stride, ..; past count the last one's, which then weighs 0)."""
+        return ((first + T.min(y, count - 1) * stride) * batch + b) * Hq + h
 
     @T.macro
     def load_length_info(length_info_, b_, li_):
@@ -364,90 +373,130 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     write_lse_(idx // D, m_all[0])
 
     @T.macro
-    def fused_merge(smem_, o_part_, lse_part_, o_, lse_, b, hkv, nsplit, warp_, lane_, tid_):
-        """After this block wrote its split's partial: count its arrival (one thread, after the
-        block's barrier: the arrival fences); the last of the request's nsplit blocks merges the
-        group's partials into o_ / lse_ (FP32). Its first MERGE_UNROLL splits' partials are loaded
-        (float4, through L2) before the weights are known; a warp per head turns the split LSEs
-        (all loaded at once) into normalised weights in shared memory (0 past nsplit); each
-        thread then accumulates its float4 columns, MERGE_UNROLL splits per round of loads."""
-        batch = o_.shape[0]
+    def arrive(smem_, func_, src_, slot_, n_, tid_, last_):
+        """last_[0] <- 1 in the n_-th block to arrive at counter slot_ of func_ (one thread counts,
+        after the block's barrier: the arrival fences; the verdict goes to every thread through
+        shared memory), else 0."""
+        T.tvm_storage_sync(shared)  # the block's partial is written; no thread reads shared memory any more
+        if tid_ == 0:
+            smem_[FLAG_WORD] = T.Cast("float32", T.cuda.func_call(func_, slot_, n_, source_code=src_,
+                                                                  return_type="int32"))
+        T.tvm_storage_sync(shared)
+        last_[0] = T.Cast("int32", smem_[FLAG_WORD])
+        T.tvm_storage_sync(shared)  # (so that TVM needs no barrier inside the branch)
+
+    @T.macro
+    def merge_partials(smem_, o_part_, lse_part_, batch, b, hkv, first_, count_, stride_, write_o_, write_lse_, warp_,
+                       lane_, tid_):
+        """The FP32 merge of the group's count_ (>= 2) split partials in slots first_, first_ +
+        stride_, ..: write_o_(h, e, value), write_lse_(h, value). The first MERGE_UNROLL partials
+        are loaded (float4, through L2) before the weights are known; a warp per head turns the
+        LSEs (all loaded at once) into normalised weights in shared memory (0 past count_); each
+        thread then accumulates its float4 columns, MERGE_UNROLL partials per round of loads. A
+        thread writes only columns it alone read, so the output may be the first slot's partial."""
         lv = T.alloc_buffer((HEADS_PER_WARP * LANE_SLOTS,), "float32", scope="local")
         mx = T.alloc_buffer((HEADS_PER_WARP,), "float32", scope="local")
         lsum = T.alloc_buffer((HEADS_PER_WARP,), "float32", scope="local")
         acc = T.alloc_buffer((VECS_PER_THREAD * 4,), "float32", scope="local")
         pre = T.alloc_buffer((MERGE_UNROLL * VECS_PER_THREAD * 4,), "float32", scope="local")
-        last = T.alloc_buffer((1,), "int32", scope="local")
-        T.tvm_storage_sync(shared)  # the block's partial is written; no thread reads the states any more
-        if tid_ == 0:
-            smem_[FLAG_WORD] = T.Cast("float32", T.cuda.func_call(ARRIVE, b * Hkv + hkv, nsplit,
-                                                                  source_code=ARRIVE_SRC, return_type="int32"))
-        T.tvm_storage_sync(shared)
-        last[0] = T.Cast("int32", smem_[FLAG_WORD])
-        T.tvm_storage_sync(shared)  # (so that TVM needs no barrier inside the branch)
-        if last[0] != 0:
-            for u in L.unroll(MERGE_UNROLL):
-                for k in L.unroll(VECS_PER_THREAD):
-                    v = T.meta_var(k * NT + tid_)
-                    if MERGE_VECS % NT == 0 or v < MERGE_VECS:
-                        T.evaluate(T.cuda.func_call(
-                            LDCG4, T.address_of(pre[(u * VECS_PER_THREAD + k) * 4]),
-                            T.address_of(o_part_[((T.min(u, nsplit - 1) * batch + b) * Hq + hkv * G + v // (D // 4))
-                                                 * D + v % (D // 4) * 4]), source_code=LDCG4_SRC))
-            for hh in L.unroll(HEADS_PER_WARP):
-                for k in L.unroll(LANE_SLOTS):
-                    lv[hh * LANE_SLOTS + k] = T.float32(EMPTY_LSE)
-                    if k * 32 + lane_ < nsplit:
-                        if G % NW == 0 or hh * NW + warp_ < G:
-                            lv[hh * LANE_SLOTS + k] = T.cuda.func_call(
-                                LDCG, T.address_of(lse_part_[((k * 32 + lane_) * batch + b) * Hq + hkv * G + hh * NW
-                                                             + warp_]), source_code=LDCG_SRC, return_type="float32")
-            for hh in L.unroll(HEADS_PER_WARP):
-                mx[hh] = T.float32(EMPTY_LSE)
-                for k in L.unroll(LANE_SLOTS):
-                    mx[hh] = T.max(mx[hh], lv[hh * LANE_SLOTS + k])
-                for i in L.unroll(5):
-                    mx[hh] = T.max(mx[hh], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), mx[hh], 1 << i, 32, 32))
-                lsum[hh] = T.float32(0)
-                for k in L.unroll(LANE_SLOTS):
-                    lsum[hh] = lsum[hh] + finished_l(lv[hh * LANE_SLOTS + k]) * rescale_factor(lv[hh * LANE_SLOTS + k],
-                                                                                              mx[hh])
-                for i in L.unroll(5):
-                    lsum[hh] = lsum[hh] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), lsum[hh], 1 << i, 32, 32)
-            for hh in L.unroll(HEADS_PER_WARP):
-                h = T.meta_var(hh * NW + warp_)
-                if G % NW == 0 or h < G:
-                    for k in L.unroll(LANE_SLOTS):
-                        if W_SLOTS % 32 == 0 or k * 32 + lane_ < W_SLOTS:
-                            smem_[h * W_SLOTS + k * 32 + lane_] = (
-                                finished_l(lv[hh * LANE_SLOTS + k]) * rescale_factor(lv[hh * LANE_SLOTS + k], mx[hh])
-                                * finalize_scale(lsum[hh]))
-                    if lane_ == 0:
-                        lse_[b, hkv * G + h] = finalize_lse(mx[hh], lsum[hh])
-            T.tvm_storage_sync(shared)
-            for k in L.unroll(VECS_PER_THREAD):
-                v = T.meta_var(k * NT + tid_)
-                for c in L.unroll(4):
-                    acc[k * 4 + c] = T.float32(0)
-                    for u in L.unroll(MERGE_UNROLL):
-                        acc[k * 4 + c] = acc[k * 4 + c] + smem_[T.min(v // (D // 4), G - 1) * W_SLOTS + u] * pre[
-                            (u * VECS_PER_THREAD + k) * 4 + c]
-            for y0 in T.serial(ceildiv(nsplit, MERGE_UNROLL) - 1):
-                for u in L.unroll(MERGE_UNROLL):
-                    for k in L.unroll(VECS_PER_THREAD):
-                        v = T.meta_var(k * NT + tid_)
-                        y = T.meta_var((y0 + 1) * MERGE_UNROLL + u)
-                        if MERGE_VECS % NT == 0 or v < MERGE_VECS:
-                            T.evaluate(T.cuda.func_call(
-                                FMA4, T.address_of(acc[k * 4]),
-                                T.address_of(o_part_[((T.min(y, nsplit - 1) * batch + b) * Hq + hkv * G + v // (D // 4))
-                                                     * D + v % (D // 4) * 4]),
-                                smem_[v // (D // 4) * W_SLOTS + y], source_code=FMA4_SRC))
+
+        for u in L.unroll(MERGE_UNROLL):
             for k in L.unroll(VECS_PER_THREAD):
                 v = T.meta_var(k * NT + tid_)
                 if MERGE_VECS % NT == 0 or v < MERGE_VECS:
-                    for c in L.unroll(4):
-                        o_[b, hkv * G + v // (D // 4), v % (D // 4) * 4 + c] = T.Cast(dtype, acc[k * 4 + c])
+                    T.evaluate(T.cuda.func_call(
+                        LDCG4, T.address_of(pre[(u * VECS_PER_THREAD + k) * 4]),
+                        T.address_of(o_part_[part_row(first_, count_, stride_, u, batch, b, hkv * G + v // (D // 4)) * D
+                                             + v % (D // 4) * 4]), source_code=LDCG4_SRC))
+        for hh in L.unroll(HEADS_PER_WARP):
+            for k in L.unroll(LANE_SLOTS):
+                lv[hh * LANE_SLOTS + k] = T.float32(EMPTY_LSE)
+                if k * 32 + lane_ < count_:
+                    if G % NW == 0 or hh * NW + warp_ < G:
+                        lv[hh * LANE_SLOTS + k] = T.cuda.func_call(
+                            LDCG, T.address_of(lse_part_[part_row(first_, count_, stride_, k * 32 + lane_, batch, b,
+                                                                  hkv * G + hh * NW + warp_)]),
+                            source_code=LDCG_SRC, return_type="float32")
+        for hh in L.unroll(HEADS_PER_WARP):
+            mx[hh] = T.float32(EMPTY_LSE)
+            for k in L.unroll(LANE_SLOTS):
+                mx[hh] = T.max(mx[hh], lv[hh * LANE_SLOTS + k])
+            for i in L.unroll(5):
+                mx[hh] = T.max(mx[hh], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), mx[hh], 1 << i, 32, 32))
+            lsum[hh] = T.float32(0)
+            for k in L.unroll(LANE_SLOTS):
+                lsum[hh] = lsum[hh] + finished_l(lv[hh * LANE_SLOTS + k]) * rescale_factor(lv[hh * LANE_SLOTS + k],
+                                                                                          mx[hh])
+            for i in L.unroll(5):
+                lsum[hh] = lsum[hh] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), lsum[hh], 1 << i, 32, 32)
+        for hh in L.unroll(HEADS_PER_WARP):
+            h = T.meta_var(hh * NW + warp_)
+            if G % NW == 0 or h < G:
+                for k in L.unroll(LANE_SLOTS):
+                    if W_SLOTS % 32 == 0 or k * 32 + lane_ < W_SLOTS:
+                        smem_[h * W_SLOTS + k * 32 + lane_] = (
+                            finished_l(lv[hh * LANE_SLOTS + k]) * rescale_factor(lv[hh * LANE_SLOTS + k], mx[hh])
+                            * finalize_scale(lsum[hh]))
+                if lane_ == 0:
+                    write_lse_(h, finalize_lse(mx[hh], lsum[hh]))
+        T.tvm_storage_sync(shared)
+        for k in L.unroll(VECS_PER_THREAD):
+            v = T.meta_var(k * NT + tid_)
+            for c in L.unroll(4):
+                acc[k * 4 + c] = T.float32(0)
+                for u in L.unroll(MERGE_UNROLL):
+                    acc[k * 4 + c] = acc[k * 4 + c] + smem_[T.min(v // (D // 4), G - 1) * W_SLOTS + u] * pre[
+                        (u * VECS_PER_THREAD + k) * 4 + c]
+        for y0 in T.serial(ceildiv(count_, MERGE_UNROLL) - 1):
+            for u in L.unroll(MERGE_UNROLL):
+                for k in L.unroll(VECS_PER_THREAD):
+                    v = T.meta_var(k * NT + tid_)
+                    y = T.meta_var((y0 + 1) * MERGE_UNROLL + u)
+                    if MERGE_VECS % NT == 0 or v < MERGE_VECS:
+                        T.evaluate(T.cuda.func_call(
+                            FMA4, T.address_of(acc[k * 4]),
+                            T.address_of(o_part_[part_row(first_, count_, stride_, y, batch, b, hkv * G + v // (D // 4))
+                                                 * D + v % (D // 4) * 4]),
+                            smem_[v // (D // 4) * W_SLOTS + y], source_code=FMA4_SRC))
+        for k in L.unroll(VECS_PER_THREAD):
+            v = T.meta_var(k * NT + tid_)
+            if MERGE_VECS % NT == 0 or v < MERGE_VECS:
+                for c in L.unroll(4):
+                    write_o_(v // (D // 4), v % (D // 4) * 4 + c, acc[k * 4 + c])
+
+    @T.macro
+    def fused_merge(smem_, o_part_, lse_part_, o_, lse_, b, hkv, split, slots, nsplit, warp_, lane_, tid_):
+        """After this block wrote its split's partial: the last of the request's nsplit blocks
+        merges the group's partials into o_ / lse_ (merge_fanin 0); or, merge_fanin n: the last
+        block of each run of n splits merges its run into the run's first slot, and the last of
+        the runs' mergers merges the runs (a run of one split is its own result)."""
+        batch = o_.shape[0]
+        last = T.alloc_buffer((1,), "int32", scope="local")
+        out = T.meta_var((lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, hkv * G + h, e]),
+                          lambda h, val: T.buffer_store(lse_, val, [b, hkv * G + h])))
+        if FANIN == 0:
+            arrive(smem_, ARRIVE, ARRIVE_SRC, b * Hkv + hkv, nsplit, tid_, last)
+            if last[0] != 0:
+                merge_partials(smem_, o_part_, lse_part_, batch, b, hkv, 0, nsplit, 1, *out, warp_, lane_, tid_)
+        else:
+            first = T.meta_var(split // FANIN * FANIN)
+            members = T.meta_var(T.min(nsplit - first, FANIN))
+            arrive(smem_, ARRIVE, ARRIVE_SRC, (b * Hkv + hkv) * slots + first, members, tid_, last)
+            if last[0] != 0:
+                if nsplit <= FANIN:
+                    merge_partials(smem_, o_part_, lse_part_, batch, b, hkv, 0, nsplit, 1, *out, warp_, lane_, tid_)
+                else:
+                    if members > 1:
+                        merge_partials(
+                            smem_, o_part_, lse_part_, batch, b, hkv, first, members, 1,
+                            lambda h, e, val: T.buffer_store(o_part_, val,
+                                                             [((first * batch + b) * Hq + hkv * G + h) * D + e]),
+                            lambda h, val: T.buffer_store(lse_part_, val, [(first * batch + b) * Hq + hkv * G + h]),
+                            warp_, lane_, tid_)
+                    arrive(smem_, ARRIVE2, ARRIVE2_SRC, b * Hkv + hkv, ceildiv(nsplit, FANIN), tid_, last)
+                    if last[0] != 0:
+                        merge_partials(smem_, o_part_, lse_part_, batch, b, hkv, 0, ceildiv(nsplit, FANIN), FANIN,
+                                       *out, warp_, lane_, tid_)
 
     @T.macro
     def body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, b, hkv, split,
@@ -527,7 +576,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                    lambda h, e, val: T.buffer_store(o_part_, val, [((split * batch + b) * Hq + hkv * G + h) * D + e]),
                    lambda h, val: T.buffer_store(lse_part_, val, [(split * batch + b) * Hq + hkv * G + h]))
             if FUSED:
-                fused_merge(smem, o_part_, lse_part_, o_, lse_, b, hkv, nsplit, warp, lane, tid)
+                fused_merge(smem, o_part_, lse_part_, o_, lse_, b, hkv, split, grid_splits(sched, Hkv, batch), nsplit,
+                            warp, lane, tid)
 
     @T.macro
     def tc_kernel(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_):

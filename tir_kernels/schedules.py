@@ -144,6 +144,11 @@ class TensorCoreDecodeSchedule:
     fused_merge: the last split block of a (request, KV head) to finish merges the splits (an
     arrival counter per (request, KV head) in the kernel module's memory), so a call is one
     launch; False: a separate merge kernel.
+    merge_fanin (with fused_merge): 0, the last of the nsplit blocks merges all nsplit partials;
+    n >= 2, a two-level tree: the last block of each run of n consecutive splits merges the
+    run (in place, into the run's first slot), and the last of those mergers merges the runs'
+    results (so no block reads more than max(n, ceil(nsplit / n)) partials; a second arrival
+    counter per (request, KV head)).
     """
 
     warps: int = 4
@@ -158,6 +163,7 @@ class TensorCoreDecodeSchedule:
     heads_first: bool = False
     threads_per_row: int = 0
     fused_merge: bool = False
+    merge_fanin: int = 0
 
     def __post_init__(self):
         _require(1 <= self.warps <= 16, f"warps={self.warps} must be 1..16")
@@ -170,6 +176,8 @@ class TensorCoreDecodeSchedule:
         _require(self.l2_prefetch in (0, 64, 128, 256), f"l2_prefetch={self.l2_prefetch} must be 0, 64, 128 or 256")
         _require(self.threads_per_row in (0, 1, 2, 4, 8, 16),
                  f"threads_per_row={self.threads_per_row} must be 0 (automatic), 1, 2, 4, 8 or 16")
+        _require(self.merge_fanin == 0 or (self.fused_merge and 2 <= self.merge_fanin <= self.max_splits),
+                 f"merge_fanin={self.merge_fanin} must be 0, or 2..max_splits={self.max_splits} with fused_merge")
 
     @property
     def tile_kv(self) -> int:
@@ -178,12 +186,13 @@ class TensorCoreDecodeSchedule:
     @property
     def label(self) -> str:
         """Short name: w<warps>k<keys_per_warp>s<stages>t<target_blocks>m<min_split_keys>[x<max_splits>][-qsmem]
-        [-p<l2_prefetch>][-c<threads_per_row>][-e (early_pages)][-h (heads_first)][-f (fused_merge)]."""
+        [-p<l2_prefetch>][-c<threads_per_row>][-e (early_pages)][-h (heads_first)][-f (fused_merge)][<merge_fanin>]."""
         return (f"w{self.warps}k{self.keys_per_warp}s{self.stages}t{self.target_blocks}m{self.min_split_keys}"
                 + (f"x{self.max_splits}" if self.max_splits != 64 else "") + ("" if self.q_in_registers else "-qsmem")
                 + (f"-p{self.l2_prefetch}" if self.l2_prefetch else "")
                 + (f"-c{self.threads_per_row}" if self.threads_per_row else "") + ("-e" if self.early_pages else "")
-                + ("-h" if self.heads_first else "") + ("-f" if self.fused_merge else ""))
+                + ("-h" if self.heads_first else "") + ("-f" if self.fused_merge else "")
+                + (str(self.merge_fanin) if self.merge_fanin else ""))
 
     @property
     def num_threads(self) -> int:
@@ -309,6 +318,10 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
         # one launch a call: the last split block merges (-f), splits of at least 128 or 256 keys
         *(dataclasses.replace(sched, min_split_keys=keys, threads_per_row=8, early_pages=True, heads_first=True,
                               fused_merge=True)
+          for sched in (base, tc(4, 16, 3)) for keys in (128, 256)),
+        # the fused merge as a two-level tree of runs of 6 splits
+        *(dataclasses.replace(sched, min_split_keys=keys, threads_per_row=8, early_pages=True, heads_first=True,
+                              fused_merge=True, merge_fanin=6)
           for sched in (base, tc(4, 16, 3)) for keys in (128, 256)),
     ]
     out = {}
