@@ -415,6 +415,16 @@ def _page_size(text):
     return value
 
 
+def _non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def _positive_int(text):
     try:
         value = int(text)
@@ -431,6 +441,22 @@ def _arch(text):
     if not is_cuda_arch(text):
         raise argparse.ArgumentTypeError(f"bad CUDA arch {text!r}: expected one like sm_90 or sm_90a")
     return text
+
+
+def add_decode_timing_arguments(parser) -> None:
+    """--decode-warmup-ms and --decode-sample-ms (also scripts/tune_decode.py's)."""
+    parser.add_argument("--decode-warmup-ms", type=_non_negative_float, default=DECODE_WARMUP_MS, metavar="MS",
+                        help=f"decode: warm-up calls per row for at least this long (default: {DECODE_WARMUP_MS:g})")
+    parser.add_argument("--decode-sample-ms", type=_non_negative_float, default=DECODE_SAMPLE_MS, metavar="MS",
+                        help="decode: a timing sample is --iters calls or as many more as take this long"
+                             f" (default: {DECODE_SAMPLE_MS:g})")
+
+
+def decode_timing(ctx) -> dict:
+    """time_ms / graph_time_ms keywords of a decode row: the context's warmup_ms / sample_ms
+    (set from the command line), else the defaults."""
+    return {"warmup_ms": getattr(ctx, "warmup_ms", DECODE_WARMUP_MS),
+            "sample_ms": getattr(ctx, "sample_ms", DECODE_SAMPLE_MS)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -459,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-graph", action="store_true",
                         help="decode: leave out the rows of the same calls replayed from a CUDA graph (variant"
                              " \"cuda-graph ...\", beside each eager row on CUDA)")
+    add_decode_timing_arguments(parser)
     parser.add_argument("--iters", type=_positive_int, default=20,
                         help="calls per timing sample, decode (prefill: a quarter, at least 3; default: 20)")
     parser.add_argument("--arch", type=_arch, default=None, help="CUDA arch to build for (default: the present GPU's)")
@@ -617,7 +644,8 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-# Decode rows (eager and graph) are timed after at least DECODE_WARMUP_MS of calls (clocks up,
+# Decode rows (eager and graph) are timed after at least DECODE_WARMUP_MS of calls (defaults of
+# --decode-warmup-ms / --decode-sample-ms) (clocks up,
 # caches and workspaces warm: a batch-1 call is ~10 us, so 3 calls were no warm-up at all), in
 # samples of at least DECODE_SAMPLE_MS (a sample of 20 such calls was ~0.2 ms).
 DECODE_WARMUP_MS = 100.0
@@ -1154,7 +1182,7 @@ def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict
     synchronize()
     # decode: long warm-up and samples (time_ms), and beside each eager row one of the same calls
     # replayed from a CUDA graph (ctx.graph; variant "cuda-graph ...")
-    timing = {"warmup_ms": DECODE_WARMUP_MS, "sample_ms": DECODE_SAMPLE_MS} if decode else {}
+    timing = decode_timing(ctx) if decode else {}
     graphs = decode and DEVICE == "cuda" and getattr(ctx, "graph", False)
 
     def graph_row(impl, impl_variant, call, tvm_stream=True):
@@ -1346,6 +1374,8 @@ def run(args, decode_shapes, prefill_shapes, tree_shapes=()) -> list[dict]:
     for ctx in contexts:
         ctx.no_tvm = getattr(args, "no_tvm", False)
         ctx.graph = not getattr(args, "no_graph", False)
+        ctx.warmup_ms = getattr(args, "decode_warmup_ms", DECODE_WARMUP_MS)
+        ctx.sample_ms = getattr(args, "decode_sample_ms", DECODE_SAMPLE_MS)
     # The decode kernels of every context are compiled at once, in threads (nvcc is a subprocess).
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=8) if DEVICE == "cuda" and "decode" in kinds else None
     decode_jobs = {id(ctx): [(impl, pool.submit(job)) for impl, job in build_jobs("decode", ctx)]

@@ -199,8 +199,7 @@ def graph_rows(ctx, shape, impls, iters: int, gen, meta: dict) -> list:
             for a in arglists:  # the workspace pool holds its buffers before capture
                 fn(*a)
             torch.cuda.synchronize()
-            ms = bk.graph_time_ms(lambda i, fn=fn: fn(*arglists[i % len(arglists)]), iters,
-                                  warmup_ms=bk.DECODE_WARMUP_MS, sample_ms=bk.DECODE_SAMPLE_MS)
+            ms = bk.graph_time_ms(lambda i, fn=fn: fn(*arglists[i % len(arglists)]), iters, **bk.decode_timing(ctx))
         except Exception as e:  # noqa: BLE001 - reported
             print(f"  graph {impl} {shape.label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             torch.cuda.synchronize()
@@ -348,6 +347,7 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", nargs="*", metavar="IMPL",
                         help="print torch.profiler's device time per kernel of these impls at each shape "
                              "(default: tvmattn and tvmattn-table)")
+    bk.add_decode_timing_arguments(parser)
     parser.add_argument("--page-size", type=int, default=bk.DEFAULT_PAGE_SIZE)
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--jobs", type=int, default=8, help="build processes")
@@ -369,6 +369,7 @@ def main(argv=None) -> int:
         for dtype in args.dtype:
             config = config_for(dtype, args.head_dim, args.page_size, kv)
             ctx = bk.Context(config, meta, None, [])
+            ctx.warmup_ms, ctx.sample_ms = args.decode_warmup_ms, args.decode_sample_ms
             ctx.kernels["decode"] = [(impl, desc, fn) for (dt, impl, _, k), (fn, desc) in built.items()
                                      if dt == dtype and k == kv and not impl.startswith("table:")]
             if args.with_table:

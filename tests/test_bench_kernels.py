@@ -494,3 +494,22 @@ def test_graph_time_ms_replays_the_captured_calls():
     count = int(x.item())
     assert count > 0 and count % 7 == 0
     assert 0 < ms < 1.0
+
+
+def test_decode_timing_options(bench, capsys):
+    args = bench.build_parser().parse_args([])
+    assert (args.decode_warmup_ms, args.decode_sample_ms) == (bench.DECODE_WARMUP_MS, bench.DECODE_SAMPLE_MS)
+    args = bench.build_parser().parse_args(["--decode-warmup-ms", "0", "--decode-sample-ms", "2.5"])
+    assert (args.decode_warmup_ms, args.decode_sample_ms) == (0.0, 2.5)
+
+    class Ctx:
+        pass
+
+    ctx = Ctx()
+    assert bench.decode_timing(ctx) == {"warmup_ms": bench.DECODE_WARMUP_MS, "sample_ms": bench.DECODE_SAMPLE_MS}
+    ctx.warmup_ms, ctx.sample_ms = 7.0, 1.0
+    assert bench.decode_timing(ctx) == {"warmup_ms": 7.0, "sample_ms": 1.0}
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(SystemExit):
+            bench.build_parser().parse_args(["--decode-warmup-ms", bad])
+        assert "--decode-warmup-ms" in capsys.readouterr().err
