@@ -328,7 +328,13 @@ def test_batch_prefill_and_decode_match_torch(bias_model):
 def test_decode_step_from_token_ids_matches_torch(bias_model):
     """decode_step (ids -> logits of a whole step, the unit CUDA graphs capture) after a
     batch prefill: every row against torch, for batches of 2 and 1."""
-    session = Session(bias_model)
+    check_decode_step(bias_model)
+    assert "decode_step" in bias_model.library.metadata["functions"]
+
+
+def check_decode_step(model: Model) -> None:
+    """Two sequences batch-prefilled, then decode_step at batches of 2, 2 and 1, each row against torch."""
+    session = Session(model)
     seq_ids = [3, 8]
     for seq_id in seq_ids:
         session.add(seq_id)
@@ -342,10 +348,9 @@ def test_decode_step_from_token_ids_matches_torch(bias_model):
         session.host("kv_state_end_forward")(session.cache)
         for row, (seq_id, token) in enumerate(zip(active, tokens)):
             session.tokens[seq_id].append(token)
-            np.testing.assert_allclose(logits.numpy()[row, 0], expected_last(bias_model, session.tokens[seq_id]),
-                                       **bias_model.tolerance, err_msg=f"decode_step {step}, sequence {seq_id}")
+            np.testing.assert_allclose(logits.numpy()[row, 0], expected_last(model, session.tokens[seq_id]),
+                                       **model.tolerance, err_msg=f"decode_step {step}, sequence {seq_id}")
         tokens = [int(np.argmax(row)) for row in logits.numpy()[:, 0]]
-    assert "decode_step" in bias_model.library.metadata["functions"]
 
 
 def test_cache_with_sliding_window_support_matches_torch(bias_model):
@@ -454,9 +459,10 @@ BIAS_KINDS = {"lm_head.weight": "Q4_0", "model.embed_tokens.weight": "F32",
                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}}
 
 
-def quantized_model(hf: dict, kinds: dict[str, str], seed: int) -> Model:
+def quantized_model(hf: dict, kinds: dict[str, str], seed: int, target: str = "llvm", dtype: str = "float32") -> Model:
     """A library with the blocks of `kinds` kept quantized (blocks made by gguf's quantizer), its
-    params, and the torch model on gguf's dequantization of the same blocks."""
+    params, and the torch model on gguf's dequantization of the same blocks (rounded to `dtype`
+    where they are not kept)."""
     import gguf
 
     from tvmattn.models import BuildOptions
@@ -470,11 +476,14 @@ def quantized_model(hf: dict, kinds: dict[str, str], seed: int) -> Model:
             raw = gguf.quants.quantize(weights[name], gguf.GGMLQuantizationType[kind])
             tensors[name] = split_blocks(raw, kind, weights[name].shape)
             dequantized[name] = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32)
+    dequantized = {name: w if kinds.get(name, "F32") != "F32" else w.astype(dtype).astype(np.float32)
+                   for name, w in dequantized.items()}
     model = Model.__new__(Model)
     model.hf, model.kv_cache, model.config = hf, "tvmattn", ModelConfig.from_hf(hf)
-    model.device, model.tolerance = tvm.cpu(), LOGITS_TOLERANCE["float32"]
+    model.device = tvm.cpu() if target == "llvm" else tvm.cuda()
+    model.tolerance = LOGITS_TOLERANCE[dtype]
     formats = plan_weight_formats(hf_parameter_sources(model.config), tensors)
-    model.library = compile_library(model.config, BuildOptions(page_size=PAGE_SIZE,
+    model.library = compile_library(model.config, BuildOptions(target=target, dtype=dtype, page_size=PAGE_SIZE,
                                                                weight_formats=tuple(sorted(formats.items()))))
     model.hf_weights = tensors
     model.params = pack_params(model.library.metadata, tensors)
@@ -552,6 +561,32 @@ def test_cuda_float16_library_matches_torch_and_stock_cache():
     ours = Model(GPU_CONFIG, "tvmattn", seed=3, target=target, dtype="float16")
     stock = Model(GPU_CONFIG, "tvm", seed=3, target=target, dtype="float16")
     compare_with_stock(ours, stock, STOCK_TOLERANCE["float16"])
+
+
+# on CUDA the kept layers' decode GEMVs take their RMSNorm (qkv, gate_up), SwiGLU gate (down) and
+# residual (o, down) inside the kernel: every kind of block in each of those places
+GPU_KINDS = {
+    "model.embed_tokens.weight": "Q8_0",
+    **{f"model.layers.0.self_attn.{x}_proj.weight": "Q4_1" for x in "qkv"},
+    "model.layers.0.self_attn.o_proj.weight": "Q4_0", "model.layers.0.mlp.gate_proj.weight": "Q8_0",
+    "model.layers.0.mlp.up_proj.weight": "Q8_0", "model.layers.0.mlp.down_proj.weight": "Q4_1",
+    **{f"model.layers.1.self_attn.{x}_proj.weight": "Q8_0" for x in "qkv"},
+    "model.layers.1.self_attn.o_proj.weight": "Q4_1", "model.layers.1.mlp.gate_proj.weight": "Q4_0",
+    "model.layers.1.mlp.up_proj.weight": "Q4_0", "model.layers.1.mlp.down_proj.weight": "Q8_0",
+}
+
+
+@pytest.mark.gpu
+def test_cuda_quantized_library_matches_torch():
+    """A float16 CUDA library with kept weights (its decode GEMVs with the fused norm, gate and
+    residual) against torch on the dequantized weights: prefill + decode, batch prefill + batch
+    decode, decode_step at batches of 2 and 1."""
+    hf = {**GPU_CONFIG, "hidden_size": 192, "num_attention_heads": 3, "intermediate_size": 160,
+          "tie_word_embeddings": True, "attention_bias": False, "rope_scaling": None}  # K of 6 and 5 blocks
+    model = quantized_model(hf, GPU_KINDS, seed=6, target=resolve_target("cuda"), dtype="float16")
+    run_single(Session(model), PROMPT, steps=4)
+    run_batch(Session(model), PROMPTS, steps=3)
+    check_decode_step(model)
 
 
 def test_pack_params_errors(bias_model):

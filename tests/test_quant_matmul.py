@@ -229,21 +229,23 @@ def built_cuda():
     return get
 
 
-def run_cuda(fn, config: QuantMatmulConfig, blocks: QuantizedTensor, x: np.ndarray, residual=None) -> np.ndarray:
-    """Y of the CUDA kernel, x (and the residual) rounded to config.dtype first."""
+def run_cuda(fn, config: QuantMatmulConfig, blocks: QuantizedTensor, x: np.ndarray, residual=None,
+             norm_weight=None) -> np.ndarray:
+    """Y of the CUDA kernel, x (and the residual, the norm's weight) rounded to config.dtype first."""
     dev = tvm.cuda(0)
     parts = [tvm.runtime.tensor(blocks.parts[name], device=dev) for name, _, _ in config.part_shapes()]
-    extra = [] if residual is None else [tvm.runtime.tensor(residual.astype(config.dtype), device=dev)]
+    extra = [] if norm_weight is None else [tvm.runtime.tensor(norm_weight.astype(config.dtype), device=dev)]
+    extra += [] if residual is None else [tvm.runtime.tensor(residual.astype(config.dtype), device=dev)]
     out = tvm.runtime.tensor(np.full((x.shape[0], config.n), np.nan, config.dtype), device=dev)
     fn(tvm.runtime.tensor(x.astype(config.dtype), device=dev), *parts, *extra, out)
     return out.numpy()
 
 
-def check_cuda(got: np.ndarray, x: np.ndarray, w: np.ndarray, residual=None) -> None:
+def check_cuda(got: np.ndarray, x: np.ndarray, w: np.ndarray, residual=None, rounded: bool = False) -> None:
     """Against float64 dequantize-then-matmul of the (rounded) x (plus the rounded residual): a
     float16 Y is within its own rounding (2^-11 relative) of the float32 sum, whose error the
-    scale bounds."""
-    xr = x.astype(got.dtype).astype(np.float64)
+    scale bounds. rounded: x is already the float64 input the kernel sees (a prologue's output)."""
+    xr = x if rounded else x.astype(got.dtype).astype(np.float64)
     want = xr @ w.astype(np.float64).T
     scale = np.abs(xr) @ np.abs(w).astype(np.float64).T
     if residual is not None:
@@ -335,6 +337,44 @@ def test_cuda_gemv_adds_the_residual(built_cuda, fmt, rows, cols, tokens):
         check_cuda(run_cuda(fn, config, blocks, x, r), x, w, r)
 
 
+PROLOGUE_CASES = [("Q4_1", 960, 576, 1, "rms_norm"), ("Q4_1", 3072, 576, None, "rms_norm"),
+                  ("Q8_0", 37, 160, None, "rms_norm"), ("Q4_0", 19, 96, 3, "rms_norm"),
+                  ("Q4_1", 576, 1536, 1, "swiglu"), ("Q4_1", 576, 1536, None, "swiglu"),
+                  ("Q4_0", 64, 160, None, "swiglu"), ("Q8_0", 37, 96, 2, "swiglu")]
+
+
+def prologue_reference(x: np.ndarray, prologue: str, norm_weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """What the kernel multiplies W by, in float64 from x rounded to float16: RMSNorm(x) * G, or
+    silu(gate) * up of x = [gate, up]."""
+    xr = x.astype(np.float16).astype(np.float64)
+    if prologue == "rms_norm":
+        g = norm_weight.astype(np.float16).astype(np.float64)
+        return xr / np.sqrt((xr * xr).mean(-1, keepdims=True) + eps) * g
+    gate, up = np.split(xr, 2, axis=-1)
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,rows,cols,tokens,prologue", PROLOGUE_CASES)
+def test_cuda_gemv_prologues(built_cuda, fmt, rows, cols, tokens, prologue):
+    """The layer's RMSNorm (qkv, gate_up) or SwiGLU gate (down_proj, with the residual) inside the
+    GEMV, against the float64 reference of the op and then dequantize-then-matmul; K of 3, 5, 18
+    and 48 blocks (lanes with no block of their own: their squares must not count)."""
+    residual = prologue == "swiglu"
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=tokens, target="cuda", dtype="float16",
+                               few_tokens=tokens is None, residual=residual, prologue=prologue, eps=1e-6)
+    blocks, w = quantized(fmt, rows, cols, seed=rows + 11 * cols)
+    fn = built_cuda(config)
+    for count in ((tokens,) if tokens else (1, 3, 16)):
+        rng = np.random.default_rng(count)
+        width = 2 * cols if prologue == "swiglu" else cols
+        x = (rng.standard_normal((count, width)) * 3).astype(np.float32)
+        g = (1 + 0.5 * rng.standard_normal(cols)).astype(np.float32) if prologue == "rms_norm" else None
+        r = (rng.standard_normal((count, rows)) * 4).astype(np.float32) if residual else None
+        got = run_cuda(fn, config, blocks, x, r, g)
+        check_cuda(got, prologue_reference(x, prologue, g, config.eps), w, r, rounded=True)
+
+
 def test_cuda_gemv_routing():
     """Which CUDA matmuls run the GEMV of quant_gemv_cuda.py and which stay with dlight."""
     def cfg(fmt="Q4_1", n=960, k=576, **kw):
@@ -356,6 +396,16 @@ def test_cuda_gemv_routing():
         kernel(QuantMatmulConfig("Q4_1", 960, 576, tokens=1, residual=True))
     with pytest.raises(ValueError, match="residual=1"):
         cfg(tokens=1, residual=1)
+    assert cfg(tokens=None, few_tokens=True, prologue="rms_norm").name == "quant_matmul_q4_1_960x576_b_f16_norm"
+    assert cfg(tokens=1, residual=True, prologue="swiglu").name == "quant_matmul_q4_1_960x576_1_f16_swiglu_res"
+    with pytest.raises(ValueError, match="prologue='rms_norm' needs the CUDA GEMV"):
+        kernel(cfg(tokens=None, prologue="rms_norm"))
+    with pytest.raises(ValueError, match="prologue='gelu'"):
+        cfg(tokens=1, prologue="gelu")
+    with pytest.raises(ValueError, match="prologue='swiglu'"):
+        QuantMatmulConfig("Q4_1", 960, 576, op="take", prologue="swiglu")
+    with pytest.raises(ValueError, match="eps=0.0"):
+        cfg(tokens=1, prologue="rms_norm", eps=0.0)
 
 
 @pytest.mark.parametrize("k,lanes,rows", [(576, 32, 2), (1536, 32, 2), (96, 4, 16), (32, 1, 64), (160, 8, 8)])
@@ -383,13 +433,15 @@ def test_cuda_gemv_source_loads_16_bytes_and_reduces_by_shuffles(fmt):
     assert "*(uint4*)(qw_ptr" in source or "*(int4*)(qw_ptr" in source
     assert "*(uint4*)(x_ptr" in source
     assert "__shfl_xor_sync" in source and "__launch_bounds__(64)" in source
-    assert "r_ptr" in source
+    residual = "e1_ptr" if fmt == "Q4_1" else "e0_ptr"  # the extra arguments (m, r) or (r) read
+    assert residual in source
 
 
 def test_cuda_model_takes_the_gemv_and_fuses_the_residual():
     """A tiny Llama exported for CUDA with kept weights: decode (one token) and decode_step /
     batch_decode (a symbolic batch) call the GEMV, o_proj and down_proj with the residual in the
-    kernel; prefill-like functions call the symbolic-token matmul and add the residual apart."""
+    kernel, qkv with its RMSNorm, down_proj with the SwiGLU gate; prefill-like functions call the
+    symbolic-token matmul with the norm, gate and residual apart."""
     from tvmattn.models import BuildOptions, ModelConfig, export_module
 
     hf = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -403,7 +455,8 @@ def test_cuda_model_takes_the_gemv_and_fuses_the_residual():
     names = {gv.name_hint for gv in mod.functions if gv.name_hint.startswith("quant_")}
     assert names == {
         "quant_matmul_q4_0_64x64_1_f16_res", "quant_matmul_q4_0_64x64_b_f16_res", "quant_matmul_q4_0_64x64_n_f16",
-        "quant_matmul_q4_1_64x128_1_f16_res", "quant_matmul_q4_1_64x128_b_f16_res", "quant_matmul_q4_1_64x128_n_f16",
-        "quant_matmul_q4_1_128x64_1_f16", "quant_matmul_q4_1_128x64_b_f16", "quant_matmul_q4_1_128x64_n_f16",
+        "quant_matmul_q4_1_64x128_1_f16_swiglu_res", "quant_matmul_q4_1_64x128_b_f16_swiglu_res",
+        "quant_matmul_q4_1_64x128_n_f16",
+        "quant_matmul_q4_1_128x64_1_f16_norm", "quant_matmul_q4_1_128x64_b_f16_norm", "quant_matmul_q4_1_128x64_n_f16",
         "quant_matmul_q8_0_128x64_1_f16", "quant_matmul_q8_0_128x64_b_f16", "quant_matmul_q8_0_128x64_n_f16",
         "quant_take_q8_0_128x64_f16"}

@@ -135,7 +135,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: nn.Tensor, cache: TvmattnMLACache, layer_id: int, decode: bool):
         attn, cache = self.self_attn(self.input_layernorm(x), cache, layer_id, decode)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return self.mlp(x, self.post_attention_layernorm), cache
 
 
 class DeepseekV2Model(nn.Module):

@@ -45,6 +45,11 @@ def _project(linear, x: nn.Tensor, residual: nn.Tensor | None) -> nn.Tensor:
     return linear(x, residual=residual) if isinstance(linear, QuantLinear) else residual + linear(x)
 
 
+def _normed(linear, x: nn.Tensor, norm: nn.RMSNorm) -> nn.Tensor:
+    """linear(norm(x)); a QuantLinear normalizes inside its kernel where it can."""
+    return linear(x, norm=norm) if isinstance(linear, QuantLinear) else linear(norm(x))
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, formats: Mapping[str, str] = {}, prefix: str = ""):
         self.num_q_heads = config.num_attention_heads
@@ -55,12 +60,13 @@ class Attention(nn.Module):
                                 bias=config.attention_bias)
         self.o_proj = _linear(formats, f"{prefix}.o_proj", config.q_size, config.hidden_size)
 
-    def forward(self, x: nn.Tensor, cache, layer_id: int, residual: nn.Tensor | None = None) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, cache, layer_id: int, norm: nn.RMSNorm) -> nn.Tensor:
+        """x + attention(norm(x)) (the residual stream x; the norm may run inside the qkv projection)."""
         b, s, _ = x.shape
         heads = self.num_q_heads + 2 * self.num_kv_heads
-        qkv = op.reshape(self.qkv_proj(x), (b, s, heads, self.head_dim))
+        qkv = op.reshape(_normed(self.qkv_proj, x, norm), (b, s, heads, self.head_dim))
         o = cache.attention_with_fused_qkv(layer_id, qkv, self.num_q_heads, sm_scale=self.sm_scale)
-        return _project(self.o_proj, op.reshape(o, (b, s, self.num_q_heads * self.head_dim)), residual)
+        return _project(self.o_proj, op.reshape(o, (b, s, self.num_q_heads * self.head_dim)), x)
 
 
 class MLP(nn.Module):
@@ -69,9 +75,13 @@ class MLP(nn.Module):
         self.gate_up_proj = _linear(formats, f"{prefix}.gate_up_proj", config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = _linear(formats, f"{prefix}.down_proj", config.intermediate_size, config.hidden_size)
 
-    def forward(self, x: nn.Tensor, residual: nn.Tensor | None = None) -> nn.Tensor:
-        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return _project(self.down_proj, op.silu(gate) * up, residual)
+    def forward(self, x: nn.Tensor, norm: nn.RMSNorm) -> nn.Tensor:
+        """x + mlp(norm(x)) (the norm may run inside gate_up_proj, the SwiGLU gate inside down_proj)."""
+        gate_up = _normed(self.gate_up_proj, x, norm)
+        if isinstance(self.down_proj, QuantLinear):
+            return self.down_proj(gate_up, residual=x, swiglu=True)
+        gate, up = op.split(gate_up, 2, axis=-1)
+        return _project(self.down_proj, op.silu(gate) * up, x)
 
 
 class DecoderLayer(nn.Module):
@@ -82,8 +92,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False)
 
     def forward(self, x: nn.Tensor, cache, layer_id: int) -> nn.Tensor:
-        x = self.self_attn(self.input_layernorm(x), cache, layer_id, residual=x)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+        x = self.self_attn(x, cache, layer_id, self.input_layernorm)
+        return self.mlp(x, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

@@ -22,6 +22,14 @@ Arguments as quant_matmul.matmul_algorithm's: (X [T, K], *parts, Y [T, N]), shap
 static count or the symbolic `n_tokens`; with `residual`, (X, *parts, R [T, N], Y) for
 Y = R + X W^T (a decoder layer's residual add in the same kernel: one launch less per
 projection).
+
+A prologue (quant_matmul.PROLOGUES) folds the op before the projection into the kernel, another
+launch less each (per decoder layer: the two RMSNorms and the MLP's gate):
+- "rms_norm": (X, *parts, G [K], Y): Y = (X * rsqrt(mean(X^2) + eps) * G) W^T. The lanes of a row
+  hold all of X's blocks between them, so each sums its blocks' squares, the warp reduces them
+  with the products, and Y = rsqrt(...) * ((X G) W^T): the normalized X never exists in memory
+  (nor is it rounded to float16 as a separate RMSNorm would round it).
+- "swiglu": X [T, 2K] holds gate then up; the product takes silu(gate) * up in float32.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from __future__ import annotations
 import dataclasses
 
 from tvm.script import tirx as T
+
+from .quant_matmul import PROLOGUES
 
 GEMV_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 BLOCK = 32
@@ -72,13 +82,18 @@ def choose_gemv_schedule(n: int, k: int, tokens: int | None) -> CUDAGemvSchedule
 
 
 def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: CUDAGemvSchedule,
-                residual: bool = False):
-    """The PrimFunc (X, qs, d[, m][, R], Y) of the module docstring for `fmt` in GEMV_FORMATS;
-    residual: Y = R + X W^T with R [T, N] in `dtype` (the sum rounded once)."""
+                residual: bool = False, prologue: str = "none", eps: float = 1e-5):
+    """The PrimFunc (X, qs, d[, m][, G][, R], Y) of the module docstring for `fmt` in GEMV_FORMATS;
+    residual: Y = R + X W^T with R [T, N] in `dtype` (the sum rounded once); prologue: what the
+    kernel applies to X before the product, in float32 (see PROLOGUES in the module docstring):
+    "rms_norm" takes G [K] (`dtype`) and `eps`, "swiglu" takes X [T, 2K]. The arguments between d
+    and Y are named e0, e1, ... in the PrimFunc (whichever of m, G, R it takes, in that order)."""
     if fmt not in GEMV_FORMATS:
         raise ValueError(f"fmt={fmt!r}: the CUDA GEMV takes {GEMV_FORMATS}")
     if k % BLOCK:
         raise ValueError(f"k={k}: expected whole blocks of {BLOCK}")
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue={prologue!r}: expected one of {PROLOGUES}")
     N, K, NB = n, k, k // BLOCK
     L, R = plan.lanes, plan.rows
     TR = plan.token_tile if tokens is None else tokens
@@ -94,10 +109,32 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     WORD = "int32" if Q8 else "uint32"
     HAS_M = fmt == "Q4_1"
     RES = residual
+    NORM, GLU = prologue == "rms_norm", prologue == "swiglu"
+    XK = 2 * K if GLU else K  # X's columns
     f32 = "float32"
 
     @T.macro
-    def body(x, qs, d, m, r, y, n_tokens):
+    def load_x(x, g, xv, xf, gv, tok, b):
+        """xf[i] = the prologue of X's 32 values of block b for token `tok`, in float32."""
+        for c in T.unroll(BLOCK // VEC):
+            for v in T.vectorized(VEC):
+                xv[c * VEC + v] = x[tok, b * BLOCK + c * VEC + v]
+            if NORM:
+                for v in T.vectorized(VEC):
+                    gv[c * VEC + v] = g[b * BLOCK + c * VEC + v]
+            if GLU:  # the up half, K columns on
+                for v in T.vectorized(VEC):
+                    gv[c * VEC + v] = x[tok, T.int64(K) + b * BLOCK + c * VEC + v]
+        for i in T.unroll(BLOCK):
+            if NORM:
+                xf[i] = T.Cast(f32, xv[i]) * T.Cast(f32, gv[i])
+            elif GLU:
+                xf[i] = T.Cast(f32, xv[i]) / (T.float32(1.0) + T.exp(-T.Cast(f32, xv[i]))) * T.Cast(f32, gv[i])
+            else:
+                xf[i] = T.Cast(f32, xv[i])
+
+    @T.macro
+    def body(x, qs, d, m, g, r, y, n_tokens):
         qw = T.decl_buffer((T.int64(N * WPR),), WORD, data=qs.data)
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             for ty in T.thread_binding(R, thread="threadIdx.y"):
@@ -106,7 +143,10 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                     scale = T.alloc_local((J,), f32)
                     offset = T.alloc_local((J,), f32)
                     xv = T.alloc_local((BLOCK,), dtype)
+                    gv = T.alloc_local((BLOCK,), dtype)
+                    xf = T.alloc_local((BLOCK,), f32)
                     acc = T.alloc_local((TR,), f32)
+                    sumsq = T.alloc_local((TR,), f32)
                     dot = T.alloc_local((5,), f32)
                     row = T.Cast("int64", bx * R + ty)
                     rowc = T.min(row, T.int64(N - 1))  # rows past N compute row N-1, never stored
@@ -129,13 +169,16 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                     for t0 in T.serial((n_tokens + TR - 1) // TR):
                         for t in T.unroll(TR):
                             acc[t] = T.float32(0.0)
+                            sumsq[t] = T.float32(0.0)
                         for t in T.unroll(TR):
                             tok = T.min(t0 * TR + t, n_tokens - 1)
                             for j in T.unroll(J):
                                 b = T.min(T.Cast("int64", j * L + tx), T.int64(NB - 1))
-                                for c in T.unroll(BLOCK // VEC):
-                                    for v in T.vectorized(VEC):
-                                        xv[c * VEC + v] = x[tok, b * BLOCK + c * VEC + v]
+                                load_x(x, g, xv, xf, gv, tok, b)
+                                if NORM:  # X's squares (not X G's), each block once: live lanes only
+                                    for i in T.unroll(BLOCK):
+                                        sumsq[t] = sumsq[t] + T.if_then_else(
+                                            j * L + tx < NB, T.Cast(f32, xv[i]) * T.Cast(f32, xv[i]), T.float32(0.0))
                                 for a in T.unroll(5):
                                     dot[a] = T.float32(0.0)
                                 # four independent partial sums (by word) keep the FMA chains short
@@ -143,18 +186,17 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                                     for e in T.unroll(4):
                                         if Q8:
                                             dot[w % 4] = dot[w % 4] + T.Cast(f32, T.shift_right(
-                                                T.shift_left(words[j * WORDS + w], 24 - 8 * e), 24)) \
-                                                * T.Cast(f32, xv[w * 4 + e])
+                                                T.shift_left(words[j * WORDS + w], 24 - 8 * e), 24)) * xf[w * 4 + e]
                                         else:
                                             dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
                                                 words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15))) \
-                                                * T.Cast(f32, xv[w * 4 + e])
+                                                * xf[w * 4 + e]
                                             dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
                                                 words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15))) \
-                                                * T.Cast(f32, xv[w * 4 + e + 16])
+                                                * xf[w * 4 + e + 16]
                                 if not Q8:
                                     for i in T.unroll(BLOCK):
-                                        dot[4] = dot[4] + T.Cast(f32, xv[i])
+                                        dot[4] = dot[4] + xf[i]
                                     acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3])) \
                                         + offset[j] * dot[4]
                                 else:
@@ -163,6 +205,11 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                             for s in T.unroll(LOG_L):
                                 acc[t] = acc[t] + T.tvm_warp_shuffle_xor(
                                     T.uint32(FULL_WARP), acc[t], T.shift_right(L, s + 1), L, 32)
+                                if NORM:
+                                    sumsq[t] = sumsq[t] + T.tvm_warp_shuffle_xor(
+                                        T.uint32(FULL_WARP), sumsq[t], T.shift_right(L, s + 1), L, 32)
+                            if NORM:  # (X * rstd * G) W^T = rstd * ((X G) W^T)
+                                acc[t] = acc[t] * T.rsqrt(sumsq[t] / T.float32(K) + T.float32(eps))
                         if tx == 0:
                             if row < N:
                                 for t in T.unroll(TR):
@@ -174,69 +221,65 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                                             y[t0 * TR + t, row] = T.Cast(dtype, acc[t])
 
     QS, SC = (T.int64(N), T.int64(QS_COLS)), (T.int64(N), T.int64(NB))  # the parts' shapes
-    # one signature per case: (X, qs, d[, m][, R], Y), X / R / Y of static or symbolic tokens
-    if tokens is None:
-        if HAS_M and RES:
-            @T.prim_func
-            def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
-                     m: T.Buffer(SC, "float16"), r_h: T.handle, y_h: T.handle):
-                T.func_attr({"tirx.noalias": True})
-                n_tokens = T.int64()
-                x = T.match_buffer(x_h, (n_tokens, T.int64(K)), dtype)
-                r = T.match_buffer(r_h, (n_tokens, T.int64(N)), dtype)
-                y = T.match_buffer(y_h, (n_tokens, T.int64(N)), dtype)
-                body(x, qs, d, m, r, y, n_tokens)
-        elif HAS_M:
-            @T.prim_func
-            def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
-                     m: T.Buffer(SC, "float16"), y_h: T.handle):
-                T.func_attr({"tirx.noalias": True})
-                n_tokens = T.int64()
-                x = T.match_buffer(x_h, (n_tokens, T.int64(K)), dtype)
-                y = T.match_buffer(y_h, (n_tokens, T.int64(N)), dtype)
-                body(x, qs, d, m, None, y, n_tokens)
-        elif RES:
-            @T.prim_func
-            def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), r_h: T.handle,
-                     y_h: T.handle):
-                T.func_attr({"tirx.noalias": True})
-                n_tokens = T.int64()
-                x = T.match_buffer(x_h, (n_tokens, T.int64(K)), dtype)
-                r = T.match_buffer(r_h, (n_tokens, T.int64(N)), dtype)
-                y = T.match_buffer(y_h, (n_tokens, T.int64(N)), dtype)
-                body(x, qs, d, None, r, y, n_tokens)
-        else:
-            @T.prim_func
-            def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), y_h: T.handle):
-                T.func_attr({"tirx.noalias": True})
-                n_tokens = T.int64()
-                x = T.match_buffer(x_h, (n_tokens, T.int64(K)), dtype)
-                y = T.match_buffer(y_h, (n_tokens, T.int64(N)), dtype)
-                body(x, qs, d, None, None, y, n_tokens)
+
+    def tok_rows(n_tokens):
+        return n_tokens if tokens is None else T.int64(tokens)
+
+    # the optional arguments between d and Y, in order: (name, shape of the token count, dtype)
+    extras = [spec for spec, wanted in (
+        (("m", lambda t: SC, "float16"), HAS_M),
+        (("g", lambda t: (T.int64(K),), dtype), NORM),
+        (("r", lambda t: (tok_rows(t), T.int64(N)), dtype), RES),
+    ) if wanted]
+    names = [name for name, _, _ in extras]
+    shape = [s for _, s, _ in extras]
+    dt = [t for _, _, t in extras]
+
+    def route(bufs):
+        """The macro's (m, g, r) from the extra buffers given, None for those absent."""
+        got = dict(zip(names, bufs))
+        return got.get("m"), got.get("g"), got.get("r")
+
+    # one signature per number of extra arguments; X and Y (and R) shaped by the token count
+    if len(extras) == 0:
+        @T.prim_func
+        def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n_tokens = T.int64()
+            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(XK)), dtype)
+            y = T.match_buffer(y_h, (tok_rows(n_tokens), T.int64(N)), dtype)
+            body(x, qs, d, None, None, None, y, tok_rows(n_tokens))
+    elif len(extras) == 1:
+        @T.prim_func
+        def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), e0_h: T.handle,
+                 y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n_tokens = T.int64()
+            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(XK)), dtype)
+            e0 = T.match_buffer(e0_h, shape[0](n_tokens), dt[0])
+            y = T.match_buffer(y_h, (tok_rows(n_tokens), T.int64(N)), dtype)
+            body(x, qs, d, *route([e0]), y, tok_rows(n_tokens))
+    elif len(extras) == 2:
+        @T.prim_func
+        def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), e0_h: T.handle,
+                 e1_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n_tokens = T.int64()
+            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(XK)), dtype)
+            e0 = T.match_buffer(e0_h, shape[0](n_tokens), dt[0])
+            e1 = T.match_buffer(e1_h, shape[1](n_tokens), dt[1])
+            y = T.match_buffer(y_h, (tok_rows(n_tokens), T.int64(N)), dtype)
+            body(x, qs, d, *route([e0, e1]), y, tok_rows(n_tokens))
     else:
-        XS, YS = (T.int64(tokens), T.int64(K)), (T.int64(tokens), T.int64(N))
-        if HAS_M and RES:
-            @T.prim_func
-            def func(x: T.Buffer(XS, dtype), qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
-                     m: T.Buffer(SC, "float16"), r: T.Buffer(YS, dtype), y: T.Buffer(YS, dtype)):
-                T.func_attr({"tirx.noalias": True})
-                body(x, qs, d, m, r, y, T.int64(tokens))
-        elif HAS_M:
-            @T.prim_func
-            def func(x: T.Buffer(XS, dtype), qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
-                     m: T.Buffer(SC, "float16"), y: T.Buffer(YS, dtype)):
-                T.func_attr({"tirx.noalias": True})
-                body(x, qs, d, m, None, y, T.int64(tokens))
-        elif RES:
-            @T.prim_func
-            def func(x: T.Buffer(XS, dtype), qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
-                     r: T.Buffer(YS, dtype), y: T.Buffer(YS, dtype)):
-                T.func_attr({"tirx.noalias": True})
-                body(x, qs, d, None, r, y, T.int64(tokens))
-        else:
-            @T.prim_func
-            def func(x: T.Buffer(XS, dtype), qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"),
-                     y: T.Buffer(YS, dtype)):
-                T.func_attr({"tirx.noalias": True})
-                body(x, qs, d, None, None, y, T.int64(tokens))
+        @T.prim_func
+        def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), e0_h: T.handle,
+                 e1_h: T.handle, e2_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n_tokens = T.int64()
+            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(XK)), dtype)
+            e0 = T.match_buffer(e0_h, shape[0](n_tokens), dt[0])
+            e1 = T.match_buffer(e1_h, shape[1](n_tokens), dt[1])
+            e2 = T.match_buffer(e2_h, shape[2](n_tokens), dt[2])
+            y = T.match_buffer(y_h, (tok_rows(n_tokens), T.int64(N)), dtype)
+            body(x, qs, d, *route([e0, e1, e2]), y, tok_rows(n_tokens))
     return func

@@ -8,7 +8,9 @@ and call the fused kernels of quant_matmul.py: the GEMV for a statically single 
 the GEMM otherwise (prefill, batch_prefill, batch_decode, batch_verify); on CUDA a decode
 batch (`[batch, 1, K]`, symbolic batch: decode_step, batch_decode) is marked `few_tokens`
 and runs the GEMV in passes. `QuantLinear(x, residual=r)` returns r + x W^T, the add inside
-the kernel where the CUDA GEMV runs it (llama's o_proj and down_proj), else a separate add.
+the kernel where the CUDA GEMV runs it (llama's o_proj and down_proj), else a separate add;
+`norm=` (llama's qkv and gate_up projections take their RMSNorm) and `swiglu=True` (down_proj
+takes the gate_up output) likewise.
 Activations are float32 on the CPU and float16 on CUDA (the kernels' target: the target
 scope the model is exported in).
 
@@ -52,10 +54,12 @@ def kernel_target() -> str:
 
 
 def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor,
-            residual: nn.Tensor | None = None) -> nn.Tensor:
+            residual: nn.Tensor | None = None, norm: nn.RMSNorm | None = None, swiglu: bool = False) -> nn.Tensor:
     """x [..., cols] -> [..., rows] (x's dtype: float32 on llvm, float16 on cuda) through the fused
-    kernel; residual [..., rows]: returns residual + the product, in the kernel where it takes one
-    (`uses_cuda_gemv`), else as a separate add."""
+    kernel; residual [..., rows]: returns residual + the product; norm: the product of norm(x);
+    swiglu: x is [..., 2 cols] (gate, up), the product of silu(gate) * up. Each of the three is
+    done inside the kernel where it takes them (`uses_cuda_gemv`: the decode GEMV), else by ops of
+    its own around it."""
     lead = list(x.shape[:-1])
     tokens = 1
     for d in lead:
@@ -65,12 +69,21 @@ def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor,
     few = kernel_target() == "cuda" and static is None and len(lead) == 2 and isinstance(lead[1], int) and lead[1] == 1
     config = QuantMatmulConfig(fmt, rows, cols, tokens=static, target=kernel_target(), dtype=str(x.dtype),
                                few_tokens=few)
-    fused = residual is not None and uses_cuda_gemv(config)
+    fused = uses_cuda_gemv(config)
     if fused:
-        config = dataclasses.replace(config, residual=True)
-    flat = op.reshape(x, (tokens, cols))
+        prologue = "rms_norm" if norm is not None else "swiglu" if swiglu else "none"
+        eps = float(norm.epsilon) if norm is not None else config.eps
+        config = dataclasses.replace(config, residual=residual is not None, prologue=prologue, eps=eps)
+    elif norm is not None:
+        x = norm(x)
+    elif swiglu:
+        gate, up = op.split(x, 2, axis=-1)
+        x = op.silu(gate) * up
+    in_cols = 2 * cols if fused and swiglu else cols
+    flat = op.reshape(x, (tokens, in_cols))
     parts = [getattr(module, PART_PREFIX + name) for name, _, _ in PACKED[fmt]]
-    extra = [op.reshape(residual, (tokens, rows))] if fused else []
+    extra = [norm.weight] if fused and norm is not None else []
+    extra += [op.reshape(residual, (tokens, rows))] if fused and residual is not None else []
     out = op.tensor_ir_op(_kernel(config), config.name, args=[flat, *parts, *extra],
                           out=nn.Tensor.placeholder((tokens, rows), config.dtype))
     out = op.reshape(out, (*lead, rows))
@@ -90,12 +103,16 @@ class QuantLinear(nn.Module):
         if dtype is not None and self.bias is not None:
             self.bias.to(dtype)
 
-    def forward(self, x: nn.Tensor, residual: nn.Tensor | None = None) -> nn.Tensor:
-        """x @ W.T (+ bias) (+ residual: added in the kernel where it can, see _matmul)."""
+    def forward(self, x: nn.Tensor, residual: nn.Tensor | None = None, norm: nn.RMSNorm | None = None,
+                swiglu: bool = False) -> nn.Tensor:
+        """(residual +) f(x) @ W.T (+ bias), f: norm (an nn.RMSNorm without bias), or the SwiGLU gate
+        of x = [gate, up] (swiglu), or nothing; each inside the kernel where it can (see _matmul)."""
+        if norm is not None and (swiglu or getattr(norm, "bias", None) is not None):
+            raise ValueError("QuantLinear: norm takes an RMSNorm without bias, and not with swiglu")
         if self.bias is not None:
-            y = _matmul(self, self.fmt, self.out_features, self.in_features, x) + self.bias
+            y = _matmul(self, self.fmt, self.out_features, self.in_features, x, norm=norm, swiglu=swiglu) + self.bias
             return y if residual is None else residual + y
-        return _matmul(self, self.fmt, self.out_features, self.in_features, x, residual)
+        return _matmul(self, self.fmt, self.out_features, self.in_features, x, residual, norm, swiglu)
 
 
 class QuantEmbedding(nn.Module):

@@ -46,6 +46,7 @@ from tvm import s_tir, te, tirx
 from ..weights.quant import BLOCK, BLOCK_ELEMS, QUANT_TYPES, SUPER_BLOCK, part_shapes
 
 OPS = ("matmul", "take")
+PROLOGUES = ("none", "rms_norm", "swiglu")  # what a CUDA GEMV applies to X (QuantMatmulConfig.prologue)
 TARGET_DTYPES = {"llvm": ("float32",), "cuda": ("float16", "float32")}  # activation dtypes per target
 
 
@@ -81,7 +82,10 @@ class QuantMatmulConfig:
     are summed in float32 either way); few_tokens: the symbolic token count is a decode batch
     (decode_step, batch_decode: a few rows), which CUDA runs as passes of its GEMV instead of
     dlight's Matmul tiles (llvm ignores it); residual: a matmul that also takes R [T, N] (dtype)
-    and returns R + X W^T (only where `uses_cuda_gemv`: the model adds it separately elsewhere).
+    and returns R + X W^T (only where `uses_cuda_gemv`: the model adds it separately elsewhere);
+    prologue: what the CUDA GEMV applies to X first (only where `uses_cuda_gemv`, as residual):
+    "rms_norm" (X -> X * rsqrt(mean(X^2) + eps) * G, taking G [K] after the parts; the layer's
+    RMSNorm), "swiglu" (X [T, 2K] -> silu(X[:, :K]) * X[:, K:]; the MLP's gate), or "none".
     """
 
     fmt: str
@@ -93,6 +97,8 @@ class QuantMatmulConfig:
     dtype: str = "float32"
     few_tokens: bool = False
     residual: bool = False
+    prologue: str = "none"
+    eps: float = 1e-5
 
     def __post_init__(self):
         if self.fmt not in QUANT_TYPES:
@@ -116,6 +122,10 @@ class QuantMatmulConfig:
             raise ValueError(f"residual={self.residual!r}: expected a bool, True only for a matmul")
         if self.dtype not in TARGET_DTYPES[self.target]:
             raise ValueError(f"dtype={self.dtype!r}: on {self.target} expected one of {TARGET_DTYPES[self.target]}")
+        if self.prologue not in PROLOGUES or self.prologue != "none" and self.op != "matmul":
+            raise ValueError(f"prologue={self.prologue!r}: expected one of {PROLOGUES} ('none' for a take)")
+        if not isinstance(self.eps, float) or not self.eps > 0:
+            raise ValueError(f"eps={self.eps!r}: expected a positive float")
 
     @property
     def name(self) -> str:
@@ -124,7 +134,8 @@ class QuantMatmulConfig:
         tokens = "" if self.op == "take" else f"_{self.tokens or ('b' if self.few_tokens else 'n')}"
         dtype = "" if self.dtype == "float32" else "_f16"
         residual = "_res" if self.residual else ""
-        return f"quant_{self.op}_{self.fmt.lower()}_{self.n}x{self.k}{tokens}{dtype}{residual}"
+        prologue = {"none": "", "rms_norm": "_norm", "swiglu": "_swiglu"}[self.prologue]
+        return f"quant_{self.op}_{self.fmt.lower()}_{self.n}x{self.k}{tokens}{dtype}{prologue}{residual}"
 
     def part_shapes(self) -> list[tuple[str, str, tuple[int, int]]]:
         """(name, dtype, shape) of each weight array, in argument order."""
@@ -507,11 +518,14 @@ def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.P
     """The scheduled PrimFunc of `config` (see the module docstring for its arguments)."""
     if config.residual and not uses_cuda_gemv(config):
         raise ValueError(f"{config.name}: residual=True needs the CUDA GEMV (uses_cuda_gemv)")
+    if config.prologue != "none" and not uses_cuda_gemv(config):
+        raise ValueError(f"{config.name}: prologue={config.prologue!r} needs the CUDA GEMV (uses_cuda_gemv)")
     if uses_cuda_gemv(config):
         from .quant_gemv_cuda import choose_gemv_schedule, gemv_kernel
 
         func = gemv_kernel(config.fmt, config.n, config.k, config.tokens, config.dtype,
-                           choose_gemv_schedule(config.n, config.k, config.tokens), residual=config.residual)
+                           choose_gemv_schedule(config.n, config.k, config.tokens), residual=config.residual,
+                           prologue=config.prologue, eps=config.eps)
         return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8).with_attr(
             "global_symbol", config.name)
     if config.target == "llvm":
