@@ -584,6 +584,9 @@ def test_cuda_quantized_library_matches_torch():
     hf = {**GPU_CONFIG, "hidden_size": 192, "num_attention_heads": 3, "intermediate_size": 160,
           "tie_word_embeddings": True, "attention_bias": False, "rope_scaling": None}  # K of 6 and 5 blocks
     model = quantized_model(hf, GPU_KINDS, seed=6, target=resolve_target("cuda"), dtype="float16")
+    # its logits reach about +-30: float16 activations' rounding then reaches 0.24 (batch_prefill's
+    # dlight matmuls at the first run), so the absolute part of the tolerance is 1% of that range
+    model.tolerance = {"rtol": 5e-2, "atol": 3e-1}
     run_single(Session(model), PROMPT, steps=4)
     run_batch(Session(model), PROMPTS, steps=3)
     check_decode_step(model)

@@ -69,16 +69,22 @@ class CUDAGemvSchedule:
             raise ValueError(f"lanes * rows = {self.lanes * self.rows}: at most 1024 threads per block")
 
 
-def choose_gemv_schedule(n: int, k: int, tokens: int | None) -> CUDAGemvSchedule:
+def choose_gemv_schedule(n: int, k: int, tokens: int | None, prologue: str = "none") -> CUDAGemvSchedule:
     """lanes: the smallest power of 2 up to 32 covering the row's blocks, so a lane takes as few
     blocks as it can (each is about 200 dependent instructions: at one token the kernel is bound by
     that latency, not by bytes; SmolLM2's K of 576 and 1536 are 18 and 48 blocks: 1 and 2 per
-    lane); rows: 64 threads per block (576 rows: 288 blocks on 132 SMs); token tiles of 4."""
+    lane); rows: 64 threads per block (576 rows: 288 blocks on 132 SMs); token tiles of 4 (a static
+    count: one pass). With a prologue, 512 threads a block: the prologue runs once per block and
+    token (staged in shared memory), so bigger blocks repeat it less (a batch of 16 through
+    SwiGLU: 64-thread blocks made the down projection slower than the plain GEMV plus a SwiGLU
+    kernel), and passes of at most 4 tokens (the staged X fits the static shared memory)."""
     blocks = k // BLOCK
     lanes = 1
     while lanes < min(blocks, 32):
         lanes *= 2
-    return CUDAGemvSchedule(lanes=lanes, rows=max(1, 64 // lanes), token_tile=4 if tokens is None else tokens)
+    threads = 64 if prologue == "none" else 512
+    tile = 4 if tokens is None else tokens if prologue == "none" else min(tokens, 4)
+    return CUDAGemvSchedule(lanes=lanes, rows=max(1, threads // lanes), token_tile=tile)
 
 
 def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: CUDAGemvSchedule,
@@ -96,7 +102,7 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
         raise ValueError(f"prologue={prologue!r}: expected one of {PROLOGUES}")
     N, K, NB = n, k, k // BLOCK
     L, R = plan.lanes, plan.rows
-    TR = plan.token_tile if tokens is None else tokens
+    TR = plan.token_tile if tokens is None else min(tokens, plan.token_tile)  # tokens per pass
     J = (NB + L - 1) // L  # blocks per lane
     GRID = (N + R - 1) // R
     LOG_L = L.bit_length() - 1
@@ -113,25 +119,53 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     XK = 2 * K if GLU else K  # X's columns
     f32 = "float32"
 
+    PRO = NORM or GLU
+    NT = L * R  # threads per block
+    BP = BLOCK + 4  # a staged block's floats: 4 of padding keep the lanes' 16-byte reads conflict-free
+    if PRO and NT % 32:
+        raise ValueError(f"lanes * rows = {NT}: a prologue needs whole warps")
+
     @T.macro
-    def load_x(x, g, xv, xf, gv, tok, b):
-        """xf[i] = the prologue of X's 32 values of block b for token `tok`, in float32."""
+    def load_x(x, xv, xf, tok, b):
+        """xf = X's 32 values of block b for token `tok`, in float32 (no prologue)."""
         for c in T.unroll(BLOCK // VEC):
             for v in T.vectorized(VEC):
                 xv[c * VEC + v] = x[tok, b * BLOCK + c * VEC + v]
-            if NORM:
-                for v in T.vectorized(VEC):
-                    gv[c * VEC + v] = g[b * BLOCK + c * VEC + v]
-            if GLU:  # the up half, K columns on
-                for v in T.vectorized(VEC):
-                    gv[c * VEC + v] = x[tok, T.int64(K) + b * BLOCK + c * VEC + v]
         for i in T.unroll(BLOCK):
-            if NORM:
-                xf[i] = T.Cast(f32, xv[i]) * T.Cast(f32, gv[i])
-            elif GLU:
-                xf[i] = T.Cast(f32, xv[i]) / (T.float32(1.0) + T.exp(-T.Cast(f32, xv[i]))) * T.Cast(f32, gv[i])
-            else:
-                xf[i] = T.Cast(f32, xv[i])
+            xf[i] = T.Cast(f32, xv[i])
+
+    @T.macro
+    def stage(x, g, xs, part, rstd, t0, n_tokens, lin):
+        """The pass's tokens through the prologue into shared memory, once per thread block (not per
+        row): xs[t, block, i] = silu(gate) * up, or X * G with rstd[t] = rsqrt(mean(X^2) + eps)."""
+        sq = T.alloc_local((TR,), f32)
+        T.tvm_storage_sync("shared")  # the previous pass's readers are done with xs
+        for t in T.unroll(TR):
+            tok = T.min(t0 * TR + t, n_tokens - 1)
+            sq[t] = T.float32(0.0)
+            for it in T.serial((K + NT - 1) // NT):
+                c = lin + it * NT
+                if c < K:
+                    v = T.Cast(f32, x[tok, c])
+                    if NORM:
+                        xs[t * NB * BP + c // BLOCK * BP + c % BLOCK] = v * T.Cast(f32, g[c])
+                        sq[t] = sq[t] + v * v
+                    else:  # swiglu: the gate, then the up half K columns on
+                        xs[t * NB * BP + c // BLOCK * BP + c % BLOCK] = v / (T.float32(1.0) + T.exp(-v)) \
+                            * T.Cast(f32, x[tok, T.int64(K) + c])
+        if NORM:  # the block's sum of squares per token: warp shuffles, then across the warps
+            for t in T.unroll(TR):
+                for s in T.unroll(5):
+                    sq[t] = sq[t] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), sq[t], T.shift_right(32, s + 1), 32, 32)
+                if lin % 32 == 0:
+                    part[lin // 32 * TR + t] = sq[t]
+        T.tvm_storage_sync("shared")
+        if NORM:
+            for t in T.unroll(TR):
+                sq[t] = T.float32(0.0)
+                for w in T.unroll(NT // 32):
+                    sq[t] = sq[t] + part[w * TR + t]
+                rstd[t] = T.rsqrt(sq[t] / T.float32(K) + T.float32(eps))
 
     @T.macro
     def body(x, qs, d, m, g, r, y, n_tokens):
@@ -139,14 +173,15 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             for ty in T.thread_binding(R, thread="threadIdx.y"):
                 for tx in T.thread_binding(L, thread="threadIdx.x"):
+                    xs = T.alloc_shared((TR * NB * BP if PRO else 1,), f32)
+                    part = T.alloc_shared((NT // 32 * TR if NORM else 1,), f32)
                     words = T.alloc_local((J * WORDS,), WORD)
                     scale = T.alloc_local((J,), f32)
                     offset = T.alloc_local((J,), f32)
                     xv = T.alloc_local((BLOCK,), dtype)
-                    gv = T.alloc_local((BLOCK,), dtype)
                     xf = T.alloc_local((BLOCK,), f32)
                     acc = T.alloc_local((TR,), f32)
-                    sumsq = T.alloc_local((TR,), f32)
+                    rstd = T.alloc_local((TR,), f32)
                     dot = T.alloc_local((5,), f32)
                     row = T.Cast("int64", bx * R + ty)
                     rowc = T.min(row, T.int64(N - 1))  # rows past N compute row N-1, never stored
@@ -167,18 +202,20 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                         elif not Q8:
                             offset[j] = T.Cast(f32, d[rowc, b]) * T.float32(-8.0) * live
                     for t0 in T.serial((n_tokens + TR - 1) // TR):
+                        if PRO:
+                            stage(x, g, xs, part, rstd, t0, n_tokens, ty * L + tx)
                         for t in T.unroll(TR):
                             acc[t] = T.float32(0.0)
-                            sumsq[t] = T.float32(0.0)
                         for t in T.unroll(TR):
                             tok = T.min(t0 * TR + t, n_tokens - 1)
                             for j in T.unroll(J):
                                 b = T.min(T.Cast("int64", j * L + tx), T.int64(NB - 1))
-                                load_x(x, g, xv, xf, gv, tok, b)
-                                if NORM:  # X's squares (not X G's), each block once: live lanes only
-                                    for i in T.unroll(BLOCK):
-                                        sumsq[t] = sumsq[t] + T.if_then_else(
-                                            j * L + tx < NB, T.Cast(f32, xv[i]) * T.Cast(f32, xv[i]), T.float32(0.0))
+                                if PRO:
+                                    for c in T.unroll(BLOCK // 4):
+                                        for v in T.vectorized(4):
+                                            xf[c * 4 + v] = xs[t * NB * BP + b * BP + c * 4 + v]
+                                else:
+                                    load_x(x, xv, xf, tok, b)
                                 for a in T.unroll(5):
                                     dot[a] = T.float32(0.0)
                                 # four independent partial sums (by word) keep the FMA chains short
@@ -205,11 +242,8 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                             for s in T.unroll(LOG_L):
                                 acc[t] = acc[t] + T.tvm_warp_shuffle_xor(
                                     T.uint32(FULL_WARP), acc[t], T.shift_right(L, s + 1), L, 32)
-                                if NORM:
-                                    sumsq[t] = sumsq[t] + T.tvm_warp_shuffle_xor(
-                                        T.uint32(FULL_WARP), sumsq[t], T.shift_right(L, s + 1), L, 32)
                             if NORM:  # (X * rstd * G) W^T = rstd * ((X G) W^T)
-                                acc[t] = acc[t] * T.rsqrt(sumsq[t] / T.float32(K) + T.float32(eps))
+                                acc[t] = acc[t] * rstd[t]
                         if tx == 0:
                             if row < N:
                                 for t in T.unroll(TR):

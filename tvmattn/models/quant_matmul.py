@@ -524,7 +524,8 @@ def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.P
         from .quant_gemv_cuda import choose_gemv_schedule, gemv_kernel
 
         func = gemv_kernel(config.fmt, config.n, config.k, config.tokens, config.dtype,
-                           choose_gemv_schedule(config.n, config.k, config.tokens), residual=config.residual,
+                           choose_gemv_schedule(config.n, config.k, config.tokens, config.prologue),
+                           residual=config.residual,
                            prologue=config.prologue, eps=config.eps)
         return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8).with_attr(
             "global_symbol", config.name)
