@@ -90,6 +90,23 @@ def wgmma_name(m_n_k: str, dtype: str) -> str:
     return f"wgmma.mma_async.sync.aligned.{m_n_k}.f32.{t}.{t}"
 
 
+def ring_barriers(stages: int, producer_arrivals: int, consumer_arrivals: int):
+    """The ring's mbarriers set up, as the macro `init_ring(full_, empty_, wg_, tid_)`: thread 0 of
+    warpgroup 0 initializes each stage's `full_` barrier for `producer_arrivals` arrivals and its
+    `empty_` barrier for `consumer_arrivals`, fences the inits, and the whole CTA syncs."""
+
+    @T.macro
+    def init_ring(full_, empty_, wg_, tid_):
+        if wg_ == 0 and tid_ == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(full_.ptr_to([s]), T.uint32(producer_arrivals))
+                T.ptx.mbarrier.init.shared.b64(empty_.ptr_to([s]), T.uint32(consumer_arrivals))
+            T.ptx.fence.mbarrier_init.release.cluster()
+        T.cuda.cta_sync()
+
+    return init_ring
+
+
 def ring_producer(stages: int):
     """The producer's ring of `stages` shared buffers, as the macro
     `produce_steps(full_, empty_, nkv_, copy_step_)`: copy_step_(t) issues step t's cp.async copies

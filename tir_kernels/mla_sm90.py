@@ -51,6 +51,7 @@ from .hopper import (
     CHUNK,
     PANEL,
     pack2,
+    ring_barriers,
     ring_producer,
     row_softmax,
     swizzled,
@@ -215,6 +216,7 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
                     T.Cast("uint32", T.if_then_else(valid_(r), 16, 0)))
 
     produce_steps = ring_producer(ST)
+    init_ring = ring_barriers(ST, WARPGROUP, CONSUMERS)
 
     @T.macro
     def copy_step(smem_, t, kv_end_, tid_, slot_of_, row_ptr_, slot):
@@ -418,6 +420,19 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
             write_state(oacc, m, lsum, p0_, rows_, row0, lane, cw_, write_part_o_, write_part_lse_)
 
     @T.macro
+    def consumer(smem, xp, xs, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal, sm_scale, wg, tid,
+                 q_at, store_o, store_lse):
+        """A consumer warpgroup's share of the CTA: its registers raised, then the schedule's
+        consume loop (split keys or duplicated scores) over the CTA's rows, writing o and lse."""
+        T.ptx["setmaxnreg.inc.sync.aligned.u32"](sched.consumer_regs)
+        if SPLIT:
+            consume_split(smem, xp, xs, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
+                          sm_scale * T.float32(LOG2E), wg - 1, tid, q_at, store_o, store_lse, True, None, None)
+        else:
+            consume(smem, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
+                    sm_scale * T.float32(LOG2E), wg - 1, tid, q_at, store_o, store_lse, True, None, None)
+
+    @T.macro
     def kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, Out, lse, causal, sm_scale, batch):
         """One CTA per tile slot, 3 warpgroups (module docstring)."""
         T.device_entry()
@@ -430,14 +445,12 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
         if SPLIT:
             xp = T.alloc_shared((2 * WARPGROUP * NPH,), "uint32")
             xs = T.alloc_shared((4 * BM,), "float32")
+        else:
+            xp = T.meta_var(None)
+            xs = T.meta_var(None)
         req = T.alloc_local((1,), "int32")
         tile = T.alloc_local((1,), "int32")
-        if wg == 0 and tid == 0:
-            for s in T.unroll(ST):
-                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(WARPGROUP))
-                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(CONSUMERS))
-            T.ptx.fence.mbarrier_init.release.cluster()
-        T.cuda.cta_sync()
+        init_ring(full, empty, wg, tid)
         find_tile(qo_indptr, batch, bx, req, tile)
         b: T.let[T.int32] = req[0]
         q0: T.let[T.int32] = qo_indptr[b]
@@ -455,17 +468,10 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
                     lambda j: page_indices[page0 + j // ps] * ps + j % ps,
                     lambda slot, c: pages.ptr_to([slot // ps, slot % ps, c]))
         else:
-            T.ptx["setmaxnreg.inc.sync.aligned.u32"](sched.consumer_regs)
-            if SPLIT:
-                consume_split(smem, xp, xs, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
-                              sm_scale * T.float32(LOG2E), wg - 1, tid, lambda p, c: Q.ptr_to([q0 + p // H, p % H, c]),
-                              lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [q0 + p // H, p % H, c]),
-                              lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]), True, None, None)
-            else:
-                consume(smem, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
-                        sm_scale * T.float32(LOG2E), wg - 1, tid, lambda p, c: Q.ptr_to([q0 + p // H, p % H, c]),
-                        lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [q0 + p // H, p % H, c]),
-                        lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]), True, None, None)
+            consumer(smem, xp, xs, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal, sm_scale, wg, tid,
+                     lambda p, c: Q.ptr_to([q0 + p // H, p % H, c]),
+                     lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [q0 + p // H, p % H, c]),
+                     lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]))
 
     HEAD_TILES = ceildiv(H, BM)
 
@@ -483,12 +489,10 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
         if SPLIT:
             xp = T.alloc_shared((2 * WARPGROUP * NPH,), "uint32")
             xs = T.alloc_shared((4 * BM,), "float32")
-        if wg == 0 and tid == 0:
-            for s in T.unroll(ST):
-                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(WARPGROUP))
-                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(CONSUMERS))
-            T.ptx.fence.mbarrier_init.release.cluster()
-        T.cuda.cta_sync()
+        else:
+            xp = T.meta_var(None)
+            xs = T.meta_var(None)
+        init_ring(full, empty, wg, tid)
         b: T.let[T.int32] = bx // HEAD_TILES
         p0: T.let[T.int32] = bx % HEAD_TILES * BM
         page0: T.let[T.int32] = page_indptr[b]
@@ -499,17 +503,10 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
             produce(smem, full, empty, nkv, kv_len, tid, lambda j: page_indices[page0 + j // ps] * ps + j % ps,
                     lambda slot, c: pages.ptr_to([slot // ps, slot % ps, c]))
         else:
-            T.ptx["setmaxnreg.inc.sync.aligned.u32"](sched.consumer_regs)
-            if SPLIT:
-                consume_split(smem, xp, xs, full, empty, nkv, kv_len, kv_len, 1, p0, H, T.int32(0),
-                              sm_scale * T.float32(LOG2E), wg - 1, tid, lambda p, c: Q.ptr_to([b, p, c]),
-                              lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [b, p, c]),
-                              lambda p, val: T.buffer_store(lse, val, [b, p]), True, None, None)
-            else:
-                consume(smem, full, empty, nkv, kv_len, kv_len, 1, p0, H, T.int32(0), sm_scale * T.float32(LOG2E),
-                        wg - 1, tid, lambda p, c: Q.ptr_to([b, p, c]),
-                        lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [b, p, c]),
-                        lambda p, val: T.buffer_store(lse, val, [b, p]), True, None, None)
+            consumer(smem, xp, xs, full, empty, nkv, kv_len, kv_len, 1, p0, H, T.int32(0), sm_scale, wg, tid,
+                     lambda p, c: Q.ptr_to([b, p, c]),
+                     lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [b, p, c]),
+                     lambda p, val: T.buffer_store(lse, val, [b, p]))
 
     return decode_kernel if decode else kernel
 

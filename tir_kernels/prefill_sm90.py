@@ -38,6 +38,7 @@ from .config import AttentionConfig
 from .hopper import (
     CHUNK,
     PANEL,
+    ring_barriers,
     ring_producer,
     row_softmax,
     swizzled,
@@ -184,6 +185,7 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                       lambda r: t_ * BN + r < kv_end_)
 
     produce_steps = ring_producer(ST)
+    init_ring = ring_barriers(ST, WARPGROUP, CONSUMERS)
 
     @T.macro
     def rope_kv_step(smem_, t_, kv_end_, tid_, kv_row_, v_ptr_, k_at_, k_pos_base_, rope_):
@@ -366,12 +368,7 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
         empty = T.alloc_shared((ST,), "uint64")
         req = T.alloc_local((1,), "int32")
         tile = T.alloc_local((1,), "int32")
-        if wg == 0 and tid == 0:
-            for s in T.unroll(ST):
-                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(WARPGROUP))
-                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(CONSUMERS))
-            T.ptx.fence.mbarrier_init.release.cluster()
-        T.cuda.cta_sync()
+        init_ring(full, empty, wg, tid)
         find_tile(qo_indptr_, batch_, bx // Hkv_, req, tile)
         b: T.let[T.int32] = req[0]
         hkv: T.let[T.int32] = bx % Hkv_
