@@ -1,7 +1,8 @@
 """Model step times of a compiled library at batch 1: decode, batch_verify of n tokens, prefill.
 
 For each library given, one sequence is prefilled with --context tokens; then, each timed
---reps times (the median is printed, after one warm-up call):
+--reps times (the median is printed, and the best, after one warm-up call; --rounds R: the
+libraries in turn, R times, for A/B comparisons on a shared machine):
 - decode: one `decode` step (then popped, so the context stays the same);
 - verify N: one `batch_verify` step of a chain of N draft tokens (parents -1, 0, 1, ...),
   popped afterwards (the tokens are never committed);
@@ -36,17 +37,18 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _median_ms(fn, reps: int) -> float:
+def _median_ms(fn, reps: int) -> tuple[float, float]:
+    """(median, best) of reps timed calls after a warm-up call, ms."""
     fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, min(times) * 1e3
 
 
-def bench(lib: str, context: int, verify: list[int], prefill: list[int], reps: int) -> dict[str, float]:
+def bench(lib: str, context: int, verify: list[int], prefill: list[int], reps: int) -> dict[str, tuple[float, float]]:
     g = Generator(lib)
     rng = np.random.default_rng(0)
     vocab = g.metadata["model_config"]["vocab_size"]
@@ -104,7 +106,7 @@ def profile(lib: str, context: int, rows: int, prefill: int = 0) -> str:
         g.decode_step([0], tokens[context:context + 1])
         host["kv_state_popn"](g.cache, 0, 1)
 
-    plain = _median_ms(step, 3 if prefill else 20)
+    plain = _median_ms(step, 3 if prefill else 20)[0]
     totals: dict = collections.defaultdict(float)
     counts: dict = collections.defaultdict(int)
     started: list = []
@@ -142,16 +144,18 @@ def main(argv=None) -> int:
     p.add_argument("--verify", default="4,8,9")
     p.add_argument("--prefill", default="8,64,512")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=1, help="time the libraries in turn this many times (A/B)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="profile a decode step, N table rows")
     p.add_argument("--profile-prefill", type=int, default=0, metavar="T",
                    help="with --profile: a prefill of T tokens instead of a decode step")
     args = p.parse_args(argv)
-    for lib in args.libs:
+    for lib in [lib for _ in range(args.rounds) for lib in args.libs]:
         if args.profile:
             print(lib + ":\n" + profile(lib, args.context, args.profile, args.profile_prefill), flush=True)
             continue
         results = bench(lib, args.context, _ints(args.verify), _ints(args.prefill), args.reps)
-        print(lib + ": " + ", ".join(f"{k} {v:.1f} ms" for k, v in results.items()), flush=True)
+        print(lib + ": " + ", ".join(f"{k} {v[0]:.2f} ms (best {v[1]:.2f})" for k, v in results.items())
+              + f"; load average {os.getloadavg()[0]:.2f}", flush=True)
     return 0
 
 

@@ -23,11 +23,15 @@ from tvmattn.models.quant_matmul import (  # noqa: E402 - after the gguf check: 
     cuda_target,
     CPUSchedule,
     QuantMatmulConfig,
+    TABLE_GEMV_FORMATS,
+    choose_schedule,
     gemv_algorithm,
+    host_has_avx512,
     host_target,
     kernel,
     matmul_algorithm,
     schedule,
+    table_gemv,
     uses_cuda_gemv,
 )
 from tvmattn.models.quant_gemv_cuda import CUDAGemvSchedule, choose_gemv_schedule  # noqa: E402
@@ -136,6 +140,45 @@ def test_every_vector_width(built, lanes, tokens):
     check(run_matmul(built(config, plan), config, blocks, x), x, w)
 
 
+needs_avx512 = pytest.mark.skipif(not host_has_avx512(), reason="the table lookup GEMV needs AVX-512")
+LOOKUP_CASES = [(fmt, rows, cols, nr) for fmt in TABLE_GEMV_FORMATS
+                for rows, cols in ((37, 96), (19, 32), (48, 64), (64, 160)) for nr in (1, 2, 4, 8)]
+
+
+@needs_avx512
+@pytest.mark.parametrize("fmt,rows,cols,nr", LOOKUP_CASES, ids=["{}-{}x{}-r{}".format(*c) for c in LOOKUP_CASES])
+def test_table_gemv_matches_dequantize_then_matmul(built, fmt, rows, cols, nr):
+    """The 4-bit GEMV by 16-entry table lookup (AVX-512) under every row tile, odd row counts
+    (tiles and chunks shrink to divisors of N) and 1 to 5 blocks a row."""
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=1)
+    plan = CPUSchedule(lanes=16, rows=nr, chunk=2 * nr, lookup=True)
+    blocks, w = quantized(fmt, rows, cols, seed=3 * rows + cols + nr)
+    x = np.random.default_rng(nr).standard_normal((1, cols)).astype(np.float32)
+    check(run_matmul(built(config, plan), config, blocks, x), x, w)
+
+
+@needs_avx512
+def test_table_gemv_is_chosen_and_looks_up_by_permutes():
+    """On an AVX-512 host the 4-bit GEMVs take the lookup; its code is vpermps/vpermd on zmm
+    registers, without the int-to-float conversions of the other path."""
+    for fmt in TABLE_GEMV_FORMATS:
+        assert choose_schedule(QuantMatmulConfig(fmt, 960, 576, tokens=1)).lookup
+    for config in (QuantMatmulConfig("Q8_0", 960, 576, tokens=1), QuantMatmulConfig("Q4_1", 960, 576, tokens=4),
+                   QuantMatmulConfig("Q4_1", 960, 576, op="take")):
+        assert not choose_schedule(config).lookup
+    config = QuantMatmulConfig("Q4_1", 64, 576, tokens=1)
+    asm = tvm.tirx.build(kernel(config), target=host_target()).inspect_source("s")
+    assert "vperm" in asm and "%zmm" in asm
+    assert "vcvtdq2ps" not in asm
+
+
+def test_table_gemv_validation():
+    with pytest.raises(ValueError, match="table_gemv computes one token"):
+        table_gemv(QuantMatmulConfig("Q8_0", 8, 64, tokens=1), CPUSchedule(lookup=True))
+    with pytest.raises(ValueError, match="table_gemv computes one token"):
+        table_gemv(QuantMatmulConfig("Q4_1", 8, 64, tokens=2), CPUSchedule(lookup=True))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_take_reads_rows(built, fmt):
     config = QuantMatmulConfig(fmt, 37, wide(fmt), op="take")
@@ -192,6 +235,7 @@ def test_config_validation(kwargs, message):
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"lanes": 12}, "lanes=12"), ({"rows": 0}, "rows=0"), ({"rows": 4, "chunk": 6}, "chunk=6"),
+    ({"lanes": 8, "lookup": True}, "lookup=True"), ({"lookup": 1}, "lookup=1"),
 ])
 def test_schedule_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):

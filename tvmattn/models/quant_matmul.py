@@ -42,6 +42,7 @@ import functools
 import numpy as np
 import tvm
 from tvm import s_tir, te, tirx
+from tvm.script import tirx as T
 
 from ..weights.quant import BLOCK, BLOCK_ELEMS, QUANT_TYPES, SUPER_BLOCK, part_shapes
 
@@ -60,15 +61,26 @@ def host_cpu() -> tuple[str, int]:
     return cpu, 8 if "avx2" in features else 4
 
 
-def host_target() -> tvm.target.Target:
-    """The llvm target of this machine's CPU (its instructions, 256-bit vectors at most).
+@functools.lru_cache(maxsize=1)
+def host_has_avx512() -> bool:
+    """Whether this machine's CPU has AVX-512F (the 16-entry vector lookup of `table_gemv`)."""
+    from tvm.target import codegen
 
-    AVX-512 is switched off: with it, LLVM takes minutes instead of seconds on the float matmuls
-    dlight schedules in the same library (a 2-layer SmolLM2 with float weights: 164 s against 47 s
-    for plain llvm and 25 s without AVX-512), and on Zen 4, which runs 512-bit operations as two
-    256-bit halves, the fused kernels gain little from it (GEMV 3072 x 576 Q4_1: 0.15 against
-    0.17 ms)."""
-    return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0], "mattr": ["-avx512f"]})
+    features = codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0]}))
+    return "avx512f" in features
+
+
+def host_target() -> tvm.target.Target:
+    """The llvm target of this machine's CPU: its instructions, AVX-512 included where it has it
+    (the 4-bit GEMV's lookups, `table_gemv`); every other kernel keeps 256-bit vectors (the
+    schedules' lanes, `host_cpu`).
+
+    AVX-512 was off at first: with it, LLVM took minutes instead of seconds on the float
+    matmuls dlight schedules (a 2-layer SmolLM2 with float weights: 164 s against 47 s for plain
+    llvm and 25 s without AVX-512); quantized libraries, the only ones built for this target
+    (export.BuildOptions.tvm_target), have few float matmuls (see docs/perf-notes.md, issue 15's
+    fifth pass, for the compile times)."""
+    return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0]})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +291,100 @@ def gemv_algorithm(config: QuantMatmulConfig, lanes: int) -> tirx.PrimFunc:
     return te.create_prim_func([x, *parts.values(), y])
 
 
+# 4-bit formats whose one-token product `table_gemv` computes (w = table[q], one table a block)
+TABLE_GEMV_FORMATS = ("Q4_0", "Q4_1")
+
+
+def table_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
+    """The one-token product of a 4-bit block format (TABLE_GEMV_FORMATS) by table lookup, for
+    AVX-512 (same arguments as matmul_algorithm):
+
+        table[n, s, i] = d[n, s] * i + m[n, s]          i = 0..15 (Q4_0: m = -8 d)
+        Y[n]           = sum_s sum_c X[32 s + c] * table[n, s, q(n, 32 s + c)]
+
+    A block's 16 possible weights are one float32x16 vector (one FMA on an iota vector: d * i is
+    exact in float32, so every entry is dequantize-then-matmul's d * q + m). The block's 16
+    bytes, zero-extended to 16 int32 lanes (vpmovzxbd), index it directly: vpermps reads the low
+    4 bits of each lane, so the low nibbles need no mask and the high nibbles one shift; the two
+    looked-up vectors multiply X's two halves of the block into 16-lane accumulators. Per block
+    and row: about 8 vector instructions against the conversion path's ~23 (nibble unpack,
+    int-to-float, scale and offset FMAs with 8 lanes). The lookups are LLVM's x86 intrinsic, not a
+    schedule, so the loop nest is written out here; the plan gives its tiling: parallel chunks of
+    NB rows (plan.chunk), row tiles of NR rows (plan.rows) sharing X's registers, the tile's
+    scales converted to float32 before its blocks, each row's 16 lanes summed at the end."""
+    fmt, n, k = config.fmt, config.n, config.k
+    if fmt not in TABLE_GEMV_FORMATS or config.op != "matmul" or config.tokens != 1 or config.target != "llvm":
+        raise ValueError(f"{config.name}: table_gemv computes one token of {TABLE_GEMV_FORMATS} on llvm")
+    nr = _divisor_at_most(n, plan.rows)
+    nb = _divisor_at_most(n, plan.chunk, nr)
+    nsb, half = k // BLOCK, BLOCK // 2
+    i64 = _i64
+    f32x16 = "float32x16"
+    permute = "llvm.x86.avx512.permvar.sf.512"  # (table float32x16, index int32x16): table[index & 15]
+    q4_0 = fmt == "Q4_0"
+
+    @T.macro
+    def scales_q4_1(scale, offset, d, m, row):  # the tile's scales and offsets as float32
+        for r in T.unroll(nr):
+            for s in T.vectorized(nsb):
+                scale[r, s] = T.Cast("float32", d[row + r, s])
+                offset[r, s] = T.Cast("float32", m[row + r, s])
+
+    @T.macro
+    def scales_q4_0(scale, offset, d, m, row):  # m: None; w = d * q - 8 d
+        for r in T.unroll(nr):
+            for s in T.vectorized(nsb):
+                scale[r, s] = T.Cast("float32", d[row + r, s])
+                offset[r, s] = scale[r, s] * T.float32(-8.0)
+
+    convert = scales_q4_0 if q4_0 else scales_q4_1
+
+    @T.macro
+    def body(x, qs, d, m, y):
+        for chunk in T.parallel(i64(n // nb)):
+            for tile in range(i64(nb // nr)):
+                scale = T.alloc_buffer((nr, nsb), "float32")
+                offset = T.alloc_buffer((nr, nsb), "float32")
+                acc = T.alloc_buffer((nr, 16), "float32", scope="local")
+                convert(scale, offset, d, m, chunk * nb + tile * nr)
+                for r in T.unroll(nr):
+                    acc[r, T.ramp(0, 1, 16)] = T.broadcast(T.float32(0.0), 16)
+                for s in range(i64(nsb)):
+                    for r in T.unroll(nr):
+                        table: T.float32x16 = (T.broadcast(scale[r, s], 16) * T.Cast(f32x16, T.ramp(0, 1, 16))
+                                               + T.broadcast(offset[r, s], 16))
+                        q: T.int32x16 = T.Cast("int32x16", qs[chunk * nb + tile * nr + r, T.ramp(s * half, 1, 16)])
+                        low: T.float32x16 = T.call_llvm_pure_intrin(f32x16, permute, table, q)
+                        high: T.float32x16 = T.call_llvm_pure_intrin(f32x16, permute, table,
+                                                                     q >> T.broadcast(4, 16))
+                        acc[r, T.ramp(0, 1, 16)] = (acc[r, T.ramp(0, 1, 16)]
+                                                    + low * x[0, T.ramp(s * BLOCK, 1, 16)]
+                                                    + high * x[0, T.ramp(s * BLOCK + 16, 1, 16)])
+                for r in T.unroll(nr):  # each row's 16 lanes summed as a tree of halves
+                    acc[r, T.ramp(0, 1, 8)] = acc[r, T.ramp(0, 1, 8)] + acc[r, T.ramp(8, 1, 8)]
+                    acc[r, T.ramp(0, 1, 4)] = acc[r, T.ramp(0, 1, 4)] + acc[r, T.ramp(4, 1, 4)]
+                    acc[r, T.ramp(0, 1, 2)] = acc[r, T.ramp(0, 1, 2)] + acc[r, T.ramp(2, 1, 2)]
+                    y[0, chunk * nb + tile * nr + r] = acc[r, 0] + acc[r, 1]
+
+    x_t = T.Buffer((i64(1), i64(k)), "float32")
+    qs_t = T.Buffer((i64(n), i64(k // 2)), "uint8")
+    d_t = T.Buffer((i64(n), i64(nsb)), "float16")
+    m_t = T.Buffer((i64(n), i64(nsb)), "float16")
+    y_t = T.Buffer((i64(1), i64(n)), "float32")
+
+    if q4_0:  # no m
+        @T.prim_func(check_well_formed=False)
+        def func(x: x_t, qs: qs_t, d: d_t, y: y_t):
+            T.func_attr({"tirx.noalias": True})
+            body(x, qs, d, None, y)
+    else:
+        @T.prim_func(check_well_formed=False)
+        def func(x: x_t, qs: qs_t, d: d_t, m: m_t, y: y_t):
+            T.func_attr({"tirx.noalias": True})
+            body(x, qs, d, m, y)
+    return func
+
+
 def take_algorithm(config: QuantMatmulConfig) -> tirx.PrimFunc:
     """E[i, k] = dequant(W)[ids[i], k]: arguments (ids int32 [I] (I symbolic), *parts, E [I, K] in
     config.dtype).
@@ -301,13 +407,15 @@ class CPUSchedule:
 
     lanes: V, float32 vector lanes (a divisor of 32); rows: NR, rows per register tile;
     token_tile: MR (GEMM); chunk: NB, rows per parallel task (a multiple of NR; GEMV and GEMM
-    round it down to a divisor of N).
+    round it down to a divisor of N); lookup: the GEMV of a 4-bit format by table lookup
+    (`table_gemv`: AVX-512, 16 lanes) instead of gemv_algorithm's int-to-float conversions.
     """
 
     lanes: int = 16
     rows: int = 4
     token_tile: int = 4
     chunk: int = 32
+    lookup: bool = False
 
     def __post_init__(self):
         if self.lanes not in (4, 8, 16, 32):
@@ -318,6 +426,8 @@ class CPUSchedule:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
         if self.chunk % self.rows:
             raise ValueError(f"chunk={self.chunk} must be a multiple of rows={self.rows}")
+        if not isinstance(self.lookup, bool) or self.lookup and self.lanes != 16:
+            raise ValueError(f"lookup={self.lookup!r}: expected a bool, True only with lanes=16 (AVX-512)")
 
 
 def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
@@ -329,6 +439,8 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
     lanes = host_cpu()[1]
     if config.op == "matmul" and config.tokens != 1:
         return CPUSchedule(lanes=lanes, rows=3, token_tile=4, chunk=48)
+    if config.op == "matmul" and config.fmt in TABLE_GEMV_FORMATS and host_has_avx512():
+        return CPUSchedule(lanes=16, rows=4, chunk=32, lookup=True)
     # GEMV chunks of 32 rows: SmolLM2's 576- and 960-row projections then split into an even
     # number of tasks (18, 30; 9 and 15 with 64), balanced on 2 cores
     return CPUSchedule(lanes=lanes, rows=1 if config.fmt == "Q8_0" else 4, chunk=32)
@@ -531,4 +643,7 @@ def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.P
             "global_symbol", config.name)
     if config.target == "llvm":
         plan = plan or choose_schedule(config)
+        if plan.lookup and config.op == "matmul" and config.tokens == 1:
+            return table_gemv(config, plan).with_attr("tirx.is_scheduled", True).with_attr(
+                "op_pattern", 8).with_attr("global_symbol", config.name)
     return schedule(algorithm(config, plan), config, plan).with_attr("global_symbol", config.name)
