@@ -43,6 +43,9 @@ VARIANTS = {
     "chosen": None,
     "convert-8": CPUSchedule(lanes=8, rows=4, chunk=32),  # gemv_algorithm, 8 lanes (AVX2)
     "convert-16": CPUSchedule(lanes=16, rows=4, chunk=32),  # gemv_algorithm, 16 lanes
+    "convert-16-r1": CPUSchedule(lanes=16, rows=1, chunk=32),  # the Q8_0 head's tile, 16 lanes
+    "convert-16-r2": CPUSchedule(lanes=16, rows=2, chunk=32),
+    "lookup-r1": CPUSchedule(lanes=16, rows=1, chunk=32, lookup=True),
     "lookup-r2": CPUSchedule(lanes=16, rows=2, chunk=32, lookup=True),
     "lookup-r4": CPUSchedule(lanes=16, rows=4, chunk=32, lookup=True),
     "lookup-r8": CPUSchedule(lanes=16, rows=8, chunk=32, lookup=True),

@@ -435,12 +435,16 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
     blocks and of 1 row for Q8_0 (memory-bound: each row tile is a stream of its own; SmolLM2's
     49152 x 576 head on one Zen 4 core: 1.7-2.0 ms with 1 row, 4.4-5.1 ms with 2-4); GEMM register
     tiles of 3 rows x 4 tokens (12 accumulators; Q4_1 1536 x 576 x 120 tokens on one core: 1.6-2.2x
-    the 2 x 4 tile's rate, 4 x 3 and 3 x 5 spill)."""
+    the 2 x 4 tile's rate, 4 x 3 and 3 x 5 spill). With AVX-512, the one-token product of Q4_0 and
+    Q4_1 is `table_gemv` (lookup=True)."""
     lanes = host_cpu()[1]
     if config.op == "matmul" and config.tokens != 1:
         return CPUSchedule(lanes=lanes, rows=3, token_tile=4, chunk=48)
     if config.op == "matmul" and config.fmt in TABLE_GEMV_FORMATS and host_has_avx512():
-        return CPUSchedule(lanes=16, rows=4, chunk=32, lookup=True)
+        # the lookup GEMV: tiles of 4 rows for short rows, 1 row (one sequential stream) for rows
+        # of 1024 weights and more (SmolLM2's 576 x 1536 down projection over 30 layers' weights on
+        # one core: 77-81 us with 1 row, 92-98 with 2, 94-120 with 4; 3072 x 576: 4 or 2 rows best)
+        return CPUSchedule(lanes=16, rows=1 if config.k >= 1024 else 4, chunk=32, lookup=True)
     # GEMV chunks of 32 rows: SmolLM2's 576- and 960-row projections then split into an even
     # number of tasks (18, 30; 9 and 15 with 64), balanced on 2 cores
     return CPUSchedule(lanes=lanes, rows=1 if config.fmt == "Q8_0" else 4, chunk=32)
