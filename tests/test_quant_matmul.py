@@ -64,7 +64,7 @@ def built():
     def get(config: QuantMatmulConfig, plan: CPUSchedule | None = None):
         key = (config, plan)
         if key not in cache:
-            cache[key] = tvm.compile(kernel(config, plan), target=host_target())
+            cache[key] = tvm.compile(kernel(config, plan), target=host_target(avx512=bool(plan and plan.lookup)))
         return cache[key]
 
     return get
@@ -159,17 +159,27 @@ def test_table_gemv_matches_dequantize_then_matmul(built, fmt, rows, cols, nr):
 
 @needs_avx512
 def test_table_gemv_is_chosen_and_looks_up_by_permutes():
-    """On an AVX-512 host the 4-bit GEMVs take the lookup; its code is vpermps/vpermd on zmm
-    registers, without the int-to-float conversions of the other path."""
-    for fmt in TABLE_GEMV_FORMATS:
-        assert choose_schedule(QuantMatmulConfig(fmt, 960, 576, tokens=1)).lookup
-    for config in (QuantMatmulConfig("Q8_0", 960, 576, tokens=1), QuantMatmulConfig("Q4_1", 960, 576, tokens=4),
-                   QuantMatmulConfig("Q4_1", 960, 576, op="take")):
-        assert not choose_schedule(config).lookup
-    config = QuantMatmulConfig("Q4_1", 64, 576, tokens=1)
-    asm = tvm.tirx.build(kernel(config), target=host_target()).inspect_source("s")
+    """Under an AVX-512 target the 4-bit GEMVs take the lookup (1-row tiles for long rows); its
+    code is vpermps/vpermd on zmm registers, without the other path's int-to-float conversions.
+    Without AVX-512 in scope (or no scope) they keep gemv_algorithm, and a lookup plan is refused."""
+    avx512 = host_target(avx512=True)
+    with avx512:
+        for fmt in TABLE_GEMV_FORMATS:
+            assert choose_schedule(QuantMatmulConfig(fmt, 960, 576, tokens=1)).lookup
+        assert choose_schedule(QuantMatmulConfig("Q4_1", 576, 1536, tokens=1)).rows == 1
+        for config in (QuantMatmulConfig("Q8_0", 960, 576, tokens=1), QuantMatmulConfig("Q4_1", 960, 576, tokens=4),
+                       QuantMatmulConfig("Q4_1", 960, 576, op="take")):
+            assert not choose_schedule(config).lookup
+        config = QuantMatmulConfig("Q4_1", 64, 576, tokens=1)
+        func = kernel(config)
+    asm = tvm.tirx.build(func, target=avx512).inspect_source("s")
     assert "vperm" in asm and "%zmm" in asm
     assert "vcvtdq2ps" not in asm
+    assert not choose_schedule(config).lookup
+    with host_target():
+        assert not choose_schedule(config).lookup
+        with pytest.raises(ValueError, match="plan.lookup needs an AVX-512 target"):
+            kernel(config, CPUSchedule(lookup=True))
 
 
 def test_table_gemv_validation():

@@ -249,6 +249,15 @@ def _weight_formats(config, tensors: dict | None, log: Callable[[str], None]) ->
     return tuple(sorted(formats.items()))
 
 
+def _every_matrix_kept(config, weight_formats: tuple[tuple[str, str], ...]) -> bool:
+    """Whether every weight matrix stays quantized (no float matmul: the library may be compiled
+    with AVX-512, export.BuildOptions.host_avx512)."""
+    from .models import hf_parameter_sources
+
+    matrices = [name for name in hf_parameter_sources(config) if name.endswith(".weight") and "norm" not in name]
+    return len(weight_formats) == len(matrices)
+
+
 def random_params(document: dict[str, Any], seed: int) -> list[np.ndarray]:
     """Random parameters for a library's metadata["params"], in its dtype: vectors (norms) near
     1, the token embedding N(0, 1), other matrices N(0, 1 / in_features) (activations stay O(1))."""
@@ -346,7 +355,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     weight_formats = _weight_formats(config, tensors, log) if quantization == "keep" else ()
     options = BuildOptions(target=target, dtype=dtype, page_size=page_size, kv_cache=kv_cache,
                            weight_formats=weight_formats, max_batch_size=max_batch_size,
-                           small_batch_matmul=small_batch_matmul)
+                           small_batch_matmul=small_batch_matmul,
+                           host_avx512=bool(weight_formats) and _every_matrix_kept(config, weight_formats))
     attn_backend = _attention_backend(attn_backend, options.cache_spec(config), log)
     log(f"[compile] exporting the Relax module (target {target}, dtype {dtype}, kv cache {kv_cache}, "
         f"attention {attn_backend})")

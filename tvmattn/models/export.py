@@ -64,10 +64,15 @@ class BuildOptions:
     weight_formats: tuple[tuple[str, str], ...] = ()
     max_batch_size: int = 4  # the most sequences of one decode_step (its storage is planned for it)
     small_batch_matmul: bool = True  # CUDA: pipeline.SmallBatchMatmul for decode_step's projections
+    # llvm with weight_formats: compile with the host's AVX-512 (quant_matmul.host_target), for
+    # libraries whose every matrix is kept quantized (build.py sets it; float matmuls compile slowly)
+    host_avx512: bool = False
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size!r} is not supported: expected an int >= 1")
+        if not isinstance(self.host_avx512, bool):
+            raise ValueError(f"host_avx512={self.host_avx512!r} is not supported: expected a bool")
         if not isinstance(self.small_batch_matmul, bool):
             raise ValueError(f"small_batch_matmul={self.small_batch_matmul!r} is not supported: expected a bool")
         for name, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
@@ -98,7 +103,7 @@ class BuildOptions:
 
             # the host CPU's instructions and vector width for the fused kernels (plain "llvm" is
             # SSE2); float builds keep plain llvm: dlight's schedules take 3.5x longer to compile for it
-            return host_target()
+            return host_target(avx512=self.host_avx512)
         return tvm_target(self.target, schedule_rules=True)
 
 

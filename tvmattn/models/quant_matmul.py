@@ -20,11 +20,13 @@ The algorithms (TE computes, no schedule):
 and, for one token, Y in block-factored form (`gemv_algorithm`: W = scale * q + offset per
 sub-block, the scale and offset applied once per sub-block and lane, not per weight), scheduled
 per target (`schedule`). On llvm (`_schedule_gemv`, `_schedule_gemm`, for the vector width of the
-host's CPU; compile for `host_target()`):
-- GEMV (T statically 1, decode): parallel over chunks of rows; per row tile of NR rows and
-  sub-block, V-lane dot products of the integer quants with X in a register, scaled into NR x V
-  accumulators, summed at the end. (The scale per weight made Q8_0's LM head latency-bound on
-  one accumulator: 49152 x 576 on one core, 4.9 -> 1.7-2.0 ms.)
+host's CPU; compile for `host_target()`, `host_target(avx512=True)` for the lookup GEMV):
+- GEMV of Q4_0 / Q4_1 under an AVX-512 target (`table_gemv`): each block's 16 possible weights
+  as one float32x16 table, indexed by the block's nibbles with vpermps; x in float32.
+- GEMV (T statically 1, decode; the other formats, or no AVX-512): parallel over chunks of
+  rows; per row tile of NR rows and sub-block, V-lane dot products of the integer quants with X
+  in a register, scaled into NR x V accumulators, summed at the end. (The scale per weight made
+  Q8_0's LM head latency-bound on one accumulator: 49152 x 576 on one core, 4.9 -> 1.7-2.0 ms.)
 - GEMM (T symbolic, prefill): per parallel chunk of NB rows, the chunk of W is dequantized once
   into an f32 scratch tile [NB, K], which every token tile then multiplies as CPUMatmul does
   (tokens padded to MR, MR x NR x V register tile of lanes along K).
@@ -70,17 +72,30 @@ def host_has_avx512() -> bool:
     return "avx512f" in features
 
 
-def host_target() -> tvm.target.Target:
-    """The llvm target of this machine's CPU: its instructions, AVX-512 included where it has it
-    (the 4-bit GEMV's lookups, `table_gemv`); every other kernel keeps 256-bit vectors (the
-    schedules' lanes, `host_cpu`).
+def host_target(avx512: bool = False) -> tvm.target.Target:
+    """The llvm target of this machine's CPU (its instructions; 256-bit vectors at most unless
+    `avx512` and the CPU has AVX-512).
 
-    AVX-512 was off at first: with it, LLVM took minutes instead of seconds on the float
-    matmuls dlight schedules (a 2-layer SmolLM2 with float weights: 164 s against 47 s for plain
-    llvm and 25 s without AVX-512); quantized libraries, the only ones built for this target
-    (export.BuildOptions.tvm_target), have few float matmuls (see docs/perf-notes.md, issue 15's
-    fifth pass, for the compile times)."""
-    return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0]})
+    AVX-512 is for libraries whose every matrix is kept quantized (export.BuildOptions.host_avx512):
+    it gives the 4-bit GEMV its 16-entry vector lookup (`table_gemv`), but LLVM takes minutes
+    instead of seconds with it on dlight's float matmuls in the same library (a 2-layer SmolLM2
+    with float weights: 164 s against 47 s for plain llvm and 25 s without AVX-512; tests/
+    test_model.py's 2-layer tied model with one float projection: 29 s without, unfinished after
+    219 s with).
+    Kernels pick the lookup from the target in scope (`target_has_avx512`)."""
+    if avx512 and host_has_avx512():
+        return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0]})
+    return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0], "mattr": ["-avx512f"]})
+
+
+def target_has_avx512(target: tvm.target.Target | None) -> bool:
+    """Whether an llvm `target` (None: the one in scope, if any) generates AVX-512F code."""
+    from tvm.target import codegen
+
+    target = target or tvm.target.Target.current(allow_none=True)
+    if target is None or target.kind.name != "llvm":
+        return False
+    return "avx512f" in codegen.llvm_get_cpu_features(target)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,12 +450,12 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
     blocks and of 1 row for Q8_0 (memory-bound: each row tile is a stream of its own; SmolLM2's
     49152 x 576 head on one Zen 4 core: 1.7-2.0 ms with 1 row, 4.4-5.1 ms with 2-4); GEMM register
     tiles of 3 rows x 4 tokens (12 accumulators; Q4_1 1536 x 576 x 120 tokens on one core: 1.6-2.2x
-    the 2 x 4 tile's rate, 4 x 3 and 3 x 5 spill). With AVX-512, the one-token product of Q4_0 and
-    Q4_1 is `table_gemv` (lookup=True)."""
+    the 2 x 4 tile's rate, 4 x 3 and 3 x 5 spill). Under an AVX-512 target scope
+    (`host_target(avx512=True)`), the one-token product of Q4_0 and Q4_1 is `table_gemv` (lookup=True)."""
     lanes = host_cpu()[1]
     if config.op == "matmul" and config.tokens != 1:
         return CPUSchedule(lanes=lanes, rows=3, token_tile=4, chunk=48)
-    if config.op == "matmul" and config.fmt in TABLE_GEMV_FORMATS and host_has_avx512():
+    if config.op == "matmul" and config.fmt in TABLE_GEMV_FORMATS and target_has_avx512(None):
         # the lookup GEMV: tiles of 4 rows for short rows, 1 row (one sequential stream) for rows
         # of 1024 weights and more (SmolLM2's 576 x 1536 down projection over 30 layers' weights on
         # one core: 77-81 us with 1 row, 92-98 with 2, 94-120 with 4; 3072 x 576: 4 or 2 rows best)
@@ -648,6 +663,9 @@ def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.P
     if config.target == "llvm":
         plan = plan or choose_schedule(config)
         if plan.lookup and config.op == "matmul" and config.tokens == 1:
+            scope = tvm.target.Target.current(allow_none=True)
+            if scope is not None and not target_has_avx512(scope):
+                raise ValueError(f"{config.name}: plan.lookup needs an AVX-512 target, the scope's is {scope}")
             return table_gemv(config, plan).with_attr("tirx.is_scheduled", True).with_attr(
                 "op_pattern", 8).with_attr("global_symbol", config.name)
     return schedule(algorithm(config, plan), config, plan).with_attr("global_symbol", config.name)
