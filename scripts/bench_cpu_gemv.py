@@ -2,9 +2,9 @@
 
 For each projection of a decode step (one token; Q4_1 matrices and the tied Q8_0 LM head), the
 fused kernels of tvmattn/models/quant_matmul.py under each CPU schedule given (the host's
-choice, `choose_schedule`, and the alternatives below), compiled for `host_target()`. Each runs
-over --layers copies of random blocks in turn (together larger than the caches, as in a decode
-step), --calls passes per sample, --samples samples; the best sample's time per call is printed
+choice, `choose_schedule`, and the alternatives below), compiled for `host_target(avx512=True)`
+(the lookup variants need AVX-512). Each runs over --layers copies of random blocks in turn
+(together larger than the caches, as in a decode step), --calls passes per sample, --samples samples; the best sample's time per call is printed
 (the machine is shared: the best is the least disturbed), with the median beside it. Every
 kernel's output is first checked against dequantize-then-matmul in float64 numpy.
 TVM_NUM_THREADS sets the threads (default here: 1).
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     only = set(args.only.split(",")) if args.only else None
     variants = args.variants.split(",")
     rng = np.random.default_rng(0)
-    target = host_target()
+    target = host_target(avx512=True)  # as compile_model builds a library whose matrices are all kept
     print(f"target {target}, TVM_NUM_THREADS={os.environ['TVM_NUM_THREADS']}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     rows = []
@@ -93,7 +93,8 @@ def main(argv=None) -> int:
             plan = VARIANTS[label]
             if plan is not None and plan.lookup and fmt not in ("Q4_0", "Q4_1"):
                 continue
-            fn = tvm.compile(kernel(config, plan), target=target)
+            with target:  # the host's choice follows the target in scope
+                fn = tvm.compile(kernel(config, plan), target=target)
             fn(x, *weights[0], y)
             err = np.abs(y.numpy() - want).max() / np.abs(want).max()
             assert err < 1e-5, f"{name} {label}: max relative error {err:.2e}"
@@ -106,7 +107,8 @@ def main(argv=None) -> int:
                     for parts in weights:
                         fn(x, *parts, y)
                 times[label].append((time.perf_counter() - start) / (args.calls * layers) * 1e6)
-        chosen = choose_schedule(config)
+        with target:
+            chosen = choose_schedule(config)
         for label, ts in times.items():
             rows.append((name, f"{n}x{k} {fmt}", label, min(ts), statistics.median(ts)))
         print(f"{name}: chosen {chosen}", flush=True)
