@@ -4,10 +4,11 @@ For each projection of a decode step (one token; Q4_1 matrices and the tied Q8_0
 fused kernels of tvmattn/models/quant_matmul.py under each CPU schedule given (the host's
 choice, `choose_schedule`, and the alternatives below), compiled for `host_target(avx512=True)`
 (the lookup variants need AVX-512). Each runs over --layers copies of random blocks in turn
-(together larger than the caches, as in a decode step), --calls passes per sample, --samples samples; the best sample's time per call is printed
-(the machine is shared: the best is the least disturbed), with the median beside it. Every
-kernel's output is first checked against dequantize-then-matmul in float64 numpy.
-TVM_NUM_THREADS sets the threads (default here: 1).
+(together larger than the caches, as in a decode step), --calls passes per sample, --samples
+samples, the variants interleaved; the best sample's time per call is printed (the machine is
+shared: the best is the least disturbed), with the median beside it. Every kernel's output is
+first checked against dequantize-then-matmul in float64 numpy. TVM_NUM_THREADS sets the threads
+(default here: 1).
 
     TVM_NUM_THREADS=1 python scripts/bench_cpu_gemv.py [--layers 30] [--samples 30] [--only gate_up,down]
 """
