@@ -548,6 +548,12 @@ def test_build_options_quantized_weights_need_the_targets_activation_dtype():
         BuildOptions(max_batch_size=0)
     with pytest.raises(ValueError, match="small_batch_matmul=1 is not supported"):
         BuildOptions(small_batch_matmul=1)
+    with pytest.raises(ValueError, match="host_avx512=1 is not supported"):
+        BuildOptions(host_avx512=1)
+    from tvmattn.models.quant_matmul import host_cpu
+    target = BuildOptions(weight_formats=(("lm_head", "Q4_1"),), host_avx512=True).tvm_target()
+    assert target.attrs["mcpu"] == host_cpu()[0]  # AVX-512 only where asked for (and the CPU has it)
+    assert "-avx512f" in list(BuildOptions(weight_formats=(("lm_head", "Q4_1"),)).tvm_target().attrs["mattr"])
 
 
 # CUDA kernels need head_dim >= 32 (a multiple of 4 * the schedule's threads): 128 / 2 heads.
