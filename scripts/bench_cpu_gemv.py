@@ -34,7 +34,7 @@ from tvmattn.models.quant_matmul import (  # noqa: E402
     host_target,
     kernel,
 )
-from tvmattn.weights.quant import QuantizedTensor, part_shapes  # noqa: E402
+from bench_quant_gemv import random_blocks  # noqa: E402 - the same random blocks as the CUDA GEMV bench
 
 # (name, format, N, K): SmolLM2-135M's decode projections and its tied Q8_0 LM head
 PROJECTIONS = [("qkv", "Q4_1", 960, 576), ("o", "Q4_1", 576, 576), ("gate_up", "Q4_1", 3072, 576),
@@ -51,17 +51,6 @@ VARIANTS = {
     "lookup-r4": CPUSchedule(lanes=16, rows=4, chunk=32, lookup=True),
     "lookup-r8": CPUSchedule(lanes=16, rows=8, chunk=32, lookup=True),
 }
-
-
-def random_blocks(fmt: str, n: int, k: int, rng) -> QuantizedTensor:
-    """Random quants and float16 scales (every bit pattern of the quants is a valid block)."""
-    parts = {}
-    for part, dtype, shape in part_shapes(fmt, n, k):
-        if dtype == "float16":
-            parts[part] = (rng.standard_normal(shape) * 0.01).astype(np.float16)
-        else:
-            parts[part] = rng.integers(0, 256, shape, dtype=np.uint8).view(dtype)
-    return QuantizedTensor(fmt, (n, k), parts)
 
 
 def main(argv=None) -> int:

@@ -56,6 +56,7 @@ def f16_gemv(n: int, k: int, residual: bool, name: str) -> tirx.PrimFunc:
 
 
 def random_blocks(fmt: str, n: int, k: int, rng) -> QuantizedTensor:
+    """Random quants and float16 scales (every bit pattern of the quants is a valid block)."""
     parts = {}
     for part, dtype, shape in part_shapes(fmt, n, k):
         if dtype == "float16":
