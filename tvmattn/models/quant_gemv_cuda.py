@@ -25,11 +25,14 @@ projection).
 
 A prologue (quant_matmul.PROLOGUES) folds the op before the projection into the kernel, another
 launch less each (per decoder layer: the two RMSNorms and the MLP's gate):
-- "rms_norm": (X, *parts, G [K], Y): Y = (X * rsqrt(mean(X^2) + eps) * G) W^T. The lanes of a row
-  hold all of X's blocks between them, so each sums its blocks' squares, the warp reduces them
-  with the products, and Y = rsqrt(...) * ((X G) W^T): the normalized X never exists in memory
-  (nor is it rounded to float16 as a separate RMSNorm would round it).
-- "swiglu": X [T, 2K] holds gate then up; the product takes silu(gate) * up in float32.
+- "rms_norm": (X, *parts, G [K], Y): Y = (X * rsqrt(mean(X^2) + eps) * G) W^T, computed as
+  rsqrt(...) * ((X G) W^T);
+- "swiglu": X [T, 2K] holds gate then up; the product takes silu(gate) * up.
+A prologue kernel has 512-thread blocks; for each pass of tokens the block first writes the
+prologue's float32 output to shared memory once (X G, and each token's sum of squares by warp
+shuffles and a sum over the warps; or silu(gate) * up), and its rows read X from there. The
+normalized X never exists in global memory (nor is it rounded to float16 as a separate RMSNorm
+would round it).
 """
 
 from __future__ import annotations
@@ -75,9 +78,8 @@ def choose_gemv_schedule(n: int, k: int, tokens: int | None, prologue: str = "no
     that latency, not by bytes; SmolLM2's K of 576 and 1536 are 18 and 48 blocks: 1 and 2 per
     lane); rows: 64 threads per block (576 rows: 288 blocks on 132 SMs); token tiles of 4 (a static
     count: one pass). With a prologue, 512 threads a block: the prologue runs once per block and
-    token (staged in shared memory), so bigger blocks repeat it less (a batch of 16 through
-    SwiGLU: 64-thread blocks made the down projection slower than the plain GEMV plus a SwiGLU
-    kernel), and passes of at most 4 tokens (the staged X fits the static shared memory)."""
+    pass (staged in shared memory), so bigger blocks repeat it less; and passes of at most 4
+    tokens (the staged X of SmolLM2's K = 1536 then fits the 48 KB of static shared memory)."""
     blocks = k // BLOCK
     lanes = 1
     while lanes < min(blocks, 32):
@@ -173,8 +175,12 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             for ty in T.thread_binding(R, thread="threadIdx.y"):
                 for tx in T.thread_binding(L, thread="threadIdx.x"):
-                    xs = T.alloc_shared((TR * NB * BP if PRO else 1,), f32)
-                    part = T.alloc_shared((NT // 32 * TR if NORM else 1,), f32)
+                    if PRO:  # the staged prologue (and the norm's per-warp sums of squares)
+                        xs = T.alloc_shared((TR * NB * BP,), f32)
+                        part = T.alloc_shared((NT // 32 * TR,), f32)
+                    else:
+                        xs = T.meta_var(None)
+                        part = T.meta_var(None)
                     words = T.alloc_local((J * WORDS,), WORD)
                     scale = T.alloc_local((J,), f32)
                     offset = T.alloc_local((J,), f32)
