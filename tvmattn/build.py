@@ -240,22 +240,25 @@ def _weight_formats(config, tensors: dict | None, log: Callable[[str], None]) ->
     from .models import hf_parameter_sources
     from .models.quant_linear import plan_weight_formats
 
-    sources = hf_parameter_sources(config)
-    formats = plan_weight_formats(sources, tensors or {})
-    matrices = [name for name in sources if name.endswith(".weight") and "norm" not in name]
+    formats = plan_weight_formats(hf_parameter_sources(config), tensors or {})
+    matrices = _weight_matrices(config)
     kinds = sorted(set(formats.values()))
     log(f"[compile] quantization keep: {len(formats)} of {len(matrices)} weight matrices stay quantized "
         f"({', '.join(kinds) or 'none'}); the others are dequantized to the library's dtype")
     return tuple(sorted(formats.items()))
 
 
+def _weight_matrices(config) -> list[str]:
+    """The model's weight matrices (parameter names; the norms' vectors left out)."""
+    from .models import hf_parameter_sources
+
+    return [name for name in hf_parameter_sources(config) if name.endswith(".weight") and "norm" not in name]
+
+
 def _every_matrix_kept(config, weight_formats: tuple[tuple[str, str], ...]) -> bool:
     """Whether every weight matrix stays quantized (no float matmul: the library may be compiled
     with AVX-512, export.BuildOptions.host_avx512)."""
-    from .models import hf_parameter_sources
-
-    matrices = [name for name in hf_parameter_sources(config) if name.endswith(".weight") and "norm" not in name]
-    return len(weight_formats) == len(matrices)
+    return len(weight_formats) == len(_weight_matrices(config))
 
 
 def random_params(document: dict[str, Any], seed: int) -> list[np.ndarray]:

@@ -74,7 +74,7 @@ def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor,
     fused = uses_cuda_gemv(config)
     # the prologue only where one pass of the GEMV covers every token (the single-token decode):
     # a decode batch's passes each wait on the staged prologue (H200, SmolLM2 kept at batch 16:
-    # 2.18 ms a step fused against 1.68 with the separate norm and gate kernels)
+    # 2.18 ms a step fused; 1.68 at the previous commit's separate norm and gate kernels)
     in_kernel = fused and static is not None and static <= PROLOGUE_MAX_TOKENS
     if fused:
         prologue = "none" if not in_kernel else "rms_norm" if norm is not None else "swiglu" if swiglu else "none"

@@ -66,10 +66,7 @@ def host_cpu() -> tuple[str, int]:
 @functools.lru_cache(maxsize=1)
 def host_has_avx512() -> bool:
     """Whether this machine's CPU has AVX-512F (the 16-entry vector lookup of `table_gemv`)."""
-    from tvm.target import codegen
-
-    features = codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0]}))
-    return "avx512f" in features
+    return target_has_avx512(tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0]}))
 
 
 def host_target(avx512: bool = False) -> tvm.target.Target:
@@ -617,13 +614,18 @@ def uses_cuda_gemv(config: QuantMatmulConfig) -> bool:
     return config.few_tokens and weight_bytes <= CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES
 
 
+def _scheduled(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` marked scheduled (the model pipeline's dlight rules leave it alone) and opaque (never fused)."""
+    return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
+
+
 def schedule(func: tirx.PrimFunc, config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.PrimFunc:
     """`func` (from matmul_algorithm / take_algorithm of `config`) scheduled for config.target,
     marked scheduled (the model pipeline's dlight rules leave it alone) and opaque (never fused).
     Compile it for `host_target()`: LLVM generates code for the target's CPU (a plain "llvm"
     target is SSE2, which splits every vector into 4-lane pieces)."""
     if config.target == "cuda":
-        return _schedule_cuda(func, config).with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
+        return _scheduled(_schedule_cuda(func, config))
     plan = plan or choose_schedule(config)
     sch = s_tir.Schedule(func)
     if config.op == "take":
@@ -632,7 +634,7 @@ def schedule(func: tirx.PrimFunc, config: QuantMatmulConfig, plan: CPUSchedule |
         _schedule_gemv(sch, config, plan)
     else:
         _schedule_gemm(sch, config, plan)
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
+    return _scheduled(sch.mod["main"])
 
 
 def algorithm(config: QuantMatmulConfig, plan: CPUSchedule | None) -> tirx.PrimFunc:
@@ -656,16 +658,13 @@ def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.P
 
         func = gemv_kernel(config.fmt, config.n, config.k, config.tokens, config.dtype,
                            choose_gemv_schedule(config.n, config.k, config.tokens, config.prologue),
-                           residual=config.residual,
-                           prologue=config.prologue, eps=config.eps)
-        return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8).with_attr(
-            "global_symbol", config.name)
+                           residual=config.residual, prologue=config.prologue, eps=config.eps)
+        return _scheduled(func).with_attr("global_symbol", config.name)
     if config.target == "llvm":
         plan = plan or choose_schedule(config)
         if plan.lookup and config.op == "matmul" and config.tokens == 1:
             scope = tvm.target.Target.current(allow_none=True)
             if scope is not None and not target_has_avx512(scope):
                 raise ValueError(f"{config.name}: plan.lookup needs an AVX-512 target, the scope's is {scope}")
-            return table_gemv(config, plan).with_attr("tirx.is_scheduled", True).with_attr(
-                "op_pattern", 8).with_attr("global_symbol", config.name)
+            return _scheduled(table_gemv(config, plan)).with_attr("global_symbol", config.name)
     return schedule(algorithm(config, plan), config, plan).with_attr("global_symbol", config.name)
