@@ -476,6 +476,31 @@ def test_cuda_gemv_schedule_validation(kwargs, message):
         CUDAGemvSchedule(**kwargs)
 
 
+def test_cuda_gemv_prologue_arguments_are_checked():
+    """An unknown prologue, or one on blocks of partial warps (its block reduction works by warps)."""
+    from tvmattn.models.quant_gemv_cuda import gemv_kernel
+
+    with pytest.raises(ValueError, match="prologue='gelu'"):
+        gemv_kernel("Q4_1", 64, 96, 1, "float16", choose_gemv_schedule(64, 96, 1), prologue="gelu")
+    with pytest.raises(ValueError, match="lanes \\* rows = 16: a prologue needs whole warps"):
+        gemv_kernel("Q4_1", 64, 96, 1, "float16", CUDAGemvSchedule(lanes=4, rows=4, token_tile=1),
+                    prologue="rms_norm")
+    gemv_kernel("Q4_1", 64, 96, 1, "float16", CUDAGemvSchedule(lanes=4, rows=4, token_tile=1))  # no prologue: fine
+
+
+def test_quant_linear_norm_takes_a_plain_rms_norm():
+    """QuantLinear's norm= is an RMSNorm without bias, never with swiglu (checked before tracing)."""
+    from tvm.relax.frontend import nn
+
+    from tvmattn.models.quant_linear import QuantLinear
+
+    layer = QuantLinear(64, 32, "Q4_1")
+    with pytest.raises(ValueError, match="norm takes an RMSNorm without bias"):
+        layer(None, norm=nn.RMSNorm(64, -1, 1e-5, bias=True))
+    with pytest.raises(ValueError, match="and not with swiglu"):
+        layer(None, norm=nn.RMSNorm(64, -1, 1e-5, bias=False), swiglu=True)
+
+
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 def test_cuda_gemv_source_loads_16_bytes_and_reduces_by_shuffles(fmt):
     """The CUDA source (no GPU needed to generate it): the quants and X in 16-byte vector loads,
