@@ -17,6 +17,7 @@ import tvm
 from harness import JUNK, device_for, empty, index_view, make_paged_batch, randn, tensor
 
 from tir_kernels import AttentionConfig, TensorCoreDecodeSchedule, default_sm_scale, paged_decode
+from tir_kernels.config import RopeScaling
 from tir_kernels.decode_tc import paged_decode_tc
 from tir_kernels.schedules import (choose_decode_variant, choose_tc_decode_schedule, decode_schedule_label,
                                    decode_variants, load_decode_table, schedule_from_dict, tc_decode_applies,
@@ -82,9 +83,10 @@ def gpu_target():
     return f"cuda:{present_cuda_arch()}"
 
 
-def run(kernels, config, batch, q, schedule=None, rotary_mode=0, rope=(1.0, 1e4), q_pos=None, k_pos=None):
+def run(kernels, config, batch, q, schedule=None, rotary_mode=0, rope=(1.0, 1e4), q_pos=None, k_pos=None,
+        generator=paged_decode_tc):
     dev = device_for(config)
-    fn = kernels.get(paged_decode_tc, config, schedule)
+    fn = kernels.get(generator, config, schedule)
     b = batch.batch
     o = empty((b, config.num_qo_heads, config.head_dim), config.dtype, dev)
     lse = empty((b, config.num_qo_heads), "float32", dev)
@@ -112,12 +114,22 @@ def check(config, batch, q, o, lse, rope=None, q_pos=None, k_pos=None):
         k, v = batch.visible(i)
         qi = q[i : i + 1]
         if rope is not None:
-            qi = ref.rope(qi, q_pos[i : i + 1], rope[1], rope[0], None)
-            k = ref.rope(k, k_pos[i] + np.arange(len(k)), rope[1], rope[0], None)
+            qi = ref.rope(qi, q_pos[i : i + 1], rope[1], rope[0], config.rope_scaling)
+            k = ref.rope(k, k_pos[i] + np.arange(len(k)), rope[1], rope[0], config.rope_scaling)
         eo, else_ = ref.attention(qi, k, v, default_sm_scale(config.head_dim), causal=False)
         np.testing.assert_allclose(o[i], eo[0], rtol=rtol, atol=atol, err_msg=f"o of request {i}")
         np.testing.assert_allclose(lse[i], else_[0], rtol=ref.LSE_TOLERANCE[0], atol=ref.LSE_TOLERANCE[1],
                                    err_msg=f"lse of request {i}")
+
+
+def check_inline_rope(kernels, config, batch, q, schedule, rng, generator=paged_decode_tc):
+    """rotary_mode=1 (q and keys RoPE'd in the kernel) at random positions against the
+    reference on the rotated q and keys; rope scale 0.5, theta 5e5."""
+    q_pos = rng.integers(0, 20000, batch.batch).astype(np.int32)
+    k_pos = rng.integers(0, 20000, batch.batch).astype(np.int32)
+    rope = (0.5, 5e5)
+    o, lse = run(kernels, config, batch, q, schedule, 1, rope, q_pos, k_pos, generator)
+    check(config, batch, q, o, lse, rope, q_pos, k_pos)
 
 
 @pytest.mark.gpu
@@ -203,6 +215,8 @@ def test_paged_decode_tc_fused_merge(kernels, gpu_target, case, fanin):
         batch, q = inputs(rng, config, lengths)
         o, lse = run(kernels, config, batch, q, sched)
         check(config, batch, q, o, lse)
+    if fanin == 0:  # inline RoPE through the same fused merge
+        check_inline_rope(kernels, config, batch, q, sched, rng)
 
 
 @pytest.mark.gpu
@@ -226,19 +240,29 @@ def test_decode_table_schedules(kernels, gpu_target, case):
                index_view(batch.page_indices, dev), index_view(batch.length_info(), dev), index_view(zeros, dev),
                index_view(zeros, dev), o, lse, 0, 1.0, 1e4, default_sm_scale(d))
             check(config, batch, q, o.numpy().astype(np.float64), lse.numpy())
+            if batch_size < 40:
+                check_inline_rope(kernels, config, batch, q, sched, rng, paged_decode)
+
+
+# Inline RoPE (rotary_mode=1, tensor cores) on every config of CASES and with Llama-3 frequency
+# scaling.
+ROPE_CASES = [(case, None) for case in CASES] + [(CASES[0], RopeScaling(8.0, 1.0, 4.0, 8192)),
+                                                 (CASES[6], RopeScaling(32.0, 1.0, 4.0, 8192))]
 
 
 @pytest.mark.gpu
-def test_paged_decode_tc_inline_rope(kernels, gpu_target):
-    """rotary_mode=1 runs the CUDA-core kernel held in the same PrimFunc."""
-    config = AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target=gpu_target)
-    rng = np.random.default_rng(5)
-    batch, q = inputs(rng, config, [5, 16, 40, 1500])
-    q_pos = np.array([9, 30, 100, 1600], np.int32)
-    k_pos = np.array([4, 14, 60, 100], np.int32)
-    rope = (0.5, 5e5)
-    o, lse = run(kernels, config, batch, q, None, 1, rope, q_pos, k_pos)
-    check(config, batch, q, o, lse, rope, q_pos, k_pos)
+@pytest.mark.parametrize("case,scaling", ROPE_CASES,
+                         ids=lambda x: case_id(x) if isinstance(x, tuple) else ("llama3" if x else "plain"))
+def test_paged_decode_tc_inline_rope(kernels, gpu_target, case, scaling):
+    """rotary_mode=1: the tensor-core kernel rotates q and each K tile in shared memory (exact
+    angles per tile, advanced row to row): ragged, empty and page-boundary lengths, a long
+    request (many tiles, several splits), positions up to 32000."""
+    hq, hkv, d, ps, dtype, sliding = case
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=gpu_target, sliding_window=sliding,
+                             rope_scaling=scaling)
+    rng = np.random.default_rng(zlib.crc32(case_id(case).encode()) + 3)
+    batch, q = inputs(rng, config, lengths_for(ps) + [3 * 4096 + 5])
+    check_inline_rope(kernels, config, batch, q, None, rng)
 
 
 @pytest.mark.gpu

@@ -30,19 +30,24 @@ Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
   finish: the warps' (m, l, O) states are merged through shared memory (softmax.combine) and
     finished into o / lse, or into the split workspace.
 
-rotary_mode == 1 (RoPE inside the kernel) runs decode.py's CUDA-core kernel, compiled into the
-same PrimFunc and picked on the host (as prefill_sm80 does with prefill.py's).
+rotary_mode == 1 (RoPE inside the kernel: q and the keys are stored un-rotated) runs the same
+kernel, compiled a second time with `rope_rows` after each landing: the group's Q rows once,
+then each K tile of the ring in shared memory before its S = Q K^T. A rotate-half pair (d,
+d + D/2) lies in chunks c and c + D/16 of a row, so a thread rotates one pair of 16-byte chunks
+per row (8 pairs), the same chunk index in every tile: its 8 frequencies are computed once, and
+its rows' angles once per tile, then advanced row to row by the angle-sum identity. The
+rotated values are rounded to the K/V dtype, as split + rotary would have stored them.
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import EMPTY_LSE, LOG2E, ceildiv, loop_kinds, paged_position
+from .common import EMPTY_LSE, LOG2E, ceildiv, loop_kinds, paged_position, rope_inv_freq
 from .config import AttentionConfig
-from .decode import _check, _Dims, _merge_macros, _split_kernel_macro, decode_func
+from .decode import _check, decode_func
 from .prefill_sm80 import CHUNK, FULL_WARP, MMA_DTYPES, ROWS_PER_MMA, _Tile
-from .schedules import TensorCoreDecodeSchedule, choose_decode_schedule, choose_tc_decode_schedule
+from .schedules import TensorCoreDecodeSchedule, choose_tc_decode_schedule
 from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor, softmax_macros
 
 
@@ -62,6 +67,41 @@ __device__ __forceinline__ void tvmattn_fma_ldcg4(float* acc, const float* p, fl
   acc[0] += w * v.x; acc[1] += w * v.y; acc[2] += w * v.z; acc[3] += w * v.w;
 }
 """
+
+
+def _rope_chunks_function(dtype: str):
+    """Name and CUDA source of the inline RoPE's rotation of one pair of 16-byte chunks in
+    shared memory: lo holds elements d..d+7 of a row, hi elements d+D/2..; c0..c7, s0..s7 the
+    cos and sin of the 8 pairs' angles (scalars, and the halves taken apart with bit operations,
+    so that nothing leaves the registers). lo <- c * lo - s * hi, hi <- c * hi + s * lo
+    (rotate-half), computed in float32 and rounded to `dtype` (float16 or bfloat16)."""
+    to_f, from_f = {"float16": ("__half2float(__ushort_as_half(u))", "__half_as_ushort(__float2half_rn(f))"),
+                    "bfloat16": ("__bfloat162float(__ushort_as_bfloat16(u))",
+                                 "__bfloat16_as_ushort(__float2bfloat16_rn(f))")}[dtype]
+    name = f"tvmattn_rope_chunks_{dtype}"
+    params = ", ".join([f"float c{i}" for i in range(8)] + [f"float s{i}" for i in range(8)])
+    src = f"""
+__device__ __forceinline__ float {name}_get(unsigned short u) {{ return {to_f}; }}
+__device__ __forceinline__ unsigned {name}_put(float f) {{ return (unsigned){from_f}; }}
+__device__ __forceinline__ void {name}(float* lo, float* hi, {params}) {{
+  const float c[8] = {{c0, c1, c2, c3, c4, c5, c6, c7}};
+  const float s[8] = {{s0, s1, s2, s3, s4, s5, s6, s7}};
+  uint4 a = *reinterpret_cast<uint4*>(lo);
+  uint4 b = *reinterpret_cast<uint4*>(hi);
+  unsigned x[4] = {{a.x, a.y, a.z, a.w}};
+  unsigned y[4] = {{b.x, b.y, b.z, b.w}};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {{
+    float x0 = {name}_get((unsigned short)(x[k] & 0xffffu)), x1 = {name}_get((unsigned short)(x[k] >> 16));
+    float y0 = {name}_get((unsigned short)(y[k] & 0xffffu)), y1 = {name}_get((unsigned short)(y[k] >> 16));
+    x[k] = {name}_put(c[2 * k] * x0 - s[2 * k] * y0) | ({name}_put(c[2 * k + 1] * x1 - s[2 * k + 1] * y1) << 16);
+    y[k] = {name}_put(c[2 * k] * y0 + s[2 * k] * x0) | ({name}_put(c[2 * k + 1] * y1 + s[2 * k + 1] * x1) << 16);
+  }}
+  *reinterpret_cast<uint4*>(lo) = make_uint4(x[0], x[1], x[2], x[3]);
+  *reinterpret_cast<uint4*>(hi) = make_uint4(y[0], y[1], y[2], y[3]);
+}}
+"""
+    return name, src
 
 
 def _arrival_counter(slots: int, tag: str = ""):
@@ -164,6 +204,11 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     PRE = STAGES - 1 if EARLY else 1  # tiles whose page entries a thread holds at once
 
     LI_SHAPE = (3, 1) if sliding else (1,)
+    # inline RoPE: pair chunks per row (c with c + HC), rows one pass of the block's threads
+    # rotates (thread tid: pair chunk tid % HC of rows tid // HC + p * ROPE_RPP)
+    HC = TL.chunks // 2
+    ROPE_RPP = NT // HC
+    ROPE, ROPE_SRC = _rope_chunks_function(dtype)
     # (request, KV head) arrival counters of fused_merge: a launch with more than one split slot
     # has at most target_blocks / 2 of them
     ARRIVE, ARRIVE_SRC = _arrival_counter(max(sched.target_blocks, 1))
@@ -199,6 +244,39 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 li_[k, 0] = length_info_[k, b_]
         else:
             li_[0] = length_info_[b_]
+
+    @T.macro
+    def rope_freqs(rope_scale_, rope_theta_, tid_, freq_, step_):
+        """Inline RoPE: freq_[i] <- rope_scale * inverse frequency of element (tid_ % HC) * 8 + i
+        (the thread's pair chunk); step_[i], step_[8 + i] <- cos, sin of ROPE_RPP rows' angle."""
+        for i in L.unroll(CHUNK):
+            freq_[i] = T.Cast("float32", rope_scale_) * rope_inv_freq((tid_ % HC) * CHUNK + i, D, rope_theta_,
+                                                                      config.rope_scaling)
+            step_[i] = T.cos(T.float32(ROPE_RPP) * freq_[i])
+            step_[CHUNK + i] = T.sin(T.float32(ROPE_RPP) * freq_[i])
+
+    @T.macro
+    def rope_rows(smem_, region_, rows, pos0_, advance, tid_, freq_, step_, cs_):
+        """Inline RoPE in shared memory: rotate rows 0..rows-1 of the tile at 16-bit element
+        offset region_, row r at position pos0_ + r (advance) or pos0_ (every row: the query
+        heads). The thread's rows start from exact angles and move by `step_` (rope_freqs)."""
+        nxt = T.alloc_buffer((CHUNK,), "float32", scope="local")
+        for i in L.unroll(CHUNK):
+            angle = T.meta_var(T.Cast("float32", pos0_ + (tid_ // HC if advance else 0)) * freq_[i])
+            cs_[i] = T.cos(angle)
+            cs_[CHUNK + i] = T.sin(angle)
+        for p in L.unroll(ceildiv(rows, ROPE_RPP)):
+            r = T.meta_var(p * ROPE_RPP + tid_ // HC)
+            if advance and p > 0:
+                for i in L.unroll(CHUNK):
+                    nxt[i] = cs_[i] * step_[i] - cs_[CHUNK + i] * step_[CHUNK + i]
+                    cs_[CHUNK + i] = cs_[CHUNK + i] * step_[i] + cs_[i] * step_[CHUNK + i]
+                    cs_[i] = nxt[i]
+            if rows % ROPE_RPP == 0 or r < rows:
+                T.evaluate(T.cuda.func_call(
+                    ROPE, smem_.ptr_to([word(region_ + TL.offset(r, tid_ % HC))]),
+                    smem_.ptr_to([word(region_ + TL.offset(r, tid_ % HC + HC))]),
+                    *[cs_[i] for i in range(2 * CHUNK)], source_code=ROPE_SRC))
 
     @T.macro
     def load_q(q_, smem_, b_, hkv_, tid_):
@@ -499,9 +577,10 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                                        *out, warp_, lane_, tid_)
 
     @T.macro
-    def body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, b, hkv, split,
-             tid):
-        """The work of block (request b, KV head hkv, split slot `split`), thread tid."""
+    def body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, rope_, b, hkv,
+             split, tid):
+        """The work of block (request b, KV head hkv, split slot `split`), thread tid. rope_: None,
+        or (k_rope_pos_offset, q_rope_position, rope_scale, rope_theta) for inline RoPE."""
         batch = q_.shape[0]
         smem = T.alloc_buffer((SMEM_WORDS,), "float32", scope=shared)
         qf = T.alloc_buffer((KSTEPS_QK * 4 if QREG else 4,), "uint32", scope="local")
@@ -515,6 +594,9 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         warp = tid // 32
         lane = tid % 32
         li = T.alloc_buffer(LI_SHAPE, "int32", scope="local")
+        rope_freq = T.alloc_buffer((CHUNK if rope_ is not None else 1,), "float32", scope="local")
+        rope_step = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
+        rope_cs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         load_length_info(length_info_, b, li)
         page0 = indptr_[b]
         kv_len = visible_keys(indptr_[b + 1] - page0, li)
@@ -551,6 +633,10 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             lookup(indices_, li, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0)
         T.ptx["cp.async.wait_group"](STAGES - 1)  # Q has landed
         T.tvm_storage_sync(shared)
+        if rope_ is not None:
+            rope_freqs(rope_[2], rope_[3], tid, rope_freq, rope_step)
+            rope_rows(smem, Q_OFF, G, rope_[1][b], False, tid, rope_freq, rope_step, rope_cs)
+            T.tvm_storage_sync(shared)
         if QREG:
             for kk in L.unroll(KSTEPS_QK):
                 load_q_frag(smem, qf, kk * 4, kk, lane)
@@ -563,6 +649,10 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 if t + STAGES < ntiles:
                     lookup(indices_, li, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0)
             T.ptx["cp.async.commit_group"]()
+            if rope_ is not None:  # tile t's keys, in place, before any warp reads them
+                rope_rows(smem, K_OFF + t % STAGES * BK * TL.stride, BK, rope_[0][b] + j_begin + t * BK, True, tid,
+                          rope_freq, rope_step, rope_cs)
+                T.tvm_storage_sync(shared)
             s_mma(smem, qf, s, t % STAGES, warp, lane)
             softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
             pv_mma(s, smem, o, t % STAGES, warp, lane)
@@ -580,7 +670,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                             warp, lane, tid)
 
     @T.macro
-    def tc_kernel(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_):
+    def tc_kernel(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, rope_):
         """One block per (request, KV head, split slot); slots past the request's split count
         do nothing. A request of one split writes o / lse, others the split workspace. The grid
         runs requests fastest, or KV heads (heads_first)."""
@@ -591,14 +681,14 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     for b in L.block(batch, "z"):
                         for tid in L.thread(NT, "x"):
                             body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_,
-                                 sm_scale_, b, hkv, split, tid)
+                                 sm_scale_, rope_, b, hkv, split, tid)
         else:
             for b in L.block(batch, "x", outer=True):
                 for hkv in L.block(Hkv, "y"):
                     for split in L.block(grid_splits(sched, Hkv, batch), "z"):
                         for tid in L.thread(NT, "x"):
                             body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_,
-                                 sm_scale_, b, hkv, split, tid)
+                                 sm_scale_, rope_, b, hkv, split, tid)
 
     @T.macro
     def merge_slots(width, slots, indptr_, length_info_, o_part_, lse_part_, o_, lse_, b, h, e):
@@ -675,36 +765,31 @@ def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule 
     q_rope_position [B] i32, o [B, Hq, D], lse [B, Hq] f32 (base 2), rotary_mode i32,
     rope_scale f32, rope_theta f32, sm_scale f32.
     A request with no visible token gets o = 0 and lse = EMPTY_LSE. dtype float16 or bfloat16,
-    CUDA sm_80 or newer, GQA group up to 16 (ValueError otherwise); rotary_mode == 1 runs
-    decode.py's CUDA-core kernel.
+    CUDA sm_80 or newer, GQA group up to 16 (ValueError otherwise); rotary_mode == 1 applies
+    RoPE to q (at q_rope_position) and to each key j (at k_rope_pos_offset + j) inside the
+    kernel (a second compilation of the kernel, picked on the device).
     """
     _check(config)
     sched = schedule or choose_tc_decode_schedule(config)
     sched.check(config)
-    cc_dims = _Dims.of(config, choose_decode_schedule(config))
-    L = loop_kinds(config)
     tc_kernel, tc_merge = _tc_macros(config, sched)
-    cc_split_kernel = _split_kernel_macro(cc_dims, L)
-    _, cc_merge = _merge_macros(cc_dims, L)
     Hq, Hkv, D = config.num_qo_heads, config.num_kv_heads, config.head_dim
 
     @T.macro
     def kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, k_rope_pos_offset_, q_rope_position_, O_,
                lse_, rotary_mode_, rope_scale_, rope_theta_, sm_scale_):
         batch = Q_.shape[0]
-        # Split partials of either kernel: FP32 output and LSE per split.
-        splits = T.meta_var(T.max(grid_splits(sched, Hkv, batch), cc_dims.num_splits(batch)))
-        o_part = T.alloc_buffer((splits * batch * Hq * D,), "float32")
-        lse_part = T.alloc_buffer((splits * batch * Hq,), "float32")
+        # Split partials: FP32 output and LSE per split slot.
+        o_part = T.alloc_buffer((grid_splits(sched, Hkv, batch) * batch * Hq * D,), "float32")
+        lse_part = T.alloc_buffer((grid_splits(sched, Hkv, batch) * batch * Hq,), "float32")
         if rotary_mode_ == 1:
-            cc_split_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, k_rope_pos_offset_,
-                            q_rope_position_, O_, lse_, o_part, lse_part, True, rope_scale_, rope_theta_, sm_scale_)
-            if cc_dims.num_splits(batch) > 1:
-                cc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
+            tc_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_,
+                      (k_rope_pos_offset_, q_rope_position_, rope_scale_, rope_theta_))
         else:
-            tc_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_)
-            if not sched.fused_merge and grid_splits(sched, Hkv, batch) > 1:
-                tc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
+            tc_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_,
+                      None)
+        if not sched.fused_merge and grid_splits(sched, Hkv, batch) > 1:
+            tc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
 
     return decode_func(config, kernel)
 
