@@ -482,6 +482,14 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="D", help=f"head dims, of {HEAD_DIMS} (default: {DEFAULT_HEAD_DIMS[0]})")
     parser.add_argument("--page-size", type=_page_size, default=DEFAULT_PAGE_SIZE,
                         help=f"tokens per page (default: {DEFAULT_PAGE_SIZE})")
+    parser.add_argument("--decode-rope", action="store_true",
+                        help="beside each decode row of tvmattn, the same kernel with inline RoPE (rotary_mode 1: "
+                             "impl tvmattn-rope, keys at positions 0.., the query at L - 1), checked against SDPA "
+                             "on the rotated q and K")
+    parser.add_argument("--decode-window", action="store_true",
+                        help="beside each decode row of tvmattn, its sliding-window build (impl tvmattn-window) "
+                             "on the same pages: 4 sink tokens and the last half of each request's pages "
+                             "(length_info [3, B]), GB/s of the keys it reads, checked against SDPA on them")
     parser.add_argument("--no-graph", action="store_true",
                         help="decode: leave out the rows of the same calls replayed from a CUDA graph (variant"
                              " \"cuda-graph ...\", beside each eager row on CUDA)")
@@ -1162,6 +1170,110 @@ def sdpa_reference(kernel: str, ctx: Context, shape: Shape, inputs: Inputs):
     return "bool-mask", call_masked, masked, None
 
 
+def rope_torch(x, positions, theta: float = 1e4):
+    """Rotate-half RoPE of x [..., n, D] at positions [n] (float32 arithmetic, x's dtype out)."""
+    import torch
+
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    xf = x.float()
+    rotated = torch.cat([-xf[..., d // 2:], xf[..., : d // 2]], -1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def decode_rope_rows(ctx: Context, shape: Shape, inputs: Inputs, fn, args: list, iters: int, timing: dict,
+                     graph_row) -> list[dict]:
+    """tvmattn's decode with inline RoPE (rotary_mode 1, rope scale 1, theta 1e4; keys at
+    positions 0..L-1, the query at L - 1) on the shape's inputs: its eager row (and graph row),
+    checked against SDPA over the rotated q and K. Same bytes moved as the plain row."""
+    import torch
+
+    B, L, D = shape.batch, shape.seq_len, ctx.head_dim
+    q_pos = torch.full((B,), L - 1, device=DEVICE, dtype=torch.int32)
+    k_rot = rope_torch(inputs.k, torch.arange(L, device=DEVICE))
+    q_rot = rope_torch(inputs.q.view(B, NUM_QO_HEADS, 1, D), q_pos[:1].expand(1))
+    ref = sdpa(q_rot, k_rot, inputs.v).view(B, NUM_QO_HEADS, D)
+    del k_rot
+    o = torch.empty_like(inputs.q)
+    lse = torch.empty(inputs.q.shape[:2], device=DEVICE, dtype=torch.float32)
+    rope_args = list(args)
+    rope_args[6], rope_args[7], rope_args[8], rope_args[9] = to_tvm(q_pos), to_tvm(o), to_tvm(lse), 1
+    pools = inputs.tvm_pools
+
+    def call(i):
+        rope_args[1] = pools[i % len(pools)]
+        fn(*rope_args)
+
+    call(0)
+    synchronize()
+    variant = "rotary_mode=1 " + ctx.kernels["decode"][0][1]
+    row = make_row("decode", "tvmattn-rope", variant, ctx.dtype, D, ctx.page_size, shape,
+                   time_ms(call, iters, **timing), max_diff(o, ref), ctx.meta)
+    progress(row)
+    rows = [row]
+    if graph_row is not None:
+        rows += graph_row("tvmattn-rope", variant, call)
+    return rows
+
+
+WINDOW_SINK = 4  # attention-sink tokens of the --decode-window rows
+
+
+def decode_window_rows(ctx: Context, shape: Shape, inputs: Inputs, iters: int, timing: dict, graphs: bool) -> list[dict]:
+    """tvmattn's decode built for sliding windows (length_info [3, B] = last page length, window
+    offset, sink size), on the shape's pages: each request keeps its first page (WINDOW_SINK
+    sink tokens) and its last half of pages, the window starting 3 slots into that half. Rows of
+    shape B x (visible keys): eager (and graph), checked against SDPA on the visible keys."""
+    import torch
+
+    if getattr(ctx, "window_kernel", None) is None:
+        ctx.window_kernel = tvmattn_decode(ctx.config.replace(sliding_window=True))
+    variant, fn = ctx.window_kernel
+    B, L, D, ps = shape.batch, shape.seq_len, ctx.head_dim, ctx.page_size
+    per_req = math.ceil(L / ps)
+    first = per_req // 2
+    if first < 1:
+        return []
+    offset = ps + 3  # the window's first slot in the kept page list [page 0, pages first..]
+    kept = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(first, per_req)]).to(DEVICE)
+    table = inputs.page_indices.view(B, per_req)[:, kept].reshape(-1).contiguous()
+    indptr = torch.arange(0, B * len(kept) + 1, len(kept), device=DEVICE, dtype=torch.int32)
+    info = torch.stack([inputs.last_page_len, torch.full_like(inputs.last_page_len, offset),
+                        torch.full_like(inputs.last_page_len, WINDOW_SINK)]).contiguous()
+    start = first * ps + 3  # the window's first token in the request
+    visible = WINDOW_SINK + L - start
+    k_vis = torch.cat([inputs.k[:, :, :WINDOW_SINK], inputs.k[:, :, start:]], 2)
+    v_vis = torch.cat([inputs.v[:, :, :WINDOW_SINK], inputs.v[:, :, start:]], 2)
+    ref = sdpa(inputs.q.view(B, NUM_QO_HEADS, 1, D), k_vis, v_vis).view(B, NUM_QO_HEADS, D)
+    del k_vis, v_vis
+    o = torch.empty_like(inputs.q)
+    lse = torch.empty(inputs.q.shape[:2], device=DEVICE, dtype=torch.float32)
+    args = [to_tvm(inputs.q), inputs.tvm_pools[0], to_tvm(indptr), to_tvm(table), to_tvm(info),
+            to_tvm(inputs.zeros_b), to_tvm(inputs.q_pos), to_tvm(o), to_tvm(lse), 0, 1.0, 1e4, ctx.sm_scale]
+    pools = inputs.tvm_pools
+
+    def call(i):
+        args[1] = pools[i % len(pools)]
+        fn(*args)
+
+    call(0)
+    synchronize()
+    seen = Shape(B, 1, visible)
+    variant = f"sliding window (sink {WINDOW_SINK}, {visible} of {L} keys) {variant}"
+    row = make_row("decode", "tvmattn-window", variant, ctx.dtype, D, ps, seen, time_ms(call, iters, **timing),
+                   max_diff(o, ref), ctx.meta)
+    progress(row)
+    rows = [row]
+    if graphs:
+        ms = graph_time_ms(call, iters, **timing)
+        rows.append(make_row("decode", "tvmattn-window", f"cuda-graph {variant}", ctx.dtype, D, ps, seen, ms, None,
+                             ctx.meta))
+        progress(rows[-1])
+    return rows
+
+
 def copies_for(nbytes: int) -> int:
     return max(1, min(16, math.ceil(4 * L2_BYTES / nbytes)))
 
@@ -1221,6 +1333,10 @@ def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict
             progress(rows[-1])
             if graphs:
                 rows += graph_row(impl, impl_variant, call)
+            if kernel == "decode" and getattr(ctx, "decode_rope", False) and impl == "tvmattn":
+                rows += decode_rope_rows(ctx, shape, inputs, fn, args, iters, timing, graph_row if graphs else None)
+            if kernel == "decode" and getattr(ctx, "decode_window", False) and impl == "tvmattn":
+                rows += decode_window_rows(ctx, shape, inputs, iters, timing, graphs)
         for impl, impl_variant, fi_call in module_calls(kernel, ctx, inputs) or flashinfer_calls(kernel, ctx, inputs):
             print(f"  {kernel} {shape.label} {impl}: running", file=sys.stderr, flush=True)
             try:
@@ -1374,6 +1490,8 @@ def run(args, decode_shapes, prefill_shapes, tree_shapes=()) -> list[dict]:
     for ctx in contexts:
         ctx.no_tvm = getattr(args, "no_tvm", False)
         ctx.graph = not getattr(args, "no_graph", False)
+        ctx.decode_rope = getattr(args, "decode_rope", False)
+        ctx.decode_window = getattr(args, "decode_window", False)
         ctx.warmup_ms = getattr(args, "decode_warmup_ms", DECODE_WARMUP_MS)
         ctx.sample_ms = getattr(args, "decode_sample_ms", DECODE_SAMPLE_MS)
     # The decode kernels of every context are compiled at once, in threads (nvcc is a subprocess).
