@@ -113,9 +113,9 @@ def check(config, batch, q, o, lse, rope=None, q_pos=None, k_pos=None):
     for i in range(batch.batch):
         k, v = batch.visible(i)
         qi = q[i : i + 1]
-        if rope is not None:
-            qi = ref.rope(qi, q_pos[i : i + 1], rope[1], rope[0], config.rope_scaling)
-            k = ref.rope(k, k_pos[i] + np.arange(len(k)), rope[1], rope[0], config.rope_scaling)
+        if rope is not None:  # rotated, then stored in the K/V dtype (as split_rotary would have)
+            qi = ref.rope(qi, q_pos[i : i + 1], rope[1], rope[0], config.rope_scaling).astype(q.dtype)
+            k = ref.rope(k, k_pos[i] + np.arange(len(k)), rope[1], rope[0], config.rope_scaling).astype(k.dtype)
         eo, else_ = ref.attention(qi, k, v, default_sm_scale(config.head_dim), causal=False)
         np.testing.assert_allclose(o[i], eo[0], rtol=rtol, atol=atol, err_msg=f"o of request {i}")
         np.testing.assert_allclose(lse[i], else_[0], rtol=ref.LSE_TOLERANCE[0], atol=ref.LSE_TOLERANCE[1],
@@ -255,7 +255,7 @@ ROPE_CASES = [(case, None) for case in CASES] + [(CASES[0], RopeScaling(8.0, 1.0
                          ids=lambda x: case_id(x) if isinstance(x, tuple) else ("llama3" if x else "plain"))
 def test_paged_decode_tc_inline_rope(kernels, gpu_target, case, scaling):
     """rotary_mode=1: the tensor-core kernel rotates q and each K tile in shared memory (exact
-    angles per tile, advanced row to row): ragged, empty and page-boundary lengths, a long
+    angles every 8 tiles, advanced row to row between): ragged, empty and page-boundary lengths, a long
     request (many tiles, several splits), positions up to 32000."""
     hq, hkv, d, ps, dtype, sliding = case
     config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=gpu_target, sliding_window=sliding,

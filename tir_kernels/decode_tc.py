@@ -34,8 +34,8 @@ rotary_mode == 1 (RoPE inside the kernel: q and the keys are stored un-rotated) 
 kernel, compiled a second time with `rope_rows` after each landing: the group's Q rows once,
 then each K tile of the ring in shared memory before its S = Q K^T. A rotate-half pair (d,
 d + D/2) lies in chunks c and c + D/16 of a row, so a thread rotates one pair of 16-byte chunks
-per row (8 pairs), the same chunk index in every tile: its 8 frequencies are computed once, and
-its rows' angles once per tile, then advanced row to row by the angle-sum identity. The
+per row (8 pairs), the same chunk index in every tile: its 8 frequencies are computed once, its
+rows' angles exactly every ROPE_EXACT_TILES tiles and advanced between by the angle-sum identity. The
 rotated values are rounded to the K/V dtype, as split + rotary would have stored them.
 """
 
@@ -208,6 +208,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     # rotates (thread tid: pair chunk tid % HC of rows tid // HC + p * ROPE_RPP)
     HC = TL.chunks // 2
     ROPE_RPP = NT // HC
+    assert BK % ROPE_RPP == 0, "a K tile is a whole number of rotation passes"  # tile_kv: 16-key multiples
+    ROPE_EXACT_TILES = 8  # K tiles between exact angle computations (at most 8 * tile_kv / ROPE_RPP steps)
     ROPE, ROPE_SRC = _rope_chunks_function(dtype)
     # (request, KV head) arrival counters of fused_merge: a launch with more than one split slot
     # has at most target_blocks / 2 of them
@@ -256,27 +258,37 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             step_[CHUNK + i] = T.sin(T.float32(ROPE_RPP) * freq_[i])
 
     @T.macro
-    def rope_rows(smem_, region_, rows, pos0_, advance, tid_, freq_, step_, cs_):
-        """Inline RoPE in shared memory: rotate rows 0..rows-1 of the tile at 16-bit element
-        offset region_, row r at position pos0_ + r (advance) or pos0_ (every row: the query
-        heads). The thread's rows start from exact angles and move by `step_` (rope_freqs)."""
+    def rope_angles(pos_, tid_, freq_, cs_):
+        """cs_ <- cos (0..7) and sin (8..15) of the thread's 8 pairs' angles at position pos_."""
+        for i in L.unroll(CHUNK):
+            cs_[i] = T.cos(T.Cast("float32", pos_) * freq_[i])
+            cs_[CHUNK + i] = T.sin(T.Cast("float32", pos_) * freq_[i])
+
+    @T.macro
+    def rope_advance(step_, cs_):
+        """cs_ <- the angles ROPE_RPP rows further (angle-sum identity with step_)."""
         nxt = T.alloc_buffer((CHUNK,), "float32", scope="local")
         for i in L.unroll(CHUNK):
-            angle = T.meta_var(T.Cast("float32", pos0_ + (tid_ // HC if advance else 0)) * freq_[i])
-            cs_[i] = T.cos(angle)
-            cs_[CHUNK + i] = T.sin(angle)
+            nxt[i] = cs_[i] * step_[i] - cs_[CHUNK + i] * step_[CHUNK + i]
+            cs_[CHUNK + i] = cs_[CHUNK + i] * step_[i] + cs_[i] * step_[CHUNK + i]
+            cs_[i] = nxt[i]
+
+    @T.macro
+    def rope_rows(smem_, region_, rows, advance, tid_, step_, cs_):
+        """Inline RoPE in shared memory: rotate rows 0..rows-1 of the tile at 16-bit element
+        offset region_; the thread's pair chunk of rows tid_ // HC + p * ROPE_RPP with the
+        angles in cs_, advanced by ROPE_RPP rows after each pass (advance: keys, one position a
+        row; else every row at cs_'s position: the query heads). With advance, cs_ ends at the
+        angles of row tid_ // HC + rows (rows a multiple of ROPE_RPP): the next tile's."""
         for p in L.unroll(ceildiv(rows, ROPE_RPP)):
             r = T.meta_var(p * ROPE_RPP + tid_ // HC)
-            if advance and p > 0:
-                for i in L.unroll(CHUNK):
-                    nxt[i] = cs_[i] * step_[i] - cs_[CHUNK + i] * step_[CHUNK + i]
-                    cs_[CHUNK + i] = cs_[CHUNK + i] * step_[i] + cs_[i] * step_[CHUNK + i]
-                    cs_[i] = nxt[i]
             if rows % ROPE_RPP == 0 or r < rows:
                 T.evaluate(T.cuda.func_call(
                     ROPE, smem_.ptr_to([word(region_ + TL.offset(r, tid_ % HC))]),
                     smem_.ptr_to([word(region_ + TL.offset(r, tid_ % HC + HC))]),
                     *[cs_[i] for i in range(2 * CHUNK)], source_code=ROPE_SRC))
+            if advance:
+                rope_advance(step_, cs_)
 
     @T.macro
     def load_q(q_, smem_, b_, hkv_, tid_):
@@ -635,7 +647,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         T.tvm_storage_sync(shared)
         if rope_ is not None:
             rope_freqs(rope_[2], rope_[3], tid, rope_freq, rope_step)
-            rope_rows(smem, Q_OFF, G, rope_[1][b], False, tid, rope_freq, rope_step, rope_cs)
+            rope_angles(rope_[1][b], tid, rope_freq, rope_cs)
+            rope_rows(smem, Q_OFF, G, False, tid, rope_step, rope_cs)
             T.tvm_storage_sync(shared)
         if QREG:
             for kk in L.unroll(KSTEPS_QK):
@@ -650,8 +663,9 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     lookup(indices_, li, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0)
             T.ptx["cp.async.commit_group"]()
             if rope_ is not None:  # tile t's keys, in place, before any warp reads them
-                rope_rows(smem, K_OFF + t % STAGES * BK * TL.stride, BK, rope_[0][b] + j_begin + t * BK, True, tid,
-                          rope_freq, rope_step, rope_cs)
+                if t % ROPE_EXACT_TILES == 0:  # exact angles now and then; advanced row to row between
+                    rope_angles(rope_[0][b] + j_begin + t * BK + tid // HC, tid, rope_freq, rope_cs)
+                rope_rows(smem, K_OFF + t % STAGES * BK * TL.stride, BK, True, tid, rope_step, rope_cs)
                 T.tvm_storage_sync(shared)
             s_mma(smem, qf, s, t % STAGES, warp, lane)
             softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
