@@ -108,8 +108,15 @@ def inputs(rng, config, lengths):
     return batch, q
 
 
+# Inline RoPE in bfloat16: the kernel's float32 angles (about 1e-3 rad off at positions near
+# 1e4) move some rotated elements across a bfloat16 rounding boundary (2^-8 apart) where the
+# float64 reference does not, which shifts the LSE by a few thousandths.
+ROPE_BF16_LSE_TOLERANCE = (1e-3, 1e-2)
+
+
 def check(config, batch, q, o, lse, rope=None, q_pos=None, k_pos=None):
     rtol, atol = ref.TOLERANCES[config.dtype]
+    lse_tol = ROPE_BF16_LSE_TOLERANCE if rope is not None and config.dtype == "bfloat16" else ref.LSE_TOLERANCE
     for i in range(batch.batch):
         k, v = batch.visible(i)
         qi = q[i : i + 1]
@@ -118,8 +125,7 @@ def check(config, batch, q, o, lse, rope=None, q_pos=None, k_pos=None):
             k = ref.rope(k, k_pos[i] + np.arange(len(k)), rope[1], rope[0], config.rope_scaling).astype(k.dtype)
         eo, else_ = ref.attention(qi, k, v, default_sm_scale(config.head_dim), causal=False)
         np.testing.assert_allclose(o[i], eo[0], rtol=rtol, atol=atol, err_msg=f"o of request {i}")
-        np.testing.assert_allclose(lse[i], else_[0], rtol=ref.LSE_TOLERANCE[0], atol=ref.LSE_TOLERANCE[1],
-                                   err_msg=f"lse of request {i}")
+        np.testing.assert_allclose(lse[i], else_[0], rtol=lse_tol[0], atol=lse_tol[1], err_msg=f"lse of request {i}")
 
 
 def check_inline_rope(kernels, config, batch, q, schedule, rng, generator=paged_decode_tc):

@@ -32,7 +32,9 @@ Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
 
 rotary_mode == 1 (RoPE inside the kernel: q and the keys are stored un-rotated) runs the same
 kernel, compiled a second time with `rope_rows` after each landing: the group's Q rows once,
-then each K tile of the ring in shared memory before its S = Q K^T. A rotate-half pair (d,
+then each K tile of the ring in shared memory, one step ahead (step t rotates tile t + 1 while
+the warps multiply tile t, so a step keeps one barrier; with 2 stages, tile t before its
+S = Q K^T behind a second barrier). A rotate-half pair (d,
 d + D/2) lies in chunks c and c + D/16 of a row, so a thread rotates one pair of 16-byte chunks
 per row (8 pairs), the same chunk index in every tile: its 8 frequencies are computed once, its
 rows' angles exactly every ROPE_EXACT_TILES tiles and advanced between by the angle-sum identity. The
@@ -72,17 +74,16 @@ __device__ __forceinline__ void tvmattn_fma_ldcg4(float* acc, const float* p, fl
 def _rope_chunks_function(dtype: str):
     """Name and CUDA source of the inline RoPE's rotation of one pair of 16-byte chunks in
     shared memory: lo holds elements d..d+7 of a row, hi elements d+D/2..; c0..c7, s0..s7 the
-    cos and sin of the 8 pairs' angles (scalars, and the halves taken apart with bit operations,
+    cos and sin of the 8 pairs' angles (scalars, and the words reinterpreted through a union,
     so that nothing leaves the registers). lo <- c * lo - s * hi, hi <- c * hi + s * lo
-    (rotate-half), computed in float32 and rounded to `dtype` (float16 or bfloat16)."""
-    to_f, from_f = {"float16": ("__half2float(__ushort_as_half(u))", "__half_as_ushort(__float2half_rn(f))"),
-                    "bfloat16": ("__bfloat162float(__ushort_as_bfloat16(u))",
-                                 "__bfloat16_as_ushort(__float2bfloat16_rn(f))")}[dtype]
+    (rotate-half), computed in float32 and rounded to `dtype` (float16 or bfloat16), two
+    elements per conversion instruction."""
+    pair, to_f2, from_f2 = {"float16": ("__half2", "__half22float2", "__floats2half2_rn"),
+                            "bfloat16": ("__nv_bfloat162", "__bfloat1622float2", "__floats2bfloat162_rn")}[dtype]
     name = f"tvmattn_rope_chunks_{dtype}"
     params = ", ".join([f"float c{i}" for i in range(8)] + [f"float s{i}" for i in range(8)])
     src = f"""
-__device__ __forceinline__ float {name}_get(unsigned short u) {{ return {to_f}; }}
-__device__ __forceinline__ unsigned {name}_put(float f) {{ return (unsigned){from_f}; }}
+union {name}_word {{ unsigned u; {pair} h; }};
 __device__ __forceinline__ void {name}(float* lo, float* hi, {params}) {{
   const float c[8] = {{c0, c1, c2, c3, c4, c5, c6, c7}};
   const float s[8] = {{s0, s1, s2, s3, s4, s5, s6, s7}};
@@ -92,10 +93,14 @@ __device__ __forceinline__ void {name}(float* lo, float* hi, {params}) {{
   unsigned y[4] = {{b.x, b.y, b.z, b.w}};
 #pragma unroll
   for (int k = 0; k < 4; ++k) {{
-    float x0 = {name}_get((unsigned short)(x[k] & 0xffffu)), x1 = {name}_get((unsigned short)(x[k] >> 16));
-    float y0 = {name}_get((unsigned short)(y[k] & 0xffffu)), y1 = {name}_get((unsigned short)(y[k] >> 16));
-    x[k] = {name}_put(c[2 * k] * x0 - s[2 * k] * y0) | ({name}_put(c[2 * k + 1] * x1 - s[2 * k + 1] * y1) << 16);
-    y[k] = {name}_put(c[2 * k] * y0 + s[2 * k] * x0) | ({name}_put(c[2 * k + 1] * y1 + s[2 * k + 1] * x1) << 16);
+    {name}_word wx, wy;
+    wx.u = x[k];
+    wy.u = y[k];
+    float2 fx = {to_f2}(wx.h), fy = {to_f2}(wy.h);
+    wx.h = {from_f2}(c[2 * k] * fx.x - s[2 * k] * fy.x, c[2 * k + 1] * fx.y - s[2 * k + 1] * fy.y);
+    wy.h = {from_f2}(c[2 * k] * fy.x + s[2 * k] * fx.x, c[2 * k + 1] * fy.y + s[2 * k + 1] * fx.y);
+    x[k] = wx.u;
+    y[k] = wy.u;
   }}
   *reinterpret_cast<uint4*>(lo) = make_uint4(x[0], x[1], x[2], x[3]);
   *reinterpret_cast<uint4*>(hi) = make_uint4(y[0], y[1], y[2], y[3]);
@@ -210,6 +215,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     ROPE_RPP = NT // HC
     assert BK % ROPE_RPP == 0, "a K tile is a whole number of rotation passes"  # tile_kv: 16-key multiples
     ROPE_EXACT_TILES = 8  # K tiles between exact angle computations (at most 8 * tile_kv / ROPE_RPP steps)
+    ROPE_AHEAD = STAGES >= 3  # rotate tile t + 1 during step t (it must have landed: one stage less in flight)
     ROPE, ROPE_SRC = _rope_chunks_function(dtype)
     # (request, KV head) arrival counters of fused_merge: a launch with more than one split slot
     # has at most target_blocks / 2 of them
@@ -643,18 +649,28 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         # arithmetic.
         if STAGES - 1 < ntiles:
             lookup(indices_, li, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0)
-        T.ptx["cp.async.wait_group"](STAGES - 1)  # Q has landed
+        if rope_ is not None and ROPE_AHEAD:
+            T.ptx["cp.async.wait_group"](STAGES - 2)  # Q and tile 0 have landed
+        else:
+            T.ptx["cp.async.wait_group"](STAGES - 1)  # Q has landed
         T.tvm_storage_sync(shared)
         if rope_ is not None:
             rope_freqs(rope_[2], rope_[3], tid, rope_freq, rope_step)
             rope_angles(rope_[1][b], tid, rope_freq, rope_cs)
             rope_rows(smem, Q_OFF, G, False, tid, rope_step, rope_cs)
+            if ROPE_AHEAD:  # tile 0 too; each step then rotates the next tile (one barrier a step)
+                rope_angles(rope_[0][b] + j_begin + tid // HC, tid, rope_freq, rope_cs)
+                if ntiles > 0:
+                    rope_rows(smem, K_OFF, BK, True, tid, rope_step, rope_cs)
             T.tvm_storage_sync(shared)
         if QREG:
             for kk in L.unroll(KSTEPS_QK):
                 load_q_frag(smem, qf, kk * 4, kk, lane)
         for t in T.serial(ntiles):
-            T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
+            if rope_ is not None and ROPE_AHEAD:
+                T.ptx["cp.async.wait_group"](STAGES - 3)  # tiles t (rotated) and t + 1 have landed ...
+            else:
+                T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
             T.tvm_storage_sync(shared)  # ... for all, and no warp reads tile t - 1
             if t + STAGES - 1 < ntiles:
                 issue(pages_, smem, hkv, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid,
@@ -662,11 +678,18 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 if t + STAGES < ntiles:
                     lookup(indices_, li, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0)
             T.ptx["cp.async.commit_group"]()
-            if rope_ is not None:  # tile t's keys, in place, before any warp reads them
-                if t % ROPE_EXACT_TILES == 0:  # exact angles now and then; advanced row to row between
-                    rope_angles(rope_[0][b] + j_begin + t * BK + tid // HC, tid, rope_freq, rope_cs)
-                rope_rows(smem, K_OFF + t % STAGES * BK * TL.stride, BK, True, tid, rope_step, rope_cs)
-                T.tvm_storage_sync(shared)
+            if rope_ is not None:
+                if ROPE_AHEAD:  # tile t + 1's keys, in place, while the warps multiply tile t's
+                    if t + 1 < ntiles:
+                        if (t + 1) % ROPE_EXACT_TILES == 0:  # exact angles now and then; advanced between
+                            rope_angles(rope_[0][b] + j_begin + (t + 1) * BK + tid // HC, tid, rope_freq, rope_cs)
+                        rope_rows(smem, K_OFF + (t + 1) % STAGES * BK * TL.stride, BK, True, tid, rope_step,
+                                  rope_cs)
+                else:  # tile t's keys, then a barrier before any warp reads them
+                    if t % ROPE_EXACT_TILES == 0:
+                        rope_angles(rope_[0][b] + j_begin + t * BK + tid // HC, tid, rope_freq, rope_cs)
+                    rope_rows(smem, K_OFF + t % STAGES * BK * TL.stride, BK, True, tid, rope_step, rope_cs)
+                    T.tvm_storage_sync(shared)
             s_mma(smem, qf, s, t % STAGES, warp, lane)
             softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
             pv_mma(s, smem, o, t % STAGES, warp, lane)
