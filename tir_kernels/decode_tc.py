@@ -197,13 +197,15 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     FLAG_WORD = G * W_SLOTS  # the arrival's verdict, broadcast to the block (no static shared memory,
     # which would move the dynamic buffer off its 128-byte alignment and the tiles off their swizzle)
     # cooperative_merge: a merging block's query head, VS float4 columns, TPV threads per column
-    # (each takes every TPV-th split, COOP_U splits per round of loads; VPT columns per thread
+    # (each takes every TPV-th split, COOP_WIDTHS splits per round of loads; VPT columns per thread
     # where the block has fewer threads than columns); the TPV partial sums meet in shared memory
     COOP = sched.cooperative_merge and FUSED
     VS = D // 4
     TPV = max(NT // VS, 1)
     VPT = ceildiv(VS, NT)
-    COOP_U = min(8, ceildiv(MS, TPV))
+    # splits per thread per round, compiled for 8 and 16 (a launch takes the first that loads a
+    # request's splits in one round: 64 splits at head dim 128 take 16)
+    COOP_WIDTHS = sorted({min(8, ceildiv(MS, TPV)), min(16, ceildiv(MS, TPV))})
     LSE_SLOTS = ceildiv(MS, 32)
     RED_WORDS = TPV * VS * 4
     SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA, FLAG_WORD + 1 if FUSED else 0,
@@ -523,18 +525,18 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     write_o_(v // (D // 4), v % (D // 4) * 4 + c, acc[k * 4 + c])
 
     @T.macro
-    def merge_head(smem_, o_part_, lse_part_, o_, lse_, batch, b, hkv, h, count_, lane_, tid_):
+    def merge_head(smem_, o_part_, lse_part_, o_, lse_, batch, b, hkv, h, count_, lane_, tid_, unroll):
         """cooperative_merge: the FP32 merge of query head h of the group over the count_ (>= 2)
         split partials into o_ / lse_. Every warp turns the head's LSEs (all loaded at once) into
         the maximum and the weights' sum; thread t takes float4 column t % VS (and + NT, ..) of
-        splits t // VS, + TPV, .. (COOP_U of them per round of loads, each split's LSE loaded
-        beside its o and then turned into its weight; index clamped to the last split, weight 0
-        past it), and the TPV partial sums of a column are added through shared memory."""
+        splits t // VS, + TPV, .. (`unroll`, one of COOP_WIDTHS, per round of loads, each split's
+        LSE loaded beside its o and then turned into its weight; index clamped to the last split,
+        weight 0 past it), and the TPV partial sums of a column are added through shared memory."""
         lv = T.alloc_buffer((LSE_SLOTS,), "float32", scope="local")
         mx = T.alloc_buffer((1,), "float32", scope="local")
         lsum = T.alloc_buffer((1,), "float32", scope="local")
-        pl = T.alloc_buffer((COOP_U,), "float32", scope="local")
-        po = T.alloc_buffer((COOP_U * VPT * 4,), "float32", scope="local")
+        pl = T.alloc_buffer((unroll,), "float32", scope="local")
+        po = T.alloc_buffer((unroll * VPT * 4,), "float32", scope="local")
         acc = T.alloc_buffer((VPT * 4,), "float32", scope="local")
         hq = T.meta_var(hkv * G + h)
         grp = T.meta_var(tid_ // VS if NT >= VS else 0)
@@ -548,9 +550,9 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                                          source_code=LDCG_SRC, return_type="float32")
         for i in L.unroll(VPT * 4):
             acc[i] = T.float32(0)
-        for r in T.serial(ceildiv(count_, TPV * COOP_U)):
-            for u in L.unroll(COOP_U):
-                y = T.meta_var((r * COOP_U + u) * TPV + grp)
+        for r in T.serial(ceildiv(count_, TPV * unroll)):
+            for u in L.unroll(unroll):
+                y = T.meta_var((r * unroll + u) * TPV + grp)
                 pl[u] = T.cuda.func_call(LDCG, T.address_of(lse_part_[part_row(0, count_, 1, y, batch, b, hq)]),
                                          source_code=LDCG_SRC, return_type="float32")
                 for i in L.unroll(VPT):
@@ -570,8 +572,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     lsum[0] = lsum[0] + finished_l(lv[k]) * rescale_factor(lv[k], mx[0])
                 for i in L.unroll(5):
                     lsum[0] = lsum[0] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), lsum[0], 1 << i, 32, 32)
-            for u in L.unroll(COOP_U):
-                y = T.meta_var((r * COOP_U + u) * TPV + grp)
+            for u in L.unroll(unroll):
+                y = T.meta_var((r * unroll + u) * TPV + grp)
                 pl[u] = finished_l(pl[u]) * rescale_factor(pl[u], mx[0]) * T.Cast("float32", y < count_)
                 for i in L.unroll(VPT * 4):
                     acc[i] = acc[i] + pl[u] * po[u * VPT * 4 + i]
@@ -622,8 +624,15 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     merge_partials(smem_, o_part_, lse_part_, batch, b, hkv, 0, nsplit, 1, *out, warp_, lane_, tid_)
                 else:
                     for i in T.serial(ceildiv(G - last[0], mergers[0])):
-                        merge_head(smem_, o_part_, lse_part_, o_, lse_, batch, b, hkv, last[0] + i * mergers[0],
-                                   nsplit, lane_, tid_)
+                        args = T.meta_var((smem_, o_part_, lse_part_, o_, lse_, batch, b, hkv, last[0] + i * mergers[0],
+                                           nsplit, lane_, tid_))
+                        if len(COOP_WIDTHS) == 1:
+                            merge_head(*args, COOP_WIDTHS[0])
+                        else:
+                            if nsplit <= TPV * COOP_WIDTHS[0]:
+                                merge_head(*args, COOP_WIDTHS[0])
+                            else:
+                                merge_head(*args, COOP_WIDTHS[1])
         elif FANIN == 0:
             arrive(smem_, ARRIVE, ARRIVE_SRC, (b * Hkv + hkv, nsplit), tid_, last)
             if last[0] != 0:
