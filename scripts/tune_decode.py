@@ -303,17 +303,41 @@ def choose_table(rows, max_variants: int, min_gain: float, default=default_label
     return buckets
 
 
-def write_table(path: str, buckets: list, candidates: dict, meta: dict, command: str) -> None:
-    """The table file (see schedules.py, "Decode schedule table")."""
+def merge_buckets(base: dict, buckets: list) -> tuple[list, dict]:
+    """(buckets, schedules) of the table `base` (a decode table file's dict) with the new
+    buckets' entries in place of its entries at the same (bucket, batch, seq_len); base's other
+    entries and buckets stay, and so do the schedule dicts they name (returned by label)."""
+    def key(b):
+        return b["dtype"], b["head_dim"], b["group"], b["page_size"]
+
+    new = {key(b): b for b in buckets}
+    out = []
+    for b in base.get("buckets", []):
+        fresh = new.pop(key(b), {"shapes": []})
+        measured = {(e["batch"], e["seq_len"]) for e in fresh["shapes"]}
+        kept = [e for e in b["shapes"] if (e["batch"], e["seq_len"]) not in measured]
+        out.append({**b, "shapes": sorted(kept + fresh["shapes"], key=lambda e: (e["batch"], e["seq_len"]))})
+    out += list(new.values())
+    used = {e["schedule"] for b in out for e in b["shapes"]}
+    return out, {lab: d for lab, d in base.get("schedules", {}).items() if lab in used}
+
+
+def write_table(path: str, buckets: list, candidates: dict, meta: dict, command: str, base: dict | None = None) -> None:
+    """The table file (see schedules.py, "Decode schedule table"); with `base` (a table file's
+    dict), base's entries at shapes the new buckets did not measure are kept (`merge_buckets`)."""
     import json
 
     from tir_kernels.schedules import schedule_to_dict
 
+    kept = {}
+    if base is not None:
+        buckets, kept = merge_buckets(base, buckets)
     used = sorted({e["schedule"] for b in buckets for e in b["shapes"]})
     table = {"about": "Decode schedule per (dtype, head dim, GQA group) bucket and (batch, context) shape, "
                       "measured by scripts/tune_decode.py; read by tir_kernels/schedules.py",
              "command": command, "device": meta["device"], "arch": "sm_90", "sms": 132, "date": meta["date"],
-             "commit": meta["commit"], "schedules": {lab: schedule_to_dict(candidates[lab]) for lab in used},
+             "commit": meta["commit"],
+             "schedules": {lab: schedule_to_dict(candidates[lab]) if lab in candidates else kept[lab] for lab in used},
              "buckets": buckets}
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
@@ -337,6 +361,9 @@ def main(argv=None) -> int:
     parser.add_argument("--with-table", action="store_true",
                         help="also measure tvmattn-table: the decode table's variants chosen per shape on the host")
     parser.add_argument("--table", metavar="PATH", help="write a decode table chosen from the candidates' rows")
+    parser.add_argument("--table-base", metavar="PATH",
+                        help="with --table: keep this table's entries at the shapes not measured (e.g. the batch-1"
+                             " shapes re-tuned, the rest as they were)")
     parser.add_argument("--table-variants", type=int, default=3, help="most schedules per bucket in --table")
     parser.add_argument("--table-gain", type=float, default=1.03,
                         help="a further schedule must raise the bucket's product of GB/s by this factor")
@@ -423,8 +450,14 @@ def main(argv=None) -> int:
             print(f"table {b['dtype']} d{b['head_dim']} group {b['group']}: "
                   + ", ".join(f"{e['batch']}x{e['seq_len']} {e['schedule']} {e['gbps']:.0f}"
                               f" (best {e['best']} {e['best_gbps']:.0f})" for e in b["shapes"]))
+        base = None
+        if args.table_base:
+            import json
+
+            with open(args.table_base) as f:
+                base = json.load(f)
         write_table(args.table, buckets, candidates, meta, "python3 scripts/tune_decode.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]))
+            argv if argv is not None else sys.argv[1:]), base)
     return 0
 
 

@@ -225,6 +225,32 @@ def test_paged_decode_tc_fused_merge(kernels, gpu_target, case, fanin):
         check_inline_rope(kernels, config, batch, q, sched, rng)
 
 
+# cooperative_merge: every config of CASES at one wave of split slots; the first and the last
+# (group 16) also with 16 and 64 waves (grids far larger than the resident blocks: taken where the
+# waiting blocks stay fewer than the SMs, e.g. one request; else the last block merges alone).
+COOP_CASES = [(case, 1) for case in CASES] + [(case, waves) for case in (CASES[0], CASES[9]) for waves in (16, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,waves", COOP_CASES, ids=lambda c: case_id(c) if isinstance(c, tuple) else f"x{c}")
+def test_paged_decode_tc_cooperative_merge(kernels, gpu_target, case, waves):
+    """cooperative_merge (the last min(nsplit, group) split blocks wait for all and merge a query
+    head each) with splits of at least 16 keys: a request takes 1 to max_splits splits (some
+    empty), so 1 to group mergers, some merging several heads; empty / short / page-boundary
+    lengths; consecutive calls with different split counts check that the counters return to 0."""
+    hq, hkv, d, ps, dtype, sliding = case
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=gpu_target, sliding_window=sliding)
+    base = choose_tc_decode_schedule(config)
+    sched = dataclasses.replace(base, min_split_keys=16, early_pages=True, heads_first=True, fused_merge=True,
+                                cooperative_merge=True, target_blocks=waves * base.target_blocks)
+    rng = np.random.default_rng(zlib.crc32(case_id(case).encode()) + 3 + waves)
+    for lengths in (lengths_for(ps) + [2 * 4096 + 3], [5000], [0], [3 * ps], [1, 4100], [40, 300, 9000],
+                    lengths_for(ps)):
+        batch, q = inputs(rng, config, lengths)
+        o, lse = run(kernels, config, batch, q, sched)
+        check(config, batch, q, o, lse)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TABLE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_decode_table_schedules(kernels, gpu_target, case):
@@ -342,6 +368,12 @@ def test_decode_tc_fused_merge_source():
     assert f"__device__ unsigned tvmattn_decode_arrivalsruns_{n}[{n}];" in tree  # the second level's counters
     assert "tvmattn_decode_arrivalsruns" not in fused
     assert dataclasses.replace(base, fused_merge=True, merge_fanin=6).label == base.label + "-f6"
+    coop = kernel_source(dataclasses.replace(base, fused_merge=True, cooperative_merge=True))
+    assert coop.count('extern "C" __global__') == fused.count('extern "C" __global__')
+    assert f"__device__ unsigned tvmattn_decode_arrivalsc_{n}[{n}];" in coop  # the cooperative counters
+    assert "__nanosleep" in coop and "%%nsmid" in coop and "__nanosleep" not in fused
+    assert "tvmattn_decode_arrivals_" not in coop  # one arrival function, whoever merges
+    assert dataclasses.replace(base, fused_merge=True, cooperative_merge=True).label == base.label + "-fc"
 
 
 def test_decode_tc_early_pages_heads_first_source():
@@ -394,6 +426,10 @@ def test_tc_decode_schedule_validation():
     for fanin in (1, 65, -2):
         with pytest.raises(ValueError, match=f"merge_fanin={fanin}"):
             TensorCoreDecodeSchedule(fused_merge=True, merge_fanin=fanin)
+    with pytest.raises(ValueError, match="cooperative_merge needs fused_merge=True and merge_fanin=0"):
+        TensorCoreDecodeSchedule(cooperative_merge=True)
+    with pytest.raises(ValueError, match="cooperative_merge needs"):
+        TensorCoreDecodeSchedule(fused_merge=True, merge_fanin=3, cooperative_merge=True)
     cuda = AttentionConfig(32, 8, 128, dtype="float16", target="cuda:sm_90")
     with pytest.raises(ValueError, match="dtype"):
         paged_decode_tc(cuda.replace(dtype="float32"))

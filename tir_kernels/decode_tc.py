@@ -13,7 +13,8 @@ split, whole tiles); a request of one split writes o / lse directly, the others 
 FP32 by `merge` (one block per request and query head; each thread loads every split's LSE and
 o of its column in one round of loads, compiled for a few split-slot counts), or, with
 `fused_merge`, by the last of the request's split blocks to finish (`fused_merge` below: an
-arrival counter per (request, KV head), one launch per call). The G query heads
+arrival counter per (request, KV head), one launch per call), or with `cooperative_merge` by the
+last min(nsplit, G) of them, a query head each, after all have arrived (`merge_head`). The G query heads
 of the KV head are the M rows of the MMAs (padded with zero rows to 16), so each K/V row is read
 from memory once for the whole group.
 
@@ -131,6 +132,51 @@ __device__ __forceinline__ int {name}(int slot, int n) {{
     return name, src
 
 
+NSMID, NSMID_SRC = "tvmattn_nsmid", """
+// %nsmid: the device's SM identifiers (its SM count where they are contiguous, as on the H200).
+__device__ __forceinline__ int tvmattn_nsmid() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%nsmid;" : "=r"(r));
+  return (int)r;
+}
+"""
+
+
+def _cooperative_arrival(slots: int):
+    """Name and CUDA source of the cooperative merge's arrival over `slots` counters (a
+    module-scope __device__ array, zero when the module loads): arrive(slot, n, mergers), called
+    by one thread of each of the n split blocks of a counter after the block's partial is
+    written, returns -1 to the first n - mergers blocks to arrive (they leave at once) and k =
+    0..mergers-1 to the last `mergers`, each after all n blocks have arrived (it spins on the
+    counter; the last to arrive waits for nobody and resets the counter to 0, so a waiter sees
+    n or 0, never a value below n before the last arrival). Launches of one module must not
+    overlap in time, and every waiting block must be able to wait for non-resident blocks to
+    run (the caller's condition)."""
+    name, counters = f"tvmattn_decode_arrive_coop_{slots}", f"tvmattn_decode_arrivalsc_{slots}"
+    src = f"""
+__device__ unsigned {counters}[{slots}];
+__device__ __forceinline__ int {name}(int slot, int n, int mergers) {{
+  __threadfence();
+  unsigned seen = atomicAdd(&{counters}[slot], 1u);
+  int k = (int)seen - (n - mergers);
+  if (k < 0) return -1;
+  if (seen + 1u == (unsigned)n) {{
+    atomicExch(&{counters}[slot], 0u);
+  }} else {{
+    const volatile unsigned* c = &{counters}[slot];
+    unsigned v = *c;
+    while (v != 0u && v < (unsigned)n) {{
+      __nanosleep(32);
+      v = *c;
+    }}
+  }}
+  __threadfence();
+  return k;
+}}
+"""
+    return name, src
+
+
 def threads_per_row(chunks: int) -> int:
     """Threads that copy one K/V row together: 4 (64 contiguous bytes per 4 lanes) where the
     row's 16-byte chunks allow, else 2 or 1."""
@@ -196,7 +242,20 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     W_SLOTS = ceildiv(MS, MERGE_UNROLL) * MERGE_UNROLL
     FLAG_WORD = G * W_SLOTS  # the arrival's verdict, broadcast to the block (no static shared memory,
     # which would move the dynamic buffer off its 128-byte alignment and the tiles off their swizzle)
-    SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA, FLAG_WORD + 1 if FUSED else 0)
+    # cooperative_merge: a merging block's query head, VS float4 columns, TPV threads per column
+    # (each takes every TPV-th split, COOP_WIDTHS splits per round of loads; VPT columns per thread
+    # where the block has fewer threads than columns); the TPV partial sums meet in shared memory
+    COOP = sched.cooperative_merge and FUSED
+    VS = D // 4
+    TPV = max(NT // VS, 1)
+    VPT = ceildiv(VS, NT)
+    # splits per thread per round, compiled for 8 and 16 (a launch takes the first that loads a
+    # request's splits in one round: 64 splits at head dim 128 take 16)
+    COOP_WIDTHS = sorted({min(8, ceildiv(MS, TPV)), min(16, ceildiv(MS, TPV))})
+    LSE_SLOTS = ceildiv(MS, 32)
+    RED_WORDS = TPV * VS * 4
+    SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA, FLAG_WORD + 1 if FUSED else 0,
+                     RED_WORDS if COOP else 0)
     MERGE_VECS = G * D // 4  # float4 columns of the group's outputs
     VECS_PER_THREAD = ceildiv(MERGE_VECS, NT)
     HEADS_PER_WARP = ceildiv(G, NW)  # heads whose weights a warp computes
@@ -224,6 +283,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     # block slot (batch * Hkv * slots <= target_blocks), the second per (request, KV head)
     FANIN = sched.merge_fanin if FUSED else 0
     ARRIVE2, ARRIVE2_SRC = _arrival_counter(max(sched.target_blocks, 1), "runs")
+    ARRIVEC, ARRIVEC_SRC = _cooperative_arrival(max(sched.target_blocks, 1))
     # Split slots the merge is compiled for (a launch takes the first that holds its slots):
     # 8, the slots of a batch of one, max_splits.
     MERGE_WIDTHS = sorted({min(8, MS), min(MS, max(sched.target_blocks // Hkv, 1)), MS})
@@ -469,13 +529,14 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     write_lse_(idx // D, m_all[0])
 
     @T.macro
-    def arrive(smem_, func_, src_, slot_, n_, tid_, last_):
-        """last_[0] <- 1 in the n_-th block to arrive at counter slot_ of func_ (one thread counts,
-        after the block's barrier: the arrival fences; the verdict goes to every thread through
-        shared memory), else 0."""
+    def arrive(smem_, func_, src_, args_, tid_, last_):
+        """last_[0] <- func_(*args_) (an arrival function of this module: `_arrival_counter`'s
+        1 in the n-th block to arrive, else 0; `_cooperative_arrival`'s merger index or -1),
+        called by one thread after the block's barrier (the arrival fences); the verdict goes
+        to every thread through shared memory."""
         T.tvm_storage_sync(shared)  # the block's partial is written; no thread reads shared memory any more
         if tid_ == 0:
-            smem_[FLAG_WORD] = T.Cast("float32", T.cuda.func_call(func_, slot_, n_, source_code=src_,
+            smem_[FLAG_WORD] = T.Cast("float32", T.cuda.func_call(func_, *args_, source_code=src_,
                                                                   return_type="int32"))
         T.tvm_storage_sync(shared)
         last_[0] = T.Cast("int32", smem_[FLAG_WORD])
@@ -561,23 +622,122 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     write_o_(v // (D // 4), v % (D // 4) * 4 + c, acc[k * 4 + c])
 
     @T.macro
+    def merge_head(smem_, o_part_, lse_part_, o_, lse_, batch, b, hkv, h, count_, lane_, tid_, unroll):
+        """cooperative_merge: the FP32 merge of query head h of the group over the count_ (>= 2)
+        split partials into o_ / lse_. Every warp turns the head's LSEs (all loaded at once) into
+        the maximum and the weights' sum; thread t takes float4 column t % VS (and + NT, ..) of
+        splits t // VS, + TPV, .. (`unroll`, one of COOP_WIDTHS, per round of loads, each split's
+        LSE loaded beside its o and then turned into its weight; index clamped to the last split,
+        weight 0 past it), and the TPV partial sums of a column are added through shared memory."""
+        lv = T.alloc_buffer((LSE_SLOTS,), "float32", scope="local")
+        mx = T.alloc_buffer((1,), "float32", scope="local")
+        lsum = T.alloc_buffer((1,), "float32", scope="local")
+        pl = T.alloc_buffer((unroll,), "float32", scope="local")
+        po = T.alloc_buffer((unroll * VPT * 4,), "float32", scope="local")
+        acc = T.alloc_buffer((VPT * 4,), "float32", scope="local")
+        hq = T.meta_var(hkv * G + h)
+        grp = T.meta_var(tid_ // VS if NT >= VS else 0)
+        col = T.meta_var(tid_ % VS if NT >= VS else tid_)
+        T.tvm_storage_sync(shared)  # the previous head's sums are read
+        for k in L.unroll(LSE_SLOTS):
+            lv[k] = T.float32(EMPTY_LSE)
+            if k * 32 + lane_ < count_:
+                lv[k] = T.cuda.func_call(LDCG, T.address_of(lse_part_[part_row(0, count_, 1, k * 32 + lane_, batch, b,
+                                                                                hq)]),
+                                         source_code=LDCG_SRC, return_type="float32")
+        for i in L.unroll(VPT * 4):
+            acc[i] = T.float32(0)
+        for r in T.serial(ceildiv(count_, TPV * unroll)):
+            for u in L.unroll(unroll):
+                y = T.meta_var((r * unroll + u) * TPV + grp)
+                pl[u] = T.cuda.func_call(LDCG, T.address_of(lse_part_[part_row(0, count_, 1, y, batch, b, hq)]),
+                                         source_code=LDCG_SRC, return_type="float32")
+                for i in L.unroll(VPT):
+                    if VS % NT == 0 or NT >= VS or col + i * NT < VS:
+                        T.evaluate(T.cuda.func_call(
+                            LDCG4, T.address_of(po[(u * VPT + i) * 4]),
+                            T.address_of(o_part_[part_row(0, count_, 1, y, batch, b, hq) * D + (col + i * NT) * 4]),
+                            source_code=LDCG4_SRC))
+            if r == 0:
+                mx[0] = T.float32(EMPTY_LSE)
+                for k in L.unroll(LSE_SLOTS):
+                    mx[0] = T.max(mx[0], lv[k])
+                for i in L.unroll(5):
+                    mx[0] = T.max(mx[0], T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), mx[0], 1 << i, 32, 32))
+                lsum[0] = T.float32(0)
+                for k in L.unroll(LSE_SLOTS):
+                    lsum[0] = lsum[0] + finished_l(lv[k]) * rescale_factor(lv[k], mx[0])
+                for i in L.unroll(5):
+                    lsum[0] = lsum[0] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), lsum[0], 1 << i, 32, 32)
+            for u in L.unroll(unroll):
+                y = T.meta_var((r * unroll + u) * TPV + grp)
+                pl[u] = finished_l(pl[u]) * rescale_factor(pl[u], mx[0]) * T.Cast("float32", y < count_)
+                for i in L.unroll(VPT * 4):
+                    acc[i] = acc[i] + pl[u] * po[u * VPT * 4 + i]
+        if NT >= VS:
+            if NT % VS == 0 or tid_ < TPV * VS:
+                for c in L.unroll(4):
+                    smem_[(grp * VS + col) * 4 + c] = acc[c]
+        else:
+            for i in L.unroll(VPT):
+                if VS % NT == 0 or col + i * NT < VS:
+                    for c in L.unroll(4):
+                        smem_[(col + i * NT) * 4 + c] = acc[i * 4 + c]
+        T.tvm_storage_sync(shared)
+        for k in L.unroll(ceildiv(D, NT)):
+            e = T.meta_var(k * NT + tid_)
+            if D % NT == 0 or e < D:
+                acc[0] = T.float32(0)
+                for g in L.unroll(TPV):
+                    acc[0] = acc[0] + smem_[g * VS * 4 + e]
+                o_[b, hq, e] = T.Cast(dtype, acc[0] * finalize_scale(lsum[0]))
+        if tid_ == 0:
+            lse_[b, hq] = finalize_lse(mx[0], lsum[0])
+
+    @T.macro
     def fused_merge(smem_, o_part_, lse_part_, o_, lse_, b, hkv, split, slots, nsplit, warp_, lane_, tid_):
         """After this block wrote its split's partial: the last of the request's nsplit blocks
-        merges the group's partials into o_ / lse_ (merge_fanin 0); or, merge_fanin n: the last
+        merges the group's partials into o_ / lse_ (merge_fanin 0); cooperative_merge: the last
+        min(nsplit, G) blocks to arrive wait for all, then merge a query head each (`merge_head`;
+        heads k, k + mergers, .. where fewer blocks merge), or the last alone where waiting
+        could outnumber the SMs; or, merge_fanin n: the last
         block of each run of n splits merges its run into the run's first slot, and the last of
         the runs' mergers merges the runs (a run of one split is its own result)."""
         batch = o_.shape[0]
         last = T.alloc_buffer((1,), "int32", scope="local")
         out = T.meta_var((lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, hkv * G + h, e]),
                           lambda h, val: T.buffer_store(lse_, val, [b, hkv * G + h])))
-        if FANIN == 0:
-            arrive(smem_, ARRIVE, ARRIVE_SRC, b * Hkv + hkv, nsplit, tid_, last)
+        if COOP:
+            # Waiting blocks (at most mergers - 1 per counter) fewer than the SMs: one resident
+            # block per SM is always free for a block that has not arrived yet.
+            mergers = T.alloc_buffer((1,), "int32", scope="local")
+            mergers[0] = 1
+            if batch * Hkv * (T.min(slots, G) - 1) < T.cuda.func_call(NSMID, source_code=NSMID_SRC,
+                                                                       return_type="int32"):
+                mergers[0] = T.min(nsplit, G)
+            arrive(smem_, ARRIVEC, ARRIVEC_SRC, (b * Hkv + hkv, nsplit, mergers[0]), tid_, last)
+            if last[0] >= 0:
+                if mergers[0] == 1:
+                    merge_partials(smem_, o_part_, lse_part_, batch, b, hkv, 0, nsplit, 1, *out, warp_, lane_, tid_)
+                else:
+                    for i in T.serial(ceildiv(G - last[0], mergers[0])):
+                        args = T.meta_var((smem_, o_part_, lse_part_, o_, lse_, batch, b, hkv, last[0] + i * mergers[0],
+                                           nsplit, lane_, tid_))
+                        if len(COOP_WIDTHS) == 1:
+                            merge_head(*args, COOP_WIDTHS[0])
+                        else:
+                            if nsplit <= TPV * COOP_WIDTHS[0]:
+                                merge_head(*args, COOP_WIDTHS[0])
+                            else:
+                                merge_head(*args, COOP_WIDTHS[1])
+        elif FANIN == 0:
+            arrive(smem_, ARRIVE, ARRIVE_SRC, (b * Hkv + hkv, nsplit), tid_, last)
             if last[0] != 0:
                 merge_partials(smem_, o_part_, lse_part_, batch, b, hkv, 0, nsplit, 1, *out, warp_, lane_, tid_)
         else:
             first = T.meta_var(split // FANIN * FANIN)
             members = T.meta_var(T.min(nsplit - first, FANIN))
-            arrive(smem_, ARRIVE, ARRIVE_SRC, (b * Hkv + hkv) * slots + first, members, tid_, last)
+            arrive(smem_, ARRIVE, ARRIVE_SRC, ((b * Hkv + hkv) * slots + first, members), tid_, last)
             if last[0] != 0:
                 if nsplit <= FANIN:
                     merge_partials(smem_, o_part_, lse_part_, batch, b, hkv, 0, nsplit, 1, *out, warp_, lane_, tid_)
@@ -589,7 +749,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                                                              [((first * batch + b) * Hq + hkv * G + h) * D + e]),
                             lambda h, val: T.buffer_store(lse_part_, val, [(first * batch + b) * Hq + hkv * G + h]),
                             warp_, lane_, tid_)
-                    arrive(smem_, ARRIVE2, ARRIVE2_SRC, b * Hkv + hkv, ceildiv(nsplit, FANIN), tid_, last)
+                    arrive(smem_, ARRIVE2, ARRIVE2_SRC, (b * Hkv + hkv, ceildiv(nsplit, FANIN)), tid_, last)
                     if last[0] != 0:
                         merge_partials(smem_, o_part_, lse_part_, batch, b, hkv, 0, ceildiv(nsplit, FANIN), FANIN,
                                        *out, warp_, lane_, tid_)

@@ -149,6 +149,13 @@ class TensorCoreDecodeSchedule:
     run (in place, into the run's first slot), and the last of those mergers merges the runs'
     results (so no block reads more than max(n, ceil(nsplit / n)) partials; a second arrival
     counter per (request, KV head)).
+    cooperative_merge (with fused_merge, merge_fanin 0): the merge is spread over the last
+    min(nsplit, group) blocks of a (request, KV head) to arrive: each waits (spinning on the
+    arrival counter) until all nsplit partials are written, then merges its own query heads, so
+    the merge costs one round of L2 loads per block instead of the last block reading all of
+    the group's partials. Taken only where no block can wait for a block that is not resident:
+    batch * num_kv_heads * (min(grid split slots, group) - 1) waiting blocks fewer than the
+    device's SMs (%nsmid, read in the kernel), else the last block merges alone (as -f).
     """
 
     warps: int = 4
@@ -164,6 +171,7 @@ class TensorCoreDecodeSchedule:
     threads_per_row: int = 0
     fused_merge: bool = False
     merge_fanin: int = 0
+    cooperative_merge: bool = False
 
     def __post_init__(self):
         _require(1 <= self.warps <= 16, f"warps={self.warps} must be 1..16")
@@ -178,6 +186,9 @@ class TensorCoreDecodeSchedule:
                  f"threads_per_row={self.threads_per_row} must be 0 (automatic), 1, 2, 4, 8 or 16")
         _require(self.merge_fanin == 0 or (self.fused_merge and 2 <= self.merge_fanin <= self.max_splits),
                  f"merge_fanin={self.merge_fanin} must be 0, or 2..max_splits={self.max_splits} with fused_merge")
+        _require(not self.cooperative_merge or (self.fused_merge and self.merge_fanin == 0),
+                 f"cooperative_merge needs fused_merge=True and merge_fanin=0 (got fused_merge={self.fused_merge},"
+                 f" merge_fanin={self.merge_fanin})")
 
     @property
     def tile_kv(self) -> int:
@@ -186,13 +197,14 @@ class TensorCoreDecodeSchedule:
     @property
     def label(self) -> str:
         """Short name: w<warps>k<keys_per_warp>s<stages>t<target_blocks>m<min_split_keys>[x<max_splits>][-qsmem]
-        [-p<l2_prefetch>][-c<threads_per_row>][-e (early_pages)][-h (heads_first)][-f (fused_merge)][<merge_fanin>]."""
+        [-p<l2_prefetch>][-c<threads_per_row>][-e (early_pages)][-h (heads_first)][-f (fused_merge)][<merge_fanin>]
+        [c (cooperative_merge)]."""
         return (f"w{self.warps}k{self.keys_per_warp}s{self.stages}t{self.target_blocks}m{self.min_split_keys}"
                 + (f"x{self.max_splits}" if self.max_splits != 64 else "") + ("" if self.q_in_registers else "-qsmem")
                 + (f"-p{self.l2_prefetch}" if self.l2_prefetch else "")
                 + (f"-c{self.threads_per_row}" if self.threads_per_row else "") + ("-e" if self.early_pages else "")
                 + ("-h" if self.heads_first else "") + ("-f" if self.fused_merge else "")
-                + (str(self.merge_fanin) if self.merge_fanin else ""))
+                + (str(self.merge_fanin) if self.merge_fanin else "") + ("c" if self.cooperative_merge else ""))
 
     @property
     def num_threads(self) -> int:
@@ -322,6 +334,10 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
         # the fused merge as a two-level tree of runs of 6 splits
         *(dataclasses.replace(sched, min_split_keys=keys, threads_per_row=8, early_pages=True, heads_first=True,
                               fused_merge=True, merge_fanin=6)
+          for sched in (base, tc(4, 16, 3)) for keys in (128, 256)),
+        # the fused merge spread over the last blocks to arrive, a query head each
+        *(dataclasses.replace(sched, min_split_keys=keys, threads_per_row=8, early_pages=True, heads_first=True,
+                              fused_merge=True, cooperative_merge=True)
           for sched in (base, tc(4, 16, 3)) for keys in (128, 256)),
     ]
     out = {}
