@@ -28,10 +28,14 @@ A CTA has three warpgroups:
     Consumer 0 writes lse.
 
 Decode (`mla_paged_decode_wgmma`, `mla.mla_paged_decode`'s contract): the same CTA with one
-query a request, so packed row p is head p; one CTA per (request, 64-head tile) over all the
-request's keys. No split-KV: a TIRx PrimFunc lowers to one kernel, so an FP32 merge of splits
-cannot follow it in the same function; small batches run mla_tc's split decode instead
-(`mla_tc.choose_mla_decode_kernel`).
+query a request, so packed row p is head p; CTAs (request, 64-head tile, split slot), the slots
+per (request, tile) chosen at launch (`MLAWgmmaDecodeSplit`: about one CTA an SM, 1 from 66
+tiles up). A split CTA runs the same loop over its run of whole steps. A TIRx PrimFunc lowers to
+one kernel, so the merge is in it: a split writes its FP32 o / lse to the function's workspace,
+arrives at its group's counter (`_split_sync`: module-scope __device__ counters, zeroed at module
+load and left zero by every launch), and, once all the group's splits arrived, every member CTA
+that waits (all of them when the whole grid is resident, else only the last to arrive) claims
+pairs of the tile's heads and merges them (a consumer a head, a thread per float4 of the row).
 """
 
 from __future__ import annotations
