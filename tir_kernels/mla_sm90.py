@@ -29,7 +29,7 @@ A CTA has three warpgroups:
 
 Decode (`mla_paged_decode_wgmma`, `mla.mla_paged_decode`'s contract): the same CTA with one
 query a request, so packed row p is head p; CTAs (request, 64-head tile, split slot), the slots
-per (request, tile) chosen at launch (`MLAWgmmaDecodeSplit`: about one CTA an SM, 1 from 66
+per (request, tile) chosen at launch (`MLAWgmmaDecodeSplit`: about one CTA an SM, 1 from 67
 tiles up). A split CTA runs the same loop over its run of whole steps. A TIRx PrimFunc lowers to
 one kernel, so the merge is in it: a split writes its FP32 o / lse to the function's workspace,
 arrives at its group's counter (`_split_sync`: module-scope __device__ counters, zeroed at module
