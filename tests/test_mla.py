@@ -31,6 +31,7 @@ from tir_kernels import (
 )
 from tir_kernels.mla_tc import (
     WGMMA_DECODE_SPEEDUP,
+    WGMMA_SPLIT_DECODE_MAX_BATCH,
     MLATensorCoreSchedule,
     choose_mla_decode_kernel,
     choose_mla_tc_schedule,
@@ -40,6 +41,7 @@ from tir_kernels.mla_tc import (
 )
 from tir_kernels.build import PIPELINE, uses_tirx_pipeline
 from tir_kernels.mla_sm90 import (
+    MLAWgmmaDecodeSplit,
     MLAWgmmaSchedule,
     choose_mla_wgmma_schedule,
     mla_paged_decode_wgmma,
@@ -763,14 +765,18 @@ def test_mla_wgmma_decode_selection():
     assert choose_mla_decode_kernel(hopper.replace(dtype="float32"), 64) == "simt"
     assert choose_mla_decode_kernel(hopper.replace(target="cuda:sm_80"), 64) == "tc"
     assert choose_mla_decode_kernel(hopper.replace(latent_dim=96), 64) == "tc"
-    # one request (a wave of 2 CTAs) splits; a full wave of whole requests does not
-    assert choose_mla_decode_kernel(hopper, 1) == "tc"
+    # where the wgmma decode splits (up to 33 requests at 128 heads) the measured batch bound
+    # decides; a partial wave of whole requests (34 .. 41) goes to mla_tc, a full one to wgmma
     assert choose_mla_decode_kernel(hopper, 0) == "tc"
-    assert choose_mla_decode_kernel(hopper, 66) == ("wgmma" if WGMMA_DECODE_SPEEDUP["full"] > 1 else "tc")
-    picks = [choose_mla_decode_kernel(hopper, b) for b in range(1, 300)]
-    assert picks[0] == "tc" and ("wgmma" in picks) == (WGMMA_DECODE_SPEEDUP["full"] > 1)
+    full, partial = WGMMA_SPLIT_DECODE_MAX_BATCH["full"], WGMMA_SPLIT_DECODE_MAX_BATCH["partial"]
+    picks = {b: choose_mla_decode_kernel(hopper, b) for b in range(1, 300)}
+    assert all(picks[b] == ("wgmma" if b <= full else "tc") for b in range(1, 34))
+    assert [picks[b] for b in (34, 41)] == ["tc", "tc"]
+    assert picks[66] == ("wgmma" if WGMMA_DECODE_SPEEDUP["full"] > 1 else "tc")
+    sixteen = {b: choose_mla_decode_kernel(hopper.replace(num_heads=16), b) for b in range(1, 300)}
+    assert all(sixteen[b] == ("wgmma" if b <= partial else "tc") for b in range(1, 67))
     if WGMMA_DECODE_SPEEDUP["partial"] <= 1:
-        assert all(choose_mla_decode_kernel(hopper.replace(num_heads=16), b) == "tc" for b in range(1, 300))
+        assert all(sixteen[b] == "tc" for b in range(67, 300))
 
 
 def test_mla_wgmma_decode_codegen():
@@ -795,10 +801,10 @@ def test_mla_cache_decode_slot_picks_per_batch(monkeypatch):
     kernels = runtime_mla.mla_kernel_set(config, 2, {})
     slot = kernels.decode_paged_mla
     assert isinstance(slot, runtime_mla.ChosenMLADecode) and set(slot.funcs) == {"tc", "wgmma"}
-    for batch in (1, 64):
+    for batch in (1, 36, 64):
         q = np.zeros((batch, 128, 576), np.float16)
         slot.mla(0, q, None, None, None, None, 0.1, None, None)
-    assert calls == [("mla_paged_decode_auto", 1), ("mla_paged_decode_wgmma", 64)]
+    assert calls == [("mla_paged_decode_wgmma", 1), ("mla_paged_decode_auto", 36), ("mla_paged_decode_wgmma", 64)]
     cpu = runtime_mla.mla_kernel_set(MLAConfig(8, latent_dim=64, rope_dim=16), 2, {})
     assert not isinstance(cpu.decode_paged_mla, runtime_mla.ChosenMLADecode)
 
@@ -820,6 +826,47 @@ def test_mla_wgmma_decode_many_requests_gpu(kernels, case):
     lengths = [90 + 37 * i for i in range(70)]
     lengths[5] = 0
     check_decode(kernels, config, lengths, rng_for("wgmma-many", case_id(case)), generator=mla_paged_decode_wgmma)
+
+
+def wgmma_split_decode(config, split):
+    """The wgmma decode with split-KV settings `split` (a generator for the kernel cache)."""
+    return mla_paged_decode_wgmma(config, None, split)
+
+
+def test_mla_wgmma_decode_split_settings():
+    """Split slots per (request, head tile) chosen at launch from the batch; settings validated."""
+    split = MLAWgmmaDecodeSplit()
+    assert split.max_splits == 66 and split.target_ctas == 132
+    assert MLAWgmmaDecodeSplit(max_splits=1).slots(5, 2) == 1
+    with pytest.raises(ValueError, match="min_split_keys"):
+        MLAWgmmaDecodeSplit(min_split_keys=0)
+    config = MLAConfig(128, target="cuda:sm_90")
+    module = tvm.compile(tvm.IRModule({"main": mla_paged_decode_wgmma(config)}), target=config.tvm_target(),
+                         tir_pipeline=PIPELINE)
+    source = "\n".join(m.inspect_source() for m in module.mod.imports)
+    for needle in ("tvmattn_mla_split_132_arrive", "ld.acquire.gpu", "tvmattn_ldcg4", "o_part"):
+        assert needle in source
+
+
+# Split-KV wgmma decode: few requests, long and short, many splits (min_split_keys 32: a split
+# per 32-key step), more split CTAs than SMs (target_ctas 400: some CTAs finish before others
+# start, so the last arrival merges alone), consecutive calls of one kernel.
+WGMMA_SPLIT_LENGTHS = [[9000], [0, 4097], [1, 2 * 64 * 16 + 16, 700]]
+WGMMA_SPLITS = [MLAWgmmaDecodeSplit(), MLAWgmmaDecodeSplit(min_split_keys=32),
+                MLAWgmmaDecodeSplit(max_splits=200, min_split_keys=32, target_ctas=400)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", WGMMA_SPLITS, ids=["default", "short", "over-sms"])
+@pytest.mark.parametrize("case", WGMMA_DECODE_CASES, ids=case_id)
+def test_mla_wgmma_split_decode_gpu(kernels, case, split):
+    """Batches 1, 2, 3 (empty, page-boundary, one-token and long requests), each twice in a row
+    through the same kernel (the split counters are left zero by every launch)."""
+    config = make_config(case, "cuda")
+    for rep in range(2):
+        for lengths in WGMMA_SPLIT_LENGTHS:
+            check_decode(kernels, config, lengths, rng_for("wgmma-split", case_id(case), rep, *lengths), split,
+                         wgmma_split_decode)
 
 
 def test_mla_bench_plumbing_cpu(monkeypatch):

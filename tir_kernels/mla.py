@@ -332,8 +332,8 @@ def decode_contract_func(config: MLAConfig, split_kernel, num_splits, merge_spli
     kernel body: split_kernel(Q, pages, page_indptr, page_indices, length_info, out, lse, o_part,
     lse_part, sm_scale) writes each (request, head)'s output, or with num_splits(B) > 1 its
     split's FP32 state into the workspace o_part / lse_part, which merge_splits(o_part, lse_part,
-    out, lse) then merges. Shared by the CUDA-core / CPU kernel and mla_tc's tensor-core one.
-    num_splits None (mla_sm90's decode, never split): split_kernel(Q, ..., out, lse, sm_scale)."""
+    out, lse) then merges (merge_splits None: split_kernel merges them itself, as mla_sm90's decode
+    does). Shared by the CUDA-core / CPU kernel and the tensor-core ones."""
     dtype, ps, H, D_QK, D_L = config.dtype, config.page_size, config.num_heads, config.qk_dim, config.latent_dim
 
     @T.prim_func
@@ -362,13 +362,11 @@ def decode_contract_func(config: MLAConfig, split_kernel, num_splits, merge_spli
         length_info = T.match_buffer(length_info_handle, (B,), "int32", elem_offset=length_offset)
         out = T.match_buffer(o_handle, (B, H, D_L), dtype)
         lse = T.match_buffer(lse_handle, (B, H), "float32")
-        if num_splits is None:
-            split_kernel(Q, pages, page_indptr, page_indices, length_info, out, lse, sm_scale)
-        else:
-            # Split partials: FP32 output and LSE per split (workspace; unused when one split).
-            o_part = T.alloc_buffer((num_splits(B) * B * H * D_L,), "float32")
-            lse_part = T.alloc_buffer((num_splits(B) * B * H,), "float32")
-            split_kernel(Q, pages, page_indptr, page_indices, length_info, out, lse, o_part, lse_part, sm_scale)
+        # Split partials: FP32 output and LSE per split (workspace; unused when one split).
+        o_part = T.alloc_buffer((num_splits(B) * B * H * D_L,), "float32")
+        lse_part = T.alloc_buffer((num_splits(B) * B * H,), "float32")
+        split_kernel(Q, pages, page_indptr, page_indices, length_info, out, lse, o_part, lse_part, sm_scale)
+        if merge_splits is not None:
             if num_splits(B) > 1:
                 merge_splits(o_part, lse_part, out, lse)  # in FP32, per (request, head)
 

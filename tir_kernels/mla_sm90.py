@@ -28,10 +28,14 @@ A CTA has three warpgroups:
     Consumer 0 writes lse.
 
 Decode (`mla_paged_decode_wgmma`, `mla.mla_paged_decode`'s contract): the same CTA with one
-query a request, so packed row p is head p; one CTA per (request, 64-head tile) over all the
-request's keys. No split-KV: a TIRx PrimFunc lowers to one kernel, so an FP32 merge of splits
-cannot follow it in the same function; small batches run mla_tc's split decode instead
-(`mla_tc.choose_mla_decode_kernel`).
+query a request, so packed row p is head p; CTAs (request, 64-head tile, split slot), the slots
+per (request, tile) chosen at launch (`MLAWgmmaDecodeSplit`: about one CTA an SM, 1 from 67
+tiles up). A split CTA runs the same loop over its run of whole steps. A TIRx PrimFunc lowers to
+one kernel, so the merge is in it: a split writes its FP32 o / lse to the function's workspace,
+arrives at its group's counter (`_split_sync`: module-scope __device__ counters, zeroed at module
+load and left zero by every launch), and, once all the group's splits arrived, every member CTA
+that waits (all of them when the whole grid is resident, else only the last to arrive) claims
+pairs of the tile's heads and merges them (a consumer a head, a thread per float4 of the row).
 """
 
 from __future__ import annotations
@@ -59,9 +63,10 @@ from .hopper import (
     wgmma_name,
     wgmma_scores,
 )
-from .schedules import CUDA_MAX_SHARED_BYTES
+from .decode_tc import LDCG, LDCG4, LDCG4_SRC, LDCG_SRC
+from .schedules import CUDA_MAX_SHARED_BYTES, CUDA_NUM_SMS
 from .simt_tile import find_tile_macro
-from .softmax import finalize_lse, finalize_scale, prob, rescale_factor
+from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor
 
 # Importing the submodule `tir_kernels.build` binds the package's name `build` to the module,
 # hiding the lazily exported function `tir_kernels.build` (the runtime's and scripts' way to
@@ -72,8 +77,102 @@ WARPGROUP = 128
 CONSUMERS = 2
 Q_BARRIER = 1  # named barrier: both consumers' halves of the Q tile have landed
 TURN_BARRIER = 3  # named barriers 3 and 4: the consumers' turns on S = Q K^T
+MERGE_BARRIER = 5  # named barrier: the consumers of a decode split CTA around its merge's steps
+MERGE_UNROLL = 16  # split partials a merging thread loads at once
 MASKED = -1.0e30
 BARRIER_BYTES = 64  # the ring's mbarriers and alignment slack, beside the dynamic buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAWgmmaDecodeSplit:
+    """Split-KV of the wgmma decode, chosen at launch from the batch: slots = min(target_ctas //
+    (batch * head tiles), max_splits) split CTAs per (request, head tile) (at least 1); a request
+    of kv_len keys uses min(slots, ceil(kv_len / min_split_keys)) of them, each a run of whole
+    tile_kv steps. max_splits=1: never split (one CTA per request and head tile). target_ctas is
+    also the number of (request, head tile) arrival counters (a split launch has at most
+    target_ctas / 2 such groups)."""
+
+    max_splits: int = 66
+    min_split_keys: int = 128
+    target_ctas: int = CUDA_NUM_SMS
+
+    def __post_init__(self):
+        for name in ("max_splits", "min_split_keys", "target_ctas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"invalid decode split: {name}={getattr(self, name)} must be >= 1")
+
+    def slots(self, batch, head_tiles: int):
+        """Split CTAs per (request, head tile) in a launch of `batch` requests (an int for an int
+        batch, else a PrimExpr)."""
+        if self.max_splits == 1:
+            return 1
+        if isinstance(batch, int):
+            return min(max(self.target_ctas // (batch * head_tiles), 1), self.max_splits)
+        return T.min(T.max(self.target_ctas // (batch * head_tiles), 1), self.max_splits)
+
+
+def _split_sync(groups: int):
+    """{name: (function, CUDA source)} of the split decode's counters: a module-scope __device__ array
+    (zeroed when the module loads, left zero by every launch; launches of one module must not
+    overlap in time). Per (request, head tile) group g: arrivals, merge claims, departures; for
+    the grid: CTAs started, CTAs ended (the last to end resets both).
+      start(): a CTA has started (so is resident or done).
+      arrive(g, n, grid): after the CTA's partial is written: 1 when this CTA merges. The n-th
+        arrival merges at once; an earlier one waits for the n-th (acquire spin) only when all
+        grid CTAs have started (then every member is resident and will arrive: no deadlock),
+        else returns 0 (and the last arrival merges every row alone).
+      claim(g): the next unit of the group's merge (units past the last: done).
+      depart(g, n) / end(grid): the last of the group / grid resets its counters."""
+    tag = f"tvmattn_mla_split_{groups}"
+    c, grid_word = f"{tag}_counters", 3 * groups
+    # TVM emits a function's source once per name: each carries the guarded shared part
+    common = f"""
+#ifndef {tag.upper()}
+#define {tag.upper()}
+__device__ unsigned {c}[{3 * groups + 2}];
+__device__ __forceinline__ unsigned {tag}_acquire(const unsigned* p) {{
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}}
+#endif
+"""
+    bodies = {
+        "start": f"""(int unused) {{
+  atomicAdd(&{c}[{grid_word}], 1u);
+  return unused;
+}}""",
+        "arrive": f"""(int g, int n, int grid) {{
+  __threadfence();
+  unsigned seen = atomicAdd(&{c}[3 * g], 1u) + 1u;
+  if (seen < (unsigned)n) {{
+    if ({tag}_acquire(&{c}[{grid_word}]) < (unsigned)grid) return 0;
+    while ({tag}_acquire(&{c}[3 * g]) < (unsigned)n) __nanosleep(32);
+  }}
+  __threadfence();
+  return 1;
+}}""",
+        "claim": f"""(int g) {{
+  return (int)atomicAdd(&{c}[3 * g + 1], 1u);
+}}""",
+        "depart": f"""(int g, int n) {{
+  if (atomicAdd(&{c}[3 * g + 2], 1u) + 1u == (unsigned)n) {{
+    {c}[3 * g] = 0u;
+    {c}[3 * g + 1] = 0u;
+    {c}[3 * g + 2] = 0u;
+  }}
+  return 0;
+}}""",
+        "end": f"""(int grid) {{
+  if (atomicAdd(&{c}[{grid_word} + 1], 1u) + 1u == (unsigned)grid) {{
+    {c}[{grid_word}] = 0u;
+    {c}[{grid_word} + 1] = 0u;
+  }}
+  return 0;
+}}""",
+    }
+    return {k: (f"{tag}_{k}", f"{common}__device__ __forceinline__ int {tag}_{k}{body}\n")
+            for k, body in bodies.items()}
 @dataclasses.dataclass(frozen=True)
 class MLAWgmmaSchedule:
     """Tiling of the tensor-core MLA prefill: tile_kv latent rows a step (the N of S = Q K^T),
@@ -170,8 +269,9 @@ def choose_mla_wgmma_schedule(config: MLAConfig) -> MLAWgmmaSchedule:
     raise ValueError(f"the tensor-core MLA prefill has no schedule for qk_dim={config.qk_dim}")
 
 
-def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = False):
-    """The prefill kernel macro, or (decode) the decode one."""
+def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = False,
+                  split: MLAWgmmaDecodeSplit = MLAWgmmaDecodeSplit()):
+    """The prefill kernel macro, or (decode) the decode one, split as `split` says."""
     dtype, H, ps = config.dtype, config.num_heads, config.page_size
     D_QK, D_L = config.qk_dim, config.latent_dim
     DVH = D_L // 2  # output columns per consumer
@@ -421,16 +521,19 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
 
     @T.macro
     def consumer(smem, xp, xs, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal, sm_scale, wg, tid,
-                 q_at, store_o, store_lse):
+                 q_at, store_o, store_lse, direct, store_part_o, store_part_lse):
         """A consumer warpgroup's share of the CTA: its registers raised, then the schedule's
-        consume loop (split keys or duplicated scores) over the CTA's rows, writing o and lse."""
+        consume loop (split keys or duplicated scores) over the CTA's rows, writing o and lse
+        (direct) or, a decode split, its FP32 partial through store_part_o / store_part_lse."""
         T.ptx["setmaxnreg.inc.sync.aligned.u32"](sched.consumer_regs)
         if SPLIT:
             consume_split(smem, xp, xs, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
-                          sm_scale * T.float32(LOG2E), wg - 1, tid, q_at, store_o, store_lse, True, None, None)
+                          sm_scale * T.float32(LOG2E), wg - 1, tid, q_at, store_o, store_lse, direct, store_part_o,
+                          store_part_lse)
         else:
             consume(smem, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
-                    sm_scale * T.float32(LOG2E), wg - 1, tid, q_at, store_o, store_lse, True, None, None)
+                    sm_scale * T.float32(LOG2E), wg - 1, tid, q_at, store_o, store_lse, direct, store_part_o,
+                    store_part_lse)
 
     @T.macro
     def kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, Out, lse, causal, sm_scale, batch):
@@ -471,21 +574,97 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
             consumer(smem, xp, xs, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal, sm_scale, wg, tid,
                      lambda p, c: Q.ptr_to([q0 + p // H, p % H, c]),
                      lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [q0 + p // H, p % H, c]),
-                     lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]))
+                     lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]), True, None, None)
 
     HEAD_TILES = ceildiv(H, BM)
+    VECS = D_L // 4  # float4 columns of an output row in the split merge
+    SYNC = _split_sync(split.target_ctas)
+
+    def sync_call(name, *args):
+        return T.cuda.func_call(SYNC[name][0], *args, source_code=SYNC[name][1], return_type="int32")
 
     @T.macro
-    def decode_kernel(Q, pages, page_indptr, page_indices, length_info, Out, lse, sm_scale):
-        """Decode: one CTA per (request, tile of 64 heads), 3 warpgroups; the prefill's CTA with
-        one query (module docstring)."""
+    def leader_to_all(word_, value_, tid_, cw_):
+        """word_[0] <- value_ (evaluated by the first consumer thread only), seen by all consumer threads."""
+        T.ptx["bar.sync"](T.uint32(MERGE_BARRIER), T.uint32(CONSUMERS * WARPGROUP))
+        if cw_ == 0 and tid_ == 0:
+            word_[0] = value_
+        T.ptx["bar.sync"](T.uint32(MERGE_BARRIER), T.uint32(CONSUMERS * WARPGROUP))
+
+    @T.macro
+    def merge_row(o_part_, lse_part_, out_, lse_, batch_, b_, h_, used_, tid_):
+        """out_[b_, h_] and lse_[b_, h_] <- the FP32 merge of the used_ splits' partials of head h_
+        (a thread per float4 of the row, MERGE_UNROLL partials loaded at once, read through L2:
+        other CTAs wrote them), one online pass over the splits' LSEs."""
+        m = T.alloc_local((1,), "float32")
+        lsum = T.alloc_local((1,), "float32")
+        mn = T.alloc_local((1,), "float32")
+        w = T.alloc_local((MERGE_UNROLL,), "float32")
+        lv = T.alloc_local((MERGE_UNROLL,), "float32")
+        pre = T.alloc_local((MERGE_UNROLL * 4,), "float32")
+        acc = T.alloc_local((4,), "float32")
+        for k in T.unroll(ceildiv(VECS, WARPGROUP)):
+            v = T.meta_var(k * WARPGROUP + tid_)
+            if VECS % WARPGROUP == 0 or v < VECS:
+                m[0] = T.float32(EMPTY_LSE)
+                lsum[0] = T.float32(0)
+                for c in T.unroll(4):
+                    acc[c] = T.float32(0)
+                for y0 in T.serial(ceildiv(used_, MERGE_UNROLL)):
+                    for u in T.unroll(MERGE_UNROLL):
+                        y = T.meta_var(T.min(y0 * MERGE_UNROLL + u, used_ - 1))
+                        lv[u] = T.cuda.func_call(LDCG, T.address_of(lse_part_[(y * batch_ + b_) * H + h_]),
+                                                 source_code=LDCG_SRC, return_type="float32")
+                        T.evaluate(T.cuda.func_call(
+                            LDCG4, T.address_of(pre[u * 4]),
+                            T.address_of(o_part_[((y * batch_ + b_) * H + h_) * D_L + v * 4]), source_code=LDCG4_SRC))
+                    mn[0] = m[0]
+                    for u in T.unroll(MERGE_UNROLL):
+                        w[u] = T.if_then_else(y0 * MERGE_UNROLL + u < used_, finished_l(lv[u]), T.float32(0))
+                        mn[0] = T.max(mn[0], T.if_then_else(w[u] > T.float32(0), lv[u], mn[0]))
+                    lsum[0] = lsum[0] * rescale_factor(m[0], mn[0])
+                    for c in T.unroll(4):
+                        acc[c] = acc[c] * rescale_factor(m[0], mn[0])
+                    m[0] = mn[0]
+                    for u in T.unroll(MERGE_UNROLL):
+                        w[u] = w[u] * rescale_factor(lv[u], m[0])
+                        lsum[0] = lsum[0] + w[u]
+                        for c in T.unroll(4):
+                            acc[c] = acc[c] + w[u] * pre[u * 4 + c]
+                for c in T.unroll(4):
+                    out_[b_, h_, v * 4 + c] = T.Cast(dtype, acc[c] * finalize_scale(lsum[0]))
+                if v == 0:
+                    lse_[b_, h_] = finalize_lse(m[0], lsum[0])
+
+    @T.macro
+    def merge_splits(word_, o_part_, lse_part_, out_, lse_, batch_, b_, p0_, group_, used_, grid_, tid_, cw_):
+        """After the CTA's partial is written: arrive at the group's counter; a merging CTA then
+        claims pairs of the tile's heads (one a consumer) until none is left; then depart."""
+        leader_to_all(word_, sync_call("arrive", group_, used_, grid_), tid_, cw_)
+        if word_[0] != 0:
+            leader_to_all(word_, sync_call("claim", group_), tid_, cw_)
+            while word_[0] * 2 < T.min(H - p0_, BM):
+                if p0_ + word_[0] * 2 + cw_ < H:
+                    merge_row(o_part_, lse_part_, out_, lse_, batch_, b_, p0_ + word_[0] * 2 + cw_, used_, tid_)
+                leader_to_all(word_, sync_call("claim", group_), tid_, cw_)
+        if cw_ == 0 and tid_ == 0:
+            T.evaluate(sync_call("depart", group_, used_))
+
+    @T.macro
+    def decode_kernel(Q, pages, page_indptr, page_indices, length_info, Out, lse, o_part, lse_part, sm_scale):
+        """Decode: one CTA per (request, tile of 64 heads, split slot), 3 warpgroups; the
+        prefill's CTA with one query over the split's run of keys (module docstring)."""
         T.device_entry()
-        bx = T.cta_id([Q.shape[0] * HEAD_TILES])
+        batch = T.meta_var(Q.shape[0])
+        slots = T.meta_var(split.slots(batch, HEAD_TILES))
+        grid = T.meta_var(batch * HEAD_TILES * slots)
+        bx = T.cta_id([grid])
         wg = T.warpgroup_id([CONSUMERS + 1])
         tid = T.thread_id_in_wg([WARPGROUP])
         smem = T.alloc_buffer((SMEM_ELEMS,), dtype, scope="shared.dyn", align=1024)
         full = T.alloc_shared((ST,), "uint64")
         empty = T.alloc_shared((ST,), "uint64")
+        word = T.alloc_shared((1,), "int32")
         if SPLIT:
             xp = T.alloc_shared((2 * WARPGROUP * NPH,), "uint32")
             xs = T.alloc_shared((4 * BM,), "float32")
@@ -493,20 +672,46 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
             xp = T.meta_var(None)
             xs = T.meta_var(None)
         init_ring(full, empty, wg, tid)
-        b: T.let[T.int32] = bx // HEAD_TILES
-        p0: T.let[T.int32] = bx % HEAD_TILES * BM
+        # the request's splits: runs of whole steps of at least min_split_keys keys, each non-empty;
+        # the values in registers (TVM would inline each expression at every use)
+        at = T.alloc_local((8,), "int32")  # group, request, split, kv_len, used, first key, keys, rows
+        at[0] = bx // slots
+        at[1] = at[0] // HEAD_TILES
+        at[2] = bx % slots
+        b: T.let[T.int32] = at[1]
+        p0: T.let[T.int32] = at[0] % HEAD_TILES * BM
         page0: T.let[T.int32] = page_indptr[b]
-        kv_len: T.let[T.int32] = kv_chunk_len(page_indptr[b + 1] - page0, ps, length_info, b, False)
-        nkv: T.let[T.int32] = ceildiv(kv_len, BN)
+        at[3] = kv_chunk_len(page_indptr[b + 1] - page0, ps, length_info, b, False)
+        at[4] = T.max(ceildiv(ceildiv(at[3], T.min(slots, T.max(ceildiv(at[3], split.min_split_keys), 1))), BN) * BN,
+                      BN)  # keys a split
+        at[5] = at[2] * at[4]
+        at[6] = T.if_then_else(at[5] < at[3], T.min(at[3] - at[5], at[4]), 0)
+        at[4] = T.max(ceildiv(at[3], at[4]), 1)
+        at[7] = T.if_then_else(at[2] < at[4], H, 0)
+        group = T.meta_var(at[0])
+        sp = T.meta_var(at[2])
+        used = T.meta_var(at[4])
+        k0 = T.meta_var(at[5])
+        keys = T.meta_var(at[6])
+        nkv: T.let[T.int32] = ceildiv(keys, BN)
         if wg == 0:
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](sched.producer_regs)
-            produce(smem, full, empty, nkv, kv_len, tid, lambda j: page_indices[page0 + j // ps] * ps + j % ps,
+            produce(smem, full, empty, nkv, keys, tid,
+                    lambda j: page_indices[page0 + (k0 + j) // ps] * ps + (k0 + j) % ps,
                     lambda slot, c: pages.ptr_to([slot // ps, slot % ps, c]))
         else:
-            consumer(smem, xp, xs, full, empty, nkv, kv_len, kv_len, 1, p0, H, T.int32(0), sm_scale, wg, tid,
-                     lambda p, c: Q.ptr_to([b, p, c]),
+            if slots > 1 and wg == 1 and tid == 0:
+                T.evaluate(sync_call("start", 0))
+            consumer(smem, xp, xs, full, empty, nkv, keys, keys, 1, p0, at[7], T.int32(0),
+                     sm_scale, wg, tid, lambda p, c: Q.ptr_to([b, p, c]),
                      lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [b, p, c]),
-                     lambda p, val: T.buffer_store(lse, val, [b, p]))
+                     lambda p, val: T.buffer_store(lse, val, [b, p]), used == 1,
+                     lambda p, c, val: T.buffer_store(o_part, val, [((sp * batch + b) * H + p) * D_L + c]),
+                     lambda p, val: T.buffer_store(lse_part, val, [(sp * batch + b) * H + p]))
+            if used > 1 and sp < used:
+                merge_splits(word, o_part, lse_part, Out, lse, batch, b, p0, group, used, grid, tid, wg - 1)
+            if slots > 1 and wg == 1 and tid == 0:
+                T.evaluate(sync_call("end", grid))
 
     return decode_kernel if decode else kernel
 
@@ -531,11 +736,13 @@ def mla_wgmma_decode_problem(config: MLAConfig) -> str | None:
     return mla_wgmma_problem(config)
 
 
-def mla_paged_decode_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None = None):
+def mla_paged_decode_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None = None,
+                           split: MLAWgmmaDecodeSplit | None = None):
     """Tensor-core `mla.mla_paged_decode` (same arguments, symbol and semantics): the prefill's
-    CTA with one query a request (64 heads as M, the prefill's schedule), one CTA per request and
-    head tile over all its keys (no split-KV: a TIRx PrimFunc is one kernel, so the FP32 merge of
-    splits cannot follow it; small batches run mla_tc's split kernel, `choose_mla_decode_kernel`)."""
+    CTA with one query a request (64 heads as M, the prefill's schedule), split-KV as `split`
+    says (default MLAWgmmaDecodeSplit(); chosen at launch, so large batches run one CTA per
+    request and head tile over all its keys). The split CTAs of a (request, head tile) write FP32
+    partials to the function's workspace and merge them in the same kernel (`_split_sync`)."""
     from .mla import decode_contract_func
 
     problem = mla_wgmma_decode_problem(config)
@@ -543,6 +750,9 @@ def mla_paged_decode_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None 
         raise ValueError(f"the tensor-core MLA decode does not serve {problem}")
     sched = schedule or choose_mla_wgmma_schedule(config)
     sched.check(config)
-    func = decode_contract_func(config, _kernel_macro(config, sched, decode=True), None, None)
+    split = split or MLAWgmmaDecodeSplit()
+    head_tiles = ceildiv(config.num_heads, sched.tile_q)
+    func = decode_contract_func(config, _kernel_macro(config, sched, decode=True, split=split),
+                                lambda batch: split.slots(batch, head_tiles), None)
     return func.with_attr(TIRX_ATTR, True).with_attr(
         "target", tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm"))

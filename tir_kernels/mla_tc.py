@@ -414,27 +414,35 @@ def mla_paged_decode_tc(config: MLAConfig, schedule: MLATensorCoreSchedule | Non
 # of an SM running mla_tc's split decode, on the same rows (H200, fp16, latent 512 + rope 64,
 # page 16, docs/perf-notes.md): 128 heads, 64 x 4096: 0.2450 ms for 128 CTAs against mla_tc's
 # 0.3819 ms on 132 SMs (1.6x); 16 heads (a 64-row tile, 16 rows used): 0.2264 ms a wave against
-# 0.1142 ms for 64 tiles' rows on 132 SMs (1.0x: wgmma never wins).
+# 0.1142 ms for 64 tiles' rows on 132 SMs (1.0x). For launches of one CTA per request and head tile.
 WGMMA_DECODE_SPEEDUP = {"full": 1.6, "partial": 1.0}
+# Largest batch at which the split wgmma decode (2 or more split CTAs per request and head tile)
+# runs instead of mla_tc (same table): at 128 heads it won at every measured batch (1, 8 and 64 x
+# 4096, 1 x 32768: 1.35-1.56x); at 16 heads at batch 1 and 8 (1.07-1.57x), not at 64 (0.88x).
+WGMMA_SPLIT_DECODE_MAX_BATCH = {"full": CUDA_NUM_SMS, "partial": 8}
 
 
 @functools.lru_cache(maxsize=4096)
 def choose_mla_decode_kernel(config: MLAConfig, batch: int) -> str:
-    """Which built MLA decode serves a call of `batch` requests: "wgmma" (mla_sm90: one CTA per
-    request and 64-head tile, no split, so `batch * head tiles` CTAs in waves of one an SM), "tc"
-    (this module's split decode, which fills every SM) or "simt" (mla.py). wgmma where its waves,
-    each WGMMA_DECODE_SPEEDUP times faster than an SM of the split kernel, take less time than the
-    split kernel's even share of the same CTAs' rows. Cached per (config, batch): the cache
-    asks on every decode call."""
-    from .mla_sm90 import mla_wgmma_decode_problem
+    """Which built MLA decode serves a call of `batch` requests: "wgmma" (mla_sm90, split-KV
+    chosen at launch), "tc" (this module's split decode, which fills every SM) or "simt"
+    (mla.py). Where the wgmma decode splits (2 or more CTAs per request and head tile), wgmma up
+    to WGMMA_SPLIT_DECODE_MAX_BATCH; where it does not (one CTA per request and head tile, in
+    waves of one an SM), wgmma where its waves, each WGMMA_DECODE_SPEEDUP times faster than an
+    SM of the split kernel, take less time than the split kernel's even share of the same CTAs'
+    rows. Cached per (config, batch): the cache asks on every decode call."""
+    from .mla_sm90 import MLAWgmmaDecodeSplit, mla_wgmma_decode_problem
 
     if not supports_tc(config):
         return "simt"
     if batch < 1 or mla_wgmma_decode_problem(config) is not None:
         return "tc"
-    tiles = batch * ceildiv(config.num_heads, 64)
-    speedup = WGMMA_DECODE_SPEEDUP["full" if config.num_heads % 64 == 0 else "partial"]
-    return "wgmma" if ceildiv(tiles, CUDA_NUM_SMS) / speedup < tiles / CUDA_NUM_SMS else "tc"
+    head_tiles = ceildiv(config.num_heads, 64)
+    tiles = batch * head_tiles
+    kind = "full" if config.num_heads % 64 == 0 else "partial"
+    if MLAWgmmaDecodeSplit().slots(batch, head_tiles) > 1:
+        return "wgmma" if batch <= WGMMA_SPLIT_DECODE_MAX_BATCH[kind] else "tc"
+    return "wgmma" if ceildiv(tiles, CUDA_NUM_SMS) / WGMMA_DECODE_SPEEDUP[kind] < tiles / CUDA_NUM_SMS else "tc"
 
 
 def mla_paged_decode_auto(config: MLAConfig):
@@ -445,6 +453,7 @@ def mla_paged_decode_auto(config: MLAConfig):
     return mla_paged_decode(config)
 
 
-__all__ = ["MLATensorCoreSchedule", "WGMMA_DECODE_SPEEDUP", "choose_mla_decode_kernel", "choose_mla_tc_schedule",
+__all__ = ["MLATensorCoreSchedule", "WGMMA_DECODE_SPEEDUP", "WGMMA_SPLIT_DECODE_MAX_BATCH",
+           "choose_mla_decode_kernel", "choose_mla_tc_schedule",
            "mla_paged_decode_auto", "mla_paged_decode_tc",
            "supports_tc"]
