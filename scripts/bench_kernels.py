@@ -1184,7 +1184,7 @@ def rope_torch(x, positions, theta: float = 1e4):
 
 
 def decode_rope_rows(ctx: Context, shape: Shape, inputs: Inputs, fn, args: list, iters: int, timing: dict,
-                     graph_row) -> list[dict]:
+                     graphs: bool) -> list[dict]:
     """tvmattn's decode with inline RoPE (rotary_mode 1, rope scale 1, theta 1e4; keys at
     positions 0..L-1, the query at L - 1) on the shape's inputs: its eager row (and graph row),
     checked against SDPA over the rotated q and K. Same bytes moved as the plain row."""
@@ -1200,22 +1200,37 @@ def decode_rope_rows(ctx: Context, shape: Shape, inputs: Inputs, fn, args: list,
     lse = torch.empty(inputs.q.shape[:2], device=DEVICE, dtype=torch.float32)
     rope_args = list(args)
     rope_args[6], rope_args[7], rope_args[8], rope_args[9] = to_tvm(q_pos), to_tvm(o), to_tvm(lse), 1
-    pools = inputs.tvm_pools
+    variant = "rotary_mode=1 " + ctx.kernels["decode"][0][1]
+    return variant_rows(ctx, "tvmattn-rope", variant, shape, fn, rope_args, inputs.tvm_pools, o, ref, iters, timing,
+                        graphs)
 
+
+def variant_rows(ctx: Context, impl: str, variant: str, shape: Shape, fn, args: list, pools: list, o, ref,
+                 iters: int, timing: dict, graphs: bool) -> list[dict]:
+    """The eager decode row (and with graphs the CUDA-graph row) of fn(*args), the page pool
+    (argument 1) cycling over `pools`; its diff against ref is taken after the first call (the
+    timed calls read other pools)."""
     def call(i):
-        rope_args[1] = pools[i % len(pools)]
-        fn(*rope_args)
+        args[1] = pools[i % len(pools)]
+        fn(*args)
 
     call(0)
     synchronize()
-    diff = max_diff(o, ref)  # (before the timed calls, which cycle the page pools)
-    variant = "rotary_mode=1 " + ctx.kernels["decode"][0][1]
-    row = make_row("decode", "tvmattn-rope", variant, ctx.dtype, D, ctx.page_size, shape,
+    diff = max_diff(o, ref)
+    row = make_row("decode", impl, variant, ctx.dtype, ctx.head_dim, ctx.page_size, shape,
                    time_ms(call, iters, **timing), diff, ctx.meta)
     progress(row)
     rows = [row]
-    if graph_row is not None:
-        rows += graph_row("tvmattn-rope", variant, call)
+    if graphs:
+        try:
+            ms = graph_time_ms(call, iters, **timing)
+        except Exception as e:  # noqa: BLE001 - reported, the eager row stands
+            synchronize()
+            skip(impl, "decode (cuda graph)", ctx, shape.label, e)
+            return rows
+        rows.append(make_row("decode", impl, f"cuda-graph {variant}", ctx.dtype, ctx.head_dim, ctx.page_size, shape,
+                             ms, None, ctx.meta))
+        progress(rows[-1])
     return rows
 
 
@@ -1253,27 +1268,9 @@ def decode_window_rows(ctx: Context, shape: Shape, inputs: Inputs, iters: int, t
     lse = torch.empty(inputs.q.shape[:2], device=DEVICE, dtype=torch.float32)
     args = [to_tvm(inputs.q), inputs.tvm_pools[0], to_tvm(indptr), to_tvm(table), to_tvm(info),
             to_tvm(inputs.zeros_b), to_tvm(inputs.q_pos), to_tvm(o), to_tvm(lse), 0, 1.0, 1e4, ctx.sm_scale]
-    pools = inputs.tvm_pools
-
-    def call(i):
-        args[1] = pools[i % len(pools)]
-        fn(*args)
-
-    call(0)
-    synchronize()
-    diff = max_diff(o, ref)  # (before the timed calls, which cycle the page pools)
-    seen = Shape(B, 1, visible)
     variant = f"sliding window (sink {WINDOW_SINK}, {visible} of {L} keys) {variant}"
-    row = make_row("decode", "tvmattn-window", variant, ctx.dtype, D, ps, seen, time_ms(call, iters, **timing),
-                   diff, ctx.meta)
-    progress(row)
-    rows = [row]
-    if graphs:
-        ms = graph_time_ms(call, iters, **timing)
-        rows.append(make_row("decode", "tvmattn-window", f"cuda-graph {variant}", ctx.dtype, D, ps, seen, ms, None,
-                             ctx.meta))
-        progress(rows[-1])
-    return rows
+    return variant_rows(ctx, "tvmattn-window", variant, Shape(B, 1, visible), fn, args, inputs.tvm_pools, o, ref,
+                        iters, timing, graphs)
 
 
 def copies_for(nbytes: int) -> int:
@@ -1336,7 +1333,7 @@ def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict
             if graphs:
                 rows += graph_row(impl, impl_variant, call)
             if kernel == "decode" and getattr(ctx, "decode_rope", False) and impl == "tvmattn":
-                rows += decode_rope_rows(ctx, shape, inputs, fn, args, iters, timing, graph_row if graphs else None)
+                rows += decode_rope_rows(ctx, shape, inputs, fn, args, iters, timing, graphs)
             if kernel == "decode" and getattr(ctx, "decode_window", False) and impl == "tvmattn":
                 rows += decode_window_rows(ctx, shape, inputs, iters, timing, graphs)
         for impl, impl_variant, fi_call in module_calls(kernel, ctx, inputs) or flashinfer_calls(kernel, ctx, inputs):
