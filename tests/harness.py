@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import os
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -35,6 +38,19 @@ PAGED_CASES = [
     (8, 1, 128, 16, "float16", True),
     (4, 2, 80, 8, "float16", False),  # a head dim that is not a power of two (Phi-2 style)
 ]
+
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def load_script(name: str):
+    """The module of scripts/<name>.py, imported as <name>_under_test (registered in sys.modules:
+    dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", os.path.join(SCRIPTS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def paged_case_id(case) -> str:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from harness import load_script
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_kernels.py")
 HQ, D = 32, 128
@@ -16,10 +17,7 @@ META = {"device": "NVIDIA H200", "date": "2026-01-01T00:00:00+00:00", "commit": 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_kernels")
 
 
 # --- shapes -----------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ even for a tiny model on the CPU, so only its row building and options are teste
 scripts/bench_cache.py (its row building, and one tiny CPU run of TVM's C++ cache with --json)."""
 
 import datetime
-import importlib.util
 import json
 import os
 import platform
@@ -18,18 +17,11 @@ if SCRIPTS not in sys.path:
     sys.path.insert(0, SCRIPTS)
 
 import bench_rows  # noqa: E402
+from harness import load_script  # noqa: E402
 
 META = {"device": "NVIDIA H200", "date": "2026-01-01T00:00:00+00:00", "commit": "abc1234"}
 # shared/docs/bench-format.md: the fields every row of these benchmarks carries
 COMMON_FIELDS = ("bench", "kernel", "impl", "batch", "seq_len", "ms", "device", "date", "commit")
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_under_test", os.path.join(SCRIPTS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

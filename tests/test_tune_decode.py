@@ -1,20 +1,14 @@
 """scripts/tune_decode.py without a GPU: merging re-tuned table entries into a previous table."""
 
-import importlib.util
 import json
-import os
 
 import pytest
-
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "tune_decode.py")
+from harness import load_script
 
 
 @pytest.fixture(scope="module")
 def tune():
-    spec = importlib.util.spec_from_file_location("tune_decode_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tune_decode")
 
 
 def entry(batch, seq_len, schedule):
