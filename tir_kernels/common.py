@@ -39,6 +39,13 @@ class LoopKinds:
             return T.thread_binding(extent, thread=f"threadIdx.{tag}")
         return T.serial(extent)
 
+    @property
+    def local(self) -> str:
+        """The scope of a thread's scratch buffers: "local" on CUDA; on the CPU "global", which
+        TVM's LowerTVMBuiltin keeps on the stack when constant and under 1 KB (it sends every
+        "local" CPU buffer, of any size, to a TVMBackendAllocWorkspace call per allocation)."""
+        return "local" if self.gpu else "global"
+
     def vector(self, extent):
         """Innermost copy loop: 16-byte vector loads/stores on CUDA."""
         return T.vectorized(extent) if self.gpu else T.serial(extent)

@@ -79,8 +79,8 @@ def _cpu_tokens_macro(config: AttentionConfig):
 
     @T.macro
     def token(s_, qkv_, positions_, rotate_, store_q_, store_k_, store_v_, keep_kv_):
-        cos_t = T.alloc_buffer((half,), "float32", scope="local")
-        sin_t = T.alloc_buffer((half,), "float32", scope="local")
+        cos_t = T.alloc_buffer((half,), "float32")  # (on the stack: common.LoopKinds.local)
+        sin_t = T.alloc_buffer((half,), "float32")
         if rotate_:
             for j in T.serial(half):
                 angle = rope_angle(j, positions_[s_], D, theta, scale, scaling)
