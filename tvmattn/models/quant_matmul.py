@@ -552,8 +552,8 @@ def _schedule_gemm(sch: s_tir.Schedule, config: QuantMatmulConfig, plan: CPUSche
     dr, dk = sch.get_loops(deq)[-2:]
     _, dv = sch.split(dk, factors=[None, vec])
     sch.vectorize(dv)
-    # the accumulators [T, N, V] and the tile's sums [T, N] are local; split [T // MR, MR] so a
-    # tile's region has static extents and compacts to a few registers
+    # the accumulators [T, N, V] and the tile's sums [T, N] are stack scratch (STACK_SCOPE); split
+    # [T // MR, MR] so a tile's region has static extents and compacts to a few registers
     for block in (rf, mm) if last is not None else (rf,):
         sch.set_scope(block, 0, STACK_SCOPE)
         sch.transform_layout(block, ("write", 0), lambda i, *rest: (i // mr, i % mr, *rest))
