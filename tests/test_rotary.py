@@ -41,14 +41,15 @@ def expected_qkv(case, qkv, positions, apply_rope):
     return q, k, v
 
 
+# token counts: on the CPU, fewer than rotary.CPU_PARALLEL_TOKENS (16) run a serial loop, more a parallel one
+@pytest.mark.parametrize("n", [23, 5])
 @pytest.mark.parametrize("apply_rope", [1, 0], ids=["rope", "no-rope"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_split_rotary(kernels, target, case, apply_rope):
+def test_split_rotary(kernels, target, case, apply_rope, n):
     hq, hkv, d, dtype, theta, scale, scaling = case
     config = make_config(case, target)
     dev = device_for(config)
     rng = np.random.default_rng(hq * 1000 + d)
-    n = 23
     qkv = randn(rng, (n, hq + 2 * hkv, d), dtype)
     positions = rng.integers(0, 300, n).astype(np.int32)
     positions[:3] = [0, 1, 299]
@@ -67,21 +68,22 @@ def test_split_rotary(kernels, target, case, apply_rope):
         np.testing.assert_allclose(out.astype(np.float64), expected, rtol=rtol, atol=atol, err_msg=name)
 
 
+@pytest.mark.parametrize("n", [19, 4])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("apply_rope", [1, 0], ids=["rope", "no-rope"])
 @pytest.mark.parametrize("case", CASES[:3], ids=case_id)
-def test_split_rotary_append(kernels, target, case, apply_rope, page_size):
+def test_split_rotary_append(kernels, target, case, apply_rope, page_size, n):
     """q as split_rotary's; k and v land in their slots of the pool (a negative slot stores
     nothing), every other slot keeps its value."""
     hq, hkv, d, dtype, *_ = case
     config = make_config(case, target, page_size)
     dev = device_for(config)
     rng = np.random.default_rng(hq * 100 + page_size)
-    n, num_pages = 19, 48 // page_size + 2
+    num_pages = 48 // page_size + 2
     qkv = randn(rng, (n, hq + 2 * hkv, d), dtype)
     positions = rng.integers(0, 300, n).astype(np.int32)
     slots = rng.permutation(num_pages * page_size)[:n].astype(np.int32)
-    slots[[3, 11]] = -1
+    slots[1::8] = -1
     pool = randn(rng, (num_pages, 2, hkv, page_size, d), dtype)
     pages, q = tensor(pool, dev), empty((n, hq, d), dtype, dev)
     kernels.get(split_rotary_append, config)(tensor(qkv, dev), index_view(positions, dev, offset=5), q, pages,

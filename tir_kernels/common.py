@@ -39,6 +39,13 @@ class LoopKinds:
             return T.thread_binding(extent, thread=f"threadIdx.{tag}")
         return T.serial(extent)
 
+    @property
+    def local(self) -> str:
+        """The scope of a thread's scratch buffers: "local" on CUDA; on the CPU "global", which
+        TVM's LowerTVMBuiltin keeps on the stack when constant and under 1 KB (it sends every
+        "local" CPU buffer, of any size, to a TVMBackendAllocWorkspace call per allocation)."""
+        return "local" if self.gpu else "global"
+
     def vector(self, extent):
         """Innermost copy loop: 16-byte vector loads/stores on CUDA."""
         return T.vectorized(extent) if self.gpu else T.serial(extent)
@@ -71,21 +78,30 @@ def rope_inv_freq(d, rotary_dim: int, theta, scaling: RopeScaling | None):
     return (T.float32(1.0) - blend) * inv_freq / T.float32(scaling.factor) + blend * inv_freq
 
 
-def rope_value(load, d, pos, rotary_dim: int, theta, scale, scaling: RopeScaling | None):
-    """Element `d` of a rotate-half RoPE'd vector, float32.
+def rope_angle(d, pos, rotary_dim: int, theta, scale, scaling: RopeScaling | None):
+    """The rotation angle (float32) of element `d` (pair `d % (rotary_dim/2)`) at token position pos (int)."""
+    return T.Cast("float32", pos) * T.Cast("float32", scale) * rope_inv_freq(d, rotary_dim, theta, scaling)
 
-    load(i) returns element i of the un-rotated vector; pos is the token position (int).
-    """
+
+def rope_rotate(load, d, cos, sin, rotary_dim: int):
+    """Element `d` of a rotate-half RoPE'd vector, float32, given the cos and sin of its angle
+    (rope_angle). load(i) returns element i of the un-rotated vector."""
     half = rotary_dim // 2
-    angle = T.Cast("float32", pos) * T.Cast("float32", scale) * rope_inv_freq(
-        d, rotary_dim, theta, scaling
-    )
     partner = T.if_then_else(
         d < half,
         T.float32(0.0) - T.Cast("float32", load(d + half)),
         T.Cast("float32", load(d - half)),
     )
-    return T.cos(angle) * T.Cast("float32", load(d)) + T.sin(angle) * partner
+    return cos * T.Cast("float32", load(d)) + sin * partner
+
+
+def rope_value(load, d, pos, rotary_dim: int, theta, scale, scaling: RopeScaling | None):
+    """Element `d` of a rotate-half RoPE'd vector, float32 (its cos and sin computed here).
+
+    load(i) returns element i of the un-rotated vector; pos is the token position (int).
+    """
+    angle = rope_angle(d, pos, rotary_dim, theta, scale, scaling)
+    return rope_rotate(load, d, T.cos(angle), T.sin(angle), rotary_dim)
 
 
 def kv_chunk_len(num_pages, page_size: int, length_info, b, sliding_window: bool):
@@ -133,6 +149,8 @@ __all__ = [
     "length_info_shape",
     "loop_kinds",
     "paged_position",
+    "rope_angle",
     "rope_inv_freq",
+    "rope_rotate",
     "rope_value",
 ]

@@ -107,7 +107,7 @@ class _Tiling:
             TN=sched.cols_per_thread, BQ=sched.tile_q, BK=BK, NT=sched.num_threads,
             VEC=CUDA_VECTOR_BYTES // config.elem_bytes, QS=D_QK + PREFILL_ROW_PAD, KS=D_QK + PREFILL_ROW_PAD,
             VS=D_V + PREFILL_ROW_PAD, PS=BK + PREFILL_P_ROW_PAD, OC=D_V // sched.threads_x,
-            shared="shared.dyn" if config.is_gpu else "local",
+            shared="shared.dyn" if config.is_gpu else "global",  # (common.LoopKinds.local)
         )
 
     def row_tiles(self, qo_indptr, b):
@@ -182,12 +182,12 @@ def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillM
         ks = T.alloc_buffer((BK * KS,), "float32", scope=shared)
         vs = T.alloc_buffer((BK * VS,), "float32", scope=shared)
         ps = T.alloc_buffer((BQ * PS,), "float32", scope=shared)
-        k_stage = T.alloc_buffer((dims.load_iters(BK, D_QK) * VEC,), dtype, scope="local")
-        v_stage = T.alloc_buffer((dims.load_iters(BK, D_V) * VEC,), dtype, scope="local")
-        s = T.alloc_buffer((TM * TN,), "float32", scope="local")
-        o = T.alloc_buffer((TM * OC,), "float32", scope="local")
-        m_run = T.alloc_buffer((TM,), "float32", scope="local")
-        l_run = T.alloc_buffer((TM,), "float32", scope="local")
+        k_stage = T.alloc_buffer((dims.load_iters(BK, D_QK) * VEC,), dtype, scope=L.local)
+        v_stage = T.alloc_buffer((dims.load_iters(BK, D_V) * VEC,), dtype, scope=L.local)
+        s = T.alloc_buffer((TM * TN,), "float32", scope=L.local)
+        o = T.alloc_buffer((TM * OC,), "float32", scope=L.local)
+        m_run = T.alloc_buffer((TM,), "float32", scope=L.local)
+        l_run = T.alloc_buffer((TM,), "float32", scope=L.local)
         tid = T.meta_var(ty_ * TX + tx_)
         qo_len = qo_len_  # bound once: the arguments may be expressions that read memory
         kv_len = kv_len_
@@ -278,8 +278,8 @@ def _paged_kernel(config: AttentionConfig, sched: PrefillSchedule):
         for blk in L.block(macros.num_slots(Q_.shape[0], k_pos_.shape[0]) * Hkv, "x", outer=True):
             for ty in L.thread(TY, "y"):
                 for tx in L.thread(TX, "x"):
-                    req = T.alloc_buffer((1,), "int32", scope="local")
-                    tile = T.alloc_buffer((1,), "int32", scope="local")
+                    req = T.alloc_buffer((1,), "int32", scope=L.local)
+                    tile = T.alloc_buffer((1,), "int32", scope=L.local)
                     macros.find_tile(qo_indptr_, k_pos_.shape[0], blk // Hkv, req, tile)
                     b = req[0]
                     hkv = blk % Hkv
@@ -342,8 +342,8 @@ def _ragged_kernel(config: AttentionConfig, sched: PrefillSchedule):
         for blk in L.block(macros.num_slots(Q_.shape[0], k_pos_.shape[0]) * Hkv, "x", outer=True):
             for ty in L.thread(TY, "y"):
                 for tx in L.thread(TX, "x"):
-                    req = T.alloc_buffer((1,), "int32", scope="local")
-                    tile = T.alloc_buffer((1,), "int32", scope="local")
+                    req = T.alloc_buffer((1,), "int32", scope=L.local)
+                    tile = T.alloc_buffer((1,), "int32", scope=L.local)
                     macros.find_tile(qo_indptr_, k_pos_.shape[0], blk // Hkv, req, tile)
                     b = req[0]
                     hkv = blk % Hkv

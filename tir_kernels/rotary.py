@@ -2,16 +2,26 @@
 
 Rotate-half RoPE over the whole head dim with the config's constant theta and scale and
 optional Llama-3 frequency scaling (`common.rope_value`), computed in FP32.
+
+CUDA: one thread per chunk of a head row, each computing the cos and sin of its elements. CPU:
+one task per token, which computes the token's head_dim/2 cos and sin values once
+(`common.rope_angle`) and rotates every q and k head with them (the per-element cos / sin are
+libm calls on the CPU: SmolLM2's 12 rotated heads of 64 made a decode step's split about 15 us
+a layer on one core); the tokens are a parallel loop only from CPU_PARALLEL_TOKENS on (a
+parallel region costs a wake-up of the thread pool, more than a few tokens' work).
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import loop_kinds, rope_value
+from .common import loop_kinds, rope_angle, rope_rotate, rope_value
 from .config import AttentionConfig
 from .page_ops import num_blocks
 from .schedules import CopySchedule, choose_copy_schedule
+
+# CPU: fewer tokens than this are split in a serial loop (a decode step's one token: about 1 us)
+CPU_PARALLEL_TOKENS = 16
 
 
 def _setup(config: AttentionConfig, schedule: CopySchedule | None, generator: str):
@@ -44,6 +54,55 @@ def _rotate_or_copy_macro(config: AttentionConfig, sched: CopySchedule, L):
     return rotate_or_copy
 
 
+def _cpu_tokens_macro(config: AttentionConfig):
+    """CPU: tokens(n_, qkv_, positions_, rotate_, store_q_, store_k_, store_v_, keep_kv_) moves
+    the heads of each token s of qkv_ [n_, Hq + 2*Hkv, D]: query heads to store_q_(s, h, d,
+    value), key heads to store_k_ and value heads to store_v_ (only where keep_kv_(s)), q and k
+    rotated to positions_[s] (where rotate_) with one table of cos / sin per token. The tokens
+    are a parallel loop from CPU_PARALLEL_TOKENS on, else a serial one."""
+    D, Hq, Hkv, dtype = config.head_dim, config.num_qo_heads, config.num_kv_heads, config.dtype
+    half = D // 2
+    theta, scale, scaling = T.float32(config.rope_theta), T.float32(config.rope_scale), config.rope_scaling
+
+    @T.macro
+    def heads(store_, qkv_, s_, first_, count_, cos_, sin_, rotate_):
+        for h in T.serial(count_):
+            if rotate_:
+                for j in T.vectorized(half):
+                    store_(s_, h, j, T.Cast(dtype, rope_rotate(lambda i: qkv_[s_, first_ + h, i], j, cos_[j], sin_[j],
+                                                               D)))
+                    store_(s_, h, j + half, T.Cast(dtype, rope_rotate(lambda i: qkv_[s_, first_ + h, i], j + half,
+                                                                      cos_[j], sin_[j], D)))
+            else:
+                for d in T.vectorized(D):
+                    store_(s_, h, d, qkv_[s_, first_ + h, d])
+
+    @T.macro
+    def token(s_, qkv_, positions_, rotate_, store_q_, store_k_, store_v_, keep_kv_):
+        cos_t = T.alloc_buffer((half,), "float32")  # (on the stack: common.LoopKinds.local)
+        sin_t = T.alloc_buffer((half,), "float32")
+        if rotate_:
+            for j in T.serial(half):
+                angle = rope_angle(j, positions_[s_], D, theta, scale, scaling)
+                cos_t[j] = T.cos(angle)
+                sin_t[j] = T.sin(angle)
+        heads(store_q_, qkv_, s_, 0, Hq, cos_t, sin_t, rotate_)
+        if keep_kv_(s_):
+            heads(store_k_, qkv_, s_, Hq, Hkv, cos_t, sin_t, rotate_)
+            heads(store_v_, qkv_, s_, Hq + Hkv, Hkv, cos_t, sin_t, False)
+
+    @T.macro
+    def tokens(n_, qkv_, positions_, rotate_, store_q_, store_k_, store_v_, keep_kv_):
+        if n_ >= CPU_PARALLEL_TOKENS:
+            for s in T.parallel(n_):
+                token(s, qkv_, positions_, rotate_, store_q_, store_k_, store_v_, keep_kv_)
+        else:
+            for s in T.serial(n_):
+                token(s, qkv_, positions_, rotate_, store_q_, store_k_, store_v_, keep_kv_)
+
+    return tokens
+
+
 def split_rotary(config: AttentionConfig, schedule: CopySchedule | None = None):
     """Split-rotary PrimFunc, arguments in the contract's order:
 
@@ -58,6 +117,7 @@ def split_rotary(config: AttentionConfig, schedule: CopySchedule | None = None):
     H = Hq + 2 * Hkv
     ROW = H * CH  # chunks per token
     rotate_or_copy = _rotate_or_copy_macro(config, sched, L)
+    cpu_tokens = _cpu_tokens_macro(config)
 
     @T.prim_func
     def tir_split_rotary(
@@ -76,21 +136,26 @@ def split_rotary(config: AttentionConfig, schedule: CopySchedule | None = None):
         q = T.match_buffer(q_handle, (n, Hq, D), dtype)
         k = T.match_buffer(k_handle, (n, Hkv, D), dtype)
         v = T.match_buffer(v_handle, (n, Hkv, D), dtype)
-        for bx in L.block(num_blocks(n * ROW, NT), "x", outer=True):
-            for tx in L.thread(NT, "x"):
-                if bx * NT + tx < n * ROW:
-                    s = (bx * NT + tx) // ROW
-                    h = (bx * NT + tx) % ROW // CH
-                    c = (bx * NT + tx) % CH
-                    if h < Hq:
-                        rotate_or_copy(lambda e, val: T.buffer_store(q, val, [s, h, c * VEC + e]),
-                                       qkv, s, h, c, position_map[s], apply_rope > 0)
-                    elif h < Hq + Hkv:
-                        rotate_or_copy(lambda e, val: T.buffer_store(k, val, [s, h - Hq, c * VEC + e]),
-                                       qkv, s, h, c, position_map[s], apply_rope > 0)
-                    else:
-                        for e in L.vector(VEC):
-                            v[s, h - Hq - Hkv, c * VEC + e] = qkv[s, h, c * VEC + e]
+        if not L.gpu:
+            cpu_tokens(n, qkv, position_map, apply_rope > 0, lambda s, h, d, val: T.buffer_store(q, val, [s, h, d]),
+                       lambda s, h, d, val: T.buffer_store(k, val, [s, h, d]),
+                       lambda s, h, d, val: T.buffer_store(v, val, [s, h, d]), lambda s: True)
+        else:
+            for bx in L.block(num_blocks(n * ROW, NT), "x", outer=True):
+                for tx in L.thread(NT, "x"):
+                    if bx * NT + tx < n * ROW:
+                        s = (bx * NT + tx) // ROW
+                        h = (bx * NT + tx) % ROW // CH
+                        c = (bx * NT + tx) % CH
+                        if h < Hq:
+                            rotate_or_copy(lambda e, val: T.buffer_store(q, val, [s, h, c * VEC + e]),
+                                           qkv, s, h, c, position_map[s], apply_rope > 0)
+                        elif h < Hq + Hkv:
+                            rotate_or_copy(lambda e, val: T.buffer_store(k, val, [s, h - Hq, c * VEC + e]),
+                                           qkv, s, h, c, position_map[s], apply_rope > 0)
+                        else:
+                            for e in L.vector(VEC):
+                                v[s, h - Hq - Hkv, c * VEC + e] = qkv[s, h, c * VEC + e]
 
     return tir_split_rotary.with_attr("global_symbol", "tir_split_rotary")
 
@@ -109,6 +174,11 @@ def split_rotary_append(config: AttentionConfig, schedule: CopySchedule | None =
     H = Hq + 2 * Hkv
     ROW = H * CH  # chunks per token
     rotate_or_copy = _rotate_or_copy_macro(config, sched, L)
+    cpu_tokens = _cpu_tokens_macro(config)
+
+    def slot_of(slot, kv, h, d):
+        """The page index of element d of head h of K (kv 0) or V (kv 1) in page slot `slot`."""
+        return [slot // ps, kv, h, slot % ps, d]
 
     @T.prim_func
     def tir_split_rotary_append(
@@ -129,23 +199,29 @@ def split_rotary_append(config: AttentionConfig, schedule: CopySchedule | None =
         q = T.match_buffer(q_handle, (n, Hq, D), dtype)
         pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype)
         append_map = T.match_buffer(append_position_map_handle, (n,), "int32", elem_offset=map_offset)
-        for bx in L.block(num_blocks(n * ROW, NT), "x", outer=True):
-            for tx in L.thread(NT, "x"):
-                if bx * NT + tx < n * ROW:
-                    s = (bx * NT + tx) // ROW
-                    h = (bx * NT + tx) % ROW // CH
-                    c = (bx * NT + tx) % CH
-                    slot = append_map[s]
-                    if h < Hq:
-                        rotate_or_copy(lambda e, val: T.buffer_store(q, val, [s, h, c * VEC + e]),
-                                       qkv, s, h, c, position_map[s], apply_rope > 0)
-                    elif h < Hq + Hkv:
-                        if slot >= 0:
-                            rotate_or_copy(lambda e, val: T.buffer_store(
-                                pages, val, [slot // ps, 0, h - Hq, slot % ps, c * VEC + e]),
-                                qkv, s, h, c, position_map[s], apply_rope > 0)
-                    elif slot >= 0:
-                        for e in L.vector(VEC):
-                            pages[slot // ps, 1, h - Hq - Hkv, slot % ps, c * VEC + e] = qkv[s, h, c * VEC + e]
+        if not L.gpu:
+            cpu_tokens(n, qkv, position_map, apply_rope > 0, lambda s, h, d, val: T.buffer_store(q, val, [s, h, d]),
+                       lambda s, h, d, val: T.buffer_store(pages, val, slot_of(append_map[s], 0, h, d)),
+                       lambda s, h, d, val: T.buffer_store(pages, val, slot_of(append_map[s], 1, h, d)),
+                       lambda s: append_map[s] >= 0)
+        else:
+            for bx in L.block(num_blocks(n * ROW, NT), "x", outer=True):
+                for tx in L.thread(NT, "x"):
+                    if bx * NT + tx < n * ROW:
+                        s = (bx * NT + tx) // ROW
+                        h = (bx * NT + tx) % ROW // CH
+                        c = (bx * NT + tx) % CH
+                        slot = append_map[s]
+                        if h < Hq:
+                            rotate_or_copy(lambda e, val: T.buffer_store(q, val, [s, h, c * VEC + e]),
+                                           qkv, s, h, c, position_map[s], apply_rope > 0)
+                        elif h < Hq + Hkv:
+                            if slot >= 0:
+                                rotate_or_copy(lambda e, val: T.buffer_store(
+                                    pages, val, [slot // ps, 0, h - Hq, slot % ps, c * VEC + e]),
+                                    qkv, s, h, c, position_map[s], apply_rope > 0)
+                        elif slot >= 0:
+                            for e in L.vector(VEC):
+                                pages[slot // ps, 1, h - Hq - Hkv, slot % ps, c * VEC + e] = qkv[s, h, c * VEC + e]
 
     return tir_split_rotary_append.with_attr("global_symbol", "tir_split_rotary_append")

@@ -115,7 +115,7 @@ def softmax_macros(loops: LoopKinds) -> SoftmaxMacros:
         """Move row row_'s state to the running max m_new_ (>= m_[row_]): l and o are
         multiplied by alpha = exp2(m - m_new_), m <- m_new_. The caller then adds
         p = prob(s, m_new_) to l and p * v to o for each new score s."""
-        alpha = T.alloc_buffer((1,), "float32", scope="local")
+        alpha = T.alloc_buffer((1,), "float32", scope=L.local)
         alpha[0] = rescale_factor(m_[row_], m_new_)
         m_[row_] = m_new_
         l_[row_] = l_[row_] * alpha[0]
@@ -153,7 +153,7 @@ def softmax_macros(loops: LoopKinds) -> SoftmaxMacros:
     def finalize(m_, l_, o_, row_, width_):
         """Finish row row_'s state in place: o <- o / l and m_[row_] <- its LSE
         m + log2(l); an empty row gets o = 0 and EMPTY_LSE."""
-        inv = T.alloc_buffer((1,), "float32", scope="local")
+        inv = T.alloc_buffer((1,), "float32", scope=L.local)
         inv[0] = finalize_scale(l_[row_])
         for c in L.unroll(width_):
             o_[row_ * width_ + c] = o_[row_ * width_ + c] * inv[0]
@@ -195,9 +195,9 @@ def merge_splits_macro(loops: LoopKinds, dtype: str, heads: int, width: int, num
         for b in L.block(batch, "x", outer=True):
             for h in L.block(heads, "y"):
                 for e in L.thread(width, "x"):
-                    m_all = T.alloc_buffer((1,), "float32", scope="local")
-                    d_all = T.alloc_buffer((1,), "float32", scope="local")
-                    acc = T.alloc_buffer((1,), "float32", scope="local")
+                    m_all = T.alloc_buffer((1,), "float32", scope=L.local)
+                    d_all = T.alloc_buffer((1,), "float32", scope=L.local)
+                    acc = T.alloc_buffer((1,), "float32", scope=L.local)
                     sm.combine(num_splits(batch),
                                lambda s: lse_part_[(s * batch + b) * heads + h],
                                lambda s: finished_l(lse_part_[(s * batch + b) * heads + h]),

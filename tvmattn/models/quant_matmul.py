@@ -305,6 +305,11 @@ def gemv_algorithm(config: QuantMatmulConfig, lanes: int) -> tirx.PrimFunc:
 
 # 4-bit formats whose one-token product `table_gemv` computes (w = table[q], one table a block)
 TABLE_GEMV_FORMATS = ("Q4_0", "Q4_1")
+# The scope of the CPU kernels' accumulators and scratch tiles: "global", which TVM keeps on the
+# stack when constant and under 1 KB; a "local" CPU buffer becomes a TVMBackendAllocWorkspace /
+# FreeWorkspace pair at every entry of its loop (a row tile: 768 pairs a call of the 3072 x 576
+# GEMV) and cannot live in registers (tir_kernels.common.LoopKinds.local)
+STACK_SCOPE = "global"
 
 
 def table_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
@@ -351,27 +356,31 @@ def table_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
 
     convert = scales_q4_0 if q4_0 else scales_q4_1
 
+    def lookup(scale, offset, qs, row, r, s, shift):
+        """The 16 weights of block s of `row` (tile row r) whose nibbles are (byte >> shift) & 15:
+        the block's table (scale * i + offset, i < 16) permuted by the bytes. An expression, not
+        TVMScript variables: a vector variable becomes a workspace allocation per parallel task."""
+        table = T.broadcast(scale[r, s], 16) * T.Cast(f32x16, T.ramp(0, 1, 16)) + T.broadcast(offset[r, s], 16)
+        q = T.Cast("int32x16", qs[row, T.ramp(s * half, 1, 16)])
+        return T.call_llvm_pure_intrin(f32x16, permute, table, q >> T.broadcast(shift, 16) if shift else q)
+
     @T.macro
     def body(x, qs, d, m, y):
         for chunk in T.parallel(i64(n // nb)):
             for tile in range(i64(nb // nr)):
                 scale = T.alloc_buffer((nr, nsb), "float32")
                 offset = T.alloc_buffer((nr, nsb), "float32")
-                acc = T.alloc_buffer((nr, 16), "float32", scope="local")
+                acc = T.alloc_buffer((nr, 16), "float32")  # (on the stack: STACK_SCOPE)
                 convert(scale, offset, d, m, chunk * nb + tile * nr)
                 for r in T.unroll(nr):
                     acc[r, T.ramp(0, 1, 16)] = T.broadcast(T.float32(0.0), 16)
                 for s in range(i64(nsb)):
                     for r in T.unroll(nr):
-                        table: T.float32x16 = (T.broadcast(scale[r, s], 16) * T.Cast(f32x16, T.ramp(0, 1, 16))
-                                               + T.broadcast(offset[r, s], 16))
-                        q: T.int32x16 = T.Cast("int32x16", qs[chunk * nb + tile * nr + r, T.ramp(s * half, 1, 16)])
-                        low: T.float32x16 = T.call_llvm_pure_intrin(f32x16, permute, table, q)
-                        high: T.float32x16 = T.call_llvm_pure_intrin(f32x16, permute, table,
-                                                                     q >> T.broadcast(4, 16))
                         acc[r, T.ramp(0, 1, 16)] = (acc[r, T.ramp(0, 1, 16)]
-                                                    + low * x[0, T.ramp(s * BLOCK, 1, 16)]
-                                                    + high * x[0, T.ramp(s * BLOCK + 16, 1, 16)])
+                                                    + lookup(scale, offset, qs, chunk * nb + tile * nr + r, r, s, 0)
+                                                    * x[0, T.ramp(s * BLOCK, 1, 16)]
+                                                    + lookup(scale, offset, qs, chunk * nb + tile * nr + r, r, s, 4)
+                                                    * x[0, T.ramp(s * BLOCK + 16, 1, 16)])
                 for r in T.unroll(nr):  # each row's 16 lanes summed as a tree of halves
                     acc[r, T.ramp(0, 1, 8)] = acc[r, T.ramp(0, 1, 8)] + acc[r, T.ramp(8, 1, 8)]
                     acc[r, T.ramp(0, 1, 4)] = acc[r, T.ramp(0, 1, 4)] + acc[r, T.ramp(4, 1, 4)]
@@ -485,12 +494,12 @@ def _schedule_gemv(sch: s_tir.Schedule, config: QuantMatmulConfig, plan: CPUSche
     sch.reorder(ph, pv)
     sch.unroll(ph)
     sch.vectorize(pv)
-    sch.set_scope(part, 0, "local")
+    sch.set_scope(part, 0, STACK_SCOPE)
     pinit = sch.decompose_reduction(part, ph)
     sch.vectorize(sch.get_loops(pinit)[-1])
     sch.unroll(ri)
     sch.vectorize(v)
-    sch.set_scope(acc, 0, "local")
+    sch.set_scope(acc, 0, STACK_SCOPE)
     init = sch.decompose_reduction(acc, s)
     ir, iv = sch.get_loops(init)[-2:]
     sch.unroll(ir)
@@ -543,10 +552,10 @@ def _schedule_gemm(sch: s_tir.Schedule, config: QuantMatmulConfig, plan: CPUSche
     dr, dk = sch.get_loops(deq)[-2:]
     _, dv = sch.split(dk, factors=[None, vec])
     sch.vectorize(dv)
-    # the accumulators [T, N, V] and the tile's sums [T, N] are local; split [T // MR, MR] so a
-    # tile's region has static extents and compacts to a few registers
+    # the accumulators [T, N, V] and the tile's sums [T, N] are stack scratch (STACK_SCOPE); split
+    # [T // MR, MR] so a tile's region has static extents and compacts to a few registers
     for block in (rf, mm) if last is not None else (rf,):
-        sch.set_scope(block, 0, "local")
+        sch.set_scope(block, 0, STACK_SCOPE)
         sch.transform_layout(block, ("write", 0), lambda i, *rest: (i // mr, i % mr, *rest))
 
 
