@@ -19,6 +19,13 @@ LOG2E = math.log2(math.e)
 EMPTY_LSE = -5.0e4
 
 
+# The scope of the CPU kernels' scratch buffers (accumulators, tiles, rows in flight): "global",
+# which TVM's LowerTVMBuiltin keeps on the stack when constant and under 1 KB. It sends every
+# "local" CPU buffer, of any size, to a TVMBackendAllocWorkspace / FreeWorkspace pair at each
+# entry of its loop, and such a buffer cannot live in registers.
+CPU_SCRATCH_SCOPE = "global"
+
+
 class LoopKinds:
     """Maps a kernel's logical grid and thread loops onto the target.
 
@@ -41,10 +48,8 @@ class LoopKinds:
 
     @property
     def local(self) -> str:
-        """The scope of a thread's scratch buffers: "local" on CUDA; on the CPU "global", which
-        TVM's LowerTVMBuiltin keeps on the stack when constant and under 1 KB (it sends every
-        "local" CPU buffer, of any size, to a TVMBackendAllocWorkspace call per allocation)."""
-        return "local" if self.gpu else "global"
+        """The scope of a thread's scratch buffers: "local" on CUDA, CPU_SCRATCH_SCOPE on the CPU."""
+        return "local" if self.gpu else CPU_SCRATCH_SCOPE
 
     def vector(self, extent):
         """Innermost copy loop: 16-byte vector loads/stores on CUDA."""
@@ -140,6 +145,7 @@ def is_power_of_two(n: int) -> bool:
 
 
 __all__ = [
+    "CPU_SCRATCH_SCOPE",
     "EMPTY_LSE",
     "LOG2E",
     "LoopKinds",

@@ -24,7 +24,8 @@ import dataclasses
 
 from tvm.script import tirx as T
 
-from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds, paged_position, rope_value
+from .common import (CPU_SCRATCH_SCOPE, EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds,
+                     paged_position, rope_value)
 from .config import AttentionConfig, RopeScaling
 from .schedules import (DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_schedule, choose_decode_variant,
                         tc_decode_applies)
@@ -107,11 +108,7 @@ class _Dims:
 
     @property
     def shared(self) -> str:
-        return "shared" if self.gpu else "global"
-
-    @property
-    def local(self) -> str:  # (common.LoopKinds.local)
-        return "local" if self.gpu else "global"
+        return "shared" if self.gpu else CPU_SCRATCH_SCOPE
 
     def num_splits(self, batch):
         """Split slots per request in the grid, chosen at launch so that batch * heads * splits
@@ -159,8 +156,8 @@ def _load_macros(dims: _Dims, L):
                 rope_scale_, rope_theta_, k_loc_, v_loc_):
         """k_loc_, v_loc_ [RPT * EPL] (dtype) <- this lane's elements of KV rows j0_ + r * ROWS + ty_,
         K RoPE'd when rotate_; zero from j_end_ on. Issues every load of a step before any arithmetic."""
-        page_loc = T.alloc_buffer((RPT,), "int32", scope=dims.local)
-        slot_loc = T.alloc_buffer((RPT,), "int32", scope=dims.local)
+        page_loc = T.alloc_buffer((RPT,), "int32", scope=L.local)
+        slot_loc = T.alloc_buffer((RPT,), "int32", scope=L.local)
         for r in L.unroll(RPT):
             j = j0_ + r * ROWS + ty_
             if j < j_end_:
@@ -225,7 +222,7 @@ def _attend_macro(dims: _Dims, L):
                 if j0_ + r * ROWS + ty_ >= j_end_:
                     s_loc_[h_ * RPT + r] = T.min_value("float32")
         else:
-            part = T.alloc_buffer((RPT * VL,), "float32", scope=dims.local)
+            part = T.alloc_buffer((RPT * VL,), "float32", scope=L.local)
             for r in T.serial(RPT):
                 for v in T.vectorized(VL):
                     part[r * VL + v] = T.float32(0)
@@ -248,7 +245,7 @@ def _attend_macro(dims: _Dims, L):
     def accumulate(s_loc_, v_loc_, m_loc_, d_loc_, o_loc_, h_):
         """Online-softmax step of head h_ over the step's RPT rows: move the state to the new
         max (softmax.update), then add p = exp2(s - m) to d and p * v to o."""
-        m_new = T.alloc_buffer((1,), "float32", scope=dims.local)
+        m_new = T.alloc_buffer((1,), "float32", scope=L.local)
         m_new[0] = m_loc_[h_]
         for r in L.unroll(RPT):
             m_new[0] = T.max(m_new[0], s_loc_[h_ * RPT + r])
@@ -271,13 +268,13 @@ def _attend_macro(dims: _Dims, L):
         row_o_ [ROWS * HB * D] (f32). rotate_ (a Python bool) applies RoPE to q and k."""
         hkv = hc_ // CHUNKS
         h0 = hkv * G + (hc_ % CHUNKS) * HB
-        q_loc = T.alloc_buffer((HB * EPL,), "float32", scope=dims.local)
-        o_loc = T.alloc_buffer((HB * EPL,), "float32", scope=dims.local)
-        m_loc = T.alloc_buffer((HB,), "float32", scope=dims.local)
-        d_loc = T.alloc_buffer((HB,), "float32", scope=dims.local)
-        s_loc = T.alloc_buffer((HB * RPT,), "float32", scope=dims.local)
-        k_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope=dims.local)
-        v_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope=dims.local)
+        q_loc = T.alloc_buffer((HB * EPL,), "float32", scope=L.local)
+        o_loc = T.alloc_buffer((HB * EPL,), "float32", scope=L.local)
+        m_loc = T.alloc_buffer((HB,), "float32", scope=L.local)
+        d_loc = T.alloc_buffer((HB,), "float32", scope=L.local)
+        s_loc = T.alloc_buffer((HB * RPT,), "float32", scope=L.local)
+        k_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope=L.local)
+        v_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope=L.local)
         page_begin = indptr_[b_]
         split_len = ceildiv(kv_len, nsplit_)
         j_begin = T.min(split_ * split_len, kv_len)
@@ -311,9 +308,9 @@ def _merge_macros(dims: _Dims, L):
     def combine_rows(row_m_, row_d_, row_o_, ty_, tx_, write_o, write_lse):
         """Merge the ROWS row-group states of each served head and finish them;
         write_o(h, e, value) and write_lse(h, value) store (o = 0, EMPTY_LSE for no key)."""
-        m_all = T.alloc_buffer((1,), "float32", scope=dims.local)
-        d_all = T.alloc_buffer((1,), "float32", scope=dims.local)
-        acc = T.alloc_buffer((1,), "float32", scope=dims.local)
+        m_all = T.alloc_buffer((1,), "float32", scope=L.local)
+        d_all = T.alloc_buffer((1,), "float32", scope=L.local)
+        acc = T.alloc_buffer((1,), "float32", scope=L.local)
         if not dims.gpu and ROWS == 1:
             # CPU, one row group: its state is the block's (combining one state is exp2(0) = 1
             # times it); finish each head once, its row as a vector
@@ -344,9 +341,9 @@ def _merge_macros(dims: _Dims, L):
         for b in L.block(batch, "x", outer=True):
             for h in L.block(Hq, "y"):
                 for e in L.thread(D, "x"):
-                    m_all = T.alloc_buffer((1,), "float32", scope=dims.local)
-                    d_all = T.alloc_buffer((1,), "float32", scope=dims.local)
-                    acc = T.alloc_buffer((1,), "float32", scope=dims.local)
+                    m_all = T.alloc_buffer((1,), "float32", scope=L.local)
+                    d_all = T.alloc_buffer((1,), "float32", scope=L.local)
+                    acc = T.alloc_buffer((1,), "float32", scope=L.local)
                     nsplit = dims.request_splits(batch, dims.kv_len(indptr_, length_info_, b))
                     if nsplit > 1:
                         sm.combine(nsplit,
@@ -366,10 +363,10 @@ def _merge_macros(dims: _Dims, L):
         rows as vectors (softmax.combine's arithmetic: weight finished_l(lse) * exp2(lse - max))."""
         batch = O_.shape[0]
         for bh in T.parallel(batch * Hq):
-            m_all = T.alloc_buffer((1,), "float32", scope=dims.local)
-            d_all = T.alloc_buffer((1,), "float32", scope=dims.local)
-            w = T.alloc_buffer((1,), "float32", scope=dims.local)
-            o_acc = T.alloc_buffer((D,), "float32", scope=dims.local)
+            m_all = T.alloc_buffer((1,), "float32", scope=L.local)
+            d_all = T.alloc_buffer((1,), "float32", scope=L.local)
+            w = T.alloc_buffer((1,), "float32", scope=L.local)
+            o_acc = T.alloc_buffer((D,), "float32", scope=L.local)
             nsplit = dims.request_splits(batch, dims.kv_len(indptr_, length_info_, bh // Hq))
             m_all[0] = T.float32(EMPTY_LSE)
             if nsplit > 1:

@@ -45,7 +45,7 @@ from typing import NamedTuple
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import LOG2E, ceildiv, kv_chunk_len, loop_kinds, paged_position
+from .common import CPU_SCRATCH_SCOPE, LOG2E, ceildiv, kv_chunk_len, loop_kinds, paged_position
 from .config import AttentionConfig, RopeScaling
 from .masks import is_tree, mask_of_request
 from .prefill_contract import (
@@ -107,7 +107,7 @@ class _Tiling:
             TN=sched.cols_per_thread, BQ=sched.tile_q, BK=BK, NT=sched.num_threads,
             VEC=CUDA_VECTOR_BYTES // config.elem_bytes, QS=D_QK + PREFILL_ROW_PAD, KS=D_QK + PREFILL_ROW_PAD,
             VS=D_V + PREFILL_ROW_PAD, PS=BK + PREFILL_P_ROW_PAD, OC=D_V // sched.threads_x,
-            shared="shared.dyn" if config.is_gpu else "global",  # (common.LoopKinds.local)
+            shared="shared.dyn" if config.is_gpu else CPU_SCRATCH_SCOPE,
         )
 
     def row_tiles(self, qo_indptr, b):

@@ -79,7 +79,7 @@ def _cpu_tokens_macro(config: AttentionConfig):
 
     @T.macro
     def token(s_, qkv_, positions_, rotate_, store_q_, store_k_, store_v_, keep_kv_):
-        cos_t = T.alloc_buffer((half,), "float32")  # (on the stack: common.LoopKinds.local)
+        cos_t = T.alloc_buffer((half,), "float32")  # (on the stack: common.CPU_SCRATCH_SCOPE)
         sin_t = T.alloc_buffer((half,), "float32")
         if rotate_:
             for j in T.serial(half):

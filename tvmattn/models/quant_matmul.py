@@ -46,6 +46,8 @@ import tvm
 from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
+from tir_kernels.common import CPU_SCRATCH_SCOPE
+
 from ..weights.quant import BLOCK, BLOCK_ELEMS, QUANT_TYPES, SUPER_BLOCK, part_shapes
 
 OPS = ("matmul", "take")
@@ -305,11 +307,6 @@ def gemv_algorithm(config: QuantMatmulConfig, lanes: int) -> tirx.PrimFunc:
 
 # 4-bit formats whose one-token product `table_gemv` computes (w = table[q], one table a block)
 TABLE_GEMV_FORMATS = ("Q4_0", "Q4_1")
-# The scope of the CPU kernels' accumulators and scratch tiles: "global", which TVM keeps on the
-# stack when constant and under 1 KB; a "local" CPU buffer becomes a TVMBackendAllocWorkspace /
-# FreeWorkspace pair at every entry of its loop (a row tile: 768 pairs a call of the 3072 x 576
-# GEMV) and cannot live in registers (tir_kernels.common.LoopKinds.local)
-STACK_SCOPE = "global"
 
 
 def table_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
@@ -370,7 +367,7 @@ def table_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
             for tile in range(i64(nb // nr)):
                 scale = T.alloc_buffer((nr, nsb), "float32")
                 offset = T.alloc_buffer((nr, nsb), "float32")
-                acc = T.alloc_buffer((nr, 16), "float32")  # (on the stack: STACK_SCOPE)
+                acc = T.alloc_buffer((nr, 16), "float32")  # (on the stack: CPU_SCRATCH_SCOPE)
                 convert(scale, offset, d, m, chunk * nb + tile * nr)
                 for r in T.unroll(nr):
                     acc[r, T.ramp(0, 1, 16)] = T.broadcast(T.float32(0.0), 16)
@@ -494,12 +491,12 @@ def _schedule_gemv(sch: s_tir.Schedule, config: QuantMatmulConfig, plan: CPUSche
     sch.reorder(ph, pv)
     sch.unroll(ph)
     sch.vectorize(pv)
-    sch.set_scope(part, 0, STACK_SCOPE)
+    sch.set_scope(part, 0, CPU_SCRATCH_SCOPE)
     pinit = sch.decompose_reduction(part, ph)
     sch.vectorize(sch.get_loops(pinit)[-1])
     sch.unroll(ri)
     sch.vectorize(v)
-    sch.set_scope(acc, 0, STACK_SCOPE)
+    sch.set_scope(acc, 0, CPU_SCRATCH_SCOPE)
     init = sch.decompose_reduction(acc, s)
     ir, iv = sch.get_loops(init)[-2:]
     sch.unroll(ir)
@@ -552,10 +549,10 @@ def _schedule_gemm(sch: s_tir.Schedule, config: QuantMatmulConfig, plan: CPUSche
     dr, dk = sch.get_loops(deq)[-2:]
     _, dv = sch.split(dk, factors=[None, vec])
     sch.vectorize(dv)
-    # the accumulators [T, N, V] and the tile's sums [T, N] are stack scratch (STACK_SCOPE); split
-    # [T // MR, MR] so a tile's region has static extents and compacts to a few registers
+    # the accumulators [T, N, V] and the tile's sums [T, N] are stack scratch (CPU_SCRATCH_SCOPE);
+    # split [T // MR, MR] so a tile's region has static extents and compacts to a few registers
     for block in (rf, mm) if last is not None else (rf,):
-        sch.set_scope(block, 0, STACK_SCOPE)
+        sch.set_scope(block, 0, CPU_SCRATCH_SCOPE)
         sch.transform_layout(block, ("write", 0), lambda i, *rest: (i // mr, i % mr, *rest))
 
 
