@@ -357,6 +357,15 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 rope_advance(step_, cs_)
 
     @T.macro
+    def rope_tile(smem_, k_pos_, j_begin_, tile, tid_, freq_, step_, cs_):
+        """Inline RoPE of K tile `tile` (in its ring stage) in place, its first key at position
+        k_pos_ + j_begin_ + tile * BK: exact angles every ROPE_EXACT_TILES tiles, else cs_ as the
+        previous tile's rope_rows left it."""
+        if tile % ROPE_EXACT_TILES == 0:
+            rope_angles(k_pos_ + j_begin_ + tile * BK + tid_ // HC, tid_, freq_, cs_)
+        rope_rows(smem_, K_OFF + tile % STAGES * BK * TL.stride, BK, True, tid_, step_, cs_)
+
+    @T.macro
     def load_q(q_, smem_, b_, hkv_, tid_):
         """The group's G query rows -> the Q region (cp.async); rows G..15 zero."""
         for it in L.unroll(ceildiv(ROWS_PER_MMA * TL.chunks, NT)):
@@ -819,9 +828,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             rope_angles(rope_[1][b], tid, rope_freq, rope_cs)
             rope_rows(smem, Q_OFF, G, False, tid, rope_step, rope_cs)
             if ROPE_AHEAD:  # tile 0 too; each step then rotates the next tile (one barrier a step)
-                rope_angles(rope_[0][b] + j_begin + tid // HC, tid, rope_freq, rope_cs)
                 if ntiles > 0:
-                    rope_rows(smem, K_OFF, BK, True, tid, rope_step, rope_cs)
+                    rope_tile(smem, rope_[0][b], j_begin, 0, tid, rope_freq, rope_step, rope_cs)
             T.tvm_storage_sync(shared)
         if QREG:
             for kk in L.unroll(KSTEPS_QK):
@@ -841,14 +849,9 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             if rope_ is not None:
                 if ROPE_AHEAD:  # tile t + 1's keys, in place, while the warps multiply tile t's
                     if t + 1 < ntiles:
-                        if (t + 1) % ROPE_EXACT_TILES == 0:  # exact angles now and then; advanced between
-                            rope_angles(rope_[0][b] + j_begin + (t + 1) * BK + tid // HC, tid, rope_freq, rope_cs)
-                        rope_rows(smem, K_OFF + (t + 1) % STAGES * BK * TL.stride, BK, True, tid, rope_step,
-                                  rope_cs)
+                        rope_tile(smem, rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_step, rope_cs)
                 else:  # tile t's keys, then a barrier before any warp reads them
-                    if t % ROPE_EXACT_TILES == 0:
-                        rope_angles(rope_[0][b] + j_begin + t * BK + tid // HC, tid, rope_freq, rope_cs)
-                    rope_rows(smem, K_OFF + t % STAGES * BK * TL.stride, BK, True, tid, rope_step, rope_cs)
+                    rope_tile(smem, rope_[0][b], j_begin, t, tid, rope_freq, rope_step, rope_cs)
                     T.tvm_storage_sync(shared)
             s_mma(smem, qf, s, t % STAGES, warp, lane)
             softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
