@@ -110,34 +110,6 @@ __device__ __forceinline__ void {name}(float* lo, float* hi, {params}) {{
     return name, src
 
 
-def _rope_trig(fn: str):
-    """Name and CUDA source of the inline RoPE's fn (cos or sin) of an angle x (radians, |x| up
-    to about 1e5): x reduced to [-pi, pi] (k = rint(x / 2pi); x - k * 2pi in two fused steps,
-    2pi as float32 and its remainder), then the hardware approximation, accurate to about 4e-7
-    there (the angle x itself, a float32 product, is about 6e-8 * |x| off). The cos and sin of
-    one angle share the reduction once inlined."""
-    name = f"tvmattn_rope_{fn}"
-    src = f"""
-__device__ __forceinline__ float {name}(float x) {{
-  float k = rintf(x * 0.159154943091895336f);
-  return __{fn}f(fmaf(k, 1.7484555e-7f, fmaf(-k, 6.28318548202514648f, x)));
-}}
-"""
-    return name, src
-
-
-ROPE_COS, ROPE_COS_SRC = _rope_trig("cos")
-ROPE_SIN, ROPE_SIN_SRC = _rope_trig("sin")
-
-
-def _rope_cos(x):
-    return T.cuda.func_call(ROPE_COS, x, source_code=ROPE_COS_SRC, return_type="float32")
-
-
-def _rope_sin(x):
-    return T.cuda.func_call(ROPE_SIN, x, source_code=ROPE_SIN_SRC, return_type="float32")
-
-
 def _arrival_counter(slots: int, tag: str = ""):
     """Name and CUDA source of the fused merge's arrival function over `slots` counters: a
     module-scope __device__ array (zeroed when the module loads, as every __device__ variable
@@ -353,15 +325,15 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         for i in L.unroll(CHUNK):
             freq_[i] = T.Cast("float32", rope_scale_) * rope_inv_freq((tid_ % HC) * CHUNK + i, D, rope_theta_,
                                                                       config.rope_scaling)
-            step_[i] = _rope_cos(T.float32(ROPE_RPP) * freq_[i])
-            step_[CHUNK + i] = _rope_sin(T.float32(ROPE_RPP) * freq_[i])
+            step_[i] = T.cos(T.float32(ROPE_RPP) * freq_[i])
+            step_[CHUNK + i] = T.sin(T.float32(ROPE_RPP) * freq_[i])
 
     @T.macro
     def rope_angles(pos_, tid_, freq_, cs_):
         """cs_ <- cos (0..7) and sin (8..15) of the thread's 8 pairs' angles at position pos_."""
         for i in L.unroll(CHUNK):
-            cs_[i] = _rope_cos(T.Cast("float32", pos_) * freq_[i])
-            cs_[CHUNK + i] = _rope_sin(T.Cast("float32", pos_) * freq_[i])
+            cs_[i] = T.cos(T.Cast("float32", pos_) * freq_[i])
+            cs_[CHUNK + i] = T.sin(T.Cast("float32", pos_) * freq_[i])
 
     @T.macro
     def rope_advance(step_, cs_):
