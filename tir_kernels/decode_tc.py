@@ -32,14 +32,19 @@ Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
     finished into o / lse, or into the split workspace.
 
 rotary_mode == 1 (RoPE inside the kernel: q and the keys are stored un-rotated) runs the same
-kernel, compiled a second time with `rope_rows` after each landing: the group's Q rows once,
-then each K tile of the ring in shared memory, one step ahead (step t rotates tile t + 1 while
-the warps multiply tile t, so a step keeps one barrier; with 2 stages, tile t before its
-S = Q K^T behind a second barrier). A rotate-half pair (d,
-d + D/2) lies in chunks c and c + D/16 of a row, so a thread rotates one pair of 16-byte chunks
-per row (8 pairs), the same chunk index in every tile: its 8 frequencies are computed once, its
-rows' angles exactly every ROPE_EXACT_TILES tiles and advanced between by the angle-sum identity. The
-rotated values are rounded to the K/V dtype, as split + rotary would have stored them.
+kernel, compiled a second time with `rope_rows` and its own schedule (by default
+`schedules.tc_decode_rope_schedule`: the plain one with threads_per_row = D / 16). A rotate-half
+pair (d, d + D/2) lies in chunks c and c + D/16 of a row, so a thread rotates one pair of
+16-byte chunks per row (8 pairs), the same chunk index in every tile: its 8 frequencies are
+computed once, its rows' angles exactly every ROPE_EXACT_TILES tiles and advanced between by the
+angle-sum identity; the frequencies, the query's angles and each exact tile's angles are
+computed before the wait for the data they rotate. The group's Q rows are rotated once, after
+they land, between two barriers. K tiles: where a thread copies exactly the chunk pairs it
+rotates (ROPE_OWN: threads_per_row = D / 16), it rotates its part of tile t right after its own
+cp.async wait, before the step's barrier (the ring keeps the plain kernel's depth); otherwise
+one step ahead (step t rotates tile t + 1 while the warps multiply tile t: one stage less in
+flight; with 2 stages, tile t before its S = Q K^T behind a second barrier). The rotated values
+are rounded to the K/V dtype, as split + rotary would have stored them.
 """
 
 from __future__ import annotations
