@@ -21,7 +21,7 @@ from tir_kernels.config import RopeScaling
 from tir_kernels.decode_tc import paged_decode_tc
 from tir_kernels.schedules import (choose_decode_variant, choose_tc_decode_schedule, decode_schedule_label,
                                    decode_variants, load_decode_table, schedule_from_dict, tc_decode_applies,
-                                   tc_decode_candidates)
+                                   tc_decode_candidates, tc_decode_rope_schedule)
 from tir_kernels.support import present_cuda_arch
 
 # (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding): fp16 and bf16, GQA group
@@ -297,6 +297,54 @@ def test_paged_decode_tc_inline_rope(kernels, gpu_target, case, scaling):
     check_inline_rope(kernels, config, batch, q, None, rng)
 
 
+def decode_tc_with_rope_schedule(config, schedules):
+    """paged_decode_tc with (plain schedule, rope schedule)."""
+    return paged_decode_tc(config, *schedules)
+
+
+def rope_schedule_cases():
+    """(name, plain schedule, rope schedule) on the benchmark config: the rope build's own
+    chunks (threads_per_row 8 at d128) at 2 stages; the other copy mapping (rotating tile t + 1
+    a step ahead at 4 stages, tile t behind a second barrier at 2); a rope build with another
+    split grid than the plain one's (its own merge kernel, the plain build's fused merge)."""
+    base = choose_tc_decode_schedule(BENCH_CONFIG)
+    flags = dict(threads_per_row=8, early_pages=True, heads_first=True)
+    return [
+        ("own-s2", base, dataclasses.replace(base, stages=2, **flags)),
+        ("ahead-s4", base, dataclasses.replace(base, threads_per_row=4)),
+        ("behind-s2", base, dataclasses.replace(base, stages=2, threads_per_row=4)),
+        ("own-grid", dataclasses.replace(base, fused_merge=True, **flags),
+         dataclasses.replace(base, stages=3, target_blocks=2 * base.target_blocks, min_split_keys=256, **flags)),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name,plain,rope", rope_schedule_cases(), ids=lambda x: x if isinstance(x, str) else "")
+def test_paged_decode_tc_inline_rope_schedules(kernels, gpu_target, dtype, name, plain, rope):
+    """rotary_mode=1 built with a rope schedule of its own beside the plain one (32 q / 8 kv
+    heads, d128, page 16): both rotation orders, and a rope build that splits and merges
+    differently from the plain build of the same function; the plain build still correct."""
+    config = BENCH_CONFIG.replace(dtype=dtype, target=gpu_target)
+    rng = np.random.default_rng(zlib.crc32(f"{name}-{dtype}".encode()))
+    batch, q = inputs(rng, config, lengths_for(16) + [3 * 4096 + 5, 700])
+    o, lse = run(kernels, config, batch, q, (plain, rope), generator=decode_tc_with_rope_schedule)
+    check(config, batch, q, o, lse)
+    check_inline_rope(kernels, config, batch, q, (plain, rope), rng, decode_tc_with_rope_schedule)
+
+
+def test_tc_decode_rope_schedule():
+    """The rope build copies half a row's chunks per thread (each thread then rotates its own
+    copies): 8 threads a row at head dim 128, 4 at 64, 16 at 256; all else unchanged."""
+    base = choose_tc_decode_schedule(BENCH_CONFIG)
+    for d, tpr in ((64, 4), (128, 8), (256, 16)):
+        config = BENCH_CONFIG.replace(head_dim=d, v_head_dim=d)
+        sched = choose_tc_decode_schedule(config)
+        assert tc_decode_rope_schedule(config, sched) == dataclasses.replace(sched, threads_per_row=tpr)
+    flagged = dataclasses.replace(base, threads_per_row=8, fused_merge=True, early_pages=True)
+    assert tc_decode_rope_schedule(BENCH_CONFIG, flagged) is flagged
+
+
 @pytest.mark.gpu
 def test_paged_decode_dispatches_to_tensor_cores(kernels, gpu_target):
     """paged_decode(config) of a group of 8 in bf16 is the tensor-core kernel (while the
@@ -390,7 +438,7 @@ def test_decode_tc_early_pages_heads_first_source():
                              target=config.tvm_target())
         defs = module.mod.imports[0].inspect_source().split('extern "C" __global__')
         bodies = [d for d in defs[1:] if d.split("\n", 1)[0].rstrip().endswith("{")]
-        return next(d for d in bodies if "ldmatrix" in d)
+        return next(d for d in bodies if "ldmatrix" in d and "tvmattn_rope_chunks" not in d)  # the plain build
 
     def prologue_order(src):
         """'L' per page-table read, 'C' per K/V cp.async, in source order up to the main loop."""

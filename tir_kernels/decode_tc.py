@@ -32,14 +32,19 @@ Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
     finished into o / lse, or into the split workspace.
 
 rotary_mode == 1 (RoPE inside the kernel: q and the keys are stored un-rotated) runs the same
-kernel, compiled a second time with `rope_rows` after each landing: the group's Q rows once,
-then each K tile of the ring in shared memory, one step ahead (step t rotates tile t + 1 while
-the warps multiply tile t, so a step keeps one barrier; with 2 stages, tile t before its
-S = Q K^T behind a second barrier). A rotate-half pair (d,
-d + D/2) lies in chunks c and c + D/16 of a row, so a thread rotates one pair of 16-byte chunks
-per row (8 pairs), the same chunk index in every tile: its 8 frequencies are computed once, its
-rows' angles exactly every ROPE_EXACT_TILES tiles and advanced between by the angle-sum identity. The
-rotated values are rounded to the K/V dtype, as split + rotary would have stored them.
+kernel, compiled a second time with `rope_rows` and its own schedule (by default
+`schedules.tc_decode_rope_schedule`: the plain one with threads_per_row = D / 16). A rotate-half
+pair (d, d + D/2) lies in chunks c and c + D/16 of a row, so a thread rotates one pair of
+16-byte chunks per row (8 pairs), the same chunk index in every tile: its 8 frequencies are
+computed once, its rows' angles exactly every ROPE_EXACT_TILES tiles and advanced between by the
+angle-sum identity; the frequencies, the query's angles and each exact tile's angles are
+computed before the wait for the data they rotate. The group's Q rows are rotated once, after
+they land, between two barriers. K tiles: where a thread copies exactly the chunk pairs it
+rotates (ROPE_OWN: threads_per_row = D / 16), it rotates its part of tile t right after its own
+cp.async wait, before the step's barrier (the ring keeps the plain kernel's depth); otherwise
+one step ahead (step t rotates tile t + 1 while the warps multiply tile t: one stage less in
+flight; with 2 stages, tile t before its S = Q K^T behind a second barrier). The rotated values
+are rounded to the K/V dtype, as split + rotary would have stored them.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from .common import EMPTY_LSE, LOG2E, ceildiv, loop_kinds, paged_position, rope_
 from .config import AttentionConfig
 from .decode import _check, decode_func
 from .prefill_sm80 import CHUNK, FULL_WARP, MMA_DTYPES, ROWS_PER_MMA, _Tile
-from .schedules import TensorCoreDecodeSchedule, choose_tc_decode_schedule
+from .schedules import TensorCoreDecodeSchedule, choose_tc_decode_schedule, tc_decode_rope_schedule
 from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor, softmax_macros
 
 
@@ -274,7 +279,12 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     ROPE_RPP = NT // HC
     assert BK % ROPE_RPP == 0, "a K tile is a whole number of rotation passes"  # tile_kv: 16-key multiples
     ROPE_EXACT_TILES = 8  # K tiles between exact angle computations (at most 8 * tile_kv / ROPE_RPP steps)
-    ROPE_AHEAD = STAGES >= 3  # rotate tile t + 1 during step t (it must have landed: one stage less in flight)
+    # ROPE_OWN: a thread copies exactly the pair chunks it rotates (threads_per_row = chunks / 2:
+    # chunks c and c + HC of rows tid // HC + p * ROPE_RPP), so after its own cp.async.wait_group
+    # it rotates tile t with no barrier before, and the ring keeps the plain kernel's depth.
+    ROPE_OWN = TPR * 2 == TL.chunks
+    # else: rotate tile t + 1 during step t (it must have landed: one stage less in flight)
+    ROPE_AHEAD = not ROPE_OWN and STAGES >= 3
     ROPE, ROPE_SRC = _rope_chunks_function(dtype)
     # (request, KV head) arrival counters of fused_merge: a launch with more than one split slot
     # has at most target_blocks / 2 of them
@@ -357,12 +367,21 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 rope_advance(step_, cs_)
 
     @T.macro
-    def rope_tile(smem_, k_pos_, j_begin_, tile, tid_, freq_, step_, cs_):
-        """Inline RoPE of K tile `tile` (in its ring stage) in place, its first key at position
-        k_pos_ + j_begin_ + tile * BK: exact angles every ROPE_EXACT_TILES tiles, else cs_ as the
-        previous tile's rope_rows left it."""
+    def rope_exact(k_pos_, j_begin_, tile, tid_, freq_, cs_):
+        """cs_ <- the exact angles of the thread's first row of K tile `tile` (position k_pos_ +
+        j_begin_ + tile * BK + tid_ // HC) where tile is a multiple of ROPE_EXACT_TILES; else
+        cs_ stays as the previous tile's rope_rows left it."""
         if tile % ROPE_EXACT_TILES == 0:
             rope_angles(k_pos_ + j_begin_ + tile * BK + tid_ // HC, tid_, freq_, cs_)
+
+    @T.macro
+    def rope_tile(smem_, k_pos_, j_begin_, tile, tid_, freq_, step_, cs_):
+        """Inline RoPE of K tile `tile` (in its ring stage) in place, its first key at position
+        k_pos_ + j_begin_ + tile * BK: exact angles every ROPE_EXACT_TILES tiles (rope_exact; with
+        ROPE_OWN computed before the tile is waited for, so not here), else cs_ as the previous
+        tile's rope_rows left it."""
+        if not ROPE_OWN:
+            rope_exact(k_pos_, j_begin_, tile, tid_, freq_, cs_)
         rope_rows(smem_, K_OFF + tile % STAGES * BK * TL.stride, BK, True, tid_, step_, cs_)
 
     @T.macro
@@ -784,6 +803,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         rope_freq = T.alloc_buffer((CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_step = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_cs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
+        rope_qcs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         load_length_info(length_info_, b, li)
         page0 = indptr_[b]
         kv_len = visible_keys(indptr_[b + 1] - page0, li)
@@ -818,15 +838,18 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         # arithmetic.
         if STAGES - 1 < ntiles:
             lookup(indices_, li, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0)
+        if rope_ is not None:  # the angles need no data: computed while the copies are in flight
+            rope_freqs(rope_[2], rope_[3], tid, rope_freq, rope_step)
+            rope_angles(rope_[1][b], tid, rope_freq, rope_qcs)
+            if ROPE_OWN:
+                rope_exact(rope_[0][b], j_begin, 0, tid, rope_freq, rope_cs)
         if rope_ is not None and ROPE_AHEAD:
             T.ptx["cp.async.wait_group"](STAGES - 2)  # Q and tile 0 have landed
         else:
             T.ptx["cp.async.wait_group"](STAGES - 1)  # Q has landed
         T.tvm_storage_sync(shared)
         if rope_ is not None:
-            rope_freqs(rope_[2], rope_[3], tid, rope_freq, rope_step)
-            rope_angles(rope_[1][b], tid, rope_freq, rope_cs)
-            rope_rows(smem, Q_OFF, G, False, tid, rope_step, rope_cs)
+            rope_rows(smem, Q_OFF, G, False, tid, rope_step, rope_qcs)
             if ROPE_AHEAD:  # tile 0 too; each step then rotates the next tile (one barrier a step)
                 if ntiles > 0:
                     rope_tile(smem, rope_[0][b], j_begin, 0, tid, rope_freq, rope_step, rope_cs)
@@ -839,6 +862,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 T.ptx["cp.async.wait_group"](STAGES - 3)  # tiles t (rotated) and t + 1 have landed ...
             else:
                 T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
+            if rope_ is not None and ROPE_OWN:  # this thread's chunks of tile t (its own copies)
+                rope_tile(smem, rope_[0][b], j_begin, t, tid, rope_freq, rope_step, rope_cs)
             T.tvm_storage_sync(shared)  # ... for all, and no warp reads tile t - 1
             if t + STAGES - 1 < ntiles:
                 issue(pages_, smem, hkv, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid,
@@ -846,7 +871,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 if t + STAGES < ntiles:
                     lookup(indices_, li, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0)
             T.ptx["cp.async.commit_group"]()
-            if rope_ is not None:
+            if rope_ is not None and not ROPE_OWN:
                 if ROPE_AHEAD:  # tile t + 1's keys, in place, while the warps multiply tile t's
                     if t + 1 < ntiles:
                         rope_tile(smem, rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_step, rope_cs)
@@ -856,6 +881,9 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             s_mma(smem, qf, s, t % STAGES, warp, lane)
             softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
             pv_mma(s, smem, o, t % STAGES, warp, lane)
+            if rope_ is not None and ROPE_OWN:  # tile t + 1's exact angles before its wait
+                if t + 1 < ntiles:
+                    rope_exact(rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_cs)
         if nsplit == 1:
             if split == 0:
                 finish(smem, o, m_run, l_run, warp, lane, tid,
@@ -956,7 +984,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     return tc_kernel, merge
 
 
-def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule | None = None):
+def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule | None = None,
+                    rope_schedule: TensorCoreDecodeSchedule | None = None):
     """Paged decode on tensor cores; the PrimFunc of `decode.paged_decode` (same arguments,
     semantics and global symbol):
 
@@ -967,28 +996,45 @@ def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule 
     A request with no visible token gets o = 0 and lse = EMPTY_LSE. dtype float16 or bfloat16,
     CUDA sm_80 or newer, GQA group up to 16 (ValueError otherwise); rotary_mode == 1 applies
     RoPE to q (at q_rope_position) and to each key j (at k_rope_pos_offset + j) inside the
-    kernel (a second compilation of the kernel, picked on the device).
+    kernel (a second compilation of the kernel, picked on the device), with rope_schedule
+    (default: `schedules.tc_decode_rope_schedule` of the plain schedule).
     """
     _check(config)
     sched = schedule or choose_tc_decode_schedule(config)
     sched.check(config)
+    rope_sched = rope_schedule or tc_decode_rope_schedule(config, sched)
+    rope_sched.check(config)
     tc_kernel, tc_merge = _tc_macros(config, sched)
+    rope_kernel, rope_merge = _tc_macros(config, rope_sched) if rope_sched != sched else (tc_kernel, tc_merge)
     Hq, Hkv, D = config.num_qo_heads, config.num_kv_heads, config.head_dim
+    # one merge kernel after either build where both split the same way (the default rope schedule)
+    shared_merge = all(getattr(sched, f) == getattr(rope_sched, f)
+                       for f in ("fused_merge", "max_splits", "target_blocks", "min_split_keys"))
+
+    def slots(batch):
+        """Split slots of the workspace: the larger grid of the two builds."""
+        if rope_sched.max_splits == 1 and sched.max_splits == 1:
+            return 1
+        return T.max(grid_splits(sched, Hkv, batch), grid_splits(rope_sched, Hkv, batch))
 
     @T.macro
     def kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, k_rope_pos_offset_, q_rope_position_, O_,
                lse_, rotary_mode_, rope_scale_, rope_theta_, sm_scale_):
         batch = Q_.shape[0]
         # Split partials: FP32 output and LSE per split slot.
-        o_part = T.alloc_buffer((grid_splits(sched, Hkv, batch) * batch * Hq * D,), "float32")
-        lse_part = T.alloc_buffer((grid_splits(sched, Hkv, batch) * batch * Hq,), "float32")
+        o_part = T.alloc_buffer((slots(batch) * batch * Hq * D,), "float32")
+        lse_part = T.alloc_buffer((slots(batch) * batch * Hq,), "float32")
         if rotary_mode_ == 1:
-            tc_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_,
-                      (k_rope_pos_offset_, q_rope_position_, rope_scale_, rope_theta_))
+            rope_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_,
+                        (k_rope_pos_offset_, q_rope_position_, rope_scale_, rope_theta_))
+            if not shared_merge and not rope_sched.fused_merge and grid_splits(rope_sched, Hkv, batch) > 1:
+                rope_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
         else:
             tc_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_,
                       None)
-        if not sched.fused_merge and grid_splits(sched, Hkv, batch) > 1:
+            if not shared_merge and not sched.fused_merge and grid_splits(sched, Hkv, batch) > 1:
+                tc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
+        if shared_merge and not sched.fused_merge and grid_splits(sched, Hkv, batch) > 1:
             tc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
 
     return decode_func(config, kernel)

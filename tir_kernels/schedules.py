@@ -287,6 +287,18 @@ def choose_tc_decode_schedule(config: AttentionConfig) -> TensorCoreDecodeSchedu
     return dataclasses.replace(sched, target_blocks=CUDA_NUM_SMS * tc_decode_resident_blocks(config, sched))
 
 
+def tc_decode_rope_schedule(config: AttentionConfig, sched: TensorCoreDecodeSchedule) -> TensorCoreDecodeSchedule:
+    """The schedule of the inline-RoPE build (rotary_mode 1) beside plain `sched`: the same, with
+    threads_per_row = head_dim / 16 (half a row's 16-byte chunks) where that is a valid copy
+    width, so that each thread copies exactly the rotate-half chunk pairs (d.., d + D/2..) it
+    rotates and can rotate a tile after its own cp.async wait, with no barrier before and no
+    stage of the ring given up (decode_tc's ROPE_OWN); else `sched` unchanged."""
+    half = config.head_dim // 16
+    if half == sched.threads_per_row or half not in (1, 2, 4, 8, 16):
+        return sched
+    return dataclasses.replace(sched, threads_per_row=half)
+
+
 def tc_decode_candidates(config: AttentionConfig) -> dict:
     """name -> TensorCoreDecodeSchedule: the default and the variants `scripts/tune_decode.py`
     measures beside it (tests/test_decode_tc.py runs each on the GPU), those valid for config.
