@@ -46,7 +46,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import EMPTY_LSE, LOG2E, ceildiv, loop_kinds, paged_position, rope_inv_freq
+from .common import (EMPTY_LSE, LOG2E, PDL_TAG, ceildiv, grid_dependency_wait, launch_dependents, loop_kinds,
+                     paged_position, rope_inv_freq)
 from .config import AttentionConfig
 from .decode import _check, decode_func
 from .prefill_sm80 import CHUNK, FULL_WARP, MMA_DTYPES, ROWS_PER_MMA, _Tile
@@ -265,6 +266,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     PASSES = ceildiv(BK, RP)
     CPT = TL.chunks // TPR  # chunks per thread per row
     EARLY, HEADS_FIRST = sched.early_pages, sched.heads_first
+    PDL = sched.dependent_launch  # programmatic dependent launch (common.grid_dependency_wait)
     PRE = STAGES - 1 if EARLY else 1  # tiles whose page entries a thread holds at once
 
     LI_SHAPE = (3, 1) if sliding else (1,)
@@ -784,6 +786,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         rope_freq = T.alloc_buffer((CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_step = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_cs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
+        if PDL:  # nothing of the previous grids' is read (or written) before they have completed
+            T.evaluate(grid_dependency_wait())
         load_length_info(length_info_, b, li)
         page0 = indptr_[b]
         kv_len = visible_keys(indptr_[b + 1] - page0, li)
@@ -818,6 +822,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         # arithmetic.
         if STAGES - 1 < ntiles:
             lookup(indices_, li, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0)
+        if PDL:  # the prologue's copies are issued: the next launch may take SMs as they free up
+            T.evaluate(launch_dependents())
         if rope_ is not None and ROPE_AHEAD:
             T.ptx["cp.async.wait_group"](STAGES - 2)  # Q and tile 0 have landed
         else:
@@ -906,6 +912,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         l_all = T.alloc_buffer((1,), "float32", scope="local")
         acc = T.alloc_buffer((1,), "float32", scope="local")
         wt = T.alloc_buffer((1,), "float32", scope="local")
+        if PDL:
+            T.evaluate(grid_dependency_wait())
         np_[0] = indptr_[b + 1] - indptr_[b]
         load_length_info(length_info_, b, li)
         nsplit = request_splits(sched, slots, visible_keys(np_[0], li))
@@ -991,7 +999,8 @@ def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule 
         if not sched.fused_merge and grid_splits(sched, Hkv, batch) > 1:
             tc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
 
-    return decode_func(config, kernel)
+    func = decode_func(config, kernel)
+    return func.with_attr(PDL_TAG, True) if sched.dependent_launch else func
 
 
 __all__ = ["paged_decode_tc", "threads_per_row"]
