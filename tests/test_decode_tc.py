@@ -270,10 +270,11 @@ def launch(fn, config, batch, q, rotary_mode=0, rope=(1.0, 1e4), q_pos=None, k_p
 
 
 # dependent_launch (programmatic dependent launch) with each merge: every config of CASES with the
-# cooperative merge; the first two (fp16 / bf16) and the group-16 one also with the fused merge
-# (-f) and with the separate merge kernel (two launches a call, both dependent).
-PDL_CASES = [(case, "fc") for case in CASES] + [(case, merge) for case in (CASES[0], CASES[1], CASES[9])
-                                                 for merge in ("f", "split")]
+# cooperative merge, waiting first and with tables_before_wait ("-t"); the first two (fp16 / bf16)
+# and the group-16 one also with the fused merge (-f, -f-t) and with the separate merge kernel (two
+# launches a call, both dependent).
+PDL_CASES = [(case, merge) for case in CASES for merge in ("fc", "fc-t")] + [
+    (case, merge) for case in (CASES[0], CASES[1], CASES[9]) for merge in ("f", "split", "f-t")]
 
 
 @pytest.mark.gpu
@@ -288,9 +289,10 @@ def test_paged_decode_tc_dependent_launch(kernels, gpu_target, case, merge):
     hq, hkv, d, ps, dtype, sliding = case
     config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=gpu_target, sliding_window=sliding)
     sched = dataclasses.replace(choose_tc_decode_schedule(config), min_split_keys=16, early_pages=True,
-                                heads_first=True, fused_merge=merge != "split", cooperative_merge=merge == "fc",
-                                dependent_launch=True)
-    assert sched.label.endswith("-pdl")
+                                heads_first=True, fused_merge=merge != "split",
+                                cooperative_merge=merge.startswith("fc"), dependent_launch=True,
+                                tables_before_wait=merge.endswith("-t"))
+    assert sched.label.endswith("-pdlt" if merge.endswith("-t") else "-pdl")
     fn = kernels.get(paged_decode_tc, config, sched)
     rng = np.random.default_rng(zlib.crc32(case_id(case).encode()) + 4)
     rope = (0.5, 5e5)
@@ -310,8 +312,9 @@ def test_paged_decode_tc_dependent_launch(kernels, gpu_target, case, merge):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tables_before_wait", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_paged_decode_tc_dependent_launch_graph(kernels, gpu_target, dtype):
+def test_paged_decode_tc_dependent_launch_graph(kernels, gpu_target, dtype, tables_before_wait):
     """dependent_launch inside a CUDA graph (torch's capture stream, TVM's launches on it through
     tvm_ffi.use_torch_stream): calls of one split, of 64 splits (cooperative merge) and of a
     batch, captured in order and replayed three times, outputs poisoned before each replay."""
@@ -320,7 +323,8 @@ def test_paged_decode_tc_dependent_launch_graph(kernels, gpu_target, dtype):
 
     config = AttentionConfig(32, 4, 128, dtype=dtype, page_size=16, target=gpu_target)
     sched = dataclasses.replace(choose_tc_decode_schedule(config), threads_per_row=8, early_pages=True,
-                                heads_first=True, fused_merge=True, cooperative_merge=True, dependent_launch=True)
+                                heads_first=True, fused_merge=True, cooperative_merge=True, dependent_launch=True,
+                                tables_before_wait=tables_before_wait)
     fn = kernels.get(paged_decode_tc, config, sched)
     rng = np.random.default_rng(12)
     work = [inputs(rng, config, lengths) for lengths in ([100], [32768], [7, 3000, 129, 0, 777], [32000])]
@@ -499,6 +503,17 @@ def test_decode_tc_dependent_launch_source():
         for params in tags.values():
             assert PDL_TAG in params
             assert "tirx.use_dyn_shared_memory" not in params[:-1]  # last where present (decode kernels)
+    early = dataclasses.replace(base, fused_merge=True, cooperative_merge=True, dependent_launch=True,
+                                tables_before_wait=True)
+    assert early.label.endswith("-fc-pdlt")
+    cuda = tvm.compile(tvm.IRModule({"batch_decode_paged_kv": paged_decode_tc(config, early)}),
+                       target=config.tvm_target(), tir_pipeline=PIPELINE).mod.imports[0].inspect_source()
+    for body in [k for k in cuda.split('extern "C" __global__')[1:] if "{" in k.split(";")[0]]:
+        before = body[body.index("{"):body.index("tvmattn_grid_dependency_wait();")]
+        assert "page_indices_ptr[" in before and "length_info_ptr[" in before  # the tables before the wait
+        assert not [p for p in ("Q_ptr", "pages_ptr", "O_ptr", "lse_ptr", "cp.async") if p in before]
+    with pytest.raises(ValueError, match="tables_before_wait needs"):
+        dataclasses.replace(base, tables_before_wait=True)
     plain = tvm.compile(tvm.IRModule({"batch_decode_paged_kv": paged_decode_tc(config, base)}),
                         target=config.tvm_target(), tir_pipeline=PIPELINE).mod.imports[0].inspect_source()
     assert "griddepcontrol" not in plain

@@ -267,6 +267,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     CPT = TL.chunks // TPR  # chunks per thread per row
     EARLY, HEADS_FIRST = sched.early_pages, sched.heads_first
     PDL = sched.dependent_launch  # programmatic dependent launch (common.grid_dependency_wait)
+    TABLES_EARLY = sched.tables_before_wait  # the prologue's page-table reads before the wait
     PRE = STAGES - 1 if EARLY else 1  # tiles whose page entries a thread holds at once
 
     LI_SHAPE = (3, 1) if sliding else (1,)
@@ -786,7 +787,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         rope_freq = T.alloc_buffer((CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_step = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_cs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
-        if PDL:  # nothing of the previous grids' is read (or written) before they have completed
+        if PDL and not TABLES_EARLY:  # nothing of the previous grids' is read (or written) before they completed
             T.evaluate(grid_dependency_wait())
         load_length_info(length_info_, b, li)
         page0 = indptr_[b]
@@ -802,12 +803,17 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             l_run[r] = T.float32(0)
         for i in L.unroll(ON * 4):
             o[i] = T.float32(0)
-        load_q(q_, smem, b, hkv, tid)
-        T.ptx["cp.async.commit_group"]()
+        if not TABLES_EARLY:
+            load_q(q_, smem, b, hkv, tid)
+            T.ptx["cp.async.commit_group"]()
         if EARLY:  # every page-table read of the prologue, then every copy
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
                     lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES)
+            if TABLES_EARLY:  # the page tables are read; q, the pages and the workspace only after the wait
+                T.evaluate(grid_dependency_wait())
+                load_q(q_, smem, b, hkv, tid)
+                T.ptx["cp.async.commit_group"]()
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
                     issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES)

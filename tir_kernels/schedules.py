@@ -164,6 +164,13 @@ class TensorCoreDecodeSchedule:
     before its first global memory access, and `griddepcontrol.launch_dependents` once its
     prologue's copies are issued, so the next launch's blocks are scheduled as SMs free up and
     the launch gap between calls is hidden.
+    tables_before_wait (with dependent_launch and early_pages): a block reads length_info,
+    page_indptr and its prologue's page_indices entries before `griddepcontrol.wait` (q, the
+    pages, the workspace and the counters after it), so the page-table round trips overlap the
+    previous kernel's tail. Contract: the kernel launched just before the decode in its stream
+    must not write the page tables (host copies, and kernels before that one, may: they have
+    completed when the decode's blocks start, since a dependent kernel's blocks start only once
+    every block of the previous kernel has passed its own wait or exited).
     """
 
     warps: int = 4
@@ -181,6 +188,7 @@ class TensorCoreDecodeSchedule:
     merge_fanin: int = 0
     cooperative_merge: bool = False
     dependent_launch: bool = False
+    tables_before_wait: bool = False
 
     def __post_init__(self):
         _require(1 <= self.warps <= 16, f"warps={self.warps} must be 1..16")
@@ -198,6 +206,8 @@ class TensorCoreDecodeSchedule:
         _require(not self.cooperative_merge or (self.fused_merge and self.merge_fanin == 0),
                  f"cooperative_merge needs fused_merge=True and merge_fanin=0 (got fused_merge={self.fused_merge},"
                  f" merge_fanin={self.merge_fanin})")
+        _require(not self.tables_before_wait or (self.dependent_launch and self.early_pages),
+                 "tables_before_wait needs dependent_launch=True and early_pages=True")
 
     @property
     def tile_kv(self) -> int:
@@ -207,14 +217,14 @@ class TensorCoreDecodeSchedule:
     def label(self) -> str:
         """Short name: w<warps>k<keys_per_warp>s<stages>t<target_blocks>m<min_split_keys>[x<max_splits>][-qsmem]
         [-p<l2_prefetch>][-c<threads_per_row>][-e (early_pages)][-h (heads_first)][-f (fused_merge)][<merge_fanin>]
-        [c (cooperative_merge)][-pdl (dependent_launch)]."""
+        [c (cooperative_merge)][-pdl (dependent_launch)][t (tables_before_wait)]."""
         return (f"w{self.warps}k{self.keys_per_warp}s{self.stages}t{self.target_blocks}m{self.min_split_keys}"
                 + (f"x{self.max_splits}" if self.max_splits != 64 else "") + ("" if self.q_in_registers else "-qsmem")
                 + (f"-p{self.l2_prefetch}" if self.l2_prefetch else "")
                 + (f"-c{self.threads_per_row}" if self.threads_per_row else "") + ("-e" if self.early_pages else "")
                 + ("-h" if self.heads_first else "") + ("-f" if self.fused_merge else "")
                 + (str(self.merge_fanin) if self.merge_fanin else "") + ("c" if self.cooperative_merge else "")
-                + ("-pdl" if self.dependent_launch else ""))
+                + ("-pdl" if self.dependent_launch else "") + ("t" if self.tables_before_wait else ""))
 
     @property
     def num_threads(self) -> int:
@@ -353,8 +363,8 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
           for sched in (base, tc(4, 16, 3)) for keys in (128, 256)),
         # programmatic dependent launch: the next call's blocks are scheduled while this one ends
         *(dataclasses.replace(sched, min_split_keys=128, threads_per_row=8, early_pages=True, heads_first=True,
-                              fused_merge=True, cooperative_merge=coop, dependent_launch=True)
-          for sched in (base, tc(4, 16, 3)) for coop in (False, True)),
+                              fused_merge=True, cooperative_merge=coop, dependent_launch=True, tables_before_wait=early)
+          for sched in (base, tc(4, 16, 3)) for coop in (False, True) for early in (False, True)),
     ]
     out = {}
     for sched in variants:
