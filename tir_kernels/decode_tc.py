@@ -30,6 +30,9 @@ Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
     packed from the S accumulators, ldmatrix.trans V).
   finish: the warps' (m, l, O) states are merged through shared memory (softmax.combine) and
     finished into o / lse, or into the split workspace.
+  dependent_launch (sm_90): the block first waits for the stream's previous grids
+    (griddepcontrol.wait; with tables_before_wait only after the prologue's page-table reads)
+    and lets the next launch start once its prologue is issued (build.py: the launch tag).
 
 rotary_mode == 1 (RoPE inside the kernel: q and the keys are stored un-rotated) runs the same
 kernel, compiled a second time with `rope_rows` after each landing: the group's Q rows once,

@@ -169,8 +169,8 @@ class TensorCoreDecodeSchedule:
     pages, the workspace and the counters after it), so the page-table round trips overlap the
     previous kernel's tail. Contract: the kernel launched just before the decode in its stream
     must not write the page tables (host copies, and kernels before that one, may: they have
-    completed when the decode's blocks start, since a dependent kernel's blocks start only once
-    every block of the previous kernel has passed its own wait or exited).
+    completed when the decode's blocks start, provided that kernel is an ordinary launch or lets
+    its dependents start only after its own griddepcontrol.wait, as this one does).
     """
 
     warps: int = 4
