@@ -8,6 +8,7 @@ nvcc), the signature, the schedule checks and the dispatch of `paged_decode`.
 """
 
 import dataclasses
+import re
 import zlib
 
 import numpy as np
@@ -251,6 +252,98 @@ def test_paged_decode_tc_cooperative_merge(kernels, gpu_target, case, waves):
         check(config, batch, q, o, lse)
 
 
+def launch(fn, config, batch, q, rotary_mode=0, rope=(1.0, 1e4), q_pos=None, k_pos=None):
+    """One call of a decode kernel on fresh device inputs and NaN outputs, not waited for:
+    returns (o, lse) device tensors and the call's arguments."""
+    dev = device_for(config)
+    b = batch.batch
+    o = empty((b, config.num_qo_heads, config.head_dim), config.dtype, dev)
+    lse = empty((b, config.num_qo_heads), "float32", dev)
+    q_pos = np.zeros(b, np.int32) if q_pos is None else q_pos
+    k_pos = np.zeros(b, np.int32) if k_pos is None else k_pos
+    args = (tensor(q, dev), tensor(batch.pages, dev), index_view(batch.page_indptr, dev),
+            index_view(batch.page_indices, dev), index_view(batch.length_info(), dev, offset=3),
+            index_view(k_pos, dev, offset=11), index_view(q_pos, dev, offset=2), o, lse,
+            rotary_mode, rope[0], rope[1], default_sm_scale(config.head_dim))
+    fn(*args)
+    return o, lse, args
+
+
+# dependent_launch (programmatic dependent launch) with each merge: every config of CASES with the
+# cooperative merge, waiting first and with tables_before_wait ("-t"); the first two (fp16 / bf16)
+# and the group-16 one also with the fused merge (-f, -f-t) and with the separate merge kernel (two
+# launches a call, both dependent).
+PDL_CASES = [(case, merge) for case in CASES for merge in ("fc", "fc-t")] + [
+    (case, merge) for case in (CASES[0], CASES[1], CASES[9]) for merge in ("f", "split", "f-t")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,merge", PDL_CASES, ids=lambda c: case_id(c) if isinstance(c, tuple) else c)
+def test_paged_decode_tc_dependent_launch(kernels, gpu_target, case, merge):
+    """dependent_launch: calls issued back to back without a host wait (each call's blocks may be
+    scheduled while the previous call runs; each waits at griddepcontrol.wait before its first
+    global access), batches of different split counts (1 to max_splits splits of at least 16
+    keys, empty / short / page-boundary lengths) one after the other, inline RoPE among them,
+    twice round, every call's result checked; so a call that read another's partials, counters
+    or inputs early, or a counter left non-zero, shows."""
+    hq, hkv, d, ps, dtype, sliding = case
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=gpu_target, sliding_window=sliding)
+    sched = dataclasses.replace(choose_tc_decode_schedule(config), min_split_keys=16, early_pages=True,
+                                heads_first=True, fused_merge=merge != "split",
+                                cooperative_merge=merge.startswith("fc"), dependent_launch=True,
+                                tables_before_wait=merge.endswith("-t"))
+    assert sched.label.endswith("-pdlt" if merge.endswith("-t") else "-pdl")
+    fn = kernels.get(paged_decode_tc, config, sched)
+    rng = np.random.default_rng(zlib.crc32(case_id(case).encode()) + 4)
+    rope = (0.5, 5e5)
+    work = []
+    for lengths in (lengths_for(ps) + [2 * 4096 + 3], [5000], [0], [3 * ps], [1, 4100], [40, 300, 9000]):
+        batch, q = inputs(rng, config, lengths)
+        pos = rng.integers(0, 20000, (2, batch.batch)).astype(np.int32)
+        work.append((batch, q, (pos[0], pos[1])))
+    calls = []
+    for _ in range(2):
+        for i, (batch, q, (q_pos, k_pos)) in enumerate(work):
+            roped = i % 3 == 2
+            o, lse, _ = launch(fn, config, batch, q, int(roped), rope, q_pos, k_pos)
+            calls.append((batch, q, o, lse, roped, q_pos, k_pos))
+    for batch, q, o, lse, roped, q_pos, k_pos in calls:
+        check(config, batch, q, o.numpy().astype(np.float64), lse.numpy(), rope if roped else None, q_pos, k_pos)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tables_before_wait", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_paged_decode_tc_dependent_launch_graph(kernels, gpu_target, dtype, tables_before_wait):
+    """dependent_launch inside a CUDA graph (torch's capture stream, TVM's launches on it through
+    tvm_ffi.use_torch_stream): calls of one split, of 64 splits (cooperative merge) and of a
+    batch, captured in order and replayed three times, outputs poisoned before each replay."""
+    torch = pytest.importorskip("torch")
+    import tvm_ffi
+
+    config = AttentionConfig(32, 4, 128, dtype=dtype, page_size=16, target=gpu_target)
+    sched = dataclasses.replace(choose_tc_decode_schedule(config), threads_per_row=8, early_pages=True,
+                                heads_first=True, fused_merge=True, cooperative_merge=True, dependent_launch=True,
+                                tables_before_wait=tables_before_wait)
+    fn = kernels.get(paged_decode_tc, config, sched)
+    rng = np.random.default_rng(12)
+    work = [inputs(rng, config, lengths) for lengths in ([100], [32768], [7, 3000, 129, 0, 777], [32000])]
+    calls = [launch(fn, config, batch, q) for batch, q in work]  # eager first (also builds the workspace)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with tvm_ffi.use_torch_stream(torch.cuda.graph(graph)):
+        for _, _, args in calls:
+            fn(*args)
+    for _ in range(3):
+        for _, _, args in calls:
+            for out in args[7:9]:
+                out.copyfrom(np.full(out.shape, np.nan, dtype=out.numpy().dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        for (batch, q), (o, lse, _) in zip(work, calls):
+            check(config, batch, q, o.numpy().astype(np.float64), lse.numpy())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TABLE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_decode_table_schedules(kernels, gpu_target, case):
@@ -422,6 +515,58 @@ def test_decode_tc_fused_merge_source():
     assert "__nanosleep" in coop and "%%nsmid" in coop and "__nanosleep" not in fused
     assert "tvmattn_decode_arrivals_" not in coop  # one arrival function, whoever merges
     assert dataclasses.replace(base, fused_merge=True, cooperative_merge=True).label == base.label + "-fc"
+
+
+def test_decode_tc_dependent_launch_source():
+    """dependent_launch: every kernel of the module waits (griddepcontrol.wait) before its first
+    global load and the decode kernels let the next launch start once their prologue is issued;
+    the pipeline puts TVM's launch tag among each kernel's launch parameters, before the dynamic
+    shared memory tag (which the runtime requires last); sm_80 refuses it."""
+    from tir_kernels.build import PIPELINE, _mixed_pipeline
+    from tir_kernels.common import PDL_TAG
+
+    config = AttentionConfig(32, 4, 128, dtype="float16", page_size=16, target="cuda:sm_90")
+    base = dataclasses.replace(choose_tc_decode_schedule(config), early_pages=True, heads_first=True)
+    for merge in ({"fused_merge": True, "cooperative_merge": True}, {}):
+        sched = dataclasses.replace(base, dependent_launch=True, **merge)
+        assert sched.label == dataclasses.replace(base, **merge).label + "-pdl"
+        func = paged_decode_tc(config, sched)
+        assert bool(func.attrs[PDL_TAG])
+        cuda = tvm.compile(tvm.IRModule({"batch_decode_paged_kv": func}), target=config.tvm_target(),
+                           tir_pipeline=PIPELINE).mod.imports[0].inspect_source()
+        kernels_src = cuda.split('extern "C" __global__')[1:]
+        bodies = [k for k in kernels_src if "{" in k.split(";")[0]]  # definitions, not declarations
+        assert len(bodies) == (2 if merge else 3)  # plain and inline-RoPE decode (+ the merge kernel)
+        for body in bodies:
+            wait = body.index("tvmattn_grid_dependency_wait();")
+            pointers = re.findall(r"\*\s*(?:__restrict__\s+)?(\w+)\s*[,)]", body[:body.index("{")])
+            assert pointers and not [p for p in pointers if p in body[body.index("{"):wait]]  # none touched before
+        assert cuda.count("griddepcontrol.wait;") == 1 and cuda.count("griddepcontrol.launch_dependents;") == 1
+        assert sum("tvmattn_launch_dependents();" in body for body in bodies) == 2  # the decode kernels
+        lowered = _mixed_pipeline()[0](tvm.IRModule({"batch_decode_paged_kv": func.with_attr(
+            "target", tvm.target.Target(config.tvm_target(), host="llvm"))}))
+        tags = {gv.name_hint: [str(t) for t in f.attrs["tirx.kernel_launch_params"]]
+                for gv, f in lowered.functions_items() if f.attrs.get("tirx.kernel_launch_params") is not None}
+        assert len(tags) == len(bodies)
+        for params in tags.values():
+            assert PDL_TAG in params
+            assert "tirx.use_dyn_shared_memory" not in params[:-1]  # last where present (decode kernels)
+    early = dataclasses.replace(base, fused_merge=True, cooperative_merge=True, dependent_launch=True,
+                                tables_before_wait=True)
+    assert early.label.endswith("-fc-pdlt")
+    cuda = tvm.compile(tvm.IRModule({"batch_decode_paged_kv": paged_decode_tc(config, early)}),
+                       target=config.tvm_target(), tir_pipeline=PIPELINE).mod.imports[0].inspect_source()
+    for body in [k for k in cuda.split('extern "C" __global__')[1:] if "{" in k.split(";")[0]]:
+        before = body[body.index("{"):body.index("tvmattn_grid_dependency_wait();")]
+        assert "page_indices_ptr[" in before and "length_info_ptr[" in before  # the tables before the wait
+        assert not [p for p in ("Q_ptr", "pages_ptr", "O_ptr", "lse_ptr", "cp.async") if p in before]
+    with pytest.raises(ValueError, match="tables_before_wait needs"):
+        dataclasses.replace(base, tables_before_wait=True)
+    plain = tvm.compile(tvm.IRModule({"batch_decode_paged_kv": paged_decode_tc(config, base)}),
+                        target=config.tvm_target(), tir_pipeline=PIPELINE).mod.imports[0].inspect_source()
+    assert "griddepcontrol" not in plain
+    with pytest.raises(ValueError, match="dependent_launch"):
+        dataclasses.replace(base, dependent_launch=True).check(config.replace(target="cuda:sm_80"))
 
 
 def test_decode_tc_early_pages_heads_first_source():

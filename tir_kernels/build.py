@@ -7,21 +7,55 @@ need TVM's "tirx" pipeline. `PIPELINE` ("tvmattn") lowers each function with the
 it was written for (`TIRX_ATTR` marks the TIRx ones), so one module - a cache's kernel or a
 whole model library - can hold both. A TIRx kernel also carries its own "target" attribute
 (sm_90a: wgmma and setmaxnreg exist only there), built as a separate device module.
+
+Programmatic dependent launch: the device kernels of a PrimFunc carrying the attribute
+`PDL_TAG` (TVM's launch tag; TVM's split of host and device code drops it, so the pipeline adds
+it to the kernels' launch parameters afterwards) are launched with CUDA's programmatic stream
+serialization: their blocks may be scheduled while the previous kernel of the stream still
+runs, so every kernel of such a function must call `common.grid_dependency_wait()` before its first
+access to global memory. Compiled without this pipeline, the launch is ordinary and the call
+returns at once.
 """
 
 from __future__ import annotations
 
+import re
+
 import tvm
 import tvm_ffi
 
+from .common import PDL_TAG
 from .config import AttentionConfig
 
 PIPELINE = "tvmattn"
 TIRX_ATTR = "tvmattn.tirx_pipeline"
+DYN_SHARED_TAG = "tirx.use_dyn_shared_memory"  # the runtime requires it last among a kernel's launch tags
+LAUNCH_PARAMS_ATTR = "tirx.kernel_launch_params"
 
 
 def uses_tirx_pipeline(func) -> bool:
     return isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None and bool(func.attrs.get(TIRX_ATTR, False))
+
+
+def _tag_dependent_launches(mod: tvm.IRModule) -> tvm.IRModule:
+    """Add PDL_TAG to the launch parameters of the device kernels split from each function that
+    carries PDL_TAG as an attribute (kernels `<name>_kernel`, `<name>_kernel_<n>`), before the
+    dynamic shared memory tag, which the runtime requires last. The host's launch arguments are
+    unchanged: the tag takes none."""
+    hosts = [gv.name_hint for gv, f in mod.functions_items()
+             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None and bool(f.attrs.get(PDL_TAG, False))]
+    if not hosts:
+        return mod
+    kernel = re.compile("^(" + "|".join(re.escape(h) for h in hosts) + r")_kernel(_\d+)?$")
+    for gv, func in list(mod.functions_items()):
+        if not kernel.match(gv.name_hint) or not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is None:
+            continue
+        tags = [str(p) for p in func.attrs.get(LAUNCH_PARAMS_ATTR, [])]
+        if PDL_TAG in tags:
+            continue
+        at = tags.index(DYN_SHARED_TAG) if DYN_SHARED_TAG in tags else len(tags)
+        mod[gv] = func.with_attr(LAUNCH_PARAMS_ATTR, tags[:at] + [PDL_TAG] + tags[at:])
+    return mod
 
 
 def _mixed_pipeline():
@@ -32,12 +66,12 @@ def _mixed_pipeline():
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         explicit = {gv: f for gv, f in mod.functions_items() if uses_tirx_pipeline(f)}
         if not explicit:
-            return s_tir(mod)
+            return _tag_dependent_launches(s_tir(mod))
         standard = {gv: f for gv, f in mod.functions_items() if gv not in explicit}
         lowered = tirx(tvm.IRModule(explicit, attrs=mod.attrs))
         if standard:
             lowered.update(s_tir(tvm.IRModule(standard, attrs=mod.attrs)))
-        return lowered
+        return _tag_dependent_launches(lowered)
 
     return _pipeline, finalize_host, finalize_device
 

@@ -25,6 +25,36 @@ EMPTY_LSE = -5.0e4
 # entry of its loop, and such a buffer cannot live in registers.
 CPU_SCRATCH_SCOPE = "global"
 
+# Programmatic dependent launch (sm_90+): a PrimFunc carrying the attribute PDL_TAG (TVM's launch tag,
+# misspelled there) has its kernels launched with it by build.PIPELINE; each of them calls
+# grid_dependency_wait() before its first global memory access (build.py's docstring).
+PDL_TAG = "tirx.use_programtic_dependent_launch"
+GRID_WAIT, GRID_WAIT_SRC = "tvmattn_grid_dependency_wait", """
+// Programmatic dependent launch (sm_90+): wait until the grids this launch depends on have
+// completed and their memory is visible (at once where the launch had no such dependency).
+__device__ __forceinline__ void tvmattn_grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+"""
+LAUNCH_DEPENDENTS, LAUNCH_DEPENDENTS_SRC = "tvmattn_launch_dependents", """
+// Programmatic dependent launch (sm_90+): this block no longer holds back the next launch of
+// the stream (its blocks are scheduled once every block of this grid has said so or exited).
+__device__ __forceinline__ void tvmattn_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+"""
+
+
+def grid_dependency_wait():
+    """The call (a void expression for T.evaluate) that marks its kernel for programmatic
+    dependent launch and waits for the stream's previous grids (build.py's docstring)."""
+    return T.cuda.func_call(GRID_WAIT, source_code=GRID_WAIT_SRC)
+
+
+def launch_dependents():
+    """The call (a void expression for T.evaluate) that lets the stream's next launch start."""
+    return T.cuda.func_call(LAUNCH_DEPENDENTS, source_code=LAUNCH_DEPENDENTS_SRC)
+
 
 class LoopKinds:
     """Maps a kernel's logical grid and thread loops onto the target.

@@ -30,6 +30,9 @@ Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
     packed from the S accumulators, ldmatrix.trans V).
   finish: the warps' (m, l, O) states are merged through shared memory (softmax.combine) and
     finished into o / lse, or into the split workspace.
+  dependent_launch (sm_90): the block first waits for the stream's previous grids
+    (griddepcontrol.wait; with tables_before_wait only after the prologue's page-table reads)
+    and lets the next launch start once its prologue is issued (build.py: the launch tag).
 
 rotary_mode == 1 (RoPE inside the kernel: q and the keys are stored un-rotated) runs the same
 kernel, compiled a second time with `rope_rows` and its own schedule (by default
@@ -51,7 +54,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import EMPTY_LSE, LOG2E, ceildiv, loop_kinds, paged_position, rope_inv_freq
+from .common import (EMPTY_LSE, LOG2E, PDL_TAG, ceildiv, grid_dependency_wait, launch_dependents, loop_kinds,
+                     paged_position, rope_inv_freq)
 from .config import AttentionConfig
 from .decode import _check, decode_func
 from .prefill_sm80 import CHUNK, FULL_WARP, MMA_DTYPES, ROWS_PER_MMA, _Tile
@@ -270,6 +274,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     PASSES = ceildiv(BK, RP)
     CPT = TL.chunks // TPR  # chunks per thread per row
     EARLY, HEADS_FIRST = sched.early_pages, sched.heads_first
+    PDL = sched.dependent_launch  # programmatic dependent launch (common.grid_dependency_wait)
+    TABLES_EARLY = sched.tables_before_wait  # the prologue's page-table reads before the wait
     PRE = STAGES - 1 if EARLY else 1  # tiles whose page entries a thread holds at once
 
     LI_SHAPE = (3, 1) if sliding else (1,)
@@ -804,6 +810,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         rope_step = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_cs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_qcs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
+        if PDL and not TABLES_EARLY:  # nothing of the previous grids' is read (or written) before they completed
+            T.evaluate(grid_dependency_wait())
         load_length_info(length_info_, b, li)
         page0 = indptr_[b]
         kv_len = visible_keys(indptr_[b + 1] - page0, li)
@@ -818,12 +826,17 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             l_run[r] = T.float32(0)
         for i in L.unroll(ON * 4):
             o[i] = T.float32(0)
-        load_q(q_, smem, b, hkv, tid)
-        T.ptx["cp.async.commit_group"]()
+        if not TABLES_EARLY:
+            load_q(q_, smem, b, hkv, tid)
+            T.ptx["cp.async.commit_group"]()
         if EARLY:  # every page-table read of the prologue, then every copy
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
                     lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES)
+            if TABLES_EARLY:  # the page tables are read; q, the pages and the workspace only after the wait
+                T.evaluate(grid_dependency_wait())
+                load_q(q_, smem, b, hkv, tid)
+                T.ptx["cp.async.commit_group"]()
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
                     issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES)
@@ -838,6 +851,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         # arithmetic.
         if STAGES - 1 < ntiles:
             lookup(indices_, li, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0)
+        if PDL:  # the prologue's copies are issued: the next launch may take SMs as they free up
+            T.evaluate(launch_dependents())
         if rope_ is not None:  # the angles need no data: computed while the copies are in flight
             rope_freqs(rope_[2], rope_[3], tid, rope_freq, rope_step)
             rope_angles(rope_[1][b], tid, rope_freq, rope_qcs)
@@ -934,6 +949,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         l_all = T.alloc_buffer((1,), "float32", scope="local")
         acc = T.alloc_buffer((1,), "float32", scope="local")
         wt = T.alloc_buffer((1,), "float32", scope="local")
+        if PDL:
+            T.evaluate(grid_dependency_wait())
         np_[0] = indptr_[b + 1] - indptr_[b]
         load_length_info(length_info_, b, li)
         nsplit = request_splits(sched, slots, visible_keys(np_[0], li))
@@ -1037,7 +1054,8 @@ def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule 
         if shared_merge and not sched.fused_merge and grid_splits(sched, Hkv, batch) > 1:
             tc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
 
-    return decode_func(config, kernel)
+    func = decode_func(config, kernel)
+    return func.with_attr(PDL_TAG, True) if sched.dependent_launch else func
 
 
 __all__ = ["paged_decode_tc", "threads_per_row"]

@@ -104,6 +104,7 @@ TC_DECODE_DTYPES = ("float16", "bfloat16")
 TC_DECODE_MIN_ARCH = 80  # cp.async, ldmatrix and bf16 mma.sync: sm_80 and newer
 TC_DECODE_MIN_GROUP = 4  # below, 16-row MMA tiles waste more than the CUDA-core kernel loses
 TC_DECODE_MAX_GROUP = 16  # the query heads of a group are the M = 16 rows of one MMA tile
+PDL_MIN_ARCH = 90  # griddepcontrol (programmatic dependent launch): sm_90 and newer
 # 32-bit registers per thread the O accumulators, S accumulators and Q fragments may take.
 TC_DECODE_MAX_FRAGMENT_REGISTERS = 192
 
@@ -156,6 +157,20 @@ class TensorCoreDecodeSchedule:
     the group's partials. Taken only where no block can wait for a block that is not resident:
     batch * num_kv_heads * (min(grid split slots, group) - 1) waiting blocks fewer than the
     device's SMs (%nsmid, read in the kernel), else the last block merges alone (as -f).
+    dependent_launch (sm_90 and newer): programmatic dependent launch. The kernels are launched
+    with CUDA's programmatic stream serialization, so a launch's blocks may become resident
+    while the previous kernel of the stream still runs; every block executes
+    `griddepcontrol.wait` (until the previous grids have completed and their memory is visible)
+    before its first global memory access, and `griddepcontrol.launch_dependents` once its
+    prologue's copies are issued, so the next launch's blocks are scheduled as SMs free up and
+    the launch gap between calls is hidden.
+    tables_before_wait (with dependent_launch and early_pages): a block reads length_info,
+    page_indptr and its prologue's page_indices entries before `griddepcontrol.wait` (q, the
+    pages, the workspace and the counters after it), so the page-table round trips overlap the
+    previous kernel's tail. Contract: the kernel launched just before the decode in its stream
+    must not write the page tables (host copies, and kernels before that one, may: they have
+    completed when the decode's blocks start, provided that kernel is an ordinary launch or lets
+    its dependents start only after its own griddepcontrol.wait, as this one does).
     """
 
     warps: int = 4
@@ -172,6 +187,8 @@ class TensorCoreDecodeSchedule:
     fused_merge: bool = False
     merge_fanin: int = 0
     cooperative_merge: bool = False
+    dependent_launch: bool = False
+    tables_before_wait: bool = False
 
     def __post_init__(self):
         _require(1 <= self.warps <= 16, f"warps={self.warps} must be 1..16")
@@ -189,6 +206,8 @@ class TensorCoreDecodeSchedule:
         _require(not self.cooperative_merge or (self.fused_merge and self.merge_fanin == 0),
                  f"cooperative_merge needs fused_merge=True and merge_fanin=0 (got fused_merge={self.fused_merge},"
                  f" merge_fanin={self.merge_fanin})")
+        _require(not self.tables_before_wait or (self.dependent_launch and self.early_pages),
+                 "tables_before_wait needs dependent_launch=True and early_pages=True")
 
     @property
     def tile_kv(self) -> int:
@@ -198,13 +217,14 @@ class TensorCoreDecodeSchedule:
     def label(self) -> str:
         """Short name: w<warps>k<keys_per_warp>s<stages>t<target_blocks>m<min_split_keys>[x<max_splits>][-qsmem]
         [-p<l2_prefetch>][-c<threads_per_row>][-e (early_pages)][-h (heads_first)][-f (fused_merge)][<merge_fanin>]
-        [c (cooperative_merge)]."""
+        [c (cooperative_merge)][-pdl (dependent_launch)][t (tables_before_wait)]."""
         return (f"w{self.warps}k{self.keys_per_warp}s{self.stages}t{self.target_blocks}m{self.min_split_keys}"
                 + (f"x{self.max_splits}" if self.max_splits != 64 else "") + ("" if self.q_in_registers else "-qsmem")
                 + (f"-p{self.l2_prefetch}" if self.l2_prefetch else "")
                 + (f"-c{self.threads_per_row}" if self.threads_per_row else "") + ("-e" if self.early_pages else "")
                 + ("-h" if self.heads_first else "") + ("-f" if self.fused_merge else "")
-                + (str(self.merge_fanin) if self.merge_fanin else "") + ("c" if self.cooperative_merge else ""))
+                + (str(self.merge_fanin) if self.merge_fanin else "") + ("c" if self.cooperative_merge else "")
+                + ("-pdl" if self.dependent_launch else "") + ("t" if self.tables_before_wait else ""))
 
     @property
     def num_threads(self) -> int:
@@ -241,6 +261,8 @@ class TensorCoreDecodeSchedule:
                  f"keys_per_warp={self.keys_per_warp}, q_in_registers={self.q_in_registers} hold"
                  f" {self.fragment_registers(config)} fragment registers per thread at head_dim={config.head_dim};"
                  f" at most {TC_DECODE_MAX_FRAGMENT_REGISTERS}")
+        _require(not self.dependent_launch or config.sm_version >= PDL_MIN_ARCH,
+                 f"target={config.target!r}: dependent_launch (griddepcontrol) needs CUDA sm_{PDL_MIN_ARCH} or newer")
         limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
         _require(self.shared_bytes(config) <= limit,
                  f"tile_kv={self.tile_kv}, stages={self.stages} need {self.shared_bytes(config)} bytes of shared"
@@ -351,6 +373,10 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
         *(dataclasses.replace(sched, min_split_keys=keys, threads_per_row=8, early_pages=True, heads_first=True,
                               fused_merge=True, cooperative_merge=True)
           for sched in (base, tc(4, 16, 3)) for keys in (128, 256)),
+        # programmatic dependent launch: the next call's blocks are scheduled while this one ends
+        *(dataclasses.replace(sched, min_split_keys=128, threads_per_row=8, early_pages=True, heads_first=True,
+                              fused_merge=True, cooperative_merge=coop, dependent_launch=True, tables_before_wait=early)
+          for sched in (base, tc(4, 16, 3)) for coop in (False, True) for early in (False, True)),
     ]
     out = {}
     for sched in variants:
