@@ -377,6 +377,11 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
         *(dataclasses.replace(sched, min_split_keys=128, threads_per_row=8, early_pages=True, heads_first=True,
                               fused_merge=True, cooperative_merge=coop, dependent_launch=True, tables_before_wait=early)
           for sched in (base, tc(4, 16, 3)) for coop in (False, True) for early in (False, True)),
+        # with -fc-pdlt at two blocks per SM: L2 prefetch hints, splits of at least 256 keys
+        *(dataclasses.replace(tc(4, 16, 3), min_split_keys=keys, threads_per_row=8, early_pages=True, heads_first=True,
+                              fused_merge=True, cooperative_merge=True, dependent_launch=True, tables_before_wait=True,
+                              l2_prefetch=prefetch)
+          for keys, prefetch in ((128, 128), (128, 256), (256, 0))),
     ]
     out = {}
     for sched in variants:
