@@ -438,6 +438,17 @@ def test_tc_decode_rope_schedule():
     assert tc_decode_rope_schedule(BENCH_CONFIG, flagged) is flagged
 
 
+def test_paged_decode_tc_rope_schedule_launch_must_match():
+    """A rope schedule whose dependent launch differs from the plain schedule's is refused (the
+    PrimFunc's kernels share one launch: a rope kernel launched dependently must wait)."""
+    config = BENCH_CONFIG.replace(num_kv_heads=4)
+    plain = dataclasses.replace(choose_tc_decode_schedule(config), threads_per_row=8, early_pages=True)
+    pdl = dataclasses.replace(plain, dependent_launch=True)
+    for sched, rope in ((pdl, plain), (plain, pdl)):
+        with pytest.raises(ValueError, match="rope_schedule: dependent_launch"):
+            paged_decode_tc(config, sched, rope_schedule=rope)
+
+
 @pytest.mark.gpu
 def test_paged_decode_dispatches_to_tensor_cores(kernels, gpu_target):
     """paged_decode(config) of a group of 8 in bf16 is the tensor-core kernel (while the

@@ -1014,13 +1014,18 @@ def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule 
     CUDA sm_80 or newer, GQA group up to 16 (ValueError otherwise); rotary_mode == 1 applies
     RoPE to q (at q_rope_position) and to each key j (at k_rope_pos_offset + j) inside the
     kernel (a second compilation of the kernel, picked on the device), with rope_schedule
-    (default: `schedules.tc_decode_rope_schedule` of the plain schedule).
+    (default: `schedules.tc_decode_rope_schedule` of the plain schedule; its dependent_launch
+    must be the schedule's, ValueError otherwise).
     """
     _check(config)
     sched = schedule or choose_tc_decode_schedule(config)
     sched.check(config)
     rope_sched = rope_schedule or tc_decode_rope_schedule(config, sched)
     rope_sched.check(config)
+    # the PrimFunc's launch tag follows `schedule`: a rope build launched dependently must wait too
+    if rope_sched.dependent_launch != sched.dependent_launch:
+        raise ValueError(f"rope_schedule: dependent_launch={rope_sched.dependent_launch} must match the schedule's "
+                         f"({sched.dependent_launch}): the kernels of one PrimFunc share its launch")
     tc_kernel, tc_merge = _tc_macros(config, sched)
     rope_kernel, rope_merge = _tc_macros(config, rope_sched) if rope_sched != sched else (tc_kernel, tc_merge)
     Hq, Hkv, D = config.num_qo_heads, config.num_kv_heads, config.head_dim
