@@ -6,6 +6,11 @@ checks and row format).
     python scripts/tune_decode.py [--shapes 1x4096 ...] [--dtype float16 bfloat16] [--sweep float16]
                                   [--only LABEL ...] [--iters 8] [--jobs 8] [--json rows.json]
                                   [--graph [IMPL ...]] [--profile [IMPL ...]]
+                                  [--rope [--table PATH --table-base PATH --rope-also bfloat16 float16]]
+
+--rope sweeps the inline-RoPE candidates instead (`schedules.tc_decode_rope_candidates`, each
+timed with rotary_mode 0 and 1: rows "tvmattn-tc-<label>" and "tvmattn-tc-<label>-rope"); with
+--table it writes --table-base with a "rope_schedule" chosen for each measured entry.
 
 Impl names: "tvmattn" (what paged_decode(config) builds: the dispatch), "tvmattn-cuda-core"
 (paged_decode with the CUDA-core schedule), "tvmattn-tc-<label>" (a candidate, with --sweep
