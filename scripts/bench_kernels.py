@@ -834,23 +834,23 @@ def tvm_anchor(kernel: str, config):
 
 def tvmattn_decode(config):
     """(variant, function) of tvmattn's decode as the cache runs it: each schedule the decode
-    table picks for config (schedules.decode_variants) compiled once, and where there are
-    several, the one of the nearest measured shape picked per call on the host
+    table picks for config (schedules.decode_variants: a schedule and its rope build's) compiled
+    once, and where there are several, the one of the nearest measured shape picked per call on the host
     (tvmattn.runtime.kernels.DecodeByShape); paged_decode(config) where the table has none."""
     from tir_kernels import build, paged_decode
-    from tir_kernels.schedules import decode_schedule_label, decode_variants
+    from tir_kernels.schedules import decode_variant_label, decode_variants
 
     variants = decode_variants(config)
-    if len(variants) == 1 and not variants[0][1]:  # no table entry: paged_decode's own choice
+    if len(variants) == 1 and not variants[0][2]:  # no table entry: paged_decode's own choice
         func = paged_decode(config)
         return tvmattn_variant("decode", config, func), build(func, config)
-    labels = "table: " + ", ".join(f"{decode_schedule_label(sched)} at " + " ".join(f"{b}x{n}" for b, n in shapes)
-                                   for sched, shapes in variants)
+    labels = "table: " + ", ".join(f"{decode_variant_label(sched, rope)} at " + " ".join(f"{b}x{n}" for b, n in shapes)
+                                   for sched, rope, shapes in variants)
     if len(variants) == 1:
-        return labels, build(paged_decode(config, variants[0][0]), config)
+        return labels, build(paged_decode(config, variants[0][0], variants[0][1]), config)
     from tvmattn.runtime.kernels import DecodeByShape
 
-    funcs = [(build(paged_decode(config, sched), config), shapes) for sched, shapes in variants]
+    funcs = [(build(paged_decode(config, sched, rope), config), shapes) for sched, rope, shapes in variants]
     return labels, DecodeByShape(funcs, config.page_size)
 
 
@@ -1184,10 +1184,12 @@ def rope_torch(x, positions, theta: float = 1e4):
 
 
 def decode_rope_rows(ctx: Context, shape: Shape, inputs: Inputs, fn, args: list, iters: int, timing: dict,
-                     graphs: bool) -> list[dict]:
-    """tvmattn's decode with inline RoPE (rotary_mode 1, rope scale 1, theta 1e4; keys at
-    positions 0..L-1, the query at L - 1) on the shape's inputs: its eager row (and graph row),
-    checked against SDPA over the rotated q and K. Same bytes moved as the plain row."""
+                     graphs: bool, impl: str = "tvmattn", impl_variant: str = "") -> list[dict]:
+    """Decode `impl` (function fn) with inline RoPE (rotary_mode 1, rope scale 1, theta 1e4; keys
+    at positions 0..L-1, the query at L - 1) on the shape's inputs: its eager row (and graph
+    row), impl "<impl>-rope", checked against SDPA over the rotated q and K. Same bytes moved as
+    the plain row. (ctx.decode_rope_impls names the impls that get these rows: "tvmattn" by
+    default, every candidate in scripts/tune_decode.py --rope.)"""
     import torch
 
     B, L, D = shape.batch, shape.seq_len, ctx.head_dim
@@ -1200,8 +1202,8 @@ def decode_rope_rows(ctx: Context, shape: Shape, inputs: Inputs, fn, args: list,
     lse = torch.empty(inputs.q.shape[:2], device=DEVICE, dtype=torch.float32)
     rope_args = list(args)
     rope_args[6], rope_args[7], rope_args[8], rope_args[9] = to_tvm(q_pos), to_tvm(o), to_tvm(lse), 1
-    variant = "rotary_mode=1 " + ctx.kernels["decode"][0][1]
-    return variant_rows(ctx, "tvmattn-rope", variant, shape, fn, rope_args, inputs.tvm_pools, o, ref, iters, timing,
+    variant = "rotary_mode=1 " + (impl_variant or ctx.kernels["decode"][0][1])
+    return variant_rows(ctx, f"{impl}-rope", variant, shape, fn, rope_args, inputs.tvm_pools, o, ref, iters, timing,
                         graphs)
 
 
@@ -1332,8 +1334,9 @@ def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict
             progress(rows[-1])
             if graphs:
                 rows += graph_row(impl, impl_variant, call)
-            if kernel == "decode" and getattr(ctx, "decode_rope", False) and impl == "tvmattn":
-                rows += decode_rope_rows(ctx, shape, inputs, fn, args, iters, timing, graphs)
+            if kernel == "decode" and getattr(ctx, "decode_rope", False) and impl in getattr(
+                    ctx, "decode_rope_impls", ("tvmattn",)):
+                rows += decode_rope_rows(ctx, shape, inputs, fn, args, iters, timing, graphs, impl, impl_variant)
             if kernel == "decode" and getattr(ctx, "decode_window", False) and impl == "tvmattn":
                 rows += decode_window_rows(ctx, shape, inputs, iters, timing, graphs)
         for impl, impl_variant, fi_call in module_calls(kernel, ctx, inputs) or flashinfer_calls(kernel, ctx, inputs):

@@ -6,6 +6,11 @@ checks and row format).
     python scripts/tune_decode.py [--shapes 1x4096 ...] [--dtype float16 bfloat16] [--sweep float16]
                                   [--only LABEL ...] [--iters 8] [--jobs 8] [--json rows.json]
                                   [--graph [IMPL ...]] [--profile [IMPL ...]]
+                                  [--rope [--table PATH --table-base PATH --rope-also bfloat16 float16]]
+
+--rope sweeps the inline-RoPE candidates instead (`schedules.tc_decode_rope_candidates`, each
+timed with rotary_mode 0 and 1: rows "tvmattn-tc-<label>" and "tvmattn-tc-<label>-rope"); with
+--table it writes --table-base with a "rope_schedule" chosen for each measured entry.
 
 Impl names: "tvmattn" (what paged_decode(config) builds: the dispatch), "tvmattn-cuda-core"
 (paged_decode with the CUDA-core schedule), "tvmattn-tc-<label>" (a candidate, with --sweep
@@ -38,12 +43,16 @@ def config_for(dtype: str, head_dim: int, page_size: int, num_kv_heads: int | No
 
 
 def jobs_for(dtypes, sweep, head_dim: int, page_size: int, kv_heads, baselines: bool = True,
-             sweep_all_kv: bool = False, table: bool = False, only=None) -> list:
+             sweep_all_kv: bool = False, table: bool = False, only=None, rope: bool = False) -> list:
     """[(dtype, impl, variant, num_kv_heads)] to build; variant: "default", "cuda-core", "tvm", a
     candidate label (candidates with the first of kv_heads only, unless sweep_all_kv) or
     "table:<label>" (each schedule the decode table picks for the config; measured together as
-    "tvmattn-table", the host-side choice per shape). only: candidate labels to sweep (None: all)."""
-    from tir_kernels.schedules import decode_schedule_label, decode_variants, tc_decode_candidates
+    "tvmattn-table", the host-side choice per shape). only: candidate labels to sweep (None: all).
+    rope: the candidates are the inline-RoPE ones (schedules.tc_decode_rope_candidates), variant
+    "rope:<label>": paged_decode with that schedule for both builds, measured with rotary_mode 0
+    and 1 (rows "tvmattn-tc-<label>" and "tvmattn-tc-<label>-rope")."""
+    from tir_kernels.schedules import (decode_variant_label, decode_variants, tc_decode_candidates,
+                                       tc_decode_rope_candidates)
 
     jobs = []
     for kv in kv_heads:
@@ -51,13 +60,15 @@ def jobs_for(dtypes, sweep, head_dim: int, page_size: int, kv_heads, baselines: 
             base = (("tvmattn", "default"), ("tvmattn-cuda-core", "cuda-core"), ("tvm", "tvm"))
             jobs += [(dtype, impl, variant, kv) for impl, variant in (base if baselines else base[:1])]
             if table:
-                for sched, _ in decode_variants(config_for(dtype, head_dim, page_size, kv)):
-                    label = decode_schedule_label(sched)
+                for sched, rope_sched, _ in decode_variants(config_for(dtype, head_dim, page_size, kv)):
+                    label = decode_variant_label(sched, rope_sched)
                     jobs.append((dtype, f"table:{label}", f"table:{label}", kv))
             if dtype in sweep and (sweep_all_kv or kv == kv_heads[0]):
-                for label in tc_decode_candidates(config_for(dtype, head_dim, page_size, kv)):
+                candidates = (tc_decode_rope_candidates if rope else tc_decode_candidates)(
+                    config_for(dtype, head_dim, page_size, kv))
+                for label in candidates:
                     if only is None or label in only:
-                        jobs.append((dtype, f"tvmattn-tc-{label}", label, kv))
+                        jobs.append((dtype, f"tvmattn-tc-{label}", f"rope:{label}" if rope else label, kv))
     return jobs
 
 
@@ -65,7 +76,8 @@ def make_func(job, head_dim: int, page_size: int):
     """(PrimFunc, variant description) of one job."""
     from tir_kernels import paged_decode
     from tir_kernels.schedules import (choose_decode_schedule, choose_decode_variant, decode_schedule_label,
-                                       decode_variants, tc_decode_candidates)
+                                       decode_variant_label, decode_variants, tc_decode_candidates,
+                                       tc_decode_rope_candidates)
 
     dtype, _, variant, kv = job
     config = config_for(dtype, head_dim, page_size, kv)
@@ -77,8 +89,11 @@ def make_func(job, head_dim: int, page_size: int):
     if variant == "tvm":
         return bk.tvm_anchor("decode", config), "tir"
     if variant.startswith("table:"):
-        sched = {decode_schedule_label(s): s for s, _ in decode_variants(config)}[variant[6:]]
-        return paged_decode(config, sched), variant[6:]
+        sched, rope = {decode_variant_label(s, r): (s, r) for s, r, _ in decode_variants(config)}[variant[6:]]
+        return paged_decode(config, sched, rope), variant[6:]
+    if variant.startswith("rope:"):
+        sched = tc_decode_rope_candidates(config)[variant[5:]]
+        return paged_decode(config, sched, sched), f"mma {bk.schedule_summary(sched)}"
     sched = tc_decode_candidates(config)[variant]
     return paged_decode(config, sched), f"mma {bk.schedule_summary(sched)}"
 
@@ -164,18 +179,19 @@ def print_table(group, shapes, title: str) -> None:
 def table_impl(built, dtype: str, kv: int, head_dim: int, page_size: int):
     """("tvmattn-table", description, function): the table's variants of the config behind the
     cache's host-side choice (tvmattn.runtime.kernels.DecodeByShape), or None."""
-    from tir_kernels.schedules import decode_schedule_label, decode_variants
+    from tir_kernels.schedules import decode_variant_label, decode_variants
 
     from tvmattn.runtime.kernels import DecodeByShape
 
     variants = decode_variants(config_for(dtype, head_dim, page_size, kv))
     funcs = []
-    for sched, shapes in variants:
-        job = (dtype, f"table:{decode_schedule_label(sched)}", f"table:{decode_schedule_label(sched)}", kv)
+    for sched, rope, shapes in variants:
+        label = decode_variant_label(sched, rope)
+        job = (dtype, f"table:{label}", f"table:{label}", kv)
         if job not in built:
             return None
         funcs.append((built[job][0], shapes or [(1, 1)]))
-    labels = "+".join(decode_schedule_label(s) for s, _ in variants)
+    labels = "+".join(decode_variant_label(s, r) for s, r, _ in variants)
     return "tvmattn-table", f"table {labels}", DecodeByShape(funcs, page_size)
 
 
@@ -303,6 +319,74 @@ def choose_table(rows, max_variants: int, min_gain: float, default=default_label
     return buckets
 
 
+def choose_rope_table(rows, base: dict, min_gain: float, candidates: dict, also: dict | None = None) -> dict:
+    """The table `base` (a decode table file's dict) with a "rope_schedule" chosen for each of
+    its entries at the shapes the rows measured: per (dtype, head dim, group, page size), among
+    the "tvmattn-tc-<label>-rope" rows that agree with SDPA and whose schedule (candidates:
+    label -> schedule) keeps the entry's dependent_launch, the greedy choice of `choose_table`
+    (the best by the product of GB/s over the bucket's measured shapes, then one more while it
+    raises the product by more than min_gain), each shape the best chosen; where that is the
+    entry's default rope schedule (schedules.tc_decode_rope_schedule of its schedule) the key is
+    left out. Each entry gets "rope_gbps" (and "rope_best", "rope_best_gbps"). also: {dtype:
+    measured dtype} whose choices a bucket of that dtype takes too (the other 16-bit type).
+    Entries not measured keep their rope_schedule (or none)."""
+    import copy
+    from collections import defaultdict
+
+    from tir_kernels.schedules import schedule_from_dict, schedule_to_dict, tc_decode_rope_schedule
+
+    measured = defaultdict(lambda: defaultdict(dict))  # bucket -> label -> shape -> gbps
+    for r in rows:
+        impl = r["impl"]
+        if (not impl.startswith("tvmattn-tc-") or not impl.endswith("-rope") or r.get("agrees") is False
+                or str(r.get("variant", "")).startswith("cuda-graph")):
+            continue
+        key = (r["dtype"], r["head_dim"], r["num_qo_heads"] // r["num_kv_heads"], r["page_size"])
+        measured[key][impl[len("tvmattn-tc-"):-len("-rope")]][(r["batch"], r["seq_len"])] = r["gbps"]
+    table = copy.deepcopy(base)
+    schedules = table.setdefault("schedules", {})
+    for bucket in table.get("buckets", []):
+        key = (bucket["dtype"], bucket["head_dim"], bucket["group"], bucket["page_size"])
+        by_label = measured.get(key) or measured.get((((also or {}).get(key[0])), *key[1:]))
+        if not by_label:
+            continue
+        entries = [e for e in bucket["shapes"] if any((e["batch"], e["seq_len"]) in m for m in by_label.values())]
+        plains = {e["schedule"]: schedule_from_dict(schedules[e["schedule"]]) for e in entries}
+        launch = {p.dependent_launch for p in plains.values()}
+        shapes = [(e["batch"], e["seq_len"]) for e in entries]
+        labels = [lab for lab, m in by_label.items() if all(shape in m for shape in shapes)
+                  and len(launch) == 1 and candidates[lab].dependent_launch in launch]
+        if not labels:
+            continue
+
+        def score(chosen):
+            return sum(math.log(max(by_label[lab][shape] for lab in chosen)) for shape in shapes)
+
+        chosen = [max(labels, key=lambda lab: score([lab]))]
+        while True:
+            best = max((lab for lab in labels if lab not in chosen), key=lambda lab: score(chosen + [lab]),
+                       default=None)
+            if best is None or score(chosen + [best]) - score(chosen) <= math.log(min_gain):
+                break
+            chosen.append(best)
+        for e in entries:
+            shape = (e["batch"], e["seq_len"])
+            lab = max(chosen, key=lambda lab: by_label[lab][shape])
+            default = tc_decode_rope_schedule(config_for(bucket["dtype"], bucket["head_dim"], bucket["page_size"],
+                                                         bk.NUM_QO_HEADS // bucket["group"]), plains[e["schedule"]])
+            e.pop("rope_schedule", None)
+            if candidates[lab] != default:
+                e["rope_schedule"] = lab
+                schedules[lab] = schedule_to_dict(candidates[lab])
+            e["rope_gbps"] = round(by_label[lab][shape], 1)
+            e["rope_best"] = max(labels, key=lambda x: by_label[x][shape])
+            e["rope_best_gbps"] = round(by_label[e["rope_best"]][shape], 1)
+    used = {lab for b in table.get("buckets", []) for e in b["shapes"]
+            for lab in (e["schedule"], e.get("rope_schedule")) if lab}
+    table["schedules"] = {lab: d for lab, d in schedules.items() if lab in used}
+    return table
+
+
 def merge_buckets(base: dict, buckets: list) -> tuple[list, dict]:
     """(buckets, schedules) of the table `base` (a decode table file's dict) with the new
     buckets' entries in place of its entries at the same (bucket, batch, seq_len); base's other
@@ -318,7 +402,7 @@ def merge_buckets(base: dict, buckets: list) -> tuple[list, dict]:
         kept = [e for e in b["shapes"] if (e["batch"], e["seq_len"]) not in measured]
         out.append({**b, "shapes": sorted(kept + fresh["shapes"], key=lambda e: (e["batch"], e["seq_len"]))})
     out += list(new.values())
-    used = {e["schedule"] for b in out for e in b["shapes"]}
+    used = {lab for b in out for e in b["shapes"] for lab in (e["schedule"], e.get("rope_schedule")) if lab}
     return out, {lab: d for lab, d in base.get("schedules", {}).items() if lab in used}
 
 
@@ -332,7 +416,7 @@ def write_table(path: str, buckets: list, candidates: dict, meta: dict, command:
     kept = {}
     if base is not None:
         buckets, kept = merge_buckets(base, buckets)
-    used = sorted({e["schedule"] for b in buckets for e in b["shapes"]})
+    used = sorted({lab for b in buckets for e in b["shapes"] for lab in (e["schedule"], e.get("rope_schedule")) if lab})
     table = {"about": "Decode schedule per (dtype, head dim, GQA group) bucket and (batch, context) shape, "
                       "measured by scripts/tune_decode.py; read by tir_kernels/schedules.py",
              "command": command, "device": meta["device"], "arch": "sm_90", "sms": 132, "date": meta["date"],
@@ -343,6 +427,32 @@ def write_table(path: str, buckets: list, candidates: dict, meta: dict, command:
         json.dump(table, f, indent=1)
         f.write("\n")
     print(f"wrote {path}: {len(buckets)} buckets, schedules {used}")
+
+
+def write_rope_table(args, rows, meta: dict, argv) -> None:
+    """--rope --table: --table-base (default: the package's table) with rope schedules chosen
+    from the rows (choose_rope_table), written to --table."""
+    import json
+
+    from tir_kernels.schedules import DECODE_TABLE_PATH, tc_decode_rope_candidates
+
+    with open(args.table_base or DECODE_TABLE_PATH) as f:
+        base = json.load(f)
+    candidates = {}
+    for kv in args.kv_heads:
+        for dtype in args.sweep:
+            candidates.update(tc_decode_rope_candidates(config_for(dtype, args.head_dim, args.page_size, kv)))
+    table = choose_rope_table(rows, base, args.table_gain, candidates, dict(args.rope_also))
+    table["rope_command"] = "python3 scripts/tune_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    table["rope_date"], table["rope_commit"] = meta["date"], meta["commit"]
+    for b in table["buckets"]:
+        print(f"table {b['dtype']} d{b['head_dim']} group {b['group']}: " + ", ".join(
+            f"{e['batch']}x{e['seq_len']} rope {e.get('rope_schedule', 'default')} {e['rope_gbps']:.0f}"
+            for e in b["shapes"] if "rope_gbps" in e))
+    with open(args.table, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    print(f"wrote {args.table}")
 
 
 def main(argv=None) -> int:
@@ -369,6 +479,12 @@ def main(argv=None) -> int:
                         help="a further schedule must raise the bucket's product of GB/s by this factor")
     parser.add_argument("--graph", nargs="*", metavar="IMPL",
                         help="also time these impls (default: tvmattn, tvmattn-table) replayed from a CUDA graph")
+    parser.add_argument("--rope", action="store_true",
+                        help="sweep the inline-RoPE candidates (schedules.tc_decode_rope_candidates), each timed"
+                             " with rotary_mode 0 and 1; with --table, entries of --table-base get a rope_schedule")
+    parser.add_argument("--rope-also", nargs=2, action="append", metavar=("DTYPE", "MEASURED"), default=[],
+                        help="with --rope --table: DTYPE's buckets take MEASURED's rope choices"
+                             " (e.g. bfloat16 float16)")
     parser.add_argument("--only", nargs="+", metavar="LABEL",
                         help="sweep only these candidate labels (default: every candidate)")
     parser.add_argument("--profile", nargs="*", metavar="IMPL",
@@ -383,7 +499,7 @@ def main(argv=None) -> int:
     shapes = [bk.parse_shape(s, "decode") for s in args.shapes]
     jobs = jobs_for(args.dtype, args.sweep, args.head_dim, args.page_size, args.kv_heads,
                     baselines=not args.no_baselines, sweep_all_kv=args.sweep_all_kv, table=args.with_table,
-                    only=args.only)
+                    only=args.only, rope=args.rope)
     built = build_all(jobs, args.head_dim, args.page_size, args.jobs)
 
     import torch
@@ -397,6 +513,9 @@ def main(argv=None) -> int:
             config = config_for(dtype, args.head_dim, args.page_size, kv)
             ctx = bk.Context(config, meta, None, [])
             ctx.warmup_ms, ctx.sample_ms = args.decode_warmup_ms, args.decode_sample_ms
+            if args.rope:  # every candidate also with rotary_mode 1 ("<impl>-rope" rows)
+                ctx.decode_rope = True
+                ctx.decode_rope_impls = {impl for (dt, impl, _, k) in built if impl.startswith("tvmattn-tc-")}
             ctx.kernels["decode"] = [(impl, desc, fn) for (dt, impl, _, k), (fn, desc) in built.items()
                                      if dt == dtype and k == kv and not impl.startswith("table:")]
             if args.with_table:
@@ -438,7 +557,9 @@ def main(argv=None) -> int:
             print_table(group, shapes, f"{dtype} d{args.head_dim} ps{args.page_size} {bk.NUM_QO_HEADS}q/{kv}kv")
     if args.json:
         bk.write_json(rows, args.json)
-    if args.table:
+    if args.table and args.rope:
+        write_rope_table(args, rows, meta, argv)
+    elif args.table:
         from tir_kernels.schedules import tc_decode_candidates
 
         candidates = {}

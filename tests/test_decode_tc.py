@@ -21,8 +21,9 @@ from tir_kernels import AttentionConfig, TensorCoreDecodeSchedule, default_sm_sc
 from tir_kernels.config import RopeScaling
 from tir_kernels.decode_tc import paged_decode_tc
 from tir_kernels.schedules import (choose_decode_variant, choose_tc_decode_schedule, decode_schedule_label,
-                                   decode_variants, load_decode_table, schedule_from_dict, tc_decode_applies,
-                                   tc_decode_candidates, tc_decode_rope_schedule)
+                                   decode_variant_label, decode_variants, load_decode_table, schedule_from_dict,
+                                   tc_decode_applies, tc_decode_candidates, tc_decode_resident_blocks,
+                                   tc_decode_rope_candidates, tc_decode_rope_schedule)
 from tir_kernels.support import present_cuda_arch
 
 # (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding): fp16 and bf16, GQA group
@@ -63,6 +64,10 @@ FLAG_CASES = [(case, (True, True, 8)) for case in CASES] + [(CASES[0], flags) fo
 TABLE = load_decode_table()
 TABLE_CASES = sorted({(e["schedule"], 32 // b["group"], b["head_dim"], b["dtype"], b["page_size"])
                       for b in TABLE.get("buckets", []) for e in b["shapes"]})
+# (schedule, rope schedule, ...) of each table entry that names the inline-RoPE build's schedule
+TABLE_ROPE_CASES = sorted({(e["schedule"], e["rope_schedule"], 32 // b["group"], b["head_dim"], b["dtype"],
+                            b["page_size"]) for b in TABLE.get("buckets", []) for e in b["shapes"]
+                           if e.get("rope_schedule")})
 
 
 def case_id(case):
@@ -367,6 +372,25 @@ def test_decode_table_schedules(kernels, gpu_target, case):
             check(config, batch, q, o.numpy().astype(np.float64), lse.numpy())
             if batch_size < 40:
                 check_inline_rope(kernels, config, batch, q, sched, rng, paged_decode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TABLE_ROPE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decode_table_rope_schedules(kernels, gpu_target, case):
+    """Each (schedule, rope schedule) pair the table names, built into one function on its
+    bucket's config and on the other 16-bit dtype: rotary_mode=1 (the rope build) and 0 (the
+    plain build beside it) on a batch-1 request of one split and of many (4096, 32768 keys), and
+    on ragged batches with empty and page-boundary lengths."""
+    plain_label, rope_label, kv, d, dtype, ps = case
+    pair = (schedule_from_dict(TABLE["schedules"][plain_label]), schedule_from_dict(TABLE["schedules"][rope_label]))
+    for dt in (dtype, "bfloat16" if dtype == "float16" else "float16"):
+        config = AttentionConfig(32, kv, d, dtype=dt, page_size=ps, target=gpu_target)
+        for lengths in ([4096], [32768], [100], [0, 1, 129, 700, 2049], [33 * i + 7 for i in range(12)]):
+            rng = np.random.default_rng(len(lengths) + kv + lengths[0])
+            batch, q = inputs(rng, config, lengths)
+            o, lse = run(kernels, config, batch, q, pair, generator=decode_tc_with_rope_schedule)
+            check(config, batch, q, o, lse)
+            check_inline_rope(kernels, config, batch, q, pair, rng, decode_tc_with_rope_schedule)
 
 
 # Inline RoPE (rotary_mode=1, tensor cores) on every config of CASES and with Llama-3 frequency
@@ -694,14 +718,29 @@ def test_decode_table_file():
         assert label in tc_decode_candidates(config)
     for b in TABLE["buckets"]:
         assert {e["schedule"] for e in b["shapes"]} <= set(TABLE["schedules"])
+    # rope schedules: valid for the bucket, among the rope candidates, the entry's launch kept,
+    # and each pair taken by the lookup (test_decode_table_rope_schedules runs them on the GPU)
+    assert TABLE_ROPE_CASES, "the table names no rope schedule"
+    for plain_label, rope_label, kv, d, dtype, ps in TABLE_ROPE_CASES:
+        config = AttentionConfig(32, kv, d, dtype=dtype, page_size=ps, target="cuda:sm_90")
+        plain, rope = (schedule_from_dict(TABLE["schedules"][lab]) for lab in (plain_label, rope_label))
+        rope.check(config)
+        assert rope_label in tc_decode_rope_candidates(config) and rope.dependent_launch == plain.dependent_launch
+        assert (plain, rope) in [(s, r) for s, r, _ in decode_variants(config, TABLE)]
 
 
-def _table(entries, group=4, dtype="float16", head_dim=128):
+def _table(entries, group=4, dtype="float16", head_dim=128, rope=None):
+    """A table of one bucket: entries [(batch, seq_len, schedule)], rope {(batch, seq_len): rope
+    schedule}."""
     schedules = {}
     shapes = []
     for batch, seq_len, sched in entries:
-        schedules[decode_schedule_label(sched)] = {"kind": "tensor-core", **__import__("dataclasses").asdict(sched)}
+        schedules[decode_schedule_label(sched)] = {"kind": "tensor-core", **dataclasses.asdict(sched)}
         shapes.append({"batch": batch, "seq_len": seq_len, "schedule": decode_schedule_label(sched)})
+        rope_sched = (rope or {}).get((batch, seq_len))
+        if rope_sched is not None:
+            schedules[rope_sched.label] = {"kind": "tensor-core", **dataclasses.asdict(rope_sched)}
+            shapes[-1]["rope_schedule"] = rope_sched.label
     return {"arch": "sm_90", "sms": 132, "schedules": schedules,
             "buckets": [{"dtype": dtype, "head_dim": head_dim, "group": group, "page_size": 16, "shapes": shapes}]}
 
@@ -720,14 +759,52 @@ def test_decode_table_lookup():
     assert choose_decode_variant(g4, table=table) == b  # no shape: the largest (16 x 32768)
     assert choose_decode_variant(g4.replace(dtype="bfloat16"), 1, 30000, table) == b
     assert choose_decode_variant(g4.replace(num_kv_heads=4), 1, 30000, table) == b  # group 8 -> bucket 4
-    assert [s for s, _ in decode_variants(g4, table)] == [a, b]
-    assert dict(decode_variants(g4, table))[b] == [(1, 32768), (16, 32768)]
+    assert [s for s, _, _ in decode_variants(g4, table)] == [a, b]
+    assert decode_variants(g4, table)[1] == (b, None, [(1, 32768), (16, 32768)])
     # not served by the table: other arch, head dim, the CPU, groups the tensor cores do not take
     for config in (g4.replace(target="cuda:sm_80"), g4.replace(head_dim=64, v_head_dim=64),
                    g4.replace(target="llvm"), g4.replace(num_kv_heads=32)):
-        assert decode_variants(config, table) == [(choose_decode_variant(config, table={}), [])]
+        assert decode_variants(config, table) == [(choose_decode_variant(config, table={}), None, [])]
     assert choose_decode_variant(g4.replace(target="cuda:sm_80"), 1, 100, table) == choose_tc_decode_schedule(
         g4.replace(target="cuda:sm_80"))
+
+
+def test_decode_table_rope_lookup():
+    """An entry's "rope_schedule": the same plain schedule with two rope schedules is two
+    variants; the lookup returns the entry's pair; a rope schedule that changes the launch or
+    does not fit the config is dropped (None: decode_tc's default)."""
+    a = TensorCoreDecodeSchedule(stages=4, target_blocks=132, min_split_keys=128, threads_per_row=8,
+                                 dependent_launch=True)
+    r1 = dataclasses.replace(a, stages=2, target_blocks=396, cooperative_merge=True, fused_merge=True)
+    r2 = dataclasses.replace(a, stages=3, target_blocks=264)
+    off = dataclasses.replace(r2, dependent_launch=False)
+    wide = dataclasses.replace(r2, stages=8)  # more shared memory than an H200 block has
+    table = _table([(1, 4096, a), (1, 32768, a), (64, 4096, a), (128, 8192, a)],
+                   rope={(1, 4096): r1, (1, 32768): r2, (64, 4096): off, (128, 8192): wide})
+    g4 = AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target="cuda:sm_90")
+    assert decode_variants(g4, table) == [(a, r1, [(1, 4096)]), (a, r2, [(1, 32768)]),
+                                          (a, None, [(64, 4096), (128, 8192)])]
+    assert choose_decode_variant(g4, 1, 3000, table, rope=True) == (a, r1)
+    assert choose_decode_variant(g4, 1, 3000, table) == a
+    assert choose_decode_variant(g4, table=table, rope=True) == (a, None)  # the largest shape, 128 x 8192
+    assert choose_decode_variant(g4, 1, 30000, table={}, rope=True) == (choose_tc_decode_schedule(g4), None)
+    assert decode_variant_label(a, r1) == f"{a.label}+rope:{r1.label}" and decode_variant_label(a) == a.label
+
+
+def test_tc_decode_rope_candidates():
+    """The rope candidates: each rotates its own copies (threads_per_row = D / 16, so the rope
+    build's schedule is the candidate itself), launches dependently, fits the config, and its
+    target_blocks is a whole number of waves of its resident blocks."""
+    for kv in (4, 8):
+        config = BENCH_CONFIG.replace(num_kv_heads=kv)
+        candidates = tc_decode_rope_candidates(config)
+        assert len(candidates) >= 12
+        for label, sched in candidates.items():
+            assert sched.label == label and sched.dependent_launch and sched.fused_merge
+            assert tc_decode_rope_schedule(config, sched) == sched
+            sched.check(config)
+            assert sched.target_blocks % (132 * tc_decode_resident_blocks(config, sched)) == 0
+    assert tc_decode_rope_candidates(BENCH_CONFIG.replace(head_dim=48, v_head_dim=48)) == {}  # 3 chunks a half row
 
 
 def test_decode_by_shape_picks_on_the_host():
@@ -779,12 +856,12 @@ def test_cache_decode_slot_compiles_the_table_variants(monkeypatch):
         monkeypatch.setattr(schedules, "load_decode_table", lambda path=None: two)
         tag, fn = kernels.build_slot("decode_paged", config, 2)
         assert tag == "tirx" and isinstance(fn, kernels.DecodeByShape)
-        assert fn.variants == [("compiled", (a,)), ("compiled", (b,))] and built == [(a,), (b,)]
-        assert fn.variants[fn.pick(1, 2048)] == ("compiled", (b,))
+        assert fn.variants == [("compiled", (a, None)), ("compiled", (b, None))] and built == [(a, None), (b, None)]
+        assert fn.variants[fn.pick(1, 2048)] == ("compiled", (b, None))
         assert kernels.build_slot("decode_paged", config, 2)[1] is fn  # built once per config
         kernels.decode_kernel.cache_clear()
         monkeypatch.setattr(schedules, "load_decode_table", lambda path=None: _table([(1, 4096, a), (64, 4096, a)]))
-        assert kernels.build_slot("decode_paged", config, 2) == ["tirx", ("compiled", (a,))]
+        assert kernels.build_slot("decode_paged", config, 2) == ["tirx", ("compiled", (a, None))]
         assert kernels.build_slot("decode_paged", config.replace(target="llvm"), 2) == ["tirx", ("compiled", ())]
     finally:
         kernels.decode_kernel.cache_clear()

@@ -47,3 +47,56 @@ def test_write_table_with_base_keeps_old_schedules(tune, tmp_path):
     table = json.loads(path.read_text())
     assert table["schedules"] == {old.label: schedule_to_dict(old), new.label: schedule_to_dict(new)}
     assert [e["schedule"] for e in table["buckets"][0]["shapes"]] == [new.label, old.label]
+
+
+def rope_row(label, group, batch, seq_len, gbps, dtype="float16", agrees=True):
+    return {"impl": f"tvmattn-tc-{label}-rope", "variant": "rotary_mode=1", "dtype": dtype, "head_dim": 128,
+            "num_qo_heads": 32, "num_kv_heads": 32 // group, "page_size": 16, "batch": batch, "seq_len": seq_len,
+            "gbps": gbps, "agrees": agrees}
+
+
+def test_choose_rope_table(tune):
+    """--rope --table: each measured entry gets the rope rows' greedy choice (a second schedule
+    only where it gains more than min_gain), none where that is the entry's default rope
+    schedule; a candidate that would change the launch, or disagrees with SDPA, is not taken;
+    the other dtype's bucket takes the choice through `also`; unmeasured entries are kept."""
+    import dataclasses
+
+    from tir_kernels.schedules import TensorCoreDecodeSchedule, schedule_to_dict
+
+    plain = TensorCoreDecodeSchedule(stages=4, target_blocks=132, min_split_keys=128, threads_per_row=8,
+                                     fused_merge=True, dependent_launch=True)
+    big = TensorCoreDecodeSchedule(stages=3, target_blocks=264, min_split_keys=128)
+    wide = dataclasses.replace(plain, stages=2, target_blocks=396)
+    long = dataclasses.replace(plain, stages=3, target_blocks=264)
+    eager = dataclasses.replace(wide, min_split_keys=64)
+    no_pdl = dataclasses.replace(wide, dependent_launch=False)
+    candidates = {s.label: s for s in (plain, wide, long, eager, no_pdl)}
+    rows = [rope_row(plain.label, 4, 1, 4096, 1000), rope_row(plain.label, 4, 1, 32768, 3000),
+            rope_row(wide.label, 4, 1, 4096, 1500), rope_row(wide.label, 4, 1, 32768, 2800),
+            rope_row(long.label, 4, 1, 4096, 1400), rope_row(long.label, 4, 1, 32768, 3500),
+            rope_row(eager.label, 4, 1, 4096, 1490), rope_row(eager.label, 4, 1, 32768, 2000),
+            rope_row(no_pdl.label, 4, 1, 4096, 9000), rope_row(no_pdl.label, 4, 1, 32768, 9000),
+            rope_row(eager.label, 4, 1, 4096, 9000, dtype="bfloat16", agrees=False)]
+    shapes = [entry(1, 4096, plain.label), entry(1, 32768, plain.label), entry(64, 4096, big.label)]
+    base = {"schedules": {plain.label: schedule_to_dict(plain), big.label: schedule_to_dict(big)},
+            "buckets": [bucket(4, shapes), bucket(4, [dict(e) for e in shapes], dtype="bfloat16"),
+                        bucket(8, [entry(1, 4096, plain.label)])]}
+    table = tune.choose_rope_table(rows, base, 1.03, candidates, {"bfloat16": "float16"})
+    for b in table["buckets"][:2]:  # long, then wide (+7% at 1x4096); no_pdl would change the launch
+        assert [e.get("rope_schedule") for e in b["shapes"]] == [wide.label, long.label, None]
+        assert [e.get("rope_gbps") for e in b["shapes"]] == [1500, 3500, None]
+        assert b["shapes"][0]["rope_best"] == wide.label
+    assert "rope_gbps" not in table["buckets"][2]["shapes"][0]  # group 8: not measured
+    assert set(table["schedules"]) == {plain.label, big.label, wide.label, long.label}
+    assert base["buckets"][0]["shapes"][0].get("rope_schedule") is None  # base untouched
+    # a second schedule that gains less than min_gain (1.4%) is not taken
+    close = [r if r["impl"] != f"tvmattn-tc-{wide.label}-rope" or r["seq_len"] != 4096 else {**r, "gbps": 1420}
+             for r in rows if r["impl"] != f"tvmattn-tc-{eager.label}-rope"]
+    table = tune.choose_rope_table(close, base, 1.03, candidates)
+    assert [e.get("rope_schedule") for e in table["buckets"][0]["shapes"]] == [long.label, long.label, None]
+    # the winner is the entry's own default rope schedule: no key
+    only_plain = [r for r in rows if r["impl"] == f"tvmattn-tc-{plain.label}-rope"]
+    table = tune.choose_rope_table(only_plain, base, 1.03, candidates)
+    assert all("rope_schedule" not in e for b in table["buckets"] for e in b["shapes"])
+    assert table["buckets"][0]["shapes"][0]["rope_gbps"] == 1000

@@ -454,7 +454,8 @@ def _split_kernel_macro(dims: _Dims, L):
 TENSOR_CORE_DECODE = True
 
 
-def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | TensorCoreDecodeSchedule | None = None):
+def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | TensorCoreDecodeSchedule | None = None,
+                 rope_schedule: TensorCoreDecodeSchedule | None = None):
     """Paged decode PrimFunc, arguments in the contract's order:
 
     q [B, Hq, D], pages [P, 2, Hkv, page_size, D], page_indptr [B+1] i32,
@@ -467,16 +468,19 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | TensorCoreD
     decode table's choice for the config's bucket, else the defaults: fp16/bf16 configs with GQA
     groups of 4..16 on sm_80 and newer get the tensor-core kernel, decode_tc.paged_decode_tc);
     a TensorCoreDecodeSchedule runs the tensor-core kernel; a DecodeSchedule, and every other
-    config, the CUDA-core kernel of this module.
+    config, the CUDA-core kernel of this module. rope_schedule (tensor-core kernel only): the
+    schedule of its inline-RoPE build (decode_tc.paged_decode_tc; None: the table entry's, or
+    the default for the schedule).
     """
     if schedule is None and config.is_gpu:  # the table's choice for the config (schedules.py)
-        schedule = choose_decode_variant(config)
+        schedule, table_rope = choose_decode_variant(config, rope=True)
+        rope_schedule = rope_schedule or table_rope
         if isinstance(schedule, TensorCoreDecodeSchedule) and not (TENSOR_CORE_DECODE and tc_decode_applies(config)):
             schedule = choose_decode_schedule(config)
     if isinstance(schedule, TensorCoreDecodeSchedule):
         from .decode_tc import paged_decode_tc  # (decode_tc builds on this module)
 
-        return paged_decode_tc(config, schedule)
+        return paged_decode_tc(config, schedule, rope_schedule)
     _check(config)
     sched = schedule or choose_decode_schedule(config)
     sched.check(config)

@@ -321,6 +321,46 @@ def tc_decode_rope_schedule(config: AttentionConfig, sched: TensorCoreDecodeSche
     return dataclasses.replace(sched, threads_per_row=half)
 
 
+def tc_decode_rope_candidates(config: AttentionConfig) -> dict:
+    """name -> TensorCoreDecodeSchedule: schedules `scripts/tune_decode.py --rope` measures for
+    the inline-RoPE build (rotary_mode 1) at small batches, those valid for config. All copy
+    with threads_per_row = head_dim / 16 (tc_decode_rope_schedule: each thread rotates its own
+    copies), early page lookups, heads first and the fused merge, and launch dependently (a rope
+    schedule keeps its plain schedule's dependent_launch, and every table schedule at batch 1
+    has it); they differ in the split grid: 1-4 blocks per SM (4, 3 or 2 stages; one wave, or
+    two where the blocks are more than one wave holds), splits of at least 64 or 128 keys
+    (1 or 2 tiles), the fused or cooperative merge, page tables before the wait or after.
+    More, shorter splits give an SM more blocks whose rotations overlap each other's loads."""
+    half = config.head_dim // 16
+    if half not in (1, 2, 4, 8, 16):
+        return {}
+    qreg = choose_tc_decode_schedule(config).q_in_registers
+    out = {}
+
+    def add(warps, stages, waves, keys, coop, early):
+        sched = TensorCoreDecodeSchedule(warps=warps, keys_per_warp=16, stages=stages, q_in_registers=qreg,
+                                         min_split_keys=keys, threads_per_row=half, early_pages=True,
+                                         heads_first=True, fused_merge=True, cooperative_merge=coop,
+                                         dependent_launch=True, tables_before_wait=early)
+        try:
+            sched.check(config)
+        except ValueError:
+            return
+        blocks = waves * CUDA_NUM_SMS * tc_decode_resident_blocks(config, sched)
+        sched = dataclasses.replace(sched, target_blocks=blocks)
+        out.setdefault(sched.label, sched)
+
+    for stages, waves in ((4, 1), (4, 2), (3, 1), (3, 2), (2, 1)):
+        for keys in (64, 128):
+            for coop, early in ((False, False), (False, True), (True, True)):
+                add(4, stages, waves, keys, coop, early)
+    # 2 warps (32-key tiles, more blocks per SM) and 8 (128-key tiles, more warps per block)
+    for warps, stages in ((2, 4), (2, 2), (8, 2)):
+        for keys in (64, 128):
+            add(warps, stages, 1, keys, True, True)
+    return out
+
+
 def tc_decode_candidates(config: AttentionConfig) -> dict:
     """name -> TensorCoreDecodeSchedule: the default and the variants `scripts/tune_decode.py`
     measures beside it (tests/test_decode_tc.py runs each on the GPU), those valid for config.
@@ -398,7 +438,10 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
 # measured fastest at each (batch, context) shape. A config takes the nearest bucket's entries
 # (same head dim and arch; the other 16-bit dtype and then the nearest group where its own is
 # absent); a shape the nearest entry in log2(batch), log2(context). Schedules that do not fit
-# the config are skipped; no entry: today's defaults.
+# the config are skipped; no entry: today's defaults. An entry may also name a "rope_schedule":
+# the inline-RoPE build's schedule (rotary_mode 1, compiled into the same PrimFunc; it must keep
+# the entry's dependent_launch); without one, or where it does not fit, that build takes
+# tc_decode_rope_schedule of the entry's schedule.
 DECODE_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_table.json")
 
 
@@ -452,8 +495,10 @@ def _fits(config: AttentionConfig, sched) -> bool:
 
 
 def decode_table_entries(config: AttentionConfig, table: dict | None = None) -> list:
-    """[(batch, seq_len, schedule)] of the bucket nearest to config whose schedules fit it, or []
-    (not CUDA, another arch or SM count, no bucket of this head dim)."""
+    """[(batch, seq_len, schedule, rope_schedule)] of the bucket nearest to config whose
+    schedules fit it, or [] (not CUDA, another arch or SM count, no bucket of this head dim);
+    rope_schedule: the entry's "rope_schedule" where it names one that fits config and keeps
+    the schedule's dependent_launch, else None (decode_tc's default rope schedule)."""
     table = load_decode_table() if table is None else table
     if not table or not config.is_gpu or config.cuda_arch != table.get("arch") or config.head_dim != config.v_head_dim:
         return []
@@ -472,8 +517,13 @@ def decode_table_entries(config: AttentionConfig, table: dict | None = None) -> 
     out = []
     for e in bucket["shapes"]:
         sched = schedule_from_dict(schedules[e["schedule"]])
-        if _fits(config, sched):
-            out.append((e["batch"], e["seq_len"], sched))
+        if not _fits(config, sched):
+            continue
+        rope = schedule_from_dict(schedules[e["rope_schedule"]]) if e.get("rope_schedule") else None
+        if rope is not None and not (isinstance(sched, TensorCoreDecodeSchedule) and _fits(config, rope)
+                                     and rope.dependent_launch == sched.dependent_launch):
+            rope = None
+        out.append((e["batch"], e["seq_len"], sched, rope))
     return out
 
 
@@ -493,29 +543,39 @@ def default_decode_schedule(config: AttentionConfig):
 
 
 def choose_decode_variant(config: AttentionConfig, batch: int | None = None, seq_len: int | None = None,
-                          table: dict | None = None):
+                          table: dict | None = None, rope: bool = False):
     """The decode schedule for config (and, where given, a batch of requests of about seq_len
     keys) from the table; without a shape, the table's schedule for the bucket's largest shape
-    (where the kernel spends the most time); the defaults where the table has nothing."""
+    (where the kernel spends the most time); the defaults where the table has nothing.
+    rope=True: (schedule, rope_schedule or None) of the same entry."""
     entries = decode_table_entries(config, table)
     if not entries:
-        return default_decode_schedule(config)
+        return (default_decode_schedule(config), None) if rope else default_decode_schedule(config)
     if batch is None:
-        return max(entries, key=lambda e: e[0] * e[1])[2]
-    return nearest_entry(entries, batch, seq_len or 1)
+        entry = max(entries, key=lambda e: e[0] * e[1])
+    else:
+        entry = entries[nearest_entry([(b, n, i) for i, (b, n, *_) in enumerate(entries)], batch, seq_len or 1)]
+    return (entry[2], entry[3]) if rope else entry[2]
 
 
 def decode_variants(config: AttentionConfig, table: dict | None = None) -> list:
-    """[(schedule, [(batch, seq_len), ...])]: the distinct schedules the table chooses for
-    config, each with the shapes it serves (the variants a cache compiles and picks on the host);
-    [(default, [])] where the table has nothing."""
+    """[(schedule, rope_schedule, [(batch, seq_len), ...])]: the distinct (schedule, rope
+    schedule) pairs the table chooses for config (rope_schedule None: decode_tc's default for
+    the schedule), each with the shapes it serves (the variants a cache compiles and picks on
+    the host); [(default, None, [])] where the table has nothing."""
     entries = decode_table_entries(config, table)
     if not entries:
-        return [(default_decode_schedule(config), [])]
+        return [(default_decode_schedule(config), None, [])]
     out: dict = {}
-    for batch, seq_len, sched in entries:
-        out.setdefault(sched, []).append((batch, seq_len))
-    return list(out.items())
+    for batch, seq_len, sched, rope in entries:
+        out.setdefault((sched, rope), []).append((batch, seq_len))
+    return [(sched, rope, shapes) for (sched, rope), shapes in out.items()]
+
+
+def decode_variant_label(sched, rope_sched=None) -> str:
+    """A table variant's short name: its schedule's label, with "+rope:<label>" where it names
+    its own rope schedule."""
+    return decode_schedule_label(sched) + (f"+rope:{rope_sched.label}" if rope_sched is not None else "")
 
 
 @dataclasses.dataclass(frozen=True)

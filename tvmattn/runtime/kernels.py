@@ -164,13 +164,13 @@ def build_slot(slot: str, config: AttentionConfig, num_layers: int):
 @functools.lru_cache(maxsize=None)
 def decode_kernel(config: AttentionConfig):
     """The paged decode of config: one compiled function, or a `DecodeByShape` over the table's
-    variants for config (schedules.decode_variants)."""
+    variants for config (schedules.decode_variants: a schedule and its inline-RoPE build's)."""
     from tir_kernels.schedules import decode_variants
 
     variants = decode_variants(config)
-    if len(variants) == 1 and not variants[0][1]:  # no table entry: paged_decode's own choice
+    if len(variants) == 1 and not variants[0][2]:  # no table entry: paged_decode's own choice
         return _build(tir_kernels.paged_decode, config, ())
-    built = [(_build(tir_kernels.paged_decode, config, (sched,)), shapes) for sched, shapes in variants]
+    built = [(_build(tir_kernels.paged_decode, config, (sched, rope)), shapes) for sched, rope, shapes in variants]
     if len(built) == 1:
         return built[0][0]
     return DecodeByShape(built, config.page_size)
