@@ -10,7 +10,9 @@ them (`request_splits`, read in the kernel from its length: a captured grid stay
 any lengths); a request of one split writes o / lse directly and the merge skips it.
 On the CPU the same code runs with one thread per block: every (request, head chunk, split) block is a task of one parallel loop (so batch 1 with few KV heads still
 splits its keys over the cores), a thread reads rows_per_thread rows per step, and its
-element loops are vector loops (q . k in VL-lane partial sums, added pairwise).
+element loops are vector loops (q . k in VL-lane partial sums, added pairwise); the merge of
+the splits is a serial loop below CPU_PARALLEL_MERGE_ROWS (request, head) rows (batch 1 of
+SmolLM2: 9 rows, under a microsecond, where a parallel region is a fork / join of the pool).
 
 Per block (`split_kernel`): `attend` = `load_q`, then per step of TILE rows `load_kv`,
 `scores` and `accumulate` (online softmax, softmax.py); then `combine_rows` merges the row
@@ -32,6 +34,8 @@ from .schedules import (DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_
 from .softmax import (finalize_lse, finalize_scale, finished_l, prob, rescale_factor,
                       softmax_macros)
 
+# CPU: the split merge runs as a parallel loop from this many (request, query head) rows on
+CPU_PARALLEL_MERGE_ROWS = 64
 
 # 2**f on [-0.5, 0.5]: degree-6 fit of the relative error (1e-7 evaluated in float32, as exp2f)
 _EXP2_POLY = (1.0, 0.6931472, 0.24022646, 0.05550329, 0.00961852, 0.0013399861, 0.00015337577)
@@ -182,7 +186,16 @@ def _load_macros(dims: _Dims, L):
                     k_loc_[r * EPL + e] = T.Cast(dtype, 0)
                     v_loc_[r * EPL + e] = T.Cast(dtype, 0)
 
-    return load_q, load_kv
+    @T.macro
+    def locate_kv(indices_, length_info_, page_begin_, b_, j0_, j_end_, ty_, page_loc_, slot_loc_):
+        """CPU, no RoPE on K: page_loc_, slot_loc_ [RPT] <- where KV rows j0_ + r * ROWS + ty_ are;
+        rows from j_end_ on point at row j_end_ - 1 (finite values; their scores are masked)."""
+        for r in T.serial(RPT):
+            pos = paged_position(T.min(j0_ + r * ROWS + ty_, j_end_ - 1), length_info_, b_, sliding)
+            page_loc_[r] = indices_[page_begin_ + pos // ps]
+            slot_loc_[r] = pos % ps
+
+    return load_q, load_kv, locate_kv
 
 
 def _attend_macro(dims: _Dims, L):
@@ -193,7 +206,7 @@ def _attend_macro(dims: _Dims, L):
     LOG_LANES = LANES.bit_length() - 1
     elementwise = L.unroll if dims.gpu else T.vectorized  # o += p * v: vector loops on the CPU
     sm = softmax_macros(L)
-    load_q, load_kv = _load_macros(dims, L)
+    load_q, load_kv, locate_kv = _load_macros(dims, L)
 
     @T.macro
     def lane_allreduce(buf_, idx_):
@@ -210,14 +223,15 @@ def _attend_macro(dims: _Dims, L):
             part_[at_ + v] = part_[at_ + v] + part_[at_ + v + width]
 
     @T.macro
-    def scores(q_loc_, k_loc_, s_loc_, h_, j0_, j_end_, ty_):
+    def scores(q_loc_, k_, s_loc_, h_, j0_, j_end_, ty_):
         """s_loc_[h_ * RPT + r] <- q . k of head h_ and row j0_ + r * ROWS + ty_ (base 2, summed
-        over the lanes); the lowest float for rows from j_end_ on."""
+        over the lanes; k_(r, e): element e of the lane's slice of the step's row r); the lowest
+        float for rows from j_end_ on."""
         if dims.gpu:
             for r in L.unroll(RPT):
                 s_loc_[h_ * RPT + r] = T.float32(0)
                 for e in L.unroll(EPL):
-                    s_loc_[h_ * RPT + r] = s_loc_[h_ * RPT + r] + q_loc_[h_ * EPL + e] * T.Cast("float32", k_loc_[r * EPL + e])
+                    s_loc_[h_ * RPT + r] = s_loc_[h_ * RPT + r] + q_loc_[h_ * EPL + e] * T.Cast("float32", k_(r, e))
                 lane_allreduce(s_loc_, h_ * RPT + r)
                 if j0_ + r * ROWS + ty_ >= j_end_:
                     s_loc_[h_ * RPT + r] = T.min_value("float32")
@@ -229,7 +243,7 @@ def _attend_macro(dims: _Dims, L):
                 for c in T.serial(EPL // VL):
                     for v in T.vectorized(VL):
                         part[r * VL + v] = part[r * VL + v] + q_loc_[h_ * EPL + c * VL + v] * T.Cast(
-                            "float32", k_loc_[r * EPL + c * VL + v])
+                            "float32", k_(r, c * VL + v))
                 if VL >= 16:
                     halve(part, r * VL, 8)
                 if VL >= 8:
@@ -242,9 +256,10 @@ def _attend_macro(dims: _Dims, L):
                                                       part[r * VL])
 
     @T.macro
-    def accumulate(s_loc_, v_loc_, m_loc_, d_loc_, o_loc_, h_):
+    def accumulate(s_loc_, v_, m_loc_, d_loc_, o_loc_, h_):
         """Online-softmax step of head h_ over the step's RPT rows: move the state to the new
-        max (softmax.update), then add p = exp2(s - m) to d and p * v to o."""
+        max (softmax.update), then add p = exp2(s - m) to d and p * v to o (v_(r, e) as k_ in
+        scores)."""
         m_new = T.alloc_buffer((1,), "float32", scope=L.local)
         m_new[0] = m_loc_[h_]
         for r in L.unroll(RPT):
@@ -258,7 +273,7 @@ def _attend_macro(dims: _Dims, L):
                 s_loc_[h_ * RPT + r] = prob(s_loc_[h_ * RPT + r], m_loc_[h_])
             d_loc_[h_] = d_loc_[h_] + s_loc_[h_ * RPT + r]
             for e in elementwise(EPL):
-                o_loc_[h_ * EPL + e] = o_loc_[h_ * EPL + e] + s_loc_[h_ * RPT + r] * T.Cast("float32", v_loc_[r * EPL + e])
+                o_loc_[h_ * EPL + e] = o_loc_[h_ * EPL + e] + s_loc_[h_ * RPT + r] * T.Cast("float32", v_(r, e))
 
     @T.macro
     def attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, rotate_, rope_scale_,
@@ -273,20 +288,34 @@ def _attend_macro(dims: _Dims, L):
         m_loc = T.alloc_buffer((HB,), "float32", scope=L.local)
         d_loc = T.alloc_buffer((HB,), "float32", scope=L.local)
         s_loc = T.alloc_buffer((HB * RPT,), "float32", scope=L.local)
-        k_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope=L.local)
-        v_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope=L.local)
         page_begin = indptr_[b_]
         split_len = ceildiv(kv_len, nsplit_)
         j_begin = T.min(split_ * split_len, kv_len)
         j_end = T.min(j_begin + split_len, kv_len)
         sm.init(m_loc, d_loc, o_loc, HB, EPL)
         load_q(q_, b_, h0, tx_, q_pos_, rotate_, rope_scale_, rope_theta_, sm_scale_, q_loc)
-        for step in T.serial(ceildiv(j_end - j_begin, TILE)):
-            load_kv(pages_, indices_, length_info_, k_pos_, page_begin, b_, hkv, j_begin + step * TILE, j_end,
-                    ty_, tx_, rotate_, rope_scale_, rope_theta_, k_loc, v_loc)
-            for h in L.unroll(HB):
-                scores(q_loc, k_loc, s_loc, h, j_begin + step * TILE, j_end, ty_)
-                accumulate(s_loc, v_loc, m_loc, d_loc, o_loc, h)
+        if dims.gpu or rotate_:
+            # the step's rows copied first (every load before any arithmetic), K rotated on the way
+            k_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope=L.local)
+            v_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope=L.local)
+            for step in T.serial(ceildiv(j_end - j_begin, TILE)):
+                load_kv(pages_, indices_, length_info_, k_pos_, page_begin, b_, hkv, j_begin + step * TILE, j_end,
+                        ty_, tx_, rotate_, rope_scale_, rope_theta_, k_loc, v_loc)
+                for h in L.unroll(HB):
+                    scores(q_loc, lambda r, e: k_loc[r * EPL + e], s_loc, h, j_begin + step * TILE, j_end, ty_)
+                    accumulate(s_loc, lambda r, e: v_loc[r * EPL + e], m_loc, d_loc, o_loc, h)
+        else:
+            # CPU: the rows read where they are in the pages (no copy, no scratch rows)
+            page_loc = T.alloc_buffer((RPT,), "int32", scope=L.local)
+            slot_loc = T.alloc_buffer((RPT,), "int32", scope=L.local)
+            for step in T.serial(ceildiv(j_end - j_begin, TILE)):
+                locate_kv(indices_, length_info_, page_begin, b_, j_begin + step * TILE, j_end, ty_, page_loc,
+                          slot_loc)
+                for h in L.unroll(HB):
+                    scores(q_loc, lambda r, e: pages_[page_loc[r], 0, hkv, slot_loc[r], tx_ * EPL + e], s_loc, h,
+                           j_begin + step * TILE, j_end, ty_)
+                    accumulate(s_loc, lambda r, e: pages_[page_loc[r], 1, hkv, slot_loc[r], tx_ * EPL + e], m_loc,
+                               d_loc, o_loc, h)
         for h in L.unroll(HB):
             if tx_ == 0:
                 row_m_[ty_ * HB + h] = m_loc[h]
@@ -358,33 +387,44 @@ def _merge_macros(dims: _Dims, L):
                             lse_[b, h] = m_all[0]
 
     @T.macro
+    def merge_row_cpu(indptr_, length_info_, o_part_, lse_part_, O_, lse_, batch, bh):
+        """CPU: the merge of row bh = request * Hq + head (softmax.combine's arithmetic: weight
+        finished_l(lse) * exp2(lse - max), computed once per split; the rows as vectors)."""
+        m_all = T.alloc_buffer((1,), "float32", scope=L.local)
+        d_all = T.alloc_buffer((1,), "float32", scope=L.local)
+        w = T.alloc_buffer((1,), "float32", scope=L.local)
+        o_acc = T.alloc_buffer((D,), "float32", scope=L.local)
+        nsplit = dims.request_splits(batch, dims.kv_len(indptr_, length_info_, bh // Hq))
+        m_all[0] = T.float32(EMPTY_LSE)
+        if nsplit > 1:
+            for s in T.serial(nsplit):
+                m_all[0] = T.max(m_all[0], lse_part_[s * batch * Hq + bh])
+            d_all[0] = T.float32(0)
+            for e in T.vectorized(D):
+                o_acc[e] = T.float32(0)
+            for s in T.serial(nsplit):
+                w[0] = finished_l(lse_part_[s * batch * Hq + bh]) * rescale_factor(lse_part_[s * batch * Hq + bh],
+                                                                                  m_all[0])
+                d_all[0] = d_all[0] + w[0]
+                for e in T.vectorized(D):
+                    o_acc[e] = o_acc[e] + o_part_[(s * batch * Hq + bh) * D + e] * w[0]
+            w[0] = finalize_scale(d_all[0])
+            for e in T.vectorized(D):
+                O_[bh // Hq, bh % Hq, e] = T.Cast(dtype, o_acc[e] * w[0])
+            lse_[bh // Hq, bh % Hq] = finalize_lse(m_all[0], d_all[0])
+
+    @T.macro
     def merge_splits_cpu(indptr_, length_info_, o_part_, lse_part_, O_, lse_):
-        """CPU: merge_splits with each split's weight computed once per (request, head) and the
-        rows as vectors (softmax.combine's arithmetic: weight finished_l(lse) * exp2(lse - max))."""
+        """CPU: merge_splits, a row (request, head) per iteration; a parallel loop only from
+        CPU_PARALLEL_MERGE_ROWS rows on (a parallel region costs a fork / join of the thread
+        pool, more than a few rows' merge)."""
         batch = O_.shape[0]
-        for bh in T.parallel(batch * Hq):
-            m_all = T.alloc_buffer((1,), "float32", scope=L.local)
-            d_all = T.alloc_buffer((1,), "float32", scope=L.local)
-            w = T.alloc_buffer((1,), "float32", scope=L.local)
-            o_acc = T.alloc_buffer((D,), "float32", scope=L.local)
-            nsplit = dims.request_splits(batch, dims.kv_len(indptr_, length_info_, bh // Hq))
-            m_all[0] = T.float32(EMPTY_LSE)
-            if nsplit > 1:
-                for s in T.serial(nsplit):
-                    m_all[0] = T.max(m_all[0], lse_part_[s * batch * Hq + bh])
-                d_all[0] = T.float32(0)
-                for e in T.vectorized(D):
-                    o_acc[e] = T.float32(0)
-                for s in T.serial(nsplit):
-                    w[0] = finished_l(lse_part_[s * batch * Hq + bh]) * rescale_factor(lse_part_[s * batch * Hq + bh],
-                                                                                      m_all[0])
-                    d_all[0] = d_all[0] + w[0]
-                    for e in T.vectorized(D):
-                        o_acc[e] = o_acc[e] + o_part_[(s * batch * Hq + bh) * D + e] * w[0]
-                w[0] = finalize_scale(d_all[0])
-                for e in T.vectorized(D):
-                    O_[bh // Hq, bh % Hq, e] = T.Cast(dtype, o_acc[e] * w[0])
-                lse_[bh // Hq, bh % Hq] = finalize_lse(m_all[0], d_all[0])
+        if batch * Hq >= CPU_PARALLEL_MERGE_ROWS:
+            for bh in T.parallel(batch * Hq):
+                merge_row_cpu(indptr_, length_info_, o_part_, lse_part_, O_, lse_, batch, bh)
+        else:
+            for bh in T.serial(batch * Hq):
+                merge_row_cpu(indptr_, length_info_, o_part_, lse_part_, O_, lse_, batch, bh)
 
     if dims.gpu:
         return combine_rows, merge_splits_gpu
