@@ -9,7 +9,8 @@ batches still fill the GPU; a request uses min(slots, ceil(kv_len / min_split_ke
 them (`request_splits`, read in the kernel from its length: a captured grid stays valid for
 any lengths); a request of one split writes o / lse directly and the merge skips it.
 On the CPU the same code runs with one thread per block: every (request, head chunk, split) block is a task of one parallel loop (so batch 1 with few KV heads still
-splits its keys over the cores), a thread reads rows_per_thread rows per step, and its
+splits its keys over the cores), a thread takes rows_per_thread rows per step, read in place
+in the pages (`locate_kv`; copied to scratch rows only for inline RoPE on K), and its
 element loops are vector loops (q . k in VL-lane partial sums, added pairwise); the merge of
 the splits is a serial loop below CPU_PARALLEL_MERGE_ROWS (request, head) rows (batch 1 of
 SmolLM2: 9 rows, under a microsecond, where a parallel region is a fork / join of the pool).
