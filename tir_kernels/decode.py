@@ -9,8 +9,7 @@ batches still fill the GPU; a request uses min(slots, ceil(kv_len / min_split_ke
 them (`request_splits`, read in the kernel from its length: a captured grid stays valid for
 any lengths); a request of one split writes o / lse directly and the merge skips it.
 On the CPU the same code runs with one thread per block: every (request, head chunk, split) block is a task of one parallel loop (so batch 1 with few KV heads still
-splits its keys over the cores), a thread takes rows_per_thread rows per step, read in place
-in the pages (`locate_kv`; copied to scratch rows only for inline RoPE on K), and its
+splits its keys over the cores), a thread reads rows_per_thread rows per step, and its
 element loops are vector loops (q . k in VL-lane partial sums, added pairwise); the merge of
 the splits is a serial loop below CPU_PARALLEL_MERGE_ROWS (request, head) rows (batch 1 of
 SmolLM2: 9 rows, under a microsecond, where a parallel region is a fork / join of the pool).
@@ -187,16 +186,7 @@ def _load_macros(dims: _Dims, L):
                     k_loc_[r * EPL + e] = T.Cast(dtype, 0)
                     v_loc_[r * EPL + e] = T.Cast(dtype, 0)
 
-    @T.macro
-    def locate_kv(indices_, length_info_, page_begin_, b_, j0_, j_end_, ty_, page_loc_, slot_loc_):
-        """CPU, no RoPE on K: page_loc_, slot_loc_ [RPT] <- where KV rows j0_ + r * ROWS + ty_ are;
-        rows from j_end_ on point at row j_end_ - 1 (finite values; their scores are masked)."""
-        for r in T.serial(RPT):
-            pos = paged_position(T.min(j0_ + r * ROWS + ty_, j_end_ - 1), length_info_, b_, sliding)
-            page_loc_[r] = indices_[page_begin_ + pos // ps]
-            slot_loc_[r] = pos % ps
-
-    return load_q, load_kv, locate_kv
+    return load_q, load_kv
 
 
 def _attend_macro(dims: _Dims, L):
@@ -207,7 +197,7 @@ def _attend_macro(dims: _Dims, L):
     LOG_LANES = LANES.bit_length() - 1
     elementwise = L.unroll if dims.gpu else T.vectorized  # o += p * v: vector loops on the CPU
     sm = softmax_macros(L)
-    load_q, load_kv, locate_kv = _load_macros(dims, L)
+    load_q, load_kv = _load_macros(dims, L)
 
     @T.macro
     def lane_allreduce(buf_, idx_):
@@ -224,15 +214,14 @@ def _attend_macro(dims: _Dims, L):
             part_[at_ + v] = part_[at_ + v] + part_[at_ + v + width]
 
     @T.macro
-    def scores(q_loc_, k_, s_loc_, h_, j0_, j_end_, ty_):
+    def scores(q_loc_, k_loc_, s_loc_, h_, j0_, j_end_, ty_):
         """s_loc_[h_ * RPT + r] <- q . k of head h_ and row j0_ + r * ROWS + ty_ (base 2, summed
-        over the lanes; k_(r, e): element e of the lane's slice of the step's row r); the lowest
-        float for rows from j_end_ on."""
+        over the lanes); the lowest float for rows from j_end_ on."""
         if dims.gpu:
             for r in L.unroll(RPT):
                 s_loc_[h_ * RPT + r] = T.float32(0)
                 for e in L.unroll(EPL):
-                    s_loc_[h_ * RPT + r] = s_loc_[h_ * RPT + r] + q_loc_[h_ * EPL + e] * T.Cast("float32", k_(r, e))
+                    s_loc_[h_ * RPT + r] = s_loc_[h_ * RPT + r] + q_loc_[h_ * EPL + e] * T.Cast("float32", k_loc_[r * EPL + e])
                 lane_allreduce(s_loc_, h_ * RPT + r)
                 if j0_ + r * ROWS + ty_ >= j_end_:
                     s_loc_[h_ * RPT + r] = T.min_value("float32")
@@ -244,7 +233,7 @@ def _attend_macro(dims: _Dims, L):
                 for c in T.serial(EPL // VL):
                     for v in T.vectorized(VL):
                         part[r * VL + v] = part[r * VL + v] + q_loc_[h_ * EPL + c * VL + v] * T.Cast(
-                            "float32", k_(r, c * VL + v))
+                            "float32", k_loc_[r * EPL + c * VL + v])
                 if VL >= 16:
                     halve(part, r * VL, 8)
                 if VL >= 8:
@@ -257,10 +246,9 @@ def _attend_macro(dims: _Dims, L):
                                                       part[r * VL])
 
     @T.macro
-    def accumulate(s_loc_, v_, m_loc_, d_loc_, o_loc_, h_):
+    def accumulate(s_loc_, v_loc_, m_loc_, d_loc_, o_loc_, h_):
         """Online-softmax step of head h_ over the step's RPT rows: move the state to the new
-        max (softmax.update), then add p = exp2(s - m) to d and p * v to o (v_(r, e) as k_ in
-        scores)."""
+        max (softmax.update), then add p = exp2(s - m) to d and p * v to o."""
         m_new = T.alloc_buffer((1,), "float32", scope=L.local)
         m_new[0] = m_loc_[h_]
         for r in L.unroll(RPT):
@@ -274,7 +262,7 @@ def _attend_macro(dims: _Dims, L):
                 s_loc_[h_ * RPT + r] = prob(s_loc_[h_ * RPT + r], m_loc_[h_])
             d_loc_[h_] = d_loc_[h_] + s_loc_[h_ * RPT + r]
             for e in elementwise(EPL):
-                o_loc_[h_ * EPL + e] = o_loc_[h_ * EPL + e] + s_loc_[h_ * RPT + r] * T.Cast("float32", v_(r, e))
+                o_loc_[h_ * EPL + e] = o_loc_[h_ * EPL + e] + s_loc_[h_ * RPT + r] * T.Cast("float32", v_loc_[r * EPL + e])
 
     @T.macro
     def attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, rotate_, rope_scale_,
@@ -289,34 +277,20 @@ def _attend_macro(dims: _Dims, L):
         m_loc = T.alloc_buffer((HB,), "float32", scope=L.local)
         d_loc = T.alloc_buffer((HB,), "float32", scope=L.local)
         s_loc = T.alloc_buffer((HB * RPT,), "float32", scope=L.local)
+        k_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope=L.local)
+        v_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope=L.local)
         page_begin = indptr_[b_]
         split_len = ceildiv(kv_len, nsplit_)
         j_begin = T.min(split_ * split_len, kv_len)
         j_end = T.min(j_begin + split_len, kv_len)
         sm.init(m_loc, d_loc, o_loc, HB, EPL)
         load_q(q_, b_, h0, tx_, q_pos_, rotate_, rope_scale_, rope_theta_, sm_scale_, q_loc)
-        if dims.gpu or rotate_:
-            # the step's rows copied first (every load before any arithmetic), K rotated on the way
-            k_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope=L.local)
-            v_loc = T.alloc_buffer((RPT * EPL,), dims.dtype, scope=L.local)
-            for step in T.serial(ceildiv(j_end - j_begin, TILE)):
-                load_kv(pages_, indices_, length_info_, k_pos_, page_begin, b_, hkv, j_begin + step * TILE, j_end,
-                        ty_, tx_, rotate_, rope_scale_, rope_theta_, k_loc, v_loc)
-                for h in L.unroll(HB):
-                    scores(q_loc, lambda r, e: k_loc[r * EPL + e], s_loc, h, j_begin + step * TILE, j_end, ty_)
-                    accumulate(s_loc, lambda r, e: v_loc[r * EPL + e], m_loc, d_loc, o_loc, h)
-        else:
-            # CPU: the rows read where they are in the pages (no copy, no scratch rows)
-            page_loc = T.alloc_buffer((RPT,), "int32", scope=L.local)
-            slot_loc = T.alloc_buffer((RPT,), "int32", scope=L.local)
-            for step in T.serial(ceildiv(j_end - j_begin, TILE)):
-                locate_kv(indices_, length_info_, page_begin, b_, j_begin + step * TILE, j_end, ty_, page_loc,
-                          slot_loc)
-                for h in L.unroll(HB):
-                    scores(q_loc, lambda r, e: pages_[page_loc[r], 0, hkv, slot_loc[r], tx_ * EPL + e], s_loc, h,
-                           j_begin + step * TILE, j_end, ty_)
-                    accumulate(s_loc, lambda r, e: pages_[page_loc[r], 1, hkv, slot_loc[r], tx_ * EPL + e], m_loc,
-                               d_loc, o_loc, h)
+        for step in T.serial(ceildiv(j_end - j_begin, TILE)):
+            load_kv(pages_, indices_, length_info_, k_pos_, page_begin, b_, hkv, j_begin + step * TILE, j_end,
+                    ty_, tx_, rotate_, rope_scale_, rope_theta_, k_loc, v_loc)
+            for h in L.unroll(HB):
+                scores(q_loc, k_loc, s_loc, h, j_begin + step * TILE, j_end, ty_)
+                accumulate(s_loc, v_loc, m_loc, d_loc, o_loc, h)
         for h in L.unroll(HB):
             if tx_ == 0:
                 row_m_[ty_ * HB + h] = m_loc[h]
