@@ -122,11 +122,14 @@ CPU_SPLIT_SCHEDULES = [
 
 @pytest.mark.parametrize("sched", CPU_SPLIT_SCHEDULES, ids=["default", "hb1-x16", "hb3-x5", "hb1-x16-m100",
                                                             "hb3-x5-m64"])
-@pytest.mark.parametrize("lengths,sliding", [([700], False), ([5], False), ([0, 300, 33], False), ([400, 90], True)],
-                         ids=["1x700", "1x5", "3-ragged", "sliding"])
+@pytest.mark.parametrize("lengths,sliding", [([700], False), ([5], False), ([0, 300, 33], False), ([400, 90], True),
+                                             ([700, 5, 0, 300, 33, 129, 64, 17], False)],
+                         ids=["1x700", "1x5", "3-ragged", "sliding", "8-ragged"])
 def test_paged_decode_cpu_split_kv(kernels, sched, lengths, sliding):
     """CPU blocks of (request, head chunk, split) in one parallel loop, split-KV merged: small
-    batches with few KV heads (SmolLM2's 9 / 3 heads, d64), more splits than keys included."""
+    batches with few KV heads (SmolLM2's 9 / 3 heads, d64), more splits than keys included; the
+    merge serial below decode.CPU_PARALLEL_MERGE_ROWS rows and parallel from there (8 requests x
+    9 heads = 72 rows, merged where the schedule gives a batch of 8 more than one split)."""
     hq, hkv, d, ps, dtype = 9, 3, 64, 16, "float32"
     config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target="llvm", sliding_window=sliding)
     rng = np.random.default_rng(len(lengths) * 1000 + lengths[0])

@@ -10,7 +10,9 @@ them (`request_splits`, read in the kernel from its length: a captured grid stay
 any lengths); a request of one split writes o / lse directly and the merge skips it.
 On the CPU the same code runs with one thread per block: every (request, head chunk, split) block is a task of one parallel loop (so batch 1 with few KV heads still
 splits its keys over the cores), a thread reads rows_per_thread rows per step, and its
-element loops are vector loops (q . k in VL-lane partial sums, added pairwise).
+element loops are vector loops (q . k in VL-lane partial sums, added pairwise); the merge of
+the splits is a serial loop below CPU_PARALLEL_MERGE_ROWS (request, head) rows (batch 1 of
+SmolLM2: 9 rows, under a microsecond, where a parallel region is a fork / join of the pool).
 
 Per block (`split_kernel`): `attend` = `load_q`, then per step of TILE rows `load_kv`,
 `scores` and `accumulate` (online softmax, softmax.py); then `combine_rows` merges the row
@@ -32,6 +34,8 @@ from .schedules import (DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_
 from .softmax import (finalize_lse, finalize_scale, finished_l, prob, rescale_factor,
                       softmax_macros)
 
+# CPU: the split merge runs as a parallel loop from this many (request, query head) rows on
+CPU_PARALLEL_MERGE_ROWS = 64
 
 # 2**f on [-0.5, 0.5]: degree-6 fit of the relative error (1e-7 evaluated in float32, as exp2f)
 _EXP2_POLY = (1.0, 0.6931472, 0.24022646, 0.05550329, 0.00961852, 0.0013399861, 0.00015337577)
@@ -358,33 +362,44 @@ def _merge_macros(dims: _Dims, L):
                             lse_[b, h] = m_all[0]
 
     @T.macro
+    def merge_row_cpu(indptr_, length_info_, o_part_, lse_part_, O_, lse_, batch, bh):
+        """CPU: the merge of row bh = request * Hq + head (softmax.combine's arithmetic: weight
+        finished_l(lse) * exp2(lse - max), computed once per split; the rows as vectors)."""
+        m_all = T.alloc_buffer((1,), "float32", scope=L.local)
+        d_all = T.alloc_buffer((1,), "float32", scope=L.local)
+        w = T.alloc_buffer((1,), "float32", scope=L.local)
+        o_acc = T.alloc_buffer((D,), "float32", scope=L.local)
+        nsplit = dims.request_splits(batch, dims.kv_len(indptr_, length_info_, bh // Hq))
+        m_all[0] = T.float32(EMPTY_LSE)
+        if nsplit > 1:
+            for s in T.serial(nsplit):
+                m_all[0] = T.max(m_all[0], lse_part_[s * batch * Hq + bh])
+            d_all[0] = T.float32(0)
+            for e in T.vectorized(D):
+                o_acc[e] = T.float32(0)
+            for s in T.serial(nsplit):
+                w[0] = finished_l(lse_part_[s * batch * Hq + bh]) * rescale_factor(lse_part_[s * batch * Hq + bh],
+                                                                                  m_all[0])
+                d_all[0] = d_all[0] + w[0]
+                for e in T.vectorized(D):
+                    o_acc[e] = o_acc[e] + o_part_[(s * batch * Hq + bh) * D + e] * w[0]
+            w[0] = finalize_scale(d_all[0])
+            for e in T.vectorized(D):
+                O_[bh // Hq, bh % Hq, e] = T.Cast(dtype, o_acc[e] * w[0])
+            lse_[bh // Hq, bh % Hq] = finalize_lse(m_all[0], d_all[0])
+
+    @T.macro
     def merge_splits_cpu(indptr_, length_info_, o_part_, lse_part_, O_, lse_):
-        """CPU: merge_splits with each split's weight computed once per (request, head) and the
-        rows as vectors (softmax.combine's arithmetic: weight finished_l(lse) * exp2(lse - max))."""
+        """CPU: merge_splits, a row (request, head) per iteration; a parallel loop only from
+        CPU_PARALLEL_MERGE_ROWS rows on (a parallel region costs a fork / join of the thread
+        pool, more than a few rows' merge)."""
         batch = O_.shape[0]
-        for bh in T.parallel(batch * Hq):
-            m_all = T.alloc_buffer((1,), "float32", scope=L.local)
-            d_all = T.alloc_buffer((1,), "float32", scope=L.local)
-            w = T.alloc_buffer((1,), "float32", scope=L.local)
-            o_acc = T.alloc_buffer((D,), "float32", scope=L.local)
-            nsplit = dims.request_splits(batch, dims.kv_len(indptr_, length_info_, bh // Hq))
-            m_all[0] = T.float32(EMPTY_LSE)
-            if nsplit > 1:
-                for s in T.serial(nsplit):
-                    m_all[0] = T.max(m_all[0], lse_part_[s * batch * Hq + bh])
-                d_all[0] = T.float32(0)
-                for e in T.vectorized(D):
-                    o_acc[e] = T.float32(0)
-                for s in T.serial(nsplit):
-                    w[0] = finished_l(lse_part_[s * batch * Hq + bh]) * rescale_factor(lse_part_[s * batch * Hq + bh],
-                                                                                      m_all[0])
-                    d_all[0] = d_all[0] + w[0]
-                    for e in T.vectorized(D):
-                        o_acc[e] = o_acc[e] + o_part_[(s * batch * Hq + bh) * D + e] * w[0]
-                w[0] = finalize_scale(d_all[0])
-                for e in T.vectorized(D):
-                    O_[bh // Hq, bh % Hq, e] = T.Cast(dtype, o_acc[e] * w[0])
-                lse_[bh // Hq, bh % Hq] = finalize_lse(m_all[0], d_all[0])
+        if batch * Hq >= CPU_PARALLEL_MERGE_ROWS:
+            for bh in T.parallel(batch * Hq):
+                merge_row_cpu(indptr_, length_info_, o_part_, lse_part_, O_, lse_, batch, bh)
+        else:
+            for bh in T.serial(batch * Hq):
+                merge_row_cpu(indptr_, length_info_, o_part_, lse_part_, O_, lse_, batch, bh)
 
     if dims.gpu:
         return combine_rows, merge_splits_gpu
