@@ -270,6 +270,43 @@ def default_label(dtype: str, head_dim: int, group: int, page_size: int) -> str:
     return choose_tc_decode_schedule(config_for(dtype, head_dim, page_size, bk.NUM_QO_HEADS // group)).label
 
 
+def measured_gbps(rows, suffix: str = "") -> dict:
+    """bucket (dtype, head dim, group, page size) -> label -> (batch, seq_len) -> GB/s of the eager
+    "tvmattn-tc-<label><suffix>" rows that agree with SDPA (suffix "-rope": the inline-RoPE rows)."""
+    from collections import defaultdict
+
+    groups = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        impl = r["impl"]
+        if (not impl.startswith("tvmattn-tc-") or not impl.endswith(suffix) or r.get("agrees") is False
+                or str(r.get("variant", "")).startswith("cuda-graph")):
+            continue
+        key = (r["dtype"], r["head_dim"], r["num_qo_heads"] // r["num_kv_heads"], r["page_size"])
+        groups[key][impl[len("tvmattn-tc-"):len(impl) - len(suffix)]][(r["batch"], r["seq_len"])] = r["gbps"]
+    return groups
+
+
+def greedy_choice(by_label: dict, labels: list, shapes: list, min_gain: float, max_variants: int | None = None,
+                  preferred: str | None = None) -> list:
+    """Labels chosen greedily over shapes (by_label: label -> shape -> GB/s): the first is the best
+    by the product of its GB/s, unless `preferred` comes within min_gain of it (a factor, e.g.
+    1.03): then that one; each next one the one that raises the product of the per-shape best
+    most, while it raises it by more than min_gain (and fewer than max_variants are chosen)."""
+
+    def score(chosen):
+        return sum(math.log(max(by_label[lab][shape] for lab in chosen)) for shape in shapes)
+
+    chosen = [max(labels, key=lambda lab: score([lab]))]
+    if preferred in labels and score([preferred]) >= score(chosen) - math.log(min_gain):
+        chosen = [preferred]
+    while max_variants is None or len(chosen) < max_variants:
+        best = max((lab for lab in labels if lab not in chosen), key=lambda lab: score(chosen + [lab]), default=None)
+        if best is None or score(chosen + [best]) - score(chosen) <= math.log(min_gain):
+            break
+        chosen.append(best)
+    return chosen
+
+
 def choose_table(rows, max_variants: int, min_gain: float, default=default_label) -> list:
     """Table buckets from measured rows: per (dtype, head dim, group), the candidate schedules
     ("tvmattn-tc-<label>" rows that agree with SDPA) chosen greedily, at most max_variants of
@@ -278,35 +315,14 @@ def choose_table(rows, max_variants: int, min_gain: float, default=default_label
     e.g. 1.03): then the default; each next one the one that raises the product of the per-shape
     best most, while it raises it by more than min_gain; each shape then takes the best chosen
     schedule. (Run-to-run noise is 1-2% at small shapes: smaller gains would pick noise.)"""
-    from collections import defaultdict
-
-    groups = defaultdict(lambda: defaultdict(dict))  # bucket -> label -> shape -> gbps
-    for r in rows:
-        if (not r["impl"].startswith("tvmattn-tc-") or r.get("agrees") is False
-                or str(r.get("variant", "")).startswith("cuda-graph")):
-            continue
-        key = (r["dtype"], r["head_dim"], r["num_qo_heads"] // r["num_kv_heads"], r["page_size"])
-        groups[key][r["impl"][len("tvmattn-tc-"):]][(r["batch"], r["seq_len"])] = r["gbps"]
     buckets = []
-    for (dtype, head_dim, group, page_size), by_label in sorted(groups.items()):
+    for (dtype, head_dim, group, page_size), by_label in sorted(measured_gbps(rows).items()):
         shapes = sorted({shape for m in by_label.values() for shape in m})
         labels = [lab for lab, m in by_label.items() if all(shape in m for shape in shapes)]
         if not labels:
             continue
-
-        def score(chosen):
-            return sum(math.log(max(by_label[lab][shape] for lab in chosen)) for shape in shapes)
-
-        chosen = [max(labels, key=lambda lab: score([lab]))]
-        base = default(dtype, head_dim, group, page_size)
-        if base in labels and score([base]) >= score(chosen) - math.log(min_gain):
-            chosen = [base]
-        while len(chosen) < max_variants:
-            best = max((lab for lab in labels if lab not in chosen), key=lambda lab: score(chosen + [lab]),
-                       default=None)
-            if best is None or score(chosen + [best]) - score(chosen) <= math.log(min_gain):
-                break
-            chosen.append(best)
+        chosen = greedy_choice(by_label, labels, shapes, min_gain, max_variants,
+                               preferred=default(dtype, head_dim, group, page_size))
         entries = []
         for shape in shapes:
             lab = max(chosen, key=lambda lab: by_label[lab][shape])
@@ -323,7 +339,7 @@ def choose_rope_table(rows, base: dict, min_gain: float, candidates: dict, also:
     """The table `base` (a decode table file's dict) with a "rope_schedule" chosen for each of
     its entries at the shapes the rows measured: per (dtype, head dim, group, page size), among
     the "tvmattn-tc-<label>-rope" rows that agree with SDPA and whose schedule (candidates:
-    label -> schedule) keeps the entry's dependent_launch, the greedy choice of `choose_table`
+    label -> schedule) keeps the entry's dependent_launch, the greedy choice (`greedy_choice`)
     (the best by the product of GB/s over the bucket's measured shapes, then one more while it
     raises the product by more than min_gain), each shape the best chosen; where that is the
     entry's default rope schedule (schedules.tc_decode_rope_schedule of its schedule) the key is
@@ -331,18 +347,10 @@ def choose_rope_table(rows, base: dict, min_gain: float, candidates: dict, also:
     measured dtype} whose choices a bucket of that dtype takes too (the other 16-bit type).
     Entries not measured keep their rope_schedule (or none)."""
     import copy
-    from collections import defaultdict
 
     from tir_kernels.schedules import schedule_from_dict, schedule_to_dict, tc_decode_rope_schedule
 
-    measured = defaultdict(lambda: defaultdict(dict))  # bucket -> label -> shape -> gbps
-    for r in rows:
-        impl = r["impl"]
-        if (not impl.startswith("tvmattn-tc-") or not impl.endswith("-rope") or r.get("agrees") is False
-                or str(r.get("variant", "")).startswith("cuda-graph")):
-            continue
-        key = (r["dtype"], r["head_dim"], r["num_qo_heads"] // r["num_kv_heads"], r["page_size"])
-        measured[key][impl[len("tvmattn-tc-"):-len("-rope")]][(r["batch"], r["seq_len"])] = r["gbps"]
+    measured = measured_gbps(rows, "-rope")
     table = copy.deepcopy(base)
     schedules = table.setdefault("schedules", {})
     for bucket in table.get("buckets", []):
@@ -358,17 +366,7 @@ def choose_rope_table(rows, base: dict, min_gain: float, candidates: dict, also:
                   and len(launch) == 1 and candidates[lab].dependent_launch in launch]
         if not labels:
             continue
-
-        def score(chosen):
-            return sum(math.log(max(by_label[lab][shape] for lab in chosen)) for shape in shapes)
-
-        chosen = [max(labels, key=lambda lab: score([lab]))]
-        while True:
-            best = max((lab for lab in labels if lab not in chosen), key=lambda lab: score(chosen + [lab]),
-                       default=None)
-            if best is None or score(chosen + [best]) - score(chosen) <= math.log(min_gain):
-                break
-            chosen.append(best)
+        chosen = greedy_choice(by_label, labels, shapes, min_gain)
         for e in entries:
             shape = (e["batch"], e["seq_len"])
             lab = max(chosen, key=lambda lab: by_label[lab][shape])
