@@ -432,13 +432,14 @@ class Generator:
         self.lib_path = lib_path
         # tokens per prefill call: the library's chunk, on the CPU at most CPU_PREFILL_CHUNK
         self.prefill_chunk = self.settings["prefill_chunk"]
-        if self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type():
+        on_cpu = self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+        if on_cpu:
             self.prefill_chunk = min(self.prefill_chunk, CPU_PREFILL_CHUNK)
         self._functions: dict[str, Any] = {}  # the VM's functions, looked up once (_function)
         # CPU: the decode step's token ids, a tensor per batch size written through a numpy view
         # (a new tensor from numpy costs 14-28 us a step; the write 0.1 us)
         self._cpu_ids: dict[int, tuple[Any, np.ndarray]] | None = (
-            {} if self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type() else None)
+            {} if on_cpu else None)
         self.cache = None
         self._capacity = 0
         self._drafts: dict[Path, Generator] = {}
