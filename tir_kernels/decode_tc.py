@@ -9,7 +9,8 @@ Work mapping: a block serves one request, one KV head and one split of the reque
 keys (blockIdx = request, KV head, split slot). The grid's split slots per request are chosen at
 launch from the batch size (`grid_splits`: about one wave of resident blocks); each request
 uses as many of them as its length allows (`request_splits`: at least min_split_keys keys a
-split, whole tiles); a request of one split writes o / lse directly, the others are merged in
+split, whole tiles; a sliding-window build starts them `page_shift` keys before key 0, so that
+the window's tiles start on page boundaries); a request of one split writes o / lse directly, the others are merged in
 FP32 by `merge` (one block per request and query head; each thread loads every split's LSE and
 o of its column in one round of loads, compiled for a few split-slot counts), or, with
 `fused_merge`, by the last of the request's split blocks to finish (`fused_merge` below: an
@@ -213,7 +214,8 @@ def request_splits(sched: TensorCoreDecodeSchedule, slots, kv_len):
 
 
 def split_length(sched: TensorCoreDecodeSchedule, kv_len, nsplit):
-    """Keys per split: kv_len / nsplit rounded up to whole tiles."""
+    """Keys per split: kv_len / nsplit rounded up to whole tiles (a sliding build passes its
+    visible keys plus page_shift's)."""
     return ceildiv(ceildiv(kv_len, nsplit), sched.tile_kv) * sched.tile_kv
 
 
