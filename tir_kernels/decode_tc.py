@@ -10,8 +10,8 @@ keys (blockIdx = request, KV head, split slot). The grid's split slots per reque
 launch from the batch size (`grid_splits`: about one wave of resident blocks); each request
 uses as many of them as its length allows (`request_splits`: at least min_split_keys keys a
 split, whole tiles; a sliding-window build starts them `page_shift` keys before key 0, so that
-the window's tiles start on page boundaries); a request of one split writes o / lse directly, the others are merged in
-FP32 by `merge` (one block per request and query head; each thread loads every split's LSE and
+the window's tiles start on page boundaries); a request of one split writes o / lse directly,
+the others are merged in FP32 by `merge` (one block per request and query head; each thread loads every split's LSE and
 o of its column in one round of loads, compiled for a few split-slot counts), or, with
 `fused_merge`, by the last of the request's split blocks to finish (`fused_merge` below: an
 arrival counter per (request, KV head), one launch per call), or with `cooperative_merge` by the
@@ -489,8 +489,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     def softmax(s_, o_, m_run_, l_run_, key0_, kv_end_, scale_, lane_):
         """Online softmax of the thread's rows (g, and g + 8 when the group has more than 8
         heads) over the warp's keys key0_..: scale to base 2, mask keys from kv_end_ on (and,
-        sliding, before key 0: page_shift's rows), move
-        the state to the new max, s_ -> P = exp2(s - m) (l_run_ keeps this thread's sums)."""
+        sliding, before key 0: page_shift's rows), move the state to the new max, s_ -> P =
+        exp2(s - m) (l_run_ keeps this thread's sums)."""
         m_new = T.alloc_buffer((1,), "float32", scope="local")
         alpha = T.alloc_buffer((1,), "float32", scope="local")
         for r in L.unroll(HALVES):
