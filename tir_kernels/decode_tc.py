@@ -11,9 +11,10 @@ launch from the batch size (`grid_splits`: about one wave of resident blocks); e
 uses as many of them as its length allows (`request_splits`: at least min_split_keys keys a
 split, whole tiles; a sliding-window build starts them `page_shift` keys before key 0, so that
 the window's tiles start on page boundaries); a request of one split writes o / lse directly,
-the others are merged in FP32 by `merge` (one block per request and query head; each thread
-loads every split's LSE and o of its column in one round of loads, compiled for a few
-split-slot counts), or, with `fused_merge`, by the last of the request's split blocks to finish (`fused_merge` below: an
+the others are merged in
+FP32 by `merge` (one block per request and query head; each thread loads every split's LSE and
+o of its column in one round of loads, compiled for a few split-slot counts), or, with
+`fused_merge`, by the last of the request's split blocks to finish (`fused_merge` below: an
 arrival counter per (request, KV head), one launch per call), or with `cooperative_merge` by the
 last min(nsplit, G) of them, a query head each, after all have arrived (`merge_head`). The G query heads
 of the KV head are the M rows of the MMAs (padded with zero rows to 16), so each K/V row is read
