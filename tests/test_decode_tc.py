@@ -393,6 +393,42 @@ def test_decode_table_rope_schedules(kernels, gpu_target, case):
             check_inline_rope(kernels, config, batch, q, pair, rng, decode_tc_with_rope_schedule)
 
 
+
+# Every (schedule, rope schedule or None) the table can pick, for its sliding-window build.
+TABLE_WINDOW_CASES = sorted({(e["schedule"], e.get("rope_schedule") or "", 32 // b["group"], b["head_dim"],
+                              b["dtype"], b["page_size"]) for b in TABLE.get("buckets", []) for e in b["shapes"]})
+
+# (length, sink, window offset) of the requests of test_decode_table_window_schedules: the
+# benchmark's window (page 0's 4 sinks, then from slot 3 of a page: tiles shifted off key 0 by
+# page_shift), windows starting on and off page boundaries with and without sinks, a request
+# that sees only its sinks (no shift), and an empty one.
+WINDOW_REQUESTS = [(3600, 4, 19), (4096, 0, 515), (2049, 3, 16), (700, 4, 37), (130, 2, 2), (3, 3, 3), (0, 0, 0),
+                   (1000, 0, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TABLE_WINDOW_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decode_table_window_schedules(kernels, gpu_target, case):
+    """The sliding-window build (length_info [3, B]) of each schedule the table can pick, with
+    its rope schedule (or the default one), on its bucket's config and the other 16-bit dtype:
+    windows that start mid-page after sinks (split 0's first tile then starts before key 0,
+    decode_tc's page_shift), on page boundaries, sinks only; one request alone (many splits)
+    and all of them in one batch; rotary_mode 0 and 1."""
+    plain_label, rope_label, kv, d, dtype, ps = case
+    sched = schedule_from_dict(TABLE["schedules"][plain_label])
+    rope = schedule_from_dict(TABLE["schedules"][rope_label]) if rope_label else tc_decode_rope_schedule(
+        BENCH_CONFIG.replace(num_kv_heads=kv, head_dim=d, page_size=ps), sched)
+    for dt in (dtype, "bfloat16" if dtype == "float16" else "float16"):
+        config = AttentionConfig(32, kv, d, dtype=dt, page_size=ps, target=gpu_target, sliding_window=True)
+        for requests in (WINDOW_REQUESTS[:1], WINDOW_REQUESTS[1:2], WINDOW_REQUESTS):
+            rng = np.random.default_rng(len(requests) + kv)
+            batch, q = inputs(rng, config, [n for n, _, _ in requests])
+            batch.sink = np.array([s for _, s, _ in requests], np.int32)
+            batch.window_offset = np.array([w for _, _, w in requests], np.int32)
+            o, lse = run(kernels, config, batch, q, (sched, rope), generator=decode_tc_with_rope_schedule)
+            check(config, batch, q, o, lse)
+            check_inline_rope(kernels, config, batch, q, (sched, rope), rng, decode_tc_with_rope_schedule)
+
 # Inline RoPE (rotary_mode=1, tensor cores) on every config of CASES and with Llama-3 frequency
 # scaling.
 ROPE_CASES = [(case, None) for case in CASES] + [(CASES[0], RopeScaling(8.0, 1.0, 4.0, 8192)),

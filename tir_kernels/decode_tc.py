@@ -9,7 +9,9 @@ Work mapping: a block serves one request, one KV head and one split of the reque
 keys (blockIdx = request, KV head, split slot). The grid's split slots per request are chosen at
 launch from the batch size (`grid_splits`: about one wave of resident blocks); each request
 uses as many of them as its length allows (`request_splits`: at least min_split_keys keys a
-split, whole tiles); a request of one split writes o / lse directly, the others are merged in
+split, whole tiles; a sliding-window build starts them `page_shift` keys before key 0, so that
+the window's tiles start on page boundaries); a request of one split writes o / lse directly,
+the others are merged in
 FP32 by `merge` (one block per request and query head; each thread loads every split's LSE and
 o of its column in one round of loads, compiled for a few split-slot counts), or, with
 `fused_merge`, by the last of the request's split blocks to finish (`fused_merge` below: an
@@ -213,7 +215,8 @@ def request_splits(sched: TensorCoreDecodeSchedule, slots, kv_len):
 
 
 def split_length(sched: TensorCoreDecodeSchedule, kv_len, nsplit):
-    """Keys per split: kv_len / nsplit rounded up to whole tiles."""
+    """Keys per split: kv_len / nsplit rounded up to whole tiles (a sliding build passes its
+    visible keys plus page_shift's)."""
     return ceildiv(ceildiv(kv_len, nsplit), sched.tile_kv) * sched.tile_kv
 
 
@@ -313,6 +316,17 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         branch (which would keep the length_info load behind the page count's)."""
         last = li_[0, 0] - li_[1, 0] + li_[2, 0] if sliding else li_[0]
         return ((npages - 1) * ps + last) * T.Cast("int32", npages > 0)
+
+    def page_shift(li_, kv_len):
+        """Sliding builds: keys the splits' tiles start before key 0, so that every tile of the
+        window lands on page boundaries (the window's key j >= sink sits at slot j - sink +
+        offset of the page list: a tile from key -shift + n * tile_kv starts a page). Split 0's
+        first tile then holds `shift` masked, zero-filled rows before key 0. 0 for the plain
+        build, and where the request has no key past its sinks. (H200, group 4, 1x4096, table
+        schedule w4k16s4t132: tiles off the page grid took 9.2-9.3 us a call, on it 8.5 us.)"""
+        if not sliding:
+            return 0
+        return T.if_then_else(kv_len > li_[2, 0], T.floormod(li_[1, 0] - li_[2, 0], ps), 0)
 
     def part_row(first, count, stride, y, batch, b, h):
         """Row of lse_part (of o_part, times D) of query head h in a merge's y-th partial (split
@@ -414,18 +428,18 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             j = T.meta_var(kv0_ + p * RP + tid_ // TPR)
             page_[at_ + p] = 0
             slot_[at_ + p] = 0
-            if j < kv_end_:
+            if j < kv_end_ and (not sliding or j >= 0):
                 page_[at_ + p] = indices_[page0_ + paged_position(j, li_, 0, sliding) // ps]
                 slot_[at_ + p] = paged_position(j, li_, 0, sliding) % ps
 
     @T.macro
     def issue(pages_, smem_, hkv_, stage_, kv0_, kv_end_, tid_, page_, slot_, at_):
         """cp.async of this thread's chunks of K and V rows kv0_.. (found by `lookup`, at at_ of
-        page_ / slot_) -> ring buffer stage_; zeros from kv_end_ on."""
+        page_ / slot_) -> ring buffer stage_; zeros from kv_end_ on (and, sliding, before key 0)."""
         for p in L.unroll(PASSES):
             r = T.meta_var(p * RP + tid_ // TPR)
             if BK % RP == 0 or r < BK:
-                if kv0_ + r < kv_end_:
+                if kv0_ + r < kv_end_ and (not sliding or kv0_ + r >= 0):
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
                         T.ptx[CP_ASYNC_KV](smem_.ptr_to([word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
@@ -475,18 +489,20 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     @T.macro
     def softmax(s_, o_, m_run_, l_run_, key0_, kv_end_, scale_, lane_):
         """Online softmax of the thread's rows (g, and g + 8 when the group has more than 8
-        heads) over the warp's keys key0_..: scale to base 2, mask keys from kv_end_ on, move
-        the state to the new max, s_ -> P = exp2(s - m) (l_run_ keeps this thread's sums)."""
+        heads) over the warp's keys key0_..: scale to base 2, mask keys from kv_end_ on (and,
+        sliding, before key 0: page_shift's rows), move the state to the new max, s_ -> P =
+        exp2(s - m) (l_run_ keeps this thread's sums)."""
         m_new = T.alloc_buffer((1,), "float32", scope="local")
         alpha = T.alloc_buffer((1,), "float32", scope="local")
         for r in L.unroll(HALVES):
             for nb in L.unroll(SN):
                 for e in L.unroll(2):
                     s_[nb * 4 + r * 2 + e] = s_[nb * 4 + r * 2 + e] * scale_
-            if key0_ + KPW > kv_end_:
+            if key0_ + KPW > kv_end_ or (sliding and key0_ < 0):
                 for nb in L.unroll(SN):
                     for e in L.unroll(2):
-                        if key0_ + nb * 8 + lane_ % 4 * 2 + e >= kv_end_:
+                        key = T.meta_var(key0_ + nb * 8 + lane_ % 4 * 2 + e)
+                        if key >= kv_end_ or (sliding and key < 0):
                             s_[nb * 4 + r * 2 + e] = T.min_value("float32")
             m_new[0] = m_run_[r]
             for nb in L.unroll(SN):
@@ -816,8 +832,9 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         page0 = indptr_[b]
         kv_len = visible_keys(indptr_[b + 1] - page0, li)
         nsplit = request_splits(sched, grid_splits(sched, Hkv, batch), kv_len)
-        split_len = split_length(sched, kv_len, nsplit)
-        j_begin = T.min(split * split_len, kv_len)
+        shift = T.meta_var(page_shift(li, kv_len))
+        split_len = split_length(sched, kv_len + shift, nsplit)
+        j_begin = T.min(split * split_len - shift, kv_len)
         j_end = T.min(j_begin + split_len, kv_len)
         ntiles = T.if_then_else(split < nsplit, ceildiv(j_end - j_begin, BK), 0)
         scale = sm_scale_ * T.float32(LOG2E)
