@@ -171,16 +171,3 @@ def test_paged_decode_cuda_codegen(dtype, head_dim):
     module = tvm.compile(tvm.IRModule({"decode": paged_decode(config)}), target=config.tvm_target())
     cuda_source = module.mod.imports[0].inspect_source()
     assert ("uint4" in cuda_source) or ("float4" in cuda_source)
-
-
-def test_cpu_kernels_build_for_the_host_cpu():
-    """CPU kernels compile for this machine's CPU (plain llvm is x86-64's SSE2 baseline, no FMA);
-    CUDA configs keep their arch target; a model library's stock-cache target stays plain llvm."""
-    from tir_kernels.config import host_cpu, tvm_target
-
-    target = AttentionConfig(9, 3, 64).tvm_target()
-    assert target.kind.name == "llvm" and target.attrs["mcpu"] == host_cpu()[0]
-    assert "-avx512f" in list(target.attrs["mattr"])  # 256-bit vectors: faster here, and quicker to compile
-    cuda = AttentionConfig(32, 8, 128, dtype="float16", target="cuda:sm_90").tvm_target()
-    assert cuda.kind.name == "cuda" and cuda.attrs["arch"] == "sm_90"
-    assert "mcpu" not in tvm_target("llvm").attrs

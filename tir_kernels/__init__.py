@@ -16,8 +16,6 @@ _EXPORTS = {
     "RopeScaling": "config",
     "default_sm_scale": "config",
     "tvm_target": "config",
-    "kernel_target": "config",
-    "host_cpu_target": "config",
     "paged_decode": "decode",
     "paged_decode_tc": "decode_tc",
     "merge_state": "merge",

@@ -8,7 +8,6 @@ schedule classes in `tir_kernels.schedules`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import tvm
@@ -142,9 +141,8 @@ class AttentionConfig:
         return int(self.cuda_arch[3:].rstrip("a")) if self.is_gpu else 0
 
     def tvm_target(self) -> tvm.target.Target:
-        """The TVM target this config's kernels build for: on the CPU this machine's CPU
-        (`host_cpu_target`; the kernels are compiled where they run), else `tvm_target`."""
-        return kernel_target(self.target)
+        """The TVM target this config builds for."""
+        return tvm_target(self.target)
 
     def replace(self, **changes) -> "AttentionConfig":
         return dataclasses.replace(self, **changes)
@@ -222,8 +220,8 @@ class MLAConfig:
         return TargetName.parse(self.target).cuda_arch
 
     def tvm_target(self) -> tvm.target.Target:
-        """The TVM target this config's kernels build for (as AttentionConfig.tvm_target)."""
-        return kernel_target(self.target)
+        """The TVM target this config builds for."""
+        return tvm_target(self.target)
 
     def replace(self, **changes) -> "MLAConfig":
         return dataclasses.replace(self, **changes)
@@ -244,35 +242,6 @@ def tvm_target(target: str, *, schedule_rules: bool = False) -> tvm.target.Targe
     return tvm.target.Target({"kind": "cuda", "arch": name.cuda_arch, "max_threads_per_block": 1024,
                               "max_num_threads": 1024, "thread_warp_size": 32,
                               "max_shared_memory_per_block": 49152, "registers_per_block": 65536})
-
-
-@functools.lru_cache(maxsize=1)
-def host_cpu() -> tuple[str, int]:
-    """(LLVM name of this machine's CPU, float32 lanes of the vectors we compile for: 8 with AVX2, else 4)."""
-    from tvm.target import codegen
-
-    cpu = codegen.llvm_get_system_cpu()
-    features = codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))
-    return cpu, 8 if "avx2" in features else 4
-
-
-def host_cpu_target(avx512: bool = False) -> tvm.target.Target:
-    """The llvm target of this machine's CPU: its instructions (FMA, AVX2, F16C, ...) with vectors
-    of 256 bits at most, or AVX-512 too when `avx512` (where the CPU has it). A plain "llvm"
-    target is x86-64's baseline (SSE2, no FMA): the CPU attention kernels run about twice as fast
-    for this one (docs/perf-notes.md, "CPU kernels for the host CPU")."""
-    cpu = host_cpu()[0]
-    if avx512:
-        return tvm.target.Target({"kind": "llvm", "mcpu": cpu})
-    return tvm.target.Target({"kind": "llvm", "mcpu": cpu, "mattr": ["-avx512f"]})
-
-
-def kernel_target(target: str) -> tvm.target.Target:
-    """The TVM target the kernels of a target string build for: `host_cpu_target()` for "llvm"
-    (the CPU kernels are compiled in the process that runs them), else `tvm_target(target)`."""
-    if not TargetName.parse(target).is_cuda:
-        return host_cpu_target()
-    return tvm_target(target)
 
 
 def default_sm_scale(head_dim: int) -> float:

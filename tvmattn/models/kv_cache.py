@@ -312,8 +312,8 @@ def tvm_stock_kv_cache(spec: KVCacheSpec, max_batch_size, max_total_seq_len, pre
         rotary_dim=spec.head_dim,
         enable_disaggregation=False,
         dtype=spec.dtype,
-        # TVM's kernels in the library: the library's own target (plain llvm on the CPU)
-        target=tir_kernels.tvm_target(spec.target),
+        target=AttentionConfig(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
+                               target=spec.target).tvm_target(),
         name=name,
         layer_sliding_window_size=spec.sliding_window if spec.has_sliding_layers else 1024,
     )

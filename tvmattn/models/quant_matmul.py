@@ -47,13 +47,22 @@ from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
 from tir_kernels.common import CPU_SCRATCH_SCOPE
-from tir_kernels.config import host_cpu, host_cpu_target
 
 from ..weights.quant import BLOCK, BLOCK_ELEMS, QUANT_TYPES, SUPER_BLOCK, part_shapes
 
 OPS = ("matmul", "take")
 PROLOGUES = ("none", "rms_norm", "swiglu")  # what a CUDA GEMV applies to X (QuantMatmulConfig.prologue)
 TARGET_DTYPES = {"llvm": ("float32",), "cuda": ("float16", "float32")}  # activation dtypes per target
+
+
+@functools.lru_cache(maxsize=1)
+def host_cpu() -> tuple[str, int]:
+    """(LLVM name of this machine's CPU, float32 lanes of the vectors we compile for: 8 with AVX2, else 4)."""
+    from tvm.target import codegen
+
+    cpu = codegen.llvm_get_system_cpu()
+    features = codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))
+    return cpu, 8 if "avx2" in features else 4
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,7 +73,7 @@ def host_has_avx512() -> bool:
 
 def host_target(avx512: bool = False) -> tvm.target.Target:
     """The llvm target of this machine's CPU (its instructions; 256-bit vectors at most unless
-    `avx512` and the CPU has AVX-512; tir_kernels.config.host_cpu_target).
+    `avx512` and the CPU has AVX-512).
 
     AVX-512 is for libraries whose every matrix is kept quantized (export.BuildOptions.host_avx512):
     it gives the 4-bit GEMV its 16-entry vector lookup (`table_gemv`), but LLVM takes minutes
@@ -73,7 +82,9 @@ def host_target(avx512: bool = False) -> tvm.target.Target:
     test_model.py's 2-layer tied model with one float projection: 29 s without, unfinished after
     219 s with).
     Kernels pick the lookup from the target in scope (`target_has_avx512`)."""
-    return host_cpu_target(avx512=avx512 and host_has_avx512())
+    if avx512 and host_has_avx512():
+        return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0]})
+    return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0], "mattr": ["-avx512f"]})
 
 
 def target_has_avx512(target: tvm.target.Target | None) -> bool:
