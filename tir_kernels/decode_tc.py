@@ -52,8 +52,6 @@ are rounded to the K/V dtype, as split + rotary would have stored them.
 
 from __future__ import annotations
 
-import os
-
 from tvm.script import tirx as T
 
 from .common import (EMPTY_LSE, LOG2E, PDL_TAG, ceildiv, grid_dependency_wait, launch_dependents, loop_kinds,
@@ -292,21 +290,17 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     ROPE_RPP = NT // HC
     assert BK % ROPE_RPP == 0, "a K tile is a whole number of rotation passes"  # tile_kv: 16-key multiples
     ROPE_EXACT_TILES = 8  # K tiles between exact angle computations (at most 8 * tile_kv / ROPE_RPP steps)
-    # ROPE_OWN: a thread copies exactly the pair chunks it rotates (threads_per_row = chunks / 2:
-    # chunks c and c + HC of rows tid // HC + p * ROPE_RPP), so after its own cp.async.wait_group
-    # it rotates tile t with no barrier before, and the ring keeps the plain kernel's depth.
-    ROPE_OWN = TPR * 2 == TL.chunks
+    # ROPE_OWN: the rope build copies warp-wise, each thread exactly the pair chunks it rotates
+    # (threads_per_row = chunks / 2; a warp's KPW keys are whole copy passes of RPW rows): warp w
+    # copies, rotates and multiplies its own keys w * KPW.. (thread tid: chunks c and c + HC of rows
+    # copy_row(p, tid, True)), so no warp reads another's rows of a tile. A step refills stage
+    # (t - 1) % STAGES first (this warp read it in step t - 1), then waits for its own copies of
+    # tile t, rotates them and syncs the warp, not the block: STAGES tiles in flight during the wait.
+    RPW = WARP_SIZE // TPR
+    ROPE_OWN = TPR * 2 == TL.chunks and KPW * TPR % WARP_SIZE == 0
+    ROPE_OWN_JUMP = BK - (PASSES - 1) * RPW  # from a thread's last row of a tile to its first of the next
     # else: rotate tile t + 1 during step t (it must have landed: one stage less in flight)
     ROPE_AHEAD = not ROPE_OWN and STAGES >= 3
-    # ROPE_WARP (ROPE_OWN where a warp's KPW keys are whole copy passes): the rope build copies
-    # warp-wise (warp w copies, rotates and multiplies its own keys w * KPW.., RPW rows a pass), so
-    # no warp reads another's rows of a tile: a step refills stage (t - 1) % STAGES first (its rows
-    # were this warp's, read in step t - 1), then waits for its own copies of tile t, rotates them
-    # and syncs the warp, not the block (STAGES tiles in flight during the wait, not STAGES - 1).
-    RPW = WARP_SIZE // TPR
-    ROPE_WARP_JUMP = BK - (PASSES - 1) * RPW  # from a thread's last row of a tile to its first of the next
-    ROPE_WARP = ROPE_OWN and KPW * TPR % WARP_SIZE == 0 and os.environ.get("TVMATTN_ROPE_NOWARP") != "1"
-    ROPE_SKIPK = os.environ.get("TVMATTN_ROPE_SKIPK") == "1"  # measurement only: K tiles not rotated
     ROPE, ROPE_SRC = _rope_chunks_function(dtype)
     # (request, KV head) arrival counters of fused_merge: a launch with more than one split slot
     # has at most target_blocks / 2 of them
@@ -322,18 +316,18 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
 
     def copy_row(p, tid_, warp_rows):
         """Tile row that thread tid_ copies in pass p: rows p * RP + tid_ // TPR (the block's
-        threads side by side), or with warp_rows (ROPE_WARP) the warp's own keys: row
+        threads side by side), or with warp_rows (ROPE_OWN) the warp's own keys: row
         warp * KPW + p * RPW + lane // TPR."""
         if warp_rows:
             return tid_ // WARP_SIZE * KPW + p * RPW + tid_ % WARP_SIZE // TPR
         return p * RP + tid_ // TPR
 
-    def rope_warp(rope_):
-        """Whether the build with rope_ (None: plain) copies and rotates warp-wise (ROPE_WARP)."""
-        return rope_ is not None and ROPE_WARP
+    def rope_own(rope_):
+        """Whether the build with rope_ (None: plain) copies and rotates warp-wise (ROPE_OWN)."""
+        return rope_ is not None and ROPE_OWN
 
     def rope_row0(tid_, warp_rows):
-        """The first tile row whose pair chunk thread tid_ rotates (rope_rows' or rope_warp_tile's)."""
+        """The first tile row whose pair chunk thread tid_ rotates (rope_rows' or rope_own_tile's)."""
         return copy_row(0, tid_, True) if warp_rows else tid_ // HC
 
     def word(elem):
@@ -420,8 +414,8 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             rope_angles(k_pos_ + j_begin_ + tile * BK + rope_row0(tid_, warp_rows), tid_, freq_, cs_)
 
     @T.macro
-    def rope_warp_tile(smem_, stage_, tid_, step_, cs_):
-        """ROPE_WARP: rotate the thread's pair chunk (tid_ % HC) of its rows warp * KPW + p * RPW
+    def rope_own_tile(smem_, stage_, tid_, step_, cs_):
+        """ROPE_OWN: rotate the thread's pair chunk (tid_ % HC) of its rows warp * KPW + p * RPW
         + lane // HC of the tile in stage stage_, in place; cs_ holds the first row's angles and
         ends at the last row's (advanced by step_, RPW rows, between the passes)."""
         for p in L.unroll(PASSES):
@@ -434,10 +428,10 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 rope_advance(step_, cs_)
 
     @T.macro
-    def rope_warp_next(k_pos_, j_begin_, tile, tid_, freq_, tstep_, cs_):
-        """ROPE_WARP: cs_ <- the angles of the thread's first row of K tile `tile` (tile >= 1):
+    def rope_own_next(k_pos_, j_begin_, tile, tid_, freq_, tstep_, cs_):
+        """ROPE_OWN: cs_ <- the angles of the thread's first row of K tile `tile` (tile >= 1):
         exact every ROPE_EXACT_TILES tiles, else advanced from tile - 1's last row by
-        ROPE_WARP_JUMP rows (tstep_)."""
+        ROPE_OWN_JUMP rows (tstep_)."""
         if tile % ROPE_EXACT_TILES == 0:
             rope_angles(k_pos_ + j_begin_ + tile * BK + rope_row0(tid_, True), tid_, freq_, cs_)
         else:
@@ -445,12 +439,10 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
 
     @T.macro
     def rope_tile(smem_, k_pos_, j_begin_, tile, tid_, freq_, step_, cs_):
-        """Inline RoPE of K tile `tile` (in its ring stage) in place, its first key at position
-        k_pos_ + j_begin_ + tile * BK: exact angles every ROPE_EXACT_TILES tiles (rope_exact; with
-        ROPE_OWN computed before the tile is waited for, so not here), else cs_ as the previous
-        tile's rope_rows left it."""
-        if not ROPE_OWN:
-            rope_exact(k_pos_, j_begin_, tile, tid_, freq_, cs_, False)
+        """Inline RoPE of K tile `tile` (in its ring stage) in place by the block (not ROPE_OWN),
+        its first key at position k_pos_ + j_begin_ + tile * BK: exact angles every
+        ROPE_EXACT_TILES tiles (rope_exact), else cs_ as the previous tile's rope_rows left it."""
+        rope_exact(k_pos_, j_begin_, tile, tid_, freq_, cs_, False)
         rope_rows(smem_, K_OFF + tile % STAGES * BK * TL.stride, BK, True, tid_, step_, cs_)
 
     @T.macro
@@ -873,7 +865,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         rope_step = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_cs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_qcs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
-        rope_tstep = T.alloc_buffer((2 * CHUNK if rope_ is not None and ROPE_WARP else 1,), "float32", scope="local")
+        rope_tstep = T.alloc_buffer((2 * CHUNK if rope_ is not None and ROPE_OWN else 1,), "float32", scope="local")
         if PDL and not TABLES_EARLY:  # nothing of the previous grids' is read (or written) before they completed
             T.evaluate(grid_dependency_wait())
         load_length_info(length_info_, b, li)
@@ -896,7 +888,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         if EARLY:  # every page-table read of the prologue, then every copy
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
-                    lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES, rope_warp(rope_))
+                    lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES, rope_own(rope_))
             if TABLES_EARLY:  # the page tables are read; q, the pages and the workspace only after the wait
                 T.evaluate(grid_dependency_wait())
                 load_q(q_, smem, b, hkv, tid)
@@ -904,27 +896,26 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
                     issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES,
-                          rope_warp(rope_))
+                          rope_own(rope_))
                 T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
         else:
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
-                    lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, 0, rope_warp(rope_))
-                    issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, 0, rope_warp(rope_))
+                    lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, 0, rope_own(rope_))
+                    issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, 0, rope_own(rope_))
                 T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
         # Page lookups run a tile ahead of the copies: their latency hides behind a step of
         # arithmetic.
         if STAGES - 1 < ntiles:
-            lookup(indices_, li, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0, rope_warp(rope_))
+            lookup(indices_, li, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0, rope_own(rope_))
         if PDL:  # the prologue's copies are issued: the next launch may take SMs as they free up
             T.evaluate(launch_dependents())
         if rope_ is not None:  # the angles need no data: computed while the copies are in flight
-            rope_freqs(rope_[2], rope_[3], tid, rope_freq, rope_step, RPW if ROPE_WARP else ROPE_RPP)
+            rope_freqs(rope_[2], rope_[3], tid, rope_freq, rope_step, RPW if ROPE_OWN else ROPE_RPP)
             rope_angles(rope_[1][b], tid, rope_freq, rope_qcs)
-            if ROPE_WARP:
-                rope_steps(rope_freq, ROPE_WARP_JUMP, rope_tstep)
             if ROPE_OWN:
-                rope_exact(rope_[0][b], j_begin, 0, tid, rope_freq, rope_cs, ROPE_WARP)
+                rope_steps(rope_freq, ROPE_OWN_JUMP, rope_tstep)
+                rope_exact(rope_[0][b], j_begin, 0, tid, rope_freq, rope_cs, True)
         if rope_ is not None and ROPE_AHEAD:
             T.ptx["cp.async.wait_group"](STAGES - 2)  # Q and tile 0 have landed
         else:
@@ -939,14 +930,12 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         if QREG:
             for kk in L.unroll(KSTEPS_QK):
                 load_q_frag(smem, qf, kk * 4, kk, lane)
-        if not rope_warp(rope_):
+        if not rope_own(rope_):
             for t in T.serial(ntiles):
                 if rope_ is not None and ROPE_AHEAD:
                     T.ptx["cp.async.wait_group"](STAGES - 3)  # tiles t (rotated) and t + 1 have landed ...
                 else:
                     T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
-                if rope_ is not None and ROPE_OWN and not ROPE_SKIPK:  # this thread's chunks of tile t (its own copies)
-                    rope_tile(smem, rope_[0][b], j_begin, t, tid, rope_freq, rope_step, rope_cs)
                 T.tvm_storage_sync(shared)  # ... for all, and no warp reads tile t - 1
                 if t + STAGES - 1 < ntiles:
                     issue(pages_, smem, hkv, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid,
@@ -954,7 +943,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     if t + STAGES < ntiles:
                         lookup(indices_, li, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0, False)
                 T.ptx["cp.async.commit_group"]()
-                if rope_ is not None and not ROPE_OWN:
+                if rope_ is not None:
                     if ROPE_AHEAD:  # tile t + 1's keys, in place, while the warps multiply tile t's
                         if t + 1 < ntiles:
                             rope_tile(smem, rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_step, rope_cs)
@@ -964,10 +953,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 s_mma(smem, qf, s, t % STAGES, warp, lane)
                 softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
                 pv_mma(s, smem, o, t % STAGES, warp, lane)
-                if rope_ is not None and ROPE_OWN:  # tile t + 1's exact angles before its wait
-                    if t + 1 < ntiles:
-                        rope_exact(rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_cs, False)
-        else:  # ROPE_WARP: a warp's rows of a tile are its own (the block meets only after the loop)
+        else:  # ROPE_OWN: a warp's rows of a tile are its own (the block meets only after the loop)
             for t in T.serial(ntiles):
                 T.evaluate(T.cuda.func_call(SYNCWARP, source_code=SYNCWARP_SRC))  # step t - 1 read its stage
                 if t + STAGES - 1 < ntiles:
@@ -977,14 +963,13 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                         lookup(indices_, li, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0, True)
                 T.ptx["cp.async.commit_group"]()
                 T.ptx["cp.async.wait_group"](STAGES - 1)  # this thread's copies of tile t have landed
-                if not ROPE_SKIPK:
-                    rope_warp_tile(smem, t % STAGES, tid, rope_step, rope_cs)
+                rope_own_tile(smem, t % STAGES, tid, rope_step, rope_cs)
                 T.evaluate(T.cuda.func_call(SYNCWARP, source_code=SYNCWARP_SRC))  # ... and the warp's, rotated
                 s_mma(smem, qf, s, t % STAGES, warp, lane)
                 softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
                 pv_mma(s, smem, o, t % STAGES, warp, lane)
                 if t + 1 < ntiles:  # tile t + 1's angles before its wait
-                    rope_warp_next(rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_tstep, rope_cs)
+                    rope_own_next(rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_tstep, rope_cs)
         if nsplit == 1:
             if split == 0:
                 finish(smem, o, m_run, l_run, warp, lane, tid,
