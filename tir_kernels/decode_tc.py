@@ -42,10 +42,12 @@ pair (d, d + D/2) lies in chunks c and c + D/16 of a row, so a thread rotates on
 computed once, its rows' angles exactly every ROPE_EXACT_TILES tiles and advanced between by the
 angle-sum identity; the frequencies, the query's angles and each exact tile's angles are
 computed before the wait for the data they rotate. The group's Q rows are rotated once, after
-they land, between two barriers. K tiles: where a thread copies exactly the chunk pairs it
-rotates (ROPE_OWN: threads_per_row = D / 16), it rotates its part of tile t right after its own
-cp.async wait, before the step's barrier (the ring keeps the plain kernel's depth); otherwise
-one step ahead (step t rotates tile t + 1 while the warps multiply tile t: one stage less in
+they land, between two barriers. K tiles: with threads_per_row = D / 16 (ROPE_OWN) the rope
+build copies warp-wise: warp w copies (K and V), rotates and multiplies only its keys
+w * keys_per_warp.., each thread exactly the chunk pairs it rotates, so the main loop has no
+block barrier: step t refills the stage the warp read in step t - 1, waits for its own copies of
+tile t, rotates them and syncs the warp (every stage of the ring in flight during the wait);
+otherwise one step ahead (step t rotates tile t + 1 while the warps multiply tile t: one stage less in
 flight; with 2 stages, tile t before its S = Q K^T behind a second barrier). The rotated values
 are rounded to the K/V dtype, as split + rotary would have stored them.
 """
