@@ -148,13 +148,6 @@ SYNCWARP, SYNCWARP_SRC = "tvmattn_syncwarp", """
 // The warp's lanes meet; their shared-memory writes (and landed cp.async copies) are visible to each other.
 __device__ __forceinline__ void tvmattn_syncwarp() { __syncwarp(); }
 """
-SINCOS8, SINCOS8_SRC = "tvmattn_rope_sincos8", """
-// cs[i], cs[8 + i] <- cos, sin of pos * freq[i] (i < 8), one shared range reduction each (sincosf).
-__device__ __forceinline__ void tvmattn_rope_sincos8(float pos, const float* freq, float* cs) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) sincosf(pos * freq[i], &cs[8 + i], &cs[i]);
-}
-"""
 NSMID, NSMID_SRC = "tvmattn_nsmid", """
 // %nsmid: the device's SM identifiers (its SM count where they are contiguous, as on the H200).
 __device__ __forceinline__ int tvmattn_nsmid() {
@@ -365,25 +358,28 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             li_[0] = length_info_[b_]
 
     @T.macro
-    def rope_steps(freq_, rows, step_):
-        """step_[i], step_[8 + i] <- cos, sin of `rows` rows' angle at the thread's frequencies."""
-        T.evaluate(T.cuda.func_call(SINCOS8, T.float32(rows), T.address_of(freq_[0]), T.address_of(step_[0]),
-                                    source_code=SINCOS8_SRC))
-
-    @T.macro
     def rope_freqs(rope_scale_, rope_theta_, tid_, freq_, step_, rows):
         """Inline RoPE: freq_[i] <- rope_scale * inverse frequency of element (tid_ % HC) * 8 + i
         (the thread's pair chunk); step_[i], step_[8 + i] <- cos, sin of `rows` rows' angle."""
         for i in L.unroll(CHUNK):
             freq_[i] = T.Cast("float32", rope_scale_) * rope_inv_freq((tid_ % HC) * CHUNK + i, D, rope_theta_,
                                                                       config.rope_scaling)
-        rope_steps(freq_, rows, step_)
+            step_[i] = T.cos(T.float32(rows) * freq_[i])
+            step_[CHUNK + i] = T.sin(T.float32(rows) * freq_[i])
+
+    @T.macro
+    def rope_steps(freq_, rows, step_):
+        """step_[i], step_[8 + i] <- cos, sin of `rows` rows' angle at the thread's frequencies."""
+        for i in L.unroll(CHUNK):
+            step_[i] = T.cos(T.float32(rows) * freq_[i])
+            step_[CHUNK + i] = T.sin(T.float32(rows) * freq_[i])
 
     @T.macro
     def rope_angles(pos_, tid_, freq_, cs_):
         """cs_ <- cos (0..7) and sin (8..15) of the thread's 8 pairs' angles at position pos_."""
-        T.evaluate(T.cuda.func_call(SINCOS8, T.Cast("float32", pos_), T.address_of(freq_[0]), T.address_of(cs_[0]),
-                                    source_code=SINCOS8_SRC))
+        for i in L.unroll(CHUNK):
+            cs_[i] = T.cos(T.Cast("float32", pos_) * freq_[i])
+            cs_[CHUNK + i] = T.sin(T.Cast("float32", pos_) * freq_[i])
 
     @T.macro
     def rope_advance(step_, cs_):
