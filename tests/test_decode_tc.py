@@ -457,8 +457,9 @@ def decode_tc_with_rope_schedule(config, schedules):
 
 def rope_schedule_cases():
     """(name, plain schedule, rope schedule) on the benchmark config: the rope build's own
-    chunks (threads_per_row 8 at d128) at 2 stages; the other copy mapping (rotating tile t + 1
-    a step ahead at 4 stages, tile t behind a second barrier at 2); a rope build with another
+    chunks (threads_per_row 8 at d128: warp-wise copies, ROPE_OWN) at 2 stages; the other copy
+    mapping (rotating tile t + 1 a step ahead at 4 stages, tile t behind a second barrier at 2); a
+    rope build with another
     split grid than the plain one's (its own merge kernel, the plain build's fused merge)."""
     base = choose_tc_decode_schedule(BENCH_CONFIG)
     flags = dict(threads_per_row=8, early_pages=True, heads_first=True)

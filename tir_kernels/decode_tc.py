@@ -44,10 +44,12 @@ pair (d, d + D/2) lies in chunks c and c + D/16 of a row, so a thread rotates on
 computed once, its rows' angles exactly every ROPE_EXACT_TILES tiles and advanced between by the
 angle-sum identity; the frequencies, the query's angles and each exact tile's angles are
 computed before the wait for the data they rotate. The group's Q rows are rotated once, after
-they land, between two barriers. K tiles: where a thread copies exactly the chunk pairs it
-rotates (ROPE_OWN: threads_per_row = D / 16), it rotates its part of tile t right after its own
-cp.async wait, before the step's barrier (the ring keeps the plain kernel's depth); otherwise
-one step ahead (step t rotates tile t + 1 while the warps multiply tile t: one stage less in
+they land, between two barriers. K tiles: with threads_per_row = D / 16 (ROPE_OWN) the rope
+build copies warp-wise: warp w copies (K and V), rotates and multiplies only its keys
+w * keys_per_warp.., each thread exactly the chunk pairs it rotates, so the main loop has no
+block barrier: step t refills the stage the warp read in step t - 1, waits for its own copies of
+tile t, rotates them and syncs the warp (every stage of the ring in flight during the wait);
+otherwise one step ahead (step t rotates tile t + 1 while the warps multiply tile t: one stage less in
 flight; with 2 stages, tile t before its S = Q K^T behind a second barrier). The rotated values
 are rounded to the K/V dtype, as split + rotary would have stored them.
 """
@@ -65,6 +67,7 @@ from .schedules import TensorCoreDecodeSchedule, choose_tc_decode_schedule, tc_d
 from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor, softmax_macros
 
 
+WARP_SIZE = 32
 MERGE_UNROLL = 16  # split slots whose partials a merging thread loads at once (fused_merge)
 LDCG, LDCG_SRC = "tvmattn_ldcg", "__device__ __forceinline__ float tvmattn_ldcg(const float* p) { return __ldcg(p); }\n"
 LDCG4, LDCG4_SRC = "tvmattn_ldcg4", """
@@ -143,6 +146,10 @@ __device__ __forceinline__ int {name}(int slot, int n) {{
     return name, src
 
 
+SYNCWARP, SYNCWARP_SRC = "tvmattn_syncwarp", """
+// The warp's lanes meet; their shared-memory writes (and landed cp.async copies) are visible to each other.
+__device__ __forceinline__ void tvmattn_syncwarp() { __syncwarp(); }
+"""
 NSMID, NSMID_SRC = "tvmattn_nsmid", """
 // %nsmid: the device's SM identifiers (its SM count where they are contiguous, as on the H200).
 __device__ __forceinline__ int tvmattn_nsmid() {
@@ -288,10 +295,15 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     ROPE_RPP = NT // HC
     assert BK % ROPE_RPP == 0, "a K tile is a whole number of rotation passes"  # tile_kv: 16-key multiples
     ROPE_EXACT_TILES = 8  # K tiles between exact angle computations (at most 8 * tile_kv / ROPE_RPP steps)
-    # ROPE_OWN: a thread copies exactly the pair chunks it rotates (threads_per_row = chunks / 2:
-    # chunks c and c + HC of rows tid // HC + p * ROPE_RPP), so after its own cp.async.wait_group
-    # it rotates tile t with no barrier before, and the ring keeps the plain kernel's depth.
-    ROPE_OWN = TPR * 2 == TL.chunks
+    # ROPE_OWN: the rope build copies warp-wise, each thread exactly the pair chunks it rotates
+    # (threads_per_row = chunks / 2; a warp's KPW keys are whole copy passes of RPW rows): warp w
+    # copies, rotates and multiplies its own keys w * KPW.. (thread tid: chunks c and c + HC of rows
+    # copy_row(p, tid, True)), so no warp reads another's rows of a tile. A step refills stage
+    # (t - 1) % STAGES first (this warp read it in step t - 1), then waits for its own copies of
+    # tile t, rotates them and syncs the warp, not the block: STAGES tiles in flight during the wait.
+    RPW = WARP_SIZE // TPR
+    ROPE_OWN = TPR * 2 == TL.chunks and KPW * TPR % WARP_SIZE == 0
+    ROPE_OWN_JUMP = BK - (PASSES - 1) * RPW  # from a thread's last row of a tile to its first of the next
     # else: rotate tile t + 1 during step t (it must have landed: one stage less in flight)
     ROPE_AHEAD = not ROPE_OWN and STAGES >= 3
     ROPE, ROPE_SRC = _rope_chunks_function(dtype)
@@ -306,6 +318,22 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
     # Split slots the merge is compiled for (a launch takes the first that holds its slots):
     # 8, the slots of a batch of one, max_splits.
     MERGE_WIDTHS = sorted({min(8, MS), min(MS, max(sched.target_blocks // Hkv, 1)), MS})
+
+    def copy_row(p, tid_, warp_rows):
+        """Tile row that thread tid_ copies in pass p: rows p * RP + tid_ // TPR (the block's
+        threads side by side), or with warp_rows (ROPE_OWN) the warp's own keys: row
+        warp * KPW + p * RPW + lane // TPR."""
+        if warp_rows:
+            return tid_ // WARP_SIZE * KPW + p * RPW + tid_ % WARP_SIZE // TPR
+        return p * RP + tid_ // TPR
+
+    def rope_own(rope_):
+        """Whether the build with rope_ (None: plain) copies and rotates warp-wise (ROPE_OWN)."""
+        return rope_ is not None and ROPE_OWN
+
+    def rope_row0(tid_, warp_rows):
+        """The first tile row whose pair chunk thread tid_ rotates (rope_rows' or rope_own_tile's)."""
+        return copy_row(0, tid_, True) if warp_rows else tid_ // HC
 
     def word(elem):
         """fp32 index of a 16-bit element offset (a multiple of 8)."""
@@ -344,14 +372,21 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
             li_[0] = length_info_[b_]
 
     @T.macro
-    def rope_freqs(rope_scale_, rope_theta_, tid_, freq_, step_):
+    def rope_freqs(rope_scale_, rope_theta_, tid_, freq_, step_, rows):
         """Inline RoPE: freq_[i] <- rope_scale * inverse frequency of element (tid_ % HC) * 8 + i
-        (the thread's pair chunk); step_[i], step_[8 + i] <- cos, sin of ROPE_RPP rows' angle."""
+        (the thread's pair chunk); step_[i], step_[8 + i] <- cos, sin of `rows` rows' angle."""
         for i in L.unroll(CHUNK):
             freq_[i] = T.Cast("float32", rope_scale_) * rope_inv_freq((tid_ % HC) * CHUNK + i, D, rope_theta_,
                                                                       config.rope_scaling)
-            step_[i] = T.cos(T.float32(ROPE_RPP) * freq_[i])
-            step_[CHUNK + i] = T.sin(T.float32(ROPE_RPP) * freq_[i])
+            step_[i] = T.cos(T.float32(rows) * freq_[i])
+            step_[CHUNK + i] = T.sin(T.float32(rows) * freq_[i])
+
+    @T.macro
+    def rope_steps(freq_, rows, step_):
+        """step_[i], step_[8 + i] <- cos, sin of `rows` rows' angle at the thread's frequencies."""
+        for i in L.unroll(CHUNK):
+            step_[i] = T.cos(T.float32(rows) * freq_[i])
+            step_[CHUNK + i] = T.sin(T.float32(rows) * freq_[i])
 
     @T.macro
     def rope_angles(pos_, tid_, freq_, cs_):
@@ -387,21 +422,43 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 rope_advance(step_, cs_)
 
     @T.macro
-    def rope_exact(k_pos_, j_begin_, tile, tid_, freq_, cs_):
+    def rope_exact(k_pos_, j_begin_, tile, tid_, freq_, cs_, warp_rows):
         """cs_ <- the exact angles of the thread's first row of K tile `tile` (position k_pos_ +
-        j_begin_ + tile * BK + tid_ // HC) where tile is a multiple of ROPE_EXACT_TILES; else
+        j_begin_ + tile * BK + rope_row0) where tile is a multiple of ROPE_EXACT_TILES; else
         cs_ stays as the previous tile's rope_rows left it."""
         if tile % ROPE_EXACT_TILES == 0:
-            rope_angles(k_pos_ + j_begin_ + tile * BK + tid_ // HC, tid_, freq_, cs_)
+            rope_angles(k_pos_ + j_begin_ + tile * BK + rope_row0(tid_, warp_rows), tid_, freq_, cs_)
+
+    @T.macro
+    def rope_own_tile(smem_, stage_, tid_, step_, cs_):
+        """ROPE_OWN: rotate the thread's pair chunk (tid_ % HC) of its rows warp * KPW + p * RPW
+        + lane // HC of the tile in stage stage_, in place; cs_ holds the first row's angles and
+        ends at the last row's (advanced by step_, RPW rows, between the passes)."""
+        for p in L.unroll(PASSES):
+            r = T.meta_var(copy_row(p, tid_, True))
+            T.evaluate(T.cuda.func_call(
+                ROPE, smem_.ptr_to([word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, tid_ % HC))]),
+                smem_.ptr_to([word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, tid_ % HC + HC))]),
+                *[cs_[i] for i in range(2 * CHUNK)], source_code=ROPE_SRC))
+            if p + 1 < PASSES:
+                rope_advance(step_, cs_)
+
+    @T.macro
+    def rope_own_next(k_pos_, j_begin_, tile, tid_, freq_, tstep_, cs_):
+        """ROPE_OWN: cs_ <- the angles of the thread's first row of K tile `tile` (tile >= 1):
+        exact every ROPE_EXACT_TILES tiles, else advanced from tile - 1's last row by
+        ROPE_OWN_JUMP rows (tstep_)."""
+        if tile % ROPE_EXACT_TILES == 0:
+            rope_angles(k_pos_ + j_begin_ + tile * BK + rope_row0(tid_, True), tid_, freq_, cs_)
+        else:
+            rope_advance(tstep_, cs_)
 
     @T.macro
     def rope_tile(smem_, k_pos_, j_begin_, tile, tid_, freq_, step_, cs_):
-        """Inline RoPE of K tile `tile` (in its ring stage) in place, its first key at position
-        k_pos_ + j_begin_ + tile * BK: exact angles every ROPE_EXACT_TILES tiles (rope_exact; with
-        ROPE_OWN computed before the tile is waited for, so not here), else cs_ as the previous
-        tile's rope_rows left it."""
-        if not ROPE_OWN:
-            rope_exact(k_pos_, j_begin_, tile, tid_, freq_, cs_)
+        """Inline RoPE of K tile `tile` (in its ring stage) in place by the block (not ROPE_OWN),
+        its first key at position k_pos_ + j_begin_ + tile * BK: exact angles every
+        ROPE_EXACT_TILES tiles (rope_exact), else cs_ as the previous tile's rope_rows left it."""
+        rope_exact(k_pos_, j_begin_, tile, tid_, freq_, cs_, False)
         rope_rows(smem_, K_OFF + tile % STAGES * BK * TL.stride, BK, True, tid_, step_, cs_)
 
     @T.macro
@@ -420,12 +477,12 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                         smem_[word(Q_OFF + TL.offset(r, ch)) + e] = T.float32(0)
 
     @T.macro
-    def lookup(indices_, li_, page0_, kv0_, kv_end_, tid_, page_, slot_, at_):
-        """page_, slot_ [at_ .. at_ + PASSES) <- where this thread's rows of the tile from key kv0_
-        live (every page-table read of a tile before any of its copies); li_: the request's
-        length_info (`load_length_info`)."""
+    def lookup(indices_, li_, page0_, kv0_, kv_end_, tid_, page_, slot_, at_, warp_rows):
+        """page_, slot_ [at_ .. at_ + PASSES) <- where this thread's rows (copy_row) of the tile
+        from key kv0_ live (every page-table read of a tile before any of its copies); li_: the
+        request's length_info (`load_length_info`)."""
         for p in L.unroll(PASSES):
-            j = T.meta_var(kv0_ + p * RP + tid_ // TPR)
+            j = T.meta_var(kv0_ + copy_row(p, tid_, warp_rows))
             page_[at_ + p] = 0
             slot_[at_ + p] = 0
             if j < kv_end_ and (not sliding or j >= 0):
@@ -433,11 +490,12 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 slot_[at_ + p] = paged_position(j, li_, 0, sliding) % ps
 
     @T.macro
-    def issue(pages_, smem_, hkv_, stage_, kv0_, kv_end_, tid_, page_, slot_, at_):
-        """cp.async of this thread's chunks of K and V rows kv0_.. (found by `lookup`, at at_ of
-        page_ / slot_) -> ring buffer stage_; zeros from kv_end_ on (and, sliding, before key 0)."""
+    def issue(pages_, smem_, hkv_, stage_, kv0_, kv_end_, tid_, page_, slot_, at_, warp_rows):
+        """cp.async of this thread's chunks of K and V rows kv0_.. (copy_row; found by `lookup`,
+        at at_ of page_ / slot_) -> ring buffer stage_; zeros from kv_end_ on (and, sliding,
+        before key 0)."""
         for p in L.unroll(PASSES):
-            r = T.meta_var(p * RP + tid_ // TPR)
+            r = T.meta_var(copy_row(p, tid_, warp_rows))
             if BK % RP == 0 or r < BK:
                 if kv0_ + r < kv_end_ and (not sliding or kv0_ + r >= 0):
                     for c in L.unroll(CPT):
@@ -826,6 +884,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         rope_step = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_cs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_qcs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
+        rope_tstep = T.alloc_buffer((2 * CHUNK if rope_ is not None and ROPE_OWN else 1,), "float32", scope="local")
         if PDL and not TABLES_EARLY:  # nothing of the previous grids' is read (or written) before they completed
             T.evaluate(grid_dependency_wait())
         load_length_info(length_info_, b, li)
@@ -849,32 +908,34 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         if EARLY:  # every page-table read of the prologue, then every copy
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
-                    lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES)
+                    lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES, rope_own(rope_))
             if TABLES_EARLY:  # the page tables are read; q, the pages and the workspace only after the wait
                 T.evaluate(grid_dependency_wait())
                 load_q(q_, smem, b, hkv, tid)
                 T.ptx["cp.async.commit_group"]()
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
-                    issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES)
+                    issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES,
+                          rope_own(rope_))
                 T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
         else:
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
-                    lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, 0)
-                    issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, 0)
+                    lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, 0, rope_own(rope_))
+                    issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, 0, rope_own(rope_))
                 T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
         # Page lookups run a tile ahead of the copies: their latency hides behind a step of
         # arithmetic.
         if STAGES - 1 < ntiles:
-            lookup(indices_, li, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0)
+            lookup(indices_, li, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0, rope_own(rope_))
         if PDL:  # the prologue's copies are issued: the next launch may take SMs as they free up
             T.evaluate(launch_dependents())
         if rope_ is not None:  # the angles need no data: computed while the copies are in flight
-            rope_freqs(rope_[2], rope_[3], tid, rope_freq, rope_step)
+            rope_freqs(rope_[2], rope_[3], tid, rope_freq, rope_step, RPW if ROPE_OWN else ROPE_RPP)
             rope_angles(rope_[1][b], tid, rope_freq, rope_qcs)
             if ROPE_OWN:
-                rope_exact(rope_[0][b], j_begin, 0, tid, rope_freq, rope_cs)
+                rope_steps(rope_freq, ROPE_OWN_JUMP, rope_tstep)
+                rope_exact(rope_[0][b], j_begin, 0, tid, rope_freq, rope_cs, True)
         if rope_ is not None and ROPE_AHEAD:
             T.ptx["cp.async.wait_group"](STAGES - 2)  # Q and tile 0 have landed
         else:
@@ -889,33 +950,46 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         if QREG:
             for kk in L.unroll(KSTEPS_QK):
                 load_q_frag(smem, qf, kk * 4, kk, lane)
-        for t in T.serial(ntiles):
-            if rope_ is not None and ROPE_AHEAD:
-                T.ptx["cp.async.wait_group"](STAGES - 3)  # tiles t (rotated) and t + 1 have landed ...
-            else:
-                T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
-            if rope_ is not None and ROPE_OWN:  # this thread's chunks of tile t (its own copies)
-                rope_tile(smem, rope_[0][b], j_begin, t, tid, rope_freq, rope_step, rope_cs)
-            T.tvm_storage_sync(shared)  # ... for all, and no warp reads tile t - 1
-            if t + STAGES - 1 < ntiles:
-                issue(pages_, smem, hkv, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid,
-                      pg, sl, 0)
-                if t + STAGES < ntiles:
-                    lookup(indices_, li, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0)
-            T.ptx["cp.async.commit_group"]()
-            if rope_ is not None and not ROPE_OWN:
-                if ROPE_AHEAD:  # tile t + 1's keys, in place, while the warps multiply tile t's
-                    if t + 1 < ntiles:
-                        rope_tile(smem, rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_step, rope_cs)
-                else:  # tile t's keys, then a barrier before any warp reads them
-                    rope_tile(smem, rope_[0][b], j_begin, t, tid, rope_freq, rope_step, rope_cs)
-                    T.tvm_storage_sync(shared)
-            s_mma(smem, qf, s, t % STAGES, warp, lane)
-            softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
-            pv_mma(s, smem, o, t % STAGES, warp, lane)
-            if rope_ is not None and ROPE_OWN:  # tile t + 1's exact angles before its wait
-                if t + 1 < ntiles:
-                    rope_exact(rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_cs)
+        if not rope_own(rope_):
+            for t in T.serial(ntiles):
+                if rope_ is not None and ROPE_AHEAD:
+                    T.ptx["cp.async.wait_group"](STAGES - 3)  # tiles t (rotated) and t + 1 have landed ...
+                else:
+                    T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
+                T.tvm_storage_sync(shared)  # ... for all, and no warp reads tile t - 1
+                if t + STAGES - 1 < ntiles:
+                    issue(pages_, smem, hkv, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid,
+                          pg, sl, 0, False)
+                    if t + STAGES < ntiles:
+                        lookup(indices_, li, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0, False)
+                T.ptx["cp.async.commit_group"]()
+                if rope_ is not None:
+                    if ROPE_AHEAD:  # tile t + 1's keys, in place, while the warps multiply tile t's
+                        if t + 1 < ntiles:
+                            rope_tile(smem, rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_step, rope_cs)
+                    else:  # tile t's keys, then a barrier before any warp reads them
+                        rope_tile(smem, rope_[0][b], j_begin, t, tid, rope_freq, rope_step, rope_cs)
+                        T.tvm_storage_sync(shared)
+                s_mma(smem, qf, s, t % STAGES, warp, lane)
+                softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
+                pv_mma(s, smem, o, t % STAGES, warp, lane)
+        else:  # ROPE_OWN: a warp's rows of a tile are its own (the block meets only after the loop)
+            for t in T.serial(ntiles):
+                T.evaluate(T.cuda.func_call(SYNCWARP, source_code=SYNCWARP_SRC))  # step t - 1 read its stage
+                if t + STAGES - 1 < ntiles:
+                    issue(pages_, smem, hkv, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid,
+                          pg, sl, 0, True)
+                    if t + STAGES < ntiles:
+                        lookup(indices_, li, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0, True)
+                T.ptx["cp.async.commit_group"]()
+                T.ptx["cp.async.wait_group"](STAGES - 1)  # this thread's copies of tile t have landed
+                rope_own_tile(smem, t % STAGES, tid, rope_step, rope_cs)
+                T.evaluate(T.cuda.func_call(SYNCWARP, source_code=SYNCWARP_SRC))  # ... and the warp's, rotated
+                s_mma(smem, qf, s, t % STAGES, warp, lane)
+                softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
+                pv_mma(s, smem, o, t % STAGES, warp, lane)
+                if t + 1 < ntiles:  # tile t + 1's angles before its wait
+                    rope_own_next(rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_tstep, rope_cs)
         if nsplit == 1:
             if split == 0:
                 finish(smem, o, m_run, l_run, warp, lane, tid,

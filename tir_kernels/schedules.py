@@ -313,8 +313,8 @@ def tc_decode_rope_schedule(config: AttentionConfig, sched: TensorCoreDecodeSche
     """The schedule of the inline-RoPE build (rotary_mode 1) beside plain `sched`: the same, with
     threads_per_row = head_dim / 16 (half a row's 16-byte chunks) where that is a valid copy
     width, so that each thread copies exactly the rotate-half chunk pairs (d.., d + D/2..) it
-    rotates and can rotate a tile after its own cp.async wait, with no barrier before and no
-    stage of the ring given up (decode_tc's ROPE_OWN); else `sched` unchanged."""
+    rotates: the build then copies warp-wise and each warp rotates and multiplies its own keys
+    with no block barrier in the main loop (decode_tc's ROPE_OWN); else `sched` unchanged."""
     half = config.head_dim // 16
     if half == sched.threads_per_row or half not in (1, 2, 4, 8, 16):
         return sched
