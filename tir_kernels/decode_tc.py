@@ -515,6 +515,17 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                             smem_[word(V_OFF + stage_ * BK * TL.stride + TL.offset(r, ch)) + e] = T.float32(0)
 
     @T.macro
+    def refill(pages_, indices_, li_, page0_, smem_, hkv_, t_, ntiles_, j_begin_, j_end_, tid_, page_, slot_,
+               warp_rows):
+        """Step t_ of the main loop: `issue` tile t_ + STAGES - 1 into the stage it takes, then
+        `lookup` tile t_ + STAGES (warp_rows: the warp-wise row mapping, copy_row)."""
+        if t_ + STAGES - 1 < ntiles_:
+            issue(pages_, smem_, hkv_, (t_ + STAGES - 1) % STAGES, j_begin_ + (t_ + STAGES - 1) * BK, j_end_, tid_,
+                  page_, slot_, 0, warp_rows)
+            if t_ + STAGES < ntiles_:
+                lookup(indices_, li_, page0_, j_begin_ + (t_ + STAGES) * BK, j_end_, tid_, page_, slot_, 0, warp_rows)
+
+    @T.macro
     def load_q_frag(smem_, qf_, base_, kk_, lane_):
         """A fragment of Q for k16 step kk_ -> qf_[base_..base_+3]."""
         T.ptx[LDSM](qf_[base_], qf_[base_ + 1], qf_[base_ + 2], qf_[base_ + 3],
@@ -957,11 +968,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 else:
                     T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
                 T.tvm_storage_sync(shared)  # ... for all, and no warp reads tile t - 1
-                if t + STAGES - 1 < ntiles:
-                    issue(pages_, smem, hkv, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid,
-                          pg, sl, 0, False)
-                    if t + STAGES < ntiles:
-                        lookup(indices_, li, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0, False)
+                refill(pages_, indices_, li, page0, smem, hkv, t, ntiles, j_begin, j_end, tid, pg, sl, False)
                 T.ptx["cp.async.commit_group"]()
                 if rope_ is not None:
                     if ROPE_AHEAD:  # tile t + 1's keys, in place, while the warps multiply tile t's
@@ -976,11 +983,7 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         else:  # ROPE_OWN: a warp's rows of a tile are its own (the block meets only after the loop)
             for t in T.serial(ntiles):
                 T.evaluate(T.cuda.func_call(SYNCWARP, source_code=SYNCWARP_SRC))  # step t - 1 read its stage
-                if t + STAGES - 1 < ntiles:
-                    issue(pages_, smem, hkv, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid,
-                          pg, sl, 0, True)
-                    if t + STAGES < ntiles:
-                        lookup(indices_, li, page0, j_begin + (t + STAGES) * BK, j_end, tid, pg, sl, 0, True)
+                refill(pages_, indices_, li, page0, smem, hkv, t, ntiles, j_begin, j_end, tid, pg, sl, True)
                 T.ptx["cp.async.commit_group"]()
                 T.ptx["cp.async.wait_group"](STAGES - 1)  # this thread's copies of tile t have landed
                 rope_own_tile(smem, t % STAGES, tid, rope_step, rope_cs)
