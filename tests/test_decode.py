@@ -163,6 +163,14 @@ def test_decode_schedule_validation():
         paged_decode(AttentionConfig(8, 2, 64, v_head_dim=128))
 
 
+def test_paged_decode_cpu_prefetches_next_step():
+    """The CPU decode asks for the next step's K/V rows in L2 (x86 prefetcht1) while it computes
+    the current step (decode.CPU_PREFETCH_LOCALITY); tests above check that the results are unchanged."""
+    config = AttentionConfig(9, 3, 64, dtype="float32", page_size=16, target="llvm")
+    module = tvm.compile(tvm.IRModule({"decode": paged_decode(config)}), target=config.tvm_target())
+    assert "prefetcht1" in module.mod.inspect_source("asm")
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_paged_decode_cuda_codegen(dtype, head_dim):
