@@ -361,6 +361,12 @@ def table_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
         q = T.Cast("int32x16", qs[row, T.ramp(s * half, 1, 16)])
         return T.call_llvm_pure_intrin(f32x16, permute, table, q >> T.broadcast(shift, 16) if shift else q)
 
+    def accumulate(acc, low, high):
+        """acc + the block's two halves. A tile of one row adds their sum (one dependent add a
+        block; acc + low + high is two dependent FMAs, which bound a single row's loop); tiles of
+        more rows have independent chains to overlap and add in turn (one instruction fewer)."""
+        return acc + (low + high) if nr == 1 else acc + low + high
+
     @T.macro
     def body(x, qs, d, m, y):
         for chunk in T.parallel(i64(n // nb)):
@@ -373,11 +379,12 @@ def table_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
                     acc[r, T.ramp(0, 1, 16)] = T.broadcast(T.float32(0.0), 16)
                 for s in range(i64(nsb)):
                     for r in T.unroll(nr):
-                        acc[r, T.ramp(0, 1, 16)] = (acc[r, T.ramp(0, 1, 16)]
-                                                    + lookup(scale, offset, qs, chunk * nb + tile * nr + r, r, s, 0)
-                                                    * x[0, T.ramp(s * BLOCK, 1, 16)]
-                                                    + lookup(scale, offset, qs, chunk * nb + tile * nr + r, r, s, 4)
-                                                    * x[0, T.ramp(s * BLOCK + 16, 1, 16)])
+                        acc[r, T.ramp(0, 1, 16)] = accumulate(
+                            acc[r, T.ramp(0, 1, 16)],
+                            lookup(scale, offset, qs, chunk * nb + tile * nr + r, r, s, 0)
+                            * x[0, T.ramp(s * BLOCK, 1, 16)],
+                            lookup(scale, offset, qs, chunk * nb + tile * nr + r, r, s, 4)
+                            * x[0, T.ramp(s * BLOCK + 16, 1, 16)])
                 for r in T.unroll(nr):  # each row's 16 lanes summed as a tree of halves
                     acc[r, T.ramp(0, 1, 8)] = acc[r, T.ramp(0, 1, 8)] + acc[r, T.ramp(8, 1, 8)]
                     acc[r, T.ramp(0, 1, 4)] = acc[r, T.ramp(0, 1, 4)] + acc[r, T.ramp(4, 1, 4)]
