@@ -11,9 +11,10 @@ any lengths); a request of one split writes o / lse directly and the merge skips
 On the CPU the same code runs with one thread per block: every (request, head chunk, split)
 block is a task of one parallel loop (so batch 1 with few KV heads still splits its keys over
 the cores), a thread reads rows_per_thread rows per step (and prefetches the next step's rows
-into L2 meanwhile), and its element loops are vector loops (q . k in VL-lane partial sums, added pairwise); the merge of
-the splits is a serial loop below CPU_PARALLEL_MERGE_ROWS (request, head) rows (batch 1 of
-SmolLM2: 9 rows, under a microsecond, where a parallel region is a fork / join of the pool).
+into L2 meanwhile), and its element loops are vector loops (q . k in VL-lane partial sums,
+added pairwise); the merge of the splits is a serial loop below CPU_PARALLEL_MERGE_ROWS
+(request, head) rows (batch 1 of SmolLM2: 9 rows, under a microsecond, where a parallel region
+is a fork / join of the pool).
 
 Per block (`split_kernel`): `attend` = `load_q`, then per step of TILE rows `load_kv`,
 `scores` and `accumulate` (online softmax, softmax.py); then `combine_rows` merges the row
