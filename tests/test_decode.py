@@ -117,11 +117,13 @@ CPU_SPLIT_SCHEDULES = [
                    min_split_keys=100),
     DecodeSchedule(lanes=1, rows=1, rows_per_thread=16, heads_per_block=3, max_splits=5, target_blocks=64,
                    min_split_keys=64),
+    # row tiles (rows_per_thread == decode.CPU_LANES) of one head a block
+    DecodeSchedule(lanes=1, rows=1, rows_per_thread=16, heads_per_block=1, max_splits=3, target_blocks=8),
 ]
 
 
 @pytest.mark.parametrize("sched", CPU_SPLIT_SCHEDULES, ids=["default", "hb1-x16", "hb3-x5", "hb1-x16-m100",
-                                                            "hb3-x5-m64"])
+                                                            "hb3-x5-m64", "hb1-tiles-x3"])
 @pytest.mark.parametrize("lengths,sliding", [([700], False), ([5], False), ([0, 300, 33], False), ([400, 90], True),
                                              ([700, 5, 0, 300, 33, 129, 64, 17], False)],
                          ids=["1x700", "1x5", "3-ragged", "sliding", "8-ragged"])

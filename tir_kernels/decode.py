@@ -50,6 +50,20 @@ CACHE_LINE_BYTES = 64
 _EXP2_POLY = (1.0, 0.6931472, 0.24022646, 0.05550329, 0.00961852, 0.0013399861, 0.00015337577)
 
 
+# CPU row tiles (`_attend_cpu_macro`): float32 lanes of a vector, which is also the rows of a
+# step (one score vector a head: lane r is row r's q . k)
+CPU_LANES = 16
+
+
+def _halving_shuffles(width: int) -> tuple[list[int], list[int]]:
+    """Shuffle indices that pair two vectors of CPU_LANES lanes holding rows of `width` lanes
+    each (lanes 0..2 * CPU_LANES - 1 of their concatenation): the low and the high half of
+    every row, so that their sum holds the same rows, in order, at width / 2 lanes each."""
+    half = width // 2
+    low = [start + i for start in range(0, 2 * CPU_LANES, width) for i in range(half)]
+    return low, [i + half for i in low]
+
+
 def exp2_vector(x):
     """2**x (float32) in arithmetic that LLVM vectorizes (exp2f is a library call per lane):
     x clamped to [-126, 126], 2**round(x) from the exponent bits times a polynomial of the rest.
@@ -114,6 +128,12 @@ class _Dims:
     @property
     def CHUNKS(self) -> int:  # blocks per KV head along the GQA group
         return self.G // self.HB
+
+    @property
+    def CPU_TILES(self) -> bool:
+        """CPU: attend by row tiles (`_attend_cpu_macro`): head dims of whole vectors and steps of
+        CPU_LANES rows (the CPU schedule's rows_per_thread; another count takes `attend`)."""
+        return not self.gpu and self.D % CPU_LANES == 0 and self.RPT == CPU_LANES and self.ROWS == 1
 
     @property
     def TILE(self) -> int:  # KV rows a block consumes per step
@@ -335,6 +355,134 @@ def _attend_macro(dims: _Dims, L):
     return attend
 
 
+def _attend_cpu_macro(dims: _Dims, L):
+    """attend_cpu: `attend` on the CPU for a block's whole GQA group, by row tiles (dims.CPU_TILES;
+    no inline RoPE). A step reads CPU_LANES = V rows in place from their pages (no copy) and, per
+    head: the V rows' q . k as V-lane partial sums, reduced to one vector of V scores (lane r:
+    row r) by a tree of shuffles (15 shuffle pairs for V rows, against a horizontal sum a row);
+    the online softmax on that vector (one max and one exp2_vector for V rows); then o += p v
+    with each V-lane slice of o a register accumulating the V rows. Rows past the end read the
+    last visible row and get the lowest score (probability 0)."""
+    D, G, HB, CHUNKS, ps, sliding = dims.D, dims.G, dims.HB, dims.CHUNKS, dims.ps, dims.sliding
+    V = CPU_LANES
+    fv = f"float32x{V}"
+    sm = softmax_macros(L)
+    load_q, _, prefetch_kv = _load_macros(dims, L)
+    low16, high16 = _halving_shuffles(16)
+    low8, high8 = _halving_shuffles(8)
+    low4, high4 = _halving_shuffles(4)
+    low2, high2 = _halving_shuffles(2)
+    rotate8, rotate4, rotate2, rotate1 = ([(i + n) % V for i in range(V)] for n in (8, 4, 2, 1))
+
+    def lanes(buf, at):
+        """buf[at : at + V] as a vector."""
+        return buf[T.ramp(at, 1, V)]
+
+    def kv_row(pages_, kv, page, slot, hkv, c):
+        """Lanes c * V.. of the K (kv = 0) or V (kv = 1) row at (page, slot), as float32."""
+        return T.Cast(fv, pages_[page, kv, hkv, slot, T.ramp(c * V, 1, V)])
+
+    def pair(buf, a, b, low, high):
+        return T.Shuffle([lanes(buf, a), lanes(buf, b)], low) + T.Shuffle([lanes(buf, a), lanes(buf, b)], high)
+
+    def dot_partials(q_loc, h, pages_, page, slot, hkv):
+        """The V-lane partial sums of q(head h) . K(page, slot): sum over the row's D / V slices."""
+        total = None
+        for c in range(D // V):
+            term = lanes(q_loc, h * D + c * V) * kv_row(pages_, 0, page, slot, hkv, c)
+            total = term if total is None else total + term
+        return total
+
+    def weighted_rows(o_loc, p_loc, h, c, pages_, page_loc, slot_loc, hkv):
+        """o(head h)[c * V : (c + 1) * V] + sum over the step's rows r of p[h, r] * V_r (in row order)."""
+        total = lanes(o_loc, h * D + c * V)
+        for r in range(V):
+            total = total + T.broadcast(p_loc[h * V + r], V) * kv_row(pages_, 1, page_loc[r], slot_loc[r], hkv, c)
+        return total
+
+    @T.macro
+    def reduce_rows(part_):
+        """part_[0 : V] <- lane r: the sum of the V lanes of part_[r * V : (r + 1) * V]
+        (a tree: the rows' widths halve at each of its 4 levels, in place)."""
+        for i in T.unroll(8):
+            part_[T.ramp(i * V, 1, V)] = pair(part_, 2 * i * V, (2 * i + 1) * V, low16, high16)
+        for i in T.unroll(4):
+            part_[T.ramp(i * V, 1, V)] = pair(part_, 2 * i * V, (2 * i + 1) * V, low8, high8)
+        for i in T.unroll(2):
+            part_[T.ramp(i * V, 1, V)] = pair(part_, 2 * i * V, (2 * i + 1) * V, low4, high4)
+        part_[T.ramp(0, 1, V)] = pair(part_, 0, V, low2, high2)
+
+    @T.macro
+    def fold(buf_, op):
+        """buf_[0] <- op over buf_[0 : V]: op with the vector's lanes rotated by 8, 4, 2, 1
+        (whole-vector accesses of one small buffer, which LLVM keeps in a register)."""
+        buf_[T.ramp(0, 1, V)] = op(lanes(buf_, 0), T.Shuffle([lanes(buf_, 0)], rotate8))
+        buf_[T.ramp(0, 1, V)] = op(lanes(buf_, 0), T.Shuffle([lanes(buf_, 0)], rotate4))
+        buf_[T.ramp(0, 1, V)] = op(lanes(buf_, 0), T.Shuffle([lanes(buf_, 0)], rotate2))
+        buf_[T.ramp(0, 1, V)] = op(lanes(buf_, 0), T.Shuffle([lanes(buf_, 0)], rotate1))
+
+    @T.macro
+    def attend_cpu(q_, pages_, indptr_, indices_, length_info_, q_pos_, rope_scale_, rope_theta_, sm_scale_, b_,
+                   hc_, kv_len, split_, nsplit_, row_m_, row_d_, row_o_):
+        """`attend` (one row group) for dims.CPU_TILES, without RoPE."""
+        hkv = hc_ // CHUNKS
+        h0 = hkv * G + (hc_ % CHUNKS) * HB
+        q_loc = T.alloc_buffer((HB * D,), "float32", scope=L.local)
+        o_loc = T.alloc_buffer((HB * D,), "float32", scope=L.local)
+        m_loc = T.alloc_buffer((HB,), "float32", scope=L.local)
+        d_loc = T.alloc_buffer((HB,), "float32", scope=L.local)
+        p_loc = T.alloc_buffer((HB * V,), "float32", scope=L.local)  # the step's probabilities
+        part = T.alloc_buffer((V * V,), "float32", scope=L.local)  # one head's row partial sums
+        red = T.alloc_buffer((V,), "float32", scope=L.local)
+        alpha = T.alloc_buffer((1,), "float32", scope=L.local)
+        page_loc = T.alloc_buffer((V,), "int32", scope=L.local)
+        slot_loc = T.alloc_buffer((V,), "int32", scope=L.local)
+        page_begin = indptr_[b_]
+        split_len = ceildiv(kv_len, nsplit_)
+        j_begin = T.min(split_ * split_len, kv_len)
+        j_end = T.min(j_begin + split_len, kv_len)
+        sm.init(m_loc, d_loc, o_loc, HB, D)
+        load_q(q_, b_, h0, 0, q_pos_, False, rope_scale_, rope_theta_, sm_scale_, q_loc)
+        for step in T.serial(ceildiv(j_end - j_begin, V)):
+            prefetch_kv(pages_, indices_, length_info_, page_begin, b_, hkv,
+                        j_begin + (step + CPU_PREFETCH_STEPS) * V, j_end, 0)
+            for r in T.unroll(V):
+                page_loc[r] = indices_[page_begin + paged_position(
+                    T.min(j_begin + step * V + r, j_end - 1), length_info_, b_, sliding) // ps]
+                slot_loc[r] = paged_position(T.min(j_begin + step * V + r, j_end - 1), length_info_, b_, sliding) % ps
+            for h in T.serial(HB):
+                for r in T.unroll(V):
+                    part[T.ramp(r * V, 1, V)] = dot_partials(q_loc, h, pages_, page_loc[r], slot_loc[r], hkv)
+                reduce_rows(part)
+                # base-2 scores; rows from j_end on: the lowest float
+                part[T.ramp(0, 1, V)] = T.Select(
+                    T.ramp(j_begin + step * V, 1, V) >= T.broadcast(j_end, V),
+                    T.broadcast(T.min_value("float32"), V), lanes(part, 0))
+                red[T.ramp(0, 1, V)] = lanes(part, 0)
+                fold(red, T.max)
+                # softmax.update with exp2_vector's arithmetic: alpha = exp2(m - m_new)
+                alpha[0] = exp2_vector(m_loc[h] - T.max(m_loc[h], red[0]))
+                m_loc[h] = T.max(m_loc[h], red[0])
+                for r in T.vectorized(V):
+                    p_loc[h * V + r] = exp2_vector(part[r] - m_loc[h])
+                red[T.ramp(0, 1, V)] = lanes(p_loc, h * V)
+                fold(red, lambda a, b: a + b)
+                d_loc[h] = d_loc[h] * alpha[0] + red[0]
+                for e in T.vectorized(D):
+                    o_loc[h * D + e] = o_loc[h * D + e] * alpha[0]
+            for h in T.serial(HB):
+                for c in T.unroll(D // V):
+                    o_loc[T.ramp(h * D + c * V, 1, V)] = weighted_rows(o_loc, p_loc, h, c, pages_, page_loc, slot_loc,
+                                                                       hkv)
+        for h in T.serial(HB):
+            row_m_[h] = m_loc[h]
+            row_d_[h] = d_loc[h]
+            for e in T.vectorized(D):
+                row_o_[h * D + e] = o_loc[h * D + e]
+
+    return attend_cpu
+
+
 def _merge_macros(dims: _Dims, L):
     """combine_rows (the row groups of a block) and merge_splits(indptr_, length_info_, o_part_,
     lse_part_, O_, lse_) (the splits of each request that took more than one)."""
@@ -445,6 +593,7 @@ def _split_kernel_macro(dims: _Dims, L):
     dtype, D, Hq, Hkv, shared = dims.dtype, dims.D, dims.Hq, dims.Hkv, dims.shared
     LANES, ROWS, HB = dims.LANES, dims.ROWS, dims.HB
     attend = _attend_macro(dims, L)
+    attend_cpu = _attend_cpu_macro(dims, L)
     combine_rows, _ = _merge_macros(dims, L)
 
     @T.macro
@@ -459,9 +608,13 @@ def _split_kernel_macro(dims: _Dims, L):
                 kv_len = dims.kv_len(indptr_, length_info_, b)
                 nsplit = dims.request_splits(batch, kv_len)
                 if split < nsplit:  # (uniform over the block: its syncs stay whole)
-                    attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_,
-                           rotate_, rope_scale_, rope_theta_, sm_scale_,
-                           b, hc, kv_len, split, nsplit, ty, tx, row_m, row_d, row_o)
+                    if dims.CPU_TILES and not rotate_:
+                        attend_cpu(q_, pages_, indptr_, indices_, length_info_, q_pos_, rope_scale_, rope_theta_,
+                                   sm_scale_, b, hc, kv_len, split, nsplit, row_m, row_d, row_o)
+                    else:
+                        attend(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_,
+                               rotate_, rope_scale_, rope_theta_, sm_scale_,
+                               b, hc, kv_len, split, nsplit, ty, tx, row_m, row_d, row_o)
                     if dims.gpu:
                         T.tvm_storage_sync("shared")
                     if nsplit == 1:
