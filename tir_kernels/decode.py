@@ -28,8 +28,8 @@ import dataclasses
 
 from tvm.script import tirx as T
 
-from .common import (CPU_SCRATCH_SCOPE, EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, length_info_shape, loop_kinds,
-                     paged_position, rope_value)
+from .common import (CPU_SCRATCH_SCOPE, EMPTY_LSE, LOG2E, ceildiv, exp2_vector, kv_chunk_len, length_info_shape,
+                     loop_kinds, paged_position, rope_value)
 from .config import AttentionConfig, RopeScaling
 from .schedules import (DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_schedule, choose_decode_variant,
                         tc_decode_applies)
@@ -46,10 +46,6 @@ CPU_PREFETCH_LOCALITY = 2
 CPU_PREFETCH_STEPS = 1  # how many steps ahead
 CACHE_LINE_BYTES = 64
 
-# 2**f on [-0.5, 0.5]: degree-6 fit of the relative error (1e-7 evaluated in float32, as exp2f)
-_EXP2_POLY = (1.0, 0.6931472, 0.24022646, 0.05550329, 0.00961852, 0.0013399861, 0.00015337577)
-
-
 # CPU row tiles (`_attend_cpu_macro`): float32 lanes of a vector, which is also the rows of a
 # step (one score vector a head: lane r is row r's q . k)
 CPU_LANES = 16
@@ -62,19 +58,6 @@ def _halving_shuffles(width: int) -> tuple[list[int], list[int]]:
     half = width // 2
     low = [start + i for start in range(0, 2 * CPU_LANES, width) for i in range(half)]
     return low, [i + half for i in low]
-
-
-def exp2_vector(x):
-    """2**x (float32) in arithmetic that LLVM vectorizes (exp2f is a library call per lane):
-    x clamped to [-126, 126], 2**round(x) from the exponent bits times a polynomial of the rest.
-    The CPU decode's probabilities; accurate to about 1e-7 relative (below 2**-126: 2**-126)."""
-    xc = T.min(T.max(x, T.float32(-126.0)), T.float32(126.0))
-    n = T.nearbyint(xc)
-    f = xc - n
-    poly = T.float32(_EXP2_POLY[-1])
-    for c in reversed(_EXP2_POLY[:-1]):
-        poly = poly * f + T.float32(c)
-    return poly * T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
 
 
 def _check(config: AttentionConfig) -> None:

@@ -12,7 +12,10 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   A reduction over one static row (decode's RMSNorm of [1, 1, hidden]) is left to plain loops
   (`SingleRowReduction`): dlight's CPU Reduction rule makes the weight cast's hidden axis its
   parallel loop and recomputes the whole norm inside it, hidden-size times the work (SmolLM2:
-  0.8 ms per norm, 61 per decode step).
+  0.8 ms per norm, 61 per decode step). Last, `cpu_elementwise.CPUElementwise` for the
+  elementwise functions: inlined into one loop that LLVM vectorizes (parallel chunks when
+  large), float32 SiLU legalized with a polynomial exp (`cpu_elementwise.cpu_legalize`, before
+  TVM's LegalizeOps): SmolLM2's decode SiLU-and-multiply 5.4 -> 0.4 us.
 - on CUDA, with `small_batch_matmul` (BuildOptions.small_batch_matmul, on by default), before
   dlight's default rules: `SmallBatchMatmul` for the matmuls of batch_decode / decode_step
   (`[batch_size, 1, K] x [N, K]^T`, symbolic batch_size). Without it they get dlight's Matmul
@@ -262,16 +265,20 @@ def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True) -
     else:
         from tvm.relax.backend.cpu_generic import pipeline as backend
 
+        from .cpu_elementwise import CPUElementwise, cpu_legalize
         from .cpu_matmul import CPUMatmul
 
         # CPUMatmul first: it leaves single-token (static) matmuls to GEMV
-        schedule = [dl.ApplyDefaultSchedule(CPUMatmul(), dl.cpu.GEMV(), SingleRowReduction(), dl.cpu.Reduction())]
+        schedule = [dl.ApplyDefaultSchedule(CPUMatmul(), dl.cpu.GEMV(), SingleRowReduction(), dl.cpu.Reduction(),
+                                            CPUElementwise())]
         decode_gemv = None
 
     @tvm.transform.module_pass(opt_level=0, name="TvmattnModelPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         with target:
             legalize = list(backend.legalize_passes(target))
+            if target.kind.name != "cuda":  # the CPU's own legalizations first (cpu_elementwise)
+                legalize.insert(0, cpu_legalize())
             if decode_gemv is not None:  # the last legalize pass is dlight's default schedule
                 legalize.insert(len(legalize) - 1, decode_gemv)
             passes = ([relax.transform.FuseTransposeMatmul()] + backend.library_dispatch_passes(target)
