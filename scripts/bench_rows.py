@@ -134,6 +134,7 @@ POINT_FIELDS = ("batch", "seq_len", "qo_len", "tree", "history", "prompt", "new_
 # Benchmarks whose `variant` names the configuration (quantization, target/dtype, speculative mode);
 # elsewhere it describes the schedule that ran (and "cuda-graph ..." a replay of the same calls).
 VARIANT_NAMES_CONFIG = ("cpu", "e2e", "cache", "speculative")
+GRAPH_PREFIX = "cuda-graph"  # the variant of a row timed as a CUDA-graph replay
 # Rows of schedule sweeps (tune_decode.py, --*-variants: the impl names a schedule) and of our
 # fallback kernels forced where the dispatch picks another (CUDA cores where tensor cores run):
 # tuning data (the choice lands in tir_kernels/decode_table.json and the schedule choosers), not
