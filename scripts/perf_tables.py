@@ -7,7 +7,8 @@ each configuration and point, see scripts/bench_latest.py) and leaves the rest o
     python scripts/perf_tables.py           # rewrite the tables
     python scripts/perf_tables.py --check   # exit 1 when a table is not what the rows give
 
-Under each table a line names the rows' files and runs (commit, day). No TVM, no torch.
+Under each table of docs/performance.md a line names the rows' files and runs (commit, day); the
+README's summary names the files. No TVM, no torch.
 """
 
 from __future__ import annotations
@@ -372,7 +373,9 @@ def summary_table(rows: Rows) -> str:
     if ours:
         add(f"SmolLM2-135M Q4_1 decode on {ours.get('threads', 2)} CPU cores (tokens/s)", rate(ours, "tokens_per_s"),
             [llama and f"llama.cpp {fmt(llama['tokens_per_s'])}"])
-    return table(["what", "tvmattn", "compared with"], lines) + "\n\n" + sources(used)
+    files = ", ".join(f"`{name}`" for name in sorted({name for name, _, _ in used}))
+    return (table(["what", "tvmattn", "compared with"], lines)
+            + f"\n\nRows: {files} in `docs/bench/`; their runs and commands are in `docs/performance.md`.")
 
 
 TABLES = {
