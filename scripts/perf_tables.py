@@ -75,8 +75,9 @@ def fmt(value, digits: int = 3) -> str:
 def sources(used: set) -> str:
     """The line under a table: rows' files and runs."""
     by_file: dict = {}
-    for name, commit, day in sorted(used):
+    for name, commit, day in sorted(used, key=lambda u: (u[0], u[2], u[1]), reverse=True):
         by_file.setdefault(name, []).append(f"{commit}, {day}")
+    by_file = dict(sorted(by_file.items()))
     parts = [f"`docs/bench/{name}` ({'; '.join(dict.fromkeys(runs))})" for name, runs in by_file.items()]
     return "Rows: " + ", ".join(parts) + "."
 
