@@ -11,9 +11,8 @@
   (--len keys each).
 
 Kernel time is the device time of its kernels (torch.profiler, mean over --iters calls), not
-the host launch time. (On the H200 on 2026-12-01 the attention part ran; the matmul part, then
-compiled after CUDA was in use, ended without output: everything is now compiled first, not
-yet run there; `--only matmul` runs it alone.)
+the host launch time. Everything is compiled before CUDA is first used (a compile after that
+has failed on the GPU machine); `--only matmul` runs the matmul part alone.
 
     python scripts/bench_small_batch.py [--model scripts/smollm2-config.json] [--len 520] [--iters 20]
 """
