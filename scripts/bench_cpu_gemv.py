@@ -27,7 +27,7 @@ os.environ.setdefault("TVM_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 import tvm  # noqa: E402
 
-from tvmattn.models.quant_matmul import (  # noqa: E402
+from tvmattn.quant.matmul import (  # noqa: E402
     CPUSchedule,
     QuantMatmulConfig,
     choose_schedule,

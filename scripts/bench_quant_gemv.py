@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import tvm  # noqa: E402
 from tvm import te, tirx  # noqa: E402
 
-from tvmattn.models.quant_matmul import QuantMatmulConfig, cuda_target, kernel  # noqa: E402
+from tvmattn.quant.matmul import QuantMatmulConfig, cuda_target, kernel  # noqa: E402
 from tvmattn.weights.quant import QuantizedTensor, part_shapes  # noqa: E402
 
 # (name, format, N, K, residual): SmolLM2-135M's decode projections and its tied Q8_0 LM head

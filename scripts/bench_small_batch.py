@@ -58,7 +58,7 @@ def decode_step_matmuls(model: str, max_batch: int):
 
     from tvmattn.models import BuildOptions, export_module
     from tvmattn.models.config import model_config_from_hf
-    from tvmattn.models.pipeline import SmallBatchMatmul, _has_var
+    from tvmattn.compiler.pipeline import SmallBatchMatmul, _has_var
 
     config = model_config_from_hf(json.load(open(model)))
     options = BuildOptions(target="cuda:sm_90", dtype="float16", max_batch_size=max_batch)
@@ -84,7 +84,7 @@ def schedule(func, target, variant: str):
     from tvm.s_tir import dlight as dl
     from tvm.relax.backend.cuda import pipeline as backend
 
-    from tvmattn.models.pipeline import DecodeBatchGEMV, SmallBatchMatmul
+    from tvmattn.compiler.pipeline import DecodeBatchGEMV, SmallBatchMatmul
 
     mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     with target:

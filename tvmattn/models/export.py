@@ -38,12 +38,12 @@ from tir_kernels import tvm_target
 from tir_kernels.build import PIPELINE
 from tir_kernels.support import TargetName, dtype_problem, numpy_dtype, page_size_problem
 
+from ..compiler.pipeline import relax_pipeline
+from ..quant.linear import dequantized, packed_part, split_part_name
 from .architectures import architecture
 from .architectures import cache_spec as architecture_cache_spec
 from .config import AnyModelConfig, model_config_from_dict
 from .kv_cache import KV_CACHE_KINDS, KVCacheSpec, attention_backend_record
-from .pipeline import relax_pipeline
-from .quant_linear import dequantized, packed_part, split_part_name
 
 METADATA_FUNCTION = "_metadata"
 
@@ -99,7 +99,7 @@ class BuildOptions:
 
     def tvm_target(self) -> tvm.target.Target:
         if self.target == "llvm" and self.weight_formats:
-            from .quant_matmul import host_target
+            from ..quant.matmul import host_target
 
             # the host CPU's instructions and vector width for the fused kernels (plain "llvm" is
             # SSE2); float builds keep plain llvm: dlight's schedules take 3.5x longer to compile for it

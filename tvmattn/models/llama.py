@@ -25,10 +25,10 @@ from tvm.relax.frontend.nn import op
 
 from typing import Mapping
 
+from ..quant.linear import PART_PREFIX, QuantEmbedding, QuantLinear
 from ..weights.quant import PACKED
 from .config import ModelConfig
 from .kv_cache import KVCacheSpec, TvmattnKVCache, kv_cache_object_type, tvm_stock_kv_cache
-from .quant_linear import PART_PREFIX, QuantEmbedding, QuantLinear
 
 
 def _linear(formats: Mapping[str, str], prefix: str, in_features: int, out_features: int, bias: bool = False):

@@ -31,7 +31,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ..weights.quant import PACKED, QUANT_TYPES, QuantizedTensor, concat_rows, part_shapes
-from .quant_matmul import QuantMatmulConfig, kernel, uses_cuda_gemv
+from .matmul import QuantMatmulConfig, kernel, uses_cuda_gemv
 
 PART_PREFIX = "weight_"
 PROLOGUE_MAX_TOKENS = 4  # a GEMV takes the norm / gate in its kernel for static token counts up to this

@@ -41,7 +41,7 @@ import dataclasses
 
 from tvm.script import tirx as T
 
-from .quant_matmul import PROLOGUES
+from .matmul import PROLOGUES
 
 GEMV_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 BLOCK = 32

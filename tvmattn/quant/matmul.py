@@ -617,7 +617,7 @@ def uses_cuda_gemv(config: QuantMatmulConfig) -> bool:
     """Whether `config` runs quant_gemv_cuda's kernel: a CUDA matmul of a 32-weight block format
     for one static token (decode; also a few static tokens) or a decode batch (`few_tokens`) whose
     weight is at most CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES; else dlight's rules (`_schedule_cuda`)."""
-    from .quant_gemv_cuda import GEMV_FORMATS
+    from .gemv_cuda import GEMV_FORMATS
 
     if config.target != "cuda" or config.op != "matmul" or config.fmt not in GEMV_FORMATS:
         return False
@@ -667,7 +667,7 @@ def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.P
     if config.prologue != "none" and not uses_cuda_gemv(config):
         raise ValueError(f"{config.name}: prologue={config.prologue!r} needs the CUDA GEMV (uses_cuda_gemv)")
     if uses_cuda_gemv(config):
-        from .quant_gemv_cuda import choose_gemv_schedule, gemv_kernel
+        from .gemv_cuda import choose_gemv_schedule, gemv_kernel
 
         func = gemv_kernel(config.fmt, config.n, config.k, config.tokens, config.dtype,
                            choose_gemv_schedule(config.n, config.k, config.tokens, config.prologue),

@@ -1,0 +1,1 @@
+"""Compiling a model library: the Relax pipeline and its CPU schedule rules."""
