@@ -2,8 +2,8 @@
 
 - matmuls: the symbolic-batch projections of a model library's `decode_step` (taken from the
   exported module after legalization, so the same fused PrimFuncs), scheduled by dlight's
-  default CUDA rules ("matmul"), by models.pipeline.DecodeBatchGEMV (dlight's LowBatchGEMV)
-  with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), or by models.pipeline.SmallBatchMatmul
+  default CUDA rules ("matmul"), by compiler.pipeline.DecodeBatchGEMV (dlight's LowBatchGEMV)
+  with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), or by compiler.pipeline.SmallBatchMatmul
   (the pipeline's choice, "rows"), at batch 1, 2, 16 and 64; checked against torch (float32
   products of the same fp16 inputs).
 - decode attention: tir_kernels.paged_decode with the default CUDA-core schedule and variants

@@ -550,7 +550,7 @@ def test_build_options_quantized_weights_need_the_targets_activation_dtype():
         BuildOptions(small_batch_matmul=1)
     with pytest.raises(ValueError, match="host_avx512=1 is not supported"):
         BuildOptions(host_avx512=1)
-    from tvmattn.quant.matmul import host_cpu
+    from tvmattn.compiler.targets import host_cpu
     target = BuildOptions(weight_formats=(("lm_head", "Q4_1"),), host_avx512=True).tvm_target()
     assert target.attrs["mcpu"] == host_cpu()[0]  # AVX-512 only where asked for (and the CPU has it)
     assert "-avx512f" in list(BuildOptions(weight_formats=(("lm_head", "Q4_1"),)).tvm_target().attrs["mattr"])

@@ -19,19 +19,13 @@ import tvm
 
 gguf = pytest.importorskip("gguf")  # the reference's quantizer (absent on the GPU machine)
 
+from tvmattn.compiler.targets import cuda_target, host_has_avx512, host_target  # noqa: E402
+from tvmattn.quant.algorithms import gemv_algorithm, matmul_algorithm  # noqa: E402
+from tvmattn.quant.config import QuantMatmulConfig  # noqa: E402
+from tvmattn.quant.cpu import TABLE_GEMV_FORMATS, CPUSchedule, choose_schedule, table_gemv  # noqa: E402
 from tvmattn.quant.matmul import (  # noqa: E402 - after the gguf check: tvmattn.weights imports gguf
-    cuda_target,
-    CPUSchedule,
-    QuantMatmulConfig,
-    TABLE_GEMV_FORMATS,
-    choose_schedule,
-    gemv_algorithm,
-    host_has_avx512,
-    host_target,
     kernel,
-    matmul_algorithm,
     schedule,
-    table_gemv,
     uses_cuda_gemv,
 )
 from tvmattn.quant.gemv_cuda import CUDAGemvSchedule, choose_gemv_schedule  # noqa: E402

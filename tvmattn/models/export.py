@@ -64,7 +64,7 @@ class BuildOptions:
     weight_formats: tuple[tuple[str, str], ...] = ()
     max_batch_size: int = 4  # the most sequences of one decode_step (its storage is planned for it)
     small_batch_matmul: bool = True  # CUDA: pipeline.SmallBatchMatmul for decode_step's projections
-    # llvm with weight_formats: compile with the host's AVX-512 (quant_matmul.host_target), for
+    # llvm with weight_formats: compile with the host's AVX-512 (compiler.targets.host_target), for
     # libraries whose every matrix is kept quantized (build.py sets it; float matmuls compile slowly)
     host_avx512: bool = False
 
@@ -99,10 +99,11 @@ class BuildOptions:
 
     def tvm_target(self) -> tvm.target.Target:
         if self.target == "llvm" and self.weight_formats:
-            from ..quant.matmul import host_target
+            from ..compiler.targets import host_target
 
             # the host CPU's instructions and vector width for the fused kernels (plain "llvm" is
-            # SSE2); float builds keep plain llvm: dlight's schedules take 3.5x longer to compile for it
+            # SSE2); float builds keep plain llvm: dlight's schedules compile much slower for the
+            # host's CPU (docs/performance.md)
             return host_target(avx512=self.host_avx512)
         return tvm_target(self.target, schedule_rules=True)
 
