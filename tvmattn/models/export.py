@@ -53,7 +53,7 @@ class BuildOptions:
     """target: "llvm", "cuda" or "cuda:sm_XX"; dtype: weights and activations; page_size: KV
     page size compiled into tvmattn's kernels; kv_cache: "tvmattn" or "tvm" (TVM's stock cache);
     weight_formats: (parameter prefix, GGUF block type) of each layer kept quantized
-    (quant_linear.py; llvm with float32, cuda with float16). dtype, page size and target are checked against
+    (quant/linear.py; llvm with float32, cuda with float16). dtype, page size and target are checked against
     tir_kernels.support (ValueError). An llvm library with quantized weights is compiled for the
     host's CPU."""
 
@@ -63,7 +63,7 @@ class BuildOptions:
     kv_cache: str = "tvmattn"
     weight_formats: tuple[tuple[str, str], ...] = ()
     max_batch_size: int = 4  # the most sequences of one decode_step (its storage is planned for it)
-    small_batch_matmul: bool = True  # CUDA: pipeline.SmallBatchMatmul for decode_step's projections
+    small_batch_matmul: bool = True  # CUDA: compiler.pipeline.SmallBatchMatmul for decode_step's projections
     # llvm with weight_formats: compile with the host's AVX-512 (compiler.targets.host_target), for
     # libraries whose every matrix is kept quantized (build.py sets it; float matmuls compile slowly)
     host_avx512: bool = False
@@ -148,9 +148,9 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
     arch = architecture(config)
     model = arch.model_class(config, options.cache_spec(config), options.kv_cache, formats)
     model.to(options.dtype)
-    with options.tvm_target():  # quant_linear picks its kernels' target from this scope
+    with options.tvm_target():  # quant.linear picks its kernels' target from this scope
         mod, params = model.export_tvm(spec=model.get_default_spec())
-    if "decode_step" in arch.functions:  # storage planned for the largest batch (see pipeline.py)
+    if "decode_step" in arch.functions:  # storage planned for the largest batch (see compiler/pipeline.py)
         step = mod.get_global_var("decode_step")
         mod[step] = mod[step].with_attr("tir_var_upper_bound", {"batch_size": options.max_batch_size})
     document = json.loads(json.dumps(metadata(config, options, params)))  # JSON types, as `_metadata` returns it
@@ -161,7 +161,7 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
 
 
 def compile_module(mod: tvm.IRModule, options: BuildOptions) -> relax.VMExecutable:
-    """Compile an exported module for options' target with the model pipeline (models/pipeline.py)."""
+    """Compile an exported module for options' target with the model pipeline (compiler/pipeline.py)."""
     target = options.tvm_target()
     with target:
         # tir_kernels' pipeline: the Hopper attention kernels are lowered by TVM's TIRx pipeline
