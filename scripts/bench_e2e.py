@@ -96,7 +96,7 @@ def parse_args(argv=None):
                         "graphs as 'graph' and its own weights, beside the float16 libraries (needs a GGUF --model)")
     p.add_argument("--no-small-batch-matmul", dest="small_batch_matmul", action="store_false",
                    help="build every library with dlight's Matmul rule for decode_step's projections instead of "
-                        "pipeline.SmallBatchMatmul")
+                        "compiler.pipeline.SmallBatchMatmul")
     args = p.parse_args(argv)
     graphs = args.target == "cuda" and not args.no_cuda_graph
     args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer

@@ -2,8 +2,8 @@
 
 - matmuls: the symbolic-batch projections of a model library's `decode_step` (taken from the
   exported module after legalization, so the same fused PrimFuncs), scheduled by dlight's
-  default CUDA rules ("matmul"), by models.pipeline.DecodeBatchGEMV (dlight's LowBatchGEMV)
-  with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), or by models.pipeline.SmallBatchMatmul
+  default CUDA rules ("matmul"), by compiler.pipeline.DecodeBatchGEMV (dlight's LowBatchGEMV)
+  with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), or by compiler.pipeline.SmallBatchMatmul
   (the pipeline's choice, "rows"), at batch 1, 2, 16 and 64; checked against torch (float32
   products of the same fp16 inputs).
 - decode attention: tir_kernels.paged_decode with the default CUDA-core schedule and variants
@@ -57,7 +57,7 @@ def decode_step_matmuls(model: str, max_batch: int):
 
     from tvmattn.models import BuildOptions, export_module
     from tvmattn.models.config import model_config_from_hf
-    from tvmattn.models.pipeline import SmallBatchMatmul, _has_var
+    from tvmattn.compiler.pipeline import SmallBatchMatmul, _has_var
 
     config = model_config_from_hf(json.load(open(model)))
     options = BuildOptions(target="cuda:sm_90", dtype="float16", max_batch_size=max_batch)
@@ -83,7 +83,7 @@ def schedule(func, target, variant: str):
     from tvm.s_tir import dlight as dl
     from tvm.relax.backend.cuda import pipeline as backend
 
-    from tvmattn.models.pipeline import DecodeBatchGEMV, SmallBatchMatmul
+    from tvmattn.compiler.pipeline import DecodeBatchGEMV, SmallBatchMatmul
 
     mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     with target:

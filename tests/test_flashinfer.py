@@ -16,7 +16,7 @@ from tir_kernels import default_sm_scale
 from tvmattn import KVCacheError, PagedKVCache
 from tvmattn.flashinfer import FlashInferConfig, available, modules
 from tvmattn.flashinfer.build import _rename_exports
-from tvmattn.flashinfer.select import attention_kernels, config_for, why_not
+from tvmattn.runtime.backend_choice import attention_kernels, config_for, why_not
 from tvmattn.flashinfer.views import paged_kv_views, rebased
 from tvmattn.runtime.backends import (FlashInferPagedDecode, FlashInferPagedPrefill, FlashInferRaggedPrefill,
                                       FlashInferTensorCoreDecode, FlashInferWorkspace, PagedDecode, PagedPrefill,
@@ -398,7 +398,7 @@ def fi_model(monkeypatch, request):
         pytest.skip(f"FlashInfer modules {kinds} not built")
     import test_cache as tc
 
-    from tvmattn.flashinfer.select import flashinfer_specs
+    from tvmattn.runtime.backend_choice import flashinfer_specs
 
     _set_heads(monkeypatch, tc, *GPU_HEADS[head_dim], head_dim)
 

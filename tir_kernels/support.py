@@ -14,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 
 DTYPES = ("float16", "bfloat16", "float32")
+# the 16-bit float dtypes: what tensor cores multiply (mma.sync, wgmma), and what FlashInfer's
+# modules are built for
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 TARGET_KINDS = ("llvm", "cuda")
 TARGET_CHOICES = ("auto", "llvm", "cuda")  # plus "cuda:sm_XY"
 MAX_HEAD_DIM = 256

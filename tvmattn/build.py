@@ -238,7 +238,7 @@ def _attention_backend(attn_backend: str, spec, log: Callable[[str], None]) -> s
 def _weight_formats(config, tensors: dict | None, log: Callable[[str], None]) -> tuple[tuple[str, str], ...]:
     """(parameter prefix, block type) of every layer whose weights stay quantized (--quantization keep)."""
     from .models import hf_parameter_sources
-    from .models.quant_linear import plan_weight_formats
+    from .quant.linear import plan_weight_formats
 
     formats = plan_weight_formats(hf_parameter_sources(config), tensors or {})
     matrices = _weight_matrices(config)

@@ -54,7 +54,7 @@ def library_path(target: str, weights: Path, name: str = MODEL, quantization: st
     stat = weights.stat()
     quant = "" if quantization is None else f"|{quantization}"
     if target == "llvm":
-        from .models.quant_matmul import host_cpu
+        from .compiler.targets import host_cpu
 
         quant += f"|{host_cpu()[0]}"
     key = hashlib.sha256(f"{_sources_digest()}|{target}|{weights}|{stat.st_size}|{stat.st_mtime_ns}{quant}".encode())

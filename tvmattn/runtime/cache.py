@@ -41,8 +41,8 @@ import tvm_ffi
 
 from tir_kernels import AttentionConfig, RopeScaling
 from tir_kernels.support import cuda_arch_of, dtype_problem, numpy_dtype, page_size_problem
-from tvmattn.flashinfer.select import attention_kernels
 
+from .backend_choice import attention_kernels
 from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPrefill, RaggedPrefillTreeMask,
                        RopeMode, backend_from_spec, bind_workspace)
 from .errors import KVCacheError, as_tensor, check, check_finite, check_int, check_tensor
@@ -200,7 +200,7 @@ class PagedKVCache:
       backend: "tir" (tvmattn's kernels) or "flashinfer" (FlashInfer's modules, built by
         `python -m tvmattn.flashinfer.build`, in the prefill and decode slots; where FlashInfer
         cannot serve the cache it falls back to TIR with a logged warning, see
-        tvmattn.flashinfer.select); `self.backend` says which one runs.
+        runtime/backend_choice.py); `self.backend` says which one runs.
 
     Threads: a cache is not thread-safe. It takes no locks; its methods (and the `tvmattn.*`
     functions over it) must be called from one thread at a time, as a model's forward calls
