@@ -205,7 +205,7 @@ def _mla_cases():
         cases.append((f"mla/mla_debug_get_kv/{name}", lambda c=cfg: tk.mla_debug_get_kv(c, 3)))
         cases.append((f"mla/merge_state/{name}", lambda c=cfg: tk.merge_state(c)))
     cfg = MLAConfig(128, 512, 64, dtype="float16", target="cuda:sm_90")
-    for i, kw in enumerate((dict(m_tiles=2, col_slices=4, stages=3), dict(m_tiles=1, col_slices=1, stages=2,
+    for i, kw in enumerate((dict(m_tiles=2, col_slices=4, stages=2), dict(m_tiles=1, col_slices=1, stages=2,
                                                                           max_splits=1))):
         cases.append((f"mla_tc/{i}", lambda k=kw: tc()(cfg, tc_schedule()(**k))))
     for i, kw in enumerate((dict(tile_kv=64, stages=2, split_keys=True), dict(tile_kv=32, stages=4, pingpong=False),
