@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import loop_kinds
+from .common import ceildiv, loop_kinds
 from .config import MLAConfig
 from .page_ops import num_blocks
 from .schedules import CopySchedule, choose_copy_schedule
