@@ -1,7 +1,10 @@
 """The shape of the source tree: limits the developers' guide sets, checked from the code."""
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "tir_kernels"
@@ -75,3 +78,15 @@ def test_tir_kernels_imports_form_no_cycle_and_never_reach_tvmattn():
 
     for name in sorted(graph):
         visit(name)
+
+
+def test_loading_the_build_submodule_keeps_the_build_function():
+    """`tir_kernels.build` is the compile function even where the submodule of that name was
+    loaded first (as the kernels that import its constants, and `import tir_kernels.build`, do):
+    the import system binds a loaded submodule on its package, which must not hide the export."""
+    code = ("import tir_kernels, tir_kernels.build, tir_kernels.prefill\n"
+            "from tir_kernels import build\n"
+            "assert callable(build) and build is tir_kernels.build, build\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr
