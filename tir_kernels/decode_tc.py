@@ -3,7 +3,7 @@
 `paged_decode_tc(config)` returns the PrimFunc of `decode.paged_decode` (same parameters,
 argument order, semantics and global symbol; its docstring is the contract), computed with
 `mma.sync.aligned.m16n8k16` and fp32 accumulation, the instructions and shared-memory layout of
-prefill_sm80 (they also run on sm_90, which is how the H200 runs them).
+mma.py, which prefill_sm80 shares (they also run on sm_90, which is how the H200 runs them).
 
 Work mapping: a block serves one request, one KV head and one split of the request's visible
 keys (blockIdx = request, KV head, split slot). The grid's split slots per request are chosen at
@@ -219,7 +219,8 @@ class _Layout:
     attribute; the macro factories below unpack the ones their macros read."""
 
     def __init__(self, config: AttentionConfig, sched: TensorCoreDecodeSchedule):
-        dtype, G, D, ps, sliding = config.dtype, config.group_size, config.head_dim, config.page_size, config.sliding_window
+        dtype, G, D, ps = config.dtype, config.group_size, config.head_dim, config.page_size
+        sliding = config.sliding_window
         Hq, Hkv = config.num_qo_heads, config.num_kv_heads
         NW, KPW, STAGES, QREG = sched.warps, sched.keys_per_warp, sched.stages, sched.q_in_registers
         BK, NT = sched.tile_kv, sched.num_threads
