@@ -1656,8 +1656,8 @@ def mla_decode_kernels(config, anchors=("tvmattn-simt", "tvm"), variants: bool =
     skip."""
     import tir_kernels
     from tir_kernels.mla_sm90 import choose_mla_wgmma_schedule, mla_paged_decode_wgmma, mla_wgmma_decode_problem
-    from tir_kernels.mla_tc import (choose_mla_decode_kernel, choose_mla_tc_schedule, mla_paged_decode_auto,
-                                    mla_paged_decode_tc, supports_tc)
+    from tir_kernels.mla import choose_mla_decode_kernel, mla_paged_decode_auto
+    from tir_kernels.mla_tc import choose_mla_tc_schedule, mla_paged_decode_tc, supports_tc
 
     built = []
     variant = ("tc:" + schedule_summary(choose_mla_tc_schedule(config))) if supports_tc(config) else "simt"
