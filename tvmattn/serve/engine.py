@@ -95,6 +95,7 @@ class RequestStream:
         self._loop = loop
         self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self.done = False
+        self.output: RequestOutput | None = None  # set by the last event read
 
     def put(self, event: Event) -> None:
         if self._loop is not None:
@@ -109,21 +110,21 @@ class RequestStream:
         while not self.done:
             event = self._queue.get()
             if event.finish_reason is not None:
-                self.done = True
+                self.done, self.output = True, event.output
             yield event
 
     async def __aiter__(self):
         while not self.done:
             event = await self._async.get()
             if event.finish_reason is not None:
-                self.done = True
+                self.done, self.output = True, event.output
             yield event
 
     def result(self) -> RequestOutput:
-        last = None
-        for event in self:
-            last = event
-        return last.output
+        """The RequestOutput, after reading (blocking) the events not read yet."""
+        for _ in self:
+            pass
+        return self.output
 
 
 class Request:
@@ -231,6 +232,8 @@ class Engine:
         # counters (read by /metrics)
         self.steps = 0
         self.preemptions = 0
+        self.drafted = 0  # speculative draft tokens verified, and accepted
+        self.accepted = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.snapshot = {"running": 0, "waiting": 0, "pages_free": runner.num_pages, "pages_total": runner.num_pages}
@@ -503,6 +506,8 @@ class Engine:
                 if c.tree is None:
                     self._choose(r, lg[0])
                     continue
+                self.drafted += c.tree.num_drafts
+                self.accepted += len(path) - 1
                 r.draft_limit = next_draft_len(r.draft_limit, len(path) - 1, tree_depth(c.tree),
                                                self.speculative.draft_len)
                 for token in [c.tree.tokens[n] for n in path[1:]] + [bonus]:
