@@ -534,6 +534,9 @@ class Engine:
 
     def _choose(self, r: Request, row: np.ndarray) -> None:
         mask = r.grammar.allowed() if r.grammar is not None else None
+        if mask is not None and not mask.any():  # no token continues the constrained text
+            self._retire(r, "stop")
+            return
         token, record = r.sampler.choose(row, mask)
         self._emit(r, token, record)
 
