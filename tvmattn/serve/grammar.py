@@ -90,12 +90,11 @@ def compile_schema(schema, where: str = "schema") -> Schema:
 # number; ("S", escape) a string; ("OK", schema, seen, first) a key or '}'; ("K", schema, seen,
 # partial, escape) inside a key; ("C", schema, seen, key) ':'; ("OA", schema, seen) ',' or '}';
 # ("AF", schema) a first item or ']'; ("AA", schema) ',' or ']'; ("END",) complete.
-_NUMBER = {  # state -> {character class: next state}
-    "sign": {"0": "zero", "d": "int"}, "zero": {".": "dot", "e": "e"}, "int": {"0": "int", "d": "int", ".": "dot",
-                                                                               "e": "e"},
-    "dot": {"0": "frac", "d": "frac"}, "frac": {"0": "frac", "d": "frac", "e": "e"},
-    "e": {"+": "esign", "-": "esign", "0": "exp", "d": "exp"}, "esign": {"0": "exp", "d": "exp"},
-    "exp": {"0": "exp", "d": "exp"}}
+_NUMBER = {  # state -> {character class (0: zero, D: 1-9, E: e or E, and . + -): next state}
+    "sign": {"0": "zero", "D": "int"}, "zero": {".": "dot", "E": "e"},
+    "int": {"0": "int", "D": "int", ".": "dot", "E": "e"}, "dot": {"0": "frac", "D": "frac"},
+    "frac": {"0": "frac", "D": "frac", "E": "e"}, "e": {"+": "esign", "-": "esign", "0": "exp", "D": "exp"},
+    "esign": {"0": "exp", "D": "exp"}, "exp": {"0": "exp", "D": "exp"}}
 _NUMBER_DONE = {"zero", "int", "frac", "exp"}
 _HEX = set("0123456789abcdefABCDEF")
 
@@ -104,10 +103,10 @@ def _number_class(ch: str) -> str:
     if ch == "0":
         return "0"
     if "1" <= ch <= "9":
-        return "d"
+        return "D"
     if ch in "eE":
-        return "e"
-    return ch
+        return "E"
+    return ch if ch in ".+-" else "?"
 
 
 def _keys_left(schema: Schema, seen: frozenset) -> list[str] | None:
@@ -165,7 +164,7 @@ def step(stack: tuple, ch: str) -> tuple | None:
         integer, state = top[1], top[2]
         cls = _number_class(ch)
         following = _NUMBER[state].get(cls)
-        if following is not None and not (integer and cls in ".e"):
+        if following is not None and not (integer and cls in ".E"):
             return rest + (("N", integer, following),)
         if state in _NUMBER_DONE:
             return step(rest, ch)
@@ -213,11 +212,11 @@ def step(stack: tuple, ch: str) -> tuple | None:
     if kind == "AF":
         if ch == "]":
             return rest
-        return step(rest + (("AA", top[1]), ("V", top[1].items)), ch)
+        return step(rest + (("AA", top[1]), ("V", top[1].items or ANY)), ch)
     if kind == "AA":
         if ch == "]":
             return rest
-        return rest + (("AA", top[1]), ("V", top[1].items)) if ch == "," else None
+        return rest + (("AA", top[1]), ("V", top[1].items or ANY)) if ch == "," else None
     return None  # END: nothing may follow
 
 
