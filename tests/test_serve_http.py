@@ -370,3 +370,33 @@ def test_sigterm_drains_and_exits_zero(library, tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_chat_command_streams_answers_and_resets(library):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "tvmattn", "chat", "--lib", str(library), "--max-tokens", "5"],
+                          input="hello\nworld again\n/reset\nhello\n/exit\n", env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "(conversation reset)" in done.stdout
+    answers = [line for line in done.stdout.split("> ") if line.strip() and "reset" not in line]
+    # the first question asked again after /reset gets the same (greedy) answer
+    assert len(answers) >= 3 and answers[0] == answers[2]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--lib", "/no/such.so"], "no such file"),
+    (["serve", "--lib", "X.so", "--port", "70000"], "port"),
+    (["serve", "--lib", "X.so", "--max-total-tokens", "0"], "positive integer"),
+    (["serve", "--lib", "X.so", "--kv-cache-memory", "lots"], "fraction"),
+    (["chat", "--model", "smollm2", "--lib", "X.so"], "not allowed with"),
+])
+def test_serve_command_errors_are_one_line(argv, message, capsys):
+    from tvmattn.__main__ import main
+
+    try:
+        status = main(argv)
+    except SystemExit as exit_:
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err and "Traceback" not in err

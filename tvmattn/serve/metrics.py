@@ -27,6 +27,10 @@ class EngineMetrics:
         self.pages_free = Gauge("tvmattn_kv_pages_free", "KV-cache pages free", registry=r)
         self.hit_rate = Gauge("tvmattn_prefix_cache_hit_rate",
                               "Prompt tokens found in the prefix cache / prompt tokens looked up", registry=r)
+        self.hit_tokens = Gauge("tvmattn_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache so far",
+                                registry=r)
+        self.queried_tokens = Gauge("tvmattn_prefix_cache_queried_tokens", "Prompt tokens looked up so far",
+                                    registry=r)
         self.preemptions = Gauge("tvmattn_preemptions", "Requests preempted (recomputed later) so far", registry=r)
         self.ttft = Histogram("tvmattn_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
@@ -51,6 +55,8 @@ class EngineMetrics:
         self.pages_free.set(snap["pages_free"])
         self.pages_used.set(snap["pages_total"] - snap["pages_free"])
         self.hit_rate.set(e.prefix.hit_rate if e.prefix is not None else 0.0)
+        self.hit_tokens.set(e.prefix.hit_tokens if e.prefix is not None else 0)
+        self.queried_tokens.set(e.prefix.queried_tokens if e.prefix is not None else 0)
         self.preemptions.set(e.preemptions)
         with self._lock:
             generated, prompt = e.generated_tokens, e.prompt_tokens
