@@ -356,3 +356,26 @@ def test_radix_tree_splits_edges_and_evicts_least_recently_used_leaves():
     assert tree.evict_one() and removed == [102]
     assert tree.evict_one() and removed == [102, 100]
     assert tree.evict_one() and removed == [102, 100, 101] and not tree.evict_one()
+
+
+@pytest.mark.gpu
+def test_cuda_engine_replays_decode_graphs_and_keeps_the_greedy_tokens(tmp_path):
+    from test_weights import write_tiny_gguf
+
+    from tvmattn.build import compile_model
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", np.random.default_rng(7))
+    library = compile_model(str(tmp_path / "tiny.gguf"), tmp_path / "tiny.so", target="cuda", max_batch_size=8,
+                            prefill_chunk=64, log=lambda _m: None).library
+    engine = make_engine(library, max_batched_tokens=32)
+    assert engine.runner.generator.uses_cuda_graph
+    reference_generator = Generator(library, cuda_graph=False)
+    reference_generator.stop_ids = set()
+    work = prompts(16, [5, 40, 90, 12, 33])
+    requests = [engine.submit(p, greedy(16)) for p in work]
+    run_all(engine)
+    assert engine.runner.generator._graphs.replays > 0
+    for prompt, request in zip(work, requests):
+        expected = reference_generator.generate_tokens([prompt], 16).tokens[0]
+        assert request.stream.result().tokens == expected
+    assert_no_leak(engine)

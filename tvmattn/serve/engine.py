@@ -179,7 +179,7 @@ class Engine:
     """See the module docstring.
 
     runner: the loaded model; max_batched_tokens: tokens per step (at most the library's prefill
-    chunk; default min(prefill chunk, 512)); max_running: requests with a cache sequence at once
+    chunk; default the Generator's prefill call size, at most 512); max_running: requests with a cache sequence at once
     (default the library's max batch size); max_queue: waiting requests beyond which submit
     refuses (429); prefix_cache: "radix" or "off"; speculative: the prompt-lookup options of
     requests that ask for speculation."""
@@ -190,8 +190,8 @@ class Engine:
         if prefix_cache not in PREFIX_CACHE_MODES:
             raise ValueError(f"prefix_cache must be one of {PREFIX_CACHE_MODES}, got {prefix_cache!r}")
         chunk = runner.prefill_chunk
-        if max_batched_tokens is None:
-            max_batched_tokens = min(chunk, 512)
+        if max_batched_tokens is None:  # the Generator's prefill call size (smaller on the CPU), at most 512
+            max_batched_tokens = min(runner.generator.prefill_chunk, 512)
         if not isinstance(max_batched_tokens, int) or not 1 <= max_batched_tokens <= chunk:
             raise ValueError(f"max_batched_tokens must be from 1 to the library's prefill chunk {chunk}, "
                              f"got {max_batched_tokens!r}")
@@ -549,10 +549,14 @@ class Engine:
         if token in stops or (not r.options.ignore_eos and token in self.runner.stop_ids):
             self._retire(r, "stop")
             return False
+        if r.grammar is not None:
+            try:
+                r.grammar.accept(token)
+            except ValueError:  # the mask allowed it, so this is a recognizer bug: end this request only
+                self._retire(r, "error")
+                return False
         r.tokens.append(token)
         r.sampler.accept(token)
-        if r.grammar is not None:
-            r.grammar.accept(token)
         if r.logprobs is not None and record is not None:
             r.logprobs.append(record)
         self.generated_tokens += 1
