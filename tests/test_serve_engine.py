@@ -379,3 +379,15 @@ def test_cuda_engine_replays_decode_graphs_and_keeps_the_greedy_tokens(tmp_path)
         expected = reference_generator.generate_tokens([prompt], 16).tokens[0]
         assert request.stream.result().tokens == expected
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("pool_pages, budget, lengths, new", [(8, 16, [60, 60, 50], 20), (6, 8, [40, 45, 30, 20], 30),
+                                                              (10, 64, [70, 10, 70, 10], 40)])
+def test_over_committed_prefills_and_decodes_all_finish(library, reference, pool_pages, budget, lengths, new):
+    engine = make_engine(library, max_total_tokens=pool_pages * 16, max_batched_tokens=budget)
+    work = prompts(sum(lengths), lengths)
+    requests = [engine.submit(p, greedy(new)) for p in work]
+    run_all(engine, limit=5000)
+    for prompt, request in zip(work, requests):
+        assert request.stream.result().tokens == reference(prompt, new)
+    assert_no_leak(engine)

@@ -353,6 +353,11 @@ class Engine:
                 self._update_snapshot()
                 return False
             decode, chunks = self._schedule()
+            while not decode and not chunks and self.running:
+                # every running request waits for pages that none of them frees: the newest goes
+                # back to the queue (alone in the cache, any admitted request fits)
+                self._preempt(self.running[-1])
+                decode, chunks = self._schedule()
             if decode or chunks:
                 self._run(decode, chunks)
                 self.steps += 1
