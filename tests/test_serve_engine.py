@@ -391,3 +391,22 @@ def test_over_committed_prefills_and_decodes_all_finish(library, reference, pool
     for prompt, request in zip(work, requests):
         assert request.stream.result().tokens == reference(prompt, new)
     assert_no_leak(engine)
+
+
+def test_page_pool_is_sized_from_memory_or_tokens(library):
+    from tvmattn.generate import GenerateError
+
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head dim 16, float32
+    runner = ModelRunner(library, kv_cache_memory="64KiB")
+    assert runner.bytes_per_token() == per_token
+    # the cache sizes its pool as TVM does: the tokens' pages plus one
+    assert runner.total_tokens == 65536 // per_token and runner.num_pages == runner.total_tokens // 16 + 1
+    assert ModelRunner(library, max_total_tokens=100).total_tokens == 112  # whole pages
+    assert ModelRunner(library).total_tokens == 8 * 256  # max batch size x context window
+    assert ModelRunner(library, kv_cache_memory=0.0001).total_tokens > 0
+    for kwargs, message in ((dict(kv_cache_memory="lots"), "kv-cache-memory"),
+                            (dict(kv_cache_memory=100), "less than one page"),
+                            (dict(max_total_tokens=4), "max-total-tokens"),
+                            (dict(max_total_tokens=64, kv_cache_memory="1MiB"), "not both")):
+        with pytest.raises(GenerateError, match=message):
+            ModelRunner(library, **kwargs)
