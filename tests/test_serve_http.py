@@ -446,3 +446,24 @@ def test_ten_waves_of_64_clients_with_cancellations_lose_and_leak_nothing(live):
         assert len(outcomes) == 64
         rss.append(_rss_bytes())
     assert max(rss[1:]) <= 1.1 * min(rss[1:]), [r >> 20 for r in rss]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_the_text_before_them(live, generator, stream):
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 268, size=12)]
+    plain = Generator(generator.lib_path)
+    plain.stop_ids = set()
+    text = generator.tokenizer.decode(plain.generate_tokens([prompt], 16).tokens[0])
+    stop = next(text[k:k + 2] for k in range(3, len(text) - 2) if "\ufffd" not in text[k:k + 2])
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": [stop, "never-seen"]}
+    with httpx.Client(base_url=live.url, timeout=60, headers=AUTH) as client:
+        if stream:
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                events = sse_events(r)
+            got = "".join(e["choices"][0]["text"] for e in events[:-1])
+            reason = events[-2]["choices"][0]["finish_reason"]
+        else:
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+            got, reason = choice["text"], choice["finish_reason"]
+    assert reason == "stop" and got == text[:text.find(stop)]
+    assert_no_leak(live.engine)

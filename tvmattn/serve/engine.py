@@ -312,6 +312,11 @@ class Engine:
                 request.finished = True
                 request.stream.put(Event("", [], finish_reason="error", output=self._output(request, "error")))
 
+    @property
+    def accepting(self) -> bool:
+        """New requests are taken (False once draining or failed)."""
+        return self._accepting
+
     def stop_accepting(self) -> None:
         with self._lock:
             self._accepting = False

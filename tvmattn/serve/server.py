@@ -258,7 +258,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     async def health():
         if engine.error is not None:
             return error_response(503, f"the engine stopped: {engine.error}", kind="server_error")
-        if not engine._accepting:
+        if not engine.accepting:
             return error_response(503, "the server is shutting down", kind="server_error")
         return {"status": "ok"}
 
