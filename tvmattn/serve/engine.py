@@ -501,7 +501,6 @@ class Engine:
 
     # ------------------------------------------------------------------ running a step
     def _run(self, decode: list[_Chunk], chunks: list[_Chunk]) -> None:
-        rows: dict[int, np.ndarray] = {}
         trees = [c for c in decode if c.parents is not None]
         if trees:
             plain = decode
@@ -532,8 +531,7 @@ class Engine:
             for c, row in zip(step, logits):
                 r = c.request
                 r.cached += len(c.tokens)
-                if r.pending == 0:
-                    rows[r.id] = row
+                if r.pending == 0:  # the chunk reached the end of its tokens: choose the next
                     self._choose(r, row)
         for c in chunks:  # a prompt whose prefill completed: share it with later requests
             r = c.request

@@ -3,8 +3,11 @@ own: a character-level JSON recognizer (a pushdown automaton whose state is an i
 of frames) decides, before each token, which tokens of the vocabulary keep the text a prefix
 of valid JSON (and of the schema); `JsonGrammar.allowed()` is that mask.
 
-Why not xgrammar, which the issue names: its wheel requires torch, transformers and triton
-(several hundred MB) at import, too much for the CI machine; this recognizer needs nothing.
+Why not xgrammar: its wheel requires torch, transformers and triton (triton and transformers are
+large installs, and transformers is imported with xgrammar), too much for a fresh CI machine;
+this recognizer needs nothing. A mask walks the vocabulary once per parser state (memoized);
+inside a plain string the tokens free of quotes, backslashes and control characters are
+allowed without a walk.
 
 What it accepts: compact JSON (no whitespace outside strings), a top-level object. A schema may
 use: type (one or a list of object, array, string, number, integer, boolean, null), properties
