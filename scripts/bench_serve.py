@@ -320,7 +320,9 @@ def main(argv=None) -> int:
             url = f"http://127.0.0.1:{port}"
             threads = args.threads or len(os.sched_getaffinity(0))
             command = [sys.executable, "-m", "llama_cpp.server", "--model", args.llama_cpp, "--host", "127.0.0.1",
-                       "--port", str(port), "--n_threads", str(threads), "--n_ctx", "4096"]
+                       "--port", str(port), "--n_threads", str(threads), "--n_ctx", "4096",
+                       # its default lets each new request cut the running one short
+                       "--interrupt_requests", "False"]
             process = start_server(command, url, os.path.join(log_dir, "bench_serve_llama_cpp.log"))
             try:
                 rows += bench("llama.cpp", url, None, args, {}, {})
