@@ -328,7 +328,7 @@ def main(argv=None) -> int:
                 rows += bench("llama.cpp", url, None, args, {}, {})
             finally:
                 stop_server(process)
-    meta = bench_rows.run_meta(gpu=not (args.lib or "").endswith("llvm.so"))
+    meta = bench_rows.run_meta()  # the GPU's name where one is present, else the CPU's
     rows = [{**row, **meta} for row in rows]
     if args.json:
         bench_rows.write_rows(rows, args.json)
