@@ -4,7 +4,8 @@
   `scripts/compile.py` is the same command;
 - `generate`: answer prompts with a bundle made by `compile` (`--speculative prompt-lookup|draft-model`:
   greedy speculative decoding, tvmattn/speculative.py);
-- `demo`: the kernel smoke run (paged prefill and decode vs numpy).
+- `demo`: the kernel smoke run (paged prefill and decode vs numpy);
+- `serve` / `chat`: an OpenAI-compatible server / an interactive chat on the engine (tvmattn/serve).
 
 A thin argparse layer over `tvmattn.quickstart`, `tvmattn.build`, `tvmattn.generate` and
 `tvmattn.demo`. Every argument is checked while parsing, before TVM is imported (about 3 s), so
@@ -292,6 +293,10 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--target", default="llvm", type=_target(allow_auto=False),
                       help="llvm (the CPU), cuda or cuda:sm_XY")
     demo.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs")
+
+    # serve / chat: the continuous-batching engine's commands (tvmattn/serve/cli.py)
+    from .serve.cli import add_commands as serve_commands
+    COMMANDS.update(serve_commands(commands))
     return top
 
 
