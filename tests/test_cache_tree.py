@@ -92,7 +92,8 @@ class TreeModel(Model):
             self.k[seq_id] = [k[keep] for k in self.k[seq_id]]
             self.v[seq_id] = [v[keep] for v in self.v[seq_id]]
             self.parents[seq_id] = []
-            assert self.cache.sequence_state(seq_id)["length"] == len(keep)
+            self._slide(seq_id)  # a windowed sequence slides when its path is committed
+            assert self.cache.sequence_state(seq_id)["length"] == self.length(seq_id)
 
 
 def deepest(parents: list) -> int:
