@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import tvm
 from harness import empty, randn, tensor
-from test_cache import ATOL, DTYPE, HKV, HQ, LAYERS, RTOL, SM_SCALE, D, Model, read_kv, state
+from test_cache import ATOL, DTYPE, HKV, HQ, LAYERS, RTOL, SM_SCALE, D, Model, read_kv, state, zeros_kv
 from test_cache_layer_kinds import KindsModel
 from test_cache_tree import TreeModel
 from test_tree_prefill import chain, star
@@ -327,6 +327,7 @@ def test_a_call_that_abandons_the_step_sees_the_cache_as_before_it(call):
 
 
 def test_add_sequence_inside_a_step_leaves_it_going():
+    """add_sequence touches no sequence of the step: the step goes on, to be kept or rolled back."""
     m = model()
     m.add(0)
     m.forward([0], [5])
@@ -335,7 +336,15 @@ def test_add_sequence_inside_a_step_leaves_it_going():
     m.add(1)
     m.layer(1)
     m.end()
-    m.forward([0, 1], [1, 3])
+    before = exact(m)
+    m.begin([0], [3])
+    m.layer(0)
+    m.add(2)
+    m.cache.cancel_forward()
+    m.rolled_back()
+    m.k[2], m.v[2], m.parents[2] = zeros_kv(), zeros_kv(), []  # (the truth of the sequence added)
+    assert exact(m)[1:] == before[1:] and m.cache.sequence_state(0) == before[0][1][0]
+    m.forward([0, 1, 2], [1, 3, 2])
     m.check_no_leaks()
 
 
@@ -530,7 +539,7 @@ def test_the_ffi_functions_keep_steps_transactional(prefix):
         api("kv_state_begin_forward")(cache, ShapeTuple([0]), ShapeTuple([3]))
         qkv = tensor(randn(m.rng, (3, HQ + 2 * HKV, D), DTYPE), m.device)
         api("attention_kv_cache_attention_with_fused_qkv")(cache, 0, SM_SCALE, qkv, empty((3, HQ, D), DTYPE, m.device))
-        with pytest.raises(KVCacheError, match="qkv must have shape"):
+        with pytest.raises(KVCacheError, match="o must have shape"):
             api("attention_kv_cache_attention_with_fused_qkv")(cache, 1, SM_SCALE, qkv, empty((2, HQ, D), DTYPE,
                                                                                             m.device))
         with pytest.raises(KVCacheError, match="rolled back"):
@@ -544,7 +553,7 @@ def test_the_ffi_functions_keep_steps_transactional(prefix):
         api("kv_state_begin_forward")(cache, ShapeTuple([0]), ShapeTuple([2]))
         api("kv_state_popn")(cache, 0, 1)
         assert api("attention_kv_cache_get_total_sequence_length")(cache) == 4
-        m.popn(0, 1)
+        m.k[0], m.v[0] = [k[:4] for k in m.k[0]], [v[:4] for v in m.v[0]]
         m.forward([0], [2])
         m.check_no_leaks()
     finally:
