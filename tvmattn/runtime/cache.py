@@ -918,6 +918,7 @@ class PagedKVCache:
         opts = self.options
         k = check_tensor("k", k, (opts.num_layers, n, opts.num_kv_heads, opts.qk_head_dim), opts.dtype, self.device)
         v = check_tensor("v", v, (opts.num_layers, n, opts.num_kv_heads, opts.v_head_dim), opts.dtype, self.device)
+        self._refuse_in_step("debug_get_kv")
         for layer, pool in enumerate(self._pools):
             self.kernels.debug_get_kv(pool, positions, k, v, layer)
 
@@ -928,13 +929,13 @@ class PagedKVCache:
         positions, n = self._debug_positions(seq_id, start, end)
         opts = self.options
         kv = check_tensor("kv", kv, (opts.num_layers, n, opts.qk_head_dim), opts.dtype, self.device)
+        self._refuse_in_step("debug_get_kv_mla")
         for layer, pool in enumerate(self._pools):
             self.kernels.debug_get_kv(pool, positions, kv, layer)
 
     def _debug_positions(self, seq_id: int, start: int, end: int) -> tuple:
         """(int32 pool positions of tokens start .. end-1 on the device, end - start), checked."""
         check(self.kernels.debug_get_kv is not None, "kernels: slot 'debug_get_kv' is empty")
-        self._refuse_in_step("debug_get_kv")
         seq = self._table.get(seq_id)
         start, end = check_int("start", start), check_int("end", end)
         check(0 <= start < end <= seq.length, f"start={start}, end={end}: expected 0 <= start < end <= "
