@@ -132,8 +132,9 @@ def _compile_with_standin(weights: Path, library: Path, target: str, settings: d
     command = [sys.executable, "-m", "tvmattn", "compile", "--model", str(weights), "--target", target,
                "-o", str(library), "--max-batch-size", str(settings["max_batch_size"]),
                "--context-window", str(settings["context_window"])]
-    if settings.get("quantization"):
-        command += ["--quantization", settings["quantization"]]
+    # None (dequantized to the target's dtype, float16 on CUDA) is f16 here: the command line's
+    # own default, auto, would keep the GGUF's blocks
+    command += ["--quantization", settings.get("quantization") or CUDA_QUANTIZATION]
     log("[smollm2] no CUDA driver in this process: compiling in a child with the stand-in driver")
     try:
         env = standin_env()
