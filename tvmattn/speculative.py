@@ -377,15 +377,20 @@ class Acceptance:
         return p * (1 - p ** depth) / (1 - p) if p < 1 else float(depth)
 
 
-def _fit(points, prior_slope: float) -> tuple[float, float]:
-    """(intercept, slope) of seconds against nodes by least squares; with too few or too alike
-    points, the slope is `prior_slope` and the intercept fits the mean."""
+def _line_stats(points) -> tuple[int, float, float, float, float, float]:
+    """(count, mean x, mean y, variance of x, covariance, range of x) of (x, y) points."""
     xs = np.array([x for x, _ in points], dtype=np.float64)
     ys = np.array([y for _, y in points], dtype=np.float64)
-    slope = prior_slope
-    if len(points) >= 3 and np.ptp(xs) >= 2:
-        slope = max(float(np.cov(xs, ys, bias=True)[0, 1] / np.var(xs)), 0.0)
-    return max(float(np.mean(ys - slope * xs)), 0.0), slope
+    return (len(points), float(xs.mean()), float(ys.mean()), float(xs.var()),
+            float(((xs - xs.mean()) * (ys - ys.mean())).mean()), float(np.ptp(xs)))
+
+
+def _fit(stats: tuple[int, float, float, float, float, float], prior_slope: float) -> tuple[float, float]:
+    """(intercept, slope) of seconds against nodes by least squares, from `_line_stats`; with too
+    few or too alike points, the slope is `prior_slope` and the intercept fits the mean."""
+    count, mean_x, mean_y, var_x, cov, spread = stats
+    slope = max(cov / var_x, 0.0) if count >= 3 and spread >= 2 else prior_slope
+    return max(mean_y - slope * mean_x, 0.0), slope
 
 
 class StepCosts:
@@ -399,6 +404,7 @@ class StepCosts:
         self.plain: dict[int, float] = {}
         self.verify: collections.deque = collections.deque(maxlen=COST_WINDOW)
         self.draft: collections.deque = collections.deque(maxlen=COST_WINDOW)
+        self._stats: dict[str, tuple] = {}  # `_line_stats` of verify / draft, until the next observation
 
     def observe_plain(self, batch: int, seconds: float) -> None:
         known = self.plain.get(batch)
@@ -406,9 +412,16 @@ class StepCosts:
 
     def observe_verify(self, nodes: int, seconds: float) -> None:
         self.verify.append((nodes, seconds))
+        self._stats.pop("verify", None)
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         self.draft.append((tokens, seconds))
+        self._stats.pop("draft", None)
+
+    def _fit(self, kind: str, prior_slope: float) -> tuple[float, float]:
+        if kind not in self._stats:
+            self._stats[kind] = _line_stats(self.verify if kind == "verify" else self.draft)
+        return _fit(self._stats[kind], prior_slope)
 
     def plain_time(self, batch: int) -> float | None:
         """Seconds of a plain step of `batch` sequences (the nearest batch size measured), or None."""
@@ -422,7 +435,7 @@ class StepCosts:
         fixed, per_node = self.verify_prior
         if not self.verify:
             return plain * (fixed + per_node * max(nodes - batch, 0))
-        intercept, slope = _fit(self.verify, per_node * plain)
+        intercept, slope = self._fit("verify", per_node * plain)
         return intercept + slope * nodes
 
     def draft_time(self, tokens: int, per_token_prior: float) -> float:
@@ -431,7 +444,7 @@ class StepCosts:
             return 0.0
         if not self.draft:
             return per_token_prior * tokens
-        intercept, slope = _fit(self.draft, per_token_prior)
+        intercept, slope = self._fit("draft", per_token_prior)
         return intercept + slope * tokens
 
 
