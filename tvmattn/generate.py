@@ -11,7 +11,13 @@ drafts token trees (prompt lookup, or a draft library: `DraftModel`), verifies e
 sequence's tree in one `batch_verify` step (begin_forward gets the trees' parent arrays) and
 keeps the accepted path (`commit_accepted_token_tree_nodes`); tvmattn/speculative.py describes
 the trees and the acceptance. Its tokens are those of plain greedy decoding; batches work as in
-plain decoding. Temperature > 0 is refused (no speculative sampling).
+plain decoding. Where drafts do not pay (a verify step costs more than the tokens it is expected
+to add), a step decodes plainly instead (`SpeculativeOptions.back_off`; the Generator's
+`step_costs` measure both kinds of step as they run). Temperature > 0 is refused (no
+speculative sampling).
+
+The bundle's files are read and checked by tvmattn/bundle.py; every problem with them, and
+every bad argument, is a GenerateError naming it.
 """
 
 from __future__ import annotations
