@@ -21,6 +21,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import pytest
 import tvm
 import tvm_ffi
 
@@ -50,6 +51,31 @@ PAGED_CASES = [
     (8, 1, 128, 16, "float16", True),
     (4, 2, 80, 8, "float16", False),  # a head dim that is not a power of two (Phi-2 style)
 ]
+
+
+def slow_except(cases, *keep, unpack: bool = False):
+    """`cases` for pytest.mark.parametrize with every case but those in `keep` marked slow: the
+    default tier runs `keep`, `-m slow` the rest. A case is named by its value or by the id of
+    its pytest.param; unpack: the cases are tuples of several argument names' values."""
+    param_set = type(pytest.param(None))
+
+    def named(case, key) -> bool:
+        if isinstance(case, param_set):
+            return key == case.id or key == case.values or (len(case.values) == 1 and key == case.values[0])
+        return key == case
+
+    out = []
+    for case in cases:
+        if any(named(case, key) for key in keep):
+            out.append(case)
+        elif isinstance(case, param_set):
+            out.append(pytest.param(*case.values, marks=(*case.marks, pytest.mark.slow), id=case.id))
+        else:
+            out.append(pytest.param(*(case if unpack else (case,)), marks=pytest.mark.slow))
+    missing = [key for key in keep if not any(named(case, key) for case in cases)]
+    if missing:
+        raise ValueError(f"slow_except: {missing} are not among the cases")
+    return out
 
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
@@ -301,6 +327,29 @@ _plain_build = tir_build.build
 def install_build_cache() -> None:
     """Route `tir_kernels.build` (which the runtime's kernel sets call) through build_cached."""
     tir_kernels.build = build_cached
+
+
+def install_fast_macro_lookup() -> None:
+    """Make TVMScript's macro calls find their parser by walking the frames.
+
+    Each `T.macro` call looks for the parser in the globals of the frames above it; TVM's
+    ScriptMacro does so with `inspect.getouterframes`, which also reads the source context of
+    every frame and looks up each frame's module among all of sys.modules (thousands, with
+    torch loaded). The kernels call macros hundreds of times, so that lookup, not the parsing,
+    was most of the time of generating a kernel. The same search, frame by frame, without the
+    context."""
+    from tvm.script.parser.core.parser import ScriptMacro
+
+    def _find_parser_def(self):
+        frame = sys._getframe()
+        while frame is not None:
+            parser = frame.f_globals.get(ScriptMacro.parser_object_name)
+            if parser is not None:
+                return parser
+            frame = frame.f_back
+        raise RuntimeError(f"{ScriptMacro.parser_object_name} not available")
+
+    ScriptMacro._find_parser_def = _find_parser_def
 
 
 def build_generated(generator, config, *args):
