@@ -8,8 +8,6 @@ marked `gpu` skip where no CUDA GPU is present (`-m gpu` selects them all, slow 
 Builds: kernels compile once per session (the `kernels` fixture, the runtime's own caches) and
 CPU kernels go through an on-disk cache shared by pytest-xdist's workers and later sessions
 (harness.build_cached; $TVMATTN_CACHE/kernels, TVMATTN_TEST_KERNEL_CACHE=0 turns it off).
-TVMScript's macro calls find their parser without inspecting every frame's source
-(harness.install_fast_macro_lookup), which makes generating a kernel several times faster.
 """
 
 import os
@@ -20,10 +18,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import has_gpu, install_build_cache, install_fast_macro_lookup, kernel_cache, shared_folder  # noqa: E402
+from harness import has_gpu, install_build_cache, kernel_cache, shared_folder  # noqa: E402
 
 install_build_cache()
-install_fast_macro_lookup()
 
 
 def _names_tests(config) -> bool:

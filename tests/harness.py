@@ -330,29 +330,6 @@ def install_build_cache() -> None:
     tir_kernels.build = build_cached
 
 
-def install_fast_macro_lookup() -> None:
-    """Make TVMScript's macro calls find their parser by walking the frames.
-
-    Each `T.macro` call looks for the parser in the globals of the frames above it; TVM's
-    ScriptMacro does so with `inspect.getouterframes`, which also reads the source context of
-    every frame and looks up each frame's module among all of sys.modules (thousands, with
-    torch loaded). The kernels call macros hundreds of times, so that lookup, not the parsing,
-    was most of the time of generating a kernel. The same search, frame by frame, without the
-    context."""
-    from tvm.script.parser.core.parser import ScriptMacro
-
-    def _find_parser_def(self):
-        frame = sys._getframe()
-        while frame is not None:
-            parser = frame.f_globals.get(ScriptMacro.parser_object_name)
-            if parser is not None:
-                return parser
-            frame = frame.f_back
-        raise RuntimeError(f"{ScriptMacro.parser_object_name} not available")
-
-    ScriptMacro._find_parser_def = _find_parser_def
-
-
 def build_generated(generator, config, *args):
     """build_cached(generator(config, *args), config), without generating the function where an
     earlier build of the same (generator, config, args) under the same sources left its entry."""
