@@ -54,10 +54,11 @@ PAGED_CASES = [
 ]
 
 
-def slow_except(cases, *keep, unpack: bool = False):
-    """`cases` for pytest.mark.parametrize with every case but those in `keep` marked slow: the
-    default tier runs `keep`, `-m slow` the rest. A case is named by its value or by the id of
-    its pytest.param; unpack: the cases are tuples of several argument names' values."""
+def slow_except(cases, *keep, first: int = 0, unpack: bool = False):
+    """`cases` for pytest.mark.parametrize with every case but the first `first` ones and those
+    in `keep` marked slow: the default tier runs those, `-m slow` the rest. A kept case is named
+    by its value or by the id of its pytest.param; unpack: each case is a tuple of the values of
+    several argument names."""
     param_set = type(pytest.param(None))
 
     def named(case, key) -> bool:
@@ -65,17 +66,17 @@ def slow_except(cases, *keep, unpack: bool = False):
             return key == case.id or key == case.values or (len(case.values) == 1 and key == case.values[0])
         return key == case
 
+    missing = [key for key in keep if not any(named(case, key) for case in cases)]
+    if missing:
+        raise ValueError(f"slow_except: {missing} are not among the cases")
     out = []
-    for case in cases:
-        if any(named(case, key) for key in keep):
+    for i, case in enumerate(cases):
+        if i < first or any(named(case, key) for key in keep):
             out.append(case)
         elif isinstance(case, param_set):
             out.append(pytest.param(*case.values, marks=(*case.marks, pytest.mark.slow), id=case.id))
         else:
             out.append(pytest.param(*(case if unpack else (case,)), marks=pytest.mark.slow))
-    missing = [key for key in keep if not any(named(case, key) for case in cases)]
-    if missing:
-        raise ValueError(f"slow_except: {missing} are not among the cases")
     return out
 
 

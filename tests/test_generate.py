@@ -28,6 +28,7 @@ import tvm
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
+from harness import slow_except  # noqa: E402
 from test_model import TorchLlama  # noqa: E402
 
 from tvmattn.build import BuildError, compile_model, resolve_target, sidecar  # noqa: E402
@@ -170,7 +171,7 @@ def test_generate_cli(tiny):
     assert missing.returncode == 2 and "nope.so is missing" in missing.stderr
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize("args, message", slow_except([
     (["--model", "smollm2-135m", "-o", "x.so", "--target", "tpu"], "target='tpu' is not supported"),
     (["--model", "/no/such/model.gguf", "-o", "x.so"], "no such file"),
     (["--model", "smollm2-135m", "-o", "x.so", "--page-size", "12"], "power of two"),
@@ -178,7 +179,7 @@ def test_generate_cli(tiny):
     (["--model", "smollm2-135m", "-o", "x.bin"], "expected a library file name ending in .so"),
     (["--model", "smollm2-135m", "-o", "/no/such/dir/x.so"], "does not exist"),
     (["--model", "smollm2-135m", "-o", "x.so", "--max-batch-size", "0"], "expected an integer >= 1, got 0"),
-])
+], first=2, unpack=True))  # each case is a child process: the default tier runs two
 def test_compile_cli_argument_errors(args, message, tmp_path):
     done = run_cli(str(SCRIPT), *args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
@@ -203,6 +204,7 @@ def test_auto_target_picks_llvm_without_a_gpu():
     assert resolve_target("cuda", "sm_80") == "cuda:sm_80"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA kernels ahead of time")
 def test_cuda_library_built_without_a_gpu_embeds_cubins(tiny, tmp_path):
     """scripts/compile.py --target cuda on a GPU-less machine restarts with the stand-in driver
@@ -217,6 +219,7 @@ def test_cuda_library_built_without_a_gpu_embeds_cubins(tiny, tmp_path):
     assert b"__global__" not in library.read_bytes()  # no CUDA source inside
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA kernels ahead of time")
 def test_cuda_library_keeps_quantized_weights(tiny, tmp_path):
     """--quantization keep on CUDA: float16 activations, the GGUF's blocks as parameters (uint8
