@@ -6,17 +6,31 @@ to show that it agrees with them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import functools
+import hashlib
 import importlib.util
 import os
+import platform
+import shutil
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import pytest
 import tvm
+import tvm_ffi
 
-from tir_kernels import AttentionConfig, build
+import tir_kernels
+from tir_kernels import AttentionConfig
+
+# The module, not the function that `tir_kernels.build` names once read.
+tir_build = importlib.import_module("tir_kernels.build")
 
 NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 # Value written into page slots no request owns: a kernel that reads a wrong slot
@@ -38,6 +52,32 @@ PAGED_CASES = [
     (8, 1, 128, 16, "float16", True),
     (4, 2, 80, 8, "float16", False),  # a head dim that is not a power of two (Phi-2 style)
 ]
+
+
+def slow_except(cases, *keep, first: int = 0, unpack: bool = False):
+    """`cases` for pytest.mark.parametrize with every case but the first `first` ones and those
+    in `keep` marked slow: the default tier runs those, `-m slow` the rest. A kept case is named
+    by its value or by the id of its pytest.param; unpack: each case is a tuple of the values of
+    several argument names."""
+    param_set = type(pytest.param(None))
+
+    def named(case, key) -> bool:
+        if isinstance(case, param_set):
+            return key == case.id or key == case.values or (len(case.values) == 1 and key == case.values[0])
+        return key == case
+
+    missing = [key for key in keep if not any(named(case, key) for case in cases)]
+    if missing:
+        raise ValueError(f"slow_except: {missing} are not among the cases")
+    out = []
+    for i, case in enumerate(cases):
+        if i < first or any(named(case, key) for key in keep):
+            out.append(case)
+        elif isinstance(case, param_set):
+            out.append(pytest.param(*case.values, marks=(*case.marks, pytest.mark.slow), id=case.id))
+        else:
+            out.append(pytest.param(*(case if unpack else (case,)), marks=pytest.mark.slow))
+    return out
 
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
@@ -164,8 +204,175 @@ def make_paged_batch(rng, lengths, num_kv_heads, head_dim, page_size, dtype, spa
     return batch
 
 
+# On-disk build cache of CPU kernels, shared by the tests of a session, by pytest-xdist's
+# workers and by later sessions. An entry is the exported shared library of one compiled
+# PrimFunc, named by a hash of the function's TVMScript and target (`<digest>-<symbol>.so`), in a
+# folder per toolchain (TVM, tvm_ffi, tir_kernels' lowering pipeline, the machine), so a changed
+# kernel never meets a stale entry. Generating a kernel (parsing its TVMScript) costs about as
+# much as compiling it, so KernelCache.get also records which entry a (generator, config, args)
+# gave, under a hash that covers tir_kernels' sources and the generator's module. Exporting costs
+# about what the JIT of an in-memory module costs: a miss is no slower than a plain build. CUDA
+# builds are not cached on disk (their device code depends on the GPU and on how the CUDA
+# compiler is hooked at run time).
+KERNEL_CACHE_SWITCH = "TVMATTN_TEST_KERNEL_CACHE"  # "0": build every kernel, cache nothing on disk
+STALE_DAYS = 14  # toolchain folders untouched this long are removed
+
+
+def kernel_cache_root() -> Path:
+    """$TVMATTN_CACHE/kernels, else ~/.cache/tvmattn/kernels."""
+    return Path(os.environ.get("TVMATTN_CACHE", Path.home() / ".cache" / "tvmattn")) / "kernels"
+
+
+def _digest(*parts) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part if isinstance(part, bytes) else str(part).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_cache_dir() -> Path:
+    """The folder of this toolchain's entries (created), stale sibling folders removed."""
+    salt = _digest(tvm.__version__, tvm_ffi.__version__, platform.machine(), Path(tir_build.__file__).read_bytes())
+    root = kernel_cache_root()
+    folder = root / salt[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    for other in root.iterdir():
+        with contextlib.suppress(OSError):
+            if other != folder and other.is_dir() and time.time() - other.stat().st_mtime > STALE_DAYS * 86400:
+                for entry in other.iterdir():
+                    entry.unlink()
+                other.rmdir()
+    return folder
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest(path: str) -> str:
+    """Hash of tir_kernels' sources (and data), and of `path` where it lies outside them."""
+    package = Path(tir_kernels.__file__).parent
+    files = sorted(f for f in package.rglob("*") if f.suffix in (".py", ".json"))
+    if path and Path(path).parent != package:
+        files.append(Path(path))
+    return _digest(*(part for f in files for part in (f.relative_to(f.anchor), f.read_bytes())))
+
+
+def _caching() -> bool:
+    return os.environ.get(KERNEL_CACHE_SWITCH) != "0"
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path` (created), so that concurrent workers build an entry once."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _load(path: Path, name: str):
+    try:
+        return tvm.runtime.load_module(str(path))[name]
+    except Exception:  # noqa: BLE001 - a damaged or missing entry is rebuilt
+        return None
+
+
+def _write_atomically(path: Path, write) -> bool:
+    """write(tmp) into a temporary file beside `path`, then rename it to `path`; False where
+    the cache is unwritable."""
+    try:
+        handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
+        os.close(handle)
+    except OSError:
+        return False
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+        return True
+    except Exception:  # noqa: BLE001
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False
+
+
+def _entry(func, target) -> tuple[str, str]:
+    """(file name, symbol) of the entry of func compiled for target."""
+    name = str(func.attrs["global_symbol"]) if func.attrs and "global_symbol" in func.attrs else "main"
+    return f"{_digest(name, target, func.script())}-{name}.so", name
+
+
+def build_cached(func, config):
+    """tir_kernels.build(func, config) through the on-disk cache: the same callable, loaded
+    from the entry of (func, target), which is compiled and exported first where missing."""
+    target = config.tvm_target()
+    if target.kind.name != "llvm" or not _caching():
+        return _plain_build(func, config)
+    file, name = _entry(func, target)
+    path = kernel_cache_dir() / file
+    if path.exists() and (fn := _load(path, name)) is not None:
+        return fn
+    with _locked(path.with_suffix(".lock")):
+        if path.exists() and (fn := _load(path, name)) is not None:
+            return fn
+        module = tvm.compile(tvm.IRModule({name: func}), target=target, tir_pipeline=tir_build.PIPELINE)
+        if not _write_atomically(path, module.export_library):
+            return module[name]
+    fn = _load(path, name)
+    return module[name] if fn is None else fn
+
+
+_plain_build = tir_build.build
+
+
+def install_build_cache() -> None:
+    """Route `tir_kernels.build` (which the runtime's kernel sets call) through build_cached."""
+    tir_kernels.build = build_cached
+
+
+def build_generated(generator, config, *args):
+    """build_cached(generator(config, *args), config), without generating the function where an
+    earlier build of the same (generator, config, args) under the same sources left its entry."""
+    described = f"{generator.__module__}.{generator.__qualname__}\0{config!r}\0{args!r}"
+    if config.tvm_target().kind.name != "llvm" or not _caching() or " at 0x" in described:
+        return build_cached(generator(config, *args), config)
+    source = getattr(sys.modules.get(generator.__module__), "__file__", "") or ""
+    ref = kernel_cache_dir() / f"{_digest(_source_digest(source), described)}.ref"
+    with contextlib.suppress(OSError, ValueError):
+        file, name = ref.read_text().split()
+        if (fn := _load(ref.parent / file, name)) is not None:
+            return fn
+    func = generator(config, *args)
+    fn = build_cached(func, config)
+    file, name = _entry(func, config.tvm_target())
+    if (ref.parent / file).exists():
+        _write_atomically(ref, lambda tmp: Path(tmp).write_text(f"{file} {name}\n"))
+    return fn
+
+
+def shared_folder(tmp_path_factory, name: str, fill) -> Path:
+    """The folder `name` of this test run, filled once by fill(folder) and then shared by every
+    test module and every pytest-xdist worker (its temporary folders lie side by side): what
+    several modules build alike, such as a model library, is built once."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    shared = base / "shared"
+    shared.mkdir(exist_ok=True)
+    folder, done = shared / name, shared / f"{name}.done"
+    with _locked(shared / f"{name}.lock"):
+        if not done.exists():
+            if folder.exists():  # left by a fill that failed
+                shutil.rmtree(folder)
+            folder.mkdir()
+            fill(folder)
+            done.touch()
+    return folder
+
+
 class KernelCache:
-    """Builds each (generator, config, extra) once per test session."""
+    """Builds each (generator, config, extra) once per test session (through build_generated)."""
 
     def __init__(self):
         self._built = {}
@@ -173,7 +380,7 @@ class KernelCache:
     def get(self, generator, config: AttentionConfig, *args):
         key = (generator.__module__, generator.__name__, config, args)
         if key not in self._built:
-            self._built[key] = build(generator(config, *args), config)
+            self._built[key] = build_generated(generator, config, *args)
         return self._built[key]
 
 

@@ -398,6 +398,7 @@ def test_tvmattn_variant_names_the_tensor_core_path(bench, text, prefix):
     assert bench.tvmattn_variant("prefill", config, FakeFunc(text)).startswith(prefix)
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_tree(bench, monkeypatch, capsys):
     """The --tree plumbing on the CPU: tvmattn's tree kernel, its causal prefill and TVM's tree kernel
     (llvm) on a random tree and a chain per request over a history, each against SDPA with the tree's

@@ -181,7 +181,8 @@ TRUNCATIONS = {"to 100 KB": lambda size: 100 * 1024, "to half": lambda size: siz
                "by one byte": lambda size: size - 1}
 
 
-@pytest.mark.parametrize("truncation", list(TRUNCATIONS))
+@pytest.mark.parametrize("truncation", [pytest.param(t, marks=pytest.mark.slow) if t != "to half" else t
+                                        for t in TRUNCATIONS])
 def test_truncated_library_is_an_error_not_a_crash(bundle, truncation):
     """Loading a truncated .so used to kill the process with SIGBUS: run it in a child process."""
     size = bundle.stat().st_size

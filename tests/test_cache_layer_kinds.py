@@ -155,7 +155,8 @@ class KindsModel:
         assert self.cache.empty() and self.cache.get_num_available_pages() == initial
 
 
-@pytest.mark.parametrize("page_size,rope_mode", [(4, "none"), (1, "normal"), (16, "none")])
+@pytest.mark.parametrize("page_size,rope_mode", [(4, "none"), (1, "normal"),
+                                                pytest.param(16, "none", marks=pytest.mark.slow)])
 def test_layer_windows(target, page_size, rope_mode):
     """Prefills longer than the window from empty histories, prefills over a history, decode
     steps across page boundaries, a mixed batch, attention_with_shared_kv over a windowed layer,

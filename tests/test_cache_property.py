@@ -598,7 +598,7 @@ SETTINGS = settings(max_examples=60, stateful_step_count=60, deadline=None, dera
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-@pytest.mark.parametrize("setup", SETUPS, ids=lambda s: s.name)
+@pytest.mark.parametrize("setup", [*SETUPS[:3], pytest.param(SETUPS[3], marks=pytest.mark.slow)], ids=lambda s: s.name)
 def test_cache_matches_reference_model(target, setup):
     device = tvm.cuda(0) if target == "cuda" else tvm.cpu()
     run_state_machine_as_test(lambda: CacheMachine(setup, device), settings=SETTINGS)

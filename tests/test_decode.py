@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import tvm
 import reference as ref
-from harness import PAGED_CASES, device_for, empty, index_view, make_paged_batch, paged_case_id, randn, tensor
+from harness import (PAGED_CASES, device_for, empty, index_view, make_paged_batch, paged_case_id, randn, slow_except,
+                     tensor)
 
 from tir_kernels import AttentionConfig, DecodeSchedule, RopeScaling, default_sm_scale, paged_decode
 from tir_kernels.schedules import choose_decode_schedule
@@ -39,7 +40,10 @@ def check(config, o, lse, expected):
         np.testing.assert_allclose(lse[i], else_[0], rtol=ref.LSE_TOLERANCE[0], atol=ref.LSE_TOLERANCE[1], err_msg=f"lse of request {i}")
 
 
-@pytest.mark.parametrize("case", PAGED_CASES, ids=paged_case_id)
+# The default tier: fp32 at page size 1, bf16 and fp16 at GQA 4 and 16 (a sliding window: the CPU
+# split-KV test below); -m slow: every case.
+@pytest.mark.parametrize("case", slow_except(PAGED_CASES, (8, 4, 64, 1, "float32", False), (8, 2, 128, 16, "bfloat16", False),
+                                             (16, 1, 64, 16, "float16", False)), ids=paged_case_id)
 def test_paged_decode(kernels, target, case):
     hq, hkv, d, ps, dtype, sliding = case
     config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=target, sliding_window=sliding)
@@ -51,7 +55,8 @@ def test_paged_decode(kernels, target, case):
     check(config, o, lse, expected)
 
 
-@pytest.mark.parametrize("scaling", [None, RopeScaling(8.0, 1.0, 4.0, 64)], ids=["rope", "llama3-rope"])
+@pytest.mark.parametrize("scaling", [pytest.param(None, marks=pytest.mark.slow), RopeScaling(8.0, 1.0, 4.0, 64)],
+                         ids=["rope", "llama3-rope"])
 def test_paged_decode_inline_rope(kernels, target, scaling):
     """rotary_mode=1: q at q_rope_position, key j at k_rope_pos_offset + j, rotated in-kernel."""
     hq, hkv, d, ps, dtype = 8, 2, 64, 16, "float32"
@@ -122,8 +127,8 @@ CPU_SPLIT_SCHEDULES = [
 ]
 
 
-@pytest.mark.parametrize("sched", CPU_SPLIT_SCHEDULES, ids=["default", "hb1-x16", "hb3-x5", "hb1-x16-m100",
-                                                            "hb3-x5-m64", "hb1-tiles-x3"])
+@pytest.mark.parametrize("sched", slow_except(CPU_SPLIT_SCHEDULES, first=2),
+                         ids=["default", "hb1-x16", "hb3-x5", "hb1-x16-m100", "hb3-x5-m64", "hb1-tiles-x3"])
 @pytest.mark.parametrize("lengths,sliding", [([700], False), ([5], False), ([0, 300, 33], False), ([400, 90], True),
                                              ([700, 5, 0, 300, 33, 129, 64, 17], False)],
                          ids=["1x700", "1x5", "3-ragged", "sliding", "8-ragged"])
@@ -173,8 +178,8 @@ def test_paged_decode_cpu_prefetches_next_step():
     assert "prefetcht1" in module.mod.inspect_source("asm")
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", slow_except(["float16", "bfloat16", "float32"], "float16", "bfloat16"))
+@pytest.mark.parametrize("head_dim", slow_except([64, 128, 256], 64))
 def test_paged_decode_cuda_codegen(dtype, head_dim):
     """Every dtype x head dim builds for CUDA (no GPU needed) with 16-byte K/V loads."""
     config = AttentionConfig(16, 2, head_dim, dtype=dtype, target="cuda", sliding_window=head_dim == 64)

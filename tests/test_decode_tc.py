@@ -540,8 +540,9 @@ def signature(func):
 
 
 @pytest.mark.parametrize("config", [
-    AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target="cuda:sm_90"),
-    AttentionConfig(16, 1, 256, dtype="bfloat16", page_size=1, target="cuda:sm_80", sliding_window=True),
+    pytest.param(AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target="cuda:sm_90"), marks=pytest.mark.slow),
+    pytest.param(AttentionConfig(16, 1, 256, dtype="bfloat16", page_size=1, target="cuda:sm_80", sliding_window=True),
+                 marks=pytest.mark.slow),
     AttentionConfig(16, 4, 64, dtype="float16", page_size=64, target="cuda:sm_89"),
 ], ids=["fp16-d128-sm90", "bf16-d256-g16-sliding-sm80", "fp16-d64-sm89"])
 def test_decode_tc_builds_cuda_source(config):
@@ -558,6 +559,7 @@ def test_decode_tc_builds_cuda_source(config):
     assert "cp.async.cg.shared.global [%0], [%1], 16;" in cuda
 
 
+@pytest.mark.slow
 def test_decode_tc_fused_merge_source():
     """fused_merge: no merge kernel (one kernel fewer in the module), an arrival counter per
     (request, KV head) slot of one launch (target_blocks of them) counted with atomicAdd."""
@@ -589,6 +591,7 @@ def test_decode_tc_fused_merge_source():
     assert dataclasses.replace(base, fused_merge=True, cooperative_merge=True).label == base.label + "-fc"
 
 
+@pytest.mark.slow
 def test_decode_tc_dependent_launch_source():
     """dependent_launch: every kernel of the module waits (griddepcontrol.wait) before its first
     global load and the decode kernels let the next launch start once their prologue is issued;
@@ -641,6 +644,7 @@ def test_decode_tc_dependent_launch_source():
         dataclasses.replace(base, dependent_launch=True).check(config.replace(target="cuda:sm_80"))
 
 
+@pytest.mark.slow
 def test_decode_tc_early_pages_heads_first_source():
     """heads_first: blockIdx.x is the KV head and blockIdx.z the request (page_indptr is read at
     blockIdx.z); early_pages: every page-table read of the prologue (PASSES * (stages - 1) of
@@ -724,6 +728,7 @@ def test_default_tc_decode_schedules_fit(arch, dtype):
             choose_tc_decode_schedule(config).check(config)
 
 
+@pytest.mark.slow
 def test_tc_decode_dispatch():
     """paged_decode picks the tensor-core kernel for fp16/bf16 groups of 4..16 on CUDA sm_80+
     and the CUDA-core kernel for small groups, fp32, older archs and the CPU."""

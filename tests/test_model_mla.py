@@ -214,6 +214,7 @@ def test_chunked_prefill_merges_self_and_cross_attention(mla_model):
                                    err_msg=f"decode step {step}")
 
 
+@pytest.mark.slow  # a library of its own
 def test_without_q_lora_matches_torch(mla_model_without_q_lora):
     run_single(mla_model_without_q_lora.session(), PROMPT[:11], steps=5)
 

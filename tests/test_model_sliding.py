@@ -167,6 +167,7 @@ def test_chunked_prefill_matches_torch(sliding_model):
                                    **sliding_model.tolerance, err_msg=f"decode step {step}")
 
 
+@pytest.mark.slow  # a library of its own
 def test_stock_cache_matches_torch_within_the_window(stock_sliding_model):
     """TVM's C++ cache with the same kinds: a prompt no longer than the window, then decode
     steps that slide it (TVM's prefill attends to all new tokens of a chunk, so a prompt longer

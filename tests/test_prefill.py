@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import reference as ref
 import tvm
-from harness import PAGED_CASES, device_for, empty, index_view, make_paged_batch, paged_case_id, randn, tensor
+from harness import (PAGED_CASES, device_for, empty, index_view, make_paged_batch, paged_case_id, randn, slow_except,
+                     tensor)
 
 from tir_kernels import (
     AttentionConfig,
@@ -131,7 +132,9 @@ def paged_inputs(rng, config, requests):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("case", PAGED_CASES, ids=paged_case_id)
+# The default tier: fp32 at page size 1, bf16, a sliding window at GQA 8; -m slow: every case.
+@pytest.mark.parametrize("case", slow_except(PAGED_CASES, (8, 4, 64, 1, "float32", False), (8, 2, 128, 16, "bfloat16", False),
+                                             (8, 1, 128, 16, "float16", True)), ids=paged_case_id)
 def test_paged_prefill(kernels, target, case, causal):
     hq, hkv, d, ps, dtype, sliding = case
     config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target=target, sliding_window=sliding)
@@ -167,7 +170,8 @@ def ragged_inputs(rng, config, requests):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("case", RAGGED_CASES, ids=ragged_case_id)
+@pytest.mark.parametrize("case", slow_except(RAGGED_CASES, (16, 4, 192, 128, "bfloat16"), (8, 2, 64, 128, "float32")),
+                         ids=ragged_case_id)
 def test_ragged_prefill(kernels, target, case, causal):
     hq, hkv, dqk, dv, dtype = case
     config = AttentionConfig(hq, hkv, dqk, v_head_dim=dv, dtype=dtype, target=target)

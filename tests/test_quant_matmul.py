@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+from harness import slow_except
 
 gguf = pytest.importorskip("gguf")  # the reference's quantizer (absent on the GPU machine)
 
@@ -94,7 +95,9 @@ def check(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
     assert (np.abs(got - want) <= 1e-6 * scale + 1e-6).all(), np.abs(got - want).max()
 
 
-@pytest.mark.parametrize("fmt,rows,cols", CASES, ids=[case_id(c) for c in CASES])
+# The default tier: every format at its first shape; -m slow: every shape.
+@pytest.mark.parametrize("fmt,rows,cols", slow_except(CASES, *(c for c in CASES if c[1] == 37), unpack=True),
+                         ids=[case_id(c) for c in CASES])
 def test_gemv_matches_dequantize_then_matmul(built, fmt, rows, cols):
     config = QuantMatmulConfig(fmt, rows, cols, tokens=1)
     blocks, w = quantized(fmt, rows, cols, seed=rows + cols)
@@ -103,7 +106,8 @@ def test_gemv_matches_dequantize_then_matmul(built, fmt, rows, cols):
     check(run_matmul(built(config), config, blocks, x), x, w)
 
 
-@pytest.mark.parametrize("fmt,rows,cols", CASES, ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("fmt,rows,cols", slow_except(CASES, *(c for c in CASES if c[1] == 37), unpack=True),
+                         ids=[case_id(c) for c in CASES])
 def test_gemm_symbolic_tokens_matches_dequantize_then_matmul(built, fmt, rows, cols):
     config = QuantMatmulConfig(fmt, rows, cols, tokens=None)
     blocks, w = quantized(fmt, rows, cols, seed=2 * rows + cols)
@@ -140,7 +144,8 @@ LOOKUP_CASES = [(fmt, rows, cols, nr) for fmt in TABLE_GEMV_FORMATS
 
 
 @needs_avx512
-@pytest.mark.parametrize("fmt,rows,cols,nr", LOOKUP_CASES, ids=["{}-{}x{}-r{}".format(*c) for c in LOOKUP_CASES])
+@pytest.mark.parametrize("fmt,rows,cols,nr", slow_except(LOOKUP_CASES, *(c for c in LOOKUP_CASES if c[1] == 37),
+                                                        unpack=True), ids=["{}-{}x{}-r{}".format(*c) for c in LOOKUP_CASES])
 def test_table_gemv_matches_dequantize_then_matmul(built, fmt, rows, cols, nr):
     """The 4-bit GEMV by 16-entry table lookup (AVX-512) under every row tile, odd row counts
     (tiles and chunks shrink to divisors of N) and 1 to 5 blocks a row."""

@@ -271,22 +271,15 @@ def test_speculative_flag_errors_are_refused_while_parsing(args, message, capsys
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
-from test_weights import write_tiny_gguf  # noqa: E402
-
-from tvmattn.build import compile_model  # noqa: E402
 from tvmattn.generate import GenerateError, Generator  # noqa: E402
 
 PROMPT = [40, 77, 120, 9, 33, 260, 40, 77, 120, 9]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-spec")
-    gguf_path = folder / "tiny.gguf"
-    write_tiny_gguf(gguf_path, np.random.default_rng(7))
-    result = compile_model(str(gguf_path), folder / "tiny.so", target="llvm", max_batch_size=4, prefill_chunk=64,
-                           log=lambda _m: None)
-    generator = Generator(result.library)
+def tiny(tiny_library):
+    """A Generator over conftest's tiny_library (compiled once per session)."""
+    generator = Generator(tiny_library[1])
     generator.stop_ids = set()  # random weights: generate the full length
     return generator
 

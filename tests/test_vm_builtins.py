@@ -121,7 +121,7 @@ class Library:
     dtype: str
 
 
-@pytest.fixture(scope="module", params=["float32", "float16"])
+@pytest.fixture(scope="module", params=["float32", pytest.param("float16", marks=pytest.mark.slow)])
 def library(request) -> Library:
     dtype = request.param
     model = TinyModel(dtype)

@@ -11,7 +11,10 @@ import math
 
 from tvm.script import tirx as T
 
+from . import script_parser
 from .config import AttentionConfig, RopeScaling
+
+script_parser.install()
 
 LOG2E = math.log2(math.e)
 # Running-max start value and the LSE reported for a row that sees no key. Finite, so
