@@ -430,7 +430,11 @@ class PagedKVCache:
         gives its tokens' parents, an ordinary sequence a chain). A tree may grow over several
         steps; commit_accepted_token_tree_nodes then keeps one path. A node sees the history
         before its tree, its ancestors and itself; its RoPE position is the committed length
-        plus its depth.
+        plus its depth. A windowed sequence keeps every node until the commit (its window
+        slides then), so any tree that fits in the free pages can be committed; what could not
+        be run or committed is refused here: a tree that is not a chain in a cache with
+        sliding windows or inline RoPE, a tree over MAX_TREE_NODES nodes, a step without
+        enough free pages.
 
         A step in progress is rolled back first (it was abandoned); this step is kept by
         end_forward once every layer has written its K/V (see "Forward steps are transactions").

@@ -104,7 +104,7 @@ class PageAllocator:
         self._journal = None
 
     def rollback_journal(self) -> None:
-        """Undo every journaled change and stop journaling."""
+        """Undo every journaled change and stop journaling (nothing when no journal is open)."""
         journal, self._journal = self._journal, None
         if journal:
             self._undo(journal)

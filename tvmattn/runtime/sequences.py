@@ -204,7 +204,7 @@ class SequenceTable:
         self.version = 0  # bumped by every method that may change a sequence (see tables)
         # (version, seq_ids, their Sequences, TableArrays after the step) of the last reserve_plain
         self._last_plain: tuple | None = None
-        self._step: _PlainStep | _Step | None = None  # how to undo the open step (see the module docstring)
+        self._step: tuple | _Step | None = None  # how to undo the open step (see the module docstring)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -355,13 +355,13 @@ class SequenceTable:
         if type(step) is _Step:
             for seq, old in zip(step.seqs, step.before):
                 seq.assign(old)
-        else:
-            seqs = step.seqs
-            for seq, count, length in zip(seqs, step.counts.tolist(), step.lengths.tolist()):
+        else:  # reserve_plain's (seqs, page counts, lengths, copied sequences, their PageCopy)
+            seqs, counts, lengths, cow, copies = step
+            for seq, count, length in zip(seqs, counts.tolist(), lengths.tolist()):
                 del seq.pages[count:]
                 seq.length = length
-            for b, page in step.copied:
-                seqs[b].pages[-1] = page
+            for b, copy in zip(cow, copies):
+                seqs[b].pages[-1] = copy.src
         self.allocator.rollback_journal()
 
     def commit_trees(self, seqs: list, paths: list) -> None:
@@ -406,7 +406,8 @@ class SequenceTable:
         longer changes); when given, the sequences and their tables after the step are kept for
         `steady` (the returned arrays must then stay unchanged).
         """
-        self.commit_step()
+        if self._step is not None:
+            self.commit_step()
         self.version += 1
         self._last_plain = None
         ps = self.page_size
@@ -424,21 +425,22 @@ class SequenceTable:
             total = int(fresh.sum())
         cow, copies = [], []
         shared = self._shared_last_pages(history)
-        self.allocator.open_journal()
-        try:  # as reserve: copy-on-write first, then new pages
-            for b, used_slots in shared:
-                page = seqs[b].pages[-1]
-                if self.allocator.refcount(page) > 1:  # (an earlier copy may have left it private)
-                    cow.append(b)
-                    copies.append(PageCopy(page, self.allocator.alloc(), used_slots))
-                    self.allocator.release(page)
-            self._check_free(total)
-            new_pages = self.allocator.alloc_many(total)
-        except BaseException:
-            self.allocator.rollback_journal()
-            raise
-        self._step = _PlainStep(seqs, history.counts, history.slot_end,
-                                [(b, copy.src) for b, copy in zip(cow, copies)])
+        if shared or total:  # (most decode steps take no page: nothing to journal)
+            self.allocator.open_journal()
+            try:  # as reserve: copy-on-write first, then new pages
+                for b, used_slots in shared:
+                    page = seqs[b].pages[-1]
+                    if self.allocator.refcount(page) > 1:  # (an earlier copy may have left it private)
+                        cow.append(b)
+                        copies.append(PageCopy(page, self.allocator.alloc(), used_slots))
+                        self.allocator.release(page)
+                self._check_free(total)
+                new_pages = self.allocator.alloc_many(total)
+            except BaseException:
+                self.allocator.rollback_journal()
+                raise
+        # how to undo the step (a plain tuple: this runs every decode step), see rollback_step
+        self._step = (seqs, history.counts, history.slot_end, cow, copies)
         # the sequences after the append (tree stays [], sink and window_offset 0)
         if cow:  # (a copy: the tables may be the kept ones, which earlier plans hold)
             history = history._replace(pages=history.pages.copy())
@@ -527,13 +529,3 @@ class _Step(NamedTuple):
 
     seqs: list
     before: list
-
-
-class _PlainStep(NamedTuple):
-    """How to undo a step of `reserve_plain` (no windows, no trees): each sequence's page count
-    and length before it, and (b, page) for the copy-on-write that replaced seqs[b]'s last page."""
-
-    seqs: list
-    counts: np.ndarray
-    lengths: np.ndarray
-    copied: list
