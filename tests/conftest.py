@@ -51,8 +51,9 @@ def kernels():
 @pytest.fixture(scope="session")
 def tiny_library(tmp_path_factory):
     """(GGUF path, library path) of the tiny random-weight Llama (test_weights.write_tiny_gguf,
-    seed 7) compiled for llvm with max batch size 4 and prefill chunk 64, its folder holding the
-    GGUF and the bundle only: compiled once for every module (and xdist worker) that uses it."""
+    seed 11, a separate LM head) compiled for llvm with max batch size 4 and prefill chunk 64, its
+    folder holding the GGUF and the bundle only: compiled once for every module (and xdist
+    worker) that uses it (test_generate, test_speculative, test_bundle)."""
 
     def fill(folder):
         import numpy as np
@@ -60,7 +61,7 @@ def tiny_library(tmp_path_factory):
 
         from tvmattn.build import compile_model
 
-        write_tiny_gguf(folder / "tiny.gguf", np.random.default_rng(7))
+        write_tiny_gguf(folder / "tiny.gguf", np.random.default_rng(11), tied=False)
         result = compile_model(str(folder / "tiny.gguf"), folder / "tiny.so", target="llvm", max_batch_size=4,
                                prefill_chunk=64, log=lambda _message: None)
         assert result.dtype == "float32" and result.target == "llvm" and result.library == folder / "tiny.so"

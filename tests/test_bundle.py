@@ -50,12 +50,11 @@ def quiet(_message: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
-    """OUT.so of a tiny model compiled for llvm (its params and runtime.json beside it)."""
-    folder = tmp_path_factory.mktemp("bundle")
-    gguf_path = folder / "tiny.gguf"
-    write_tiny_gguf(gguf_path, np.random.default_rng(11), tied=False)
-    return compile_model(str(gguf_path), folder / "tiny.so", target="llvm", max_batch_size=2, log=quiet).library
+def built(tiny_library) -> Path:
+    """OUT.so of a tiny model compiled for llvm (its params and runtime.json beside it): conftest's
+    tiny_library (untied: its embedding and LM head are separate parameters), compiled once per
+    session; tests that break a bundle break a copy of it."""
+    return tiny_library[1]
 
 
 @pytest.fixture
