@@ -17,7 +17,7 @@ agree between the caches, else the run fails.
     python scripts/bench_cache.py --device cpu    # tiny smoke run on the CPU
     python scripts/bench_cache.py --device host   # host paths only: the CPU, kernels without bodies
     python scripts/bench_cache.py --workloads 1x1024 --steps 50 --caches tvmattn,tvm-cpp+tvm
-    python scripts/bench_cache.py --json cache.json   # also the rows of shared/docs/bench-format.md
+    python scripts/bench_cache.py --json cache.json   # also the rows of docs/bench-format.md
 
 `--device host` times the host paths alone, on the CPU: every kernel of every cache is compiled
 with its body removed (`null_kernel`: the same arguments and argument checks, no work), at the
@@ -503,7 +503,7 @@ def format_table(model: ModelShape, options: BenchOptions, results: list[Measure
 
 def make_row(model: ModelShape, options: BenchOptions, r: Measurement, target: str, meta: dict,
              baseline: Measurement | None = None) -> dict:
-    """One row of shared/docs/bench-format.md for a measured decode step; max_abs_diff: of its
+    """One row of docs/bench-format.md for a measured decode step; max_abs_diff: of its
     first-step outputs against `baseline`'s (left out without one)."""
     row = {"bench": "cache", "kernel": "step", "impl": r.cache, "variant": target, "dtype": model.dtype,
            "num_layers": model.num_layers, "head_dim": model.head_dim, "num_qo_heads": model.num_qo_heads,
@@ -553,7 +553,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--prefill-chunk", type=int)
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON (shared/docs/bench-format.md)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON (docs/bench-format.md)")
     args = parser.parse_args(argv)
     problem = bench_rows.output_path_problem(args.json)
     if problem:

@@ -1,4 +1,4 @@
-"""Prompt and decode tokens/s of SmolLM2-135M-Instruct on the CPU: our libraries and llama.cpp (issue 15).
+"""Prompt and decode tokens/s of SmolLM2-135M-Instruct on the CPU: our libraries and llama.cpp.
 
 For each --quantization (default `f32,keep`; `default`: compile's default) the library is compiled
 into --libs (default build/bench_cpu/<quantization>/smollm2.so) with the main job's settings, or
@@ -24,13 +24,13 @@ Memory, measured the same way for each engine: `peak_rss_bytes` is the child's V
 resident set: Python, numpy, TVM or llama.cpp's library, weights, caches; llama.cpp maps the GGUF,
 and the pages it touched count as resident); `runtime_rss_bytes` its VmRSS after the engine's
 imports and before loading the model; `model_peak_bytes` their difference, what the model adds at
-its peak (issue 15's target: at most 2x the GGUF's size).
+its peak (the project's target: at most 2x the GGUF's size).
 
 --check also generates greedily (--check-tokens tokens) from the test prompts (the main job's prompt
 and tvmattn.speculative.EXAMPLE_PROMPTS) with every library and says whether the tokens are
 identical to the first library's.
 
---json OUT writes bench-format rows (../shared/docs/bench-format.md): per engine, a `prefill` and a
+--json OUT writes bench-format rows (docs/bench-format.md): per engine, a `prefill` and a
 `decode` row (`ms` and `tokens_per_s` the medians), with the load average seen before and after.
 
     python scripts/bench_cpu.py [--quantization f32,keep] [--prompt-tokens 512] [--decode-tokens 128]

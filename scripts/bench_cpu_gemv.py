@@ -1,7 +1,7 @@
 """CPU time of SmolLM2-135M's decode projections over kept GGUF blocks, schedule against schedule.
 
 For each projection of a decode step (one token; Q4_1 matrices and the tied Q8_0 LM head), the
-fused kernels of tvmattn/models/quant_matmul.py under each CPU schedule given (the host's
+fused kernels of tvmattn/quant/ under each CPU schedule given (the host's
 choice, `choose_schedule`, and the alternatives below), compiled for `host_target(avx512=True)`
 (the lookup variants need AVX-512). Each runs over --layers copies of random blocks in turn
 (together larger than the caches, as in a decode step), --calls passes per sample, --samples
@@ -27,13 +27,10 @@ os.environ.setdefault("TVM_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 import tvm  # noqa: E402
 
-from tvmattn.models.quant_matmul import (  # noqa: E402
-    CPUSchedule,
-    QuantMatmulConfig,
-    choose_schedule,
-    host_target,
-    kernel,
-)
+from tvmattn.compiler.targets import host_target  # noqa: E402
+from tvmattn.quant.config import QuantMatmulConfig  # noqa: E402
+from tvmattn.quant.cpu import CPUSchedule, choose_schedule  # noqa: E402
+from tvmattn.quant.matmul import kernel  # noqa: E402
 from bench_quant_gemv import random_blocks  # noqa: E402 - the same random blocks as the CUDA GEMV bench
 
 # (name, format, N, K): SmolLM2-135M's decode projections and its tied Q8_0 LM head

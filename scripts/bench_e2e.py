@@ -25,7 +25,7 @@ travel, `python -m tvmattn.weights.random_gguf` writes one of its shapes and blo
 values); its logits are checked against the stock cache's like the others' (the same GGUF,
 dequantized to float16 there), and a line per phase gives its time against the float16 graph run's.
 
---json PATH writes the results as rows of shared/docs/bench-format.md (`make_row`): bench "e2e",
+--json PATH writes the results as rows of docs/bench-format.md (`make_row`): bench "e2e",
 kernel "prefill" (batch 1, qo_len = seq_len = --prompt-len) or "decode" (qo_len 1, seq_len =
 --prompt-len: the prompt each sequence holds when the warm-up steps begin), one row per library with
 impl "tvmattn" (our cache) or "tvm-stock-cache", ms per prefill call / decode step, tokens_per_s,
@@ -85,7 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=int, default=0, metavar="BATCH",
                    help="also print the top GPU kernels of a decode step at this batch size, per cache")
     p.add_argument("--target", default="cuda", choices=["cuda", "llvm"], help="llvm: a CPU smoke run of this script")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON rows (shared/docs/bench-format.md)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON rows (docs/bench-format.md)")
     p.add_argument("--flashinfer", action="store_true",
                    help="also run a third library, our cache with FlashInfer's attention kernels (--attn-backend "
                         "flashinfer; its modules must be built: python -m tvmattn.flashinfer.build)")
@@ -96,7 +96,7 @@ def parse_args(argv=None):
                         "graphs as 'graph' and its own weights, beside the float16 libraries (needs a GGUF --model)")
     p.add_argument("--no-small-batch-matmul", dest="small_batch_matmul", action="store_false",
                    help="build every library with dlight's Matmul rule for decode_step's projections instead of "
-                        "pipeline.SmallBatchMatmul")
+                        "compiler.pipeline.SmallBatchMatmul")
     args = p.parse_args(argv)
     graphs = args.target == "cuda" and not args.no_cuda_graph
     args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer
@@ -268,7 +268,7 @@ def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
         runner.prefill(seq_id, ids)
         # TVM's C++ cache uploads its page tables on a separate copy stream into one reused
         # buffer: back-to-back forwards without a sync let a later upload overwrite the tables
-        # of kernels still running (seen on the H200). Fill the caches synchronously.
+        # of kernels still running. Fill the caches synchronously.
         runner.sync()
     tokens = tvm.runtime.tensor(np.full(len(prompts), 17, np.int32), device=runner.device)
     first = None
@@ -309,7 +309,7 @@ def agrees(diff: float, scale: float) -> bool:
 def make_row(kernel: str, kv_cache: str, *, batch: int, prompt_len: int, seconds: float, diff: float, scale: float,
              target: str, dtype: str, meta: dict, timing: DecodeTiming | None = None,
              extra: dict | None = None) -> dict:
-    """One row of shared/docs/bench-format.md for `kv_cache`'s library ("tvmattn", "tvm", "flashinfer"):
+    """One row of docs/bench-format.md for `kv_cache`'s library ("tvmattn", "tvm", "flashinfer"):
     `seconds` per prefill call (kernel "prefill", one sequence of `prompt_len` tokens) or per decode
     step (kernel "decode", `batch` sequences holding `prompt_len` prompt tokens, one token each);
     `diff`/`scale`: max |diff| between this library's logits and the stock one's / max |logit| of the stock one."""

@@ -44,7 +44,7 @@ A run needs a CUDA GPU and torch. FlashInfer rows: from the modules built by
 "flashinfer-decode" and on tensor cores "flashinfer-decode-tc", prefill "flashinfer-fa2" and
 "flashinfer-fa3"; no flashinfer package needed), else from the flashinfer package
 (BatchPrefillWithPagedKVCacheWrapper, fa2 and, on sm_90, fa3) where `import flashinfer` works. --json writes the rows in the format of
-shared/docs/bench-format.md; --plot draws rate against context length (needs matplotlib).
+docs/bench-format.md; --plot draws rate against context length (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def rate_field(kernel: str) -> str:
 def make_row(kernel: str, impl: str, variant: str, dtype: str, head_dim: int, page_size: int, shape: Shape, ms: float,
              max_abs_diff: float | None, meta: dict, num_qo_heads: int = NUM_QO_HEADS,
              num_kv_heads: int | None = None) -> dict:
-    """One flat row of shared/docs/bench-format.md; the rate follows from the shape and `ms`
+    """One flat row of docs/bench-format.md; the rate follows from the shape and `ms`
     (num_kv_heads: the module's NUM_KV_HEADS at the call, which --kv-heads sets, by default)."""
     num_kv_heads = NUM_KV_HEADS if num_kv_heads is None else num_kv_heads
     row = {"bench": "kernels", "kernel": kernel, "impl": impl, "variant": variant, "dtype": dtype, "head_dim": head_dim,
@@ -512,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mla-decode-variants", action="store_true",
                         help="MLA decode: also time other tensor-core schedules (at the first page size): the"
                              " wgmma decode's where it serves (sm_90), else mla_tc's")
-    parser.add_argument("--json", metavar="PATH", help="write every row as a JSON list (shared/docs/bench-format.md)")
+    parser.add_argument("--json", metavar="PATH", help="write every row as a JSON list (docs/bench-format.md)")
     parser.add_argument("--plot", metavar="PNG", help="draw the rates against context length (needs matplotlib)")
     parser.add_argument("--from-json", nargs="+", metavar="PATH",
                         help="no run: print the tables (and --plot, --json) from rows saved by --json; no GPU needed")
@@ -653,9 +653,9 @@ def synchronize() -> None:
 
 
 # Decode rows (eager and graph) are timed after at least DECODE_WARMUP_MS of calls (defaults of
-# --decode-warmup-ms / --decode-sample-ms) (clocks up,
-# caches and workspaces warm: a batch-1 call is ~10 us, so 3 calls were no warm-up at all), in
-# samples of at least DECODE_SAMPLE_MS (a sample of 20 such calls was ~0.2 ms).
+# --decode-warmup-ms / --decode-sample-ms), so that clocks are up and caches and workspaces warm
+# (a batch-1 call is so short that a few calls warm nothing), in samples of at least
+# DECODE_SAMPLE_MS (a fixed count of such calls is too short a sample).
 DECODE_WARMUP_MS = 100.0
 DECODE_SAMPLE_MS = 5.0
 MAX_SAMPLE_CALLS = 20000
@@ -1570,7 +1570,7 @@ def mla_decode_read_bytes(batch: int, seq_len: int, qk_dim: int, elem_bytes: int
 def mla_decode_row(impl: str, variant: str, dtype: str, heads: int, page_size: int, shape: Shape, ms: float,
                    diff: float | None, meta: dict, latent: int = MLA_DECODE_LATENT,
                    rope: int = MLA_DECODE_ROPE) -> dict:
-    """One row of shared/docs/bench-format.md for kernel mla_decode."""
+    """One row of docs/bench-format.md for kernel mla_decode."""
     row = {"bench": "kernels", "kernel": "mla_decode", "impl": impl, "variant": variant, "dtype": dtype,
            "head_dim": latent + rope, "latent_dim": latent, "rope_dim": rope, "num_qo_heads": heads,
            "num_kv_heads": 1, "page_size": page_size, "batch": shape.batch, "seq_len": shape.seq_len, "qo_len": 1,
@@ -1656,8 +1656,8 @@ def mla_decode_kernels(config, anchors=("tvmattn-simt", "tvm"), variants: bool =
     skip."""
     import tir_kernels
     from tir_kernels.mla_sm90 import choose_mla_wgmma_schedule, mla_paged_decode_wgmma, mla_wgmma_decode_problem
-    from tir_kernels.mla_tc import (choose_mla_decode_kernel, choose_mla_tc_schedule, mla_paged_decode_auto,
-                                    mla_paged_decode_tc, supports_tc)
+    from tir_kernels.mla import choose_mla_decode_kernel, mla_paged_decode_auto
+    from tir_kernels.mla_tc import choose_mla_tc_schedule, mla_paged_decode_tc, supports_tc
 
     built = []
     variant = ("tc:" + schedule_summary(choose_mla_tc_schedule(config))) if supports_tc(config) else "simt"

@@ -1,7 +1,7 @@
 """GPU time of the decode projections of SmolLM2-135M, kept quantized against float16, side by side.
 
 For each projection of a decode step (one token): our CUDA GEMV over the GGUF blocks
-(tvmattn/models/quant_gemv_cuda.py, with the residual add where the layer has one) and the
+(tvmattn/quant/gemv_cuda.py, with the residual add where the layer has one) and the
 float16 library's kernel for the same product (dlight's GEMV rule on the float16 NT matmul, the
 add as its epilogue). Each runs for every one of the model's 30 layers with that layer's own
 weights, layer by layer as in a step (the weights together exceed the H200's 50 MB L2, as in the
@@ -25,7 +25,9 @@ import numpy as np  # noqa: E402
 import tvm  # noqa: E402
 from tvm import te, tirx  # noqa: E402
 
-from tvmattn.models.quant_matmul import QuantMatmulConfig, cuda_target, kernel  # noqa: E402
+from tvmattn.compiler.targets import cuda_target  # noqa: E402
+from tvmattn.quant.config import QuantMatmulConfig  # noqa: E402
+from tvmattn.quant.matmul import kernel  # noqa: E402
 from tvmattn.weights.quant import QuantizedTensor, part_shapes  # noqa: E402
 
 # (name, format, N, K, residual): SmolLM2-135M's decode projections and its tied Q8_0 LM head

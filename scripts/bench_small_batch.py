@@ -2,8 +2,8 @@
 
 - matmuls: the symbolic-batch projections of a model library's `decode_step` (taken from the
   exported module after legalization, so the same fused PrimFuncs), scheduled by dlight's
-  default CUDA rules ("matmul"), by models.pipeline.DecodeBatchGEMV (dlight's LowBatchGEMV)
-  with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), or by models.pipeline.SmallBatchMatmul
+  default CUDA rules ("matmul"), by compiler.pipeline.DecodeBatchGEMV (dlight's LowBatchGEMV)
+  with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), or by compiler.pipeline.SmallBatchMatmul
   (the pipeline's choice, "rows"), at batch 1, 2, 16 and 64; checked against torch (float32
   products of the same fp16 inputs).
 - decode attention: tir_kernels.paged_decode with the default CUDA-core schedule and variants
@@ -11,9 +11,8 @@
   (--len keys each).
 
 Kernel time is the device time of its kernels (torch.profiler, mean over --iters calls), not
-the host launch time. (On the H200 on 2026-12-01 the attention part ran; the matmul part, then
-compiled after CUDA was in use, ended without output: everything is now compiled first, not
-yet run there; `--only matmul` runs it alone.)
+the host launch time. Everything is compiled before CUDA is first used (a compile after that
+has failed on the GPU machine); `--only matmul` runs the matmul part alone.
 
     python scripts/bench_small_batch.py [--model scripts/smollm2-config.json] [--len 520] [--iters 20]
 """
@@ -58,7 +57,7 @@ def decode_step_matmuls(model: str, max_batch: int):
 
     from tvmattn.models import BuildOptions, export_module
     from tvmattn.models.config import model_config_from_hf
-    from tvmattn.models.pipeline import SmallBatchMatmul, _has_var
+    from tvmattn.compiler.pipeline import SmallBatchMatmul, _has_var
 
     config = model_config_from_hf(json.load(open(model)))
     options = BuildOptions(target="cuda:sm_90", dtype="float16", max_batch_size=max_batch)
@@ -84,7 +83,7 @@ def schedule(func, target, variant: str):
     from tvm.s_tir import dlight as dl
     from tvm.relax.backend.cuda import pipeline as backend
 
-    from tvmattn.models.pipeline import DecodeBatchGEMV, SmallBatchMatmul
+    from tvmattn.compiler.pipeline import DecodeBatchGEMV, SmallBatchMatmul
 
     mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     with target:

@@ -1,4 +1,5 @@
-"""Specification of the library bundle's integrity (OUT.so + OUT.params.npz + OUT.runtime.json).
+"""Specification of the library bundle's integrity (OUT.so + OUT.params.npz + OUT.runtime.json,
+written and read by tvmattn/bundle.py).
 
 - `compile_model` records the size and sha256 of the library and the parameters in
   OUT.runtime.json ("files"); `Generator` checks them before loading anything, so a truncated or
@@ -8,7 +9,9 @@
 - Every broken bundle file (params, runtime.json, library) is a GenerateError naming the file
   and the problem; `python -m tvmattn generate` prints `error: ...` and exits 2.
 - Logits that are not finite stop generation with an error naming the step.
-- The write is atomic, and partial files left by a killed compile are removed by the next one.
+- The write is atomic (Ctrl-C during the renames is held until the bundle is whole), and partial
+  files left by a killed compile are removed by the next one.
+- A chat template that is no Jinja, or fails on the prompt, is an error naming it.
 
 A tiny random GGUF model (tests/test_weights.py, with a separate lm_head) is compiled for llvm
 once per module; each test corrupts a copy of it.
@@ -33,7 +36,8 @@ pytest.importorskip("tokenizers")
 from test_weights import write_tiny_gguf  # noqa: E402
 
 from tvmattn.__main__ import main  # noqa: E402
-from tvmattn.build import PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar  # noqa: E402
+from tvmattn.build import compile_model  # noqa: E402
+from tvmattn.bundle import PARAMS_SUFFIX, RUNTIME_SUFFIX, sidecar  # noqa: E402
 from tvmattn.generate import GenerateError, Generator  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -324,6 +328,8 @@ BROKEN = {
     "stop ids not a list": (set_key(2, "stop_token_ids"), RUNTIME_SUFFIX, "'stop_token_ids' should be a list"),
     "tokenizer not a string": (set_key(5, "tokenizer"), RUNTIME_SUFFIX, "'tokenizer' should be a string"),
     "tokenizer invalid": (set_key("{}", "tokenizer"), RUNTIME_SUFFIX, "the tokenizer does not load"),
+    "chat template not Jinja": (set_key("{% for m in messages %}{{ m }}", "chat_template"), RUNTIME_SUFFIX,
+                                "'chat_template' is not a valid Jinja template (line 1: "),
     # OUT.so
     "library junk, record kept": (library_junk, ".so", "differs from the one the bundle recorded"),
     "library junk, record rewritten": (library_junk_rerecorded, ".so", "is not a shared library"),
@@ -368,6 +374,35 @@ def test_a_library_that_is_no_model_library_is_an_error(bundle, foreign_librarie
     with pytest.raises(GenerateError, match=f"{bundle}: not a tvmattn model library"):
         Generator(bundle)
     expect_cli_error(bundle, capsys, str(bundle), "not a tvmattn model library")
+
+
+@pytest.mark.parametrize("template, problem", [
+    ("{{ raise_exception('only one user message') }}", "the chat template refuses the prompt: only one user message"),
+    ("{{ messages[0].nothing.deeper }}", "the chat template does not render (UndefinedError: "),
+    ("{{ 1 / 0 }}", "the chat template does not render (ZeroDivisionError: "),
+])
+def test_a_chat_template_that_fails_to_render_is_a_generate_error(bundle, template, problem, capsys):
+    """A template that parses but fails on the prompt (it is code) is an error naming it."""
+    set_key(template, "chat_template")(bundle)
+    generator = Generator(bundle)
+    with pytest.raises(GenerateError) as caught:
+        generator.generate("hello", max_new_tokens=2)
+    assert problem in str(caught.value)
+    assert generator.generate("hello", max_new_tokens=2, chat=False).tokens  # without the template it works
+    expect_cli_error(bundle, capsys, problem)
+
+
+def test_ctrl_c_while_generating_is_one_line(built):
+    """Ctrl-C once the command has started (loading the bundle, prefill or decode): one line, 130."""
+    from test_cli import interrupt_when
+
+    from tvmattn.__main__ import INTERRUPTED
+
+    status, text = interrupt_when(["generate", "--lib", str(built), "--prompt", "hello", "--max-new-tokens", "200"],
+                                  "> hello")
+    assert status == INTERRUPTED, text
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: interrupted (Ctrl-C)"] and "Traceback" not in text, text
 
 
 # ---------------------------------------------------------------- 3. non-finite logits
@@ -461,6 +496,28 @@ def test_a_compile_interrupted_while_writing_leaves_no_partial_output(tmp_path, 
     with pytest.raises(KeyboardInterrupt):
         compile_model(str(tiny_gguf), tmp_path / "out.so", target="llvm", log=interrupt_after_params)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == earlier
+
+
+def test_ctrl_c_during_the_renames_completes_the_bundle_first(tmp_path, tiny_gguf, fake_compile, monkeypatch):
+    """Ctrl-C while the files are renamed into place is held until the last rename: the bundle is
+    the new one, whole (its record matches its files), never a new library beside old records."""
+    import signal
+
+    for name in ("out.so", "out.params.npz", "out.runtime.json"):
+        (tmp_path / name).write_bytes(b"earlier " + name.encode())
+    replace = Path.replace
+
+    def interrupted_replace(self, target):
+        if Path(target).name == "out.so":
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C right after the library is renamed
+        return replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", interrupted_replace)
+    with pytest.raises(KeyboardInterrupt):
+        compile_model(str(tiny_gguf), tmp_path / "out.so", target="llvm", log=quiet)
+    library = tmp_path / "out.so"
+    assert read_runtime(library)["files"] == {"library": record(library), "params": record(params_of(library))}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.params.npz", "out.runtime.json", "out.so"]
 
 
 # ---------------------------------------------------------------- 5, 6. the parameters file, the log

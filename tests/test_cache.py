@@ -218,7 +218,7 @@ def test_layer_calls_take_the_fast_path(target):
     for lengths, fused in (([1], "launches"), ([2], "attention_with_fused_qkv")):
         cache.begin_forward([0], lengths)
         assert cache._step.fused.__name__ == fused
-        cache.end_forward()
+        cache.cancel_forward()
 
 
 @pytest.mark.parametrize("rope_mode", ["none", "normal"])
@@ -426,9 +426,7 @@ def test_cascade_two_forks_of_a_long_prefix(target):
         assert plan.decode and [level.kernel for level in plan.host.fused] == ["prefill", "decode"]
         shared = plan.host.fused[0].page_indices
         assert len(shared) == 15, "the 15 full pages of the prompt are attended once"
-        m.cache.end_forward()
-        for seq_id in (1, 2, 3):  # give back the tokens that step reserved
-            m.cache.popn(seq_id, 1)
+        m.cache.cancel_forward()  # (the plan only: nothing is kept)
         m.forward([1, 2, 3], [1, 1, 1])
     m.forward([1, 2], [3, 4])  # prefill over the shared prefix: shared level + own history
     m.check_kv()
@@ -445,9 +443,7 @@ def test_cascade_prefill_plan(target):
     plan = m.cache.current_plan()
     assert not plan.decode and len(plan.host.fused) == 1  # the shared level only: no history of their own
     assert list(plan.host.fused[0].qo_indptr) == [0, 10]  # all four share the 10 pages
-    m.cache.end_forward()
-    for seq_id, n in zip([1, 2, 3, 0], [3, 2, 4, 1]):  # give back the tokens that step reserved
-        m.cache.popn(seq_id, n)
+    m.cache.cancel_forward()  # (the plan only: nothing is kept)
     m.forward([1, 2, 3, 0], [3, 2, 4, 1])
     m.check_kv()
     m.check_no_leaks()
@@ -455,7 +451,8 @@ def test_cascade_prefill_plan(target):
 
 def self_plus_cross(m: Model, layer: int, total: int) -> tuple:
     """In the step begun: self_attention of random q, k, v merged with cross_attention, then
-    end_forward. Returns q, k, v (numpy) and the merged o, lse (device tensors)."""
+    cancel_forward (neither caches anything, so the step has nothing to keep). Returns q, k, v
+    (numpy) and the merged o, lse (device tensors)."""
     dev = m.device
     q, k, v = (randn(m.rng, (total, h, D), DTYPE) for h in (HQ, HKV, HKV))
     o_self, o_cross = (empty((total, HQ, D), DTYPE, dev) for _ in range(2))
@@ -463,7 +460,7 @@ def self_plus_cross(m: Model, layer: int, total: int) -> tuple:
     m.cache.self_attention(layer, SM_SCALE, tensor(q, dev), tensor(k, dev), tensor(v, dev), o_self, lse_self)
     m.cache.cross_attention(layer, SM_SCALE, tensor(q, dev), o_cross, lse_cross)
     m.cache.merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross)
-    m.cache.end_forward()
+    m.cache.cancel_forward()
     return q, k, v, o_self, lse_self
 
 
@@ -493,9 +490,7 @@ def test_self_and_cross_attention_merge_to_full_attention(target, rope_mode):
             np.testing.assert_allclose(o_self.numpy()[rows], o, rtol=RTOL, atol=ATOL)
             np.testing.assert_allclose(lse_self.numpy()[rows], lse, *ref.LSE_TOLERANCE)
             start += n
-        # Nothing was cached: undo the reservation the step made and compare.
-        m.cache.popn(0, lengths[0])
-        m.cache.popn(1, lengths[1])
+        # Nothing was cached: the abandoned step left every sequence as it was.
         for seq_id, (k0, v0) in zip((0, 1), before):
             k1, v1 = read_kv(m.cache, seq_id, m.length(seq_id), m.device)
             np.testing.assert_array_equal(k1, k0)
@@ -536,12 +531,15 @@ def test_token_tree_chains(target):
     m.forward([0, 1], [5, 6])
     cache = m.cache
     cache.begin_forward([0, 1], [3, 4], token_tree_parent_ptr=[-1, 0, 1, -1, 0, 1, 2])
+    m.check_layers(7, lambda layer, qkv: m._expected([0, 1], [3, 4], [5, 6], layer, qkv), "chains")
     cache.end_forward()
     with pytest.raises(KVCacheError, match="commit_accepted_token_tree_nodes"):
         cache.begin_forward([0], [1])
     cache.commit_accepted_token_tree_nodes([0, 1], [1, -1])  # keep 2 of 3, none of 4
+    for seq_id, keep in ((0, 7), (1, 6)):
+        m.k[seq_id], m.v[seq_id] = [k[:keep] for k in m.k[seq_id]], [v[:keep] for v in m.v[seq_id]]
     assert cache.sequence_state(0)["length"] == 7 and cache.sequence_state(1)["length"] == 6
-    cache.popn(0, 2)
+    m.popn(0, 2)
     m.forward([0, 1], [1, 1])
     m.check_kv()
 
@@ -760,16 +758,26 @@ def _bad_attention_calls(m: Model) -> dict:
     }
 
 
+def step_state(m: Model) -> tuple:
+    """`state` inside a step (whose rows cannot be read yet): all but the K/V, and the step."""
+    cache = m.cache
+    return (cache.sequence_ids(), {s: cache.sequence_state(s) for s in cache.sequence_ids()},
+            cache.get_num_available_pages(), cache.get_total_sequence_length(), id(cache.current_plan()))
+
+
 def test_bad_attention_calls_leave_the_cache_unchanged():
+    """Each bad call is refused and leaves the step going, unchanged."""
     m = populated()
+    before_step = state(m)
     m.cache.begin_forward([0, 2], [1, 1])
     cases = _bad_attention_calls(m)
     for case, (op, message) in cases.items():
-        before = state(m)
+        before = step_state(m)
         with pytest.raises(KVCacheError, match=message):
             op(m.cache)
-        assert state(m) == before, case
-    m.cache.end_forward()
+        assert step_state(m) == before, case
+    m.cache.cancel_forward()
+    assert state(m) == before_step
 
 
 def test_out_of_pages_rolls_back_everything():

@@ -3,8 +3,9 @@
 A hypothesis rule-based state machine applies random sequences of add / remove / fork (any
 position, or -1) / popn / enable_sliding_window / clear / forward (begin_forward with prefill
 chunks or decode steps, attention_with_fused_qkv on every layer with random qkv, end_forward)
-to the cache and to `ReferenceCache`, which keeps each sequence's K/V unpaged in float64 and
-computes attention with tests/reference.py. After every step the two agree on:
+/ token-tree steps and commits / interrupted steps to the cache and to `ReferenceCache`, which
+keeps each sequence's K/V unpaged in float64 and computes attention with tests/reference.py.
+After every step the two agree on:
   - every layer's attention output and the query positions (checked inside the forward rule);
   - the K/V of every sequence (debug_get_kv), its length (reading one token past the end is
     refused) and the total length;
@@ -16,6 +17,15 @@ sequence twice in a batch, chunks over the prefill chunk size, a bad layer id, t
 dtype or device, attention outside a forward ...): the cache must raise KVCacheError and
 stay exactly as it was; the model is not touched.
 
+Forward steps are transactions (PagedKVCache's docstring): the machine also begins steps and
+abandons them after some layers (cancel_forward, end_forward before every layer ran, a second
+begin_forward, remove / popn / fork / clear inside the step, a kernel that raises inside a
+layer's call, which `Faults` injects), after which the cache must be exactly as before the step
+(the model rolls back its copy) and the call must then have done its own work; calls the cache
+refuses inside a step (debug_get_kv, commits, enabling a window) must leave the step going.
+Removed sequences' pages are reused by later ones, so a row kept without being written would
+show another sequence's K/V in some output.
+
 Semantics the model follows (those of TVM's C++ cache, paged_kv_cache.cc):
   - RoPE "normal": q and k rotated at positions history + i before attention, K cached rotated;
     "inline": K cached as given, q and every key rotated inside attention (key j at position j,
@@ -26,6 +36,12 @@ Semantics the model follows (those of TVM's C++ cache, paged_kv_cache.cc):
     child has no window). popn removes the last n cached tokens, also from a slid window
     (TVM's PopN ignores the window's page layout; tvmattn defines it this way). Sinks stay
     below the page size here, so a windowed sequence never shares a page (see page_bounds).
+  - Token trees: a tree step's nodes (the parents of each new node; -1 a root) see the
+    committed tokens, their ancestors and themselves, at RoPE positions committed + depth; a
+    tree may grow over several steps; a commit keeps the path to one node (or none) for each
+    named sequence, all checked before any is applied. Trees that are not chains are refused
+    where RoPE is inline (the sliding-window setups and "rope-inline"). A windowed sequence
+    slides only at the commit: it keeps what appending the accepted path one by one keeps.
 
 Runs on the CPU and, where a GPU is present, on CUDA (the `target` fixture). Failures print
 the operations applied (hypothesis notes) and the minimal rule sequence.
@@ -33,14 +49,17 @@ the operations applied (hypothesis notes) and the minimal rule sequence.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
+import functools
 import math
 
 import numpy as np
 import pytest
 import reference as ref
 import tvm
-from harness import empty
+from harness import empty, load_script
 from hypothesis import HealthCheck, Phase, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
@@ -49,6 +68,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from tir_kernels import default_sm_scale
 from tvmattn import PagedKVCache
 from tvmattn.runtime.errors import KVCacheError
+from tvmattn.runtime.kernels import paged_slots
+from tvmattn.runtime.trees import MAX_TREE_NODES, accepted_path, depths, is_chain
 
 NUM_LAYERS, NUM_QO_HEADS, NUM_KV_HEADS, DTYPE = 2, 4, 2, "float32"
 MAX_SEQS, CAPACITY, PREFILL_CHUNK = 6, 1024, 64
@@ -81,13 +102,57 @@ class Setup:
     def sm_scale(self) -> float:
         return default_sm_scale(self.head_dim)
 
-    def make_cache(self, device: tvm.runtime.Device) -> PagedKVCache:
+    @property
+    def chains_only(self) -> bool:
+        """Token trees must be chains: with sliding windows or RoPE inline (tree attention has
+        no kernels for either)."""
+        return self.sliding or self.rope_mode == "inline"
+
+    def make_cache(self, device: tvm.runtime.Device, kernels: dict | None = None) -> PagedKVCache:
         return PagedKVCache(num_layers=NUM_LAYERS, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
                             qk_head_dim=self.head_dim, dtype=DTYPE, page_size=self.page_size,
                             max_num_sequences=MAX_SEQS, max_total_seq_len=CAPACITY,
                             prefill_chunk_size=PREFILL_CHUNK, rope_mode=self.rope_mode,
                             rope_scale=ROPE_SCALE, rope_theta=ROPE_THETA,
-                            support_sliding_window=self.sliding, device=device)
+                            support_sliding_window=self.sliding, device=device, kernels=kernels)
+
+
+class Faults:
+    """The cache's kernels, some wrapped to raise when armed: a launch failing inside a layer's
+    call after its arguments were checked (split_rotary_append, transpose_append and the paged
+    decode kernel; `skip` wrapped launches of the call run first)."""
+
+    def __init__(self, setup: Setup, device: tvm.runtime.Device):
+        base = _kernels(setup, device.dlpack_device_type())
+        decode = paged_slots(setup.sliding)[1]
+        self.kernels = {"split_rotary_append": self._wrap(base.split_rotary_append),
+                        "transpose_append": self._wrap(base.transpose_append),
+                        decode: ["tirx", self._wrap(getattr(base, decode)[1])]}
+        self._countdown = None
+
+    def arm(self, skip: int) -> None:
+        self._countdown = skip
+
+    def disarm(self) -> None:
+        self._countdown = None
+
+    def _wrap(self, kernel):
+        def launch(*args):
+            if self._countdown is not None:
+                if self._countdown == 0:
+                    self._countdown = None
+                    raise RuntimeError("injected kernel failure")
+                self._countdown -= 1
+            return kernel(*args)
+
+        return launch
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(setup: Setup, device_type: int):
+    """The kernels a cache of `setup` builds (once per process)."""
+    device = tvm.cuda(0) if device_type == tvm.cuda(0).dlpack_device_type() else tvm.cpu()
+    return setup.make_cache(device).kernels
 
 
 SETUPS = [
@@ -116,10 +181,15 @@ class RefSequence:
     uids: list
     window: tuple[int, int] | None = None  # (window size, sink size)
     slid: bool = False  # the window has dropped tokens at least once
+    tree: list = dataclasses.field(default_factory=list)  # parents of the uncommitted tree's nodes (the last tokens)
 
     @property
     def length(self) -> int:
         return len(self.uids)
+
+    @property
+    def committed(self) -> int:
+        return self.length - len(self.tree)
 
     def keep(self, index) -> None:
         self.k = [k[index] for k in self.k]
@@ -129,11 +199,16 @@ class RefSequence:
 
 @dataclasses.dataclass
 class RefStep:
-    """A forward in progress: per request (seq_id, new tokens, cached tokens before it)."""
+    """A forward in progress: per request (seq_id, new tokens, cached tokens before it, RoPE
+    positions of its new tokens, which keys each new token sees or None: causal), and the
+    sequences as they were before it (to roll back)."""
 
     seq_ids: list
     lengths: list
     history: list
+    positions: list
+    visible: list
+    saved: dict
 
 
 class ReferenceCache:
@@ -170,6 +245,8 @@ class ReferenceCache:
 
     def fork(self, parent_id: int, child_id: int, pos: int) -> None:
         parent = self._get(parent_id)
+        if parent.tree:
+            raise InvalidOperation(f"sequence {parent_id} has an uncommitted token tree")
         if child_id in self.seqs:
             raise InvalidOperation(f"child {child_id} already exists")
         if len(self.seqs) >= MAX_SEQS:
@@ -190,6 +267,7 @@ class ReferenceCache:
         if n < 0 or n > seq.length:
             raise InvalidOperation(f"popn {n} from a sequence of {seq.length}")
         seq.keep(list(range(seq.length - n)))
+        del seq.tree[max(len(seq.tree) - n, 0):]
 
     def enable_sliding_window(self, seq_id: int, window: int, sink: int) -> None:
         seq = self._get(seq_id)
@@ -206,7 +284,8 @@ class ReferenceCache:
         self.seqs.clear()
 
     # -- forward
-    def begin_forward(self, seq_ids: list, lengths: list) -> None:
+    def begin_forward(self, seq_ids: list, lengths: list, parents: list | None = None) -> None:
+        """parents: the token-tree parents of every new token (None: no tree)."""
         if len(seq_ids) != len(lengths):
             raise InvalidOperation(f"{len(seq_ids)} seq_ids but {len(lengths)} append lengths")
         if len(set(seq_ids)) != len(seq_ids):
@@ -217,26 +296,58 @@ class ReferenceCache:
             raise InvalidOperation(f"append lengths {lengths}")
         if sum(lengths) > PREFILL_CHUNK:
             raise InvalidOperation(f"{sum(lengths)} tokens > prefill chunk {PREFILL_CHUNK}")
-        history = [self.seqs[s].length for s in seq_ids]
-        for seq_id, n in zip(seq_ids, lengths):
-            self.seqs[seq_id].uids += list(range(self._next_uid, self._next_uid + n))
+        seqs = [self.seqs[s] for s in seq_ids]
+        trees = self._new_trees(seqs, lengths, parents)
+        saved = {seq_id: copy.deepcopy(seq) for seq_id, seq in zip(seq_ids, seqs)}
+        history = [seq.length for seq in seqs]
+        positions, visible = [], []
+        for seq, n, new in zip(seqs, lengths, trees):
+            seq.uids += list(range(self._next_uid, self._next_uid + n))
             self._next_uid += n
-        self.step = RefStep(list(seq_ids), list(lengths), history)
+            if new is None:
+                positions.append(seq.length - n + np.arange(n))
+                visible.append(None)
+                continue
+            seq.tree = seq.tree + new
+            positions.append(seq.committed + np.asarray(depths(seq.tree)[len(seq.tree) - n:]))
+            visible.append(ref.tree_visibility(seq.tree, seq.committed, n))
+        self.step = RefStep(list(seq_ids), list(lengths), history, positions, visible, saved)
+
+    def _new_trees(self, seqs: list, lengths: list, parents: list | None) -> list:
+        """Each sequence's new nodes' parents (None each without a tree), checked."""
+        if parents is None:
+            if any(seq.tree for seq in seqs):
+                raise InvalidOperation("a sequence of the step has an uncommitted token tree")
+            return [None] * len(seqs)
+        if len(parents) != sum(lengths):
+            raise InvalidOperation(f"{len(parents)} parents for {sum(lengths)} new tokens")
+        trees, start = [], 0
+        for seq, n in zip(seqs, lengths):
+            new = list(parents[start : start + n])
+            start += n
+            if len(seq.tree) + n > MAX_TREE_NODES:
+                raise InvalidOperation("tree too large")
+            if any(not -1 <= p < len(seq.tree) + i for i, p in enumerate(new)):
+                raise InvalidOperation(f"bad parents {new} after a tree of {len(seq.tree)}")
+            trees.append(new)
+        if self.setup.chains_only and not all(is_chain(seq.tree + new) for seq, new in zip(seqs, trees)):
+            raise InvalidOperation("a tree that is not a chain where RoPE is inline")
+        return trees
 
     def query_positions(self) -> np.ndarray:
-        return np.concatenate([h + np.arange(n) for h, n in zip(self.step.history, self.step.lengths)])
+        return np.concatenate(self.step.positions)
 
     def attention(self, layer: int, qkv: np.ndarray) -> np.ndarray:
         """Append this layer's new K/V and return the expected output [n, Hq, D]."""
         hq, hkv = NUM_QO_HEADS, NUM_KV_HEADS
         outputs, start = [], 0
         rope_args = (ROPE_THETA, ROPE_SCALE)
-        for seq_id, n, history in zip(self.step.seq_ids, self.step.lengths, self.step.history):
+        step = self.step
+        for seq_id, n, positions, visible in zip(step.seq_ids, step.lengths, step.positions, step.visible):
             seq = self.seqs[seq_id]
             rows = qkv[start : start + n].astype(np.float64)
             start += n
             q, k, v = rows[:, :hq], rows[:, hq : hq + hkv], rows[:, hq + hkv :]
-            positions = history + np.arange(n)
             if self.setup.kv_rope_mode == "normal":
                 q, k = ref.rope(q, positions, *rope_args), ref.rope(k, positions, *rope_args)
             seq.k[layer] = np.concatenate([seq.k[layer], k])
@@ -245,18 +356,43 @@ class ReferenceCache:
             if self.setup.kv_rope_mode == "inline":
                 q = ref.rope(q, positions, *rope_args)
                 keys = ref.rope(keys, np.arange(len(keys)), *rope_args)
-            outputs.append(ref.attention(q, keys, seq.v[layer], self.setup.sm_scale, causal=True)[0])
+            outputs.append(ref.attention(q, keys, seq.v[layer], self.setup.sm_scale, causal=True, visible=visible)[0])
         return np.concatenate(outputs)
 
     def end_forward(self) -> None:
         for seq_id in self.step.seq_ids:
-            seq = self.seqs[seq_id]
-            if seq.window is None or seq.length <= seq.window[0]:
-                continue
-            window, sink = seq.window
-            seq.keep(list(range(sink)) + list(range(seq.length - (window - sink), seq.length)))
-            seq.slid = True
+            if not self.seqs[seq_id].tree:
+                self._slide(self.seqs[seq_id])
         self.step = None
+
+    def rollback(self) -> None:
+        """The step in progress abandoned: its sequences as they were before it."""
+        self.seqs.update(self.step.saved)
+        self.step = None
+
+    @staticmethod
+    def _slide(seq: RefSequence) -> None:
+        if seq.window is None or seq.length <= seq.window[0]:
+            return
+        window, sink = seq.window
+        seq.keep(list(range(sink)) + list(range(seq.length - (window - sink), seq.length)))
+        seq.slid = True
+
+    def commit(self, seq_ids: list, leaves: list) -> None:
+        """Keep each sequence's path from its tree's root to node leaves[i] (-1: none)."""
+        if len(seq_ids) != len(leaves):
+            raise InvalidOperation(f"{len(seq_ids)} seq_ids but {len(leaves)} leaves")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidOperation(f"seq_ids {seq_ids} repeat a sequence")
+        seqs = [self._get(seq_id) for seq_id in seq_ids]
+        for seq, leaf in zip(seqs, leaves):
+            if not (leaf == -1 or -1 <= leaf < len(seq.tree)):
+                raise InvalidOperation(f"leaf {leaf} of a tree of {len(seq.tree)} nodes")
+        for seq, leaf in zip(seqs, leaves):
+            committed = seq.committed
+            seq.keep(list(range(committed)) + [committed + node for node in accepted_path(seq.tree, leaf)])
+            seq.tree = []
+            self._slide(seq)
 
     # -- accounting
     def total_length(self) -> int:
@@ -329,6 +465,8 @@ def choose_count(code: int, length: int) -> int:
 
 
 MEMBERS = st.lists(st.integers(0, 63), min_size=1, max_size=5)  # batch members (indices into live ids)
+# How interrupted_step ends its step (see the rule).
+INTERRUPTIONS = ["cancel", "end", "begin_again", "remove", "popn", "fork", "clear", "launch", "refused", "add"]
 SEEDS = st.integers(0, 2**16)
 
 
@@ -341,7 +479,8 @@ class CacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.setup = setup
         self.device = device
-        self.cache = setup.make_cache(device)
+        self.faults = Faults(setup, device)
+        self.cache = setup.make_cache(device, self.faults.kernels)
         self.model = ReferenceCache(setup)
         self.initial_pages = self.cache.get_num_available_pages()
         note(f"setup {setup}; {self.initial_pages} pages")
@@ -365,12 +504,13 @@ class CacheMachine(RuleBasedStateMachine):
         return free[max(code, 0) % len(free)]
 
     def _snapshot(self):
-        return (self.cache.get_num_available_pages(), self.cache.get_total_sequence_length(), self.cache.empty())
+        return (self.cache.get_num_available_pages(), self.cache.get_total_sequence_length(), self.cache.empty(),
+                {seq_id: self.cache.sequence_state(seq_id) for seq_id in self.cache.sequence_ids()})
 
-    def _apply(self, what: str, model_op, cache_op) -> None:
+    def _apply(self, what: str, model_op, cache_op, before=None) -> bool:
         """Apply an operation to both; if the model refuses it, the cache must refuse it too
-        (KVCacheError) and keep its state."""
-        before = self._snapshot()
+        (KVCacheError) and be as `before` (default: as it was). True when it was applied."""
+        before = self._snapshot() if before is None else before
         try:
             model_op()
         except InvalidOperation as refused:
@@ -378,9 +518,10 @@ class CacheMachine(RuleBasedStateMachine):
             with pytest.raises(KVCacheError):
                 cache_op()
             assert self._snapshot() == before, f"{what} raised but changed the cache"
-            return
+            return False
         note(what)
         cache_op()
+        return True
 
     # -- rules
     @initialize(lengths=st.lists(st.integers(0, 21), min_size=1, max_size=3), window=st.integers(0, 14),
@@ -491,29 +632,202 @@ class CacheMachine(RuleBasedStateMachine):
         seq_ids = list(dict.fromkeys(self._pick(c) for c in members))
         self._forward(seq_ids, [1] * len(seq_ids), fault, seed)
 
-    def _forward(self, seq_ids, lengths, fault, seed):
+    def _forward(self, seq_ids, lengths, fault, seed, parents=None, before=None):
+        """A whole step (fault: see FAULTS); before: what a refused begin_forward leaves."""
         while sum(lengths) > PREFILL_CHUNK:
             lengths = [max(1, n // 2) for n in lengths]
         if self.model.distinct_tokens() + sum(lengths) > TOKEN_BUDGET:
             return
+        if parents is not None:
+            parents = self._parents(seq_ids, lengths, parents)
         if fault is not None and fault.startswith("begin:"):
             self._begin_with_fault(seq_ids, lengths, fault)
-        self._apply(f"begin_forward({seq_ids}, {lengths})", lambda: self.model.begin_forward(seq_ids, lengths),
-                    lambda: self.cache.begin_forward(seq_ids, lengths))
-        positions = self.cache.get_query_positions().numpy()
-        np.testing.assert_array_equal(positions, self.model.query_positions(), err_msg="query positions")
+        if not self._begin(seq_ids, lengths, parents, before):
+            return
         rng = np.random.default_rng(seed)
-        total, d = sum(lengths), self.setup.head_dim
         for layer in range(NUM_LAYERS):
-            qkv = rng.standard_normal((total, NUM_QO_HEADS + 2 * NUM_KV_HEADS, d)).astype(DTYPE)
+            qkv = self._qkv(rng)
             if layer == 0 and fault is not None and fault.startswith("attn:"):
                 self._attention_with_fault(qkv, fault)
-            o = empty((total, NUM_QO_HEADS, d), DTYPE, self.device)
-            self.cache.attention_with_fused_qkv(layer, self.setup.sm_scale, self._tensor(qkv), o)
-            expected = self.model.attention(layer, qkv)
-            np.testing.assert_allclose(o.numpy(), expected, rtol=RTOL, atol=ATOL, err_msg=f"output of layer {layer}")
+            self._layer(layer, qkv)
+        self._end()
+
+    def _begin(self, seq_ids, lengths, parents=None, before=None) -> bool:
+        tree = "" if parents is None else f", parents {parents}"
+        if not self._apply(f"begin_forward({seq_ids}, {lengths}{tree})",
+                           lambda: self.model.begin_forward(seq_ids, lengths, parents),
+                           lambda: self.cache.begin_forward(seq_ids, lengths, parents), before):
+            return False
+        positions = self.cache.get_query_positions().numpy()
+        np.testing.assert_array_equal(positions, self.model.query_positions(), err_msg="query positions")
+        return True
+
+    def _qkv(self, rng) -> np.ndarray:
+        total, d = sum(self.model.step.lengths), self.setup.head_dim
+        return rng.standard_normal((total, NUM_QO_HEADS + 2 * NUM_KV_HEADS, d)).astype(DTYPE)
+
+    def _layer(self, layer: int, qkv: np.ndarray) -> None:
+        """attention_with_fused_qkv of one layer of the step in progress, checked."""
+        total, d = qkv.shape[0], self.setup.head_dim
+        o = empty((total, NUM_QO_HEADS, d), DTYPE, self.device)
+        self.cache.attention_with_fused_qkv(layer, self.setup.sm_scale, self._tensor(qkv), o)
+        expected = self.model.attention(layer, qkv)
+        np.testing.assert_allclose(o.numpy(), expected, rtol=RTOL, atol=ATOL, err_msg=f"output of layer {layer}")
+
+    def _end(self) -> None:
         self.cache.end_forward()
         self.model.end_forward()
+
+    def _parents(self, seq_ids: list, lengths: list, codes: list) -> list:
+        """Token-tree parents of the new tokens from strategy codes: a chain where trees must be
+        chains, else code -1 a root and c >= 0 node c modulo the nodes before it; code -2 makes
+        the node its own parent (invalid)."""
+        parents, i = [], 0
+        for seq_id, n in zip(seq_ids, lengths):
+            seq = self.model.seqs.get(seq_id)
+            have = len(seq.tree) if seq is not None else 0
+            for j in range(n):
+                node, code = have + j, codes[i % len(codes)]
+                i += 1
+                if code == -2:
+                    parents.append(node)
+                elif self.setup.chains_only or code == -1 or node == 0:
+                    parents.append(node - 1 if self.setup.chains_only or code != -1 else -1)
+                else:
+                    parents.append(code % node)
+        return parents
+
+    @precondition(has_sequences)
+    @rule(members=MEMBERS, lengths=st.lists(st.integers(1, 6), min_size=5, max_size=5),
+          codes=st.lists(st.integers(-2, 63), min_size=1, max_size=8), seed=SEEDS)
+    def tree_step(self, members, lengths, codes, seed):
+        """A token-tree step (speculative drafts): new trees, or trees grown over earlier steps."""
+        seq_ids = list(dict.fromkeys(self._pick(c) for c in members))
+        self._forward(seq_ids, lengths[: len(seq_ids)], None, seed, parents=codes)
+
+    @precondition(has_sequences)
+    @rule(members=MEMBERS, leaves=st.lists(st.integers(-3, 63), min_size=5, max_size=5), any_seq=st.integers(0, 7))
+    def commit(self, members, leaves, any_seq):
+        """Commit paths of sequences with trees (any_seq 0: of any sequence, or an unknown one):
+        leaf code -1 keeps none, -2 / -3 ask for nodes past the tree (invalid)."""
+        with_trees = sorted(seq_id for seq_id, seq in self.model.seqs.items() if seq.tree)
+        if any_seq == 0 or not with_trees:
+            seq_ids = list(dict.fromkeys(self._pick(c) for c in members))
+        else:
+            seq_ids = list(dict.fromkeys(with_trees[c % len(with_trees)] for c in members))
+        chosen = []
+        for seq_id, code in zip(seq_ids, leaves):
+            size = len(self.model.seqs[seq_id].tree) if seq_id in self.model.seqs else 0
+            chosen.append(-1 if code == -1 else size + 2 + code if code < -1 else code % max(size, 1))
+        self._apply(f"commit_accepted_token_tree_nodes({seq_ids}, {chosen})",
+                    lambda: self.model.commit(seq_ids, chosen),
+                    lambda: self.cache.commit_accepted_token_tree_nodes(seq_ids, chosen))
+
+    @precondition(has_sequences)
+    @rule(members=MEMBERS, lengths=st.lists(st.integers(1, 12), min_size=5, max_size=5),
+          tree=st.booleans(), codes=st.lists(st.integers(-1, 63), min_size=1, max_size=6),
+          done=st.integers(0, NUM_LAYERS), interruption=st.sampled_from(INTERRUPTIONS),
+          which=PICK, code=NEW_ID, count=st.integers(0, 35), seed=SEEDS)
+    def interrupted_step(self, members, lengths, tree, codes, done, interruption, which, code, count, seed):
+        """A step begun, `done` layers run, then `interruption`: the step must be abandoned
+        (the cache exactly as before it, then the call's own work done) or, for calls refused
+        inside a step, left going."""
+        seq_ids = list(dict.fromkeys(self._pick(c) for c in members))
+        lengths = lengths[: len(seq_ids)]
+        if self.model.distinct_tokens() + sum(lengths) > TOKEN_BUDGET:
+            return
+        parents = self._parents(seq_ids, lengths, codes) if tree else None
+        before = self._snapshot()
+        if not self._begin(seq_ids, lengths, parents):
+            return
+        rng = np.random.default_rng(seed)
+        for layer in range(done):
+            self._layer(layer, self._qkv(rng))
+        note(f"  interrupted after {done} layers by {interruption}")
+        if interruption == "launch" and done < NUM_LAYERS:
+            self.faults.arm(count % 2)
+            try:
+                self._layer(done, self._qkv(rng))
+            except RuntimeError as error:
+                assert "injected" in str(error)
+                self.model.rollback()
+                assert self._snapshot() == before, "a failed launch did not roll the step back"
+                with pytest.raises(KVCacheError, match="rolled back"):
+                    self.cache.end_forward()
+                self.cache.end_forward()
+                return
+            finally:
+                self.faults.disarm()
+            done += 1  # (no wrapped launch left in the call: it ran)
+        if interruption in ("refused", "add", "launch") or done == NUM_LAYERS and interruption == "end":
+            if interruption == "refused":
+                self._refused_inside(which)
+            elif interruption == "add":
+                new = self._new_id(code)
+                self._apply(f"add_sequence({new}) inside the step", lambda: self.model.add(new),
+                            lambda: self.cache.add_sequence(new))
+            for layer in range(done, NUM_LAYERS):
+                self._layer(layer, self._qkv(rng))
+            self._end()
+            return
+        self.model.rollback()
+        if interruption == "cancel":
+            self.cache.cancel_forward()
+        elif interruption == "end":
+            with pytest.raises(KVCacheError, match="did not write"):
+                self.cache.end_forward()
+        elif interruption == "begin_again":  # (within the budget: the abandoned step was)
+            self._forward(list(reversed(seq_ids)), [max(1, n // 2) for n in lengths], None, seed + 1, before=before)
+            assert self.cache.current_plan() is None
+            return
+        elif interruption == "clear":
+            self.model.clear()
+            self.cache.clear()
+            return
+        else:
+            seq_id = self._pick(which)
+            if interruption == "remove":
+                self._apply(f"remove_sequence({seq_id})", lambda: self.model.remove(seq_id),
+                            lambda: self.cache.remove_sequence(seq_id), before)
+                return
+            if interruption == "popn":
+                n = choose_count(count, self.model.seqs[seq_id].length if seq_id in self.model.seqs else 0)
+                self._apply(f"popn({seq_id}, {n})", lambda: self.model.popn(seq_id, n),
+                            lambda: self.cache.popn(seq_id, n), before)
+                return
+            child = self._new_id(code)
+            length = self.model.seqs[seq_id].length if seq_id in self.model.seqs else 0
+            pos = choose_position(count, length, self.setup.page_size)
+            self._apply(f"fork_sequence({seq_id}, {child}, {pos})", lambda: self.model.fork(seq_id, child, pos),
+                        lambda: self.cache.fork_sequence(seq_id, child, pos), before)
+            return
+        assert self._snapshot() == before, f"{interruption} did not roll the step back"
+
+    def _refused_inside(self, which: int) -> None:
+        """A call the cache refuses inside a step: KVCacheError, the step unchanged."""
+        seq_id, d = self._pick(which), self.setup.head_dim
+        in_step = self.model.step.seq_ids[0]  # (its first token is cached: only the step is in the way)
+        calls = [lambda: self.cache.commit_accepted_token_tree_nodes([seq_id], [-1]),
+                 lambda: self.cache.debug_get_kv(in_step, 0, 1, *(empty((NUM_LAYERS, 1, NUM_KV_HEADS, d), DTYPE,
+                                                                        self.device) for _ in range(2)))]
+        if self.setup.sliding:
+            calls.append(lambda: self.cache.enable_sliding_window_for_seq(seq_id, 4, 1))
+        before, plan = self._snapshot(), self.cache.current_plan()
+        with pytest.raises(KVCacheError, match="forward step is in progress"):
+            calls[which % len(calls)]()
+        assert self._snapshot() == before and self.cache.current_plan() is plan
+
+    @precondition(has_sequences)
+    @rule(which=PICK, lengths=st.lists(st.integers(1, 24), min_size=1, max_size=2), seed=SEEDS)
+    def recycle(self, which, lengths, seed):
+        """Remove a sequence and prefill a new one: it gets the removed one's pages."""
+        seq_id = self._pick(which)
+        self._apply(f"remove_sequence({seq_id})", lambda: self.model.remove(seq_id),
+                    lambda: self.cache.remove_sequence(seq_id))
+        new = self._new_id(0)
+        if self._apply(f"add_sequence({new})", lambda: self.model.add(new), lambda: self.cache.add_sequence(new)):
+            for n in lengths:
+                self._forward([new], [n], None, seed)
 
     def _begin_with_fault(self, seq_ids, lengths, fault):
         bad_ids, bad_lengths = list(seq_ids), list(lengths)
@@ -592,16 +906,39 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.get_num_available_pages() == self.initial_pages, "pages leaked"
 
 
-# Deterministic (derandomize, no example database) and sized for CI: about 10 s per setup.
-SETTINGS = settings(max_examples=60, stateful_step_count=60, deadline=None, derandomize=True, database=None,
+# Deterministic (derandomize, no example database). The default tier runs a few short
+# programs per setup; the slow tier many long ones.
+SETTINGS = settings(max_examples=12, stateful_step_count=40, deadline=None, derandomize=True, database=None,
                     phases=[Phase.generate, Phase.shrink],
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+LONG_SETTINGS = settings(SETTINGS, max_examples=400, stateful_step_count=120)
 
 
 @pytest.mark.parametrize("setup", [*SETUPS[:3], pytest.param(SETUPS[3], marks=pytest.mark.slow)], ids=lambda s: s.name)
 def test_cache_matches_reference_model(target, setup):
     device = tvm.cuda(0) if target == "cuda" else tvm.cpu()
     run_state_machine_as_test(lambda: CacheMachine(setup, device), settings=SETTINGS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", SETUPS, ids=lambda s: s.name)
+def test_cache_matches_reference_model_long(target, setup):
+    device = tvm.cuda(0) if target == "cuda" else tvm.cpu()
+    run_state_machine_as_test(lambda: CacheMachine(setup, device), settings=LONG_SETTINGS)
+
+
+@pytest.mark.slow
+def test_fuzz_script_finds_no_divergence():
+    """scripts/fuzz_cache.py (its own reference, every configuration of its CONFIGS) for a few
+    episodes: no divergence, no leaked page."""
+    fuzz = load_script("fuzz_cache")
+    counts = collections.Counter()
+    for episode, config in enumerate(fuzz.CONFIGS):
+        fuzzer = fuzz.Fuzzer(config, episode, counts, check_every=20)
+        for _ in range(300):
+            fuzzer.op()
+        fuzzer.finish()
+    assert counts["leaks"] == 0 and counts["completed steps"] > 0 and counts["rolled back"] > 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import reference as ref
+import tvm
 from harness import empty, tensor, to_dtype
 from test_cache import (ATOL, DTYPE, HKV, HQ, LAYERS, ROPE_SCALE, ROPE_THETA, RTOL, SM_SCALE, D, Model, check_refused,
                         read_kv, self_plus_cross)
@@ -92,7 +93,8 @@ class TreeModel(Model):
             self.k[seq_id] = [k[keep] for k in self.k[seq_id]]
             self.v[seq_id] = [v[keep] for v in self.v[seq_id]]
             self.parents[seq_id] = []
-            assert self.cache.sequence_state(seq_id)["length"] == len(keep)
+            self._slide(seq_id)  # a windowed sequence slides when its path is committed
+            assert self.cache.sequence_state(seq_id)["length"] == self.length(seq_id)
 
 
 def deepest(parents: list) -> int:
@@ -175,15 +177,13 @@ def test_self_and_cross_attention_in_a_tree_step(target):
                                  visible=ref.tree_visibility(tree, history, n))[0]
         np.testing.assert_allclose(o_self.numpy()[rows], expected, rtol=RTOL, atol=ATOL)
         start += n
-    m.cache.commit_accepted_token_tree_nodes([0, 1], [-1, -1])
     # a tree grown over an earlier forward has uncommitted history: cross_attention refuses
-    m.cache.begin_forward([0], [3], token_tree_parent_ptr=[-1, 0, 0])
-    m.cache.end_forward()
+    m.tree_forward([0], [[-1, 0, 0]])
     m.cache.begin_forward([0], [2], token_tree_parent_ptr=[1, 2])
     with pytest.raises(KVCacheError, match="cross_attention: a token tree of this step grew"):
         m.cache.cross_attention(0, SM_SCALE, tensor(q[:2], dev), o_cross, lse_cross)
-    m.cache.end_forward()
-    m.cache.commit_accepted_token_tree_nodes([0], [-1])
+    m.cache.cancel_forward()
+    m.commit([0], [-1])
     m.check_no_leaks()
 
 
@@ -254,6 +254,9 @@ def test_trees_refused_where_tree_attention_cannot_run(options, message):
         cache.begin_forward([0], [3], token_tree_parent_ptr=[-1, 0, 0])
     assert (cache.sequence_state(0), cache.get_num_available_pages()) == before
     cache.begin_forward([0], [3], token_tree_parent_ptr=[-1, 0, 1])
+    for layer in range(LAYERS):
+        qkv = np.random.default_rng(layer).standard_normal((3, HQ + 2 * HKV, D)).astype(np.float16)
+        cache.attention_with_fused_qkv(layer, SM_SCALE, tensor(qkv, tvm.cpu()), empty((3, HQ, D), DTYPE, tvm.cpu()))
     cache.end_forward()
     cache.commit_accepted_token_tree_nodes([0], [1])
     assert cache.sequence_state(0)["length"] == 2
@@ -291,6 +294,5 @@ def test_self_attention_without_the_ragged_tree_kernel_is_refused():
     o, lse = empty((3, HQ, D), DTYPE, m.device), empty((3, HQ), "float32", m.device)
     with pytest.raises(KVCacheError, match="slot 'tree_attn_ragged' is empty"):
         m.cache.self_attention(0, SM_SCALE, q, k, v, o, lse)
-    m.cache.end_forward()
-    m.cache.commit_accepted_token_tree_nodes([0], [-1])
+    m.cache.cancel_forward()
     m.check_no_leaks()

@@ -1,16 +1,31 @@
 """Specification of the command line's argument checks (`python -m tvmattn ...`,
 scripts/compile.py): every argument is checked while parsing, before TVM is imported or a
-library is loaded, and a bad one ends as `error: ...` naming it, with exit status 2."""
+library is loaded, and a bad one ends as `error: ...` naming it, with exit status 2.
+
+What a new user runs into in the first hour ends the same way, or works: output paths, CUDA
+archs and the target's device checked before compiling (never after a minute of it), an
+unwritable cache or --dump-ir folder, a GGUF with impossible sizes, prompt bytes that are no
+UTF-8, and Ctrl-C at any stage (one line `error: interrupted (Ctrl-C)`, exit status 130, no
+partial bundle left behind).
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from tvmattn.__main__ import main
+from tir_kernels import support
+from tvmattn.__main__ import INTERRUPTED, main
+from tvmattn.offline_cuda import nvcc_archs
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATE = ["generate", "--lib", "missing.so", "--prompt", "hi"]
@@ -59,7 +74,7 @@ def test_every_option_has_a_help_line_with_its_default():
 
 
 def test_help_does_not_import_tvm():
-    """`python -m tvmattn --help` answers without importing TVM (about 3 s)."""
+    """`python -m tvmattn --help` answers without importing TVM (which takes seconds)."""
     for args in (["--help"], ["compile", "--help"], ["generate", "--help"]):
         done = subprocess.run([sys.executable, "-X", "importtime", "-m", "tvmattn", *args], capture_output=True,
                               text=True, cwd=ROOT, timeout=60)
@@ -72,3 +87,196 @@ def test_scripts_compile_is_the_compile_command():
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile.py"), "--help"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and "--prefill-chunk" in done.stdout and "(default: 4)" in done.stdout
+
+
+def test_compile_quantization_defaults_to_auto_and_says_so():
+    from tvmattn.__main__ import parser
+
+    text = " ".join(parser()._subparsers._group_actions[0].choices["compile"].format_help().split())
+    help_line = text.split("--quantization {auto,keep,f16,f32}", 2)[2].split("--page-size", 1)[0]
+    assert "(default: auto)" in help_line and "auto: keep for a GGUF" in help_line
+
+
+# ---------------------------------------------------------------- the first hour: errors before compiling
+
+def one_error(err: str, *fragments: str) -> None:
+    """stderr holds exactly one `error: ...` line (argparse's start with the program's name),
+    with every fragment, and no traceback."""
+    errors = [line for line in err.splitlines() if line.startswith("error: ") or ": error: " in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in errors[0], err
+
+
+def run_cli(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tvmattn", *args], capture_output=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def config_json(tmp_path) -> Path:
+    """A tiny Llama config.json (no weights): compile's model when the model does not matter."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 96,
+                                "vocab_size": 64, "max_position_embeddings": 256, "rms_norm_eps": 1e-6}))
+    return path
+
+
+def test_compile_output_checked_while_parsing(tmp_path, capsys):
+    (tmp_path / "taken.so").mkdir()
+    (tmp_path / "clash.runtime.json").mkdir()
+    for output, message in ((tmp_path / "taken.so", "that is a folder"),
+                            (tmp_path / "clash.so", "clash.runtime.json', which the bundle writes beside it, is a folder"),
+                            (Path("/proc/tvmattn-test.so"), "folder '/proc' is not writable")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["compile", "--model", "smollm2-135m", "-o", str(output)])
+        assert exit_.value.code == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"argument -o/--output: '{output}': " in err and message in err, err
+
+
+def test_compile_model_checks_output_and_dump_folder_before_loading(config_json, tmp_path):
+    """The Python API checks what the command line checks, before the model is loaded."""
+    from tvmattn.build import BuildError, compile_model
+
+    for kwargs, message in (({"out_path": "/proc/x.so"}, "not writable"),
+                            ({"out_path": tmp_path, "dump_ir": None}, "must end in .so"),
+                            ({"out_path": tmp_path / "x.so", "dump_ir": "/proc/ir"}, "--dump-ir '/proc/ir'"),
+                            ({"out_path": tmp_path / "x.so", "dump_ir": config_json}, "--dump-ir")):
+        lines: list[str] = []
+        with pytest.raises(BuildError, match=message):
+            compile_model(str(config_json), target="llvm", log=lines.append, **kwargs)
+        assert not any("loading model" in line for line in lines), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cuda-arch", "sm_12"], "argument --cuda-arch: sm_12 is older than any CUDA toolkit in use builds for"),
+    (["--target", "cuda:sm_12"], "argument --target: sm_12 is older"),
+    (["--target", "cuda:sm_35a"], "argument --target: sm_35a is older"),
+])
+def test_cuda_archs_no_toolkit_builds_are_refused_while_parsing(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", "--model", "smollm2-135m", "-o", "x.so", *args])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_a_cuda_arch_this_nvcc_cannot_build_is_refused_before_compiling(config_json, tmp_path):
+    from tvmattn.build import BuildError, compile_model
+
+    known = nvcc_archs(shutil.which("nvcc"))
+    unknown = next(f"sm_{n}" for n in range(99, 50, -1) if f"sm_{n}" not in known)
+    done = run_cli("compile", "--model", str(config_json), "-o", str(tmp_path / "x.so"), "--cuda-arch", unknown)
+    assert done.returncode == 2
+    one_error(done.stderr.decode(), f"argument --cuda-arch: the nvcc on PATH", f"cannot build for {unknown}")
+    lines: list[str] = []
+    with pytest.raises(BuildError, match=f"--target cuda:{unknown}: the nvcc on PATH"):
+        compile_model(str(config_json), tmp_path / "x.so", target=f"cuda:{unknown}", log=lines.append)
+    assert lines == []
+
+
+@pytest.mark.skipif(support.present_cuda_arch() is not None, reason="this machine has a GPU")
+def test_main_job_on_cuda_without_a_gpu_fails_before_compiling(tmp_path):
+    start = time.perf_counter()
+    done = run_cli("smollm2", "--target", "cuda", env={"TVMATTN_CACHE": str(tmp_path)})
+    assert done.returncode == 2
+    one_error(done.stderr.decode(), "--target cuda: this machine has no CUDA GPU", "python -m tvmattn compile")
+    assert b"compiling" not in done.stderr and not list(tmp_path.iterdir())
+    assert time.perf_counter() - start < 60
+
+
+@pytest.mark.parametrize("cache", ["/proc/tvmattn-cache", "a-file"])
+def test_an_unwritable_cache_folder_is_an_error(tmp_path, cache):
+    weights = tmp_path / "w.gguf"
+    weights.write_bytes(b"GGUF")  # checked only when it is compiled
+    if cache == "a-file":
+        cache = tmp_path / "a-file"
+        cache.write_text("not a folder")
+    done = run_cli("smollm2", "--gguf", str(weights), "--target", "llvm", env={"TVMATTN_CACHE": str(cache)})
+    assert done.returncode == 2
+    one_error(done.stderr.decode(), "the library cache:", "set TVMATTN_CACHE to a writable folder")
+
+
+def test_prompt_bytes_that_are_not_utf8_are_refused_while_parsing(capsys):
+    done = subprocess.run([sys.executable, "-m", "tvmattn", "generate", "--lib", "x.so", "--prompt", b"caf\xe9"],
+                          capture_output=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2
+    one_error(done.stderr.decode(), "argument --prompt: not valid text: byte 0xe9 at character 3 is not UTF-8")
+    with pytest.raises(SystemExit) as exit_:
+        main(["smollm2", "--prompt", "\udcff"])  # what Python makes of the byte 0xff in argv
+    assert exit_.value.code == 2 and "byte 0xff" in capsys.readouterr().err
+
+
+def test_a_gguf_with_zero_heads_is_an_error(tmp_path, monkeypatch, capsys):
+    gguf = pytest.importorskip("gguf")
+    from test_weights import write_tiny_gguf
+
+    add_head_count = gguf.GGUFWriter.add_head_count
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count", lambda self, count: add_head_count(self, 0))
+    path = tmp_path / "zero-heads.gguf"
+    write_tiny_gguf(path, np.random.default_rng(0))
+    assert main(["compile", "--model", str(path), "-o", str(tmp_path / "x.so"), "--target", "llvm"]) == 2
+    one_error(capsys.readouterr().err, str(path), "'llama.attention.head_count' must be positive, got 0")
+
+
+# ---------------------------------------------------------------- the first hour: Ctrl-C
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    pytest.importorskip("gguf")
+    from test_weights import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("cli-gguf") / "tiny.gguf"
+    write_tiny_gguf(path, np.random.default_rng(3))
+    return path
+
+
+def interrupt_when(command: list[str], marker: str, timeout: float = 600) -> tuple[int, str]:
+    """Run `python -m tvmattn COMMAND`, send SIGINT once its output shows `marker` -> (exit status, stderr)."""
+    child = subprocess.Popen([sys.executable, "-m", "tvmattn", *command], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, cwd=ROOT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen = []
+    try:
+        for line in child.stdout:
+            seen.append(line)
+            if marker in line:
+                child.send_signal(signal.SIGINT)
+                break
+        rest, _ = child.communicate(timeout=timeout)
+    finally:
+        child.kill()
+    assert any(marker in line for line in seen), "".join(seen)
+    return child.returncode, "".join(seen) + rest
+
+
+@pytest.mark.parametrize("stage", [
+    "[compile] exporting the Relax module",
+    pytest.param("[compile] writing the library", marks=pytest.mark.slow),
+])
+def test_ctrl_c_while_compiling_is_one_line_and_leaves_no_partial_bundle(tiny_gguf, tmp_path, stage):
+    output = tmp_path / "out.so"
+    status, text = interrupt_when(["compile", "--model", str(tiny_gguf), "-o", str(output), "--target", "llvm"],
+                                  stage)
+    assert status == INTERRUPTED, text
+    one_error(text, "interrupted (Ctrl-C)")
+    assert text.rstrip().endswith("error: interrupted (Ctrl-C)")
+    assert list(tmp_path.iterdir()) == []  # no bundle file, no partial file
+
+
+@pytest.mark.parametrize("delay", [0.5, 2.0, 6.0])
+def test_ctrl_c_at_any_stage_of_the_main_job_is_one_line(tiny_gguf, tmp_path, delay):
+    """Ctrl-C at whatever stage the main job has reached after `delay` seconds (importing,
+    resolving the target, loading the weights, compiling): one line, exit status 130, no
+    library in the cache."""
+    child = subprocess.Popen([sys.executable, "-m", "tvmattn", "smollm2", "--target", "llvm", "--gguf", str(tiny_gguf)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, text=True,
+                             env={**os.environ, "TVMATTN_CACHE": str(tmp_path)})
+    time.sleep(delay)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=600)
+    assert child.returncode == INTERRUPTED, err
+    one_error(err, "interrupted (Ctrl-C)")
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]

@@ -19,7 +19,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 import tir_kernels.build  # noqa: F401  - registers the "tvmattn" TIR pipeline
-from tvmattn.models.cpu_elementwise import PARALLEL_MIN_ELEMENTS, CPUElementwise, cpu_legalize, fast_sigmoid
+from tvmattn.compiler.cpu_elementwise import PARALLEL_MIN_ELEMENTS, CPUElementwise, cpu_legalize, fast_sigmoid
 
 TARGET = tvm.target.Target("llvm")
 

@@ -13,7 +13,7 @@ import tvm
 from tvm.script import tirx as T
 
 import tir_kernels.build  # noqa: F401  - registers the "tvmattn" TIR pipeline
-from tvmattn.models.cpu_matmul import CPUMatmul
+from tvmattn.compiler.cpu_matmul import CPUMatmul
 
 TARGET = tvm.target.Target("llvm")
 TOKENS = (1, 3, 8, 17, 64)

@@ -51,6 +51,7 @@ API_NAMES = [
     "kv_state_popn",
     "kv_state_begin_forward",
     "kv_state_end_forward",
+    "kv_state_cancel_forward",
     "attention_kv_cache_enable_sliding_window_for_seq",
     "attention_kv_cache_commit_accepted_token_tree_nodes",
     "attention_kv_cache_empty",
@@ -228,7 +229,7 @@ def test_self_cross_attention_and_merge(cache, target):
         np.testing.assert_allclose(o_self.numpy().astype(np.float64), expected_o, rtol=rtol, atol=atol,
                                    err_msg=f"layer {layer}")
         np.testing.assert_allclose(lse_self.numpy(), expected_lse, rtol=ref.LSE_TOLERANCE[0], atol=ref.LSE_TOLERANCE[1])
-    api("kv_state_end_forward")(cache)
+    api("kv_state_cancel_forward")(cache)  # nothing was written: the step has nothing to keep
 
     k_out = tvm.runtime.empty((NUM_LAYERS, history, HKV, D), DTYPE, device=dev)
     v_out = tvm.runtime.empty((NUM_LAYERS, history, HKV, D), DTYPE, device=dev)

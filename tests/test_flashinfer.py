@@ -16,7 +16,7 @@ from tir_kernels import default_sm_scale
 from tvmattn import KVCacheError, PagedKVCache
 from tvmattn.flashinfer import FlashInferConfig, available, modules
 from tvmattn.flashinfer.build import _rename_exports
-from tvmattn.flashinfer.select import attention_kernels, config_for, why_not
+from tvmattn.runtime.backend_choice import attention_kernels, config_for, why_not
 from tvmattn.flashinfer.views import paged_kv_views, rebased
 from tvmattn.runtime.backends import (FlashInferPagedDecode, FlashInferPagedPrefill, FlashInferRaggedPrefill,
                                       FlashInferTensorCoreDecode, FlashInferWorkspace, PagedDecode, PagedPrefill,
@@ -55,11 +55,13 @@ def host(t) -> np.ndarray:
     return np.from_dlpack(t) if t.is_contiguous() is False else t.numpy()
 
 
-def fused_qkv(cache, n):
+def fused_qkv(cache, n, layers=(0,)):
+    """attention_with_fused_qkv of `layers` (end_forward keeps a step once both layers ran)."""
     rng = np.random.default_rng(0)
     qkv = tensor(randn(rng, (n, HQ + 2 * HKV, D), "float16"), tvm.cpu())
     o = empty((n, HQ, D), "float16", tvm.cpu())
-    cache.attention_with_fused_qkv(0, 0.125, qkv, o)
+    for layer in layers:
+        cache.attention_with_fused_qkv(layer, 0.125, qkv, o)
 
 
 def test_views_rebase_and_split_the_pool():
@@ -99,6 +101,7 @@ def test_prefill_plans_and_runs_in_attn_backend_order():
     np.testing.assert_array_equal(host(run[6]), [0, 5, 8])
     np.testing.assert_array_equal(host(run[7]), [0, 5, 8])
     assert run[10:] == (1, 0, -1, False, 0.125, 1 / SCALE, 1 / THETA)
+    fused_qkv(cache, 8, layers=(1,))
     cache.end_forward()
 
     cache.begin_forward([0, 1], [2, 4])  # now with history: ragged + a paged prefill level
@@ -123,6 +126,7 @@ def test_decode_plan_once_per_forward_and_depth_with_cascade():
     cache, rec = fake_cache()
     cache.add_sequence(0)
     cache.begin_forward([0], [40])
+    fused_qkv(cache, 40, layers=(0, 1))
     cache.end_forward()
     cache.fork_sequence(0, 1)
     cache.fork_sequence(0, 2)
@@ -158,7 +162,7 @@ def test_self_attention_in_a_decode_step_plans_the_ragged_prefill():
     cache.add_sequence(1)
     for lengths in ([5, 3], [2, 2]):  # the second plans a paged prefill level (depth 0) too
         cache.begin_forward([0, 1], lengths)
-        fused_qkv(cache, sum(lengths))
+        fused_qkv(cache, sum(lengths), layers=(0, 1))
         cache.end_forward()
     assert len(rec["prefill_paged"].plans) == 1
     cache.begin_forward([0, 1], [1, 1])
@@ -398,7 +402,7 @@ def fi_model(monkeypatch, request):
         pytest.skip(f"FlashInfer modules {kinds} not built")
     import test_cache as tc
 
-    from tvmattn.flashinfer.select import flashinfer_specs
+    from tvmattn.runtime.backend_choice import flashinfer_specs
 
     _set_heads(monkeypatch, tc, *GPU_HEADS[head_dim], head_dim)
 
@@ -466,7 +470,7 @@ def _self_and_cross(model):
         m.cache.self_attention(1, tc.SM_SCALE, tensor(q, dev), tensor(k, dev), tensor(v, dev), o_self, lse_self)
         m.cache.cross_attention(1, tc.SM_SCALE, tensor(q, dev), o_cross, lse_cross)
         m.cache.merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross)
-        m.cache.end_forward()
+        m.cache.cancel_forward()  # nothing was written: the step has nothing to keep
         start = 0
         for seq_id, n in zip((0, 1), lengths):
             rows = slice(start, start + n)
@@ -476,8 +480,6 @@ def _self_and_cross(model):
             np.testing.assert_allclose(o_self.numpy()[rows], o, rtol=tc.RTOL, atol=tc.ATOL)
             np.testing.assert_allclose(lse_self.numpy()[rows], lse, *ref.LSE_TOLERANCE)
             start += n
-        m.cache.popn(0, lengths[0])
-        m.cache.popn(1, lengths[1])
 
 
 # -- model libraries: --attn-backend flashinfer

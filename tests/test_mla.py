@@ -29,13 +29,15 @@ from tir_kernels import (
     mla_paged_prefill,
     mla_transpose_append,
 )
-from tir_kernels.mla_tc import (
+from tir_kernels.mla import (
     WGMMA_DECODE_SPEEDUP,
     WGMMA_SPLIT_DECODE_MAX_BATCH,
-    MLATensorCoreSchedule,
     choose_mla_decode_kernel,
-    choose_mla_tc_schedule,
     mla_paged_decode_auto,
+)
+from tir_kernels.mla_tc import (
+    MLATensorCoreSchedule,
+    choose_mla_tc_schedule,
     mla_paged_decode_tc,
     supports_tc,
 )

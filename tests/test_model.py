@@ -468,7 +468,7 @@ def quantized_model(hf: dict, kinds: dict[str, str], seed: int, target: str = "l
     import gguf
 
     from tvmattn.models import BuildOptions
-    from tvmattn.models.quant_linear import plan_weight_formats
+    from tvmattn.quant.linear import plan_weight_formats
     from tvmattn.weights import split_blocks
 
     weights = random_hf_weights(hf, seed)
@@ -553,7 +553,7 @@ def test_build_options_quantized_weights_need_the_targets_activation_dtype():
         BuildOptions(small_batch_matmul=1)
     with pytest.raises(ValueError, match="host_avx512=1 is not supported"):
         BuildOptions(host_avx512=1)
-    from tvmattn.models.quant_matmul import host_cpu
+    from tvmattn.compiler.targets import host_cpu
     target = BuildOptions(weight_formats=(("lm_head", "Q4_1"),), host_avx512=True).tvm_target()
     assert target.attrs["mcpu"] == host_cpu()[0]  # AVX-512 only where asked for (and the CPU has it)
     assert "-avx512f" in list(BuildOptions(weight_formats=(("lm_head", "Q4_1"),)).tvm_target().attrs["mattr"])

@@ -14,7 +14,7 @@ import pytest
 import tvm
 from tvm import te
 
-from tvmattn.models.pipeline import SMALL_BATCH_THREADS, SmallBatchMatmul
+from tvmattn.compiler.pipeline import SMALL_BATCH_THREADS, SmallBatchMatmul
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 

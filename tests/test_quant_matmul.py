@@ -20,22 +20,16 @@ from harness import slow_except
 
 gguf = pytest.importorskip("gguf")  # the reference's quantizer (absent on the GPU machine)
 
-from tvmattn.models.quant_matmul import (  # noqa: E402 - after the gguf check: tvmattn.weights imports gguf
-    cuda_target,
-    CPUSchedule,
-    QuantMatmulConfig,
-    TABLE_GEMV_FORMATS,
-    choose_schedule,
-    gemv_algorithm,
-    host_has_avx512,
-    host_target,
+from tvmattn.compiler.targets import cuda_target, host_has_avx512, host_target  # noqa: E402
+from tvmattn.quant.algorithms import gemv_algorithm, matmul_algorithm  # noqa: E402
+from tvmattn.quant.config import QuantMatmulConfig  # noqa: E402
+from tvmattn.quant.cpu import TABLE_GEMV_FORMATS, CPUSchedule, choose_schedule, table_gemv  # noqa: E402
+from tvmattn.quant.matmul import (  # noqa: E402 - after the gguf check: tvmattn.weights imports gguf
     kernel,
-    matmul_algorithm,
     schedule,
-    table_gemv,
     uses_cuda_gemv,
 )
-from tvmattn.models.quant_gemv_cuda import CUDAGemvSchedule, choose_gemv_schedule  # noqa: E402
+from tvmattn.quant.gemv_cuda import CUDAGemvSchedule, choose_gemv_schedule  # noqa: E402
 from tvmattn.weights.quant import LAYOUTS, PACKED, QUANT_TYPES, QuantizedTensor, split_blocks  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
@@ -483,7 +477,7 @@ def test_cuda_gemv_schedule_validation(kwargs, message):
 
 def test_cuda_gemv_prologue_arguments_are_checked():
     """An unknown prologue, or one on blocks of partial warps (its block reduction works by warps)."""
-    from tvmattn.models.quant_gemv_cuda import gemv_kernel
+    from tvmattn.quant.gemv_cuda import gemv_kernel
 
     with pytest.raises(ValueError, match="prologue='gelu'"):
         gemv_kernel("Q4_1", 64, 96, 1, "float16", choose_gemv_schedule(64, 96, 1), prologue="gelu")
@@ -497,7 +491,7 @@ def test_quant_linear_norm_takes_a_plain_rms_norm():
     """QuantLinear's norm= is an RMSNorm without bias, never with swiglu (checked before tracing)."""
     from tvm.relax.frontend import nn
 
-    from tvmattn.models.quant_linear import QuantLinear
+    from tvmattn.quant.linear import QuantLinear
 
     layer = QuantLinear(64, 32, "Q4_1")
     with pytest.raises(ValueError, match="norm takes an RMSNorm without bias"):

@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 
 from tvmattn.__main__ import main
-from tvmattn.speculative import (EXAMPLE_PROMPTS, DraftTree, PromptLookup, SpeculativeOptions, accept_greedy,
-                                 build_trie, common_prefix, draft_model_tree, next_draft_len, ngram_continuations,
-                                 tree_depth)
+from tvmattn.speculative import (DRAFT_MODEL_PRIOR, EXAMPLE_PROMPTS, PROMPT_LOOKUP_PRIOR, Acceptance, BackOff,
+                                 DraftOption, DraftTree, PromptLookup, SpeculativeOptions, StepCosts, accept_greedy,
+                                 build_trie, common_prefix, draft_model_tree, first_chain, next_draft_len,
+                                 ngram_continuations, tree_depth)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,6 +107,126 @@ def test_adaptive_draft_length():
     assert next_draft_len(8, accepted=0, depth=8, most=8) == 1
 
 
+# ---------------------------------------------------------------- the back-off (no TVM)
+
+class FixedCosts(StepCosts):
+    """Step costs set by a test: a plain step `plain` seconds at any batch; a verify step
+    `verify + per_node * nodes`; a draft token `draft` seconds (None: the prior)."""
+
+    def __init__(self, plain=1.0, verify=1.0, per_node=0.0, draft=None):
+        super().__init__()
+        self.plain[1] = plain
+        self.fixed = (plain, verify, per_node, draft)
+
+    def observe_plain(self, batch, seconds):
+        pass
+
+    def plain_time(self, batch):
+        return self.fixed[0]
+
+    def verify_time(self, nodes, batch):
+        return self.fixed[1] + self.fixed[2] * nodes
+
+    def draft_time(self, tokens, per_token_prior):
+        return tokens * (per_token_prior if self.fixed[3] is None else self.fixed[3])
+
+
+def reference_expected(p: float, depth: int) -> float:
+    return sum(p ** d for d in range(1, depth + 1))
+
+
+def test_acceptance_estimate_follows_recent_drafts():
+    acceptance = Acceptance(prior=(1.0, 1.0))
+    assert acceptance.p == 0.5 and acceptance.expected(3) == pytest.approx(reference_expected(0.5, 3))
+    acceptance.observe(accepted=4, depth=4)  # all accepted: 4 trials, 4 successes
+    assert acceptance.p == pytest.approx(5 / 6)
+    acceptance.observe(accepted=0, depth=4)  # the first draft token rejected: one failed trial
+    assert acceptance.p == pytest.approx((0.8 * 4 + 1) / (0.8 * 4 + 1 + 2))
+    for _ in range(20):
+        acceptance.observe(accepted=0, depth=4)
+    assert acceptance.p < 0.25  # old successes fade
+    acceptance.fade(0.0)
+    assert acceptance.p == 0.5  # back to the prior
+    assert Acceptance(PROMPT_LOOKUP_PRIOR).p == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("verify, p_evidence, speculates", [
+    (1.0, (8, 8), True),  # a verify step as cheap as a plain one, drafts accepted: speculate
+    (3.0, (8, 8), True),  # 3x a plain step, but 8 of 8 accepted: E = 1 + 7.1 tokens > 3 * 1.1
+    (3.0, (1, 8), False),  # 3x a plain step, drafts rejected: plain
+    (10.0, (8, 8), False),  # 8 accepted drafts cannot beat a step 10x as dear
+])
+def test_back_off_speculates_only_where_drafts_pay(verify, p_evidence, speculates):
+    back_off = BackOff(FixedCosts(plain=1.0, verify=verify), DRAFT_MODEL_PRIOR)
+    accepted, depth = p_evidence
+    for _ in range(10):
+        back_off.verified(0, accepted, depth)
+    plan = back_off.plan({0: [DraftOption(8, 8)]}, batch=1)
+    assert (plan == {0: 8}) == speculates, (back_off.of(0).p, plan)
+    expected_tokens = 1 + reference_expected(back_off.of(0).p, 8)
+    assert speculates == (expected_tokens / verify > 1.1)  # the rule, independently
+
+
+def test_back_off_picks_the_sequences_and_budget_that_pay():
+    costs = FixedCosts(plain=1.0, verify=1.0, per_node=0.25)
+    back_off = BackOff(costs, DRAFT_MODEL_PRIOR)
+    for _ in range(10):
+        back_off.verified(0, 6, 6)  # sequence 0's drafts match, sequence 1's do not
+        back_off.verified(1, 0, 6)
+    options = {s: [DraftOption(k, k) for k in (1, 2, 4, 6)] for s in (0, 1)}
+    plan = back_off.plan(options, batch=2)
+    assert set(plan) == {0}
+    # best rate by brute force over sequence 0's budgets
+    p = back_off.of(0).p
+    rates = {k: (2 + reference_expected(p, k)) / (1.0 + 0.25 * (2 + k)) for k in (1, 2, 4, 6)}
+    assert plan[0] == max(rates, key=rates.get)
+
+
+def test_back_off_without_a_measured_plain_step_decodes_plainly_first():
+    back_off = BackOff(StepCosts(verify_prior=(1.0, 0.02)), DRAFT_MODEL_PRIOR)
+    assert back_off.plan({0: [DraftOption(4, 4)]}, batch=1) == {}
+    back_off.costs.observe_plain(1, 0.01)
+    assert back_off.plan({0: [DraftOption(4, 4)]}, batch=1) == {0: 4}  # an optimistic prior: probe
+
+
+def test_a_draft_model_as_slow_as_the_model_never_pays():
+    """Drafting k tokens with a model as large as the target costs k plain steps: even drafts
+    that are always accepted cannot beat plain decoding, so it is never tried."""
+    back_off = BackOff(FixedCosts(plain=1.0, verify=1.0), DRAFT_MODEL_PRIOR, draft_token_prior=1.0)
+    for _ in range(10):
+        back_off.verified(0, 8, 8)
+    assert back_off.of(0).p > 0.9
+    assert back_off.plan({0: [DraftOption(k, k) for k in (1, 2, 4, 8)]}, batch=1) == {}
+    small = BackOff(FixedCosts(plain=1.0, verify=1.0), DRAFT_MODEL_PRIOR, draft_token_prior=0.1)
+    assert small.plan({0: [DraftOption(k, k) for k in (1, 2, 4, 8)]}, batch=1)  # a 10x smaller draft model
+
+
+def test_step_costs_fit_verify_time_by_nodes():
+    costs = StepCosts(verify_prior=(2.0, 0.1))
+    costs.observe_plain(1, 1.0)
+    assert costs.verify_time(5, 1) == pytest.approx(2.0 + 0.1 * 4)  # the prior before any verify step
+    for nodes in (2, 5, 9, 3, 7):
+        costs.observe_verify(nodes, 2.0 + 0.25 * nodes)
+    assert costs.verify_time(4, 1) == pytest.approx(3.0)
+    assert costs.verify_time(12, 1) == pytest.approx(5.0)
+    costs.observe_plain(1, 2.0)
+    assert costs.plain_time(1) == pytest.approx(0.7 * 1.0 + 0.3 * 2.0)
+    assert costs.plain_time(3) == costs.plain_time(1)  # the nearest batch size measured
+
+
+def test_shadow_drafts_are_judged_by_the_tokens_decoded():
+    back_off = BackOff(FixedCosts(), PROMPT_LOOKUP_PRIOR)
+    answer = [1, 2]
+    back_off.shadow(0, 2, [3, 4, 5])  # guesses answer[2:5]
+    back_off.shadow(0, 3, [9])  # one pending at a time: ignored
+    assert back_off.check_shadow(0, answer + [3]) is None  # agrees so far
+    assert back_off.check_shadow(0, answer + [3, 4, 7]) == (2, 3)  # two accepted, the third not
+    assert back_off.of(0).trials == 3 and back_off.of(0).accepted == 2
+    back_off.shadow(0, 5, [8, 8])
+    assert back_off.check_shadow(0, answer + [3, 4, 7, 8, 8]) == (2, 2)
+    assert first_chain(DraftTree([5, 1, 6, 2, 7, 3], [-1, 0, 0, 1, 2, 3])) == [1, 2, 3]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"mode": "medusa"}, "not supported"),
     ({"mode": "prompt-lookup", "draft_len": 0}, "draft_len"),
@@ -129,6 +250,7 @@ GENERATE = ["generate", "--lib", "missing.so", "--prompt", "hi"]
     (GENERATE + ["--tree-width", "2"], "argument --tree-width: needs --speculative"),
     (GENERATE + ["--compare-plain"], "argument --compare-plain: needs --speculative"),
     (GENERATE + ["--fixed-draft-len"], "argument --fixed-draft-len: needs --speculative"),
+    (GENERATE + ["--no-back-off"], "argument --no-back-off: needs --speculative"),
     (GENERATE + ["--speculative", "draft-model"], "--speculative draft-model needs --draft-lib"),
     (GENERATE + ["--speculative", "prompt-lookup", "--draft-lib", "d.so"], "only --speculative draft-model"),
     (GENERATE + ["--speculative", "prompt-lookup", "--temperature", "0.7"], "speculative decoding is greedy only"),
@@ -219,8 +341,10 @@ def test_speculative_greedy_equals_plain_greedy_on_the_tiny_model(tiny, mode, dr
     generator = tiny
     fixed = mode.endswith("-fixed")
     mode = mode.removesuffix("-fixed")
+    # back_off=False: every step verifies what was drafted (the back-off, which may skip them all
+    # on this tiny model, has tests of its own below)
     options = SpeculativeOptions(mode, draft_len, width, str(generator.lib_path) if mode == "draft-model" else None,
-                                 adaptive=not fixed)
+                                 adaptive=not fixed, back_off=False)
     prompts = [PROMPT, [5, 200, 18, 5, 200], [99, 100, 101, 102, 99, 100]]
     plain = generator.generate_tokens(prompts, max_new_tokens=20, keep_logits=True)
     for batch in ([prompts[0]], prompts):
@@ -234,6 +358,31 @@ def test_speculative_greedy_equals_plain_greedy_on_the_tiny_model(tiny, mode, dr
         assert spec.decode_steps <= plain.decode_steps
         if mode == "draft-model":  # a model drafting for itself is right but for the other siblings
             assert stats.accepted >= stats.drafted - (width - 1) * stats.verify_steps and stats.accepted > 0
+
+
+@pytest.mark.parametrize("mode", ["prompt-lookup", "draft-model"])
+@pytest.mark.parametrize("verify_cost, draft_cost", [(100.0, 0.01), (1.0, 0.01), (1.0, 1.0)],
+                         ids=["verify-dear", "verify-cheap", "draft-dear"])
+def test_back_off_mixes_plain_and_verify_steps_and_keeps_the_tokens(tiny, mode, verify_cost, draft_cost):
+    """With step costs set by the test: a verify step 100x a plain one, or a draft model as slow
+    as the model, is never worth it (every step plain); a cheap one is taken. The tokens and the
+    logits they were chosen from are plain greedy decoding's either way."""
+    generator = tiny.sibling()
+    generator.step_costs = FixedCosts(plain=1.0, verify=verify_cost, draft=draft_cost)
+    prompts = [PROMPT, [5, 200, 18, 5, 200], [99, 100, 101, 102, 99, 100]]
+    plain = generator.generate_tokens(prompts, max_new_tokens=16, keep_logits=True)
+    options = SpeculativeOptions(mode, 4, 1, str(generator.lib_path) if mode == "draft-model" else None)
+    for batch in ([prompts[0]], prompts):
+        spec = generator.generate_tokens(batch, max_new_tokens=16, speculative=options, keep_logits=True)
+        assert spec.tokens == plain.tokens[:len(batch)]
+        for ours, theirs in zip(spec.logits, plain.logits):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+        stats = spec.speculative
+        pays = verify_cost == 1.0 and (mode == "prompt-lookup" or draft_cost < 1.0)
+        assert (stats.verify_steps > 0) == pays, stats
+        if not pays:
+            assert stats.drafted == 0 and spec.decode_steps == plain.decode_steps
+            assert stats.plain_steps == sum(len(t) - 1 for t in spec.tokens)
 
 
 def test_speculative_refuses_sampling_and_old_libraries(tiny):
@@ -288,9 +437,16 @@ def smollm2_plain(smollm2_cache):
     ("free-form", "prompt-lookup", 6, 1),
     ("free-form", "draft-model", 4, 2),
 ])
-def test_smollm2_speculative_equals_plain_greedy(smollm2_plain, prompt, mode, draft_len, width):
+@pytest.mark.parametrize("back_off", [False, True], ids=["every-step", "back-off"])
+def test_smollm2_speculative_equals_plain_greedy(smollm2_plain, prompt, mode, draft_len, width, back_off):
+    """Verified drafts (every step: back_off=False) and the back-off's mix of verify and plain
+    steps give the tokens of plain greedy decoding."""
     generator, plain = smollm2_plain
-    options = SpeculativeOptions(mode, draft_len, width, str(generator.lib_path) if mode == "draft-model" else None)
+    options = SpeculativeOptions(mode, draft_len, width, str(generator.lib_path) if mode == "draft-model" else None,
+                                 back_off=back_off)
     spec = generator.generate([SMOLLM2_PROMPTS[prompt]], max_new_tokens=SMOLLM2_TOKENS, speculative=options)
     assert spec.tokens == plain[prompt].tokens, (spec.texts, plain[prompt].texts)
-    assert spec.speculative.verify_steps > 0
+    stats = spec.speculative
+    assert stats.verify_steps + stats.plain_steps == spec.decode_steps
+    if not back_off:
+        assert stats.verify_steps > 0

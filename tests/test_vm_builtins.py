@@ -373,7 +373,9 @@ def test_errors_inside_the_vm_surface(library, builtins_installed):
     builtin("kv_state_begin_forward")(driver.cache, ShapeTuple([0]), ShapeTuple([2]))
     with pytest.raises(KVCacheError, match="qkv must have shape"):
         driver.vm["decode"](x, driver.cache, driver.params)  # one token for a step of two
-    builtin("kv_state_end_forward")(driver.cache)  # sequence 0 now holds 2 unwritten tokens
+    with pytest.raises(KVCacheError, match="rolled back"):  # no layer wrote: the step is not kept
+        builtin("kv_state_end_forward")(driver.cache)
+    assert builtin("attention_kv_cache_get_total_sequence_length")(driver.cache) == 0
     with pytest.raises(KVCacheError, match="3"):
         builtin("kv_state_fork_sequence")(driver.cache, 3, 4, -1)
     driver.remove(0)

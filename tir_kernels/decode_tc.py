@@ -3,7 +3,7 @@
 `paged_decode_tc(config)` returns the PrimFunc of `decode.paged_decode` (same parameters,
 argument order, semantics and global symbol; its docstring is the contract), computed with
 `mma.sync.aligned.m16n8k16` and fp32 accumulation, the instructions and shared-memory layout of
-prefill_sm80 (they also run on sm_90, which is how the H200 runs them).
+mma.py, which prefill_sm80 shares (they also run on sm_90, which is how the H200 runs them).
 
 Work mapping: a block serves one request, one KV head and one split of the request's visible
 keys (blockIdx = request, KV head, split slot). The grid's split slots per request are chosen at
@@ -61,29 +61,15 @@ from tvm.script import tirx as T
 from .common import (EMPTY_LSE, LOG2E, PDL_TAG, ceildiv, grid_dependency_wait, launch_dependents, loop_kinds,
                      paged_position, rope_inv_freq)
 from .config import AttentionConfig
-from .decode import _check, decode_func
-from .prefill_sm80 import CHUNK, FULL_WARP, MMA_DTYPES, ROWS_PER_MMA, _Tile
+from .cuda_funcs import FMA4, FMA4_SRC, LDCG, LDCG4, LDCG4_SRC, LDCG_SRC
+from .decode_contract import check_config, decode_func
+from .mma import CHUNK, CP_ASYNC, FULL_WARP, LDSM, LDSM_T, ROWS_PER_MMA, Tile, mma_name, pack_name
 from .schedules import TensorCoreDecodeSchedule, choose_tc_decode_schedule, tc_decode_rope_schedule
 from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor, softmax_macros
 
 
 WARP_SIZE = 32
 MERGE_UNROLL = 16  # split slots whose partials a merging thread loads at once (fused_merge)
-LDCG, LDCG_SRC = "tvmattn_ldcg", "__device__ __forceinline__ float tvmattn_ldcg(const float* p) { return __ldcg(p); }\n"
-LDCG4, LDCG4_SRC = "tvmattn_ldcg4", """
-// dst[0..3] <- the 4 floats at p (16-byte aligned), read through L2 (written by other blocks).
-__device__ __forceinline__ void tvmattn_ldcg4(float* dst, const float* p) {
-  float4 v = __ldcg(reinterpret_cast<const float4*>(p));
-  dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
-}
-"""
-FMA4, FMA4_SRC = "tvmattn_fma_ldcg4", """
-// acc[0..3] += w * the 4 floats at p (16-byte aligned), read through L2 (written by other blocks).
-__device__ __forceinline__ void tvmattn_fma_ldcg4(float* acc, const float* p, float w) {
-  float4 v = __ldcg(reinterpret_cast<const float4*>(p));
-  acc[0] += w * v.x; acc[1] += w * v.y; acc[2] += w * v.z; acc[3] += w * v.w;
-}
-"""
 
 
 def _rope_chunks_function(dtype: str):
@@ -227,149 +213,148 @@ def split_length(sched: TensorCoreDecodeSchedule, kv_len, nsplit):
     return ceildiv(ceildiv(kv_len, nsplit), sched.tile_kv) * sched.tile_kv
 
 
-def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
-    """The tensor-core decode kernel and its split merge (see the module docstring)."""
-    L = loop_kinds(config)
-    sm = softmax_macros(L)
-    dtype, G, D, ps, sliding = config.dtype, config.group_size, config.head_dim, config.page_size, config.sliding_window
-    Hq, Hkv = config.num_qo_heads, config.num_kv_heads
-    NW, KPW, STAGES, QREG = sched.warps, sched.keys_per_warp, sched.stages, sched.q_in_registers
-    BK, NT = sched.tile_kv, sched.num_threads
-    TL = _Tile(D)  # Q, K and V rows share the layout
-    KSTEPS_QK, KSTEPS_PV = D // 16, KPW // 16
-    SN, ON = KPW // 8, D // 8  # n8 blocks of S and of O per warp
-    UPPER = G > 8  # rows g + 8 of the accumulators hold query heads too
-    HALVES = 2 if UPPER else 1
-    MMA = f"mma.sync.aligned.m16n8k16.row.col.f32.{MMA_DTYPES[dtype]}.{MMA_DTYPES[dtype]}.f32"
-    PACK = f"cvt.rn.{MMA_DTYPES[dtype]}x2.f32"
-    LDSM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
-    LDSM_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
-    CP_ASYNC = "cp.async.cg.shared.global"
-    CP_ASYNC_KV = CP_ASYNC + (f".L2::{sched.l2_prefetch}B" if sched.l2_prefetch else "")
-    MS = sched.max_splits
-    shared = "shared.dyn"
-    # One fp32 shared buffer, addressed in 16-bit elements for the tiles (halved for the
-    # fp32 index; every tile offset is a multiple of a 16-byte chunk): Q | K stages | V stages.
-    # At the end the same memory holds the warps' states: O [NW, G, D] | m [NW, 16] | l [NW, 16].
-    Q_OFF, K_OFF = 0, ROWS_PER_MMA * TL.stride
-    V_OFF = K_OFF + STAGES * BK * TL.stride
-    TILE_ELEMS = V_OFF + STAGES * BK * TL.stride
-    C_O, C_M = 0, NW * G * D
-    C_L = C_M + NW * ROWS_PER_MMA
-    # fused_merge: the merging block's split weights [G, W_SLOTS] (from word 0, after finish)
-    FUSED = sched.fused_merge and MS > 1
-    W_SLOTS = ceildiv(MS, MERGE_UNROLL) * MERGE_UNROLL
-    FLAG_WORD = G * W_SLOTS  # the arrival's verdict, broadcast to the block (no static shared memory,
-    # which would move the dynamic buffer off its 128-byte alignment and the tiles off their swizzle)
-    # cooperative_merge: a merging block's query head, VS float4 columns, TPV threads per column
-    # (each takes every TPV-th split, COOP_WIDTHS splits per round of loads; VPT columns per thread
-    # where the block has fewer threads than columns); the TPV partial sums meet in shared memory
-    COOP = sched.cooperative_merge and FUSED
-    VS = D // 4
-    TPV = max(NT // VS, 1)
-    VPT = ceildiv(VS, NT)
-    # splits per thread per round, compiled for 8 and 16 (a launch takes the first that loads a
-    # request's splits in one round: 64 splits at head dim 128 take 16)
-    COOP_WIDTHS = sorted({min(8, ceildiv(MS, TPV)), min(16, ceildiv(MS, TPV))})
-    LSE_SLOTS = ceildiv(MS, 32)
-    RED_WORDS = TPV * VS * 4
-    SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA, FLAG_WORD + 1 if FUSED else 0,
-                     RED_WORDS if COOP else 0)
-    MERGE_VECS = G * D // 4  # float4 columns of the group's outputs
-    VECS_PER_THREAD = ceildiv(MERGE_VECS, NT)
-    HEADS_PER_WARP = ceildiv(G, NW)  # heads whose weights a warp computes
-    LANE_SLOTS = ceildiv(W_SLOTS, 32)
-    TPR = sched.threads_per_row or threads_per_row(TL.chunks)
-    RP = NT // TPR  # rows a pass of the block's threads copies
-    PASSES = ceildiv(BK, RP)
-    CPT = TL.chunks // TPR  # chunks per thread per row
-    EARLY, HEADS_FIRST = sched.early_pages, sched.heads_first
-    PDL = sched.dependent_launch  # programmatic dependent launch (common.grid_dependency_wait)
-    TABLES_EARLY = sched.tables_before_wait  # the prologue's page-table reads before the wait
-    PRE = STAGES - 1 if EARLY else 1  # tiles whose page entries a thread holds at once
+class _Layout:
+    """Compile-time sizes of one tensor-core decode kernel (its config and schedule), the layout
+    of its shared memory, and the index arithmetic on them. Every name __init__ binds is an
+    attribute; the macro factories below unpack the ones their macros read."""
 
-    LI_SHAPE = (3, 1) if sliding else (1,)
-    # inline RoPE: pair chunks per row (c with c + HC), rows one pass of the block's threads
-    # rotates (thread tid: pair chunk tid % HC of rows tid // HC + p * ROPE_RPP)
-    HC = TL.chunks // 2
-    ROPE_RPP = NT // HC
-    assert BK % ROPE_RPP == 0, "a K tile is a whole number of rotation passes"  # tile_kv: 16-key multiples
-    ROPE_EXACT_TILES = 8  # K tiles between exact angle computations (at most 8 * tile_kv / ROPE_RPP steps)
-    # ROPE_OWN: the rope build copies warp-wise, each thread exactly the pair chunks it rotates
-    # (threads_per_row = chunks / 2; a warp's KPW keys are whole copy passes of RPW rows): warp w
-    # copies, rotates and multiplies its own keys w * KPW.. (thread tid: chunks c and c + HC of rows
-    # copy_row(p, tid, True)), so no warp reads another's rows of a tile. A step refills stage
-    # (t - 1) % STAGES first (this warp read it in step t - 1), then waits for its own copies of
-    # tile t, rotates them and syncs the warp, not the block: STAGES tiles in flight during the wait.
-    RPW = WARP_SIZE // TPR
-    ROPE_OWN = TPR * 2 == TL.chunks and KPW * TPR % WARP_SIZE == 0
-    ROPE_OWN_JUMP = BK - (PASSES - 1) * RPW  # from a thread's last row of a tile to its first of the next
-    # else: rotate tile t + 1 during step t (it must have landed: one stage less in flight)
-    ROPE_AHEAD = not ROPE_OWN and STAGES >= 3
-    ROPE, ROPE_SRC = _rope_chunks_function(dtype)
-    # (request, KV head) arrival counters of fused_merge: a launch with more than one split slot
-    # has at most target_blocks / 2 of them
-    ARRIVE, ARRIVE_SRC = _arrival_counter(max(sched.target_blocks, 1))
-    # merge_fanin: the first level counts per (request, KV head, run of splits) at the run's first
-    # block slot (batch * Hkv * slots <= target_blocks), the second per (request, KV head)
-    FANIN = sched.merge_fanin if FUSED else 0
-    ARRIVE2, ARRIVE2_SRC = _arrival_counter(max(sched.target_blocks, 1), "runs")
-    ARRIVEC, ARRIVEC_SRC = _cooperative_arrival(max(sched.target_blocks, 1))
-    # Split slots the merge is compiled for (a launch takes the first that holds its slots):
-    # 8, the slots of a batch of one, max_splits.
-    MERGE_WIDTHS = sorted({min(8, MS), min(MS, max(sched.target_blocks // Hkv, 1)), MS})
+    def __init__(self, config: AttentionConfig, sched: TensorCoreDecodeSchedule):
+        dtype, G, D, ps = config.dtype, config.group_size, config.head_dim, config.page_size
+        sliding = config.sliding_window
+        Hq, Hkv = config.num_qo_heads, config.num_kv_heads
+        NW, KPW, STAGES, QREG = sched.warps, sched.keys_per_warp, sched.stages, sched.q_in_registers
+        BK, NT = sched.tile_kv, sched.num_threads
+        TL = Tile(D)  # Q, K and V rows share the layout
+        KSTEPS_QK, KSTEPS_PV = D // 16, KPW // 16
+        SN, ON = KPW // 8, D // 8  # n8 blocks of S and of O per warp
+        UPPER = G > 8  # rows g + 8 of the accumulators hold query heads too
+        HALVES = 2 if UPPER else 1
+        MMA, PACK = mma_name(dtype), pack_name(dtype)
+        CP_ASYNC_KV = CP_ASYNC + (f".L2::{sched.l2_prefetch}B" if sched.l2_prefetch else "")
+        MS = sched.max_splits
+        shared = "shared.dyn"
+        # One fp32 shared buffer, addressed in 16-bit elements for the tiles (halved for the
+        # fp32 index; every tile offset is a multiple of a 16-byte chunk): Q | K stages | V stages.
+        # At the end the same memory holds the warps' states: O [NW, G, D] | m [NW, 16] | l [NW, 16].
+        Q_OFF, K_OFF = 0, ROWS_PER_MMA * TL.stride
+        V_OFF = K_OFF + STAGES * BK * TL.stride
+        TILE_ELEMS = V_OFF + STAGES * BK * TL.stride
+        C_O, C_M = 0, NW * G * D
+        C_L = C_M + NW * ROWS_PER_MMA
+        # fused_merge: the merging block's split weights [G, W_SLOTS] (from word 0, after finish)
+        FUSED = sched.fused_merge and MS > 1
+        W_SLOTS = ceildiv(MS, MERGE_UNROLL) * MERGE_UNROLL
+        FLAG_WORD = G * W_SLOTS  # the arrival's verdict, broadcast to the block (no static shared memory,
+        # which would move the dynamic buffer off its 128-byte alignment and the tiles off their swizzle)
+        # cooperative_merge: a merging block's query head, VS float4 columns, TPV threads per column
+        # (each takes every TPV-th split, COOP_WIDTHS splits per round of loads; VPT columns per thread
+        # where the block has fewer threads than columns); the TPV partial sums meet in shared memory
+        COOP = sched.cooperative_merge and FUSED
+        VS = D // 4
+        TPV = max(NT // VS, 1)
+        VPT = ceildiv(VS, NT)
+        # splits per thread per round, compiled for 8 and 16 (a launch takes the first that loads a
+        # request's splits in one round: 64 splits at head dim 128 take 16)
+        COOP_WIDTHS = sorted({min(8, ceildiv(MS, TPV)), min(16, ceildiv(MS, TPV))})
+        LSE_SLOTS = ceildiv(MS, 32)
+        RED_WORDS = TPV * VS * 4
+        SMEM_WORDS = max(TILE_ELEMS // 2, C_L + NW * ROWS_PER_MMA, FLAG_WORD + 1 if FUSED else 0,
+                         RED_WORDS if COOP else 0)
+        MERGE_VECS = G * D // 4  # float4 columns of the group's outputs
+        VECS_PER_THREAD = ceildiv(MERGE_VECS, NT)
+        HEADS_PER_WARP = ceildiv(G, NW)  # heads whose weights a warp computes
+        LANE_SLOTS = ceildiv(W_SLOTS, 32)
+        TPR = sched.threads_per_row or threads_per_row(TL.chunks)
+        RP = NT // TPR  # rows a pass of the block's threads copies
+        PASSES = ceildiv(BK, RP)
+        CPT = TL.chunks // TPR  # chunks per thread per row
+        EARLY, HEADS_FIRST = sched.early_pages, sched.heads_first
+        PDL = sched.dependent_launch  # programmatic dependent launch (common.grid_dependency_wait)
+        TABLES_EARLY = sched.tables_before_wait  # the prologue's page-table reads before the wait
+        PRE = STAGES - 1 if EARLY else 1  # tiles whose page entries a thread holds at once
 
-    def copy_row(p, tid_, warp_rows):
+        LI_SHAPE = (3, 1) if sliding else (1,)
+        # inline RoPE: pair chunks per row (c with c + HC), rows one pass of the block's threads
+        # rotates (thread tid: pair chunk tid % HC of rows tid // HC + p * ROPE_RPP)
+        HC = TL.chunks // 2
+        ROPE_RPP = NT // HC
+        assert BK % ROPE_RPP == 0, "a K tile is a whole number of rotation passes"  # tile_kv: 16-key multiples
+        ROPE_EXACT_TILES = 8  # K tiles between exact angle computations (at most 8 * tile_kv / ROPE_RPP steps)
+        # ROPE_OWN: the rope build copies warp-wise, each thread exactly the pair chunks it rotates
+        # (threads_per_row = chunks / 2; a warp's KPW keys are whole copy passes of RPW rows): warp w
+        # copies, rotates and multiplies its own keys w * KPW.. (thread tid: chunks c and c + HC of rows
+        # copy_row(p, tid, True)), so no warp reads another's rows of a tile. A step refills stage
+        # (t - 1) % STAGES first (this warp read it in step t - 1), then waits for its own copies of
+        # tile t, rotates them and syncs the warp, not the block: STAGES tiles in flight during the wait.
+        RPW = WARP_SIZE // TPR
+        ROPE_OWN = TPR * 2 == TL.chunks and KPW * TPR % WARP_SIZE == 0
+        ROPE_OWN_JUMP = BK - (PASSES - 1) * RPW  # from a thread's last row of a tile to its first of the next
+        # else: rotate tile t + 1 during step t (it must have landed: one stage less in flight)
+        ROPE_AHEAD = not ROPE_OWN and STAGES >= 3
+        ROPE, ROPE_SRC = _rope_chunks_function(dtype)
+        # (request, KV head) arrival counters of fused_merge: a launch with more than one split slot
+        # has at most target_blocks / 2 of them
+        ARRIVE, ARRIVE_SRC = _arrival_counter(max(sched.target_blocks, 1))
+        # merge_fanin: the first level counts per (request, KV head, run of splits) at the run's first
+        # block slot (batch * Hkv * slots <= target_blocks), the second per (request, KV head)
+        FANIN = sched.merge_fanin if FUSED else 0
+        ARRIVE2, ARRIVE2_SRC = _arrival_counter(max(sched.target_blocks, 1), "runs")
+        ARRIVEC, ARRIVEC_SRC = _cooperative_arrival(max(sched.target_blocks, 1))
+        # Split slots the merge is compiled for (a launch takes the first that holds its slots):
+        # 8, the slots of a batch of one, max_splits.
+        MERGE_WIDTHS = sorted({min(8, MS), min(MS, max(sched.target_blocks // Hkv, 1)), MS})
+        vars(self).update((name, value) for name, value in locals().items() if name != "self")
+
+    def copy_row(self, p, tid_, warp_rows):
         """Tile row that thread tid_ copies in pass p: rows p * RP + tid_ // TPR (the block's
         threads side by side), or with warp_rows (ROPE_OWN) the warp's own keys: row
         warp * KPW + p * RPW + lane // TPR."""
         if warp_rows:
-            return tid_ // WARP_SIZE * KPW + p * RPW + tid_ % WARP_SIZE // TPR
-        return p * RP + tid_ // TPR
+            return tid_ // WARP_SIZE * self.KPW + p * self.RPW + tid_ % WARP_SIZE // self.TPR
+        return p * self.RP + tid_ // self.TPR
 
-    def rope_own(rope_):
+    def rope_own(self, rope_):
         """Whether the build with rope_ (None: plain) copies and rotates warp-wise (ROPE_OWN)."""
-        return rope_ is not None and ROPE_OWN
+        return rope_ is not None and self.ROPE_OWN
 
-    def rope_row0(tid_, warp_rows):
+    def rope_row0(self, tid_, warp_rows):
         """The first tile row whose pair chunk thread tid_ rotates (rope_rows' or rope_own_tile's)."""
-        return copy_row(0, tid_, True) if warp_rows else tid_ // HC
+        return self.copy_row(0, tid_, True) if warp_rows else tid_ // self.HC
 
+    @staticmethod
     def word(elem):
         """fp32 index of a 16-bit element offset (a multiple of 8)."""
         return elem // 2
 
-    def visible_keys(npages, li_):
+    def visible_keys(self, npages, li_):
         """kv_chunk_len's count from the loaded length_info li_ (`load_length_info`), without a
         branch (which would keep the length_info load behind the page count's)."""
-        last = li_[0, 0] - li_[1, 0] + li_[2, 0] if sliding else li_[0]
-        return ((npages - 1) * ps + last) * T.Cast("int32", npages > 0)
+        last = li_[0, 0] - li_[1, 0] + li_[2, 0] if self.sliding else li_[0]
+        return ((npages - 1) * self.ps + last) * T.Cast("int32", npages > 0)
 
-    def page_shift(li_, kv_len):
+    def page_shift(self, li_, kv_len):
         """Sliding builds: keys the splits' tiles start before key 0, so that every tile of the
         window lands on page boundaries (the window's key j >= sink sits at slot j - sink +
-        offset of the page list: a tile from key -shift + n * tile_kv starts a page). Split 0's
-        first tile then holds `shift` masked, zero-filled rows before key 0. 0 for the plain
-        build, and where the request has no key past its sinks. (H200, group 4, 1x4096, table
-        schedule w4k16s4t132: tiles off the page grid took 9.2-9.3 us a call, on it 8.5 us.)"""
-        if not sliding:
+        offset of the page list: a tile from key -shift + n * tile_kv starts a page; tiles off the
+        page grid read more pages per tile). Split 0's first tile then holds `shift` masked,
+        zero-filled rows before key 0. 0 for the plain build, and where the request has no key
+        past its sinks."""
+        if not self.sliding:
             return 0
-        return T.if_then_else(kv_len > li_[2, 0], T.floormod(li_[1, 0] - li_[2, 0], ps), 0)
+        return T.if_then_else(kv_len > li_[2, 0], T.floormod(li_[1, 0] - li_[2, 0], self.ps), 0)
 
-    def part_row(first, count, stride, y, batch, b, h):
+    def part_row(self, first, count, stride, y, batch, b, h):
         """Row of lse_part (of o_part, times D) of query head h in a merge's y-th partial (split
         slots first, first + stride, ..; past count the last one's, which then weighs 0)."""
-        return ((first + T.min(y, count - 1) * stride) * batch + b) * Hq + h
+        return ((first + T.min(y, count - 1) * stride) * batch + b) * self.Hq + h
 
-    @T.macro
-    def load_length_info(length_info_, b_, li_):
-        """li_ <- request b_'s length_info (one load each, not behind the page count's branch),
-        shaped for visible_keys and paged_position (request index 0)."""
-        if sliding:
-            for k in L.unroll(3):
-                li_[k, 0] = length_info_[k, b_]
-        else:
-            li_[0] = length_info_[b_]
+
+def _rope_macros(lay: _Layout, L):
+    """Inline RoPE (rotary_mode 1): rope_freqs, rope_steps, rope_angles, rope_rows, rope_exact,
+    rope_own_tile, rope_own_next and rope_tile (see the module docstring)."""
+    config, BK, D, HC, K_OFF, PASSES, ROPE = lay.config, lay.BK, lay.D, lay.HC, lay.K_OFF, lay.PASSES, lay.ROPE
+    ROPE_EXACT_TILES, ROPE_RPP, ROPE_SRC, STAGES = lay.ROPE_EXACT_TILES, lay.ROPE_RPP, lay.ROPE_SRC, lay.STAGES
+    TL, copy_row, rope_row0, word = lay.TL, lay.copy_row, lay.rope_row0, lay.word
 
     @T.macro
     def rope_freqs(rope_scale_, rope_theta_, tid_, freq_, step_, rows):
@@ -461,6 +446,26 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         rope_exact(k_pos_, j_begin_, tile, tid_, freq_, cs_, False)
         rope_rows(smem_, K_OFF + tile % STAGES * BK * TL.stride, BK, True, tid_, step_, cs_)
 
+    return rope_freqs, rope_steps, rope_angles, rope_rows, rope_exact, rope_own_tile, rope_own_next, rope_tile
+
+
+def _load_macros(lay: _Layout, L):
+    """Loads: load_length_info, load_q (Q -> shared), lookup (page table), issue (K/V tiles ->
+    the ring), refill (a step's issue and lookup) and load_q_frag (Q's A fragments)."""
+    BK, CPT, CP_ASYNC_KV, G, K_OFF, NT = lay.BK, lay.CPT, lay.CP_ASYNC_KV, lay.G, lay.K_OFF, lay.NT
+    PASSES, Q_OFF, RP, STAGES, TL, TPR, V_OFF = lay.PASSES, lay.Q_OFF, lay.RP, lay.STAGES, lay.TL, lay.TPR, lay.V_OFF
+    copy_row, ps, sliding, word = lay.copy_row, lay.ps, lay.sliding, lay.word
+
+    @T.macro
+    def load_length_info(length_info_, b_, li_):
+        """li_ <- request b_'s length_info (one load each, not behind the page count's branch),
+        shaped for visible_keys and paged_position (request index 0)."""
+        if sliding:
+            for k in L.unroll(3):
+                li_[k, 0] = length_info_[k, b_]
+        else:
+            li_[0] = length_info_[b_]
+
     @T.macro
     def load_q(q_, smem_, b_, hkv_, tid_):
         """The group's G query rows -> the Q region (cp.async); rows G..15 zero."""
@@ -530,6 +535,16 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         """A fragment of Q for k16 step kk_ -> qf_[base_..base_+3]."""
         T.ptx[LDSM](qf_[base_], qf_[base_ + 1], qf_[base_ + 2], qf_[base_ + 3],
                     smem_.ptr_to([word(Q_OFF + TL.offset(lane_ % 16, kk_ * 2 + lane_ // 16))]))
+
+    return load_length_info, load_q, lookup, issue, refill, load_q_frag
+
+
+def _mma_macros(lay: _Layout, L):
+    """A warp's step: s_mma (S = Q K^T), softmax (online, base 2) and pv_mma (O += P V)."""
+    BK, HALVES, KPW, KSTEPS_PV, KSTEPS_QK = lay.BK, lay.HALVES, lay.KPW, lay.KSTEPS_PV, lay.KSTEPS_QK
+    K_OFF, MMA, ON, PACK, QREG, SN, TL = lay.K_OFF, lay.MMA, lay.ON, lay.PACK, lay.QREG, lay.SN, lay.TL
+    UPPER, V_OFF, sliding, word = lay.UPPER, lay.V_OFF, lay.sliding, lay.word
+    load_q_frag = _load_macros(lay, L)[5]
 
     @T.macro
     def s_mma(smem_, qf_, s_, stage_, warp_, lane_):
@@ -615,6 +630,15 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     T.ptx[MMA](o_[n], o_[n + 1], o_[n + 2], o_[n + 3], pf[0], pf[1], pf[2], pf[3],
                                vf[h * 2], vf[h * 2 + 1], o_[n], o_[n + 1], o_[n + 2], o_[n + 3])
 
+    return s_mma, softmax, pv_mma
+
+
+def _finish_macro(lay: _Layout, L):
+    """finish: the warps' states merged through shared memory and finished into o / lse."""
+    C_L, C_M, C_O, D, G, HALVES, NT, NW = lay.C_L, lay.C_M, lay.C_O, lay.D, lay.G, lay.HALVES, lay.NT, lay.NW
+    ON, shared = lay.ON, lay.shared
+    sm = softmax_macros(L)
+
     @T.macro
     def finish(smem_, o_, m_run_, l_run_, warp_, lane_, tid_, write_o_, write_lse_):
         """Merge the warps' states through shared memory and finish them: write_o_(h, e, value)
@@ -647,19 +671,14 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 if idx % D == 0:
                     write_lse_(idx // D, m_all[0])
 
-    @T.macro
-    def arrive(smem_, func_, src_, args_, tid_, last_):
-        """last_[0] <- func_(*args_) (an arrival function of this module: `_arrival_counter`'s
-        1 in the n-th block to arrive, else 0; `_cooperative_arrival`'s merger index or -1),
-        called by one thread after the block's barrier (the arrival fences); the verdict goes
-        to every thread through shared memory."""
-        T.tvm_storage_sync(shared)  # the block's partial is written; no thread reads shared memory any more
-        if tid_ == 0:
-            smem_[FLAG_WORD] = T.Cast("float32", T.cuda.func_call(func_, *args_, source_code=src_,
-                                                                  return_type="int32"))
-        T.tvm_storage_sync(shared)
-        last_[0] = T.Cast("int32", smem_[FLAG_WORD])
-        T.tvm_storage_sync(shared)  # (so that TVM needs no barrier inside the branch)
+    return finish
+
+
+def _merge_partials_macro(lay: _Layout, L):
+    """merge_partials: the fused merge of a group's split partials by one block."""
+    D, G, HEADS_PER_WARP, LANE_SLOTS, MERGE_VECS = lay.D, lay.G, lay.HEADS_PER_WARP, lay.LANE_SLOTS, lay.MERGE_VECS
+    NT, NW, VECS_PER_THREAD, W_SLOTS, part_row = lay.NT, lay.NW, lay.VECS_PER_THREAD, lay.W_SLOTS, lay.part_row
+    shared = lay.shared
 
     @T.macro
     def merge_partials(smem_, o_part_, lse_part_, batch, b, hkv, first_, count_, stride_, write_o_, write_lse_, warp_,
@@ -740,6 +759,14 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 for c in L.unroll(4):
                     write_o_(v // (D // 4), v % (D // 4) * 4 + c, acc[k * 4 + c])
 
+    return merge_partials
+
+
+def _merge_head_macro(lay: _Layout, L):
+    """merge_head: cooperative_merge's merge of one query head by one of the last blocks."""
+    D, G, LSE_SLOTS, NT, TPV, VPT, VS = lay.D, lay.G, lay.LSE_SLOTS, lay.NT, lay.TPV, lay.VPT, lay.VS
+    dtype, part_row, shared = lay.dtype, lay.part_row, lay.shared
+
     @T.macro
     def merge_head(smem_, o_part_, lse_part_, o_, lse_, batch, b, hkv, h, count_, lane_, tid_, unroll):
         """cooperative_merge: the FP32 merge of query head h of the group over the count_ (>= 2)
@@ -813,6 +840,32 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
         if tid_ == 0:
             lse_[b, hq] = finalize_lse(mx[0], lsum[0])
 
+    return merge_head
+
+
+def _fused_merge_macro(lay: _Layout, L):
+    """fused_merge (with its `arrive`): the merge of the splits by the split blocks themselves."""
+    ARRIVE, ARRIVE2, ARRIVE2_SRC, ARRIVEC = lay.ARRIVE, lay.ARRIVE2, lay.ARRIVE2_SRC, lay.ARRIVEC
+    ARRIVEC_SRC, ARRIVE_SRC, COOP, COOP_WIDTHS, D = lay.ARRIVEC_SRC, lay.ARRIVE_SRC, lay.COOP, lay.COOP_WIDTHS, lay.D
+    FANIN, FLAG_WORD, G, Hkv, Hq, TPV, dtype = lay.FANIN, lay.FLAG_WORD, lay.G, lay.Hkv, lay.Hq, lay.TPV, lay.dtype
+    shared = lay.shared
+    merge_partials = _merge_partials_macro(lay, L)
+    merge_head = _merge_head_macro(lay, L)
+
+    @T.macro
+    def arrive(smem_, func_, src_, args_, tid_, last_):
+        """last_[0] <- func_(*args_) (an arrival function of this module: `_arrival_counter`'s
+        1 in the n-th block to arrive, else 0; `_cooperative_arrival`'s merger index or -1),
+        called by one thread after the block's barrier (the arrival fences); the verdict goes
+        to every thread through shared memory."""
+        T.tvm_storage_sync(shared)  # the block's partial is written; no thread reads shared memory any more
+        if tid_ == 0:
+            smem_[FLAG_WORD] = T.Cast("float32", T.cuda.func_call(func_, *args_, source_code=src_,
+                                                                  return_type="int32"))
+        T.tvm_storage_sync(shared)
+        last_[0] = T.Cast("int32", smem_[FLAG_WORD])
+        T.tvm_storage_sync(shared)  # (so that TVM needs no barrier inside the branch)
+
     @T.macro
     def fused_merge(smem_, o_part_, lse_part_, o_, lse_, b, hkv, split, slots, nsplit, warp_, lane_, tid_):
         """After this block wrote its split's partial: the last of the request's nsplit blocks
@@ -872,6 +925,24 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                     if last[0] != 0:
                         merge_partials(smem_, o_part_, lse_part_, batch, b, hkv, 0, ceildiv(nsplit, FANIN), FANIN,
                                        *out, warp_, lane_, tid_)
+
+    return fused_merge
+
+
+def _body_macro(lay: _Layout, L):
+    """body: the work of one block (request, KV head, split slot), thread by thread."""
+    sched, BK, D, EARLY, FUSED, G, HALVES = lay.sched, lay.BK, lay.D, lay.EARLY, lay.FUSED, lay.G, lay.HALVES
+    Hkv, Hq, KPW, KSTEPS_QK, LI_SHAPE, ON = lay.Hkv, lay.Hq, lay.KPW, lay.KSTEPS_QK, lay.LI_SHAPE, lay.ON
+    PASSES, PDL, PRE, QREG, Q_OFF, ROPE_AHEAD = lay.PASSES, lay.PDL, lay.PRE, lay.QREG, lay.Q_OFF, lay.ROPE_AHEAD
+    ROPE_OWN, ROPE_OWN_JUMP, ROPE_RPP, RPW = lay.ROPE_OWN, lay.ROPE_OWN_JUMP, lay.ROPE_RPP, lay.RPW
+    SMEM_WORDS, SN, STAGES, TABLES_EARLY, dtype = lay.SMEM_WORDS, lay.SN, lay.STAGES, lay.TABLES_EARLY, lay.dtype
+    page_shift, rope_own, shared, visible_keys = lay.page_shift, lay.rope_own, lay.shared, lay.visible_keys
+    load_length_info, load_q, lookup, issue, refill, load_q_frag = _load_macros(lay, L)
+    (rope_freqs, rope_steps, rope_angles, rope_rows, rope_exact, rope_own_tile, rope_own_next,
+     rope_tile) = _rope_macros(lay, L)
+    s_mma, softmax, pv_mma = _mma_macros(lay, L)
+    finish = _finish_macro(lay, L)
+    fused_merge = _fused_merge_macro(lay, L)
 
     @T.macro
     def body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, rope_, b, hkv,
@@ -1006,6 +1077,14 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                 fused_merge(smem, o_part_, lse_part_, o_, lse_, b, hkv, split, grid_splits(sched, Hkv, batch), nsplit,
                             warp, lane, tid)
 
+    return body
+
+
+def _kernel_macro(lay: _Layout, L):
+    """tc_kernel: the grid of blocks (request, KV head, split slot) running `body`."""
+    sched, HEADS_FIRST, Hkv, NT = lay.sched, lay.HEADS_FIRST, lay.Hkv, lay.NT
+    body = _body_macro(lay, L)
+
     @T.macro
     def tc_kernel(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, rope_):
         """One block per (request, KV head, split slot); slots past the request's split count
@@ -1026,6 +1105,15 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                         for tid in L.thread(NT, "x"):
                             body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_,
                                  sm_scale_, rope_, b, hkv, split, tid)
+
+    return tc_kernel
+
+
+def _split_merge_macro(lay: _Layout, L):
+    """merge: the separate merge kernel of the split partials (without fused_merge)."""
+    sched, D, Hkv, Hq, LI_SHAPE, MERGE_WIDTHS = lay.sched, lay.D, lay.Hkv, lay.Hq, lay.LI_SHAPE, lay.MERGE_WIDTHS
+    PDL, dtype, visible_keys = lay.PDL, lay.dtype, lay.visible_keys
+    load_length_info = _load_macros(lay, L)[0]
 
     @T.macro
     def merge_slots(width, slots, indptr_, length_info_, o_part_, lse_part_, o_, lse_, b, h, e):
@@ -1092,7 +1180,14 @@ def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
                         else:
                             merge_slots(MERGE_WIDTHS[2], *args)
 
-    return tc_kernel, merge
+    return merge
+
+
+def _tc_macros(config: AttentionConfig, sched: TensorCoreDecodeSchedule):
+    """The tensor-core decode kernel and its split merge (see the module docstring)."""
+    lay = _Layout(config, sched)
+    L = loop_kinds(config)
+    return _kernel_macro(lay, L), _split_merge_macro(lay, L)
 
 
 def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule | None = None,
@@ -1111,7 +1206,7 @@ def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule 
     (default: `schedules.tc_decode_rope_schedule` of the plain schedule; its dependent_launch
     must be the schedule's, ValueError otherwise).
     """
-    _check(config)
+    check_config(config, "paged_decode_tc")
     sched = schedule or choose_tc_decode_schedule(config)
     sched.check(config)
     rope_sched = rope_schedule or tc_decode_rope_schedule(config, sched)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .softmax import prob, rescale_factor
+from .support import PTX_DTYPE_NAMES, TENSOR_CORE_DTYPES
 
 PANEL = 64  # two-byte elements per 128-byte swizzled row
 CHUNK = 8  # two-byte elements per 16-byte chunk
@@ -29,7 +30,7 @@ SWIZZLE_128B = 3  # encode_matrix_descriptor's code for the 128-byte swizzle
 # Stride byte offset of a 128B-swizzled operand: 8 rows x 128 bytes, in 16-byte units.
 SWIZZLE_SBO = 64
 
-PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+PTX_TYPE = {dtype: PTX_DTYPE_NAMES[dtype] for dtype in TENSOR_CORE_DTYPES}
 FULL_WARP = 0xFFFFFFFF
 
 # TVM emits a func_call's source once per function name: one source string per helper.

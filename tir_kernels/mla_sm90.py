@@ -45,12 +45,10 @@ import dataclasses
 import tvm
 from tvm.script import tirx as T
 
-import tir_kernels as _package
-
 from .build import TIRX_ATTR
-from .build import build as _build_function
 from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len
 from .config import MLAConfig
+from .cuda_funcs import LDCG, LDCG4, LDCG4_SRC, LDCG_SRC
 from .hopper import (
     CHUNK,
     PANEL,
@@ -63,15 +61,11 @@ from .hopper import (
     wgmma_name,
     wgmma_scores,
 )
-from .decode_tc import LDCG, LDCG4, LDCG4_SRC, LDCG_SRC
+from .mla_contract import decode_contract_func, prefill_contract_func
 from .schedules import CUDA_MAX_SHARED_BYTES, CUDA_NUM_SMS
 from .simt_tile import find_tile_macro
 from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor
-
-# Importing the submodule `tir_kernels.build` binds the package's name `build` to the module,
-# hiding the lazily exported function `tir_kernels.build` (the runtime's and scripts' way to
-# compile) when nothing asked for it before: bind the function again.
-_package.build = _build_function
+from .support import TENSOR_CORE_DTYPES, WGMMA_ARCHS
 
 WARPGROUP = 128
 CONSUMERS = 2
@@ -235,10 +229,10 @@ class MLAWgmmaSchedule:
 
 def mla_wgmma_problem(config: MLAConfig) -> str | None:
     """Why the tensor-core MLA prefill cannot serve `config`, or None when it can."""
-    if not config.is_gpu or config.cuda_arch not in ("sm_90", "sm_90a"):
+    if not config.is_gpu or config.cuda_arch not in WGMMA_ARCHS:
         return f"target {config.target!r} is not a Hopper GPU (sm_90)"
-    if config.dtype not in ("float16", "bfloat16"):
-        return f"dtype={config.dtype!r} (tensor cores serve float16 and bfloat16)"
+    if config.dtype not in TENSOR_CORE_DTYPES:
+        return f"dtype={config.dtype!r} (tensor cores serve {' and '.join(TENSOR_CORE_DTYPES)})"
     if config.latent_dim % (2 * PANEL) or config.latent_dim > 512:
         return f"latent_dim={config.latent_dim} (a multiple of {2 * PANEL} up to 512: two {PANEL}-aligned halves)"
     if config.qk_dim % PANEL:
@@ -249,10 +243,10 @@ def mla_wgmma_problem(config: MLAConfig) -> str | None:
     return None
 
 
-# Schedules in order of preference (tile_kv, stages, split_keys). H200, DeepSeek shapes
-# (docs/perf-notes.md): four 32-row stages with duplicated scores (pingpong) beat two 64-row
-# stages with split keys by 6.9% / 5.0% / 8.0% (fp16 128 heads 1x512@4096 / 4x256@2048, bf16 16
-# heads); four 32-row stages with split keys were within -2.1% .. +0.7% of two 64-row ones.
+# Schedules in order of preference (tile_kv, stages, split_keys): on DeepSeek shapes four 32-row
+# stages with duplicated scores (pingpong) ran faster than two 64-row stages with split keys, and
+# four 32-row stages with split keys about as fast as two 64-row ones (docs/performance.md); the
+# smaller ones serve configs whose tiles do not fit otherwise.
 WGMMA_SCHEDULE_ORDER = ((32, 4, False), (64, 2, True), (64, 2, False), (32, 2, True), (32, 2, False),
                         (16, 4, False), (16, 2, False))
 
@@ -269,37 +263,52 @@ def choose_mla_wgmma_schedule(config: MLAConfig) -> MLAWgmmaSchedule:
     raise ValueError(f"the tensor-core MLA prefill has no schedule for qk_dim={config.qk_dim}")
 
 
-def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = False,
-                  split: MLAWgmmaDecodeSplit = MLAWgmmaDecodeSplit()):
-    """The prefill kernel macro, or (decode) the decode one, split as `split` says."""
-    dtype, H, ps = config.dtype, config.num_heads, config.page_size
-    D_QK, D_L = config.qk_dim, config.latent_dim
-    DVH = D_L // 2  # output columns per consumer
-    BM, BN, ST = sched.tile_q, sched.tile_kv, sched.stages
-    K_OFF = BM * D_QK
-    K_ELEMS = BN * D_QK
-    SMEM_ELEMS = K_OFF + ST * K_ELEMS
-    WG_S = wgmma_name(f"m64n{BN}k16", dtype)
-    WG_O = wgmma_name(f"m64n{DVH}k16", dtype)
-    WG_SH = wgmma_name(f"m64n{BN // 2}k16", dtype)
-    NS, NO, NP = BN // 2, DVH // 2, BN // 4
-    CHUNKS = D_QK // CHUNK  # 16-byte chunks per row
-    TPR = WARPGROUP // BN  # producer threads per latent row
-    PINGPONG = sched.pingpong and not sched.split_keys
-    SPLIT = sched.split_keys
-    BNH = BN // 2  # split_keys: keys per consumer and step
-    NSH, NPH = BNH // 2, BNH // 4  # its S (fp32) and P (packed) registers
-    X_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima, P halves exchanged
+class _Layout:
+    """Compile-time sizes of one wgmma MLA kernel (its config, schedule and decode split), the
+    regions of its shared buffer, and the index arithmetic on them. Every name __init__ binds
+    is an attribute; the macro factories below unpack the ones their macros read."""
 
-    def row_tiles(qo_indptr, b):
-        return ceildiv((qo_indptr[b + 1] - qo_indptr[b]) * H, BM)
+    def __init__(self, config: MLAConfig, sched: MLAWgmmaSchedule, split: MLAWgmmaDecodeSplit):
+        dtype, H, ps = config.dtype, config.num_heads, config.page_size
+        D_QK, D_L = config.qk_dim, config.latent_dim
+        DVH = D_L // 2  # output columns per consumer
+        BM, BN, ST = sched.tile_q, sched.tile_kv, sched.stages
+        K_OFF = BM * D_QK
+        K_ELEMS = BN * D_QK
+        SMEM_ELEMS = K_OFF + ST * K_ELEMS
+        WG_S = wgmma_name(f"m64n{BN}k16", dtype)
+        WG_O = wgmma_name(f"m64n{DVH}k16", dtype)
+        WG_SH = wgmma_name(f"m64n{BN // 2}k16", dtype)
+        NS, NO, NP = BN // 2, DVH // 2, BN // 4
+        CHUNKS = D_QK // CHUNK  # 16-byte chunks per row
+        TPR = WARPGROUP // BN  # producer threads per latent row
+        PINGPONG = sched.pingpong and not sched.split_keys
+        SPLIT = sched.split_keys
+        BNH = BN // 2  # split_keys: keys per consumer and step
+        NSH, NPH = BNH // 2, BNH // 4  # its S (fp32) and P (packed) registers
+        X_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima, P halves exchanged
+        HEAD_TILES = ceildiv(H, BM)
+        VECS = D_L // 4  # float4 columns of an output row in the split merge
+        SYNC = _split_sync(split.target_ctas)
+        vars(self).update((name, value) for name, value in locals().items() if name != "self")
 
-    find_tile = find_tile_macro(row_tiles)
+    def row_tiles(self, qo_indptr, b):
+        return ceildiv((qo_indptr[b + 1] - qo_indptr[b]) * self.H, self.BM)
 
-    def visible_end(kv_len, qo_len, p, causal):
+    def visible_end(self, kv_len, qo_len, p, causal):
         """Keys packed row p sees: [0, visible_end) (causal: query i sees j <= kv_len - qo_len + i)."""
-        last = kv_len - qo_len + T.min(p // H, qo_len - 1) + 1
+        last = kv_len - qo_len + T.min(p // self.H, qo_len - 1) + 1
         return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
+
+    def sync_call(self, name, *args):
+        """A call of the split decode's counter function `name` (`_split_sync`)."""
+        return T.cuda.func_call(self.SYNC[name][0], *args, source_code=self.SYNC[name][1], return_type="int32")
+
+
+def _produce_macros(lay: _Layout):
+    """The producer: copy_rows (rows -> a swizzled tile) and produce (the ring of latent tiles)."""
+    BN, CHUNKS, K_ELEMS, K_OFF, ST, TPR = lay.BN, lay.CHUNKS, lay.K_ELEMS, lay.K_OFF, lay.ST, lay.TPR
+    produce_steps = ring_producer(ST)
 
     @T.macro
     def copy_rows(smem_, base_, row0_, rows_, tile_rows_, tid_, src_, valid_):
@@ -314,9 +323,6 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
                 T.ptx["cp.async.cg.shared.global"](
                     smem_.ptr_to([base_ + swizzled(tile_rows_, r, c)]), src_(r, c), 16,
                     T.Cast("uint32", T.if_then_else(valid_(r), 16, 0)))
-
-    produce_steps = ring_producer(ST)
-    init_ring = ring_barriers(ST, WARPGROUP, CONSUMERS)
 
     @T.macro
     def copy_step(smem_, t, kv_end_, tid_, slot_of_, row_ptr_, slot):
@@ -336,6 +342,14 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
         slot = T.alloc_local((1,), "int32")
         produce_steps(full_, empty_, nkv_, lambda t: copy_step(smem_, t, kv_end_, tid_, slot_of_, row_ptr_, slot))
 
+    return copy_rows, produce
+
+
+def _mma_macros(lay: _Layout):
+    """The consumers' products and output: s_mma, s_mma_half (split_keys), pv_mma, mask and
+    write_state."""
+    BM, BN, BNH, DVH, D_QK, K_ELEMS, K_OFF = lay.BM, lay.BN, lay.BNH, lay.DVH, lay.D_QK, lay.K_ELEMS, lay.K_OFF
+    NO, NP, NS, NSH, WG_O, WG_S, WG_SH = lay.NO, lay.NP, lay.NS, lay.NSH, lay.WG_O, lay.WG_S, lay.WG_SH
     scores = wgmma_scores(WG_S, NS, D_QK // 16)
     scores_half = wgmma_scores(WG_SH, NSH, D_QK // 16)
     accumulate = wgmma_accumulate(WG_O, NO, NP, BN // 16, BN)
@@ -382,6 +396,15 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
                 if row0_ + r * 8 < rows_ - p0_:
                     write_lse_(p0_ + row0_ + r * 8, finalize_lse(m_[r], lsum_[r]))
 
+    return s_mma, s_mma_half, pv_mma, mask, write_state
+
+
+def _consume_macro(lay: _Layout):
+    """consume: a consumer's loop with duplicated scores (module docstring)."""
+    BM, BN, NO, NP, NS, PINGPONG, ST, dtype = lay.BM, lay.BN, lay.NO, lay.NP, lay.NS, lay.PINGPONG, lay.ST, lay.dtype
+    visible_end = lay.visible_end
+    copy_rows = _produce_macros(lay)[0]
+    s_mma, _, pv_mma, mask, write_state = _mma_macros(lay)
     quad_reduce, softmax = row_softmax(NS, NO, NP, dtype)
 
     @T.macro
@@ -434,6 +457,17 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
             write_state(oacc, m, lsum, p0_, rows_, row0, lane, cw_, write_o_, write_lse_)
         else:
             write_state(oacc, m, lsum, p0_, rows_, row0, lane, cw_, write_part_o_, write_part_lse_)
+
+    return consume
+
+
+def _consume_split_macro(lay: _Layout):
+    """consume_split: a consumer's loop with split keys (module docstring)."""
+    BM, BN, BNH, NO, NP, NPH, NS, NSH = lay.BM, lay.BN, lay.BNH, lay.NO, lay.NP, lay.NPH, lay.NS, lay.NSH
+    P_BARRIER, ST, X_BARRIER, dtype, visible_end = lay.P_BARRIER, lay.ST, lay.X_BARRIER, lay.dtype, lay.visible_end
+    copy_rows = _produce_macros(lay)[0]
+    _, s_mma_half, pv_mma, mask, write_state = _mma_macros(lay)
+    quad_reduce, _ = row_softmax(NS, NO, NP, dtype)
 
     @T.macro
     def consume_split(smem_, xp_, xs_, full_, empty_, nkv_, free_end_, kv_len_, qo_len_, p0_, rows_, causal_, scale_,
@@ -519,6 +553,15 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
         else:
             write_state(oacc, m, lsum, p0_, rows_, row0, lane, cw_, write_part_o_, write_part_lse_)
 
+    return consume_split
+
+
+def _consumer_macro(lay: _Layout):
+    """consumer: a consumer warpgroup's share of the CTA (its registers, then its loop)."""
+    sched, SPLIT = lay.sched, lay.SPLIT
+    consume = _consume_macro(lay)
+    consume_split = _consume_split_macro(lay)
+
     @T.macro
     def consumer(smem, xp, xs, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal, sm_scale, wg, tid,
                  q_at, store_o, store_lse, direct, store_part_o, store_part_lse):
@@ -534,6 +577,18 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
             consume(smem, full, empty, nkv, free_end, kv_len, qo_len, p0, rows, causal,
                     sm_scale * T.float32(LOG2E), wg - 1, tid, q_at, store_o, store_lse, direct, store_part_o,
                     store_part_lse)
+
+    return consumer
+
+
+def _prefill_kernel_macro(lay: _Layout):
+    """kernel: the prefill's CTAs (one per tile slot)."""
+    sched, BM, BN, H, NPH, SMEM_ELEMS, SPLIT = lay.sched, lay.BM, lay.BN, lay.H, lay.NPH, lay.SMEM_ELEMS, lay.SPLIT
+    ST, dtype, ps, row_tiles, visible_end = lay.ST, lay.dtype, lay.ps, lay.row_tiles, lay.visible_end
+    find_tile = find_tile_macro(row_tiles)
+    init_ring = ring_barriers(ST, WARPGROUP, CONSUMERS)
+    produce = _produce_macros(lay)[1]
+    consumer = _consumer_macro(lay)
 
     @T.macro
     def kernel(Q, qo_indptr, pages, page_indptr, page_indices, length_info, Out, lse, causal, sm_scale, batch):
@@ -576,12 +631,12 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
                      lambda p, c, val: T.buffer_store(Out, T.Cast(dtype, val), [q0 + p // H, p % H, c]),
                      lambda p, val: T.buffer_store(lse, val, [q0 + p // H, p % H]), True, None, None)
 
-    HEAD_TILES = ceildiv(H, BM)
-    VECS = D_L // 4  # float4 columns of an output row in the split merge
-    SYNC = _split_sync(split.target_ctas)
+    return kernel
 
-    def sync_call(name, *args):
-        return T.cuda.func_call(SYNC[name][0], *args, source_code=SYNC[name][1], return_type="int32")
+
+def _merge_macro(lay: _Layout):
+    """merge_splits: the decode's in-kernel merge of a group's split partials."""
+    BM, D_L, H, VECS, dtype, sync_call = lay.BM, lay.D_L, lay.H, lay.VECS, lay.dtype, lay.sync_call
 
     @T.macro
     def leader_to_all(word_, value_, tid_, cw_):
@@ -650,6 +705,19 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
         if cw_ == 0 and tid_ == 0:
             T.evaluate(sync_call("depart", group_, used_))
 
+    return merge_splits
+
+
+def _decode_kernel_macro(lay: _Layout):
+    """decode_kernel: the decode's CTAs (request, tile of 64 heads, split slot)."""
+    sched, BM, BN, D_L, H, HEAD_TILES, NPH = lay.sched, lay.BM, lay.BN, lay.D_L, lay.H, lay.HEAD_TILES, lay.NPH
+    SMEM_ELEMS, SPLIT, ST, dtype, ps, split = lay.SMEM_ELEMS, lay.SPLIT, lay.ST, lay.dtype, lay.ps, lay.split
+    sync_call = lay.sync_call
+    init_ring = ring_barriers(ST, WARPGROUP, CONSUMERS)
+    produce = _produce_macros(lay)[1]
+    consumer = _consumer_macro(lay)
+    merge_splits = _merge_macro(lay)
+
     @T.macro
     def decode_kernel(Q, pages, page_indptr, page_indices, length_info, Out, lse, o_part, lse_part, sm_scale):
         """Decode: one CTA per (request, tile of 64 heads, split slot), 3 warpgroups; the
@@ -713,13 +781,18 @@ def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = Fal
             if slots > 1 and wg == 1 and tid == 0:
                 T.evaluate(sync_call("end", grid))
 
-    return decode_kernel if decode else kernel
+    return decode_kernel
+
+
+def _kernel_macro(config: MLAConfig, sched: MLAWgmmaSchedule, decode: bool = False,
+                  split: MLAWgmmaDecodeSplit = MLAWgmmaDecodeSplit()):
+    """The prefill kernel macro, or (decode) the decode one, split as `split` says."""
+    lay = _Layout(config, sched, split)
+    return _decode_kernel_macro(lay) if decode else _prefill_kernel_macro(lay)
 
 
 def mla_paged_prefill_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None = None):
     """Tensor-core body of `mla.mla_paged_prefill` (same arguments, symbol and semantics)."""
-    from .mla import prefill_contract_func
-
     problem = mla_wgmma_problem(config)
     if problem:
         raise ValueError(f"the tensor-core MLA prefill does not serve {problem}")
@@ -743,8 +816,6 @@ def mla_paged_decode_wgmma(config: MLAConfig, schedule: MLAWgmmaSchedule | None 
     says (default MLAWgmmaDecodeSplit(); chosen at launch, so large batches run one CTA per
     request and head tile over all its keys). The split CTAs of a (request, head tile) write FP32
     partials to the function's workspace and merge them in the same kernel (`_split_sync`)."""
-    from .mla import decode_contract_func
-
     problem = mla_wgmma_decode_problem(config)
     if problem:
         raise ValueError(f"the tensor-core MLA decode does not serve {problem}")

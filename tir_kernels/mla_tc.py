@@ -2,8 +2,8 @@
 
 `mla_paged_decode_tc(config)` returns a PrimFunc with the parameters, argument order,
 semantics and global symbol of `mla.mla_paged_decode` (its docstring is the contract),
-computed with `mma.sync.aligned.m16n8k16` and fp32 accumulation, on prefill_sm80's
-shared-memory tile layout (`_Tile`) and decode_tc.py's fragment loads.
+computed with `mma.sync.aligned.m16n8k16` and fp32 accumulation, on the mma kernels'
+shared-memory tile layout (`mma.Tile`) and decode_tc.py's fragment loads.
 
 Work mapping: a block serves one request, one tile of `16 * m_tiles` heads and one split of
 the request's keys (blockIdx = request, head tile, split). The heads are the M dimension, so
@@ -24,21 +24,21 @@ twice). Per tile:
     lse = m + log2(l) go to o / lse, or, when the keys are split, to an fp32 workspace that
     softmax.merge_splits_macro merges (split count chosen at launch from the batch size).
 
-`mla_paged_decode_auto(config)` picks this kernel where it applies (CUDA sm_80+, fp16/bf16,
-latent_dim a multiple of 32) and `mla.mla_paged_decode` (SIMT; the CPU's) otherwise.
+`mla.mla_paged_decode_auto(config)` picks this kernel where it applies (`mla_tc_problem`: CUDA
+sm_80+, fp16/bf16, latent_dim a multiple of 32) and the SIMT kernel (mla_simt.py) otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from tvm.script import tirx as T
 
 from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, loop_kinds
 from .config import MLAConfig
-from .mla import decode_contract_func, mla_paged_decode
-from .prefill_sm80 import CHUNK, FULL_WARP, MIN_ARCH, MMA_DTYPES, ROWS_PER_MMA, _Tile
+from .mla_contract import decode_contract_func
+from .mma import (CHUNK, CP_ASYNC, FULL_WARP, LDSM, LDSM_T, MIN_ARCH, MMA_DTYPES, ROWS_PER_MMA, Tile, mma_name,
+                  pack_name)
 from .schedules import CUDA_DEFAULT_SHARED_BYTES, CUDA_MAX_SHARED_BYTES, CUDA_NUM_SMS
 from .softmax import finalize_lse, finalize_scale, merge_splits_macro, prob, rescale_factor
 
@@ -56,10 +56,20 @@ def _sm_version(config: MLAConfig) -> int:
     return int(config.cuda_arch[3:].rstrip("a")) if config.is_gpu else 0
 
 
+def mla_tc_problem(config: MLAConfig) -> str | None:
+    """Why `mla_paged_decode_tc` cannot serve `config`, or None when it can."""
+    if not config.is_gpu or _sm_version(config) < MIN_ARCH:
+        return f"target={config.target!r} (mma.sync needs a CUDA target of sm_{MIN_ARCH} or newer)"
+    if config.dtype not in MMA_DTYPES:
+        return f"dtype={config.dtype!r} (tensor cores serve {tuple(MMA_DTYPES)})"
+    if config.latent_dim % 32:
+        return f"latent_dim={config.latent_dim} (a multiple of 32)"
+    return None
+
+
 def supports_tc(config: MLAConfig) -> bool:
     """Whether `mla_paged_decode_tc` serves this config."""
-    return (config.is_gpu and config.dtype in MMA_DTYPES and _sm_version(config) >= MIN_ARCH
-            and config.latent_dim % 32 == 0)
+    return mla_tc_problem(config) is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +115,7 @@ class MLATensorCoreSchedule:
 
     def shared_bytes(self, config: MLAConfig) -> int:
         """Q tile, `stages` latent tiles, P (16-bit) and the fp32 row exchange."""
-        stride = _Tile(config.qk_dim).stride
+        stride = Tile(config.qk_dim).stride
         elems = (self.heads_per_block + self.stages * self.tile_kv) * stride
         elems += self.heads_per_block * (self.tile_kv + P_PAD)
         return 2 * elems + 4 * self.num_warps * ROWS_PER_MMA
@@ -128,8 +138,8 @@ def choose_mla_tc_schedule(config: MLAConfig) -> MLATensorCoreSchedule:
     latent 512) and 2 stages; one m-tile (16 heads or fewer): 2 warps and 2 stages (small
     enough for two blocks an SM). Then more stages or fewer m-tiles until it fits the arch's
     shared memory; fewer warps per m-tile where latent_dim needs. Splits aim at one wave of
-    resident blocks (SMs x the blocks an SM's shared memory holds). H200, fp16, page 16
-    (docs/perf-notes.md): these beat 3 stages at 128 heads and 4 warps at 16 heads."""
+    resident blocks (SMs x the blocks an SM's shared memory holds). These ran faster than 3
+    stages at 128 heads and 4 warps at 16 heads (docs/performance.md)."""
     limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
     m_tiles = min(4, ceildiv(config.num_heads, ROWS_PER_MMA))
     candidates = []
@@ -156,53 +166,51 @@ def _copy_threads_per_row(chunks: int, threads: int, rows: int) -> int:
     return 1
 
 
-def mla_paged_decode_tc(config: MLAConfig, schedule: MLATensorCoreSchedule | None = None):
-    """MLA paged decode on tensor cores; the PrimFunc of `mla.mla_paged_decode` (same arguments,
-    semantics and global symbol): q [B, H, qk_dim], pages [P, page_size, qk_dim], page_indptr
-    [B+1] i32, page_indices [nnz] i32, length_info [B] i32, o [B, H, latent_dim], lse [B, H] f32
-    (base 2), sm_scale f32. ValueError for a config it does not serve (see `supports_tc`)."""
-    if not isinstance(config, MLAConfig):
-        raise TypeError(f"config must be an MLAConfig, not {type(config).__name__}")
-    sched = schedule or choose_mla_tc_schedule(config)
-    sched.check(config)
-    L = loop_kinds(config)
-    dtype, H, D_QK, D_L, ps = config.dtype, config.num_heads, config.qk_dim, config.latent_dim, config.page_size
-    CS, STAGES, NW, NT = sched.col_slices, sched.stages, sched.num_warps, sched.num_threads
-    HT, BK, MS = sched.heads_per_block, sched.tile_kv, sched.max_splits
-    HEAD_TILES = ceildiv(H, HT)
-    TL = _Tile(D_QK)
-    KSTEPS_QK, KSTEPS_PV = D_QK // 16, BK // 16
-    CW = D_L // CS  # output columns per warp
-    ON = CW // 8  # n8 blocks of O per warp
-    PSTR = BK + P_PAD
-    MMA = f"mma.sync.aligned.m16n8k16.row.col.f32.{MMA_DTYPES[dtype]}.{MMA_DTYPES[dtype]}.f32"
-    PACK = f"cvt.rn.{MMA_DTYPES[dtype]}x2.f32"
-    LDSM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
-    LDSM_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
-    CP_ASYNC = "cp.async.cg.shared.global"
-    shared = "shared.dyn"
-    # One fp32 shared buffer addressed in 16-bit elements (halved for the fp32 index; every
-    # region starts at a whole 16-byte chunk): Q | latent stages | P | row exchange (fp32).
-    Q_OFF = 0
-    K_OFF = HT * TL.stride
-    P_OFF = K_OFF + STAGES * BK * TL.stride
-    RED = (P_OFF + HT * PSTR) // 2  # fp32 word: [NW, 16] row maxima, then row sums
-    SMEM_WORDS = RED + NW * ROWS_PER_MMA
-    TPR = _copy_threads_per_row(TL.chunks, NT, BK)
-    RP = NT // TPR  # rows a pass of the block's threads copies
-    PASSES = ceildiv(BK, RP)
-    CPT = TL.chunks // TPR  # chunks per thread per row
+class _Layout:
+    """Compile-time sizes of one tensor-core MLA decode kernel (its config and schedule), the
+    regions of its shared buffer, and the split count. Every name __init__ binds is an
+    attribute; the macro factories below unpack the ones their macros read."""
 
+    def __init__(self, config: MLAConfig, sched: MLATensorCoreSchedule):
+        dtype, H, D_QK, D_L, ps = config.dtype, config.num_heads, config.qk_dim, config.latent_dim, config.page_size
+        CS, STAGES, NW, NT = sched.col_slices, sched.stages, sched.num_warps, sched.num_threads
+        HT, BK, MS = sched.heads_per_block, sched.tile_kv, sched.max_splits
+        HEAD_TILES = ceildiv(H, HT)
+        TL = Tile(D_QK)
+        KSTEPS_QK, KSTEPS_PV = D_QK // 16, BK // 16
+        CW = D_L // CS  # output columns per warp
+        ON = CW // 8  # n8 blocks of O per warp
+        PSTR = BK + P_PAD
+        MMA, PACK = mma_name(dtype), pack_name(dtype)
+        shared = "shared.dyn"
+        # One fp32 shared buffer addressed in 16-bit elements (halved for the fp32 index; every
+        # region starts at a whole 16-byte chunk): Q | latent stages | P | row exchange (fp32).
+        Q_OFF = 0
+        K_OFF = HT * TL.stride
+        P_OFF = K_OFF + STAGES * BK * TL.stride
+        RED = (P_OFF + HT * PSTR) // 2  # fp32 word: [NW, 16] row maxima, then row sums
+        SMEM_WORDS = RED + NW * ROWS_PER_MMA
+        TPR = _copy_threads_per_row(TL.chunks, NT, BK)
+        RP = NT // TPR  # rows a pass of the block's threads copies
+        PASSES = ceildiv(BK, RP)
+        CPT = TL.chunks // TPR  # chunks per thread per row
+        vars(self).update((name, value) for name, value in locals().items() if name != "self")
+
+    @staticmethod
     def word(elem):
         """fp32 index of a 16-bit element offset (a multiple of 8)."""
         return elem // 2
 
-    def num_splits(batch):
-        if MS == 1:
+    def num_splits(self, batch):
+        if self.MS == 1:
             return 1
-        return T.min(T.max(sched.target_blocks // (batch * HEAD_TILES), 1), MS)
+        return T.min(T.max(self.sched.target_blocks // (batch * self.HEAD_TILES), 1), self.MS)
 
-    merge_splits = merge_splits_macro(L, dtype, H, D_L, num_splits)
+
+def _load_macros(lay: _Layout, L):
+    """Loads: load_q (the block's query rows) and issue (a tile of latent rows -> the ring)."""
+    BK, CPT, H, HT, K_OFF, NT, PASSES = lay.BK, lay.CPT, lay.H, lay.HT, lay.K_OFF, lay.NT, lay.PASSES
+    Q_OFF, RP, TL, TPR, ps, word = lay.Q_OFF, lay.RP, lay.TL, lay.TPR, lay.ps, lay.word
 
     @T.macro
     def load_q(q_, smem_, b_, h0_, tid_):
@@ -237,6 +245,16 @@ def mla_paged_decode_tc(config: MLAConfig, schedule: MLATensorCoreSchedule | Non
                         ch = T.meta_var(tid_ % TPR + c * TPR)
                         for e in L.vector(4):
                             smem_[word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch)) + e] = T.float32(0)
+
+    return load_q, issue
+
+
+def _mma_macros(lay: _Layout, L):
+    """A warp's step: s_mma (S = Q K^T), probs (online softmax, P -> shared) and pv_mma
+    (O += P V)."""
+    BK, CS, CW, KSTEPS_PV, KSTEPS_QK, K_OFF = lay.BK, lay.CS, lay.CW, lay.KSTEPS_PV, lay.KSTEPS_QK, lay.K_OFF
+    MMA, ON, PACK, PSTR, P_OFF, Q_OFF, RED = lay.MMA, lay.ON, lay.PACK, lay.PSTR, lay.P_OFF, lay.Q_OFF, lay.RED
+    TL, word = lay.TL, lay.word
 
     @T.macro
     def s_mma(smem_, s_, stage_, mt_, cs_, lane_):
@@ -297,6 +315,13 @@ def mla_paged_decode_tc(config: MLAConfig, schedule: MLATensorCoreSchedule | Non
                     T.ptx[MMA](o_[n], o_[n + 1], o_[n + 2], o_[n + 3], pf[0], pf[1], pf[2], pf[3],
                                vf[h * 2], vf[h * 2 + 1], o_[n], o_[n + 1], o_[n + 2], o_[n + 3])
 
+    return s_mma, probs, pv_mma
+
+
+def _finish_macro(lay: _Layout, L):
+    """finish: an m-tile's l sums added and o / lse written."""
+    CS, CW, H, ON, RED, shared = lay.CS, lay.CW, lay.H, lay.ON, lay.RED, lay.shared
+
     @T.macro
     def finish(smem_, o_, m_run_, l_run_, h0_, mt_, cs_, warp_, lane_, write_o_, write_lse_):
         """Add the m-tile's warps' l sums (through RED) and write o = O / l and lse for the
@@ -324,6 +349,18 @@ def mla_paged_decode_tc(config: MLAConfig, schedule: MLATensorCoreSchedule | Non
                         write_o_(head, cs_ * CW + nb * 8 + lane_ % 4 * 2 + e, o_[nb * 4 + r * 2 + e] * inv[0])
                 if cs_ == 0 and lane_ % 4 == 0:
                     write_lse_(head, finalize_lse(m_run_[r], l_all[0]))
+
+    return finish
+
+
+def _body_macro(lay: _Layout, L):
+    """body: the work of one block (request, head tile, split), thread by thread."""
+    BK, CS, D_L, H, HT, MS, ON, RED = lay.BK, lay.CS, lay.D_L, lay.H, lay.HT, lay.MS, lay.ON, lay.RED
+    SMEM_WORDS, STAGES, dtype, num_splits, ps = lay.SMEM_WORDS, lay.STAGES, lay.dtype, lay.num_splits, lay.ps
+    shared = lay.shared
+    load_q, issue = _load_macros(lay, L)
+    s_mma, probs, pv_mma = _mma_macros(lay, L)
+    finish = _finish_macro(lay, L)
 
     @T.macro
     def body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, b, hc, split,
@@ -397,6 +434,24 @@ def mla_paged_decode_tc(config: MLAConfig, schedule: MLATensorCoreSchedule | Non
                    lambda h, d, val: T.buffer_store(o_part_, val, [((split * batch + b) * H + h) * D_L + d]),
                    lambda h, val: T.buffer_store(lse_part_, val, [(split * batch + b) * H + h]))
 
+    return body
+
+
+def mla_paged_decode_tc(config: MLAConfig, schedule: MLATensorCoreSchedule | None = None):
+    """MLA paged decode on tensor cores; the PrimFunc of `mla.mla_paged_decode` (same arguments,
+    semantics and global symbol): q [B, H, qk_dim], pages [P, page_size, qk_dim], page_indptr
+    [B+1] i32, page_indices [nnz] i32, length_info [B] i32, o [B, H, latent_dim], lse [B, H] f32
+    (base 2), sm_scale f32. ValueError for a config it does not serve (see `supports_tc`)."""
+    if not isinstance(config, MLAConfig):
+        raise TypeError(f"config must be an MLAConfig, not {type(config).__name__}")
+    sched = schedule or choose_mla_tc_schedule(config)
+    sched.check(config)
+    lay = _Layout(config, sched)
+    L = loop_kinds(config)
+    body = _body_macro(lay, L)
+    HEAD_TILES, NT, num_splits = lay.HEAD_TILES, lay.NT, lay.num_splits
+    merge_splits = merge_splits_macro(L, lay.dtype, lay.H, lay.D_L, num_splits)
+
     @T.macro
     def kernel(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_):
         batch = q_.shape[0]
@@ -410,50 +465,4 @@ def mla_paged_decode_tc(config: MLAConfig, schedule: MLATensorCoreSchedule | Non
     return decode_contract_func(config, kernel, num_splits, merge_splits)
 
 
-# Speed of one CTA of mla_sm90's wgmma decode (all of a request's keys for 64 heads) over that
-# of an SM running mla_tc's split decode, on the same rows (H200, fp16, latent 512 + rope 64,
-# page 16, docs/perf-notes.md): 128 heads, 64 x 4096: 0.2450 ms for 128 CTAs against mla_tc's
-# 0.3819 ms on 132 SMs (1.6x); 16 heads (a 64-row tile, 16 rows used): 0.2264 ms a wave against
-# 0.1142 ms for 64 tiles' rows on 132 SMs (1.0x). For launches of one CTA per request and head tile.
-WGMMA_DECODE_SPEEDUP = {"full": 1.6, "partial": 1.0}
-# Largest batch at which the split wgmma decode (2 or more split CTAs per request and head tile)
-# runs instead of mla_tc (same table): at 128 heads it won at every measured batch (1, 8 and 64 x
-# 4096, 1 x 32768: 1.35-1.56x); at 16 heads at batch 1 and 8 (1.07-1.57x), not at 64 (0.88x).
-WGMMA_SPLIT_DECODE_MAX_BATCH = {"full": CUDA_NUM_SMS, "partial": 8}
-
-
-@functools.lru_cache(maxsize=4096)
-def choose_mla_decode_kernel(config: MLAConfig, batch: int) -> str:
-    """Which built MLA decode serves a call of `batch` requests: "wgmma" (mla_sm90, split-KV
-    chosen at launch), "tc" (this module's split decode, which fills every SM) or "simt"
-    (mla.py). Where the wgmma decode splits (2 or more CTAs per request and head tile), wgmma up
-    to WGMMA_SPLIT_DECODE_MAX_BATCH; where it does not (one CTA per request and head tile, in
-    waves of one an SM), wgmma where its waves, each WGMMA_DECODE_SPEEDUP times faster than an
-    SM of the split kernel, take less time than the split kernel's even share of the same CTAs'
-    rows. Cached per (config, batch): the cache asks on every decode call."""
-    from .mla_sm90 import MLAWgmmaDecodeSplit, mla_wgmma_decode_problem
-
-    if not supports_tc(config):
-        return "simt"
-    if batch < 1 or mla_wgmma_decode_problem(config) is not None:
-        return "tc"
-    head_tiles = ceildiv(config.num_heads, 64)
-    tiles = batch * head_tiles
-    kind = "full" if config.num_heads % 64 == 0 else "partial"
-    if MLAWgmmaDecodeSplit().slots(batch, head_tiles) > 1:
-        return "wgmma" if batch <= WGMMA_SPLIT_DECODE_MAX_BATCH[kind] else "tc"
-    return "wgmma" if ceildiv(tiles, CUDA_NUM_SMS) / WGMMA_DECODE_SPEEDUP[kind] < tiles / CUDA_NUM_SMS else "tc"
-
-
-def mla_paged_decode_auto(config: MLAConfig):
-    """The MLA decode kernel for `config`: tensor cores where `supports_tc`, else the SIMT
-    kernel of mla.py (the CPU, float32, older GPUs)."""
-    if supports_tc(config):
-        return mla_paged_decode_tc(config)
-    return mla_paged_decode(config)
-
-
-__all__ = ["MLATensorCoreSchedule", "WGMMA_DECODE_SPEEDUP", "WGMMA_SPLIT_DECODE_MAX_BATCH",
-           "choose_mla_decode_kernel", "choose_mla_tc_schedule",
-           "mla_paged_decode_auto", "mla_paged_decode_tc",
-           "supports_tc"]
+__all__ = ["MLATensorCoreSchedule", "choose_mla_tc_schedule", "mla_paged_decode_tc", "mla_tc_problem", "supports_tc"]

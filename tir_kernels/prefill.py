@@ -1,307 +1,54 @@
-"""Batched prefill attention (many query tokens per request), MHA/GQA, over paged or ragged KV.
+"""Batched prefill attention (many query tokens per request), MHA/GQA: the choice of kernel.
 
-One algorithm serves `paged_prefill` and `ragged_prefill` (they differ only in where key j
-of a request lives: the functions `kv_row`, `k_at`, `v_at` passed to the shared macros) and
-CPU and CUDA (the CPU runs the same code with one thread per block).
-
-Work: a block owns one KV head and a tile of `tile_q` packed query rows of one request.
-Packed row p of a request is query p // G, head kv_head * G + p % G (G = GQA group), so a
-K/V tile is read once for all heads of the group.
-
-Grid: blockIdx.x = tile slot * Hkv + kv head. Tile slots number the row tiles of all
-requests in order; their count, ceil(total_q * G / tile_q) + B, bounds the real number of
-tiles, and a block whose slot has no tile runs no step and writes nothing. A block finds
-its request by walking qo_indptr (a loop of at most B steps). Within a request the tiles
-are numbered from the last, so under causal masking the tiles that see the most keys
-start first. (The grid size is an upper bound computed from shapes on the host; no plan
-or workspace is needed.)
-
-Per block:
-  Q_load: the Q tile -> shared memory in fp32, scaled by sm_scale * log2(e) (RoPE'd when
-    rotary_mode is 1), so scores are in the exp2 domain.
-  for each K/V tile up to the last key the tile's last row may see:
-    KV_load: K and V rows, staged in registers one tile ahead (16-byte loads), -> shared fp32
-    S_gemm: S = Q K^T, a rows_per_thread x cols_per_thread register micro-tile per thread
-    mask: only tiles that cross the causal diagonal or the end of the KV
-    softmax: online softmax in fp32; row maxima over the threads_x threads of a row by warp
-      shuffles; each thread keeps a partial denominator, summed at the end
-    O_gemm: P (via shared memory) times V into per-thread fp32 output registers
-  store: o = acc / l, lse = m + log2(l) (base 2); a row that saw no key gets o = 0 and
-    lse = EMPTY_LSE.
-The softmax state (init, update to a new max, finalize) is softmax.py's, shared with decode
-and merge_state. rotary_mode selects one of two kernels on the host (with RoPE in Q_load and
-KV_load, or without), so neither branches on it. The macros come from small factories, one
-per phase, all in simt_tile.py (the MLA kernels share them): `load_macros` (Q_load, KV_load),
-`find_tile_macro`,
-`gemm_macros` (S_gemm, O_gemm) and `tile_softmax_macros` (mask, softmax, store);
-`_prefill_macros` composes them in `attend`. Sizes and index arithmetic are `_Tiling`'s.
+Three kernels compute the contract's prefills (paged, ragged and their token-tree forms), below
+this module: prefill_sm90 (wgmma, Hopper), prefill_sm80 (mma.sync, sm_80 and newer) and
+prefill_simt (CUDA cores and the CPU). `choose_prefill_kernel` says which one serves a config,
+and why the faster ones were passed over; each public function here builds that kernel's
+PrimFunc. All of them take the same arguments and have the same semantics and global symbol.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import NamedTuple
+from .config import AttentionConfig
+from .prefill_simt import paged_prefill_simt, ragged_prefill_simt, tree_paged_prefill_simt, tree_ragged_prefill_simt
+from .prefill_sm80 import (MmaPrefillSchedule, mma_problem, paged_prefill_mma, ragged_prefill_mma,
+                           tree_paged_prefill_mma, tree_ragged_prefill_mma)
+from .prefill_sm90 import (paged_prefill_wgmma, ragged_prefill_wgmma, tree_paged_prefill_wgmma,
+                           tree_ragged_prefill_wgmma, wgmma_problem)
+from .schedules import PrefillSchedule, WgmmaPrefillSchedule
+from .support import KernelChoice
 
-from tvm import tirx
-from tvm.script import tirx as T
-
-from .common import CPU_SCRATCH_SCOPE, LOG2E, ceildiv, kv_chunk_len, loop_kinds, paged_position
-from .config import AttentionConfig, RopeScaling
-from .masks import is_tree, mask_of_request
-from .prefill_contract import (
-    paged_prefill_func,
-    ragged_prefill_func,
-    tree_paged_prefill_func,
-    tree_ragged_prefill_func,
-)
-from .schedules import (
-    CUDA_VECTOR_BYTES,
-    PREFILL_P_ROW_PAD,
-    PREFILL_ROW_PAD,
-    PrefillSchedule,
-    choose_prefill_schedule,
-)
-from .simt_tile import find_tile_macro, gemm_macros, load_macros, out_col, tile_softmax_macros
+# kernel -> its generators: (paged, ragged, token-tree paged, token-tree ragged)
+_GENERATORS = {
+    "prefill_sm90": (paged_prefill_wgmma, ragged_prefill_wgmma, tree_paged_prefill_wgmma, tree_ragged_prefill_wgmma),
+    "prefill_sm80": (paged_prefill_mma, ragged_prefill_mma, tree_paged_prefill_mma, tree_ragged_prefill_mma),
+    "prefill": (paged_prefill_simt, ragged_prefill_simt, tree_paged_prefill_simt, tree_ragged_prefill_simt),
+}
+PAGED, RAGGED, TREE_PAGED, TREE_RAGGED = range(4)
 
 
-class PrefillMacros(NamedTuple):
-    """The shared algorithm: `find_tile` then `attend` (see the module docstring)."""
-
-    num_slots: object
-    find_tile: object
-    attend: object
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tiling:
-    """Compile-time sizes of one CUDA-core prefill kernel (its config and schedule) and the
-    index arithmetic on them."""
-
-    gpu: bool
-    dtype: str
-    G: int  # GQA group size
-    scaling: RopeScaling | None
-    D_QK: int
-    D_V: int
-    TY: int  # threads along a tile's rows (threadIdx.y)
-    TX: int  # threads along a row (threadIdx.x)
-    TM: int  # query rows per thread
-    TN: int  # keys (score columns) per thread
-    BQ: int  # packed query rows per tile
-    BK: int  # keys per K/V tile
-    NT: int  # threads per block
-    VEC: int  # elements per 16-byte global load
-    QS: int  # shared-memory row strides of Q, K, V and P (padded)
-    KS: int
-    VS: int
-    PS: int
-    OC: int  # output columns per thread
-    shared: str  # scope of the tiles: "shared.dyn" on CUDA
-
-    @classmethod
-    def of(cls, config: AttentionConfig, sched: PrefillSchedule) -> "_Tiling":
-        D_QK, D_V, BK = config.head_dim, config.v_head_dim, sched.tile_kv
-        return cls(
-            gpu=config.is_gpu, dtype=config.dtype, G=config.group_size, scaling=config.rope_scaling,
-            D_QK=D_QK, D_V=D_V, TY=sched.threads_y, TX=sched.threads_x, TM=sched.rows_per_thread,
-            TN=sched.cols_per_thread, BQ=sched.tile_q, BK=BK, NT=sched.num_threads,
-            VEC=CUDA_VECTOR_BYTES // config.elem_bytes, QS=D_QK + PREFILL_ROW_PAD, KS=D_QK + PREFILL_ROW_PAD,
-            VS=D_V + PREFILL_ROW_PAD, PS=BK + PREFILL_P_ROW_PAD, OC=D_V // sched.threads_x,
-            shared="shared.dyn" if config.is_gpu else CPU_SCRATCH_SCOPE,
-        )
-
-    def row_tiles(self, qo_indptr, b):
-        return ceildiv((qo_indptr[b + 1] - qo_indptr[b]) * self.G, self.BQ)
-
-    def num_slots(self, total_q, batch):
-        """Upper bound of the number of row tiles over all requests."""
-        return ceildiv(total_q * self.G, self.BQ) + batch
-
-    def chunks(self, width):
-        """16-byte chunks of a row of `width` elements."""
-        return width // self.VEC
-
-    def load_iters(self, rows, width):
-        """Steps for NT threads to load `rows` rows of `width` elements, a chunk each."""
-        return ceildiv(rows * self.chunks(width), self.NT)
-
-    def out_col(self, tx, c):
-        """Output column of a thread's c-th output register."""
-        return out_col(self.TX, tx, c)
-
-    def visible_end(self, kv_len, qo_len, p, causal):
-        """Number of leading keys packed row p may see (all of them when not causal). `causal`
-        is the causal flag or a token tree's `TreeMask` (within the causal bound)."""
-        last = kv_len - qo_len + T.min(p // self.G, qo_len - 1) + 1
-        if is_tree(causal):
-            return T.max(T.min(last, kv_len), 0)
-        return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
-
-    def unmasked_end(self, kv_len, qo_len, p0, causal):
-        """Keys every row of the tile from packed row p0 on sees: no mask is needed below."""
-        if is_tree(causal):
-            return T.min(self.visible_end(kv_len, qo_len, p0, causal), causal.history(kv_len))
-        return self.visible_end(kv_len, qo_len, p0, causal)
-
-    def hidden(self, j, kv_len, qo_len, p, causal):
-        """Whether key j is masked for packed row p."""
-        if is_tree(causal):
-            return tirx.any(j >= self.visible_end(kv_len, qo_len, p, causal),
-                            causal.hides(j, p // self.G, kv_len, qo_len))
-        return j >= self.visible_end(kv_len, qo_len, p, causal)
-
-
-def _prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillMacros:
-    dims = _Tiling.of(config, sched)
-    L = loop_kinds(config)
-    dtype, G, D_QK, D_V = dims.dtype, dims.G, dims.D_QK, dims.D_V
-    TX, TM, TN, BQ, BK = dims.TX, dims.TM, dims.TN, dims.BQ, dims.BK
-    QS, KS, VS, PS, OC, VEC, shared = dims.QS, dims.KS, dims.VS, dims.PS, dims.OC, dims.VEC, dims.shared
-    load_q, stage_kv, commit_kv = load_macros(dims, L)
-    s_gemm, o_gemm = gemm_macros(dims, L)
-    init, mask, softmax, store = tile_softmax_macros(dims, L)
-
-    @T.macro
-    def sync_threads():
-        """Block-wide barrier (CUDA only: the CPU runs one thread per block)."""
-        if dims.gpu:
-            T.tvm_storage_sync(shared)
-
-    @T.macro
-    def attend(q_at_, q_pos_at_, kv_row_, k_at_, v_at_, k_pos_base_, write_o_, write_lse_, qo_len_, kv_len_, tile_,
-               causal_, rotate_, rope_scale_, rope_theta_, sm_scale_, ty_, tx_):
-        """Attention of row tile tile_ of one request and KV head.
-
-        q_at_(p, d): element d of packed row p's query; q_pos_at_(p): its RoPE position.
-        kv_row_(j): where key j lives (an int32 handle); k_at_(row, d) / v_at_(row, d): element d
-        of the key / value at that handle; key j is at RoPE position k_pos_base_ + j.
-        write_o_(p, d, value) and write_lse_(p, value) store the results of packed row p.
-        rotate_ (a Python bool) applies RoPE to q and k: two kernels, no branch in the loop.
-        """
-        qs = T.alloc_buffer((BQ * QS,), "float32", scope=shared)
-        ks = T.alloc_buffer((BK * KS,), "float32", scope=shared)
-        vs = T.alloc_buffer((BK * VS,), "float32", scope=shared)
-        ps = T.alloc_buffer((BQ * PS,), "float32", scope=shared)
-        k_stage = T.alloc_buffer((dims.load_iters(BK, D_QK) * VEC,), dtype, scope=L.local)
-        v_stage = T.alloc_buffer((dims.load_iters(BK, D_V) * VEC,), dtype, scope=L.local)
-        s = T.alloc_buffer((TM * TN,), "float32", scope=L.local)
-        o = T.alloc_buffer((TM * OC,), "float32", scope=L.local)
-        m_run = T.alloc_buffer((TM,), "float32", scope=L.local)
-        l_run = T.alloc_buffer((TM,), "float32", scope=L.local)
-        tid = T.meta_var(ty_ * TX + tx_)
-        qo_len = qo_len_  # bound once: the arguments may be expressions that read memory
-        kv_len = kv_len_
-        k_pos_base = k_pos_base_
-        # A block without a tile (tile_ < 0) runs no step and writes nothing: no branch
-        # around the whole body, as TVM inserts no barrier inside a condition.
-        rows = T.if_then_else(tile_ >= 0, qo_len * G, 0)
-        p0 = T.max(tile_, 0) * BQ
-        # Keys seen by every row of the tile (no mask needed below) and by its last row.
-        free_end = dims.unmasked_end(kv_len, qo_len, p0, causal_)
-        kv_end = T.if_then_else(tile_ >= 0, dims.visible_end(kv_len, qo_len, p0 + BQ - 1, causal_), 0)
-        init(m_run, l_run, o, TM, OC)
-        load_q(q_at_, q_pos_at_, qs, rows, p0, tid, rotate_, rope_scale_, rope_theta_, sm_scale_ * T.float32(LOG2E))
-        stage_kv(k_stage, kv_row_, k_at_, D_QK, 0, kv_end, tid, rotate_, k_pos_base, rope_scale_, rope_theta_)
-        stage_kv(v_stage, kv_row_, v_at_, D_V, 0, kv_end, tid, False, k_pos_base, rope_scale_, rope_theta_)
-        for t in T.serial(ceildiv(kv_end, BK)):
-            sync_threads()
-            commit_kv(k_stage, ks, D_QK, KS, tid)
-            commit_kv(v_stage, vs, D_V, VS, tid)
-            sync_threads()
-            if (t + 1) * BK < kv_end:
-                stage_kv(k_stage, kv_row_, k_at_, D_QK, (t + 1) * BK, kv_end, tid, rotate_, k_pos_base,
-                         rope_scale_, rope_theta_)
-                stage_kv(v_stage, kv_row_, v_at_, D_V, (t + 1) * BK, kv_end, tid, False, k_pos_base,
-                         rope_scale_, rope_theta_)
-            s_gemm(qs, ks, s, ty_, tx_)
-            # TVM's barrier planner sees the dynamic shared pool as one buffer, so it wants a
-            # barrier between the S_gemm reads and the P writes; place it here explicitly.
-            sync_threads()
-            if (t + 1) * BK > free_end:
-                mask(s, lambda p, j: dims.hidden(t * BK + j, kv_len, qo_len, p, causal_), p0, ty_, tx_)
-            softmax(s, ps, o, m_run, l_run, ty_, tx_)
-            sync_threads()
-            o_gemm(ps, vs, o, ty_, tx_)
-        store(o, m_run, l_run, rows, p0, ty_, tx_, write_o_, write_lse_)
-
-    return PrefillMacros(dims.num_slots, find_tile_macro(dims.row_tiles), attend)
-
-
-def _schedule_for(config: AttentionConfig, schedule: PrefillSchedule | None) -> PrefillSchedule:
-    sched = schedule or choose_prefill_schedule(config)
-    sched.check(config)
-    return sched
-
-
-def _tensor_core_kernels(config: AttentionConfig, schedule, tree: bool = False):
-    """The tensor-core generator pair (paged, ragged) that serves this call, or None; with
-    `tree`, the token-tree pair (tree_mask_paged_prefill / tree_mask_ragged_prefill).
-
-    A schedule picks its kernel; without one, Hopper (sm_90) fp16/bf16 configs get the wgmma
-    kernel (prefill_sm90), and sm_80..sm_89 ones (and Hopper ones whose head dims wgmma does
-    not tile, e.g. 80) the mma.sync kernel (prefill_sm80); float32 and the CPU keep the
-    CUDA-core kernel below.
-    """
-    from . import prefill_sm80, prefill_sm90
-
-    if tree:
-        sm90 = (prefill_sm90.tree_paged_prefill_wgmma, prefill_sm90.tree_ragged_prefill_wgmma)
-        sm80 = (prefill_sm80.tree_paged_prefill_mma, prefill_sm80.tree_ragged_prefill_mma)
-    else:
-        sm90 = (prefill_sm90.paged_prefill_wgmma, prefill_sm90.ragged_prefill_wgmma)
-        sm80 = (prefill_sm80.paged_prefill_mma, prefill_sm80.ragged_prefill_mma)
+def choose_prefill_kernel(config: AttentionConfig, schedule=None) -> KernelChoice:
+    """The kernel that serves `config` (a key of support.CAPABILITIES), and why the faster ones
+    were passed over. A schedule picks its kernel (WgmmaPrefillSchedule: prefill_sm90,
+    MmaPrefillSchedule: prefill_sm80, PrefillSchedule: the CUDA-core one); without one, Hopper
+    (sm_90) fp16/bf16 configs get the wgmma kernel, sm_80..sm_89 ones (and Hopper ones whose head
+    dims wgmma does not tile, e.g. 80) the mma.sync kernel; float32, older archs and the CPU the
+    CUDA-core kernel."""
     if schedule is not None:
-        if isinstance(schedule, prefill_sm90.WgmmaPrefillSchedule):
-            return sm90
-        return sm80 if isinstance(schedule, prefill_sm80.MmaPrefillSchedule) else None
-    if prefill_sm90.wgmma_problem(config) is None:
-        return sm90
-    # sm_80..sm_89, and Hopper configs wgmma does not tile (head dims not a multiple of 64)
-    if config.dtype in ("float16", "bfloat16") and config.sm_version >= 80:
-        return sm80
-    return None
+        if isinstance(schedule, WgmmaPrefillSchedule):
+            return KernelChoice("prefill_sm90")
+        return KernelChoice("prefill_sm80" if isinstance(schedule, MmaPrefillSchedule) else "prefill")
+    wgmma = wgmma_problem(config)
+    if wgmma is None:
+        return KernelChoice("prefill_sm90")
+    mma = mma_problem(config)
+    if mma is None:
+        return KernelChoice("prefill_sm80", f"wgmma: {wgmma}")
+    return KernelChoice("prefill", f"wgmma: {wgmma}; mma.sync: {mma}")
 
 
-def _paged_kernel(config: AttentionConfig, sched: PrefillSchedule):
-    """The CUDA-core paged kernel macro (prefill_contract's paged argument order); its mask
-    argument is the causal flag or `masks.TreeMasks`."""
-    macros = _prefill_macros(config, sched)
-    L = loop_kinds(config)
-    dtype, ps = config.dtype, config.page_size
-    Hkv, G = config.num_kv_heads, config.group_size
-    TY, TX, sliding = sched.threads_y, sched.threads_x, config.sliding_window
-
-    @T.macro
-    def kernel(Q_, qo_indptr_, pages_, page_indptr_, page_indices_, length_info_, k_pos_, q_pos_, O_, lse_, causal_,
-               rotate_, rope_scale_, rope_theta_, sm_scale_):
-        """One block per (tile slot, KV head); see the module docstring."""
-        for blk in L.block(macros.num_slots(Q_.shape[0], k_pos_.shape[0]) * Hkv, "x", outer=True):
-            for ty in L.thread(TY, "y"):
-                for tx in L.thread(TX, "x"):
-                    req = T.alloc_buffer((1,), "int32", scope=L.local)
-                    tile = T.alloc_buffer((1,), "int32", scope=L.local)
-                    macros.find_tile(qo_indptr_, k_pos_.shape[0], blk // Hkv, req, tile)
-                    b = req[0]
-                    hkv = blk % Hkv
-                    q0 = qo_indptr_[b]
-                    page0 = page_indptr_[b]
-                    macros.attend(
-                        lambda p, d: Q_[q0 + p // G, hkv * G + p % G, d],
-                        lambda p: q_pos_[q0 + p // G],
-                        # A key's handle is its slot in the page pool: page id * page_size + offset.
-                        lambda j: page_indices_[page0 + paged_position(j, length_info_, b, sliding) // ps] * ps
-                        + paged_position(j, length_info_, b, sliding) % ps,
-                        lambda slot, d: pages_[slot // ps, 0, hkv, slot % ps, d],
-                        lambda slot, d: pages_[slot // ps, 1, hkv, slot % ps, d],
-                        k_pos_[b],
-                        lambda p, d, val: T.buffer_store(O_, T.Cast(dtype, val), [q0 + p // G, hkv * G + p % G, d]),
-                        lambda p, val: T.buffer_store(lse_, val, [q0 + p // G, hkv * G + p % G]),
-                        qo_indptr_[b + 1] - q0,
-                        kv_chunk_len(page_indptr_[b + 1] - page0, ps, length_info_, b, sliding),
-                        tile[0], mask_of_request(causal_, b), rotate_, rope_scale_, rope_theta_, sm_scale_, ty, tx,
-                    )
-
-    return kernel
+def _generator(config: AttentionConfig, schedule, form: int):
+    return _GENERATORS[choose_prefill_kernel(config, schedule).kernel][form]
 
 
 def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
@@ -314,56 +61,10 @@ def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = No
     causal i32, rotary_mode i32, rope_scale f32, rope_theta f32, sm_scale f32.
     The KV of request b is its visible paged tokens; causal query i of qo_len sees keys
     j <= kv_len - qo_len + i. Rows that see no key get o = 0 and lse = EMPTY_LSE.
-    fp16/bf16 configs on sm_80 and newer get a tensor-core kernel (see `_tensor_core_kernels`)
+    fp16/bf16 configs on sm_80 and newer get a tensor-core kernel (see `choose_prefill_kernel`)
     unless a CUDA-core `PrefillSchedule` is passed.
     """
-    tensor_cores = _tensor_core_kernels(config, schedule)
-    if tensor_cores:
-        return tensor_cores[0](config, schedule)
-    if config.v_head_dim != config.head_dim:
-        raise ValueError(
-            f"v_head_dim={config.v_head_dim} is not supported by paged_prefill: expected head_dim={config.head_dim}"
-        )
-    return paged_prefill_func(config, _paged_kernel(config, _schedule_for(config, schedule)))
-
-
-def _ragged_kernel(config: AttentionConfig, sched: PrefillSchedule):
-    """The CUDA-core ragged kernel macro (prefill_contract's ragged argument order); its mask
-    argument is the causal flag or `masks.TreeMasks`."""
-    macros = _prefill_macros(config, sched)
-    L = loop_kinds(config)
-    dtype, Hkv, G = config.dtype, config.num_kv_heads, config.group_size
-    TY, TX = sched.threads_y, sched.threads_x
-
-    @T.macro
-    def kernel(Q_, qo_indptr_, K_, V_, kv_indptr_, q_pos_, k_pos_, O_, lse_, causal_, rotate_, rope_scale_, rope_theta_,
-               sm_scale_):
-        """One block per (tile slot, KV head); see the module docstring."""
-        for blk in L.block(macros.num_slots(Q_.shape[0], k_pos_.shape[0]) * Hkv, "x", outer=True):
-            for ty in L.thread(TY, "y"):
-                for tx in L.thread(TX, "x"):
-                    req = T.alloc_buffer((1,), "int32", scope=L.local)
-                    tile = T.alloc_buffer((1,), "int32", scope=L.local)
-                    macros.find_tile(qo_indptr_, k_pos_.shape[0], blk // Hkv, req, tile)
-                    b = req[0]
-                    hkv = blk % Hkv
-                    q0 = qo_indptr_[b]
-                    kv0 = kv_indptr_[b]
-                    macros.attend(
-                        lambda p, d: Q_[q0 + p // G, hkv * G + p % G, d],
-                        lambda p: q_pos_[q0 + p // G],
-                        lambda j: kv0 + j,
-                        lambda row, d: K_[row, hkv, d],
-                        lambda row, d: V_[row, hkv, d],
-                        k_pos_[b],
-                        lambda p, d, val: T.buffer_store(O_, T.Cast(dtype, val), [q0 + p // G, hkv * G + p % G, d]),
-                        lambda p, val: T.buffer_store(lse_, val, [q0 + p // G, hkv * G + p % G]),
-                        qo_indptr_[b + 1] - q0,
-                        kv_indptr_[b + 1] - kv0,
-                        tile[0], mask_of_request(causal_, b), rotate_, rope_scale_, rope_theta_, sm_scale_, ty, tx,
-                    )
-
-    return kernel
+    return _generator(config, schedule, PAGED)(config, schedule)
 
 
 def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
@@ -376,10 +77,7 @@ def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = N
     Key j of request b is row kv_indptr[b] + j, at RoPE position k_rope_pos_offset[b] + j.
     fp16/bf16 configs on sm_80 and newer get a tensor-core kernel as in `paged_prefill`.
     """
-    tensor_cores = _tensor_core_kernels(config, schedule)
-    if tensor_cores:
-        return tensor_cores[1](config, schedule)
-    return ragged_prefill_func(config, _ragged_kernel(config, _schedule_for(config, schedule)))
+    return _generator(config, schedule, RAGGED)(config, schedule)
 
 
 def tree_mask_paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
@@ -387,7 +85,7 @@ def tree_mask_paged_prefill(config: AttentionConfig, schedule: PrefillSchedule |
     arguments (see prefill_contract.tree_paged_prefill_func). A request's queries are the last
     nodes of its token tree, which are the last keys of its paged sequence; a query node sees
     the committed history, its ancestors and itself (masks.TreeMask). fp16/bf16 configs on
-    sm_80 and newer run on tensor cores as in `paged_prefill` (`_tensor_core_kernels`); keys
+    sm_80 and newer run on tensor cores as in `paged_prefill` (`choose_prefill_kernel`); keys
     are cached rotated (rotary_mode must be 0)."""
     if config.sliding_window:
         raise ValueError("sliding_window=True is not supported by tree_mask_paged_prefill: token trees need the"
@@ -395,18 +93,11 @@ def tree_mask_paged_prefill(config: AttentionConfig, schedule: PrefillSchedule |
     if config.v_head_dim != config.head_dim:
         raise ValueError(f"v_head_dim={config.v_head_dim} is not supported by tree_mask_paged_prefill: expected"
                          f" head_dim={config.head_dim}")
-    tensor_cores = _tensor_core_kernels(config, schedule, tree=True)
-    if tensor_cores:
-        return tensor_cores[0](config, schedule)
-    return tree_paged_prefill_func(config, _paged_kernel(config, _schedule_for(config, schedule)))
+    return _generator(config, schedule, TREE_PAGED)(config, schedule)
 
 
 def tree_mask_ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
     """Token-tree attention over ragged K/V (the tree's own nodes as keys): TVM's
     `batch_tree_attn` arguments (see prefill_contract.tree_ragged_prefill_func); a query node
     sees its ancestors and itself (masks.TreeMask). Tensor cores as in `tree_mask_paged_prefill`."""
-    tensor_cores = _tensor_core_kernels(config, schedule, tree=True)
-    if tensor_cores:
-        return tensor_cores[1](config, schedule)
-    return tree_ragged_prefill_func(config, _ragged_kernel(config, _schedule_for(config, schedule)))
-
+    return _generator(config, schedule, TREE_RAGGED)(config, schedule)

@@ -1,7 +1,7 @@
 """The two prefill PrimFuncs of the attention-backend contract, written once.
 
 `paged_prefill` / `ragged_prefill` have three implementations (the CUDA-core kernel in
-prefill.py, the sm_80 mma.sync kernel in prefill_sm80.py, the Hopper wgmma kernel in
+prefill_simt.py, the sm_80 mma.sync kernel in prefill_sm80.py, the Hopper wgmma kernel in
 prefill_sm90.py). Each supplies a `kernel` macro; the functions here wrap it in the PrimFunc
 with the contract's parameters (their docstrings list them), buffer matching and global
 symbol, so the signature lives in one place.

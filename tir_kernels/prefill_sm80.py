@@ -6,7 +6,7 @@ argument order, shapes, semantics and global symbols of `paged_prefill` / `ragge
 with `mma.sync.aligned.m16n8k16` and fp32 accumulation. The code also runs on sm_90 (mma.sync
 is valid there), which is how the GPU tests exercise it on the H200.
 
-Work mapping and grid are prefill.py's: blockIdx.x = tile slot * Hkv + kv head, the slot's
+Work mapping and grid are prefill_simt.py's: blockIdx.x = tile slot * Hkv + kv head, the slot's
 request and row tile found by `find_tile` (tiles of a request numbered from the last, so the
 tiles that see most keys start first). A block of `warps` warps owns tile_q = warps *
 rows_per_warp packed query rows (packed row p = query p // G, head kv_head * G + p % G) of one
@@ -32,9 +32,10 @@ Per block (all data movement 16-byte `cp.async`, into XOR-swizzled shared tiles)
   store: o = acc / l, lse = m + log2(l) (base 2); a row that sees no key gets o = 0 and
     lse = EMPTY_LSE.
 
-rotary_mode == 1 (RoPE inside the kernel) is served by prefill.py's CUDA-core kernel: the
-PrimFunc holds both kernels and picks one on the host, as prefill.py does for its variants.
+rotary_mode == 1 (RoPE inside the kernel) is served by prefill_simt.py's CUDA-core kernel: the
+PrimFunc holds both kernels and picks one on the host, as prefill_simt.py does for its variants.
 """
+
 
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ from tvm.script import tirx as T
 from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, loop_kinds, paged_position
 from .config import AttentionConfig
 from .masks import is_tree, mask_of_request
-from .prefill import _prefill_macros, _schedule_for
+from .mma import CHUNK, FULL_WARP, LDSM, LDSM_T, MIN_ARCH, MMA_DTYPES, ROWS_PER_MMA, Tile, mma_name, pack_name
 from .prefill_contract import (
     paged_prefill_func,
     ragged_prefill_func,
     tree_paged_prefill_func,
     tree_ragged_prefill_func,
 )
+from .prefill_simt import prefill_macros, schedule_for
 from .schedules import (
     CUDA_DEFAULT_SHARED_BYTES,
     CUDA_MAX_SHARED_BYTES,
@@ -61,15 +63,9 @@ from .schedules import (
 )
 from .softmax import finalize_lse, finalize_scale, prob, rescale_factor
 
-MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
-ROWS_PER_MMA = 16  # the M of m16n8k16
-CHUNK = 8  # 16-bit elements per 16-byte chunk (cp.async size, one ldmatrix row)
-SWIZZLE = 8  # chunks per XOR-swizzle period: 8 chunks = 128 bytes = the 32 banks
-FULL_WARP = 0xFFFFFFFF
-# Registers per thread the S / O accumulators and Q fragments may take (ptxas: 240 in all at
-# d256 with 144 of them, no spills; the rest holds addresses and the softmax state).
+# Registers per thread the S / O accumulators and Q fragments may take: the rest of the 255 a
+# thread has holds addresses and the softmax state without spilling.
 MAX_FRAGMENT_REGISTERS = 192
-MIN_ARCH = 80  # cp.async, bf16 mma and ldmatrix.trans for 16-bit types: sm_80 and newer
 
 
 def _require(cond: bool, what: str) -> None:
@@ -112,9 +108,9 @@ class MmaPrefillSchedule:
         return 32 * self.warps
 
     def shared_bytes(self, config: AttentionConfig) -> int:
-        """Q tile plus `stages` K and V tiles, 16-bit elements, rows as laid out (see _Tile)."""
-        q = self.tile_q * _Tile(config.head_dim).stride
-        kv = self.stages * self.tile_kv * (_Tile(config.head_dim).stride + _Tile(config.v_head_dim).stride)
+        """Q tile plus `stages` K and V tiles, 16-bit elements, rows as laid out (see mma.Tile)."""
+        q = self.tile_q * Tile(config.head_dim).stride
+        kv = self.stages * self.tile_kv * (Tile(config.head_dim).stride + Tile(config.v_head_dim).stride)
         return 2 * (q + kv)
 
     def fragment_registers(self, config: AttentionConfig) -> int:
@@ -142,8 +138,9 @@ class MmaPrefillSchedule:
 def choose_mma_prefill_schedule(config: AttentionConfig) -> MmaPrefillSchedule:
     """4 warps per block, 64 keys per step. Head dims up to 64: 32 rows per warp (128-row
     tiles), Q fragments read from shared memory per step (128 fragment registers; with them
-    in registers ptxas needs all 255). Up to 128: 16 rows per warp (64-row tiles), Q fragments
-    in registers (128 fragment registers, 175 in all; 80 KiB of shared memory at d128).
+    in registers too a thread would need every register it has). Up to 128: 16 rows per warp
+    (64-row tiles), Q fragments in registers (128 fragment registers; 80 KiB of shared memory
+    at d128).
     Above 128: 32 keys per step and Q fragments read from shared memory per step, so the O
     accumulators (4 * v_head_dim / 8 registers) fit and shared memory stays at 96 KiB (Ada's
     99 KiB limit)."""
@@ -153,27 +150,6 @@ def choose_mma_prefill_schedule(config: AttentionConfig) -> MmaPrefillSchedule:
     if width <= 128:
         return MmaPrefillSchedule(warps=4, rows_per_warp=16, tile_kv=64, stages=2, q_in_registers=True)
     return MmaPrefillSchedule(warps=4, rows_per_warp=16, tile_kv=32, stages=2, q_in_registers=False)
-
-
-class _Tile:
-    """Shared-memory layout of a tile of rows of `width` 16-bit elements, in 16-byte chunks.
-
-    Rows of a multiple of 8 chunks are XOR-swizzled (chunk c of row r is stored at chunk
-    c ^ (r % 8)), so the 8 rows an ldmatrix phase reads, and the chunks a cp.async wave
-    writes, fall in distinct banks. Other widths get one chunk of padding per row (an odd
-    number of chunks per row), which does the same.
-    """
-
-    def __init__(self, width: int):
-        self.chunks = width // CHUNK
-        self.swizzled = self.chunks % SWIZZLE == 0
-        self.stride = width if self.swizzled else width + CHUNK
-
-    def offset(self, row, chunk):
-        """Element offset of chunk `chunk` of row `row`."""
-        if self.swizzled:
-            return row * self.stride + T.bitwise_xor(chunk, row % SWIZZLE) * CHUNK
-        return row * self.stride + chunk * CHUNK
 
 
 def _check_config(config: AttentionConfig, generator: str) -> None:
@@ -189,49 +165,70 @@ def _check_config(config: AttentionConfig, generator: str) -> None:
         )
 
 
-def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
-    """The tensor-core `attend` macro (see the module docstring)."""
-    L = loop_kinds(config)
-    dtype, G = config.dtype, config.group_size
-    D_QK, D_V = config.head_dim, config.v_head_dim
-    BQ, BK, NT, STAGES = sched.tile_q, sched.tile_kv, sched.num_threads, sched.stages
-    QT, KT, VT = _Tile(D_QK), _Tile(D_QK), _Tile(D_V)
-    KSTEPS_QK, KSTEPS_PV = D_QK // 16, BK // 16  # k16 steps of S = QK^T and of O += PV
-    SN, ON = BK // 8, D_V // 8  # n8 blocks of S and of O
-    MMA = f"mma.sync.aligned.m16n8k16.row.col.f32.{MMA_DTYPES[dtype]}.{MMA_DTYPES[dtype]}.f32"
-    PACK = f"cvt.rn.{MMA_DTYPES[dtype]}x2.f32"
-    LDSM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
-    LDSM_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
-    shared = "shared.dyn"
-    Q_OFF, K_OFF = 0, BQ * QT.stride  # element offsets of the regions of the shared buffer
-    V_OFF = K_OFF + STAGES * BK * KT.stride
-    SMEM_ELEMS = V_OFF + STAGES * BK * VT.stride
-    M, RW = sched.rows_per_warp // ROWS_PER_MMA, sched.rows_per_warp  # m16 tiles and rows per warp
+def mma_problem(config: AttentionConfig) -> str | None:
+    """Why the mma.sync prefill cannot serve `config`, or None when it can (`_check_config`'s
+    conditions)."""
+    if config.dtype not in MMA_DTYPES:
+        return f"dtype={config.dtype!r} (tensor cores serve {tuple(MMA_DTYPES)})"
+    if config.sm_version < MIN_ARCH:
+        return f"target={config.target!r} (mma.sync needs a CUDA target of sm_{MIN_ARCH} or newer)"
+    return None
 
-    def acc(m, blocks, nb):
-        """Index of the first of the 4 accumulator registers of m16 tile m, n8 block nb (of
-        `blocks` per m16 tile): registers +0, +1 hold row g, +2, +3 row g + 8 (g = lane / 4)."""
-        return (m * blocks + nb) * 4
 
-    def row_of(r):
-        """Row of this thread's accumulator row r (0 .. 2M-1) relative to its first: r = 2m + h
-        is row g + 8h of m16 tile m."""
-        return r // 2 * ROWS_PER_MMA + r % 2 * 8
+def _acc(m, blocks, nb):
+    """Index of the first of the 4 accumulator registers of m16 tile m, n8 block nb (of
+    `blocks` per m16 tile): registers +0, +1 hold row g, +2, +3 row g + 8 (g = lane / 4)."""
+    return (m * blocks + nb) * 4
 
-    def visible_end(kv_len, qo_len, p, causal):
+
+def _row_of(r):
+    """Row of this thread's accumulator row r (0 .. 2M-1) relative to its first: r = 2m + h
+    is row g + 8h of m16 tile m."""
+    return r // 2 * ROWS_PER_MMA + r % 2 * 8
+
+
+class _Layout:
+    """Compile-time sizes of one mma.sync prefill kernel (its config and schedule), the regions
+    of its shared buffer, and the masks' bounds. Every name __init__ binds is an attribute; the
+    macro factories below unpack the ones their macros read."""
+
+    def __init__(self, config: AttentionConfig, sched: MmaPrefillSchedule):
+        dtype, G = config.dtype, config.group_size
+        D_QK, D_V = config.head_dim, config.v_head_dim
+        BQ, BK, NT, STAGES = sched.tile_q, sched.tile_kv, sched.num_threads, sched.stages
+        QT, KT, VT = Tile(D_QK), Tile(D_QK), Tile(D_V)
+        KSTEPS_QK, KSTEPS_PV = D_QK // 16, BK // 16  # k16 steps of S = QK^T and of O += PV
+        SN, ON = BK // 8, D_V // 8  # n8 blocks of S and of O
+        MMA, PACK = mma_name(dtype), pack_name(dtype)
+        shared = "shared.dyn"
+        Q_OFF, K_OFF = 0, BQ * QT.stride  # element offsets of the regions of the shared buffer
+        V_OFF = K_OFF + STAGES * BK * KT.stride
+        SMEM_ELEMS = V_OFF + STAGES * BK * VT.stride
+        M, RW = sched.rows_per_warp // ROWS_PER_MMA, sched.rows_per_warp  # m16 tiles and rows per warp
+
+        vars(self).update((name, value) for name, value in locals().items() if name != "self")
+
+    def visible_end(self, kv_len, qo_len, p, causal):
         """Number of leading keys packed row p may see (all of them when not causal). `causal`
         is the causal flag or a token tree's `masks.TreeMask` (within the causal bound)."""
-        last = kv_len - qo_len + T.min(p // G, qo_len - 1) + 1
+        last = kv_len - qo_len + T.min(p // self.G, qo_len - 1) + 1
         if is_tree(causal):
             return T.max(T.min(last, kv_len), 0)
         return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
 
-    def unmasked_end(kv_len, qo_len, p0, causal):
+    def unmasked_end(self, kv_len, qo_len, p0, causal):
         """Keys every row of the tile from packed row p0 on sees: no mask is needed below (a
         token tree's history at most)."""
         if is_tree(causal):
-            return T.min(visible_end(kv_len, qo_len, p0, causal), causal.history(kv_len))
-        return visible_end(kv_len, qo_len, p0, causal)
+            return T.min(self.visible_end(kv_len, qo_len, p0, causal), causal.history(kv_len))
+        return self.visible_end(kv_len, qo_len, p0, causal)
+
+
+def _load_macros(lay: _Layout, L):
+    """Loads: copy_rows, load_q (Q -> shared), load_kv (a K/V tile -> a stage) and
+    load_q_frag (Q's A fragments)."""
+    BK, BQ, KT, K_OFF, NT, QT, Q_OFF, VT = lay.BK, lay.BQ, lay.KT, lay.K_OFF, lay.NT, lay.QT, lay.Q_OFF, lay.VT
+    V_OFF, dtype = lay.V_OFF, lay.dtype
 
     @T.macro
     def copy_rows(smem_, tile_, rows_, handle_, valid_, dst0_, src0_, dst1_, src1_, tid_):
@@ -283,6 +280,16 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
         T.ptx[LDSM](qf_[base_], qf_[base_ + 1], qf_[base_ + 2], qf_[base_ + 3],
                     smem_.ptr_to([Q_OFF + QT.offset(row0_ + lane_ % 16, kk_ * 2 + lane_ // 16)]))
 
+    return load_q, load_kv, load_q_frag
+
+
+def _mma_macros(lay: _Layout, L):
+    """The products: s_mma (S = Q K^T) and pv_mma (O += P V)."""
+    sched, BK, KSTEPS_PV, KSTEPS_QK, KT, K_OFF = lay.sched, lay.BK, lay.KSTEPS_PV, lay.KSTEPS_QK, lay.KT, lay.K_OFF
+    M, MMA, ON, PACK, RW, SN, VT, V_OFF = lay.M, lay.MMA, lay.ON, lay.PACK, lay.RW, lay.SN, lay.VT, lay.V_OFF
+    acc = _acc
+    load_q_frag = _load_macros(lay, L)[2]
+
     @T.macro
     def s_mma(smem_, qf_, s_, stage_, warp_, lane_):
         """s_mma: s_ <- Q K^T of this warp's rows and the tile's BK keys."""
@@ -308,6 +315,34 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
                         else:
                             T.ptx[MMA](s_[n], s_[n + 1], s_[n + 2], s_[n + 3], qk[a], qk[a + 1], qk[a + 2],
                                        qk[a + 3], kf[h * 2], kf[h * 2 + 1], s_[n], s_[n + 1], s_[n + 2], s_[n + 3])
+
+    @T.macro
+    def pv_mma(s_, smem_, o_, stage_, lane_):
+        """pv_mma: o_ += P V, P from the S accumulators packed to 16-bit pairs."""
+        pf = T.alloc_buffer((M * 4,), "uint32", scope="local")
+        vf = T.alloc_buffer((4,), "uint32", scope="local")
+        for kk in L.unroll(KSTEPS_PV):
+            for m in L.unroll(M):
+                for i in L.unroll(4):  # a0..a3: rows g / g+8 of key blocks 2kk and 2kk+1
+                    T.ptx[PACK](pf[m * 4 + i], s_[acc(m, SN, kk * 2 + i // 2) + i % 2 * 2 + 1],
+                                s_[acc(m, SN, kk * 2 + i // 2) + i % 2 * 2])
+            for np_ in L.unroll(ON // 2):
+                T.ptx[LDSM_T](vf[0], vf[1], vf[2], vf[3], smem_.ptr_to([
+                    V_OFF + stage_ * BK * VT.stride
+                    + VT.offset(kk * 16 + lane_ % 8 + lane_ // 8 % 2 * 8, np_ * 2 + lane_ // 16)]))
+                for m in L.unroll(M):
+                    for h in L.unroll(2):
+                        n = T.meta_var(acc(m, ON, np_ * 2 + h))
+                        T.ptx[MMA](o_[n], o_[n + 1], o_[n + 2], o_[n + 3], pf[m * 4], pf[m * 4 + 1], pf[m * 4 + 2],
+                                   pf[m * 4 + 3], vf[h * 2], vf[h * 2 + 1], o_[n], o_[n + 1], o_[n + 2], o_[n + 3])
+
+    return s_mma, pv_mma
+
+
+def _mask_macros(lay: _Layout, L):
+    """Masks: mask (causal / end), tree_rows and tree_mask (token trees)."""
+    G, M, SN, visible_end = lay.G, lay.M, lay.SN, lay.visible_end
+    acc, row_of = _acc, _row_of
 
     @T.macro
     def mask(s_, kv_start_, kv_len_, qo_len_, p_, causal_, lane_):
@@ -350,6 +385,14 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
                     if tirx.any(j >= vis_end_[r], q_begin_[r] < span[0], q_begin_[r] >= span[1]):
                         s_[acc(r // 2, SN, nb) + r % 2 * 2 + e] = T.min_value("float32")
 
+    return mask, tree_rows, tree_mask
+
+
+def _softmax_macros(lay: _Layout, L):
+    """softmax (online, in registers) and store (o = acc / l, lse)."""
+    M, ON, SN = lay.M, lay.ON, lay.SN
+    acc, row_of = _acc, _row_of
+
     @T.macro
     def softmax(s_, o_, m_run_, l_run_):
         """Online softmax of this thread's 2 * M rows: rescale the state to the new row maxima,
@@ -376,26 +419,6 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
                     o_[acc(r // 2, ON, nb) + r % 2 * 2 + e] = o_[acc(r // 2, ON, nb) + r % 2 * 2 + e] * alpha[0]
 
     @T.macro
-    def pv_mma(s_, smem_, o_, stage_, lane_):
-        """pv_mma: o_ += P V, P from the S accumulators packed to 16-bit pairs."""
-        pf = T.alloc_buffer((M * 4,), "uint32", scope="local")
-        vf = T.alloc_buffer((4,), "uint32", scope="local")
-        for kk in L.unroll(KSTEPS_PV):
-            for m in L.unroll(M):
-                for i in L.unroll(4):  # a0..a3: rows g / g+8 of key blocks 2kk and 2kk+1
-                    T.ptx[PACK](pf[m * 4 + i], s_[acc(m, SN, kk * 2 + i // 2) + i % 2 * 2 + 1],
-                                s_[acc(m, SN, kk * 2 + i // 2) + i % 2 * 2])
-            for np_ in L.unroll(ON // 2):
-                T.ptx[LDSM_T](vf[0], vf[1], vf[2], vf[3], smem_.ptr_to([
-                    V_OFF + stage_ * BK * VT.stride
-                    + VT.offset(kk * 16 + lane_ % 8 + lane_ // 8 % 2 * 8, np_ * 2 + lane_ // 16)]))
-                for m in L.unroll(M):
-                    for h in L.unroll(2):
-                        n = T.meta_var(acc(m, ON, np_ * 2 + h))
-                        T.ptx[MMA](o_[n], o_[n + 1], o_[n + 2], o_[n + 3], pf[m * 4], pf[m * 4 + 1], pf[m * 4 + 2],
-                                   pf[m * 4 + 3], vf[h * 2], vf[h * 2 + 1], o_[n], o_[n + 1], o_[n + 2], o_[n + 3])
-
-    @T.macro
     def store(o_, m_run_, l_run_, rows_, p_, lane_, write_o_, write_lse_):
         """o = acc / l and lse = m + log2(l) for this thread's rows p_ + row_of(r); rows that
         saw no key get 0 and EMPTY_LSE."""
@@ -412,11 +435,24 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
                 if lane_ % 4 == 0:
                     write_lse_(p_ + row_of(r), finalize_lse(m_run_[r], l_run_[r]))
 
+    return softmax, store
+
+
+def _attend_macro(lay: _Layout, L):
+    """The tensor-core `attend` macro (see the module docstring)."""
+    sched, BK, BQ, G, KSTEPS_QK, M, ON, RW = lay.sched, lay.BK, lay.BQ, lay.G, lay.KSTEPS_QK, lay.M, lay.ON, lay.RW
+    SMEM_ELEMS, SN, STAGES, dtype, shared = lay.SMEM_ELEMS, lay.SN, lay.STAGES, lay.dtype, lay.shared
+    unmasked_end, visible_end = lay.unmasked_end, lay.visible_end
+    load_q, load_kv, load_q_frag = _load_macros(lay, L)
+    s_mma, pv_mma = _mma_macros(lay, L)
+    mask, tree_rows, tree_mask = _mask_macros(lay, L)
+    softmax, store = _softmax_macros(lay, L)
+
     @T.macro
     def attend(q_at_, kv_row_, k_at_, v_at_, write_o_, write_lse_, qo_len_, kv_len_, tile_, causal_, sm_scale_,
                tid_):
         """Attention of row tile tile_ of one request and KV head (the accessors are those of
-        prefill.py's `attend`: q_at_(p, d), kv_row_(j), k_at_(row, d), v_at_(row, d),
+        prefill_simt.py's `attend`: q_at_(p, d), kv_row_(j), k_at_(row, d), v_at_(row, d),
         write_o_(p, d, value), write_lse_(p, value))."""
         # One shared buffer carved by hand (Q | K stages | V stages): TVM's merging of shared
         # allocations does not see accesses made through addresses in asm operands.
@@ -487,13 +523,18 @@ def _mma_macros(config: AttentionConfig, sched: MmaPrefillSchedule):
     return attend
 
 
+def _mma_attend(config: AttentionConfig, sched: MmaPrefillSchedule):
+    """The tensor-core `attend` macro (see the module docstring)."""
+    return _attend_macro(_Layout(config, sched), loop_kinds(config))
+
+
 def _core_schedule(config: AttentionConfig) -> PrefillSchedule:
-    """prefill.py's schedule for the RoPE kernel, with fewer rows per thread where its default
+    """prefill_simt.py's schedule for the RoPE kernel, with fewer rows per thread where its default
     does not fit the arch's shared memory (head dim 256 on sm_86/sm_89's 99 KiB)."""
     sched = choose_prefill_schedule(config)
     while True:
         try:
-            return _schedule_for(config, sched)
+            return schedule_for(config, sched)
         except ValueError:
             if sched.rows_per_thread == 1:
                 raise
@@ -501,19 +542,19 @@ def _core_schedule(config: AttentionConfig) -> PrefillSchedule:
 
 
 class _Kernels:
-    """What a generator needs: the mma schedule and `attend`, and prefill.py's CUDA-core
+    """What a generator needs: the mma schedule and `attend`, and prefill_simt.py's CUDA-core
     `attend` with its schedule for rotary_mode == 1; `find_tile` / `num_slots` with the mma
-    tile height (prefill.py's, built for a schedule of tile_q = 16 * warps rows)."""
+    tile height (prefill_simt.py's, built for a schedule of tile_q = 16 * warps rows)."""
 
     def __init__(self, config: AttentionConfig, schedule: MmaPrefillSchedule | None, generator: str):
         _check_config(config, generator)
         self.sched = schedule or choose_mma_prefill_schedule(config)
         self.sched.check(config)
-        self.attend = _mma_macros(config, self.sched)
-        self.tiles = _prefill_macros(
+        self.attend = _mma_attend(config, self.sched)
+        self.tiles = prefill_macros(
             config, PrefillSchedule(threads_y=self.sched.tile_q, threads_x=1, rows_per_thread=1, cols_per_thread=4))
         self.core_sched = _core_schedule(config)
-        self.core = _prefill_macros(config, self.core_sched)
+        self.core = prefill_macros(config, self.core_sched)
 
 
 def paged_prefill_mma(config: AttentionConfig, schedule: MmaPrefillSchedule | None = None):
@@ -549,7 +590,7 @@ def _paged_macro(config: AttentionConfig, schedule: MmaPrefillSchedule | None, g
     def kernel(Q_, qo_indptr_, pages_, page_indptr_, page_indices_, length_info_, k_pos_, q_pos_, O_, lse_, causal_,
                rotate_, rope_scale_, rope_theta_, sm_scale_):
         """One block per (tile slot, KV head); see the module docstring. rotate_ (a Python
-        bool) selects prefill.py's CUDA-core kernel with RoPE."""
+        bool) selects prefill_simt.py's CUDA-core kernel with RoPE."""
         tiles = T.meta_var(kern.core if rotate_ else kern.tiles)
         threads = T.meta_var(kern.core_sched.num_threads if rotate_ else kern.sched.num_threads)
         for blk in L.block(tiles.num_slots(Q_.shape[0], k_pos_.shape[0]) * Hkv, "x", outer=True):
@@ -609,7 +650,7 @@ def _ragged_macro(config: AttentionConfig, schedule: MmaPrefillSchedule | None, 
     def kernel(Q_, qo_indptr_, K_, V_, kv_indptr_, q_pos_, k_pos_, O_, lse_, causal_, rotate_, rope_scale_, rope_theta_,
                sm_scale_):
         """One block per (tile slot, KV head); see the module docstring. rotate_ (a Python
-        bool) selects prefill.py's CUDA-core kernel with RoPE."""
+        bool) selects prefill_simt.py's CUDA-core kernel with RoPE."""
         tiles = T.meta_var(kern.core if rotate_ else kern.tiles)
         threads = T.meta_var(kern.core_sched.num_threads if rotate_ else kern.sched.num_threads)
         for blk in L.block(tiles.num_slots(Q_.shape[0], k_pos_.shape[0]) * Hkv, "x", outer=True):

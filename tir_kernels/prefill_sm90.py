@@ -1,6 +1,6 @@
 """Prefill attention on Hopper tensor cores (sm_90a): paged and ragged K/V, fp16 and bf16.
 
-Same contract, grid and work split as the CUDA-core kernels in `prefill.py` (a CTA owns one
+Same contract, grid and work split as the CUDA-core kernels in `prefill_simt.py` (a CTA owns one
 KV head and a tile of 128 packed query rows of one request, packed row p = query p // G,
 head kv_head * G + p % G; tiles of a request are numbered from the last, so the longest
 causal rows start first), on a different machine model:
@@ -55,6 +55,7 @@ from .prefill_contract import (
 )
 from .schedules import WgmmaPrefillSchedule, choose_wgmma_prefill_schedule
 from .softmax import finalize_lse, finalize_scale
+from .support import TENSOR_CORE_DTYPES, WGMMA_ARCHS
 
 WARPGROUP = 128
 CONSUMERS = 2
@@ -65,10 +66,10 @@ MASKED = -1.0e30  # score of a masked key (finite: exp2 of it minus any running 
 
 def wgmma_problem(config: AttentionConfig) -> str | None:
     """Why the tensor-core prefill cannot serve `config`, or None when it can."""
-    if not config.is_gpu or config.cuda_arch not in ("sm_90", "sm_90a"):
+    if not config.is_gpu or config.cuda_arch not in WGMMA_ARCHS:
         return f"target {config.target!r} is not a Hopper GPU (sm_90)"
-    if config.dtype not in ("float16", "bfloat16"):
-        return f"dtype={config.dtype!r} (tensor cores serve float16 and bfloat16)"
+    if config.dtype not in TENSOR_CORE_DTYPES:
+        return f"dtype={config.dtype!r} (tensor cores serve {' and '.join(TENSOR_CORE_DTYPES)})"
     for field in ("head_dim", "v_head_dim"):
         value = getattr(config, field)
         if value % PANEL or value > 256:
@@ -76,57 +77,54 @@ def wgmma_problem(config: AttentionConfig) -> str | None:
     return None
 
 
-def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
-    dtype, G, scaling = config.dtype, config.group_size, config.rope_scaling
-    D_QK, D_V = config.head_dim, config.v_head_dim
-    BM, BN, ST = sched.tile_q, sched.tile_kv, sched.stages
-    Q_ELEMS, K_ELEMS, V_ELEMS = BM * D_QK, BN * D_QK, BN * D_V
-    K_OFF = Q_ELEMS
-    V_OFF = K_OFF + ST * K_ELEMS
-    SMEM_ELEMS = V_OFF + ST * V_ELEMS
-    WG_S = wgmma_name(f"m64n{BN}k16", dtype)  # S = Q K^T, both operands K-major in shared memory
-    WG_O = wgmma_name(f"m64n{D_V}k16", dtype)  # O += P V, P from registers, V MN-major
-    NS, NO, NP = BN // 2, D_V // 2, BN // 4  # registers per thread: S, O (fp32) and P (16-bit pairs)
-    PINGPONG = sched.pingpong
+class _Layout:
+    """Compile-time sizes of one wgmma prefill kernel (its config and schedule), the regions of
+    its shared buffer, and the grid's and masks' index arithmetic. Every name __init__ binds is
+    an attribute; the macro factories below unpack the ones their macros read."""
 
-    def row_tiles(qo_indptr, b):
-        return ceildiv((qo_indptr[b + 1] - qo_indptr[b]) * G, BM)
+    def __init__(self, config: AttentionConfig, sched: WgmmaPrefillSchedule):
+        dtype, G, scaling = config.dtype, config.group_size, config.rope_scaling
+        D_QK, D_V = config.head_dim, config.v_head_dim
+        BM, BN, ST = sched.tile_q, sched.tile_kv, sched.stages
+        Q_ELEMS, K_ELEMS, V_ELEMS = BM * D_QK, BN * D_QK, BN * D_V
+        K_OFF = Q_ELEMS
+        V_OFF = K_OFF + ST * K_ELEMS
+        SMEM_ELEMS = V_OFF + ST * V_ELEMS
+        WG_S = wgmma_name(f"m64n{BN}k16", dtype)  # S = Q K^T, both operands K-major in shared memory
+        WG_O = wgmma_name(f"m64n{D_V}k16", dtype)  # O += P V, P from registers, V MN-major
+        NS, NO, NP = BN // 2, D_V // 2, BN // 4  # registers per thread: S, O (fp32) and P (16-bit pairs)
+        PINGPONG = sched.pingpong
+        vars(self).update((name, value) for name, value in locals().items() if name != "self")
 
-    def num_slots(total_q, batch):
+    def row_tiles(self, qo_indptr, b):
+        return ceildiv((qo_indptr[b + 1] - qo_indptr[b]) * self.G, self.BM)
+
+    def num_slots(self, total_q, batch):
         """Upper bound of the number of row tiles over all requests."""
-        return ceildiv(total_q * G, BM) + batch
+        return ceildiv(total_q * self.G, self.BM) + batch
 
-    def visible_end(kv_len, qo_len, p, causal):
+    def visible_end(self, kv_len, qo_len, p, causal):
         """Number of leading keys packed row p may see (all of them when not causal). `causal`
         is the causal flag or a token tree's `masks.TreeMask` (within the causal bound)."""
-        last = kv_len - qo_len + T.min(p // G, qo_len - 1) + 1
+        last = kv_len - qo_len + T.min(p // self.G, qo_len - 1) + 1
         if is_tree(causal):
             return T.max(T.min(last, kv_len), 0)
         return T.if_then_else(causal != 0, T.max(T.min(last, kv_len), 0), kv_len)
 
-    def unmasked_end(kv_len, qo_len, p0, causal):
+    def unmasked_end(self, kv_len, qo_len, p0, causal):
         """Keys every row of the tile from packed row p0 on sees: no mask is needed below (a
         token tree's history at most)."""
         if is_tree(causal):
-            return T.min(visible_end(kv_len, qo_len, p0, causal), causal.history(kv_len))
-        return visible_end(kv_len, qo_len, p0, causal)
+            return T.min(self.visible_end(kv_len, qo_len, p0, causal), causal.history(kv_len))
+        return self.visible_end(kv_len, qo_len, p0, causal)
 
-    @T.macro
-    def find_tile(qo_indptr_, batch_, slot_, req_, tile_):
-        """req_[0] <- request of tile slot slot_, tile_[0] <- its row tile (-1: the slot has none)."""
-        walk = T.alloc_local((2,), "int32")  # request, first slot of that request
-        walk[0] = 0
-        walk[1] = 0
-        req_[0] = 0
-        tile_[0] = -1
-        while walk[0] < batch_:
-            if slot_ < walk[1] + row_tiles(qo_indptr_, walk[0]):
-                req_[0] = walk[0]
-                tile_[0] = walk[1] + row_tiles(qo_indptr_, walk[0]) - 1 - slot_
-                walk[0] = batch_
-            else:
-                walk[1] = walk[1] + row_tiles(qo_indptr_, walk[0])
-                walk[0] = walk[0] + 1
+
+def _producer_macros(lay: _Layout):
+    """The producer warpgroup: copy_rows and rope_rows (rows -> a swizzled tile, the latter
+    rotated), and produce (the ring of K/V steps)."""
+    BN, D_QK, D_V, K_ELEMS, K_OFF, ST = lay.BN, lay.D_QK, lay.D_V, lay.K_ELEMS, lay.K_OFF, lay.ST
+    V_ELEMS, V_OFF, dtype, scaling = lay.V_ELEMS, lay.V_OFF, lay.dtype, lay.scaling
+    produce_steps = ring_producer(ST)
 
     @T.macro
     def copy_rows(smem_, base_, rows_, tile_rows_, width_, tid_, src_, valid_):
@@ -184,9 +182,6 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                       lambda r, c: v_ptr_(kv_row_(T.min(t_ * BN + r, kv_end_ - 1)), c),
                       lambda r: t_ * BN + r < kv_end_)
 
-    produce_steps = ring_producer(ST)
-    init_ring = ring_barriers(ST, WARPGROUP, CONSUMERS)
-
     @T.macro
     def rope_kv_step(smem_, t_, kv_end_, tid_, kv_row_, v_ptr_, k_at_, k_pos_base_, rope_):
         """Step t_ with inline RoPE: rotated keys stored, values copied (cp.async)."""
@@ -209,8 +204,17 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
             produce_steps(full_, empty_, nkv_, lambda t: copy_kv(
                 smem_, t % ST, t, kv_end_, tid_, kv_row_, k_ptr_, v_ptr_))
 
+    return copy_rows, rope_rows, produce
+
+
+def _step_macros(lay: _Layout):
+    """A consumer's step: s_mma (S = Q K^T), pv_mma (O += P V), mask, tree_rows and tree_mask
+    (token trees), and store (o = O / l, lse)."""
+    BM, BN, D_QK, G, K_ELEMS, K_OFF, NO, NP = lay.BM, lay.BN, lay.D_QK, lay.G, lay.K_ELEMS, lay.K_OFF, lay.NO, lay.NP
+    NS, V_ELEMS, V_OFF, WG_O, WG_S, dtype = lay.NS, lay.V_ELEMS, lay.V_OFF, lay.WG_O, lay.WG_S, lay.dtype
     scores = wgmma_scores(WG_S, NS, D_QK // 16)
     accumulate = wgmma_accumulate(WG_O, NO, NP, BN // 16, BN)
+    quad_reduce, _ = row_softmax(NS, NO, NP, dtype)
 
     @T.macro
     def s_mma(smem_, sacc_, cw_, s_):
@@ -266,8 +270,6 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                         tirx.any(j >= vis_end_[h], q_begin_[h] < span[0], q_begin_[h] >= span[1]), T.float32(MASKED),
                         sacc_[i * 4 + h * 2 + c])
 
-    quad_reduce, softmax = row_softmax(NS, NO, NP, dtype)
-
     @T.macro
     def store(oacc_, m_, l_, rows_, row0_, lane_, write_o_, write_lse_):
         """o = O / l and lse = m + log2(l) of the thread's rows row0_ and row0_ + 8 that exist."""
@@ -282,6 +284,17 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
             for r in T.unroll(2):
                 if row0_ + r * 8 < rows_:
                     write_lse_(row0_ + r * 8, finalize_lse(m_[r], l_[r]))
+
+    return s_mma, pv_mma, mask, tree_rows, tree_mask, store
+
+
+def _consume_macro(lay: _Layout):
+    """consume: a consumer warpgroup's loop over the steps (module docstring)."""
+    BM, BN, D_QK, NO, NP, NS, PINGPONG, ST = lay.BM, lay.BN, lay.D_QK, lay.NO, lay.NP, lay.NS, lay.PINGPONG, lay.ST
+    dtype, visible_end = lay.dtype, lay.visible_end
+    copy_rows, rope_rows, _ = _producer_macros(lay)
+    s_mma, pv_mma, mask, tree_rows, tree_mask, store = _step_macros(lay)
+    _, softmax = row_softmax(NS, NO, NP, dtype)
 
     @T.macro
     def consume(smem_, full_, empty_, nkv_, free_end_, kv_len_, qo_len_, p0_, rows_, causal_, scale_, cw_, tid_,
@@ -347,6 +360,34 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                 T.ptx.mbarrier.arrive.shared.b64(empty_.ptr_to([s]))
         store(oacc, m, lsum, rows_, p0_ + row0, lane, write_o_, write_lse_)
 
+    return consume
+
+
+def _kernel_macro(lay: _Layout):
+    """kernel: the device part, one CTA per (tile slot, KV head) (its docstring)."""
+    sched, BM, BN, G, SMEM_ELEMS, ST, dtype = lay.sched, lay.BM, lay.BN, lay.G, lay.SMEM_ELEMS, lay.ST, lay.dtype
+    num_slots, row_tiles, unmasked_end, visible_end = lay.num_slots, lay.row_tiles, lay.unmasked_end, lay.visible_end
+    init_ring = ring_barriers(ST, WARPGROUP, CONSUMERS)
+    produce = _producer_macros(lay)[2]
+    consume = _consume_macro(lay)
+
+    @T.macro
+    def find_tile(qo_indptr_, batch_, slot_, req_, tile_):
+        """req_[0] <- request of tile slot slot_, tile_[0] <- its row tile (-1: the slot has none)."""
+        walk = T.alloc_local((2,), "int32")  # request, first slot of that request
+        walk[0] = 0
+        walk[1] = 0
+        req_[0] = 0
+        tile_[0] = -1
+        while walk[0] < batch_:
+            if slot_ < walk[1] + row_tiles(qo_indptr_, walk[0]):
+                req_[0] = walk[0]
+                tile_[0] = walk[1] + row_tiles(qo_indptr_, walk[0]) - 1 - slot_
+                walk[0] = batch_
+            else:
+                walk[1] = walk[1] + row_tiles(qo_indptr_, walk[0])
+                walk[0] = walk[0] + 1
+
     @T.macro
     def kernel(qo_indptr_, batch_, total_q_, Hkv_, causal_, sm_scale_, rope_, q_ptr_, q_at_, q_pos_, kv_len_, kv_row_,
                k_ptr_, v_ptr_, k_at_, k_pos_, write_o_, write_lse_):
@@ -393,6 +434,11 @@ def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
                     lambda p, c, val: write_o_(b, hkv, p, c, val), lambda p, val: write_lse_(b, hkv, p, val))
 
     return kernel
+
+
+def _macros(config: AttentionConfig, sched: WgmmaPrefillSchedule):
+    """The kernel macro of `config` and `sched` (`_kernel_macro`)."""
+    return _kernel_macro(_Layout(config, sched))
 
 
 class Rope(NamedTuple):

@@ -6,9 +6,9 @@ optional Llama-3 frequency scaling (`common.rope_value`), computed in FP32.
 CUDA: one thread per chunk of a head row, each computing the cos and sin of its elements. CPU:
 one task per token, which computes the token's head_dim/2 cos and sin values once
 (`common.rope_angle`) and rotates every q and k head with them (the per-element cos / sin are
-libm calls on the CPU: SmolLM2's 12 rotated heads of 64 made a decode step's split about 15 us
-a layer on one core); the tokens are a parallel loop only from CPU_PARALLEL_TOKENS on (a
-parallel region costs a wake-up of the thread pool, more than a few tokens' work).
+libm calls on the CPU, which dominated a decode step's split when computed per head); the
+tokens are a parallel loop only from CPU_PARALLEL_TOKENS on (a parallel region costs a wake-up
+of the thread pool, more than a few tokens' work).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from .config import AttentionConfig
 from .page_ops import num_blocks
 from .schedules import CopySchedule, choose_copy_schedule
 
-# CPU: fewer tokens than this are split in a serial loop (a decode step's one token: about 1 us)
+# CPU: fewer tokens than this are split in a serial loop (a decode step's one token costs less
+# than waking the thread pool)
 CPU_PARALLEL_TOKENS = 16
 
 

@@ -13,6 +13,8 @@ import os
 
 from .common import is_power_of_two
 from .config import AttentionConfig
+from .mma import Tile
+from .support import DTYPE_BYTES, MMA_MIN_SM, PDL_MIN_SM, TENSOR_CORE_DTYPES
 
 # H200 / H100 multiprocessor count; split-KV aims to fill the chip about twice.
 CUDA_NUM_SMS = 132
@@ -81,9 +83,9 @@ def choose_decode_schedule(config: AttentionConfig) -> DecodeSchedule:
     per_lane = config.head_dim // lanes
     # q and o of the served heads live in registers: keep them under ~128 fp32 values.
     heads = max(h for h in range(1, config.group_size + 1) if config.group_size % h == 0 and (h == 1 or h * per_lane <= 64))
-    # Measured on the H200 (docs/perf-notes.md): 2 rows per thread beat 4 and 8 (fewer
-    # registers, more resident warps); aiming at 4 blocks per SM helps long single requests;
-    # a split of at least MIN_SPLIT_KEYS keys (short requests take fewer splits, or one).
+    # 2 rows per thread rather than 4 or 8: fewer registers, more resident warps; aiming at 4
+    # blocks per SM helps long single requests (docs/performance.md); a split of at least
+    # MIN_SPLIT_KEYS keys (short requests take fewer splits, or one).
     return DecodeSchedule(
         lanes=lanes,
         rows=max(1, 128 // lanes),
@@ -100,19 +102,19 @@ CUDA_CORE_MIN_SPLIT_KEYS = 64
 
 
 # Tensor-core decode (`decode_tc`): the dtypes, smallest arch and GQA groups it serves.
-TC_DECODE_DTYPES = ("float16", "bfloat16")
-TC_DECODE_MIN_ARCH = 80  # cp.async, ldmatrix and bf16 mma.sync: sm_80 and newer
+TC_DECODE_DTYPES = TENSOR_CORE_DTYPES
+TC_DECODE_MIN_ARCH = MMA_MIN_SM  # cp.async, ldmatrix and bf16 mma.sync: sm_80 and newer
 TC_DECODE_MIN_GROUP = 4  # below, 16-row MMA tiles waste more than the CUDA-core kernel loses
 TC_DECODE_MAX_GROUP = 16  # the query heads of a group are the M = 16 rows of one MMA tile
-PDL_MIN_ARCH = 90  # griddepcontrol (programmatic dependent launch): sm_90 and newer
+PDL_MIN_ARCH = PDL_MIN_SM  # griddepcontrol (programmatic dependent launch): sm_90 and newer
 # 32-bit registers per thread the O accumulators, S accumulators and Q fragments may take.
 TC_DECODE_MAX_FRAGMENT_REGISTERS = 192
 
 
 def _mma_row_stride(width: int) -> int:
-    """Elements per shared-memory row of 16-bit `width`-wide rows in prefill_sm80's layout:
-    swizzled rows of a multiple of 8 chunks are unpadded, others get one 16-byte chunk."""
-    return width if (width // 8) % 8 == 0 else width + 8
+    """Elements per shared-memory row of 16-bit `width`-wide rows in the mma kernels' layout
+    (mma.Tile): swizzled rows of a multiple of 8 chunks are unpadded, others get one 16-byte chunk."""
+    return Tile(width).stride
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,16 +271,30 @@ class TensorCoreDecodeSchedule:
                  f" memory, {config.cuda_arch} has {limit}")
 
 
+def tc_decode_problem(config: AttentionConfig) -> str | None:
+    """Why `paged_decode` does not serve `config` on tensor cores by default, or None where it
+    does (see TensorCoreDecodeSchedule.check; groups below TC_DECODE_MIN_GROUP run on CUDA cores)."""
+    if not config.is_gpu or config.sm_version < TC_DECODE_MIN_ARCH:
+        return f"target={config.target!r} (the tensor-core decode needs CUDA sm_{TC_DECODE_MIN_ARCH} or newer)"
+    if config.dtype not in TC_DECODE_DTYPES:
+        return f"dtype={config.dtype!r} (the tensor-core decode serves {TC_DECODE_DTYPES})"
+    if not TC_DECODE_MIN_GROUP <= config.group_size <= TC_DECODE_MAX_GROUP:
+        return (f"GQA group {config.group_size} (the tensor-core decode serves groups of {TC_DECODE_MIN_GROUP}.."
+                f"{TC_DECODE_MAX_GROUP} by default)")
+    if config.head_dim % 16 or config.v_head_dim != config.head_dim or config.head_dim > 256:
+        return (f"head_dim={config.head_dim}, v_head_dim={config.v_head_dim} (the tensor-core decode needs equal"
+                " head dims, multiples of 16 up to 256)")
+    return None
+
+
 def tc_decode_applies(config: AttentionConfig) -> bool:
     """Whether `paged_decode` serves `config` on tensor cores (see TensorCoreDecodeSchedule.check)."""
-    return (config.is_gpu and config.dtype in TC_DECODE_DTYPES and config.sm_version >= TC_DECODE_MIN_ARCH
-            and TC_DECODE_MIN_GROUP <= config.group_size <= TC_DECODE_MAX_GROUP
-            and config.head_dim % 16 == 0 and config.v_head_dim == config.head_dim and config.head_dim <= 256)
+    return tc_decode_problem(config) is None
 
 
 def tc_decode_resident_blocks(config: AttentionConfig, sched: TensorCoreDecodeSchedule) -> int:
     """Blocks of `sched` an SM holds at once: by shared memory (1 KiB reserved per block) and
-    by registers (about 168 per thread: ptxas used 160 at head dim 128)."""
+    by registers (about 168 per thread: what the kernel takes at head dim 128, with a margin)."""
     limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
     by_shared = (limit + 1024) // (sched.shared_bytes(config) + 1024)
     by_registers = 65536 // (168 * sched.num_threads)
@@ -290,12 +306,10 @@ def choose_tc_decode_schedule(config: AttentionConfig) -> TensorCoreDecodeSchedu
     read from shared memory per step to leave registers for the 256-wide O accumulators), splits
     of at least 128 keys; fewer stages or warps where the arch's shared memory is smaller.
 
-    H200, 32 q / 8 kv heads, d128, page 16, fp16 (scripts/tune_decode.py, 2026-12-01), GB/s at
-    1x4096 / 1x32768 / 8x32768 / 64x4096 / 128x8192 / 256x2048: 3 stages (w4k16s3t264m256, the
-    first default) 1026-1031 / 2708-2740 / 3629-3657 / 3621-3670 / 3721-3737 / 3767-3781; 4
-    stages, one block per SM (w4k16s4t132m256) 1098-1109 / 2968-2977 / 3977-3984 / 3880-3895 /
-    3974-3992 / 3889-3904. Splits of 128 keys instead of 256 let groups of 8 (4 KV heads) fill
-    the SMs at batch 1 (they have half the blocks of groups of 4)."""
+    4 stages and one block per SM moved more bytes per second than 3 stages and two blocks per
+    SM at every shape scripts/tune_decode.py measures (docs/performance.md). Splits of 128 keys
+    instead of 256 let groups of 8 (4 KV heads) fill the SMs at batch 1 (they have half the
+    blocks of groups of 4)."""
     wide = config.head_dim > 128
     sched = TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=2 if wide else 4, q_in_registers=not wide,
                                      min_split_keys=128)
@@ -373,9 +387,9 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
                                          min_split_keys=min_split_keys)
         return dataclasses.replace(sched, target_blocks=waves * CUDA_NUM_SMS * tc_decode_resident_blocks(config, sched))
 
-    # The H200 sweep of 2026-12-01 (docs/perf-notes.md) also measured 2 and 3 blocks per SM
-    # (w4k16s2, w4k16s3, w2k16s6, w2k32s3, w2k16s4 with splits of 64 and 256 keys) and w4k32s3 /
-    # w8k16s3: 5-20% slower than the default at every shape; w2k16s4 stays as their representative.
+    # Tilings of 2 and 3 blocks per SM (w4k16s2, w4k16s3, w2k16s6, w2k32s3, w2k16s4 with splits of
+    # 64 and 256 keys) and w4k32s3 / w8k16s3 were slower than the default at every shape
+    # (docs/performance.md); w2k16s4 stays as their representative.
     variants = [
         base,
         dataclasses.replace(base, min_split_keys=256),
@@ -528,7 +542,7 @@ def decode_table_entries(config: AttentionConfig, table: dict | None = None) -> 
 
 
 def _dtype_bytes(dtype: str) -> int:
-    return {"float16": 2, "bfloat16": 2, "float32": 4}.get(dtype, 0)
+    return DTYPE_BYTES.get(dtype, 0)
 
 
 def nearest_entry(entries: list, batch: int, seq_len: int):
@@ -767,8 +781,8 @@ class WgmmaPrefillSchedule:
 def choose_wgmma_prefill_schedule(config: AttentionConfig) -> WgmmaPrefillSchedule:
     """128 keys a step (64 when the output fragment is 256 wide), as many stages (up to 3) as
     shared memory holds; where 128-key steps fit only twice (e.g. MLA's 192 / 128 head dims),
-    64-key steps in 4 stages (the same bytes: 395.8 against 356.6 TFLOP/s at 192 / 128, 128
-    heads, 1 x 4096 causal on the H200)."""
+    64-key steps in 4 stages (the same bytes, and faster at MLA's 192 / 128 head dims:
+    docs/performance.md)."""
     tile_kv = 128 if config.v_head_dim <= 128 else 64
     for stages in (3, 2):
         sched = WgmmaPrefillSchedule(tile_kv=tile_kv, stages=stages)

@@ -1,5 +1,5 @@
 """The CUDA-core (SIMT) steps of a tiled online-softmax attention block, shared by the
-CUDA-core prefill (prefill.py) and the MLA kernels (mla.py), on CUDA and on the CPU.
+CUDA-core prefill (prefill_simt.py) and the MLA kernels (mla_simt.py), on CUDA and on the CPU.
 
 `dims` describes the tiling: TY x TX threads; a thread holds TM x TN scores (rows ty + TY m,
 columns tx + TX n of the tile) and TM x OC outputs (columns `out_col(TX, tx, c)`); operands

@@ -1,8 +1,10 @@
 """What the kernels support, in one place: dtypes, page sizes, head dims and targets.
 
 Every layer above (the cache's options, a model library's build options, the command line)
-validates against these facts instead of restating them. This module imports no TVM at module
-level, so the command line can check its arguments before paying for TVM's import.
+validates against these facts instead of restating them, and so do the kernels' own checks:
+`CAPABILITIES` lists what each kernel serves, and the generators and dispatchers read their
+dtypes and archs from the constants below. This module imports no TVM at module level, so the
+command line can check its arguments before paying for TVM's import.
 
 Targets are written as strings: "llvm" (the CPU), "cuda" (a CUDA GPU whose arch is decided
 later) or "cuda:sm_XY" (a CUDA GPU of compute capability X.Y); "auto" is accepted where a
@@ -12,8 +14,17 @@ caller asks for the target of this machine (`resolve_target`).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 DTYPES = ("float16", "bfloat16", "float32")
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# The dtypes the tensor-core kernels (mma.sync on sm_80+, wgmma on sm_90) serve (and FlashInfer's
+# modules are built for), and PTX's name of each (the type suffix of mma / wgmma / cvt); float32 runs on CUDA cores.
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
+PTX_DTYPE_NAMES = {"float16": "f16", "bfloat16": "bf16"}
+MMA_MIN_SM = 80  # cp.async, ldmatrix(.trans) and bf16 mma.sync: sm_80 and newer
+WGMMA_ARCHS = ("sm_90", "sm_90a")  # wgmma, setmaxnreg and mbarrier rings: Hopper only
+PDL_MIN_SM = 90  # griddepcontrol (programmatic dependent launch): sm_90 and newer
 TARGET_KINDS = ("llvm", "cuda")
 TARGET_CHOICES = ("auto", "llvm", "cuda")  # plus "cuda:sm_XY"
 MAX_HEAD_DIM = 256
@@ -122,3 +133,68 @@ def resolve_target(text: str, cuda_arch: str | None = None) -> str:
     if name.arch and cuda_arch and name.arch != cuda_arch:
         raise ValueError(f"target={text!r} and cuda_arch={cuda_arch!r} name different archs")
     return f"cuda:{name.arch or cuda_arch or present_cuda_arch() or DEFAULT_CUDA_ARCH}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """What one kernel serves. dtypes: its element types; cpu: whether it runs on the CPU
+    ("llvm"); min_sm: the smallest CUDA compute capability it runs on (None: no CUDA build);
+    archs: exactly these CUDA archs instead (None: min_sm and newer); head_dims, page_sizes and
+    notes: the limits it adds to the config's (AttentionConfig / MLAConfig), in words."""
+
+    dtypes: tuple
+    cpu: bool
+    min_sm: int | None
+    archs: tuple | None = None
+    head_dims: str = f"multiples of 16 up to {MAX_HEAD_DIM}"
+    page_sizes: str = f"powers of two from 1 to {MAX_PAGE_SIZE}"
+    notes: str = ""
+
+    def serves_target(self, target: str) -> bool:
+        """Whether a target string ("llvm", "cuda", "cuda:sm_XY") is one this kernel runs on."""
+        name = TargetName.parse(target)
+        if not name.is_cuda:
+            return self.cpu
+        if self.min_sm is None:
+            return False
+        if self.archs is not None:
+            return name.cuda_arch in self.archs
+        return int(name.cuda_arch[3:].rstrip("a")) >= self.min_sm
+
+
+_ALL_CUDA = 0  # min_sm of a kernel that runs on every CUDA arch
+# kernel (the generator's module) -> what it serves. The dispatchers (decode.paged_decode,
+# prefill.paged_prefill and the other prefills, mla.mla_paged_prefill, mla.mla_paged_decode_auto)
+# take the first of their kernels that serves a config and say why they passed over the others.
+CAPABILITIES = {
+    "decode": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA, notes="v_head_dim = head_dim (CUDA cores)"),
+    "decode_tc": Capability(TENSOR_CORE_DTYPES, cpu=False, min_sm=MMA_MIN_SM,
+                            notes="v_head_dim = head_dim; GQA groups up to 16 (chosen by default for 4..16);"
+                                  f" dependent launch from sm_{PDL_MIN_SM}"),
+    "prefill": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA,
+                          notes="CUDA cores; paged: v_head_dim = head_dim; ragged: any v_head_dim"),
+    "prefill_sm80": Capability(TENSOR_CORE_DTYPES, cpu=False, min_sm=MMA_MIN_SM,
+                               notes="mma.sync; inline RoPE (rotary_mode 1) runs the CUDA-core kernel"),
+    "prefill_sm90": Capability(TENSOR_CORE_DTYPES, cpu=False, min_sm=90, archs=WGMMA_ARCHS,
+                               head_dims="multiples of 64 up to 256 (head_dim and v_head_dim)", notes="wgmma"),
+    "mla": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA, head_dims="latent_dim: multiples of 16 up to 1024;"
+                      f" rope_dim: multiples of 16 up to {MAX_HEAD_DIM}", notes="CUDA cores (SIMT)"),
+    "mla_tc": Capability(TENSOR_CORE_DTYPES, cpu=False, min_sm=MMA_MIN_SM,
+                         head_dims="latent_dim: multiples of 32", notes="decode only; mma.sync"),
+    "mla_sm90": Capability(TENSOR_CORE_DTYPES, cpu=False, min_sm=90, archs=WGMMA_ARCHS,
+                           head_dims="latent_dim: multiples of 128 up to 512; latent_dim + rope_dim: multiples of 64",
+                           notes="wgmma; the tiles must fit shared memory"),
+    "merge": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA),
+    "rotary": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA),
+    "page_ops": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA),
+    "mla_page_ops": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA),
+}
+
+
+class KernelChoice(NamedTuple):
+    """A dispatcher's choice: `kernel`, a key of CAPABILITIES; `reason`, why the faster kernels
+    before it were passed over for this config (None where the first choice serves it, or where
+    the caller's schedule named the kernel)."""
+
+    kernel: str
+    reason: str | None = None

@@ -5,14 +5,15 @@ The kernels live in the sibling package `tir_kernels` (generators from a validat
 top of them, in layers:
 - `tvmattn.runtime`: the Python paged KV cache `PagedKVCache` (page allocator, sequence table,
   host planning, attention backends) and the `tvmattn.*` packed functions;
-- `tvmattn.weights` (GGUF / safetensors readers) and `tvmattn.models` (the Llama-family model
-  library on this cache);
+- `tvmattn.weights` (GGUF / safetensors readers), `tvmattn.quant` (fused kernels and layers over
+  GGUF blocks), `tvmattn.compiler` (the Relax pipeline, its CPU schedule rules, the targets);
+- `tvmattn.models` (the Llama-family and DeepSeek model libraries on this cache);
 - `tvmattn.build`, `tvmattn.generate`, `tvmattn.quickstart`: compile and run a model library;
   `python -m tvmattn` is the command line over them.
 
 `import tvmattn` registers the `tvmattn.*` packed functions (a model library built on this cache
 needs them). The one exception is the command line: while `python -m tvmattn` locates its
-`__main__`, the runtime (and TVM, about 3 s to import) is left for the command that needs it,
+`__main__`, the runtime (and TVM, seconds to import) is left for the command that needs it,
 so that `--help` and argument errors answer at once.
 """
 

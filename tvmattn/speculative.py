@@ -39,6 +39,28 @@ acceptance: `next_draft_len`):
   each verify step its cache is rolled back (popn) to the longest prefix it shares with the
   accepted sequence; the tokens it lacks are fed before the next draft.
 
+Back-off (`SpeculativeOptions.back_off`, the default): drafts pay only when the tokens a verify
+step yields outweigh its cost, and a verify step can cost several plain decode steps (on the
+CPU a kept-quantized library decodes one row with GEMV kernels, while verification runs the
+GEMM path). So before every step the generator asks `BackOff.plan` which sequences should verify
+a draft and how long: from the measured cost of plain steps, verify steps and drafting
+(`StepCosts`, kept by the Generator across generations, a linear fit in the nodes fed) and each
+sequence's estimated per-token acceptance p (`Acceptance`, recent results weigh most), a draft
+`depth` deep is expected to yield 1 + p + ... + p^depth tokens. It speculates only when the
+expected tokens per second beat plain decoding's by `BACK_OFF_MARGIN`; otherwise the step is a
+plain decode step. Greedy tokens are the same either way. What it learns while backed off:
+
+- prompt lookup keeps drafting (a lookup costs microseconds) and checks each draft against the
+  tokens plain decoding then produces (a *shadow* draft, at most one pending per sequence),
+  which measures its acceptance for free; it starts sceptical (PROMPT_LOOKUP_PRIOR), so drafts
+  are verified only once they have been seen to match;
+- a draft model can only learn by drafting: while a sequence decodes plainly its evidence fades
+  back toward the prior (IDLE_DECAY per step), which brings a new probe after a while, unless
+  even drafts that are always accepted cannot pay (a draft model as slow as the model itself).
+Until a cost is measured, a prior stands in (a verify step: VERIFY_PRIOR_CPU or
+VERIFY_PRIOR_GPU plain steps; a draft token: a plain step scaled by the draft model's share of
+the weights); the first verify step measures it.
+
 Only greedy decoding is speculative here (temperature 0); sampling would need speculative
 sampling (rejection against the draft distribution), which is not implemented, and the
 generator refuses it. This module holds the pure logic (numpy only, no TVM import); the loop
@@ -47,6 +69,7 @@ that drives a library lives in `tvmattn.generate.Generator`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
@@ -82,7 +105,9 @@ class SpeculativeOptions:
     tree_width: continuations (prompt-lookup) or top-k tokens at the first draft position
     (draft-model); draft_lib: the drafting library (draft-model only); max_ngram / min_ngram:
     the n-gram sizes prompt lookup tries, longest first; adaptive: each sequence's draft length
-    follows its acceptance (`next_draft_len`), draft_len is then the most. Raises ValueError."""
+    follows its acceptance (`next_draft_len`), draft_len is then the most; back_off: a step
+    verifies drafts only where they are expected to pay (`BackOff`), else it decodes plainly
+    (False: every step verifies whatever was drafted). Raises ValueError."""
 
     mode: str
     draft_len: int = DEFAULT_DRAFT_LEN
@@ -91,6 +116,7 @@ class SpeculativeOptions:
     max_ngram: int = DEFAULT_MAX_NGRAM
     min_ngram: int = 1
     adaptive: bool = True
+    back_off: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -267,8 +293,8 @@ def tree_depth(tree: DraftTree) -> int:
 def next_draft_len(current: int, accepted: int, depth: int, most: int) -> int:
     """Adaptive draft length of a sequence after a verify step that accepted `accepted` drafts of
     a tree `depth` deep: doubled (up to `most`) when the whole depth was accepted, else one more
-    than what was accepted. Drafts the model rejects cost a verify slot each (on the CPU about
-    as much as a decode step), so a sequence whose drafts fail drafts little until they match."""
+    than what was accepted. Drafts the model rejects cost a verify node each, so a sequence
+    whose drafts fail drafts little until they match."""
     return min(most, 2 * current) if accepted >= depth else max(1, accepted + 1)
 
 
@@ -283,12 +309,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 @dataclasses.dataclass
 class SpeculativeStats:
-    """Counts of a speculative generation: verify steps, draft nodes fed, draft tokens accepted."""
+    """Counts of a speculative generation: verify steps (trees verified, one per sequence and
+    step), draft nodes fed, draft tokens accepted, and plain steps (per sequence: decode steps
+    taken while drafts did not pay, or found nothing)."""
 
     mode: str
     verify_steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    plain_steps: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -298,3 +327,219 @@ class SpeculativeStats:
     def mean_accepted(self) -> float:
         """Draft tokens accepted per verify step (each step also yields its bonus token)."""
         return self.accepted / self.verify_steps if self.verify_steps else 0.0
+
+
+# ---------------------------------------------------------------------- back-off
+
+BACK_OFF_MARGIN = 0.1  # speculate only when expected tokens per second beat plain decoding's by 10%
+PROMPT_LOOKUP_PRIOR = (0.5, 2.0)  # (accepted, rejected) pseudo-counts: p = 0.2 before any evidence
+DRAFT_MODEL_PRIOR = (1.0, 1.0)  # p = 0.5: a draft model learns only by drafting
+ACCEPTANCE_DECAY = 0.8  # per observation: the last few drafts weigh most
+IDLE_DECAY = 0.9  # draft model, per plain step: evidence fades toward the prior (a later probe)
+# A verify step's cost before one is measured, in plain steps: (fixed, per node beyond one a
+# sequence). On the CPU a plain step of one sequence runs single-row GEMV kernels and a verify
+# step the GEMM path, dearer; on a GPU a decode step is bound by latency and a few more rows
+# cost little. Both lean optimistic: the first verify step measures the truth.
+VERIFY_PRIOR_CPU = (2.0, 0.1)
+VERIFY_PRIOR_GPU = (1.0, 0.02)
+COST_WINDOW = 16  # the most recent steps a cost fit uses
+PLAIN_EMA = 0.3  # weight of the newest plain step in its running mean
+
+
+class Acceptance:
+    """A sequence's estimated per-token acceptance p: draft token d + 1 is accepted with
+    probability p once token d was (a geometric model). Evidence: (accepted, trials) counts,
+    decayed per observation, on top of a prior's pseudo-counts."""
+
+    def __init__(self, prior: tuple[float, float] = DRAFT_MODEL_PRIOR):
+        self.prior = prior
+        self.accepted = 0.0
+        self.trials = 0.0
+
+    def observe(self, accepted: int, depth: int) -> None:
+        """A draft `depth` deep of which the first `accepted` tokens were accepted."""
+        trials = accepted + (1 if accepted < depth else 0)
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + accepted
+        self.trials = ACCEPTANCE_DECAY * self.trials + trials
+
+    def fade(self, factor: float = IDLE_DECAY) -> None:
+        self.accepted *= factor
+        self.trials *= factor
+
+    @property
+    def p(self) -> float:
+        good, bad = self.prior
+        return (self.accepted + good) / (self.trials + good + bad)
+
+    def expected(self, depth: int) -> float:
+        """Expected accepted drafts of a draft `depth` deep: p + p^2 + ... + p^depth."""
+        p = self.p
+        return p * (1 - p ** depth) / (1 - p) if p < 1 else float(depth)
+
+
+def _line_stats(points) -> tuple[int, float, float, float, float, float]:
+    """(count, mean x, mean y, variance of x, covariance, range of x) of (x, y) points."""
+    xs = np.array([x for x, _ in points], dtype=np.float64)
+    ys = np.array([y for _, y in points], dtype=np.float64)
+    return (len(points), float(xs.mean()), float(ys.mean()), float(xs.var()),
+            float(((xs - xs.mean()) * (ys - ys.mean())).mean()), float(np.ptp(xs)))
+
+
+def _fit(stats: tuple[int, float, float, float, float, float], prior_slope: float) -> tuple[float, float]:
+    """(intercept, slope) of seconds against nodes by least squares, from `_line_stats`; with too
+    few or too alike points, the slope is `prior_slope` and the intercept fits the mean."""
+    count, mean_x, mean_y, var_x, cov, spread = stats
+    slope = max(cov / var_x, 0.0) if count >= 3 and spread >= 2 else prior_slope
+    return max(mean_y - slope * mean_x, 0.0), slope
+
+
+class StepCosts:
+    """Measured wall time of a library's steps, kept by its Generator across generations:
+    plain decode steps by batch size (a running mean), verify steps by nodes fed (roots
+    included) and draft-model drafting by draft tokens (linear fits over the last COST_WINDOW).
+    verify_prior: VERIFY_PRIOR_CPU or VERIFY_PRIOR_GPU, until a verify step is measured."""
+
+    def __init__(self, verify_prior: tuple[float, float] = VERIFY_PRIOR_GPU) -> None:
+        self.verify_prior = verify_prior
+        self.plain: dict[int, float] = {}
+        self.verify: collections.deque = collections.deque(maxlen=COST_WINDOW)
+        self.draft: collections.deque = collections.deque(maxlen=COST_WINDOW)
+        self._stats: dict[str, tuple] = {}  # `_line_stats` of verify / draft, until the next observation
+
+    def observe_plain(self, batch: int, seconds: float) -> None:
+        known = self.plain.get(batch)
+        self.plain[batch] = seconds if known is None else (1 - PLAIN_EMA) * known + PLAIN_EMA * seconds
+
+    def observe_verify(self, nodes: int, seconds: float) -> None:
+        self.verify.append((nodes, seconds))
+        self._stats.pop("verify", None)
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        self.draft.append((tokens, seconds))
+        self._stats.pop("draft", None)
+
+    def _fit(self, kind: str, prior_slope: float) -> tuple[float, float]:
+        if kind not in self._stats:
+            self._stats[kind] = _line_stats(self.verify if kind == "verify" else self.draft)
+        return _fit(self._stats[kind], prior_slope)
+
+    def plain_time(self, batch: int) -> float | None:
+        """Seconds of a plain step of `batch` sequences (the nearest batch size measured), or None."""
+        if not self.plain:
+            return None
+        return self.plain[min(self.plain, key=lambda b: (abs(b - batch), b))]
+
+    def verify_time(self, nodes: int, batch: int) -> float:
+        """Seconds of a verify step feeding `nodes` nodes over `batch` sequences (needs a plain time)."""
+        plain = self.plain_time(batch)
+        fixed, per_node = self.verify_prior
+        if not self.verify:
+            return plain * (fixed + per_node * max(nodes - batch, 0))
+        intercept, slope = self._fit("verify", per_node * plain)
+        return intercept + slope * nodes
+
+    def draft_time(self, tokens: int, per_token_prior: float) -> float:
+        """Seconds a draft model takes to draft `tokens` tokens over a step."""
+        if tokens == 0:
+            return 0.0
+        if not self.draft:
+            return per_token_prior * tokens
+        intercept, slope = self._fit("draft", per_token_prior)
+        return intercept + slope * tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftOption:
+    """One way a sequence may draft this step: `budget` draft nodes, `depth` of them on its
+    longest path."""
+
+    budget: int
+    depth: int
+
+
+class BackOff:
+    """Which sequences verify a draft at a step, and how long (module docstring)."""
+
+    def __init__(self, costs: StepCosts, prior: tuple[float, float], draft_token_prior: float | None = None,
+                 margin: float = BACK_OFF_MARGIN):
+        """draft_token_prior: for a draft model, the prior seconds per draft token as a fraction
+        of a plain step of one sequence (None: drafting costs nothing, prompt lookup)."""
+        self.costs, self.prior, self.margin = costs, prior, margin
+        self.draft_token_prior = draft_token_prior
+        self.acceptance: dict[int, Acceptance] = {}
+        # prompt lookup: the draft each sequence made while decoding plainly, checked as tokens come
+        self.shadows: dict[int, tuple[int, list[int]]] = {}
+
+    def of(self, seq_id: int) -> Acceptance:
+        if seq_id not in self.acceptance:
+            self.acceptance[seq_id] = Acceptance(self.prior)
+        return self.acceptance[seq_id]
+
+    def _draft_seconds(self, tokens: int) -> float:
+        if self.draft_token_prior is None:
+            return 0.0
+        return self.costs.draft_time(tokens, self.draft_token_prior * self.costs.plain_time(1))
+
+    def plan(self, options: dict[int, list[DraftOption]], batch: int) -> dict[int, int]:
+        """seq id -> draft budget for this step (absent: no draft; {}: a plain step) from each
+        sequence's options (increasing budgets) among `batch` active sequences. Budgets are
+        capped alike (each sequence takes its largest option under the cap); sequences join in
+        order of expected accepted drafts per node; the plan with the most expected tokens per
+        second wins if it beats a plain step's by the margin."""
+        plain = self.costs.plain_time(batch)
+        if plain is None or not any(options.values()):
+            return {}  # a plain step first: it measures what the drafts must beat
+        best_rate, best = batch / plain * (1 + self.margin), {}
+        caps = sorted({o.budget for opts in options.values() for o in opts})
+        for cap in caps:
+            picks = []
+            for seq_id, opts in options.items():
+                fitting = [o for o in opts if o.budget <= cap]
+                if fitting:
+                    option = fitting[-1]
+                    picks.append((self.of(seq_id).expected(option.depth), option.budget, seq_id))
+            picks.sort(key=lambda pick: -pick[0] / pick[1])
+            gain = nodes = 0.0
+            plan = {}
+            for expected, budget, seq_id in picks:
+                gain, nodes = gain + expected, nodes + budget
+                plan[seq_id] = budget
+                seconds = self.costs.verify_time(int(batch + nodes), batch) + self._draft_seconds(int(nodes))
+                rate = (batch + gain) / seconds
+                if rate > best_rate:
+                    best_rate, best = rate, dict(plan)
+        return best
+
+    def verified(self, seq_id: int, accepted: int, depth: int) -> None:
+        self.of(seq_id).observe(accepted, depth)
+        self.shadows.pop(seq_id, None)
+
+    def shadow(self, seq_id: int, position: int, draft: list[int]) -> None:
+        """A draft not verified: the tokens it guesses for positions position, position + 1, ...
+        of the answer (kept only when none is pending for the sequence)."""
+        if draft and seq_id not in self.shadows:
+            self.shadows[seq_id] = (position, list(draft))
+
+    def check_shadow(self, seq_id: int, answer: list[int]) -> tuple[int, int] | None:
+        """(accepted, depth) of the sequence's pending shadow draft once the answer decides it
+        (it is then observed and dropped), else None."""
+        if seq_id not in self.shadows:
+            return None
+        position, draft = self.shadows[seq_id]
+        known = answer[position:position + len(draft)]
+        accepted = common_prefix(known, draft)
+        if accepted == len(known) and len(known) < len(draft):
+            return None  # all agree so far: wait for more tokens
+        del self.shadows[seq_id]
+        self.of(seq_id).observe(accepted, len(draft))
+        return accepted, len(draft)
+
+
+def first_chain(tree: DraftTree) -> list[int]:
+    """The draft tokens along the tree's first branch (each node's first child): its best guess."""
+    chain, node = [], 0
+    for index in range(1, len(tree)):
+        if tree.parents[index] == node:
+            chain.append(tree.tokens[index])
+            node = index
+    return chain

@@ -23,12 +23,14 @@ import json
 import os
 from pathlib import Path
 
+from tir_kernels.support import TENSOR_CORE_DTYPES
+
 FLASHINFER_VERSION = "0.7.2.post1"
 KINDS = ("decode", "prefill_fa2", "prefill_fa3")
 # exported function name prefix per kind (the names TVM gives FlashInfer functions in a library)
 PREFIX = {"decode": "batch_decode", "prefill_fa2": "batch_prefill", "prefill_fa3": "batch_prefill"}
 HEAD_DIMS = (64, 128, 256)
-DTYPES = ("float16", "bfloat16")
+DTYPES = TENSOR_CORE_DTYPES  # FlashInfer's attention kernels run on tensor cores
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,11 @@
 """Models on the tvmattn cache: the Llama-family decoder (`llama`, optionally with sliding-window
 layers), the DeepSeek-V2 MLA decoder (`deepseek`, on the MLA cache of `mla_cache`), their
 configurations (`config`), the nn-level KV cache that emits `tvmattn.*` calls (`kv_cache`), the
-choice of decoder per config (`architectures`) and the library export (`export`)."""
+choice of decoder per config (`architectures`) and the library export (`export`).
+
+Built on `tvmattn.quant` (layers whose weights stay in GGUF blocks), `tvmattn.compiler` (the
+Relax pipeline the export runs), `tvmattn.weights` and `tvmattn.runtime.ffi`; `tvmattn.build` and
+`tvmattn.generate` sit above."""
 
 from .config import DeepseekV2Config as DeepseekV2Config
 from .config import ModelConfig as ModelConfig

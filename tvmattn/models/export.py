@@ -38,12 +38,12 @@ from tir_kernels import tvm_target
 from tir_kernels.build import PIPELINE
 from tir_kernels.support import TargetName, dtype_problem, numpy_dtype, page_size_problem
 
+from ..compiler.pipeline import relax_pipeline
+from ..quant.linear import dequantized, packed_part, split_part_name
 from .architectures import architecture
 from .architectures import cache_spec as architecture_cache_spec
 from .config import AnyModelConfig, model_config_from_dict
 from .kv_cache import KV_CACHE_KINDS, KVCacheSpec, attention_backend_record
-from .pipeline import relax_pipeline
-from .quant_linear import dequantized, packed_part, split_part_name
 
 METADATA_FUNCTION = "_metadata"
 
@@ -53,7 +53,7 @@ class BuildOptions:
     """target: "llvm", "cuda" or "cuda:sm_XX"; dtype: weights and activations; page_size: KV
     page size compiled into tvmattn's kernels; kv_cache: "tvmattn" or "tvm" (TVM's stock cache);
     weight_formats: (parameter prefix, GGUF block type) of each layer kept quantized
-    (quant_linear.py; llvm with float32, cuda with float16). dtype, page size and target are checked against
+    (quant/linear.py; llvm with float32, cuda with float16). dtype, page size and target are checked against
     tir_kernels.support (ValueError). An llvm library with quantized weights is compiled for the
     host's CPU."""
 
@@ -63,8 +63,8 @@ class BuildOptions:
     kv_cache: str = "tvmattn"
     weight_formats: tuple[tuple[str, str], ...] = ()
     max_batch_size: int = 4  # the most sequences of one decode_step (its storage is planned for it)
-    small_batch_matmul: bool = True  # CUDA: pipeline.SmallBatchMatmul for decode_step's projections
-    # llvm with weight_formats: compile with the host's AVX-512 (quant_matmul.host_target), for
+    small_batch_matmul: bool = True  # CUDA: compiler.pipeline.SmallBatchMatmul for decode_step's projections
+    # llvm with weight_formats: compile with the host's AVX-512 (compiler.targets.host_target), for
     # libraries whose every matrix is kept quantized (build.py sets it; float matmuls compile slowly)
     host_avx512: bool = False
 
@@ -99,10 +99,11 @@ class BuildOptions:
 
     def tvm_target(self) -> tvm.target.Target:
         if self.target == "llvm" and self.weight_formats:
-            from .quant_matmul import host_target
+            from ..compiler.targets import host_target
 
             # the host CPU's instructions and vector width for the fused kernels (plain "llvm" is
-            # SSE2); float builds keep plain llvm: dlight's schedules take 3.5x longer to compile for it
+            # SSE2); float builds keep plain llvm: dlight's schedules compile much slower for the
+            # host's CPU (docs/performance.md)
             return host_target(avx512=self.host_avx512)
         return tvm_target(self.target, schedule_rules=True)
 
@@ -147,9 +148,9 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
     arch = architecture(config)
     model = arch.model_class(config, options.cache_spec(config), options.kv_cache, formats)
     model.to(options.dtype)
-    with options.tvm_target():  # quant_linear picks its kernels' target from this scope
+    with options.tvm_target():  # quant.linear picks its kernels' target from this scope
         mod, params = model.export_tvm(spec=model.get_default_spec())
-    if "decode_step" in arch.functions:  # storage planned for the largest batch (see pipeline.py)
+    if "decode_step" in arch.functions:  # storage planned for the largest batch (see compiler/pipeline.py)
         step = mod.get_global_var("decode_step")
         mod[step] = mod[step].with_attr("tir_var_upper_bound", {"batch_size": options.max_batch_size})
     document = json.loads(json.dumps(metadata(config, options, params)))  # JSON types, as `_metadata` returns it
@@ -160,7 +161,7 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
 
 
 def compile_module(mod: tvm.IRModule, options: BuildOptions) -> relax.VMExecutable:
-    """Compile an exported module for options' target with the model pipeline (models/pipeline.py)."""
+    """Compile an exported module for options' target with the model pipeline (compiler/pipeline.py)."""
     target = options.tvm_target()
     with target:
         # tir_kernels' pipeline: the Hopper attention kernels are lowered by TVM's TIRx pipeline

@@ -10,7 +10,7 @@ Parameter names are HF's with the fused projections renamed: `...self_attn.qkv_p
 q_proj, k_proj, v_proj stacked on the output axis, `...mlp.gate_up_proj.weight` holds gate_proj
 then up_proj (see `hf_parameter_sources`).
 
-`weight_formats` (parameter prefix -> GGUF block type, see quant_linear.py) keeps the named
+`weight_formats` (parameter prefix -> GGUF block type, see quant/linear.py) keeps the named
 matrices quantized: their layers are QuantLinear / QuantEmbedding, whose `<prefix>.weight`
 becomes the block arrays `<prefix>.weight_qs`, `<prefix>.weight_d` (and `<prefix>.weight_m`).
 """
@@ -25,10 +25,10 @@ from tvm.relax.frontend.nn import op
 
 from typing import Mapping
 
+from ..quant.linear import PART_PREFIX, QuantEmbedding, QuantLinear
 from ..weights.quant import PACKED
 from .config import ModelConfig
 from .kv_cache import KVCacheSpec, TvmattnKVCache, kv_cache_object_type, tvm_stock_kv_cache
-from .quant_linear import PART_PREFIX, QuantEmbedding, QuantLinear
 
 
 def _linear(formats: Mapping[str, str], prefix: str, in_features: int, out_features: int, bias: bool = False):

@@ -14,17 +14,25 @@ Semantics follow TVM's C++ cache (paged_kv_cache.cc), with these choices:
 - a cache with `support_sliding_window` applies RoPE "normal" as "inline" (in the attention
   kernels, at positions within the cache), as TVM does, since cached keys move when the
   window slides;
+- a forward step is a transaction (see PagedKVCache, "Forward steps are transactions"):
+  end_forward keeps it only when every layer wrote its K/V, and a step abandoned in any way
+  (cancel_forward, a new begin_forward, remove/fork/popn/clear, a failed launch) is rolled
+  back; TVM keeps whatever a step reserved. A sliding window therefore slides when a step is
+  kept (at end_forward), not at begin_forward;
 - token trees (`begin_forward` with `token_tree_parent_ptr`) may grow over several forwards
   before a commit, which moves the accepted path into place with compact_copy (TVM's commit
   handles only trees appended in the last forward); trees that are not chains are refused in
   caches with support_sliding_window or inline RoPE (as TVM does), and a sequence with an
-  uncommitted tree cannot be forked;
+  uncommitted tree cannot be forked; a windowed sequence's window slides only when the path
+  is committed, so it keeps exactly what appending the path one by one would keep;
 - per-layer kinds (`attn_kinds`, TVM's AttnKind): MHA layers need `v_head_dim == qk_head_dim`;
   MHA_SLIDING layers attend to each token's last `layer_sliding_window_size` tokens in every
   step (tvmattn.runtime.windows; TVM does so in decode steps only); a cache is either every
   layer MLA (tvmattn.runtime.mla: latent pages, append_mla_kv / self_attention /
   cross_attention, no token trees, no sliding windows, as in TVM) or MHA / MHA_SLIDING.
-Every method validates its arguments before changing anything and raises KVCacheError.
+Every method validates its arguments before changing anything and raises KVCacheError (a call
+that abandons a forward step in progress rolls the step back first, even when it then refuses
+its own arguments).
 """
 
 from __future__ import annotations
@@ -41,8 +49,8 @@ import tvm_ffi
 
 from tir_kernels import AttentionConfig, RopeScaling
 from tir_kernels.support import cuda_arch_of, dtype_problem, numpy_dtype, page_size_problem
-from tvmattn.flashinfer.select import attention_kernels
 
+from .backend_choice import attention_kernels
 from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPrefill, RaggedPrefillTreeMask,
                        RopeMode, backend_from_spec, bind_workspace)
 from .errors import KVCacheError, as_tensor, check, check_finite, check_int, check_tensor
@@ -200,7 +208,32 @@ class PagedKVCache:
       backend: "tir" (tvmattn's kernels) or "flashinfer" (FlashInfer's modules, built by
         `python -m tvmattn.flashinfer.build`, in the prefill and decode slots; where FlashInfer
         cannot serve the cache it falls back to TIR with a logged warning, see
-        tvmattn.flashinfer.select); `self.backend` says which one runs.
+        runtime/backend_choice.py); `self.backend` says which one runs.
+
+    Forward steps are transactions. begin_forward reserves a step's rows (pages, lengths, tree
+    nodes); the layers' calls write them; end_forward keeps the step only when it is complete:
+    every layer wrote the step's K/V (attention_with_fused_qkv on an MHA or MHA_SLIDING layer,
+    append_mla_kv on an MLA layer; a call of attention_with_shared_kv stands for the layer
+    that makes it, which reads another layer's K/V and writes none; self_attention and
+    cross_attention write nothing). Then windows slide. Otherwise end_forward rolls the step
+    back and raises KVCacheError naming the layers that did not write. Rolled back means
+    exactly as before begin_forward: lengths, page tables, reference counts and the free list
+    (in order), token trees, windows. So a row is only ever read once written: a step's
+    attention reads the history and the rows its own layer appended, and rows a rolled-back
+    step reserved (in pages that may hold another sequence's old K/V) are never attended.
+    Calls while a step is in progress:
+      - abandon it (roll it back, then do their work): cancel_forward, begin_forward and
+        begin_graph_decode (a new step), remove_sequence, fork_sequence, popn (n counts the
+        tokens from before the step), clear; and a per-layer call whose launch raised after
+        its arguments were checked (later calls of the step are refused; end_forward raises
+        once to say so);
+      - are refused with KVCacheError, the step intact: a per-layer call with bad arguments
+        (the layer may be called again), commit_accepted_token_tree_nodes and
+        enable_sliding_window_for_seq (call end_forward first), debug_get_kv and
+        debug_get_kv_mla (the step's rows are not all written), reserve_decode_workspace;
+      - leave it going: add_sequence, the queries (lengths and pages include the step's
+        reservation) and merge_attn_output_inplace.
+    Outside a step, end_forward and cancel_forward do nothing.
 
     Threads: a cache is not thread-safe. It takes no locks; its methods (and the `tvmattn.*`
     functions over it) must be called from one thread at a time, as a model's forward calls
@@ -247,7 +280,7 @@ class PagedKVCache:
         self._pools = [self._zeros(page_shape) for _ in range(opts.num_layers)]
         # attention_with_fused_qkv's fast path: the MHA layers' pools and an argument check, compiled
         # on a GPU (TVM's own checks in one FFI call); on the CPU the Python checks, because the
-        # compile's LLVM JIT would stay resident (38 MB: a sixth of SmolLM2's memory with kept weights)
+        # compile's LLVM JIT would stay resident (a large share of a small model's memory)
         if opts.is_mla:
             self._fused_check = None
         elif self.target == "llvm":
@@ -265,6 +298,8 @@ class PagedKVCache:
         self._graph_layouts: dict = {}
         self._graph_generation = 0
         self._step: Step | None = None
+        self._rolled_back: str | None = None  # why the last step was rolled back by a failed launch
+        self._num_layers = opts.num_layers
         self._shapes: dict = {}
 
     def _python_check(self, n: int, qkv, o, pages) -> None:
@@ -334,45 +369,50 @@ class PagedKVCache:
 
     # -- sequences
     def add_sequence(self, seq_id: int) -> None:
-        """Add an empty sequence."""
+        """Add an empty sequence (inside a forward step too: the step goes on)."""
         self._table.add(seq_id)
-        self._step = None
 
     def remove_sequence(self, seq_id: int) -> None:
-        """Remove a sequence and release its pages."""
+        """Remove a sequence and release its pages (inside a step: after rolling it back)."""
+        self._abandon()
         self._table.remove(seq_id)
-        self._step = None
 
     def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> None:
         """Add `child_id` with the first `fork_pos` tokens of `parent_id` (-1: all of them).
 
         Full pages are shared; a partly filled page at the fork point is copied (every layer).
         A parent with a sliding window can only be forked within its sink (the child has no
-        window), as in TVM.
+        window), as in TVM. Inside a forward step: after rolling the step back.
         """
+        self._abandon()
         copy = self._table.fork(parent_id, child_id, fork_pos)
         if copy is not None:
-            self._copy_pages([copy])
-        self._step = None
+            try:
+                self._copy_pages([copy])
+            except BaseException:
+                self._table.remove(child_id)
+                raise
 
     def popn(self, seq_id: int, n: int) -> None:
         """Remove the last `n` tokens of a sequence (it may then end inside a shared page; the
-        next append copies that page first)."""
+        next append copies that page first). Inside a forward step: after rolling it back, so
+        n counts the tokens the sequence had before the step."""
+        self._abandon()
         self._table.popn(seq_id, n)
-        self._step = None
 
     def clear(self) -> None:
-        """Remove every sequence."""
+        """Remove every sequence (and the forward step in progress)."""
+        self._abandon()
         self._table.clear()
-        self._step = None
 
     def enable_sliding_window_for_seq(self, seq_id: int, window_size: int, sink_size: int) -> None:
         """Keep only the first `sink_size` and the last `window_size - sink_size` tokens of the
-        sequence (0 <= sink_size < window_size); the window slides as tokens are appended."""
+        sequence (0 <= sink_size < window_size); the window slides as tokens are appended
+        (when each forward step, or token-tree commit, is kept). Refused inside a forward step."""
         check(not self.options.has_layer_windows, "enable_sliding_window_for_seq: this cache has MHA_SLIDING layers "
               "(their window is layer_sliding_window_size); per-sequence windows are off in such a cache, as in TVM")
+        self._refuse_in_step("enable_sliding_window_for_seq")
         self._table.enable_sliding_window(seq_id, window_size, sink_size)
-        self._step = None
 
     def _copy_pages(self, copies: list[PageCopy]) -> None:
         copy = self.kernels.copy_single_page
@@ -390,8 +430,17 @@ class PagedKVCache:
         gives its tokens' parents, an ordinary sequence a chain). A tree may grow over several
         steps; commit_accepted_token_tree_nodes then keeps one path. A node sees the history
         before its tree, its ancestors and itself; its RoPE position is the committed length
-        plus its depth.
+        plus its depth. A windowed sequence keeps every node until the commit (its window
+        slides then), so any tree that fits in the free pages can be committed; what could not
+        be run or committed is refused here: a tree that is not a chain in a cache with
+        sliding windows or inline RoPE, a tree over MAX_TREE_NODES nodes, a step without
+        enough free pages.
+
+        A step in progress is rolled back first (it was abandoned); this step is kept by
+        end_forward once every layer has written its K/V (see "Forward steps are transactions").
         """
+        if self._step is not None or self._rolled_back is not None:
+            self._abandon()
         seq_ids, lengths, steady = self._check_batch(seq_ids, append_lengths)
         page_size, sliding = self.options.page_size, self.options.sequence_windows
         if steady is not None and token_tree_parent_ptr is None:
@@ -407,31 +456,35 @@ class PagedKVCache:
         if masked:
             self._check_tree_support()
         nodes = sum(seq.tree_tokens for seq in seqs) + sum(lengths) if masked else 0
-        if tables is not None or (trees is None and not any(map(_WINDOW_SIZE, seqs))):
-            # the usual step (no sliding window, no token tree): planned with numpy over the batch
-            if tables is None:
-                tables = TableArrays.gather(seqs)
-            self._arrays.reserve(plan_size_bound(len(tables.pages), lengths, page_size))
-            batch, copies = self._table.reserve_plain(seqs, lengths, tables, seq_ids)
-            self._copy_pages(copies)
-            plan = build_plan_arrays(seq_ids, lengths, batch, page_size, sliding)
-            after = batch.seqs
-        else:
-            pages = sum(len(seq.pages) for seq in seqs)
-            self._arrays.reserve(plan_size_bound(pages, lengths, page_size, nodes))
-            appended, copies = self._table.reserve(seqs, lengths, trees)
-            self._copy_pages(copies)
-            tree = None
-            if masked:
-                tree = tree_step([a.seq.tree for a in appended],
-                                 [a.seq.length - a.seq.tree_tokens for a in appended], lengths)
-            plan = build_plan(seq_ids, appended, lengths, page_size, sliding, tree=tree)
-            after = None if not self.options.has_layer_windows else TableArrays.gather([a.seq for a in appended])
-        window = self.options.layer_sliding_window_size
-        if self.options.has_layer_windows and int(after.slot_end.max()) > window:
-            # some sequence is longer than the window (else MHA_SLIDING layers attend as MHA layers)
-            plan = with_window(plan, window_level(after, lengths, window, page_size))
-        self._start_step(plan, self._arrays)
+        try:  # (a failure after the reserve undoes it: no step, nothing changed)
+            if tables is not None or (trees is None and not any(map(_WINDOW_SIZE, seqs))):
+                # the usual step (no sliding window, no token tree): planned with numpy over the batch
+                if tables is None:
+                    tables = TableArrays.gather(seqs)
+                self._arrays.reserve(plan_size_bound(len(tables.pages), lengths, page_size))
+                batch, copies = self._table.reserve_plain(seqs, lengths, tables, seq_ids)
+                self._copy_pages(copies)
+                plan = build_plan_arrays(seq_ids, lengths, batch, page_size, sliding)
+                after = batch.seqs
+            else:
+                pages = sum(len(seq.pages) for seq in seqs)
+                self._arrays.reserve(plan_size_bound(pages, lengths, page_size, nodes))
+                appended, copies = self._table.reserve(seqs, lengths, trees)
+                self._copy_pages(copies)
+                tree = None
+                if masked:
+                    tree = tree_step([a.seq.tree for a in appended],
+                                     [a.seq.length - a.seq.tree_tokens for a in appended], lengths)
+                plan = build_plan(seq_ids, appended, lengths, page_size, sliding, tree=tree)
+                after = None if not self.options.has_layer_windows else TableArrays.gather([a.seq for a in appended])
+            window = self.options.layer_sliding_window_size
+            if self.options.has_layer_windows and int(after.slot_end.max()) > window:
+                # some sequence is longer than the window (else MHA_SLIDING layers attend as MHA layers)
+                plan = with_window(plan, window_level(after, lengths, window, page_size))
+            self._start_step(plan, self._arrays)
+        except BaseException:
+            self._table.rollback_step()
+            raise
 
     def _start_step(self, plan: ForwardPlan, device_arrays: DeviceArrays) -> None:
         """The backends' plan step, the upload, and the Step that the layers' calls run."""
@@ -456,8 +509,60 @@ class PagedKVCache:
         return not self.options.is_mla and any(b is not None and b.kind != "tir" for b in backends)
 
     def end_forward(self) -> None:
-        """End the step: attention calls need a new begin_forward."""
+        """Keep the step in progress: its tokens join their sequences (windows slide). Only a
+        complete step is kept: one in which every layer wrote the step's K/V
+        (attention_with_fused_qkv on an MHA or MHA_SLIDING layer, append_mla_kv on an MLA
+        layer; each attention_with_shared_kv call stands for a layer that reads another's).
+        Otherwise the step is rolled back and KVCacheError names the layers that did not write.
+        Outside a step it does nothing, except to report (KVCacheError, once) a step that a
+        failed launch rolled back."""
+        step = self._step
+        if step is None:
+            reason, self._rolled_back = self._rolled_back, None
+            if reason is not None:
+                raise KVCacheError(f"end_forward: {reason}; nothing of the step was kept")
+            return
         self._step = None
+        if len(step.appended_layers) + step.shared_reads < self._num_layers:
+            self._table.rollback_step()
+            missing = [layer for layer in range(self._num_layers) if layer not in step.appended_layers]
+            raise KVCacheError(f"end_forward: layers {missing} did not write this step's K/V (attention_with_fused_qkv"
+                               "; append_mla_kv in an MLA cache), so the step was rolled back: its sequences are as "
+                               "they were before begin_forward")
+        self._table.commit_step()
+
+    def cancel_forward(self) -> None:
+        """Abandon the step in progress (if any): roll it back, so that every sequence, page and
+        token tree is as it was before begin_forward."""
+        self._abandon()
+
+    def _abandon(self) -> None:
+        """Roll back the step in progress, if any."""
+        self._rolled_back = None
+        if self._step is not None:
+            self._step = None
+            self._table.rollback_step()
+
+    def _failed(self, step: Step, what: str, error: BaseException) -> None:
+        """A launch of `step` raised (after its arguments were checked): its pages may hold part
+        of a layer's rows, so the step is rolled back."""
+        if self._step is step:
+            self._step = None
+            self._table.rollback_step()
+            self._rolled_back = f"the step was rolled back when {what} raised ({type(error).__name__}: {error})"
+
+    def _launch(self, step: Step, what: str, launch, *args) -> None:
+        """launch(*args), the step rolled back if it raises."""
+        try:
+            launch(*args)
+        except BaseException as error:
+            self._failed(step, what, error)
+            raise
+
+    def _refuse_in_step(self, what: str) -> None:
+        if self._step is not None:
+            raise KVCacheError(f"{what}: a forward step is in progress (its rows are not all written); call "
+                               "end_forward, or cancel_forward to abandon the step, first")
 
     def _check_batch(self, seq_ids, append_lengths) -> tuple[list, list, tuple | None]:
         """(seq_ids, lengths, SequenceTable.steady(seq_ids)), checked; the sequences' existence
@@ -583,7 +688,8 @@ class PagedKVCache:
     def _active(self, what: str) -> Step:
         step = self._step
         if step is None:
-            raise KVCacheError(f"{what}: no forward step in progress; call begin_forward first")
+            reason = "" if self._rolled_back is None else f" ({self._rolled_back})"
+            raise KVCacheError(f"{what}: no forward step in progress{reason}; call begin_forward first")
         return step
 
     def _layer(self, layer_id):
@@ -619,7 +725,11 @@ class PagedKVCache:
                 except Exception:  # noqa: BLE001 - the checks below name the bad argument
                     pass
                 else:
-                    step.fused(pages, qkv, o, sm_scale)
+                    try:
+                        step.fused(pages, qkv, o, sm_scale)
+                    except BaseException as error:
+                        self._failed(step, f"attention_with_fused_qkv of layer {layer_id}", error)
+                        raise
                     step.appended_layers.add(layer_id)
                     return
         self._attention_with_fused_qkv(layer_id, sm_scale, qkv, o)
@@ -629,12 +739,10 @@ class PagedKVCache:
         step = self._active("attention_with_fused_qkv")
         pages, kind = self._layer_of_kind("attention_with_fused_qkv", layer_id, _MHA_KINDS,
                                           "MLA layers run append_mla_kv, self_attention and cross_attention")
-        qkv, o = self._tensor("qkv", qkv), self._tensor("o", o)
-        if kind == AttnKind.MHA_SLIDING and step.plan.host.window:
-            step.attention_in_window(pages, qkv, o, check_finite("sm_scale", sm_scale))
-        else:
-            step.fused(pages, qkv, o, check_finite("sm_scale", sm_scale))
-        step.appended_layers.add(layer_id)
+        qkv, o, sm_scale = self._tensor("qkv", qkv), self._tensor("o", o), check_finite("sm_scale", sm_scale)
+        launch = step.attention_in_window if kind == AttnKind.MHA_SLIDING and step.plan.host.window else step.fused
+        self._launch(step, f"attention_with_fused_qkv of layer {layer_id}", launch, pages, qkv, o, sm_scale)
+        step.appended_layers.add(int(layer_id))
 
     def attention_with_shared_kv(self, source_layer_id: int, sm_scale: float, q, k, v, o) -> None:
         """Attention of this step's new tokens over the K/V of layer `source_layer_id` (a layer
@@ -651,10 +759,12 @@ class PagedKVCache:
         check(source_layer_id in step.appended_layers, f"attention_with_shared_kv: source layer {source_layer_id} "
               "has not run attention_with_fused_qkv in this step, so its pages lack the step's K/V")
         q, k, v, o = (self._tensor(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o)))
+        sm_scale, what = check_finite("sm_scale", sm_scale), f"attention_with_shared_kv over layer {source_layer_id}"
         if kind == AttnKind.MHA_SLIDING and step.plan.host.window:
-            step.attend_in_window(pages, q, o, check_finite("sm_scale", sm_scale))
+            self._launch(step, what, step.attend_in_window, pages, q, o, sm_scale)
         else:
-            step.attend(pages, q, k, v, o, check_finite("sm_scale", sm_scale))
+            self._launch(step, what, step.attend, pages, q, k, v, o, sm_scale)
+        step.shared_reads += 1
 
     def append_mla_kv(self, layer_id: int, kv) -> None:
         """Write this step's latent rows kv [n, qk_head_dim] (latent, then rope part) into the
@@ -662,8 +772,8 @@ class PagedKVCache:
         step = self._active("append_mla_kv")
         pages, _ = self._layer_of_kind("append_mla_kv", layer_id, (AttnKind.MLA,),
                                        "MHA layers append in attention_with_fused_qkv")
-        step.append_mla_kv(pages, self._tensor("kv", kv))
-        step.appended_layers.add(layer_id)
+        self._launch(step, f"append_mla_kv of layer {layer_id}", step.append_mla_kv, pages, self._tensor("kv", kv))
+        step.appended_layers.add(int(layer_id))
 
     def self_attention(self, layer_id: int, sm_scale: float, q, k, v, o, lse) -> None:
         """Causal attention among this step's new tokens only (nothing is cached).
@@ -675,19 +785,20 @@ class PagedKVCache:
         step = self._active("self_attention")
         _, kind = self._layer_of_kind("self_attention", layer_id, (AttnKind.MHA, AttnKind.MLA),
                                       "a windowed layer has no self/cross split (use attention_with_fused_qkv)")
+        what = f"self_attention of layer {layer_id}"
         if kind == AttnKind.MLA:
-            self._mla_self_attention(step, q, k, v, o, lse, check_finite("sm_scale", sm_scale))
+            self._mla_self_attention(step, what, q, k, v, o, lse, check_finite("sm_scale", sm_scale))
             return
         check(not step.tree or self._step_kernels.tree_ragged is not None, "self_attention: this step has token "
               "trees and the kernels' slot 'tree_attn_ragged' is empty")
         q, k, v, o = (self._tensor(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("o", o)))
-        lse = self._tensor("lse", lse, "float32")
+        lse, sm_scale = self._tensor("lse", lse, "float32"), check_finite("sm_scale", sm_scale)
         if not step.ragged_planned:  # a decode step: the ragged prefill is planned on first use
-            self._begin_ragged(step.plan)
+            self._launch(step, what, self._begin_ragged, step.plan)
             step.ragged_planned = True
-        step.self_attention(q, k, v, o, lse, check_finite("sm_scale", sm_scale))
+        self._launch(step, what, step.self_attention, q, k, v, o, lse, sm_scale)
 
-    def _mla_self_attention(self, step, q, k, v, o, lse, sm_scale: float) -> None:
+    def _mla_self_attention(self, step, what: str, q, k, v, o, lse, sm_scale: float) -> None:
         """MLA self-attention: shapes checked against each other, the ragged prefill of their dims."""
         opts, n = self.options, step.plan.total
         q = as_rows("q", q, n, opts.num_qo_heads, opts.dtype, self.device)
@@ -698,7 +809,7 @@ class PagedKVCache:
         o = check_tensor("o", o, (n, opts.num_qo_heads, d_v), opts.dtype, self.device)
         lse = check_tensor("lse", lse, (n, opts.num_qo_heads), "float32", self.device)
         ragged = self._mla.ragged or ragged_for(opts.num_qo_heads, d_qk, d_v, opts.dtype, self.target)
-        step.mla_self_attention(ragged, q, k, v, o, lse, sm_scale)
+        self._launch(step, what, step.mla_self_attention, ragged, q, k, v, o, lse, sm_scale)
 
     def cross_attention(self, layer_id: int, sm_scale: float, q, o, lse) -> None:
         """Attention of this step's queries over the cached tokens before the step (no mask).
@@ -714,10 +825,14 @@ class PagedKVCache:
         check(not step.grown_tree, "cross_attention: a token tree of this step grew over an earlier forward, so "
               "its history holds uncommitted nodes that only some queries see; use attention_with_fused_qkv")
         q, o, lse = self._tensor("q", q), self._tensor("o", o), self._tensor("lse", lse, "float32")
+        sm_scale, what = check_finite("sm_scale", sm_scale), f"cross_attention of layer {layer_id}"
+        if kind == AttnKind.MLA and step.decode and int(layer_id) not in step.appended_layers:
+            raise KVCacheError(f"cross_attention: in a decode step an MLA layer attends over the step's rows too, "
+                               f"which layer {layer_id} has not written: call append_mla_kv first")
         if not step.cross_planned and kind != AttnKind.MLA:  # cross levels have plans of their own (FlashInfer)
-            self._begin_levels(step.plan, step.plan.host.cross, step.cross_depth)
+            self._launch(step, what, self._begin_levels, step.plan, step.plan.host.cross, step.cross_depth)
             step.cross_planned = True
-        step.cross_attention(pages, q, o, lse, check_finite("sm_scale", sm_scale))
+        self._launch(step, what, step.cross_attention, pages, q, o, lse, sm_scale)
 
     def merge_attn_output_inplace(self, o1, lse1, o2, lse2) -> None:
         """(o1, lse1) <- the merge of two attention results over disjoint keys (base-2 LSE).
@@ -744,8 +859,12 @@ class PagedKVCache:
         uncommitted token tree (-1: keep none) and drop the other nodes.
 
         The path's K/V move into the tree's first slots (compact_copy, every layer), so the
-        sequence ends exactly as if the accepted tokens had been appended one by one.
+        sequence ends exactly as if the accepted tokens had been appended one by one: a windowed
+        sequence's window slides now (never while the tree is uncommitted). Every sequence is
+        checked before any changes: a refused commit changes nothing. Refused inside a forward
+        step (call end_forward first).
         """
+        self._refuse_in_step("commit_accepted_token_tree_nodes")
         seq_ids, leaves = _int_list("seq_ids", seq_ids), _int_list("leaf_indices", leaf_indices)
         check(len(seq_ids) == len(leaves), f"seq_ids has {len(seq_ids)} entries but leaf_indices has {len(leaves)}")
         check(len(set(seq_ids)) == len(seq_ids), f"seq_ids {seq_ids} names a sequence twice")
@@ -757,13 +876,11 @@ class PagedKVCache:
                   f"sequence {seq.seq_id} ({seq.tree_tokens} nodes)")
         paths = [accepted_path(seq.tree, leaf) for seq, leaf in zip(seqs, leaves)]
         self._compact(seqs, paths)
-        for seq, path in zip(seqs, paths):
-            self._table.popn(seq.seq_id, seq.tree_tokens - len(path))
-            seq.tree = []
-        self._step = None
+        self._table.commit_trees(seqs, paths)
 
     def _compact(self, seqs: list, paths: list) -> None:
-        """Move each accepted path into place (compact_copy over every layer's pages)."""
+        """Move each accepted path into place (compact_copy over every layer's pages); changes
+        no bookkeeping (a refusal here leaves the cache as it was)."""
         indptr, sources, destinations = [0], [], []
         for seq, path in zip(seqs, paths):
             first = seq.length - seq.tree_tokens
@@ -805,6 +922,7 @@ class PagedKVCache:
         opts = self.options
         k = check_tensor("k", k, (opts.num_layers, n, opts.num_kv_heads, opts.qk_head_dim), opts.dtype, self.device)
         v = check_tensor("v", v, (opts.num_layers, n, opts.num_kv_heads, opts.v_head_dim), opts.dtype, self.device)
+        self._refuse_in_step("debug_get_kv")
         for layer, pool in enumerate(self._pools):
             self.kernels.debug_get_kv(pool, positions, k, v, layer)
 
@@ -815,6 +933,7 @@ class PagedKVCache:
         positions, n = self._debug_positions(seq_id, start, end)
         opts = self.options
         kv = check_tensor("kv", kv, (opts.num_layers, n, opts.qk_head_dim), opts.dtype, self.device)
+        self._refuse_in_step("debug_get_kv_mla")
         for layer, pool in enumerate(self._pools):
             self.kernels.debug_get_kv(pool, positions, kv, layer)
 
@@ -834,6 +953,7 @@ class PagedKVCache:
         planned without cascade, padded to `bucket` rows, in the bucket's fixed layout in the
         graph-plan buffer (see tvmattn.runtime.graphs). The step's tensors have `bucket` rows."""
         self._check_graph_decode("begin_graph_decode")
+        self._abandon()
         seq_ids, lengths, steady = self._check_batch(seq_ids, [1] * len(seq_ids))
         limit = min(self.options.max_num_sequences, self.options.prefill_chunk_size)
         if not (isinstance(bucket, int) and len(seq_ids) <= bucket <= limit):
@@ -847,10 +967,27 @@ class PagedKVCache:
             tables = TableArrays.gather(seqs)
         layout = self._graph_layout(bucket, len(tables.pages) + 2 * bucket)
         batch, copies = self._table.reserve_plain(seqs, lengths, tables, seq_ids)
-        self._copy_pages(copies)
-        plan = build_plan_arrays(seq_ids, lengths, batch, self.options.page_size, self.options.support_sliding_window,
-                                 cascade=False)
-        self._start_step(pad_decode_plan(plan, bucket, layout), self._graph_arrays)
+        try:
+            self._copy_pages(copies)
+            plan = build_plan_arrays(seq_ids, lengths, batch, self.options.page_size,
+                                     self.options.support_sliding_window, cascade=False)
+            self._start_step(pad_decode_plan(plan, bucket, layout), self._graph_arrays)
+        except BaseException:
+            self._table.rollback_step()
+            raise
+
+    def _step_progress(self) -> tuple:
+        """(layers that wrote, attention_with_shared_kv calls) of the step in progress: what a
+        CUDA graph captured in it replays (tvmattn.runtime.graphs)."""
+        step = self._active("_step_progress")
+        return frozenset(step.appended_layers), step.shared_reads
+
+    def _replay_progress(self, progress: tuple) -> None:
+        """Count what a replayed CUDA graph ran (`_step_progress` of its capture) in the step."""
+        step = self._active("_replay_progress")
+        layers, shared = progress
+        step.appended_layers.update(layers)
+        step.shared_reads += shared
 
     def reserve_graph_plan(self, seq_ids, bucket: int) -> int:
         """Make the graph-plan buffer large enough for a graph decode step of seq_ids in `bucket`

@@ -2,7 +2,8 @@
 
 Every public method of the cache validates its arguments before it changes anything; a
 failed check raises `KVCacheError` (a `ValueError`) whose message names the argument, what
-was expected and what came, and leaves the cache exactly as it was.
+was expected and what came, and leaves the cache exactly as it was (a call that abandons a
+forward step in progress rolls the step back first; see PagedKVCache).
 """
 
 from __future__ import annotations

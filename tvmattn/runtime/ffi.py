@@ -3,7 +3,9 @@
 
 This module owns the registration of every function of the KV-cache API table of
 docs/interface.md as `tvmattn.<name>`, with the arguments of TVM's `vm.builtin.<name>` in the
-same order, the cache first. Two creation functions exist:
+same order, the cache first, plus `kv_state_cancel_forward(cache)` (tvmattn's own: abandon the
+forward step in progress, see PagedKVCache's "Forward steps are transactions"). Two creation
+functions exist:
 
 - `tvmattn.paged_attention_kv_cache_create(*args)`: TVM's positional create call, 28 arguments
   (a 29th is accepted; TVM reserves it and ignores it, and so do we unless it is tvmattn's
@@ -169,6 +171,8 @@ def _int_seq(value, func: str, arg: str):
 # The per-step and per-layer calls go straight to the cache's methods (same arguments, one
 # Python call fewer on the way from the VM).
 _api("kv_state_end_forward")(PagedKVCache.end_forward)
+# tvmattn's own (TVM's cache has no way to abandon a step): roll the step in progress back.
+_api("kv_state_cancel_forward")(PagedKVCache.cancel_forward)
 
 
 @_api("attention_kv_cache_enable_sliding_window_for_seq")

@@ -134,6 +134,7 @@ class Step:
         self._cross = [self._level(self.cross_depth + d, level) for d, level in enumerate(arrays.cross)]
         self._apply_rope = int(rope.mode == RopeMode.NORMAL)
         self.appended_layers: set = set()  # layers whose new K/V this step has appended
+        self.shared_reads = 0  # attention_with_shared_kv calls (each stands for a layer that writes nothing)
         # attention_with_fused_qkv(pages, qkv, o, sm_scale): in a plain decode step one closure
         # over prebound arguments (two launches, no other Python), else the general method
         self.fused = self._decode_launches() or self.attention_with_fused_qkv

@@ -22,7 +22,7 @@ What makes a replay valid for any sequences:
   owns (fixed per bucket), and the outputs of the captured call are kept and rewritten by every
   replay. A model library's `decode_step` allocates its intermediates once per VM
   (models/pipeline.py lift_graph_storage). Bucket 1 runs the static `embed` + `decode` instead
-  (tvmattn.generate.library_decode_step: single-row GEMV kernels, several times faster): their
+  (tvmattn.generate.library_decode_step: single-row GEMV kernels, faster for one row): their
   intermediates come from the VM's memory pool, freed after the capture and rewritten by each
   replay before they are read, so a replay is safe while no one holds a pool tensor across it
   (Generator and scripts/bench_e2e.py read each step's logits before the next step).
@@ -212,6 +212,7 @@ class _Graph:
     outputs: Any  # what the captured step returned: rewritten by every replay
     key: tuple  # the cache state it was captured against (see DecodeGraphs._key)
     output_bytes: int
+    progress: tuple  # what its step's layers wrote through the cache (PagedKVCache._step_progress)
 
 
 class DecodeGraphs:
@@ -269,16 +270,21 @@ class DecodeGraphs:
                 graph = None
             if graph is None:
                 graph = self._capture(bucket)
+            else:  # the replay runs the layers' launches the capture made through the cache
+                self.cache._replay_progress(graph.progress)
             self._runtime.launch(graph.exec)
             self.replays += 1
-        finally:
-            self.cache.end_forward()
+        except BaseException:
+            self.cache.cancel_forward()
+            raise
+        self.cache.end_forward()
         return graph.outputs
 
     def _capture(self, bucket: int) -> _Graph:
         self.step(bucket)  # eager warm-up: loads modules, allocates the VM's storage and outputs
+        progress = self.cache._step_progress()
         graph_exec, outputs = self._runtime.capture(lambda: self.step(bucket))
-        graph = self._graphs[bucket] = _Graph(graph_exec, outputs, self._key(), _nbytes(outputs))
+        graph = self._graphs[bucket] = _Graph(graph_exec, outputs, self._key(), _nbytes(outputs), progress)
         self.captures += 1
         return graph
 

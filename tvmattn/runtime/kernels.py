@@ -178,7 +178,7 @@ def decode_kernel(config: AttentionConfig):
 
 class DecodeByShape:
     """A paged decode function over several compiled variants of one config, each serving the
-    table's (batch, context) shapes it was measured fastest at: a call runs the variant of the
+    table's (batch, context) shapes it is the fastest at: a call runs the variant of the
     nearest shape (log2 distance in batch and in mean context, the context estimated from the
     page-index count: page_indices.shape[0] * page_size / batch). Choices are memoized per
     (batch, page count). Same arguments as the decode kernel (the contract's)."""

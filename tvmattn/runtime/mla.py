@@ -29,8 +29,8 @@ import functools
 
 import tir_kernels
 from tir_kernels import AttentionConfig, MLAConfig
+from tir_kernels.mla import choose_mla_decode_kernel, mla_paged_decode_auto
 from tir_kernels.mla_sm90 import mla_paged_decode_wgmma, mla_wgmma_decode_problem
-from tir_kernels.mla_tc import choose_mla_decode_kernel, mla_paged_decode_auto
 
 from .backends import PagedDecode, PagedPrefill, RaggedPrefill, RopeMode, TIRPagedDecode, backend_from_spec
 from .errors import KVCacheError, check
@@ -86,7 +86,7 @@ def mla_kernel_set(config: MLAConfig, num_layers: int, overrides: dict) -> Kerne
 
 class ChosenMLADecode(TIRPagedDecode):
     """An MLA decode slot of built kernels by name ("tc", "wgmma"); each call runs the one
-    `tir_kernels.mla_tc.choose_mla_decode_kernel` names for its batch size (all built with the
+    `tir_kernels.mla.choose_mla_decode_kernel` names for its batch size (all built with the
     cache: nothing is compiled while serving)."""
 
     def __init__(self, config: MLAConfig, funcs: dict):

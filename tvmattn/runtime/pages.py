@@ -11,9 +11,11 @@ Pages are handed out lowest id first (the free list is a stack whose top is the 
 after construction). A sequence owns one reference to each page in its page table; forks
 share full pages by taking another reference.
 
-Transactions: inside `with allocator.transaction():` every alloc/retain/release is journaled;
-if the block raises, they are undone in reverse order, so the free list and the reference
-counts are exactly as before (the same pages in the same free-list order).
+Journals: between `open_journal()` and `close_journal()` (a forward step, see
+SequenceTable) every alloc/retain/release is journaled, and `rollback_journal()` undoes them in
+reverse order, so the free list and the reference counts are exactly as before (the same pages
+in the same free-list order). `with allocator.transaction():` does the same for a block that
+raises, inside an open journal or on its own.
 """
 
 from __future__ import annotations
@@ -92,17 +94,37 @@ class PageAllocator:
         """Every page free again (in the initial order)."""
         self.__init__(self.num_pages)
 
+    def open_journal(self) -> None:
+        """Journal every change from now on (until close_journal or rollback_journal)."""
+        assert self._journal is None, "a journal is open already"
+        self._journal = []
+
+    def close_journal(self) -> None:
+        """Keep the journaled changes and stop journaling."""
+        self._journal = None
+
+    def rollback_journal(self) -> None:
+        """Undo every journaled change and stop journaling (nothing when no journal is open)."""
+        journal, self._journal = self._journal, None
+        if journal:
+            self._undo(journal)
+
     @contextlib.contextmanager
     def transaction(self):
-        """Undo every change made inside the block if it raises (not reentrant)."""
-        self._journal = []
+        """Undo every change made inside the block if it raises."""
+        outer = self._journal is not None
+        if not outer:
+            self._journal = []
+        mark = len(self._journal)
         try:
             yield
         except BaseException:
-            self._undo(self._journal)
+            self._undo(self._journal[mark:])
+            del self._journal[mark:]
             raise
         finally:
-            self._journal = None
+            if not outer:
+                self._journal = None
 
     def _log(self, op: int, page: int) -> None:
         if self._journal is not None:

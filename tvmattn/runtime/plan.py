@@ -541,9 +541,9 @@ class BufferViews(dict):
     """Views into one device buffer, each made once: views[key] is the view that place(key) =
     (shape, dtype, byte offset) describes.
 
-    TVM's Tensor._create_view costs ~5 us of Python; a step needs ~20 views, and consecutive
-    decode steps mostly need the same ones (measured: 16 new views were 80 of the 91 us of a
-    begin_forward + end_forward at batch 1)."""
+    TVM's Tensor._create_view runs a fair amount of Python; a step needs a few dozen views, and
+    consecutive decode steps mostly need the same ones, so making them anew would dominate a
+    small decode step's host time."""
 
     LIMIT = 4096  # forget every view beyond this many (ragged prefill shapes vary freely)
 

@@ -25,6 +25,16 @@ for every layer), so it never sees its parent's later tokens. `popn` may leave a
 whose last page is shared and partly filled (popping into a shared prefix); the next append
 first copies that page (copy-on-write). Every mutating method validates first; `reserve`
 undoes its page changes when it runs out of pages.
+
+Steps: `reserve` / `reserve_plain` append a forward step's tokens and keep what it takes to
+undo them (the sequences' lengths and page-table ends, or copies of the sequences, and the
+allocator's journal of the step); `commit_step` keeps the step, `rollback_step` puts every
+sequence, page and reference count back as it was before the reserve. Any other change of
+the table but `add` commits a step still open (the cache commits or rolls back first). A window slides
+only when a step is committed (or a token tree's path is, `commit_trees`), never while the
+step's rows may be rolled back: the pages it frees are then never written by the step, and a
+sequence with an uncommitted token tree keeps every node until the commit, which keeps the
+tokens that appending the accepted path one by one would keep.
 """
 
 from __future__ import annotations
@@ -194,6 +204,7 @@ class SequenceTable:
         self.version = 0  # bumped by every method that may change a sequence (see tables)
         # (version, seq_ids, their Sequences, TableArrays after the step) of the last reserve_plain
         self._last_plain: tuple | None = None
+        self._step: tuple | _Step | None = None  # how to undo the open step (see the module docstring)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -209,17 +220,20 @@ class SequenceTable:
 
     # -- sequence management (each validates, then changes everything or nothing)
     def add(self, seq_id) -> None:
+        """Add an empty sequence (a step still open goes on: it does not touch the new one)."""
         self.version += 1
         seq_id = self._new_id(seq_id, "seq_id")
         self.seqs[seq_id] = Sequence(seq_id)
 
     def remove(self, seq_id) -> None:
+        self.commit_step()
         self.version += 1
         seq = self.get(seq_id)
         self.allocator.release_all(seq.pages)
         del self.seqs[seq.seq_id]
 
     def clear(self) -> None:
+        self._step = None
         self.version += 1
         self.seqs.clear()
         self.allocator.reset()
@@ -227,6 +241,7 @@ class SequenceTable:
     def fork(self, parent_id, child_id, fork_pos: int = -1) -> PageCopy | None:
         """Add `child_id` holding the first `fork_pos` tokens of `parent_id` (-1: all of them).
         Returns the copy of a partly filled page at the fork point, to run for every layer."""
+        self.commit_step()
         self.version += 1
         parent = self.get(parent_id, "parent_id")
         child_id = self._new_id(child_id, "child_id")
@@ -251,10 +266,13 @@ class SequenceTable:
         return copy
 
     def popn(self, seq_id, n) -> None:
-        self.version += 1
         """Remove the last `n` tokens of a sequence (0 <= n <= length)."""
+        self.commit_step()
+        self.version += 1
         seq = self.get(seq_id)
-        n = check_int("n", n, 0, seq.length)
+        self._pop(seq, check_int("n", n, 0, seq.length))
+
+    def _pop(self, seq: Sequence, n: int) -> None:
         length = seq.length - n
         if seq.sink and length <= seq.sink:  # only sink tokens are left: slots 0..length-1
             seq.sink = seq.window_offset = 0
@@ -265,6 +283,7 @@ class SequenceTable:
         del seq.pages[keep:]
 
     def enable_sliding_window(self, seq_id, window_size, sink_size) -> None:
+        self.commit_step()
         self.version += 1
         check(self.sliding_window, "this KV cache was created with support_sliding_window=False")
         seq = self.get(seq_id)
@@ -280,37 +299,88 @@ class SequenceTable:
               f"{what}={seq_id}: the KV cache already holds max_num_sequences={self.max_sequences} sequences")
         return seq_id
 
-    # -- appending (begin_forward)
+    # -- appending (begin_forward), and keeping or undoing a step
     def reserve(self, seqs: list, lengths: list, trees: list | None) -> tuple[list, list]:
-        """Make room for `lengths[i]` new tokens in `seqs[i]` and slide windows; the new tokens
-        are nodes of its token tree with parents `trees[i]` (trees None: no token tree).
+        """Make room for `lengths[i]` new tokens in `seqs[i]`; the new tokens are nodes of its
+        token tree with parents `trees[i]` (trees None: no token tree). Opens a step (see the
+        module docstring): windows slide when it is committed.
 
-        Returns (appended per sequence, page copies to run before the step). Pages come, in
-        this order, for copy-on-write (from pages free before the step), then freed by
-        windows, then taken for new tokens: a page a window frees may be written by this
-        step's appends, which run after the step's attention of each layer has read it, but
-        never by a copy, which runs before. On KVCacheError (out of pages) nothing changed.
+        Returns (appended per sequence, page copies to run before the step). Pages come for
+        copy-on-write first, then for new tokens. On KVCacheError (out of pages) nothing changed.
         """
+        self.commit_step()
         self.version += 1
+        self._last_plain = None
         before = [seq.copy() for seq in seqs]
-        layouts = [append_layout(seq, n, self.page_size) for seq, n in zip(seqs, lengths)]
+        firsts = [seq.slot_end for seq in seqs]
+        self.allocator.open_journal()
         try:
-            with self.allocator.transaction():
-                copies = [self._copy_on_write(seq, layout) for seq, layout in zip(seqs, layouts)]
-                histories = [_history(old, seq, c) for old, seq, c in zip(before, seqs, copies)]
-                fresh = [self._slide(seq, layout) for seq, layout in zip(seqs, layouts)]
-                self._check_free(sum(fresh))
-                for i, (seq, layout, count) in enumerate(zip(seqs, layouts, fresh)):
-                    seq.pages.extend(self.allocator.alloc_many(count))
-                    seq.length, seq.sink, seq.window_offset = layout.length, layout.sink, layout.window_offset
-                    seq.tree = seq.tree + list(trees[i]) if trees is not None else []
+            copies = [self._copy_on_write(seq) for seq in seqs]
+            histories = [_history(old, c) for old, c in zip(before, copies)]
+            fresh = [ceildiv(first + n, self.page_size) - len(seq.pages) for seq, first, n in zip(seqs, firsts, lengths)]
+            self._check_free(sum(fresh))
+            for i, (seq, n, count) in enumerate(zip(seqs, lengths, fresh)):
+                seq.pages.extend(self.allocator.alloc_many(count))
+                seq.length += n
+                seq.tree = seq.tree + list(trees[i]) if trees is not None else []
         except BaseException:
             for seq, old in zip(seqs, before):
                 seq.assign(old)
+            self.allocator.rollback_journal()
             raise
-        appended = [Appended(h, seq, self._new_positions(seq, layout, n))
-                    for h, seq, layout, n in zip(histories, seqs, layouts, lengths)]
+        self._step = _Step(seqs, before)
+        appended = [Appended(h, seq, self._new_positions(seq, first, n))
+                    for h, seq, first, n in zip(histories, seqs, firsts, lengths)]
         return appended, [c for c in copies if c is not None]
+
+    def commit_step(self) -> None:
+        """Keep the open step (if any): its windowed sequences without a token tree slide."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        self.allocator.close_journal()
+        if type(step) is _Step:
+            for seq in step.seqs:
+                if seq.window_size and seq.length > seq.window_size and not seq.tree:
+                    self.version += 1
+                    self._slide_window(seq)
+
+    def rollback_step(self) -> None:
+        """Undo the open step (if any): every sequence, page and reference count as before it."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        self.version += 1
+        self._last_plain = None
+        if type(step) is _Step:
+            for seq, old in zip(step.seqs, step.before):
+                seq.assign(old)
+        else:  # reserve_plain's (seqs, page counts, lengths, copied sequences, their PageCopy)
+            seqs, counts, lengths, cow, copies = step
+            for seq, count, length in zip(seqs, counts.tolist(), lengths.tolist()):
+                del seq.pages[count:]
+                seq.length = length
+            for b, copy in zip(cow, copies):
+                seqs[b].pages[-1] = copy.src
+        self.allocator.rollback_journal()
+
+    def commit_trees(self, seqs: list, paths: list) -> None:
+        """Keep path `paths[i]` (accepted_path of its tree; its K/V already moved into the
+        tree's first slots) of each sequence's token tree and drop the other nodes; a windowed
+        sequence then slides. Nothing here can fail: the caller checked every sequence first."""
+        self.commit_step()
+        self.version += 1
+        for seq, path in zip(seqs, paths):
+            self._pop(seq, seq.tree_tokens - len(path))
+            seq.tree = []
+            if seq.window_size and seq.length > seq.window_size:
+                self._slide_window(seq)
+
+    def _slide_window(self, seq: Sequence) -> None:
+        """Slide a windowed sequence longer than its window: keep its sink and last tokens."""
+        layout = append_layout(seq, 0, self.page_size)
+        self._slide(seq, layout)
+        seq.length, seq.sink, seq.window_offset = layout.length, layout.sink, layout.window_offset
 
     def steady(self, seq_ids: list) -> tuple[list, TableArrays] | None:
         """(their Sequences, their TableArrays) when seq_ids are the sequences of the last
@@ -336,6 +406,8 @@ class SequenceTable:
         longer changes); when given, the sequences and their tables after the step are kept for
         `steady` (the returned arrays must then stay unchanged).
         """
+        if self._step is not None:
+            self.commit_step()
         self.version += 1
         self._last_plain = None
         ps = self.page_size
@@ -353,8 +425,9 @@ class SequenceTable:
             total = int(fresh.sum())
         cow, copies = [], []
         shared = self._shared_last_pages(history)
-        if shared:
-            with self.allocator.transaction():  # as reserve: copy-on-write first, then new pages
+        if shared or total:  # (most decode steps take no page: nothing to journal)
+            self.allocator.open_journal()
+            try:  # as reserve: copy-on-write first, then new pages
                 for b, used_slots in shared:
                     page = seqs[b].pages[-1]
                     if self.allocator.refcount(page) > 1:  # (an earlier copy may have left it private)
@@ -363,9 +436,11 @@ class SequenceTable:
                         self.allocator.release(page)
                 self._check_free(total)
                 new_pages = self.allocator.alloc_many(total)
-        else:
-            self._check_free(total)
-            new_pages = self.allocator.alloc_many(total)  # (all or nothing)
+            except BaseException:
+                self.allocator.rollback_journal()
+                raise
+        # how to undo the step (a plain tuple: this runs every decode step), see rollback_step
+        self._step = (seqs, history.counts, history.slot_end, cow, copies)
         # the sequences after the append (tree stays [], sink and window_offset 0)
         if cow:  # (a copy: the tables may be the kept ones, which earlier plans hold)
             history = history._replace(pages=history.pages.copy())
@@ -403,15 +478,13 @@ class SequenceTable:
             return []
         return [(b, int(used[b])) for b in np.flatnonzero(shared).tolist()]
 
-    def _copy_on_write(self, seq: Sequence, layout: AppendLayout) -> PageCopy | None:
+    def _copy_on_write(self, seq: Sequence) -> PageCopy | None:
         """Give `seq` a private copy of its last page when the append writes into it while
         another sequence shares it."""
-        used = layout.first_slot % self.page_size
+        used = seq.slot_end % self.page_size
         last = len(seq.pages) - 1
         if not used or self.allocator.refcount(seq.pages[last]) == 1:
             return None
-        if layout.drop_pages[0] <= last < layout.drop_pages[1]:
-            return None  # the window frees it anyway
         copy = PageCopy(seq.pages[last], self.allocator.alloc(), used)
         self.allocator.release(copy.src)
         seq.pages[last] = copy.dst
@@ -433,22 +506,26 @@ class SequenceTable:
             raise KVCacheError(f"the KV cache is full: this forward needs {needed} more pages, {free} of "
                                f"{self.allocator.num_pages} are free")
 
-    def _new_positions(self, seq: Sequence, layout: AppendLayout, n: int) -> list:
-        """Pool position of each new token after the append (-1: dropped by the window)."""
-        ps, first = self.page_size, layout.first_slot
-        if n == 1 and not layout.shift and layout.drop_slots[0] == layout.drop_slots[1]:
+    def _new_positions(self, seq: Sequence, first: int, n: int) -> list:
+        """Pool position of each of the n new tokens, in slots first .. first + n - 1."""
+        ps = self.page_size
+        if n == 1:
             return [seq.pages[first // ps] * ps + first % ps]
         slots = np.arange(first, first + n)
-        dropped = (slots >= layout.drop_slots[0]) & (slots < layout.drop_slots[1])
-        slots = np.where(slots // ps >= layout.drop_pages[1], slots - layout.shift * ps, slots)
-        slots = np.where(dropped, 0, slots)
         pages = np.asarray(seq.pages, dtype=np.int64)[slots // ps]
-        return np.where(dropped, -1, pages * ps + slots % ps).tolist()
+        return (pages * ps + slots % ps).tolist()
 
 
-def _history(before: Sequence, seq: Sequence, copy: PageCopy | None) -> Sequence:
+def _history(before: Sequence, copy: PageCopy | None) -> Sequence:
     """`before` with the page table after copy-on-write (the page the append writes into)."""
     if copy is not None:
         before = before.copy()
         before.pages[-1] = copy.dst
     return before
+
+
+class _Step(NamedTuple):
+    """How to undo a step of `reserve`: the sequences and their copies from before it."""
+
+    seqs: list
+    before: list

@@ -2,8 +2,8 @@
 
 `Tensor.copyfrom(numpy)` on a CUDA tensor is a synchronous cudaMemcpy on the legacy default
 stream: the host waits until every kernel queued before it has finished, so `begin_forward`
-of step N+1 cannot start before the GPU has drained step N (measured on the H200: 0.39 ms of
-`begin_forward` at batch 1 was this wait). `AsyncUploader` instead copies from pinned host
+of step N+1 cannot start before the GPU has drained step N (at small batches most of
+`begin_forward`'s time is this wait). `AsyncUploader` instead copies from pinned host
 memory with cudaMemcpyAsync on the stream TVM launches kernels on (tvm_ffi's current stream for
 the device): the copy runs after the kernels of earlier steps (which may still read the device
 buffer) and before those of this step, and the host returns at once. Two staging buffers
@@ -11,8 +11,8 @@ alternate; an event recorded after each copy guards a buffer's reuse.
 
 The CUDA runtime is reached through ctypes (`libcudart.so.*`, already loaded by TVM's CUDA
 runtime). Where it cannot be used, `make_uploader` returns the synchronous `SyncUploader`. On
-the CPU, `HostUploader` writes through a numpy alias of the buffer (Tensor.copyfrom spends
-~10 us on checks, more than the rest of a small decode step's planning).
+the CPU, `HostUploader` writes through a numpy alias of the buffer (Tensor.copyfrom's checks
+cost more than the rest of a small decode step's planning).
 """
 
 from __future__ import annotations

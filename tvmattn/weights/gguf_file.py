@@ -175,6 +175,9 @@ def build_config(path: pathlib.Path, meta: dict, names: set[str], embed_rows: in
     model_type, hf_arch, _ = ARCHITECTURES[arch]
     hidden = int(require(path, meta, f"{arch}.embedding_length"))
     heads = int(require(path, meta, f"{arch}.attention.head_count"))
+    for key, value in (("embedding_length", hidden), ("attention.head_count", heads)):
+        if value <= 0:  # the head size below divides by them
+            raise fail(path, None, f"metadata key '{arch}.{key}' must be positive, got {value}")
     kv_heads = int(require(path, meta, f"{arch}.attention.head_count_kv", heads))
     head_dim = int(require(path, meta, f"{arch}.attention.key_length", hidden // heads))
     value_dim = int(require(path, meta, f"{arch}.attention.value_length", head_dim))

@@ -22,7 +22,7 @@ Kept quantized, a [rows, cols] matrix is split into arrays with rows first (`PAC
 GGUF order; int8 [rows, cols] for Q8_0) and the float16 scales `d` (and mins `m`, Q4_1)
 [rows, cols / 32]; Q4_K: `qs` as GGUF's, the 6-bit scales and mins unpacked to uint8 `sc`, `mn`
 [rows, cols / 32], fp16 `d`, `dmin` [rows, cols / 256]; Q6_K: `ql`, `qh`, int8 `sc`, fp16 `d` as
-GGUF's. The fused kernels (tvmattn/models/quant_matmul.py) read these arrays.
+GGUF's. The fused kernels (tvmattn/quant/) read these arrays.
 """
 
 from __future__ import annotations

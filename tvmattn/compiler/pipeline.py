@@ -3,7 +3,7 @@
 TVM's default pipeline for a target, with two changes that matter for speed:
 - `FuseTransposeMatmul` first: `nn.Linear` multiplies by `permute_dims(weight)`, which the
   default pipeline runs as a separate transpose kernel of every weight at every call (5 per
-  layer, measured on the H200: more time than the attention); fused, each projection is one
+  layer, together more time than the attention); fused, each projection is one
   `NT_matmul` that dlight's GEMV / Matmul rules schedule.
 - on the CPU, after fusion: cpu_matmul.CPUMatmul for the multi-token projections (prefill,
   batch_prefill, batch_verify, batch_decode: token tiles that share each weight read, vectorized;
@@ -11,17 +11,17 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   single-token decode projections, Reduction for norms); the default CPU pipeline schedules nothing.
   A reduction over one static row (decode's RMSNorm of [1, 1, hidden]) is left to plain loops
   (`SingleRowReduction`): dlight's CPU Reduction rule makes the weight cast's hidden axis its
-  parallel loop and recomputes the whole norm inside it, hidden-size times the work (SmolLM2:
-  0.8 ms per norm, 61 per decode step). Last, `cpu_elementwise.CPUElementwise` for the
+  parallel loop and recomputes the whole norm inside it, hidden-size times the work (and a
+  decode step runs two norms a layer). Last, `cpu_elementwise.CPUElementwise` for the
   elementwise functions: inlined into one loop that LLVM vectorizes (parallel chunks when
   large), float32 SiLU legalized with a polynomial exp (`cpu_elementwise.cpu_legalize`, before
-  TVM's LegalizeOps): SmolLM2's decode SiLU-and-multiply 5.4 -> 0.4 us.
+  TVM's LegalizeOps) instead of a libm call per element.
 - on CUDA, with `small_batch_matmul` (BuildOptions.small_batch_matmul, on by default), before
   dlight's default rules: `SmallBatchMatmul` for the matmuls of batch_decode / decode_step
   (`[batch_size, 1, K] x [N, K]^T`, symbolic batch_size). Without it they get dlight's Matmul
-  rule, whose 128 x 128 tiles leave most SMs idle at these shapes: 10-28 us per SmolLM2
-  projection at any batch on the H200, against 2-5 us with SmallBatchMatmul up to batch 16.
-  dlight's LowBatchGEMV (`DecodeBatchGEMV`) is a variant in scripts/bench_small_batch.py;
+  rule, whose 128 x 128 tiles leave most SMs idle at these shapes (figures of both:
+  docs/performance.md). dlight's LowBatchGEMV (`DecodeBatchGEMV`) is a variant in
+  scripts/bench_small_batch.py;
 - on CUDA, after memory planning: `lift_graph_storage`, the storage of `decode_step` (planned for
   its batch upper bound) allocated once per VM instead of per call, so a CUDA graph that
   captured a step can be replayed (tvmattn.runtime.graphs). It runs TVM's RewriteCUDAGraph on
@@ -48,8 +48,7 @@ class DecodeBatchGEMV(ScheduleRule):
     """dlight's LowBatchGEMV for matmuls over a symbolic `batch_size` (batch_decode, decode_step:
     a few rows against a whole weight): each pass reads the weight once for `bucket` rows, split
     over many blocks. dlight's Matmul rule, which the default CUDA pipeline gives them, tiles
-    for many rows and reads weights at a fraction of the bandwidth (measured on the H200:
-    30.6 us for SmolLM2's down projection at batch 16). Prefill-like functions (symbolic
+    for many rows and reads weights at a fraction of the bandwidth. Prefill-like functions (symbolic
     seq_len) and weights over max_weight_bytes (None: any) keep the Matmul rule."""
 
     def __init__(self, bucket: int = DECODE_GEMV_BUCKET, max_weight_bytes: int | None = DECODE_GEMV_MAX_WEIGHT_BYTES):
@@ -67,14 +66,11 @@ class DecodeBatchGEMV(ScheduleRule):
 
 
 # SmallBatchMatmul: batch rows per block and threads per block, and the largest weight it takes.
-# Swept on the H200 (scripts/bench_small_batch.py, SmolLM2's decode_step projections at batch
-# 1/2/16/64; table in docs/perf-notes.md): 4 rows and 32 threads were the fastest variant at
-# batch 1 and 2 (2.0-2.5 us, against 10.2-26.5 us for dlight's Matmul rule), within 0.53 us of
-# the fastest at 16 (2.5-5.0 us) and within 0.8 us at 64 (4.2-12.5 us), where dlight's Matmul
-# is faster on one projection only (gate/up, 10.68 against 12.50 us). A weight larger than the
-# cap (the LM head, 57 MB) is read from memory again for every block of rows, slower than
-# dlight's Matmul from batch 16 on (47.22 against 41.71 us; 169.90 against 45.64 at 64): it
-# keeps the Matmul rule.
+# Chosen by a sweep (scripts/bench_small_batch.py over SmolLM2's decode_step projections at batch
+# 1, 2, 16 and 64; figures: docs/performance.md): 4 rows and 32 threads were the fastest variant
+# at batch 1 and 2, far ahead of dlight's Matmul rule, and close to the fastest at 16 and 64. A
+# weight larger than the cap (the LM head) is read from memory again for every block of rows,
+# slower than dlight's Matmul from batch 16 on: it keeps the Matmul rule.
 SMALL_BATCH_ROWS = 4
 SMALL_BATCH_THREADS = 32
 SMALL_BATCH_MAX_WEIGHT_BYTES = 16 << 20
@@ -194,9 +190,9 @@ def _largest_static_read(func: tirx.PrimFunc) -> int:
 
 def _has_var(func: tirx.PrimFunc, name: str) -> bool:
     """func has a symbolic shape variable `name` (a variable its body uses that no parameter
-    defines). Not from func.script(): how TVMScript prints it differs between Python versions
-    (at the top of the module here, inside the function on the H200's Python 3.12), which once
-    left these rules unapplied on the GPU machine while they applied on this one."""
+    defines). Not from func.script(): where TVMScript prints it differs between Python versions
+    (at the top of the module, or inside the function on Python 3.12), so a search of the text
+    would apply these rules on one machine and not on another."""
     return any(var.name == name for var in tirx.analysis.undefined_vars(func.body, list(func.params)))
 
 

@@ -25,9 +25,8 @@ The k-dot product over contiguous K is split (rfactor) into V lanes that accumul
 independently, so both X and W are read as contiguous vectors without a layout change; a
 chunk of W (NB x K floats) stays in L1/L2 while every token tile uses it, so the weights come
 from memory once per step rather than once per token. Padding the tokens (pad_einsum) keeps
-predicates out of the inner loops; only the tile's epilogue checks m < n_tokens. Measured on
-SmolLM2's gate_up projection (3072 x 576, 2 cores, the target's default SSE2 code): 9 tokens
-0.9 ms against 12.2 ms unscheduled and 1.3 ms for one token with dlight's GEMV.
+predicates out of the inner loops; only the tile's epilogue checks m < n_tokens. A few tokens
+then cost less than one token under dlight's GEMV (figures: docs/performance.md).
 
 Scope: float32 only (float16 / bfloat16 and anything unrecognized are left to the other rules,
 i.e. unscheduled), a single sum-of-products reduction block whose last reduction-free index is

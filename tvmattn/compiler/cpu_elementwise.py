@@ -2,8 +2,8 @@
 
 Legalized and fused, `silu(gate) * up` is five loops (two split copies, sigmoid, two multiplies)
 over four intermediate buffers, each a TVMBackendAllocWorkspace of the whole row, and sigmoid a
-libm expf call per element: 5.4 us a call at SmolLM2's decode size (1536 elements, 30 a token),
-and serial at any size. Two changes:
+libm expf call per element (at SmolLM2's decode size, 1536 elements and 30 calls a token), and
+serial at any size (figures: docs/performance.md). Two changes:
 
 - `cpu_legalize`: float32 SiLU legalizes to x * fast_sigmoid(x), 1 / (1 + exp2_vector(-x log2 e))
   (tir_kernels.common), arithmetic that LLVM's loop vectorizer takes (expf is a call per lane);
@@ -27,8 +27,8 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tir_kernels.common import exp2_vector
 
 # Below this many output elements a function runs on the calling thread: a parallel region
-# costs a fork / join of TVM's pool (about 1 us with a spinning worker), more than a decode
-# step's elementwise work (1536 SiLU elements: well under a microsecond vectorized).
+# costs a fork / join of TVM's pool, more than a decode step's elementwise work (1536 SiLU
+# elements, vectorized).
 PARALLEL_MIN_ELEMENTS = 16384
 # Elements per parallel task (a multiple of every vector width)
 PARALLEL_CHUNK = 4096

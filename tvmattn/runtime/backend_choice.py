@@ -7,15 +7,21 @@ without sliding windows and without inline RoPE; anything else falls back to TIR
 warning that says why. Token-tree steps always run TIR tree-mask kernels (FlashInfer has none;
 the cache warns on the first one). Asking for FlashInfer where it could serve but its modules
 are not built is an error (KVCacheError naming the build command).
+
+Part of the runtime (it knows the cache's options, errors and backends); `tvmattn.flashinfer`
+below it only locates, loads and views FlashInfer's modules, and imports nothing of the runtime.
 """
 
 from __future__ import annotations
 
 import logging
 
-from .modules import FlashInferConfig, FlashInferModulesMissing, load
+from tvmattn.flashinfer.modules import FlashInferConfig, FlashInferModulesMissing, load
 
-log = logging.getLogger("tvmattn.flashinfer")
+from .backends import FlashInferTensorCoreDecode, RopeMode
+from .errors import KVCacheError
+
+log = logging.getLogger("tvmattn.flashinfer")  # the warnings are about FlashInfer: its logger
 
 BACKENDS = ("tir", "flashinfer")
 DECODE_KINDS = ("cuda_core", "tensor_core")
@@ -41,8 +47,6 @@ def why_not(options, target: str) -> str | None:
 def cache_problem(options) -> str | None:
     """Why FlashInfer's modules (built without RoPE, no windows) give wrong results in a cache of
     `options` whatever the device (None: they do not)."""
-    from tvmattn.runtime.backends import RopeMode
-
     if options.support_sliding_window:
         return "the cache supports sliding windows (FlashInfer's modules here have no window/sink offsets)"
     if options.effective_rope_mode == RopeMode.INLINE:
@@ -63,8 +67,6 @@ def attention_kernels(backend: str, options, target: str, kernels: dict | None, 
                       prefill: str = "fa2", base=None) -> tuple[str, dict | None]:
     """(backend the cache runs, kernel overrides): for "flashinfer", FlashInfer specs for the
     attention slots (the caller's own `kernels` win), or a warning and TIR when it cannot serve."""
-    from tvmattn.runtime.errors import KVCacheError
-
     if backend not in BACKENDS:
         raise KVCacheError(f"backend must be one of {BACKENDS}, got {backend!r}")
     given = [slot for slot, spec in dict(kernels or {}).items() if _is_flashinfer(spec)]
@@ -103,8 +105,6 @@ def flashinfer_specs(config: FlashInferConfig, *, decode: str = "cuda_core", pre
     else:  # FA2's paged prefill: FA3's reads each request's key count from the plan, which the
         # decode plan step can only bound (it gets no last-page lengths), so FA3 would attend to
         # the unused rows of last pages
-        from tvmattn.runtime.backends import FlashInferTensorCoreDecode
-
         fa2 = pre if prefill == "fa2" else load(config, "prefill_fa2", base)
         specs["decode_paged"] = FlashInferTensorCoreDecode(fa2.paged_run, fa2.plan)
     return specs

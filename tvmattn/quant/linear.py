@@ -4,7 +4,7 @@
 serves a tied LM head, `QuantEmbedding.lm_head`) hold the block arrays of
 tvmattn.weights.quant.PACKED as parameters named `weight_<part>` (for example
 `model.layers.0.mlp.down_proj.weight_qs`, uint8 [N, K/2], and `...weight_d`, float16 [N, K/32])
-and call the fused kernels of quant_matmul.py: the GEMV for a statically single token (decode),
+and call the fused kernels of matmul.py: the GEMV for a statically single token (decode),
 the GEMM otherwise (prefill, batch_prefill, batch_decode, batch_verify); on CUDA a decode
 batch (`[batch, 1, K]`, symbolic batch: decode_step, batch_decode) is marked `few_tokens`
 and runs the GEMV in passes. `QuantLinear(x, residual=r)` returns r + x W^T, the add inside
@@ -31,7 +31,8 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ..weights.quant import PACKED, QUANT_TYPES, QuantizedTensor, concat_rows, part_shapes
-from .quant_matmul import QuantMatmulConfig, kernel, uses_cuda_gemv
+from .config import QuantMatmulConfig
+from .matmul import kernel, uses_cuda_gemv
 
 PART_PREFIX = "weight_"
 PROLOGUE_MAX_TOKENS = 4  # a GEMV takes the norm / gate in its kernel for static token counts up to this
@@ -73,8 +74,8 @@ def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor,
                                few_tokens=few)
     fused = uses_cuda_gemv(config)
     # the prologue only where one pass of the GEMV covers every token (the single-token decode):
-    # a decode batch's passes each wait on the staged prologue (H200, SmolLM2 kept at batch 16:
-    # 2.18 ms a step fused; 1.68 at the previous commit's separate norm and gate kernels)
+    # a decode batch's passes each wait on the staged prologue, which made a batch step slower
+    # than separate norm and gate kernels (docs/performance.md)
     in_kernel = fused and static is not None and static <= PROLOGUE_MAX_TOKENS
     if fused:
         prologue = "none" if not in_kernel else "rms_norm" if norm is not None else "swiglu" if swiglu else "none"

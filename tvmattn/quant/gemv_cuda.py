@@ -1,7 +1,7 @@
 """A CUDA dequantize + GEMV of our own for the 32-weight GGUF blocks (Q4_0, Q4_1, Q8_0).
 
-What it computes is quant_matmul.matmul_algorithm's product for a few tokens,
-Y[t, n] = sum_k X[t, k] * W[n, k], in the block-factored form of quant_matmul.gemv_algorithm:
+What it computes is algorithms.matmul_algorithm's product for a few tokens,
+Y[t, n] = sum_k X[t, k] * W[n, k], in the block-factored form of algorithms.gemv_algorithm:
 per block b of 32 weights, W = d * q + offset (Q4_1: offset m; Q4_0: -8 d; Q8_0: none), so
 
     Y[t, n] = sum_b d[n, b] * (sum_i q[n, 32b + i] * X[t, 32b + i]) + offset[n, b] * (sum_i X[t, 32b + i])
@@ -18,12 +18,12 @@ branch-free and every load is issued up front. More tokens than one (decode_step
 batch) run in passes of `token_tile` tokens; the weight blocks stay in the thread's registers
 and X is re-read per token (from L1 / L2).
 
-Arguments as quant_matmul.matmul_algorithm's: (X [T, K], *parts, Y [T, N]), shapes int64, T a
+Arguments as algorithms.matmul_algorithm's: (X [T, K], *parts, Y [T, N]), shapes int64, T a
 static count or the symbolic `n_tokens`; with `residual`, (X, *parts, R [T, N], Y) for
 Y = R + X W^T (a decoder layer's residual add in the same kernel: one launch less per
 projection).
 
-A prologue (quant_matmul.PROLOGUES) folds the op before the projection into the kernel, another
+A prologue (config.PROLOGUES) folds the op before the projection into the kernel, another
 launch less each (per decoder layer: the two RMSNorms and the MLP's gate):
 - "rms_norm": (X, *parts, G [K], Y): Y = (X * rsqrt(mean(X^2) + eps) * G) W^T, computed as
   rsqrt(...) * ((X G) W^T);
@@ -41,7 +41,7 @@ import dataclasses
 
 from tvm.script import tirx as T
 
-from .quant_matmul import PROLOGUES
+from .config import PROLOGUES
 
 GEMV_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 BLOCK = 32

@@ -1,0 +1,440 @@
+"""The performance tables of docs/performance.md and README.md, generated from the rows in docs/bench.
+
+Each table sits between two markers in the Markdown file, `<!-- table:NAME -->` and
+`<!-- /table:NAME -->`; this script rewrites what is between them from the rows (the latest row of
+each configuration and point, see scripts/bench_latest.py) and leaves the rest of the files alone.
+
+    python scripts/perf_tables.py           # rewrite the tables
+    python scripts/perf_tables.py --check   # exit 1 when a table is not what the rows give
+
+Under each table of docs/performance.md a line names the rows' files and runs (commit, day); the
+README's summary names the files. No TVM, no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_rows  # noqa: E402
+
+REPO = bench_rows.REPO
+BENCH_DIR = os.path.join(REPO, "docs", "bench")
+PERFORMANCE = os.path.join(REPO, "docs", "performance.md")
+README = os.path.join(REPO, "README.md")
+
+DECODE_SHAPES = ((1, 4096), (1, 32768), (8, 32768), (64, 4096), (128, 8192), (256, 2048))
+DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+# --------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------
+class Rows:
+    """Every row of docs/bench with its file; `get` finds the latest row matching some fields."""
+
+    def __init__(self, folder: str = BENCH_DIR):
+        self.rows = []
+        for findex, name in enumerate(sorted(n for n in os.listdir(folder) if n.endswith(".json"))):
+            with open(os.path.join(folder, name)) as f:
+                for rindex, row in enumerate(json.load(f)):
+                    self.rows.append((str(row.get("date", "")), findex, rindex, name, row))
+
+    def find(self, **fields) -> list[tuple]:
+        """(stamp..., file, row) of every row whose fields equal `fields` (graph=False: not a replay)."""
+        graph = fields.pop("graph", False)
+        return [entry for entry in self.rows
+                if all(entry[4].get(k) == v for k, v in fields.items())
+                and str(entry[4].get("variant", "")).startswith(bench_rows.GRAPH_PREFIX) == graph]
+
+    def get(self, used: set | None = None, **fields) -> dict | None:
+        """The latest matching row (None when none); its run is added to `used`."""
+        found = self.find(**fields)
+        if not found:
+            return None
+        entry = max(found, key=lambda e: e[:3])
+        if used is not None:
+            used.add((entry[3], entry[4].get("commit", "?"), str(entry[4].get("date", ""))[:10]))
+        return entry[4]
+
+
+def fmt(value, digits: int = 3) -> str:
+    """A rate or time: integers from 1000 up, else `digits` significant digits."""
+    if value is None:
+        return "-"
+    if abs(value) >= 1000:
+        return f"{value:.0f}"
+    text = f"{value:.{digits}g}"
+    return text if "e" not in text else f"{value:.2e}"
+
+
+def sources(used: set) -> str:
+    """The line under a table: rows' files and runs."""
+    by_file: dict = {}
+    for name, commit, day in sorted(used, key=lambda u: (u[0], u[2], u[1]), reverse=True):
+        by_file.setdefault(name, []).append(f"{commit}, {day}")
+    by_file = dict(sorted(by_file.items()))
+    parts = [f"`docs/bench/{name}` ({'; '.join(dict.fromkeys(runs))})" for name, runs in by_file.items()]
+    return "Rows: " + ", ".join(parts) + "."
+
+
+def table(header: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def shape_label(row: dict) -> str:
+    b, s, q = row.get("batch"), row.get("seq_len"), row.get("qo_len")
+    return f"{b}x{s}" if q in (None, 1, s) else f"{b}x{q}@{s}"
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+WINDOW_KEYS = re.compile(r"of (\d+) keys")
+
+
+def window_row(rows: Rows, used: set, dtype: str, kv: int, batch: int, context: int) -> dict | None:
+    """The sliding-window decode row of a (batch, context) point (its seq_len is the keys it reads)."""
+    found = [e for e in rows.find(bench="kernels", kernel="decode", impl="tvmattn-window", dtype=dtype,
+                                  head_dim=128, num_kv_heads=kv, batch=batch)
+             if (m := WINDOW_KEYS.search(str(e[4].get("variant", "")))) and int(m.group(1)) == context]
+    if not found:
+        return None
+    entry = max(found, key=lambda e: e[:3])
+    used.add((entry[3], entry[4].get("commit", "?"), str(entry[4].get("date", ""))[:10]))
+    return entry[4]
+
+
+def decode_table(rows: Rows) -> str:
+    used: set = set()
+    header = ["group, dtype", "row"] + [f"{b}x{s}" for b, s in DECODE_SHAPES]
+    lines = []
+    for group, kv in ((4, 8), (8, 4)):
+        for dtype in ("float16", "bfloat16"):
+            common = dict(bench="kernels", kernel="decode", dtype=dtype, head_dim=128, num_qo_heads=32, num_kv_heads=kv)
+            plain = [rows.get(used, impl="tvmattn", batch=b, seq_len=s, **common) for b, s in DECODE_SHAPES]
+            label = f"{group}, {DTYPES[dtype]}"
+            lines.append([label, "tvmattn"] + [fmt(r and r["gbps"]) for r in plain])
+
+            def ratio_line(name, found):
+                cells = []
+                for r, p in zip(found, plain):
+                    cells.append("-" if r is None else
+                                 f"{fmt(r['gbps'])} ({r['gbps'] / p['gbps']:.3f})" if p else fmt(r["gbps"]))
+                if any(r is not None for r in found):
+                    lines.append(["", name] + cells)
+
+            ratio_line("inline RoPE (/ plain)", [rows.get(used, impl="tvmattn-rope", batch=b, seq_len=s, **common)
+                                                 for b, s in DECODE_SHAPES])
+            ratio_line("sliding window (/ plain)", [window_row(rows, used, dtype, kv, b, s) for b, s in DECODE_SHAPES])
+            for impl, name in (("sdpa", "torch SDPA"), ("tvm", "TVM's TIR kernel"),
+                               ("flashinfer-decode", "FlashInfer, CUDA cores"),
+                               ("flashinfer-decode-tc", "FlashInfer, tensor cores")):
+                found = [rows.get(used, impl=impl, batch=b, seq_len=s, **common) for b, s in DECODE_SHAPES]
+                if any(found):
+                    lines.append(["", name] + [fmt(r and r["gbps"]) for r in found])
+    d64 = dict(bench="kernels", kernel="decode", head_dim=64, num_qo_heads=32, num_kv_heads=32, batch=64, seq_len=4096)
+    cells = []
+    for dtype in ("float16", "bfloat16"):
+        ours, sdpa, tvm = (rows.get(used, impl=i, dtype=dtype, **d64) for i in ("tvmattn", "sdpa", "tvm"))
+        if ours:
+            cells.append(f"{DTYPES[dtype]} {fmt(ours['gbps'])} (SDPA {fmt(sdpa and sdpa['gbps'])}"
+                         + (f", TVM {fmt(tvm['gbps'])})" if tvm else ")"))
+    text = table(header, lines)
+    if cells:
+        text += "\n\nHead dim 64, group 1 (32 / 32 heads, the CUDA-core kernel), 64x4096: " + "; ".join(cells) + " GB/s."
+    return text + "\n\n" + sources(used)
+
+
+PREFILL_IMPLS = (("tvmattn", "tvmattn"), ("sdpa", "torch SDPA"), ("flashinfer-fa3", "FlashInfer FA3"),
+                 ("flashinfer-fa2", "FlashInfer FA2"), ("tvm", "TVM's TIR kernel"))
+
+
+def prefill_table(rows: Rows) -> str:
+    used: set = set()
+    points = sorted({(e[4]["kernel"], e[4]["dtype"], e[4]["head_dim"], e[4]["batch"], e[4]["seq_len"], e[4]["qo_len"])
+                     for e in rows.find(bench="kernels", impl="tvmattn")
+                     if e[4].get("kernel") in ("prefill", "ragged_prefill") and e[4].get("num_qo_heads") == 32},
+                    key=lambda p: (p[0] != "prefill", p[1] != "float16", p[2], p[5] == 1, p[3] * p[5], p[4]))
+    header = ["kernel", "dtype, head dim", "shape"] + [name for _, name in PREFILL_IMPLS]
+    lines = []
+    for kernel, dtype, head_dim, batch, seq_len, qo_len in points:
+        cells = []
+        for impl, _ in PREFILL_IMPLS:
+            r = rows.get(used, bench="kernels", kernel=kernel, impl=impl, dtype=dtype, head_dim=head_dim,
+                         num_qo_heads=32, batch=batch, seq_len=seq_len, qo_len=qo_len)
+            cells.append(fmt(r and r["tflops"]))
+        label = f"{batch}x{seq_len}" if qo_len == seq_len else f"{batch}x{qo_len}@{seq_len}"
+        lines.append(["paged" if kernel == "prefill" else "ragged", f"{DTYPES[dtype]}, {head_dim}", label] + cells)
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def tree_table(rows: Rows) -> str:
+    used: set = set()
+    header = ["dtype", "tree", "tvmattn, tree mask", "tvmattn, causal", "tree / causal time", "TVM's tree kernel",
+              "torch SDPA, boolean mask"]
+    lines = []
+    for dtype in ("float16", "bfloat16"):
+        for tree in ("random", "chain"):
+            common = dict(bench="kernels", kernel="tree_prefill", dtype=dtype, tree=tree)
+            ours, causal, tvm, sdpa = (rows.get(used, impl=i, **common)
+                                       for i in ("tvmattn", "tvmattn-causal", "tvm", "sdpa"))
+            if not ours:
+                continue
+            lines.append([DTYPES[dtype], tree, fmt(ours["tflops"]), fmt(causal and causal["tflops"]),
+                          f"{ours['ms'] / causal['ms']:.2f}" if causal else "-", fmt(tvm and tvm["tflops"]),
+                          fmt(sdpa and sdpa["tflops"])])
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def mla_decode_table(rows: Rows) -> str:
+    used: set = set()
+    points = sorted({(e[4]["num_qo_heads"], e[4]["dtype"], e[4]["batch"], e[4]["seq_len"], e[4]["page_size"])
+                     for e in rows.find(bench="kernels", kernel="mla_decode", impl="tvmattn")},
+                    key=lambda p: (-p[0], p[1] != "float16", p[4], -p[2] * p[3], p[2]))
+    header = ["heads", "dtype", "shape", "tvmattn (its pick)", "mma.sync kernel", "wgmma kernel", "TVM's MLA kernel",
+              "torch einsum"]
+    lines = []
+    for heads, dtype, batch, seq_len, page in points:
+        common = dict(bench="kernels", kernel="mla_decode", dtype=dtype, num_qo_heads=heads, batch=batch,
+                      seq_len=seq_len, page_size=page)
+        ours = rows.get(used, impl="tvmattn", **common)
+        pick = str(ours.get("variant", "")).removeprefix("chosen ").split(":")[0]
+        others = [rows.get(used, impl=i, **common) for i in ("tvmattn-tc", "tvmattn-wgmma", "tvm", "torch")]
+        lines.append([str(heads), DTYPES[dtype], f"{batch}x{seq_len}" + ("" if page == 16 else f", page {page}"),
+                      f"{fmt(ours['gbps'])} ({pick})"] + [fmt(r and r["gbps"]) for r in others])
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def mla_prefill_table(rows: Rows) -> str:
+    used: set = set()
+    points = sorted({(e[4]["part"], e[4]["dtype"], e[4]["num_qo_heads"], e[4]["batch"], e[4]["seq_len"], e[4]["qo_len"])
+                     for e in rows.find(bench="kernels", kernel="mla_prefill")},
+                    key=lambda p: (p[0] != "absorbed", p[1] != "float16", -p[2], p[3]))
+    header = ["part", "dtype, heads", "shape", "tvmattn", "TVM's kernel", "torch SDPA"]
+    lines = []
+    for part, dtype, heads, batch, seq_len, qo_len in points:
+        common = dict(bench="kernels", kernel="mla_prefill", part=part, dtype=dtype, num_qo_heads=heads, batch=batch,
+                      seq_len=seq_len, qo_len=qo_len)
+        ours = rows.get(used, impl="tvmattn", **common)
+        chosen = rows.get(used, impl="tvmattn-k64s4", **common)
+        if chosen:  # the schedule the chooser takes at these head dims, measured beside the then default
+            cell = f"{fmt(chosen['tflops'])} (64-key tiles; 128-key: {fmt(ours and ours['tflops'])})"
+        else:
+            cell = fmt(ours and ours["tflops"])
+        tvm, sdpa = (rows.get(used, impl=i, **common) for i in ("tvm", "sdpa"))
+        if not (ours or chosen):
+            continue
+        label = f"{batch}x{seq_len}" if qo_len == seq_len else f"{batch}x{qo_len}@{seq_len}"
+        lines.append([part, f"{DTYPES[dtype]}, {heads}", label, cell, fmt(tvm and tvm["tflops"]),
+                      fmt(sdpa and sdpa["tflops"])])
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def cache_table(rows: Rows) -> str:
+    used: set = set()
+    header = ["batch x context", "TVM's C++ cache + TVM's kernels", "TVM's C++ cache + tvmattn kernels",
+              "tvmattn PagedKVCache", "wall: TVM's / ours"]
+    lines = []
+    points = sorted({(e[4]["batch"], e[4]["seq_len"]) for e in rows.find(bench="cache", impl="tvmattn")})
+    for batch, seq_len in points:
+        found = [rows.get(used, bench="cache", impl=i, batch=batch, seq_len=seq_len)
+                 for i in ("tvm-cpp+tvm", "tvm-cpp+ours", "tvmattn")]
+        cells = ["-" if r is None else f"{fmt(r['host_ms'])} / {fmt(r['ms'])}" for r in found]
+        ratio = f"{found[0]['ms'] / found[2]['ms']:.2f}x" if found[0] and found[2] else "-"
+        lines.append([f"{batch}x{seq_len}"] + cells + [ratio])
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+E2E_IMPLS = (("tvmattn", "tvmattn, eager"), ("tvmattn-cuda-graph", "tvmattn, CUDA graphs"),
+             ("tvm-stock-cache", "TVM's stock cache"), ("tvmattn-cuda-graph-keep", "kept Q4_1/Q8_0, CUDA graphs"),
+             ("tvmattn-flashinfer", "tvmattn + FlashInfer, eager"))
+
+
+def e2e_points(rows: Rows) -> list[tuple]:
+    points = {(e[4]["kernel"], e[4]["batch"]) for e in rows.find(bench="e2e") if e[4]["impl"] == "tvmattn-cuda-graph"}
+    return sorted(points, key=lambda p: (p[0] != "prefill", p[1]))
+
+
+def e2e_table(rows: Rows) -> str:
+    used: set = set()
+    header = ["step", *(name for _, name in E2E_IMPLS), "stock / graphs"]
+    lines = []
+    for kernel, batch in e2e_points(rows):
+        found = [rows.get(used, bench="e2e", kernel=kernel, impl=i, batch=batch) for i, _ in E2E_IMPLS]
+        graphs, stock = found[1], found[2]
+        label = f"prefill {found[1]['qo_len']} tokens" if kernel == "prefill" else f"decode, batch {batch}"
+        lines.append([label] + [fmt(r and r["ms"]) for r in found]
+                     + [f"{stock['ms'] / graphs['ms']:.2f}x" if graphs and stock else "-"])
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def cpu_table(rows: Rows) -> str:
+    used: set = set()
+    header = ["engine, weights", "prompt tokens/s", "decode tokens/s", "parameters", "model peak / GGUF", "run"]
+    lines = []
+    configs = dict.fromkeys((e[4]["impl"], e[4]["variant"], e[4].get("threads"))
+                            for e in sorted(rows.find(bench="cpu", kernel="decode"), key=lambda e: e[:3], reverse=True))
+    for impl, variant, threads in configs:
+        row = rows.get(used, bench="cpu", kernel="decode", impl=impl, variant=variant, threads=threads)
+        prefill = rows.get(used, bench="cpu", kernel="prefill", impl=impl, variant=variant, threads=threads)
+
+        def rate(r):
+            if r is None:
+                return "-"
+            best = r.get("best_tokens_per_s")
+            return fmt(r["tokens_per_s"]) + (f" (best {fmt(best)})" if best else "")
+
+        peak = row.get("model_peak_over_gguf")
+        lines.append([f"{impl}, {variant}", rate(prefill), rate(row),
+                      f"{row['params_bytes'] / 1e6:.1f} MB" if row.get("params_bytes") else "-",
+                      f"{peak:.2f}" if peak else "-", f"{row.get('threads', '?')} threads, {row['date'][:10]}"])
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def speculative_table(rows: Rows) -> str:
+    used: set = set()
+    header = ["prompt", "mode", "CPU (llvm, float32) tokens/s", "H200 (float16) tokens/s"]
+    lines = []
+    modes = list(dict.fromkeys(e[4]["variant"] for e in rows.find(bench="speculative")))
+    for prompt in dict.fromkeys(e[4]["prompt"] for e in rows.find(bench="speculative")):
+        for mode in modes:
+            cells = []
+            for target in ("llvm", "cuda"):
+                r = max((e for e in rows.find(bench="speculative", prompt=prompt, variant=mode)
+                         if str(e[4].get("target", "")).split(":")[0] == target), key=lambda e: e[:3], default=None)
+                if r is not None:
+                    used.add((r[3], r[4].get("commit", "?"), str(r[4].get("date", ""))[:10]))
+                    r = r[4]
+                if r is None:
+                    cells.append("-")
+                    continue
+                extra = [] if mode == "plain" else [f"{r['speedup']:.2f}x"]
+                if r.get("acceptance_rate") is not None and mode != "plain":
+                    extra.append(f"{100 * r['acceptance_rate']:.0f}% accepted")
+                if r.get("identical") is False:
+                    extra.append("answer differs")
+                cells.append(fmt(r["tokens_per_s"]) + (f" ({', '.join(extra)})" if extra else ""))
+            lines.append([prompt, mode] + cells)
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def summary_table(rows: Rows) -> str:
+    """The README's table: one line per area, tvmattn beside what it is compared with."""
+    used: set = set()
+    lines = []
+
+    def add(what, ours, others):
+        if ours is not None:
+            lines.append([what, ours, ", ".join(o for o in others if o)])
+
+    def rate(r, field):
+        return None if r is None else fmt(r[field])
+
+    dec = dict(bench="kernels", kernel="decode", dtype="float16", head_dim=128, num_qo_heads=32, num_kv_heads=8)
+    for b, s in ((128, 8192), (1, 32768)):
+        point = dict(dec, batch=b, seq_len=s)
+        ours, sdpa, tvm = (rows.get(used, impl=i, **point) for i in ("tvmattn", "sdpa", "tvm"))
+        add(f"paged decode, fp16, 32 / 8 heads, d128, {b}x{s} (GB/s)", rate(ours, "gbps"),
+            [sdpa and f"torch SDPA {fmt(sdpa['gbps'])}", tvm and f"TVM {fmt(tvm['gbps'])}"])
+    pre = dict(bench="kernels", kernel="prefill", dtype="float16", head_dim=128, num_qo_heads=32, batch=4,
+               seq_len=4096, qo_len=4096)
+    ours, sdpa, fa3, tvm = (rows.get(used, impl=i, **pre) for i in ("tvmattn", "sdpa", "flashinfer-fa3", "tvm"))
+    add("causal paged prefill, fp16, d128, 4x4096 (TFLOP/s)", rate(ours, "tflops"),
+        [sdpa and f"torch SDPA {fmt(sdpa['tflops'])}", fa3 and f"FlashInfer FA3 {fmt(fa3['tflops'])}",
+         tvm and f"TVM {fmt(tvm['tflops'])}"])
+    tree = dict(bench="kernels", kernel="tree_prefill", dtype="float16", tree="random")
+    ours, tvm = rows.get(used, impl="tvmattn", **tree), rows.get(used, impl="tvm", **tree)
+    if ours:
+        add(f"token-tree prefill, {ours['batch']} x {ours['qo_len']}-node trees over {ours['history']} (TFLOP/s)",
+            rate(ours, "tflops"), [tvm and f"TVM {fmt(tvm['tflops'])}"])
+    mla = dict(bench="kernels", kernel="mla_decode", dtype="float16", num_qo_heads=128, batch=64, seq_len=4096,
+               page_size=16)
+    ours, torch_, tvm = (rows.get(used, impl=i, **mla) for i in ("tvmattn", "torch", "tvm"))
+    add("MLA decode, fp16, 128 heads, 64x4096 (GB/s of latent)", rate(ours, "gbps"),
+        [torch_ and f"torch {fmt(torch_['gbps'])}", tvm and f"TVM {fmt(tvm['gbps'])}"])
+    mlp = dict(bench="kernels", kernel="mla_prefill", part="absorbed", dtype="float16", num_qo_heads=128, batch=1,
+               seq_len=4096, qo_len=512)
+    ours, sdpa, tvm = (rows.get(used, impl=i, **mlp) for i in ("tvmattn", "sdpa", "tvm"))
+    add("MLA absorbed prefill, fp16, 128 heads, 1x512@4096 (TFLOP/s)", rate(ours, "tflops"),
+        [sdpa and f"torch SDPA {fmt(sdpa['tflops'])}", tvm and f"TVM {fmt(tvm['tflops'])}"])
+    for batch in (1, 16):
+        e2e = dict(bench="e2e", kernel="decode", batch=batch)
+        graphs, stock = rows.get(used, impl="tvmattn-cuda-graph", **e2e), rows.get(used, impl="tvm-stock-cache", **e2e)
+        add(f"SmolLM2-135M decode step on the H200, batch {batch} (ms)",
+            graphs and f"{fmt(graphs['ms'])} (CUDA graphs)", [stock and f"TVM's stock cache {fmt(stock['ms'])}"])
+    ours = rows.get(used, bench="cpu", kernel="decode", impl="tvmattn", variant="keep")
+    llama = rows.get(used, bench="cpu", kernel="decode", impl="llama.cpp")
+    if ours:
+        add(f"SmolLM2-135M Q4_1 decode on {ours.get('threads', 2)} CPU cores (tokens/s)", rate(ours, "tokens_per_s"),
+            [llama and f"llama.cpp {fmt(llama['tokens_per_s'])}"])
+    files = ", ".join(f"`{name}`" for name in sorted({name for name, _, _ in used}))
+    return (table(["what", "tvmattn", "compared with"], lines)
+            + f"\n\nRows: {files} in `docs/bench/`; their runs and commands are in `docs/performance.md`.")
+
+
+TABLES = {
+    "decode": decode_table, "prefill": prefill_table, "tree": tree_table, "mla-decode": mla_decode_table,
+    "mla-prefill": mla_prefill_table, "cache": cache_table, "e2e": e2e_table, "cpu": cpu_table,
+    "speculative": speculative_table, "summary": summary_table,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------
+def replace_tables(text: str, tables: dict[str, str], path: str) -> str:
+    """`text` with every marked table replaced (ValueError for an unknown name or an unclosed marker)."""
+    def one(match):
+        name = match.group(1)
+        if name not in tables:
+            raise ValueError(f"{path}: unknown table {name!r}; known: {sorted(tables)}")
+        return f"<!-- table:{name} -->\n{tables[name]}\n<!-- /table:{name} -->"
+
+    out = re.sub(r"<!-- table:([\w-]+) -->\n.*?<!-- /table:\1 -->", one, text, flags=re.S)
+    opened = re.findall(r"<!-- table:([\w-]+) -->", out)
+    closed = re.findall(r"<!-- /table:([\w-]+) -->", out)
+    if opened != closed:
+        raise ValueError(f"{path}: table markers do not pair up: {opened} against {closed}")
+    return out
+
+
+def render(folder: str = BENCH_DIR, paths=(PERFORMANCE, README)) -> dict[str, tuple[str, str]]:
+    """{path: (current text, generated text)} of the files with tables."""
+    rows = Rows(folder)
+    tables = {name: make(rows) for name, make in TABLES.items()}
+    out = {}
+    for path in paths:
+        with open(path) as f:
+            text = f.read()
+        out[path] = (text, replace_tables(text, tables, path))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a table is not current")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, (old, new) in render().items():
+        if old == new:
+            continue
+        stale.append(os.path.relpath(path, REPO))
+        if not args.check:
+            with open(path, "w") as f:
+                f.write(new)
+            print(f"rewrote the tables of {os.path.relpath(path, REPO)}")
+    if args.check and stale:
+        print("tables not current (run python scripts/perf_tables.py): " + ", ".join(stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""Specification of the serving engine (tvmattn.serve) on a tiny random-weight library (CPU).
+
+The reference for every greedy request is `Generator.generate_tokens` on that prompt alone: the
+engine must produce exactly those tokens whatever the interleaving (requests joining and leaving
+at random steps, prompt chunks beside decode tokens, preemption and recompute, prefix forks,
+speculation). After every scenario no page is leaked: the pages in use are those the prefix
+cache's sequences hold, the cache holds no other sequence, and clearing the prefix cache frees
+every page.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from serve_support import tiny_library
+from tvmattn.generate import Generator
+from tvmattn.sampling import SamplingOptions
+from tvmattn.serve.engine import Engine, RequestError
+from tvmattn.serve.prefix import RadixPrefixCache
+from tvmattn.serve.runner import ModelRunner
+from tvmattn.serve.text import TextStream
+from tvmattn.speculative import build_trie
+
+VOCAB = 268
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def library():
+    return tiny_library()
+
+
+@pytest.fixture(scope="module")
+def reference(library):
+    """prompt (tuple), n -> the greedy tokens of Generator.generate_tokens on it alone."""
+    generator = Generator(library)
+    generator.stop_ids = set()
+    memo: dict = {}
+
+    def tokens(prompt, n=MAX_NEW):
+        key = (tuple(prompt), n)
+        if key not in memo:
+            memo[key] = generator.generate_tokens([list(prompt)], n).tokens[0]
+        return memo[key]
+
+    return tokens
+
+
+def make_engine(library, **kwargs) -> Engine:
+    runner_args = {k: kwargs.pop(k) for k in ("max_total_tokens", "kv_cache_memory") if k in kwargs}
+    return Engine(ModelRunner(library, **runner_args), **kwargs)
+
+
+def greedy(n=MAX_NEW, **kwargs) -> SamplingOptions:
+    return SamplingOptions(temperature=0, max_tokens=n, ignore_eos=True, **kwargs)
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, VOCAB, size=n)] for n in lengths]
+
+
+def run_all(engine: Engine, limit: int = 2000) -> int:
+    steps = 0
+    while engine.step():
+        steps += 1
+        assert steps < limit, "the engine does not finish"
+    return steps
+
+
+def assert_no_leak(engine: Engine) -> None:
+    used, held = engine.held_pages()
+    assert used == held, f"{used} pages in use, the prefix cache holds {held}"
+    prefix = sorted(engine.prefix.sequence_ids()) if engine.prefix is not None else []
+    assert engine.cache_sequences() == prefix, "a sequence outlived its request"
+    engine.clear_prefix_cache()
+    assert engine.runner.available_pages() == engine.runner.num_pages
+    assert engine.cache_sequences() == []
+
+
+@pytest.mark.parametrize("prefix_cache", ["radix", "off"])
+def test_random_joins_and_leaves_give_each_request_its_solo_greedy_tokens(library, reference, prefix_cache):
+    engine = make_engine(library, max_batched_tokens=24, prefix_cache=prefix_cache)
+    rng = np.random.default_rng(1)
+    shared = prompts(2, [20])[0]
+    work = []
+    for i, n in enumerate(rng.integers(1, 90, size=14)):
+        prompt = prompts(100 + i, [int(n)])[0]
+        if i % 3 == 0:
+            prompt = shared + prompt  # a shared prefix (two pages and a bit) on some
+        work.append((prompt, int(rng.integers(1, MAX_NEW + 1))))
+    submitted = []
+    step = 0
+    while work or engine.busy():
+        if work and rng.random() < 0.45:  # joins at random steps
+            prompt, n = work.pop()
+            submitted.append((prompt, n, engine.submit(prompt, greedy(n))))
+        engine.step()
+        step += 1
+        assert step < 3000
+    for prompt, n, request in submitted:
+        out = request.stream.result()
+        assert out.finish_reason == "length" and out.tokens == reference(prompt, MAX_NEW)[:n]
+    assert_no_leak(engine)
+
+
+def test_chunked_prefill_runs_beside_decode(library, reference):
+    engine = make_engine(library, max_batched_tokens=16)
+    short, long = prompts(3, [6, 150])
+    first = engine.submit(short, greedy(12))
+    engine.step()  # its prefill; it decodes from now on
+    second = engine.submit(long, greedy(4))
+    tokens_before_long = []
+    while second.first_token is None:
+        engine.step()
+        tokens_before_long.append(len(first.output))
+    # the long prompt needs ceil(150 / 15) steps of the 16-token budget; the short stream
+    # gains a token in each of them instead of waiting for the whole prefill
+    assert len(tokens_before_long) >= 10
+    assert tokens_before_long[:10] == list(range(2, 12))
+    run_all(engine)
+    assert first.stream.result().tokens == reference(short, 12)
+    assert second.stream.result().tokens == reference(long, 4)
+    assert_no_leak(engine)
+
+
+def test_preemption_recomputes_and_loses_nothing(library, reference):
+    # 7 pages for four requests of up to 64 tokens each: over-committed
+    engine = make_engine(library, max_total_tokens=7 * 16, max_batched_tokens=32, prefix_cache="off")
+    work = prompts(4, [20, 25, 30, 18])
+    requests = [engine.submit(p, greedy(30)) for p in work]
+    run_all(engine)
+    assert engine.preemptions > 0
+    for prompt, request in zip(work, requests):
+        out = request.stream.result()
+        assert out.finish_reason == "length" and out.tokens == reference(prompt, 30)
+    assert sum(r.stream.result().preemptions for r in requests) == engine.preemptions
+    assert_no_leak(engine)
+
+
+def test_prefix_forks_skip_the_cached_prompt_and_eviction_frees_pages(library, reference):
+    engine = make_engine(library, max_total_tokens=12 * 16, max_batched_tokens=64)
+    system = prompts(5, [40])[0]
+    a, b, c = ([*system, *tail] for tail in prompts(6, [5, 9, 3]))
+    ra = engine.submit(a, greedy())
+    run_all(engine)
+    rb = engine.submit(b, greedy())
+    run_all(engine)
+    assert ra.stream.result().cached_tokens == 0
+    assert rb.stream.result().cached_tokens == 32  # two whole pages of the system prompt
+    assert rb.stream.result().tokens == reference(b)
+    # the same prompt again: everything but its last token comes from the cache
+    again = engine.submit(b, greedy())
+    run_all(engine)
+    assert again.stream.result().cached_tokens == len(b) - 1
+    assert again.stream.result().tokens == reference(b)
+    assert engine.prefix.hit_rate > 0
+    # distinct prompts fill the 12-page pool: least-recently-used leaves go
+    others = prompts(7, [60, 60, 60])
+    outs = [engine.submit(p, greedy()) for p in others]
+    rc = engine.submit(c, greedy())
+    run_all(engine)
+    for p, r in zip([*others, c], [*outs, rc]):
+        assert r.stream.result().tokens == reference(p)
+    assert engine.prefix.nodes >= 1
+    assert_no_leak(engine)
+
+
+def test_cancellation_between_steps_frees_the_pages(library, reference):
+    engine = make_engine(library, max_running=2)
+    work = prompts(8, [30, 40, 20])
+    running = engine.submit(work[0], greedy(50))
+    other = engine.submit(work[1], greedy(8))
+    waiting = engine.submit(work[2], greedy(8))  # max_running 2: it waits
+    for _ in range(4):
+        engine.step()
+    assert waiting.seq_id is None and running.seq_id is not None
+    engine.cancel(running)
+    engine.cancel(waiting)
+    run_all(engine)
+    assert running.stream.result().finish_reason == "cancelled"
+    assert 0 < len(running.output) < 50
+    assert waiting.stream.result().finish_reason == "cancelled" and waiting.output == []
+    assert other.stream.result().tokens == reference(work[1], 8)
+    assert_no_leak(engine)
+
+
+def test_speculative_requests_keep_the_greedy_tokens(library, reference):
+    engine = make_engine(library, max_batched_tokens=64)
+    base = prompts(9, [12])[0]
+    repetitive = base * 4  # prompt lookup drafts from it (the random model seldom agrees)
+    plain = prompts(10, [25])[0]
+    spec = engine.submit(repetitive, greedy(20), speculative=True)
+    other = engine.submit(plain, greedy(20))
+    run_all(engine)
+    assert spec.speculative and engine.drafted > 0
+    assert spec.stream.result().tokens == reference(repetitive, 20)
+    assert other.stream.result().tokens == reference(plain, 20)
+    assert_no_leak(engine)
+
+
+class OracleDrafter:
+    """Drafts the true greedy continuation (known beforehand) under a wrong first sibling, so that
+    verify steps accept several nodes of a branching tree."""
+
+    def __init__(self, prompt, answer):
+        self.prompt, self.answer = prompt, answer
+
+    def draft(self, context, budget):
+        done = len(context) - len(self.prompt)  # answer tokens so far (the last is the root)
+        truth = self.answer[done:done + max(budget - 1, 0)]
+        wrong = [(self.answer[done] + 1) % VOCAB] if done < len(self.answer) else []
+        return build_trie(context[-1], [wrong, truth] if truth else [], budget)
+
+
+def test_accepted_draft_paths_are_committed_in_a_mixed_batch(library, reference):
+    engine = make_engine(library, max_batched_tokens=64)
+    prompt, plain, late = prompts(15, [14, 30, 70])
+    answer = reference(prompt, 20)
+    engine._drafter = OracleDrafter(prompt, answer)
+    spec = engine.submit(prompt, greedy(20), speculative=True)
+    other = engine.submit(plain, greedy(20))
+    engine.step()
+    third = engine.submit(late, greedy(5))  # its prompt chunks run beside the verify steps
+    steps = 1
+    while not spec.finished:
+        engine.step()
+        steps += 1
+    run_all(engine)
+    assert engine.accepted >= 10 and steps <= 10  # plain decoding: 20 steps
+    assert spec.stream.result().tokens == answer
+    assert other.stream.result().tokens == reference(plain, 20)
+    assert third.stream.result().tokens == reference(late, 5)
+    assert_no_leak(engine)
+
+
+def test_stop_token_ids_and_the_model_stop_tokens_end_a_request(library, reference):
+    engine = make_engine(library)
+    prompt = prompts(11, [10])[0]
+    expected = reference(prompt, 8)
+    stop_at = expected[3]
+    request = engine.submit(prompt, SamplingOptions(temperature=0, max_tokens=8, stop_token_ids=[stop_at],
+                                                    ignore_eos=True))
+    run_all(engine)
+    out = request.stream.result()
+    assert out.finish_reason == "stop" and out.tokens == expected[:expected.index(stop_at)]
+    assert_no_leak(engine)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(library):
+    prompt = prompts(12, [15])[0]
+    options = SamplingOptions(temperature=1.0, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
+    alone = make_engine(library)
+    first = alone.submit(prompt, options)
+    run_all(alone)
+    crowded = make_engine(library)
+    noise = [crowded.submit(p, SamplingOptions(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True))
+             for i, p in enumerate(prompts(13, [30, 7, 50]))]
+    second = crowded.submit(prompt, options)
+    run_all(crowded)
+    assert first.stream.result().tokens == second.stream.result().tokens
+    assert all(len(n.stream.result().tokens) == 12 for n in noise)
+
+
+def test_refusals(library):
+    engine = make_engine(library, max_queue=2)
+    with pytest.raises(RequestError, match="context window") as err:
+        engine.submit([5] * 250, greedy(10))
+    assert err.value.status == 413
+    with pytest.raises(RequestError, match="outside the vocabulary") as err:
+        engine.submit([5, VOCAB], greedy())
+    assert err.value.status == 400
+    with pytest.raises(RequestError, match="at least one token"):
+        engine.submit([], greedy())
+    engine.submit([5, 6], greedy())
+    engine.submit([5, 7], greedy())
+    with pytest.raises(RequestError, match="queue is full") as err:
+        engine.submit([5, 8], greedy())
+    assert err.value.status == 429
+    small = make_engine(library, max_total_tokens=64)
+    with pytest.raises(RequestError, match="KV cache pool") as err:
+        small.submit([5] * 40, greedy(30))
+    assert err.value.status == 413
+    run_all(engine)
+    assert_no_leak(engine)
+
+
+def test_background_loop_serves_threads_and_drains(library, reference):
+    engine = make_engine(library, max_batched_tokens=32)
+    engine.start()
+    work = prompts(14, [9, 33, 61, 4, 17, 45])
+    results = {}
+
+    def client(i):
+        request = engine.submit(work[i], greedy())
+        results[i] = [e for e in request.stream]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    engine.drain(grace_s=5)
+    for i, events in results.items():
+        assert events[-1].output.tokens == reference(work[i])
+        assert [t for e in events for t in e.tokens] == reference(work[i])
+    with pytest.raises(RequestError) as err:
+        engine.submit(work[0], greedy())
+    assert err.value.status == 503
+    assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------- pure pieces
+
+def test_text_stream_holds_back_a_possible_stop_string():
+    pieces = {1: "Hel", 2: "lo", 3: " wo", 4: "rld", 5: "!", 6: "\n"}
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids)
+
+    stream = TextStream(decode, ("world",))
+    out = [stream.push([t]) for t in (1, 2, 3)]
+    assert out == ["Hel", "lo", " "]  # " wo" could start "world": only " " is safe
+    assert stream.push([4]) == "" and stream.stopped and stream.answer() == "Hello "
+    plain = TextStream(decode, ("xyz",))
+    assert "".join(plain.push([t]) for t in (1, 2, 3, 4, 5)) + plain.flush() == "Hello world!"
+
+
+def test_text_stream_waits_for_whole_characters():
+    stream = TextStream(lambda ids: b"".join(bytes([i]) for i in ids).decode("utf-8", errors="replace"))
+    euro = "€".encode()
+    assert stream.push([euro[0]]) == "" and stream.push([euro[1]]) == ""
+    assert stream.push([euro[2]]) == "€"
+
+
+def test_radix_tree_splits_edges_and_evicts_least_recently_used_leaves():
+    forks, removed = [], []
+    ids = iter(range(100, 200))
+    tree = RadixPrefixCache(4, 10, fork=lambda p, c, n: forks.append((p, c, n)), remove=removed.append,
+                            free_pages=lambda: 0, new_id=lambda: next(ids))
+    a = list(range(12))
+    tree.insert(a + [99], seq_id=1)  # 12 tokens: three pages
+    assert forks == [(1, 100, 12)]
+    assert tree.match(a + [5, 6]) [1] == 12
+    b = a[:8] + [50, 51, 52, 53]
+    tree.insert(b, seq_id=2)  # shares two pages: the edge splits at 8
+    assert forks[1] == (100, 101, 8) and forks[2] == (2, 102, 12)
+    node, n = tree.match(b[:10])
+    assert n == 8 and node.seq_id == 101
+    node, n = tree.match(a[:6])
+    assert n == 4 and node.seq_id == 101  # mid-edge: the node's sequence holds the prefix
+    tree.match(a)  # a's leaf is now the most recent
+    assert tree.evict_one() and removed == [102]
+    assert tree.evict_one() and removed == [102, 100]
+    assert tree.evict_one() and removed == [102, 100, 101] and not tree.evict_one()
+
+
+@pytest.mark.gpu
+def test_cuda_engine_replays_decode_graphs_and_keeps_the_greedy_tokens(tmp_path):
+    from test_weights import write_tiny_gguf
+
+    from tvmattn.build import compile_model
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", np.random.default_rng(7))
+    library = compile_model(str(tmp_path / "tiny.gguf"), tmp_path / "tiny.so", target="cuda", max_batch_size=8,
+                            prefill_chunk=64, log=lambda _m: None).library
+    engine = make_engine(library, max_batched_tokens=32)
+    assert engine.runner.generator.uses_cuda_graph
+    reference_generator = Generator(library, cuda_graph=False)
+    reference_generator.stop_ids = set()
+    work = prompts(16, [5, 40, 90, 12, 33])
+    requests = [engine.submit(p, greedy(16)) for p in work]
+    run_all(engine)
+    assert engine.runner.generator._graphs.replays > 0
+    for prompt, request in zip(work, requests):
+        expected = reference_generator.generate_tokens([prompt], 16).tokens[0]
+        assert request.stream.result().tokens == expected
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("pool_pages, budget, lengths, new", [(8, 16, [60, 60, 50], 20), (6, 8, [40, 45, 30, 20], 30),
+                                                              (10, 64, [70, 10, 70, 10], 40)])
+def test_over_committed_prefills_and_decodes_all_finish(library, reference, pool_pages, budget, lengths, new):
+    engine = make_engine(library, max_total_tokens=pool_pages * 16, max_batched_tokens=budget)
+    work = prompts(sum(lengths), lengths)
+    requests = [engine.submit(p, greedy(new)) for p in work]
+    run_all(engine, limit=5000)
+    for prompt, request in zip(work, requests):
+        assert request.stream.result().tokens == reference(prompt, new)
+    assert_no_leak(engine)
+
+
+def test_page_pool_is_sized_from_memory_or_tokens(library):
+    from tvmattn.generate import GenerateError
+
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head dim 16, float32
+    runner = ModelRunner(library, kv_cache_memory="64KiB")
+    assert runner.bytes_per_token() == per_token
+    # the cache sizes its pool as TVM does: the tokens' pages plus one
+    assert runner.total_tokens == 65536 // per_token and runner.num_pages == runner.total_tokens // 16 + 1
+    assert ModelRunner(library, max_total_tokens=100).total_tokens == 112  # whole pages
+    assert ModelRunner(library).total_tokens == 8 * 256  # max batch size x context window
+    assert ModelRunner(library, kv_cache_memory=0.0001).total_tokens > 0
+    for kwargs, message in ((dict(kv_cache_memory="lots"), "kv-cache-memory"),
+                            (dict(kv_cache_memory=100), "less than one page"),
+                            (dict(max_total_tokens=4), "max-total-tokens"),
+                            (dict(max_total_tokens=64, kv_cache_memory="1MiB"), "not both")):
+        with pytest.raises(GenerateError, match=message):
+            ModelRunner(library, **kwargs)

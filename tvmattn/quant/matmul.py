@@ -1,0 +1,112 @@
+"""Fused dequantize + matmul (and embedding lookup) over GGUF block-quantized weights: the
+scheduled kernel of a `QuantMatmulConfig` on its target (`kernel`).
+
+What a config computes: config.py (the block formats and their arrays) and algorithms.py (the TE
+algorithms). Which kernel computes it:
+- llvm: the schedules of cpu.py over algorithms.py's algorithms (the one-token product in
+  block-factored form), or cpu.table_gemv under an AVX-512 target (Q4_0, Q4_1 at one token);
+- CUDA: the 32-weight block formats (Q4_0, Q4_1, Q8_0) for one token or a decode batch run the
+  GEMV of gemv_cuda.py (`uses_cuda_gemv`); everything else, matmul_algorithm / take_algorithm
+  under dlight's rules (`_schedule_cuda`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import tirx
+
+from ..compiler.targets import cuda_target, target_has_avx512
+from .algorithms import gemv_algorithm, matmul_algorithm, take_algorithm
+from .config import QuantMatmulConfig
+from .cpu import CPUSchedule, choose_schedule, schedule_llvm, table_gemv
+from .gemv_cuda import GEMV_FORMATS, choose_gemv_schedule, gemv_kernel
+
+
+def _schedule_cuda(func: tirx.PrimFunc, config: QuantMatmulConfig) -> tirx.PrimFunc:
+    """matmul_algorithm / take_algorithm scheduled for CUDA. The dequantization is an injective
+    producer of the product, the pattern dlight's GPU rules fuse (what MLC's q4f16 kernels
+    rely on): one static token (decode) gets dlight's GEMV (each thread group walks whole rows of
+    blocks, the weight dequantized in registers on its way into the dot product, the partial sums
+    reduced across the threads); more tokens get dlight's Matmul (tiles of W dequantized into
+    shared memory once per token tile); the embedding lookup a thread per element."""
+    from tvm.s_tir import dlight as dl
+
+    target = cuda_target()
+    if config.op == "take":
+        rules = [dl.gpu.Fallback()]
+    elif config.tokens == 1:
+        rules = [dl.gpu.GEMV(), dl.gpu.Fallback()]
+    else:
+        rules = [dl.gpu.Matmul(), dl.gpu.Fallback()]
+    for rule in rules:
+        scheduled = rule.apply(func, target, False)
+        if isinstance(scheduled, list):
+            scheduled = scheduled[0] if scheduled else None
+        if scheduled is not None:
+            return scheduled.mod["main"]
+    raise ValueError(f"{config.name}: no CUDA schedule applies")
+
+
+# a decode batch's GEMV passes keep each weight block in registers but re-read X per token and
+# row: weights above this size (SmolLM2's 30 MB Q8_0 LM head) keep dlight's Matmul for a batch
+CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES = 16 << 20
+
+
+def uses_cuda_gemv(config: QuantMatmulConfig) -> bool:
+    """Whether `config` runs gemv_cuda's kernel: a CUDA matmul of a 32-weight block format
+    for one static token (decode; also a few static tokens) or a decode batch (`few_tokens`) whose
+    weight is at most CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES; else dlight's rules (`_schedule_cuda`)."""
+    if config.target != "cuda" or config.op != "matmul" or config.fmt not in GEMV_FORMATS:
+        return False
+    if config.tokens is not None:
+        return config.tokens <= 8
+    weight_bytes = sum(np.prod(shape) * np.dtype(dtype).itemsize for _, dtype, shape in config.part_shapes())
+    return config.few_tokens and weight_bytes <= CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES
+
+
+def _scheduled(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` marked scheduled (the model pipeline's dlight rules leave it alone) and opaque (never fused)."""
+    return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
+
+
+def schedule(func: tirx.PrimFunc, config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.PrimFunc:
+    """`func` (from matmul_algorithm / take_algorithm of `config`) scheduled for config.target,
+    marked scheduled (the model pipeline's dlight rules leave it alone) and opaque (never fused).
+    Compile it for `compiler.targets.host_target()`: LLVM generates code for the target's CPU (a
+    plain "llvm" target is SSE2, which splits every vector into 4-lane pieces)."""
+    if config.target == "cuda":
+        return _scheduled(_schedule_cuda(func, config))
+    return _scheduled(schedule_llvm(func, config, plan or choose_schedule(config)))
+
+
+def algorithm(config: QuantMatmulConfig, plan: CPUSchedule | None) -> tirx.PrimFunc:
+    """The unscheduled PrimFunc `schedule` expects for `config`: take_algorithm, on llvm
+    gemv_algorithm (one static token, with the plan's lanes), else matmul_algorithm."""
+    if config.op == "take":
+        return take_algorithm(config)
+    if config.target == "llvm" and config.tokens == 1:
+        return gemv_algorithm(config, (plan or choose_schedule(config)).lanes)
+    return matmul_algorithm(config)
+
+
+def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.PrimFunc:
+    """The scheduled PrimFunc of `config`: arguments as algorithms.py's (X, *parts, Y) or
+    (ids, *parts, E); the CUDA GEMV's residual and prologue arguments: gemv_cuda.py."""
+    if config.residual and not uses_cuda_gemv(config):
+        raise ValueError(f"{config.name}: residual=True needs the CUDA GEMV (uses_cuda_gemv)")
+    if config.prologue != "none" and not uses_cuda_gemv(config):
+        raise ValueError(f"{config.name}: prologue={config.prologue!r} needs the CUDA GEMV (uses_cuda_gemv)")
+    if uses_cuda_gemv(config):
+        func = gemv_kernel(config.fmt, config.n, config.k, config.tokens, config.dtype,
+                           choose_gemv_schedule(config.n, config.k, config.tokens, config.prologue),
+                           residual=config.residual, prologue=config.prologue, eps=config.eps)
+        return _scheduled(func).with_attr("global_symbol", config.name)
+    if config.target == "llvm":
+        plan = plan or choose_schedule(config)
+        if plan.lookup and config.op == "matmul" and config.tokens == 1:
+            scope = tvm.target.Target.current(allow_none=True)
+            if scope is not None and not target_has_avx512(scope):
+                raise ValueError(f"{config.name}: plan.lookup needs an AVX-512 target, the scope's is {scope}")
+            return _scheduled(table_gemv(config, plan)).with_attr("global_symbol", config.name)
+    return schedule(algorithm(config, plan), config, plan).with_attr("global_symbol", config.name)

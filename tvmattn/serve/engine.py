@@ -1,0 +1,635 @@
+"""The continuous-batching engine: a request queue, a scheduler and one step loop over a
+`ModelRunner` (one library, one paged KV cache).
+
+Requests join and leave between steps. Each step spends a token budget (`max_batched_tokens`):
+first one token for every running request that is decoding (or its speculative draft tree),
+then chunks of prompts still being prefilled, oldest first, then new requests from the queue
+(chunked prefill: a long prompt is fed over several steps beside the running streams, never
+stalling them for its whole prefill). A step of decode tokens alone runs the library's decode
+(CUDA graphs where the Generator replays them); a step that holds prompt chunks runs
+`batch_prefill` over all of them at once.
+
+Memory: a new request forks its cache sequence from the longest cached prefix (`prefix.py`) and
+prefills the rest. Before a step, the pages it needs are counted; when they run short, the
+prefix cache's least-recently-used leaves are evicted, then prompt chunks wait, then the newest
+running request is preempted (its sequence removed, its pages freed, the request put back at
+the head of the queue with its tokens so far; it is recomputed when pages are free and goes on
+where it stopped: nothing is truncated). A request that can never fit (prompt + max_tokens over
+the context window or the page pool) is refused at submission.
+
+Threads: `start()` runs the step loop in one background thread; it alone touches the cache.
+`submit` and `cancel` may be called from any thread; a request's events arrive through its
+`RequestStream`, readable by blocking iteration or from asyncio (`async for`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ..sampling import Sampler, SamplingOptions, TokenLogprob
+from ..speculative import PromptLookup, SpeculativeOptions, accept_greedy, next_draft_len, tree_depth
+from .prefix import RadixPrefixCache
+from .runner import ModelRunner
+from .text import TextStream
+
+PREFIX_CACHE_MODES = ("radix", "off")
+
+
+class RequestError(ValueError):
+    """A request refused at submission; `status` is the HTTP status it maps to (400: bad field,
+    413: can never fit, 429: queue full, 503: draining)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The complete answer of a request (the last event carries it)."""
+
+    request_id: int
+    prompt_tokens: int
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "stop", "length" or "cancelled"
+    cached_tokens: int  # prompt tokens found in the prefix cache (first admission)
+    ttft_s: float | None
+    latency_s: float
+    preemptions: int
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclasses.dataclass
+class Event:
+    """A delta of a request: new text (may be empty), the new token ids and their logprobs;
+    the last event has finish_reason and output set."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
+
+
+class RequestStream:
+    """A request's events, put by the step thread; read them with `for event in stream`
+    (blocking), `async for event in stream` (asyncio: the loop given at submission), or
+    `stream.result()` for the RequestOutput."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
+        self._queue: queue.Queue = queue.Queue()
+        self._loop = loop
+        self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        self.done = False
+        self.output: RequestOutput | None = None  # set by the last event read
+
+    def put(self, event: Event) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody reads any more
+                pass
+        else:
+            self._queue.put(event)
+
+    def __iter__(self):
+        while not self.done:
+            event = self._queue.get()
+            if event.finish_reason is not None:
+                self.done, self.output = True, event.output
+            yield event
+
+    async def __aiter__(self):
+        while not self.done:
+            event = await self._async.get()
+            if event.finish_reason is not None:
+                self.done, self.output = True, event.output
+            yield event
+
+    def result(self) -> RequestOutput:
+        """The RequestOutput, after reading (blocking) the events not read yet."""
+        for _ in self:
+            pass
+        return self.output
+
+
+class Request:
+    """One request's state (owned by the step thread after submission)."""
+
+    def __init__(self, request_id: int, prompt: list[int], options: SamplingOptions, sampler: Sampler,
+                 stream: RequestStream, text: TextStream, speculative: bool, grammar: Any):
+        self.id = request_id
+        self.prompt_len = len(prompt)
+        self.tokens = list(prompt)  # prompt + generated
+        self.options = options
+        self.sampler = sampler
+        self.stream = stream
+        self.text = text
+        self.speculative = speculative
+        self.grammar = grammar  # None, or an object with allowed() -> bool mask, accept(token), done
+        self.seq_id: int | None = None
+        self.cached = 0  # tokens of self.tokens in the cache sequence
+        self.arrival = time.perf_counter()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.preemptions = 0
+        self.cached_prompt: int | None = None  # prefix-cache hit of the first admission
+        self.prompt_recorded = False  # its prompt is in the prefix cache
+        self.draft_limit = 0
+        self.logprobs: list[TokenLogprob] | None = [] if options.logprobs else None
+        self.finished = False
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet in the cache (>= 1 for a running request: at least the last chosen)."""
+        return len(self.tokens) - self.cached
+
+
+@dataclasses.dataclass
+class _Chunk:
+    request: Request
+    tokens: list[int]
+    parents: list[int] | None = None  # a draft tree (speculative); None: a chain
+    tree: Any = None
+
+
+def _pages(length: int, page_size: int) -> int:
+    return -(-length // page_size)
+
+
+class Engine:
+    """See the module docstring.
+
+    runner: the loaded model; max_batched_tokens: tokens per step (at most the library's prefill
+    chunk; default the Generator's prefill call size, at most 512); max_running: requests with a cache sequence at once
+    (default the library's max batch size); max_queue: waiting requests beyond which submit
+    refuses (429); prefix_cache: "radix" or "off"; speculative: the prompt-lookup options of
+    requests that ask for speculation."""
+
+    def __init__(self, runner: ModelRunner, *, max_batched_tokens: int | None = None,
+                 max_running: int | None = None, max_queue: int = 256, prefix_cache: str = "radix",
+                 speculative: SpeculativeOptions | None = None):
+        if prefix_cache not in PREFIX_CACHE_MODES:
+            raise ValueError(f"prefix_cache must be one of {PREFIX_CACHE_MODES}, got {prefix_cache!r}")
+        chunk = runner.prefill_chunk
+        if max_batched_tokens is None:  # the Generator's prefill call size (smaller on the CPU), at most 512
+            max_batched_tokens = min(runner.generator.prefill_chunk, 512)
+        if not isinstance(max_batched_tokens, int) or not 1 <= max_batched_tokens <= chunk:
+            raise ValueError(f"max_batched_tokens must be from 1 to the library's prefill chunk {chunk}, "
+                             f"got {max_batched_tokens!r}")
+        max_running = runner.max_batch_size if max_running is None else max_running
+        if not 1 <= max_running <= runner.max_batch_size:
+            raise ValueError(f"max_running must be from 1 to the library's max batch size {runner.max_batch_size}, "
+                             f"got {max_running}")
+        if not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"max_queue must be a positive integer, got {max_queue!r}")
+        self.runner = runner
+        self.page_size = runner.page_size
+        self.max_batched_tokens = max_batched_tokens
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.speculative = speculative or SpeculativeOptions("prompt-lookup")
+        if self.speculative.mode != "prompt-lookup":
+            raise ValueError("the engine drafts by prompt lookup only")
+        self._drafter = PromptLookup(self.speculative.draft_len, self.speculative.tree_width,
+                                     self.speculative.max_ngram, self.speculative.min_ngram)
+        self._seq_ids = itertools.count(1)
+        self._request_ids = itertools.count(1)
+        self.prefix: RadixPrefixCache | None = None
+        if prefix_cache == "radix":
+            self.prefix = RadixPrefixCache(
+                self.page_size, max(runner.max_sequences - max_running, 0), fork=runner.fork, remove=runner.remove,
+                free_pages=runner.available_pages, new_id=lambda: next(self._seq_ids))
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._incoming: collections.deque[Request] = collections.deque()
+        self._cancels: set[Request] = set()
+        self._lock = threading.Lock()  # guards _incoming, _cancels, _accepting
+        self._wake = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()  # held through a step (and by inspections)
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._accepting = True
+        self.error: BaseException | None = None
+        # counters (read by /metrics)
+        self.steps = 0
+        self.preemptions = 0
+        self.drafted = 0  # speculative draft tokens verified, and accepted
+        self.accepted = 0
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.snapshot = {"running": 0, "waiting": 0, "pages_free": runner.num_pages, "pages_total": runner.num_pages}
+        # timing hooks: on_ttft(seconds), on_inter_token(seconds)
+        self.on_ttft: Callable[[float], None] | None = None
+        self.on_inter_token: Callable[[float], None] | None = None
+
+    # ------------------------------------------------------------------ submission (any thread)
+    def submit(self, prompt: list[int], options: SamplingOptions, *, speculative: bool = False, grammar: Any = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> Request:
+        """Queue a request (token ids); raises RequestError when it is refused. Its events
+        arrive in request.stream."""
+        runner = self.runner
+        if not prompt:
+            raise RequestError("the prompt needs at least one token", 400, "prompt")
+        vocab = runner.vocab_size
+        outside = next((t for t in prompt if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise RequestError(f"token id {outside} is outside the vocabulary [0, {vocab})", 400, "prompt")
+        total = len(prompt) + options.max_tokens
+        limit = min(runner.context_window, runner.total_tokens)
+        if total > limit:
+            what = ("context window" if runner.context_window <= runner.total_tokens else "KV cache pool")
+            raise RequestError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({options.max_tokens}) is "
+                               f"{total} tokens, over the model's {what} of {limit} tokens", 413, "max_tokens")
+        speculative = bool(speculative and options.greedy and not options.penalized and grammar is None
+                           and not options.logprobs and runner.has_verify)
+        decode = runner.tokenizer.decode if runner.tokenizer is not None else (lambda ids: "")
+        request = Request(next(self._request_ids), prompt, options, Sampler(options, vocab), RequestStream(loop),
+                          TextStream(decode, options.stop), speculative, grammar)
+        request.draft_limit = self.speculative.draft_len
+        with self._lock:
+            if not self._accepting:
+                raise RequestError("the server is shutting down", 503)
+            if len(self._incoming) + len(self.waiting) >= self.max_queue:
+                raise RequestError(f"the queue is full ({self.max_queue} waiting requests); retry later", 429)
+            self._incoming.append(request)
+            self._wake.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Cancel a request (between steps: its sequence is removed and its pages freed)."""
+        with self._lock:
+            if not request.finished:
+                self._cancels.add(request)
+                self._wake.notify()
+
+    # ------------------------------------------------------------------ the loop
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tvmattn-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stop and not self._incoming and not self._cancels \
+                            and not self.running and not self.waiting:
+                        self._wake.wait()
+                    if self._stop:
+                        return
+                self.step()
+        except BaseException as err:  # noqa: BLE001 - reported to every request, then re-raised
+            self.error = err
+            self._fail_all(err)
+            raise
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._lock:
+            self._accepting = False
+            pending = list(self._incoming) + list(self.waiting) + list(self.running)
+            self._incoming.clear()
+        for request in pending:
+            if not request.finished:
+                request.finished = True
+                request.stream.put(Event("", [], finish_reason="error", output=self._output(request, "error")))
+
+    @property
+    def accepting(self) -> bool:
+        """New requests are taken (False once draining or failed)."""
+        return self._accepting
+
+    def stop_accepting(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._incoming or self.waiting or self.running)
+
+    def drain(self, grace_s: float) -> None:
+        """Stop accepting; wait up to grace_s for the requests in flight, cancel what is left,
+        then stop the loop."""
+        self.stop_accepting()
+        deadline = time.monotonic() + grace_s
+        while self.busy() and time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
+            time.sleep(0.02)
+        with self._lock:
+            for request in list(self._incoming) + list(self.waiting) + list(self.running):
+                self._cancels.add(request)
+            self._wake.notify()
+        while self.busy() and self._thread is not None and self._thread.is_alive():
+            time.sleep(0.01)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> bool:
+        """Run one scheduling step (the loop calls it; tests may call it directly when the
+        loop is not started). False when there was nothing to do."""
+        with self._step_lock:
+            self._take_incoming()
+            if not self.running and not self.waiting:
+                self._update_snapshot()
+                return False
+            decode, chunks = self._schedule()
+            while not decode and not chunks and self.running:
+                # every running request waits for pages that none of them frees: the newest goes
+                # back to the queue (alone in the cache, any admitted request fits)
+                self._preempt(self.running[-1])
+                decode, chunks = self._schedule()
+            if decode or chunks:
+                self._run(decode, chunks)
+                self.steps += 1
+            self._update_snapshot()
+            return True
+
+    def _take_incoming(self) -> None:
+        with self._lock:
+            self.waiting.extend(self._incoming)
+            self._incoming.clear()
+            cancels, self._cancels = self._cancels, set()
+        for request in cancels:
+            if request.finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            self._finish(request, "cancelled")
+
+    def _update_snapshot(self) -> None:
+        self.snapshot = {"running": len(self.running), "waiting": len(self.waiting),
+                         "pages_free": self.runner.available_pages(), "pages_total": self.runner.num_pages}
+
+    # ------------------------------------------------------------------ scheduling
+    def _need(self, request: Request, n: int) -> int:
+        """Pages a step appending n tokens to the request's sequence takes."""
+        ps = self.page_size
+        return _pages(request.cached + n, ps) - _pages(request.cached, ps)
+
+    def _ensure_pages(self, needed: int) -> bool:
+        if self.runner.available_pages() >= needed:
+            return True
+        if self.prefix is not None:
+            self.prefix.evict(needed)
+        return self.runner.available_pages() >= needed
+
+    def _schedule(self) -> tuple[list[_Chunk], list[_Chunk]]:
+        """(decode chunks: one token or a draft tree per decoding request, prompt chunks)."""
+        budget = self.max_batched_tokens
+        while True:
+            decoding = [r for r in self.running if r.pending == 1]
+            decode, used = [], 0
+            for r in decoding:
+                if used >= budget:
+                    break
+                decode.append(self._decode_chunk(r, budget - used, len(decoding)))
+                used += len(decode[-1].tokens)
+            reserved = sum(self._need(c.request, len(c.tokens)) for c in decode)
+            if self._ensure_pages(reserved):
+                break
+            self._preempt(self.running[-1])  # the newest running request
+        budget -= used
+        chunks: list[_Chunk] = []
+
+        def add_chunk(r: Request) -> None:
+            nonlocal budget, reserved
+            n = min(r.pending, budget)
+            pages = self._need(r, n)
+            if not self._ensure_pages(reserved + pages):
+                n = self._fit(r, n, self.runner.available_pages() - reserved)
+                pages = self._need(r, n)
+            if n:
+                chunks.append(_Chunk(r, r.tokens[r.cached:r.cached + n]))
+                budget -= n
+                reserved += pages
+
+        for r in list(self.running):  # prompts (or recomputed answers) being prefilled, oldest first
+            if budget <= 0:
+                break
+            if r.pending > 1:
+                add_chunk(r)
+        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+            r = self.waiting[0]
+            if not self._admit(r, reserved):
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            self.running.sort(key=lambda q: q.arrival)
+            add_chunk(r)
+        return decode, chunks
+
+    def _fit(self, request: Request, n: int, free: int) -> int:
+        """The most of n tokens the request can append within `free` pages."""
+        room = (_pages(request.cached, self.page_size) + max(free, 0)) * self.page_size - request.cached
+        return max(min(n, room), 0)
+
+    def _decode_chunk(self, r: Request, budget: int, decoding: int) -> _Chunk:
+        last = r.tokens[-1]
+        if not r.speculative:
+            return _Chunk(r, [last])
+        room = min(budget, self.runner.prefill_chunk // max(decoding, 1)) - 1
+        limit = min(r.draft_limit, r.options.max_tokens - len(r.output) - 1, room)
+        tree = self._drafter.draft(r.tokens, limit)
+        if tree.num_drafts == 0:
+            return _Chunk(r, [last])
+        return _Chunk(r, list(tree.tokens), list(tree.parents), tree)
+
+    def _admit(self, r: Request, reserved: int) -> bool:
+        """Give a waiting request its cache sequence: forked from its longest cached prefix, or
+        empty. False (nothing changed) unless the pages for the rest of its tokens, and one
+        more, are free beside the `reserved` ones (so that it is not preempted at once)."""
+        node, matched = (None, 0)
+        if self.prefix is not None:
+            node, matched = self.prefix.match(r.tokens, count=False)
+            matched = min(matched, len(r.tokens) - 1)
+        ps = self.page_size
+        wanted = reserved + (1 if matched % ps else 0) + _pages(len(r.tokens), ps) - matched // ps + 1
+        if not self._ensure_pages(wanted):
+            if self.running:
+                return False
+            # alone in the cache, any request that was admitted fits (submit checked its size)
+        if self.prefix is not None:  # again: the eviction may have taken the node
+            node, matched = self.prefix.match(r.tokens, count=r.cached_prompt is None)
+            matched = min(matched, len(r.tokens) - 1)
+        seq_id = next(self._seq_ids)
+        if node is not None and matched > 0:
+            self.runner.fork(node.seq_id, seq_id, matched)
+        else:
+            self.runner.add(seq_id)
+            matched = 0
+        r.seq_id, r.cached = seq_id, matched
+        if r.cached_prompt is None:
+            r.cached_prompt = min(matched, r.prompt_len)
+            self.prompt_tokens += r.prompt_len
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        """Free the request's pages and put it back at the head of the queue (recomputed later)."""
+        self.running.remove(r)
+        self.runner.remove(r.seq_id)
+        r.seq_id, r.cached = None, 0
+        r.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(r)
+
+    # ------------------------------------------------------------------ running a step
+    def _run(self, decode: list[_Chunk], chunks: list[_Chunk]) -> None:
+        trees = [c for c in decode if c.parents is not None]
+        if trees:
+            plain = decode
+            node_logits = self.runner.verify([c.request.seq_id for c in plain], [c.tokens for c in plain],
+                                             [c.parents if c.parents is not None else [-1] for c in plain])
+            accepted = [accept_greedy(c.tree, lg) if c.tree is not None else ([0], None)
+                        for c, lg in zip(plain, node_logits)]
+            self.runner.commit([c.request.seq_id for c in plain], [path[-1] for path, _ in accepted])
+            for c, lg, (path, bonus) in zip(plain, node_logits, accepted):
+                r = c.request
+                r.cached += len(path)
+                if c.tree is None:
+                    self._choose(r, lg[0])
+                    continue
+                self.drafted += c.tree.num_drafts
+                self.accepted += len(path) - 1
+                r.draft_limit = next_draft_len(r.draft_limit, len(path) - 1, tree_depth(c.tree),
+                                               self.speculative.draft_len)
+                for token in [c.tree.tokens[n] for n in path[1:]] + [bonus]:
+                    if not self._emit(r, token, None):
+                        break
+            decode = []
+        step = decode + chunks
+        if step:
+            seq_ids = [c.request.seq_id for c in step]
+            tokens = [c.tokens for c in step]
+            logits = self.runner.mixed(seq_ids, tokens)
+            for c, row in zip(step, logits):
+                r = c.request
+                r.cached += len(c.tokens)
+                if r.pending == 0:  # the chunk reached the end of its tokens: choose the next
+                    self._choose(r, row)
+        for c in chunks:  # a prompt whose prefill completed: share it with later requests
+            r = c.request
+            if (self.prefix is not None and not r.prompt_recorded and r.cached >= r.prompt_len
+                    and r.seq_id is not None):
+                r.prompt_recorded = True
+                self.prefix.insert(r.tokens[:r.prompt_len], r.seq_id)
+
+    def _choose(self, r: Request, row: np.ndarray) -> None:
+        mask = r.grammar.allowed() if r.grammar is not None else None
+        if mask is not None and not mask.any():  # no token continues the constrained text
+            self._retire(r, "stop")
+            return
+        token, record = r.sampler.choose(row, mask)
+        self._emit(r, token, record)
+
+    def _emit(self, r: Request, token: int, record: TokenLogprob | None) -> bool:
+        """Add a chosen token to the request; False when the request finished."""
+        if r.finished:
+            return False
+        now = time.perf_counter()
+        stops = r.options.stop_token_ids
+        if token in stops or (not r.options.ignore_eos and token in self.runner.stop_ids):
+            self._retire(r, "stop")
+            return False
+        if r.grammar is not None:
+            try:
+                r.grammar.accept(token)
+            except ValueError:  # the mask allowed it, so this is a recognizer bug: end this request only
+                self._retire(r, "error")
+                return False
+        r.tokens.append(token)
+        r.sampler.accept(token)
+        if r.logprobs is not None and record is not None:
+            r.logprobs.append(record)
+        self.generated_tokens += 1
+        if r.first_token is None:
+            r.first_token = now
+            if self.on_ttft is not None:
+                self.on_ttft(now - r.arrival)
+        elif self.on_inter_token is not None:
+            self.on_inter_token(now - r.last_token)
+        r.last_token = now
+        piece = r.text.push([token])
+        event = Event(piece, [token], [record] if record is not None else None)
+        if r.text.stopped:
+            r.stream.put(event)
+            self._retire(r, "stop")
+            return False
+        if len(r.output) >= r.options.max_tokens:
+            r.stream.put(event)
+            self._retire(r, "length")
+            return False
+        r.stream.put(event)
+        if r.grammar is not None and r.grammar.done:  # the constrained text is complete
+            self._retire(r, "stop")
+            return False
+        return True
+
+    def _retire(self, r: Request, reason: str) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        self._finish(r, reason)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        """Release the request's sequence (its pages stay with the prefix cache as far as it
+        records them) and send the last event."""
+        if r.seq_id is not None:
+            if self.prefix is not None and reason != "cancelled":
+                self.prefix.insert(r.tokens[:r.cached], r.seq_id)
+            self.runner.remove(r.seq_id)
+            r.seq_id = None
+        r.finished = True
+        piece = r.text.flush()
+        r.stream.put(Event(piece, [], finish_reason=reason, output=self._output(r, reason)))
+
+    def _output(self, r: Request, reason: str) -> RequestOutput:
+        now = time.perf_counter()
+        return RequestOutput(r.id, r.prompt_len, r.output, r.text.answer(), reason, r.cached_prompt or 0,
+                             None if r.first_token is None else r.first_token - r.arrival, now - r.arrival,
+                             r.preemptions, r.logprobs)
+
+    # ------------------------------------------------------------------ inspection
+    def held_pages(self) -> tuple[int, int]:
+        """(pages in use, pages the prefix cache's sequences hold): equal when no request runs."""
+        with self._step_lock:
+            cache = self.runner.cache
+            used = self.runner.num_pages - self.runner.available_pages()
+            held: set[int] = set()
+            for seq_id in (self.prefix.sequence_ids() if self.prefix is not None else []):
+                held.update(cache.sequence_state(seq_id)["pages"])
+            return used, len(held)
+
+    def cache_sequences(self) -> list[int]:
+        with self._step_lock:
+            return list(self.runner.cache.sequence_ids())
+
+    def clear_prefix_cache(self) -> None:
+        with self._step_lock:
+            if self.prefix is not None:
+                self.prefix.clear()

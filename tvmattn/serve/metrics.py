@@ -1,0 +1,72 @@
+"""Prometheus metrics of a serving engine (prometheus-client, a registry of its own): running and
+waiting requests, KV pages used and free, prefix-cache hit rate, time-to-first-token and
+inter-token histograms, generated tokens and output tokens/s over the last seconds."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
+RATE_WINDOW_S = 10.0
+
+
+class EngineMetrics:
+    """Hooks itself into the engine's timing callbacks; `render()` is the /metrics body."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("tvmattn_requests_running", "Requests with a KV-cache sequence", registry=r)
+        self.waiting = Gauge("tvmattn_requests_waiting", "Requests queued for admission", registry=r)
+        self.pages_used = Gauge("tvmattn_kv_pages_used", "KV-cache pages in use", registry=r)
+        self.pages_free = Gauge("tvmattn_kv_pages_free", "KV-cache pages free", registry=r)
+        self.hit_rate = Gauge("tvmattn_prefix_cache_hit_rate",
+                              "Prompt tokens found in the prefix cache / prompt tokens looked up", registry=r)
+        self.hit_tokens = Gauge("tvmattn_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache so far",
+                                registry=r)
+        self.queried_tokens = Gauge("tvmattn_prefix_cache_queried_tokens", "Prompt tokens looked up so far",
+                                    registry=r)
+        self.preemptions = Gauge("tvmattn_preemptions", "Requests preempted (recomputed later) so far", registry=r)
+        self.ttft = Histogram("tvmattn_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("tvmattn_inter_token_latency_seconds", "Time between a request's tokens", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.generated = Counter("tvmattn_generated_tokens", "Output tokens generated", registry=r)
+        self.prompt = Counter("tvmattn_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.tokens_per_s = Gauge("tvmattn_output_tokens_per_second",
+                                  f"Output tokens per second over the last {RATE_WINDOW_S:g} s", registry=r)
+        self._samples: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._seen_generated = 0
+        self._seen_prompt = 0
+        engine.on_ttft = self.ttft.observe
+        engine.on_inter_token = self.itl.observe
+
+    def render(self) -> bytes:
+        e = self.engine
+        snap = e.snapshot
+        self.running.set(snap["running"])
+        self.waiting.set(snap["waiting"])
+        self.pages_free.set(snap["pages_free"])
+        self.pages_used.set(snap["pages_total"] - snap["pages_free"])
+        self.hit_rate.set(e.prefix.hit_rate if e.prefix is not None else 0.0)
+        self.hit_tokens.set(e.prefix.hit_tokens if e.prefix is not None else 0)
+        self.queried_tokens.set(e.prefix.queried_tokens if e.prefix is not None else 0)
+        self.preemptions.set(e.preemptions)
+        with self._lock:
+            generated, prompt = e.generated_tokens, e.prompt_tokens
+            self.generated.inc(generated - self._seen_generated)
+            self.prompt.inc(prompt - self._seen_prompt)
+            self._seen_generated, self._seen_prompt = generated, prompt
+            now = time.monotonic()
+            self._samples.append((now, generated))
+            while len(self._samples) > 2 and now - self._samples[1][0] > RATE_WINDOW_S:
+                self._samples.popleft()
+            t0, g0 = self._samples[0]
+            self.tokens_per_s.set((generated - g0) / (now - t0) if now > t0 else 0.0)
+        return generate_latest(self.registry)
