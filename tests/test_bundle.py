@@ -498,6 +498,9 @@ def test_a_compile_interrupted_while_writing_leaves_no_partial_output(tmp_path, 
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == earlier
 
 
+# Timing-dependent (a signal sent after a delay lands in a stage that depends on the machine's load):
+# intermittent on a loaded 2-core machine, so it runs in the slow tier until its timing is made deterministic.
+@pytest.mark.slow
 def test_ctrl_c_during_the_renames_completes_the_bundle_first(tmp_path, tiny_gguf, fake_compile, monkeypatch):
     """Ctrl-C while the files are renamed into place is held until the last rename: the bundle is
     the new one, whole (its record matches its files), never a new library beside old records."""
