@@ -12,6 +12,7 @@ model: each tensor's data must lie inside the file, aligned, overlapping no othe
 
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
 import re
@@ -106,12 +107,22 @@ class CheckedReader(gguf.GGUFReader):
 
 
 def open_gguf(path) -> tuple[pathlib.Path, gguf.GGUFReader]:
-    """The path and a GGUFReader over it, or WeightError for a missing, unparsable or corrupt file."""
+    """The path and a GGUFReader over it, or WeightError for a missing, unparsable or corrupt file.
+
+    The reader of the last few files is reused while the file's size and modification time stay
+    the same: gguf's reader parses a 262k-token vocabulary field by field, for many seconds, and
+    one build reads the file's weights, tokenizer and chat template."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise fail(path, None, "no such file")
+    stat = path.stat()
+    return path, _cached_reader(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: pathlib.Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
     try:
-        return path, CheckedReader(path)
+        return CheckedReader(path)
     except WeightError:
         raise
     except Exception as error:  # the gguf package raises many kinds on bad input; name them all
@@ -325,8 +336,11 @@ def tokenizer_from_gguf(path) -> tokenizers.Tokenizer:
     path, reader = open_gguf(path)
     model_name = reader.get_field("tokenizer.ggml.model")
     model_name = model_name.contents() if model_name is not None else None
+    if model_name == "llama":
+        return _spm_tokenizer(path, reader)
     if model_name != "gpt2":
-        raise fail(path, None, f"unsupported tokenizer model {model_name!r} (only byte-level BPE 'gpt2')")
+        raise fail(path, None, f"unsupported tokenizer model {model_name!r} (byte-level BPE 'gpt2' or "
+                               "SentencePiece 'llama')")
     pre_field = reader.get_field("tokenizer.ggml.pre")
     pre = pre_field.contents() if pre_field is not None else "default"
     tokens = field_value(path, reader, "tokenizer.ggml.tokens")
@@ -354,6 +368,31 @@ def tokenizer_from_gguf(path) -> tokenizers.Tokenizer:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, bos_id)])
     return tokenizer
+
+
+def _flag(reader, key: str, default: bool) -> bool:
+    field = reader.get_field(key)
+    return default if field is None else bool(field.contents())
+
+
+def _spm_tokenizer(path, reader) -> tokenizers.Tokenizer:
+    """tokenizer_from_gguf of a SentencePiece vocabulary (tokenizer.ggml.model "llama": spm.py)."""
+    from .spm import spm_tokenizer
+
+    tokens = field_value(path, reader, "tokenizer.ggml.tokens")
+    scores = field_value(path, reader, "tokenizer.ggml.scores")
+    types_field = reader.get_field("tokenizer.ggml.token_type")
+    types = types_field.contents() if types_field is not None else [1] * len(tokens)
+    if len(scores) != len(tokens) or len(types) != len(tokens):
+        raise fail(path, None, f"tokenizer.ggml.scores ({len(scores)}) and token_type ({len(types)}) must have "
+                               f"one entry per token ({len(tokens)})")
+    bos = None
+    if _flag(reader, "tokenizer.ggml.add_bos_token", True):
+        bos_id = int(field_value(path, reader, "tokenizer.ggml.bos_token_id"))
+        bos = (tokens[bos_id], bos_id)
+    unk_field = reader.get_field("tokenizer.ggml.unknown_token_id")
+    unk = None if unk_field is None else tokens[int(unk_field.contents())]
+    return spm_tokenizer(tokens, scores, types, _flag(reader, "tokenizer.ggml.add_space_prefix", True), bos, unk)
 
 
 def chat_template(path) -> str | None:
