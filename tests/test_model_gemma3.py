@@ -1,0 +1,137 @@
+"""Gemma 3 libraries (tvmattn/models/gemma3) against an independent float64 torch model
+(gemma3_reference.TorchGemma3), on the CPU (llvm, float32) and on CUDA (float16).
+
+A tiny random-weight config with Gemma 3's structure: head dim 256 and one KV head, QK-norm,
+four norms a layer, GeGLU, scaled embeddings, soft-capped logits, and a layer pattern of 3
+(layers 0, 1, 3, 4 slide over a window of 8 tokens with RoPE base 10,000; layers 2 and 5 see
+everything with base 1,000,000). Prompts and answers run past the window, so the windows and
+the two bases change the logits. The library's cache runs with rope_mode "none" (the model
+rotates q and k itself at the cache's query positions) and MHA_SLIDING on the sliding layers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+
+import tvmattn  # noqa: F401  - registers the tvmattn.* functions the library calls
+from gemma3_reference import TorchGemma3, random_gemma3_weights
+from test_model import LOGITS_TOLERANCE, PAGE_SIZE, Session, run_batch, run_single
+from tvmattn.models import ModelConfigError, compile_library, pack_params
+from tvmattn.models.config import model_config_from_dict, model_config_from_hf
+from tvmattn.models.gemma3 import Gemma3Config
+from tvmattn.runtime.ffi import AttnKind
+
+TINY = {
+    "model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 160,
+    "sliding_window": 8, "sliding_window_pattern": 3, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 128, "rms_norm_eps": 1e-6, "final_logit_softcapping": 30.0,
+    "max_position_embeddings": 512,
+}
+PROMPT = [5, 17, 99, 3, 42, 64, 7, 120, 1, 33, 18, 77, 2, 90, 11, 54, 26, 8, 71]  # past the window and a page
+PROMPTS = [[9, 4, 100, 23, 61], [12, 80, 3, 3, 45, 127, 0, 66, 19, 101, 38, 7, 56, 91, 14, 29, 88]]
+
+
+class GemmaModel:
+    """A compiled tiny Gemma 3 library, its packed parameters and the torch model (Session's
+    interface: library, params, device, kv_cache, tolerance, torch)."""
+
+    def __init__(self, hf: dict, seed: int, target: str = "llvm", dtype: str = "float32", kv_cache: str = "tvmattn"):
+        self.hf, self.kv_cache = hf, kv_cache
+        self.config = model_config_from_hf(hf)
+        self.device = tvm.cpu() if target == "llvm" else tvm.cuda()
+        self.tolerance = LOGITS_TOLERANCE[dtype]
+        self.library = compile_library(self.config, target=target, dtype=dtype, page_size=PAGE_SIZE,
+                                       kv_cache=kv_cache)
+        weights = random_gemma3_weights(hf, seed)
+        self.params = pack_params(self.library.metadata, weights)
+        # the torch model on the weights as the library stores them (1 + w rounded to its dtype)
+        stored = {name: w if name.endswith("norm.weight") else w.astype(dtype).astype(np.float32)
+                  for name, w in weights.items()}
+        self.torch = TorchGemma3(hf, stored)
+
+
+@pytest.fixture(scope="module")
+def gemma_model() -> GemmaModel:
+    return GemmaModel(TINY, seed=3)
+
+
+def test_config_from_hf_reads_the_layer_pattern_and_bases():
+    config = model_config_from_hf(TINY)
+    assert isinstance(config, Gemma3Config)
+    assert config.sliding_layers == (True, True, False, True, True, False)
+    assert [config.layer_rope_theta(i) for i in (0, 2)] == [10_000.0, 1_000_000.0]
+    assert config.sm_scale == pytest.approx(128 ** -0.5)
+    assert model_config_from_dict("gemma3_text", config.to_dict()) == config
+    # Hugging Face's default pattern (6) when the config names none, and a multimodal config's text part
+    default = model_config_from_hf({k: v for k, v in TINY.items() if k != "sliding_window_pattern"})
+    assert default.sliding_layers == (True,) * 5 + (False,)
+    nested = model_config_from_hf({"model_type": "gemma3", "text_config": {**TINY, "model_type": "gemma3_text"}})
+    assert nested == config
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"hidden_activation": "silu"}, "hidden_activation='silu'"),
+    ({"head_dim": 320}, "head_dim=320"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+    ({"final_logit_softcapping": -1.0}, "final_logit_softcapping=-1.0"),
+    ({"sliding_window": None}, "required field 'sliding_window'"),
+])
+def test_config_rejects_bad_fields(change, message):
+    hf = {**TINY, **change}
+    if change.get("sliding_window", 1) is None:
+        del hf["sliding_window"]
+    with pytest.raises(ModelConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        model_config_from_hf(hf)
+
+
+def test_metadata_declares_the_layer_kinds_and_rope_by_the_model(gemma_model):
+    cache = gemma_model.library.metadata["kv_cache"]
+    assert cache["rope_mode"] == "none" and cache["head_dim"] == 256 and cache["num_kv_heads"] == 1
+    assert cache["sliding_window"] == 8
+    assert cache["sliding_layers"] == [True, True, False, True, True, False]
+    session = Session(gemma_model)
+    kinds = [session.cache.layer_kind(i) for i in range(6)] if hasattr(session.cache, "layer_kind") else \
+        list(session.cache.options.attn_kinds)
+    assert kinds == [AttnKind.MHA_SLIDING, AttnKind.MHA_SLIDING, AttnKind.MHA] * 2
+
+
+def test_prefill_then_decode_matches_torch(gemma_model):
+    run_single(Session(gemma_model), PROMPT, steps=6)
+
+
+def test_batch_prefill_and_decode_match_torch(gemma_model):
+    run_batch(Session(gemma_model), PROMPTS, steps=5)
+
+
+def test_decode_step_scales_the_embedding(gemma_model):
+    """decode_step (token ids in, the whole step) gives decode's logits: it scales the embedding too."""
+    session = Session(gemma_model)
+    session.add(0)
+    session.prefill(0, PROMPT[:10])
+    host = session.host
+    host("kv_state_begin_forward")(session.cache, tvm.runtime.ShapeTuple([0]), tvm.runtime.ShapeTuple([1]))
+    ids = tvm.runtime.tensor(np.array([PROMPT[10]], dtype=np.int32), device=session.device)
+    logits, _ = session.vm["decode_step"](ids, session.cache, session.params)
+    host("kv_state_end_forward")(session.cache)
+    np.testing.assert_allclose(logits.numpy()[0, 0], gemma_model.torch.logits(PROMPT[:11])[-1],
+                               **gemma_model.tolerance)
+
+
+@pytest.mark.slow
+def test_stock_tvm_cache_matches_torch():
+    """The same model on TVM's own cache (rope mode none, mha_sliding layers): in decode steps
+    TVM windows the sliding layers as we do, so prompts within the window and decode past it agree."""
+    model = GemmaModel(TINY, seed=3, kv_cache="tvm")
+    run_single(Session(model), PROMPT[:8], steps=10)
+
+
+@pytest.mark.gpu
+def test_cuda_float16_library_matches_torch():
+    """The CUDA library (head dim 256 on the tensor-core kernels, float16) against torch."""
+    model = GemmaModel(TINY, seed=3, target="cuda", dtype="float16")
+    run_single(Session(model), PROMPT, steps=6)
+    run_batch(Session(model), PROMPTS, steps=4)
