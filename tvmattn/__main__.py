@@ -526,7 +526,8 @@ def _demo(args) -> int:
     return 0 if report["passed"] else 1
 
 
-COMMANDS = {"smollm2": _smollm2, "gemma3": _smollm2, "compile": _compile, "generate": _generate, "cache": _cache, "demo": _demo}
+COMMANDS = {"smollm2": _smollm2, "gemma3": _smollm2, "compile": _compile, "generate": _generate, "cache": _cache,
+            "demo": _demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,8 @@ Kept quantized, a [rows, cols] matrix is split into arrays with rows first (`PAC
 GGUF order; int8 [rows, cols] for Q8_0) and the float16 scales `d` (and mins `m`, Q4_1)
 [rows, cols / 32]; Q5_0: `qs` as Q4_0's, `qh` uint8 [rows, cols / 8] (the blocks' 4 bytes), `d`;
 Q4_K: `qs` as GGUF's, the 6-bit scales and mins unpacked to uint8 `sc`, `mn` [rows, cols / 32],
-fp16 `d`, `dmin` [rows, cols / 256]; Q6_K: `ql`, `qh`, int8 `sc`, fp16 `d` as GGUF's. The fused kernels (tvmattn/quant/) read these arrays.
+fp16 `d`, `dmin` [rows, cols / 256]; Q6_K: `ql`, `qh`, int8 `sc`, fp16 `d` as GGUF's. The fused
+kernels (tvmattn/quant/) read these arrays.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ..config import LAYER_TYPES, ModelConfigError, _fail, _sliding_layers
+from ..config_base import LAYER_TYPES, ModelConfigError, _fail, _sliding_layers
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")  # GELU, tanh approximation (Gemma's GeGLU)
