@@ -7,6 +7,11 @@ four norms a layer, GeGLU, scaled embeddings, soft-capped logits, and a layer pa
 everything with base 1,000,000). Prompts and answers run past the window, so the windows and
 the two bases change the logits. The library's cache runs with rope_mode "none" (the model
 rotates q and k itself at the cache's query positions) and MHA_SLIDING on the sliding layers.
+
+Its matrices are kept in the GGUF's block types, as in Gemma 3's Q4_K_M file (q, k, gate, up
+Q5_0; v and the tied embedding Q8_0; o Q4_K; down Q6_K, per layer alternating with Q4_K), made by
+gguf's quantizer (the K-quants: random blocks, test_quant_matmul.quantized); the torch model
+runs on gguf's dequantization of the same blocks.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from tvmattn.models.gemma3 import Gemma3Config
 from tvmattn.runtime.ffi import AttnKind
 
 TINY = {
-    "model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
+    "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 6,
     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 160,
+    "intermediate_size": 256,
     "sliding_window": 8, "sliding_window_pattern": 3, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
     "query_pre_attn_scalar": 128, "rms_norm_eps": 1e-6, "final_logit_softcapping": 30.0,
     "max_position_embeddings": 512,
@@ -34,23 +40,59 @@ PROMPT = [5, 17, 99, 3, 42, 64, 7, 120, 1, 33, 18, 77, 2, 90, 11, 54, 26, 8, 71]
 PROMPTS = [[9, 4, 100, 23, 61], [12, 80, 3, 3, 45, 127, 0, 66, 19, 101, 38, 7, 56, 91, 14, 29, 88]]
 
 
-class GemmaModel:
-    """A compiled tiny Gemma 3 library, its packed parameters and the torch model (Session's
-    interface: library, params, device, kv_cache, tolerance, torch)."""
+def block_kinds(hf: dict) -> dict[str, str]:
+    """HF tensor -> the block type it is kept in (the Q4_K_M file's choice of types)."""
+    kinds = {"model.embed_tokens.weight": "Q8_0"}
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        kinds.update({f"{p}.self_attn.q_proj.weight": "Q5_0", f"{p}.self_attn.k_proj.weight": "Q5_0",
+                      f"{p}.self_attn.v_proj.weight": "Q8_0" if i % 2 else "Q5_0",
+                      f"{p}.self_attn.o_proj.weight": "Q4_K", f"{p}.mlp.gate_proj.weight": "Q5_0",
+                      f"{p}.mlp.up_proj.weight": "Q5_0", f"{p}.mlp.down_proj.weight": "Q6_K" if i % 2 else "Q4_K"})
+    return kinds
 
-    def __init__(self, hf: dict, seed: int, target: str = "llvm", dtype: str = "float32", kv_cache: str = "tvmattn"):
+
+def quantize(weights: dict[str, np.ndarray], kinds: dict[str, str], seed: int):
+    """(tensors with the matrices of `kinds` as QuantizedTensors, gguf's dequantization of them)."""
+    import gguf
+    from test_quant_matmul import K_QUANTS, quantized
+
+    from tvmattn.weights import split_blocks
+
+    tensors, dequantized = dict(weights), dict(weights)
+    for index, (name, kind) in enumerate(sorted(kinds.items())):
+        if kind in K_QUANTS:  # gguf cannot quantize K-quants: random blocks with finite scales
+            tensors[name], dequantized[name] = quantized(kind, *weights[name].shape, seed=seed * 1000 + index)
+            continue
+        raw = gguf.quants.quantize(weights[name], gguf.GGMLQuantizationType[kind])
+        tensors[name] = split_blocks(raw, kind, weights[name].shape)
+        dequantized[name] = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32)
+    return tensors, dequantized
+
+
+class GemmaModel:
+    """A compiled tiny Gemma 3 library with its matrices kept in blocks, its packed parameters and
+    the torch model (Session's interface: library, params, device, kv_cache, tolerance, torch).
+    On CUDA the activations are float16 (the fused kernels')."""
+
+    def __init__(self, hf: dict, seed: int, target: str = "llvm", kv_cache: str = "tvmattn"):
+        from tvmattn.models import BuildOptions
+        from tvmattn.models.gemma3.model import hf_parameter_sources
+        from tvmattn.quant.linear import plan_weight_formats
+
+        dtype = "float32" if target == "llvm" else "float16"
         self.hf, self.kv_cache = hf, kv_cache
         self.config = model_config_from_hf(hf)
         self.device = tvm.cpu() if target == "llvm" else tvm.cuda()
         self.tolerance = LOGITS_TOLERANCE[dtype]
-        self.library = compile_library(self.config, target=target, dtype=dtype, page_size=PAGE_SIZE,
-                                       kv_cache=kv_cache)
-        weights = random_gemma3_weights(hf, seed)
-        self.params = pack_params(self.library.metadata, weights)
-        # the torch model on the weights as the library stores them (1 + w rounded to its dtype)
-        stored = {name: w if name.endswith("norm.weight") else w.astype(dtype).astype(np.float32)
-                  for name, w in weights.items()}
-        self.torch = TorchGemma3(hf, stored)
+        tensors, dequantized = quantize(random_gemma3_weights(hf, seed), block_kinds(hf), seed)
+        formats = plan_weight_formats(hf_parameter_sources(self.config), tensors)
+        assert len(formats) == 1 + 6 * hf["num_hidden_layers"]  # every matrix kept (gate and up fused)
+        self.library = compile_library(self.config, BuildOptions(
+            target=target, dtype=dtype, page_size=PAGE_SIZE, kv_cache=kv_cache,
+            weight_formats=tuple(sorted(formats.items())), host_avx512=target == "llvm"))
+        self.params = pack_params(self.library.metadata, tensors)
+        self.torch = TorchGemma3(hf, dequantized)
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +173,9 @@ def test_stock_tvm_cache_matches_torch():
 
 @pytest.mark.gpu
 def test_cuda_float16_library_matches_torch():
-    """The CUDA library (head dim 256 on the tensor-core kernels, float16) against torch."""
-    model = GemmaModel(TINY, seed=3, target="cuda", dtype="float16")
+    """The CUDA library (head dim 256 on the tensor-core kernels, float16 activations, the
+    blocks' fused kernels: Q5_0 and Q8_0 on the GEMV of our own) against torch."""
+    model = GemmaModel(TINY, seed=3, target="cuda")
     run_single(Session(model), PROMPT, steps=6)
     run_batch(Session(model), PROMPTS, steps=4)
 
