@@ -204,3 +204,33 @@ def test_chat_template_writes_bos_and_gemma_turns():
     assert default_chat({"model_type": "llama"}) == (None, ())
     assert render_chat(CHAT_TEMPLATE, " Hi there ") == \
         "<bos><start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"
+
+
+@pytest.mark.slow
+def test_cuda_library_source_builds_for_sm_90(tmp_path):
+    """The tiny library for cuda:sm_90 (float16, blocks kept), compiled without a GPU: its CUDA
+    source holds the tensor-core attention at head dim 256 and the Q5_0 GEMV of our own, and nvcc
+    builds it for sm_90 (where nvcc is present)."""
+    import shutil
+    import subprocess
+
+    from tvmattn.models import BuildOptions, compile_module, export_module
+    from tvmattn.models.gemma3.model import hf_parameter_sources
+    from tvmattn.quant.linear import plan_weight_formats
+
+    config = model_config_from_hf(TINY)
+    tensors, _ = quantize(random_gemma3_weights(TINY, 3), block_kinds(TINY), 3)
+    formats = plan_weight_formats(hf_parameter_sources(config), tensors)
+    options = BuildOptions(target="cuda:sm_90", dtype="float16", page_size=PAGE_SIZE,
+                           weight_formats=tuple(sorted(formats.items())))
+    mod, _ = export_module(config, options)
+    source = compile_module(mod, options).mod.imports[0].inspect_source()
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in source
+    assert "quant_matmul_q5_0_512x64_1_f16" in source and "qhw_ptr" in source
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc to build the source")
+    (tmp_path / "model.cu").write_text(source)
+    done = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-o", str(tmp_path / "model.cubin"),
+                           str(tmp_path / "model.cu")], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
