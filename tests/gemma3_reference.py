@@ -77,9 +77,10 @@ class TorchGemma3:
             x = x + self._norm(down, f"{p}.post_feedforward_layernorm.weight")
         return x
 
-    def logits(self, tokens: list[int]) -> np.ndarray:
-        """[len(tokens), vocab] logits of every position."""
-        x = self._norm(self.hidden(tokens), "model.norm.weight")
+    def logits(self, tokens: list[int], rows: list[int] | None = None) -> np.ndarray:
+        """[len(tokens), vocab] logits of every position (rows: of those positions only)."""
+        x = self.hidden(tokens)
+        x = self._norm(x if rows is None else x[rows], "model.norm.weight")
         head = self.w["lm_head.weight" if "lm_head.weight" in self.w else "model.embed_tokens.weight"]
         out = x @ head.T
         cap = self.hf.get("final_logit_softcapping")

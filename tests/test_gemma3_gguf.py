@@ -7,19 +7,21 @@
 - the library (compiled once per test run, blocks kept: --quantization keep) against a float64
   torch model on the dequantized weights (every position of a short prompt), and against
   llama.cpp (llama-cpp-python on the same file) on three prompts: every prompt position's
-  logits within LLAMA_CPP_TOLERANCE, the same 32 greedy tokens; and on a prompt past the
-  sliding window (at least 1,500 tokens), the same greedy tokens.
+  logits within LLAMA_CPP_TOLERANCE and the same top token wherever llama.cpp's is clear, the same
+  32 greedy tokens; past the sliding window (prompts of at least 1,500 tokens): the last
+  position's logits against the float64 torch model, and the same 32 greedy tokens as llama.cpp.
 
-llama.cpp rounds the activations of every product to 8-bit blocks (Q8_0 / Q8_K) and takes GELU
-from a float16 table, so its logits differ from exact ones by that rounding; our kernels sum
-float32 products of the exact weights. Everything here is slow (the GGUF's 262k-token
+llama.cpp rounds the activations of every product to 8-bit blocks (Q8_0 / Q8_K), keeps K and V
+in float16 and takes GELU from a float16 table, so its logits differ from exact ones by that
+rounding (up to about a tenth of the largest logit of a position); our kernels sum float32
+products of the exact weights (within about 1e-6 of it, against the float64 model). Greedy
+tokens are compared where the continuation is clear: where two tokens are within llama.cpp's
+rounding of each other, greedy decoding may take either. Everything here is slow (the GGUF's 262k-token
 vocabulary alone takes many seconds to parse); skipped where the package or llama-cpp-python
 is absent.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -42,9 +44,11 @@ PROMPTS = [
 ]
 NEW_TOKENS = 32
 LONG_PROMPT_TOKENS = 1500
-# |ours - llama.cpp| <= rtol * |llama.cpp| + atol * (the position's largest |logit|): llama.cpp's
-# 8-bit activations (see the module docstring)
-LLAMA_CPP_TOLERANCE = {"rtol": 0.05, "atol": 0.05}
+# |ours - llama.cpp| <= LLAMA_CPP_TOLERANCE * (the position's largest |logit|): llama.cpp's 8-bit
+# activations (see the module docstring); and the top tokens equal where llama.cpp's top two are
+# further apart than CLEAR_MARGIN
+LLAMA_CPP_TOLERANCE = 0.15
+CLEAR_MARGIN = 0.5
 TORCH_TOLERANCE = {"rtol": 2e-3, "atol": 2e-3}  # float32 sums over 18 layers against float64
 CHUNK = 1024
 STOP = (1, 106)  # <eos>, <end_of_turn>
@@ -235,31 +239,51 @@ def test_prompt_logits_and_greedy_tokens_match_llama_cpp(library, llama_cpp, pro
     llama_cpp.eval(ids)
     want = np.array(llama_cpp.scores[:len(ids)], dtype=np.float64)
     got = library.prefill(ids, every_position=True).astype(np.float64)
-    scale = np.abs(want).max(axis=1, keepdims=True)
+    scale = np.abs(want).max(axis=1)
     err = np.abs(got - want)
-    print(f"{len(ids)} tokens: max |ours - llama.cpp| {err.max():.4f}, relative to the position's largest logit "
-          f"{(err / scale).max():.4f}; top-1 agreement {(got.argmax(1) == want.argmax(1)).mean():.3f}")
-    assert (err <= LLAMA_CPP_TOLERANCE["rtol"] * np.abs(want) + LLAMA_CPP_TOLERANCE["atol"] * scale).all()
+    top2 = np.sort(want, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > CLEAR_MARGIN
+    print(f"{len(ids)} tokens: max |ours - llama.cpp| {err.max():.4f} (mean {err.mean():.4f}), relative to the "
+          f"position's largest logit {(err.max(axis=1) / scale).max():.4f}; top-1 agreement "
+          f"{(got.argmax(1) == want.argmax(1)).mean():.3f}")
     ours, theirs = library.greedy(ids, NEW_TOKENS), llama_cpp_greedy(llama_cpp, ids, NEW_TOKENS)
     print("greedy:", ours)
+    assert (err.max(axis=1) <= LLAMA_CPP_TOLERANCE * scale).all()
+    assert (got.argmax(1) == want.argmax(1))[clear].all()
     assert ours == theirs
 
 
-def long_prompt(llm) -> list[int]:
-    """At least LONG_PROMPT_TOKENS tokens of varied text (numbered sentences), ending mid-list."""
-    lines, n = [], 0
-    while True:
-        lines.append(f"{n + 1}. The number {n + 1} squared is {(n + 1) ** 2}, and its square root is about "
-                     f"{math.sqrt(n + 1):.3f}.")
-        n += 1
-        ids = llama_cpp_tokens(llm, "Here is a table of numbers.\n" + "\n".join(lines) + f"\n{n + 1}. The number")
-        if len(ids) >= LONG_PROMPT_TOKENS:
-            return ids
+def counting_prompt(llm) -> list[int]:
+    """At least LONG_PROMPT_TOKENS tokens counting up: a continuation with no near ties."""
+    n = 1
+    while len(ids := llama_cpp_tokens(llm, "Counting: " + ", ".join(str(i) for i in range(1, n + 1)) + ",")) \
+            < LONG_PROMPT_TOKENS:
+        n += 50
+    return ids
+
+
+def test_past_the_window_matches_float64_torch(library, loaded):
+    """The last position of a 1,500-token prompt, three times the sliding window (the local
+    layers see their last 512 tokens, the global ones all), against TorchGemma3 in float64."""
+    from gemma3_reference import TorchGemma3
+
+    from tvmattn.weights import tokenizer_from_gguf
+
+    ids = tokenizer_from_gguf(loaded.path).encode(
+        "Here is a table of numbers.\n" + "\n".join(f"{n}. The number {n} squared is {n * n}." for n in range(1, 200)))
+    ids = ids.ids[:LONG_PROMPT_TOKENS]
+    weights = {name: value.dequantize() if hasattr(value, "dequantize") else value
+               for name, value in loaded.tensors.items()}
+    want = TorchGemma3(loaded.hf_config, weights).logits(ids, rows=[-1])[0]
+    got = library.prefill(ids, every_position=False)[-1]
+    print("max |ours - torch| at", len(ids), "tokens:", np.abs(got - want).max(), "of", np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=TORCH_TOLERANCE["rtol"], atol=TORCH_TOLERANCE["atol"] *
+                               np.abs(want).max())
 
 
 def test_past_the_window_greedy_tokens_match_llama_cpp(library, llama_cpp):
-    """A prompt three times the sliding window: the local layers see their last 512 tokens only."""
-    ids = long_prompt(llama_cpp)
+    """A counting prompt three times the sliding window: the same 32 greedy tokens as llama.cpp."""
+    ids = counting_prompt(llama_cpp)
     assert len(ids) >= LONG_PROMPT_TOKENS > 2 * 512
     ours, theirs = library.greedy(ids, NEW_TOKENS), llama_cpp_greedy(llama_cpp, ids, NEW_TOKENS)
     print(len(ids), "prompt tokens; greedy:", ours)

@@ -105,6 +105,7 @@ def test_config_is_llama_with_qk_norm():
     assert not model_config_from_hf({**QWEN3, "model_type": "qwen2"}).qk_norm
 
 
+@pytest.mark.slow  # the float32 library compiles for minutes on a loaded 2-core machine
 def test_parameters_hold_the_per_head_norms(qwen3):
     names = [p["name"] for p in qwen3.metadata["params"]]
     assert "model.layers.1.self_attn.q_norm.weight" in names
@@ -113,6 +114,7 @@ def test_parameters_hold_the_per_head_norms(qwen3):
     assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == [128 + 2 * 64, 64]
 
 
+@pytest.mark.slow
 def test_prefill_decode_and_batch_match_torch(qwen3):
     run_single(Session(qwen3, vm=qwen3.vm), PROMPT, steps=4)
     run_batch(Session(qwen3, vm=qwen3.vm), PROMPTS, steps=3)
