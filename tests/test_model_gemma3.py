@@ -211,6 +211,7 @@ def test_cuda_library_source_builds_for_sm_90(tmp_path):
     """The tiny library for cuda:sm_90 (float16, blocks kept), compiled without a GPU: its CUDA
     source holds the tensor-core attention at head dim 256 and the Q5_0 GEMV of our own, and nvcc
     builds it for sm_90 (where nvcc is present)."""
+    import re
     import shutil
     import subprocess
 
@@ -224,8 +225,14 @@ def test_cuda_library_source_builds_for_sm_90(tmp_path):
     options = BuildOptions(target="cuda:sm_90", dtype="float16", page_size=PAGE_SIZE,
                            weight_formats=tuple(sorted(formats.items())))
     mod, _ = export_module(config, options)
-    source = compile_module(mod, options).mod.imports[0].inspect_source()
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in source
+    def modules(module):  # the module and everything it imports, depth first
+        yield module
+        for child in module.imports:
+            yield from modules(child)
+
+    source = next(text for text in (m.inspect_source() for m in modules(compile_module(mod, options).mod))
+                  if "__global__" in text)
+    assert re.search(r"wgmma\.mma_async|mma\.sync\.aligned\.m16n8k16", source)  # tensor cores
     assert "quant_matmul_q5_0_512x64_1_f16" in source and "qhw_ptr" in source
     nvcc = shutil.which("nvcc")
     if nvcc is None:
