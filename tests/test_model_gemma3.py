@@ -210,7 +210,7 @@ def test_chat_template_writes_bos_and_gemma_turns():
 def test_cuda_library_source_builds_for_sm_90(tmp_path):
     """The tiny library for cuda:sm_90 (float16, blocks kept), compiled without a GPU: its CUDA
     source holds the tensor-core attention at head dim 256 and the Q5_0 GEMV of our own, and nvcc
-    builds it for sm_90 (where nvcc is present)."""
+    builds it for sm_90a (wgmma; where nvcc is present)."""
     import re
     import shutil
     import subprocess
@@ -230,14 +230,16 @@ def test_cuda_library_source_builds_for_sm_90(tmp_path):
         for child in module.imports:
             yield from modules(child)
 
-    source = next(text for text in (m.inspect_source() for m in modules(compile_module(mod, options).mod))
-                  if "__global__" in text)
+    sources = [text for text in (m.inspect_source() for m in modules(compile_module(mod, options).mod))
+               if "__global__" in text]
+    source = "\n".join(sources)
     assert re.search(r"wgmma\.mma_async|mma\.sync\.aligned\.m16n8k16", source)  # tensor cores
     assert "quant_matmul_q5_0_512x64_1_f16" in source and "qhw_ptr" in source
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc to build the source")
-    (tmp_path / "model.cu").write_text(source)
-    done = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-o", str(tmp_path / "model.cubin"),
-                           str(tmp_path / "model.cu")], capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-2000:]
+    for index, text in enumerate(sources):  # each CUDA module a translation unit of its own
+        (tmp_path / f"model{index}.cu").write_text(text)
+        done = subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-o", str(tmp_path / f"model{index}.cubin"),
+                               str(tmp_path / f"model{index}.cu")], capture_output=True, text=True, timeout=1200)
+        assert done.returncode == 0, done.stderr[-2000:]
