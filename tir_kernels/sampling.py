@@ -108,8 +108,11 @@ def key_logit(key):
     return T.reinterpret("float32", T.Cast("int32", bits))
 
 
-def _weight(z, m, t):
-    return T.exp((z - m) / t)
+def _weight(z, fz):
+    """exp((z - max) / temperature) in float32 (fz: the row's max and temperature), as float64:
+    the sums of weights are float64, so a 262,144-token row's cumulative sum stays exact enough
+    for the host's inverse CDF."""
+    return T.Cast("float64", T.exp((z - fz[0]) / fz[1]))
 
 
 def sample_tokens(config: SamplingConfig, schedule: SamplingSchedule | None = None):
@@ -134,18 +137,19 @@ def sample_tokens(config: SamplingConfig, schedule: SamplingSchedule | None = No
         tokens = T.match_buffer(tokens_handle, (rows,), "int32")
         for row in L.block(rows, "x", outer=True):
             for tx in L.thread(TH, "x"):
-                red = T.alloc_buffer((TH * NC,), "float32", scope=SHARED)
+                red = T.alloc_buffer((TH * NC,), "float64", scope=SHARED)
                 red_i = T.alloc_buffer((TH,), "int64", scope=SHARED)
-                fl = T.alloc_buffer((8,), "float32", scope=L.local)
+                fz = T.alloc_buffer((2,), "float32", scope=L.local)
+                fl = T.alloc_buffer((8,), "float64", scope=L.local)
                 il = T.alloc_buffer((16,), "int64", scope=L.local)
-                acc = T.alloc_buffer((NC,), "float32", scope=L.local)
-                macros.row_max(logits, row, vocab, tx, red, red_i, fl, il)
+                acc = T.alloc_buffer((NC,), "float64", scope=L.local)
+                macros.row_max(logits, row, vocab, tx, red, red_i, fz, fl, il)
                 # phases that synchronize the block run as loops of 0 or 1 trips, not under an
                 # `if` (TVM inserts no barrier inside a condition); the trip count is the row's
                 il[12] = T.if_then_else(params[row, 1] > T.float32(0), T.int64(1), T.int64(0))
                 for _ in T.serial(T.Cast("int32", il[12])):
-                    macros.truncate(logits, params, row, vocab, tx, red, red_i, fl, il, acc)
-                    macros.draw(logits, params, tokens, row, vocab, tx, red, red_i, fl, il)
+                    macros.truncate(logits, params, row, vocab, tx, red, red_i, fz, fl, il, acc)
+                    macros.draw(logits, params, tokens, row, vocab, tx, red, red_i, fz, fl, il)
                 if params[row, 1] <= T.float32(0):
                     if tx == 0:
                         tokens[row] = T.Cast("int32", il[0])
@@ -161,7 +165,7 @@ class _Macros(NamedTuple):
 
 def _sampling_macros(L: LoopKinds, TH: int, NC: int, BITS: int, PASSES: int, RADIX: int, gpu: bool):
     """The three phases of `sample_tokens` over one row (fl / il: the row's float / int scalars;
-    fl[0] max logit, fl[1] temperature, fl[2] kept mass, fl[3] target; il[0] argmax, il[1] tau,
+    fz[0] max logit, fz[1] temperature (float32); fl[2] kept mass, fl[3] target (float64); il[0] argmax, il[1] tau,
     il[2] n, il[3] top-k tau, il[4] top-k n, il[5] top-k ties, il[6..8] search state, il[9..11] scratch, il[12..14] trip counts of the
     phases that run or not (loops of 0 or 1 trips: a barrier may not sit under an `if`))."""
 
@@ -186,16 +190,16 @@ def _sampling_macros(L: LoopKinds, TH: int, NC: int, BITS: int, PASSES: int, RAD
             sync_()
 
     @T.macro
-    def row_max(logits, row, vocab, tx, red, red_i, fl, il):
-        """fl[0] <- the row's largest logit, il[0] <- its lowest token id."""
-        fl[0] = T.float32(0)
+    def row_max(logits, row, vocab, tx, red, red_i, fz, fl, il):
+        """fz[0] <- the row's largest logit, il[0] <- its lowest token id."""
+        fz[0] = T.float32(0)
         il[0] = T.int64(-1)
         for j in T.serial(ceildiv(vocab, TH)):
             if j * TH + tx < vocab:
-                if il[0] < 0 or T.Cast("float32", logits[row, j * TH + tx]) > fl[0]:
-                    fl[0] = T.Cast("float32", logits[row, j * TH + tx])
+                if il[0] < 0 or T.Cast("float32", logits[row, j * TH + tx]) > fz[0]:
+                    fz[0] = T.Cast("float32", logits[row, j * TH + tx])
                     il[0] = T.Cast("int64", j * TH + tx)
-        red[tx * NC] = fl[0]
+        red[tx * NC] = T.Cast("float64", fz[0])
         red_i[tx] = il[0]
         sync_()
         for lvl in T.serial((TH - 1).bit_length()):
@@ -212,19 +216,19 @@ def _sampling_macros(L: LoopKinds, TH: int, NC: int, BITS: int, PASSES: int, RAD
                 red[tx * NC] = fl[7]
                 red_i[tx] = il[10]
             sync_()
-        fl[0] = red[0]
+        fz[0] = T.Cast("float32", red[0])
         il[0] = red_i[0]
         sync_()
 
     @T.macro
-    def radix_search(logits, row, vocab, tx, red, fl, il, acc, want, weight, out):
+    def radix_search(logits, row, vocab, tx, red, il, acc, want, weight, out):
         """il[out] <- the largest key tau with sum(weight(z, key) over keys >= tau) >= want,
         decided RADIX bits a pass from the top (il[6]: the key so far, il[7]: its digit unit)."""
         il[6] = T.int64(0)
         for p in T.serial(PASSES):
             il[7] = T.shift_left(T.int64(1), T.Cast("int64", _KEY_BITS - (p + 1) * BITS))
             for c in L.unroll(NC):
-                acc[c] = T.float32(0)
+                acc[c] = T.float64(0)
             for j in T.serial(ceildiv(vocab, TH)):
                 if j * TH + tx < vocab:
                     z = T.Cast("float32", logits[row, j * TH + tx])
@@ -248,16 +252,16 @@ def _sampling_macros(L: LoopKinds, TH: int, NC: int, BITS: int, PASSES: int, RAD
         """red[0] <- count of keys > tau, red[1] <- count of keys == tau, red[2] <- sum of
         weight over keys > tau."""
         for c in L.unroll(3):
-            acc[c] = T.float32(0)
+            acc[c] = T.float64(0)
         for j in T.serial(ceildiv(vocab, TH)):
             if j * TH + tx < vocab:
                 z = T.Cast("float32", logits[row, j * TH + tx])
                 key = logit_key(z)
                 if key > tau:
-                    acc[0] = acc[0] + T.float32(1)
+                    acc[0] = acc[0] + T.float64(1)
                     acc[2] = acc[2] + weight(z, key)
                 elif key == tau:
-                    acc[1] = acc[1] + T.float32(1)
+                    acc[1] = acc[1] + T.float64(1)
         for c in L.unroll(3):
             red[tx * NC + c] = acc[c]
         block_sum(red, acc, tx, 3)
@@ -268,44 +272,44 @@ def _sampling_macros(L: LoopKinds, TH: int, NC: int, BITS: int, PASSES: int, RAD
 def _truncate_and_draw(L, TH, NC, gpu, sync_, row_max, radix_search, stats):
     """The top-k / top-p cut and the draw (see `_sampling_macros` for the scalars)."""
 
-    def weight_of(fl):
-        return lambda z, key: _weight(z, fl[0], fl[1])
+    def weight_of(fz):
+        return lambda z, key: _weight(z, fz)
 
-    def kept_weight_of(fl, il):  # top-k's prefix: every key above its tau, its first n ties
+    def kept_weight_of(fz, il):  # top-k's prefix: every key above its tau, its first n ties
         return lambda z, key: T.if_then_else(
-            key > il[3], _weight(z, fl[0], fl[1]),
-            T.if_then_else(key == il[3], _weight(z, fl[0], fl[1]) * T.Cast("float32", il[4])
-                           / T.Cast("float32", T.max(il[5], T.int64(1))), T.float32(0)))
+            key > il[3], _weight(z, fz),
+            T.if_then_else(key == il[3], _weight(z, fz) * T.Cast("float64", il[4])
+                           / T.Cast("float64", T.max(il[5], T.int64(1))), T.float64(0)))
 
     @T.macro
-    def truncate(logits, params, row, vocab, tx, red, red_i, fl, il, acc):
+    def truncate(logits, params, row, vocab, tx, red, red_i, fz, fl, il, acc):
         """(il[1], il[2]) <- the kept prefix (tau, n) after top-k and top-p; fl[2] <- the mass
         top-p is measured against."""
-        fl[1] = params[row, 1]
+        fz[1] = params[row, 1]
         il[3] = T.int64(-1)  # top-k off: every key (>= 0) is above tau
         il[4] = T.int64(0)
         il[5] = T.int64(0)
         il[13] = T.if_then_else(params[row, 2] >= T.float32(1) and params[row, 2] < T.Cast("float32", vocab),
                                 T.int64(1), T.int64(0))
         for _ in T.serial(T.Cast("int32", il[13])):  # top-k (a loop, not an `if`: see sample_tokens)
-            radix_search(logits, row, vocab, tx, red, fl, il, acc, params[row, 2],
-                         lambda z, key: T.float32(1), 3)
-        stats(logits, row, vocab, tx, red, acc, il[3], weight_of(fl))
+            radix_search(logits, row, vocab, tx, red, il, acc, T.Cast("float64", params[row, 2]),
+                         lambda z, key: T.float64(1), 3)
+        stats(logits, row, vocab, tx, red, acc, il[3], weight_of(fz))
         if il[3] >= 0:
             il[4] = T.Cast("int64", params[row, 2]) - T.Cast("int64", red[0])
             il[5] = T.Cast("int64", red[1])
-        fl[2] = red[2] + T.Cast("float32", il[4]) * _weight(key_logit(il[3]), fl[0], fl[1])
+        fl[2] = red[2] + T.Cast("float64", il[4]) * _weight(key_logit(il[3]), fz)
         sync_()
         il[1] = il[3]
         il[2] = il[4]
         il[14] = T.if_then_else(params[row, 3] < T.float32(1), T.int64(1), T.int64(0))
         for _ in T.serial(T.Cast("int32", il[14])):  # top-p
-            fl[3] = params[row, 3] * fl[2] * T.float32(1 - TOP_P_SLACK)
-            radix_search(logits, row, vocab, tx, red, fl, il, acc, fl[3], kept_weight_of(fl, il), 1)
+            fl[3] = T.Cast("float64", params[row, 3]) * fl[2] * T.float64(1 - TOP_P_SLACK)
+            radix_search(logits, row, vocab, tx, red, il, acc, fl[3], kept_weight_of(fz, il), 1)
             il[1] = T.max(il[1], il[3])
-            stats(logits, row, vocab, tx, red, acc, il[1], kept_weight_of(fl, il))
+            stats(logits, row, vocab, tx, red, acc, il[1], kept_weight_of(fz, il))
             # ties at tau: as many as reach the target, at least one, at most those available
-            il[2] = T.Cast("int64", T.ceil((fl[3] - red[2]) / _weight(key_logit(il[1]), fl[0], fl[1])))
+            il[2] = T.Cast("int64", T.ceil((fl[3] - red[2]) / _weight(key_logit(il[1]), fz)))
             il[9] = T.if_then_else(il[1] == il[3], il[4], T.Cast("int64", red[1]))
             il[2] = T.max(T.min(il[2], il[9]), T.int64(1))
             sync_()
@@ -315,7 +319,7 @@ def _truncate_and_draw(L, TH, NC, gpu, sync_, row_max, radix_search, stats):
         return tvm.tirx.any(key > il[1], tvm.tirx.all(key == il[1], il[9] < il[2]))
 
     @T.macro
-    def draw(logits, params, tokens, row, vocab, tx, red, red_i, fl, il):
+    def draw(logits, params, tokens, row, vocab, tx, red, red_i, fz, fl, il):
         """tokens[row] <- the first kept token, in id order, whose cumulative weight exceeds
         u * (total kept weight). Each thread holds a chunk of consecutive ids; every thread sums
         the chunks before its own in the same order, so the chunks' bounds agree bit for bit and
@@ -333,34 +337,34 @@ def _truncate_and_draw(L, TH, NC, gpu, sync_, row_max, radix_search, stats):
             il[9] = il[9] + T.if_then_else(t < tx, red_i[t], T.int64(0))
         sync_()
         red_i[tx] = il[9]  # own slot: kept for the walk below
-        fl[4] = T.float32(0)
+        fl[4] = T.float64(0)
         for i in T.serial(chunk):
             if tx * chunk + i < vocab:
                 if kept(T.Cast("float32", logits[row, tx * chunk + i]), il):
-                    fl[4] = fl[4] + _weight(T.Cast("float32", logits[row, tx * chunk + i]), fl[0], fl[1])
+                    fl[4] = fl[4] + _weight(T.Cast("float32", logits[row, tx * chunk + i]), fz)
                 if logit_key(T.Cast("float32", logits[row, tx * chunk + i])) == il[1]:
                     il[9] = il[9] + T.int64(1)
         red[tx * NC] = fl[4]
         sync_()
-        fl[6] = T.float32(0)  # kept weight before this chunk
-        fl[7] = T.float32(0)  # through it
-        fl[4] = T.float32(0)  # the running sum, then the total
+        fl[6] = T.float64(0)  # kept weight before this chunk
+        fl[7] = T.float64(0)  # through it
+        fl[4] = T.float64(0)  # the running sum, then the total
         for t in T.serial(TH):
             fl[4] = fl[4] + red[t * NC]
             fl[6] = T.if_then_else(t + 1 == tx, fl[4], fl[6])
             fl[7] = T.if_then_else(t == tx, fl[4], fl[7])
         # target in [0, total): the chunk whose [before, through) interval holds it draws
-        fl[5] = T.min(params[row, 0] * fl[4], T.nextafter(fl[4], T.float32(0)))
+        fl[5] = T.min(T.Cast("float64", params[row, 0]) * fl[4], T.nextafter(fl[4], T.float64(0)))
         if fl[6] <= fl[5] and fl[5] < fl[7]:
             il[9] = red_i[tx]
             il[10] = T.int64(-1)  # the token drawn
             il[11] = T.int64(-1)  # the last kept token of positive weight (rounding's fallback)
-            fl[7] = T.float32(0)
+            fl[7] = T.float64(0)
             for i in T.serial(chunk):
                 if tx * chunk + i < vocab:
                     if kept(T.Cast("float32", logits[row, tx * chunk + i]), il):
-                        fl[7] = fl[7] + _weight(T.Cast("float32", logits[row, tx * chunk + i]), fl[0], fl[1])
-                        if _weight(T.Cast("float32", logits[row, tx * chunk + i]), fl[0], fl[1]) > T.float32(0):
+                        fl[7] = fl[7] + _weight(T.Cast("float32", logits[row, tx * chunk + i]), fz)
+                        if _weight(T.Cast("float32", logits[row, tx * chunk + i]), fz) > T.float64(0):
                             il[11] = T.Cast("int64", tx * chunk + i)
                         if il[10] < 0 and fl[7] > fl[5] - fl[6]:
                             il[10] = T.Cast("int64", tx * chunk + i)
@@ -379,11 +383,11 @@ def apply_penalties(config: SamplingConfig, schedule: SamplingSchedule | None = 
     TH, dtype = (min(sched.threads, 128) if config.is_gpu else 1), config.dtype
 
     @T.prim_func
-    def tvmattn_apply_penalties(logits_handle: T.handle, ids_handle: T.handle, amounts_handle: T.handle):
+    def tvmattn_apply_penalties(logits_handle: T.handle, token_ids_handle: T.handle, amounts_handle: T.handle):
         T.func_attr({"tirx.noalias": True})
         rows, vocab, m = T.int32(), T.int32(), T.int32()
         logits = T.match_buffer(logits_handle, (rows, vocab), dtype)
-        token_ids = T.match_buffer(ids_handle, (rows, m), "int32")
+        token_ids = T.match_buffer(token_ids_handle, (rows, m), "int32")
         amounts = T.match_buffer(amounts_handle, (rows, m), "float32")
         for row in L.block(rows, "x", outer=True):
             for tx in L.thread(TH, "x"):
