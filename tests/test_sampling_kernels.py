@@ -378,3 +378,19 @@ def test_model_libraries_export_the_sampling_functions():
     assert has_device_sampling(document)
     names = {gv.name_hint for gv in mod.get_global_vars()}
     assert {"sample", "apply_penalties", "tvmattn_sample", "tvmattn_apply_penalties"} <= names
+
+
+@pytest.mark.slow  # compiles the tiny library (shared with test_generate / test_speculative)
+def test_a_compiled_library_samples_on_the_device(tiny_library):
+    from tvmattn.models.export import read_metadata
+
+    _, path = tiny_library
+    device = tvm.cpu(0)
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), device)
+    assert has_device_sampling(read_metadata(vm))
+    vocab = 80
+    logits = np.random.default_rng(14).normal(0, 1, (3, 1, vocab)).astype(np.float32)
+    host = [Sampler(SamplingOptions(**o), vocab) for o in OPTION_SETS[:3]]
+    dev = [Sampler(SamplingOptions(**o), vocab) for o in OPTION_SETS[:3]]
+    got = DeviceSampler(vm, device).choose(tvm.runtime.tensor(logits, device), dev)
+    assert [t for t, _ in got] == [h.choose(logits[i, 0])[0] for i, h in enumerate(host)]
