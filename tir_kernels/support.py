@@ -188,6 +188,9 @@ CAPABILITIES = {
     "rotary": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA),
     "page_ops": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA),
     "mla_page_ops": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA),
+    "sampling": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA, head_dims="none (logits [rows, vocab])",
+                           page_sizes="none", notes="dtype: the logits' (float32 arithmetic); any vocabulary"
+                           " (262,144 tested); one block per row on CUDA"),
 }
 
 
