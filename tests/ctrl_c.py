@@ -93,9 +93,9 @@ def _scheduling(stage: str) -> None:
 
 
 def _in_step(stage: str, prefill: bool, steps_before: int = 0) -> None:
-    """Inside the VM, in layer 1's attention of a step: the prefill (more than one token per
-    sequence) or the decode step after `steps_before` decode steps. The layers before it have
-    written their K/V already: the cache is mid-step."""
+    """Inside the VM, in layer 1's attention of a step: the prefill (more than one token: the
+    commands here answer one prompt) or the decode step after `steps_before` decode steps. The
+    layers before it have written their K/V already: the cache is mid-step."""
     import tvm_ffi
 
     from tvmattn.runtime import ffi  # registers ATTENTION
@@ -103,10 +103,9 @@ def _in_step(stage: str, prefill: bool, steps_before: int = 0) -> None:
     original = tvm_ffi.get_global_func(ATTENTION)
     decode_steps = []
 
-    def wrapper(cache, layer_id, *args):
-        plan = cache.current_plan()
-        if int(layer_id) == 0 and plan is not None:
-            is_prefill = any(int(length) > 1 for length in plan.lengths)
+    def wrapper(cache, layer_id, sm_scale, qkv, *args):
+        if int(layer_id) == 0:
+            is_prefill = qkv.shape[0] > 1  # qkv [tokens of the step, heads, head_dim]; one prompt
             if not is_prefill:
                 decode_steps.append(1)
             if is_prefill == prefill and (prefill or len(decode_steps) == steps_before + 1):
@@ -114,7 +113,7 @@ def _in_step(stage: str, prefill: bool, steps_before: int = 0) -> None:
         if int(layer_id) == 1 and getattr(wrapper, "armed", False):
             wrapper.armed = False
             ctrl_c(stage)
-        return original(cache, layer_id, *args)
+        return original(cache, layer_id, sm_scale, qkv, *args)
 
     del ffi
     tvm_ffi.register_global_func(ATTENTION, wrapper, override=True)
