@@ -298,12 +298,17 @@ def cpu_table(rows: Rows) -> str:
     return table(header, lines) + "\n\n" + sources(used)
 
 
+KEEP = "keep: "  # the variant prefix of speculative rows from a library that keeps the GGUF's blocks
+
+
 def speculative_table(rows: Rows) -> str:
+    """Libraries with dequantized weights (float32 on the CPU, float16 on the H200)."""
     used: set = set()
     header = ["prompt", "mode", "CPU (llvm, float32) tokens/s", "H200 (float16) tokens/s"]
     lines = []
-    modes = list(dict.fromkeys(e[4]["variant"] for e in rows.find(bench="speculative")))
-    for prompt in dict.fromkeys(e[4]["prompt"] for e in rows.find(bench="speculative")):
+    found = [e for e in rows.find(bench="speculative") if not e[4]["variant"].startswith(KEEP)]
+    modes = list(dict.fromkeys(e[4]["variant"] for e in found))
+    for prompt in dict.fromkeys(e[4]["prompt"] for e in found):
         for mode in modes:
             cells = []
             for target in ("llvm", "cuda"):
@@ -322,6 +327,35 @@ def speculative_table(rows: Rows) -> str:
                     extra.append("answer differs")
                 cells.append(fmt(r["tokens_per_s"]) + (f" ({', '.join(extra)})" if extra else ""))
             lines.append([prompt, mode] + cells)
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def speculative_keep_table(rows: Rows) -> str:
+    """The CPU library that keeps the GGUF's blocks (the main job's): back-off (the default) and
+    every-step runs, each against the plain runs interleaved with it."""
+    used: set = set()
+    header = ["prompt", "mode", "tokens/s (fastest rep)", "x plain (median of paired reps)", "drafts accepted",
+              "verify / plain steps"]
+    lines = []
+    found = [e for e in rows.find(bench="speculative", target="llvm") if e[4]["variant"].startswith(KEEP)]
+
+    def order(variant):  # each run's plain row first, the back-off run before the every-step one
+        every = variant.endswith("every-step") or variant.endswith("(every-step run)")
+        return every, not variant[len(KEEP):].startswith("plain")
+
+    variants = sorted(dict.fromkeys(e[4]["variant"] for e in found), key=order)
+    for prompt in dict.fromkeys(e[4]["prompt"] for e in found):
+        for variant in variants:
+            r = rows.get(used, bench="speculative", target="llvm", prompt=prompt, variant=variant)
+            if r is None:
+                continue
+            mode = variant[len(KEEP):]
+            if r.get("speedup_median") is None:  # a plain run
+                lines.append([prompt, mode, fmt(r["tokens_per_s"]), "-", "-", "-"])
+                continue
+            accepted = f"{r['accepted']} of {r['drafted']}" if r.get("drafted") else "none drafted"
+            lines.append([prompt, mode, fmt(r["tokens_per_s"]), f"{r['speedup_median']:.2f}x", accepted, f"{r['verify_steps']} / {r['plain_steps']}"
+                          + ("" if r.get("identical", True) else ", answer differs")])
     return table(header, lines) + "\n\n" + sources(used)
 
 
@@ -374,6 +408,14 @@ def summary_table(rows: Rows) -> str:
     if ours:
         add(f"SmolLM2-135M Q4_1 decode on {ours.get('threads', 2)} CPU cores (tokens/s)", rate(ours, "tokens_per_s"),
             [llama and f"llama.cpp {fmt(llama['tokens_per_s'])}"])
+    spec = dict(bench="speculative", target="llvm")
+    backed = [rows.get(used, prompt=p, variant=KEEP + "prompt-lookup K=8 W=1", **spec) for p in ("code-edit", "free-form")]
+    every = [rows.get(used, prompt=p, variant=KEEP + "prompt-lookup K=8 W=1 every-step", **spec)
+             for p in ("code-edit", "free-form")]
+    if all(backed):
+        add("SmolLM2-135M Q4_1 prompt-lookup decoding on the CPU, code-edit / free-form prompt (x plain decode)",
+            " / ".join(f"{r['speedup_median']:.2f}x" for r in backed) + " (backs off)",
+            [all(every) and "drafting at every step " + " / ".join(f"{r['speedup_median']:.2f}x" for r in every)])
     files = ", ".join(f"`{name}`" for name in sorted({name for name, _, _ in used}))
     return (table(["what", "tvmattn", "compared with"], lines)
             + f"\n\nRows: {files} in `docs/bench/`; their runs and commands are in `docs/performance.md`.")
@@ -382,7 +424,7 @@ def summary_table(rows: Rows) -> str:
 TABLES = {
     "decode": decode_table, "prefill": prefill_table, "tree": tree_table, "mla-decode": mla_decode_table,
     "mla-prefill": mla_prefill_table, "cache": cache_table, "e2e": e2e_table, "cpu": cpu_table,
-    "speculative": speculative_table, "summary": summary_table,
+    "speculative": speculative_table, "speculative-keep": speculative_keep_table, "summary": summary_table,
 }
 
 

@@ -205,12 +205,12 @@ def _load_macros(dims: _Dims, L):
         """CPU: ask for the K (kv_ = 0) or V (kv_ = 1) row j_ (if below j_end_) in L2
         (CPU_PREFETCH_LOCALITY), every cache line of it."""
         if j_ < j_end_:
+            # bound once with a window (a select over length_info), inline without one
+            pos = paged_position(j_, length_info_, b_, sliding) if sliding else T.meta_var(j_)
             for line in T.unroll(ROW_LINES):
                 T.evaluate(T.call_llvm_intrin(
                     "void", "llvm.prefetch.p0",
-                    T.address_of(pages_[indices_[page_begin_ + paged_position(j_, length_info_, b_, sliding) // ps],
-                                        kv_, hkv_, paged_position(j_, length_info_, b_, sliding) % ps,
-                                        line * LINE_ELEMS]),
+                    T.address_of(pages_[indices_[page_begin_ + pos // ps], kv_, hkv_, pos % ps, line * LINE_ELEMS]),
                     0, CPU_PREFETCH_LOCALITY, 1))
 
     @T.macro
@@ -432,9 +432,10 @@ def _attend_cpu_macro(dims: _Dims, L):
         load_q(q_, b_, h0, 0, q_pos_, False, rope_scale_, rope_theta_, sm_scale_, q_loc)
         for step in T.serial(ceildiv(j_end - j_begin, V)):
             for r in T.unroll(V):
-                page_loc[r] = indices_[page_begin + paged_position(
-                    T.min(j_begin + step * V + r, j_end - 1), length_info_, b_, sliding) // ps]
-                slot_loc[r] = paged_position(T.min(j_begin + step * V + r, j_end - 1), length_info_, b_, sliding) % ps
+                j = T.meta_var(T.min(j_begin + step * V + r, j_end - 1))
+                pos = paged_position(j, length_info_, b_, sliding) if sliding else T.meta_var(j)
+                page_loc[r] = indices_[page_begin + pos // ps]
+                slot_loc[r] = pos % ps
             for h in T.serial(HB):
                 for r in T.unroll(V):
                     part[T.ramp(r * V, 1, V)] = dot_partials(q_loc, h, pages_, page_loc[r], slot_loc[r], hkv)
