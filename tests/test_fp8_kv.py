@@ -1,0 +1,108 @@
+"""FP8 K/V pages (AttentionConfig.kv_dtype): the kernels that write codes (append, split + RoPE +
+append) and read them (debug_get_kv, decode, prefill, tree, MLA) against float64 references on
+the dequantized K/V, on the CPU; their CUDA builds, and on the GPU machine their CUDA runs."""
+
+import zlib
+
+import numpy as np
+import pytest
+import reference
+from fp8_reference import dequantize, np_fp8, quantize, random_scales, with_scales
+from harness import device_for, empty, index_view, randn, tensor
+
+from tir_kernels import (AttentionConfig, copy_single_page, debug_get_kv, split_rotary, split_rotary_append,
+                         transpose_append)
+from tir_kernels.support import FP8_KV_DTYPES
+
+FMTS = [pytest.param(f, id=f.split("_")[1]) for f in FP8_KV_DTYPES]
+
+
+def fp8_config(target, fmt, hkv=2, hq=None, d=64, ps=16, dtype="float16", **kw):
+    return AttentionConfig(hq or hkv, hkv, d, dtype=dtype, page_size=ps, target=target, kv_dtype=fmt, **kw)
+
+
+def code_pool(rng, config, num_pages):
+    """Random codes in every data page, the scale page last (scales [2, Hkv])."""
+    scales = random_scales(rng, config.num_kv_heads)
+    shape = (num_pages, 2, config.num_kv_heads, config.page_size, config.head_dim)
+    values = rng.standard_normal(shape) * scales.reshape(1, 2, -1, 1, 1) * 40
+    codes = quantize(values, scales.reshape(1, 2, -1, 1, 1), config.kv_dtype)
+    return with_scales(codes, scales), scales
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_append_quantizes_and_debug_get_kv_dequantizes(kernels, target, fmt):
+    """transpose_append stores the code of x / scale[kv, head] (saturated: some values lie
+    beyond the format's range); debug_get_kv reads code * scale back in the dtype; the scale
+    page is never written."""
+    config = fp8_config(target, fmt, hkv=3, d=32, ps=4)
+    dev = device_for(config)
+    rng = np.random.default_rng(zlib.crc32(fmt.encode()))
+    num_pages, n = 9, 21
+    pool, scales = code_pool(rng, config, num_pages)
+    k = randn(rng, (n, 3, 32), "float16") * np.float16(4)
+    v = randn(rng, (n, 3, 32), "float16")
+    k[0, 0, :4] = [1e4, -1e4, 6e-8, 0]
+    positions = rng.choice(num_pages * 4, size=n, replace=False).astype(np.int32)
+    positions[[3, 11]] = -1
+    expected = pool.copy()
+    for i, pos in enumerate(positions):
+        if pos >= 0:
+            expected[pos // 4, 0, :, pos % 4] = quantize(k[i], scales[0][:, None], fmt)
+            expected[pos // 4, 1, :, pos % 4] = quantize(v[i], scales[1][:, None], fmt)
+    pages = tensor(pool, dev)
+    kernels.get(transpose_append, config)(pages, tensor(k, dev), tensor(v, dev), index_view(positions, dev))
+    np.testing.assert_array_equal(pages.numpy().view(np.uint8), expected.view(np.uint8))
+
+    kept = positions[positions >= 0]
+    k_out = empty((2, len(kept), 3, 32), "float16", dev)
+    v_out = empty((2, len(kept), 3, 32), "float16", dev)
+    kernels.get(debug_get_kv, config, 2)(pages, index_view(kept, dev), k_out, v_out, 1)
+    codes = expected[kept // 4, :, :, kept % 4]  # [len, 2, Hkv, D]
+    for kv, out in ((0, k_out), (1, v_out)):
+        want = dequantize(codes[:, kv], scales[kv][None, :, None]).astype(np.float16)
+        np.testing.assert_array_equal(out.numpy()[1], want)
+        assert np.isnan(out.numpy()[0]).all()
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_copy_single_page_moves_codes(kernels, target, fmt):
+    config = fp8_config(target, fmt, hkv=2, d=64, ps=8)
+    dev = device_for(config)
+    pool, _ = code_pool(np.random.default_rng(5), config, 6)
+    expected = pool.copy()
+    expected[4, :, :, :5] = pool[1, :, :, :5]
+    pages = tensor(pool, dev)
+    kernels.get(copy_single_page, config)(pages, 1, 4, 5)
+    np.testing.assert_array_equal(pages.numpy().view(np.uint8), expected.view(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("rope", [0, 1])
+def test_split_rotary_append_quantizes(kernels, target, fmt, rope):
+    """The fused split + RoPE + append writes q as split_rotary does and the codes of its
+    (rotated) k and v over the scales into their slots."""
+    hq, hkv, d, ps = 4, 2, 64, 8
+    config = fp8_config(target, fmt, hkv=hkv, hq=hq, d=d, ps=ps)
+    plain = config.replace(kv_dtype="")
+    dev = device_for(config)
+    rng = np.random.default_rng(17 + rope)
+    n, num_pages = 13, 5
+    pool, scales = code_pool(rng, config, num_pages)
+    qkv = randn(rng, (n, hq + 2 * hkv, d), "float16")
+    qpos = rng.integers(0, 500, n).astype(np.int32)
+    slots = rng.choice(num_pages * ps, size=n, replace=False).astype(np.int32)
+    slots[2] = -1
+    q_ref, k_ref, v_ref = (empty((n, h, d), "float16", dev) for h in (hq, hkv, hkv))
+    kernels.get(split_rotary, plain)(tensor(qkv, dev), index_view(qpos, dev), q_ref, k_ref, v_ref, rope)
+    q = empty((n, hq, d), "float16", dev)
+    pages = tensor(pool, dev)
+    kernels.get(split_rotary_append, config)(tensor(qkv, dev), index_view(qpos, dev), q, pages,
+                                            index_view(slots, dev), rope)
+    np.testing.assert_array_equal(q.numpy(), q_ref.numpy())
+    expected = pool.copy()
+    for i, pos in enumerate(slots):
+        if pos >= 0:
+            expected[pos // ps, 0, :, pos % ps] = quantize(k_ref.numpy()[i], scales[0][:, None], fmt)
+            expected[pos // ps, 1, :, pos % ps] = quantize(v_ref.numpy()[i], scales[1][:, None], fmt)
+    np.testing.assert_array_equal(pages.numpy().view(np.uint8), expected.view(np.uint8))
