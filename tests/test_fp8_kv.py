@@ -106,3 +106,96 @@ def test_split_rotary_append_quantizes(kernels, target, fmt, rope):
             expected[pos // ps, 0, :, pos % ps] = quantize(k_ref.numpy()[i], scales[0][:, None], fmt)
             expected[pos // ps, 1, :, pos % ps] = quantize(v_ref.numpy()[i], scales[1][:, None], fmt)
     np.testing.assert_array_equal(pages.numpy().view(np.uint8), expected.view(np.uint8))
+
+
+# ---- attention over FP8 pages: the reference attends over the dequantized K/V in float64 ----
+
+import reference as ref  # noqa: E402
+from harness import make_paged_batch  # noqa: E402
+
+from tir_kernels import DecodeSchedule, default_sm_scale, paged_decode, paged_prefill, tree_mask_paged_prefill  # noqa: E402,E501
+
+
+def quantized_batch(rng, lengths, config, sliding=False):
+    """A paged batch whose pages hold FP8 codes (the scale page last) and whose k / v are the
+    dequantized float64 values the kernels must attend over."""
+    hkv, d, ps = config.num_kv_heads, config.head_dim, config.page_size
+    batch = make_paged_batch(rng, lengths, hkv, d, ps, "float32", sliding=sliding)
+    scales = random_scales(rng, hkv)
+    col = scales.reshape(1, 2, hkv, 1, 1)
+    codes = quantize(batch.pages.astype(np.float64) * col * 60, col, config.kv_dtype)
+    deq = dequantize(codes, col)
+    batch.pages = with_scales(codes, scales)
+    for i, n in enumerate(lengths):
+        ids = batch.page_indices[batch.page_indptr[i]:batch.page_indptr[i + 1]]
+        rows = [deq[ids[j // ps], :, :, j % ps] for j in range(n)]  # [2, Hkv, D] each
+        stacked = np.stack(rows) if rows else np.zeros((0, 2, hkv, d))
+        batch.k[i], batch.v[i] = stacked[:, 0], stacked[:, 1]
+    return batch
+
+
+def run_decode(kernels, config, batch, q, schedule=None, rotary_mode=0, q_pos=None, k_pos=None):
+    dev = device_for(config)
+    fn = kernels.get(paged_decode, config, *(() if schedule is None else (schedule,)))
+    b = batch.batch
+    o = empty((b, config.num_qo_heads, config.head_dim), config.dtype, dev)
+    lse = empty((b, config.num_qo_heads), "float32", dev)
+    q_pos = np.zeros(b, np.int32) if q_pos is None else q_pos
+    k_pos = np.zeros(b, np.int32) if k_pos is None else k_pos
+    fn(tensor(q, dev), tensor(batch.pages, dev), index_view(batch.page_indptr, dev),
+       index_view(batch.page_indices, dev), index_view(batch.length_info(), dev, offset=3),
+       index_view(k_pos, dev, offset=11), index_view(q_pos, dev, offset=2), o, lse, rotary_mode, 1.0, 1e4,
+       default_sm_scale(config.head_dim))
+    return o.numpy().astype(np.float64), lse.numpy()
+
+
+def check_rows(config, o, lse, expected):
+    """The kernel's arithmetic error only: the reference already holds the FP8 rounding."""
+    rtol, atol = ref.TOLERANCES[config.dtype]
+    for i, (eo, else_) in enumerate(expected):
+        np.testing.assert_allclose(o[i], eo[0], rtol=rtol, atol=atol, err_msg=f"o of request {i}")
+        np.testing.assert_allclose(lse[i], else_[0], rtol=ref.LSE_TOLERANCE[0], atol=ref.LSE_TOLERANCE[1],
+                                   err_msg=f"lse of request {i}")
+
+
+# (hq, hkv, d, ps, dtype, sliding, schedule): the CPU's row-tile path, its general path (4 rows a
+# step), a sliding window with sinks, bf16, page size 1
+DECODE_CASES = [
+    (8, 2, 64, 16, "float16", False, None),
+    (6, 3, 32, 8, "float16", False, DecodeSchedule(lanes=1, rows=1, rows_per_thread=4, heads_per_block=1,
+                                                   max_splits=4, target_blocks=16)),
+    (4, 1, 64, 4, "bfloat16", True, None),
+    (4, 4, 16, 1, "float32", False, None),
+]
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"h{c[0]}-{c[1]}-d{c[2]}-ps{c[3]}-{c[4]}"
+                         f"{'-sliding' if c[5] else ''}{'-rows4' if c[6] else ''}")
+def test_decode_over_fp8_pages(kernels, target, fmt, case):
+    hq, hkv, d, ps, dtype, sliding, schedule = case
+    config = fp8_config(target, fmt, hkv=hkv, hq=hq, d=d, ps=ps, dtype=dtype, sliding_window=sliding)
+    rng = np.random.default_rng(zlib.crc32(f"{fmt}{case}".encode()))
+    batch = quantized_batch(rng, [0, 1, ps, 37, 3 * ps + 5, 130], config, sliding=sliding)
+    q = randn(rng, (batch.batch, hq, d), dtype)
+    o, lse = run_decode(kernels, config, batch, q, schedule)
+    expected = [ref.attention(q[i:i + 1], *batch.visible(i), default_sm_scale(d), causal=False)
+                for i in range(batch.batch)]
+    check_rows(config, o, lse, expected)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_decode_over_fp8_pages_inline_rope(kernels, target, fmt):
+    """rotary_mode 1: keys are dequantized, then rotated in the kernel."""
+    config = fp8_config(target, fmt, hkv=2, hq=4, d=32, ps=8, dtype="float32")
+    rng = np.random.default_rng(3)
+    batch = quantized_batch(rng, [5, 16, 40], config)
+    q = randn(rng, (3, 4, 32), "float32")
+    q_pos, k_pos = np.array([9, 30, 100], np.int32), np.array([4, 14, 60], np.int32)
+    o, lse = run_decode(kernels, config, batch, q, rotary_mode=1, q_pos=q_pos, k_pos=k_pos)
+    expected = []
+    for i in range(3):
+        k, v = batch.visible(i)
+        expected.append(ref.attention(ref.rope(q[i:i + 1], q_pos[i:i + 1]), ref.rope(k, k_pos[i] + np.arange(len(k))),
+                                      v, default_sm_scale(32), causal=False))
+    check_rows(config, o, lse, expected)
