@@ -199,3 +199,57 @@ def test_decode_over_fp8_pages_inline_rope(kernels, target, fmt):
         expected.append(ref.attention(ref.rope(q[i:i + 1], q_pos[i:i + 1]), ref.rope(k, k_pos[i] + np.arange(len(k))),
                                       v, default_sm_scale(32), causal=False))
     check_rows(config, o, lse, expected)
+
+
+PREFILL_CASES = [(8, 2, 64, 16, "float16"), (4, 4, 32, 1, "float32"), (8, 1, 64, 8, "bfloat16")]
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_paged_prefill_over_fp8_pages(kernels, target, fmt, causal, case):
+    from test_prefill import check, expected, indptr, run_paged
+
+    hq, hkv, d, ps, dtype = case
+    config = fp8_config(target, fmt, hkv=hkv, hq=hq, d=d, ps=ps, dtype=dtype)
+    rng = np.random.default_rng(zlib.crc32(f"{fmt}{case}{causal}".encode()))
+    requests = [(1, 1), (9, 9), (5, 2 * ps + 3), (17, 70)]
+    batch = quantized_batch(rng, [kv for _, kv in requests], config)
+    q = randn(rng, (sum(qo for qo, _ in requests), hq, d), dtype)
+    qo_indptr = indptr([qo for qo, _ in requests])
+    o, lse = run_paged(kernels, config, batch, q, qo_indptr, causal)
+    check(config, o, lse, qo_indptr, expected(q, qo_indptr, batch.visible, default_sm_scale(d), causal))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_paged_prefill_over_fp8_pages_inline_rope(kernels, target, fmt):
+    from test_prefill import check, expected, indptr, rope_args, run_paged
+
+    config = fp8_config(target, fmt, hkv=2, hq=4, d=32, ps=4, dtype="float32")
+    rng = np.random.default_rng(19)
+    requests = [(9, 9), (12, 40), (1, 33)]
+    batch = quantized_batch(rng, [kv for _, kv in requests], config)
+    q = randn(rng, (22, 4, 32), "float32")
+    qo_indptr = indptr([qo for qo, _ in requests])
+    k_pos, q_pos = rope_args(*zip(*requests))
+    rope = (5e5, 0.5)
+    o, lse = run_paged(kernels, config, batch, q, qo_indptr, True, 1, rope, k_pos, q_pos)
+    check(config, o, lse, qo_indptr, expected(q, qo_indptr, batch.visible, default_sm_scale(32), True,
+                                              (*rope, None), k_pos, q_pos))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_tree_prefill_over_fp8_pages(kernels, target, fmt):
+    from test_prefill import check, indptr
+    from test_tree_prefill import TREE_BATCH, expected_tree, run_tree
+
+    config = fp8_config(target, fmt, hkv=2, hq=8, d=64, ps=16)
+    rng = np.random.default_rng(23)
+    batch = quantized_batch(rng, [h + len(parents) for h, parents, _ in TREE_BATCH], config)
+    qo_lens = [qo for _, _, qo in TREE_BATCH]
+    q = randn(rng, (sum(qo_lens), 8, 64), "float16")
+    mn_indptr = indptr([len(parents) for _, parents, _ in TREE_BATCH])
+    intervals = np.concatenate([ref.dfs_intervals(parents) for _, parents, _ in TREE_BATCH]).astype(np.int32)
+    qo_indptr = indptr(qo_lens)
+    o, lse = run_tree(kernels, config, batch, q, qo_indptr, mn_indptr, intervals)
+    check(config, o, lse, qo_indptr, expected_tree(q, qo_indptr, batch, TREE_BATCH, default_sm_scale(64)))
