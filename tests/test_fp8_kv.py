@@ -253,3 +253,76 @@ def test_tree_prefill_over_fp8_pages(kernels, target, fmt):
     qo_indptr = indptr(qo_lens)
     o, lse = run_tree(kernels, config, batch, q, qo_indptr, mn_indptr, intervals)
     check(config, o, lse, qo_indptr, expected_tree(q, qo_indptr, batch, TREE_BATCH, default_sm_scale(64)))
+
+
+# ---- CUDA: the FP8 kernels' source for sm_90 (built without a GPU) compiles with nvcc ----
+
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+
+from tir_kernels import choose_decode_kernel, choose_prefill_kernel  # noqa: E402
+
+NVCC = shutil.which("nvcc")
+
+
+def cuda_sources(func, config) -> str:
+    import tvm
+
+    from tir_kernels.build import PIPELINE
+
+    name = str(func.attrs["global_symbol"])
+    module = tvm.compile(tvm.IRModule({name: func}), target=config.tvm_target(), tir_pipeline=PIPELINE)
+    return "\n".join(m.inspect_source() for m in module.mod.imports)
+
+
+# the default tier: e4m3 decode, prefill and the fused append (nvcc takes seconds a kernel)
+CUDA_GENERATORS = [
+    pytest.param(fmt, generator, args, id=f"{name}-{fmt.split('_')[1]}",
+                 marks=() if fmt == "float8_e4m3fn" and name in ("decode", "prefill", "split_rotary_append")
+                 else pytest.mark.slow)
+    for fmt in FP8_KV_DTYPES
+    for generator, args, name in [(transpose_append, (), "transpose_append"),
+                                  (split_rotary_append, (), "split_rotary_append"), (debug_get_kv, (2,), "debug_get_kv"),
+                                  (copy_single_page, (), "copy_single_page"), (paged_decode, (), "decode"),
+                                  (paged_prefill, (), "prefill"), (tree_mask_paged_prefill, (), "tree")]
+]
+
+
+@pytest.mark.parametrize("fmt,generator,args", CUDA_GENERATORS)
+def test_fp8_kernels_build_cuda_source_for_sm90(tmp_path, fmt, generator, args):
+    """Each FP8 kernel builds for cuda:sm_90 on a machine without a GPU, its pages are
+    `__nv_fp8_*` (1 byte an element), and its source compiles with nvcc for sm_90 where nvcc is
+    installed."""
+    config = fp8_config("cuda:sm_90", fmt, hkv=8, hq=32, d=128, ps=16)
+    source = cuda_sources(generator(config, *args), config)
+    assert ("__nv_fp8_e4m3" if "e4m3" in fmt else "__nv_fp8_e5m2") in source
+    if NVCC is None:
+        return
+    path = tmp_path / "kernel.cu"
+    path.write_text(source)
+    result = subprocess.run([NVCC, "-arch=sm_90", "-c", "-w", str(path), "-o", str(tmp_path / "kernel.o")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_fp8_dispatch_names_the_cuda_core_kernels():
+    """FP8 pages take the CUDA-core decode and prefill on Hopper, saying why; the ragged prefill
+    reads no pages and keeps its tensor-core kernel."""
+    config = fp8_config("cuda:sm_90", "float8_e4m3fn", hkv=8, hq=32, d=128, ps=16)
+    decode = choose_decode_kernel(config)
+    assert decode.kernel == "decode" and "FP8" in decode.reason
+    prefill = choose_prefill_kernel(config)
+    assert prefill.kernel == "prefill" and "FP8" in prefill.reason
+    assert choose_prefill_kernel(config.replace(kv_dtype="")).kernel == "prefill_sm90"
+    from tir_kernels import ragged_prefill
+    from tir_kernels.build import uses_tirx_pipeline
+
+    assert uses_tirx_pipeline(ragged_prefill(config))  # the wgmma kernel
+
+
+def test_kv_dtype_is_validated():
+    with pytest.raises(ValueError, match="kv_dtype='int8'"):
+        AttentionConfig(4, 4, 64, kv_dtype="int8")
+    with pytest.raises(ValueError, match="kv_dtype='float32'"):
+        AttentionConfig(4, 4, 64, dtype="float16", kv_dtype="float32")
+    assert AttentionConfig(4, 4, 64, kv_dtype="float16").kv_dtype == ""
