@@ -29,6 +29,10 @@ def __getattr__(name):  # PEP 562: the runtime's names, imported on first use
         from . import runtime
 
         return getattr(runtime, name)
+    if name == "calibrate_kv_scales":  # FP8 KV scales from prompts (tvmattn/calibrate.py)
+        from .calibrate import calibrate_kv_scales
+
+        return calibrate_kv_scales
     raise AttributeError(f"module 'tvmattn' has no attribute {name!r}")
 
 

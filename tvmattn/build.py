@@ -239,7 +239,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
                   kv_cache: str = "tvmattn", dump_ir: str | Path | None = None,
                   log: Callable[[str], None] = print, attn_backend: str = "tir",
                   quantization: str | None = None, random_weights: int | None = None,
-                  small_batch_matmul: bool = True) -> BuildResult:
+                  small_batch_matmul: bool = True, kv_cache_dtype: str | None = None) -> BuildResult:
     """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
 
     dtype defaults to float32 on llvm and float16 on cuda; context_window defaults to the
@@ -251,6 +251,9 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     dtype; "auto", the command line's default, keeps a GGUF's blocks; None dequantizes to the dtype).
     small_batch_matmul: CUDA, schedule decode_step's projections with pipeline.SmallBatchMatmul
     (False: dlight's Matmul rule).
+    kv_cache_dtype: the KV pages' element type: None (the dtype) or "float8_e4m3fn" /
+    "float8_e5m2" (FP8 pages, half fp16's bytes; scales 1.0 unless the generator sets them,
+    `tvmattn.calibrate_kv_scales`).
     random_weights: a seed; a model without weights (a config.json alone) then gets random
     parameters (`random_params`), so that the bundle runs (tests, smoke runs).
     Raises BuildError (a ValueError) for bad arguments or an unsupported model; arguments, the
@@ -271,6 +274,11 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
         raise BuildError(f"--attn-backend {attn_backend!r} is not supported: expected one of {ATTN_BACKENDS}")
     if attn_backend == "flashinfer" and kv_cache != "tvmattn":
         raise BuildError("--attn-backend flashinfer needs --kv-cache tvmattn (TVM's stock cache here runs TIR only)")
+    if kv_cache_dtype is not None and not (support.is_fp8(kv_cache_dtype) or kv_cache_dtype in support.DTYPES):
+        raise BuildError(f"--kv-cache-dtype {kv_cache_dtype!r} is not supported: expected the dtype or one of "
+                         f"{support.FP8_KV_DTYPES}")
+    if kv_cache_dtype is not None and support.is_fp8(kv_cache_dtype) and kv_cache != "tvmattn":
+        raise BuildError(f"--kv-cache-dtype {kv_cache_dtype} needs --kv-cache tvmattn (TVM's stock cache has no FP8)")
     if dtype is not None and support.dtype_problem(dtype):
         raise BuildError(f"--dtype {dtype!r} is not supported: expected {support.dtype_problem(dtype)}")
     out_path = Path(out_path)
@@ -314,6 +322,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     options = BuildOptions(target=target, dtype=dtype, page_size=page_size, kv_cache=kv_cache,
                            weight_formats=weight_formats, max_batch_size=max_batch_size,
                            small_batch_matmul=small_batch_matmul,
+                           kv_dtype="" if kv_cache_dtype in (None, dtype) else kv_cache_dtype,
                            host_avx512=bool(weight_formats) and _every_matrix_kept(config, weight_formats))
     attn_backend = _attention_backend(attn_backend, options.cache_spec(config), log)
     log(f"[compile] exporting the Relax module (target {target}, dtype {dtype}, kv cache {kv_cache}, "

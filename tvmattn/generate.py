@@ -298,6 +298,9 @@ class Generator:
         self._cpu_ids: dict[int, tuple[Any, np.ndarray]] | None = (
             {} if on_cpu else None)
         self.cache = None
+        # FP8 KV libraries (compile --kv-cache-dtype): scales [layers, 2, kv_heads] given to each
+        # cache this generator creates (None: the cache's default, 1.0; tvmattn.calibrate_kv_scales)
+        self.kv_scales = None
         self._capacity = 0
         self._drafts: dict[Path, Generator] = {}
         self._graphs = None  # DecodeGraphs of the current cache (see _graph_decode)
@@ -336,6 +339,8 @@ class Generator:
             self.cache = self.vm["create_paged_kv_cache"](
                 ShapeTuple([self.settings["max_batch_size"]]), ShapeTuple([tokens]),
                 ShapeTuple([self.settings["prefill_chunk"]]), ShapeTuple([page]), ShapeTuple([0]))
+            if self.kv_scales is not None:
+                self.cache.set_kv_scales(self.kv_scales)
             self._capacity = tokens
             self._graphs, self._graph_ids = None, {}  # graphs belong to the cache they captured
 

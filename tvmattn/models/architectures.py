@@ -52,6 +52,10 @@ def cache_spec(config: AnyModelConfig, options) -> Any:
     if isinstance(config, DeepseekV2Config):
         from .deepseek import cache_spec as mla_cache_spec
 
+        if options.kv_dtype:
+            raise ValueError(f"kv_dtype={options.kv_dtype!r} is not supported for MLA (DeepSeek) caches: expected"
+                             " the dtype")
+
         return mla_cache_spec(config, options.dtype, options.target, options.page_size)
     from .kv_cache import KVCacheSpec
 
@@ -60,5 +64,5 @@ def cache_spec(config: AnyModelConfig, options) -> Any:
         num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=options.dtype,
         target=options.target, page_size=options.page_size, rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling, sliding_window=config.sliding_window,
-        sliding_layers=config.sliding_layers,
+        sliding_layers=config.sliding_layers, kv_dtype=options.kv_dtype,
     )

@@ -42,7 +42,7 @@ from tvm import relax
 from tir_kernels import tvm_target
 from tir_kernels.build import PIPELINE
 from tir_kernels.sampling import SamplingConfig, apply_penalties, sample_tokens
-from tir_kernels.support import TargetName, dtype_problem, numpy_dtype, page_size_problem
+from tir_kernels.support import FP8_KV_DTYPES, TargetName, dtype_problem, is_fp8, numpy_dtype, page_size_problem
 
 from ..compiler.pipeline import relax_pipeline
 from ..quant.linear import dequantized, packed_part, split_part_name
@@ -70,6 +70,7 @@ class BuildOptions:
     page_size: int = 16
     kv_cache: str = "tvmattn"
     weight_formats: tuple[tuple[str, str], ...] = ()
+    kv_dtype: str = ""  # the KV pages' element type: "" (dtype) or an FP8 format
     max_batch_size: int = 4  # the most sequences of one decode_step (its storage is planned for it)
     small_batch_matmul: bool = True  # CUDA: compiler.pipeline.SmallBatchMatmul for decode_step's projections
     # llvm with weight_formats: compile with the host's AVX-512 (compiler.targets.host_target), for
@@ -89,6 +90,11 @@ class BuildOptions:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported: expected {expected}")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache={self.kv_cache!r} is not supported: expected one of {KV_CACHE_KINDS}")
+        if self.kv_dtype in (self.dtype,):
+            object.__setattr__(self, "kv_dtype", "")
+        if self.kv_dtype and (not is_fp8(self.kv_dtype) or self.kv_cache != "tvmattn"):
+            raise ValueError(f"kv_dtype={self.kv_dtype!r} is not supported: expected the dtype or one of "
+                             f"{FP8_KV_DTYPES} (FP8 pages: tvmattn's cache only)")
         TargetName.parse(self.target)
         if self.weight_formats:
             from ..weights.quant import QUANT_TYPES

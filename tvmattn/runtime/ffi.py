@@ -417,6 +417,8 @@ def _is_tensor(value) -> bool:
 
 EXTENSIONS_TAG = "tvmattn_extensions"
 EXTENSION_SLOTS = ("split_rotary_append", "decode_paged_mla")
+# options of the extensions argument (not kernels): PagedKVCache keyword arguments
+EXTENSION_OPTIONS = ("kv_dtype",)
 
 
 def extension_slots(args) -> dict:
@@ -430,7 +432,7 @@ def extension_slots(args) -> dict:
     if len(items) % 2 != 1:
         raise _create_error(f"the {EXTENSIONS_TAG} argument must hold slot/kernel pairs, got {len(items) - 1} items")
     slots = {str(items[i]): items[i + 1] for i in range(1, len(items), 2)}
-    unknown = sorted(set(slots) - set(EXTENSION_SLOTS))
+    unknown = sorted(set(slots) - set(EXTENSION_SLOTS) - set(EXTENSION_OPTIONS))
     if unknown:
         raise _create_error(f"unknown {EXTENSIONS_TAG} slots {unknown}; known: {list(EXTENSION_SLOTS)}")
     return slots
@@ -440,8 +442,12 @@ def paged_attention_kv_cache_create(*args, library_kernels: bool = True) -> Page
     """TVM's positional create call (see CreateArgs) -> PagedKVCache. A 29th argument tagged
     EXTENSIONS_TAG (model libraries built by tvmattn) adds tvmattn's own kernels."""
     options = cache_options(CreateArgs.from_positional(args), library_kernels)
+    extensions = extension_slots(args)
+    for name in EXTENSION_OPTIONS:
+        if name in extensions:
+            options[name] = str(extensions.pop(name))
     if library_kernels:
-        options["kernels"].update(extension_slots(args))
+        options["kernels"].update(extensions)
     return PagedKVCache(**options)
 
 

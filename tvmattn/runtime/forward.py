@@ -79,12 +79,12 @@ class Workspace:
 
 @functools.lru_cache(maxsize=None)
 def fused_qkv_check(qkv_heads: int, num_qo_heads: int, head_dim: int, v_head_dim: int, dtype: str,
-                    pool_shape: tuple, target):
+                    pool_shape: tuple, target, page_dtype: str | None = None):
     """A compiled function (n, qkv, o, pages) that does nothing but TVM's argument checks:
     qkv [n, qkv_heads, head_dim] and o [n, num_qo_heads, v_head_dim] of `dtype`, compact, on the
     device kind of `target` and the device of `pages` (a layer's pool, `pool_shape`). It raises
     on any mismatch; PagedKVCache.attention_with_fused_qkv then runs its Python checks, which
-    name the argument. One call costs about as much as the Python checks' two attribute reads
+    name the argument. page_dtype: the pool's element type (default dtype). One call costs about as much as the Python checks' two attribute reads
     (tvm_ffi builds a dtype object per `Tensor.dtype`). None where it cannot be compiled."""
     from tvm.script import tirx as T
 
@@ -93,7 +93,7 @@ def fused_qkv_check(qkv_heads: int, num_qo_heads: int, head_dim: int, v_head_dim
         T.func_attr({"global_symbol": "tvmattn_fused_qkv_check", "tir.noalias": True})
         T.match_buffer(qkv_handle, (n, qkv_heads, head_dim), dtype, elem_offset=T.int64())
         T.match_buffer(o_handle, (n, num_qo_heads, v_head_dim), dtype, elem_offset=T.int64())
-        T.match_buffer(pages_handle, pool_shape, dtype)
+        T.match_buffer(pages_handle, pool_shape, page_dtype or dtype)
         T.evaluate(0)
 
     try:
