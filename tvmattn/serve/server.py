@@ -273,7 +273,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     @app.get("/metrics")
     async def metrics(request: Request):
         state.check_auth(request)
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        body = await asyncio.to_thread(state.metrics.render)  # waits for the step in flight
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):
