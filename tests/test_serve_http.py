@@ -431,6 +431,7 @@ def test_chat_command_streams_answers_and_resets(library):
     (["serve", "--lib", "X.so", "--max-total-tokens", "0"], "positive integer"),
     (["serve", "--lib", "X.so", "--kv-cache-memory", "lots"], "fraction"),
     (["chat", "--model", "smollm2", "--lib", "X.so"], "not allowed with"),
+    (["serve", "--lib", "X.so", "--max-num-seqs", "0"], "positive integer"),
 ])
 def test_serve_command_errors_are_one_line(argv, message, capsys):
     from tvmattn.__main__ import main
@@ -462,3 +463,14 @@ def test_stop_strings_end_the_text_before_them(live, generator, stream):
             got, reason = choice["text"], choice["finish_reason"]
     assert reason == "stop" and got == text[:text.find(stop)]
     assert_no_leak(live.engine)
+
+
+def test_max_num_seqs_over_the_library_batch_is_a_one_line_error(library, capsys):
+    from tvmattn.__main__ import main
+
+    try:
+        status = main(["serve", "--lib", str(library), "--max-num-seqs", "9"])
+    except SystemExit as exit_:
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status == 2 and "--max-num-seqs 9 exceeds the library's max batch size 8" in err
