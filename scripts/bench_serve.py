@@ -144,10 +144,11 @@ class Workload:
     """`args.requests` (prompt, max_tokens) pairs; a fraction args.shared_fraction of the prompts
     open with the shared prefix."""
 
-    def __init__(self, args, rng_seed: int, count: int | None = None, shared_fraction: float | None = None):
-        rng = random.Random(rng_seed)
+    def __init__(self, args, stream: str, count: int | None = None, shared_fraction: float | None = None):
+        # each stream of random numbers is named (random.Random(-1) would repeat Random(1))
+        rng = random.Random(f"{args.seed}/{stream}")
         prompts = Prompts(rng, args.token_ids)
-        self.shared = Prompts(random.Random(args.seed), args.token_ids).make(args.shared_prefix)
+        self.shared = Prompts(random.Random(f"{args.seed}/shared"), args.token_ids).make(args.shared_prefix)
         fraction = args.shared_fraction if shared_fraction is None else shared_fraction
         self.items = []
         for i in range(args.requests if count is None else count):
@@ -205,7 +206,7 @@ def _client():
 
 
 async def run_level(url: str, model: str | None, work: Workload, rate: float | None, concurrency: int | None,
-                    extra: dict, seed: int) -> tuple[list[dict], float]:
+                    extra: dict, seed: str) -> tuple[list[dict], float]:
     rng = random.Random(seed)
     async with _client() as client:
         start = time.perf_counter()
@@ -342,10 +343,11 @@ def bench(impl: str, url: str, model: str | None, args, extra: dict, headers: di
     rows = []
     levels = [("rate", r) for r in args.rates] + [("concurrency", c) for c in args.concurrency]
     for index, (kind, value) in enumerate(levels):
-        work = Workload(args, args.seed + index)
+        work = Workload(args, f"level/{index}")
         before = read_metrics(url, headers)
         results, wall = asyncio.run(run_level(url, model, work, value if kind == "rate" else None,
-                                              value if kind == "concurrency" else None, extra, args.seed + index))
+                                              value if kind == "concurrency" else None, extra,
+                                              f"{args.seed}/arrivals/{index}"))
         after = wait_idle(url, headers) if before is not None else None
         done = [r for r in results if not r.get("error")]
         ttft = [r["ttft"] * 1e3 for r in done if r["ttft"] is not None]
@@ -381,13 +383,13 @@ def warm_up(url: str, model: str | None, args, extra: dict) -> None:
     """args.warmup requests at once without the shared prefix (graph captures, first kernel
     loads): what the measured requests should not pay."""
     if args.warmup:
-        work = Workload(args, args.seed - 1, count=args.warmup, shared_fraction=0.0)
+        work = Workload(args, "warmup", count=args.warmup, shared_fraction=0.0)
         asyncio.run(run_all_at_once(url, model, work.items, extra))
 
 
 def prefix_ttft(impl: str, url: str, model: str | None, args, extra: dict, label: dict) -> list[dict]:
     """The shared prefix's first request alone, then args.prefix_ttft more, one at a time."""
-    work = Workload(args, args.seed + 1000, count=args.prefix_ttft + 1, shared_fraction=1.0)
+    work = Workload(args, "prefix-ttft", count=args.prefix_ttft + 1, shared_fraction=1.0)
     results = asyncio.run(run_one_by_one(url, model, work.items, extra))
     failed = [r["error"] for r in results if r.get("error")]
     first = results[0]["ttft"]
@@ -412,8 +414,8 @@ def waves(impl: str, url: str, model: str | None, args, extra: dict, headers: di
     and the problems found (leaked pages, short outputs, RSS growth from the second wave on)."""
     rows, problems = [], []
     for wave in range(args.waves):
-        rng = random.Random(args.seed * 7919 + wave)
-        work = Workload(args, args.seed + 2000 + wave, count=args.wave_size)
+        rng = random.Random(f"{args.seed}/cancel/{wave}")
+        work = Workload(args, f"wave/{wave}", count=args.wave_size)
         cancel_after = [rng.randint(1, 3) if rng.random() < args.cancel_fraction else None
                         for _ in range(args.wave_size)]
         before = read_metrics(url, headers)

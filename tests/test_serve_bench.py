@@ -159,3 +159,16 @@ def test_the_smollm2_assets_are_the_gguf_s_config_and_tokenizer():
     text = "What is the capital of France? <|im_start|>user\nÜnïcode ✓ 12345\n"
     assert ours.encode(text).ids == theirs.encode(text).ids
     assert ours.get_vocab_size() == theirs.get_vocab_size() == config["vocab_size"]
+
+
+def test_the_workloads_of_different_phases_share_no_prompt(bench):
+    # the warm-up's prompts once repeated a load level's (random.Random(-1) is Random(1))
+    args = bench.argparse.Namespace(seed=0, shared_prefix=0, shared_fraction=0.5, token_ids=(3, 268), requests=8,
+                                    prompt_len=(16, 16), output_len=(4, 4))
+    phases = ["warmup", "level/0", "level/1", "prefix-ttft", "wave/0", "wave/1"]
+    prompts = {phase: {tuple(p) for p, _ in bench.Workload(args, phase).items} for phase in phases}
+    for i, a in enumerate(phases):
+        for b in phases[i + 1:]:
+            assert not prompts[a] & prompts[b], (a, b)
+    again = {tuple(p) for p, _ in bench.Workload(args, "level/1").items}
+    assert again == prompts["level/1"]  # and each phase's prompts are reproducible
