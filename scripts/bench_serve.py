@@ -26,24 +26,26 @@ Modes (any together):
   their full output. The exit status is 1 when a page leaked or an output came back short.
 
 SmolLM2-shaped runs without the GGUF (random weights; the tokenizer travels in
-scripts/assets/smollm2-135m, 1.5 MB):
+scripts/assets/smollm2-135m, 1.5 MB), from the repository root (the server runs as
+`python -m tvmattn` there); each command writes its own rows:
 
     python -m tvmattn compile --model scripts/assets/smollm2-135m --random-weights 0 --target cuda \
         --max-batch-size 256 -o build/smol-rand.so
-    # 1/16/64/256 concurrent streams (closed loop)
+    # 1/16/64/256 concurrent streams (closed loop), 128 new tokens each
     python scripts/bench_serve.py --lib build/smol-rand.so --token-ids 100:49000 --prompt-len 64:128 \
-        --output-len 128:128 --concurrency 1,16,64,256 --requests 512 --warmup 256 --json docs/bench/serve-h200.json
+        --output-len 128:128 --concurrency 1,16,64,256 --requests 32,128,512,1024 --warmup 256 \
+        --json build/serve-h200-streams.json --plot build/serve-h200-streams.svg
     # 16 concurrent requests with 512-token prompts (TTFT p50)
     python scripts/bench_serve.py --lib build/smol-rand.so --token-ids 100:49000 --prompt-len 512:512 \
         --output-len 16:16 --concurrency 16 --requests 64 --warmup 16 --server-args "--max-batched-tokens 2048" \
-        --json docs/bench/serve-h200.json
+        --json build/serve-h200-ttft512.json
     # a 2,048-token shared system prompt, prefix cache radix and off
     python scripts/bench_serve.py --lib build/smol-rand.so --token-ids 100:49000 --shared-prefix 2048 \
         --prompt-len 32:32 --output-len 16:16 --prefix-ttft 16 --prefix-cache radix,off --warmup 2 \
-        --json docs/bench/serve-h200.json
+        --json build/serve-h200-prefix.json
     # nothing lost: ten waves of 64 streams, a quarter cancelled
-    python scripts/bench_serve.py --lib build/smol-rand.so --token-ids 100:49000 --waves 10 --wave-size 64 \
-        --cancel-fraction 0.25 --json docs/bench/serve-h200.json
+    python scripts/bench_serve.py --lib build/smol-rand.so --token-ids 100:49000 --prompt-len 16:256 \
+        --output-len 16:128 --waves 10 --wave-size 64 --cancel-fraction 0.25 --json build/serve-h200-waves.json
 
 On the CPU: `python scripts/bench_serve.py --lib smol.so --concurrency 1,8 --requests 32
 --json docs/bench/serve-cpu.json` (add `--llama-cpp GGUF` for llama-cpp-python's rows).
@@ -141,17 +143,17 @@ class Prompts:
 
 
 class Workload:
-    """`args.requests` (prompt, max_tokens) pairs; a fraction args.shared_fraction of the prompts
-    open with the shared prefix."""
+    """`count` (prompt, max_tokens) pairs of the named random stream; a fraction
+    (args.shared_fraction) of the prompts open with the shared prefix."""
 
-    def __init__(self, args, stream: str, count: int | None = None, shared_fraction: float | None = None):
+    def __init__(self, args, stream: str, count: int, shared_fraction: float | None = None):
         # each stream of random numbers is named (random.Random(-1) would repeat Random(1))
         rng = random.Random(f"{args.seed}/{stream}")
         prompts = Prompts(rng, args.token_ids)
         self.shared = Prompts(random.Random(f"{args.seed}/shared"), args.token_ids).make(args.shared_prefix)
         fraction = args.shared_fraction if shared_fraction is None else shared_fraction
         self.items = []
-        for i in range(args.requests if count is None else count):
+        for i in range(count):
             rest = prompts.make(rng.randint(*args.prompt_len))
             shared = args.shared_prefix and rng.random() < fraction
             self.items.append((prompts.join(self.shared if shared else prompts.make(0), rest, f"request {i}"),
@@ -343,7 +345,7 @@ def bench(impl: str, url: str, model: str | None, args, extra: dict, headers: di
     rows = []
     levels = [("rate", r) for r in args.rates] + [("concurrency", c) for c in args.concurrency]
     for index, (kind, value) in enumerate(levels):
-        work = Workload(args, f"level/{index}")
+        work = Workload(args, f"level/{index}", count=args.requests[index if len(args.requests) > 1 else 0])
         before = read_metrics(url, headers)
         results, wall = asyncio.run(run_level(url, model, work, value if kind == "rate" else None,
                                               value if kind == "concurrency" else None, extra,
@@ -533,7 +535,8 @@ def main(argv=None) -> int:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--rates", type=_floats, default=[], help="Poisson arrival rates, requests/s (inf: at once)")
     parser.add_argument("--concurrency", type=_ints, default=[], help="closed-loop client counts")
-    parser.add_argument("--requests", type=int, default=32, help="requests per load level")
+    parser.add_argument("--requests", type=_ints, default=[32],
+                        help="requests per load level: one count, or one per level (rates first)")
     parser.add_argument("--token-ids", type=_range, default=None, metavar="A:B",
                         help="prompts of token ids from [A, B) (lengths in tokens) instead of words")
     parser.add_argument("--prompt-len", type=_range, default=(32, 128), help="prompt words (tokens) A:B")
@@ -562,9 +565,12 @@ def main(argv=None) -> int:
         parser.error("--prefix-cache starts servers: give --lib or --model, not --url")
     if args.token_ids and args.token_ids[1] - args.token_ids[0] < 1:
         parser.error("--token-ids A:B needs A < B")
-    for name in ("requests", "wave_size", "waves", "warmup", "prefix_ttft", "shared_prefix"):
-        if getattr(args, name) < 0 or (name in ("requests", "wave_size") and getattr(args, name) < 1):
-            parser.error(f"--{name.replace('_', '-')} must be {'positive' if name in ('requests', 'wave_size') else '>= 0'}")
+    for name in ("wave_size", "waves", "warmup", "prefix_ttft", "shared_prefix"):
+        if getattr(args, name) < 0 or (name == "wave_size" and getattr(args, name) < 1):
+            parser.error(f"--{name.replace('_', '-')} must be {'positive' if name == 'wave_size' else '>= 0'}")
+    levels = len(args.rates) + len(args.concurrency)
+    if not args.requests or min(args.requests) < 1 or len(args.requests) not in (1, levels):
+        parser.error(f"--requests: one positive count, or one per load level ({levels}), got {args.requests}")
     problem = bench_rows.output_path_problem(args.json)
     if problem:
         parser.error(f"--json: {problem}")

@@ -51,7 +51,7 @@ def run(bench, argv) -> int:
 def test_levels_prefix_ttft_and_waves_on_the_tiny_model(bench, library, tmp_path, server_path, capsys):
     out, plot = tmp_path / "rows.json", tmp_path / "load.svg"
     status = run(bench, ["--lib", library, "--token-ids", "3:268", "--prompt-len", "8:40", "--output-len", "4:12",
-                         "--concurrency", "1,4", "--requests", "6", "--shared-prefix", "32", "--prefix-ttft", "3",
+                         "--concurrency", "1,4", "--requests", "6,6", "--shared-prefix", "32", "--prefix-ttft", "3",
                          "--prefix-cache", "radix,off", "--waves", "2", "--wave-size", "8", "--cancel-fraction", "0.4",
                          "--warmup", "2", "--json", out, "--plot", plot])
     printed = capsys.readouterr()
@@ -123,6 +123,7 @@ def test_the_plot_draws_each_series_within_its_panel(bench, tmp_path):
     (["--url", "http://x", "--waves", "1", "--prefix-cache", "off"], "not --url"),
     (["--lib", "x.so", "--waves", "1", "--cancel-fraction", "2"], "fraction"),
     (["--lib", "x.so", "--concurrency", "1", "--plot", "x.png"], "SVG"),
+    (["--lib", "x.so", "--concurrency", "1,2", "--requests", "4,5,6"], "one per load level"),
 ])
 def test_bad_arguments_are_one_line_errors(bench, argv, message, capsys):
     assert run(bench, argv) == 2
@@ -163,12 +164,35 @@ def test_the_smollm2_assets_are_the_gguf_s_config_and_tokenizer():
 
 def test_the_workloads_of_different_phases_share_no_prompt(bench):
     # the warm-up's prompts once repeated a load level's (random.Random(-1) is Random(1))
-    args = bench.argparse.Namespace(seed=0, shared_prefix=0, shared_fraction=0.5, token_ids=(3, 268), requests=8,
+    args = bench.argparse.Namespace(seed=0, shared_prefix=0, shared_fraction=0.5, token_ids=(3, 268),
                                     prompt_len=(16, 16), output_len=(4, 4))
     phases = ["warmup", "level/0", "level/1", "prefix-ttft", "wave/0", "wave/1"]
-    prompts = {phase: {tuple(p) for p, _ in bench.Workload(args, phase).items} for phase in phases}
+    prompts = {phase: {tuple(p) for p, _ in bench.Workload(args, phase, 8).items} for phase in phases}
     for i, a in enumerate(phases):
         for b in phases[i + 1:]:
             assert not prompts[a] & prompts[b], (a, b)
-    again = {tuple(p) for p, _ in bench.Workload(args, "level/1").items}
+    again = {tuple(p) for p, _ in bench.Workload(args, "level/1", 8).items}
     assert again == prompts["level/1"]  # and each phase's prompts are reproducible
+
+
+@pytest.mark.gpu
+def test_the_benchmark_runs_on_cuda_and_loses_nothing(bench, tmp_path, server_path, capsys):
+    """The GPU run's flow on the tiny model compiled for CUDA: load levels on decode graphs, the
+    prefix-TTFT report, and waves with cancellations."""
+    import numpy as np
+    from test_weights import write_tiny_gguf
+
+    from tvmattn.build import compile_model
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", np.random.default_rng(7))
+    library = compile_model(str(tmp_path / "tiny.gguf"), tmp_path / "tiny.so", target="cuda", max_batch_size=16,
+                            prefill_chunk=64, log=lambda _m: None).library
+    out = tmp_path / "rows.json"
+    status = run(bench, ["--lib", library, "--token-ids", "3:268", "--prompt-len", "8:40", "--output-len", "8:16",
+                         "--concurrency", "1,16", "--requests", "32", "--warmup", "16", "--shared-prefix", "64",
+                         "--prefix-ttft", "4", "--waves", "3", "--wave-size", "32", "--json", out])
+    assert status == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())
+    levels = [r for r in rows if "part" not in r]
+    assert [r["completed"] for r in levels] == [32, 32] and levels[1]["tokens_per_s"] > levels[0]["tokens_per_s"]
+    assert all(r["leaked_pages"] == 0 and r["incomplete"] == 0 for r in rows if r.get("part") == "waves")
