@@ -142,7 +142,7 @@ def serve_command(args) -> int:
     if args.drain_grace < 0:
         return _fail(f"--drain-grace must be >= 0, got {args.drain_grace}")
     engine.start()
-    app = create_app(engine, args.served_model_name or name, args.api_key)
+    app = create_app(engine, args.served_model_name or name, args.api_key, drain_grace_s=args.drain_grace)
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / SIGINT: refuse new requests at once

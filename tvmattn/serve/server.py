@@ -248,8 +248,9 @@ async def _watch_disconnect(request: Request, engine: Engine, handle) -> None:
         await asyncio.sleep(0.1)
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app over a started engine (the caller starts and drains it)."""
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, drain_grace_s: float = 30.0) -> FastAPI:
+    """The FastAPI app over a started engine (the caller starts and drains it). drain_grace_s:
+    how long a stream may go on once the server shuts down (sse-starlette would end it at once)."""
     app = FastAPI(title="tvmattn", docs_url=None, redoc_url=None, openapi_url=None)
     state = Server(engine, model_name, api_key)
     app.state.server = state
@@ -333,7 +334,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if stream:
             events = (_chat_stream if chat else _completion_stream)(state, handle, rid, created, usage_in_stream)
-            return EventSourceResponse(events, ping=15, send_timeout=30)
+            return EventSourceResponse(events, ping=15, send_timeout=30, shutdown_grace_period=drain_grace_s)
         watcher = asyncio.create_task(_watch_disconnect(request, engine, handle))
         try:
             async for _event in handle.stream:
