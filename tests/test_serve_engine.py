@@ -138,6 +138,8 @@ def test_preemption_recomputes_and_loses_nothing(library, reference):
         out = request.stream.result()
         assert out.finish_reason == "length" and out.tokens == reference(prompt, 30)
     assert sum(r.stream.result().preemptions for r in requests) == engine.preemptions
+    # without a prefix cache a readmitted request prefills again at least its prompt
+    assert engine.recomputed_tokens >= engine.preemptions * (min(map(len, work)) - 1)
     assert_no_leak(engine)
 
 

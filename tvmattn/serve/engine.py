@@ -232,6 +232,7 @@ class Engine:
         # counters (read by /metrics)
         self.steps = 0
         self.preemptions = 0
+        self.recomputed_tokens = 0  # tokens of preempted requests prefilled again on readmission
         self.drafted = 0  # speculative draft tokens verified, and accepted
         self.accepted = 0
         self.generated_tokens = 0
@@ -485,6 +486,8 @@ class Engine:
             self.runner.add(seq_id)
             matched = 0
         r.seq_id, r.cached = seq_id, matched
+        if r.preemptions:
+            self.recomputed_tokens += max(len(r.tokens) - 1 - matched, 0)  # the last would be fed anyway
         if r.cached_prompt is None:
             r.cached_prompt = min(matched, r.prompt_len)
             self.prompt_tokens += r.prompt_len
