@@ -305,7 +305,7 @@ class Generator:
             for r in requests:
                 for field in ("verify_steps", "drafted", "accepted", "plain_steps"):
                     setattr(stats, field, getattr(stats, field) + getattr(r.stats, field))
-        return Generation([o.text for o in outputs] if text else [], [o.tokens for o in outputs],
+        return Generation([], [o.tokens for o in outputs],
                           [len(p) for p in prompts], engine.prefill_s, engine.decode_s, engine.decode_steps,
                           [np.stack(r.kept) if r.kept else np.zeros((0, 0), np.float32) for r in requests]
                           if keep_logits else None, stats)
@@ -401,6 +401,10 @@ class Generator:
             if stream is not None and event.text:  # pieces never end inside a UTF-8 sequence
                 stream(event.text)
             if event.output is not None and on_answer is not None:
-                on_answer(index, event.output.text)
+                on_answer(index, self.tokenizer.decode(event.output.tokens))
 
-        return self._run(ids, max_new_tokens, temperature, top_p, seed, speculative, False, True, on_event)
+        # the engine detokenizes as tokens come only for a stream
+        result = self._run(ids, max_new_tokens, temperature, top_p, seed, speculative, False, stream is not None,
+                           on_event)
+        result.texts = [self.tokenizer.decode(t) for t in result.tokens]
+        return result

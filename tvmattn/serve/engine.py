@@ -237,7 +237,7 @@ class Engine:
         self.speculative = options = speculative or SpeculativeOptions("prompt-lookup")
         if (options.mode == "draft-model") != (draft_model is not None):
             raise ValueError("a draft_model is needed by speculative mode 'draft-model' and only by it")
-        # prompt lookup, or the draft model: draft(request) -> its tree (see _draft)
+        # what drafts the trees: prompt lookup, or the draft model (see _draft)
         self._drafter = draft_model or PromptLookup(options.draft_len, options.tree_width, options.max_ngram,
                                                     options.min_ngram)
         self._back_off: BackOff | None = None
