@@ -22,7 +22,7 @@ from tvmattn.generate import Generator
 from tvmattn.sampling import SamplingOptions
 from tvmattn.serve.engine import Engine, RequestError
 from tvmattn.serve.prefix import RadixPrefixCache
-from tvmattn.serve.runner import ModelRunner
+from tvmattn.serve.runner import DraftModel, ModelRunner
 from tvmattn.serve.text import TextStream
 from tvmattn.speculative import SpeculativeOptions, build_trie
 
@@ -229,6 +229,29 @@ def test_speculative_requests_keep_the_greedy_tokens(library, reference, back_of
     assert stats.plain_steps + stats.verify_steps + stats.accepted == len(spec.output) - 1
     assert spec.stream.result().tokens == reference(repetitive, 20)
     assert other.stream.result().tokens == reference(plain, 20)
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("pool_pages", [64, 8], ids=["roomy", "preempting"])
+def test_draft_model_requests_join_late_and_keep_the_greedy_tokens(library, reference, pool_pages):
+    """A draft model (the library drafting for itself, a cache of its own) beside plain requests
+    that join at later steps, in a pool small enough to preempt: the greedy tokens, accepted
+    drafts, and no sequence left in either cache."""
+    runner = ModelRunner(library, max_total_tokens=pool_pages * 16)
+    draft = DraftModel(runner.session.sibling(), 2, 8 * 256, 16)
+    free = draft.session.available_pages()
+    options = SpeculativeOptions("draft-model", 4, 2, str(library), back_off=False)
+    engine = Engine(runner, max_batched_tokens=32, speculative=options, draft_model=draft)
+    work = prompts(17, [12, 40, 7, 25])
+    requests = []
+    for i, prompt in enumerate(work):
+        requests.append(engine.submit(prompt, greedy(40), speculative=i % 2 == 0))
+        engine.step()
+    run_all(engine)
+    for prompt, request in zip(work, requests):
+        assert request.stream.result().tokens == reference(prompt, 40)
+    assert engine.accepted > 0 and (pool_pages > 20 or engine.preemptions > 0)
+    assert draft.cached == {} and draft.session.available_pages() == free
     assert_no_leak(engine)
 
 
