@@ -271,7 +271,8 @@ class OracleDrafter:
 
 def test_accepted_draft_paths_are_committed_in_a_mixed_batch(library, reference):
     # back_off=False: every draft is verified (the back-off would first want to see drafts pay)
-    engine = make_engine(library, max_batched_tokens=64, speculative=SpeculativeOptions("prompt-lookup", back_off=False))
+    engine = make_engine(library, max_batched_tokens=64,
+                         speculative=SpeculativeOptions("prompt-lookup", back_off=False))
     prompt, plain, late = prompts(15, [14, 30, 70])
     answer = reference(prompt, 20)
     engine._drafter = OracleDrafter(prompt, answer)

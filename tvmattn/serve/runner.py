@@ -5,11 +5,10 @@ engine's step thread calls them (a cache is single-threaded).
 
 A step appends tokens to several cache sequences at once:
 
-- `decode(seq_ids, tokens)`: one token per sequence (`batch_decode`, or `decode` for one; a CUDA
-  graph replay per batch bucket where the session uses them);
 - `mixed(seq_ids, chunks)`: any token counts per sequence (decode tokens of running requests
   beside prompt chunks of others) in one `batch_prefill` call, which returns the logits of each
-  chunk's last token;
+  chunk's last token; one token per sequence is a decode step (`batch_decode`, or `decode` for
+  one; a CUDA graph replay per batch bucket where the session uses them);
 - `verify(seq_ids, trees)`: token trees of speculative decoding (`batch_verify`): the logits of
   every node; `commit(seq_ids, leaves)` keeps each accepted path.
 """
@@ -68,6 +67,8 @@ class ModelRunner:
     def __init__(self, lib_path: str | Path | None = None, *, max_total_tokens: int | None = None,
                  kv_cache_memory: str | float | None = None, max_sequences: int | None = None,
                  cuda_graph: bool = True, session: ModelSession | None = None):
+        if (lib_path is None) == (session is None):
+            raise ValueError("give a library path or a loaded session (one of the two)")
         self.session = s = session if session is not None else ModelSession(lib_path, cuda_graph=cuda_graph)
         self.settings = s.settings
         self.page_size = s.settings["page_size"]
@@ -137,10 +138,6 @@ class ModelRunner:
         return self.session.available_pages()
 
     # ------------------------------------------------------------------ steps
-    def decode(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
-        """One token per sequence -> logits [len(seq_ids), vocab] f32."""
-        return self.session.decode_step(seq_ids, tokens)
-
     def mixed(self, seq_ids: list[int], chunks: list[list[int]]) -> np.ndarray:
         """chunks[i] (>= 1 token) appended to seq_ids[i] in one step -> logits [len(seq_ids), vocab]
         f32 of each chunk's last token."""
