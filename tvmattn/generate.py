@@ -153,7 +153,6 @@ def render_chat(template: str, prompt: str) -> str:
                             f"without it (chat=False, --no-chat) or recompile the library") from None
 
 
-
 def _cache_tokens(settings: dict, needed: int, sequences: int) -> int:
     """Tokens of a KV cache for `needed` tokens over `sequences` sequences of a library with these
     settings: whole pages, and a page more per sequence (its last page is partly filled), at
