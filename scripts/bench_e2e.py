@@ -189,7 +189,7 @@ class Runner:
             self.graphs = DecodeGraphs(self.cache, self._decode_step, max_batch)
 
     def _decode_step(self, bucket: int):
-        from tvmattn.generate import library_decode_step
+        from tvmattn.session import library_decode_step
 
         return library_decode_step(self.vm, self.graph_ids[bucket], self.cache, self.params, self.hidden)
 

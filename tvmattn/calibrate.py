@@ -33,25 +33,31 @@ def calibrate_kv_scales(generator, prompts: list[list[int]] | list[str], kv_dtyp
     if not prompts:
         raise ValueError("prompts must hold at least one prompt")
     token_lists = [generator.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    spec = generator.metadata["kv_cache"]
+    session = getattr(generator, "session", generator)  # a Generator or its ModelSession
+    spec = session.metadata["kv_cache"]
     layers, heads, dim = spec["num_layers"], spec["num_kv_heads"], spec["head_dim"]
     amax = np.zeros((layers, 2, heads), np.float64)
-    chunk = chunk or generator.prefill_chunk
-    generator._ensure_cache(max(len(t) for t in token_lists))
+    chunk = chunk or session.prefill_chunk
+    page = session.settings["page_size"]
+    longest = max(len(t) for t in token_lists)
+    if hasattr(generator, "runner"):
+        generator.runner = None  # the calibration's cache replaces the generator's
+    session.create_cache(1, -(-longest // page) * page + page)
     for tokens in token_lists:
         seq = 0
-        generator._host["kv_state_add_sequence"](generator.cache, seq)
+        session.add_sequence(seq)
         try:
             for begin in range(0, len(tokens), chunk):
                 piece = tokens[begin:begin + chunk]
-                generator._forward("prefill", [seq], [len(piece)], generator._embed(piece)[None])
+                session.forward("prefill", [seq], [len(piece)], session.embed(piece)[None])
             dtype = spec["dtype"]
-            k = tvm.runtime.empty((layers, len(tokens), heads, dim), dtype, device=generator.device)
-            v = tvm.runtime.empty((layers, len(tokens), heads, dim), dtype, device=generator.device)
-            tvm.get_global_func("tvmattn.attention_kv_cache_debug_get_kv")(generator.cache, seq, 0, len(tokens), k, v)
+            k = tvm.runtime.empty((layers, len(tokens), heads, dim), dtype, device=session.device)
+            v = tvm.runtime.empty((layers, len(tokens), heads, dim), dtype, device=session.device)
+            tvm.get_global_func("tvmattn.attention_kv_cache_debug_get_kv")(session.cache, seq, 0, len(tokens), k, v)
             for index, values in ((0, k), (1, v)):
                 amax[:, index] = np.maximum(amax[:, index], np.abs(values.numpy().astype(np.float64)).max(axis=(1, 3)))
         finally:
-            generator._host["kv_state_remove_sequence"](generator.cache, seq)
+            session.remove_sequence(seq)
+    session.cache, session.cache_tokens = None, 0
     scales = np.where(amax > 0, amax / FP8_MAX[kv_dtype], 1.0)
     return scales.astype(np.float32)

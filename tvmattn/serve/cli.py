@@ -132,7 +132,7 @@ def build_engine(args, max_queue: int = 256):
 def serve_command(args) -> int:
     import uvicorn
 
-    from ..generate import GenerateError
+    from ..session import GenerateError
     from .server import create_app
 
     try:
@@ -165,7 +165,7 @@ def serve_command(args) -> int:
 
 
 def chat_command(args) -> int:
-    from ..generate import GenerateError
+    from ..session import GenerateError
     from ..sampling import SamplingError, SamplingOptions
     from .engine import RequestError
     from .prompts import render_messages
@@ -178,7 +178,7 @@ def chat_command(args) -> int:
     tokenizer = engine.runner.tokenizer
     if tokenizer is None:
         return _fail("the library bundle has no tokenizer (compile from a .gguf file)")
-    template = engine.runner.generator.runtime.get("chat_template")
+    template = engine.runner.session.runtime.get("chat_template")
     engine.start()
     opening = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(opening)

@@ -94,7 +94,7 @@ class Server:
         self.api_key = api_key
         runner = engine.runner
         self.tokenizer = runner.tokenizer
-        self.template = runner.generator.runtime.get("chat_template")
+        self.template = runner.session.runtime.get("chat_template")
         self.created = int(time.time())
         self.metrics = EngineMetrics(engine)
         self.grammars: JsonGrammars | None = None  # xgrammar's compiler, built by the first JSON request
