@@ -220,6 +220,48 @@ def test_layer_calls_take_the_fast_path(target):
         cache.cancel_forward()
 
 
+def test_decode_steps_of_one_layout_share_their_launches(target):
+    """A decode step whose sequences took no page since the last one (the same plan layout and
+    rows) is a new Step making the last one's prepared launches; a step that takes a page
+    prepares its own. A bad o refused on the fast path (after the layer's append ran) leaves the
+    step going: the good call that follows gives the reference's output and K/V. A decode step
+    after a prefill step checks its arguments against its own token count."""
+    m = Model(target, "normal", page_size=4, seed=9)
+    seq_ids = [0, 1]
+    for seq_id in seq_ids:
+        m.add(seq_id)
+    m.forward(seq_ids, [5, 2])
+    m.forward(seq_ids, [1, 1])  # lengths 6 and 3
+    made = m.cache._last_step
+
+    def probe():
+        m.cache.begin_forward(seq_ids, [1, 1])
+        step = m.cache._step
+        m.cache.cancel_forward()
+        return step
+
+    again = probe()  # (7 and 4: no page taken)
+    assert again is not made and again.fused is made.fused and again.appended_layers == set()
+    m.forward(seq_ids, [1, 1])  # 7 and 4
+    assert probe().fused is not made.fused  # (sequence 1's 5th token takes a page)
+
+    history = [m.length(s) for s in seq_ids]
+    m.cache.begin_forward(seq_ids, [1, 1])
+    with pytest.raises(KVCacheError, match=r"o must have shape \(2, 4, 64\)"):
+        m.cache.attention_with_fused_qkv(0, SM_SCALE, qkv_for(m, 2), empty((3, HQ, D), DTYPE, m.device))
+    m.check_layers(2, lambda layer, qkv: m._expected(seq_ids, [1, 1], history, layer, qkv), "after a refused o")
+    m.cache.end_forward()
+    m.check_kv()
+
+    m.forward([0], [3])
+    m.cache.begin_forward(seq_ids, [1, 1])
+    with pytest.raises(KVCacheError, match=r"qkv must have shape \(2, 8, 64\)"):
+        m.cache.attention_with_fused_qkv(0, SM_SCALE, qkv_for(m, 3), empty((2, HQ, D), DTYPE, m.device))
+    m.cache.cancel_forward()
+    m.forward(seq_ids, [1, 1])
+    m.check_no_leaks()
+
+
 @pytest.mark.parametrize("rope_mode", ["none", "normal"])
 def test_decode_without_the_fused_split_append(target, rope_mode):
     """With no split_rotary_append kernel, decode steps run split_rotary then transpose_append
