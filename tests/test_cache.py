@@ -806,9 +806,10 @@ def step_state(m: Model) -> tuple:
             cache.get_num_available_pages(), cache.get_total_sequence_length(), id(cache.current_plan()))
 
 
-def test_bad_attention_calls_leave_the_cache_unchanged():
-    """Each bad call is refused and leaves the step going, unchanged."""
-    m = populated()
+def test_bad_attention_calls_leave_the_cache_unchanged(target):
+    """Each bad call is refused and leaves the step going, unchanged (on CUDA too, where the
+    fast path's check is the CUDA kernels' own)."""
+    m = populated(target)
     before_step = state(m)
     m.cache.begin_forward([0, 2], [1, 1])
     cases = _bad_attention_calls(m)

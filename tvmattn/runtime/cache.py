@@ -278,9 +278,11 @@ class PagedKVCache:
         else:
             page_shape = (opts.num_pages, 2, opts.num_kv_heads, opts.page_size, opts.qk_head_dim)
         self._pools = [self._zeros(page_shape) for _ in range(opts.num_layers)]
-        # attention_with_fused_qkv's fast path: the MHA layers' pools (see that method)
-        self._fast_pages = {layer: pool for layer, (pool, kind) in enumerate(zip(self._pools, self._kinds))
-                            if kind == AttnKind.MHA}
+        # attention_with_fused_qkv's fast path: the MHA layers' pools, where every launch is a
+        # compiled TIR kernel, which checks its arguments (see that method; FlashInfer's
+        # modules take the checked path)
+        self._fast_pages = {} if self._backend_plans else {
+            layer: pool for layer, (pool, kind) in enumerate(zip(self._pools, self._kinds)) if kind == AttnKind.MHA}
         self._workspace = Workspace(opts.prefill_chunk_size, opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim,
                                     opts.v_head_dim, opts.dtype, self.device, split_qkv=not opts.is_mla)
         self._arrays = DeviceArrays(self.device)
