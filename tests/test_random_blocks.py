@@ -9,7 +9,7 @@
 - Bad types and shapes are ValueErrors naming them; compile_model refuses a random_format that
   is unknown or comes without random_weights before it loads anything.
 - A kept library and a float one built from one seed and format hold the same weights: the
-  float one's parameters are the kept one's blocks dequantized (slow: two compiles).
+  float one's parameters are the kept one's blocks dequantized (the compile itself stubbed).
 """
 
 from __future__ import annotations
@@ -110,24 +110,32 @@ def test_compile_refuses_bad_random_formats(tmp_path, kwargs, message):
     assert not (tmp_path / "out.so").exists()
 
 
-@pytest.mark.slow
-def test_kept_and_float_libraries_share_the_weights(tmp_path):
-    from tvmattn.build import PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar
+def test_kept_and_float_libraries_share_the_weights(tmp_path, monkeypatch):
+    """compile_model of one seed and format, kept and dequantized (the compile and the write
+    stubbed: the parameters are what is checked): the kept library holds the blocks, the float
+    one their values."""
+    import tvmattn.build as build
+    import tvmattn.models as models
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(CONFIG))
-    built = {}
+    written = {}
+
+    def write_bundle(out_path, executable, params, document, *args):
+        written[out_path.stem] = {p["name"]: value for p, value in zip(document["params"], params)}
+        return out_path, None, out_path
+
+    monkeypatch.setattr(models, "compile_module", lambda mod, options: None)
+    monkeypatch.setattr(build, "write_bundle", write_bundle)
     for quantization in ("keep", "f32"):
-        out = tmp_path / f"{quantization}.so"
-        compile_model(str(config), out, target="llvm", quantization=quantization, random_weights=7,
-                      random_format="Q4_0", max_batch_size=2, context_window=128, prefill_chunk=32,
-                      log=lambda m: None)
-        document = json.loads(sidecar(out, RUNTIME_SUFFIX).read_text())["metadata"]
-        with np.load(sidecar(out, PARAMS_SUFFIX)) as stored:
-            built[quantization] = {p["name"]: stored[f"p{i}"] for i, p in enumerate(document["params"])}
+        build.compile_model(str(config), tmp_path / f"{quantization}.so", target="llvm", quantization=quantization,
+                            random_weights=7, random_format="Q4_0", max_batch_size=2, context_window=128,
+                            prefill_chunk=32, log=lambda m: None)
     tensors = random_block_tensors(CONFIG, "Q4_0", seed=7)
-    kept, floats = built["keep"], built["f32"]
-    assert any(name.endswith("weight_qs") for name in kept), "the kept library must hold Q4_0 blocks"
-    name = "model.layers.1.mlp.down_proj"
-    np.testing.assert_array_equal(kept[f"{name}.weight_qs"], tensors[f"{name}.weight"].parts["qs"])
-    np.testing.assert_array_equal(floats[f"{name}.weight"], reference_values(tensors[f"{name}.weight"]).astype(np.float32))
+    kept, floats = written["keep"], written["f32"]
+    for name in ("model.embed_tokens", "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj"):
+        for part in ("qs", "d"):
+            np.testing.assert_array_equal(kept[f"{name}.weight_{part}"], tensors[f"{name}.weight"].parts[part])
+    np.testing.assert_array_equal(floats["model.layers.1.mlp.down_proj.weight"],
+                                  reference_values(tensors["model.layers.1.mlp.down_proj.weight"]).astype(np.float32))
+    np.testing.assert_array_equal(floats["model.norm.weight"], tensors["model.norm.weight"])
