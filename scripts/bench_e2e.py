@@ -10,6 +10,7 @@ from the same `compile_model` call (same model, dtype, page size and build flags
 - decode at each batch size: every sequence first prefilled with --prompt-len tokens, then
   greedy `decode` (batch 1) / `batch_decode` steps with the argmax taken on the GPU (torch
   via DLPack where present), timed over --steps steps after 3 warm-up steps -> tokens/s.
+Both phases run with Python's cyclic garbage collector off, as Generator runs them.
 The two caches must agree: the prefill logits and the first decode step's logits are compared
 (max |diff| printed; a large difference is reported as a failure).
 
@@ -66,6 +67,7 @@ from tvm.runtime import ShapeTuple  # noqa: E402
 import bench_rows  # noqa: E402
 import tvmattn  # noqa: E402,F401  - registers tvmattn.*
 from tvmattn.build import MODEL_NAMES, PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar  # noqa: E402
+from tvmattn.generate import no_cyclic_gc  # noqa: E402
 
 # always run: ours eagerly, ours replaying CUDA graphs (the same library; --no-cuda-graph leaves it out),
 # the stock cache; "flashinfer" (--flashinfer) is ours with FlashInfer's kernels
@@ -206,6 +208,7 @@ class Runner:
             ShapeTuple([max_batch]), ShapeTuple([capacity]), ShapeTuple([prefill_chunk]), ShapeTuple([page]),
             ShapeTuple([0]))
         self.hidden = self.metadata["model_config"]["hidden_size"]
+        self.functions: dict = {}  # the VM's functions, looked up once
         self.plan_s = self.host_s = 0.0  # host seconds in begin_forward / in whole forwards
         self.graphs = None  # DecodeGraphs: decode steps replayed as CUDA graphs
         if graph:
@@ -221,14 +224,20 @@ class Runner:
 
         return library_decode_step(self.vm, self.graph_ids[bucket], self.cache, self.params, self.hidden)
 
+    def function(self, name: str):
+        function = self.functions.get(name)
+        if function is None:
+            function = self.functions[name] = self.vm[name]
+        return function
+
     def embed(self, ids, shape):
-        return self.vm["embed"](ids, self.params)._create_view(shape)
+        return self.function("embed")(ids, self.params)._create_view(shape)
 
     def forward(self, function: str, seq_ids: list[int], lengths: list[int], embeds):
         start = time.perf_counter()
         self.host["begin_forward"](self.cache, ShapeTuple(seq_ids), ShapeTuple(lengths))
         planned = time.perf_counter()
-        logits, _ = self.vm[function](embeds, self.cache, self.params)
+        logits, _ = self.function(function)(embeds, self.cache, self.params)
         self.host["end_forward"](self.cache)
         self.plan_s += planned - start
         self.host_s += time.perf_counter() - start
@@ -273,6 +282,7 @@ def greedy(logits, device):
         return tvm.runtime.tensor(host, device=device), host
 
 
+@no_cyclic_gc()
 def bench_prefill(runner: Runner, ids, reps: int) -> float:
     times = []
     for rep in range(reps + 2):
@@ -287,6 +297,7 @@ def bench_prefill(runner: Runner, ids, reps: int) -> float:
     return statistics.median(times)
 
 
+@no_cyclic_gc()
 def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
     """-> (DecodeTiming, first-step logits as numpy); around_steps: a context manager
     entered for the timed steps only (a profiler)."""
