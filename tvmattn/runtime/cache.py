@@ -718,7 +718,10 @@ class PagedKVCache:
         the checks convert an argument (a DLPack tensor), the checked path launches (True).
         Otherwise a kernel failed: the step is rolled back and the caller re-raises (False)."""
         if isinstance(error, Exception):
-            checked_qkv, checked_o = self._tensor("qkv", qkv), self._tensor("o", o)
+            try:
+                checked_qkv, checked_o = self._tensor("qkv", qkv), self._tensor("o", o)
+            except KVCacheError as refusal:
+                raise refusal from None  # (the launch's own message says less)
             if checked_qkv is not qkv or checked_o is not o:
                 self._attention_with_fused_qkv(layer_id, sm_scale, checked_qkv, checked_o)
                 return True
