@@ -220,6 +220,33 @@ def test_layer_calls_take_the_fast_path(target):
         cache.cancel_forward()
 
 
+def test_python_kernels_take_the_checked_path():
+    """A kernel given as a Python callable may not check its arguments, so such a cache checks
+    every call in Python before it launches (a compiled kernel checks them itself)."""
+    launched = []
+    m = populated()
+    real = m.cache.kernels.split_rotary_append
+
+    def split_rotary_append(*args):
+        launched.append(args)
+        return real(*args)
+
+    python = Model("llvm", "none", page_size=4, seed=14, max_num_sequences=4, max_total_seq_len=64,
+                   prefill_chunk_size=48, kernels={"split_rotary_append": split_rotary_append})
+    assert m.cache._fast_pages and not python.cache._fast_pages
+    for seq_id in (0, 1):
+        python.add(seq_id)
+    python.forward([0, 1], [3, 2])
+    python.cache.begin_forward([0, 1], [1, 1])
+    launched.clear()
+    with pytest.raises(KVCacheError, match=r"o must have shape \(2, 4, 64\)"):
+        python.cache.attention_with_fused_qkv(0, SM_SCALE, qkv_for(python, 2), empty((3, HQ, D), DTYPE, python.device))
+    assert launched == []
+    python.cache.cancel_forward()
+    python.forward([0, 1], [1, 1])
+    python.check_no_leaks()
+
+
 def test_decode_steps_of_one_layout_share_their_launches(target):
     """A decode step whose sequences took no page since the last one (the same plan layout and
     rows) is a new Step making the last one's prepared launches; a step that takes a page

@@ -56,7 +56,7 @@ from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPr
 from .errors import KVCacheError, as_tensor, check, check_finite, check_int, check_tensor
 from .forward import Kernels, Rope, Step, Workspace
 from .graphs import empty_decode_plan, graph_layout, layout_end, pad_decode_plan
-from .kernels import Deferred, KernelSet, default_kernels, paged_slots
+from .kernels import DecodeByShape, Deferred, KernelSet, default_kernels, paged_slots
 from .kinds import AttnKind, parse_attn_kinds
 from .mla import MLAStep, check_mla_kernels, merge_for, mla_config, mla_kernel_set, ragged_for
 from .pages import PageAllocator
@@ -205,6 +205,8 @@ class PagedKVCache:
       device: a tvm.runtime.Device (default tvm.cpu()).
       kernels: optional overrides, slot name -> backend spec or function (see tvmattn.runtime.kernels);
         every other slot gets tvmattn's kernel for this configuration, built once per process.
+        (A Python callable given as a kernel makes every attention_with_fused_qkv check its
+        arguments in Python first; compiled kernels check them at entry.)
       backend: "tir" (tvmattn's kernels) or "flashinfer" (FlashInfer's modules, built by
         `python -m tvmattn.flashinfer.build`, in the prefill and decode slots; where FlashInfer
         cannot serve the cache it falls back to TIR with a logged warning, see
@@ -279,9 +281,9 @@ class PagedKVCache:
             page_shape = (opts.num_pages, 2, opts.num_kv_heads, opts.page_size, opts.qk_head_dim)
         self._pools = [self._zeros(page_shape) for _ in range(opts.num_layers)]
         # attention_with_fused_qkv's fast path: the MHA layers' pools, where every launch is a
-        # compiled TIR kernel, which checks its arguments (see that method; FlashInfer's
-        # modules take the checked path)
-        self._fast_pages = {} if self._backend_plans else {
+        # compiled function, which checks its arguments (see that method; FlashInfer's modules and
+        # Python callables given as kernels take the checked path)
+        self._fast_pages = {} if self._backend_plans or not _compiled_launches(k) else {
             layer: pool for layer, (pool, kind) in enumerate(zip(self._pools, self._kinds)) if kind == AttnKind.MHA}
         self._workspace = Workspace(opts.prefill_chunk_size, opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim,
                                     opts.v_head_dim, opts.dtype, self.device, split_qkv=not opts.is_mla)
@@ -1055,6 +1057,18 @@ class PagedKVCache:
     def current_plan(self):
         """The ForwardPlan of the step in progress (None outside a step)."""
         return None if self._step is None else self._step.plan
+
+
+def _compiled_launches(kernels: Kernels) -> bool:
+    """Whether every function a step of MHA layers launches is a tvm_ffi Function (a compiled
+    kernel checks its arguments at entry; a Python callable given as a kernel may not)."""
+    funcs = [kernels.split_rotary, kernels.transpose_append, kernels.merge]
+    if kernels.split_rotary_append is not None:
+        funcs.append(kernels.split_rotary_append)
+    for backend in (kernels.ragged, kernels.paged_prefill, kernels.paged_decode):
+        func = getattr(backend, "func", None)
+        funcs += func.variants if isinstance(func, DecodeByShape) else [func]
+    return all(isinstance(func, tvm_ffi.Function) for func in funcs)
 
 
 _WINDOW_SIZE = operator.attrgetter("window_size")
