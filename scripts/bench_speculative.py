@@ -21,7 +21,8 @@ steadier where the machine's load comes and goes).
     python scripts/bench_speculative.py --target cuda:sm_90 --json speculative-h200.json
 
 --json PATH writes rows of shared/docs/bench-format.md: bench "speculative", kernel "decode",
-impl "tvmattn", variant "plain" or "MODE K=.. W=.." (" every-step" with --no-back-off), prompt,
+impl "tvmattn", variant "plain" or "MODE K=.. W=.." (" every-step" with --no-back-off, whose plain
+rows are "plain (every-step run)"; "keep: " before each where the library keeps the GGUF's blocks), prompt,
 batch 1, seq_len (prompt tokens), new_tokens, tokens_per_s, ms (per new token), speedup, reps,
 and for speculative rows speedup_median, acceptance_rate, mean_accepted, tokens_per_step,
 drafted, accepted, verify_steps, plain_steps, identical (every rep's tokens); then device, date,
@@ -118,6 +119,11 @@ def main(argv=None) -> int:
     meta = bench_rows.run_meta(gpu=target.startswith("cuda"))
     common = {"bench": "speculative", "kernel": "decode", "impl": "tvmattn", "model": library.stem, "target": target,
               "dtype": generator.metadata["build_options"]["dtype"], "batch": 1}
+    # a library that keeps the GGUF's blocks is a configuration of its own (its plain step is
+    # several times faster, so speculation pays differently); a --no-back-off run's plain rows
+    # are its own baseline
+    weights = "keep: " if generator.metadata["build_options"].get("weight_formats") else ""
+    plain_variant = weights + "plain" + (" (every-step run)" if args.no_back_off else "")
     generator.generate(["Hello"], max_new_tokens=4)  # warm-up: first-call costs out of the timings
     configs = [SpeculativeOptions(mode, args.draft_len, width, draft_lib if mode == "draft-model" else None,
                                   adaptive=not args.fixed_draft_len, back_off=not args.no_back_off)
@@ -137,7 +143,7 @@ def main(argv=None) -> int:
         plain, *specs = [max(results, key=lambda r: r.decode_tokens_per_s) for results in runs]
         base = plain.decode_tokens_per_s
         shape = {"prompt": name, "seq_len": plain.prompt_tokens[0], "new_tokens": len(plain.tokens[0])}
-        rows.append({**common, "variant": "plain", **shape, "tokens_per_s": round(base, 3),
+        rows.append({**common, "variant": plain_variant, **shape, "tokens_per_s": round(base, 3),
                      "ms": round(1e3 / base, 3), "speedup": 1.0, "reps": args.reps, **meta})
         print(f"{name:10} {'plain':34} {base:8.2f} {1.0:8.2f}")
         for options, spec, results in zip(configs, specs, runs[1:]):
@@ -146,7 +152,7 @@ def main(argv=None) -> int:
             failed |= not identical
             per_step = spec.decode_tokens / spec.decode_steps if spec.decode_steps else 0.0
             paired = float(np.median([r.decode_tokens_per_s / p.decode_tokens_per_s for r, p in zip(results, runs[0])]))
-            variant = (f"{options.mode} K={options.draft_len}{' fixed' if args.fixed_draft_len else ''} "
+            variant = (f"{weights}{options.mode} K={options.draft_len}{' fixed' if args.fixed_draft_len else ''} "
                        f"W={options.tree_width}{' every-step' if args.no_back_off else ''}")
             rows.append({**common, "variant": variant, **shape, "tokens_per_s": round(rate, 3),
                          "ms": round(1e3 / rate, 3), "speedup": round(rate / base, 3),

@@ -237,18 +237,38 @@ def mla_prefill_table(rows: Rows) -> str:
     return table(header, lines) + "\n\n" + sources(used)
 
 
+NULL_KERNELS = "null kernels"  # in the variant of bench_cache.py's --device host rows
+
+
 def cache_table(rows: Rows) -> str:
     used: set = set()
     header = ["batch x context", "TVM's C++ cache + TVM's kernels", "TVM's C++ cache + tvmattn kernels",
               "tvmattn PagedKVCache", "wall: TVM's / ours"]
     lines = []
-    points = sorted({(e[4]["batch"], e[4]["seq_len"]) for e in rows.find(bench="cache", impl="tvmattn")})
-    for batch, seq_len in points:
-        found = [rows.get(used, bench="cache", impl=i, batch=batch, seq_len=seq_len)
+    points = sorted({(e[4]["batch"], e[4]["seq_len"], e[4]["variant"]) for e in rows.find(bench="cache", impl="tvmattn")
+                     if NULL_KERNELS not in e[4]["variant"]})
+    for batch, seq_len, variant in points:
+        found = [rows.get(used, bench="cache", impl=i, batch=batch, seq_len=seq_len, variant=variant)
                  for i in ("tvm-cpp+tvm", "tvm-cpp+ours", "tvmattn")]
         cells = ["-" if r is None else f"{fmt(r['host_ms'])} / {fmt(r['ms'])}" for r in found]
         ratio = f"{found[0]['ms'] / found[2]['ms']:.2f}x" if found[0] and found[2] else "-"
         lines.append([f"{batch}x{seq_len}"] + cells + [ratio])
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def cache_host_table(rows: Rows) -> str:
+    """The host paths alone (bench_cache.py --device host): host ms per decode step."""
+    used: set = set()
+    header = ["batch x context", "TVM's C++ cache + TVM's kernels", "tvmattn, direct calls",
+              "tvmattn through tvmattn.*", "TVM's / ours through tvmattn.*"]
+    lines = []
+    points = sorted({(e[4]["batch"], e[4]["seq_len"], e[4]["variant"], e[4]["num_layers"])
+                     for e in rows.find(bench="cache", impl="tvmattn-ffi") if NULL_KERNELS in e[4]["variant"]})
+    for batch, seq_len, variant, layers in points:
+        found = [rows.get(used, bench="cache", impl=i, batch=batch, seq_len=seq_len, variant=variant, num_layers=layers)
+                 for i in ("tvm-cpp+tvm", "tvmattn", "tvmattn-ffi")]
+        ratio = f"{found[0]['host_ms'] / found[2]['host_ms']:.2f}x" if found[0] and found[2] else "-"
+        lines.append([f"{batch}x{seq_len}"] + [fmt(r and r["host_ms"]) for r in found] + [ratio])
     return table(header, lines) + "\n\n" + sources(used)
 
 
@@ -257,8 +277,12 @@ E2E_IMPLS = (("tvmattn", "tvmattn, eager"), ("tvmattn-cuda-graph", "tvmattn, CUD
              ("tvmattn-flashinfer", "tvmattn + FlashInfer, eager"))
 
 
+SMOLLM2_SHAPE = {"num_layers": 30, "num_qo_heads": 9}  # the e2e table's model (other shapes have rows too)
+
+
 def e2e_points(rows: Rows) -> list[tuple]:
-    points = {(e[4]["kernel"], e[4]["batch"]) for e in rows.find(bench="e2e") if e[4]["impl"] == "tvmattn-cuda-graph"}
+    points = {(e[4]["kernel"], e[4]["batch"]) for e in rows.find(bench="e2e", **SMOLLM2_SHAPE)
+              if e[4]["impl"] == "tvmattn-cuda-graph"}
     return sorted(points, key=lambda p: (p[0] != "prefill", p[1]))
 
 
@@ -267,7 +291,7 @@ def e2e_table(rows: Rows) -> str:
     header = ["step", *(name for _, name in E2E_IMPLS), "stock / graphs"]
     lines = []
     for kernel, batch in e2e_points(rows):
-        found = [rows.get(used, bench="e2e", kernel=kernel, impl=i, batch=batch) for i, _ in E2E_IMPLS]
+        found = [rows.get(used, bench="e2e", kernel=kernel, impl=i, batch=batch, **SMOLLM2_SHAPE) for i, _ in E2E_IMPLS]
         graphs, stock = found[1], found[2]
         label = f"prefill {found[1]['qo_len']} tokens" if kernel == "prefill" else f"decode, batch {batch}"
         lines.append([label] + [fmt(r and r["ms"]) for r in found]
@@ -298,12 +322,17 @@ def cpu_table(rows: Rows) -> str:
     return table(header, lines) + "\n\n" + sources(used)
 
 
+KEEP = "keep: "  # the variant prefix of speculative rows from a library that keeps the GGUF's blocks
+
+
 def speculative_table(rows: Rows) -> str:
+    """Libraries with dequantized weights (float32 on the CPU, float16 on the H200)."""
     used: set = set()
     header = ["prompt", "mode", "CPU (llvm, float32) tokens/s", "H200 (float16) tokens/s"]
     lines = []
-    modes = list(dict.fromkeys(e[4]["variant"] for e in rows.find(bench="speculative")))
-    for prompt in dict.fromkeys(e[4]["prompt"] for e in rows.find(bench="speculative")):
+    found = [e for e in rows.find(bench="speculative") if not e[4]["variant"].startswith(KEEP)]
+    modes = list(dict.fromkeys(e[4]["variant"] for e in found))
+    for prompt in dict.fromkeys(e[4]["prompt"] for e in found):
         for mode in modes:
             cells = []
             for target in ("llvm", "cuda"):
@@ -322,6 +351,35 @@ def speculative_table(rows: Rows) -> str:
                     extra.append("answer differs")
                 cells.append(fmt(r["tokens_per_s"]) + (f" ({', '.join(extra)})" if extra else ""))
             lines.append([prompt, mode] + cells)
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def speculative_keep_table(rows: Rows) -> str:
+    """The CPU library that keeps the GGUF's blocks (the main job's): back-off (the default) and
+    every-step runs, each against the plain runs interleaved with it."""
+    used: set = set()
+    header = ["prompt", "mode", "tokens/s (fastest rep)", "x plain (median of paired reps)", "drafts accepted",
+              "verify / plain steps"]
+    lines = []
+    found = [e for e in rows.find(bench="speculative", target="llvm") if e[4]["variant"].startswith(KEEP)]
+
+    def order(variant):  # each run's plain row first, the back-off run before the every-step one
+        every = variant.endswith("every-step") or variant.endswith("(every-step run)")
+        return every, not variant[len(KEEP):].startswith("plain")
+
+    variants = sorted(dict.fromkeys(e[4]["variant"] for e in found), key=order)
+    for prompt in dict.fromkeys(e[4]["prompt"] for e in found):
+        for variant in variants:
+            r = rows.get(used, bench="speculative", target="llvm", prompt=prompt, variant=variant)
+            if r is None:
+                continue
+            mode = variant[len(KEEP):]
+            if r.get("speedup_median") is None:  # a plain run
+                lines.append([prompt, mode, fmt(r["tokens_per_s"]), "-", "-", "-"])
+                continue
+            accepted = f"{r['accepted']} of {r['drafted']}" if r.get("drafted") else "none drafted"
+            lines.append([prompt, mode, fmt(r["tokens_per_s"]), f"{r['speedup_median']:.2f}x", accepted, f"{r['verify_steps']} / {r['plain_steps']}"
+                          + ("" if r.get("identical", True) else ", answer differs")])
     return table(header, lines) + "\n\n" + sources(used)
 
 
@@ -365,7 +423,7 @@ def summary_table(rows: Rows) -> str:
     add("MLA absorbed prefill, fp16, 128 heads, 1x512@4096 (TFLOP/s)", rate(ours, "tflops"),
         [sdpa and f"torch SDPA {fmt(sdpa['tflops'])}", tvm and f"TVM {fmt(tvm['tflops'])}"])
     for batch in (1, 16):
-        e2e = dict(bench="e2e", kernel="decode", batch=batch)
+        e2e = dict(bench="e2e", kernel="decode", batch=batch, **SMOLLM2_SHAPE)
         graphs, stock = rows.get(used, impl="tvmattn-cuda-graph", **e2e), rows.get(used, impl="tvm-stock-cache", **e2e)
         add(f"SmolLM2-135M decode step on the H200, batch {batch} (ms)",
             graphs and f"{fmt(graphs['ms'])} (CUDA graphs)", [stock and f"TVM's stock cache {fmt(stock['ms'])}"])
@@ -374,6 +432,14 @@ def summary_table(rows: Rows) -> str:
     if ours:
         add(f"SmolLM2-135M Q4_1 decode on {ours.get('threads', 2)} CPU cores (tokens/s)", rate(ours, "tokens_per_s"),
             [llama and f"llama.cpp {fmt(llama['tokens_per_s'])}"])
+    spec = dict(bench="speculative", target="llvm")
+    backed = [rows.get(used, prompt=p, variant=KEEP + "prompt-lookup K=8 W=1", **spec) for p in ("code-edit", "free-form")]
+    every = [rows.get(used, prompt=p, variant=KEEP + "prompt-lookup K=8 W=1 every-step", **spec)
+             for p in ("code-edit", "free-form")]
+    if all(backed):
+        add("SmolLM2-135M Q4_1 prompt-lookup decoding on the CPU, code-edit / free-form prompt (x plain decode)",
+            " / ".join(f"{r['speedup_median']:.2f}x" for r in backed) + " (backs off)",
+            [all(every) and "drafting at every step " + " / ".join(f"{r['speedup_median']:.2f}x" for r in every)])
     files = ", ".join(f"`{name}`" for name in sorted({name for name, _, _ in used}))
     return (table(["what", "tvmattn", "compared with"], lines)
             + f"\n\nRows: {files} in `docs/bench/`; their runs and commands are in `docs/performance.md`.")
@@ -381,8 +447,9 @@ def summary_table(rows: Rows) -> str:
 
 TABLES = {
     "decode": decode_table, "prefill": prefill_table, "tree": tree_table, "mla-decode": mla_decode_table,
-    "mla-prefill": mla_prefill_table, "cache": cache_table, "e2e": e2e_table, "cpu": cpu_table,
-    "speculative": speculative_table, "summary": summary_table,
+    "mla-prefill": mla_prefill_table, "cache": cache_table, "cache-host": cache_host_table, "e2e": e2e_table,
+    "cpu": cpu_table, "speculative": speculative_table, "speculative-keep": speculative_keep_table,
+    "summary": summary_table,
 }
 
 

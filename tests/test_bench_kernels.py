@@ -432,24 +432,27 @@ def test_sample_calls(bench, iters, per_call, sample, want):
 
 
 def test_time_ms_warms_up_for_the_time_asked(bench, monkeypatch):
-    """warmup_ms of calls before any sample, and samples of at least sample_ms (here on the host
-    clock: DEVICE cpu), each call's index counted from 0."""
+    """warmup_ms of calls before any sample, and samples of at least sample_ms, each call's index
+    counted from 0. The host clock (DEVICE cpu) is a fake that only the calls advance, 2**-12 s
+    each, so the counts are exact whatever the machine's load."""
+    import math
     import time
 
+    per_call_ms = 2.0 ** -12 * 1e3  # a binary fraction of a second: the fake clock adds up exactly
+    clock = [1000.0]
     monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     calls = []
 
     def fn(i):
         calls.append(i)
-        time.sleep(1e-4)
+        clock[0] += 2.0 ** -12
 
-    t0 = time.perf_counter()
     ms = bench.time_ms(fn, 2, repeats=3, warmup=3, warmup_ms=30.0, sample_ms=3.0)
-    assert (time.perf_counter() - t0) * 1e3 >= 30.0 + 3 * 3.0 * 0.5  # (sleep overshoots: the estimate is long)
     warm = calls.index(0, 1)  # the first sample restarts at index 0
-    assert warm >= 3 and calls[:warm] == list(range(warm))
-    assert len(calls) - warm >= 3 * 5  # 3 samples of >= 3 ms (calls of 0.1 to 0.6 ms): more than 2 calls each
-    assert 0.1 <= ms < 5.0
+    assert calls[:warm] == list(range(math.ceil(30.0 / per_call_ms)))  # until 30 ms have passed
+    assert calls[warm:] == list(range(math.ceil(3.0 / per_call_ms))) * 3  # 3 samples of >= 3 ms
+    assert ms == per_call_ms
     calls.clear()
     bench.time_ms(fn, 2, repeats=1, warmup=3)  # no warm-up time, no sample length: the old counts
     assert calls == [0, 1, 2, 0, 1]

@@ -14,17 +14,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import ctrl_c
 import numpy as np
 import pytest
 
 from tir_kernels import support
-from tvmattn.__main__ import INTERRUPTED, main
+from tvmattn.__main__ import INTERRUPTED, INTERRUPTED_MESSAGE, main
 from tvmattn.offline_cuda import nvcc_archs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,6 +223,8 @@ def test_a_gguf_with_zero_heads_is_an_error(tmp_path, monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------- the first hour: Ctrl-C
+# Each test interrupts the command at a named stage, deterministically (tests/ctrl_c.py: the
+# child sends itself SIGINT when it reaches the stage), and checks that nothing was lost.
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
@@ -234,55 +236,75 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return path
 
 
-def interrupt_when(command: list[str], marker: str, timeout: float = 600) -> tuple[int, str]:
-    """Run `python -m tvmattn COMMAND`, send SIGINT once its output shows `marker` -> (exit status, stderr)."""
-    child = subprocess.Popen([sys.executable, "-m", "tvmattn", *command], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, cwd=ROOT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    seen = []
-    try:
-        for line in child.stdout:
-            seen.append(line)
-            if marker in line:
-                child.send_signal(signal.SIGINT)
-                break
-        rest, _ = child.communicate(timeout=timeout)
-    finally:
-        child.kill()
-    assert any(marker in line for line in seen), "".join(seen)
-    return child.returncode, "".join(seen) + rest
+def expect_interrupted(done: subprocess.CompletedProcess, stage: str) -> None:
+    """The child reached `stage`, was interrupted there and ended as one line, exit status 130."""
+    assert f"{ctrl_c.MARKER} {stage}" in done.stderr, done.stderr  # the stage was reached
+    assert done.returncode == INTERRUPTED, done.stderr
+    one_error(done.stderr, "interrupted (Ctrl-C)")
+    assert done.stderr.rstrip().endswith(INTERRUPTED_MESSAGE), done.stderr
 
 
-# Timing-dependent (a signal sent after a delay lands in a stage that depends on the machine's load):
-# intermittent on a loaded 2-core machine, so it runs in the slow tier until its timing is made deterministic.
-@pytest.mark.slow
+def files_under(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 @pytest.mark.parametrize("stage", [
-    "[compile] exporting the Relax module",
-    pytest.param("[compile] writing the library", marks=pytest.mark.slow),
+    "importing",
+    "loading the weights",
+    pytest.param("exporting the Relax module", marks=pytest.mark.slow),
+    "scheduling inside tvm.compile",  # a KeyboardInterrupt inside Python that TVM's C++ called
 ])
-def test_ctrl_c_while_compiling_is_one_line_and_leaves_no_partial_bundle(tiny_gguf, tmp_path, stage):
-    output = tmp_path / "out.so"
-    status, text = interrupt_when(["compile", "--model", str(tiny_gguf), "-o", str(output), "--target", "llvm"],
-                                  stage)
-    assert status == INTERRUPTED, text
-    one_error(text, "interrupted (Ctrl-C)")
-    assert text.rstrip().endswith("error: interrupted (Ctrl-C)")
-    assert list(tmp_path.iterdir()) == []  # no bundle file, no partial file
+def test_ctrl_c_while_the_main_job_compiles_is_one_line_and_leaves_the_cache_empty(tiny_gguf, tmp_path, stage):
+    done = ctrl_c.run(stage, ["smollm2", "--target", "llvm", "--gguf", str(tiny_gguf)],
+                      env={"TVMATTN_CACHE": str(tmp_path)})
+    expect_interrupted(done, stage)
+    assert files_under(tmp_path) == {}  # no library, no partial file: a later run compiles afresh
 
 
-# Timing-dependent (a signal sent after a delay lands in a stage that depends on the machine's load):
-# intermittent on a loaded 2-core machine, so it runs in the slow tier until its timing is made deterministic.
-@pytest.mark.slow
-@pytest.mark.parametrize("delay", [0.5, 2.0, 6.0])
-def test_ctrl_c_at_any_stage_of_the_main_job_is_one_line(tiny_gguf, tmp_path, delay):
-    """Ctrl-C at whatever stage the main job has reached after `delay` seconds (importing,
-    resolving the target, loading the weights, compiling): one line, exit status 130, no
-    library in the cache."""
-    child = subprocess.Popen([sys.executable, "-m", "tvmattn", "smollm2", "--target", "llvm", "--gguf", str(tiny_gguf)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, text=True,
-                             env={**os.environ, "TVMATTN_CACHE": str(tmp_path)})
-    time.sleep(delay)
-    child.send_signal(signal.SIGINT)
-    _, err = child.communicate(timeout=600)
-    assert child.returncode == INTERRUPTED, err
-    one_error(err, "interrupted (Ctrl-C)")
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+@pytest.mark.parametrize("stage", [
+    "writing the library",
+    pytest.param("writing the parameters", marks=pytest.mark.slow),
+])
+def test_ctrl_c_while_compile_writes_leaves_the_earlier_bundle_as_it_was(tiny_gguf, tmp_path, stage):
+    """An interrupted write leaves no partial file and the earlier bundle untouched (the compiler
+    itself is replaced by a stand-in here: only the writing stages run)."""
+    for name in ("out.so", "out.params.npz", "out.runtime.json"):
+        (tmp_path / name).write_bytes(f"earlier {name}".encode())
+    earlier = files_under(tmp_path)
+    done = ctrl_c.run(stage, ["compile", "--model", str(tiny_gguf), "-o", str(tmp_path / "out.so"),
+                              "--target", "llvm"], fake_compile=True)
+    expect_interrupted(done, stage)
+    assert files_under(tmp_path) == earlier
+
+
+@pytest.fixture
+def main_job_cache(tiny_library, tmp_path, monkeypatch) -> tuple[Path, Path, list[str]]:
+    """(TVMATTN_CACHE folder, cached library, the main job's command) for conftest's tiny_library:
+    the cache holds that bundle where `smollm2 --gguf GGUF --quantization f32` looks for it
+    (tiny_library's weights are dequantized to float32, as f32 asks), so the job answers at once."""
+    from tvmattn.bundle import bundle_files
+    from tvmattn.quickstart import library_path
+
+    gguf, built = tiny_library
+    monkeypatch.setenv("TVMATTN_CACHE", str(tmp_path))
+    library = library_path("llvm", gguf, gguf.stem, "f32")
+    library.parent.mkdir(parents=True)
+    for source, copy in zip(bundle_files(built), bundle_files(library)):
+        shutil.copy(source, copy)
+    command = ["smollm2", "--target", "llvm", "--gguf", str(gguf), "--quantization", "f32", "--prompt", "hello",
+               "--max-new-tokens", "8"]
+    return tmp_path, library, command
+
+
+def test_ctrl_c_while_the_main_job_answers_keeps_its_cached_library(main_job_cache):
+    """Ctrl-C in the prefill and in a decode step (inside the VM, mid-step): one line, 130; the
+    cache is as it was, and the next run answers from the same library."""
+    folder, library, command = main_job_cache
+    before = files_under(folder)
+    for stage in ("prefill", "decode"):
+        done = ctrl_c.run(stage, command, env={"TVMATTN_CACHE": str(folder)})
+        expect_interrupted(done, stage)
+        assert files_under(folder) == before, stage
+    done = run_cli(*command, env={"TVMATTN_CACHE": str(folder)})
+    assert done.returncode == 0, done.stderr
+    assert f"using the compiled library {library}" in done.stderr.decode() and done.stdout.strip()

@@ -178,6 +178,41 @@ def test_paged_decode_cpu_prefetches_next_step():
     assert "prefetcht1" in module.mod.inspect_source("asm")
 
 
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_head_dims_the_tensor_core_decode_cannot_rotate_build_for_sm80(head_dim):
+    """fp16 at GQA 4 on sm_80 at head dims whose rows the tensor-core decode's inline RoPE cannot
+    rotate in whole passes (schedules.tc_rope_pass_problem): the dispatch builds the CUDA-core
+    kernel (CUDA source, no GPU needed), never the tensor-core one's assertion."""
+    config = AttentionConfig(16, 4, head_dim, dtype="float16", page_size=16, target="cuda:sm_80")
+    module = tvm.compile(tvm.IRModule({"batch_decode_paged_kv": paged_decode(config)}), target=config.tvm_target())
+    cuda_source = module.mod.imports[0].inspect_source()
+    assert 'extern "C" __global__' in cuda_source and "mma.sync" not in cuda_source
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [80, 96])
+@pytest.mark.parametrize("rotary_mode", [0, 1])
+def test_paged_decode_at_head_dims_off_the_tensor_cores(kernels, head_dim, rotary_mode):
+    """fp16 GQA 4 at head dims 80 and 96 (the CUDA-core kernel on every arch), with and without
+    inline RoPE, against the float64 reference."""
+    hq, hkv, ps, dtype = 16, 4, 16, "float16"
+    config = AttentionConfig(hq, hkv, head_dim, dtype=dtype, page_size=ps, target="cuda")
+    rng = np.random.default_rng(head_dim + rotary_mode)
+    batch = make_paged_batch(rng, [5, 70, 300], hkv, head_dim, ps, dtype)
+    q = randn(rng, (batch.batch, hq, head_dim), dtype)
+    q_pos, k_pos = np.array([9, 80, 310], np.int32), np.array([4, 10, 0], np.int32)
+    theta, scale = 1e4, 1.0
+    o, lse = run_decode(kernels, config, batch, q, rotary_mode, scale, theta, q_pos, k_pos)
+    expected = []
+    for i in range(batch.batch):
+        k, v = batch.visible(i)
+        qi = q[i : i + 1]
+        if rotary_mode:
+            qi, k = ref.rope(qi, q_pos[i : i + 1], theta, scale), ref.rope(k, k_pos[i] + np.arange(len(k)), theta, scale)
+        expected.append(ref.attention(qi, k, v, default_sm_scale(head_dim), causal=False))
+    check(config, o, lse, expected)
+
+
 @pytest.mark.parametrize("dtype", slow_except(["float16", "bfloat16", "float32"], "float16", "bfloat16"))
 @pytest.mark.parametrize("head_dim", slow_except([64, 128, 256], 64))
 def test_paged_decode_cuda_codegen(dtype, head_dim):

@@ -68,7 +68,7 @@ def prim_func_signature(func) -> str:
 
 
 def signature_cases():
-    from tir_kernels import AttentionConfig, MLAConfig
+    from tir_kernels import AttentionConfig, MLAConfig, SamplingConfig
 
     mha = AttentionConfig(8, 2, 64, dtype="float16", page_size=16, target="llvm")
     sliding = mha.replace(sliding_window=True)
@@ -80,7 +80,7 @@ def signature_cases():
         ("split_rotary_append", (mha,)), ("transpose_append", (mha,)), ("copy_single_page", (mha,)),
         ("compact_copy", (mha,)), ("debug_get_kv", (mha, 2)), ("mla_paged_decode", (mla,)),
         ("mla_paged_prefill", (mla,)), ("mla_transpose_append", (mla,)), ("mla_copy_single_page", (mla,)),
-        ("mla_debug_get_kv", (mla, 2)),
+        ("mla_debug_get_kv", (mla, 2)), ("sample_tokens", (SamplingConfig(),)), ("apply_penalties", (SamplingConfig(),)),
     ]
 
 

@@ -77,6 +77,26 @@ def test_decode_choice(target, dtype, kv_heads):
         assert choice.rope_schedule is None
 
 
+@pytest.mark.parametrize("target", ("cuda:sm_80", "cuda:sm_86", "cuda:sm_90"))
+@pytest.mark.parametrize("head_dim, tensor_cores", [(32, True), (48, False), (64, True), (80, False), (96, False),
+                                                    (112, False), (128, True), (192, False), (240, False),
+                                                    (256, True)])
+def test_decode_choice_by_head_dim(target, head_dim, tensor_cores):
+    """The tensor-core decode's inline RoPE rotates whole K rows per pass of its 128 threads,
+    over head_dim / 16 chunk pairs a row (schedules.tc_rope_pass_problem): head dims whose pairs
+    do not divide the threads, or whose rows a pass does not divide the 64-key tile, run on CUDA
+    cores (80 and 96 among them), and the choice says why; a tensor-core schedule asked for
+    there is a ValueError naming the head dim, not an assertion inside the kernel."""
+    config = AttentionConfig(32, 8, head_dim, dtype="float16", target=target)
+    choice = choose_decode_kernel(config)
+    assert_served(choice, config)
+    assert choice.kernel == ("decode_tc" if tensor_cores else "decode")
+    if not tensor_cores:
+        assert f"head_dim={head_dim}: the tensor-core decode's inline RoPE" in choice.reason
+        with pytest.raises(ValueError, match=f"head_dim={head_dim}: the tensor-core decode's inline RoPE"):
+            TensorCoreDecodeSchedule(warps=4, keys_per_warp=16).check(config)
+
+
 def test_decode_off_switch_falls_back_with_reason(monkeypatch):
     """With the tensor-core decode switched off, a config it would serve runs on CUDA cores and
     the choice says why."""

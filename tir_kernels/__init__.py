@@ -57,6 +57,11 @@ _EXPORTS = {
     "choose_decode_schedule": "schedules",
     "choose_prefill_schedule": "schedules",
     "choose_tc_decode_schedule": "schedules",
+    "SamplingConfig": "sampling",
+    "SamplingSchedule": "sampling",
+    "apply_penalties": "sampling",
+    "choose_sampling_schedule": "sampling",
+    "sample_tokens": "sampling",
     "CAPABILITIES": "support",
     "KernelChoice": "support",
 }

@@ -12,7 +12,7 @@ import math
 
 import tvm
 
-from .support import MAX_HEAD_DIM, TargetName, dtype_problem, page_size_problem
+from .support import MAX_HEAD_DIM, TargetName, dtype_problem, is_fp8, kv_dtype_problem, page_size_problem
 
 
 def _fail(field: str, value, allowed: str) -> None:
@@ -75,6 +75,9 @@ class AttentionConfig:
       sliding_window_offset, sink_size) instead of [batch].
     rope_theta / rope_scale: constants of the split-rotary kernel (attention kernels take
       them at run time); rope_scaling: optional Llama-3 frequency scaling, used everywhere.
+    kv_dtype: element type of the pages ("" = dtype); an FP8 format ("float8_e4m3fn",
+      "float8_e5m2") stores codes that the kernels dequantize with the scales held in the
+      pool's last page (tir_kernels.kv_quant).
     """
 
     num_qo_heads: int
@@ -88,10 +91,12 @@ class AttentionConfig:
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
     rope_scaling: RopeScaling | None = None
+    kv_dtype: str = ""
 
     def __post_init__(self):
         if self.v_head_dim == 0:
             object.__setattr__(self, "v_head_dim", self.head_dim)
+        _check_kv_dtype(self)
         for field in ("num_qo_heads", "num_kv_heads"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
@@ -140,6 +145,16 @@ class AttentionConfig:
         """The CUDA compute capability as a number (90 for "sm_90" and "sm_90a"); 0 on the CPU."""
         return int(self.cuda_arch[3:].rstrip("a")) if self.is_gpu else 0
 
+    @property
+    def page_dtype(self) -> str:
+        """The element type of the pages: kv_dtype, or dtype where kv_dtype is ""."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the pages hold FP8 codes (tir_kernels.kv_quant)."""
+        return is_fp8(self.kv_dtype)
+
     def tvm_target(self) -> tvm.target.Target:
         """The TVM target this config builds for."""
         return tvm_target(self.target)
@@ -166,7 +181,8 @@ class MLAConfig:
     num_heads: query heads (all share the one latent row).
     latent_dim: latent rank, the output width (a multiple of 16, at most MAX_MLA_LATENT_DIM).
     rope_dim: width of the rotary key part (a multiple of 16 up to MAX_HEAD_DIM, may be 0).
-    dtype, page_size, target: as in AttentionConfig. Pages are [num_pages, page_size, qk_dim].
+    dtype, page_size, target, kv_dtype: as in AttentionConfig. Pages are [num_pages, page_size,
+    qk_dim]; with an FP8 kv_dtype one scale per layer serves the whole latent row.
     """
 
     num_heads: int
@@ -175,8 +191,10 @@ class MLAConfig:
     dtype: str = "float16"
     page_size: int = 16
     target: str = "llvm"
+    kv_dtype: str = ""
 
     def __post_init__(self):
+        _check_kv_dtype(self)
         if not isinstance(self.num_heads, int) or isinstance(self.num_heads, bool) or self.num_heads <= 0:
             _fail("num_heads", self.num_heads, "a positive integer")
         latent = self.latent_dim
@@ -219,12 +237,32 @@ class MLAConfig:
     def cuda_arch(self) -> str:
         return TargetName.parse(self.target).cuda_arch
 
+    @property
+    def page_dtype(self) -> str:
+        """The element type of the pages: kv_dtype, or dtype where kv_dtype is ""."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the pages hold FP8 codes (tir_kernels.kv_quant)."""
+        return is_fp8(self.kv_dtype)
+
     def tvm_target(self) -> tvm.target.Target:
         """The TVM target this config builds for."""
         return tvm_target(self.target)
 
     def replace(self, **changes) -> "MLAConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _check_kv_dtype(config) -> None:
+    """kv_dtype: "" (the activation dtype), that dtype, or an FP8 format over fp16/bf16/f32."""
+    if config.kv_dtype in ("", config.dtype):
+        object.__setattr__(config, "kv_dtype", "")
+        return
+    if not is_fp8(config.kv_dtype):
+        problem = kv_dtype_problem(config.kv_dtype) or f"{config.dtype!r} (the dtype) or an FP8 format"
+        _fail("kv_dtype", config.kv_dtype, problem)
 
 
 def tvm_target(target: str, *, schedule_rules: bool = False) -> tvm.target.Target:

@@ -59,7 +59,7 @@ def decode_func(config: AttentionConfig, kernel):
         q_pos_offset = T.int32()
         Q = T.match_buffer(q_handle, (B, Hq, D), dtype)
         # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment and gathers.
-        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype)
+        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), config.page_dtype)
         page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
         page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
         length_info = T.match_buffer(length_info_handle, length_info_shape(B, sliding), "int32",

@@ -35,6 +35,7 @@ from .common import (CPU_SCRATCH_SCOPE, EMPTY_LSE, LOG2E, ceildiv, exp2_vector, 
                      paged_position, rope_value)
 from .config import AttentionConfig, RopeScaling
 from .decode_contract import check_config, decode_func
+from .kv_quant import read_kv
 from .schedules import DecodeSchedule, choose_decode_schedule
 from .softmax import (finalize_lse, finalize_scale, finished_l, prob, rescale_factor,
                       softmax_macros)
@@ -88,10 +89,12 @@ class _Dims:
     VL: int  # CPU: float lanes of the q . k partial sums (a power of two dividing EPL)
     ROW_LINES: int  # CPU: cache lines a K or V row spans (the prefetches per row)
     LINE_ELEMS: int  # CPU: elements per cache line
+    config: AttentionConfig  # for kv_quant.read_kv (FP8 pages: dequantized as they are read)
 
     @classmethod
     def of(cls, config: AttentionConfig, sched: DecodeSchedule) -> "_Dims":
         epl = config.head_dim // sched.lanes
+        page_bytes = 1 if config.kv_fp8 else config.elem_bytes
         return cls(
             gpu=config.is_gpu, dtype=config.dtype, ps=config.page_size, D=config.head_dim,
             Hq=config.num_qo_heads, Hkv=config.num_kv_heads, G=config.group_size,
@@ -100,8 +103,8 @@ class _Dims:
             EPL=epl, VEC=min(epl, 16 // config.elem_bytes) if config.is_gpu else epl,
             MAX_SPLITS=sched.max_splits, TARGET_BLOCKS=sched.target_blocks, MIN_SPLIT_KEYS=sched.min_split_keys,
             VL=next(v for v in (8, 4, 2, 1) if epl % v == 0),
-            ROW_LINES=ceildiv(config.head_dim * config.elem_bytes, CACHE_LINE_BYTES),
-            LINE_ELEMS=CACHE_LINE_BYTES // config.elem_bytes,
+            ROW_LINES=ceildiv(config.head_dim * page_bytes, CACHE_LINE_BYTES),
+            LINE_ELEMS=CACHE_LINE_BYTES // page_bytes, config=config,
         )
 
     @property
@@ -154,7 +157,9 @@ def _load_macros(dims: _Dims, L):
     prefetch_kv and prefetch_row (CPU): a step's K/V rows, or one K or V row, into L2."""
     dtype, ps, D, sliding, scaling = dims.dtype, dims.ps, dims.D, dims.sliding, dims.scaling
     ROWS, RPT, HB, EPL, VEC = dims.ROWS, dims.RPT, dims.HB, dims.EPL, dims.VEC
-    ROW_LINES, LINE_ELEMS = dims.ROW_LINES, dims.LINE_ELEMS
+    ROW_LINES, LINE_ELEMS, cfg = dims.ROW_LINES, dims.LINE_ELEMS, dims.config
+    # FP8 codes are widened element by element (CUDA has no vector lanes of that arithmetic)
+    kv_loop = L.unroll if cfg.kv_fp8 else L.vector
 
     @T.macro
     def load_q(q_, b_, h0_, tx_, q_pos_, rotate_, rope_scale_, rope_theta_, sm_scale_, q_loc_):
@@ -185,15 +190,17 @@ def _load_macros(dims: _Dims, L):
                 if rotate_:
                     for e in L.unroll(EPL):
                         k_loc_[r * EPL + e] = T.Cast(dtype, rope_value(
-                            lambda i: pages_[page_loc[r], 0, hkv_, slot_loc[r], i], tx_ * EPL + e,
+                            lambda i: read_kv(cfg, pages_, 0, hkv_, page_loc[r], slot_loc[r], i), tx_ * EPL + e,
                             k_pos_[b_] + j, D, rope_theta_, rope_scale_, scaling))
                 else:
                     for c in L.unroll(EPL // VEC):
-                        for e in L.vector(VEC):
-                            k_loc_[r * EPL + c * VEC + e] = pages_[page_loc[r], 0, hkv_, slot_loc[r], tx_ * EPL + c * VEC + e]
+                        for e in kv_loop(VEC):
+                            k_loc_[r * EPL + c * VEC + e] = read_kv(cfg, pages_, 0, hkv_, page_loc[r], slot_loc[r],
+                                                                    tx_ * EPL + c * VEC + e)
                 for c in L.unroll(EPL // VEC):
-                    for e in L.vector(VEC):
-                        v_loc_[r * EPL + c * VEC + e] = pages_[page_loc[r], 1, hkv_, slot_loc[r], tx_ * EPL + c * VEC + e]
+                    for e in kv_loop(VEC):
+                        v_loc_[r * EPL + c * VEC + e] = read_kv(cfg, pages_, 1, hkv_, page_loc[r], slot_loc[r],
+                                                                tx_ * EPL + c * VEC + e)
             else:
                 # Rows past the end get weight 0; zero them so 0 * garbage cannot make NaN.
                 for e in L.unroll(EPL):
@@ -205,12 +212,12 @@ def _load_macros(dims: _Dims, L):
         """CPU: ask for the K (kv_ = 0) or V (kv_ = 1) row j_ (if below j_end_) in L2
         (CPU_PREFETCH_LOCALITY), every cache line of it."""
         if j_ < j_end_:
+            # bound once with a window (a select over length_info), inline without one
+            pos = paged_position(j_, length_info_, b_, sliding) if sliding else T.meta_var(j_)
             for line in T.unroll(ROW_LINES):
                 T.evaluate(T.call_llvm_intrin(
                     "void", "llvm.prefetch.p0",
-                    T.address_of(pages_[indices_[page_begin_ + paged_position(j_, length_info_, b_, sliding) // ps],
-                                        kv_, hkv_, paged_position(j_, length_info_, b_, sliding) % ps,
-                                        line * LINE_ELEMS]),
+                    T.address_of(pages_[indices_[page_begin_ + pos // ps], kv_, hkv_, pos % ps, line * LINE_ELEMS]),
                     0, CPU_PREFETCH_LOCALITY, 1))
 
     @T.macro
@@ -366,8 +373,9 @@ def _attend_cpu_macro(dims: _Dims, L):
         return buf[T.ramp(at, 1, V)]
 
     def kv_row(pages_, kv, page, slot, hkv, c):
-        """Lanes c * V.. of the K (kv = 0) or V (kv = 1) row at (page, slot), as float32."""
-        return T.Cast(fv, pages_[page, kv, hkv, slot, T.ramp(c * V, 1, V)])
+        """Lanes c * V.. of the K (kv = 0) or V (kv = 1) row at (page, slot), as float32
+        (FP8 pages: dequantized in registers)."""
+        return read_kv(dims.config, pages_, kv, hkv, page, slot, T.ramp(c * V, 1, V), out_dtype="float32", lanes=V)
 
     def pair(buf, a, b, low, high):
         return T.Shuffle([lanes(buf, a), lanes(buf, b)], low) + T.Shuffle([lanes(buf, a), lanes(buf, b)], high)
@@ -432,9 +440,10 @@ def _attend_cpu_macro(dims: _Dims, L):
         load_q(q_, b_, h0, 0, q_pos_, False, rope_scale_, rope_theta_, sm_scale_, q_loc)
         for step in T.serial(ceildiv(j_end - j_begin, V)):
             for r in T.unroll(V):
-                page_loc[r] = indices_[page_begin + paged_position(
-                    T.min(j_begin + step * V + r, j_end - 1), length_info_, b_, sliding) // ps]
-                slot_loc[r] = paged_position(T.min(j_begin + step * V + r, j_end - 1), length_info_, b_, sliding) % ps
+                j = T.meta_var(T.min(j_begin + step * V + r, j_end - 1))
+                pos = paged_position(j, length_info_, b_, sliding) if sliding else T.meta_var(j)
+                page_loc[r] = indices_[page_begin + pos // ps]
+                slot_loc[r] = pos % ps
             for h in T.serial(HB):
                 for r in T.unroll(V):
                     part[T.ramp(r * V, 1, V)] = dot_partials(q_loc, h, pages_, page_loc[r], slot_loc[r], hkv)

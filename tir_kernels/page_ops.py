@@ -4,7 +4,9 @@ Every kernel moves rows of head_dim values in chunks of `CopySchedule.vector` el
 (16 bytes per access on CUDA, a whole row on CPU); one thread moves one chunk. A slot
 position `pos` of the pool means page `pos // page_size`, slot `pos % page_size`.
 The pool is `pages [num_pages, 2, Hkv, page_size, D]` (index 0 = K, 1 = V), matched without
-an element offset so that vector accesses stay provably aligned. Indices are written as
+an element offset so that vector accesses stay provably aligned. With an FP8 `kv_dtype` the pool
+holds codes: appending quantizes (kv_quant.write_kv), debug_get_kv dequantizes, the copies move
+codes, one element per step where a conversion runs (TVM's vectorizer has no FP8 lanes on CUDA). Indices are written as
 `c * VEC + e` with the chunk index `c` bound, never a bound `d0 = c * VEC`: TVM binds such
 variables through a local slot and then cannot prove `d0` aligned, and emits gathers.
 """
@@ -15,6 +17,7 @@ from tvm.script import tirx as T
 
 from .common import ceildiv, loop_kinds
 from .config import AttentionConfig
+from .kv_quant import read_kv, write_kv
 from .schedules import CopySchedule, choose_copy_schedule
 
 
@@ -34,13 +37,16 @@ def transpose_append(config: AttentionConfig, schedule: CopySchedule | None = No
 
     pages [P, 2, Hkv, page_size, D], k [n, Hkv, D], v [n, Hkv, D],
     append_position_map [n] i32 (slot position of token i; negative = skip token i).
+    FP8 pages store the code of x / scale (kv_quant: saturated, rounded to nearest even).
     """
     sched = _schedule(config, schedule)
     L = loop_kinds(config)
     dtype, ps, D, Hkv = config.dtype, config.page_size, config.head_dim, config.num_kv_heads
+    page_dtype = config.page_dtype
     VEC, NT = sched.vector, sched.threads
     CH = sched.chunks(D)
     ROW = Hkv * CH  # chunks per token
+    convert = L.unroll if config.kv_fp8 else L.vector
 
     @T.prim_func
     def tir_kv_cache_transpose_append(
@@ -53,7 +59,7 @@ def transpose_append(config: AttentionConfig, schedule: CopySchedule | None = No
         n = T.int32()
         num_pages = T.int64()
         map_offset = T.int32()
-        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype)
+        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), page_dtype)
         k = T.match_buffer(k_handle, (n, Hkv, D), dtype)
         v = T.match_buffer(v_handle, (n, Hkv, D), dtype)
         position_map = T.match_buffer(position_map_handle, (n,), "int32", elem_offset=map_offset)
@@ -65,10 +71,12 @@ def transpose_append(config: AttentionConfig, schedule: CopySchedule | None = No
                     c = (bx * NT + tx) % CH
                     pos = position_map[token]
                     if pos >= 0:
-                        for e in L.vector(VEC):
-                            pages[pos // ps, 0, h, pos % ps, c * VEC + e] = k[token, h, c * VEC + e]
-                        for e in L.vector(VEC):
-                            pages[pos // ps, 1, h, pos % ps, c * VEC + e] = v[token, h, c * VEC + e]
+                        for e in convert(VEC):
+                            pages[pos // ps, 0, h, pos % ps, c * VEC + e] = write_kv(config, pages, 0, h,
+                                                                                     k[token, h, c * VEC + e])
+                        for e in convert(VEC):
+                            pages[pos // ps, 1, h, pos % ps, c * VEC + e] = write_kv(config, pages, 1, h,
+                                                                                     v[token, h, c * VEC + e])
 
     return tir_kv_cache_transpose_append.with_attr("global_symbol", "tir_kv_cache_transpose_append")
 
@@ -80,7 +88,7 @@ def copy_single_page(config: AttentionConfig, schedule: CopySchedule | None = No
     """
     sched = _schedule(config, schedule)
     L = loop_kinds(config)
-    dtype, ps, D, Hkv = config.dtype, config.page_size, config.head_dim, config.num_kv_heads
+    dtype, ps, D, Hkv = config.page_dtype, config.page_size, config.head_dim, config.num_kv_heads
     VEC, CH = sched.vector, sched.chunks(D)
     ITEMS = 2 * Hkv * ps * CH  # chunks of a whole page: (kv, head, slot, chunk)
     NT = sched.threads_for(ITEMS)
@@ -121,7 +129,7 @@ def compact_copy(config: AttentionConfig, schedule: CopySchedule | None = None):
     """
     sched = _schedule(config, schedule)
     L = loop_kinds(config)
-    dtype, ps, D, Hkv = config.dtype, config.page_size, config.head_dim, config.num_kv_heads
+    dtype, ps, D, Hkv = config.page_dtype, config.page_size, config.head_dim, config.num_kv_heads
     VEC, CH = sched.vector, sched.chunks(D)
     ITEMS = 2 * Hkv * CH  # chunks of one token: (kv, head, chunk)
     NT = sched.threads_for(ITEMS)
@@ -166,17 +174,19 @@ def debug_get_kv(config: AttentionConfig, num_layers: int, schedule: CopySchedul
 
     Arguments: pages [P, 2, Hkv, page_size, D], position_map [len] i32,
     k [num_layers, len, Hkv, D], v [num_layers, len, Hkv, D], layer_id i64.
-    Writes k[layer_id, i] and v[layer_id, i] from slot position position_map[i]; other
-    layers are untouched.
+    Writes k[layer_id, i] and v[layer_id, i] from slot position position_map[i] (FP8 pages:
+    dequantized, code * scale, rounded to the dtype); other layers are untouched.
     """
     if not isinstance(num_layers, int) or num_layers <= 0:
         raise ValueError(f"num_layers={num_layers!r} is not supported: expected a positive integer")
     sched = _schedule(config, schedule)
     L = loop_kinds(config)
     dtype, ps, D, Hkv = config.dtype, config.page_size, config.head_dim, config.num_kv_heads
+    page_dtype = config.page_dtype
     VEC, NT = sched.vector, sched.threads
     CH = sched.chunks(D)
     ROW = Hkv * CH
+    convert = L.unroll if config.kv_fp8 else L.vector
 
     @T.prim_func
     def tir_kv_cache_debug_get_kv(
@@ -190,7 +200,7 @@ def debug_get_kv(config: AttentionConfig, num_layers: int, schedule: CopySchedul
         seq_len = T.int32()
         num_pages = T.int64()
         map_offset = T.int32()
-        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype)
+        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), page_dtype)
         position_map = T.match_buffer(position_map_handle, (seq_len,), "int32", elem_offset=map_offset)
         k = T.match_buffer(k_handle, (num_layers, seq_len, Hkv, D), dtype)
         v = T.match_buffer(v_handle, (num_layers, seq_len, Hkv, D), dtype)
@@ -201,9 +211,11 @@ def debug_get_kv(config: AttentionConfig, num_layers: int, schedule: CopySchedul
                     h = (bx * NT + tx) % ROW // CH
                     c = (bx * NT + tx) % CH
                     pos = position_map[token]
-                    for e in L.vector(VEC):
-                        k[layer_id, token, h, c * VEC + e] = pages[pos // ps, 0, h, pos % ps, c * VEC + e]
-                    for e in L.vector(VEC):
-                        v[layer_id, token, h, c * VEC + e] = pages[pos // ps, 1, h, pos % ps, c * VEC + e]
+                    for e in convert(VEC):
+                        k[layer_id, token, h, c * VEC + e] = read_kv(config, pages, 0, h, pos // ps, pos % ps,
+                                                                     c * VEC + e)
+                    for e in convert(VEC):
+                        v[layer_id, token, h, c * VEC + e] = read_kv(config, pages, 1, h, pos // ps, pos % ps,
+                                                                     c * VEC + e)
 
     return tir_kv_cache_debug_get_kv.with_attr("global_symbol", "tir_kv_cache_debug_get_kv")

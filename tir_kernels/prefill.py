@@ -25,6 +25,9 @@ _GENERATORS = {
     "prefill": (paged_prefill_simt, ragged_prefill_simt, tree_paged_prefill_simt, tree_ragged_prefill_simt),
 }
 PAGED, RAGGED, TREE_PAGED, TREE_RAGGED = range(4)
+# Why FP8 pages (config.kv_dtype) take the CUDA-core kernel: it dequantizes each element as it
+# stages K/V; the tensor-core kernels copy fp16/bf16 tiles with cp.async and have no FP8 path yet.
+FP8_TC_PROBLEM = "FP8 K/V pages are read by the CUDA-core kernel (the tensor-core prefills have no FP8 path)"
 
 
 def choose_prefill_kernel(config: AttentionConfig, schedule=None) -> KernelChoice:
@@ -33,11 +36,17 @@ def choose_prefill_kernel(config: AttentionConfig, schedule=None) -> KernelChoic
     MmaPrefillSchedule: prefill_sm80, PrefillSchedule: the CUDA-core one); without one, Hopper
     (sm_90) fp16/bf16 configs get the wgmma kernel, sm_80..sm_89 ones (and Hopper ones whose head
     dims wgmma does not tile, e.g. 80) the mma.sync kernel; float32, older archs and the CPU the
-    CUDA-core kernel."""
+    CUDA-core kernel. FP8 pages (config.kv_dtype) are read by the CUDA-core kernel
+    (FP8_TC_PROBLEM); the ragged forms read no pages and choose as for the dtype's pages."""
     if schedule is not None:
+        if isinstance(schedule, (WgmmaPrefillSchedule, MmaPrefillSchedule)) and config.kv_fp8:
+            raise ValueError(f"kv_dtype={config.kv_dtype!r} is not supported by {type(schedule).__name__}:"
+                             " expected a PrefillSchedule (the CUDA-core kernel)")
         if isinstance(schedule, WgmmaPrefillSchedule):
             return KernelChoice("prefill_sm90")
         return KernelChoice("prefill_sm80" if isinstance(schedule, MmaPrefillSchedule) else "prefill")
+    if config.kv_fp8:
+        return KernelChoice("prefill", FP8_TC_PROBLEM)
     wgmma = wgmma_problem(config)
     if wgmma is None:
         return KernelChoice("prefill_sm90")
@@ -49,6 +58,11 @@ def choose_prefill_kernel(config: AttentionConfig, schedule=None) -> KernelChoic
 
 def _generator(config: AttentionConfig, schedule, form: int):
     return _GENERATORS[choose_prefill_kernel(config, schedule).kernel][form]
+
+
+def _pageless(config: AttentionConfig) -> AttentionConfig:
+    """The config of a ragged form: it reads K/V from its arguments, never from FP8 pages."""
+    return config.replace(kv_dtype="") if config.kv_fp8 else config
 
 
 def paged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = None):
@@ -77,6 +91,7 @@ def ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule | None = N
     Key j of request b is row kv_indptr[b] + j, at RoPE position k_rope_pos_offset[b] + j.
     fp16/bf16 configs on sm_80 and newer get a tensor-core kernel as in `paged_prefill`.
     """
+    config = _pageless(config)
     return _generator(config, schedule, RAGGED)(config, schedule)
 
 
@@ -100,4 +115,5 @@ def tree_mask_ragged_prefill(config: AttentionConfig, schedule: PrefillSchedule 
     """Token-tree attention over ragged K/V (the tree's own nodes as keys): TVM's
     `batch_tree_attn` arguments (see prefill_contract.tree_ragged_prefill_func); a query node
     sees its ancestors and itself (masks.TreeMask). Tensor cores as in `tree_mask_paged_prefill`."""
+    config = _pageless(config)
     return _generator(config, schedule, TREE_RAGGED)(config, schedule)

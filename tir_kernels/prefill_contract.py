@@ -71,7 +71,7 @@ def paged_prefill_func(config: AttentionConfig, kernel, *, rope_on_host: bool = 
         Q = T.match_buffer(q_handle, (total_q, Hq, D), dtype, align=align)
         qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
         # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment and gathers.
-        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype, align=align)
+        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), config.page_dtype, align=align)
         page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_offset)
         page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=page_indices_offset)
         length_info = T.match_buffer(length_info_handle, length_info_shape(B, sliding), "int32",
@@ -199,7 +199,7 @@ def tree_paged_prefill_func(config: AttentionConfig, kernel):
         mask_offset = T.int32()
         Q = T.match_buffer(q_handle, (total_q, Hq, D), dtype)
         qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
-        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype)
+        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), config.page_dtype)
         page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_offset)
         page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=page_indices_offset)
         length_info = T.match_buffer(length_info_handle, (B,), "int32", elem_offset=length_offset)

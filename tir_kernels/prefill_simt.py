@@ -65,6 +65,7 @@ from .schedules import (
     PrefillSchedule,
     choose_prefill_schedule,
 )
+from .kv_quant import read_kv
 from .simt_tile import find_tile_macro, gemm_macros, load_macros, out_col, tile_softmax_macros
 
 
@@ -101,6 +102,7 @@ class _Tiling:
     PS: int
     OC: int  # output columns per thread
     shared: str  # scope of the tiles: "shared.dyn" on CUDA
+    KV_FP8: bool = False  # the pages hold FP8 codes (kv_quant), staged element by element
 
     @classmethod
     def of(cls, config: AttentionConfig, sched: PrefillSchedule) -> "_Tiling":
@@ -111,7 +113,7 @@ class _Tiling:
             TN=sched.cols_per_thread, BQ=sched.tile_q, BK=BK, NT=sched.num_threads,
             VEC=CUDA_VECTOR_BYTES // config.elem_bytes, QS=D_QK + PREFILL_ROW_PAD, KS=D_QK + PREFILL_ROW_PAD,
             VS=D_V + PREFILL_ROW_PAD, PS=BK + PREFILL_P_ROW_PAD, OC=D_V // sched.threads_x,
-            shared="shared.dyn" if config.is_gpu else CPU_SCRATCH_SCOPE,
+            shared="shared.dyn" if config.is_gpu else CPU_SCRATCH_SCOPE, KV_FP8=config.kv_fp8,
         )
 
     def row_tiles(self, qo_indptr, b):
@@ -268,8 +270,8 @@ def paged_kernel(config: AttentionConfig, sched: PrefillSchedule):
                         # A key's handle is its slot in the page pool: page id * page_size + offset.
                         lambda j: page_indices_[page0 + paged_position(j, length_info_, b, sliding) // ps] * ps
                         + paged_position(j, length_info_, b, sliding) % ps,
-                        lambda slot, d: pages_[slot // ps, 0, hkv, slot % ps, d],
-                        lambda slot, d: pages_[slot // ps, 1, hkv, slot % ps, d],
+                        lambda slot, d: read_kv(config, pages_, 0, hkv, slot // ps, slot % ps, d),
+                        lambda slot, d: read_kv(config, pages_, 1, hkv, slot // ps, slot % ps, d),
                         k_pos_[b],
                         lambda p, d, val: T.buffer_store(O_, T.Cast(dtype, val), [q0 + p // G, hkv * G + p % G, d]),
                         lambda p, val: T.buffer_store(lse_, val, [q0 + p // G, hkv * G + p % G]),

@@ -17,6 +17,7 @@ from tvm.script import tirx as T
 
 from .common import loop_kinds, rope_angle, rope_rotate, rope_value
 from .config import AttentionConfig
+from .kv_quant import write_kv
 from .page_ops import num_blocks
 from .schedules import CopySchedule, choose_copy_schedule
 
@@ -35,8 +36,11 @@ def _setup(config: AttentionConfig, schedule: CopySchedule | None, generator: st
     return D, config.num_qo_heads, config.num_kv_heads, config.dtype, sched, loop_kinds(config)
 
 
-def _rotate_or_copy_macro(config: AttentionConfig, sched: CopySchedule, L):
+def _rotate_or_copy_macro(config: AttentionConfig, sched: CopySchedule, L, vector_store: bool = True):
+    """rotate_or_copy; vector_store=False stores element by element (a store that quantizes to
+    FP8: TVM's CUDA vectorizer has no lanes of its integer arithmetic)."""
     D, dtype, VEC = config.head_dim, config.dtype, sched.vector
+    store_loop = L.vector if vector_store else L.unroll
     theta, scale, scaling = T.float32(config.rope_theta), T.float32(config.rope_scale), config.rope_scaling
 
     @T.macro
@@ -49,7 +53,7 @@ def _rotate_or_copy_macro(config: AttentionConfig, sched: CopySchedule, L):
         else:
             for e in L.vector(VEC):
                 buf[e] = qkv_[s_, h_, c_ * VEC + e]
-        for e in L.vector(VEC):
+        for e in store_loop(VEC):
             store_(e, buf[e])
 
     return rotate_or_copy
@@ -169,12 +173,15 @@ def split_rotary_append(config: AttentionConfig, schedule: CopySchedule | None =
     qkv [n, Hq + 2*Hkv, D], q_rope_position_map [n] i32, q [n, Hq, D],
     pages [P, 2, Hkv, page_size, D], append_position_map [n] i32 (slot of token i; negative:
     its k and v are not stored), apply_rope i64 (> 0: rotate q and k).
+    FP8 pages (config.kv_dtype) store the code of the (rotated) value / scale (kv_quant.write_kv).
     """
     D, Hq, Hkv, dtype, sched, L = _setup(config, schedule, "split_rotary_append")
     VEC, CH, NT, ps = sched.vector, sched.chunks(D), sched.threads, config.page_size
     H = Hq + 2 * Hkv
     ROW = H * CH  # chunks per token
     rotate_or_copy = _rotate_or_copy_macro(config, sched, L)
+    rotate_or_copy_k = _rotate_or_copy_macro(config, sched, L, vector_store=not config.kv_fp8)
+    v_loop = L.unroll if config.kv_fp8 else L.vector
     cpu_tokens = _cpu_tokens_macro(config)
 
     def slot_of(slot, kv, h, d):
@@ -198,12 +205,14 @@ def split_rotary_append(config: AttentionConfig, schedule: CopySchedule | None =
         qkv = T.match_buffer(qkv_handle, (n, H, D), dtype)
         position_map = T.match_buffer(q_rope_position_map_handle, (n,), "int32", elem_offset=pos_offset)
         q = T.match_buffer(q_handle, (n, Hq, D), dtype)
-        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), dtype)
+        pages = T.match_buffer(pages_handle, (num_pages, 2, Hkv, ps, D), config.page_dtype)
         append_map = T.match_buffer(append_position_map_handle, (n,), "int32", elem_offset=map_offset)
         if not L.gpu:
             cpu_tokens(n, qkv, position_map, apply_rope > 0, lambda s, h, d, val: T.buffer_store(q, val, [s, h, d]),
-                       lambda s, h, d, val: T.buffer_store(pages, val, slot_of(append_map[s], 0, h, d)),
-                       lambda s, h, d, val: T.buffer_store(pages, val, slot_of(append_map[s], 1, h, d)),
+                       lambda s, h, d, val: T.buffer_store(pages, write_kv(config, pages, 0, h, val),
+                                                           slot_of(append_map[s], 0, h, d)),
+                       lambda s, h, d, val: T.buffer_store(pages, write_kv(config, pages, 1, h, val),
+                                                           slot_of(append_map[s], 1, h, d)),
                        lambda s: append_map[s] >= 0)
         else:
             for bx in L.block(num_blocks(n * ROW, NT), "x", outer=True):
@@ -218,11 +227,13 @@ def split_rotary_append(config: AttentionConfig, schedule: CopySchedule | None =
                                            qkv, s, h, c, position_map[s], apply_rope > 0)
                         elif h < Hq + Hkv:
                             if slot >= 0:
-                                rotate_or_copy(lambda e, val: T.buffer_store(
-                                    pages, val, [slot // ps, 0, h - Hq, slot % ps, c * VEC + e]),
+                                rotate_or_copy_k(lambda e, val: T.buffer_store(
+                                    pages, write_kv(config, pages, 0, h - Hq, val),
+                                    [slot // ps, 0, h - Hq, slot % ps, c * VEC + e]),
                                     qkv, s, h, c, position_map[s], apply_rope > 0)
                         elif slot >= 0:
-                            for e in L.vector(VEC):
-                                pages[slot // ps, 1, h - Hq - Hkv, slot % ps, c * VEC + e] = qkv[s, h, c * VEC + e]
+                            for e in v_loop(VEC):
+                                pages[slot // ps, 1, h - Hq - Hkv, slot % ps, c * VEC + e] = write_kv(
+                                    config, pages, 1, h - Hq - Hkv, qkv[s, h, c * VEC + e])
 
     return tir_split_rotary_append.with_attr("global_symbol", "tir_split_rotary_append")

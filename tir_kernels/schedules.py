@@ -256,6 +256,8 @@ class TensorCoreDecodeSchedule:
         _require(config.head_dim % 16 == 0 and config.v_head_dim == config.head_dim,
                  f"head_dim={config.head_dim}, v_head_dim={config.v_head_dim}: the tensor-core decode needs equal"
                  " head dims, a multiple of 16")
+        problem = tc_rope_pass_problem(config, self)
+        _require(problem is None, problem or "")
         _require(self.threads_per_row == 0 or (config.head_dim // 8) % self.threads_per_row == 0,
                  f"threads_per_row={self.threads_per_row} must divide the {config.head_dim // 8} 16-byte chunks of a"
                  f" row at head_dim={config.head_dim}")
@@ -271,9 +273,29 @@ class TensorCoreDecodeSchedule:
                  f" memory, {config.cuda_arch} has {limit}")
 
 
+def tc_rope_pass_problem(config: AttentionConfig, sched: TensorCoreDecodeSchedule) -> str | None:
+    """Why the tensor-core decode's inline RoPE cannot rotate sched's K tiles at config's head
+    dim, or None. A pass of the block's threads rotates whole rows in shared memory: thread t
+    takes the rotate-half pair t % P of 16-byte chunks (d.., d + D/2..) of row t // P, where
+    P = head_dim / 16 pairs make a row; so P must divide the threads (a thread left over would
+    rotate a row of the next pass a second time) and the rows of a pass the tile (the angles
+    advance by whole passes from tile to tile). With 4 warps of 16 keys that leaves head dims
+    32, 64, 128 and 256: 80 or 96, for example, make 5 or 6 pairs, which divide no 128 threads."""
+    pairs = config.head_dim // 16
+    rows = sched.num_threads // pairs if pairs else 0
+    if pairs and sched.num_threads % pairs == 0 and sched.tile_kv % rows == 0:
+        return None
+    return (f"head_dim={config.head_dim}: the tensor-core decode's inline RoPE rotates a K tile of {sched.tile_kv} keys"
+            f" in passes of whole rows, its {sched.num_threads} threads over the {pairs} rotate-half chunk pairs of a"
+            f" row; that needs {pairs} to divide {sched.num_threads} and the rows of a pass to divide"
+            f" {sched.tile_kv} (head dims 32, 64, 128 and 256 at warps=4, keys_per_warp=16)")
+
+
 def tc_decode_problem(config: AttentionConfig) -> str | None:
     """Why `paged_decode` does not serve `config` on tensor cores by default, or None where it
-    does (see TensorCoreDecodeSchedule.check; groups below TC_DECODE_MIN_GROUP run on CUDA cores)."""
+    does (see TensorCoreDecodeSchedule.check; groups below TC_DECODE_MIN_GROUP run on CUDA cores;
+    head dims whose rows the inline RoPE cannot rotate in whole passes, `tc_rope_pass_problem`,
+    on the CUDA-core kernel)."""
     if not config.is_gpu or config.sm_version < TC_DECODE_MIN_ARCH:
         return f"target={config.target!r} (the tensor-core decode needs CUDA sm_{TC_DECODE_MIN_ARCH} or newer)"
     if config.dtype not in TC_DECODE_DTYPES:
@@ -284,7 +306,7 @@ def tc_decode_problem(config: AttentionConfig) -> str | None:
     if config.head_dim % 16 or config.v_head_dim != config.head_dim or config.head_dim > 256:
         return (f"head_dim={config.head_dim}, v_head_dim={config.v_head_dim} (the tensor-core decode needs equal"
                 " head dims, multiples of 16 up to 256)")
-    return None
+    return tc_rope_pass_problem(config, choose_tc_decode_schedule(config))
 
 
 def tc_decode_applies(config: AttentionConfig) -> bool:

@@ -166,6 +166,9 @@ def load_macros(dims, L):
     dtype, scaling, D_QK, QS = dims.dtype, dims.scaling, dims.D_QK, dims.QS
     BQ, BK, NT, VEC = dims.BQ, dims.BK, dims.NT, dims.VEC
     chunks, load_iters = dims.chunks, dims.load_iters
+    # K/V staged element by element where they are FP8 codes (dims.KV_FP8: widened in TIR
+    # arithmetic that CUDA has no vector lanes of)
+    kv_loop = L.unroll if getattr(dims, "KV_FP8", False) else L.vector
 
     @T.macro
     def store_fp32(dst_, base_, src_, src_base_, scale_):
@@ -213,7 +216,7 @@ def load_macros(dims, L):
                         stage_[it * VEC + e] = T.Cast(dtype, rope_value(
                             lambda i: at_(row[0], i), c0 + e, pos_base_ + j, width_, rope_theta_, rope_scale_, scaling))
                 else:
-                    for e in L.vector(VEC):
+                    for e in kv_loop(VEC):
                         stage_[it * VEC + e] = at_(row[0], c0 + e)
             else:
                 for e in L.vector(VEC):

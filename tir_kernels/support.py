@@ -27,6 +27,11 @@ WGMMA_ARCHS = ("sm_90", "sm_90a")  # wgmma, setmaxnreg and mbarrier rings: Hoppe
 PDL_MIN_SM = 90  # griddepcontrol (programmatic dependent launch): sm_90 and newer
 TARGET_KINDS = ("llvm", "cuda")
 TARGET_CHOICES = ("auto", "llvm", "cuda")  # plus "cuda:sm_XY"
+# The FP8 formats a KV cache may store (pages of 1-byte codes, dequantized with a float32 scale
+# per layer, K/V and KV head; tir_kernels.kv_quant), each with its largest finite value.
+FP8_KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+KV_DTYPES = DTYPES + FP8_KV_DTYPES
 MAX_HEAD_DIM = 256
 MAX_PAGE_SIZE = 128
 # The arch of a CUDA build when the target names none and no GPU is present to ask (the project's
@@ -44,14 +49,24 @@ def page_size_problem(value) -> str | None:
 
 
 def numpy_dtype(name: str):
-    """The numpy dtype of a dtype name ("bfloat16" is ml_dtypes' bfloat16)."""
+    """The numpy dtype of a dtype name ("bfloat16" and the FP8 formats are ml_dtypes')."""
     import numpy as np
 
-    if name == "bfloat16":
+    if name == "bfloat16" or name in FP8_KV_DTYPES:
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
+
+
+def kv_dtype_problem(value) -> str | None:
+    """None when `value` is a supported KV cache (page) dtype, else what was expected."""
+    return None if value in KV_DTYPES else f"one of {KV_DTYPES}"
+
+
+def is_fp8(dtype) -> bool:
+    """Whether a dtype name is one of the FP8 KV formats."""
+    return dtype in FP8_KV_DTYPES
 
 
 def dtype_problem(value) -> str | None:
@@ -169,6 +184,9 @@ _ALL_CUDA = 0  # min_sm of a kernel that runs on every CUDA arch
 CAPABILITIES = {
     "decode": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA, notes="v_head_dim = head_dim (CUDA cores)"),
     "decode_tc": Capability(TENSOR_CORE_DTYPES, cpu=False, min_sm=MMA_MIN_SM,
+                            head_dims="32, 64, 128 and 256 (its inline RoPE rotates whole K rows per pass of the"
+                                      " block's threads: schedules.tc_rope_pass_problem; 80, 96 and the other"
+                                      " multiples of 16 run the CUDA-core decode)",
                             notes="v_head_dim = head_dim; GQA groups up to 16 (chosen by default for 4..16);"
                                   f" dependent launch from sm_{PDL_MIN_SM}"),
     "prefill": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA,
@@ -188,6 +206,9 @@ CAPABILITIES = {
     "rotary": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA),
     "page_ops": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA),
     "mla_page_ops": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA),
+    "sampling": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA, head_dims="none (logits [rows, vocab])",
+                           page_sizes="none", notes="dtype: the logits' (float32 arithmetic); any vocabulary"
+                           " (262,144 tested); one block per row on CUDA"),
 }
 
 

@@ -13,6 +13,16 @@ The order of operations on a row of logits (float64):
    (the smallest set of most likely tokens whose probability reaches top_p), renormalized, and
    one draw from the request's own generator (`seed`: reproducible per request whatever the
    batch it runs in).
+
+This is the one sampler contract; the device sampler (tvmattn.device_sampling.DeviceSampler,
+kernels in tir_kernels.sampling) implements it too, on the requests' own `Sampler`s:
+- the kept set after top-k / top-p is a prefix of the tokens in decreasing probability, equal
+  ones by increasing id (numpy's stable argsort), so ties at the cut keep the lowest ids;
+- the draw is one `rng.random()` u per sampled token and the first token, in id order, whose
+  cumulative probability exceeds u (what `Generator.choice(p=...)` does), so the device gives the
+  host's tokens for a seed up to float32 rounding at a boundary (it computes in float32; its
+  top-p comparison has a relative slack of 1e-6 instead of 1e-12);
+- rows with a mask or logprobs, or a vocabulary smaller than the logits', are chosen here.
 """
 
 from __future__ import annotations

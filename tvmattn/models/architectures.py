@@ -60,6 +60,10 @@ def cache_spec(config: AnyModelConfig, options) -> Any:
     if isinstance(config, DeepseekV2Config):
         from .deepseek import cache_spec as mla_cache_spec
 
+        if options.kv_dtype:
+            raise ValueError(f"kv_dtype={options.kv_dtype!r} is not supported for MLA (DeepSeek) caches: expected"
+                             " the dtype")
+
         return mla_cache_spec(config, options.dtype, options.target, options.page_size)
     from .gemma3 import Gemma3Config
     from .kv_cache import KVCacheSpec
@@ -69,13 +73,14 @@ def cache_spec(config: AnyModelConfig, options) -> Any:
             num_layers=config.num_hidden_layers, num_qo_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=options.dtype,
             target=options.target, page_size=options.page_size, rope_theta=config.rope_theta,
-            sliding_window=config.sliding_window, sliding_layers=config.sliding_layers, rope_mode="none")
+            sliding_window=config.sliding_window, sliding_layers=config.sliding_layers, kv_dtype=options.kv_dtype,
+            rope_mode="none")
     return KVCacheSpec(
         num_layers=config.num_hidden_layers, num_qo_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=options.dtype,
         target=options.target, page_size=options.page_size, rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling, sliding_window=config.sliding_window,
-        sliding_layers=config.sliding_layers,
+        sliding_layers=config.sliding_layers, kv_dtype=options.kv_dtype,
     )
 
 

@@ -16,6 +16,11 @@ Exported functions (`vm[name]`):
    speculative decoding
 - `create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
    support_sliding_window) -> cache` (ShapeTuple([value]) each, as MLC-LLM passes them)
+- `sample(logits [rows, vocab] f32, params [rows, 4] f32) -> tokens [rows] int32`: one token per
+   row on the device (tir_kernels.sampling; params[r] = (u, temperature, top_k, top_p)), so the
+   host reads back token ids, not logits (tvmattn.device_sampling.DeviceSampler calls it)
+- `apply_penalties(logits [rows, vocab] f32, token_ids [rows, m] int32, amounts [rows, m] f32)
+   -> logits`: subtracts each amount from its row's logit in place (token_ids -1: none), before `sample`
 - `_metadata() -> str` (JSON: see `metadata`)
 `params` is the list of weights in the order of metadata["params"], each of its shape and dtype
 (`pack_params` makes it from HF-named tensors). The host drives the cache with
@@ -36,7 +41,8 @@ from tvm import relax
 
 from tir_kernels import tvm_target
 from tir_kernels.build import PIPELINE
-from tir_kernels.support import TargetName, dtype_problem, numpy_dtype, page_size_problem
+from tir_kernels.sampling import SamplingConfig, apply_penalties, sample_tokens
+from tir_kernels.support import FP8_KV_DTYPES, TargetName, dtype_problem, is_fp8, numpy_dtype, page_size_problem
 
 from ..compiler.pipeline import relax_pipeline
 from ..quant.linear import dequantized, packed_part, split_part_name
@@ -46,6 +52,8 @@ from .config import AnyModelConfig, model_config_from_dict
 from .kv_cache import KV_CACHE_KINDS, KVCacheSpec, attention_backend_record
 
 METADATA_FUNCTION = "_metadata"
+# exported by every library beside its architecture's functions (model-independent: they take logits)
+SAMPLING_FUNCTIONS = ("sample", "apply_penalties")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +70,7 @@ class BuildOptions:
     page_size: int = 16
     kv_cache: str = "tvmattn"
     weight_formats: tuple[tuple[str, str], ...] = ()
+    kv_dtype: str = ""  # the KV pages' element type: "" (dtype) or an FP8 format
     max_batch_size: int = 4  # the most sequences of one decode_step (its storage is planned for it)
     small_batch_matmul: bool = True  # CUDA: compiler.pipeline.SmallBatchMatmul for decode_step's projections
     # llvm with weight_formats: compile with the host's AVX-512 (compiler.targets.host_target), for
@@ -81,6 +90,11 @@ class BuildOptions:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported: expected {expected}")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache={self.kv_cache!r} is not supported: expected one of {KV_CACHE_KINDS}")
+        if self.kv_dtype in (self.dtype,):
+            object.__setattr__(self, "kv_dtype", "")
+        if self.kv_dtype and (not is_fp8(self.kv_dtype) or self.kv_cache != "tvmattn"):
+            raise ValueError(f"kv_dtype={self.kv_dtype!r} is not supported: expected the dtype or one of "
+                             f"{FP8_KV_DTYPES} (FP8 pages: tvmattn's cache only)")
         TargetName.parse(self.target)
         if self.weight_formats:
             from ..weights.quant import QUANT_TYPES
@@ -129,7 +143,7 @@ def metadata(config: AnyModelConfig, options: BuildOptions, params: list[tuple[s
         "params": [{"name": name, "shape": [int(d) for d in p.shape], "dtype": str(p.dtype)} for name, p in params],
         "kv_cache": {"kind": options.kv_cache, **spec.to_dict(), "attention_backend": attention_backend_record(spec)},
         "build_options": dataclasses.asdict(options),
-        "functions": list(architecture(config).functions),
+        "functions": list(architecture(config).functions) + list(SAMPLING_FUNCTIONS),
         "param_mode": "packed",
     }
 
@@ -139,6 +153,37 @@ def _attach_metadata(mod: tvm.IRModule, document: dict[str, Any]) -> tvm.IRModul
     with bb.function(METADATA_FUNCTION, params=[]):
         bb.emit_func_output(tvm.ir.StringImm(json.dumps(document)))
     mod[METADATA_FUNCTION] = bb.finalize()[METADATA_FUNCTION]
+    return mod
+
+
+def sampling_module(target: str) -> tvm.IRModule:
+    """The Relax functions `sample` and `apply_penalties` (module docstring) over float32 logits
+    of any shape [rows, vocab], for `target` (a target string), with their kernels
+    (tir_kernels.sampling). Functions of their own rather than fused into the logits' producers:
+    every function that makes logits (decode_step, batch_decode, batch_prefill, ...) keeps its
+    signature, the logits stay on the device for the rows the host samples (grammar masks,
+    logprobs), and the caller passes the logits tensor it got, so only the ids come back."""
+    config = SamplingConfig("float32", target)
+    rows, vocab, count = (tvm.tirx.Var(name, "int64") for name in ("rows", "vocab", "count"))
+    bb = relax.BlockBuilder()
+    logits = relax.Var("logits", relax.TensorType((rows, vocab), "float32"))
+    params = relax.Var("params", relax.TensorType((rows, 4), "float32"))
+    with bb.function("sample", [logits, params]):
+        kernel = bb.add_func(sample_tokens(config).with_attr("tirx.is_scheduled", True), "tvmattn_sample")
+        bb.emit_func_output(bb.emit(relax.call_tir(kernel, [logits, params], relax.TensorType((rows,), "int32"))))
+    logits = relax.Var("logits", relax.TensorType((rows, vocab), "float32"))
+    ids = relax.Var("token_ids", relax.TensorType((rows, count), "int32"))
+    amounts = relax.Var("amounts", relax.TensorType((rows, count), "float32"))
+    with bb.function("apply_penalties", [logits, ids, amounts]):
+        kernel = bb.add_func(apply_penalties(config).with_attr("tirx.is_scheduled", True), "tvmattn_apply_penalties")
+        bb.emit_func_output(bb.emit(relax.call_tir_inplace(kernel, [logits, ids, amounts], [0],
+                                                           relax.TensorType((rows, vocab), "float32"))))
+    return bb.finalize()
+
+
+def _attach_sampling(mod: tvm.IRModule, options: BuildOptions) -> tvm.IRModule:
+    for gv, func in sampling_module(options.target).functions.items():
+        mod[gv] = func
     return mod
 
 
@@ -157,7 +202,7 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
     expected = list(arch.parameter_sources(config, formats))
     if [name for name, _ in params] != expected:
         raise AssertionError(f"model parameters {[n for n, _ in params]} differ from the HF map {expected}")
-    return _attach_metadata(mod, document), document
+    return _attach_metadata(_attach_sampling(mod, options), document), document
 
 
 def compile_module(mod: tvm.IRModule, options: BuildOptions) -> relax.VMExecutable:

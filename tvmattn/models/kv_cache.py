@@ -105,6 +105,7 @@ class KVCacheSpec:
     rope_scaling: RopeScaling | None = None
     sliding_window: int = 0
     sliding_layers: tuple[bool, ...] = ()
+    kv_dtype: str = ""  # the pages' element type: "" (dtype) or an FP8 format (tir_kernels.kv_quant)
     rope_mode: str = "normal"
 
     def __post_init__(self):
@@ -131,6 +132,7 @@ class KVCacheSpec:
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             dtype=self.dtype, page_size=self.page_size, target=self.target, sliding_window=sliding_window,
             rope_theta=self.rope_theta, rope_scale=self.rope_scale, rope_scaling=self.rope_scaling,
+            kv_dtype=self.kv_dtype,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,10 +197,12 @@ def _flashinfer_specs(spec: KVCacheSpec) -> dict[str, rx.Expr]:
 
 def _extensions(spec: KVCacheSpec) -> rx.Tuple:
     """The create call's 29th argument: tvmattn's own kernels beyond TVM's contract
-    (runtime/ffi.py extension_slots): split_rotary_append, one launch per layer fewer in decode."""
+    (runtime/ffi.py extension_slots): split_rotary_append, one launch per layer fewer in decode;
+    and, for FP8 pages, the option ("kv_dtype", format) (TVM's create call has no page dtype)."""
     func = tir_kernels.split_rotary_append(spec.attention_config(False))
+    options = [tvm.ir.StringImm("kv_dtype"), tvm.ir.StringImm(spec.kv_dtype)] if spec.kv_dtype else []
     return rx.Tuple([tvm.ir.StringImm(EXTENSIONS_TAG), tvm.ir.StringImm("split_rotary_append"),
-                     _kernel(func, "tvmattn_split_rotary_append")])
+                     _kernel(func, "tvmattn_split_rotary_append"), *options])
 
 
 def _library_kernels(spec: KVCacheSpec) -> dict[str, rx.Expr]:

@@ -47,6 +47,8 @@ def why_not(options, target: str) -> str | None:
 def cache_problem(options) -> str | None:
     """Why FlashInfer's modules (built without RoPE, no windows) give wrong results in a cache of
     `options` whatever the device (None: they do not)."""
+    if getattr(options, "kv_fp8", False):
+        return f"kv_dtype={options.kv_dtype!r} (FlashInfer's modules here read fp16/bf16 pages)"
     if options.support_sliding_window:
         return "the cache supports sliding windows (FlashInfer's modules here have no window/sink offsets)"
     if options.effective_rope_mode == RopeMode.INLINE:

@@ -48,15 +48,16 @@ import tvm
 import tvm_ffi
 
 from tir_kernels import AttentionConfig, RopeScaling
-from tir_kernels.support import cuda_arch_of, dtype_problem, numpy_dtype, page_size_problem
+from tir_kernels.support import (FP8_KV_DTYPES, cuda_arch_of, dtype_problem, is_fp8, kv_dtype_problem, numpy_dtype,
+                                 page_size_problem)
 
 from .backend_choice import attention_kernels
 from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPrefill, RaggedPrefillTreeMask,
                        RopeMode, backend_from_spec, bind_workspace)
 from .errors import KVCacheError, as_tensor, check, check_finite, check_int, check_tensor
-from .forward import Kernels, Rope, Step, Workspace, fused_qkv_check
+from .forward import Kernels, Rope, Step, Workspace
 from .graphs import empty_decode_plan, graph_layout, layout_end, pad_decode_plan
-from .kernels import Deferred, KernelSet, default_kernels, paged_slots
+from .kernels import DecodeByShape, Deferred, KernelSet, default_kernels, paged_slots
 from .kinds import AttnKind, parse_attn_kinds
 from .mla import MLAStep, check_mla_kernels, merge_for, mla_config, mla_kernel_set, ragged_for
 from .pages import PageAllocator
@@ -89,6 +90,7 @@ class CacheOptions:
     support_sliding_window: bool = False
     attn_kinds: tuple | None = None  # per layer AttnKind (None, or one kind: every layer)
     layer_sliding_window_size: int = 1024  # the window of MHA_SLIDING layers
+    kv_dtype: str = ""  # the pages' element type ("" or dtype: the dtype; or an FP8 format)
 
     def __post_init__(self):
         for name in ("num_layers", "num_qo_heads", "num_kv_heads", "qk_head_dim", "max_num_sequences",
@@ -115,6 +117,14 @@ class CacheOptions:
         for name, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
             expected = problem(getattr(self, name))
             check(expected is None, f"{name} must be {expected}, got {getattr(self, name)!r}")
+        if self.kv_dtype in (None, "", self.dtype):
+            object.__setattr__(self, "kv_dtype", "")
+        else:
+            problem = kv_dtype_problem(self.kv_dtype)
+            check(problem is None and is_fp8(self.kv_dtype),
+                  f"kv_dtype must be {self.dtype!r} (the dtype) or an FP8 format {FP8_KV_DTYPES}, got {self.kv_dtype!r}")
+            check(not self.is_mla, f"kv_dtype={self.kv_dtype!r}: FP8 pages are not supported for MLA layers "
+                  "(expected the dtype)")
         object.__setattr__(self, "rope_mode", RopeMode.parse(self.rope_mode).name.lower())
         for name in ("rope_scale", "rope_theta"):
             check(float(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)!r}")
@@ -142,6 +152,22 @@ class CacheOptions:
         return self.support_sliding_window and not self.has_layer_windows
 
     @property
+    def kv_fp8(self) -> bool:
+        """The pages hold FP8 codes (tir_kernels.kv_quant); each layer's pool has one page more,
+        its last, holding the layer's scales."""
+        return is_fp8(self.kv_dtype)
+
+    @property
+    def page_dtype(self) -> str:
+        """The element type of the pages."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages of each layer's pool: num_pages, plus the scale page of FP8 pools."""
+        return self.num_pages + (1 if self.kv_fp8 else 0)
+
+    @property
     def num_pages(self) -> int:
         """Pages per layer, as TVM sizes them: enough for max_total_seq_len tokens plus one,
         plus two per sequence with sliding windows (partly emptied pages)."""
@@ -158,9 +184,40 @@ class CacheOptions:
             return AttentionConfig(self.num_qo_heads, self.num_kv_heads, self.qk_head_dim, self.v_head_dim,
                                    dtype=self.dtype, page_size=self.page_size, target=target,
                                    rope_theta=self.rope_theta, rope_scale=self.rope_scale,
-                                   rope_scaling=self.rope_scaling)
+                                   rope_scaling=self.rope_scaling, kv_dtype=self.kv_dtype)
         except ValueError as error:
             raise KVCacheError(f"no kernels for this cache configuration: {error}") from None
+
+
+def check_kv_scales(options: CacheOptions, scales) -> np.ndarray:
+    """FP8 scales as float32 [num_layers, 2, num_kv_heads] (broadcast from `scales`); each finite
+    and positive (KVCacheError naming kv_scales otherwise)."""
+    shape = (options.num_layers, 2, options.num_kv_heads)
+    try:
+        array = np.broadcast_to(np.asarray(scales, dtype=np.float64), shape).astype(np.float32)
+    except (ValueError, TypeError):
+        raise KVCacheError(f"kv_scales must broadcast to [num_layers, 2, num_kv_heads] = {list(shape)}, got "
+                           f"shape {np.shape(scales)}") from None
+    check(bool(np.isfinite(array).all() and (array > 0).all()), "kv_scales must be finite and positive")
+    return np.ascontiguousarray(array)
+
+
+def scale_page_pool(shape: tuple, page_dtype: str, scales) -> np.ndarray:
+    """A zero pool of `shape` in page_dtype; with scales ([2, Hkv] float32) its last page holds
+    them as tir_kernels.kv_quant reads them (4 little-endian bytes at [-1, kv, head, 0, 0:4])."""
+    pool = np.zeros(shape, dtype=numpy_dtype(page_dtype))
+    if scales is not None:
+        pool.view(np.uint8)[-1, :, :, 0, :4] = np.asarray(scales, "<f4").reshape(2, -1, 1).view(np.uint8)
+    return pool
+
+
+def kv_bytes_per_token(options: CacheOptions) -> int:
+    """Device bytes one cached token takes in a cache of `options`, over all layers: K and V
+    rows (an MLA layer: one latent row) of the page dtype (FP8: one byte an element)."""
+    elem = numpy_dtype(options.page_dtype).itemsize
+    if options.is_mla:
+        return options.num_layers * options.qk_head_dim * elem
+    return options.num_layers * options.num_kv_heads * (options.qk_head_dim + options.v_head_dim) * elem
 
 
 def _rope_scaling(value) -> RopeScaling | None:
@@ -202,9 +259,17 @@ class PagedKVCache:
         integers), one for every layer or None (MHA). "mla" (every layer): pages
         [num_pages, page_size, qk_head_dim], qk_head_dim = latent + rope, v_head_dim = latent.
       layer_sliding_window_size: the window of "mha_sliding" layers (TVM's default, 1024).
+      kv_dtype: the pages' element type: the dtype (default), or "float8_e4m3fn" / "float8_e5m2"
+        (FP8 pages: half the bytes of fp16; K/V are stored as the codes of x / scale, saturated
+        and rounded to nearest even, and read as code * scale; MHA layers only).
+      kv_scales: the FP8 scales, float32 [num_layers, 2, num_kv_heads] (index 1: 0 = K, 1 = V),
+        or anything numpy broadcasts to it (default 1.0, as vLLM's); `tvmattn.calibrate_kv_scales`
+        computes them from prompts. set_kv_scales changes them while the cache is empty.
       device: a tvm.runtime.Device (default tvm.cpu()).
       kernels: optional overrides, slot name -> backend spec or function (see tvmattn.runtime.kernels);
         every other slot gets tvmattn's kernel for this configuration, built once per process.
+        (A Python callable given as a kernel makes every attention_with_fused_qkv check its
+        arguments in Python first; compiled kernels check them at entry.)
       backend: "tir" (tvmattn's kernels) or "flashinfer" (FlashInfer's modules, built by
         `python -m tvmattn.flashinfer.build`, in the prefill and decode slots; where FlashInfer
         cannot serve the cache it falls back to TIR with a logged warning, see
@@ -248,13 +313,14 @@ class PagedKVCache:
                  max_num_sequences: int = 32, max_total_seq_len: int = 4096, prefill_chunk_size: int = 2048,
                  rope_mode: str = "none", rope_scale: float = 1.0, rope_theta: float = 10000.0,
                  rope_scaling: RopeScaling | dict | None = None, support_sliding_window: bool = False,
-                 attn_kinds=None, layer_sliding_window_size: int = 1024,
+                 attn_kinds=None, layer_sliding_window_size: int = 1024, kv_dtype: str = "", kv_scales=None,
                  device=None, kernels: dict | None = None, backend: str = "tir"):
         self.options = CacheOptions(num_layers, num_qo_heads, num_kv_heads, qk_head_dim, v_head_dim, dtype,
                                     page_size, max_num_sequences, max_total_seq_len, prefill_chunk_size,
                                     rope_mode, rope_scale, rope_theta, rope_scaling, support_sliding_window,
-                                    attn_kinds, layer_sliding_window_size)
+                                    attn_kinds, layer_sliding_window_size, kv_dtype)
         opts = self.options
+        self._kv_scales = check_kv_scales(opts, 1.0 if kv_scales is None else kv_scales)
         self.device = tvm.cpu() if device is None else device
         self.target = target_for(self.device)
         self._kinds = opts.attn_kinds
@@ -274,20 +340,14 @@ class PagedKVCache:
         self._allocator = PageAllocator(opts.num_pages)
         self._table = SequenceTable(self._allocator, opts.page_size, opts.max_num_sequences, opts.sequence_windows)
         if opts.is_mla:
-            page_shape = (opts.num_pages, opts.page_size, opts.qk_head_dim)
+            page_shape = (opts.pool_pages, opts.page_size, opts.qk_head_dim)
         else:
-            page_shape = (opts.num_pages, 2, opts.num_kv_heads, opts.page_size, opts.qk_head_dim)
-        self._pools = [self._zeros(page_shape) for _ in range(opts.num_layers)]
-        # attention_with_fused_qkv's fast path: the MHA layers' pools and an argument check, compiled
-        # on a GPU (TVM's own checks in one FFI call); on the CPU the Python checks, because the
-        # compile's LLVM JIT would stay resident (a large share of a small model's memory)
-        if opts.is_mla:
-            self._fused_check = None
-        elif self.target == "llvm":
-            self._fused_check = self._python_check
-        else:
-            self._fused_check = self._compiled_check(page_shape)
-        self._fast_pages = {} if self._fused_check is None else {
+            page_shape = (opts.pool_pages, 2, opts.num_kv_heads, opts.page_size, opts.qk_head_dim)
+        self._pools = [self._zeros(page_shape, layer) for layer in range(opts.num_layers)]
+        # attention_with_fused_qkv's fast path: the MHA layers' pools, where every launch is a
+        # compiled function, which checks its arguments (see that method; FlashInfer's modules and
+        # Python callables given as kernels take the checked path)
+        self._fast_pages = {} if self._backend_plans or not _compiled_launches(k) else {
             layer: pool for layer, (pool, kind) in enumerate(zip(self._pools, self._kinds)) if kind == AttnKind.MHA}
         self._workspace = Workspace(opts.prefill_chunk_size, opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim,
                                     opts.v_head_dim, opts.dtype, self.device, split_qkv=not opts.is_mla)
@@ -298,38 +358,38 @@ class PagedKVCache:
         self._graph_layouts: dict = {}
         self._graph_generation = 0
         self._step: Step | None = None
+        self._last_step: Step | None = None  # the last plain Step made (its launches serve repeats)
         self._rolled_back: str | None = None  # why the last step was rolled back by a failed launch
         self._num_layers = opts.num_layers
         self._shapes: dict = {}
 
-    def _python_check(self, n: int, qkv, o, pages) -> None:
-        """The fast path's argument check on the CPU: qkv and o as this step needs them (raises)."""
-        self._tensor("qkv", qkv)
-        self._tensor("o", o)
-
-    def _compiled_check(self, page_shape: tuple):
-        """forward.fused_qkv_check for this cache, once seen to accept good arguments (else None:
-        every call takes the Python checks)."""
+    def _zeros(self, shape: tuple, layer: int) -> tvm.runtime.Tensor:
+        """A zeroed pool of the page dtype; an FP8 pool's last page holds the layer's scales."""
         opts = self.options
-        qkv_heads = opts.num_qo_heads + 2 * opts.num_kv_heads
-        check = fused_qkv_check(qkv_heads, opts.num_qo_heads, opts.qk_head_dim, opts.v_head_dim, opts.dtype,
-                                page_shape, opts.attention_config(self.target).tvm_target())
-        if check is None:
-            return None
-        qkv = tvm.runtime.empty((1, qkv_heads, opts.qk_head_dim), opts.dtype, device=self.device)
-        o = tvm.runtime.empty((1, opts.num_qo_heads, opts.v_head_dim), opts.dtype, device=self.device)
-        try:
-            check(1, qkv, o, self._pools[0])
-        except Exception as error:  # noqa: BLE001 - a check that refuses good arguments is not used
-            log.warning("attention_with_fused_qkv: the compiled argument check refused good arguments (%s); "
-                        "every call runs the Python checks", error)
-            return None
-        return check
-
-    def _zeros(self, shape: tuple) -> tvm.runtime.Tensor:
-        pool = tvm.runtime.empty(shape, self.options.dtype, device=self.device)
-        pool.copyfrom(np.zeros(shape, dtype=numpy_dtype(self.options.dtype)))
+        pool = tvm.runtime.empty(shape, opts.page_dtype, device=self.device)
+        pool.copyfrom(scale_page_pool(shape, opts.page_dtype, self._kv_scales[layer] if opts.kv_fp8 else None))
         return pool
+
+    @property
+    def kv_scales(self) -> np.ndarray:
+        """The FP8 scales, float32 [num_layers, 2, num_kv_heads] (a copy; 1.0 for unquantized pages)."""
+        return self._kv_scales.copy()
+
+    def set_kv_scales(self, scales) -> None:
+        """Replace the FP8 scales ([num_layers, 2, num_kv_heads] or what broadcasts to it): only
+        while the cache holds no sequence (stored codes would change meaning) and outside a step."""
+        opts = self.options
+        check(opts.kv_fp8, f"set_kv_scales: the pages are {opts.page_dtype}, not FP8 (kv_dtype)")
+        check(self._step is None, "set_kv_scales: a forward step is in progress")
+        check(len(self._table) == 0, "set_kv_scales: the cache holds sequences (remove them or clear() first)")
+        scales = check_kv_scales(opts, scales)
+        self._kv_scales = scales
+        for layer, pool in enumerate(self._pools):
+            pool.copyfrom(scale_page_pool(tuple(pool.shape), opts.page_dtype, scales[layer]))
+
+    def bytes_per_token(self) -> int:
+        """Device bytes one cached token takes over all layers (K and V pages)."""
+        return kv_bytes_per_token(self.options)
 
     def _init_mla_kernels(self, backend: str, kernels: dict | None) -> None:
         """The kernels of an MLA cache (TIR only: FlashInfer's MLA modules are not built here)."""
@@ -415,6 +475,8 @@ class PagedKVCache:
         self._table.enable_sliding_window(seq_id, window_size, sink_size)
 
     def _copy_pages(self, copies: list[PageCopy]) -> None:
+        if not copies:  # (the usual step: no loop over the layers)
+            return
         copy = self.kernels.copy_single_page
         for pool in self._pools:
             for src, dst, length in copies:
@@ -491,16 +553,20 @@ class PagedKVCache:
         if self._backend_plans:
             self._begin_backends(plan)
         arrays = device_arrays.upload(plan)
+        if self._shapes.get("n") != plan.total:
+            self._shapes = self._step_shapes(plan.total)
+        last = self._last_step
+        if last is not None and last.repeats(plan, arrays, self._step_kernels):
+            # a decode step of the last one's layout (the usual step): its prepared launches
+            self._step = last.again(plan)
+            return
         work = self._workspace.views(plan.total)
         if self._mla is not None:
             self._step = MLAStep(plan, arrays, self._step_kernels, work, self._rope, self._mla)
         elif plan.host.window:
             self._step = WindowStep(plan, arrays, self._step_kernels, work, self._rope, self._window_decode)
         else:
-            self._step = Step(plan, arrays, self._step_kernels, work, self._rope)
-        shapes = self._shapes
-        if shapes.get("n") != plan.total:
-            self._shapes = self._step_shapes(plan.total)
+            self._step = self._last_step = Step(plan, arrays, self._step_kernels, work, self._rope)
 
     def _planning_backends(self) -> bool:
         """Some backend of a step has a plan step (FlashInfer's; TIR kernels have none)."""
@@ -715,24 +781,41 @@ class PagedKVCache:
 
         qkv [n, Hq + 2*Hkv, D] (heads: q, then k, then v), o [n, Hq, Dv]; n = tokens of the step.
         """
-        # fast path (an MHA layer, arguments that pass the compiled check): straight to the launches
+        # fast path (an MHA layer): straight to the launches, whose own argument checks (TVM's, at
+        # the entry of every compiled kernel: shapes against the step's rows, dtypes, devices,
+        # compactness) are the check; see _fast_path_failed for a launch that raises
         step = self._step
         if type(layer_id) is int and step is not None and type(sm_scale) is float and math.isfinite(sm_scale):
             pages = self._fast_pages.get(layer_id)
             if pages is not None:
                 try:
-                    self._fused_check(step.total, qkv, o, pages)
-                except Exception:  # noqa: BLE001 - the checks below name the bad argument
-                    pass
-                else:
-                    try:
-                        step.fused(pages, qkv, o, sm_scale)
-                    except BaseException as error:
-                        self._failed(step, f"attention_with_fused_qkv of layer {layer_id}", error)
+                    step.fused(pages, qkv, o, sm_scale)
+                except BaseException as error:
+                    if not self._fast_path_failed(step, layer_id, sm_scale, qkv, o, error):
                         raise
-                    step.appended_layers.add(layer_id)
                     return
+                step.appended_layers.add(layer_id)
+                return
         self._attention_with_fused_qkv(layer_id, sm_scale, qkv, o)
+
+    def _fast_path_failed(self, step: Step, layer_id: int, sm_scale: float, qkv, o, error: BaseException) -> bool:
+        """After a launch of attention_with_fused_qkv's fast path raised `error`: the Python checks
+        of qkv and o raise KVCacheError naming a refused argument (the step goes on: a launch
+        refuses its arguments before it runs, and a refused o is seen by the attention kernel
+        after the append wrote the layer's rows of this step, rows the step reserved, which
+        nothing reads before the layer runs again and a rolled-back step never exposes). Where
+        the checks convert an argument (a DLPack tensor), the checked path launches (True).
+        Otherwise a kernel failed: the step is rolled back and the caller re-raises (False)."""
+        if isinstance(error, Exception):
+            try:
+                checked_qkv, checked_o = self._tensor("qkv", qkv), self._tensor("o", o)
+            except KVCacheError as refusal:
+                raise refusal from None  # (the launch's own message says less)
+            if checked_qkv is not qkv or checked_o is not o:
+                self._attention_with_fused_qkv(layer_id, sm_scale, checked_qkv, checked_o)
+                return True
+        self._failed(step, f"attention_with_fused_qkv of layer {layer_id}", error)
+        return False
 
     def _attention_with_fused_qkv(self, layer_id: int, sm_scale: float, qkv, o) -> None:
         """attention_with_fused_qkv with every argument checked in Python."""
@@ -1061,6 +1144,18 @@ class PagedKVCache:
     def current_plan(self):
         """The ForwardPlan of the step in progress (None outside a step)."""
         return None if self._step is None else self._step.plan
+
+
+def _compiled_launches(kernels: Kernels) -> bool:
+    """Whether every function a step of MHA layers launches is a tvm_ffi Function (a compiled
+    kernel checks its arguments at entry; a Python callable given as a kernel may not)."""
+    funcs = [kernels.split_rotary, kernels.transpose_append, kernels.merge]
+    if kernels.split_rotary_append is not None:
+        funcs.append(kernels.split_rotary_append)
+    for backend in (kernels.ragged, kernels.paged_prefill, kernels.paged_decode):
+        func = getattr(backend, "func", None)
+        funcs += func.variants if isinstance(func, DecodeByShape) else [func]
+    return all(isinstance(func, tvm_ffi.Function) for func in funcs)
 
 
 _WINDOW_SIZE = operator.attrgetter("window_size")

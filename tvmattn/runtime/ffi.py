@@ -213,7 +213,19 @@ def debug_get_kv(cache, seq_id, start, end, k, v):
     cache.debug_get_kv(seq_id, start, end, k, v)
 
 
-_api("attention_kv_cache_attention_with_fused_qkv")(PagedKVCache.attention_with_fused_qkv)
+_FUSED_QKV = PagedKVCache.attention_with_fused_qkv
+
+
+def attention_with_fused_qkv(cache, layer_id, sm_scale, qkv, o):
+    """The per-layer call of every step: _api's check of the cache without its *args packing."""
+    if type(cache) is not PagedKVCache and not isinstance(cache, PagedKVCache):
+        raise KVCacheError(f"{PREFIX}attention_kv_cache_attention_with_fused_qkv: argument 0 must be a tvmattn "
+                           f"PagedKVCache, got {type(cache).__name__}")
+    _FUSED_QKV(cache, layer_id, sm_scale, qkv, o)
+
+
+API["attention_kv_cache_attention_with_fused_qkv"] = attention_with_fused_qkv
+_UNCHECKED["attention_kv_cache_attention_with_fused_qkv"] = _FUSED_QKV
 
 
 @_api("attention_kv_cache_attention_with_shared_kv")
@@ -417,6 +429,8 @@ def _is_tensor(value) -> bool:
 
 EXTENSIONS_TAG = "tvmattn_extensions"
 EXTENSION_SLOTS = ("split_rotary_append", "decode_paged_mla")
+# options of the extensions argument (not kernels): PagedKVCache keyword arguments
+EXTENSION_OPTIONS = ("kv_dtype",)
 
 
 def extension_slots(args) -> dict:
@@ -430,7 +444,7 @@ def extension_slots(args) -> dict:
     if len(items) % 2 != 1:
         raise _create_error(f"the {EXTENSIONS_TAG} argument must hold slot/kernel pairs, got {len(items) - 1} items")
     slots = {str(items[i]): items[i + 1] for i in range(1, len(items), 2)}
-    unknown = sorted(set(slots) - set(EXTENSION_SLOTS))
+    unknown = sorted(set(slots) - set(EXTENSION_SLOTS) - set(EXTENSION_OPTIONS))
     if unknown:
         raise _create_error(f"unknown {EXTENSIONS_TAG} slots {unknown}; known: {list(EXTENSION_SLOTS)}")
     return slots
@@ -440,8 +454,12 @@ def paged_attention_kv_cache_create(*args, library_kernels: bool = True) -> Page
     """TVM's positional create call (see CreateArgs) -> PagedKVCache. A 29th argument tagged
     EXTENSIONS_TAG (model libraries built by tvmattn) adds tvmattn's own kernels."""
     options = cache_options(CreateArgs.from_positional(args), library_kernels)
+    extensions = extension_slots(args)
+    for name in EXTENSION_OPTIONS:
+        if name in extensions:
+            options[name] = str(extensions.pop(name))
     if library_kernels:
-        options["kernels"].update(extension_slots(args))
+        options["kernels"].update(extensions)
     return PagedKVCache(**options)
 
 

@@ -77,22 +77,22 @@ class KernelSet:
 # slot -> (generator, the config fields the generator reads besides shapes/dtype/target).
 _GENERATORS = {
     "prefill_ragged": (tir_kernels.ragged_prefill, ("rope_scaling",)),
-    "prefill_paged": (tir_kernels.paged_prefill, ("rope_scaling",)),
-    "decode_paged": (tir_kernels.paged_decode, ("rope_scaling",)),
-    "prefill_paged_sliding_window": (tir_kernels.paged_prefill, ("rope_scaling", "sliding_window")),
-    "decode_paged_sliding_window": (tir_kernels.paged_decode, ("rope_scaling", "sliding_window")),
-    "transpose_append": (tir_kernels.transpose_append, ()),
+    "prefill_paged": (tir_kernels.paged_prefill, ("rope_scaling", "kv_dtype")),
+    "decode_paged": (tir_kernels.paged_decode, ("rope_scaling", "kv_dtype")),
+    "prefill_paged_sliding_window": (tir_kernels.paged_prefill, ("rope_scaling", "sliding_window", "kv_dtype")),
+    "decode_paged_sliding_window": (tir_kernels.paged_decode, ("rope_scaling", "sliding_window", "kv_dtype")),
+    "transpose_append": (tir_kernels.transpose_append, ("kv_dtype",)),
     "split_rotary": (tir_kernels.split_rotary, ("rope_theta", "rope_scale", "rope_scaling")),
-    "split_rotary_append": (tir_kernels.split_rotary_append, ("rope_theta", "rope_scale", "rope_scaling")),
-    "copy_single_page": (tir_kernels.copy_single_page, ()),
-    "compact_copy": (tir_kernels.compact_copy, ()),
-    "debug_get_kv": (tir_kernels.debug_get_kv, ()),
+    "split_rotary_append": (tir_kernels.split_rotary_append, ("rope_theta", "rope_scale", "rope_scaling", "kv_dtype")),
+    "copy_single_page": (tir_kernels.copy_single_page, ("kv_dtype",)),
+    "compact_copy": (tir_kernels.compact_copy, ("kv_dtype",)),
+    "debug_get_kv": (tir_kernels.debug_get_kv, ("kv_dtype",)),
     "merge_state": (tir_kernels.merge_state, ()),
-    "tree_attn_paged_kv": (tir_kernels.tree_mask_paged_prefill, ()),
+    "tree_attn_paged_kv": (tir_kernels.tree_mask_paged_prefill, ("kv_dtype",)),
     "tree_attn_ragged": (tir_kernels.tree_mask_ragged_prefill, ()),
 }
 TREE_SLOTS = ("tree_attn_paged_kv", "tree_attn_ragged")
-_NEUTRAL = {"rope_theta": 10000.0, "rope_scale": 1.0, "rope_scaling": None, "sliding_window": False}
+_NEUTRAL = {"rope_theta": 10000.0, "rope_scale": 1.0, "rope_scaling": None, "sliding_window": False, "kv_dtype": ""}
 
 
 def paged_slots(sliding_window: bool) -> tuple[str, str]:
@@ -167,6 +167,8 @@ def decode_kernel(config: AttentionConfig):
     variants for config (schedules.decode_variants: a schedule and its inline-RoPE build's)."""
     from tir_kernels.schedules import decode_variants
 
+    if config.kv_fp8:  # FP8 pages: the CUDA-core kernel (decode.FP8_TC_PROBLEM), no table
+        return _build(tir_kernels.paged_decode, config, ())
     variants = decode_variants(config)
     if len(variants) == 1 and not variants[0][2]:  # no table entry: paged_decode's own choice
         return _build(tir_kernels.paged_decode, config, ())

@@ -1,0 +1,92 @@
+"""The accuracy of an FP8 KV cache on a real model (SmolLM2-135M-Instruct), against the same
+library with unquantized K/V: greedy tokens, logits and perplexity. Used by
+tests/test_fp8_smollm2.py and runnable as a script to print the figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+PASSAGE = Path(__file__).parent / "data" / "python-license.txt"
+PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.",
+           "Explain in two sentences why the sky is blue."]
+# Tokens per step when scoring the passage: the history comes from the pages (FP8), only the
+# step's own tokens are attended unquantized (ragged prefill), as in a decode-heavy run.
+SCORE_CHUNK = 16
+
+
+def greedy_tokens(generator, prompts=PROMPTS, steps: int = 64) -> list[list[int]]:
+    """Greedy tokens of each prompt (one at a time: a stop token ends it early)."""
+    return [generator.generate_tokens([generator.encode(p)], max_new_tokens=steps).tokens[0] for p in prompts]
+
+
+def passage_logits(generator, tokens: list[int], chunk: int = SCORE_CHUNK) -> np.ndarray:
+    """float32 [len(tokens), vocab]: the logits after each token of the passage (one sequence,
+    fed `chunk` tokens a step through batch_prefill with every position scored)."""
+    import tvm
+
+    generator._ensure_cache(len(tokens))
+    generator._host["kv_state_add_sequence"](generator.cache, 0)
+    rows = []
+    try:
+        for begin in range(0, len(tokens), chunk):
+            piece = tokens[begin:begin + chunk]
+            positions = tvm.runtime.tensor(np.arange(len(piece), dtype=np.int32), device=generator.device)
+            if len(piece) == 1:
+                rows.append(generator._forward("batch_decode", [0], [1], generator._embed(piece)[None])[0])
+            else:
+                rows.append(generator._forward("batch_prefill", [0], [len(piece)], generator._embed(piece)[None],
+                                               positions)[0])
+    finally:
+        generator._host["kv_state_remove_sequence"](generator.cache, 0)
+    return np.concatenate(rows)
+
+
+def perplexity(logits: np.ndarray, tokens: list[int]) -> float:
+    """exp(mean negative log-likelihood of tokens[1:] under logits[:-1]) in float64."""
+    z = logits[:-1].astype(np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return float(np.exp(-logp[np.arange(len(tokens) - 1), tokens[1:]].mean()))
+
+
+def compare(reference, fp8, passage_tokens: int | None = None) -> dict:
+    """The figures: token match (fraction of positions over PROMPTS' 64 greedy tokens), passage
+    logits' relative error (whole: ||d|| / ||ref||; worst position), perplexities."""
+    ref_tokens, fp8_tokens = greedy_tokens(reference), greedy_tokens(fp8)
+    same = total = 0
+    for a, b in zip(ref_tokens, fp8_tokens):
+        n = max(len(a), len(b))
+        same += sum(x == y for x, y in zip(a, b))
+        total += n
+    text = PASSAGE.read_text()
+    tokens = reference.encode(text, chat=False)
+    if passage_tokens:
+        tokens = tokens[:passage_tokens]
+    ref_logits, fp8_logits = passage_logits(reference, tokens), passage_logits(fp8, tokens)
+    diff = fp8_logits.astype(np.float64) - ref_logits
+    per_row = np.linalg.norm(diff, axis=1) / np.linalg.norm(ref_logits.astype(np.float64), axis=1)
+    ppl_ref, ppl_fp8 = perplexity(ref_logits, tokens), perplexity(fp8_logits, tokens)
+    return {"token_match": same / total, "tokens_compared": total, "passage_tokens": len(tokens),
+            "logits_rel_error": float(np.linalg.norm(diff) / np.linalg.norm(ref_logits)),
+            "logits_rel_error_worst_position": float(per_row.max()),
+            "perplexity_reference": ppl_ref, "perplexity_fp8": ppl_fp8,
+            "perplexity_rel_change": abs(ppl_fp8 - ppl_ref) / ppl_ref,
+            "reference_tokens": ref_tokens, "fp8_tokens": fp8_tokens}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    from tvmattn.calibrate import calibrate_kv_scales
+    from tvmattn.generate import Generator
+
+    reference, fp8 = Generator(sys.argv[1]), Generator(sys.argv[2])
+    results = {"scale-1.0": compare(reference, fp8)}
+    fp8.cache = None  # the next cache gets the calibrated scales
+    fp8.kv_scales = calibrate_kv_scales(reference, PROMPTS, fp8.metadata["kv_cache"]["kv_dtype"])
+    results["calibrated"] = compare(reference, fp8)
+    for name, figures in results.items():
+        print(name, json.dumps({k: v for k, v in figures.items() if not k.endswith("_tokens") or k == "passage_tokens"}))

@@ -1,0 +1,43 @@
+"""Host-side FP8 K/V for the tests, written independently of the kernels: codes by ml_dtypes
+(round to nearest even, saturated), values in float64, scales laid into a pool's last page."""
+
+import ml_dtypes
+import numpy as np
+
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def np_fp8(fmt: str):
+    return np.dtype(getattr(ml_dtypes, fmt))
+
+
+def quantize(x, scale, fmt: str) -> np.ndarray:
+    """FP8 codes of float32(x) / float32(scale), saturated (scale broadcast against x)."""
+    quotient = np.asarray(x, np.float32) / np.asarray(scale, np.float32)
+    return np.clip(quotient, -FP8_MAX[fmt], FP8_MAX[fmt]).astype(np_fp8(fmt))
+
+
+def dequantize(codes, scale) -> np.ndarray:
+    """float64 code * scale."""
+    return np.asarray(codes).astype(np.float64) * np.asarray(scale, np.float32).astype(np.float64)
+
+
+def with_scales(pool_codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """An MHA pool [P, 2, Hkv, ps, D] of codes plus a last page holding scales [2, Hkv] (float32,
+    4 little-endian bytes at [P, kv, h, 0, 0:4])."""
+    extra = np.zeros((1,) + pool_codes.shape[1:], pool_codes.dtype)
+    raw = extra.view(np.uint8)
+    raw[0, :, :, 0, :4] = np.asarray(scales, np.float32).reshape(2, -1, 1).view(np.uint8)
+    return np.concatenate([pool_codes, extra])
+
+
+def with_mla_scale(pool_codes: np.ndarray, scale: float) -> np.ndarray:
+    """An MLA pool [P, ps, qk] of codes plus a last page holding its scale at [P, 0, 0:4]."""
+    extra = np.zeros((1,) + pool_codes.shape[1:], pool_codes.dtype)
+    extra.view(np.uint8)[0, 0, :4] = np.array([scale], np.float32).view(np.uint8)
+    return np.concatenate([pool_codes, extra])
+
+
+def random_scales(rng, num_kv_heads: int) -> np.ndarray:
+    """Scales [2, Hkv] spread over two decades, so a wrong head or K/V index shows."""
+    return (10.0 ** rng.uniform(-2.5, -1.5, (2, num_kv_heads))).astype(np.float32)

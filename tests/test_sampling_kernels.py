@@ -1,0 +1,396 @@
+"""Specification of the device sampler (tir_kernels.sampling, tvmattn.device_sampling): the
+kernel's draws follow the float64 reference distribution of tvmattn.sampling's contract
+(chi-square over many draws per option, with uniforms the test feeds), each draw is the
+reference's inverse CDF at its uniform, greedy picks the lowest id among equal maxima, and the
+DeviceSampler gives the host Sampler's tokens for the same seeds, falling back to it per row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from test_sampling import LOGITS, VOCAB, chi_square_p
+from test_sampling import reference as reference_distribution
+from tir_kernels.sampling import (SamplingConfig, SamplingSchedule, apply_penalties, choose_sampling_schedule,
+                                  sample_tokens)
+from tvmattn.device_sampling import DeviceSampler, has_device_sampling, penalty_rows
+from tvmattn.sampling import Sampler, SamplingOptions
+
+DRAWS = 20000
+P_MIN = 1e-4  # fixed seeds: a correct kernel passes every time, a wrong distribution fails (self-checks below)
+TARGETS = [pytest.param("llvm", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+COUNTS = np.array([0, 3, 1, 0, 2, 0, 0, 5, 0, 1, 0, 0])
+
+
+class Kernels:
+    """The compiled sample and penalty kernels for one target and logits dtype."""
+
+    def __init__(self, target: str, dtype: str = "float32", schedule: SamplingSchedule | None = None):
+        self.config = SamplingConfig(dtype, target)
+        self.device = tvm.cuda(0) if self.config.is_gpu else tvm.cpu(0)
+        self.dtype = dtype
+        build = lambda f: tvm.compile(tvm.IRModule({"main": f}), target=self.config.tvm_target())["main"]  # noqa: E731
+        self._sample = build(sample_tokens(self.config, schedule))
+        self._penalize = build(apply_penalties(self.config, schedule))
+
+    def tensor(self, array):
+        return tvm.runtime.tensor(np.ascontiguousarray(array), self.device)
+
+    def sample(self, logits: np.ndarray, params: np.ndarray, token_ids=None, amounts=None) -> np.ndarray:
+        """tokens [rows] of logits [rows, vocab] (penalized first when token_ids is given)."""
+        logits_nd = self.tensor(np.asarray(logits).astype(self.dtype if self.dtype != "bfloat16" else "float32"))
+        if token_ids is not None:
+            self._penalize(logits_nd, self.tensor(token_ids.astype(np.int32)), self.tensor(amounts.astype(np.float32)))
+        out = self.tensor(np.zeros(len(params), np.int32))
+        self._sample(logits_nd, self.tensor(params.astype(np.float32)), out)
+        return out.numpy()
+
+
+_BUILT: dict = {}
+
+
+def kernels_for(target: str, dtype: str = "float32") -> Kernels:
+    if (target, dtype) not in _BUILT:
+        _BUILT[target, dtype] = Kernels(target, dtype)
+    return _BUILT[target, dtype]
+
+
+def uniforms(n: int, seed: int = 0) -> np.ndarray:
+    """n uniform draws in [0, 1) as float32 (the host's float64 draws, as DeviceSampler sends them)."""
+    u = np.random.default_rng(seed).random(n)
+    return np.minimum(u, np.nextafter(np.float32(1), np.float32(0))).astype(np.float32)
+
+
+def params_for(u: np.ndarray, temperature=1.0, top_k=0, top_p=1.0) -> np.ndarray:
+    return np.stack([u, np.full(u.shape, temperature), np.full(u.shape, top_k), np.full(u.shape, top_p)], 1)
+
+
+def inverse_cdf(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The token numpy's Generator.choice(p=probs) draws for each uniform u (id-order CDF)."""
+    cdf = np.cumsum(probs)
+    return np.searchsorted(cdf / cdf[-1], u, side="right")
+
+
+def penalty_inputs(rows: int, counts, presence: float, frequency: float):
+    ids = np.flatnonzero(counts)
+    amounts = frequency * counts[ids] + presence
+    return np.tile(ids, (rows, 1)), np.tile(amounts, (rows, 1))
+
+
+CASES = {
+    "plain": dict(temperature=1.0),
+    "hot": dict(temperature=2.5),
+    "cold": dict(temperature=0.4),
+    "top_k": dict(temperature=1.0, top_k=4),
+    "top_k_1": dict(temperature=1.0, top_k=1),
+    "top_p": dict(temperature=1.0, top_p=0.8),
+    "top_p_small": dict(temperature=1.3, top_p=0.05),
+    "top_k_and_p": dict(temperature=0.8, top_k=6, top_p=0.8),
+    "penalties": dict(temperature=1.0, presence_penalty=0.7, frequency_penalty=0.4),
+    "penalties_top_p": dict(temperature=0.9, top_p=0.7, presence_penalty=-1.0, frequency_penalty=-0.3),
+}
+
+
+def draw_case(kernels: Kernels, kwargs: dict, draws: int = DRAWS, seed: int = 0):
+    """(tokens drawn by the kernel, reference probabilities, the uniforms) for one option set."""
+    options = SamplingOptions(**kwargs)
+    u = uniforms(draws, seed)
+    logits = np.tile(LOGITS, (draws, 1))
+    ids = amounts = counts = None
+    if options.penalized:
+        counts = COUNTS
+        ids, amounts = penalty_inputs(draws, counts, options.presence_penalty, options.frequency_penalty)
+    tokens = kernels.sample(logits, params_for(u, options.temperature, options.top_k, options.top_p), ids, amounts)
+    expected = reference_distribution(LOGITS, options.temperature, options.top_k, options.top_p, counts,
+                                      options.presence_penalty, options.frequency_penalty)
+    return tokens, expected, u
+
+
+def assert_follows(tokens: np.ndarray, expected: np.ndarray) -> None:
+    seen = np.bincount(tokens, minlength=len(expected))
+    assert seen[expected == 0].sum() == 0, f"a token outside top-k / top-p was drawn: {seen}"
+    live = expected > 0
+    if live.sum() > 1:
+        p = chi_square_p(seen[live], expected[live] * len(tokens))
+        assert p > P_MIN, (p, seen, np.round(expected * len(tokens)))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", CASES)
+def test_draws_follow_the_reference_distribution(target, name):
+    tokens, expected, u = draw_case(kernels_for(target), CASES[name])
+    assert_follows(tokens, expected)
+    # each draw is the reference's inverse CDF at its uniform (float32 rounding at a boundary aside)
+    assert (tokens != inverse_cdf(expected, u)).sum() <= 2
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_chi_square_rejects_a_wrong_kernel(target):
+    """The check can fail: draws with the temperature ignored, with top-p ignored, or with a
+    penalty left out are rejected against the intended distribution."""
+    kernels = kernels_for(target)
+    wrong_temperature, _, _ = draw_case(kernels, dict(temperature=1.0))
+    _, hot, _ = draw_case(kernels, dict(temperature=1.6), draws=1)
+    assert chi_square_p(np.bincount(wrong_temperature, minlength=VOCAB), hot * DRAWS) < P_MIN
+    no_top_p, _, _ = draw_case(kernels, dict(temperature=1.0, top_p=0.999))
+    _, nucleus, _ = draw_case(kernels, dict(temperature=1.0, top_p=0.9), draws=1)
+    assert np.bincount(no_top_p, minlength=VOCAB)[nucleus == 0].sum() > 0
+    unpenalized, _, _ = draw_case(kernels, dict(temperature=1.0))
+    _, penalized, _ = draw_case(kernels, dict(temperature=1.0, frequency_penalty=0.2), draws=1)
+    assert chi_square_p(np.bincount(unpenalized, minlength=VOCAB), penalized * DRAWS) < P_MIN
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_greedy_is_the_argmax_with_the_lowest_id_among_ties(target):
+    kernels = kernels_for(target)
+    vocab = 3000  # more ids than a CUDA block has threads: ties across threads
+    logits = np.random.default_rng(1).normal(0, 1, (4, vocab)).astype(np.float32)
+    logits[1, [2999, 700, 1300]] = 50.0
+    logits[2, :] = 0.0
+    logits[3, [5, 6]] = [-np.inf, 60.0]
+    u = uniforms(4)
+    tokens = kernels.sample(logits, params_for(u, temperature=0.0, top_k=3, top_p=0.5))
+    assert tokens.tolist() == [int(np.argmax(logits[0])), 700, 0, 6]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_ties_at_the_cut_keep_the_lowest_ids(target):
+    """numpy's stable order: of equal logits at the top-k / top-p boundary, the lowest ids stay."""
+    kernels = kernels_for(target)
+    logits = np.array([0.0, 2.0, 1.0, 2.0, 1.0, 1.0, 2.0, -1.0], np.float32)
+    u = uniforms(6000, seed=4)
+    for kwargs in (dict(top_k=2), dict(top_k=5), dict(top_p=0.5), dict(top_p=0.93), dict(top_k=5, top_p=0.8)):
+        options = SamplingOptions(**kwargs)
+        tokens = kernels.sample(np.tile(logits, (len(u), 1)), params_for(u, 1.0, options.top_k, options.top_p))
+        expected = reference_distribution(logits, 1.0, options.top_k, options.top_p)
+        assert_follows(tokens, expected)
+        assert (tokens != inverse_cdf(expected, u)).sum() <= 2, kwargs
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_rows_of_one_batch_follow_their_own_options(target):
+    kernels = kernels_for(target)
+    rng = np.random.default_rng(5)
+    rows, vocab = 64, 700
+    logits = rng.normal(0, 2, (rows, vocab)).astype(np.float32)
+    u = uniforms(rows, seed=6)
+    params = np.stack([u, rng.choice([0.0, 0.5, 1.0, 1.7], rows), rng.choice([0, 1, 7, 50, 699, 5000], rows),
+                       rng.choice([1.0, 0.9, 0.3, 0.01], rows)], 1)
+    tokens = kernels.sample(logits, params)
+    for r in range(rows):
+        t, k, p = float(params[r, 1]), int(params[r, 2]), float(params[r, 3])
+        if t == 0.0:
+            assert tokens[r] == np.argmax(logits[r])
+            continue
+        expected = reference_distribution(logits[r], t, k if k < vocab else 0, p)
+        assert tokens[r] == inverse_cdf(expected, u[r:r + 1])[0], (r, t, k, p)
+
+
+def test_half_precision_logits_are_read_as_float32():
+    kernels = kernels_for("llvm", "float16")
+    tokens, expected, _ = draw_case(kernels, dict(temperature=0.7, top_k=8, top_p=0.9), draws=6000)
+    half = LOGITS.astype(np.float16).astype(np.float32)
+    assert_follows(tokens, reference_distribution(half, 0.7, 8, 0.9))
+
+
+def gemma_vocab_case(rows: int, seed: int):
+    """Logits over 262,144 tokens whose mass sits on a few ids spread over the row (the first,
+    the last, and ids in different threads' chunks), with a long tail."""
+    vocab = 262144
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(-4.0, 1.0, vocab).astype(np.float32)
+    hot = np.array([0, 17, 65535, 131072, 200001, 262143])
+    logits[hot] = [9.0, 8.5, 9.5, 8.0, 9.2, 8.8]
+    return np.tile(logits, (rows, 1)), logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kwargs", [dict(temperature=1.0), dict(temperature=0.8, top_k=40, top_p=0.9),
+                                    dict(temperature=1.2, top_p=0.5), dict(temperature=0.0)])
+def test_gemma_sized_vocabulary(target, kwargs):
+    kernels = kernels_for(target)
+    rows = 1024
+    batch, logits = gemma_vocab_case(rows, seed=7)
+    options = SamplingOptions(**kwargs)
+    u = uniforms(rows, seed=8)
+    tokens = kernels.sample(batch, params_for(u, options.temperature, options.top_k, options.top_p))
+    if options.greedy:
+        assert (tokens == np.argmax(logits)).all()
+        return
+    expected = reference_distribution(logits, options.temperature, options.top_k, options.top_p)
+    assert (tokens != inverse_cdf(expected, u)).sum() <= 2
+    live = expected > 0.01  # chi-square over the hot tokens, the tail pooled
+    seen = np.bincount(tokens, minlength=len(expected))
+    observed = np.append(seen[live], seen[~live].sum())
+    wanted = np.append(expected[live], expected[~live].sum()) * rows
+    assert chi_square_p(observed[wanted > 0], wanted[wanted > 0]) > P_MIN
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [dict(temperature=1.0), dict(temperature=0.8, top_k=40, top_p=0.9)])
+def test_gemma_sized_vocabulary_many_draws_on_the_gpu(kwargs):
+    """20,000 draws over 262,144 tokens (5 GB of logits) on the GPU: chi-square over the hot ids."""
+    kernels = kernels_for("cuda")
+    batch, logits = gemma_vocab_case(DRAWS, seed=9)
+    options = SamplingOptions(**kwargs)
+    u = uniforms(DRAWS, seed=10)
+    tokens = kernels.sample(batch, params_for(u, options.temperature, options.top_k, options.top_p))
+    expected = reference_distribution(logits, options.temperature, options.top_k, options.top_p)
+    assert (tokens != inverse_cdf(expected, u)).sum() <= 5
+    live = expected > 1e-3
+    seen = np.bincount(tokens, minlength=len(expected))
+    observed = np.append(seen[live], seen[~live].sum())
+    wanted = np.append(expected[live], expected[~live].sum()) * DRAWS
+    assert chi_square_p(observed[wanted > 0], wanted[wanted > 0]) > P_MIN
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_cuda_source_builds_without_a_gpu(arch):
+    """The CUDA kernels compile to source for the arch (no driver needed): one block of the
+    schedule's threads per row, block-wide sums through shared memory."""
+    config = SamplingConfig("float32", f"cuda:{arch}")
+    threads = choose_sampling_schedule(config).threads
+    for func in (sample_tokens(config), apply_penalties(config)):
+        name = str(func.attrs["global_symbol"])
+        module = tvm.compile(tvm.IRModule({name: func}), target=config.tvm_target())
+        source = module.mod.imports[0].inspect_source()
+        assert f"{name}_kernel" in source
+        if name == "tvmattn_sample":
+            assert f"__launch_bounds__({threads})" in source
+            assert "__shared__" in source and "__syncthreads()" in source
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dtype="int8"), "dtype='int8' is not supported"),
+    (dict(target="rocm"), "target='rocm' is not supported"),
+])
+def test_config_rejects_bad_fields(change, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**change)
+
+
+def test_schedule_rejects_bad_fields():
+    with pytest.raises(ValueError, match="threads=100"):
+        SamplingSchedule(100)
+    with pytest.raises(ValueError, match="radix_bits=3"):
+        SamplingSchedule(256, 3)
+    with pytest.raises(ValueError, match="threads=4 on the CPU"):
+        sample_tokens(SamplingConfig(), SamplingSchedule(4))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 8])
+def test_radix_width_changes_speed_not_draws(bits):
+    kernels = Kernels("llvm", schedule=SamplingSchedule(1, bits))
+    tokens, expected, u = draw_case(kernels, dict(temperature=0.9, top_k=5, top_p=0.85), draws=2000)
+    assert (tokens != inverse_cdf(expected, u)).sum() <= 1
+
+
+# ------------------------------------------------------------------ DeviceSampler
+def sampling_vm(target: str):
+    from tvmattn.models.export import sampling_module
+
+    key = ("vm", target)
+    if key not in _BUILT:
+        device = tvm.cuda(0) if target.startswith("cuda") else tvm.cpu(0)
+        tvm_target = SamplingConfig("float32", target).tvm_target()
+        _BUILT[key] = (relax.VirtualMachine(tvm.compile(sampling_module(target), target=tvm_target), device), device)
+    return _BUILT[key]
+
+
+OPTION_SETS = [dict(temperature=0.0), dict(temperature=1.0, seed=1), dict(temperature=0.7, top_p=0.8, seed=2),
+               dict(temperature=1.3, top_k=5, seed=3), dict(temperature=1.0, top_k=8, top_p=0.9, seed=4,
+                                                            presence_penalty=0.5, frequency_penalty=0.3),
+               dict(temperature=0.0, frequency_penalty=2.0)]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_device_sampler_gives_the_host_samplers_tokens(target):
+    """Seeded requests: the same tokens as the host Sampler, step after step (penalties counted)."""
+    vm, device = sampling_vm(target)
+    sampler = DeviceSampler(vm, device)
+    vocab, steps = 300, 40
+    rng = np.random.default_rng(12)
+    host = [Sampler(SamplingOptions(**o), vocab) for o in OPTION_SETS]
+    dev = [Sampler(SamplingOptions(**o), vocab) for o in OPTION_SETS]
+    for _ in range(steps):
+        logits = rng.normal(0, 1.5, (len(host), 1, vocab)).astype(np.float32)
+        expected = [h.choose(logits[i, 0])[0] for i, h in enumerate(host)]
+        got = sampler.choose(tvm.runtime.tensor(logits, device), dev)
+        assert [token for token, _ in got] == expected
+        for h, d, token in zip(host, dev, expected):
+            h.accept(token)
+            d.accept(token)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_device_sampler_falls_back_to_the_host_per_row(target):
+    """A masked row, a logprobs row and a smaller-vocabulary row are the host Sampler's; a None
+    row gets no choice; the device rows are still the kernel's."""
+    vm, device = sampling_vm(target)
+    vocab = 64
+    logits = np.random.default_rng(13).normal(0, 1, (5, vocab)).astype(np.float32)
+    mask = np.zeros(vocab, bool)
+    mask[[3, 9, 40]] = True
+    options = [dict(temperature=0.9, seed=5), dict(temperature=0.0, logprobs=True, top_logprobs=2),
+               dict(temperature=1.0, seed=6), None, dict(temperature=0.0)]
+    masks = [mask, None, None, None, None]
+    vocabs = [vocab, vocab, vocab - 4, vocab, vocab]
+    make = lambda: [None if o is None else Sampler(SamplingOptions(**o), v) for o, v in zip(options, vocabs)]  # noqa: E731
+    host, dev = make(), make()
+    got = DeviceSampler(vm, device).choose(tvm.runtime.tensor(logits, device), dev, masks)
+    expected = [None if h is None else h.choose(logits[i], masks[i]) for i, h in enumerate(host)]
+    assert got[3] is None and got[0][0] in (3, 9, 40)
+    assert [g if g is None else g[0] for g in got] == [e if e is None else e[0] for e in expected]
+    assert got[1][1] == expected[1][1]  # the host's logprob record
+    assert got[4] == (int(np.argmax(logits[4])), None)
+
+
+def test_device_sampler_rejects_mismatched_rows():
+    vm, device = sampling_vm("llvm")
+    logits = tvm.runtime.tensor(np.zeros((2, 8), np.float32), device)
+    with pytest.raises(ValueError, match="samplers: expected one per row of logits \\(2\\), got 1"):
+        DeviceSampler(vm, device).choose(logits, [Sampler(SamplingOptions(), 8)])
+    with pytest.raises(ValueError, match="masks: expected one per row"):
+        DeviceSampler(vm, device).choose(logits, [None, None], [None])
+
+
+def test_penalty_rows_list_each_generated_token_once():
+    a, b = Sampler(SamplingOptions(presence_penalty=0.5, frequency_penalty=0.25), 10), Sampler(SamplingOptions(), 10)
+    for token in (3, 3, 7):
+        a.accept(token)
+    ids, amounts = penalty_rows([a, b, None], [0, 1], 10)
+    assert ids.tolist() == [[3, 7], [-1, -1], [-1, -1]]
+    assert amounts.tolist() == [[1.0, 0.75], [0.0, 0.0], [0.0, 0.0]]
+
+
+def test_model_libraries_export_the_sampling_functions():
+    from tvmattn.models.config import ModelConfig
+    from tvmattn.models.export import BuildOptions, export_module
+
+    config = ModelConfig.from_hf({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": True})
+    mod, document = export_module(config, BuildOptions())
+    assert has_device_sampling(document)
+    names = {gv.name_hint for gv in mod.get_global_vars()}
+    assert {"sample", "apply_penalties", "tvmattn_sample", "tvmattn_apply_penalties"} <= names
+
+
+@pytest.mark.slow  # compiles the tiny library (shared with test_generate / test_speculative)
+def test_a_compiled_library_samples_on_the_device(tiny_library):
+    from tvmattn.models.export import read_metadata
+
+    _, path = tiny_library
+    device = tvm.cpu(0)
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), device)
+    assert has_device_sampling(read_metadata(vm))
+    vocab = 80
+    logits = np.random.default_rng(14).normal(0, 1, (3, 1, vocab)).astype(np.float32)
+    host = [Sampler(SamplingOptions(**o), vocab) for o in OPTION_SETS[:3]]
+    dev = [Sampler(SamplingOptions(**o), vocab) for o in OPTION_SETS[:3]]
+    got = DeviceSampler(vm, device).choose(tvm.runtime.tensor(logits, device), dev)
+    assert [t for t, _ in got] == [h.choose(logits[i, 0])[0] for i, h in enumerate(host)]
