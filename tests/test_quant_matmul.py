@@ -226,7 +226,7 @@ def test_gemv_lanes_must_divide_the_sub_block():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"fmt": "Q5_0", "n": 8, "k": 64}, "fmt='Q5_0'"),
+    ({"fmt": "Q5_1", "n": 8, "k": 64}, "fmt='Q5_1'"),
     ({"fmt": "Q4_1", "n": 8, "k": 48}, "k=48: expected a multiple of 32"),
     ({"fmt": "Q4_K", "n": 8, "k": 320}, "k=320: expected a multiple of 256"),
     ({"fmt": "Q5_K", "n": 8, "k": 256}, "fmt='Q5_K'"),
@@ -538,3 +538,21 @@ def test_cuda_model_takes_the_gemv_and_fuses_the_residual():
         "quant_matmul_q4_1_128x64_1_f16_norm", "quant_matmul_q4_1_128x64_b_f16", "quant_matmul_q4_1_128x64_n_f16",
         "quant_matmul_q8_0_128x64_1_f16", "quant_matmul_q8_0_128x64_b_f16", "quant_matmul_q8_0_128x64_n_f16",
         "quant_take_q8_0_128x64_f16"}
+
+
+@pytest.mark.parametrize("fmt,tokens,few", slow_except(
+    [("Q5_0", 1, False), ("Q5_0", None, True), ("Q5_0", None, False), ("Q4_K", 1, False), ("Q4_K", None, False),
+     ("Q6_K", 1, False), ("Q6_K", None, False)], ("Q5_0", 1, False), unpack=True))
+def test_cuda_source_builds_for_gemma_formats(fmt, tokens, few):
+    """The CUDA source of Gemma 3's block formats at its shapes (K = 640 and 1024) builds for
+    sm_90 without a GPU: Q5_0's one token and decode batch take the GEMV of our own (reading the
+    fifth bits as 32-bit words), its prefill and the K-quants' products dlight's rules."""
+    if tvm.get_global_func("target.build.cuda", allow_missing=True) is None:
+        pytest.skip("TVM built without CUDA codegen")
+    k = 640 if fmt == "Q5_0" else 1024
+    config = QuantMatmulConfig(fmt, 256, k, tokens=tokens, few_tokens=few, target="cuda", dtype="float16")
+    source = tvm.compile(kernel(config), target=cuda_target()).mod.imports[0].inspect_source()
+    assert "__global__" in source
+    assert uses_cuda_gemv(config) == (fmt == "Q5_0" and (tokens == 1 or few))
+    if uses_cuda_gemv(config):
+        assert "qhw_ptr" in source and "__shfl_xor_sync" in source

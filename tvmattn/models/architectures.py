@@ -1,8 +1,9 @@
 """Which decoder a model configuration gets: its nn model class, its parameter map from HF
 tensor names, the HF tensors' preparation, its cache spec and the functions its library exports.
 
-The Llama family (config.ModelConfig: llama.py, optionally with sliding-window layers) and
-DeepSeek-V2 (config.DeepseekV2Config: deepseek.py, MLA on tvmattn's cache).
+The Llama family (config.ModelConfig: llama.py, optionally with sliding-window layers),
+DeepSeek-V2 (config.DeepseekV2Config: deepseek.py, MLA on tvmattn's cache) and Gemma 3
+(gemma3/: Gemma3Config, its model, GGUF names and chat template).
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def _as_given(config: Any, tensors: Mapping[str, np.ndarray]) -> Mapping[str, np
 
 
 def architecture(config: AnyModelConfig) -> Architecture:
+    from .gemma3 import Gemma3Config
+
+    if isinstance(config, Gemma3Config):
+        from .gemma3 import model as gemma3
+
+        return Architecture("gemma3_text", gemma3.Gemma3ForCausalLM, gemma3.hf_parameter_sources,
+                            gemma3.prepare_tensors, LLAMA_FUNCTIONS)
     if isinstance(config, DeepseekV2Config):
         from . import deepseek
 
@@ -57,8 +65,16 @@ def cache_spec(config: AnyModelConfig, options) -> Any:
                              " the dtype")
 
         return mla_cache_spec(config, options.dtype, options.target, options.page_size)
+    from .gemma3 import Gemma3Config
     from .kv_cache import KVCacheSpec
 
+    if isinstance(config, Gemma3Config):  # RoPE by the model: a base per layer kind
+        return KVCacheSpec(
+            num_layers=config.num_hidden_layers, num_qo_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=options.dtype,
+            target=options.target, page_size=options.page_size, rope_theta=config.rope_theta,
+            sliding_window=config.sliding_window, sliding_layers=config.sliding_layers, kv_dtype=options.kv_dtype,
+            rope_mode="none")
     return KVCacheSpec(
         num_layers=config.num_hidden_layers, num_qo_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=options.dtype,
@@ -66,3 +82,22 @@ def cache_spec(config: AnyModelConfig, options) -> Any:
         rope_scaling=config.rope_scaling, sliding_window=config.sliding_window,
         sliding_layers=config.sliding_layers, kv_dtype=options.kv_dtype,
     )
+
+
+def gguf_layouts() -> dict:
+    """general.architecture -> weights.gguf_file.GgufLayout of the architectures whose GGUF
+    mapping lives in their model folder (read_gguf's `layouts`)."""
+    from .gemma3.gguf import ARCH, LAYOUT
+
+    return {ARCH: LAYOUT}
+
+
+def default_chat(hf_config: dict) -> tuple[str | None, tuple[str, ...]]:
+    """(chat template, stop token texts) of an architecture for GGUF files that carry no template."""
+    from .gemma3 import MODEL_TYPES
+
+    if hf_config.get("model_type") in MODEL_TYPES:
+        from .gemma3.template import CHAT_TEMPLATE, STOP_TOKENS
+
+        return CHAT_TEMPLATE, STOP_TOKENS
+    return None, ()

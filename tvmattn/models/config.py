@@ -16,20 +16,13 @@ from typing import Any
 from tir_kernels import RopeScaling
 from tir_kernels.support import MAX_HEAD_DIM
 
-# HF `model_type`s whose decoder is the one in llama.py (Qwen2 = Llama + q/k/v bias).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm", "smollm2")
+from .config_base import LAYER_TYPES, ModelConfigError, _fail, _sliding_layers  # noqa: F401 - re-exported
+
+# HF `model_type`s whose decoder is the one in llama.py (Qwen2 = Llama + q/k/v bias; Qwen3 =
+# Llama + RMSNorm of each q and k head).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2")
 # HF `model_type` of the multi-head latent attention decoder in deepseek.py.
 DEEPSEEK_V2 = "deepseek_v2"
-# Per-layer attention kinds of ModelConfig.layer_types (HF's names).
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-class ModelConfigError(ValueError):
-    """A model configuration the decoder cannot run; the message names the field."""
-
-
-def _fail(field: str, value, expected: str):
-    raise ModelConfigError(f"model config: {field}={value!r} is not supported: expected {expected}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +35,7 @@ class ModelConfig:
     rms_norm_eps: RMSNorm epsilon; rope_theta: RoPE base; rope_scaling: optional Llama-3
     frequency scaling. vocab_size: embedding rows. tie_word_embeddings: the LM head reuses the
     embedding matrix. attention_bias: q/k/v projections have a bias (Qwen2); o_proj never does.
+    qk_norm: each q and k head is RMS-normed (weights [head_dim]) before RoPE (Qwen3).
     max_position_embeddings: the longest context the model was trained for.
     """
 
@@ -60,8 +54,11 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     sliding_window: int = 0
     layer_types: tuple[str, ...] = ()
+    qk_norm: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.qk_norm, bool):
+            _fail("qk_norm", self.qk_norm, "a bool")
         for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                       "num_key_value_heads", "vocab_size", "max_position_embeddings"):
             value = getattr(self, field)
@@ -150,6 +147,7 @@ class ModelConfig:
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             sliding_window=sliding_window,
             layer_types=layer_types,
+            qk_norm=model_type == "qwen3",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -163,32 +161,6 @@ class ModelConfig:
     def hf_rope_scaling(self) -> dict[str, Any]:
         """rope_scaling as the HF dict TVM's kernels read ({} when none)."""
         return self.to_dict()["rope_scaling"] or {}
-
-
-def _sliding_layers(config: dict[str, Any], model_type: str) -> tuple[int, tuple[str, ...]]:
-    """(sliding_window, layer_types) of an HF config: no window (or use_sliding_window false,
-    Qwen2's default) gives (0, ()); otherwise `layer_types` as given, or from
-    `sliding_window_pattern` N (layer i is full when (i + 1) % N == 0, else sliding: Gemma-3's
-    rule; N = 2 is Gemma-2's alternation), or from Qwen2's `max_window_layers` M (layers >= M
-    slide), or every layer sliding (Mistral)."""
-    window = config.get("sliding_window") or 0
-    if not window or not config.get("use_sliding_window", model_type != "qwen2"):
-        return 0, ()
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        _fail("sliding_window", window, "a positive integer")
-    layers = config["num_hidden_layers"]
-    if config.get("layer_types") is not None:
-        return window, tuple(config["layer_types"])
-    pattern = config.get("sliding_window_pattern")
-    if pattern is not None:
-        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
-            _fail("sliding_window_pattern", pattern, "a positive integer")
-        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
-    elif model_type == "qwen2" and config.get("max_window_layers") is not None:
-        sliding = [i >= config["max_window_layers"] for i in range(layers)]
-    else:
-        sliding = [True] * layers
-    return window, tuple(LAYER_TYPES[s] for s in sliding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +268,10 @@ def model_config_from_hf(config: dict[str, Any]) -> AnyModelConfig:
     """The configuration class of an HF config.json dict's `model_type` (DeepSeek-V2 or Llama-family)."""
     if isinstance(config, dict) and config.get("model_type") == DEEPSEEK_V2:
         return DeepseekV2Config.from_hf(config)
+    from .gemma3.config import MODEL_TYPES, Gemma3Config
+
+    if isinstance(config, dict) and config.get("model_type") in MODEL_TYPES:
+        return Gemma3Config.from_hf(config)
     if isinstance(config, dict) and config.get("model_type") == "gemma2":
         _fail("model_type", "gemma2", f"one of {SUPPORTED_MODEL_TYPES + (DEEPSEEK_V2,)} (Gemma-2's soft-capping, "
               "sandwich norms, GeGLU and scaled embeddings are not implemented; its alternating windows are: a "
@@ -308,4 +284,8 @@ def model_config_from_dict(model_type: str, fields: dict[str, Any]) -> AnyModelC
     Llama family's rope_scaling is dropped (packing weights does not need it)."""
     if model_type == DEEPSEEK_V2:
         return DeepseekV2Config(**fields)
+    from .gemma3.config import MODEL_TYPES, Gemma3Config
+
+    if model_type in MODEL_TYPES:
+        return Gemma3Config(**fields)
     return ModelConfig(**{**fields, "rope_scaling": None})

@@ -44,6 +44,7 @@ from ..runtime.ffi import EXTENSIONS_TAG, AttnKind, CreateArgs
 CREATE = "tvmattn.paged_attention_kv_cache_create"
 ATTENTION_WITH_FUSED_QKV = "tvmattn.attention_kv_cache_attention_with_fused_qkv"
 KV_CACHE_KINDS = ("tvmattn", "tvm")
+ROPE_MODES = {"normal": RopeMode.NORMAL, "none": RopeMode.NONE}  # KVCacheSpec.rope_mode
 ATTN_BACKENDS = ("tir", "flashinfer")
 _ATTN_BACKEND = contextvars.ContextVar("tvmattn_attn_backend", default="tir")
 
@@ -87,7 +88,9 @@ class KVCacheSpec:
     rope_theta / rope_scale / rope_scaling: RoPE applied to q and k before caching ("normal").
     sliding_window / sliding_layers: layers marked True are MHA_SLIDING in the create call's
     attn_kinds, with the window size as cache_config's 6th value (TVM's layer_sliding_window_size);
-    () means every layer MHA.
+    () means every layer MHA. rope_mode: "normal" (the cache rotates q and k with rope_theta) or
+    "none" (the model rotates them itself, e.g. with a RoPE base per layer, at the positions of
+    `query_positions`).
     """
 
     num_layers: int
@@ -103,8 +106,11 @@ class KVCacheSpec:
     sliding_window: int = 0
     sliding_layers: tuple[bool, ...] = ()
     kv_dtype: str = ""  # the pages' element type: "" (dtype) or an FP8 format (tir_kernels.kv_quant)
+    rope_mode: str = "normal"
 
     def __post_init__(self):
+        if self.rope_mode not in ROPE_MODES:
+            raise ValueError(f"rope_mode={self.rope_mode!r}: expected one of {tuple(ROPE_MODES)}")
         object.__setattr__(self, "sliding_layers", tuple(bool(x) for x in self.sliding_layers))
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
@@ -260,7 +266,7 @@ class TvmattnKVCache(nn.Object):
             v_head_dim=rx.prim_value(spec.head_dim),
             attn_kinds=rx.ShapeExpr(spec.attn_kinds),
             enable_kv_transfer=rx.prim_value(False),
-            rope_mode=rx.prim_value(int(RopeMode.NORMAL)),
+            rope_mode=rx.prim_value(int(ROPE_MODES[spec.rope_mode])),
             rope_scale=rx.prim_value(float(spec.rope_scale)),
             rope_theta=rx.prim_value(float(spec.rope_theta)),
             rope_ext_factors=rx.prim_value(0),
@@ -287,6 +293,15 @@ class TvmattnKVCache(nn.Object):
         return nn.op.reshape(nn.Tensor(_expr=out), (b, s, num_qo_heads, d))
 
 
+def query_positions(cache, n: tirx.PrimExpr) -> nn.Tensor:
+    """[n] int32: the RoPE position of each of the step's n tokens (either cache kind)."""
+    if isinstance(cache, TvmattnKVCache):
+        return nn.Tensor(_expr=rx.BlockBuilder.current().emit(rx.call_pure_packed(
+            "tvmattn.attention_kv_cache_get_query_positions", cache._expr, ty_args=rx.TensorType((n,), "int32")),
+            "query_positions"))
+    return cache.get_query_positions(n)
+
+
 def tvm_stock_kv_cache(spec: KVCacheSpec, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
                        support_sliding_window, name: str = "paged_kv_cache") -> TIRPagedKVCache:
     """TVM's own TIRPagedKVCache with TVM's kernels, configured like `spec` (page size at run time)."""
@@ -308,7 +323,7 @@ def tvm_stock_kv_cache(spec: KVCacheSpec, max_batch_size, max_total_seq_len, pre
         v_head_dim=spec.head_dim,
         mla_original_qk_head_dim=0,
         mla_original_v_head_dim=0,
-        rope_mode=RopeMode.NORMAL,
+        rope_mode=ROPE_MODES[spec.rope_mode],
         rope_scale=spec.rope_scale,
         rope_theta=spec.rope_theta,
         rope_scaling=rope_scaling,

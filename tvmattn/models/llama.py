@@ -59,12 +59,18 @@ class Attention(nn.Module):
         self.qkv_proj = _linear(formats, f"{prefix}.qkv_proj", config.hidden_size, config.q_size + 2 * config.kv_size,
                                 bias=config.attention_bias)
         self.o_proj = _linear(formats, f"{prefix}.o_proj", config.q_size, config.hidden_size)
+        if config.qk_norm:  # Qwen3: RMSNorm of each q and k head before RoPE
+            self.q_norm = nn.RMSNorm(config.head_dim, -1, config.rms_norm_eps, bias=False)
+            self.k_norm = nn.RMSNorm(config.head_dim, -1, config.rms_norm_eps, bias=False)
 
     def forward(self, x: nn.Tensor, cache, layer_id: int, norm: nn.RMSNorm) -> nn.Tensor:
         """x + attention(norm(x)) (the residual stream x; the norm may run inside the qkv projection)."""
         b, s, _ = x.shape
         heads = self.num_q_heads + 2 * self.num_kv_heads
         qkv = op.reshape(_normed(self.qkv_proj, x, norm), (b, s, heads, self.head_dim))
+        if hasattr(self, "q_norm"):
+            q, k, v = op.split(qkv, [self.num_q_heads, self.num_q_heads + self.num_kv_heads], axis=2)
+            qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
         o = cache.attention_with_fused_qkv(layer_id, qkv, self.num_q_heads, sm_scale=self.sm_scale)
         return _project(self.o_proj, op.reshape(o, (b, s, self.num_q_heads * self.head_dim)), x)
 
@@ -247,6 +253,9 @@ def _float_parameter_sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
         if config.attention_bias:
             sources[f"{attn}.qkv_proj.bias"] = tuple(f"{attn}.{x}_proj.bias" for x in "qkv")
         sources[f"{attn}.o_proj.weight"] = (f"{attn}.o_proj.weight",)
+        if config.qk_norm:
+            sources[f"{attn}.q_norm.weight"] = (f"{attn}.q_norm.weight",)
+            sources[f"{attn}.k_norm.weight"] = (f"{attn}.k_norm.weight",)
         sources[f"{p}.mlp.gate_up_proj.weight"] = (f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight")
         sources[f"{p}.mlp.down_proj.weight"] = (f"{p}.mlp.down_proj.weight",)
         sources[f"{p}.input_layernorm.weight"] = (f"{p}.input_layernorm.weight",)

@@ -38,6 +38,8 @@ def _dequant(fmt: str, parts: dict[str, te.Tensor], row, col):
         return parts["d"][row, col // SUPER_BLOCK].astype(f32) * parts["sc"][row, col // 16].astype(f32) * q
     blk = col // BLOCK
     d = parts["d"][row, blk].astype("float32")
+    if fmt == "Q5_0":  # d * (q - 16), q - 16 exact
+        return d * (_q5(parts, row, col) - tirx.const(16.0, f32))
     if fmt == "Q8_0":
         return d * parts["qs"][row, col].astype("float32")
     byte = parts["qs"][row, blk * (BLOCK // 2) + col % (BLOCK // 2)]
@@ -46,6 +48,14 @@ def _dequant(fmt: str, parts: dict[str, te.Tensor], row, col):
     if fmt == "Q4_0":
         return d * (q - tirx.const(8.0, "float32"))
     return d * q + parts["m"][row, blk].astype("float32")
+
+
+def _q5(parts: dict[str, te.Tensor], row, col):
+    """The 5-bit quant (0..31, float32) of Q5_0's W[row, col]: low nibble from qs, 5th bit from qh."""
+    blk, j = col // BLOCK, col % BLOCK
+    low = _bits(parts["qs"][row, blk * 16 + j % 16], j // 16 * 4, 15)
+    high = _bits(parts["qh"][row, blk * 4 + j // 8], j % 8, 1)
+    return (low | (high << tirx.const(4, "uint8"))).astype("float32")
 
 
 def i64(value: int) -> tirx.IntImm:
@@ -84,6 +94,9 @@ def _block_terms(fmt: str, parts: dict[str, te.Tensor]):
 
     if fmt == "Q8_0":
         return BLOCK, lambda n, c: parts["qs"][n, c].astype(f32), half("d"), None
+    if fmt == "Q5_0":
+        return (BLOCK, lambda n, c: _q5(parts, n, c), half("d"),
+                lambda n, s: parts["d"][n, s].astype(f32) * tirx.const(-16.0, f32))
     if fmt in ("Q4_0", "Q4_1"):
         def q(n, c):
             return _bits(parts["qs"][n, c // BLOCK * 16 + c % 16], c % BLOCK // 16 * 4, 15).astype(f32)

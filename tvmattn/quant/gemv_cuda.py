@@ -1,8 +1,9 @@
-"""A CUDA dequantize + GEMV of our own for the 32-weight GGUF blocks (Q4_0, Q4_1, Q8_0).
+"""A CUDA dequantize + GEMV of our own for the 32-weight GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0).
 
 What it computes is algorithms.matmul_algorithm's product for a few tokens,
 Y[t, n] = sum_k X[t, k] * W[n, k], in the block-factored form of algorithms.gemv_algorithm:
-per block b of 32 weights, W = d * q + offset (Q4_1: offset m; Q4_0: -8 d; Q8_0: none), so
+per block b of 32 weights, W = d * q + offset (Q4_1: offset m; Q4_0: -8 d; Q5_0: -16 d, q's fifth
+bits from qh; Q8_0: none), so
 
     Y[t, n] = sum_b d[n, b] * (sum_i q[n, 32b + i] * X[t, 32b + i]) + offset[n, b] * (sum_i X[t, 32b + i])
 
@@ -43,7 +44,7 @@ from tvm.script import tirx as T
 
 from .config import PROLOGUES
 
-GEMV_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+GEMV_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
 BLOCK = 32
 FULL_WARP = 0xFFFFFFFF
 
@@ -91,11 +92,11 @@ def choose_gemv_schedule(n: int, k: int, tokens: int | None, prologue: str = "no
 
 def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: CUDAGemvSchedule,
                 residual: bool = False, prologue: str = "none", eps: float = 1e-5):
-    """The PrimFunc (X, qs, d[, m][, G][, R], Y) of the module docstring for `fmt` in GEMV_FORMATS;
+    """The PrimFunc (X, qs, d[, m | qh][, G][, R], Y) of the module docstring for `fmt` in GEMV_FORMATS;
     residual: Y = R + X W^T with R [T, N] in `dtype` (the sum rounded once); prologue: what the
     kernel applies to X before the product, in float32 (see PROLOGUES in the module docstring):
     "rms_norm" takes G [K] (`dtype`) and `eps`, "swiglu" takes X [T, 2K]. The arguments between d
-    and Y are named e0, e1, ... in the PrimFunc (whichever of m, G, R it takes, in that order)."""
+    and Y are named e0, e1, ... in the PrimFunc (whichever of m or qh, G, R it takes, in that order)."""
     if fmt not in GEMV_FORMATS:
         raise ValueError(f"fmt={fmt!r}: the CUDA GEMV takes {GEMV_FORMATS}")
     if k % BLOCK:
@@ -116,6 +117,7 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     QS_DTYPE = "int8" if Q8 else "uint8"
     WORD = "int32" if Q8 else "uint32"
     HAS_M = fmt == "Q4_1"
+    Q5 = fmt == "Q5_0"  # the `m` slot holds qh, uint8 [N, 4 NB]: one 32-bit word of fifth bits a block
     RES = residual
     NORM, GLU = prologue == "rms_norm", prologue == "swiglu"
     XK = 2 * K if GLU else K  # X's columns
@@ -172,6 +174,10 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     @T.macro
     def body(x, qs, d, m, g, r, y, n_tokens):
         qw = T.decl_buffer((T.int64(N * WPR),), WORD, data=qs.data)
+        if Q5:
+            qhw = T.decl_buffer((T.int64(N * NB),), "uint32", data=m.data)
+        else:
+            qhw = T.meta_var(None)
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             for ty in T.thread_binding(R, thread="threadIdx.y"):
                 for tx in T.thread_binding(L, thread="threadIdx.x"):
@@ -182,6 +188,7 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                         xs = T.meta_var(None)
                         part = T.meta_var(None)
                     words = T.alloc_local((J * WORDS,), WORD)
+                    high = T.alloc_local((J,), "uint32")
                     scale = T.alloc_local((J,), f32)
                     offset = T.alloc_local((J,), f32)
                     xv = T.alloc_local((BLOCK,), dtype)
@@ -205,6 +212,9 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                         scale[j] = T.Cast(f32, d[rowc, b]) * live
                         if HAS_M:
                             offset[j] = T.Cast(f32, m[rowc, b]) * live
+                        elif Q5:
+                            high[j] = qhw[rowc * NB + b]
+                            offset[j] = T.Cast(f32, d[rowc, b]) * T.float32(-16.0) * live
                         elif not Q8:
                             offset[j] = T.Cast(f32, d[rowc, b]) * T.float32(-8.0) * live
                     for t0 in T.serial((n_tokens + TR - 1) // TR):
@@ -230,6 +240,16 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                                         if Q8:
                                             dot[w % 4] = dot[w % 4] + T.Cast(f32, T.shift_right(
                                                 T.shift_left(words[j * WORDS + w], 24 - 8 * e), 24)) * xf[w * 4 + e]
+                                        elif Q5:
+                                            dot[w] = dot[w] + T.Cast(f32, T.bitwise_or(T.bitwise_and(T.shift_right(
+                                                words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15)),
+                                                T.shift_left(T.bitwise_and(T.shift_right(high[j], T.Cast(
+                                                    "uint32", w * 4 + e)), T.uint32(1)), T.uint32(4)))) * xf[w * 4 + e]
+                                            dot[w] = dot[w] + T.Cast(f32, T.bitwise_or(T.bitwise_and(T.shift_right(
+                                                words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15)),
+                                                T.shift_left(T.bitwise_and(T.shift_right(high[j], T.Cast(
+                                                    "uint32", w * 4 + e + 16)), T.uint32(1)), T.uint32(4)))) \
+                                                * xf[w * 4 + e + 16]
                                         else:
                                             dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
                                                 words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15))) \
@@ -268,6 +288,7 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     # the optional arguments between d and Y, in order: (name, shape of the token count, dtype)
     extras = [spec for spec, wanted in (
         (("m", lambda t: SC, "float16"), HAS_M),
+        (("m", lambda t: (T.int64(N), T.int64(4 * NB)), "uint8"), Q5),
         (("g", lambda t: (T.int64(K),), dtype), NORM),
         (("r", lambda t: (tok_rows(t), T.int64(N)), dtype), RES),
     ) if wanted]

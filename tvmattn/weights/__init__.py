@@ -12,7 +12,9 @@ from .common import expected_shapes as expected_shapes
 from .gguf_file import chat_template as chat_template
 from .gguf_file import read_gguf as read_gguf
 from .gguf_file import tokenizer_from_gguf as tokenizer_from_gguf
+from .locate import GEMMA3_INSTALL as GEMMA3_INSTALL
 from .locate import SMOLLM2_INSTALL as SMOLLM2_INSTALL
+from .locate import gemma3_path as gemma3_path
 from .locate import smollm2_path as smollm2_path
 from .quant import QUANT_TYPES as QUANT_TYPES
 from .quant import QuantizedTensor as QuantizedTensor

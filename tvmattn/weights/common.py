@@ -116,6 +116,8 @@ def expected_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str,
         for proj in ATTN_PROJ:
             required[f"{prefix}.self_attn.{proj}.weight"] = (out_features[proj], in_features[proj])
             optional[f"{prefix}.self_attn.{proj}.bias"] = (out_features[proj],)
+        for norm in ("q_norm", "k_norm"):  # Qwen3's per-head RMSNorms
+            optional[f"{prefix}.self_attn.{norm}.weight"] = (head_dim,)
         required[f"{prefix}.mlp.gate_proj.weight"] = (inter, hidden)
         required[f"{prefix}.mlp.up_proj.weight"] = (inter, hidden)
         required[f"{prefix}.mlp.down_proj.weight"] = (hidden, inter)
@@ -124,9 +126,10 @@ def expected_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str,
     return required, optional
 
 
-def check_tensors(path, config: dict, tensors: dict[str, np.ndarray]) -> None:
-    """Raise WeightError unless `tensors` holds exactly the parameters `config` calls for."""
-    required, optional = expected_shapes(config)
+def check_tensors(path, config: dict, tensors: dict[str, np.ndarray], shapes=None) -> None:
+    """Raise WeightError unless `tensors` holds exactly the parameters `config` calls for
+    (shapes(config) -> (required, optional) name -> shape; default: the Llama family's)."""
+    required, optional = (shapes or expected_shapes)(config)
     for name, shape in required.items():
         if name not in tensors:
             raise fail(path, name, f"missing (expected shape {list(shape)})")

@@ -12,10 +12,12 @@ model: each tensor's data must lie inside the file, aligned, overlapping no othe
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import pathlib
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import gguf
 import numpy as np
@@ -106,12 +108,22 @@ class CheckedReader(gguf.GGUFReader):
 
 
 def open_gguf(path) -> tuple[pathlib.Path, gguf.GGUFReader]:
-    """The path and a GGUFReader over it, or WeightError for a missing, unparsable or corrupt file."""
+    """The path and a GGUFReader over it, or WeightError for a missing, unparsable or corrupt file.
+
+    The reader of the last few files is reused while the file's size and modification time stay
+    the same: gguf's reader parses a 262k-token vocabulary field by field, for many seconds, and
+    one build reads the file's weights, tokenizer and chat template."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise fail(path, None, "no such file")
+    stat = path.stat()
+    return path, _cached_reader(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: pathlib.Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
     try:
-        return path, CheckedReader(path)
+        return CheckedReader(path)
     except WeightError:
         raise
     except Exception as error:  # the gguf package raises many kinds on bad input; name them all
@@ -127,13 +139,15 @@ def metadata(path: pathlib.Path, reader: gguf.GGUFReader) -> dict:
         raise fail(path, None, f"malformed metadata ({type(error).__name__}: {error})") from error
 
 
-def hf_name(path: pathlib.Path, name: str) -> str:
-    """The Hugging Face parameter name of GGUF tensor `name`."""
+def hf_name(path: pathlib.Path, name: str, block_names: Mapping[str, str] | None = None) -> str:
+    """The Hugging Face parameter name of GGUF tensor `name` (block_names: an architecture's own
+    block tensor names, GgufLayout, instead of BLOCK_NAMES)."""
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
+    block_names = BLOCK_NAMES if block_names is None else block_names
     match = BLOCK_PATTERN.fullmatch(name)
-    if match and match.group(2) in BLOCK_NAMES:
-        return f"model.layers.{int(match.group(1))}.{BLOCK_NAMES[match.group(2)]}"
+    if match and match.group(2) in block_names:
+        return f"model.layers.{int(match.group(1))}.{block_names[match.group(2)]}"
     raise fail(path, name, "unknown GGUF tensor name (no Hugging Face equivalent)")
 
 
@@ -161,11 +175,11 @@ def as_float(value) -> float:
     return float(str(np.float32(value)))
 
 
-def architecture(path, meta: dict) -> str:
-    """general.architecture, checked to be one we read."""
+def architecture(path, meta: dict, others: tuple[str, ...] = ()) -> str:
+    """general.architecture, checked to be one we read (ARCHITECTURES, or `others`: GgufLayouts)."""
     arch = require(path, meta, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise fail(path, None, f"unsupported architecture {arch!r} (supported: {sorted(ARCHITECTURES)})")
+    if arch not in ARCHITECTURES and arch not in others:
+        raise fail(path, None, f"unsupported architecture {arch!r} (supported: {sorted([*ARCHITECTURES, *others])})")
     return arch
 
 
@@ -256,24 +270,48 @@ def read_tensor(path: pathlib.Path, reader: gguf.GGUFReader, tensor,
     return values
 
 
-def read_gguf(path, keep_quantized: bool = False) -> LoadedModel:
+@dataclasses.dataclass(frozen=True)
+class GgufLayout:
+    """How the GGUF files of one architecture map to Hugging Face names and config keys (for
+    architectures whose model module defines it, e.g. tvmattn.models.gemma3.gguf):
+    block_names: GGUF block tensor suffix -> HF suffix under model.layers.{i};
+    hf_config(path, meta, names, embed_rows) -> the HF config.json dict (raises WeightError);
+    expected_shapes(config) -> (required, optional) HF name -> shape;
+    adjust(name, values) -> a float tensor as HF stores it (e.g. Gemma's norms, stored 1 + w)."""
+
+    block_names: Mapping[str, str]
+    hf_config: Callable[[pathlib.Path, dict, set, int], dict]
+    expected_shapes: Callable[[dict], tuple[dict, dict]]
+    adjust: Callable[[str, np.ndarray], np.ndarray] = lambda name, values: values
+
+
+def read_gguf(path, keep_quantized: bool = False, layouts: Mapping[str, GgufLayout] | None = None) -> LoadedModel:
     """Config and float32 weights (HF names and shapes, rotate-half q/k) of a GGUF model file;
-    with keep_quantized, matrices stored in a block type (QUANT_TYPES) are QuantizedTensors."""
+    with keep_quantized, matrices stored in a block type (QUANT_TYPES) are QuantizedTensors.
+    layouts: architectures beyond ARCHITECTURES (general.architecture -> GgufLayout)."""
     path, reader = open_gguf(path)
     meta = metadata(path, reader)
-    arch = architecture(path, meta)
+    arch = require(path, meta, "general.architecture")
+    layout = (layouts or {}).get(arch)
+    if layout is None:
+        arch = architecture(path, meta, tuple(layouts or ()))
     tensors, rope_freqs = {}, None
     for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:
+        if tensor.name == ROPE_FREQS and layout is None:
             rope_freqs = read_tensor(path, reader, tensor)
             continue
-        name = hf_name(path, tensor.name)
+        name = hf_name(path, tensor.name, None if layout is None else layout.block_names)
         if name in tensors:
             raise fail(path, tensor.name, "appears twice")
-        tensors[name] = read_tensor(path, reader, tensor, keep_quantized)
+        value = read_tensor(path, reader, tensor, keep_quantized)
+        tensors[name] = value if layout is None or isinstance(value, QuantizedTensor) else layout.adjust(name, value)
     embed = tensors.get("model.embed_tokens.weight")
     if embed is None:
         raise fail(path, "token_embd.weight", "missing")
+    if layout is not None:
+        config = layout.hf_config(path, meta, set(tensors), embed.shape[0])
+        check_tensors(path, config, tensors, layout.expected_shapes)
+        return LoadedModel(path=path, hf_config=config, tensors=tensors)
     config = build_config(path, meta, set(tensors), embed.shape[0])
     check_tensors(path, config, tensors)
     if rope_freqs is not None and rope_freqs.shape != (config["head_dim"] // 2,):
@@ -325,8 +363,11 @@ def tokenizer_from_gguf(path) -> tokenizers.Tokenizer:
     path, reader = open_gguf(path)
     model_name = reader.get_field("tokenizer.ggml.model")
     model_name = model_name.contents() if model_name is not None else None
+    if model_name == "llama":
+        return _spm_tokenizer(path, reader)
     if model_name != "gpt2":
-        raise fail(path, None, f"unsupported tokenizer model {model_name!r} (only byte-level BPE 'gpt2')")
+        raise fail(path, None, f"unsupported tokenizer model {model_name!r} (byte-level BPE 'gpt2' or "
+                               "SentencePiece 'llama')")
     pre_field = reader.get_field("tokenizer.ggml.pre")
     pre = pre_field.contents() if pre_field is not None else "default"
     tokens = field_value(path, reader, "tokenizer.ggml.tokens")
@@ -354,6 +395,31 @@ def tokenizer_from_gguf(path) -> tokenizers.Tokenizer:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, bos_id)])
     return tokenizer
+
+
+def _flag(reader, key: str, default: bool) -> bool:
+    field = reader.get_field(key)
+    return default if field is None else bool(field.contents())
+
+
+def _spm_tokenizer(path, reader) -> tokenizers.Tokenizer:
+    """tokenizer_from_gguf of a SentencePiece vocabulary (tokenizer.ggml.model "llama": spm.py)."""
+    from .spm import spm_tokenizer
+
+    tokens = field_value(path, reader, "tokenizer.ggml.tokens")
+    scores = field_value(path, reader, "tokenizer.ggml.scores")
+    types_field = reader.get_field("tokenizer.ggml.token_type")
+    types = types_field.contents() if types_field is not None else [1] * len(tokens)
+    if len(scores) != len(tokens) or len(types) != len(tokens):
+        raise fail(path, None, f"tokenizer.ggml.scores ({len(scores)}) and token_type ({len(types)}) must have "
+                               f"one entry per token ({len(tokens)})")
+    bos = None
+    if _flag(reader, "tokenizer.ggml.add_bos_token", True):
+        bos_id = int(field_value(path, reader, "tokenizer.ggml.bos_token_id"))
+        bos = (tokens[bos_id], bos_id)
+    unk_field = reader.get_field("tokenizer.ggml.unknown_token_id")
+    unk = None if unk_field is None else tokens[int(unk_field.contents())]
+    return spm_tokenizer(tokens, scores, types, _flag(reader, "tokenizer.ggml.add_space_prefix", True), bos, unk)
 
 
 def chat_template(path) -> str | None:

@@ -1,11 +1,13 @@
-"""GGML tensors in numpy: dequantization (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) -> float32,
+"""GGML tensors in numpy: dequantization (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) -> float32,
 and block-quantized matrices kept quantized (`QuantizedTensor`, split into separate arrays).
 
 Block layouts (little-endian), each block covering 32 consecutive elements of a row:
   Q4_0: fp16 scale d, 16 bytes of nibbles                 -> d * (q - 8)        (18 bytes)
   Q4_1: fp16 scale d, fp16 min m, 16 bytes of nibbles     -> d * q + m          (20 bytes)
+  Q5_0: fp16 scale d, 4 bytes qh, 16 bytes of nibbles     -> d * (q - 16)       (22 bytes)
   Q8_0: fp16 scale d, 32 x int8 q                         -> d * q              (34 bytes)
-  (4-bit: element j < 16 is the low nibble of byte j, element j >= 16 the high nibble of byte j - 16.)
+  (4-bit: element j < 16 is the low nibble of byte j, element j >= 16 the high nibble of byte j - 16;
+  Q5_0: those nibbles are q's low 4 bits, its 5th bit is bit j % 8 of qh byte j // 8.)
 K-quants: super-blocks of 256 elements (`BLOCK_ELEMS`), sub-blocks with scales of their own:
   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales sc and mins m, 128 bytes of
        nibbles; sub-block j (32 elements) -> d * sc_j * q - dmin * m_j. Byte 32 g + l holds element
@@ -20,9 +22,10 @@ K-quants: super-blocks of 256 elements (`BLOCK_ELEMS`), sub-blocks with scales o
 Kept quantized, a [rows, cols] matrix is split into arrays with rows first (`PACKED`, shapes from
 `part_shapes`): the quants `qs` (uint8 [rows, cols / 2] for 4-bit, the blocks' 16 bytes each in
 GGUF order; int8 [rows, cols] for Q8_0) and the float16 scales `d` (and mins `m`, Q4_1)
-[rows, cols / 32]; Q4_K: `qs` as GGUF's, the 6-bit scales and mins unpacked to uint8 `sc`, `mn`
-[rows, cols / 32], fp16 `d`, `dmin` [rows, cols / 256]; Q6_K: `ql`, `qh`, int8 `sc`, fp16 `d` as
-GGUF's. The fused kernels (tvmattn/quant/) read these arrays.
+[rows, cols / 32]; Q5_0: `qs` as Q4_0's, `qh` uint8 [rows, cols / 8] (the blocks' 4 bytes), `d`;
+Q4_K: `qs` as GGUF's, the 6-bit scales and mins unpacked to uint8 `sc`, `mn` [rows, cols / 32],
+fp16 `d`, `dmin` [rows, cols / 256]; Q6_K: `ql`, `qh`, int8 `sc`, fp16 `d` as GGUF's. The fused
+kernels (tvmattn/quant/) read these arrays.
 """
 
 from __future__ import annotations
@@ -34,13 +37,15 @@ import numpy as np
 BLOCK = 32  # elements per block of the 32-element types; sub-block of the Q4_K scales
 SUPER_BLOCK = 256  # elements per K-quant super-block
 # type name -> (elements per block, bytes per block), as in GGML
-LAYOUTS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
+LAYOUTS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
+           "Q8_0": (32, 34),
            "Q4_K": (256, 144), "Q6_K": (256, 210)}
 FLOAT_TYPES = ("F32", "F16", "BF16")  # the unquantized types, the only ones vectors (norms, biases) may use
 # block type -> its arrays kept quantized: (part name, numpy dtype, columns per block of BLOCK_ELEMS elements)
 PACKED = {
     "Q4_0": (("qs", "uint8", 16), ("d", "float16", 1)),
     "Q4_1": (("qs", "uint8", 16), ("d", "float16", 1), ("m", "float16", 1)),
+    "Q5_0": (("qs", "uint8", 16), ("d", "float16", 1), ("qh", "uint8", 4)),
     "Q8_0": (("qs", "int8", 32), ("d", "float16", 1)),
     "Q4_K": (("qs", "uint8", 128), ("sc", "uint8", 8), ("mn", "uint8", 8), ("d", "float16", 1),
              ("dmin", "float16", 1)),
@@ -124,6 +129,11 @@ class QuantizedTensor:
         qs = self.parts["qs"].reshape(rows, cols // BLOCK, -1)
         if self.type_name == "Q8_0":
             values = d * qs.astype(np.float32)
+        elif self.type_name == "Q5_0":
+            low = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
+            qh = self.parts["qh"].reshape(rows, cols // BLOCK, 4)
+            high = np.unpackbits(qh, axis=2, bitorder="little")  # bit j of the block's 32 -> element j
+            values = d * ((low | (high << 4)).astype(np.float32) - 16.0)
         else:
             q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.float32)
             if self.type_name == "Q4_0":
@@ -178,6 +188,8 @@ def split_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Qua
                  "dmin": half(2)}
     elif type_name == "Q6_K":
         parts = {"ql": tail(0, 128), "qh": tail(128, 192), "sc": tail(192, 208).view(np.int8), "d": half(208)}
+    elif type_name == "Q5_0":
+        parts = {"qs": tail(6, 22), "qh": tail(2, 6), "d": half(0)}
     else:
         parts = {"d": half(0)}
         if type_name == "Q4_1":

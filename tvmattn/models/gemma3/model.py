@@ -1,0 +1,187 @@
+"""The Gemma 3 decoder in `tvm.relax.frontend.nn` (Gemma3Config's docstring says what it
+computes), exporting the Llama library's functions (llama.LlamaForCausalLM: the same names,
+arguments and cache calls), and its parameter map from Hugging Face tensor names.
+
+Where it differs from the Llama decoder: q, k and v are separate projections (a GGUF stores
+them in different block types, e.g. Q5_0 q and k beside a Q8_0 v); q and k are RMS-normed per
+head and rotated here, by the layer's RoPE base (the cache runs with rope_mode "none" and gives
+the positions); four RMSNorms a layer; a GeGLU MLP (gate and up fused when they share a block
+type, as they do in a GGUF); embeddings scaled by sqrt(hidden_size). RMSNorm parameters hold
+Gemma's multiplier 1 + w (`prepare_tensors` adds the 1 to Hugging Face's w).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from ...quant.linear import PART_PREFIX, QuantEmbedding
+from ...weights.quant import PACKED
+from ..kv_cache import KVCacheSpec, query_positions
+from ..llama import LlamaForCausalLM, _linear
+from .config import Gemma3Config
+
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def rope(x: te.Tensor, positions: te.Tensor, theta: float) -> te.Tensor:
+    """x [b, s, h, d] rotated (rotate-half, as llama.cpp's NEOX mode, float32) at positions [b * s]."""
+    s, d = x.shape[1], int(x.shape[3])
+    half = d // 2
+
+    def value(i, j, head, k):
+        position = positions[i * s + j].astype("float32")
+        exponent = (k % half).astype("float32") * tirx.const(2.0 / d, "float32")
+        angle = position * tirx.power(tirx.const(theta, "float32"), -exponent)
+        own = x[i, j, head, k].astype("float32")
+        other = tirx.if_then_else(k < half, -x[i, j, head, k + half].astype("float32"),
+                                  x[i, j, head, k - half].astype("float32"))
+        return (own * tirx.cos(angle) + other * tirx.sin(angle)).astype(x.dtype)
+
+    return te.compute(x.shape, value, name="rope")
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: Gemma3Config, layer_id: int, formats: Mapping[str, str], prefix: str):
+        self.config = config
+        self.theta = config.layer_rope_theta(layer_id)
+        hidden, d = config.hidden_size, config.head_dim
+        self.q_proj = _linear(formats, f"{prefix}.q_proj", hidden, config.q_size)
+        self.k_proj = _linear(formats, f"{prefix}.k_proj", hidden, config.kv_size)
+        self.v_proj = _linear(formats, f"{prefix}.v_proj", hidden, config.kv_size)
+        self.o_proj = _linear(formats, f"{prefix}.o_proj", config.q_size, hidden)
+        self.q_norm = nn.RMSNorm(d, -1, config.rms_norm_eps, bias=False)
+        self.k_norm = nn.RMSNorm(d, -1, config.rms_norm_eps, bias=False)
+
+    def forward(self, x: nn.Tensor, cache, layer_id: int, positions: nn.Tensor) -> nn.Tensor:
+        """x [b, s, hidden] (normed) -> the attention's projection [b, s, hidden]."""
+        c = self.config
+        b, s, _ = x.shape
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q = self.q_norm(op.reshape(self.q_proj(x), (b, s, hq, d)))
+        k = self.k_norm(op.reshape(self.k_proj(x), (b, s, hkv, d)))
+        v = op.reshape(self.v_proj(x), (b, s, hkv, d))
+        q = op.tensor_expr_op(rope, "rope_q", [q, positions, self.theta])
+        k = op.tensor_expr_op(rope, "rope_k", [k, positions, self.theta])
+        o = cache.attention_with_fused_qkv(layer_id, op.concat([q, k, v], dim=2), hq, sm_scale=c.sm_scale)
+        return self.o_proj(op.reshape(o, (b, s, hq * d)))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: Gemma3Config, formats: Mapping[str, str], prefix: str):
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = _linear(formats, f"{prefix}.gate_up_proj", hidden, 2 * inter)
+        self.down_proj = _linear(formats, f"{prefix}.down_proj", inter, hidden)
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: Gemma3Config, layer_id: int, formats: Mapping[str, str], prefix: str):
+        self.self_attn = Gemma3Attention(config, layer_id, formats, f"{prefix}.self_attn")
+        self.mlp = Gemma3MLP(config, formats, f"{prefix}.mlp")
+        for name in NORMS:
+            setattr(self, name, nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False))
+
+    def forward(self, x: nn.Tensor, cache, layer_id: int, positions: nn.Tensor) -> nn.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, layer_id, positions))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: Gemma3Config, formats: Mapping[str, str]):
+        if "model.embed_tokens" in formats:
+            self.embed_tokens = QuantEmbedding(config.vocab_size, config.hidden_size, formats["model.embed_tokens"])
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, i, formats, f"model.layers.{i}")
+                                     for i in range(config.num_hidden_layers)])
+        self.norm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False)
+
+    def forward(self, x: nn.Tensor, cache) -> nn.Tensor:
+        b, s, _ = x.shape
+        positions = query_positions(cache, b * s)
+        for layer_id, layer in enumerate(self.layers):
+            x = layer(x, cache, layer_id, positions)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """The decoder and the Llama library's exported functions (kv_cache, cache_spec,
+    weight_formats as LlamaForCausalLM's)."""
+
+    def __init__(self, config: Gemma3Config, cache_spec: KVCacheSpec, kv_cache: str = "tvmattn",
+                 weight_formats: Mapping[str, str] | None = None):
+        formats = dict(weight_formats or {})
+        self.config = config
+        self.cache_spec = cache_spec
+        self.kv_cache = kv_cache
+        self.dtype = cache_spec.dtype
+        self.model = Gemma3Model(config, formats)
+        if not config.tie_word_embeddings:
+            self.lm_head = _linear(formats, "lm_head", config.hidden_size, config.vocab_size)
+
+    def _scaled_embedding(self, input_ids: nn.Tensor) -> nn.Tensor:
+        """input_ids [n] int32 -> embeddings [n, hidden] * sqrt(hidden) (a float32 factor, as llama.cpp's)."""
+        return self.model.embed_tokens(input_ids) * math.sqrt(self.config.hidden_size)
+
+    def logits(self, h: nn.Tensor) -> nn.Tensor:
+        out = super().logits(h)
+        cap = self.config.final_logit_softcapping
+        return op.tanh(out / cap) * cap if cap else out
+
+    def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
+        """input_ids [n] int32 -> scaled embeddings [n, hidden]."""
+        return self._scaled_embedding(input_ids)
+
+    def decode_step(self, input_ids: nn.Tensor, paged_kv_cache):
+        """input_ids [batch] int32 -> (logits [batch, 1, vocab] f32, cache): a whole decode step."""
+        h = op.reshape(self._scaled_embedding(input_ids), (input_ids.shape[0], 1, self.config.hidden_size))
+        return self.logits(self.model(h, paged_kv_cache)), paged_kv_cache
+
+
+def _float_parameter_sources(config: Gemma3Config) -> dict[str, tuple[str, ...]]:
+    sources: dict[str, tuple[str, ...]] = {"model.embed_tokens.weight": ("model.embed_tokens.weight",)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sources[f"{p}.self_attn.{proj}.weight"] = (f"{p}.self_attn.{proj}.weight",)
+        for norm in ("q_norm", "k_norm"):
+            sources[f"{p}.self_attn.{norm}.weight"] = (f"{p}.self_attn.{norm}.weight",)
+        sources[f"{p}.mlp.gate_up_proj.weight"] = (f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight")
+        sources[f"{p}.mlp.down_proj.weight"] = (f"{p}.mlp.down_proj.weight",)
+        for norm in NORMS:
+            sources[f"{p}.{norm}.weight"] = (f"{p}.{norm}.weight",)
+    sources["model.norm.weight"] = ("model.norm.weight",)
+    if not config.tie_word_embeddings:
+        sources["lm_head.weight"] = ("lm_head.weight",)
+    return sources
+
+
+def hf_parameter_sources(config: Gemma3Config, weight_formats: Mapping[str, str] | None = None
+                         ) -> dict[str, tuple[str, ...]]:
+    """Parameter name -> the HF tensors it is made of (concatenated along axis 0), in the order
+    the model declares its parameters; a layer kept quantized: one entry per block array."""
+    formats = weight_formats or {}
+    out: dict[str, tuple[str, ...]] = {}
+    for name, names in _float_parameter_sources(config).items():
+        prefix = name[:-len(".weight")]
+        if prefix in formats:
+            for part, _, _ in PACKED[formats[prefix]]:
+                out[f"{prefix}.{PART_PREFIX}{part}"] = names
+        else:
+            out[name] = names
+    return out
+
+
+def prepare_tensors(config: Gemma3Config, tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """HF tensors as the parameters take them: each RMSNorm weight w as Gemma's multiplier 1 + w."""
+    return {name: value + np.float32(1.0) if name.endswith("norm.weight") else value
+            for name, value in tensors.items()}
