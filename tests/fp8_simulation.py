@@ -74,8 +74,10 @@ class SimLlama:
         return out
 
     def logits(self, tokens: list[int], scales: np.ndarray | None = None, fmt: str = "float8_e4m3fn",
-               exact_from: np.ndarray | None = None, keep_kv: bool = False) -> np.ndarray:
-        """float64 [len(tokens), vocab]. scales [layers, 2, Hkv] (None: no quantization)."""
+               exact_from: np.ndarray | None = None, keep_kv: bool = False,
+               round_kv: tuple[bool, bool] = (True, True)) -> np.ndarray:
+        """float64 [len(tokens), vocab]. scales [layers, 2, Hkv] (None: no quantization);
+        round_kv: whether K, V are rounded (to tell their shares of the error apart)."""
         n = len(tokens)
         exact_from = torch.zeros(n, dtype=torch.long) if exact_from is None else torch.as_tensor(exact_from)
         x = self.w["model.embed_tokens.weight"][torch.tensor(tokens)]
@@ -92,7 +94,8 @@ class SimLlama:
             if scales is None:
                 kq, vq = k, v
             else:
-                kq, vq = fp8_round(k, scales[i, 0], fmt), fp8_round(v, scales[i, 1], fmt)
+                kq = fp8_round(k, scales[i, 0], fmt) if round_kv[0] else k
+                vq = fp8_round(v, scales[i, 1], fmt) if round_kv[1] else v
             o = self._attention(q, k, v, kq, vq, exact_from).reshape(n, self.heads * self.d)
             x = x + self._linear(o, f"{p}.self_attn.o_proj")
             h = self._rms_norm(x, self.w[f"{p}.post_attention_layernorm.weight"])

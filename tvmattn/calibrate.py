@@ -2,12 +2,14 @@
 
 The scale of (layer, K or V, KV head) is amax / FP8_MAX[kv_dtype] over every token of the
 prompts (amax: the largest |value| of that head's K or V rows), so the largest value seen maps
-to the format's largest finite code (448 for e4m3fn) and nothing seen saturates; a head that
-only ever held zeros keeps 1.0. K is measured as the cache stores it (after RoPE). Per-tensor
-amax scaling is what vLLM and FlashInfer calibrate; a margin is not added because saturation
-clips only values beyond the calibration set's largest, while a larger scale coarsens every
-small value (the relative precision of a normal FP8 value does not depend on the scale, its
-subnormal range does).
+to the format's largest finite code (448 for e4m3fn); a head that only ever held zeros keeps
+1.0. K is measured as the cache stores it (after RoPE). Per-tensor amax scaling is what vLLM and
+FlashInfer calibrate. `headroom` multiplies the scales: values beyond the calibration set's
+largest saturate, and a long text reaches values well above a few short prompts' amax, while a
+larger scale costs almost nothing, since the relative precision of a normal FP8 value does not
+depend on the scale (only values below scale * the smallest normal, 2^-6 for e4m3fn, lose
+precision). `percentile` below 100 maps a percentile instead of the amax to FP8_MAX, saturating
+the tail on purpose.
 
 Run it on a generator of the same model whose cache keeps K/V unquantized (a library compiled
 without --kv-cache-dtype): its pages hold the exact K/V. Then give the scales to the FP8
@@ -32,17 +34,19 @@ from tir_kernels.support import FP8_MAX, is_fp8
 
 
 def calibrate_kv_scales(generator, prompts: list[list[int]] | list[str], kv_dtype: str = "float8_e4m3fn",
-                        chunk: int | None = None, percentile: float = 100.0) -> np.ndarray:
+                        chunk: int | None = None, percentile: float = 100.0, headroom: float = 1.0) -> np.ndarray:
     """float32 [num_layers, 2, num_kv_heads] scales for `kv_dtype` from the K/V that `generator`'s
     model computes over `prompts` (token lists, or strings encoded as chat prompts). Each prompt is
     prefilled (in chunks of `chunk` tokens, default the library's) into a sequence of the
     generator's cache, read back with debug_get_kv, and removed. `percentile` (0, 100]: the
-    head's largest |value| (100, amax) or that percentile of its |values| maps to FP8_MAX;
-    values above it saturate."""
+    head's largest |value| (100, amax) or that percentile of its |values| maps to FP8_MAX / headroom
+    (headroom >= 1: room for values beyond those of the prompts); values above it saturate."""
     if not is_fp8(kv_dtype):
         raise ValueError(f"kv_dtype={kv_dtype!r} is not supported: expected one of {tuple(FP8_MAX)}")
     if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
         raise ValueError(f"percentile={percentile!r} is not supported: expected a number in (0, 100]")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 1 <= headroom < float("inf"):
+        raise ValueError(f"headroom={headroom!r} is not supported: expected a finite number >= 1")
     if not prompts:
         raise ValueError("prompts must hold at least one prompt")
     token_lists = [generator.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -66,7 +70,7 @@ def calibrate_kv_scales(generator, prompts: list[list[int]] | list[str], kv_dtyp
             amax = peak if percentile == 100 else _measure(generator, token_lists, chunk, percentile)
         finally:
             generator.cache, generator.kv_scales = None, given
-    scales = np.where(amax > 0, amax / FP8_MAX[kv_dtype], 1.0)
+    scales = np.where(amax > 0, amax * headroom / FP8_MAX[kv_dtype], 1.0)
     return scales.astype(np.float32)
 
 
