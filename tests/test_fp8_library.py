@@ -128,7 +128,7 @@ def test_a_bad_kv_scales_file_is_named(tmp_path, content, fragment):
 def test_generate_with_a_kv_scales_file_and_with_calibration(fp8_library, tmp_path, capsys):
     out = tmp_path / "scales.npy"
     assert main(["calibrate-kv", "--lib", str(fp8_library), "--prompt", "hello there", "--prompt", "a b c",
-                 "--no-chat", "-o", str(out)]) == 0
+                 "--no-chat", "--headroom", "2", "-o", str(out)]) == 0
     from tvmattn.generate import Generator
 
     spec = Generator(fp8_library).metadata["kv_cache"]
@@ -183,3 +183,21 @@ def test_kv_scales_options_are_checked_while_parsing(tiny_library, tmp_path, arg
         main(["generate", "--lib", str(tiny_library[1]), "--prompt", "hi", *argv])
     assert done.value.code == 2
     one_error(capsys.readouterr().err, fragment)
+
+
+def test_calibration_options(tiny_library):
+    """headroom multiplies the amax scales; a percentile below 100 gives smaller ones; bad values
+    are refused naming the argument."""
+    from tvmattn.calibrate import calibrate_kv_scales
+    from tvmattn.generate import Generator
+
+    generator = Generator(tiny_library[1])
+    amax = calibrate_kv_scales(generator, [PROMPT])
+    assert np.allclose(calibrate_kv_scales(generator, [PROMPT], headroom=4.0), 4 * amax, rtol=1e-6, atol=0)
+    median = calibrate_kv_scales(generator, [PROMPT], percentile=50.0)
+    assert (median < amax).all() and (median > 0).all()
+    for keywords, name in (({"percentile": 0.0}, "percentile"), ({"percentile": 101}, "percentile"),
+                           ({"headroom": 0.5}, "headroom"), ({"headroom": float("inf")}, "headroom"),
+                           ({"kv_dtype": "float16"}, "kv_dtype")):
+        with pytest.raises(ValueError, match=name):
+            calibrate_kv_scales(generator, [PROMPT], **keywords)

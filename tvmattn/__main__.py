@@ -368,7 +368,10 @@ def parser() -> argparse.ArgumentParser:
                            help="the FP8 format the scales are for")
     calibrate.add_argument("--percentile", type=_float_in(0.0, 100.0, low_open=True), default=100.0,
                            help="map this percentile of each head's |values| to the format's largest value "
-                                "(100: amax, nothing saturates)")
+                                "(100: amax, nothing seen saturates)")
+    calibrate.add_argument("--headroom", type=_float_in(1.0, 1e6), default=1.0,
+                           help="multiply the scales by this (room for values beyond the prompts'; FP8's "
+                                "relative precision does not depend on the scale)")
     calibrate.add_argument("--no-chat", action="store_true",
                            help="send the prompts as they are, without the model's chat template")
     calibrate.add_argument("-o", "--output", required=True, type=_kv_scales_file, metavar="FILE",
@@ -586,7 +589,8 @@ def _calibrate_kv(args) -> int:
     try:
         generator = Generator(args.lib)
         prompts = [generator.encode(p, chat=not args.no_chat) for p in args.prompt]
-        scales = calibrate_kv_scales(generator, prompts, args.kv_cache_dtype, percentile=args.percentile)
+        scales = calibrate_kv_scales(generator, prompts, args.kv_cache_dtype, percentile=args.percentile,
+                                     headroom=args.headroom)
         save_kv_scales(args.output, scales)
     except (GenerateError, ValueError, OSError) as err:
         return _fail(str(err))
