@@ -6,7 +6,10 @@ attention_with_fused_qkv on every layer, end_forward. Three caches run the same 
   - tvm-cpp+tvm:   TVM's C++ cache (vm.builtin.paged_attention_kv_cache_create) with TVM's
                    own TIR kernels from tvm.relax.frontend.nn.llm, chosen as TVM's
                    TIRPagedKVCache chooses them;
-  - tvm-cpp+ours:  TVM's C++ cache with tir_kernels' kernels (as in tests/test_interop.py).
+  - tvm-cpp+ours:  TVM's C++ cache with tir_kernels' kernels (as in tests/test_interop.py);
+  - tvmattn-ffi:   tvmattn.PagedKVCache called through its `tvmattn.*` global functions (a
+                   Shape of ids and lengths to begin_forward; every per-layer call crosses the
+                   FFI into Python), as a model library's VM calls it (not run by default).
 Each cache is filled by prefill (chunks of whole sequences) with the same qkv, then runs
 warm-up and timed decode steps. Host time is the CPU clock around the step's calls without
 synchronizing (planning + launches); wall time synchronizes the device before and after.
@@ -18,11 +21,14 @@ agree between the caches, else the run fails.
     python scripts/bench_cache.py --device host   # host paths only: the CPU, kernels without bodies
     python scripts/bench_cache.py --workloads 1x1024 --steps 50 --caches tvmattn,tvm-cpp+tvm
     python scripts/bench_cache.py --json cache.json   # also the rows of docs/bench-format.md
+    python scripts/bench_cache.py --device host --layers 30 --workloads 1x512,16x512,64x512 \
+        --caches tvm-cpp+tvm,tvmattn,tvmattn-ffi      # SmolLM2's 30 layers, as bench_e2e drives them
 
 `--device host` times the host paths alone, on the CPU: every kernel of every cache is compiled
 with its body removed (`null_kernel`: the same arguments and argument checks, no work), at the
 H200 preset's layers and workloads (fewer heads, a smaller head dim: pages stay small; the host
-path does not depend on them). No outputs are compared there.
+path does not depend on them). No outputs are compared there. `--layers N` times a model of N
+layers instead of the preset's.
 
 --json PATH writes a row per cache and workload (`make_row`): bench "cache", kernel "step", impl the
 cache's name above, batch, seq_len (the context), qo_len 1, ms (wall, median), host_ms (median),
@@ -200,6 +206,31 @@ class PythonCache:
         self.cache.end_forward()
 
 
+class FfiPythonCache(PythonCache):
+    """tvmattn.PagedKVCache through its registered `tvmattn.*` functions, as the Relax VM of a
+    model library calls them (the step's ids and lengths as Shapes)."""
+
+    def __init__(self, model: ModelShape, size: CacheSize, target: str, device: tvm.runtime.Device):
+        import tvmattn  # noqa: F401 - registers tvmattn.*
+
+        super().__init__(model, size, target, device)
+        self._begin = tvm.get_global_func("tvmattn.kv_state_begin_forward")
+        self._attention = tvm.get_global_func("tvmattn.attention_kv_cache_attention_with_fused_qkv")
+        self._end = tvm.get_global_func("tvmattn.kv_state_end_forward")
+
+    def batch_args(self, seq_ids, lengths) -> tuple:
+        return ShapeTuple(seq_ids), ShapeTuple(lengths)
+
+    def begin_forward(self, seq_ids, lengths) -> None:
+        self._begin(self.cache, seq_ids, lengths)
+
+    def attention(self, layer, qkv, o) -> None:
+        self._attention(self.cache, layer, self.sm_scale, qkv, o)
+
+    def end_forward(self) -> None:
+        self._end(self.cache)
+
+
 @dataclasses.dataclass(frozen=True)
 class CppKernels:
     """The kernels TVM's C++ cache takes (MHA, no sliding window, no tree attention)."""
@@ -358,7 +389,9 @@ CACHES: dict[str, CacheFactory] = {
     "tvm-cpp+tvm": lambda model, size, target, dev: CppCache(model, size, tvm_kernels(model, target), dev),
     "tvm-cpp+ours": lambda model, size, target, dev: CppCache(model, size, our_kernels(model, target), dev),
     "tvmattn": PythonCache,
+    "tvmattn-ffi": FfiPythonCache,
 }
+DEFAULT_CACHES = ("tvm-cpp+tvm", "tvm-cpp+ours", "tvmattn")
 BASELINE = "tvm-cpp+tvm"
 
 
@@ -549,7 +582,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=sorted(PRESETS), default="cuda")
     parser.add_argument("--workloads", help="comma-separated BATCHxCONTEXT (default: the preset's)")
-    parser.add_argument("--caches", default=",".join(CACHES), help=f"comma-separated subset of {list(CACHES)}")
+    parser.add_argument("--caches", default=",".join(DEFAULT_CACHES), help=f"comma-separated subset of {list(CACHES)}")
+    parser.add_argument("--layers", type=int, help="layers of the model (default: the preset's)")
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--prefill-chunk", type=int)
@@ -559,6 +593,10 @@ def main(argv=None) -> None:
     if problem:
         parser.error(f"argument --json: {problem}")
     preset = PRESETS[args.device]
+    if args.layers is not None:
+        if args.layers < 1:
+            parser.error(f"argument --layers: expected a positive number, got {args.layers}")
+        preset = dataclasses.replace(preset, model=dataclasses.replace(preset.model, num_layers=args.layers))
     options = dataclasses.replace(preset.options, **{k: v for k, v in dict(
         warmup=args.warmup, steps=args.steps, prefill_chunk=args.prefill_chunk).items() if v is not None})
     workloads = [Workload.parse(w) for w in args.workloads.split(",")] if args.workloads else preset.workloads

@@ -12,12 +12,12 @@ one batch; greedy: the argmax of its logits).
 Every engine runs in a child process of its own, so that its memory is its own; the children run
 one after the other, --rounds times in turn (ours, llama.cpp, ours, ...), so that a load spike of
 the shared machine hits both. In each child one sequence is prefilled with a --prompt-tokens prompt
-(random token ids, seed 0, the same for every engine; ours in the generator's prefill calls, of
-tvmattn.generate.CPU_PREFILL_CHUNK tokens) and then decodes --decode-tokens tokens greedily (stop
+(random token ids, seed 0, the same for every engine; ours in the session's prefill calls, of
+tvmattn.session.CPU_PREFILL_CHUNK tokens) and then decodes --decode-tokens tokens greedily (stop
 tokens ignored, so every run decodes the same count), --reps times after one warm-up; each of our
 steps includes the embedding, the cache's begin/end_forward and the logits' copy to the host, as
-the generator's (its KV cache sized as the generator sizes it, Python's cyclic GC off as in its
-generation loop); llama.cpp's includes its copy of the logits.
+the engine's (its KV cache sized as the Generator sizes it for one prompt, Python's cyclic GC off
+as in its loop); llama.cpp's includes its copy of the logits.
 Reported: the median over all rounds and reps, and the best.
 
 Memory, measured the same way for each engine: `peak_rss_bytes` is the child's VmHWM (peak
@@ -100,26 +100,26 @@ def _timed_runs(prefill, decode_step, prompt: list[int], decode_tokens: int, rep
 
 def measure(lib: str, prompt_tokens: int, decode_tokens: int, reps: int) -> dict:
     """Our library, in this process."""
-    from tvmattn.generate import Generator, no_cyclic_gc
+    from tvmattn.session import ModelSession, no_cyclic_gc
 
     runtime = proc_status("VmRSS")
-    g = Generator(lib)
+    g = ModelSession(lib)
     prompt = random_prompt(g.metadata["model_config"]["vocab_size"], prompt_tokens)
-    g._ensure_cache(prompt_tokens + decode_tokens + 1)  # sized as Generator.generate_tokens sizes it
-    host = g._host
-    host["kv_state_add_sequence"](g.cache, 0)
+    page = g.settings["page_size"]  # the cache sized as Generator sizes it for one prompt
+    g.create_cache(1, max(-(-(prompt_tokens + decode_tokens + 1) // page) * page + page, 256))
+    g.add_sequence(0)
 
-    def prefill(ids):  # in the generator's prefill calls (on the CPU, of CPU_PREFILL_CHUNK tokens)
-        return int(np.argmax(g._prefill([0], [ids])[0]))
+    def prefill(ids):  # in the session's prefill calls (on the CPU, of CPU_PREFILL_CHUNK tokens)
+        return int(np.argmax(g.prefill([0], [ids])[0]))
 
-    def decode_step(token):  # the generator's decode step
+    def decode_step(token):  # the session's decode step
         return int(np.argmax(g.decode_step([0], [token])[0]))
 
     def reset():
-        host["kv_state_remove_sequence"](g.cache, 0)
-        host["kv_state_add_sequence"](g.cache, 0)
+        g.remove_sequence(0)
+        g.add_sequence(0)
 
-    with no_cyclic_gc():  # as in Generator.generate_tokens
+    with no_cyclic_gc():  # as in Generator's engine loop
         result = _timed_runs(prefill, decode_step, prompt, decode_tokens, reps, reset)
     params = os.path.getsize(lib.replace(".so", ".params.npz"))
     return {**result, "params_bytes": params, "runtime_rss_bytes": runtime, "peak_rss_bytes": proc_status("VmHWM")}

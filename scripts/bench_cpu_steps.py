@@ -7,7 +7,8 @@ libraries in turn, R times, for A/B comparisons on a shared machine):
 - verify N: one `batch_verify` step of a chain of N draft tokens (parents -1, 0, 1, ...),
   popped afterwards (the tokens are never committed);
 - prefill N: `prefill` of N tokens into a fresh sequence (removed afterwards).
-Times include begin/end_forward and copying the logits to the host, as Generator does.
+Times include begin/end_forward and copying the logits to the host, as the engine's steps do
+(tvmattn.session.ModelSession).
 
 --profile N: instead, one decode step at --context (after warm-up; --profile-prefill T: a prefill
 of T tokens) with every call of the VM timed (its instrument hook; N: rows of the table, the
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from tvmattn.generate import Generator, no_cyclic_gc  # noqa: E402
+from tvmattn.session import ModelSession, no_cyclic_gc  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
@@ -49,34 +50,33 @@ def _median_ms(fn, reps: int) -> tuple[float, float]:
 
 
 def bench(lib: str, context: int, verify: list[int], prefill: list[int], reps: int) -> dict[str, tuple[float, float]]:
-    g = Generator(lib)
+    g = ModelSession(lib)
     rng = np.random.default_rng(0)
     vocab = g.metadata["model_config"]["vocab_size"]
     tokens = rng.integers(0, vocab, size=context + max(prefill + verify + [1])).tolist()
-    g._ensure_cache(context + max(prefill + verify + [1]) + 64)
-    host = g._host
-    host["kv_state_add_sequence"](g.cache, 0)
-    g._forward("prefill", [0], [context], g._embed(tokens[:context])[None])
+    g.create_cache(2, context + max(prefill + verify + [1]) + 64)
+    g.add_sequence(0)
+    g.forward("prefill", [0], [context], g.embed(tokens[:context])[None])
     results = {}
 
-    def decode():  # the generator's decode step
+    def decode():  # the engine's decode step
         g.decode_step([0], tokens[context:context + 1])
-        host["kv_state_popn"](g.cache, 0, 1)
+        g.popn(0, 1)
 
-    with no_cyclic_gc():  # as in Generator.generate_tokens
+    with no_cyclic_gc():  # as in Generator's engine loop
         results["decode"] = _median_ms(decode, reps)
     for n in verify:
         def step(n=n):
-            g._forward("batch_verify", [0], [n], g._embed(tokens[context:context + n])[None],
+            g.forward("batch_verify", [0], [n], g.embed(tokens[context:context + n])[None],
                        parents=list(range(-1, n - 1)))
-            host["kv_state_popn"](g.cache, 0, n)
+            g.popn(0, n)
 
         results[f"verify {n}"] = _median_ms(step, reps)
     for n in prefill:
         def fill(n=n):
-            host["kv_state_add_sequence"](g.cache, 1)
-            g._forward("prefill", [1], [n], g._embed(tokens[:n])[None])
-            host["kv_state_remove_sequence"](g.cache, 1)
+            g.add_sequence(1)
+            g.forward("prefill", [1], [n], g.embed(tokens[:n])[None])
+            g.remove_sequence(1)
 
         results[f"prefill {n}"] = _median_ms(fill, max(1, reps // (1 + n // 64)))
     return results
@@ -89,22 +89,21 @@ def profile(lib: str, context: int, rows: int, prefill: int = 0) -> str:
     calls."""
     import collections
 
-    g = Generator(lib)
+    g = ModelSession(lib)
     vocab = g.metadata["model_config"]["vocab_size"]
     tokens = np.random.default_rng(0).integers(0, vocab, size=max(context + 1, prefill)).tolist()
-    g._ensure_cache(context + prefill + 64)
-    host = g._host
-    host["kv_state_add_sequence"](g.cache, 0)
-    g._forward("prefill", [0], [context], g._embed(tokens[:context])[None])
+    g.create_cache(2, context + prefill + 64)
+    g.add_sequence(0)
+    g.forward("prefill", [0], [context], g.embed(tokens[:context])[None])
 
     def step():
         if prefill:
-            host["kv_state_add_sequence"](g.cache, 1)
-            g._forward("prefill", [1], [prefill], g._embed(tokens[:prefill])[None])
-            host["kv_state_remove_sequence"](g.cache, 1)
+            g.add_sequence(1)
+            g.forward("prefill", [1], [prefill], g.embed(tokens[:prefill])[None])
+            g.remove_sequence(1)
             return
         g.decode_step([0], tokens[context:context + 1])
-        host["kv_state_popn"](g.cache, 0, 1)
+        g.popn(0, 1)
 
     plain = _median_ms(step, 3 if prefill else 20)[0]
     totals: dict = collections.defaultdict(float)

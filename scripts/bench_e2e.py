@@ -1,29 +1,39 @@
-"""End-to-end model speed: SmolLM2-135M on the tvmattn cache vs TVM's stock paged KV cache.
+"""End-to-end model speed: a model on the tvmattn cache vs TVM's stock paged KV cache.
 
-Both libraries come from the same `compile_model` call (same model, dtype, page size and
-build flags; only `--kv-cache` differs) and run the same weights on the same inputs in one
-process:
+The model: SmolLM2-135M (the default), a GGUF, or a Hugging Face config.json with random weights
+(`scripts/llama-3.2-1b-config.json`: the Llama-3.2-1B shape, 16 layers, hidden 2048, 32/8 heads
+of 64, FFN 8192, vocabulary 128,256, tied embeddings, Llama-3 RoPE scaling). Every library comes
+from the same `compile_model` call (same model, dtype, page size and build flags; only
+`--kv-cache` differs) and runs the same weights on the same inputs in one process:
 - prefill: one sequence of --prompt-len tokens through `prefill` (begin_forward, embed,
   prefill, end_forward, synchronized), median of --reps runs -> tokens/s;
 - decode at each batch size: every sequence first prefilled with --prompt-len tokens, then
   greedy `decode` (batch 1) / `batch_decode` steps with the argmax taken on the GPU (torch
   via DLPack where present), timed over --steps steps after 3 warm-up steps -> tokens/s.
+Both phases run with Python's cyclic garbage collector off, as Generator runs them.
 The two caches must agree: the prefill logits and the first decode step's logits are compared
 (max |diff| printed; a large difference is reported as a failure).
 
-Weights: OUT.params.npz beside a library when present (a build from the GGUF), otherwise seeded
-random weights with the model's shapes (speed does not depend on the values); the report says
-which. Libraries are built into --libs when missing (needs a TVM with its compiler); a library
-built elsewhere by `scripts/compile.py --target cuda` (cubins embedded) is used as it is.
+Weights: OUT.params.npz beside a library when present (a build from the GGUF, or from random
+blocks, below), otherwise seeded random weights with the model's shapes (speed does not depend on
+the values); the report says which. Libraries are built into --libs when missing (needs a TVM
+with its compiler), named --name (default: the model's: "smollm2", a file's stem; with
+--keep-format its block type added); a library built elsewhere by `scripts/compile.py --target
+cuda` (cubins embedded) is used as it is.
 
     python scripts/bench_e2e.py [--model smollm2-135m] [--libs build/e2e] [--batches 1,16,64] [--json e2e.json]
+    python scripts/bench_e2e.py --model scripts/llama-3.2-1b-config.json --quantization keep --keep-format Q4_0
 
---quantization keep adds a library: our cache with the GGUF's block-quantized weights kept (compile
---quantization keep: fused dequantize + matmul kernels, float16 activations), with CUDA graphs as
-'graph' and on its own weights (its params file: --model must be a GGUF; where the real file cannot
-travel, `python -m tvmattn.weights.random_gguf` writes one of its shapes and block types with random
-values); its logits are checked against the stock cache's like the others' (the same GGUF,
-dequantized to float16 there), and a line per phase gives its time against the float16 graph run's.
+--quantization keep adds a library: our cache with the model's block-quantized weights kept
+(compile --quantization keep: fused dequantize + matmul kernels, float16 activations), with CUDA
+graphs as 'graph' and on its own weights (its params file). --model is then a GGUF (where the real
+file cannot travel, `python -m tvmattn.weights.random_gguf` writes one of its shapes and block
+types with random values), or a config.json with --keep-format Q4_0|Q4_1|Q8_0: every library is
+then built from one set of random weights drawn as blocks of that type (compile --random-weights
+SEED --random-format TYPE: kept in the quantized library, dequantized in the float ones), so
+nothing but the config travels. Its logits are checked against the stock cache's like the
+others' (the same blocks, dequantized to float16 there), and a line per phase gives its time
+against the float16 graph run's.
 
 --json PATH writes the results as rows of docs/bench-format.md (`make_row`): bench "e2e",
 kernel "prefill" (batch 1, qo_len = seq_len = --prompt-len) or "decode" (qo_len 1, seq_len =
@@ -56,7 +66,8 @@ from tvm.runtime import ShapeTuple  # noqa: E402
 
 import bench_rows  # noqa: E402
 import tvmattn  # noqa: E402,F401  - registers tvmattn.*
-from tvmattn.build import PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar  # noqa: E402
+from tvmattn.build import MODEL_NAMES, PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar  # noqa: E402
+from tvmattn.generate import no_cyclic_gc  # noqa: E402
 
 # always run: ours eagerly, ours replaying CUDA graphs (the same library; --no-cuda-graph leaves it out),
 # the stock cache; "flashinfer" (--flashinfer) is ours with FlashInfer's kernels
@@ -70,13 +81,15 @@ BUILD = {"tvmattn": dict(kv_cache="tvmattn"), "tvm": dict(kv_cache="tvm"),  # co
          "keep": dict(kv_cache="tvmattn", quantization="keep")}
 LIBRARY = {"graph": "tvmattn"}  # runs another entry's library
 WARMUP_STEPS = 3
+RANDOM_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # --keep-format: weights.random_blocks.RANDOM_BLOCK_TYPES
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="as for scripts/compile.py")
     p.add_argument("--libs", default="build/e2e", help="folder of the two libraries (built when missing)")
-    p.add_argument("--name", default="smollm2", help="library base name: NAME-tvmattn.so, NAME-tvm.so")
+    p.add_argument("--name", default=None, help="library base name: NAME-tvmattn.so, NAME-tvm.so (default: "
+                                                "smollm2, or the model file's stem; with --keep-format, plus its type)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
@@ -93,7 +106,11 @@ def parse_args(argv=None):
     p.add_argument("--quantization", default="f16", choices=["f16", "keep"],
                    help="keep: also run our library with the GGUF's block-quantized weights kept (scripts/compile.py "
                         "--quantization keep; fused dequantize + matmul kernels, float16 activations), with CUDA "
-                        "graphs as 'graph' and its own weights, beside the float16 libraries (needs a GGUF --model)")
+                        "graphs as 'graph' and its own weights, beside the float16 libraries (needs a GGUF --model, "
+                        "or a config.json with --keep-format)")
+    p.add_argument("--keep-format", default=None, choices=RANDOM_FORMATS,
+                   help="with --quantization keep and a config.json --model: draw random weights as blocks of this "
+                        "type for every library (kept in the quantized one, dequantized in the float ones)")
     p.add_argument("--no-small-batch-matmul", dest="small_batch_matmul", action="store_false",
                    help="build every library with dlight's Matmul rule for decode_step's projections instead of "
                         "compiler.pipeline.SmallBatchMatmul")
@@ -103,6 +120,17 @@ def parse_args(argv=None):
                                                                                   else ())
     if args.quantization == "keep":
         args.libraries += ("keep",)
+    config_model = args.model not in MODEL_NAMES and Path(args.model).suffix != ".gguf"
+    if args.keep_format is not None and (args.quantization != "keep" or not config_model):
+        p.error("argument --keep-format: needs --quantization keep and a config.json --model (a GGUF keeps its own "
+                "blocks)")
+    if args.quantization == "keep" and config_model and args.keep_format is None:
+        p.error("argument --quantization keep: a config.json --model has no blocks to keep: add --keep-format "
+                f"{{{','.join(RANDOM_FORMATS)}}} (random weights drawn as blocks)")
+    if args.name is None:
+        args.name = "smollm2" if args.model in MODEL_NAMES else Path(args.model).stem
+        if args.keep_format is not None:
+            args.name += "-" + args.keep_format.lower()
     problem = bench_rows.output_path_problem(args.json)
     if problem:
         p.error(f"argument --json: {problem}")
@@ -121,16 +149,18 @@ def ensure_libraries(args, max_batch: int) -> None:
         if path.is_file() or library in LIBRARY:
             continue
         print(f"building {path} ({LABELS[library]})")
+        random = dict(random_weights=args.seed, random_format=args.keep_format) if args.keep_format else {}
         compile_model(args.model, path, target=args.target, max_batch_size=max_batch, context_window=context,
                       prefill_chunk=args.prompt_len, log=lambda m: print("  " + m),
-                      small_batch_matmul=args.small_batch_matmul, **BUILD[library])
+                      small_batch_matmul=args.small_batch_matmul, **random, **BUILD[library])
 
 
 def own_weights(args, device) -> list:
     """The quantized library's own parameters (block arrays), from its params file."""
     file = sidecar(library_path(args, "keep"), PARAMS_SUFFIX)
     if not file.is_file():
-        raise SystemExit(f"--quantization keep: {file} is missing: --model must be a GGUF with weights")
+        raise SystemExit(f"--quantization keep: {file} is missing: --model must be a GGUF with weights, or a "
+                         "config.json with --keep-format (delete a library built without them)")
     with np.load(file) as stored:
         return [tvm.runtime.tensor(stored[f"p{i}"], device=device) for i in range(len(stored.files))]
 
@@ -178,6 +208,7 @@ class Runner:
             ShapeTuple([max_batch]), ShapeTuple([capacity]), ShapeTuple([prefill_chunk]), ShapeTuple([page]),
             ShapeTuple([0]))
         self.hidden = self.metadata["model_config"]["hidden_size"]
+        self.functions: dict = {}  # the VM's functions, looked up once
         self.plan_s = self.host_s = 0.0  # host seconds in begin_forward / in whole forwards
         self.graphs = None  # DecodeGraphs: decode steps replayed as CUDA graphs
         if graph:
@@ -189,18 +220,24 @@ class Runner:
             self.graphs = DecodeGraphs(self.cache, self._decode_step, max_batch)
 
     def _decode_step(self, bucket: int):
-        from tvmattn.generate import library_decode_step
+        from tvmattn.session import library_decode_step
 
         return library_decode_step(self.vm, self.graph_ids[bucket], self.cache, self.params, self.hidden)
 
+    def function(self, name: str):
+        function = self.functions.get(name)
+        if function is None:
+            function = self.functions[name] = self.vm[name]
+        return function
+
     def embed(self, ids, shape):
-        return self.vm["embed"](ids, self.params)._create_view(shape)
+        return self.function("embed")(ids, self.params)._create_view(shape)
 
     def forward(self, function: str, seq_ids: list[int], lengths: list[int], embeds):
         start = time.perf_counter()
         self.host["begin_forward"](self.cache, ShapeTuple(seq_ids), ShapeTuple(lengths))
         planned = time.perf_counter()
-        logits, _ = self.vm[function](embeds, self.cache, self.params)
+        logits, _ = self.function(function)(embeds, self.cache, self.params)
         self.host["end_forward"](self.cache)
         self.plan_s += planned - start
         self.host_s += time.perf_counter() - start
@@ -245,6 +282,7 @@ def greedy(logits, device):
         return tvm.runtime.tensor(host, device=device), host
 
 
+@no_cyclic_gc()
 def bench_prefill(runner: Runner, ids, reps: int) -> float:
     times = []
     for rep in range(reps + 2):
@@ -259,6 +297,7 @@ def bench_prefill(runner: Runner, ids, reps: int) -> float:
     return statistics.median(times)
 
 
+@no_cyclic_gc()
 def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
     """-> (DecodeTiming, first-step logits as numpy); around_steps: a context manager
     entered for the timed steps only (a profiler)."""
@@ -377,6 +416,13 @@ def main(argv=None) -> int:
     model_fields = {"model": args.model, "num_layers": config["num_hidden_layers"], "head_dim": kv_config["head_dim"],
                     "num_qo_heads": kv_config["num_qo_heads"], "num_kv_heads": kv_config["num_kv_heads"],
                     "page_size": page}
+
+    def kept_variant(kv: str) -> dict:
+        """The kept library's rows name the block type of random blocks (--keep-format) in their variant."""
+        if kv != "keep" or args.keep_format is None:
+            return {}
+        return {"variant": f"{args.target}/{common['dtype']}/{args.keep_format.lower()}"}
+
     # prefill
     prefill_s, prefill_logits = {}, {}
     for kv, runner in runners.items():
@@ -405,7 +451,7 @@ def main(argv=None) -> int:
 
     diffs, scale = compare("prefill logits", prefill_logits)
     json_rows += [make_row("prefill", kv, batch=1, prompt_len=args.prompt_len, seconds=prefill_s[kv], diff=diffs[kv],
-                           scale=scale, **common, extra={**model_fields, "reps": args.reps})
+                           scale=scale, **common, extra={**model_fields, **kept_variant(kv), "reps": args.reps})
                   for kv in libraries]
     rows.append((f"prefill {args.prompt_len}", 1, {kv: args.prompt_len / prefill_s[kv] for kv in libraries},
                  {kv: 1e3 * prefill_s[kv] for kv in libraries}))
@@ -424,7 +470,8 @@ def main(argv=None) -> int:
         diffs, scale = compare(f"decode batch {batch}, first step logits", first)
         json_rows += [make_row("decode", kv, batch=batch, prompt_len=args.prompt_len, seconds=step_s[kv],
                                diff=diffs[kv], scale=scale, **common, timing=timings[kv],
-                               extra={**model_fields, "steps": args.steps, "warmup_steps": WARMUP_STEPS})
+                               extra={**model_fields, **kept_variant(kv), "steps": args.steps,
+                                      "warmup_steps": WARMUP_STEPS})
                       for kv in libraries]
         rows.append(("decode", batch, {kv: batch / step_s[kv] for kv in libraries},
                      {kv: 1e3 * step_s[kv] for kv in libraries}))

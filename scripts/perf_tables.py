@@ -237,18 +237,38 @@ def mla_prefill_table(rows: Rows) -> str:
     return table(header, lines) + "\n\n" + sources(used)
 
 
+NULL_KERNELS = "null kernels"  # in the variant of bench_cache.py's --device host rows
+
+
 def cache_table(rows: Rows) -> str:
     used: set = set()
     header = ["batch x context", "TVM's C++ cache + TVM's kernels", "TVM's C++ cache + tvmattn kernels",
               "tvmattn PagedKVCache", "wall: TVM's / ours"]
     lines = []
-    points = sorted({(e[4]["batch"], e[4]["seq_len"]) for e in rows.find(bench="cache", impl="tvmattn")})
-    for batch, seq_len in points:
-        found = [rows.get(used, bench="cache", impl=i, batch=batch, seq_len=seq_len)
+    points = sorted({(e[4]["batch"], e[4]["seq_len"], e[4]["variant"]) for e in rows.find(bench="cache", impl="tvmattn")
+                     if NULL_KERNELS not in e[4]["variant"]})
+    for batch, seq_len, variant in points:
+        found = [rows.get(used, bench="cache", impl=i, batch=batch, seq_len=seq_len, variant=variant)
                  for i in ("tvm-cpp+tvm", "tvm-cpp+ours", "tvmattn")]
         cells = ["-" if r is None else f"{fmt(r['host_ms'])} / {fmt(r['ms'])}" for r in found]
         ratio = f"{found[0]['ms'] / found[2]['ms']:.2f}x" if found[0] and found[2] else "-"
         lines.append([f"{batch}x{seq_len}"] + cells + [ratio])
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def cache_host_table(rows: Rows) -> str:
+    """The host paths alone (bench_cache.py --device host): host ms per decode step."""
+    used: set = set()
+    header = ["batch x context", "TVM's C++ cache + TVM's kernels", "tvmattn, direct calls",
+              "tvmattn through tvmattn.*", "TVM's / ours through tvmattn.*"]
+    lines = []
+    points = sorted({(e[4]["batch"], e[4]["seq_len"], e[4]["variant"], e[4]["num_layers"])
+                     for e in rows.find(bench="cache", impl="tvmattn-ffi") if NULL_KERNELS in e[4]["variant"]})
+    for batch, seq_len, variant, layers in points:
+        found = [rows.get(used, bench="cache", impl=i, batch=batch, seq_len=seq_len, variant=variant, num_layers=layers)
+                 for i in ("tvm-cpp+tvm", "tvmattn", "tvmattn-ffi")]
+        ratio = f"{found[0]['host_ms'] / found[2]['host_ms']:.2f}x" if found[0] and found[2] else "-"
+        lines.append([f"{batch}x{seq_len}"] + [fmt(r and r["host_ms"]) for r in found] + [ratio])
     return table(header, lines) + "\n\n" + sources(used)
 
 
@@ -257,8 +277,12 @@ E2E_IMPLS = (("tvmattn", "tvmattn, eager"), ("tvmattn-cuda-graph", "tvmattn, CUD
              ("tvmattn-flashinfer", "tvmattn + FlashInfer, eager"))
 
 
+SMOLLM2_SHAPE = {"num_layers": 30, "num_qo_heads": 9}  # the e2e table's model (other shapes have rows too)
+
+
 def e2e_points(rows: Rows) -> list[tuple]:
-    points = {(e[4]["kernel"], e[4]["batch"]) for e in rows.find(bench="e2e") if e[4]["impl"] == "tvmattn-cuda-graph"}
+    points = {(e[4]["kernel"], e[4]["batch"]) for e in rows.find(bench="e2e", **SMOLLM2_SHAPE)
+              if e[4]["impl"] == "tvmattn-cuda-graph"}
     return sorted(points, key=lambda p: (p[0] != "prefill", p[1]))
 
 
@@ -267,7 +291,7 @@ def e2e_table(rows: Rows) -> str:
     header = ["step", *(name for _, name in E2E_IMPLS), "stock / graphs"]
     lines = []
     for kernel, batch in e2e_points(rows):
-        found = [rows.get(used, bench="e2e", kernel=kernel, impl=i, batch=batch) for i, _ in E2E_IMPLS]
+        found = [rows.get(used, bench="e2e", kernel=kernel, impl=i, batch=batch, **SMOLLM2_SHAPE) for i, _ in E2E_IMPLS]
         graphs, stock = found[1], found[2]
         label = f"prefill {found[1]['qo_len']} tokens" if kernel == "prefill" else f"decode, batch {batch}"
         lines.append([label] + [fmt(r and r["ms"]) for r in found]
@@ -399,7 +423,7 @@ def summary_table(rows: Rows) -> str:
     add("MLA absorbed prefill, fp16, 128 heads, 1x512@4096 (TFLOP/s)", rate(ours, "tflops"),
         [sdpa and f"torch SDPA {fmt(sdpa['tflops'])}", tvm and f"TVM {fmt(tvm['tflops'])}"])
     for batch in (1, 16):
-        e2e = dict(bench="e2e", kernel="decode", batch=batch)
+        e2e = dict(bench="e2e", kernel="decode", batch=batch, **SMOLLM2_SHAPE)
         graphs, stock = rows.get(used, impl="tvmattn-cuda-graph", **e2e), rows.get(used, impl="tvm-stock-cache", **e2e)
         add(f"SmolLM2-135M decode step on the H200, batch {batch} (ms)",
             graphs and f"{fmt(graphs['ms'])} (CUDA graphs)", [stock and f"TVM's stock cache {fmt(stock['ms'])}"])
@@ -423,8 +447,9 @@ def summary_table(rows: Rows) -> str:
 
 TABLES = {
     "decode": decode_table, "prefill": prefill_table, "tree": tree_table, "mla-decode": mla_decode_table,
-    "mla-prefill": mla_prefill_table, "cache": cache_table, "e2e": e2e_table, "cpu": cpu_table,
-    "speculative": speculative_table, "speculative-keep": speculative_keep_table, "summary": summary_table,
+    "mla-prefill": mla_prefill_table, "cache": cache_table, "cache-host": cache_host_table, "e2e": e2e_table,
+    "cpu": cpu_table, "speculative": speculative_table, "speculative-keep": speculative_keep_table,
+    "summary": summary_table,
 }
 
 

@@ -21,18 +21,28 @@ def greedy_tokens(generator, prompts=PROMPTS, steps: int = 64) -> list[list[int]
     return [generator.generate_tokens([generator.encode(p)], max_new_tokens=steps).tokens[0] for p in prompts]
 
 
+def fresh_session(generator, tokens: int):
+    """The generator's ModelSession with a new one-sequence cache of `tokens` tokens (at its
+    kv_scales); the generator makes a cache of its own again on its next call."""
+    session = generator.session
+    generator.runner = None
+    page = session.settings["page_size"]
+    session.create_cache(1, -(-tokens // page) * page + page)
+    return session
+
+
 def forced_logits(generator, prompt: list[int], continuation: list[int]) -> np.ndarray:
     """float32 [len(continuation) + 1, vocab]: teacher forcing, as generation runs its steps (the
     prompt prefilled, then one decode step per token of `continuation`); row t is the logits the
     token after prompt + continuation[:t] is chosen from."""
-    generator._ensure_cache(len(prompt) + len(continuation) + 1)
-    generator._host["kv_state_add_sequence"](generator.cache, 0)
+    session = fresh_session(generator, len(prompt) + len(continuation) + 1)
+    session.add_sequence(0)
     try:
-        rows = [generator._prefill([0], [prompt])[0]]
+        rows = [session.prefill([0], [prompt])[0]]
         for token in continuation:
-            rows.append(generator.decode_step([0], [token])[0])
+            rows.append(session.decode_step([0], [token])[0])
     finally:
-        generator._host["kv_state_remove_sequence"](generator.cache, 0)
+        session.remove_sequence(0)
     return np.stack(rows)
 
 
@@ -62,20 +72,20 @@ def passage_logits(generator, tokens: list[int], chunk: int = SCORE_CHUNK) -> np
     fed `chunk` tokens a step through batch_prefill with every position scored)."""
     import tvm
 
-    generator._ensure_cache(len(tokens))
-    generator._host["kv_state_add_sequence"](generator.cache, 0)
+    session = fresh_session(generator, len(tokens))
+    session.add_sequence(0)
     rows = []
     try:
         for begin in range(0, len(tokens), chunk):
             piece = tokens[begin:begin + chunk]
-            positions = tvm.runtime.tensor(np.arange(len(piece), dtype=np.int32), device=generator.device)
+            positions = tvm.runtime.tensor(np.arange(len(piece), dtype=np.int32), device=session.device)
             if len(piece) == 1:
-                rows.append(generator._forward("batch_decode", [0], [1], generator._embed(piece)[None])[0])
+                rows.append(session.forward("batch_decode", [0], [1], session.embed(piece)[None])[0])
             else:
-                rows.append(generator._forward("batch_prefill", [0], [len(piece)], generator._embed(piece)[None],
-                                               positions)[0])
+                rows.append(session.forward("batch_prefill", [0], [len(piece)], session.embed(piece)[None],
+                                            positions)[0])
     finally:
-        generator._host["kv_state_remove_sequence"](generator.cache, 0)
+        session.remove_sequence(0)
     return np.concatenate(rows)
 
 
@@ -116,7 +126,6 @@ if __name__ == "__main__":
 
     reference, fp8 = Generator(sys.argv[1]), Generator(sys.argv[2])
     results = {"scale-1.0": compare(reference, fp8)}
-    fp8.cache = None  # the next cache gets the calibrated scales
     fp8.kv_scales = calibrate_kv_scales(reference, PROMPTS, fp8.metadata["kv_cache"]["kv_dtype"])
     results["calibrated"] = compare(reference, fp8)
     for name, figures in results.items():

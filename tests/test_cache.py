@@ -197,11 +197,10 @@ def test_prefill_then_decode(target, rope_mode, page_size):
 
 
 def test_layer_calls_take_the_fast_path(target):
-    """attention_with_fused_qkv with good arguments runs none of the Python checks (the compiled
-    argument check passes them) and, in a decode step, one closure makes the launches; the
+    """attention_with_fused_qkv with good arguments runs none of the Python checks (the launches'
+    own argument checks pass them) and, in a decode step, one closure makes the launches; the
     results are checked against the reference as in every scenario."""
     m = Model(target, "normal", 16, seed=3)
-    assert m.cache._fused_check is not None
     for seq_id in (0, 1):
         m.add(seq_id)
     checked = []
@@ -219,6 +218,75 @@ def test_layer_calls_take_the_fast_path(target):
         cache.begin_forward([0], lengths)
         assert cache._step.fused.__name__ == fused
         cache.cancel_forward()
+
+
+def test_python_kernels_take_the_checked_path():
+    """A kernel given as a Python callable may not check its arguments, so such a cache checks
+    every call in Python before it launches (a compiled kernel checks them itself)."""
+    launched = []
+    m = populated()
+    real = m.cache.kernels.split_rotary_append
+
+    def split_rotary_append(*args):
+        launched.append(args)
+        return real(*args)
+
+    python = Model("llvm", "none", page_size=4, seed=14, max_num_sequences=4, max_total_seq_len=64,
+                   prefill_chunk_size=48, kernels={"split_rotary_append": split_rotary_append})
+    assert m.cache._fast_pages and not python.cache._fast_pages
+    for seq_id in (0, 1):
+        python.add(seq_id)
+    python.forward([0, 1], [3, 2])
+    python.cache.begin_forward([0, 1], [1, 1])
+    launched.clear()
+    with pytest.raises(KVCacheError, match=r"o must have shape \(2, 4, 64\)"):
+        python.cache.attention_with_fused_qkv(0, SM_SCALE, qkv_for(python, 2), empty((3, HQ, D), DTYPE, python.device))
+    assert launched == []
+    python.cache.cancel_forward()
+    python.forward([0, 1], [1, 1])
+    python.check_no_leaks()
+
+
+def test_decode_steps_of_one_layout_share_their_launches(target):
+    """A decode step whose sequences took no page since the last one (the same plan layout and
+    rows) is a new Step making the last one's prepared launches; a step that takes a page
+    prepares its own. A bad o refused on the fast path (after the layer's append ran) leaves the
+    step going: the good call that follows gives the reference's output and K/V. A decode step
+    after a prefill step checks its arguments against its own token count."""
+    m = Model(target, "normal", page_size=4, seed=9)
+    seq_ids = [0, 1]
+    for seq_id in seq_ids:
+        m.add(seq_id)
+    m.forward(seq_ids, [5, 2])
+    m.forward(seq_ids, [1, 1])  # lengths 6 and 3
+    made = m.cache._last_step
+
+    def probe():
+        m.cache.begin_forward(seq_ids, [1, 1])
+        step = m.cache._step
+        m.cache.cancel_forward()
+        return step
+
+    again = probe()  # (7 and 4: no page taken)
+    assert again is not made and again.fused is made.fused and again.appended_layers == set()
+    m.forward(seq_ids, [1, 1])  # 7 and 4
+    assert probe().fused is not made.fused  # (sequence 1's 5th token takes a page)
+
+    history = [m.length(s) for s in seq_ids]
+    m.cache.begin_forward(seq_ids, [1, 1])
+    with pytest.raises(KVCacheError, match=r"o must have shape \(2, 4, 64\)"):
+        m.cache.attention_with_fused_qkv(0, SM_SCALE, qkv_for(m, 2), empty((3, HQ, D), DTYPE, m.device))
+    m.check_layers(2, lambda layer, qkv: m._expected(seq_ids, [1, 1], history, layer, qkv), "after a refused o")
+    m.cache.end_forward()
+    m.check_kv()
+
+    m.forward([0], [3])
+    m.cache.begin_forward(seq_ids, [1, 1])
+    with pytest.raises(KVCacheError, match=r"qkv must have shape \(2, 8, 64\)"):
+        m.cache.attention_with_fused_qkv(0, SM_SCALE, qkv_for(m, 3), empty((2, HQ, D), DTYPE, m.device))
+    m.cache.cancel_forward()
+    m.forward(seq_ids, [1, 1])
+    m.check_no_leaks()
 
 
 @pytest.mark.parametrize("rope_mode", ["none", "normal"])
@@ -765,9 +833,10 @@ def step_state(m: Model) -> tuple:
             cache.get_num_available_pages(), cache.get_total_sequence_length(), id(cache.current_plan()))
 
 
-def test_bad_attention_calls_leave_the_cache_unchanged():
-    """Each bad call is refused and leaves the step going, unchanged."""
-    m = populated()
+def test_bad_attention_calls_leave_the_cache_unchanged(target):
+    """Each bad call is refused and leaves the step going, unchanged (on CUDA too, where the
+    fast path's check is the CUDA kernels' own)."""
+    m = populated(target)
     before_step = state(m)
     m.cache.begin_forward([0, 2], [1, 1])
     cases = _bad_attention_calls(m)

@@ -215,4 +215,4 @@ def test_generator_replays_decode_steps_with_the_eager_tokens(tmp_path):
         assert a.tokens == b.tokens
         for x, y in zip(a.logits, b.logits):
             np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2)
-    assert graphed._graphs.captures >= 2 and graphed._graphs.replays >= 12
+    assert graphed.session.graphs.captures >= 2 and graphed.session.graphs.replays >= 12

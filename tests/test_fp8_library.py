@@ -96,7 +96,7 @@ def test_kv_scales_reach_the_cache(fp8_library, tmp_path):
     shape = (spec["num_layers"], 2, spec["num_kv_heads"])
     base = forced_logits(generator, PROMPT, CONTINUATION)
     path = write_scales(tmp_path / "s.json", 2.0 ** -4, shape)
-    generator.cache, generator.kv_scales = None, load_kv_scales(path, *shape[::2])
+    generator.kv_scales = load_kv_scales(path, *shape[::2])
     scaled = forced_logits(generator, PROMPT, CONTINUATION)
     assert not np.allclose(base[1:], scaled[1:], rtol=0, atol=1e-6)
     assert np.allclose(base[0], scaled[0], rtol=1e-5, atol=1e-5)

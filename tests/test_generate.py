@@ -33,7 +33,8 @@ from harness import slow_except  # noqa: E402
 from test_model import TorchLlama  # noqa: E402
 
 from tvmattn.build import BuildError, compile_model, resolve_target, sidecar  # noqa: E402
-from tvmattn.generate import GenerateError, Generator, render_chat, sample  # noqa: E402
+from tvmattn.generate import GenerateError, Generator, render_chat  # noqa: E402
+from tvmattn.sampling import Sampler, SamplingOptions  # noqa: E402
 from tvmattn.weights import read_gguf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,13 +110,13 @@ def test_kv_cache_is_sized_to_the_generation_and_gc_comes_back(tiny):
     prompt = [int(t) for t in np.random.default_rng(2).integers(3, 268, size=70)]
     seen = []
     result = own.generate_tokens([prompt] * 3, max_new_tokens=40, on_token=lambda i, t: seen.append(gc.isenabled()))
-    assert own._capacity == 336 + 3 * 16  # 3 x 110 tokens -> 21 pages, + 3
+    assert own.session.cache_tokens == 336 + 3 * 16  # 3 x 110 tokens -> 21 pages, + 3
     assert seen and not any(seen) and gc.isenabled()
     assert result.tokens[0] == greedy_reference(gguf_path, prompt, 40)
     own.generate_tokens([PROMPTS[0]], max_new_tokens=4)
-    assert own._capacity == 384  # a smaller call keeps the cache
+    assert own.session.cache_tokens == 384  # a smaller call keeps the cache
     own.generate_tokens([prompt] * 4, max_new_tokens=60)
-    assert own._capacity == 528 + 4 * 16  # 4 x 130 tokens -> 33 pages, + 4
+    assert own.session.cache_tokens == 528 + 4 * 16  # 4 x 130 tokens -> 33 pages, + 4
     assert own.prefill_chunk == 64  # the library's chunk, under the CPU's CPU_PREFILL_CHUNK
 
 
@@ -127,11 +128,13 @@ def test_sampling_is_seeded(tiny):
 
 
 def test_sample_top_p_keeps_the_nucleus():
-    rng = np.random.default_rng(0)
+    """The sampler a Generator's requests draw with (tvmattn.sampling; tests/test_sampling.py
+    checks it against a reference in full)."""
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
-    drawn = {sample(logits, 1.0, 0.75, rng) for _ in range(200)}
+    nucleus = Sampler(SamplingOptions(temperature=1.0, top_p=0.75, seed=0), 4)
+    drawn = {nucleus.choose(logits)[0] for _ in range(200)}
     assert drawn == {0, 1}
-    assert sample(logits, 0.0, 1.0, rng) == 0
+    assert Sampler(SamplingOptions(temperature=0.0), 4).choose(logits)[0] == 0
 
 
 def test_text_generation_streams_through_the_chat_template(tiny):

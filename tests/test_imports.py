@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("tvmattn", "tir_kernels")
 
 # what tvmattn.runtime must not import: the model libraries, their compilation, and what runs them
-ABOVE_RUNTIME = ("tvmattn.models", "tvmattn.compiler", "tvmattn.quant", "tvmattn.build", "tvmattn.generate",
+ABOVE_RUNTIME = ("tvmattn.models", "tvmattn.compiler", "tvmattn.quant", "tvmattn.build", "tvmattn.session", "tvmattn.generate",
                  "tvmattn.serve", "tvmattn.quickstart", "tvmattn.speculative", "tvmattn.__main__")
 
 

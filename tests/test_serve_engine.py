@@ -1,8 +1,10 @@
 """Specification of the serving engine (tvmattn.serve) on a tiny random-weight library (CPU).
 
-The reference for every greedy request is `Generator.generate_tokens` on that prompt alone: the
-engine must produce exactly those tokens whatever the interleaving (requests joining and leaving
-at random steps, prompt chunks beside decode tokens, preemption and recompute, prefix forks,
+The reference for every greedy request is the request's prompt alone: `Generator.generate_tokens`
+on it (the engine with a batch of one), whose tokens are checked in turn against the greedy tokens
+of the independent float64 torch model of tests/test_model.py on the same weights. The engine
+must produce exactly those tokens whatever the interleaving (requests joining and leaving at
+random steps, prompt chunks beside decode tokens, preemption and recompute, prefix forks,
 speculation). After every scenario no page is leaked: the pages in use are those the prefix
 cache's sequences hold, the cache holds no other sequence, and clearing the prefix cache frees
 every page.
@@ -20,9 +22,9 @@ from tvmattn.generate import Generator
 from tvmattn.sampling import SamplingOptions
 from tvmattn.serve.engine import Engine, RequestError
 from tvmattn.serve.prefix import RadixPrefixCache
-from tvmattn.serve.runner import ModelRunner
+from tvmattn.serve.runner import DraftModel, ModelRunner
 from tvmattn.serve.text import TextStream
-from tvmattn.speculative import build_trie
+from tvmattn.speculative import SpeculativeOptions, build_trie
 
 VOCAB = 268
 MAX_NEW = 10
@@ -34,8 +36,24 @@ def library():
 
 
 @pytest.fixture(scope="module")
-def reference(library):
-    """prompt (tuple), n -> the greedy tokens of Generator.generate_tokens on it alone."""
+def torch_model(library):
+    """The float64 torch model on the library's GGUF weights (None for a prebuilt library
+    without its GGUF beside it)."""
+    from test_model import TorchLlama
+
+    from tvmattn.weights import read_gguf
+
+    gguf = library.parent / "tiny.gguf"
+    if not gguf.is_file():
+        return None
+    loaded = read_gguf(gguf)
+    return TorchLlama(loaded.hf_config, loaded.tensors)
+
+
+@pytest.fixture(scope="module")
+def reference(library, torch_model):
+    """prompt (tuple), n -> the greedy tokens of Generator.generate_tokens on it alone, which
+    equal the float64 torch model's."""
     generator = Generator(library)
     generator.stop_ids = set()
     memo: dict = {}
@@ -44,6 +62,11 @@ def reference(library):
         key = (tuple(prompt), n)
         if key not in memo:
             memo[key] = generator.generate_tokens([list(prompt)], n).tokens[0]
+            if torch_model is not None:
+                context = list(prompt)
+                for _ in range(n):
+                    context.append(int(np.argmax(torch_model.logits(context)[-1])))
+                assert memo[key] == context[len(prompt):], "the engine alone differs from the torch model"
         return memo[key]
 
     return tokens
@@ -138,6 +161,8 @@ def test_preemption_recomputes_and_loses_nothing(library, reference):
         out = request.stream.result()
         assert out.finish_reason == "length" and out.tokens == reference(prompt, 30)
     assert sum(r.stream.result().preemptions for r in requests) == engine.preemptions
+    # without a prefix cache a readmitted request prefills again at least its prompt
+    assert engine.recomputed_tokens >= engine.preemptions * (min(map(len, work)) - 1)
     assert_no_leak(engine)
 
 
@@ -188,17 +213,47 @@ def test_cancellation_between_steps_frees_the_pages(library, reference):
     assert_no_leak(engine)
 
 
-def test_speculative_requests_keep_the_greedy_tokens(library, reference):
-    engine = make_engine(library, max_batched_tokens=64)
+@pytest.mark.parametrize("back_off", [False, True], ids=["every-step", "back-off"])
+def test_speculative_requests_keep_the_greedy_tokens(library, reference, back_off):
+    """Every step verifies what prompt lookup drafts (back_off=False), or the back-off weighs
+    drafts against the measured step costs first; the tokens are greedy decoding's either way."""
+    engine = make_engine(library, max_batched_tokens=64,
+                         speculative=SpeculativeOptions("prompt-lookup", back_off=back_off))
     base = prompts(9, [12])[0]
     repetitive = base * 4  # prompt lookup drafts from it (the random model seldom agrees)
     plain = prompts(10, [25])[0]
     spec = engine.submit(repetitive, greedy(20), speculative=True)
     other = engine.submit(plain, greedy(20))
     run_all(engine)
-    assert spec.speculative and engine.drafted > 0
+    assert spec.speculative and (engine.drafted > 0 or back_off)
+    stats = spec.stats
+    # each decode step yields a token, and a verify step its accepted drafts too (prefill the first)
+    assert stats.plain_steps + stats.verify_steps + stats.accepted == len(spec.output) - 1
     assert spec.stream.result().tokens == reference(repetitive, 20)
     assert other.stream.result().tokens == reference(plain, 20)
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("pool_pages", [64, 8], ids=["roomy", "preempting"])
+def test_draft_model_requests_join_late_and_keep_the_greedy_tokens(library, reference, pool_pages):
+    """A draft model (the library drafting for itself, a cache of its own) beside plain requests
+    that join at later steps, in a pool small enough to preempt: the greedy tokens, accepted
+    drafts, and no sequence left in either cache."""
+    runner = ModelRunner(library, max_total_tokens=pool_pages * 16)
+    draft = DraftModel(runner.session.sibling(), 2, 8 * 256, 16)
+    free = draft.session.available_pages()
+    options = SpeculativeOptions("draft-model", 4, 2, str(library), back_off=False)
+    engine = Engine(runner, max_batched_tokens=32, speculative=options, draft_model=draft)
+    work = prompts(17, [12, 40, 7, 25])
+    requests = []
+    for i, prompt in enumerate(work):
+        requests.append(engine.submit(prompt, greedy(40), speculative=i % 2 == 0))
+        engine.step()
+    run_all(engine)
+    for prompt, request in zip(work, requests):
+        assert request.stream.result().tokens == reference(prompt, 40)
+    assert engine.accepted > 0 and (pool_pages > 20 or engine.preemptions > 0)
+    assert draft.cached == {} and draft.session.available_pages() == free
     assert_no_leak(engine)
 
 
@@ -217,7 +272,9 @@ class OracleDrafter:
 
 
 def test_accepted_draft_paths_are_committed_in_a_mixed_batch(library, reference):
-    engine = make_engine(library, max_batched_tokens=64)
+    # back_off=False: every draft is verified (the back-off would first want to see drafts pay)
+    engine = make_engine(library, max_batched_tokens=64,
+                         speculative=SpeculativeOptions("prompt-lookup", back_off=False))
     prompt, plain, late = prompts(15, [14, 30, 70])
     answer = reference(prompt, 20)
     engine._drafter = OracleDrafter(prompt, answer)
@@ -368,13 +425,13 @@ def test_cuda_engine_replays_decode_graphs_and_keeps_the_greedy_tokens(tmp_path)
     library = compile_model(str(tmp_path / "tiny.gguf"), tmp_path / "tiny.so", target="cuda", max_batch_size=8,
                             prefill_chunk=64, log=lambda _m: None).library
     engine = make_engine(library, max_batched_tokens=32)
-    assert engine.runner.generator.uses_cuda_graph
+    assert engine.runner.session.uses_cuda_graph
     reference_generator = Generator(library, cuda_graph=False)
     reference_generator.stop_ids = set()
     work = prompts(16, [5, 40, 90, 12, 33])
     requests = [engine.submit(p, greedy(16)) for p in work]
     run_all(engine)
-    assert engine.runner.generator._graphs.replays > 0
+    assert engine.runner.session.graphs.replays > 0
     for prompt, request in zip(work, requests):
         expected = reference_generator.generate_tokens([prompt], 16).tokens[0]
         assert request.stream.result().tokens == expected

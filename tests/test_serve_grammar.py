@@ -1,101 +1,137 @@
-"""Specification of the JSON token mask (tvmattn.serve.grammar): every text built by picking
-allowed tokens at random is a prefix of valid JSON following the schema, and once complete it
-parses (json.loads) and follows the schema; tokens that would break it are masked."""
+"""Specification of JSON-constrained sampling (tvmattn.serve.grammar, on xgrammar) over the tiny
+model's byte-level BPE vocabulary: every text built by picking allowed tokens at random is
+valid JSON once the grammar says it is done, and follows its schema as an independent
+validator (jsonschema) reads it, for schemas with anyOf, $ref, pattern, enum, const and bounds;
+tokens that would break it are masked; bad schemas, or no xgrammar, are clear errors."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
 
-from tvmattn.serve.grammar import GrammarError, JsonGrammar, TokenTable
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
 
-# a toy vocabulary: JSON punctuation, pieces of keys and words, digits, escapes, multi-character tokens
-VOCAB = ['{', '}', '[', ']', ',', ':', '"', '{"', '":', '",', '"}', '"]', 'ok', 'color', 'name', 'tags', 'count',
-         'true', 'false', 'null', 'tr', 'ue', 'fa', 'lse', 'nu', 'll', 'red', 'green', 'blue', 're', 'd', 'a', 'b',
-         ' ', 'hello', '\\', '\\n', '0', '1', '7', '-', '.', '+', '12', '3.5', '"x"', '\n', None]
-# every single letter too, as in a byte-level vocabulary: any valid prefix can then be completed
-VOCAB += [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in VOCAB]
-TABLE = TokenTable(VOCAB)
+from test_weights import write_tiny_gguf  # noqa: E402
+from tvmattn.serve.grammar import GrammarError, JsonGrammars  # noqa: E402
+from tvmattn.weights import tokenizer_from_gguf  # noqa: E402
 
-SCHEMA = {"type": "object",
-          "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
-                         "name": {"type": "string"}, "count": {"type": "integer"},
-                         "tags": {"type": "array", "items": {"type": "number"}}},
-          "required": ["ok", "color"]}
+VOCAB = 268
 
-
-def follows(value, schema) -> bool:
-    """A small independent checker for the keywords SCHEMA uses."""
-    if "enum" in schema:
-        return value in schema["enum"]
-    kind = schema.get("type")
-    checks = {"boolean": lambda v: isinstance(v, bool), "string": lambda v: isinstance(v, str),
-              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-              "array": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict)}
-    if kind and not checks[kind](value):
-        return False
-    if kind == "object" and "properties" in schema:
-        return (set(value) <= set(schema["properties"]) and set(schema.get("required", [])) <= set(value)
-                and all(follows(v, schema["properties"][k]) for k, v in value.items()))
-    if kind == "array" and "items" in schema:
-        return all(follows(v, schema["items"]) for v in value)
-    return True
+SCHEMAS = {
+    "properties, enum, array of numbers": {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                       "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                       "tags": {"type": "array", "items": {"type": "number"}, "maxItems": 3}},
+        "required": ["ok", "color", "count"]},
+    "anyOf and $ref": {
+        "type": "object",
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                            "required": ["x", "y"]}},
+        "properties": {"shape": {"anyOf": [{"$ref": "#/$defs/point"}, {"type": "null"},
+                                           {"type": "string", "maxLength": 4}]},
+                       "kind": {"const": "pt"}},
+        "required": ["shape", "kind"]},
+    "pattern and bounded strings": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[a-c]{2,4}-[0-9]$"},
+                       "name": {"type": "string", "minLength": 1, "maxLength": 6}},
+        "required": ["code", "name"]},
+    "a top-level array": {"type": "array", "items": {"enum": [1, "two", None]}, "minItems": 1, "maxItems": 4},
+}
 
 
-def walk(grammar: JsonGrammar, rng, steps: int = 400) -> str:
-    text = ""
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("grammar") / "tiny.gguf"
+    write_tiny_gguf(path, np.random.default_rng(7))
+    return tokenizer_from_gguf(path)
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return JsonGrammars(tokenizer, VOCAB, stop_ids=[2])
+
+
+def walk(grammar, tokenizer, rng, steps: int = 800) -> list[int]:
+    """Pick allowed tokens at random (closing punctuation favoured, so that walks end)."""
+    chosen = []
     for _ in range(steps):
         if grammar.done:
-            return text
+            return chosen
         mask = grammar.allowed()
-        assert mask.any(), f"no token continues {text!r}"
+        assert mask.shape == (VOCAB,) and mask.dtype == bool
         allowed = np.flatnonzero(mask)
-        # favour closing punctuation so that walks end
-        weights = np.array([4.0 if VOCAB[i] in ('}', ']', '"', '"}', '",', ',', '":') else 1.0 for i in allowed])
+        assert allowed.size, f"no token continues {tokenizer.decode(chosen)!r}"
+        texts = [tokenizer.decode([int(t)]) for t in allowed]
+        weights = np.array([30.0 if any(c in t for c in '"}],') else 1.0 for t in texts])
         token = int(rng.choice(allowed, p=weights / weights.sum()))
         grammar.accept(token)
-        text += VOCAB[token]
-    return text
+        chosen.append(token)
+    return chosen
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_random_walks_under_the_schema_mask_give_json_that_follows_it(seed):
-    rng = np.random.default_rng(seed)
-    grammar = JsonGrammar(TABLE, SCHEMA)
-    text = walk(grammar, rng)
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+@pytest.mark.parametrize("seed", range(4))
+def test_random_walks_under_a_schema_give_json_that_follows_it(grammars, tokenizer, name, seed):
+    schema = SCHEMAS[name]
+    grammar = grammars.matcher(grammars.compile(schema))
+    tokens = walk(grammar, tokenizer, np.random.default_rng(seed))
+    text = tokenizer.decode(tokens)
     assert grammar.done, text
-    value = json.loads(text)
-    assert follows(value, SCHEMA), text
+    jsonschema.validate(json.loads(text), schema)
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_random_walks_under_json_object_give_an_object(seed):
-    rng = np.random.default_rng(100 + seed)
-    grammar = JsonGrammar(TABLE)
-    text = walk(grammar, rng)
-    assert grammar.done, text
-    assert isinstance(json.loads(text), dict), text
+@pytest.mark.parametrize("seed", range(4))
+def test_json_object_walks_give_an_object(grammars, tokenizer, seed):
+    grammar = grammars.matcher(grammars.compile(None))
+    text = tokenizer.decode(walk(grammar, tokenizer, np.random.default_rng(100 + seed)))
+    assert grammar.done and isinstance(json.loads(text), dict), text
 
 
-def test_mask_refuses_what_breaks_json_or_the_schema():
-    grammar = JsonGrammar(TABLE, SCHEMA)
-    allowed = {VOCAB[i] for i in np.flatnonzero(grammar.allowed())}
-    assert allowed == {'{', '{"'}  # a top-level object, no whitespace
-    for token in ('{"', 'co', 'lor'):
-        if token in VOCAB:
-            grammar.accept(VOCAB.index(token))
-    allowed = {VOCAB[i] for i in np.flatnonzero(grammar.allowed())}
-    assert 'color' in allowed and 'ok' in allowed and 'hello' not in allowed and '}' not in allowed
-    assert None not in allowed
+def test_the_mask_refuses_what_breaks_the_schema(grammars, tokenizer):
+    grammar = grammars.matcher(grammars.compile(SCHEMAS["properties, enum, array of numbers"]))
+    first = {tokenizer.decode([int(t)]) for t in np.flatnonzero(grammar.allowed())}
+    assert first and all(t.startswith("{") for t in first), first
+    assert not grammar.done
+    for piece in '{"ok": true, "color": "':
+        grammar.accept(tokenizer.token_to_id(piece) if tokenizer.token_to_id(piece) is not None
+                       else tokenizer.encode(piece).ids[0])
+    allowed = {tokenizer.decode([int(t)]) for t in np.flatnonzero(grammar.allowed())}
+    assert allowed <= {"r", "g", "b", "re", "gr", "bl", "red", "green", "blue"} and {"r", "g", "b"} & allowed
+    refused = next(i for i in range(VOCAB) if tokenizer.decode([i]) == "x")
+    with pytest.raises(ValueError, match="not allowed"):
+        grammar.accept(refused)
 
 
-def test_unsupported_schemas_are_refused():
-    with pytest.raises(GrammarError, match="anyOf"):
-        JsonGrammar(TABLE, {"anyOf": [{"type": "string"}]})
-    with pytest.raises(GrammarError, match="top level"):
-        JsonGrammar(TABLE, {"type": "array"})
-    with pytest.raises(GrammarError, match="required"):
-        JsonGrammar(TABLE, {"type": "object", "properties": {"a": {}}, "required": ["b"]})
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "nonsense"}, "nonsense"),
+    ({"$ref": "#/$defs/missing"}, "missing"),
+    ({"type": "string", "pattern": "("}, "parenthesis"),
+])
+def test_schemas_that_cannot_compile_are_clear_errors(grammars, schema, message):
+    with pytest.raises(GrammarError, match=message) as error:
+        grammars.compile(schema)
+    assert "cannot be compiled" in str(error.value) and ".cc:" not in str(error.value)
+
+
+def test_without_xgrammar_the_error_says_how_to_install_it(tokenizer, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
+    with pytest.raises(GrammarError, match=r"tvmattn\[serve\]"):
+        JsonGrammars(tokenizer, VOCAB)
+
+
+def test_no_raw_control_character_enters_a_length_bounded_string(grammars, tokenizer):
+    # xgrammar's maxLength strings admit raw control characters, which JSON forbids
+    grammar = grammars.matcher(grammars.compile({"type": "object", "properties": {"s": {"type": "string",
+                                                                                        "maxLength": 4}},
+                                                 "required": ["s"]}))
+    for token in tokenizer.encode('{"s": "').ids:
+        grammar.accept(token)
+    allowed = np.flatnonzero(grammar.allowed())
+    assert tokenizer.token_to_id("a") in allowed
+    assert not [t for t in allowed if any(ord(c) < 0x20 for c in tokenizer.decode([int(t)]))]

@@ -284,13 +284,13 @@ def tiny(tiny_library):
     return generator
 
 
-def path_logits(generator: Generator, prompt: list[int], path: list[int]) -> np.ndarray:
+def path_logits(session, prompt: list[int], path: list[int]) -> np.ndarray:
     """Logits after prompt + path, from a fresh sequence prefilled with them (seq id 3)."""
-    generator._host["kv_state_add_sequence"](generator.cache, 3)
+    session.add_sequence(3)
     try:
-        return generator._prefill([3], [prompt + path])[0]
+        return session.prefill([3], [prompt + path])[0]
     finally:
-        generator._host["kv_state_remove_sequence"](generator.cache, 3)
+        session.remove_sequence(3)
 
 
 TREES = {
@@ -304,27 +304,27 @@ def test_batch_verify_logits_equal_decoding_each_path(tiny, shape):
     """The prompt (all but its last token) is in the cache; the tree's root is the last token.
     Each node's logits equal those after prompt + the node's root-to-node path; after the commit
     of a leaf, the next token's logits are those after prompt + that path + the token."""
-    generator, tree = tiny, TREES[shape]
+    session, tree = tiny.session.sibling(), TREES[shape]  # a cache of its own (the library's steps)
     tree.check()
     history, root = PROMPT[:-1], PROMPT[-1]
     tree = DraftTree([root, *tree.tokens[1:]], tree.parents)
-    generator._ensure_cache(512)
-    generator._host["kv_state_add_sequence"](generator.cache, 0)
+    session.create_cache(4, 512)
+    session.add_sequence(0)
     try:
-        generator._prefill([0], [history])
-        logits = generator._verify([0], [tree], 1)[0]
-        assert logits.shape == (len(tree), generator.metadata["model_config"]["vocab_size"])
+        session.prefill([0], [history])
+        logits = session.verify([0], [tree.tokens], [tree.parents])[0]
+        assert logits.shape == (len(tree), tiny.metadata["model_config"]["vocab_size"])
         for node in range(len(tree)):
-            expected = path_logits(generator, history, [tree.tokens[i] for i in tree.path(node)])
+            expected = path_logits(session, history, [tree.tokens[i] for i in tree.path(node)])
             np.testing.assert_allclose(logits[node], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
         leaf = len(tree) - 2  # a node off the first branch in the tree case
-        generator._commit([0], [leaf])
+        session.commit([0], [leaf])
         kept = [tree.tokens[i] for i in tree.path(leaf)]
-        after = generator._forward("decode", [0], [1], generator._embed([7])[:, None, :])[0, 0]
-        expected = path_logits(generator, history, kept + [7])
+        after = session.forward("decode", [0], [1], session.embed([7])[:, None, :])[0, 0]
+        expected = path_logits(session, history, kept + [7])
         np.testing.assert_allclose(after, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     finally:
-        generator._host["kv_state_remove_sequence"](generator.cache, 0)
+        session.remove_sequence(0)
 
 
 SPECULATIVE_CASES = [

@@ -8,8 +8,10 @@ top of them, in layers:
 - `tvmattn.weights` (GGUF / safetensors readers), `tvmattn.quant` (fused kernels and layers over
   GGUF blocks), `tvmattn.compiler` (the Relax pipeline, its CPU schedule rules, the targets);
 - `tvmattn.models` (the Llama-family and DeepSeek model libraries on this cache);
-- `tvmattn.build`, `tvmattn.generate`, `tvmattn.quickstart`: compile and run a model library;
-  `python -m tvmattn` is the command line over them.
+- `tvmattn.build` compiles a model library; `tvmattn.session` loads one and runs its steps;
+  `tvmattn.serve` (the engine, its one decode loop, and the HTTP server) schedules them;
+  `tvmattn.generate` (`Generator`) answers prompts through that engine; `tvmattn.quickstart`
+  and `python -m tvmattn`, the command line, sit on top.
 
 `import tvmattn` registers the `tvmattn.*` packed functions (a model library built on this cache
 needs them). The one exception is the command line: while `python -m tvmattn` locates its

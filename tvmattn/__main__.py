@@ -298,6 +298,10 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--random-weights", default=None, type=_int_at_least(0), metavar="SEED",
                          help="a model without weights (a config.json alone) gets random parameters from SEED "
                               "(smoke runs; default: the library is written without parameters)")
+    command.add_argument("--random-format", default=None, choices=("Q4_0", "Q4_1", "Q8_0"),
+                         help="with --random-weights: draw the random matrices as blocks of this GGUF type (kept "
+                              "with --quantization keep, else dequantized), so that a kept and a float library of "
+                              "one seed hold the same weights")
     command.add_argument("--no-small-batch-matmul", dest="small_batch_matmul", action="store_false",
                          help="CUDA: schedule decode_step's projections with dlight's Matmul rule instead of "
                               "tvmattn's small-batch matmul schedule")
@@ -468,8 +472,8 @@ def _compile(args) -> int:
                       max_batch_size=args.max_batch_size, context_window=args.context_window,
                       prefill_chunk=args.prefill_chunk, kv_cache=args.kv_cache, dump_ir=args.dump_ir,
                       attn_backend=args.attn_backend, quantization=args.quantization,
-                      random_weights=args.random_weights, small_batch_matmul=args.small_batch_matmul,
-                      kv_cache_dtype=args.kv_cache_dtype)
+                      random_weights=args.random_weights, random_format=args.random_format,
+                      small_batch_matmul=args.small_batch_matmul, kv_cache_dtype=args.kv_cache_dtype)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0

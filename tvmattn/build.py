@@ -216,6 +216,19 @@ def _every_matrix_kept(config, weight_formats: tuple[tuple[str, str], ...]) -> b
     return len(weight_formats) == len(_weight_matrices(config))
 
 
+def _check_random_format(random_format: str | None, random_weights: int | None) -> None:
+    """BuildError unless random_format is None or a block type random weights can be drawn in."""
+    if random_format is None:
+        return
+    from .weights.random_blocks import RANDOM_BLOCK_TYPES
+
+    if random_format not in RANDOM_BLOCK_TYPES:
+        raise BuildError(f"--random-format {random_format!r} is not supported: expected one of "
+                         f"{sorted(RANDOM_BLOCK_TYPES)}")
+    if random_weights is None:
+        raise BuildError(f"--random-format {random_format} needs --random-weights SEED")
+
+
 def random_params(document: dict[str, Any], seed: int) -> list[np.ndarray]:
     """Random parameters for a library's metadata["params"], in its dtype: vectors (norms) near
     1, the token embedding N(0, 1), other matrices N(0, 1 / in_features) (activations stay O(1))."""
@@ -239,7 +252,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
                   kv_cache: str = "tvmattn", dump_ir: str | Path | None = None,
                   log: Callable[[str], None] = print, attn_backend: str = "tir",
                   quantization: str | None = None, random_weights: int | None = None,
-                  small_batch_matmul: bool = True, kv_cache_dtype: str | None = None) -> BuildResult:
+                  random_format: str | None = None, small_batch_matmul: bool = True,
+                  kv_cache_dtype: str | None = None) -> BuildResult:
     """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
 
     dtype defaults to float32 on llvm and float16 on cuda; context_window defaults to the
@@ -256,6 +270,10 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     `tvmattn.calibrate_kv_scales`).
     random_weights: a seed; a model without weights (a config.json alone) then gets random
     parameters (`random_params`), so that the bundle runs (tests, smoke runs).
+    random_format: with random_weights, the random parameters are blocks of this GGUF type
+    (weights.random_blocks.RANDOM_BLOCK_TYPES: "Q4_0", "Q4_1", "Q8_0"), kept with quantization
+    "keep" and dequantized otherwise, so that libraries of one seed and format (say a kept one
+    and a float16 one) hold the same weights.
     Raises BuildError (a ValueError) for bad arguments or an unsupported model; arguments, the
     output path and the --dump-ir folder are checked before anything is loaded.
     """
@@ -281,6 +299,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
         raise BuildError(f"--kv-cache-dtype {kv_cache_dtype} needs --kv-cache tvmattn (TVM's stock cache has no FP8)")
     if dtype is not None and support.dtype_problem(dtype):
         raise BuildError(f"--dtype {dtype!r} is not supported: expected {support.dtype_problem(dtype)}")
+    _check_random_format(random_format, random_weights)
     out_path = Path(out_path)
     problem = output_problem(out_path)
     if problem:
@@ -309,9 +328,20 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
         config = model_config_from_hf(hf_config)
     except ModelConfigError as err:
         raise BuildError(f"--model {model!r}: unsupported model: {err}") from None
+    if random_format is not None and random_weights is not None and not isinstance(config, ModelConfig):
+        raise BuildError(f"--random-format: random blocks are drawn for the Llama family only, not "
+                         f"{hf_config.get('model_type')!r}")
     if quantization == "keep" and not isinstance(config, ModelConfig):
         raise BuildError(f"--quantization keep: the fused quantized kernels serve the Llama family only, "
                          f"not {hf_config.get('model_type')!r}")
+    if tensors is None and random_weights is not None and random_format is not None:
+        from .weights.random_blocks import random_block_tensors
+
+        log(f"[compile] no weights found beside the config: random {random_format} blocks (seed {random_weights})")
+        try:
+            tensors = random_block_tensors(hf_config, random_format, random_weights)
+        except (KeyError, ValueError) as err:
+            raise BuildError(f"--model {model!r}: random {random_format} weights: {err}") from None
     stage("load model", start)
     max_positions = hf_config.get("max_position_embeddings") or 4096
     context_window = context_window or min(int(max_positions), 4096)

@@ -50,53 +50,60 @@ def calibrate_kv_scales(generator, prompts: list[list[int]] | list[str], kv_dtyp
     if not prompts:
         raise ValueError("prompts must hold at least one prompt")
     token_lists = [generator.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    spec = generator.metadata["kv_cache"]
+    session = getattr(generator, "session", generator)  # a Generator or its ModelSession
+    spec = session.metadata["kv_cache"]
     if not is_fp8(spec.get("kv_dtype")):
-        amax = _measure(generator, token_lists, chunk, percentile)
+        amax = _measure(generator, session, token_lists, chunk, percentile)
     else:
         # an FP8 cache holds K/V / scale rounded and saturated at FP8_MAX: a head whose amax
         # reached FP8_MAX * scale may hold larger values, so its scale grows until none does
         limit = FP8_MAX[spec["kv_dtype"]]
-        given = generator.kv_scales
+        given = session.kv_scales
         trial = np.ones((spec["num_layers"], 2, spec["num_kv_heads"])) if given is None else np.array(given, np.float64)
         try:
             for _ in range(8):
-                generator.cache, generator.kv_scales = None, trial.astype(np.float32)
-                peak = _measure(generator, token_lists, chunk, 100.0)
+                session.kv_scales = trial.astype(np.float32)
+                peak = _measure(generator, session, token_lists, chunk, 100.0)
                 saturated = peak >= limit * trial * (1 - 1e-6)
                 if not saturated.any():
                     break
                 trial = np.where(saturated, trial * 256.0, trial)
-            amax = peak if percentile == 100 else _measure(generator, token_lists, chunk, percentile)
+            amax = peak if percentile == 100 else _measure(generator, session, token_lists, chunk, percentile)
         finally:
-            generator.cache, generator.kv_scales = None, given
+            session.kv_scales = given
     scales = np.where(amax > 0, amax * headroom / FP8_MAX[kv_dtype], 1.0)
     return scales.astype(np.float32)
 
 
-def _measure(generator, token_lists: list[list[int]], chunk: int | None, percentile: float) -> np.ndarray:
-    """float64 [layers, 2, heads]: the percentile of |K| and |V| per head over the prompts."""
-    spec = generator.metadata["kv_cache"]
+def _measure(generator, session, token_lists: list[list[int]], chunk: int | None, percentile: float) -> np.ndarray:
+    """float64 [layers, 2, heads]: the percentile of |K| and |V| per head over the prompts, from a
+    cache of the session's own (the generator's is dropped: it makes another on its next call)."""
+    spec = session.metadata["kv_cache"]
     layers, heads, dim = spec["num_layers"], spec["num_kv_heads"], spec["head_dim"]
     seen: list[list[np.ndarray]] = [[], []]  # per K/V: |values| [layers, tokens * dim, heads] per prompt
-    chunk = chunk or generator.prefill_chunk
-    generator._ensure_cache(max(len(t) for t in token_lists))
+    chunk = chunk or session.prefill_chunk
+    page = session.settings["page_size"]
+    longest = max(len(t) for t in token_lists)
+    if hasattr(generator, "runner"):
+        generator.runner = None  # the calibration's cache replaces the generator's
+    session.create_cache(1, -(-longest // page) * page + page)
     for tokens in token_lists:
         seq = 0
-        generator._host["kv_state_add_sequence"](generator.cache, seq)
+        session.add_sequence(seq)
         try:
             for begin in range(0, len(tokens), chunk):
                 piece = tokens[begin:begin + chunk]
-                generator._forward("prefill", [seq], [len(piece)], generator._embed(piece)[None])
+                session.forward("prefill", [seq], [len(piece)], session.embed(piece)[None])
             dtype = spec["dtype"]
-            k = tvm.runtime.empty((layers, len(tokens), heads, dim), dtype, device=generator.device)
-            v = tvm.runtime.empty((layers, len(tokens), heads, dim), dtype, device=generator.device)
-            tvm.get_global_func("tvmattn.attention_kv_cache_debug_get_kv")(generator.cache, seq, 0, len(tokens), k, v)
+            k = tvm.runtime.empty((layers, len(tokens), heads, dim), dtype, device=session.device)
+            v = tvm.runtime.empty((layers, len(tokens), heads, dim), dtype, device=session.device)
+            tvm.get_global_func("tvmattn.attention_kv_cache_debug_get_kv")(session.cache, seq, 0, len(tokens), k, v)
             for index, values in ((0, k), (1, v)):
                 magnitude = np.abs(values.numpy().astype(np.float64)).transpose(0, 1, 3, 2)
                 seen[index].append(magnitude.reshape(layers, -1, heads))
         finally:
-            generator._host["kv_state_remove_sequence"](generator.cache, seq)
+            session.remove_sequence(seq)
+    session.cache, session.cache_tokens = None, 0
     return np.stack([np.percentile(np.concatenate(part, axis=1), percentile, axis=1) for part in seen], axis=1)
 
 

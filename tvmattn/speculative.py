@@ -31,7 +31,7 @@ acceptance: `next_draft_len`):
   nodes), filled breadth first: depth 1 of every continuation, then depth 2, ..., until the
   draft_len budget is spent, so alternatives near the root (where they matter most) come
   before long tails. Node order is that insertion order: parents before children.
-- `DraftModel` (in `tvmattn.generate`, as it drives a library): another compiled library
+- `DraftModel` (in `tvmattn.serve.runner`, as it drives a library): another compiled library
   with the same vocabulary (any size; a model can draft for itself) and its own KV cache
   drafts greedily: with W = 1 a chain of draft_len
   argmax tokens; with W > 1 the top-W tokens after the root as siblings, and the argmax chain
@@ -42,9 +42,9 @@ acceptance: `next_draft_len`):
 Back-off (`SpeculativeOptions.back_off`, the default): drafts pay only when the tokens a verify
 step yields outweigh its cost, and a verify step can cost several plain decode steps (on the
 CPU a kept-quantized library decodes one row with GEMV kernels, while verification runs the
-GEMM path). So before every step the generator asks `BackOff.plan` which sequences should verify
+GEMM path). So before every step the engine asks `BackOff.plan` which sequences should verify
 a draft and how long: from the measured cost of plain steps, verify steps and drafting
-(`StepCosts`, kept by the Generator across generations, a linear fit in the nodes fed) and each
+(`StepCosts`, kept by the library's session across requests, a linear fit in the nodes fed) and each
 sequence's estimated per-token acceptance p (`Acceptance`, recent results weigh most), a draft
 `depth` deep is expected to yield 1 + p + ... + p^depth tokens. It speculates only when the
 expected tokens per second beat plain decoding's by `BACK_OFF_MARGIN`; otherwise the step is a
@@ -63,8 +63,8 @@ the weights); the first verify step measures it.
 
 Only greedy decoding is speculative here (temperature 0); sampling would need speculative
 sampling (rejection against the draft distribution), which is not implemented, and the
-generator refuses it. This module holds the pure logic (numpy only, no TVM import); the loop
-that drives a library lives in `tvmattn.generate.Generator`.
+engine drafts for greedy requests only. This module holds the pure logic (numpy only, no TVM import); the loop
+that drives a library lives in the serving engine (`tvmattn.serve.engine`).
 """
 
 from __future__ import annotations
@@ -394,7 +394,7 @@ def _fit(stats: tuple[int, float, float, float, float, float], prior_slope: floa
 
 
 class StepCosts:
-    """Measured wall time of a library's steps, kept by its Generator across generations:
+    """Measured wall time of a library's steps, kept by its session across requests:
     plain decode steps by batch size (a running mean), verify steps by nodes fed (roots
     included) and draft-model drafting by draft tokens (linear fits over the last COST_WINDOW).
     verify_prior: VERIFY_PRIOR_CPU or VERIFY_PRIOR_GPU, until a verify step is measured."""
@@ -512,6 +512,11 @@ class BackOff:
 
     def verified(self, seq_id: int, accepted: int, depth: int) -> None:
         self.of(seq_id).observe(accepted, depth)
+        self.shadows.pop(seq_id, None)
+
+    def forget(self, seq_id: int) -> None:
+        """Drop what is known of a sequence (it has ended)."""
+        self.acceptance.pop(seq_id, None)
         self.shadows.pop(seq_id, None)
 
     def shadow(self, seq_id: int, position: int, draft: list[int]) -> None:

@@ -23,7 +23,7 @@ MLA (H heads; nope, rope, v: the head dims; latent: kv_lora_rank; see DeepseekV2
 Prefill functions need a step in which some sequence appends more than one token: the cache
 plans a step of one token per sequence as a decode step (TVM's rule), whose cross attention
 already covers the new rows, so the self attention would count them twice. Such steps go to
-decode / batch_decode (tvmattn.generate.Generator routes them so).
+decode / batch_decode (tvmattn.session.ModelSession routes them so).
 
 RoPE: rotate-half over the rope part. HF's DeepSeek-V2 rotates interleaved pairs (it
 de-interleaves q_pe and k_pe, [x0, x2, ..., x1, x3, ...], before rotate-half); `prepare_hf_tensors`

@@ -55,9 +55,9 @@ from .backend_choice import attention_kernels
 from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPrefill, RaggedPrefillTreeMask,
                        RopeMode, backend_from_spec, bind_workspace)
 from .errors import KVCacheError, as_tensor, check, check_finite, check_int, check_tensor
-from .forward import Kernels, Rope, Step, Workspace, fused_qkv_check
+from .forward import Kernels, Rope, Step, Workspace
 from .graphs import empty_decode_plan, graph_layout, layout_end, pad_decode_plan
-from .kernels import Deferred, KernelSet, default_kernels, paged_slots
+from .kernels import DecodeByShape, Deferred, KernelSet, default_kernels, paged_slots
 from .kinds import AttnKind, parse_attn_kinds
 from .mla import MLAStep, check_mla_kernels, merge_for, mla_config, mla_kernel_set, ragged_for
 from .pages import PageAllocator
@@ -268,6 +268,8 @@ class PagedKVCache:
       device: a tvm.runtime.Device (default tvm.cpu()).
       kernels: optional overrides, slot name -> backend spec or function (see tvmattn.runtime.kernels);
         every other slot gets tvmattn's kernel for this configuration, built once per process.
+        (A Python callable given as a kernel makes every attention_with_fused_qkv check its
+        arguments in Python first; compiled kernels check them at entry.)
       backend: "tir" (tvmattn's kernels) or "flashinfer" (FlashInfer's modules, built by
         `python -m tvmattn.flashinfer.build`, in the prefill and decode slots; where FlashInfer
         cannot serve the cache it falls back to TIR with a logged warning, see
@@ -342,16 +344,10 @@ class PagedKVCache:
         else:
             page_shape = (opts.pool_pages, 2, opts.num_kv_heads, opts.page_size, opts.qk_head_dim)
         self._pools = [self._zeros(page_shape, layer) for layer in range(opts.num_layers)]
-        # attention_with_fused_qkv's fast path: the MHA layers' pools and an argument check, compiled
-        # on a GPU (TVM's own checks in one FFI call); on the CPU the Python checks, because the
-        # compile's LLVM JIT would stay resident (a large share of a small model's memory)
-        if opts.is_mla:
-            self._fused_check = None
-        elif self.target == "llvm":
-            self._fused_check = self._python_check
-        else:
-            self._fused_check = self._compiled_check(page_shape)
-        self._fast_pages = {} if self._fused_check is None else {
+        # attention_with_fused_qkv's fast path: the MHA layers' pools, where every launch is a
+        # compiled function, which checks its arguments (see that method; FlashInfer's modules and
+        # Python callables given as kernels take the checked path)
+        self._fast_pages = {} if self._backend_plans or not _compiled_launches(k) else {
             layer: pool for layer, (pool, kind) in enumerate(zip(self._pools, self._kinds)) if kind == AttnKind.MHA}
         self._workspace = Workspace(opts.prefill_chunk_size, opts.num_qo_heads, opts.num_kv_heads, opts.qk_head_dim,
                                     opts.v_head_dim, opts.dtype, self.device, split_qkv=not opts.is_mla)
@@ -362,34 +358,10 @@ class PagedKVCache:
         self._graph_layouts: dict = {}
         self._graph_generation = 0
         self._step: Step | None = None
+        self._last_step: Step | None = None  # the last plain Step made (its launches serve repeats)
         self._rolled_back: str | None = None  # why the last step was rolled back by a failed launch
         self._num_layers = opts.num_layers
         self._shapes: dict = {}
-
-    def _python_check(self, n: int, qkv, o, pages) -> None:
-        """The fast path's argument check on the CPU: qkv and o as this step needs them (raises)."""
-        self._tensor("qkv", qkv)
-        self._tensor("o", o)
-
-    def _compiled_check(self, page_shape: tuple):
-        """forward.fused_qkv_check for this cache, once seen to accept good arguments (else None:
-        every call takes the Python checks)."""
-        opts = self.options
-        qkv_heads = opts.num_qo_heads + 2 * opts.num_kv_heads
-        check = fused_qkv_check(qkv_heads, opts.num_qo_heads, opts.qk_head_dim, opts.v_head_dim, opts.dtype,
-                                page_shape, opts.attention_config(self.target).tvm_target(),
-                                page_dtype=opts.page_dtype)
-        if check is None:
-            return None
-        qkv = tvm.runtime.empty((1, qkv_heads, opts.qk_head_dim), opts.dtype, device=self.device)
-        o = tvm.runtime.empty((1, opts.num_qo_heads, opts.v_head_dim), opts.dtype, device=self.device)
-        try:
-            check(1, qkv, o, self._pools[0])
-        except Exception as error:  # noqa: BLE001 - a check that refuses good arguments is not used
-            log.warning("attention_with_fused_qkv: the compiled argument check refused good arguments (%s); "
-                        "every call runs the Python checks", error)
-            return None
-        return check
 
     def _zeros(self, shape: tuple, layer: int) -> tvm.runtime.Tensor:
         """A zeroed pool of the page dtype; an FP8 pool's last page holds the layer's scales."""
@@ -503,6 +475,8 @@ class PagedKVCache:
         self._table.enable_sliding_window(seq_id, window_size, sink_size)
 
     def _copy_pages(self, copies: list[PageCopy]) -> None:
+        if not copies:  # (the usual step: no loop over the layers)
+            return
         copy = self.kernels.copy_single_page
         for pool in self._pools:
             for src, dst, length in copies:
@@ -579,16 +553,20 @@ class PagedKVCache:
         if self._backend_plans:
             self._begin_backends(plan)
         arrays = device_arrays.upload(plan)
+        if self._shapes.get("n") != plan.total:
+            self._shapes = self._step_shapes(plan.total)
+        last = self._last_step
+        if last is not None and last.repeats(plan, arrays, self._step_kernels):
+            # a decode step of the last one's layout (the usual step): its prepared launches
+            self._step = last.again(plan)
+            return
         work = self._workspace.views(plan.total)
         if self._mla is not None:
             self._step = MLAStep(plan, arrays, self._step_kernels, work, self._rope, self._mla)
         elif plan.host.window:
             self._step = WindowStep(plan, arrays, self._step_kernels, work, self._rope, self._window_decode)
         else:
-            self._step = Step(plan, arrays, self._step_kernels, work, self._rope)
-        shapes = self._shapes
-        if shapes.get("n") != plan.total:
-            self._shapes = self._step_shapes(plan.total)
+            self._step = self._last_step = Step(plan, arrays, self._step_kernels, work, self._rope)
 
     def _planning_backends(self) -> bool:
         """Some backend of a step has a plan step (FlashInfer's; TIR kernels have none)."""
@@ -803,24 +781,41 @@ class PagedKVCache:
 
         qkv [n, Hq + 2*Hkv, D] (heads: q, then k, then v), o [n, Hq, Dv]; n = tokens of the step.
         """
-        # fast path (an MHA layer, arguments that pass the compiled check): straight to the launches
+        # fast path (an MHA layer): straight to the launches, whose own argument checks (TVM's, at
+        # the entry of every compiled kernel: shapes against the step's rows, dtypes, devices,
+        # compactness) are the check; see _fast_path_failed for a launch that raises
         step = self._step
         if type(layer_id) is int and step is not None and type(sm_scale) is float and math.isfinite(sm_scale):
             pages = self._fast_pages.get(layer_id)
             if pages is not None:
                 try:
-                    self._fused_check(step.total, qkv, o, pages)
-                except Exception:  # noqa: BLE001 - the checks below name the bad argument
-                    pass
-                else:
-                    try:
-                        step.fused(pages, qkv, o, sm_scale)
-                    except BaseException as error:
-                        self._failed(step, f"attention_with_fused_qkv of layer {layer_id}", error)
+                    step.fused(pages, qkv, o, sm_scale)
+                except BaseException as error:
+                    if not self._fast_path_failed(step, layer_id, sm_scale, qkv, o, error):
                         raise
-                    step.appended_layers.add(layer_id)
                     return
+                step.appended_layers.add(layer_id)
+                return
         self._attention_with_fused_qkv(layer_id, sm_scale, qkv, o)
+
+    def _fast_path_failed(self, step: Step, layer_id: int, sm_scale: float, qkv, o, error: BaseException) -> bool:
+        """After a launch of attention_with_fused_qkv's fast path raised `error`: the Python checks
+        of qkv and o raise KVCacheError naming a refused argument (the step goes on: a launch
+        refuses its arguments before it runs, and a refused o is seen by the attention kernel
+        after the append wrote the layer's rows of this step, rows the step reserved, which
+        nothing reads before the layer runs again and a rolled-back step never exposes). Where
+        the checks convert an argument (a DLPack tensor), the checked path launches (True).
+        Otherwise a kernel failed: the step is rolled back and the caller re-raises (False)."""
+        if isinstance(error, Exception):
+            try:
+                checked_qkv, checked_o = self._tensor("qkv", qkv), self._tensor("o", o)
+            except KVCacheError as refusal:
+                raise refusal from None  # (the launch's own message says less)
+            if checked_qkv is not qkv or checked_o is not o:
+                self._attention_with_fused_qkv(layer_id, sm_scale, checked_qkv, checked_o)
+                return True
+        self._failed(step, f"attention_with_fused_qkv of layer {layer_id}", error)
+        return False
 
     def _attention_with_fused_qkv(self, layer_id: int, sm_scale: float, qkv, o) -> None:
         """attention_with_fused_qkv with every argument checked in Python."""
@@ -1149,6 +1144,18 @@ class PagedKVCache:
     def current_plan(self):
         """The ForwardPlan of the step in progress (None outside a step)."""
         return None if self._step is None else self._step.plan
+
+
+def _compiled_launches(kernels: Kernels) -> bool:
+    """Whether every function a step of MHA layers launches is a tvm_ffi Function (a compiled
+    kernel checks its arguments at entry; a Python callable given as a kernel may not)."""
+    funcs = [kernels.split_rotary, kernels.transpose_append, kernels.merge]
+    if kernels.split_rotary_append is not None:
+        funcs.append(kernels.split_rotary_append)
+    for backend in (kernels.ragged, kernels.paged_prefill, kernels.paged_decode):
+        func = getattr(backend, "func", None)
+        funcs += func.variants if isinstance(func, DecodeByShape) else [func]
+    return all(isinstance(func, tvm_ffi.Function) for func in funcs)
 
 
 _WINDOW_SIZE = operator.attrgetter("window_size")

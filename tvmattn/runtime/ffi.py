@@ -213,7 +213,19 @@ def debug_get_kv(cache, seq_id, start, end, k, v):
     cache.debug_get_kv(seq_id, start, end, k, v)
 
 
-_api("attention_kv_cache_attention_with_fused_qkv")(PagedKVCache.attention_with_fused_qkv)
+_FUSED_QKV = PagedKVCache.attention_with_fused_qkv
+
+
+def attention_with_fused_qkv(cache, layer_id, sm_scale, qkv, o):
+    """The per-layer call of every step: _api's check of the cache without its *args packing."""
+    if type(cache) is not PagedKVCache and not isinstance(cache, PagedKVCache):
+        raise KVCacheError(f"{PREFIX}attention_kv_cache_attention_with_fused_qkv: argument 0 must be a tvmattn "
+                           f"PagedKVCache, got {type(cache).__name__}")
+    _FUSED_QKV(cache, layer_id, sm_scale, qkv, o)
+
+
+API["attention_kv_cache_attention_with_fused_qkv"] = attention_with_fused_qkv
+_UNCHECKED["attention_kv_cache_attention_with_fused_qkv"] = _FUSED_QKV
 
 
 @_api("attention_kv_cache_attention_with_shared_kv")

@@ -77,31 +77,6 @@ class Workspace:
         return {name: views[n] for name, views in self._buffers.items()}
 
 
-@functools.lru_cache(maxsize=None)
-def fused_qkv_check(qkv_heads: int, num_qo_heads: int, head_dim: int, v_head_dim: int, dtype: str,
-                    pool_shape: tuple, target, page_dtype: str | None = None):
-    """A compiled function (n, qkv, o, pages) that does nothing but TVM's argument checks:
-    qkv [n, qkv_heads, head_dim] and o [n, num_qo_heads, v_head_dim] of `dtype`, compact, on the
-    device kind of `target` and the device of `pages` (a layer's pool, `pool_shape`). It raises
-    on any mismatch; PagedKVCache.attention_with_fused_qkv then runs its Python checks, which
-    name the argument. page_dtype: the pool's element type (default dtype). One call costs about as much as the Python checks' two attribute reads
-    (tvm_ffi builds a dtype object per `Tensor.dtype`). None where it cannot be compiled."""
-    from tvm.script import tirx as T
-
-    @T.prim_func
-    def check(n: T.int32, qkv_handle: T.handle, o_handle: T.handle, pages_handle: T.handle):
-        T.func_attr({"global_symbol": "tvmattn_fused_qkv_check", "tir.noalias": True})
-        T.match_buffer(qkv_handle, (n, qkv_heads, head_dim), dtype, elem_offset=T.int64())
-        T.match_buffer(o_handle, (n, num_qo_heads, v_head_dim), dtype, elem_offset=T.int64())
-        T.match_buffer(pages_handle, pool_shape, page_dtype or dtype)
-        T.evaluate(0)
-
-    try:
-        return tvm.compile(tvm.IRModule({"main": check}), target=target)["main"]
-    except Exception:  # noqa: BLE001 - no compiler for this target: every call takes the Python checks
-        return None
-
-
 def _rows(row: tuple, dtype: str, n: int) -> tuple:
     """(shape, dtype, byte offset) of the first n rows."""
     return (n, *row), dtype, 0
@@ -137,7 +112,25 @@ class Step:
         self.shared_reads = 0  # attention_with_shared_kv calls (each stands for a layer that writes nothing)
         # attention_with_fused_qkv(pages, qkv, o, sm_scale): in a plain decode step one closure
         # over prebound arguments (two launches, no other Python), else the general method
-        self.fused = self._decode_launches() or self.attention_with_fused_qkv
+        self._launches = self._decode_launches()
+        self.fused = self._launches or self.attention_with_fused_qkv
+
+    def repeats(self, plan: ForwardPlan, arrays: PlanArrays, kernels: Kernels) -> bool:
+        """Whether a step of `plan` makes this step's launches: both plain decode steps with one
+        closure of launches (`_decode_launches`), the same device arrays (one layout of one plan
+        buffer: the same views), rows and kernels."""
+        return (self._launches is not None and arrays is self._a and kernels is self._k and plan.total == self.total
+                and plan.decode and not plan.tree and not plan.host.window)
+
+    def again(self, plan: ForwardPlan) -> "Step":
+        """A new Step of `plan` (`repeats` holds) sharing this one's prepared launches."""
+        step = object.__new__(Step)
+        step.__dict__.update(self.__dict__)
+        step.plan = plan
+        step.appended_layers = set()
+        step.shared_reads = 0
+        step.cross_planned = step.ragged_planned = False
+        return step
 
     def _decode_launches(self):
         """attention_with_fused_qkv of a decode step with one paged level and a TIR decode kernel

@@ -22,10 +22,10 @@ What makes a replay valid for any sequences:
   owns (fixed per bucket), and the outputs of the captured call are kept and rewritten by every
   replay. A model library's `decode_step` allocates its intermediates once per VM
   (models/pipeline.py lift_graph_storage). Bucket 1 runs the static `embed` + `decode` instead
-  (tvmattn.generate.library_decode_step: single-row GEMV kernels, faster for one row): their
+  (tvmattn.session.library_decode_step: single-row GEMV kernels, faster for one row): their
   intermediates come from the VM's memory pool, freed after the capture and rewritten by each
   replay before they are read, so a replay is safe while no one holds a pool tensor across it
-  (Generator and scripts/bench_e2e.py read each step's logits before the next step).
+  (tvmattn.session and scripts/bench_e2e.py read each step's logits before the next step).
 - TVM's workspace pool: the decode kernels take their split-KV partials from TVM's per-thread
   CUDA workspace pool, which frees a page only when a larger request comes. Before the first
   capture the cache runs its decode kernels at every batch size up to max_num_sequences

@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from typing import Callable, Generic, Hashable, NamedTuple, TypeVar
 
 import numpy as np
@@ -279,9 +280,10 @@ def _decode_constants(batch: int) -> tuple:
     return indptr, zeros
 
 
-# (batch, length_info's ndim) -> (template specs, the offsets of _decode_arrays); the page
-# indices come last, so a plan with P of them has the template's specs with page_indices
-# (offset, (P,)) and a buffer of offset + P elements (rounded up to ALIGN)
+# (batch, length_info's ndim) -> (template specs, the offsets of _decode_arrays, the places of the
+# elements of all but the last of them); the page indices come last, so a plan with P of them has
+# the template's specs with page_indices (offset, (P,)) and a buffer of offset + P elements
+# (rounded up to ALIGN)
 _DECODE_LAYOUTS: dict[tuple, tuple] = {}
 # (batch, page indices, length_info's ndim) -> (specs, buffer size): the specs of one layout are
 # one object (DeviceArrays.upload finds its views by identity)
@@ -311,18 +313,23 @@ def _pack_decode(seq_ids: list, lengths: list, host: PlanArrays[np.ndarray]) -> 
             (cross.page_indptr, cross.page_indices, cross.k_offset) and offsets == sorted(set(offsets))
         if len(_DECODE_LAYOUTS) >= BufferViews.LIMIT:
             _DECODE_LAYOUTS.clear()
-        _DECODE_LAYOUTS[(batch, ndim)] = (plan.specs, offsets)
+        # the places of every element of the arrays before the page indices, in order (one
+        # scatter of their concatenation packs them: fewer numpy calls than a copy per array)
+        places = np.concatenate([np.arange(spec.offset, spec.offset + math.prod(spec.shape))
+                                 for spec in _decode_arrays(plan.specs)[:-1]])
+        _DECODE_LAYOUTS[(batch, ndim)] = (plan.specs, offsets, places)
         return plan
     specs, size = _DECODE_SPECS.get((batch, pages, ndim)) or _decode_specs(template, batch, pages, ndim)
     buffer = np.empty(size, dtype=np.int32)
-    for offset, array in zip(template[1], _decode_arrays(host)):
-        buffer[offset : offset + array.size] = array.ravel()
+    *head, indices = _decode_arrays(host)
+    buffer[template[2]] = np.concatenate(head, axis=None)  # (axis None: the 2-D length_info of windows, flat)
+    buffer[template[1][-1] : template[1][-1] + pages] = indices
     return ForwardPlan(list(seq_ids), list(lengths), batch, True, False, buffer, specs, host)
 
 
 def _decode_specs(template: tuple, batch: int, pages: int, ndim: int) -> tuple:
     """(specs, buffer size) of a decode plan of `pages` page indices from its batch's template."""
-    specs, offsets = template
+    specs, offsets = template[:2]
     indices = ArraySpec(offsets[-1], (pages,))
     (fused,), (cross,) = specs.fused, specs.cross
     specs = specs._replace(fused=(fused._replace(page_indices=indices),), cross=(cross._replace(page_indices=indices),))

@@ -64,6 +64,9 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
                       help="KV-cache pages: bytes ('2GiB') or a fraction of the free device memory (0.5)")
     pool.add_argument("--max-total-tokens", type=_positive_int, default=None,
                       help="KV-cache pages for this many tokens (default: max batch size x context window)")
+    command.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                         help="most requests running at once, each with its cache sequence (default: the library's "
+                              "max batch size, `compile --max-batch-size`)")
     command.add_argument("--prefix-cache", choices=("radix", "off"), default="radix",
                          help="reuse cached prompt prefixes (a radix tree of page-aligned blocks)")
 
@@ -118,15 +121,18 @@ def build_engine(args, max_queue: int = 256):
     if args.max_batched_tokens is not None and args.max_batched_tokens > chunk:
         raise BuildError(f"--max-batched-tokens {args.max_batched_tokens} exceeds the library's prefill chunk "
                          f"{chunk}")
-    engine = Engine(runner, max_batched_tokens=args.max_batched_tokens, max_queue=max_queue,
-                    prefix_cache=args.prefix_cache)
+    if args.max_num_seqs is not None and args.max_num_seqs > runner.max_batch_size:
+        raise BuildError(f"--max-num-seqs {args.max_num_seqs} exceeds the library's max batch size "
+                         f"{runner.max_batch_size} (compile it with a larger --max-batch-size)")
+    engine = Engine(runner, max_batched_tokens=args.max_batched_tokens, max_running=args.max_num_seqs,
+                    max_queue=max_queue, prefix_cache=args.prefix_cache)
     return engine, name
 
 
 def serve_command(args) -> int:
     import uvicorn
 
-    from ..generate import GenerateError
+    from ..session import GenerateError
     from .server import create_app
 
     try:
@@ -136,7 +142,7 @@ def serve_command(args) -> int:
     if args.drain_grace < 0:
         return _fail(f"--drain-grace must be >= 0, got {args.drain_grace}")
     engine.start()
-    app = create_app(engine, args.served_model_name or name, args.api_key)
+    app = create_app(engine, args.served_model_name or name, args.api_key, drain_grace_s=args.drain_grace)
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / SIGINT: refuse new requests at once
@@ -159,7 +165,7 @@ def serve_command(args) -> int:
 
 
 def chat_command(args) -> int:
-    from ..generate import GenerateError
+    from ..session import GenerateError
     from ..sampling import SamplingError, SamplingOptions
     from .engine import RequestError
     from .prompts import render_messages
@@ -172,7 +178,7 @@ def chat_command(args) -> int:
     tokenizer = engine.runner.tokenizer
     if tokenizer is None:
         return _fail("the library bundle has no tokenizer (compile from a .gguf file)")
-    template = engine.runner.generator.runtime.get("chat_template")
+    template = engine.runner.session.runtime.get("chat_template")
     engine.start()
     opening = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(opening)

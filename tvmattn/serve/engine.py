@@ -6,8 +6,15 @@ first one token for every running request that is decoding (or its speculative d
 then chunks of prompts still being prefilled, oldest first, then new requests from the queue
 (chunked prefill: a long prompt is fed over several steps beside the running streams, never
 stalling them for its whole prefill). A step of decode tokens alone runs the library's decode
-(CUDA graphs where the Generator replays them); a step that holds prompt chunks runs
+(CUDA graphs where the session replays them); a step that holds prompt chunks runs
 `batch_prefill` over all of them at once.
+
+Speculative decoding (greedy requests that ask for it): a decoding request's token becomes the
+root of a draft tree, drafted by prompt lookup or by a draft model (`DraftModel`, a second
+library), and a step whose decode tokens hold a tree verifies them all in one `batch_verify`
+(tvmattn/speculative.py describes the trees, the acceptance and the back-off that skips drafts
+where they do not pay, from the session's measured step costs). The tokens are those of plain
+greedy decoding.
 
 Memory: a new request forks its cache sequence from the longest cached prefix (`prefix.py`) and
 prefills the rest. Before a step, the pages it needs are counted; when they run short, the
@@ -19,7 +26,9 @@ the context window or the page pool) is refused at submission.
 
 Threads: `start()` runs the step loop in one background thread; it alone touches the cache.
 `submit` and `cancel` may be called from any thread; a request's events arrive through its
-`RequestStream`, readable by blocking iteration or from asyncio (`async for`).
+`RequestStream`, readable by blocking iteration or from asyncio (`async for`). Without
+`start()`, the caller drives the loop itself (`step()` until it returns False, reading
+`stream.ready()` between steps): what `tvmattn.generate.Generator` does.
 """
 
 from __future__ import annotations
@@ -36,9 +45,12 @@ from typing import Any, Callable
 import numpy as np
 
 from ..sampling import Sampler, SamplingOptions, TokenLogprob
-from ..speculative import PromptLookup, SpeculativeOptions, accept_greedy, next_draft_len, tree_depth
+from ..session import GenerateError
+from ..speculative import (DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, BackOff, DraftOption, DraftTree, PromptLookup,
+                           SpeculativeOptions, SpeculativeStats, accept_greedy, first_chain, next_draft_len,
+                           tree_depth)
 from .prefix import RadixPrefixCache
-from .runner import ModelRunner
+from .runner import DraftModel, ModelRunner
 from .text import TextStream
 
 PREFIX_CACHE_MODES = ("radix", "off")
@@ -120,6 +132,16 @@ class RequestStream:
                 self.done, self.output = True, event.output
             yield event
 
+    def ready(self) -> list[Event]:
+        """The events put so far and not read yet, without waiting (a loop driven by `step`)."""
+        events = []
+        while not self.done and not self._queue.empty():
+            event = self._queue.get_nowait()
+            if event.finish_reason is not None:
+                self.done, self.output = True, event.output
+            events.append(event)
+        return events
+
     def result(self) -> RequestOutput:
         """The RequestOutput, after reading (blocking) the events not read yet."""
         for _ in self:
@@ -131,7 +153,8 @@ class Request:
     """One request's state (owned by the step thread after submission)."""
 
     def __init__(self, request_id: int, prompt: list[int], options: SamplingOptions, sampler: Sampler,
-                 stream: RequestStream, text: TextStream, speculative: bool, grammar: Any):
+                 stream: RequestStream, text: TextStream, speculative: bool, grammar: Any, name: str,
+                 keep_logits: bool):
         self.id = request_id
         self.prompt_len = len(prompt)
         self.tokens = list(prompt)  # prompt + generated
@@ -140,6 +163,7 @@ class Request:
         self.stream = stream
         self.text = text
         self.speculative = speculative
+        self.name = name  # what errors call it
         self.grammar = grammar  # None, or an object with allowed() -> bool mask, accept(token), done
         self.seq_id: int | None = None
         self.cached = 0  # tokens of self.tokens in the cache sequence
@@ -150,7 +174,10 @@ class Request:
         self.cached_prompt: int | None = None  # prefix-cache hit of the first admission
         self.prompt_recorded = False  # its prompt is in the prefix cache
         self.draft_limit = 0
+        self.draft_fed = False  # its prompt is in the draft model's cache
+        self.stats: SpeculativeStats | None = None  # speculative requests: their counts
         self.logprobs: list[TokenLogprob] | None = [] if options.logprobs else None
+        self.kept: list[np.ndarray] | None = [] if keep_logits else None  # the rows its tokens were chosen from
         self.finished = False
 
     @property
@@ -179,19 +206,20 @@ class Engine:
     """See the module docstring.
 
     runner: the loaded model; max_batched_tokens: tokens per step (at most the library's prefill
-    chunk; default the Generator's prefill call size, at most 512); max_running: requests with a cache sequence at once
-    (default the library's max batch size); max_queue: waiting requests beyond which submit
-    refuses (429); prefix_cache: "radix" or "off"; speculative: the prompt-lookup options of
-    requests that ask for speculation."""
+    chunk; default the session's prefill call size, at most 512); max_running: requests with a
+    cache sequence at once (default the library's max batch size); max_queue: waiting requests
+    beyond which submit refuses (429); prefix_cache: "radix" or "off"; speculative: the options
+    of requests that ask for speculation (default: prompt lookup); draft_model: the drafting
+    library of mode "draft-model"."""
 
     def __init__(self, runner: ModelRunner, *, max_batched_tokens: int | None = None,
                  max_running: int | None = None, max_queue: int = 256, prefix_cache: str = "radix",
-                 speculative: SpeculativeOptions | None = None):
+                 speculative: SpeculativeOptions | None = None, draft_model: DraftModel | None = None):
         if prefix_cache not in PREFIX_CACHE_MODES:
             raise ValueError(f"prefix_cache must be one of {PREFIX_CACHE_MODES}, got {prefix_cache!r}")
         chunk = runner.prefill_chunk
-        if max_batched_tokens is None:  # the Generator's prefill call size (smaller on the CPU), at most 512
-            max_batched_tokens = min(runner.generator.prefill_chunk, 512)
+        if max_batched_tokens is None:  # the session's prefill call size (smaller on the CPU), at most 512
+            max_batched_tokens = min(runner.session.prefill_chunk, 512)
         if not isinstance(max_batched_tokens, int) or not 1 <= max_batched_tokens <= chunk:
             raise ValueError(f"max_batched_tokens must be from 1 to the library's prefill chunk {chunk}, "
                              f"got {max_batched_tokens!r}")
@@ -206,11 +234,17 @@ class Engine:
         self.max_batched_tokens = max_batched_tokens
         self.max_running = max_running
         self.max_queue = max_queue
-        self.speculative = speculative or SpeculativeOptions("prompt-lookup")
-        if self.speculative.mode != "prompt-lookup":
-            raise ValueError("the engine drafts by prompt lookup only")
-        self._drafter = PromptLookup(self.speculative.draft_len, self.speculative.tree_width,
-                                     self.speculative.max_ngram, self.speculative.min_ngram)
+        self.speculative = options = speculative or SpeculativeOptions("prompt-lookup")
+        if (options.mode == "draft-model") != (draft_model is not None):
+            raise ValueError("a draft_model is needed by speculative mode 'draft-model' and only by it")
+        # what drafts the trees: prompt lookup, or the draft model (see _draft)
+        self._drafter = draft_model or PromptLookup(options.draft_len, options.tree_width, options.max_ngram,
+                                                    options.min_ngram)
+        self._back_off: BackOff | None = None
+        if options.back_off:
+            lookup = draft_model is None
+            self._back_off = BackOff(runner.session.step_costs, PROMPT_LOOKUP_PRIOR if lookup else DRAFT_MODEL_PRIOR,
+                                     None if lookup else draft_model.scale)
         self._seq_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
         self.prefix: RadixPrefixCache | None = None
@@ -232,10 +266,14 @@ class Engine:
         # counters (read by /metrics)
         self.steps = 0
         self.preemptions = 0
+        self.recomputed_tokens = 0  # tokens of preempted requests prefilled again on readmission
         self.drafted = 0  # speculative draft tokens verified, and accepted
         self.accepted = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
+        # steps that held prompt chunks, and steps of decode tokens alone: how many, their seconds
+        self.prefill_steps = self.decode_steps = 0
+        self.prefill_s = self.decode_s = 0.0
         self.snapshot = {"running": 0, "waiting": 0, "pages_free": runner.num_pages, "pages_total": runner.num_pages}
         # timing hooks: on_ttft(seconds), on_inter_token(seconds)
         self.on_ttft: Callable[[float], None] | None = None
@@ -243,9 +281,13 @@ class Engine:
 
     # ------------------------------------------------------------------ submission (any thread)
     def submit(self, prompt: list[int], options: SamplingOptions, *, speculative: bool = False, grammar: Any = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> Request:
+               loop: asyncio.AbstractEventLoop | None = None, name: str | None = None, keep_logits: bool = False,
+               text: bool = True) -> Request:
         """Queue a request (token ids); raises RequestError when it is refused. Its events
-        arrive in request.stream."""
+        arrive in request.stream. speculative: draft and verify (the engine's options) where the
+        request is greedy (no penalties, grammar or logprobs); name: what errors call it
+        (default "request N"); keep_logits: keep the logits row each token was chosen from
+        (request.kept); text: detokenize as tokens come (False: the events' text is empty)."""
         runner = self.runner
         if not prompt:
             raise RequestError("the prompt needs at least one token", 400, "prompt")
@@ -261,10 +303,14 @@ class Engine:
                                f"{total} tokens, over the model's {what} of {limit} tokens", 413, "max_tokens")
         speculative = bool(speculative and options.greedy and not options.penalized and grammar is None
                            and not options.logprobs and runner.has_verify)
-        decode = runner.tokenizer.decode if runner.tokenizer is not None else (lambda ids: "")
-        request = Request(next(self._request_ids), prompt, options, Sampler(options, vocab), RequestStream(loop),
-                          TextStream(decode, options.stop), speculative, grammar)
+        decode = runner.tokenizer.decode if runner.tokenizer is not None and text else (lambda ids: "")
+        request_id = next(self._request_ids)
+        request = Request(request_id, prompt, options, Sampler(options, vocab), RequestStream(loop),
+                          TextStream(decode, options.stop), speculative, grammar, name or f"request {request_id}",
+                          keep_logits)
         request.draft_limit = self.speculative.draft_len
+        if speculative:
+            request.stats = SpeculativeStats(self.speculative.mode)
         with self._lock:
             if not self._accepting:
                 raise RequestError("the server is shutting down", 503)
@@ -357,6 +403,7 @@ class Engine:
             if not self.running and not self.waiting:
                 self._update_snapshot()
                 return False
+            start = time.perf_counter()
             decode, chunks = self._schedule()
             while not decode and not chunks and self.running:
                 # every running request waits for pages that none of them frees: the newest goes
@@ -366,6 +413,13 @@ class Engine:
             if decode or chunks:
                 self._run(decode, chunks)
                 self.steps += 1
+                seconds = time.perf_counter() - start
+                if chunks:
+                    self.prefill_steps += 1
+                    self.prefill_s += seconds
+                else:
+                    self.decode_steps += 1
+                    self.decode_s += seconds
             self._update_snapshot()
             return True
 
@@ -404,18 +458,13 @@ class Engine:
         """(decode chunks: one token or a draft tree per decoding request, prompt chunks)."""
         budget = self.max_batched_tokens
         while True:
-            decoding = [r for r in self.running if r.pending == 1]
-            decode, used = [], 0
-            for r in decoding:
-                if used >= budget:
-                    break
-                decode.append(self._decode_chunk(r, budget - used, len(decoding)))
-                used += len(decode[-1].tokens)
-            reserved = sum(self._need(c.request, len(c.tokens)) for c in decode)
+            decoding = [r for r in self.running if r.pending == 1][:budget]
+            reserved = sum(self._need(r, 1) for r in decoding)
             if self._ensure_pages(reserved):
                 break
             self._preempt(self.running[-1])  # the newest running request
-        budget -= used
+        decode, reserved = self._draft(decoding, reserved)
+        budget -= sum(len(c.tokens) for c in decode)
         chunks: list[_Chunk] = []
 
         def add_chunk(r: Request) -> None:
@@ -450,16 +499,70 @@ class Engine:
         room = (_pages(request.cached, self.page_size) + max(free, 0)) * self.page_size - request.cached
         return max(min(n, room), 0)
 
-    def _decode_chunk(self, r: Request, budget: int, decoding: int) -> _Chunk:
-        last = r.tokens[-1]
-        if not r.speculative:
-            return _Chunk(r, [last])
-        room = min(budget, self.runner.prefill_chunk // max(decoding, 1)) - 1
-        limit = min(r.draft_limit, r.options.max_tokens - len(r.output) - 1, room)
-        tree = self._drafter.draft(r.tokens, limit)
-        if tree.num_drafts == 0:
-            return _Chunk(r, [last])
-        return _Chunk(r, list(tree.tokens), list(tree.parents), tree)
+    def _draft(self, decoding: list[Request], reserved: int) -> tuple[list[_Chunk], int]:
+        """The decode chunks of a step: each request's last token, under it a draft tree for the
+        speculative ones (where the back-off expects drafts to pay and pages are free beside the
+        `reserved` ones) -> (chunks, pages reserved)."""
+        chunks = [_Chunk(r, [r.tokens[-1]]) for r in decoding]
+        speculative = [c for c in chunks if c.request.speculative]
+        if not speculative:
+            return chunks, reserved
+        # the trees of a step (roots included) fit the step's budget and one prefill call
+        room = min(self.max_batched_tokens, self.runner.prefill_chunk) // len(chunks) - 1
+        limits = [min(c.request.draft_limit, c.request.options.max_tokens - len(c.request.output) - 1, room)
+                  for c in speculative]
+        back_off = self._back_off
+        if isinstance(self._drafter, DraftModel):
+            if back_off is not None:
+                limits = self._back_off_draft_model(speculative, limits, len(chunks))
+            start = time.perf_counter()
+            trees = self._drafter.draft([c.request.id for c in speculative], [c.request.tokens for c in speculative],
+                                        limits)
+            drafted = sum(t.num_drafts for t in trees)
+            if drafted:
+                self.runner.session.step_costs.observe_draft(drafted, time.perf_counter() - start)
+        else:
+            trees = [self._drafter.draft(c.request.tokens, limit) for c, limit in zip(speculative, limits)]
+            if back_off is not None:
+                trees = self._back_off_lookup(speculative, trees, len(chunks))
+        for c, tree in zip(speculative, trees):
+            if tree.num_drafts == 0:
+                continue
+            pages = self._need(c.request, len(tree)) - self._need(c.request, 1)
+            if pages and not self._ensure_pages(reserved + pages):
+                continue  # drafts never preempt anything: this one decodes plainly
+            reserved += pages
+            c.tokens, c.parents, c.tree = list(tree.tokens), list(tree.parents), tree
+        return chunks, reserved
+
+    def _back_off_lookup(self, chunks: list[_Chunk], trees: list[DraftTree], batch: int) -> list[DraftTree]:
+        """Prompt lookup's trees with those that do not pay cut back to their roots; a cut draft
+        becomes the request's shadow draft (BackOff.shadow)."""
+        back_off = self._back_off
+        options = {c.request.id: [DraftOption(t.num_drafts, tree_depth(t))] for c, t in zip(chunks, trees)
+                   if t.num_drafts}
+        plan = back_off.plan(options, batch)
+        kept = []
+        for c, tree in zip(chunks, trees):
+            if tree.num_drafts and c.request.id not in plan:
+                back_off.shadow(c.request.id, len(c.request.output), first_chain(tree))
+                tree = DraftTree.root(tree.tokens[0])
+            kept.append(tree)
+        return kept
+
+    def _back_off_draft_model(self, chunks: list[_Chunk], budgets: list[int], batch: int) -> list[int]:
+        """The draft model's budgets after the back-off's plan (0: the request does not draft,
+        and its evidence fades toward the prior)."""
+        back_off, width = self._back_off, self.speculative.tree_width
+        options = {}
+        for c, budget in zip(chunks, budgets):
+            sizes = sorted({min(2 ** i, budget) for i in range(budget.bit_length())} | {budget}) if budget >= 1 else []
+            options[c.request.id] = [DraftOption(k, k - min(width, k) + 1) for k in sizes]
+        plan = back_off.plan(options, batch)
+        for c in chunks:
+            if c.request.id not in plan:
+                back_off.of(c.request.id).fade()
+        return [plan.get(c.request.id, 0) for c in chunks]
 
     def _admit(self, r: Request, reserved: int) -> bool:
         """Give a waiting request its cache sequence: forked from its longest cached prefix, or
@@ -485,6 +588,8 @@ class Engine:
             self.runner.add(seq_id)
             matched = 0
         r.seq_id, r.cached = seq_id, matched
+        if r.preemptions:
+            self.recomputed_tokens += max(len(r.tokens) - 1 - matched, 0)  # the last would be fed anyway
         if r.cached_prompt is None:
             r.cached_prompt = min(matched, r.prompt_len)
             self.prompt_tokens += r.prompt_len
@@ -501,44 +606,91 @@ class Engine:
 
     # ------------------------------------------------------------------ running a step
     def _run(self, decode: list[_Chunk], chunks: list[_Chunk]) -> None:
-        trees = [c for c in decode if c.parents is not None]
-        if trees:
-            plain = decode
-            node_logits = self.runner.verify([c.request.seq_id for c in plain], [c.tokens for c in plain],
-                                             [c.parents if c.parents is not None else [-1] for c in plain])
-            accepted = [accept_greedy(c.tree, lg) if c.tree is not None else ([0], None)
-                        for c, lg in zip(plain, node_logits)]
-            self.runner.commit([c.request.seq_id for c in plain], [path[-1] for path, _ in accepted])
-            for c, lg, (path, bonus) in zip(plain, node_logits, accepted):
+        costs = self.runner.session.step_costs
+        if any(c.tree is not None for c in decode):
+            # one batch_verify over every decode chunk (a plain one is a tree of its root)
+            start = time.perf_counter()
+            node_logits = self.runner.verify([c.request.seq_id for c in decode], [c.tokens for c in decode],
+                                             [c.parents if c.parents is not None else [-1] for c in decode])
+            costs.observe_verify(sum(len(c.tokens) for c in decode), time.perf_counter() - start)
+            for c, rows in zip(decode, node_logits):
+                self._check_finite(c.request, rows, "decode")
+            accepted = [accept_greedy(c.tree, rows) if c.tree is not None else ([0], None)
+                        for c, rows in zip(decode, node_logits)]
+            self.runner.commit([c.request.seq_id for c in decode], [path[-1] for path, _ in accepted])
+            for c, rows, (path, bonus) in zip(decode, node_logits, accepted):
                 r = c.request
                 r.cached += len(path)
                 if c.tree is None:
-                    self._choose(r, lg[0])
-                    continue
-                self.drafted += c.tree.num_drafts
-                self.accepted += len(path) - 1
-                r.draft_limit = next_draft_len(r.draft_limit, len(path) - 1, tree_depth(c.tree),
-                                               self.speculative.draft_len)
-                for token in [c.tree.tokens[n] for n in path[1:]] + [bonus]:
-                    if not self._emit(r, token, None):
-                        break
+                    self._choose(r, rows[0])
+                else:
+                    self._verified(r, c.tree, rows, path, bonus)
+                self._after_decode(r, c.tree)
             decode = []
         step = decode + chunks
         if step:
-            seq_ids = [c.request.seq_id for c in step]
-            tokens = [c.tokens for c in step]
-            logits = self.runner.mixed(seq_ids, tokens)
-            for c, row in zip(step, logits):
+            start = time.perf_counter()
+            logits = self.runner.mixed([c.request.seq_id for c in step], [c.tokens for c in step])
+            if not chunks:
+                costs.observe_plain(len(step), time.perf_counter() - start)
+            for i, (c, row) in enumerate(zip(step, logits)):
+                self._check_finite(c.request, row[None], "decode" if i < len(decode) else "prefill")
+            for i, (c, row) in enumerate(zip(step, logits)):
                 r = c.request
                 r.cached += len(c.tokens)
                 if r.pending == 0:  # the chunk reached the end of its tokens: choose the next
                     self._choose(r, row)
+                if i < len(decode):
+                    self._after_decode(r, None)
+        fed = []
         for c in chunks:  # a prompt whose prefill completed: share it with later requests
             r = c.request
             if (self.prefix is not None and not r.prompt_recorded and r.cached >= r.prompt_len
                     and r.seq_id is not None):
                 r.prompt_recorded = True
                 self.prefix.insert(r.tokens[:r.prompt_len], r.seq_id)
+            if (r.speculative and not r.draft_fed and r.cached >= r.prompt_len and not r.finished
+                    and isinstance(self._drafter, DraftModel)):
+                r.draft_fed = True
+                fed.append(r)
+        if fed:  # the draft model's prefill of the same prompts, in the same step
+            self._drafter.prefill([r.id for r in fed], [r.tokens[:r.prompt_len] for r in fed])
+
+    def _check_finite(self, r: Request, rows: np.ndarray, kind: str) -> None:
+        """GenerateError naming the request and its step (its tokens so far) when a row of
+        logits is not finite."""
+        if not np.isfinite(rows).all():
+            raise GenerateError(f"logits are not finite at step {len(r.output)} ({kind}) of {r.name}: the weights "
+                                f"hold NaN or inf, or the library is broken; check the weights and recompile")
+
+    def _verified(self, r: Request, tree: DraftTree, rows: np.ndarray, path: list[int], bonus: int) -> None:
+        """Emit a verified tree's accepted drafts and its bonus token; count them."""
+        accepted, depth = len(path) - 1, tree_depth(tree)
+        self.drafted += tree.num_drafts
+        self.accepted += accepted
+        r.stats.verify_steps += 1
+        r.stats.drafted += tree.num_drafts
+        r.stats.accepted += accepted
+        if self.speculative.adaptive:
+            r.draft_limit = next_draft_len(r.draft_limit, accepted, depth, self.speculative.draft_len)
+        if self._back_off is not None:
+            self._back_off.verified(r.id, accepted, depth)
+        chosen = [(tree.tokens[node], rows[parent]) for parent, node in zip(path, path[1:])]
+        for token, row in chosen + [(bonus, rows[path[-1]])]:
+            if not self._emit(r, token, None, row):
+                break
+
+    def _after_decode(self, r: Request, tree: DraftTree | None) -> None:
+        """A speculative request's count of a plain step, and its shadow draft judged by the
+        tokens it now has."""
+        if not r.speculative:
+            return
+        if tree is None:
+            r.stats.plain_steps += 1
+        if self._back_off is not None:
+            shadow = self._back_off.check_shadow(r.id, r.output)
+            if shadow is not None and self.speculative.adaptive:
+                r.draft_limit = next_draft_len(r.draft_limit, shadow[0], shadow[1], self.speculative.draft_len)
 
     def _choose(self, r: Request, row: np.ndarray) -> None:
         mask = r.grammar.allowed() if r.grammar is not None else None
@@ -546,10 +698,11 @@ class Engine:
             self._retire(r, "stop")
             return
         token, record = r.sampler.choose(row, mask)
-        self._emit(r, token, record)
+        self._emit(r, token, record, row)
 
-    def _emit(self, r: Request, token: int, record: TokenLogprob | None) -> bool:
-        """Add a chosen token to the request; False when the request finished."""
+    def _emit(self, r: Request, token: int, record: TokenLogprob | None, row: np.ndarray) -> bool:
+        """Add a chosen token (from the logits `row`) to the request; False when the request
+        finished."""
         if r.finished:
             return False
         now = time.perf_counter()
@@ -567,6 +720,8 @@ class Engine:
         r.sampler.accept(token)
         if r.logprobs is not None and record is not None:
             r.logprobs.append(record)
+        if r.kept is not None:
+            r.kept.append(np.array(row, dtype=np.float32))
         self.generated_tokens += 1
         if r.first_token is None:
             r.first_token = now
@@ -604,6 +759,10 @@ class Engine:
                 self.prefix.insert(r.tokens[:r.cached], r.seq_id)
             self.runner.remove(r.seq_id)
             r.seq_id = None
+        if isinstance(self._drafter, DraftModel):
+            self._drafter.release(r.id)
+        if self._back_off is not None:
+            self._back_off.forget(r.id)
         r.finished = True
         piece = r.text.flush()
         r.stream.put(Event(piece, [], finish_reason=reason, output=self._output(r, reason)))

@@ -1,6 +1,11 @@
 """Prometheus metrics of a serving engine (prometheus-client, a registry of its own): running and
-waiting requests, KV pages used and free, prefix-cache hit rate, time-to-first-token and
-inter-token histograms, generated tokens and output tokens/s over the last seconds."""
+waiting requests, KV pages used and free, the pages the prefix cache holds (when no request
+runs, pages used minus those is a leak), prefix-cache hit rate, preemptions and the tokens they
+made the engine prefill again, time-to-first-token and inter-token histograms, generated tokens
+and output tokens/s over the last seconds.
+
+`render()` counts the prefix cache's pages between two engine steps: call it from a worker
+thread, not the server's event loop."""
 
 from __future__ import annotations
 
@@ -31,7 +36,11 @@ class EngineMetrics:
                                 registry=r)
         self.queried_tokens = Gauge("tvmattn_prefix_cache_queried_tokens", "Prompt tokens looked up so far",
                                     registry=r)
+        self.pages_prefix = Gauge("tvmattn_kv_pages_prefix_cache", "KV-cache pages the prefix cache's sequences hold",
+                                  registry=r)
         self.preemptions = Gauge("tvmattn_preemptions", "Requests preempted (recomputed later) so far", registry=r)
+        self.recomputed = Gauge("tvmattn_recomputed_tokens",
+                                "Tokens of preempted requests prefilled again when readmitted, so far", registry=r)
         self.ttft = Histogram("tvmattn_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.itl = Histogram("tvmattn_inter_token_latency_seconds", "Time between a request's tokens", registry=r,
@@ -52,12 +61,18 @@ class EngineMetrics:
         snap = e.snapshot
         self.running.set(snap["running"])
         self.waiting.set(snap["waiting"])
-        self.pages_free.set(snap["pages_free"])
-        self.pages_used.set(snap["pages_total"] - snap["pages_free"])
+        if hasattr(e.runner.cache, "sequence_state"):  # tvmattn's cache: pages per sequence are readable
+            used, held = e.held_pages()  # at one moment, between two steps
+            self.pages_prefix.set(held)
+        else:
+            used = snap["pages_total"] - snap["pages_free"]
+        self.pages_free.set(e.runner.num_pages - used)
+        self.pages_used.set(used)
         self.hit_rate.set(e.prefix.hit_rate if e.prefix is not None else 0.0)
         self.hit_tokens.set(e.prefix.hit_tokens if e.prefix is not None else 0)
         self.queried_tokens.set(e.prefix.queried_tokens if e.prefix is not None else 0)
         self.preemptions.set(e.preemptions)
+        self.recomputed.set(e.recomputed_tokens)
         with self._lock:
             generated, prompt = e.generated_tokens, e.prompt_tokens
             self.generated.inc(generated - self._seen_generated)

@@ -1,14 +1,14 @@
-"""The model runner of the serving engine: one loaded library bundle (`tvmattn.generate.Generator`'s
-loading: VM, weights, tokenizer), one paged KV cache of a chosen size, and the forward steps the
-engine schedules. Only the engine's step thread calls it (the cache is single-threaded).
+"""The model runner of the serving engine: a `tvmattn.session.ModelSession` (one loaded library
+bundle) with one paged KV cache of a chosen size, and the forward steps the engine schedules;
+and `DraftModel`, a second session that drafts token trees for speculative decoding. Only the
+engine's step thread calls them (a cache is single-threaded).
 
 A step appends tokens to several cache sequences at once:
 
-- `decode(seq_ids, tokens)`: one token per sequence (`batch_decode`, or `decode` for one; a CUDA
-  graph replay per batch bucket where the Generator uses them);
 - `mixed(seq_ids, chunks)`: any token counts per sequence (decode tokens of running requests
   beside prompt chunks of others) in one `batch_prefill` call, which returns the logits of each
-  chunk's last token;
+  chunk's last token; one token per sequence is a decode step (`batch_decode`, or `decode` for
+  one; a CUDA graph replay per batch bucket where the session uses them);
 - `verify(seq_ids, trees)`: token trees of speculative decoding (`batch_verify`): the logits of
   every node; `commit(seq_ids, leaves)` keeps each accepted path.
 """
@@ -20,15 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import tvm
-from tvm.runtime import ShapeTuple
 
-from ..generate import GenerateError, Generator, _check_finite
+from tir_kernels.support import numpy_dtype
 
-# the per-sequence functions of the KV state, under the prefix of the cache kind
-_KV_FUNCTIONS = ("kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_fork_sequence", "kv_state_popn",
-                 "kv_state_begin_forward", "kv_state_end_forward",
-                 "attention_kv_cache_commit_accepted_token_tree_nodes",
-                 "attention_kv_cache_get_num_available_pages")
+from ..session import GenerateError, ModelSession
+from ..speculative import DraftTree, common_prefix, draft_model_tree
 
 
 def _parse_memory(value: str | float | int) -> float:
@@ -67,34 +63,34 @@ class ModelRunner:
 
     kv_cache_memory: bytes (or a string such as '2GiB') or a fraction of the free device memory
     for the pages; max_total_tokens: the pool size in tokens. One of the two, or neither (then
-    the library's max batch size x context window)."""
+    the library's max batch size x context window). session: an already loaded library (its
+    current cache is replaced by this runner's); else lib_path is loaded."""
 
-    def __init__(self, lib_path: str | Path, *, max_total_tokens: int | None = None,
+    def __init__(self, lib_path: str | Path | None = None, *, max_total_tokens: int | None = None,
                  kv_cache_memory: str | float | None = None, max_sequences: int | None = None,
-                 cuda_graph: bool = True, generator: Generator | None = None):
-        self.generator = generator if generator is not None else Generator(lib_path, cuda_graph=cuda_graph)
-        g = self.generator
-        self.settings = g.settings
-        self.page_size = g.settings["page_size"]
-        self.context_window = g.settings["context_window"]
-        self.max_batch_size = g.settings["max_batch_size"]
-        self.prefill_chunk = g.settings["prefill_chunk"]
-        self.vocab_size = g.metadata["model_config"]["vocab_size"]
-        self.tokenizer = g.tokenizer
-        self.stop_ids = frozenset(g.stop_ids)
-        self.has_verify = "batch_verify" in g.metadata.get("functions", [])
+                 cuda_graph: bool = True, session: ModelSession | None = None):
+        if (lib_path is None) == (session is None):
+            raise ValueError("give a library path or a loaded session (one of the two)")
+        self.session = s = session if session is not None else ModelSession(lib_path, cuda_graph=cuda_graph)
+        self.settings = s.settings
+        self.page_size = s.settings["page_size"]
+        self.context_window = s.settings["context_window"]
+        self.max_batch_size = s.settings["max_batch_size"]
+        self.prefill_chunk = s.settings["prefill_chunk"]
+        self.vocab_size = s.vocab_size
+        self.tokenizer = s.tokenizer
+        self.stop_ids = s.stop_ids
+        self.has_verify = s.has_verify
         if max_total_tokens is not None and kv_cache_memory is not None:
             raise GenerateError("give --max-total-tokens or --kv-cache-memory, not both")
         self.total_tokens = self._pool_tokens(max_total_tokens, kv_cache_memory)
         self.max_sequences = max_sequences or 2 * self.max_batch_size + 64
-        kind = g.metadata["kv_cache"]["kind"]
-        prefix = "tvmattn." if kind == "tvmattn" else "vm.builtin."
-        self.kv = {name: tvm.get_global_func(prefix + name) for name in _KV_FUNCTIONS}
-        self.cache = g.vm["create_paged_kv_cache"](
-            ShapeTuple([self.max_sequences]), ShapeTuple([self.total_tokens]), ShapeTuple([self.prefill_chunk]),
-            ShapeTuple([self.page_size]), ShapeTuple([0]))
-        g.cache, g._capacity, g._graphs, g._graph_ids = self.cache, self.total_tokens, None, {}
+        s.create_cache(self.max_sequences, self.total_tokens)
         self.num_pages = self.available_pages()
+
+    @property
+    def cache(self):
+        return self.session.cache
 
     def _pool_tokens(self, max_total_tokens: int | None, kv_cache_memory) -> int:
         page = self.page_size
@@ -112,7 +108,7 @@ class ModelRunner:
                                 f"got {kv_cache_memory!r}") from None
         if not amount > 0:
             raise GenerateError(f"--kv-cache-memory must be positive, got {kv_cache_memory!r}")
-        budget = amount * _free_memory(self.generator.device) if amount <= 1 else amount
+        budget = amount * _free_memory(self.session.device) if amount <= 1 else amount
         tokens = int(budget // self.bytes_per_token()) // page * page
         if tokens < page:
             raise GenerateError(f"--kv-cache-memory {kv_cache_memory!r} holds less than one page "
@@ -121,60 +117,107 @@ class ModelRunner:
 
     def bytes_per_token(self) -> int:
         """K and V bytes of one token over every layer."""
-        config = self.generator.metadata["model_config"]
-        spec = self.generator.metadata["kv_cache"]
+        config = self.session.metadata["model_config"]
+        spec = self.session.metadata["kv_cache"]
         layers = config.get("num_hidden_layers") or spec.get("num_layers")
         kv_heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        dtype = spec.get("dtype") or self.generator.metadata.get("dtype", "float16")
-        size = np.dtype("float32").itemsize if "32" in str(dtype) else 2
+        # the pages' element type: an FP8 library (kv_dtype) stores one byte an element
+        dtype = spec.get("kv_dtype") or spec.get("dtype") or self.session.metadata.get("dtype", "float16")
+        size = numpy_dtype(dtype).itemsize
         return int(2 * layers * kv_heads * head_dim * size)
 
     # ------------------------------------------------------------------ sequences
     def add(self, seq_id: int) -> None:
-        self.kv["kv_state_add_sequence"](self.cache, seq_id)
+        self.session.add_sequence(seq_id)
 
     def remove(self, seq_id: int) -> None:
-        self.kv["kv_state_remove_sequence"](self.cache, seq_id)
+        self.session.remove_sequence(seq_id)
 
     def fork(self, parent: int, child: int, position: int) -> None:
-        self.kv["kv_state_fork_sequence"](self.cache, parent, child, position)
+        self.session.fork_sequence(parent, child, position)
 
     def available_pages(self) -> int:
-        return int(self.kv["attention_kv_cache_get_num_available_pages"](self.cache))
+        return self.session.available_pages()
 
     # ------------------------------------------------------------------ steps
-    def decode(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
-        """One token per sequence -> logits [len(seq_ids), vocab] f32."""
-        logits = self.generator.decode_step(seq_ids, tokens, single=True)
-        _check_finite(logits, 1, seq_ids)
-        return logits
-
     def mixed(self, seq_ids: list[int], chunks: list[list[int]]) -> np.ndarray:
         """chunks[i] (>= 1 token) appended to seq_ids[i] in one step -> logits [len(seq_ids), vocab]
         f32 of each chunk's last token."""
-        g = self.generator
-        if all(len(c) == 1 for c in chunks):
-            return self.decode(seq_ids, [c[0] for c in chunks])
-        flat = [t for c in chunks for t in c]
-        embeds = g._embed(flat)[None]
-        ends = np.cumsum([len(c) for c in chunks]).astype(np.int32) - 1
-        positions = tvm.runtime.tensor(ends, device=g.device)
-        logits = g._forward("batch_prefill", seq_ids, [len(c) for c in chunks], embeds, positions)[0]
-        _check_finite(logits, 0, seq_ids)
-        return logits
+        return self.session.mixed(seq_ids, chunks)
 
     def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]]) -> list[np.ndarray]:
         """Token trees (tokens[i] with parents[i], node 0 the root) -> per sequence the logits
         [len(tree), vocab] after each node. The trees stay uncommitted (see commit)."""
-        g = self.generator
-        flat = [t for tree in tokens for t in tree]
-        logits = g._forward("batch_verify", seq_ids, [len(t) for t in tokens], g._embed(flat)[None],
-                            parents=[p for tree in parents for p in tree])[0]
-        _check_finite(logits, 1, seq_ids)
-        ends = np.cumsum([len(t) for t in tokens])
-        return [logits[end - len(t):end] for end, t in zip(ends, tokens)]
+        return self.session.verify(seq_ids, tokens, parents)
 
     def commit(self, seq_ids: list[int], leaves: list[int]) -> None:
-        self.kv["attention_kv_cache_commit_accepted_token_tree_nodes"](self.cache, ShapeTuple(seq_ids),
-                                                                       ShapeTuple(leaves))
+        self.session.commit(seq_ids, leaves)
+
+
+class DraftModel:
+    """A drafting library (tvmattn/speculative.py) with a KV cache of its own, a sequence per
+    request (keyed by the engine's request id): greedy drafts, the top `width` tokens at the
+    first draft position. Before each draft its sequence is rolled back (popn) to the longest
+    prefix it shares with the request's tokens and fed the rest.
+
+    session: the draft library (its cache is replaced: `tokens` tokens over `max_sequences`
+    sequences); scale: its weights' share of the drafted-for model's (the back-off's prior for
+    what a draft token costs)."""
+
+    def __init__(self, session: ModelSession, width: int, tokens: int, max_sequences: int, scale: float = 1.0):
+        self.session, self.width, self.scale = session, width, scale
+        session.create_cache(max_sequences, tokens)
+        self.cached: dict[int, list[int]] = {}  # request id -> the tokens its sequence holds
+
+    def prefill(self, keys: list[int], prompts: list[list[int]]) -> None:
+        """Feed whole prompts to new sequences (the drafts then need one token's feed)."""
+        for key in keys:
+            self.session.add_sequence(key)
+        self.session.prefill(keys, prompts)
+        for key, prompt in zip(keys, prompts):
+            self.cached[key] = list(prompt)
+
+    def release(self, key: int) -> None:
+        """Remove a request's sequence (when the request ends)."""
+        if self.cached.pop(key, None) is not None:
+            self.session.remove_sequence(key)
+
+    def draft(self, keys: list[int], contexts: list[list[int]], budgets: list[int]) -> list[DraftTree]:
+        """One tree per request (contexts end with the pending token) of at most budgets[i] drafts."""
+        s = self.session
+        trees = [DraftTree.root(c[-1]) for c in contexts]
+        want = [i for i, b in enumerate(budgets) if b >= 1]
+        if not want:
+            return trees
+        feeds = []
+        for i in want:  # roll the draft sequence back to what it shares with the request
+            key, context = keys[i], contexts[i]
+            if key not in self.cached:
+                s.add_sequence(key)
+                self.cached[key] = []
+            have = self.cached[key]
+            keep = min(common_prefix(have, context), len(context) - 1)  # the last token is fed for its logits
+            if keep < len(have):
+                s.popn(key, len(have) - keep)
+                del have[keep:]
+            feeds.append(context[keep:])
+            have.extend(context[keep:])
+        first = s.prefill([keys[i] for i in want], feeds)
+        widths = {i: min(self.width, budgets[i]) for i in want}
+        chains: dict[int, list[int]] = {i: [] for i in want}
+        current = {i: int(np.argmax(first[k])) for k, i in enumerate(want)}
+        while True:  # greedy chain below the best first token
+            going = [i for i in want if len(chains[i]) < budgets[i] - widths[i]]
+            if not going:
+                break
+            embeds = s.embed([current[i] for i in going])[:, None, :]
+            rows = s.forward("decode" if len(going) == 1 else "batch_decode", [keys[i] for i in going],
+                             [1] * len(going), embeds)[:, 0]
+            for k, i in enumerate(going):
+                self.cached[keys[i]].append(current[i])
+                current[i] = int(np.argmax(rows[k]))
+                chains[i].append(current[i])
+        for k, i in enumerate(want):
+            trees[i] = draft_model_tree(contexts[i][-1], first[k], chains[i], widths[i])
+        return trees

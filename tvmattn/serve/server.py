@@ -16,6 +16,7 @@ import asyncio
 import json
 import math
 import secrets
+import threading
 import time
 import uuid
 from typing import Any
@@ -26,6 +27,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from ..sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingOptions
 from .engine import Engine, RequestError
+from .grammar import GrammarError, JsonGrammars
 from .metrics import EngineMetrics
 from .prompts import PromptError, completion_prompt, normalize_messages, render_messages
 
@@ -92,10 +94,11 @@ class Server:
         self.api_key = api_key
         runner = engine.runner
         self.tokenizer = runner.tokenizer
-        self.template = runner.generator.runtime.get("chat_template")
+        self.template = runner.session.runtime.get("chat_template")
         self.created = int(time.time())
         self.metrics = EngineMetrics(engine)
-        self.grammar_vocab = None  # token strings for JSON-constrained sampling, built on first use
+        self.grammars: JsonGrammars | None = None  # xgrammar's compiler, built by the first JSON request
+        self._grammars_lock = threading.Lock()
 
     # -------------------------------------------------------------- shared request handling
     def check_auth(self, request: Request) -> None:
@@ -156,7 +159,9 @@ class Server:
             field = str(err).split(" ", 1)[0].rstrip("[]")
             raise APIError(400, str(err), field) from None
 
-    def grammar(self, body: dict):
+    async def grammar(self, body: dict):
+        """The request's JsonGrammar (None without response_format or with type text); the
+        schema compiles in a worker thread (a large vocabulary takes a while the first time)."""
         fmt = body.get("response_format")
         if fmt is None:
             return None
@@ -165,10 +170,6 @@ class Server:
         kind = fmt["type"]
         if kind == "text":
             return None
-        from .grammar import GrammarError, JsonGrammar, token_strings
-
-        if self.grammar_vocab is None:
-            self.grammar_vocab = token_strings(self.tokenizer, self.engine.runner.vocab_size)
         schema = None
         if kind == "json_schema":
             spec = fmt.get("json_schema")
@@ -180,9 +181,16 @@ class Server:
             raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
                            "response_format")
         try:
-            return JsonGrammar(self.grammar_vocab, schema)
+            return await asyncio.to_thread(self._json_grammar, schema)
         except GrammarError as err:
             raise APIError(400, f"response_format: {err}", "response_format") from None
+
+    def _json_grammar(self, schema: dict | None):
+        with self._grammars_lock:
+            if self.grammars is None:
+                runner = self.engine.runner
+                self.grammars = JsonGrammars(self.tokenizer, runner.vocab_size, runner.stop_ids)
+        return self.grammars.matcher(self.grammars.compile(schema))
 
     def submit(self, tokens: list[int], options: SamplingOptions, body: dict, grammar):
         speculative = _boolean(body, "speculative", False)
@@ -240,8 +248,9 @@ async def _watch_disconnect(request: Request, engine: Engine, handle) -> None:
         await asyncio.sleep(0.1)
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app over a started engine (the caller starts and drains it)."""
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, drain_grace_s: float = 30.0) -> FastAPI:
+    """The FastAPI app over a started engine (the caller starts and drains it). drain_grace_s:
+    how long a stream may go on once the server shuts down (sse-starlette would end it at once)."""
     app = FastAPI(title="tvmattn", docs_url=None, redoc_url=None, openapi_url=None)
     state = Server(engine, model_name, api_key)
     app.state.server = state
@@ -265,7 +274,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     @app.get("/metrics")
     async def metrics(request: Request):
         state.check_auth(request)
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        body = await asyncio.to_thread(state.metrics.render)  # waits for the step in flight
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -292,29 +302,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         except PromptError as err:
             raise APIError(400, str(err), err.param) from None
         tokens = state.tokenizer.encode(text, add_special_tokens=False).ids
-        options = state.options(body, len(tokens), chat=True)
-        grammar = state.grammar(body)
-        stream = _boolean(body, "stream", False)
-        usage_in_stream = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
-        handle = state.submit(tokens, options, body, grammar)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if stream:
-            return EventSourceResponse(_chat_stream(state, handle, rid, created, usage_in_stream),
-                                       ping=15, send_timeout=30)
-        watcher = asyncio.create_task(_watch_disconnect(request, engine, handle))
-        try:
-            async for _event in handle.stream:
-                pass
-        finally:
-            watcher.cancel()
-            if not handle.finished:
-                engine.cancel(handle)
-        output = handle.stream.output
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": output.text},
-                             "logprobs": state.chat_logprobs(output.logprobs),
-                             "finish_reason": _reason(output.finish_reason)}],
-                "usage": state.usage(output)}
+        return await respond(request, body, tokens, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -334,15 +322,19 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             tokens = completion_prompt(body.get("prompt"), encode)
         except PromptError as err:
             raise APIError(400, str(err), err.param) from None
-        options = state.options(body, len(tokens), chat=False)
-        grammar = state.grammar(body)
+        return await respond(request, body, tokens, chat=False)
+
+    async def respond(request: Request, body: dict, tokens: list[int], chat: bool):
+        """Submit the prompt tokens; a stream of server-sent events, or the whole answer."""
+        options = state.options(body, len(tokens), chat=chat)
+        grammar = await state.grammar(body)
         stream = _boolean(body, "stream", False)
         usage_in_stream = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
         handle = state.submit(tokens, options, body, grammar)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if stream:
-            return EventSourceResponse(_completion_stream(state, handle, rid, created, usage_in_stream),
-                                       ping=15, send_timeout=30)
+            events = (_chat_stream if chat else _completion_stream)(state, handle, rid, created, usage_in_stream)
+            return EventSourceResponse(events, ping=15, send_timeout=30, shutdown_grace_period=drain_grace_s)
         watcher = asyncio.create_task(_watch_disconnect(request, engine, handle))
         try:
             async for _event in handle.stream:
@@ -352,9 +344,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             if not handle.finished:
                 engine.cancel(handle)
         output = handle.stream.output
-        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "text": output.text, "logprobs": state.completion_logprobs(output.logprobs),
-                             "finish_reason": _reason(output.finish_reason)}],
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
+                      "logprobs": state.chat_logprobs(output.logprobs)}
+        else:
+            choice = {"index": 0, "text": output.text, "logprobs": state.completion_logprobs(output.logprobs)}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": [{**choice, "finish_reason": _reason(output.finish_reason)}],
                 "usage": state.usage(output)}
 
     return app

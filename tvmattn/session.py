@@ -1,0 +1,343 @@
+"""A loaded model library and its forward steps: the lowest layer of generation and serving.
+
+`ModelSession(lib_path)` checks and loads a bundle made by tvmattn.build (OUT.so into the Relax
+VM, OUT.params.npz onto the device, the tokenizer), creates its paged KV cache
+(`create_cache`) and runs the library's functions over cache sequences:
+
+- `prefill(seq_ids, prompts)`: whole prompts, the logits of each one's last token;
+- `decode_step(seq_ids, tokens)`: one token per sequence (`decode` for one sequence, else
+  `batch_decode`; on CUDA a replayed CUDA graph per batch bucket, tvmattn.runtime.graphs);
+- `forward(function, ...)`: any step function between `begin_forward` and `end_forward`
+  (`batch_prefill` of mixed chunks, `batch_verify` of draft trees); `commit` keeps the
+  accepted paths of a verify step;
+- the sequence operations of the cache (add, remove, fork, popn, free pages).
+
+It holds no loop: the serving engine (tvmattn/serve/engine.py) schedules these steps, and
+`tvmattn.generate.Generator` drives that engine. The bundle's files are read and checked by
+tvmattn/bundle.py; every problem is a GenerateError naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax
+from tvm.runtime import ShapeTuple
+
+from tir_kernels import support
+
+from .runtime import ffi as _ffi  # noqa: F401  - registers tvmattn.* before the library is loaded
+from .bundle import BundleError, load_params, load_tokenizer, open_bundle
+from .speculative import VERIFY_PRIOR_CPU, VERIFY_PRIOR_GPU, StepCosts
+
+# Prompt tokens per prefill call on the CPU: a 512-token prompt in two calls holds half the
+# activations at the peak at the cost of a second pass over the weights; the GEMMs reuse each
+# dequantized weight tile over every token of a call, so calls of 256 tokens keep that reuse
+CPU_PREFILL_CHUNK = 256
+
+# the per-sequence functions of the KV state, under the prefix of the cache kind
+_KV_FUNCTIONS = ("kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_fork_sequence", "kv_state_popn",
+                 "kv_state_begin_forward", "kv_state_end_forward",
+                 "attention_kv_cache_commit_accepted_token_tree_nodes",
+                 "attention_kv_cache_get_num_available_pages")
+
+
+class GenerateError(ValueError):
+    """A missing or inconsistent library bundle, or a bad generation argument."""
+
+
+@contextlib.contextmanager
+def no_cyclic_gc():
+    """Python's cyclic garbage collector off inside (restored after): a decode step allocates a
+    few hundred short-lived objects (TVM handles, shapes), which trigger generation-0
+    collections that walk every tracked object, a visible share of a CPU decode loop under
+    `perf`. Reference counting still frees everything acyclic."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _default_cpu_threads() -> None:
+    """TVM's CPU thread pool, unless TVM_NUM_THREADS says otherwise, gets a thread per CPU this
+    process may run on: TVM's own default is half the CPUs (it assumes hyper-threads), one thread
+    on a 2-CPU machine, which then decodes at about half the speed. Read when the pool starts,
+    before the first kernel runs."""
+    if "TVM_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
+        os.environ["TVM_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
+
+
+def load_library(path: Path, device: tvm.runtime.Device) -> tuple[relax.VirtualMachine, dict[str, Any]]:
+    """(the Relax VM over OUT.so, the metadata the library holds); raises GenerateError."""
+    # TVM reports a library it cannot use with several error types (InternalError, a
+    # RuntimeError; AttributeError for a missing function): each becomes one GenerateError.
+    try:
+        module = tvm.runtime.load_module(str(path))
+    except (RuntimeError, OSError, ValueError) as err:
+        raise GenerateError(f"{path} cannot be loaded ({str(err).strip().splitlines()[-1]}); recompile") from None
+    try:
+        vm = relax.VirtualMachine(module, device)
+        metadata = json.loads(str(vm["_metadata"]()))
+    except (RuntimeError, AttributeError, ValueError) as err:
+        raise GenerateError(f"{path}: not a tvmattn model library ({str(err).strip().splitlines()[-1]}); "
+                            f"recompile") from None
+    return vm, metadata
+
+
+def library_decode_step(vm: relax.VirtualMachine, ids, cache, params, hidden: int):
+    """One decode step of a model library from token ids [b] int32 on the device -> logits
+    [b, 1, vocab] f32: what a CUDA graph captures. b = 1 runs `embed` then the static `decode`
+    (whose matmuls get dlight's single-row GEMV, several times faster at one row than the
+    symbolic-batch kernels); larger b runs `decode_step` (storage allocated once per VM)."""
+    if ids.shape[0] == 1:
+        embeds = vm["embed"](ids, params)._create_view((1, 1, hidden))
+        logits, _ = vm["decode"](embeds, cache, params)
+    else:
+        logits, _ = vm["decode_step"](ids, cache, params)
+    return logits
+
+
+class ModelSession:
+    """A loaded library bundle: VM, weights, tokenizer and (after `create_cache`) one KV cache.
+
+    Before loading anything, OUT.runtime.json is checked field by field, and OUT.so and
+    OUT.params.npz against the size and sha256 it recorded ("files"); bundles compiled before
+    that record existed still load, without the checksum (their library's ELF headers and their
+    parameters are still checked). Any broken file is a GenerateError naming it and the problem.
+    """
+
+    def __init__(self, lib_path: str | Path, cuda_graph: bool = True):
+        """cuda_graph: on CUDA, replay decode steps as CUDA graphs (one per batch bucket,
+        tvmattn.runtime.graphs) where the library exports `decode_step` and runs tvmattn's
+        cache with its TIR kernels; otherwise (or False) every step runs eagerly."""
+        lib_path = Path(lib_path)
+        self.cuda_graph = cuda_graph
+        try:
+            bundle = open_bundle(lib_path)
+            self.runtime, self.metadata, self.settings = bundle.runtime, bundle.metadata, bundle.settings
+            target = self.metadata["build_options"]["target"]
+            self.device = tvm.cuda(0) if target.startswith("cuda") else tvm.cpu()
+            if not self.device.exist:
+                raise GenerateError(f"--lib {str(lib_path)!r} was built for {target}, and no such device is present")
+            params = load_params(bundle.params_file, self.metadata["params"])
+            _default_cpu_threads()
+            self.vm, library_metadata = load_library(lib_path, self.device)
+            if library_metadata != self.metadata:
+                raise GenerateError(f"{lib_path} and {bundle.runtime_file} come from different builds (their "
+                                    f"metadata differ); recompile")
+            self.tokenizer = load_tokenizer(bundle)
+        except BundleError as err:
+            raise GenerateError(str(err)) from None
+        # each host array is dropped once copied, so the weights are not held twice at the peak
+        params.reverse()
+        tensors = []
+        while params:
+            tensors.append(tvm.runtime.tensor(params.pop(), device=self.device))
+        # one FFI array, converted once: a Python list is converted on every call that passes it
+        # (two calls a decode step, hundreds of tensors for a library kept quantized)
+        self.params = tvm_ffi.convert(tensors)
+        self.stop_ids = frozenset(self.runtime.get("stop_token_ids") or [])
+        kind = self.metadata["kv_cache"]["kind"]
+        prefix = "tvmattn." if kind == "tvmattn" else "vm.builtin."
+        self._kv = {name: tvm.get_global_func(prefix + name) for name in _KV_FUNCTIONS}
+        self.lib_path = lib_path
+        self.vocab_size = self.metadata["model_config"]["vocab_size"]
+        self.hidden_size = self.metadata["model_config"]["hidden_size"]
+        # tokens per prefill call: the library's chunk, on the CPU at most CPU_PREFILL_CHUNK
+        self.prefill_chunk = self.settings["prefill_chunk"]
+        on_cpu = self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+        if on_cpu:
+            self.prefill_chunk = min(self.prefill_chunk, CPU_PREFILL_CHUNK)
+        self._functions: dict[str, Any] = {}  # the VM's functions, looked up once (function)
+        # CPU: the decode step's token ids, a tensor per batch size written through a numpy view
+        # (writing into it costs far less than a new tensor from numpy every step)
+        self._cpu_ids: dict[int, tuple[Any, np.ndarray]] | None = {} if on_cpu else None
+        self.cache = None
+        self.cache_tokens = 0  # tokens the current cache holds
+        # FP8 KV libraries (compile --kv-cache-dtype): scales [layers, 2, kv_heads] given to each
+        # cache this session creates (None: the cache's default, 1.0; tvmattn.calibrate_kv_scales)
+        self.kv_scales = None
+        self.graphs = None  # DecodeGraphs of the current cache (see _graph_decode)
+        self._graph_ids: dict[int, Any] = {}  # bucket -> its token-id input buffer on the device
+        # what plain and speculative steps cost here, measured as they run: the engine's
+        # speculative back-off weighs drafts against it (tvmattn/speculative.py)
+        self.step_costs = StepCosts(VERIFY_PRIOR_CPU if on_cpu else VERIFY_PRIOR_GPU)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the library's parameters (what a decode step reads)."""
+        return sum(int(np.prod(p["shape"])) * support.numpy_dtype(p["dtype"]).itemsize for p in self.metadata["params"])
+
+    @property
+    def has_verify(self) -> bool:
+        """The library exports batch_verify (speculative decoding)."""
+        return "batch_verify" in self.metadata.get("functions", [])
+
+    def sibling(self) -> "ModelSession":
+        """The same loaded library (VM, weights, tokenizer) with a KV cache of its own: a model
+        drafting for itself. Its steps run eagerly."""
+        other = copy.copy(self)
+        other.cache, other.cache_tokens = None, 0
+        other.graphs, other._graph_ids, other.cuda_graph = None, {}, False
+        return other
+
+    # ------------------------------------------------------------------ the cache
+    def create_cache(self, max_sequences: int, tokens: int) -> None:
+        """A new KV cache (replacing the current one) for `tokens` tokens over at most
+        `max_sequences` sequences at once."""
+        self.cache, self.graphs, self._graph_ids = None, None, {}  # graphs belong to the cache they captured
+        self.cache = self.vm["create_paged_kv_cache"](
+            ShapeTuple([max_sequences]), ShapeTuple([tokens]), ShapeTuple([self.settings["prefill_chunk"]]),
+            ShapeTuple([self.settings["page_size"]]), ShapeTuple([0]))
+        if self.kv_scales is not None:
+            self.cache.set_kv_scales(self.kv_scales)
+        self.cache_tokens = tokens
+
+    def add_sequence(self, seq_id: int) -> None:
+        self._kv["kv_state_add_sequence"](self.cache, seq_id)
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self._kv["kv_state_remove_sequence"](self.cache, seq_id)
+
+    def fork_sequence(self, parent: int, child: int, position: int) -> None:
+        self._kv["kv_state_fork_sequence"](self.cache, parent, child, position)
+
+    def popn(self, seq_id: int, n: int) -> None:
+        self._kv["kv_state_popn"](self.cache, seq_id, n)
+
+    def available_pages(self) -> int:
+        return int(self._kv["attention_kv_cache_get_num_available_pages"](self.cache))
+
+    # ------------------------------------------------------------------ steps
+    @property
+    def uses_cuda_graph(self) -> bool:
+        """Decode steps replay CUDA graphs (see __init__'s cuda_graph)."""
+        from .runtime.cache import PagedKVCache
+
+        return (self.cuda_graph and self.device.dlpack_device_type() == tvm.cuda(0).dlpack_device_type()
+                and "decode_step" in self.metadata.get("functions", ()) and isinstance(self.cache, PagedKVCache)
+                and self.cache.backend == "tir" and self.cache.graph_decode_supported)
+
+    def _captured_step(self, bucket: int):
+        return library_decode_step(self.vm, self._graph_ids[bucket], self.cache, self.params, self.hidden_size)
+
+    def _graph_decode(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
+        """One decode step replayed as a CUDA graph -> logits [len(seq_ids), vocab] f32."""
+        from .runtime.graphs import DecodeGraphs, bucket_of
+
+        if self.graphs is None:
+            self.graphs = DecodeGraphs(self.cache, self._captured_step, self.settings["max_batch_size"])
+        bucket = bucket_of(len(seq_ids), self.graphs.buckets)
+        ids = self._graph_ids.get(bucket)
+        if ids is None:
+            ids = self._graph_ids[bucket] = tvm.runtime.empty((bucket,), "int32", device=self.device)
+        host = np.zeros(bucket, np.int32)
+        host[: len(tokens)] = tokens
+        ids.copyfrom(host)
+        return self.graphs.run(seq_ids).numpy()[: len(seq_ids), 0]
+
+    def function(self, name: str):
+        """The library's function `name`, looked up once."""
+        function = self._functions.get(name)
+        if function is None:
+            function = self._functions[name] = self.vm[name]
+        return function
+
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        """Token ids -> their embeddings [len(tokens), hidden] on the host."""
+        ids = tvm.runtime.tensor(np.array(tokens, dtype=np.int32), device=self.device)
+        return self.function("embed")(ids, self.params).numpy()
+
+    def decode_step(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
+        """One decode step of `tokens` (one per sequence) -> logits [len(seq_ids), vocab] f32: a
+        CUDA graph where it uses them; else the embedding lookup feeds the step on the device (no
+        copy to the host and back), through `decode` for one sequence, `batch_decode` otherwise."""
+        if self.uses_cuda_graph:
+            return self._graph_decode(seq_ids, tokens)
+        ids = self._token_ids(tokens)
+        embeds = self.function("embed")(ids, self.params)._create_view((len(tokens), 1, self.hidden_size))
+        function = "decode" if len(seq_ids) == 1 else "batch_decode"
+        return self.forward(function, seq_ids, [1] * len(seq_ids), embeds)[:, 0]
+
+    def _token_ids(self, tokens: list[int]):
+        """tokens as an int32 tensor [len(tokens)] on the device (on the CPU the same tensor for
+        every step of a batch size: the step reads it before it returns)."""
+        if self._cpu_ids is None:
+            return tvm.runtime.tensor(np.array(tokens, dtype=np.int32), device=self.device)
+        entry = self._cpu_ids.get(len(tokens))
+        if entry is None:
+            ids = tvm.runtime.empty((len(tokens),), "int32", device=self.device)
+            entry = self._cpu_ids[len(tokens)] = (ids, np.from_dlpack(ids))
+        entry[1][:] = tokens
+        return entry[0]
+
+    def forward(self, function: str, seq_ids: list[int], lengths: list[int], embeds, *extra,
+                parents: list[int] | None = None) -> np.ndarray:
+        """One step of the library's `function` appending lengths[i] tokens to seq_ids[i];
+        embeds: a host array, or a tensor already on the device; parents: the token trees of
+        `batch_verify`, flattened. -> the function's logits on the host."""
+        tree = () if parents is None else (ShapeTuple(parents),)
+        one_each = function in ("prefill", "batch_prefill") and all(n == 1 for n in lengths)
+        if one_each:
+            # the cache plans a step of one token per sequence as a decode step (TVM's rule; an
+            # MLA library's prefill functions would then count the new tokens twice): decode it
+            function, extra, embeds = "batch_decode", (), embeds.reshape(len(seq_ids), 1, -1)
+        if isinstance(embeds, np.ndarray):
+            embeds = tvm.runtime.tensor(embeds, device=self.device)
+        self._kv["kv_state_begin_forward"](self.cache, ShapeTuple(seq_ids), ShapeTuple(lengths), *tree)
+        logits, _ = self.function(function)(embeds, *extra, self.cache, self.params)
+        self._kv["kv_state_end_forward"](self.cache)
+        logits = logits.numpy()
+        return logits.reshape(1, len(seq_ids), -1) if one_each else logits
+
+    def mixed(self, seq_ids: list[int], chunks: list[list[int]]) -> np.ndarray:
+        """chunks[i] (>= 1 token) appended to seq_ids[i] in one `batch_prefill` step (a decode
+        step when every chunk is one token) -> logits [len(seq_ids), vocab] f32 of each chunk's
+        last token."""
+        if all(len(c) == 1 for c in chunks):
+            return self.decode_step(seq_ids, [c[0] for c in chunks])
+        embeds = self.embed([t for c in chunks for t in c])[None]
+        ends = np.cumsum([len(c) for c in chunks]).astype(np.int32) - 1
+        positions = tvm.runtime.tensor(ends, device=self.device)
+        return self.forward("batch_prefill", seq_ids, [len(c) for c in chunks], embeds, positions)[0]
+
+    def prefill(self, seq_ids: list[int], prompts: list[list[int]]) -> np.ndarray:
+        """Whole prompts appended to their sequences -> [len(prompts), vocab] logits of each
+        prompt's last token: one `batch_prefill` when they fit a prefill call, else one
+        sequence at a time in calls of `prefill_chunk` tokens."""
+        chunk = self.prefill_chunk
+        if len(prompts) > 1 and sum(len(p) for p in prompts) <= chunk:
+            return self.mixed(seq_ids, prompts)
+        rows = []
+        for seq_id, prompt in zip(seq_ids, prompts):
+            for begin in range(0, len(prompt), chunk):
+                piece = prompt[begin:begin + chunk]
+                logits = self.forward("prefill", [seq_id], [len(piece)], self.embed(piece)[None])
+            rows.append(logits[0, 0])
+        return np.stack(rows)
+
+    def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]]) -> list[np.ndarray]:
+        """Token trees (tokens[i] with parents[i], node 0 the root) -> per sequence the logits
+        [len(tree), vocab] after each node. The trees stay uncommitted (see commit)."""
+        flat = [t for tree in tokens for t in tree]
+        logits = self.forward("batch_verify", seq_ids, [len(t) for t in tokens], self.embed(flat)[None],
+                              parents=[p for tree in parents for p in tree])[0]
+        ends = np.cumsum([len(t) for t in tokens])
+        return [logits[end - len(t):end] for end, t in zip(ends, tokens)]
+
+    def commit(self, seq_ids: list[int], leaves: list[int]) -> None:
+        """Keep each verified tree's path from its root to leaves[i]; drop its other nodes."""
+        self._kv["attention_kv_cache_commit_accepted_token_tree_nodes"](self.cache, ShapeTuple(seq_ids),
+                                                                        ShapeTuple(leaves))
