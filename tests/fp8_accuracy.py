@@ -126,7 +126,7 @@ if __name__ == "__main__":
 
     reference, fp8 = Generator(sys.argv[1]), Generator(sys.argv[2])
     results = {"scale-1.0": compare(reference, fp8)}
-    fp8.kv_scales = calibrate_kv_scales(reference, PROMPTS, fp8.metadata["kv_cache"]["kv_dtype"])
+    fp8.kv_scales = calibrate_kv_scales(reference, PROMPTS, fp8.metadata["kv_cache"]["kv_dtype"], headroom=4.0)
     results["calibrated"] = compare(reference, fp8)
     for name, figures in results.items():
         print(name, json.dumps({k: v for k, v in figures.items() if not k.endswith("_tokens") or k == "passage_tokens"}))

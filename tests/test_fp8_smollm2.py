@@ -40,7 +40,8 @@ def test_fp8_kv_cache_accuracy_on_smollm2(libraries, calibrated, fmt):
     reference, fp8 = Generator(libraries["f32"]), Generator(libraries[fmt])
     assert fp8.metadata["kv_cache"]["kv_dtype"] == fmt
     if calibrated:
-        fp8.kv_scales = calibrate_kv_scales(reference, PROMPTS, fmt)
+        # headroom: the long passage reaches K/V well above the three short prompts' amax
+        fp8.kv_scales = calibrate_kv_scales(reference, PROMPTS, fmt, headroom=4.0)
     figures = compare(reference, fp8)
     assert figures["tokens_compared"] >= 3 * 32
     assert figures["token_match"] >= 0.95, figures
