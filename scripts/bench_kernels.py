@@ -30,9 +30,18 @@ calls replayed from a CUDA graph (the GPU's time alone; --no-graph leaves them o
     python scripts/bench_kernels.py                                  # default shapes, fp16 + bf16
     python scripts/bench_kernels.py --decode --prefill 1x4096 8x512@8192 --dtype bfloat16 --json k.json
     python scripts/bench_kernels.py --decode --prefill --tree --json tree.json  # token trees only
+    python scripts/bench_kernels.py --decode 8x32768 --prefill 1x4096 --dtype float16 --kv-dtype float8_e4m3fn
     python scripts/bench_kernels.py --from-json k.json --plot k.png  # no GPU needed
     python scripts/bench_kernels.py --mla --json mla.json            # MLA decode only (see its section)
     python scripts/bench_kernels.py --mla-prefill --dtype float16 --json mla.json  # MLA prefill only
+
+FP8 K/V (--kv-dtype float8_e4m3fn|float8_e5m2): beside each decode and paged prefill row of
+tvmattn, a row "tvmattn-fp8e4m3" / "tvmattn-fp8e5m2" of the same kernel built for FP8 pages (the
+config's kv_dtype) on the same shape: the fp16/bf16 pages quantized per (K/V, KV head) at amax /
+FP8_MAX, the scales in an extra last page laid out by the cache's own scale_page_pool. It is
+checked against SDPA on the dequantized K/V ("max_abs_diff", the usual tolerance) and against SDPA
+on the unquantized K/V ("max_abs_diff_vs_unquantized", within FP8_TOLERANCE); its decode GB/s
+count one byte per K/V element, and "time_vs_fp16" is its time over tvmattn's fp16/bf16 row's.
 
 MLA prefill (--mla-prefill; kernel "mla_prefill"): DeepSeek's self-attention over the new tokens
 (ragged prefill, qk / v head dims 192 / 128, 128 or 16 heads, causal) and the absorbed paged prefill
@@ -80,6 +89,12 @@ TVM_TREE_PAGE_SIZE = 16  # TVM's paged tree kernel is written for this page size
 KERNELS = ("decode", "prefill", "ragged_prefill", "tree_prefill", "mla_prefill")
 TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2}
 ELEM_BYTES = {"float16": 2, "bfloat16": 2}
+KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+FP8_IMPL = {"float8_e4m3fn": "tvmattn-fp8e4m3", "float8_e5m2": "tvmattn-fp8e5m2"}
+# Max |diff| of an FP8 row against SDPA on the unquantized K/V of the benchmark's N(0, 1) pages:
+# a relative rounding step of 2^-4 (e4m3) or 2^-3 (e5m2) on values up to amax ~ 5, averaged by
+# the softmax over many keys.
+FP8_TOLERANCE = {"float8_e4m3fn": 0.1, "float8_e5m2": 0.2}
 L2_BYTES = 60 << 20
 IMPL_ORDER = ("tvmattn", "tvm", "sdpa")  # then flashinfer-* and anything else, by name
 REFERENCE = "sdpa"
@@ -191,9 +206,12 @@ def tree_visible(parents, history: int) -> list[list[bool]]:
     return rows
 
 
-def decode_bytes(batch: int, seq_len: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
-    """Bytes a decode step must move: K and V of every request, q in and o out."""
-    return elem_bytes * (2 * batch * seq_len * num_kv_heads * head_dim + 2 * batch * num_qo_heads * head_dim)
+def decode_bytes(batch: int, seq_len: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, elem_bytes: int,
+                 kv_elem_bytes: int | None = None) -> int:
+    """Bytes a decode step must move: K and V of every request (kv_elem_bytes each, default
+    elem_bytes), q in and o out."""
+    kv_elem_bytes = elem_bytes if kv_elem_bytes is None else kv_elem_bytes
+    return kv_elem_bytes * 2 * batch * seq_len * num_kv_heads * head_dim + elem_bytes * 2 * batch * num_qo_heads * head_dim
 
 
 def rate_field(kernel: str) -> str:
@@ -474,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
                              " and a chain each), tvmattn's tree kernel beside its causal prefill and TVM's tree"
                              f" kernel; the flag alone: {' '.join(TREE_SHAPES)} (default: no tree rows)")
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES), help="dtypes (default: both)")
+    parser.add_argument("--kv-dtype", nargs="+", choices=KV_DTYPES, default=[], metavar="FP8",
+                        help="also bench tvmattn's decode and paged prefill on FP8 pages of these formats "
+                             f"({', '.join(KV_DTYPES)}), beside the --dtype rows")
     parser.add_argument("--no-tvm", action="store_true", help="leave out TVM's own kernels (they take a build each)")
     parser.add_argument("--kv-heads", nargs="+", type=_positive_int, default=[NUM_KV_HEADS], metavar="N",
                         help=f"KV heads of the {NUM_QO_HEADS} query heads (GQA group {NUM_QO_HEADS} / N; "
@@ -1355,9 +1376,116 @@ def bench_shape(kinds, ctx: Context, shape: Shape, iters: int, gen) -> list[dict
                              ref_diff, ctx.meta))
         if graphs:
             rows += graph_row(REFERENCE, variant, sdpa_call, tvm_stream=False)
+        fp16_ms = {is_graph_row(r): r["ms"] for r in rows if r["kernel"] == kernel and r["impl"] == OURS}
+        for (fp8_kernel, fmt), (impl_variant, fn) in getattr(ctx, "fp8_kernels", {}).items():
+            if fp8_kernel == kernel:
+                rows += fp8_rows(kernel, fmt, ctx, shape, inputs, ref, fn, impl_variant, iters, timing, graphs,
+                                 fp16_ms)
     del inputs
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
+    return rows
+
+
+def build_fp8_kernels(ctx: Context, kinds: list, kv_dtypes: list) -> dict:
+    """{(kernel, fmt): (variant, function)} of tvmattn's decode / paged prefill built for FP8
+    pages (ctx's config with kv_dtype=fmt); a kernel that does not build prints a skip."""
+    from tir_kernels import build
+
+    kernels = {}
+    for fmt in dict.fromkeys(kv_dtypes):
+        config = dataclasses.replace(ctx.config, kv_dtype=fmt)
+        for kernel in kinds:
+            try:
+                if kernel == "decode":
+                    kernels[(kernel, fmt)] = tvmattn_decode(config)
+                else:
+                    func = tvmattn_func(kernel, config)
+                    kernels[(kernel, fmt)] = (tvmattn_variant(kernel, config, func), build(func, config))
+            except Exception as e:  # noqa: BLE001 - report and go on with the others
+                skip(FP8_IMPL[fmt], kernel, ctx, "build", e)
+    return kernels
+
+
+def fp8_pool(pool, fmt: str):
+    """(codes, dequantized) of a page pool [P, 2, Hkv, ps, D] (float16/bfloat16): codes a tvm
+    tensor [P + 1, 2, Hkv, ps, D] of `fmt` whose last page holds the scales (amax / FP8_MAX per
+    K/V and KV head, laid out by the cache's scale_page_pool), dequantized a torch pool [P, ...]
+    of code * scale in pool's dtype."""
+    import numpy as np
+    import torch
+
+    from tir_kernels.support import FP8_MAX
+    from tvmattn.runtime.cache import scale_page_pool
+
+    amax = pool.abs().amax(dim=(0, 3, 4)).float()  # [2, Hkv]
+    scales = torch.where(amax > 0, amax / FP8_MAX[fmt], torch.ones_like(amax))
+    s = scales[None, :, :, None, None]
+    codes = (pool.float() / s).clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(getattr(torch, fmt))
+    dequantized = (codes.float() * s).to(pool.dtype)
+    extra = scale_page_pool((1, *pool.shape[1:]), fmt, scales.cpu().numpy()).view(np.uint8)
+    raw = torch.cat([codes.view(torch.uint8), torch.from_numpy(extra).to(pool.device)]).contiguous()
+    return to_tvm(raw)._create_view(tuple(raw.shape), fmt), dequantized, raw
+
+
+def fp8_rows(kernel: str, fmt: str, ctx: Context, shape: Shape, inputs: Inputs, ref, fn, impl_variant: str, iters: int,
+             timing: dict, graphs: bool, fp16_ms: dict) -> list[dict]:
+    """Rows of tvmattn's `kernel` on FP8 pages (fp8_pool of the shape's pools; decode: enough
+    copies to pass L2, as for fp16) on the shape's q, checked against SDPA on the dequantized
+    and on the unquantized K/V (`ref`); fp16_ms: {graph row?: ms} of tvmattn's own rows."""
+    import torch
+
+    impl = FP8_IMPL[fmt]
+    B, L, ps = shape.batch, shape.seq_len, ctx.page_size
+    count = copies_for(inputs.pools[0].numel()) if kernel == "decode" else 1  # one byte an element
+    made = [fp8_pool(inputs.pools[i % len(inputs.pools)], fmt) for i in range(count)]
+    pools, keep = [m[0] for m in made], [m[2] for m in made]
+    pages_per_req = math.ceil(L / ps)
+    kv = made[0][1][inputs.page_indices.long().view(B, pages_per_req)].permute(0, 2, 3, 1, 4, 5)
+    kv = kv.reshape(B, 2, NUM_KV_HEADS, pages_per_req * ps, ctx.head_dim)
+    dequantized = Inputs.__new__(Inputs)  # the shape's inputs with the dequantized K/V
+    dequantized.__dict__.update(inputs.__dict__)
+    dequantized.k, dequantized.v = kv[:, 0, :, :L].contiguous(), kv[:, 1, :, :L].contiguous()
+    del kv, made
+    ref_fp8 = sdpa_reference(kernel, ctx, shape, dequantized)[2]
+    o = torch.empty_like(inputs.q)
+    lse = torch.empty(inputs.q.shape[:2], device=DEVICE, dtype=torch.float32)
+    args = tvm_args(kernel, ctx, inputs, o, lse)
+    slot = 1 if kernel == "decode" else 2
+    args[slot] = pools[0]
+
+    def call(i):
+        args[slot] = pools[i % len(pools)]
+        fn(*args)
+
+    try:
+        call(0)
+        synchronize()
+    except Exception as e:  # noqa: BLE001
+        skip(impl, kernel, ctx, shape.label, e)
+        return []
+    diff, diff_exact = max_diff(o, ref_fp8), max_diff(o, ref)
+    timed = [(impl_variant, time_ms(call, iters, **timing))]
+    if graphs:
+        try:
+            timed.append((f"cuda-graph {impl_variant}", graph_time_ms(call, iters, **timing)))
+        except Exception as e:  # noqa: BLE001 - reported, the eager row stands
+            synchronize()
+            skip(impl, "decode (cuda graph)", ctx, shape.label, e)
+    rows = []
+    for variant, ms in timed:
+        row = make_row(kernel, impl, variant, ctx.dtype, ctx.head_dim, ctx.page_size, shape, ms, diff, ctx.meta)
+        if kernel == "decode":
+            row["gbps"] = decode_bytes(B, L, NUM_QO_HEADS, NUM_KV_HEADS, ctx.head_dim, ELEM_BYTES.get(ctx.dtype, 2),
+                                       kv_elem_bytes=1) / ms / 1e6
+        row.update(kv_dtype=fmt, max_abs_diff_vs_unquantized=diff_exact,
+                   agrees_vs_unquantized=math.isfinite(diff_exact) and diff_exact <= FP8_TOLERANCE[fmt])
+        base = fp16_ms.get(variant.startswith("cuda-graph"))
+        if base:
+            row["time_vs_fp16"] = ms / base
+        progress(row)
+        rows.append(row)
+    del keep  # the torch storage under the tvm views, alive until the last call
     return rows
 
 
@@ -1507,6 +1635,8 @@ def run(args, decode_shapes, prefill_shapes, tree_shapes=()) -> list[dict]:
         for kernel in kinds:
             ctx.kernels[kernel] = (collect_builds(kernel, ctx, decode_jobs[id(ctx)]) if id(ctx) in decode_jobs
                                    and kernel == "decode" else build_kernels(kernel, ctx))
+        ctx.fp8_kernels = build_fp8_kernels(ctx, [k for k in kinds if k in ("decode", "prefill")],
+                                            getattr(args, "kv_dtype", []))
         print(f"{dtype}, head_dim {head_dim}, {NUM_QO_HEADS}/{NUM_KV_HEADS} heads: kernels built in "
               f"{time.time() - t0:.1f} s")
         group = []

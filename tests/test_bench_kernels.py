@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from harness import load_script
 
@@ -515,3 +516,74 @@ def test_decode_timing_options(bench, capsys):
         with pytest.raises(SystemExit):
             bench.build_parser().parse_args(["--decode-warmup-ms", bad])
         assert "--decode-warmup-ms" in capsys.readouterr().err
+
+
+def test_kv_dtype_option(bench, capsys):
+    args = bench.build_parser().parse_args(["--kv-dtype", "float8_e4m3fn", "float8_e5m2"])
+    assert args.kv_dtype == ["float8_e4m3fn", "float8_e5m2"]
+    assert bench.build_parser().parse_args([]).kv_dtype == []
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--kv-dtype", "float8_e4m3"])
+    assert "--kv-dtype" in capsys.readouterr().err
+
+
+def test_fp8_decode_bytes_count_one_byte_per_kv_element(bench):
+    fp16 = bench.decode_bytes(8, 32768, 32, 8, 128, 2)
+    fp8 = bench.decode_bytes(8, 32768, 32, 8, 128, 2, kv_elem_bytes=1)
+    qo = 2 * 2 * 8 * 32 * 128
+    assert fp16 - qo == 2 * (fp8 - qo) and fp8 - qo == 2 * 8 * 32768 * 8 * 128
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_pool_is_laid_out_as_the_cache_lays_it(bench, fmt):
+    """Codes by ml_dtypes at amax / FP8_MAX per (K/V, head), the scales in an extra last page
+    (tests/fp8_reference.py, written independently), and the dequantized pool code * scale."""
+    torch = pytest.importorskip("torch")
+    from fp8_reference import FP8_MAX, dequantize, quantize, with_scales
+
+    pool = torch.randn((3, 2, 4, 16, 64), generator=torch.Generator().manual_seed(0)).to(torch.float16)
+    tvm_pool, dequantized, _raw = bench.fp8_pool(pool, fmt)
+    x = pool.float().numpy()
+    scales = (np.abs(x).max(axis=(0, 3, 4)) / FP8_MAX[fmt]).astype(np.float32)
+    codes = quantize(x, scales[None, :, :, None, None], fmt)
+    assert tvm_pool.dtype == fmt and tuple(tvm_pool.shape) == (4, 2, 4, 16, 64)
+    assert np.array_equal(tvm_pool.numpy().view(np.uint8), with_scales(codes, scales).view(np.uint8))
+    expected = dequantize(codes, scales[None, :, :, None, None]).astype(np.float16)
+    assert np.array_equal(dequantized.numpy(), expected)
+
+
+def test_cpu_smoke_run_fp8_prefill(bench, monkeypatch, capsys):
+    """--kv-dtype rows on the CPU: the FP8 paged prefill agrees with SDPA on the dequantized K/V
+    (the usual tolerance) and with SDPA on the unquantized K/V within FP8's error, but not exactly."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "import_flashinfer", lambda: None)
+    args = bench.build_parser().parse_args(["--decode", "--prefill", "2x8@40", "--dtype", "float16", "--head-dim", "64",
+                                            "--iters", "1", "--no-tvm", "--kv-dtype", "float8_e4m3fn"])
+    rows = bench.run(args, args.decode, args.prefill)
+    out = capsys.readouterr().out
+    assert "  skip " not in out, out
+    got = {(r["kernel"], r["impl"]): r for r in rows}
+    assert set(got) == {("prefill", i) for i in ("tvmattn", "tvmattn-fp8e4m3", "sdpa")}
+    fp8 = got[("prefill", "tvmattn-fp8e4m3")]
+    assert fp8["kv_dtype"] == "float8_e4m3fn" and fp8["agrees"] and fp8["max_abs_diff"] < 1e-2, fp8
+    assert fp8["agrees_vs_unquantized"] and 1e-3 < fp8["max_abs_diff_vs_unquantized"] < 0.1, fp8
+    assert fp8["time_vs_fp16"] > 0 and fp8["qo_len"] == 8 and fp8["seq_len"] == 40
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_cpu_smoke_run_fp8_decode(bench, monkeypatch, capsys, fmt):
+    pytest.importorskip("torch")
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "import_flashinfer", lambda: None)
+    args = bench.build_parser().parse_args(["--decode", "3x40", "--prefill", "--dtype", "float16", "--head-dim", "64",
+                                            "--iters", "1", "--no-tvm", "--kv-dtype", fmt, "--decode-warmup-ms", "0",
+                                            "--decode-sample-ms", "0"])
+    rows = bench.run(args, args.decode, args.prefill)
+    assert "  skip " not in capsys.readouterr().out
+    got = {(r["kernel"], r["impl"]): r for r in rows}
+    fp8 = got[("decode", bench.FP8_IMPL[fmt])]
+    assert fp8["agrees"] and fp8["max_abs_diff"] < 1e-2, fp8
+    assert fp8["agrees_vs_unquantized"] and fp8["max_abs_diff_vs_unquantized"] > 1e-3, fp8
+    assert fp8["gbps"] == pytest.approx(bench.decode_bytes(3, 40, 32, 8, 64, 2, kv_elem_bytes=1) / fp8["ms"] / 1e6)

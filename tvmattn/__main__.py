@@ -5,6 +5,8 @@
   a GGUF keeps its block quantization unless `--quantization f16|f32` says otherwise;
 - `generate`: answer prompts with a bundle made by `compile` (`--speculative prompt-lookup|draft-model`:
   greedy speculative decoding, tvmattn/speculative.py);
+- `calibrate-kv`: FP8 KV scales of a library's model over prompts, written to a file that
+  `generate --kv-scales` reads (`generate --calibrate-kv-scales` calibrates on its own prompts);
 - `cache list|clear`: the main job's cached libraries;
 - `demo`: the kernel smoke run (paged prefill and decode vs numpy);
 - `serve` / `chat`: an OpenAI-compatible server / an interactive chat on the engine (tvmattn/serve).
@@ -139,6 +141,19 @@ def _output(text: str) -> str:
     problem = output_problem(text)
     if problem:
         raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+    return text
+
+
+def _kv_scales_file(text: str) -> str:
+    if not text.endswith((".npy", ".json")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a .npy or .json file")
+    return text
+
+
+def _existing_kv_scales_file(text: str) -> str:
+    _kv_scales_file(text)
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
     return text
 
 
@@ -349,6 +364,38 @@ def parser() -> argparse.ArgumentParser:
                           help="prompt text; repeat for a batch (batch_prefill / batch_decode)")
     _generation_options(generate)
     _speculative_options(generate)
+    scales = generate.add_mutually_exclusive_group()
+    scales.add_argument("--kv-scales", type=_existing_kv_scales_file, default=None, metavar="FILE",
+                        help="FP8 KV cache scales, [layers, 2, kv_heads] in a .npy or .json file (python -m "
+                             "tvmattn calibrate-kv writes one); for a library compiled with --kv-cache-dtype "
+                             "(default: 1.0 everywhere)")
+    scales.add_argument("--calibrate-kv-scales", action="store_true",
+                        help="FP8 KV cache: calibrate the scales on the prompts first (amax per layer, K/V and "
+                             "head, measured on the library's own FP8 cache: tvmattn.calibrate_kv_scales)")
+
+    calibrate = commands.add_parser("calibrate-kv", formatter_class=_Formatter,
+                                    help="FP8 KV cache scales of a library's model over prompts, to a file",
+                                    description="Measure the K/V a library's model computes over prompts and write "
+                                                "FP8 scales [layers, 2, kv_heads] (amax, or a percentile of |K| "
+                                                "and |V|, over FP8_MAX) for generate --kv-scales. A library "
+                                                "compiled without --kv-cache-dtype measures the exact K/V; an FP8 "
+                                                "library measures its rounded ones.")
+    calibrate.add_argument("--lib", required=True, type=_library, metavar="OUT.so",
+                           help="a library of the model (best: one compiled without --kv-cache-dtype)")
+    calibrate.add_argument("--prompt", action="append", required=True, type=_prompt,
+                           help="a calibration prompt; repeat for several")
+    calibrate.add_argument("--kv-cache-dtype", default="float8_e4m3fn", choices=support.FP8_KV_DTYPES,
+                           help="the FP8 format the scales are for")
+    calibrate.add_argument("--percentile", type=_float_in(0.0, 100.0, low_open=True), default=100.0,
+                           help="map this percentile of each head's |values| to the format's largest value "
+                                "(100: amax, nothing seen saturates)")
+    calibrate.add_argument("--headroom", type=_float_in(1.0, 1e6), default=1.0,
+                           help="multiply the scales by this (room for values beyond the prompts'; FP8's "
+                                "relative precision does not depend on the scale)")
+    calibrate.add_argument("--no-chat", action="store_true",
+                           help="send the prompts as they are, without the model's chat template")
+    calibrate.add_argument("-o", "--output", required=True, type=_kv_scales_file, metavar="FILE",
+                           help="where to write the scales (.npy or .json)")
 
     cache = commands.add_parser("cache", formatter_class=_Formatter,
                                 help="list or delete the main job's cached libraries",
@@ -469,6 +516,9 @@ def _generate(args) -> int:
     speculative, plain = None, None
     try:
         generator = Generator(args.lib, cuda_graph=not getattr(args, "no_cuda_graph", False))
+        problem = _apply_kv_scales(generator, args)
+        if problem:
+            return _fail(problem)
         if getattr(args, "speculative", None) is not None:
             from .speculative import SpeculativeOptions
 
@@ -533,8 +583,49 @@ def _demo(args) -> int:
     return 0 if report["passed"] else 1
 
 
-COMMANDS = {"smollm2": _smollm2, "gemma3": _smollm2, "compile": _compile, "generate": _generate, "cache": _cache,
-            "demo": _demo}
+def _apply_kv_scales(generator, args) -> str | None:
+    """Give the generator the FP8 scales --kv-scales or --calibrate-kv-scales ask for; the problem, if any."""
+    from .calibrate import calibrate_kv_scales, load_kv_scales
+
+    path, calibrate = getattr(args, "kv_scales", None), getattr(args, "calibrate_kv_scales", False)
+    if path is None and not calibrate:
+        return None
+    option = "--kv-scales" if path is not None else "--calibrate-kv-scales"
+    spec = generator.metadata["kv_cache"]
+    if not support.is_fp8(spec.get("kv_dtype")):
+        return (f"{option}: the library's KV cache holds {spec['dtype']} K/V, not FP8 (compile it with "
+                f"--kv-cache-dtype {support.FP8_KV_DTYPES[0]})")
+    try:
+        if path is not None:
+            generator.kv_scales = load_kv_scales(path, spec["num_layers"], spec["num_kv_heads"])
+        else:
+            prompts = [generator.encode(p, chat=not args.no_chat) for p in args.prompt]
+            generator.kv_scales = calibrate_kv_scales(generator, prompts, spec["kv_dtype"])
+    except ValueError as err:
+        return f"{option}: {err}"
+    return None
+
+
+def _calibrate_kv(args) -> int:
+    from .calibrate import calibrate_kv_scales, save_kv_scales
+    from .generate import GenerateError, Generator
+
+    try:
+        generator = Generator(args.lib)
+        prompts = [generator.encode(p, chat=not args.no_chat) for p in args.prompt]
+        scales = calibrate_kv_scales(generator, prompts, args.kv_cache_dtype, percentile=args.percentile,
+                                     headroom=args.headroom)
+        save_kv_scales(args.output, scales)
+    except (GenerateError, ValueError, OSError) as err:
+        return _fail(str(err))
+    print(f"wrote {args.output}: scales [{', '.join(map(str, scales.shape))}] for {args.kv_cache_dtype}, "
+          f"from {sum(map(len, prompts))} prompt tokens (min {scales.min():.4g}, max {scales.max():.4g})",
+          file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"smollm2": _smollm2, "gemma3": _smollm2, "compile": _compile, "generate": _generate,
+            "calibrate-kv": _calibrate_kv, "cache": _cache, "demo": _demo}
 
 
 def main(argv: list[str] | None = None) -> int:
