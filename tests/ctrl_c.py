@@ -159,6 +159,9 @@ def _main(argv: list[str]) -> None:
         import tvmattn.models
 
         tvmattn.models.compile_module = lambda mod, options: FakeExecutable()
+    # a user's Ctrl-C reaches a process whose SIGINT does what Python's default does; a parent
+    # that ignores SIGINT (a test runner's worker may) would hand that down through exec
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     STAGES[stage](stage)
     sys.argv = ["tvmattn", *command]
     runpy.run_module("tvmattn", run_name="__main__", alter_sys=True)

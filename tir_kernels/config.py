@@ -62,8 +62,22 @@ class RopeScaling:
         )
 
 
+class PageFormat:
+    """The pages' element type of a config with `dtype` and `kv_dtype` fields."""
+
+    @property
+    def page_dtype(self) -> str:
+        """The element type of the pages: kv_dtype, or dtype where kv_dtype is ""."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the pages hold FP8 codes (tir_kernels.kv_quant)."""
+        return is_fp8(self.kv_dtype)
+
+
 @dataclasses.dataclass(frozen=True)
-class AttentionConfig:
+class AttentionConfig(PageFormat):
     """What a kernel computes.
 
     num_qo_heads / num_kv_heads: query and key/value heads (GQA group = their ratio).
@@ -145,16 +159,6 @@ class AttentionConfig:
         """The CUDA compute capability as a number (90 for "sm_90" and "sm_90a"); 0 on the CPU."""
         return int(self.cuda_arch[3:].rstrip("a")) if self.is_gpu else 0
 
-    @property
-    def page_dtype(self) -> str:
-        """The element type of the pages: kv_dtype, or dtype where kv_dtype is ""."""
-        return self.kv_dtype or self.dtype
-
-    @property
-    def kv_fp8(self) -> bool:
-        """Whether the pages hold FP8 codes (tir_kernels.kv_quant)."""
-        return is_fp8(self.kv_dtype)
-
     def tvm_target(self) -> tvm.target.Target:
         """The TVM target this config builds for."""
         return tvm_target(self.target)
@@ -169,7 +173,7 @@ MAX_MLA_LATENT_DIM = 1024
 
 
 @dataclasses.dataclass(frozen=True)
-class MLAConfig:
+class MLAConfig(PageFormat):
     """What an MLA (multi-head latent attention, DeepSeek-V2/V3) kernel computes.
 
     Every head attends to the same cached row per token: the latent vector (latent_dim values,
@@ -236,16 +240,6 @@ class MLAConfig:
     @property
     def cuda_arch(self) -> str:
         return TargetName.parse(self.target).cuda_arch
-
-    @property
-    def page_dtype(self) -> str:
-        """The element type of the pages: kv_dtype, or dtype where kv_dtype is ""."""
-        return self.kv_dtype or self.dtype
-
-    @property
-    def kv_fp8(self) -> bool:
-        """Whether the pages hold FP8 codes (tir_kernels.kv_quant)."""
-        return is_fp8(self.kv_dtype)
 
     def tvm_target(self) -> tvm.target.Target:
         """The TVM target this config builds for."""

@@ -132,6 +132,8 @@ class LlamaForCausalLM(nn.Module):
     weight_formats: the layers kept quantized (module docstring).
     """
 
+    decoder_class = LlamaModel  # the layer stack; a family with other layers names its own
+
     def __init__(self, config: ModelConfig, cache_spec: KVCacheSpec, kv_cache: str = "tvmattn",
                  weight_formats: Mapping[str, str] | None = None):
         formats = dict(weight_formats or {})
@@ -139,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         self.cache_spec = cache_spec
         self.kv_cache = kv_cache
         self.dtype = cache_spec.dtype
-        self.model = LlamaModel(config, formats)
+        self.model = self.decoder_class(config, formats)
         if not config.tie_word_embeddings:
             self.lm_head = _linear(formats, "lm_head", config.hidden_size, config.vocab_size)
 

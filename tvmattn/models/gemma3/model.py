@@ -22,7 +22,7 @@ from tvm.relax.frontend.nn import op
 
 from ...quant.linear import PART_PREFIX, QuantEmbedding
 from ...weights.quant import PACKED
-from ..kv_cache import KVCacheSpec, query_positions
+from ..kv_cache import query_positions
 from ..llama import LlamaForCausalLM, _linear
 from .config import Gemma3Config
 
@@ -117,16 +117,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """The decoder and the Llama library's exported functions (kv_cache, cache_spec,
     weight_formats as LlamaForCausalLM's)."""
 
-    def __init__(self, config: Gemma3Config, cache_spec: KVCacheSpec, kv_cache: str = "tvmattn",
-                 weight_formats: Mapping[str, str] | None = None):
-        formats = dict(weight_formats or {})
-        self.config = config
-        self.cache_spec = cache_spec
-        self.kv_cache = kv_cache
-        self.dtype = cache_spec.dtype
-        self.model = Gemma3Model(config, formats)
-        if not config.tie_word_embeddings:
-            self.lm_head = _linear(formats, "lm_head", config.hidden_size, config.vocab_size)
+    decoder_class = Gemma3Model
 
     def _scaled_embedding(self, input_ids: nn.Tensor) -> nn.Tensor:
         """input_ids [n] int32 -> embeddings [n, hidden] * sqrt(hidden) (a float32 factor, as llama.cpp's)."""
