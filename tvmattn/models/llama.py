@@ -233,7 +233,13 @@ def hf_parameter_sources(config: ModelConfig, weight_formats: Mapping[str, str] 
     """Parameter name -> the HF tensors it is made of, concatenated along axis 0, in the
     order the model declares its parameters (a layer kept quantized: one entry per block array,
     `<prefix>.weight_<part>`, each made of the same HF tensors)."""
-    sources = _float_parameter_sources(config)
+    return with_kept_parts(_float_parameter_sources(config), weight_formats)
+
+
+def with_kept_parts(sources: dict[str, tuple[str, ...]], weight_formats: Mapping[str, str] | None
+                    ) -> dict[str, tuple[str, ...]]:
+    """`sources` (parameter name -> HF tensors) with each layer kept quantized replaced by one
+    entry per block array, `<prefix>.weight_<part>`, each made of the same HF tensors."""
     formats = weight_formats or {}
     out: dict[str, tuple[str, ...]] = {}
     for name, names in sources.items():

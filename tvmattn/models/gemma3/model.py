@@ -20,10 +20,9 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...quant.linear import PART_PREFIX, QuantEmbedding
-from ...weights.quant import PACKED
+from ...quant.linear import QuantEmbedding
 from ..kv_cache import query_positions
-from ..llama import LlamaForCausalLM, _linear
+from ..llama import LlamaForCausalLM, _linear, with_kept_parts
 from .config import Gemma3Config
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -160,16 +159,7 @@ def hf_parameter_sources(config: Gemma3Config, weight_formats: Mapping[str, str]
                          ) -> dict[str, tuple[str, ...]]:
     """Parameter name -> the HF tensors it is made of (concatenated along axis 0), in the order
     the model declares its parameters; a layer kept quantized: one entry per block array."""
-    formats = weight_formats or {}
-    out: dict[str, tuple[str, ...]] = {}
-    for name, names in _float_parameter_sources(config).items():
-        prefix = name[:-len(".weight")]
-        if prefix in formats:
-            for part, _, _ in PACKED[formats[prefix]]:
-                out[f"{prefix}.{PART_PREFIX}{part}"] = names
-        else:
-            out[name] = names
-    return out
+    return with_kept_parts(_float_parameter_sources(config), weight_formats)
 
 
 def prepare_tensors(config: Gemma3Config, tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
