@@ -31,11 +31,17 @@ def with_scales(pool_codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.concatenate([pool_codes, extra])
 
 
-def with_mla_scale(pool_codes: np.ndarray, scale: float) -> np.ndarray:
-    """An MLA pool [P, ps, qk] of codes plus a last page holding its scale at [P, 0, 0:4]."""
+def with_mla_scales(pool_codes: np.ndarray, scales) -> np.ndarray:
+    """An MLA pool [P, ps, qk] of codes plus a last page holding its scales (latent, rope) as
+    float32 at [P, 0, 0:4] and [P, 0, 4:8]."""
     extra = np.zeros((1,) + pool_codes.shape[1:], pool_codes.dtype)
-    extra.view(np.uint8)[0, 0, :4] = np.array([scale], np.float32).view(np.uint8)
+    extra.view(np.uint8)[0, 0, :8] = np.asarray(scales, np.float32).reshape(2).view(np.uint8)
     return np.concatenate([pool_codes, extra])
+
+
+def column_scales(scales, latent_dim: int, qk_dim: int) -> np.ndarray:
+    """The scale of each column of an MLA row [qk_dim]: scales[0] below latent_dim, else scales[1]."""
+    return np.where(np.arange(qk_dim) < latent_dim, np.float32(scales[0]), np.float32(scales[1])).astype(np.float32)
 
 
 def random_scales(rng, num_kv_heads: int) -> np.ndarray:

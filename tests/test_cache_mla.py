@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import reference as ref
 import tvm
-from harness import empty, randn, tensor
+from harness import empty, randn, tensor, to_dtype
 from tvm.runtime import ShapeTuple
 
 import tir_kernels
@@ -119,8 +119,9 @@ class MLAModel:
             self.call("append_mla_kv", layer, tensor(kv, self.device))
             history = [self.rows[s][layer] for s in seq_ids]
             starts = np.cumsum([0] + lengths)
+            stored = self.stored(layer, kv)
             for i, s in enumerate(seq_ids):
-                self.rows[s][layer] = np.concatenate([history[i], kv[starts[i] : starts[i + 1]].astype(np.float64)])
+                self.rows[s][layer] = np.concatenate([history[i], stored[starts[i] : starts[i + 1]]])
             keys = [self.rows[s][layer] for s in seq_ids] if decode else history
             what = f"{seq_ids} {lengths} layer {layer}"
             cross = decode or self.cross_without_history or any(len(h) for h in history)
@@ -129,6 +130,10 @@ class MLAModel:
                 self.outputs.append(self._self_and_merge(layer, total, starts, lse_cross, what))
             self.outputs.append(o_cross)
         self.call("end_forward")
+
+    def stored(self, layer, kv):
+        """What the pages hold of appended rows kv [n, qk] (float64): the rows themselves."""
+        return kv.astype(np.float64)
 
     def _cross(self, layer, total, starts, keys, what):
         d = self.d
@@ -457,3 +462,110 @@ def test_create_call_refusals(kernels):
         bad[6] = ShapeTuple(kinds)
         with pytest.raises(KVCacheError, match=message):
             paged_attention_kv_cache_create(*bad)
+
+
+class FP8MLAModel(MLAModel):
+    """MLAModel over FP8 latent pages (kv_dtype): the rows it checks against are what the pages
+    hold, the codes of x / scale read as code * scale, with per-layer scales for the latent and
+    the rotary columns ([num_layers, 2, 1]). Cross-attention reads only pages, so every key and
+    value of the reference is dequantized."""
+
+    def __init__(self, target="llvm", page_size=16, seed=0, *, kv_dtype, **options):
+        rng = np.random.default_rng(500 + seed)
+        latent = 10.0 ** rng.uniform(-2.3, -1.8, LAYERS)
+        self.scales = np.stack([latent, latent * 8.0], axis=1)[:, :, None].astype(np.float32)
+        self.kv_dtype = kv_dtype
+        super().__init__(target, page_size, seed, kv_dtype=kv_dtype, kv_scales=self.scales, **options)
+
+    def stored(self, layer, kv):
+        from fp8_reference import column_scales, dequantize, quantize
+
+        cols = column_scales(self.scales[layer, :, 0], self.d.latent, self.d.qk)
+        return dequantize(quantize(kv.astype(np.float32), cols, self.kv_dtype), cols)
+
+    def check_rows(self):
+        """debug_get_kv_mla: the dequantized rows, rounded to the dtype."""
+        for seq_id, rows in self.rows.items():
+            if len(rows[0]):
+                expected = to_dtype(np.stack(rows), self.d.dtype).astype(np.float64)
+                np.testing.assert_array_equal(self.read_rows(seq_id), expected, err_msg=f"rows of {seq_id}")
+
+
+FP8_FORMATS = [pytest.param("float8_e4m3fn", id="e4m3"), pytest.param("float8_e5m2", id="e5m2", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+def test_mla_fp8_prefill_extend_decode(target, fmt):
+    """test_mla_prefill_extend_decode's steps on FP8 latent pages, page size 1 and 16."""
+    for page_size in (1, 16):
+        m = FP8MLAModel(target, page_size, seed=11, kv_dtype=fmt)
+        initial = m.cache.get_num_available_pages()
+        for s in (0, 1, 2):
+            m.add(s)
+        m.forward([0, 1, 2], [17, 1, 5])
+        m.forward([1, 0], [16, 3])
+        m.forward([0, 1, 2], [1, 1, 1])
+        m.forward([2, 1], [1, 14])
+        m.check_no_leaks(initial)
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+def test_mla_fp8_fork_popn_cascade(target, fmt):
+    """Forks at and inside a page (a copied page of codes), popn into a shared page, a cascade
+    level merged at the latent width, on FP8 latent pages."""
+    m = FP8MLAModel(target, 4, seed=12, kv_dtype=fmt)
+    initial = m.cache.get_num_available_pages()
+    m.add(0)
+    m.forward([0], [18])
+    m.fork(0, 1, 16)
+    m.fork(0, 2, 10)
+    m.fork(2, 3)
+    m.forward([0, 1, 2, 3], [1, 1, 1, 1])
+
+    def cascade(plan):
+        assert len(plan.host.cross) == 2
+
+    m.forward([0, 1, 3], [2, 3, 1], cascade)
+    m.popn(3, 5)
+    m.forward([3, 2], [2, 6])
+    m.check_rows()
+    m.forward([0, 2, 3], [1, 1, 1])
+    m.check_no_leaks(initial)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [pytest.param("float8_e4m3fn", id="e4m3"), pytest.param("float8_e5m2", id="e5m2")])
+def test_mla_fp8_deepseek_v2_lite_shapes_on_the_gpu(fmt):
+    """DeepSeek-V2-Lite's attention on FP8 latent pages on CUDA (the decode the cache picks for
+    FP8 pages): prefill, extend, decode steps across a page boundary, a fork."""
+    m = FP8MLAModel("cuda", 16, seed=13, dims=DEEPSEEK_V2_LITE, kv_dtype=fmt)
+    initial = m.cache.get_num_available_pages()
+    m.add(0)
+    m.add(1)
+    m.forward([0, 1], [40, 9])
+    m.forward([1, 0], [24, 3])
+    for _ in range(3):
+        m.forward([0, 1], [1, 1])
+    m.fork(0, 2, 30)
+    m.forward([2, 0, 1], [1, 1, 1])
+    m.check_no_leaks(initial)
+
+
+def test_mla_fp8_scales():
+    """An MLA cache's FP8 scales are [num_layers, 2, 1] (latent, rope); other shapes and
+    non-positive scales are refused naming kv_scales; set_kv_scales rewrites the scale pages."""
+    base = dict(num_layers=LAYERS, num_qo_heads=HEADS, num_kv_heads=1, qk_head_dim=QK, v_head_dim=LATENT,
+                attn_kinds="mla", max_num_sequences=2, max_total_seq_len=64, kv_dtype="float8_e4m3fn")
+    cache = PagedKVCache(**base)
+    assert cache.kv_scales.shape == (LAYERS, 2, 1) and (cache.kv_scales == 1).all()
+    assert cache.bytes_per_token() == LAYERS * QK
+    for bad, message in [(np.ones((LAYERS, 3, 1)), r"\[num_layers, 2, 1\] \(latent, rope\)"),
+                         ([[1.0], [0.0]], "finite and positive")]:
+        with pytest.raises(KVCacheError, match=message):
+            PagedKVCache(**base, kv_scales=bad)
+    scales = np.array([[0.5, 4.0], [0.25, 2.0]], np.float32)[:, :, None]
+    cache.set_kv_scales(scales)
+    np.testing.assert_array_equal(cache.kv_scales, scales)
+    for layer, pool in enumerate(cache._pools):
+        raw = pool.numpy().view(np.uint8)[-1, 0, :8].view(np.float32)
+        np.testing.assert_array_equal(raw, scales[layer, :, 0])

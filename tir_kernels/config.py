@@ -186,7 +186,8 @@ class MLAConfig(PageFormat):
     latent_dim: latent rank, the output width (a multiple of 16, at most MAX_MLA_LATENT_DIM).
     rope_dim: width of the rotary key part (a multiple of 16 up to MAX_HEAD_DIM, may be 0).
     dtype, page_size, target, kv_dtype: as in AttentionConfig. Pages are [num_pages, page_size,
-    qk_dim]; with an FP8 kv_dtype one scale per layer serves the whole latent row.
+    qk_dim]; with an FP8 kv_dtype a layer has two scales, one for the latent columns and one for
+    the rotary ones (tir_kernels.kv_quant).
     """
 
     num_heads: int

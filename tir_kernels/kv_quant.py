@@ -3,11 +3,14 @@
 A cache whose `kv_dtype` is an FP8 format ("float8_e4m3fn", "float8_e5m2") stores each K or V
 element as the 1-byte code of `x / scale` (saturated to the format's largest finite value,
 rounded to nearest even) and reads it back as `code * scale`. Scales are float32, one per
-(K or V, KV head) of a layer (MLA: one per layer, for the whole latent row).
+(K or V, KV head) of a layer; an MLA layer has two, one for the latent part of its rows
+(columns below latent_dim, also the values) and one for the rotary key part (the rest): the
+latent is normalized, the rotary part is not, so their ranges differ.
 
 The scales live in the pool itself: the last page of a layer's pool (`pages[num_pages - 1]`)
 is never handed out by the cache's allocator and holds, as 4 little-endian bytes, the scale of
-(kv, head) at `pages[-1, kv, head, 0, 0:4]` (MLA: `pages[-1, 0, 0:4]`). So every kernel keeps
+(kv, head) at `pages[-1, kv, head, 0, 0:4]` (MLA: the latent scale at `pages[-1, 0, 0:4]`, the
+rotary part's at `pages[-1, 0, 4:8]`). So every kernel keeps
 the contract's arguments (TVM's, which has no FP8 cache): a layer's pages carry their scales, a
 CUDA graph or a fork needs nothing more, and the host writes them once
 (`tvmattn.runtime` `PagedKVCache(kv_scales=...)`).
@@ -96,10 +99,19 @@ def kv_scale(pages, kv, head):
     return read_scale(lambda i: pages[last, kv, head, 0, i])
 
 
-def mla_scale(pages):
-    """The scale of an MLA latent pool [P, ps, qk_dim], read from its last page."""
+def mla_scale(pages, part: int = 0):
+    """A scale of an MLA latent pool [P, ps, qk_dim], read from its last page: part 0 that of the
+    latent columns, part 1 that of the rotary key columns."""
     last = pages.shape[0] - 1
-    return read_scale(lambda i: pages[last, 0, i])
+    return read_scale(lambda i: pages[last, 0, 4 * part + i])
+
+
+def mla_column_scale(config, pages, d):
+    """The scale of column d of an MLA row (d: an int32 expression; the rotary part starts at
+    config.latent_dim)."""
+    if config.rope_dim == 0:
+        return mla_scale(pages, 0)
+    return T.Select(d < config.latent_dim, mla_scale(pages, 0), mla_scale(pages, 1))
 
 
 def widened_scale(scale, fmt: str):
@@ -136,18 +148,19 @@ def write_kv(config, pages, kv, head, value):
     return quantize(T.Cast("float32", value), kv_scale(pages, kv, head), config.kv_dtype)
 
 
-def read_mla(config, pages, page, slot, d, out_dtype=None, lanes: int = 1):
-    """Element(s) [page, slot, d] of an MLA pool as out_dtype (read_kv's rules)."""
+def read_mla(config, pages, page, slot, d, out_dtype=None):
+    """Element [page, slot, d] of an MLA pool as out_dtype (read_kv's rules; FP8: the scale of
+    column d's part, mla_column_scale)."""
     out = out_dtype or config.dtype
     value = pages[page, slot, d]
     if not is_fp8(config.kv_dtype):
-        return value if out == config.page_dtype else T.Cast(_lanes_of(out, lanes), value)
-    deq = dequantize(value, mla_scale(pages), config.kv_dtype, lanes)
-    return deq if out == "float32" else T.Cast(_lanes_of(out, lanes), deq)
+        return value if out == config.page_dtype else T.Cast(out, value)
+    deq = dequantize(value, mla_column_scale(config, pages, d), config.kv_dtype)
+    return deq if out == "float32" else T.Cast(out, deq)
 
 
-def write_mla(config, pages, value):
-    """What to store into an MLA pool: `value` itself, or its FP8 code."""
+def write_mla(config, pages, d, value):
+    """What to store into column d of an MLA pool: `value` itself, or its FP8 code."""
     if not is_fp8(config.kv_dtype):
         return value
-    return quantize(T.Cast("float32", value), mla_scale(pages), config.kv_dtype)
+    return quantize(T.Cast("float32", value), mla_column_scale(config, pages, d), config.kv_dtype)

@@ -45,7 +45,7 @@ def decode_contract_func(config: MLAConfig, split_kernel, num_splits, merge_spli
         length_offset = T.int32()
         Q = T.match_buffer(q_handle, (B, H, D_QK), dtype)
         # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment and gathers.
-        pages = T.match_buffer(pages_handle, (num_pages, ps, D_QK), dtype)
+        pages = T.match_buffer(pages_handle, (num_pages, ps, D_QK), config.page_dtype)
         page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
         page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
         length_info = T.match_buffer(length_info_handle, (B,), "int32", elem_offset=length_offset)
@@ -94,7 +94,7 @@ def prefill_contract_func(config: MLAConfig, kernel, align: int = -1):
         Q = T.match_buffer(q_handle, (total_q, H, D_QK), dtype, align=align)
         qo_indptr = T.match_buffer(qo_indptr_handle, (B + 1,), "int32", elem_offset=qo_indptr_offset)
         # No elem_offset on pages: with one, TVM cannot prove 16-byte alignment and gathers.
-        pages = T.match_buffer(pages_handle, (num_pages, ps, D_QK), dtype, align=align)
+        pages = T.match_buffer(pages_handle, (num_pages, ps, D_QK), config.page_dtype, align=align)
         page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
         page_indices = T.match_buffer(page_indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
         length_info = T.match_buffer(length_info_handle, (B,), "int32", elem_offset=length_offset)

@@ -41,6 +41,7 @@ from tvm.script import tirx as T
 
 from .common import LOG2E, ceildiv, is_power_of_two, kv_chunk_len, loop_kinds
 from .config import MLAConfig
+from .kv_quant import read_mla
 from .mla_contract import decode_contract_func, prefill_contract_func
 from .schedules import CUDA_DEFAULT_SHARED_BYTES, CUDA_MAX_SHARED_BYTES, CUDA_NUM_SMS, CUDA_VECTOR_BYTES
 from .simt_tile import find_tile_macro, gemm_macros, load_macros, out_col, tile_softmax_macros
@@ -163,6 +164,8 @@ class _Dims:
     MAX_SPLITS: int
     TARGET_BLOCKS: int
     scaling: None = None  # RoPE frequency scaling read by simt_tile.load_macros: MLA kernels rotate nothing
+    config: MLAConfig | None = None  # for kv_quant.read_mla (FP8 pages: dequantized as they are staged)
+    KV_FP8: bool = False  # the pages hold FP8 codes, staged element by element (simt_tile.load_macros)
 
     @classmethod
     def of(cls, config: MLAConfig, sched: MLASchedule) -> "_Dims":
@@ -170,8 +173,13 @@ class _Dims:
             gpu=config.is_gpu, dtype=config.dtype, H=config.num_heads, D_QK=config.qk_dim, D_L=config.latent_dim,
             ps=config.page_size, TY=sched.threads_y, TX=sched.threads_x, TM=sched.rows_per_thread,
             TN=sched.cols_per_thread, VEC=CUDA_VECTOR_BYTES // config.elem_bytes,
-            MAX_SPLITS=sched.max_splits, TARGET_BLOCKS=sched.target_blocks,
+            MAX_SPLITS=sched.max_splits, TARGET_BLOCKS=sched.target_blocks, config=config, KV_FP8=config.kv_fp8,
         )
+
+    def kv_at(self, pages):
+        """kv_at_(slot, d) of `attend` over an MLA pool: element d of the latent row in pool slot
+        `slot` (page id * page_size + offset), in the dtype (FP8 pages: dequantized)."""
+        return lambda slot, d: read_mla(self.config, pages, slot // self.ps, slot % self.ps, d)
 
     @property
     def BQ(self) -> int:  # packed rows per block
@@ -358,7 +366,7 @@ def mla_paged_decode(config: MLAConfig, schedule: MLASchedule | None = None):
                             j_end = T.min(j_begin + split_len, kv_len)
                             # A latent row's handle is its slot in the pool: page id * page_size + offset.
                             attend(lambda p, d: Q_[b, p, d], lambda j: indices_[page0 + j // ps] * ps + j % ps,
-                                   lambda slot, d: pages_[slot // ps, slot % ps, d], H, hc * BQ, j_begin, j_end,
+                                   dims.kv_at(pages_), H, hc * BQ, j_begin, j_end,
                                    lambda p: j_end, sm_scale_, ty, tx, o, m_run, l_run)
                             if dims.num_splits(batch) == 1:
                                 store(o, m_run, l_run, H, hc * BQ, ty, tx,
@@ -416,7 +424,7 @@ def mla_paged_prefill_simt(config: MLAConfig, schedule: MLASchedule | None = Non
                     p0 = T.max(tile[0], 0) * BQ
                     j_end = T.if_then_else(tile[0] >= 0, dims.visible_end(kv_len, qo_len, p0 + BQ - 1, causal_), 0)
                     attend(lambda p, d: Q_[q0 + p // H, p % H, d], lambda j: indices_[page0 + j // ps] * ps + j % ps,
-                           lambda slot, d: pages_[slot // ps, slot % ps, d], rows, p0, 0, j_end,
+                           dims.kv_at(pages_), rows, p0, 0, j_end,
                            lambda p: dims.visible_end(kv_len, qo_len, p, causal_), sm_scale_, ty, tx, o, m_run, l_run)
                     store(o, m_run, l_run, rows, p0, ty, tx,
                           lambda p, d, val: T.buffer_store(O_, T.Cast(dtype, val), [q0 + p // H, p % H, d]),

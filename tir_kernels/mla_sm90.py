@@ -233,6 +233,9 @@ def mla_wgmma_problem(config: MLAConfig) -> str | None:
         return f"target {config.target!r} is not a Hopper GPU (sm_90)"
     if config.dtype not in TENSOR_CORE_DTYPES:
         return f"dtype={config.dtype!r} (tensor cores serve {' and '.join(TENSOR_CORE_DTYPES)})"
+    if config.kv_fp8:
+        return (f"kv_dtype={config.kv_dtype!r} (its TMA loads feed wgmma the pages as they are: FP8 pages are read "
+                "by mla_simt's prefill and mla_tc's decode)")
     if config.latent_dim % (2 * PANEL) or config.latent_dim > 512:
         return f"latent_dim={config.latent_dim} (a multiple of {2 * PANEL} up to 512: two {PANEL}-aligned halves)"
     if config.qk_dim % PANEL:

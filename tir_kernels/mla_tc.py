@@ -64,6 +64,8 @@ def mla_tc_problem(config: MLAConfig) -> str | None:
         return f"dtype={config.dtype!r} (tensor cores serve {tuple(MMA_DTYPES)})"
     if config.latent_dim % 32:
         return f"latent_dim={config.latent_dim} (a multiple of 32)"
+    if config.kv_fp8:
+        return f"kv_dtype={config.kv_dtype!r} (cp.async copies the pages as they are: FP8 pages take the SIMT kernel)"
     return None
 
 
@@ -444,6 +446,9 @@ def mla_paged_decode_tc(config: MLAConfig, schedule: MLATensorCoreSchedule | Non
     (base 2), sm_scale f32. ValueError for a config it does not serve (see `supports_tc`)."""
     if not isinstance(config, MLAConfig):
         raise TypeError(f"config must be an MLAConfig, not {type(config).__name__}")
+    problem = mla_tc_problem(config)
+    if problem:
+        raise ValueError(f"the tensor-core MLA decode does not serve {problem}")
     sched = schedule or choose_mla_tc_schedule(config)
     sched.check(config)
     lay = _Layout(config, sched)

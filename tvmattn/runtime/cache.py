@@ -123,8 +123,6 @@ class CacheOptions:
             problem = kv_dtype_problem(self.kv_dtype)
             check(problem is None and is_fp8(self.kv_dtype),
                   f"kv_dtype must be {self.dtype!r} (the dtype) or an FP8 format {FP8_KV_DTYPES}, got {self.kv_dtype!r}")
-            check(not self.is_mla, f"kv_dtype={self.kv_dtype!r}: FP8 pages are not supported for MLA layers "
-                  "(expected the dtype)")
         object.__setattr__(self, "rope_mode", RopeMode.parse(self.rope_mode).name.lower())
         for name in ("rope_scale", "rope_theta"):
             check(float(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)!r}")
@@ -190,13 +188,16 @@ class CacheOptions:
 
 
 def check_kv_scales(options: CacheOptions, scales) -> np.ndarray:
-    """FP8 scales as float32 [num_layers, 2, num_kv_heads] (broadcast from `scales`); each finite
-    and positive (KVCacheError naming kv_scales otherwise)."""
-    shape = (options.num_layers, 2, options.num_kv_heads)
+    """FP8 scales as float32 [num_layers, 2, num_kv_heads] (an MLA cache: [num_layers, 2, 1], index
+    1: 0 = the latent columns, 1 = the rotary ones), broadcast from `scales`; each finite and
+    positive (KVCacheError naming kv_scales otherwise)."""
+    heads, names = (1, "[num_layers, 2, 1] (latent, rope)") if options.is_mla else (
+        options.num_kv_heads, "[num_layers, 2, num_kv_heads]")
+    shape = (options.num_layers, 2, heads)
     try:
         array = np.broadcast_to(np.asarray(scales, dtype=np.float64), shape).astype(np.float32)
     except (ValueError, TypeError):
-        raise KVCacheError(f"kv_scales must broadcast to [num_layers, 2, num_kv_heads] = {list(shape)}, got "
+        raise KVCacheError(f"kv_scales must broadcast to {names} = {list(shape)}, got "
                            f"shape {np.shape(scales)}") from None
     check(bool(np.isfinite(array).all() and (array > 0).all()), "kv_scales must be finite and positive")
     return np.ascontiguousarray(array)
@@ -204,9 +205,12 @@ def check_kv_scales(options: CacheOptions, scales) -> np.ndarray:
 
 def scale_page_pool(shape: tuple, page_dtype: str, scales) -> np.ndarray:
     """A zero pool of `shape` in page_dtype; with scales ([2, Hkv] float32) its last page holds
-    them as tir_kernels.kv_quant reads them (4 little-endian bytes at [-1, kv, head, 0, 0:4])."""
+    them as tir_kernels.kv_quant reads them (4 little-endian bytes at [-1, kv, head, 0, 0:4]; an
+    MLA pool [P, ps, D]: the latent scale at [-1, 0, 0:4], the rotary part's at [-1, 0, 4:8])."""
     pool = np.zeros(shape, dtype=numpy_dtype(page_dtype))
-    if scales is not None:
+    if scales is not None and len(shape) == 3:
+        pool.view(np.uint8)[-1, 0, :8] = np.asarray(scales, "<f4").reshape(2).view(np.uint8)
+    elif scales is not None:
         pool.view(np.uint8)[-1, :, :, 0, :4] = np.asarray(scales, "<f4").reshape(2, -1, 1).view(np.uint8)
     return pool
 
@@ -262,7 +266,8 @@ class PagedKVCache:
       kv_dtype: the pages' element type: the dtype (default), or "float8_e4m3fn" / "float8_e5m2"
         (FP8 pages: half the bytes of fp16; K/V are stored as the codes of x / scale, saturated
         and rounded to nearest even, and read as code * scale; MHA layers only).
-      kv_scales: the FP8 scales, float32 [num_layers, 2, num_kv_heads] (index 1: 0 = K, 1 = V),
+      kv_scales: the FP8 scales, float32 [num_layers, 2, num_kv_heads] (index 1: 0 = K, 1 = V;
+        an MLA cache: [num_layers, 2, 1], 0 = the latent columns, 1 = the rotary ones),
         or anything numpy broadcasts to it (default 1.0, as vLLM's); `tvmattn.calibrate_kv_scales`
         computes them from prompts. set_kv_scales changes them while the cache is empty.
       device: a tvm.runtime.Device (default tvm.cpu()).
@@ -398,7 +403,7 @@ class PagedKVCache:
             log.warning("backend %r not used for MLA layers: tvmattn runs them with its TIR kernels", backend)
         self.backend = "tir"
         config = mla_config(opts.num_qo_heads, opts.qk_head_dim, opts.v_head_dim, opts.dtype, opts.page_size,
-                            self.target)
+                            self.target, opts.kv_dtype)
         self.kernels = mla_kernel_set(config, opts.num_layers, dict(kernels or {}))
         self._mla = check_mla_kernels(self.kernels)
         m = self._mla

@@ -54,11 +54,12 @@ MHA_ONLY_SLOTS = ("prefill_paged", "decode_paged", "prefill_paged_sliding_window
 
 
 def mla_config(num_heads: int, qk_head_dim: int, v_head_dim: int, dtype: str, page_size: int,
-               target: str) -> MLAConfig:
-    """The MLAConfig of a cache (d_latent = v_head_dim, d_rope = qk_head_dim - v_head_dim)."""
+               target: str, kv_dtype: str = "") -> MLAConfig:
+    """The MLAConfig of a cache (d_latent = v_head_dim, d_rope = qk_head_dim - v_head_dim; kv_dtype:
+    the pages' element type, "" = dtype, or an FP8 format)."""
     try:
         return MLAConfig(num_heads, latent_dim=v_head_dim, rope_dim=qk_head_dim - v_head_dim, dtype=dtype,
-                         page_size=page_size, target=target)
+                         page_size=page_size, target=target, kv_dtype=kv_dtype)
     except ValueError as error:
         raise KVCacheError(f"no MLA kernels for this cache configuration (qk_head_dim={qk_head_dim} = latent + "
                            f"rope, v_head_dim={v_head_dim} = latent): {error}") from None
