@@ -305,12 +305,16 @@ def test_fp8_kernels_build_cuda_source_for_sm90(tmp_path, fmt, generator, args):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_fp8_dispatch_names_the_cuda_core_kernels():
-    """FP8 pages take the CUDA-core decode and prefill on Hopper, saying why; the ragged prefill
-    reads no pages and keeps its tensor-core kernel."""
+def test_fp8_dispatch_names_the_kernels():
+    """FP8 pages take the tensor-core decode on Hopper where fp16 pages would (GQA groups of
+    4..16), else the CUDA-core one with its reason; the CUDA-core prefill, saying why; the ragged
+    prefill reads no pages and keeps its tensor-core kernel."""
     config = fp8_config("cuda:sm_90", "float8_e4m3fn", hkv=8, hq=32, d=128, ps=16)
     decode = choose_decode_kernel(config)
-    assert decode.kernel == "decode" and "FP8" in decode.reason
+    assert decode.kernel == "decode_tc" and decode.reason is None
+    mha = choose_decode_kernel(config.replace(num_qo_heads=8))
+    assert mha.kernel == "decode" and "GQA group 1" in mha.reason
+    assert choose_decode_kernel(config.replace(dtype="float32")).kernel == "decode"
     prefill = choose_prefill_kernel(config)
     assert prefill.kernel == "prefill" and "FP8" in prefill.reason
     assert choose_prefill_kernel(config.replace(kv_dtype="")).kernel == "prefill_sm90"
@@ -326,3 +330,105 @@ def test_kv_dtype_is_validated():
     with pytest.raises(ValueError, match="kv_dtype='float32'"):
         AttentionConfig(4, 4, 64, dtype="float16", kv_dtype="float32")
     assert AttentionConfig(4, 4, 64, kv_dtype="float16").kv_dtype == ""
+
+
+# ---- the tensor-core decode (decode_tc.py) over FP8 pages ----
+
+from tir_kernels import TensorCoreDecodeSchedule  # noqa: E402
+from tir_kernels.decode_tc import paged_decode_tc  # noqa: E402
+
+# (hq, hkv, d, ps, dtype, sliding): groups 4, 8 and 16, head dims 64..256, a sliding window
+TC_CASES = [(16, 4, 128, 16, "float16", False), (16, 2, 64, 8, "bfloat16", False), (16, 1, 256, 16, "float16", False),
+            (8, 2, 128, 16, "bfloat16", True)]
+TC_BUILDS = [
+    pytest.param(fmt, case, id=f"h{case[0]}-{case[1]}-d{case[2]}-{case[4]}{'-sliding' if case[5] else ''}-"
+                 f"{fmt.split('_')[1]}", marks=() if i == 0 and fmt == "float8_e4m3fn" else pytest.mark.slow)
+    for fmt in FP8_KV_DTYPES for i, case in enumerate(TC_CASES)
+]
+
+
+@pytest.mark.parametrize("fmt,case", TC_BUILDS)
+def test_fp8_tensor_core_decode_builds_for_sm90(tmp_path, fmt, case):
+    """paged_decode of an FP8 config on sm_90 is the tensor-core kernel (plain and inline-RoPE
+    builds in one function); it loads the pages through the FP8 tile conversion (no cp.async of
+    pages), and its source compiles with nvcc where installed."""
+    hq, hkv, d, ps, dtype, sliding = case
+    config = fp8_config("cuda:sm_90", fmt, hkv=hkv, hq=hq, d=d, ps=ps, dtype=dtype, sliding_window=sliding)
+    assert choose_decode_kernel(config).kernel == "decode_tc"
+    source = cuda_sources(paged_decode(config), config)
+    assert f"tvmattn_fp8_tile_{fmt}_{dtype}(" in source
+    if NVCC is None:
+        return
+    path = tmp_path / "kernel.cu"
+    path.write_text(source)
+    result = subprocess.run([NVCC, "-arch=sm_90", "-c", "-w", str(path), "-o", str(tmp_path / "kernel.o")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("case", TC_CASES, ids=lambda c: f"h{c[0]}-{c[1]}-d{c[2]}-{c[4]}{'-sliding' if c[5] else ''}")
+def test_tensor_core_decode_over_fp8_pages(kernels, fmt, case):
+    """decode_tc over FP8 pages against the reference on the dequantized K/V: empty, short and
+    split lengths (one split, several, a batch of one long request)."""
+    hq, hkv, d, ps, dtype, sliding = case
+    config = fp8_config("cuda", fmt, hkv=hkv, hq=hq, d=d, ps=ps, dtype=dtype, sliding_window=sliding)
+    assert choose_decode_kernel(config).kernel == "decode_tc"
+    rng = np.random.default_rng(zlib.crc32(f"tc{fmt}{case}".encode()))
+    for lengths in ([0, 1, ps, 37, 3 * ps + 5, 700], [3000]):
+        batch = quantized_batch(rng, lengths, config, sliding=sliding)
+        q = randn(rng, (batch.batch, hq, d), dtype)
+        o, lse = run_decode(kernels, config, batch, q)
+        expected = [ref.attention(q[i:i + 1], *batch.visible(i), default_sm_scale(d), causal=False)
+                    for i in range(batch.batch)]
+        check_rows(config, o, lse, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensor_core_decode_over_fp8_pages_inline_rope(kernels, fmt, dtype):
+    """rotary_mode 1 on decode_tc: the tile's code values are rotated, the K scale applied to the
+    scores; against the reference that rotates the dequantized keys."""
+    config = fp8_config("cuda", fmt, hkv=2, hq=8, d=128, ps=16, dtype=dtype)
+    rng = np.random.default_rng(zlib.crc32(f"tcrope{fmt}{dtype}".encode()))
+    batch = quantized_batch(rng, [5, 16, 400], config)
+    q = randn(rng, (3, 8, 128), dtype)
+    q_pos, k_pos = np.array([9, 30, 500], np.int32), np.array([4, 14, 100], np.int32)
+    o, lse = run_decode(kernels, config, batch, q, rotary_mode=1, q_pos=q_pos, k_pos=k_pos)
+    expected = []
+    for i in range(3):
+        k, v = batch.visible(i)
+        expected.append(ref.attention(ref.rope(q[i:i + 1], q_pos[i:i + 1]), ref.rope(k, k_pos[i] + np.arange(len(k))),
+                                      v, default_sm_scale(128), causal=False))
+    check_rows(config, o, lse, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+def test_tensor_core_decode_schedules_over_fp8_pages(kernels, fmt):
+    """Other decode_tc schedules on FP8 pages: the separate split merge (no fused merge), two
+    stages, Q fragments from shared memory, page lookups per tile."""
+    config = fp8_config("cuda", fmt, hkv=2, hq=16, d=128, ps=16, dtype="float16")
+    rng = np.random.default_rng(zlib.crc32(f"tcsched{fmt}".encode()))
+    batch = quantized_batch(rng, [1, 300, 1000], config)
+    q = randn(rng, (3, 16, 128), "float16")
+    expected = [ref.attention(q[i:i + 1], *batch.visible(i), default_sm_scale(128), causal=False) for i in range(3)]
+    for sched in (TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=2, q_in_registers=False, max_splits=8,
+                                           target_blocks=16, min_split_keys=64),
+                  TensorCoreDecodeSchedule(warps=2, keys_per_warp=32, stages=3, max_splits=4, target_blocks=8,
+                                           min_split_keys=128, fused_merge=True, early_pages=False),
+                  TensorCoreDecodeSchedule(stages=4, max_splits=16, target_blocks=24, min_split_keys=64,
+                                           early_pages=True, heads_first=True, fused_merge=True,
+                                           cooperative_merge=True, dependent_launch=True, tables_before_wait=True)):
+        o, lse = run_decode(kernels, config, batch, q, sched)
+        check_rows(config, o, lse, expected)
+
+
+def test_tensor_core_decode_schedule_accepts_fp8_pages():
+    """A TensorCoreDecodeSchedule names the tensor-core kernel for FP8 pages too."""
+    config = fp8_config("cuda:sm_90", "float8_e5m2", hkv=2, hq=16, d=128, ps=16)
+    sched = TensorCoreDecodeSchedule(warps=4, keys_per_warp=16, stages=2)
+    assert choose_decode_kernel(config, sched).kernel == "decode_tc"
+    assert paged_decode_tc(config, sched) is not None

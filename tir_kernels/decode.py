@@ -20,9 +20,6 @@ from .schedules import (DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_
 # tensor-core kernel (decode_tc.py; `schedules.tc_decode_applies`); tests/test_decode_tc.py runs
 # it on the GPU.
 TENSOR_CORE_DECODE = True
-# Why FP8 pages (config.kv_dtype) take the CUDA-core kernel: it dequantizes in registers; the
-# tensor-core kernel's cp.async ring stages fp16/bf16 tiles for ldmatrix and has no FP8 path yet.
-FP8_TC_PROBLEM = "FP8 K/V pages are read by the CUDA-core kernel (the tensor-core decode has no FP8 path)"
 
 
 class DecodeChoice(NamedTuple):
@@ -51,14 +48,9 @@ def choose_decode_kernel(config: AttentionConfig,
     """
     if schedule is not None:
         if isinstance(schedule, TensorCoreDecodeSchedule):
-            if config.kv_fp8:
-                raise ValueError(f"kv_dtype={config.kv_dtype!r} is not supported by the tensor-core decode"
-                                 " (TensorCoreDecodeSchedule): expected a DecodeSchedule (the CUDA-core kernel)")
             return DecodeChoice("decode_tc", schedule, rope_schedule, None)
         return DecodeChoice("decode", schedule, None, None)
     problem = tc_decode_problem(config)
-    if config.kv_fp8:
-        problem = problem or FP8_TC_PROBLEM
     if not config.is_gpu:
         return DecodeChoice("decode", choose_decode_schedule(config), None, problem)
     schedule, table_rope = choose_decode_variant(config, rope=True)

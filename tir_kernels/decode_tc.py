@@ -1,4 +1,4 @@
-"""Tensor-core paged decode for GQA groups of 4..16 (fp16/bf16, CUDA sm_80 and newer).
+"""Tensor-core paged decode for GQA groups of 4..16 (fp16/bf16, pages of the dtype or FP8, CUDA sm_80 and newer).
 
 `paged_decode_tc(config)` returns the PrimFunc of `decode.paged_decode` (same parameters,
 argument order, semantics and global symbol; its docstring is the contract), computed with
@@ -52,6 +52,15 @@ tile t, rotates them and syncs the warp (every stage of the ring in flight durin
 otherwise one step ahead (step t rotates tile t + 1 while the warps multiply tile t: one stage less in
 flight; with 2 stages, tile t before its S = Q K^T behind a second barrier). The rotated values
 are rounded to the K/V dtype, as split + rotary would have stored them.
+
+FP8 pages (config.kv_dtype, tir_kernels.kv_quant): the tiles keep their fp16/bf16 layout, so
+ldmatrix and the MMAs are unchanged; `issue` fills them from the codes instead of by cp.async.
+Each thread loads the 8 codes of a 16-byte tile chunk (8 bytes), widens them with the hardware's
+FP8 pair conversion (exact) times FP8_TILE_FACTOR, and stores them to the chunk; the stores are
+synchronous, and the ring's barriers order them as they do the copies. The block's K and V
+scales (read once, after the grid dependency wait) are not applied to the tiles: the K scale
+multiplies the scores' scale, the V scale the output (both linear), so the tiles hold the codes'
+values exactly and the inline RoPE rotates them as it would dequantized keys.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ from .common import (EMPTY_LSE, LOG2E, PDL_TAG, ceildiv, grid_dependency_wait, l
 from .config import AttentionConfig
 from .cuda_funcs import FMA4, FMA4_SRC, LDCG, LDCG4, LDCG4_SRC, LDCG_SRC
 from .decode_contract import check_config, decode_func
+from .kv_quant import kv_scale
 from .mma import CHUNK, CP_ASYNC, FULL_WARP, LDSM, LDSM_T, ROWS_PER_MMA, Tile, mma_name, pack_name
 from .schedules import TensorCoreDecodeSchedule, choose_tc_decode_schedule, tc_decode_rope_schedule
 from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor, softmax_macros
@@ -105,6 +115,48 @@ __device__ __forceinline__ void {name}(float* lo, float* hi, {params}) {{
   }}
   *reinterpret_cast<uint4*>(lo) = make_uint4(x[0], x[1], x[2], x[3]);
   *reinterpret_cast<uint4*>(hi) = make_uint4(y[0], y[1], y[2], y[3]);
+}}
+"""
+    return name, src
+
+
+# FP8 pages: the factor the tile load multiplies each code's value by (folded back into the K
+# and V scales): e5m2's largest code (57344) would overflow fp16 once inline RoPE rotates a pair of
+# them; times 2**-8 every e5m2 value (subnormals included: 2**-24 is fp16's smallest) stays exact.
+FP8_TILE_FACTOR = {"float8_e4m3fn": 1.0, "float8_e5m2": 2.0 ** -8}
+
+
+def _fp8_tile_function(fmt: str, dtype: str):
+    """Name and CUDA source of the FP8 tile load: the 8 codes at src (8 bytes of a page row, one
+    16-byte chunk of the tile's worth) -> their values times FP8_TILE_FACTOR[fmt] as 8 `dtype`
+    elements at dst (16 bytes of shared memory), converted by the hardware's FP8 pair conversion
+    (exact: every FP8 value is an fp16 one) and, for bfloat16, through float (exact too)."""
+    kind = {"float8_e4m3fn": "__NV_E4M3", "float8_e5m2": "__NV_E5M2"}[fmt]
+    name = f"tvmattn_fp8_tile_{fmt}_{dtype}"
+    factor = FP8_TILE_FACTOR[fmt]
+    scale = f"h = __hmul2(h, __float2half2_rn({factor!r}f));" if factor != 1.0 else ""
+    if dtype == "float16":
+        store = "w.h = h;"
+        union = "__half2 h;"
+    else:
+        store = "float2 f = __half22float2(h); w.b = __floats2bfloat162_rn(f.x, f.y);"
+        union = "__nv_bfloat162 b;"
+    src = f"""
+union {name}_word {{ unsigned u; {union} }};
+__device__ __forceinline__ void {name}(void* dst, const void* src) {{
+  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(src));
+  const unsigned words[2] = {{raw.x, raw.y}};
+  unsigned out[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {{
+    const __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)((words[k >> 1] >> (16 * (k & 1))) & 0xFFFFu);
+    __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, {kind}));
+    {scale}
+    {name}_word w;
+    {store}
+    out[k] = w.u;
+  }}
+  *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
 }}
 """
     return name, src
@@ -303,6 +355,10 @@ class _Layout:
         # Split slots the merge is compiled for (a launch takes the first that holds its slots):
         # 8, the slots of a batch of one, max_splits.
         MERGE_WIDTHS = sorted({min(8, MS), min(MS, max(sched.target_blocks // Hkv, 1)), MS})
+        # FP8 pages: each thread loads its chunks' codes and stores their values into the same
+        # tiles (no cp.async); the scales (times 1 / FP8_TILE_FACTOR) scale the scores and the output
+        FP8 = config.kv_fp8
+        FP8_TILE, FP8_TILE_SRC = _fp8_tile_function(config.kv_dtype, dtype) if FP8 else (None, None)
         vars(self).update((name, value) for name, value in locals().items() if name != "self")
 
     def copy_row(self, p, tid_, warp_rows):
@@ -455,6 +511,19 @@ def _load_macros(lay: _Layout, L):
     BK, CPT, CP_ASYNC_KV, G, K_OFF, NT = lay.BK, lay.CPT, lay.CP_ASYNC_KV, lay.G, lay.K_OFF, lay.NT
     PASSES, Q_OFF, RP, STAGES, TL, TPR, V_OFF = lay.PASSES, lay.Q_OFF, lay.RP, lay.STAGES, lay.TL, lay.TPR, lay.V_OFF
     copy_row, ps, sliding, word = lay.copy_row, lay.ps, lay.sliding, lay.word
+    FP8, FP8_TILE, FP8_TILE_SRC = lay.FP8, lay.FP8_TILE, lay.FP8_TILE_SRC
+
+    @T.macro
+    def copy_chunk(smem_, off_, pages_, page_, kv_, hkv_, slot_, ch_):
+        """Chunk ch_ of a K (kv_ 0) or V row of the pages -> the tile at 16-bit element off_:
+        cp.async, or FP8 pages' codes widened (`_fp8_tile_function`)."""
+        if FP8:
+            T.evaluate(T.cuda.func_call(FP8_TILE, smem_.ptr_to([word(off_)]),
+                                        T.address_of(pages_[page_, kv_, hkv_, slot_, ch_ * CHUNK]),
+                                        source_code=FP8_TILE_SRC))
+        else:
+            T.ptx[CP_ASYNC_KV](smem_.ptr_to([word(off_)]), T.address_of(pages_[page_, kv_, hkv_, slot_, ch_ * CHUNK]),
+                               16)
 
     @T.macro
     def load_length_info(length_info_, b_, li_):
@@ -505,12 +574,10 @@ def _load_macros(lay: _Layout, L):
                 if kv0_ + r < kv_end_ and (not sliding or kv0_ + r >= 0):
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
-                        T.ptx[CP_ASYNC_KV](smem_.ptr_to([word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
-                                           T.address_of(pages_[page_[at_ + p], 0, hkv_, slot_[at_ + p],
-                                                                ch * CHUNK]), 16)
-                        T.ptx[CP_ASYNC_KV](smem_.ptr_to([word(V_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
-                                           T.address_of(pages_[page_[at_ + p], 1, hkv_, slot_[at_ + p],
-                                                                ch * CHUNK]), 16)
+                        copy_chunk(smem_, K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch), pages_, page_[at_ + p],
+                                   0, hkv_, slot_[at_ + p], ch)
+                        copy_chunk(smem_, V_OFF + stage_ * BK * TL.stride + TL.offset(r, ch), pages_, page_[at_ + p],
+                                   1, hkv_, slot_[at_ + p], ch)
                 else:
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
@@ -943,6 +1010,16 @@ def _body_macro(lay: _Layout, L):
     s_mma, softmax, pv_mma = _mma_macros(lay, L)
     finish = _finish_macro(lay, L)
     fused_merge = _fused_merge_macro(lay, L)
+    FP8 = lay.FP8
+    # FP8 pages: the tiles hold code values times FP8_TILE_FACTOR; the K scale (over that
+    # factor) multiplies the scores, the V scale the output (both linear in the tile values)
+    fp8_inverse = T.float32(1.0 / FP8_TILE_FACTOR[lay.config.kv_dtype]) if FP8 else None
+
+    def k_scaled(scale, fp8_scale):
+        return scale * fp8_scale[0] if FP8 else scale
+
+    def v_scaled(val, fp8_scale):
+        return val * fp8_scale[1] if FP8 else val
 
     @T.macro
     def body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, rope_, b, hkv,
@@ -967,6 +1044,7 @@ def _body_macro(lay: _Layout, L):
         rope_cs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_qcs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_tstep = T.alloc_buffer((2 * CHUNK if rope_ is not None and ROPE_OWN else 1,), "float32", scope="local")
+        fp8_scale = T.alloc_buffer((2 if FP8 else 1,), "float32", scope="local")  # K, V (FP8 pages)
         if PDL and not TABLES_EARLY:  # nothing of the previous grids' is read (or written) before they completed
             T.evaluate(grid_dependency_wait())
         load_length_info(length_info_, b, li)
@@ -1032,6 +1110,9 @@ def _body_macro(lay: _Layout, L):
         if QREG:
             for kk in L.unroll(KSTEPS_QK):
                 load_q_frag(smem, qf, kk * 4, kk, lane)
+        if FP8:  # (after the grid dependency wait, as every read of the pages)
+            for kv in L.unroll(2):
+                fp8_scale[kv] = kv_scale(pages_, kv, hkv) * fp8_inverse
         if not rope_own(rope_):
             for t in T.serial(ntiles):
                 if rope_ is not None and ROPE_AHEAD:
@@ -1049,7 +1130,8 @@ def _body_macro(lay: _Layout, L):
                         rope_tile(smem, rope_[0][b], j_begin, t, tid, rope_freq, rope_step, rope_cs)
                         T.tvm_storage_sync(shared)
                 s_mma(smem, qf, s, t % STAGES, warp, lane)
-                softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
+                softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, k_scaled(scale, fp8_scale),
+                        lane)
                 pv_mma(s, smem, o, t % STAGES, warp, lane)
         else:  # ROPE_OWN: a warp's rows of a tile are its own (the block meets only after the loop)
             for t in T.serial(ntiles):
@@ -1060,18 +1142,21 @@ def _body_macro(lay: _Layout, L):
                 rope_own_tile(smem, t % STAGES, tid, rope_step, rope_cs)
                 T.evaluate(T.cuda.func_call(SYNCWARP, source_code=SYNCWARP_SRC))  # ... and the warp's, rotated
                 s_mma(smem, qf, s, t % STAGES, warp, lane)
-                softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, scale, lane)
+                softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, k_scaled(scale, fp8_scale),
+                        lane)
                 pv_mma(s, smem, o, t % STAGES, warp, lane)
                 if t + 1 < ntiles:  # tile t + 1's angles before its wait
                     rope_own_next(rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_tstep, rope_cs)
         if nsplit == 1:
             if split == 0:
                 finish(smem, o, m_run, l_run, warp, lane, tid,
-                       lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, val), [b, hkv * G + h, e]),
+                       lambda h, e, val: T.buffer_store(o_, T.Cast(dtype, v_scaled(val, fp8_scale)),
+                                                        [b, hkv * G + h, e]),
                        lambda h, val: T.buffer_store(lse_, val, [b, hkv * G + h]))
         elif split < nsplit:
             finish(smem, o, m_run, l_run, warp, lane, tid,
-                   lambda h, e, val: T.buffer_store(o_part_, val, [((split * batch + b) * Hq + hkv * G + h) * D + e]),
+                   lambda h, e, val: T.buffer_store(o_part_, v_scaled(val, fp8_scale),
+                                                    [((split * batch + b) * Hq + hkv * G + h) * D + e]),
                    lambda h, val: T.buffer_store(lse_part_, val, [(split * batch + b) * Hq + hkv * G + h]))
             if FUSED:
                 fused_merge(smem, o_part_, lse_part_, o_, lse_, b, hkv, split, grid_splits(sched, Hkv, batch), nsplit,

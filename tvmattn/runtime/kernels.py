@@ -167,7 +167,7 @@ def decode_kernel(config: AttentionConfig):
     variants for config (schedules.decode_variants: a schedule and its inline-RoPE build's)."""
     from tir_kernels.schedules import decode_variants
 
-    if config.kv_fp8:  # FP8 pages: the CUDA-core kernel (decode.FP8_TC_PROBLEM), no table
+    if config.kv_fp8:  # FP8 pages: paged_decode's own choice (the table measured fp16/bf16 pages)
         return _build(tir_kernels.paged_decode, config, ())
     variants = decode_variants(config)
     if len(variants) == 1 and not variants[0][2]:  # no table entry: paged_decode's own choice
