@@ -356,7 +356,7 @@ def test_fp8_tensor_core_decode_builds_for_sm90(tmp_path, fmt, case):
     config = fp8_config("cuda:sm_90", fmt, hkv=hkv, hq=hq, d=d, ps=ps, dtype=dtype, sliding_window=sliding)
     assert choose_decode_kernel(config).kernel == "decode_tc"
     source = cuda_sources(paged_decode(config), config)
-    assert f"tvmattn_fp8_tile_{fmt}_{dtype}(" in source
+    assert f"tvmattn_fp8_chunk_{fmt}_{dtype}(" in source
     if NVCC is None:
         return
     path = tmp_path / "kernel.cu"

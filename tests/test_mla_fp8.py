@@ -204,16 +204,18 @@ DEEPSEEK = (16, 512, 64, 16, "bfloat16")
 
 
 def test_fp8_mla_kernel_choice_on_hopper():
-    """FP8 pages on sm_90 take the kernels that read them (the SIMT prefill, mla_tc's decode where
-    it reads FP8, else the SIMT decode), each passed-over kernel with its reason."""
+    """FP8 pages on sm_90 take the kernels that read them: the SIMT prefill (the wgmma prefill
+    passed over with its reason), mla_tc's decode at every batch (never the wgmma decode); float32
+    the SIMT decode."""
     config = fp8_config(DEEPSEEK, "cuda:sm_90", "float8_e4m3fn")
     prefill = choose_mla_prefill_kernel(config)
     assert prefill.kernel == "mla" and "kv_dtype" in prefill.reason
     assert choose_mla_prefill_kernel(config.replace(kv_dtype="")).kernel == "mla_sm90"
-    decode = choose_mla_decode_default(config)
-    assert decode.kernel in ("mla", "mla_tc")
+    assert choose_mla_decode_default(config).kernel == "mla_tc"
     for batch in (1, 8, 256):
-        assert choose_mla_decode_kernel(config, batch) == {"mla": "simt", "mla_tc": "tc"}[decode.kernel]
+        assert choose_mla_decode_kernel(config, batch) == "tc"
+    assert choose_mla_decode_kernel(config.replace(kv_dtype=""), 1) == "wgmma"
+    assert choose_mla_decode_default(config.replace(dtype="float32")).kernel == "mla"
     from tir_kernels.mla_sm90 import mla_paged_decode_wgmma, mla_paged_prefill_wgmma
 
     for generator in (mla_paged_decode_wgmma, mla_paged_prefill_wgmma):
@@ -246,6 +248,8 @@ def test_fp8_mla_kernels_build_cuda_source_for_sm90(tmp_path, generator, args):
     config = fp8_config(DEEPSEEK, "cuda:sm_90", "float8_e4m3fn")
     source = cuda_source(generator(config, *args), config)
     assert "__nv_fp8_e4m3" in source
+    if generator is mla_paged_decode_auto:  # mla_tc, dequantizing into its tiles
+        assert "tvmattn_fp8_chunk_float8_e4m3fn_bfloat16_scaled(" in source
     if NVCC is None:
         return
     path = tmp_path / "kernel.cu"
@@ -270,3 +274,21 @@ def test_deepseek_shapes_on_the_gpu(kernels, fmt, case):
     for i, r in enumerate(rows):
         eo, el = expected_attention(q[i:i + 1], r, config.latent_dim, causal=False)
         check(config, o[i], lse[i], eo[0], el[0], f"request {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("case", [(4, 64, 16, 16, "float16"), (40, 96, 32, 1, "bfloat16")], ids=case_id)
+def test_tensor_core_decode_over_fp8_latent_pages(kernels, fmt, case):
+    """mla_tc's decode (what mla_paged_decode_auto builds for fp16/bf16 on CUDA) over FP8 pages:
+    lengths across pages and splits, several head tiles, both scales."""
+    config = fp8_config(case, "cuda", fmt)
+    assert choose_mla_decode_default(config).kernel == "mla_tc"
+    rng = rng_for("tc", fmt, case_id(case))
+    lengths = [0, 1, 17, 300, 2500]
+    pool, rows, indptr, indices, last = paged_batch(rng, config, lengths, mla_scales(rng))
+    q = randn(rng, (len(lengths), config.num_heads, config.qk_dim), config.dtype)
+    o, lse = run_decode(kernels, config, mla_paged_decode_auto, q, pool, indptr, indices, last)
+    for i, r in enumerate(rows):
+        eo, el = expected_attention(q[i:i + 1], r, config.latent_dim, causal=False)
+        check(config, o[i], lse[i], eo[0], el[0], f"request {i} (length {lengths[i]})")

@@ -72,7 +72,7 @@ from .common import (EMPTY_LSE, LOG2E, PDL_TAG, ceildiv, grid_dependency_wait, l
 from .config import AttentionConfig
 from .cuda_funcs import FMA4, FMA4_SRC, LDCG, LDCG4, LDCG4_SRC, LDCG_SRC
 from .decode_contract import check_config, decode_func
-from .kv_quant import kv_scale
+from .kv_quant import FP8_TILE_FACTOR, fp8_chunk_function, kv_scale
 from .mma import CHUNK, CP_ASYNC, FULL_WARP, LDSM, LDSM_T, ROWS_PER_MMA, Tile, mma_name, pack_name
 from .schedules import TensorCoreDecodeSchedule, choose_tc_decode_schedule, tc_decode_rope_schedule
 from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor, softmax_macros
@@ -115,48 +115,6 @@ __device__ __forceinline__ void {name}(float* lo, float* hi, {params}) {{
   }}
   *reinterpret_cast<uint4*>(lo) = make_uint4(x[0], x[1], x[2], x[3]);
   *reinterpret_cast<uint4*>(hi) = make_uint4(y[0], y[1], y[2], y[3]);
-}}
-"""
-    return name, src
-
-
-# FP8 pages: the factor the tile load multiplies each code's value by (folded back into the K
-# and V scales): e5m2's largest code (57344) would overflow fp16 once inline RoPE rotates a pair of
-# them; times 2**-8 every e5m2 value (subnormals included: 2**-24 is fp16's smallest) stays exact.
-FP8_TILE_FACTOR = {"float8_e4m3fn": 1.0, "float8_e5m2": 2.0 ** -8}
-
-
-def _fp8_tile_function(fmt: str, dtype: str):
-    """Name and CUDA source of the FP8 tile load: the 8 codes at src (8 bytes of a page row, one
-    16-byte chunk of the tile's worth) -> their values times FP8_TILE_FACTOR[fmt] as 8 `dtype`
-    elements at dst (16 bytes of shared memory), converted by the hardware's FP8 pair conversion
-    (exact: every FP8 value is an fp16 one) and, for bfloat16, through float (exact too)."""
-    kind = {"float8_e4m3fn": "__NV_E4M3", "float8_e5m2": "__NV_E5M2"}[fmt]
-    name = f"tvmattn_fp8_tile_{fmt}_{dtype}"
-    factor = FP8_TILE_FACTOR[fmt]
-    scale = f"h = __hmul2(h, __float2half2_rn({factor!r}f));" if factor != 1.0 else ""
-    if dtype == "float16":
-        store = "w.h = h;"
-        union = "__half2 h;"
-    else:
-        store = "float2 f = __half22float2(h); w.b = __floats2bfloat162_rn(f.x, f.y);"
-        union = "__nv_bfloat162 b;"
-    src = f"""
-union {name}_word {{ unsigned u; {union} }};
-__device__ __forceinline__ void {name}(void* dst, const void* src) {{
-  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(src));
-  const unsigned words[2] = {{raw.x, raw.y}};
-  unsigned out[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {{
-    const __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)((words[k >> 1] >> (16 * (k & 1))) & 0xFFFFu);
-    __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, {kind}));
-    {scale}
-    {name}_word w;
-    {store}
-    out[k] = w.u;
-  }}
-  *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
 }}
 """
     return name, src
@@ -358,7 +316,7 @@ class _Layout:
         # FP8 pages: each thread loads its chunks' codes and stores their values into the same
         # tiles (no cp.async); the scales (times 1 / FP8_TILE_FACTOR) scale the scores and the output
         FP8 = config.kv_fp8
-        FP8_TILE, FP8_TILE_SRC = _fp8_tile_function(config.kv_dtype, dtype) if FP8 else (None, None)
+        FP8_TILE, FP8_TILE_SRC = fp8_chunk_function(config.kv_dtype, dtype) if FP8 else (None, None)
         vars(self).update((name, value) for name, value in locals().items() if name != "self")
 
     def copy_row(self, p, tid_, warp_rows):
@@ -516,7 +474,7 @@ def _load_macros(lay: _Layout, L):
     @T.macro
     def copy_chunk(smem_, off_, pages_, page_, kv_, hkv_, slot_, ch_):
         """Chunk ch_ of a K (kv_ 0) or V row of the pages -> the tile at 16-bit element off_:
-        cp.async, or FP8 pages' codes widened (`_fp8_tile_function`)."""
+        cp.async, or FP8 pages' codes widened (`kv_quant.fp8_chunk_function`)."""
         if FP8:
             T.evaluate(T.cuda.func_call(FP8_TILE, smem_.ptr_to([word(off_)]),
                                         T.address_of(pages_[page_, kv_, hkv_, slot_, ch_ * CHUNK]),

@@ -164,3 +164,51 @@ def write_mla(config, pages, d, value):
     if not is_fp8(config.kv_dtype):
         return value
     return quantize(T.Cast("float32", value), mla_column_scale(config, pages, d), config.kv_dtype)
+
+
+# The factor fp8_chunk_function's unscaled chunks multiply each code's value by (callers fold its
+# inverse into the scales): e5m2's largest code (57344) would overflow fp16 once inline RoPE
+# rotates a pair of them; times 2**-8 every e5m2 value (subnormals included: 2**-24 is fp16's
+# smallest) stays exact.
+FP8_TILE_FACTOR = {"float8_e4m3fn": 1.0, "float8_e5m2": 2.0 ** -8}
+
+
+def fp8_chunk_function(fmt: str, dtype: str, scaled: bool = False):
+    """Name and CUDA source (for T.cuda.func_call) of the FP8 chunk load of the tensor-core
+    kernels: name(dst, src) reads the 8 codes at src (8 bytes of a page row, 8-byte aligned)
+    and stores 8 `dtype` (float16 / bfloat16) elements at dst (16 bytes of shared memory, the
+    tile chunk the dtype's pages would have been copied into): each code's value times
+    FP8_TILE_FACTOR[fmt] (exact: every FP8 value is an fp16 one, the hardware's pair conversion
+    is exact, and bfloat16 goes through float); with `scaled`, name(dst, src, scale) stores
+    code * scale instead (computed in float32, rounded to the dtype)."""
+    kind = {"float8_e4m3fn": "__NV_E4M3", "float8_e5m2": "__NV_E5M2"}[fmt]
+    name = f"tvmattn_fp8_chunk_{fmt}_{dtype}" + ("_scaled" if scaled else "")
+    factor = FP8_TILE_FACTOR[fmt]
+    if scaled:
+        params, convert = "void* dst, const void* src, float scale", (
+            "float2 f = __half22float2(h); f.x *= scale; f.y *= scale;"
+            + (" w.h = __floats2half2_rn(f.x, f.y);" if dtype == "float16" else " w.b = __floats2bfloat162_rn(f.x, f.y);"))
+    else:
+        params = "void* dst, const void* src"
+        widen = f"h = __hmul2(h, __float2half2_rn({factor!r}f)); " if factor != 1.0 else ""
+        convert = widen + ("w.h = h;" if dtype == "float16"
+                           else "float2 f = __half22float2(h); w.b = __floats2bfloat162_rn(f.x, f.y);")
+    member = "__half2 h;" if dtype == "float16" else "__nv_bfloat162 b;"
+    src = f"""
+union {name}_word {{ unsigned u; {member} }};
+__device__ __forceinline__ void {name}({params}) {{
+  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(src));
+  const unsigned words[2] = {{raw.x, raw.y}};
+  unsigned out[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {{
+    const __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)((words[k >> 1] >> (16 * (k & 1))) & 0xFFFFu);
+    __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, {kind}));
+    {name}_word w;
+    {convert}
+    out[k] = w.u;
+  }}
+  *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
+}}
+"""
+    return name, src

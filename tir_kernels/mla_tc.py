@@ -24,6 +24,12 @@ twice). Per tile:
     lse = m + log2(l) go to o / lse, or, when the keys are split, to an fp32 workspace that
     softmax.merge_splits_macro merges (split count chosen at launch from the batch size).
 
+FP8 latent pages (config.kv_dtype, tir_kernels.kv_quant): `issue` fills the same fp16/bf16 tiles
+from the codes instead of by cp.async: a thread loads the 8 codes of a 16-byte tile chunk and
+stores code * scale (the latent columns' scale or the rotary ones', read once per block) in the
+dtype, so the MMAs are unchanged; the stores are synchronous, ordered by the ring's barriers as
+the copies are.
+
 `mla.mla_paged_decode_auto(config)` picks this kernel where it applies (`mla_tc_problem`: CUDA
 sm_80+, fp16/bf16, latent_dim a multiple of 32) and the SIMT kernel (mla_simt.py) otherwise.
 """
@@ -36,6 +42,7 @@ from tvm.script import tirx as T
 
 from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, loop_kinds
 from .config import MLAConfig
+from .kv_quant import fp8_chunk_function, mla_scale
 from .mla_contract import decode_contract_func
 from .mma import (CHUNK, CP_ASYNC, FULL_WARP, LDSM, LDSM_T, MIN_ARCH, MMA_DTYPES, ROWS_PER_MMA, Tile, mma_name,
                   pack_name)
@@ -64,8 +71,6 @@ def mla_tc_problem(config: MLAConfig) -> str | None:
         return f"dtype={config.dtype!r} (tensor cores serve {tuple(MMA_DTYPES)})"
     if config.latent_dim % 32:
         return f"latent_dim={config.latent_dim} (a multiple of 32)"
-    if config.kv_fp8:
-        return f"kv_dtype={config.kv_dtype!r} (cp.async copies the pages as they are: FP8 pages take the SIMT kernel)"
     return None
 
 
@@ -196,6 +201,10 @@ class _Layout:
         RP = NT // TPR  # rows a pass of the block's threads copies
         PASSES = ceildiv(BK, RP)
         CPT = TL.chunks // TPR  # chunks per thread per row
+        # FP8 pages: a thread loads its chunks' codes and stores code * scale of the chunk's part
+        # (latent or rope: latent_dim is a multiple of 32, so no chunk straddles them)
+        FP8 = config.kv_fp8
+        FP8_CHUNK, FP8_CHUNK_SRC = fp8_chunk_function(config.kv_dtype, dtype, scaled=True) if FP8 else (None, None)
         vars(self).update((name, value) for name, value in locals().items() if name != "self")
 
     @staticmethod
@@ -213,6 +222,19 @@ def _load_macros(lay: _Layout, L):
     """Loads: load_q (the block's query rows) and issue (a tile of latent rows -> the ring)."""
     BK, CPT, H, HT, K_OFF, NT, PASSES = lay.BK, lay.CPT, lay.H, lay.HT, lay.K_OFF, lay.NT, lay.PASSES
     Q_OFF, RP, TL, TPR, ps, word = lay.Q_OFF, lay.RP, lay.TL, lay.TPR, lay.ps, lay.word
+    D_L, FP8, FP8_CHUNK, FP8_CHUNK_SRC = lay.D_L, lay.FP8, lay.FP8_CHUNK, lay.FP8_CHUNK_SRC
+
+    @T.macro
+    def copy_chunk(smem_, off_, pages_, page_, slot_, ch_, scales_):
+        """Chunk ch_ of a latent row -> the tile at 16-bit element off_: cp.async, or FP8 pages'
+        codes dequantized (kv_quant.fp8_chunk_function) with scales_[0] (latent) or [1] (rope)."""
+        if FP8:
+            T.evaluate(T.cuda.func_call(FP8_CHUNK, smem_.ptr_to([word(off_)]),
+                                        T.address_of(pages_[page_, slot_, ch_ * CHUNK]),
+                                        T.if_then_else(ch_ * CHUNK < D_L, scales_[0], scales_[1]),
+                                        source_code=FP8_CHUNK_SRC))
+        else:
+            T.ptx[CP_ASYNC](smem_.ptr_to([word(off_)]), T.address_of(pages_[page_, slot_, ch_ * CHUNK]), 16)
 
     @T.macro
     def load_q(q_, smem_, b_, h0_, tid_):
@@ -230,9 +252,9 @@ def _load_macros(lay: _Layout, L):
                         smem_[word(Q_OFF + TL.offset(r, ch)) + e] = T.float32(0)
 
     @T.macro
-    def issue(pages_, indices_, page0_, smem_, stage_, kv0_, kv_end_, tid_):
-        """cp.async of this thread's chunks of latent rows kv0_.. -> ring buffer stage_; zeros
-        from kv_end_ on."""
+    def issue(pages_, indices_, page0_, smem_, stage_, kv0_, kv_end_, tid_, scales_):
+        """cp.async of this thread's chunks of latent rows kv0_.. -> ring buffer stage_ (FP8:
+        dequantized with scales_, `copy_chunk`); zeros from kv_end_ on."""
         for p in L.unroll(PASSES):
             r = T.meta_var(p * RP + tid_ // TPR)
             if BK % RP == 0 or r < BK:
@@ -240,8 +262,8 @@ def _load_macros(lay: _Layout, L):
                     page = T.meta_var(indices_[page0_ + (kv0_ + r) // ps])
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
-                        T.ptx[CP_ASYNC](smem_.ptr_to([word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
-                                        T.address_of(pages_[page, (kv0_ + r) % ps, ch * CHUNK]), 16)
+                        copy_chunk(smem_, K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch), pages_, page,
+                                   (kv0_ + r) % ps, ch, scales_)
                 else:
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
@@ -359,6 +381,7 @@ def _body_macro(lay: _Layout, L):
     """body: the work of one block (request, head tile, split), thread by thread."""
     BK, CS, D_L, H, HT, MS, ON, RED = lay.BK, lay.CS, lay.D_L, lay.H, lay.HT, lay.MS, lay.ON, lay.RED
     SMEM_WORDS, STAGES, dtype, num_splits, ps = lay.SMEM_WORDS, lay.STAGES, lay.dtype, lay.num_splits, lay.ps
+    FP8 = lay.FP8
     shared = lay.shared
     load_q, issue = _load_macros(lay, L)
     s_mma, probs, pv_mma = _mma_macros(lay, L)
@@ -375,6 +398,7 @@ def _body_macro(lay: _Layout, L):
         m_run = T.alloc_buffer((2,), "float32", scope="local")
         l_run = T.alloc_buffer((2,), "float32", scope="local")
         mloc = T.alloc_buffer((1,), "float32", scope="local")
+        fp8_scales = T.alloc_buffer((2,), "float32", scope="local")  # latent, rope (FP8 pages)
         warp = tid // 32
         lane = tid % 32
         mt = warp // CS
@@ -393,18 +417,21 @@ def _body_macro(lay: _Layout, L):
             l_run[r] = T.float32(0)
         for i in L.unroll(ON * 4):
             o[i] = T.float32(0)
+        if FP8:
+            for part in L.unroll(2):
+                fp8_scales[part] = mla_scale(pages_, part)
         load_q(q_, smem, b, h0, tid)
         T.ptx["cp.async.commit_group"]()
         for st in L.unroll(STAGES - 1):
             if st < ntiles:
-                issue(pages_, indices_, page0, smem, st, j_begin + st * BK, j_end, tid)
+                issue(pages_, indices_, page0, smem, st, j_begin + st * BK, j_end, tid, fp8_scales)
             T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
         for t in T.serial(ntiles):
             T.ptx["cp.async.wait_group"](STAGES - 2)  # Q and tile t have landed ...
             T.tvm_storage_sync(shared)  # ... for all; no warp still reads tile t - 1 or P
             if t + STAGES - 1 < ntiles:
                 issue(pages_, indices_, page0, smem, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK,
-                      j_end, tid)
+                      j_end, tid, fp8_scales)
             T.ptx["cp.async.commit_group"]()
             s_mma(smem, s, t % STAGES, mt, cs, lane)
             # scale, mask, and publish the row maxima of the warp's keys
