@@ -1,4 +1,5 @@
-"""The cache scenarios of test_cache.py on FP8 pages (PagedKVCache(kv_dtype=...)), unchanged: the
+"""The cache scenarios of test_cache.py on FP8 pages (PagedKVCache(kv_dtype=...)), unchanged, and
+those of test_cache_layer_kinds.py (MHA_SLIDING layers beside MHA ones, FP8KindsModel): the
 scenario functions run with test_cache.Model replaced by FP8Model, whose truth holds what FP8
 pages hold (the codes of x / scale, read as code * scale, per layer, K/V and KV head).
 
@@ -150,3 +151,98 @@ def test_fp8_pages_hold_twice_the_tokens_per_byte():
     assert fp16.bytes_per_token() == 2 * fp8.bytes_per_token() == 2 * kv_bytes_per_token(fp8.options)
     assert fp8._pools[0].shape[0] == fp16._pools[0].shape[0] + 1
     assert fp8.get_num_available_pages() == fp16.get_num_available_pages()
+
+
+# ---- MHA_SLIDING layers beside MHA layers (test_cache_layer_kinds) on FP8 pages ----
+
+import test_cache_layer_kinds as kinds  # noqa: E402
+
+
+class FP8KindsModel(kinds.KindsModel):
+    """test_cache_layer_kinds.KindsModel over FP8 pages: its truth holds the dequantized codes.
+    Which keys a layer reads from the pages (quantized): in a decode step all of them; in another
+    step an MHA layer reads the history from the pages and the step's keys from its arguments,
+    and so does an MHA_SLIDING layer unless a sequence of the step is longer than the window
+    after the append (tvmattn.runtime.windows: then one windowed decode per new token reads
+    every key from the pages)."""
+
+    def __init__(self, target="llvm", page_size=4, rope_mode="none", seed=0, *, kv_dtype, **options):
+        rng = np.random.default_rng(2000 + seed)
+        self.scales = (10.0 ** rng.uniform(-2.3, -1.7, (len(kinds.KINDS), 2, kinds.HKV))).astype(np.float32)
+        self.kv_dtype = kv_dtype
+        super().__init__(target, page_size, rope_mode, seed, kv_dtype=kv_dtype, kv_scales=self.scales, **options)
+
+    def _stored(self, layer, kv, x):
+        scale = self.scales[layer, kv][None, :, None]
+        return dequantize(quantize(x, scale, self.kv_dtype), scale)
+
+    def _windowed(self, history, lengths):
+        return any(h + n > self.window for h, n in zip(history, lengths))
+
+    def _expected(self, seq_ids, lengths, history, layer, kind, qkv):
+        from_pages = all(n == 1 for n in lengths) or (kind == "mha_sliding" and self._windowed(history, lengths))
+        out, start = [], 0
+        for seq_id, n, h in zip(seq_ids, lengths, history):
+            q, k, v = self._split(qkv[start:start + n], h + np.arange(n))
+            start += n
+            self.k[seq_id][layer] = np.concatenate([self.k[seq_id][layer], self._stored(layer, 0, k)])
+            self.v[seq_id][layer] = np.concatenate([self.v[seq_id][layer], self._stored(layer, 1, v)])
+            keys, values = self.k[seq_id][layer].copy(), self.v[seq_id][layer].copy()
+            if not from_pages:
+                keys[h:], values[h:] = k.astype(np.float64), v.astype(np.float64)
+            mask = kinds.visible(kind, h, n, self.window)
+            out.append(ref.attention(q, keys, values, kinds.SM_SCALE, False, mask)[0])
+        return np.concatenate(out)
+
+    def _shared(self, seq_ids, lengths, history, qkv):
+        assert self._windowed(history, lengths), "attention_with_shared_kv is checked in windowed steps only"
+        super()._shared(seq_ids, lengths, history, qkv)
+
+    def check_kv(self):
+        """debug_get_kv: the dequantized truth, rounded to fp16."""
+        for seq_id in self.k:
+            n = len(self.k[seq_id][0])
+            if n:
+                k, v = (kinds.empty((len(self.kinds), n, kinds.HKV, kinds.D), kinds.DTYPE, self.device)
+                        for _ in range(2))
+                self.cache.debug_get_kv(seq_id, 0, n, k, v)
+                for name, got, truth in (("K", k, self.k[seq_id]), ("V", v, self.v[seq_id])):
+                    np.testing.assert_allclose(got.numpy().astype(np.float64), np.stack(truth), rtol=1e-3, atol=1e-6,
+                                               err_msg=f"{name} of {seq_id}")
+
+
+@pytest.mark.parametrize("fmt", [pytest.param("float8_e4m3fn", id="e4m3"),
+                                 pytest.param("float8_e5m2", id="e5m2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("page_size,rope_mode", [(4, "none"), pytest.param(1, "normal", marks=pytest.mark.slow)])
+def test_layer_windows_on_fp8_pages(target, fmt, page_size, rope_mode):
+    """[MHA_SLIDING, MHA, MHA_SLIDING] layers on FP8 pages: prefills within and beyond the window,
+    prefills over a history, decode steps, attention_with_shared_kv over a windowed layer, a
+    mixed batch, forks (copy-on-write of a shared page), popn; no page leaked."""
+    m = FP8KindsModel(target, page_size, rope_mode, seed=page_size, kv_dtype=fmt)
+    initial = m.cache.get_num_available_pages()
+    for s in (0, 1, 2):
+        m.add(s)
+    m.forward([0, 1, 2], [3, 1, 2])  # every sequence within the window: no windowed level
+    m.forward([0, 1, 2], [9, 1, 3])
+    m.forward([1, 0], [7, 3], shared_from_window=True)
+    for _ in range(2):
+        m.forward([0, 1, 2], [1, 1, 1], shared_from_window=True)
+    m.forward([2, 0], [1, 6])
+    m.fork(0, 3, 10)
+    m.fork(1, 4)
+    m.forward([3, 4, 0], [2, 1, 1])
+    m.popn(4, 4)
+    m.forward([4, 1], [1, 9])
+    m.check_kv()
+    m.remove(0)
+    m.forward([1, 2, 3, 4], [1, 1, 1, 1])
+    m.check_no_leaks(initial)
+
+
+def test_layer_windows_reference_can_fail():
+    """The FP8 kinds model disagrees with a cache whose scales are not its own."""
+    m = FP8KindsModel(seed=9, kv_dtype="float8_e4m3fn")
+    m.cache.set_kv_scales(m.scales * 1.37)
+    m.add(0)
+    with pytest.raises(AssertionError):
+        m.forward([0], [9])

@@ -185,9 +185,9 @@ def fp8_chunk_function(fmt: str, dtype: str, scaled: bool = False):
     name = f"tvmattn_fp8_chunk_{fmt}_{dtype}" + ("_scaled" if scaled else "")
     factor = FP8_TILE_FACTOR[fmt]
     if scaled:
-        params, convert = "void* dst, const void* src, float scale", (
-            "float2 f = __half22float2(h); f.x *= scale; f.y *= scale;"
-            + (" w.h = __floats2half2_rn(f.x, f.y);" if dtype == "float16" else " w.b = __floats2bfloat162_rn(f.x, f.y);"))
+        pack = "w.h = __floats2half2_rn(f.x, f.y);" if dtype == "float16" else "w.b = __floats2bfloat162_rn(f.x, f.y);"
+        params = "void* dst, const void* src, float scale"
+        convert = "float2 f = __half22float2(h); f.x *= scale; f.y *= scale; " + pack
     else:
         params = "void* dst, const void* src"
         widen = f"h = __hmul2(h, __float2half2_rn({factor!r}f)); " if factor != 1.0 else ""
