@@ -56,8 +56,11 @@ are rounded to the K/V dtype, as split + rotary would have stored them.
 FP8 pages (config.kv_dtype, tir_kernels.kv_quant): the tiles keep their fp16/bf16 layout, so
 ldmatrix and the MMAs are unchanged; `issue` fills them from the codes instead of by cp.async.
 Each thread loads the 8 codes of a 16-byte tile chunk (8 bytes), widens them with the hardware's
-FP8 pair conversion (exact) times FP8_TILE_FACTOR, and stores them to the chunk; the stores are
-synchronous, and the ring's barriers order them as they do the copies. The block's K and V
+FP8 pair conversion (exact) times FP8_TILE_FACTOR, and stores them to the chunk. The prologue's
+tiles are stored as they are loaded; in the main loop a step's refill only loads the codes into
+registers, and `refill_commit` stores them after the step's MMAs (into the stage no warp reads
+in that step), so the loads overlap the step's arithmetic as cp.async's copies do; the ring's
+barriers order the stores before the reads. The block's K and V
 scales (read once, after the grid dependency wait) are not applied to the tiles: the K scale
 multiplies the scores' scale, the V scale the output (both linear), so the tiles hold the codes'
 values exactly and the inline RoPE rotates them as it would dequantized keys.
@@ -72,7 +75,8 @@ from .common import (EMPTY_LSE, LOG2E, PDL_TAG, ceildiv, grid_dependency_wait, l
 from .config import AttentionConfig
 from .cuda_funcs import FMA4, FMA4_SRC, LDCG, LDCG4, LDCG4_SRC, LDCG_SRC
 from .decode_contract import check_config, decode_func
-from .kv_quant import FP8_TILE_FACTOR, fp8_chunk_function, kv_scale
+from .kv_quant import (FP8_FETCH, FP8_FETCH_SRC, FP8_TILE_FACTOR, fp8_chunk_function, fp8_store_function,
+                       kv_scale)
 from .mma import CHUNK, CP_ASYNC, FULL_WARP, LDSM, LDSM_T, ROWS_PER_MMA, Tile, mma_name, pack_name
 from .schedules import TensorCoreDecodeSchedule, choose_tc_decode_schedule, tc_decode_rope_schedule
 from .softmax import finalize_lse, finalize_scale, finished_l, prob, rescale_factor, softmax_macros
@@ -317,6 +321,7 @@ class _Layout:
         # tiles (no cp.async); the scales (times 1 / FP8_TILE_FACTOR) scale the scores and the output
         FP8 = config.kv_fp8
         FP8_TILE, FP8_TILE_SRC = fp8_chunk_function(config.kv_dtype, dtype) if FP8 else (None, None)
+        FP8_STORE, FP8_STORE_SRC = fp8_store_function(config.kv_dtype, dtype) if FP8 else (None, None)
         vars(self).update((name, value) for name, value in locals().items() if name != "self")
 
     def copy_row(self, p, tid_, warp_rows):
@@ -469,7 +474,8 @@ def _load_macros(lay: _Layout, L):
     BK, CPT, CP_ASYNC_KV, G, K_OFF, NT = lay.BK, lay.CPT, lay.CP_ASYNC_KV, lay.G, lay.K_OFF, lay.NT
     PASSES, Q_OFF, RP, STAGES, TL, TPR, V_OFF = lay.PASSES, lay.Q_OFF, lay.RP, lay.STAGES, lay.TL, lay.TPR, lay.V_OFF
     copy_row, ps, sliding, word = lay.copy_row, lay.ps, lay.sliding, lay.word
-    FP8, FP8_TILE, FP8_TILE_SRC = lay.FP8, lay.FP8_TILE, lay.FP8_TILE_SRC
+    FP8, FP8_TILE, FP8_TILE_SRC, FP8_STORE, FP8_STORE_SRC = (lay.FP8, lay.FP8_TILE, lay.FP8_TILE_SRC, lay.FP8_STORE,
+                                                             lay.FP8_STORE_SRC)
 
     @T.macro
     def copy_chunk(smem_, off_, pages_, page_, kv_, hkv_, slot_, ch_):
@@ -522,20 +528,29 @@ def _load_macros(lay: _Layout, L):
                 slot_[at_ + p] = paged_position(j, li_, 0, sliding) % ps
 
     @T.macro
-    def issue(pages_, smem_, hkv_, stage_, kv0_, kv_end_, tid_, page_, slot_, at_, warp_rows):
+    def issue(pages_, smem_, hkv_, stage_, kv0_, kv_end_, tid_, page_, slot_, at_, warp_rows, deferred_, staged_):
         """cp.async of this thread's chunks of K and V rows kv0_.. (copy_row; found by `lookup`,
         at at_ of page_ / slot_) -> ring buffer stage_; zeros from kv_end_ on (and, sliding,
-        before key 0)."""
+        before key 0). FP8 pages: the chunks' codes widened into the tile (`copy_chunk`), or with
+        deferred_ only loaded into staged_ (registers), which `commit` stores after the step's
+        MMAs (so the loads overlap them)."""
         for p in L.unroll(PASSES):
             r = T.meta_var(copy_row(p, tid_, warp_rows))
             if BK % RP == 0 or r < BK:
                 if kv0_ + r < kv_end_ and (not sliding or kv0_ + r >= 0):
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
-                        copy_chunk(smem_, K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch), pages_, page_[at_ + p],
-                                   0, hkv_, slot_[at_ + p], ch)
-                        copy_chunk(smem_, V_OFF + stage_ * BK * TL.stride + TL.offset(r, ch), pages_, page_[at_ + p],
-                                   1, hkv_, slot_[at_ + p], ch)
+                        if FP8 and deferred_:
+                            for kv in L.unroll(2):
+                                T.evaluate(T.cuda.func_call(
+                                    FP8_FETCH, T.address_of(staged_[((p * CPT + c) * 2 + kv) * 2]),
+                                    T.address_of(pages_[page_[at_ + p], kv, hkv_, slot_[at_ + p], ch * CHUNK]),
+                                    source_code=FP8_FETCH_SRC))
+                        else:
+                            copy_chunk(smem_, K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch), pages_,
+                                       page_[at_ + p], 0, hkv_, slot_[at_ + p], ch)
+                            copy_chunk(smem_, V_OFF + stage_ * BK * TL.stride + TL.offset(r, ch), pages_,
+                                       page_[at_ + p], 1, hkv_, slot_[at_ + p], ch)
                 else:
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
@@ -545,15 +560,41 @@ def _load_macros(lay: _Layout, L):
                             smem_[word(V_OFF + stage_ * BK * TL.stride + TL.offset(r, ch)) + e] = T.float32(0)
 
     @T.macro
+    def commit(smem_, stage_, kv0_, kv_end_, tid_, warp_rows, staged_):
+        """FP8 pages: the codes a deferred `issue` of rows kv0_.. loaded into staged_ -> their
+        values in ring buffer stage_ (that issue zeroed the rows past the end already)."""
+        for p in L.unroll(PASSES):
+            r = T.meta_var(copy_row(p, tid_, warp_rows))
+            if BK % RP == 0 or r < BK:
+                if kv0_ + r < kv_end_ and (not sliding or kv0_ + r >= 0):
+                    for c in L.unroll(CPT):
+                        for kv in L.unroll(2):
+                            i = T.meta_var(((p * CPT + c) * 2 + kv) * 2)
+                            T.evaluate(T.cuda.func_call(
+                                FP8_STORE, smem_.ptr_to([word(K_OFF + kv * (V_OFF - K_OFF) + stage_ * BK * TL.stride
+                                                              + TL.offset(r, tid_ % TPR + c * TPR))]),
+                                staged_[i], staged_[i + 1], source_code=FP8_STORE_SRC))
+
+    @T.macro
     def refill(pages_, indices_, li_, page0_, smem_, hkv_, t_, ntiles_, j_begin_, j_end_, tid_, page_, slot_,
-               warp_rows):
-        """Step t_ of the main loop: `issue` tile t_ + STAGES - 1 into the stage it takes, then
-        `lookup` tile t_ + STAGES (warp_rows: the warp-wise row mapping, copy_row)."""
+               warp_rows, staged_):
+        """Step t_ of the main loop: `issue` tile t_ + STAGES - 1 into the stage it takes (FP8
+        pages: deferred, `refill_commit` stores it), then `lookup` tile t_ + STAGES (warp_rows:
+        the warp-wise row mapping, copy_row)."""
         if t_ + STAGES - 1 < ntiles_:
             issue(pages_, smem_, hkv_, (t_ + STAGES - 1) % STAGES, j_begin_ + (t_ + STAGES - 1) * BK, j_end_, tid_,
-                  page_, slot_, 0, warp_rows)
+                  page_, slot_, 0, warp_rows, True, staged_)
             if t_ + STAGES < ntiles_:
                 lookup(indices_, li_, page0_, j_begin_ + (t_ + STAGES) * BK, j_end_, tid_, page_, slot_, 0, warp_rows)
+
+    @T.macro
+    def refill_commit(smem_, t_, ntiles_, j_begin_, j_end_, tid_, warp_rows, staged_):
+        """FP8 pages, the end of step t_: `commit` the tile its `refill` loaded (the stage no
+        warp reads in step t_; the next steps' barriers order the stores before its reads)."""
+        if FP8:
+            if t_ + STAGES - 1 < ntiles_:
+                commit(smem_, (t_ + STAGES - 1) % STAGES, j_begin_ + (t_ + STAGES - 1) * BK, j_end_, tid_, warp_rows,
+                       staged_)
 
     @T.macro
     def load_q_frag(smem_, qf_, base_, kk_, lane_):
@@ -561,7 +602,7 @@ def _load_macros(lay: _Layout, L):
         T.ptx[LDSM](qf_[base_], qf_[base_ + 1], qf_[base_ + 2], qf_[base_ + 3],
                     smem_.ptr_to([word(Q_OFF + TL.offset(lane_ % 16, kk_ * 2 + lane_ // 16))]))
 
-    return load_length_info, load_q, lookup, issue, refill, load_q_frag
+    return load_length_info, load_q, lookup, issue, refill, refill_commit, load_q_frag
 
 
 def _mma_macros(lay: _Layout, L):
@@ -569,7 +610,7 @@ def _mma_macros(lay: _Layout, L):
     BK, HALVES, KPW, KSTEPS_PV, KSTEPS_QK = lay.BK, lay.HALVES, lay.KPW, lay.KSTEPS_PV, lay.KSTEPS_QK
     K_OFF, MMA, ON, PACK, QREG, SN, TL = lay.K_OFF, lay.MMA, lay.ON, lay.PACK, lay.QREG, lay.SN, lay.TL
     UPPER, V_OFF, sliding, word = lay.UPPER, lay.V_OFF, lay.sliding, lay.word
-    load_q_frag = _load_macros(lay, L)[5]
+    load_q_frag = _load_macros(lay, L)[-1]
 
     @T.macro
     def s_mma(smem_, qf_, s_, stage_, warp_, lane_):
@@ -962,7 +1003,7 @@ def _body_macro(lay: _Layout, L):
     ROPE_OWN, ROPE_OWN_JUMP, ROPE_RPP, RPW = lay.ROPE_OWN, lay.ROPE_OWN_JUMP, lay.ROPE_RPP, lay.RPW
     SMEM_WORDS, SN, STAGES, TABLES_EARLY, dtype = lay.SMEM_WORDS, lay.SN, lay.STAGES, lay.TABLES_EARLY, lay.dtype
     page_shift, rope_own, shared, visible_keys = lay.page_shift, lay.rope_own, lay.shared, lay.visible_keys
-    load_length_info, load_q, lookup, issue, refill, load_q_frag = _load_macros(lay, L)
+    load_length_info, load_q, lookup, issue, refill, refill_commit, load_q_frag = _load_macros(lay, L)
     (rope_freqs, rope_steps, rope_angles, rope_rows, rope_exact, rope_own_tile, rope_own_next,
      rope_tile) = _rope_macros(lay, L)
     s_mma, softmax, pv_mma = _mma_macros(lay, L)
@@ -1003,6 +1044,7 @@ def _body_macro(lay: _Layout, L):
         rope_qcs = T.alloc_buffer((2 * CHUNK if rope_ is not None else 1,), "float32", scope="local")
         rope_tstep = T.alloc_buffer((2 * CHUNK if rope_ is not None and ROPE_OWN else 1,), "float32", scope="local")
         fp8_scale = T.alloc_buffer((2 if FP8 else 1,), "float32", scope="local")  # K, V (FP8 pages)
+        staged = T.alloc_buffer((PASSES * lay.CPT * 4 if FP8 else 1,), "uint32", scope="local")  # FP8 refill codes
         if PDL and not TABLES_EARLY:  # nothing of the previous grids' is read (or written) before they completed
             T.evaluate(grid_dependency_wait())
         load_length_info(length_info_, b, li)
@@ -1034,13 +1076,14 @@ def _body_macro(lay: _Layout, L):
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
                     issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES,
-                          rope_own(rope_))
+                          rope_own(rope_), False, staged)
                 T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
         else:
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
                     lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, 0, rope_own(rope_))
-                    issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, 0, rope_own(rope_))
+                    issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, 0, rope_own(rope_), False,
+                          staged)
                 T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
         # Page lookups run a tile ahead of the copies: their latency hides behind a step of
         # arithmetic.
@@ -1078,7 +1121,8 @@ def _body_macro(lay: _Layout, L):
                 else:
                     T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
                 T.tvm_storage_sync(shared)  # ... for all, and no warp reads tile t - 1
-                refill(pages_, indices_, li, page0, smem, hkv, t, ntiles, j_begin, j_end, tid, pg, sl, False)
+                refill(pages_, indices_, li, page0, smem, hkv, t, ntiles, j_begin, j_end, tid, pg, sl, False,
+                       staged)
                 T.ptx["cp.async.commit_group"]()
                 if rope_ is not None:
                     if ROPE_AHEAD:  # tile t + 1's keys, in place, while the warps multiply tile t's
@@ -1091,10 +1135,12 @@ def _body_macro(lay: _Layout, L):
                 softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, k_scaled(scale, fp8_scale),
                         lane)
                 pv_mma(s, smem, o, t % STAGES, warp, lane)
+                refill_commit(smem, t, ntiles, j_begin, j_end, tid, False, staged)
         else:  # ROPE_OWN: a warp's rows of a tile are its own (the block meets only after the loop)
             for t in T.serial(ntiles):
                 T.evaluate(T.cuda.func_call(SYNCWARP, source_code=SYNCWARP_SRC))  # step t - 1 read its stage
-                refill(pages_, indices_, li, page0, smem, hkv, t, ntiles, j_begin, j_end, tid, pg, sl, True)
+                refill(pages_, indices_, li, page0, smem, hkv, t, ntiles, j_begin, j_end, tid, pg, sl, True,
+                       staged)
                 T.ptx["cp.async.commit_group"]()
                 T.ptx["cp.async.wait_group"](STAGES - 1)  # this thread's copies of tile t have landed
                 rope_own_tile(smem, t % STAGES, tid, rope_step, rope_cs)
@@ -1103,6 +1149,7 @@ def _body_macro(lay: _Layout, L):
                 softmax(s, o, m_run, l_run, j_begin + t * BK + warp * KPW, j_end, k_scaled(scale, fp8_scale),
                         lane)
                 pv_mma(s, smem, o, t % STAGES, warp, lane)
+                refill_commit(smem, t, ntiles, j_begin, j_end, tid, True, staged)
                 if t + 1 < ntiles:  # tile t + 1's angles before its wait
                     rope_own_next(rope_[0][b], j_begin, t + 1, tid, rope_freq, rope_tstep, rope_cs)
         if nsplit == 1:

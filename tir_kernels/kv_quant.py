@@ -173,33 +173,23 @@ def write_mla(config, pages, d, value):
 FP8_TILE_FACTOR = {"float8_e4m3fn": 1.0, "float8_e5m2": 2.0 ** -8}
 
 
-def fp8_chunk_function(fmt: str, dtype: str, scaled: bool = False):
-    """Name and CUDA source (for T.cuda.func_call) of the FP8 chunk load of the tensor-core
-    kernels: name(dst, src) reads the 8 codes at src (8 bytes of a page row, 8-byte aligned)
-    and stores 8 `dtype` (float16 / bfloat16) elements at dst (16 bytes of shared memory, the
-    tile chunk the dtype's pages would have been copied into): each code's value times
-    FP8_TILE_FACTOR[fmt] (exact: every FP8 value is an fp16 one, the hardware's pair conversion
-    is exact, and bfloat16 goes through float); with `scaled`, name(dst, src, scale) stores
-    code * scale instead (computed in float32, rounded to the dtype)."""
-    kind = {"float8_e4m3fn": "__NV_E4M3", "float8_e5m2": "__NV_E5M2"}[fmt]
-    name = f"tvmattn_fp8_chunk_{fmt}_{dtype}" + ("_scaled" if scaled else "")
-    factor = FP8_TILE_FACTOR[fmt]
+def _pair_conversion(fmt: str, dtype: str, scaled: bool) -> tuple:
+    """(union member, C statements) turning `__half2 h` (two codes' values) into the union word
+    `w` of two `dtype` elements: times FP8_TILE_FACTOR[fmt], or with `scaled` times `scale`."""
+    member = "__half2 h;" if dtype == "float16" else "__nv_bfloat162 b;"
     if scaled:
         pack = "w.h = __floats2half2_rn(f.x, f.y);" if dtype == "float16" else "w.b = __floats2bfloat162_rn(f.x, f.y);"
-        params = "void* dst, const void* src, float scale"
-        convert = "float2 f = __half22float2(h); f.x *= scale; f.y *= scale; " + pack
-    else:
-        params = "void* dst, const void* src"
-        widen = f"h = __hmul2(h, __float2half2_rn({factor!r}f)); " if factor != 1.0 else ""
-        convert = widen + ("w.h = h;" if dtype == "float16"
-                           else "float2 f = __half22float2(h); w.b = __floats2bfloat162_rn(f.x, f.y);")
-    member = "__half2 h;" if dtype == "float16" else "__nv_bfloat162 b;"
-    src = f"""
-union {name}_word {{ unsigned u; {member} }};
-__device__ __forceinline__ void {name}({params}) {{
-  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(src));
-  const unsigned words[2] = {{raw.x, raw.y}};
-  unsigned out[4];
+        return member, "float2 f = __half22float2(h); f.x *= scale; f.y *= scale; " + pack
+    factor = FP8_TILE_FACTOR[fmt]
+    widen = f"h = __hmul2(h, __float2half2_rn({factor!r}f)); " if factor != 1.0 else ""
+    return member, widen + ("w.h = h;" if dtype == "float16"
+                            else "float2 f = __half22float2(h); w.b = __floats2bfloat162_rn(f.x, f.y);")
+
+
+def _widen_body(name: str, fmt: str, convert: str) -> str:
+    """C statements: `words[2]` (8 codes) -> the 16 bytes at dst."""
+    kind = {"float8_e4m3fn": "__NV_E4M3", "float8_e5m2": "__NV_E5M2"}[fmt]
+    return f"""  unsigned out[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {{
     const __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)((words[k >> 1] >> (16 * (k & 1))) & 0xFFFFu);
@@ -209,6 +199,50 @@ __device__ __forceinline__ void {name}({params}) {{
     out[k] = w.u;
   }}
   *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
-}}
+"""
+
+
+def fp8_chunk_function(fmt: str, dtype: str, scaled: bool = False):
+    """Name and CUDA source (for T.cuda.func_call) of the FP8 chunk load of the tensor-core
+    kernels: name(dst, src) reads the 8 codes at src (8 bytes of a page row, 8-byte aligned)
+    and stores 8 `dtype` (float16 / bfloat16) elements at dst (16 bytes of shared memory, the
+    tile chunk the dtype's pages would have been copied into): each code's value times
+    FP8_TILE_FACTOR[fmt] (exact: every FP8 value is an fp16 one, the hardware's pair conversion
+    is exact, and bfloat16 goes through float); with `scaled`, name(dst, src, scale) stores
+    code * scale instead (computed in float32, rounded to the dtype)."""
+    name = f"tvmattn_fp8_chunk_{fmt}_{dtype}" + ("_scaled" if scaled else "")
+    member, convert = _pair_conversion(fmt, dtype, scaled)
+    params = "void* dst, const void* src" + (", float scale" if scaled else "")
+    src = f"""
+union {name}_word {{ unsigned u; {member} }};
+__device__ __forceinline__ void {name}({params}) {{
+  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(src));
+  const unsigned words[2] = {{raw.x, raw.y}};
+{_widen_body(name, fmt, convert)}}}
+"""
+    return name, src
+
+
+# fp8_fetch_function's: words[0..1] <- the 8 bytes at src (8-byte aligned), read-only path
+FP8_FETCH, FP8_FETCH_SRC = "tvmattn_fp8_fetch", """
+__device__ __forceinline__ void tvmattn_fp8_fetch(unsigned* words, const void* src) {
+  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(src));
+  words[0] = raw.x;
+  words[1] = raw.y;
+}
+"""
+
+
+def fp8_store_function(fmt: str, dtype: str):
+    """Name and CUDA source of the second half of fp8_chunk_function (unscaled), for a load
+    issued earlier by FP8_FETCH: name(dst, w0, w1) stores the values of the 8 codes in words
+    w0, w1 (little-endian: the first code in w0's low byte) as fp8_chunk_function does."""
+    name = f"tvmattn_fp8_store_{fmt}_{dtype}"
+    member, convert = _pair_conversion(fmt, dtype, False)
+    src = f"""
+union {name}_word {{ unsigned u; {member} }};
+__device__ __forceinline__ void {name}(void* dst, unsigned w0, unsigned w1) {{
+  const unsigned words[2] = {{w0, w1}};
+{_widen_body(name, fmt, convert)}}}
 """
     return name, src
