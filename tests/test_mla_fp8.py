@@ -233,23 +233,44 @@ def cuda_source(func, config) -> str:
     return "\n".join(m.inspect_source() for m in module.mod.imports)
 
 
+DEEPSEEK_V3 = (128, 512, 64, 64, "float16")
 BUILD_CASES = [
-    pytest.param(generator, args, id=name, marks=() if name in ("decode", "prefill") else pytest.mark.slow)
+    pytest.param(generator, args, DEEPSEEK, id=name, marks=() if name in ("decode", "prefill") else pytest.mark.slow)
     for generator, args, name in [(mla_paged_decode_auto, (), "decode"), (mla_paged_prefill, (), "prefill"),
                                   (mla_paged_decode, (), "simt_decode"), (mla_transpose_append, (), "append"),
                                   (mla_debug_get_kv, (2,), "debug_get_kv"), (mla_copy_single_page, (), "copy")]
-]
+] + [pytest.param(mla_paged_decode_auto, (), DEEPSEEK_V3, id="decode-h128", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("generator,args", BUILD_CASES)
-def test_fp8_mla_kernels_build_cuda_source_for_sm90(tmp_path, generator, args):
-    """Each FP8 MLA kernel (DeepSeek-V2-Lite's shapes) builds for cuda:sm_90 on a machine without
-    a GPU, its pages are `__nv_fp8_e4m3`, and the source compiles with nvcc where installed."""
-    config = fp8_config(DEEPSEEK, "cuda:sm_90", "float8_e4m3fn")
+def test_mla_tc_defers_fp8_stores_where_registers_allow():
+    """mla_tc holds a step's FP8 loads in registers until after its MMAs where a thread's chunks
+    of a tile fit MAX_STAGED_WORDS (128 heads at DeepSeek's dims: many threads a row), else
+    stores each chunk as it loads it (16 heads: few threads a row); never for the dtype's pages."""
+    from tir_kernels.mla_tc import MAX_STAGED_WORDS, _Layout, choose_mla_tc_schedule
+
+    def layout(heads, fmt):
+        config = MLAConfig(heads, 512, 64, dtype="float16", target="cuda:sm_90", kv_dtype=fmt)
+        return _Layout(config, choose_mla_tc_schedule(config))
+
+    wide = layout(128, "float8_e4m3fn")
+    assert wide.DEFER and wide.PASSES * wide.CPT * 2 <= MAX_STAGED_WORDS
+    narrow = layout(16, "float8_e4m3fn")
+    assert not narrow.DEFER and narrow.PASSES * narrow.CPT * 2 > MAX_STAGED_WORDS
+    assert not layout(128, "").DEFER
+
+
+@pytest.mark.parametrize("generator,args,case", BUILD_CASES)
+def test_fp8_mla_kernels_build_cuda_source_for_sm90(tmp_path, generator, args, case):
+    """Each FP8 MLA kernel (DeepSeek-V2-Lite's shapes; the decode also V3's 128 heads) builds for
+    cuda:sm_90 on a machine without a GPU, its pages are `__nv_fp8_e4m3`, and the source
+    compiles with nvcc where installed."""
+    config = fp8_config(case, "cuda:sm_90", "float8_e4m3fn")
     source = cuda_source(generator(config, *args), config)
     assert "__nv_fp8_e4m3" in source
     if generator is mla_paged_decode_auto:  # mla_tc, dequantizing into its tiles
-        assert "tvmattn_fp8_chunk_float8_e4m3fn_bfloat16_scaled(" in source
+        assert f"tvmattn_fp8_chunk_float8_e4m3fn_{config.dtype}_scaled(" in source
+    if generator is mla_paged_decode_auto and config.num_heads == 128:  # loads deferred past the MMAs
+        assert "tvmattn_fp8_store_float8_e4m3fn_float16_scaled(" in source
     if NVCC is None:
         return
     path = tmp_path / "kernel.cu"
@@ -261,7 +282,7 @@ def test_fp8_mla_kernels_build_cuda_source_for_sm90(tmp_path, generator, args):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("case", [DEEPSEEK, (128, 512, 64, 64, "float16")], ids=case_id)
+@pytest.mark.parametrize("case", [DEEPSEEK, DEEPSEEK_V3], ids=case_id)
 def test_deepseek_shapes_on_the_gpu(kernels, fmt, case):
     """DeepSeek's latent 512 + rope 64 on CUDA: decode at batches that split and that do not, and
     a causal prefill, over FP8 pages."""

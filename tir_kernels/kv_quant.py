@@ -233,15 +233,17 @@ __device__ __forceinline__ void tvmattn_fp8_fetch(unsigned* words, const void* s
 """
 
 
-def fp8_store_function(fmt: str, dtype: str):
-    """Name and CUDA source of the second half of fp8_chunk_function (unscaled), for a load
-    issued earlier by FP8_FETCH: name(dst, w0, w1) stores the values of the 8 codes in words
-    w0, w1 (little-endian: the first code in w0's low byte) as fp8_chunk_function does."""
-    name = f"tvmattn_fp8_store_{fmt}_{dtype}"
-    member, convert = _pair_conversion(fmt, dtype, False)
+def fp8_store_function(fmt: str, dtype: str, scaled: bool = False):
+    """Name and CUDA source of the second half of fp8_chunk_function, for a load issued earlier
+    by FP8_FETCH: name(dst, w0, w1) (with `scaled`: name(dst, w0, w1, scale)) stores the values
+    of the 8 codes in words w0, w1 (little-endian: the first code in w0's low byte) as
+    fp8_chunk_function does."""
+    name = f"tvmattn_fp8_store_{fmt}_{dtype}" + ("_scaled" if scaled else "")
+    member, convert = _pair_conversion(fmt, dtype, scaled)
+    params = "void* dst, unsigned w0, unsigned w1" + (", float scale" if scaled else "")
     src = f"""
 union {name}_word {{ unsigned u; {member} }};
-__device__ __forceinline__ void {name}(void* dst, unsigned w0, unsigned w1) {{
+__device__ __forceinline__ void {name}({params}) {{
   const unsigned words[2] = {{w0, w1}};
 {_widen_body(name, fmt, convert)}}}
 """

@@ -27,8 +27,11 @@ twice). Per tile:
 FP8 latent pages (config.kv_dtype, tir_kernels.kv_quant): `issue` fills the same fp16/bf16 tiles
 from the codes instead of by cp.async: a thread loads the 8 codes of a 16-byte tile chunk and
 stores code * scale (the latent columns' scale or the rotary ones', read once per block) in the
-dtype, so the MMAs are unchanged; the stores are synchronous, ordered by the ring's barriers as
-the copies are.
+dtype, so the MMAs are unchanged. Where a thread's chunks of a tile take at most
+MAX_STAGED_WORDS registers, a step's refill only loads the codes and stores them after the
+step's MMAs (into the stage no warp reads in that step), so the loads overlap the arithmetic;
+else (few threads a row, e.g. 16 heads at latent 512) each chunk is stored as it is loaded.
+The ring's barriers order the stores before the reads.
 
 `mla.mla_paged_decode_auto(config)` picks this kernel where it applies (`mla_tc_problem`: CUDA
 sm_80+, fp16/bf16, latent_dim a multiple of 32) and the SIMT kernel (mla_simt.py) otherwise.
@@ -42,7 +45,7 @@ from tvm.script import tirx as T
 
 from .common import EMPTY_LSE, LOG2E, ceildiv, kv_chunk_len, loop_kinds
 from .config import MLAConfig
-from .kv_quant import fp8_chunk_function, mla_scale
+from .kv_quant import FP8_FETCH, FP8_FETCH_SRC, fp8_chunk_function, fp8_store_function, mla_scale
 from .mla_contract import decode_contract_func
 from .mma import (CHUNK, CP_ASYNC, FULL_WARP, LDSM, LDSM_T, MIN_ARCH, MMA_DTYPES, ROWS_PER_MMA, Tile, mma_name,
                   pack_name)
@@ -52,6 +55,7 @@ from .softmax import finalize_lse, finalize_scale, merge_splits_macro, prob, res
 KEYS_PER_WARP = 16  # keys one warp scores per tile (two n8 blocks of S)
 SM_RESERVED_SHARED_BYTES = 1024  # shared memory the driver keeps per resident block
 P_PAD = CHUNK  # extra 16-bit elements per row of P in shared memory (ldmatrix rows in distinct banks)
+MAX_STAGED_WORDS = 32  # registers a thread may hold FP8 codes of the next tile in
 
 
 def _require(cond: bool, what: str) -> None:
@@ -205,6 +209,10 @@ class _Layout:
         # (latent or rope: latent_dim is a multiple of 32, so no chunk straddles them)
         FP8 = config.kv_fp8
         FP8_CHUNK, FP8_CHUNK_SRC = fp8_chunk_function(config.kv_dtype, dtype, scaled=True) if FP8 else (None, None)
+        FP8_STORE, FP8_STORE_SRC = fp8_store_function(config.kv_dtype, dtype, scaled=True) if FP8 else (None, None)
+        # a step's loads held in registers until after its MMAs (where that takes at most 32 words
+        # a thread; else each chunk is stored as it is loaded)
+        DEFER = FP8 and PASSES * CPT * 2 <= MAX_STAGED_WORDS
         vars(self).update((name, value) for name, value in locals().items() if name != "self")
 
     @staticmethod
@@ -223,6 +231,7 @@ def _load_macros(lay: _Layout, L):
     BK, CPT, H, HT, K_OFF, NT, PASSES = lay.BK, lay.CPT, lay.H, lay.HT, lay.K_OFF, lay.NT, lay.PASSES
     Q_OFF, RP, TL, TPR, ps, word = lay.Q_OFF, lay.RP, lay.TL, lay.TPR, lay.ps, lay.word
     D_L, FP8, FP8_CHUNK, FP8_CHUNK_SRC = lay.D_L, lay.FP8, lay.FP8_CHUNK, lay.FP8_CHUNK_SRC
+    FP8_STORE, FP8_STORE_SRC = lay.FP8_STORE, lay.FP8_STORE_SRC
 
     @T.macro
     def copy_chunk(smem_, off_, pages_, page_, slot_, ch_, scales_):
@@ -252,9 +261,10 @@ def _load_macros(lay: _Layout, L):
                         smem_[word(Q_OFF + TL.offset(r, ch)) + e] = T.float32(0)
 
     @T.macro
-    def issue(pages_, indices_, page0_, smem_, stage_, kv0_, kv_end_, tid_, scales_):
+    def issue(pages_, indices_, page0_, smem_, stage_, kv0_, kv_end_, tid_, scales_, deferred_, staged_):
         """cp.async of this thread's chunks of latent rows kv0_.. -> ring buffer stage_ (FP8:
-        dequantized with scales_, `copy_chunk`); zeros from kv_end_ on."""
+        dequantized with scales_, `copy_chunk`; with deferred_ only loaded into staged_, which
+        `commit` stores after the step's MMAs); zeros from kv_end_ on."""
         for p in L.unroll(PASSES):
             r = T.meta_var(p * RP + tid_ // TPR)
             if BK % RP == 0 or r < BK:
@@ -262,15 +272,35 @@ def _load_macros(lay: _Layout, L):
                     page = T.meta_var(indices_[page0_ + (kv0_ + r) // ps])
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
-                        copy_chunk(smem_, K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch), pages_, page,
-                                   (kv0_ + r) % ps, ch, scales_)
+                        if FP8 and deferred_:
+                            T.evaluate(T.cuda.func_call(
+                                FP8_FETCH, T.address_of(staged_[(p * CPT + c) * 2]),
+                                T.address_of(pages_[page, (kv0_ + r) % ps, ch * CHUNK]), source_code=FP8_FETCH_SRC))
+                        else:
+                            copy_chunk(smem_, K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch), pages_, page,
+                                       (kv0_ + r) % ps, ch, scales_)
                 else:
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
                         for e in L.vector(4):
                             smem_[word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch)) + e] = T.float32(0)
 
-    return load_q, issue
+    @T.macro
+    def commit(smem_, stage_, kv0_, kv_end_, tid_, scales_, staged_):
+        """FP8 pages: the codes a deferred `issue` of rows kv0_.. loaded into staged_ -> code *
+        scale in ring buffer stage_ (that issue zeroed the rows past the end already)."""
+        for p in L.unroll(PASSES):
+            r = T.meta_var(p * RP + tid_ // TPR)
+            if BK % RP == 0 or r < BK:
+                if kv0_ + r < kv_end_:
+                    for c in L.unroll(CPT):
+                        ch = T.meta_var(tid_ % TPR + c * TPR)
+                        T.evaluate(T.cuda.func_call(
+                            FP8_STORE, smem_.ptr_to([word(K_OFF + stage_ * BK * TL.stride + TL.offset(r, ch))]),
+                            staged_[(p * CPT + c) * 2], staged_[(p * CPT + c) * 2 + 1],
+                            T.if_then_else(ch * CHUNK < D_L, scales_[0], scales_[1]), source_code=FP8_STORE_SRC))
+
+    return load_q, issue, commit
 
 
 def _mma_macros(lay: _Layout, L):
@@ -381,9 +411,9 @@ def _body_macro(lay: _Layout, L):
     """body: the work of one block (request, head tile, split), thread by thread."""
     BK, CS, D_L, H, HT, MS, ON, RED = lay.BK, lay.CS, lay.D_L, lay.H, lay.HT, lay.MS, lay.ON, lay.RED
     SMEM_WORDS, STAGES, dtype, num_splits, ps = lay.SMEM_WORDS, lay.STAGES, lay.dtype, lay.num_splits, lay.ps
-    FP8 = lay.FP8
+    FP8, DEFER, PASSES, CPT = lay.FP8, lay.DEFER, lay.PASSES, lay.CPT
     shared = lay.shared
-    load_q, issue = _load_macros(lay, L)
+    load_q, issue, commit = _load_macros(lay, L)
     s_mma, probs, pv_mma = _mma_macros(lay, L)
     finish = _finish_macro(lay, L)
 
@@ -399,6 +429,7 @@ def _body_macro(lay: _Layout, L):
         l_run = T.alloc_buffer((2,), "float32", scope="local")
         mloc = T.alloc_buffer((1,), "float32", scope="local")
         fp8_scales = T.alloc_buffer((2,), "float32", scope="local")  # latent, rope (FP8 pages)
+        staged = T.alloc_buffer((PASSES * CPT * 2 if DEFER else 1,), "uint32", scope="local")  # FP8 refill codes
         warp = tid // 32
         lane = tid % 32
         mt = warp // CS
@@ -424,14 +455,14 @@ def _body_macro(lay: _Layout, L):
         T.ptx["cp.async.commit_group"]()
         for st in L.unroll(STAGES - 1):
             if st < ntiles:
-                issue(pages_, indices_, page0, smem, st, j_begin + st * BK, j_end, tid, fp8_scales)
+                issue(pages_, indices_, page0, smem, st, j_begin + st * BK, j_end, tid, fp8_scales, False, staged)
             T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
         for t in T.serial(ntiles):
             T.ptx["cp.async.wait_group"](STAGES - 2)  # Q and tile t have landed ...
             T.tvm_storage_sync(shared)  # ... for all; no warp still reads tile t - 1 or P
             if t + STAGES - 1 < ntiles:
                 issue(pages_, indices_, page0, smem, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK,
-                      j_end, tid, fp8_scales)
+                      j_end, tid, fp8_scales, DEFER, staged)
             T.ptx["cp.async.commit_group"]()
             s_mma(smem, s, t % STAGES, mt, cs, lane)
             # scale, mask, and publish the row maxima of the warp's keys
@@ -450,6 +481,10 @@ def _body_macro(lay: _Layout, L):
             probs(smem, s, o, m_run, l_run, mt, cs, lane)
             T.tvm_storage_sync(shared)
             pv_mma(smem, o, t % STAGES, mt, cs, lane)
+            if DEFER:  # the tile this step's refill loaded, into the stage no warp reads in this step
+                if t + STAGES - 1 < ntiles:
+                    commit(smem, (t + STAGES - 1) % STAGES, j_begin + (t + STAGES - 1) * BK, j_end, tid, fp8_scales,
+                           staged)
         if MS == 1:
             finish(smem, o, m_run, l_run, h0, mt, cs, warp, lane,
                    lambda h, d, val: T.buffer_store(o_, T.Cast(dtype, val), [b, h, d]),
