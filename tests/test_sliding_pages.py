@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fp8_reference import dequantize, quantize
 from harness import empty, randn, tensor
 from test_cache_layer_kinds import HKV, HQ, SM_SCALE, D, DTYPE, KindsModel
 from test_tree_prefill import chain
@@ -221,3 +222,32 @@ def test_released_positions_read_zeros():
     assert not k[[0, 2], :start].any() and not v[[0, 2], :start].any()
     assert np.abs(v[1, :start]).min() >= 0 and np.array_equal(v[1].astype(np.float64), m.v[0][1])
     assert np.array_equal(v[0, start:].astype(np.float64), m.v[0][0][start:])
+
+
+
+class FP8KindsModel(KindsModel):
+    """KindsModel over FP8 pages (scale 0.5) with only MHA_SLIDING layers: these append before
+    they attend, so every key and value they read is the stored one, code * scale."""
+
+    def _split(self, rows, positions):
+        q, k, v = super()._split(rows, positions)
+        return q, *(dequantize(quantize(x, 0.5, "float8_e4m3fn"), 0.5).astype(np.float16) for x in (k, v))
+
+
+def test_fp8_pages_in_windowed_layers():
+    """FP8 pages in the sliding pools (a scale page after the zero page): a long prompt, decode,
+    a fork, against the window reference over the stored values; released tokens read zeros."""
+    m = FP8KindsModel(page_size=4, rope_mode="normal", seed=11, kinds=["mha_sliding"] * 2, window=6,
+                      max_num_sequences=4, max_total_seq_len=512, prefill_chunk_size=64,
+                      kv_dtype="float8_e4m3fn", kv_scales=0.5)
+    opts = m.cache.options
+    assert m.cache._pools[0].shape[0] == opts.sliding_pool_pages == opts.sliding_num_pages + 2
+    m.add(0)
+    m.add(1)
+    m.forward([0, 1], [40, 9])
+    m.forward([0, 1], [1, 20])
+    m.fork(1, 2)
+    for _ in range(5):
+        m.forward([0, 1, 2], [1, 1, 1])
+    assert m.cache.sliding_kept_from(0) == 40
+    check_pages(m)
