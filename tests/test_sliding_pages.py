@@ -165,6 +165,10 @@ def test_rolled_back_and_refused_steps_leave_both_allocators_as_before():
     check_pages(m)
     m.forward([0], [1])
     check_pages(m)
+    m.cache.begin_forward([0], [2])
+    m.cache.clear()  # (abandons the step) every page of both allocators free
+    assert m.cache.empty() and m.cache.memory_report()["sliding_pages"] == 0
+    m.cache._slides.allocator.check_invariants()
 
 
 def test_memory_report():

@@ -26,6 +26,12 @@ whose last page is shared and partly filled (popping into a shared prefix); the 
 first copies that page (copy-on-write). Every mutating method validates first; `reserve`
 undoes its page changes when it runs out of pages.
 
+MHA_SLIDING layers (`slides`, tvmattn.runtime.slides): each sequence also has `slide_pages`,
+the pages of those layers from its next query's window on, over an allocator of their own.
+Every method here keeps them beside `pages`: reserves take their pages too (journaled, undone
+with the step), a kept step releases the ones before the window, fork and popn refuse positions
+whose window they released.
+
 Steps: `reserve` / `reserve_plain` append a forward step's tokens and keep what it takes to
 undo them (the sequences' lengths and page-table ends, or copies of the sequences, and the
 allocator's journal of the step); `commit_step` keeps the step, `rollback_step` puts every
@@ -311,7 +317,7 @@ class SequenceTable:
         seq = self.get(seq_id)
         n = check_int("n", n, 0, seq.length)
         if self.slides is not None:
-            self.slides.check_keeps(seq, seq.length - n - len(seq.tree[: max(len(seq.tree) - n, 0)]), f"popn(n={n})")
+            self.slides.check_keeps(seq, seq.length - n - max(len(seq.tree) - n, 0), f"popn(n={n})")
         self._pop(seq, n)
 
     def _pop(self, seq: Sequence, n: int) -> None:
