@@ -432,9 +432,18 @@ def _tree_plan(seq_ids: list, appended: list[Appended], lengths: list, page_size
 
 
 def with_window(plan: ForwardPlan, level: LevelArrays[np.ndarray], positions: np.ndarray) -> ForwardPlan:
-    """`plan` with the MHA_SLIDING layers' level and append positions added (packed again)."""
+    """`plan` with the MHA_SLIDING layers' level and append positions added, packed after the
+    plan's own arrays (which keep their places: a decode plan's layout stays the one of its batch)."""
+    packer = Packer()
+    window, slide = level.map(packer.add), packer.add(positions)
+    base = plan.buffer.size  # (a multiple of ALIGN)
+
+    def shift(spec: ArraySpec) -> ArraySpec:
+        return ArraySpec(spec.offset + base, spec.shape)
+
+    specs = plan.specs._replace(window=(window.map(shift),), slide_positions=(shift(slide),))
     host = plan.host._replace(window=(level,), slide_positions=(positions,))
-    return _pack(plan.seq_ids, plan.lengths, plan.decode, plan.tree, host)
+    return dataclasses.replace(plan, buffer=np.concatenate([plan.buffer, packer.finish()]), specs=specs, host=host)
 
 
 def _pack(seq_ids: list, lengths: list, decode: bool, tree: bool, host: PlanArrays[np.ndarray]) -> ForwardPlan:

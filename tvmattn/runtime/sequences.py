@@ -293,8 +293,8 @@ class SequenceTable:
         slides = self.slides
         if slides is not None:
             slides.check_keeps(parent, end, f"fork_pos={end}")
-            free = slides.allocator.num_free
-            check(not partial or free > 0, f"the MHA_SLIDING layers' pages are full: all {free} are in use")
+            check(not partial or slides.allocator.num_free > 0, "the MHA_SLIDING layers' pages are full: all "
+                  f"{slides.allocator.num_pages} are in use")
         copies = []
         pages = parent.pages[:full]
         if partial:
