@@ -24,7 +24,7 @@ K_QUANTS = tuple(UNITS)
 
 
 @pytest.mark.parametrize("fmt", K_QUANTS)
-@pytest.mark.parametrize("rows,cols,tokens", [(19, 256, 1), (37, 768, 3)])
+@pytest.mark.parametrize("rows,cols,tokens", [(19, 256, 1), pytest.param(37, 768, 3, marks=pytest.mark.slow)])
 def test_kquant_gemv_arithmetic_on_the_cpu(monkeypatch, fmt, rows, cols, tokens):
     """The GEMV's own arithmetic, its thread loops serial on the CPU, against float64 gguf
     dequantize-then-matmul (float32 sums: within 1e-5 of the magnitudes' product)."""
