@@ -135,8 +135,25 @@ class KindsModel:
         np.testing.assert_allclose(o.numpy().astype(np.float64), np.concatenate(out), rtol=RTOL, atol=ATOL,
                                    err_msg=f"attention_with_shared_kv over layer 0 of {seq_ids} {lengths}")
 
+    def kept(self, seq_id) -> list:
+        """Per layer, the truth of what debug_get_kv reads: an MHA layer every token, an
+        MHA_SLIDING layer zeros before the tokens its pages still hold (a whole number of pages
+        before the next query's window), the tokens after."""
+        start = self.cache.sliding_kept_from(seq_id)
+        length = len(self.k[seq_id][0])
+        need = max(0, length - self.window + 1)
+        assert start <= need and need - start < self.cache.options.page_size, (start, need)
+        out = []
+        for x, y, kind in zip(self.k[seq_id], self.v[seq_id], self.kinds):
+            if kind == "mha_sliding" and start and getattr(self.cache, "_slides", None) is not None:
+                x, y = x.copy(), y.copy()
+                x[:start] = y[:start] = 0
+            out.append((x, y))
+        return out
+
     def check_kv(self):
-        """Every layer keeps every token (debug_get_kv against the truth)."""
+        """debug_get_kv against the truth: every token of the MHA layers, the MHA_SLIDING
+        layers' kept tokens and zeros for those they released (`kept`)."""
         tol = (2e-3, 1e-3) if self.rope == "normal" else (0, 0)
         for seq_id in self.k:
             n, layers = len(self.k[seq_id][0]), len(self.kinds)
@@ -144,9 +161,10 @@ class KindsModel:
                 continue
             k, v = (empty((layers, n, HKV, D), DTYPE, self.device) for _ in range(2))
             self.cache.debug_get_kv(seq_id, 0, n, k, v)
-            np.testing.assert_allclose(k.numpy().astype(np.float64), np.stack(self.k[seq_id]), rtol=tol[0],
+            truth = self.kept(seq_id)
+            np.testing.assert_allclose(k.numpy().astype(np.float64), np.stack([x for x, _ in truth]), rtol=tol[0],
                                        atol=tol[1], err_msg=f"K of {seq_id}")
-            np.testing.assert_array_equal(v.numpy().astype(np.float64), np.stack(self.v[seq_id]))
+            np.testing.assert_array_equal(v.numpy().astype(np.float64), np.stack([y for _, y in truth]))
 
     def check_no_leaks(self, initial):
         self.check_kv()
@@ -160,7 +178,8 @@ class KindsModel:
 def test_layer_windows(target, page_size, rope_mode):
     """Prefills longer than the window from empty histories, prefills over a history, decode
     steps across page boundaries, a mixed batch, attention_with_shared_kv over a windowed layer,
-    forks (inside a page, at its end) and popn into a shared page, no page leaked."""
+    forks (inside a page where the window allows, at its end) and popn as far back as the
+    window allows (one token more is refused, the cache unchanged), no page leaked."""
     m = KindsModel(target, page_size, rope_mode, seed=page_size)
     initial = m.cache.get_num_available_pages()
     for s in (0, 1, 2):
@@ -169,11 +188,18 @@ def test_layer_windows(target, page_size, rope_mode):
     m.forward([1, 0], [7, 3], shared_from_window=True)
     for _ in range(3):
         m.forward([0, 1, 2], [1, 1, 1], shared_from_window=True)
-    m.forward([2, 0], [1, 6])  # a 1-token append in a prefill step
-    m.fork(0, 3, 10)
+    m.forward([2, 0], [1, 8])  # a 1-token append in a prefill step
+    # the earliest fork point: its window starts at the first token the sliding pages hold
+    length = len(m.k[0][0])
+    m.fork(0, 3, max(m.cache.sliding_kept_from(0) + WINDOW - 1, length - 1))
     m.fork(1, 4)
     m.forward([3, 4, 0], [2, 1, 1])
-    m.popn(4, 4)
+    back = len(m.k[4][0]) - (m.cache.sliding_kept_from(4) + WINDOW - 1)
+    before = m.cache.sequence_state(4), m.cache.get_num_available_pages()
+    with pytest.raises(KVCacheError, match="released the tokens before"):
+        m.cache.popn(4, back + 1)
+    assert (m.cache.sequence_state(4), m.cache.get_num_available_pages()) == before
+    m.popn(4, back)
     m.forward([4, 1], [1, 9])
     m.check_kv()
     m.remove(0)
@@ -192,17 +218,23 @@ def test_window_wider_than_every_sequence_is_full_attention():
 
 
 def test_window_plan_one_request_per_token():
-    """The windowed level: one decode request per new token, its window's pages only; none in a
-    step whose sequences all fit in the window (MHA_SLIDING layers then run as MHA layers)."""
+    """The windowed level: one decode request per new token over the MHA_SLIDING layers' own
+    pages, its window's pages only (in every step: the sequences within the window too)."""
     m = KindsModel(page_size=4, seed=6)
     m.add(0)
 
-    def no_window(seq_ids, lengths):
+    def within(seq_ids, lengths):
         m.cache.begin_forward(seq_ids, lengths)
-        assert m.cache.current_plan().host.window == ()
+        (level,) = m.cache.current_plan().host.window
+        # positions 0..4, window 5: keys 0..p, pages 0 (and 1 for p = 4)
+        assert level.page_indptr.tolist() == [0, 1, 2, 3, 4, 6]
+        assert level.length_info.tolist() == [[1, 2, 3, 4, 1], [0] * 5, [0] * 5]
 
-    m.forward([0], [WINDOW], begin=no_window)
+    m.forward([0], [WINDOW], begin=within)
     m.forward([0], [4])
+    state = m.cache.sequence_state(0)
+    # 9 tokens: the next query (position 9) reads 5..9, so page 0 (tokens 0..3) was released
+    assert state["slide_dropped"] == 1 and len(state["slide_pages"]) == 2
 
     def check(seq_ids, lengths):
         m.cache.begin_forward(seq_ids, lengths)
@@ -211,6 +243,10 @@ def test_window_plan_one_request_per_token():
         assert level.qo_indptr is None and level.page_indptr.tolist() == [0, 2, 4]
         assert level.length_info.tolist() == [[2, 3], [1, 2], [0, 0]]
         assert level.k_offset.tolist() == [5, 6]
+        pages = m.cache.sequence_state(0)["slide_pages"]
+        assert level.page_indices.tolist() == pages * 2
+        (positions,) = m.cache.current_plan().host.slide_positions
+        assert positions.tolist() == [pages[1] * 4 + 1, pages[1] * 4 + 2]
 
     m.forward([0], [2], begin=check)
 
@@ -307,7 +343,9 @@ def test_where_tvm_cache_leaves_the_window():
         m.forward([0, 1], [WINDOW, 3])
         for _ in range(6):
             m.forward([0, 1], [1, 1])
-        m.fork(0, 2, 6)
+        # (ours keeps only the window of position 11's next query in the MHA_SLIDING layers'
+        # pages: the earliest fork point it allows is 8, where the released page 0 ends + W - 1)
+        m.fork(0, 2, 6 if leaves else m.cache.sliding_kept_from(0) + WINDOW - 1)
         if leaves:
             with pytest.raises(AssertionError, match=r"layer 0 \(mha_sliding\) of \[2, 0\]"):
                 m.forward([2, 0], [1, 1])

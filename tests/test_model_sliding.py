@@ -196,3 +196,39 @@ def test_cuda_float16_matches_torch(tmp_path):
     result = Generator(model.lib).generate_tokens(PROMPTS, max_new_tokens=4, keep_logits=True)
     for prompt, tokens, rows in zip(PROMPTS, result.tokens, result.logits):
         np.testing.assert_allclose(rows, model.torch.logits(prompt + tokens[:-1])[len(prompt) - 1:], **model.tolerance)
+
+
+def test_serving_past_the_window_with_prefix_cache_and_draft_model(sliding_model):
+    """The serving engine over the sliding library, whose MHA_SLIDING layers keep only their
+    windows: the prefix cache's forks at positions whose window those layers released fall
+    back to a fresh sequence (a fork at a node's end is served), and the draft model (the
+    library drafting for itself in chains) starts its sequence over where a rollback reaches
+    back past its window. Every request gets torch's greedy tokens; nothing leaks."""
+    from tvmattn.sampling import SamplingOptions
+    from tvmattn.serve.engine import Engine
+    from tvmattn.serve.runner import DraftModel, ModelRunner
+    from tvmattn.speculative import SpeculativeOptions
+
+    rng = np.random.default_rng(5)
+    first = [int(t) for t in rng.integers(0, 128, size=40)]
+    work = [first, first[:35] + [int(t) for t in rng.integers(0, 128, size=9)], first + [3, 9]]
+    runner = ModelRunner(sliding_model.lib)
+    draft = DraftModel(runner.session.sibling(), 1, 4 * 256, 4)
+    free = draft.session.available_pages()
+    options = SpeculativeOptions("draft-model", 4, 1, str(sliding_model.lib), back_off=False)
+    engine = Engine(runner, max_batched_tokens=32, speculative=options, draft_model=draft, prefix_cache="radix")
+    for i, prompt in enumerate(work):  # one after another: each later one finds the earlier ones cached
+        request = engine.submit(prompt, SamplingOptions(temperature=0, max_tokens=12, ignore_eos=True),
+                                speculative=i != 1)
+        while engine.step():
+            pass
+        context = list(prompt)
+        for _ in range(12):
+            context.append(int(np.argmax(sliding_model.torch.logits(context)[-1])))
+        assert request.stream.result().tokens == context[len(prompt):], f"request {i}"
+    assert engine.accepted > 0 and engine.prefix.hit_tokens > 0
+    assert draft.cached == {} and draft.session.available_pages() == free
+    engine.clear_prefix_cache()
+    assert engine.runner.available_pages() == engine.runner.num_pages and engine.cache_sequences() == []
+    report = engine.memory_report()
+    assert report["sliding_layers"] == 2 and report["held_bytes"] == report["full_bytes"] == 0

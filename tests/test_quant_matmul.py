@@ -437,7 +437,7 @@ def test_cuda_gemv_routing():
     assert uses_cuda_gemv(cfg(tokens=None, few_tokens=True))
     assert not uses_cuda_gemv(cfg(tokens=None))  # prefill: dlight's Matmul
     assert not uses_cuda_gemv(cfg(fmt="Q8_0", n=49152, tokens=None, few_tokens=True))  # the 30 MB LM head
-    assert not uses_cuda_gemv(cfg(fmt="Q4_K", k=768, tokens=1))
+    assert uses_cuda_gemv(cfg(fmt="Q4_K", k=768, tokens=1))  # (tests/test_gemv_kquant.py)
     assert not uses_cuda_gemv(QuantMatmulConfig("Q4_1", 960, 576, tokens=1))  # llvm
     assert cfg(tokens=None, few_tokens=True).name == "quant_matmul_q4_1_960x576_b_f16"
     with pytest.raises(ValueError, match="few_tokens=True"):
@@ -545,14 +545,14 @@ def test_cuda_model_takes_the_gemv_and_fuses_the_residual():
      ("Q6_K", 1, False), ("Q6_K", None, False)], ("Q5_0", 1, False), unpack=True))
 def test_cuda_source_builds_for_gemma_formats(fmt, tokens, few):
     """The CUDA source of Gemma 3's block formats at its shapes (K = 640 and 1024) builds for
-    sm_90 without a GPU: Q5_0's one token and decode batch take the GEMV of our own (reading the
-    fifth bits as 32-bit words), its prefill and the K-quants' products dlight's rules."""
+    sm_90 without a GPU: one token and a decode batch take the GEMV of our own (Q5_0's fifth bits
+    and Q6_K's high bits read as 32-bit words), a prefill dlight's rules."""
     if tvm.get_global_func("target.build.cuda", allow_missing=True) is None:
         pytest.skip("TVM built without CUDA codegen")
     k = 640 if fmt == "Q5_0" else 1024
     config = QuantMatmulConfig(fmt, 256, k, tokens=tokens, few_tokens=few, target="cuda", dtype="float16")
     source = tvm.compile(kernel(config), target=cuda_target()).mod.imports[0].inspect_source()
     assert "__global__" in source
-    assert uses_cuda_gemv(config) == (fmt == "Q5_0" and (tokens == 1 or few))
+    assert uses_cuda_gemv(config) == (tokens == 1 or few)
     if uses_cuda_gemv(config):
-        assert "qhw_ptr" in source and "__shfl_xor_sync" in source
+        assert ("qhw_ptr" in source) == (fmt in ("Q5_0", "Q6_K")) and "__shfl_xor_sync" in source

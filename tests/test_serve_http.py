@@ -136,7 +136,8 @@ def test_models_health_and_auth(live):
         metrics = client.get("/metrics", headers=AUTH).text
         for name in ("tvmattn_requests_running", "tvmattn_requests_waiting", "tvmattn_kv_pages_used",
                      "tvmattn_kv_pages_free", "tvmattn_prefix_cache_hit_rate", "tvmattn_time_to_first_token_seconds",
-                     "tvmattn_inter_token_latency_seconds", "tvmattn_output_tokens_per_second"):
+                     "tvmattn_inter_token_latency_seconds", "tvmattn_output_tokens_per_second",
+                     "tvmattn_kv_bytes_held", "tvmattn_kv_bytes_full_attention"):
             assert name in metrics
 
 

@@ -1,4 +1,4 @@
-"""A CUDA dequantize + GEMV of our own for the 32-weight GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0).
+"""A CUDA dequantize + GEMV of our own for GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, and Q4_K, Q6_K).
 
 What it computes is algorithms.matmul_algorithm's product for a few tokens,
 Y[t, n] = sum_k X[t, k] * W[n, k], in the block-factored form of algorithms.gemv_algorithm:
@@ -18,6 +18,16 @@ thread block (threadIdx.y), so a 576-row projection is 288 blocks of 64 threads 
 branch-free and every load is issued up front. More tokens than one (decode_step's symbolic
 batch) run in passes of `token_tile` tokens; the weight blocks stay in the thread's registers
 and X is re-read per token (from L1 / L2).
+
+The K-quants take whole units of their 256-weight super-blocks, laid out as GGUF's (config.py):
+a Q4_K unit is 64 weights, the 32 bytes whose low nibbles are one 32-weight sub-block and whose
+high nibbles the next (scale d * sc, offset -dmin * mn each); a Q6_K unit is 128 weights, half a
+super-block: 64 bytes of ql and 32 of qh (eight 32-bit loads of quants and two of high bits),
+eight 16-weight groups of scale d * sc and offset -32 d * sc. Per group g of a unit,
+
+    Y[t, n] += scale_g * (sum_i q_i * X[t, i]) + offset_g * (sum_i X[t, i])
+
+A lane takes whole units as it takes blocks (their quants, scales and offsets in registers).
 
 Arguments as algorithms.matmul_algorithm's: (X [T, K], *parts, Y [T, N]), shapes int64, T a
 static count or the symbolic `n_tokens`; with `residual`, (X, *parts, R [T, N], Y) for
@@ -44,8 +54,9 @@ from tvm.script import tirx as T
 
 from .config import PROLOGUES
 
-GEMV_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+GEMV_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 BLOCK = 32
+UNITS = {"Q4_K": 64, "Q6_K": 128}  # weights a lane takes at once (other formats: a BLOCK)
 FULL_WARP = 0xFFFFFFFF
 
 
@@ -73,15 +84,17 @@ class CUDAGemvSchedule:
             raise ValueError(f"lanes * rows = {self.lanes * self.rows}: at most 1024 threads per block")
 
 
-def choose_gemv_schedule(n: int, k: int, tokens: int | None, prologue: str = "none") -> CUDAGemvSchedule:
+def choose_gemv_schedule(n: int, k: int, tokens: int | None, prologue: str = "none",
+                         fmt: str | None = None) -> CUDAGemvSchedule:
     """lanes: the smallest power of 2 up to 32 covering the row's blocks, so a lane takes as few
     blocks as it can (each is about 200 dependent instructions: at one token the kernel is bound by
     that latency, not by bytes; SmolLM2's K of 576 and 1536 are 18 and 48 blocks: 1 and 2 per
     lane); rows: 64 threads per block (576 rows: 288 blocks on 132 SMs); token tiles of 4 (a static
     count: one pass). With a prologue, 512 threads a block: the prologue runs once per block and
     pass (staged in shared memory), so bigger blocks repeat it less; and passes of at most 4
-    tokens (the staged X of SmolLM2's K = 1536 then fits the 48 KB of static shared memory)."""
-    blocks = k // BLOCK
+    tokens (the staged X of SmolLM2's K = 1536 then fits the 48 KB of static shared memory).
+    fmt: a K-quant's lanes cover its units (UNITS) instead of 32-weight blocks."""
+    blocks = k // UNITS.get(fmt, BLOCK)
     lanes = 1
     while lanes < min(blocks, 32):
         lanes *= 2
@@ -99,20 +112,25 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     and Y are named e0, e1, ... in the PrimFunc (whichever of m or qh, G, R it takes, in that order)."""
     if fmt not in GEMV_FORMATS:
         raise ValueError(f"fmt={fmt!r}: the CUDA GEMV takes {GEMV_FORMATS}")
-    if k % BLOCK:
-        raise ValueError(f"k={k}: expected whole blocks of {BLOCK}")
+    KQ, Q4K, Q6K = fmt in UNITS, fmt == "Q4_K", fmt == "Q6_K"  # K-quants: units of UNITS[fmt] weights
+    if k % (256 if KQ else BLOCK):
+        raise ValueError(f"k={k}: expected whole blocks of {256 if KQ else BLOCK}")
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue={prologue!r}: expected one of {PROLOGUES}")
     N, K, NB = n, k, k // BLOCK
     L, R = plan.lanes, plan.rows
     TR = plan.token_tile if tokens is None else min(tokens, plan.token_tile)  # tokens per pass
-    J = (NB + L - 1) // L  # blocks per lane
+    UNIT = UNITS.get(fmt, BLOCK)
+    NU = K // UNIT  # units per row (a BLOCK each but for the K-quants)
+    J = (NU + L - 1) // L  # units per lane
     GRID = (N + R - 1) // R
     LOG_L = L.bit_length() - 1
     VEC = 16 // (2 if dtype == "float16" else 4)  # activations per 16-byte load
     Q8 = fmt == "Q8_0"
-    WORDS = 8 if Q8 else 4  # 32-bit words of quants per block
-    WPR = NB * WORDS  # words per row
+    WORDS = {"Q8_0": 8, "Q4_K": 8, "Q6_K": 16}.get(fmt, 4)  # 32-bit words of quants per unit
+    WPR = NU * WORDS  # words per row
+    G = {"Q4_K": 2, "Q6_K": 8}.get(fmt, 1)  # groups of one scale and offset per unit
+    HW = 8 if Q6K else 1  # 32-bit words of high bits per unit (Q5_0's qh, Q6_K's)
     QS_COLS = K if Q8 else K // 2
     QS_DTYPE = "int8" if Q8 else "uint8"
     WORD = "int32" if Q8 else "uint32"
@@ -137,6 +155,66 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                 xv[c * VEC + v] = x[tok, b * BLOCK + c * VEC + v]
         for i in T.unroll(BLOCK):
             xf[i] = T.Cast(f32, xv[i])
+
+    @T.macro
+    def load_unit(x, xv, xf, xs, t, tok, b):
+        """xf = the UNIT values of X that unit b of a K-quant meets, float32 (staged or from X)."""
+        if PRO:
+            for c in T.unroll(UNIT // 4):
+                for v in T.vectorized(4):
+                    xf[c * 4 + v] = xs[t * NB * BP + (b * (UNIT // BLOCK) + c // 8) * BP + c % 8 * 4 + v]
+        else:
+            for c in T.unroll(UNIT // VEC):
+                for v in T.vectorized(VEC):
+                    xv[c * VEC + v] = x[tok, b * UNIT + c * VEC + v]
+            for i in T.unroll(UNIT):
+                xf[i] = T.Cast(f32, xv[i])
+
+    @T.macro
+    def load_kquant(qw, qhw, d, k1, k2, k3, words, high, scale, offset, rowc, j, b, live):
+        """A K-quant unit's quants (16-byte loads), Q6_K's high bits, its groups' scales and offsets."""
+        for h in T.unroll(WORDS // 4):
+            for w in T.vectorized(4):
+                words[j * WORDS + h * 4 + w] = qw[rowc * WPR + b * WORDS + h * 4 + w]
+        if Q4K:  # k1, k2, k3 = sc, mn, dmin
+            for g in T.unroll(2):
+                scale[j * 2 + g] = T.Cast(f32, d[rowc, b // 4]) * T.Cast(f32, k1[rowc, b * 2 + g]) * live
+                offset[j * 2 + g] = T.Cast(f32, k3[rowc, b // 4]) * T.Cast(f32, k2[rowc, b * 2 + g]) \
+                    * T.float32(-1.0) * live
+        else:  # Q6_K: k1, k2 = qh, sc
+            for h in T.unroll(2):
+                for w in T.vectorized(4):
+                    high[j * HW + h * 4 + w] = qhw[rowc * (NU * HW) + b * HW + h * 4 + w]
+            for g in T.unroll(8):
+                scale[j * 8 + g] = T.Cast(f32, d[rowc, b // 2]) * T.Cast(f32, k2[rowc, b * 8 + g]) * live
+                offset[j * 8 + g] = scale[j * 8 + g] * T.float32(-32.0)
+
+    @T.macro
+    def dot_kquant(words, high, scale, offset, xf, dot, acc, t, j):
+        """acc[t] += unit j's groups: scale * (q . X) + offset * sum(X)."""
+        for a in T.unroll(2 * G):
+            dot[a] = T.float32(0.0)
+        if Q4K:  # low nibbles: the unit's first 32 weights; high nibbles: the next 32
+            for w in T.unroll(WORDS):
+                for e in T.unroll(4):
+                    dot[0] = dot[0] + T.Cast(f32, T.bitwise_and(T.shift_right(
+                        words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15))) * xf[w * 4 + e]
+                    dot[1] = dot[1] + T.Cast(f32, T.bitwise_and(T.shift_right(
+                        words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15))) * xf[w * 4 + e + 32]
+        else:  # Q6_K: byte l of ql's first and second 32 and of qh make weights l, l + 32, l + 64, l + 96
+            for w in T.unroll(8):
+                for e in T.unroll(4):
+                    for part in T.unroll(4):  # weight part * 32 + 4 w + e, in group 2 part + w // 4
+                        dot[2 * part + w // 4] = dot[2 * part + w // 4] + T.Cast(f32, T.bitwise_or(
+                            T.bitwise_and(T.shift_right(words[j * WORDS + w + 8 * (part % 2)],
+                                                        T.Cast("uint32", 8 * e + 4 * (part // 2))), T.uint32(15)),
+                            T.shift_left(T.bitwise_and(T.shift_right(high[j * HW + w], T.Cast(
+                                "uint32", 8 * e + 2 * part)), T.uint32(3)), T.uint32(4)))) * xf[part * 32 + w * 4 + e]
+        for g in T.unroll(G):
+            for i in T.unroll(UNIT // G):
+                dot[G + g] = dot[G + g] + xf[g * (UNIT // G) + i]
+        for g in T.unroll(G):
+            acc[t] = acc[t] + scale[j * G + g] * dot[g] + offset[j * G + g] * dot[G + g]
 
     @T.macro
     def stage(x, g, xs, part, rstd, t0, n_tokens, lin):
@@ -172,10 +250,12 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                 rstd[t] = T.rsqrt(sq[t] / T.float32(K) + T.float32(eps))
 
     @T.macro
-    def body(x, qs, d, m, g, r, y, n_tokens):
+    def body(x, qs, d, m, g, r, y, n_tokens, k1, k2, k3):
         qw = T.decl_buffer((T.int64(N * WPR),), WORD, data=qs.data)
         if Q5:
             qhw = T.decl_buffer((T.int64(N * NB),), "uint32", data=m.data)
+        elif Q6K:
+            qhw = T.decl_buffer((T.int64(N * NU * HW),), "uint32", data=k1.data)
         else:
             qhw = T.meta_var(None)
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
@@ -188,35 +268,39 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                         xs = T.meta_var(None)
                         part = T.meta_var(None)
                     words = T.alloc_local((J * WORDS,), WORD)
-                    high = T.alloc_local((J,), "uint32")
-                    scale = T.alloc_local((J,), f32)
-                    offset = T.alloc_local((J,), f32)
-                    xv = T.alloc_local((BLOCK,), dtype)
-                    xf = T.alloc_local((BLOCK,), f32)
+                    high = T.alloc_local((J * HW,), "uint32")
+                    scale = T.alloc_local((J * G,), f32)
+                    offset = T.alloc_local((J * G,), f32)
+                    xv = T.alloc_local((UNIT,), dtype)
+                    xf = T.alloc_local((UNIT,), f32)
                     acc = T.alloc_local((TR,), f32)
                     rstd = T.alloc_local((TR,), f32)
-                    dot = T.alloc_local((5,), f32)
+                    dot = T.alloc_local((max(5, 2 * G),), f32)
                     row = T.Cast("int64", bx * R + ty)
                     rowc = T.min(row, T.int64(N - 1))  # rows past N compute row N-1, never stored
                     # the lane's blocks: quants (16-byte loads), scale and offset, once
                     for j in T.unroll(J):
-                        b = T.min(T.Cast("int64", j * L + tx), T.int64(NB - 1))
-                        for w in T.vectorized(4):
-                            words[j * WORDS + w] = qw[rowc * WPR + b * WORDS + w]
-                        if Q8:
+                        b = T.min(T.Cast("int64", j * L + tx), T.int64(NU - 1))
+                        if KQ:
+                            load_kquant(qw, qhw, d, k1, k2, k3, words, high, scale, offset, rowc, j, b,
+                                        T.if_then_else(j * L + tx < NU, T.float32(1.0), T.float32(0.0)))
+                        else:
                             for w in T.vectorized(4):
-                                words[j * WORDS + 4 + w] = qw[rowc * WPR + b * WORDS + 4 + w]
-                        # a lane past the row's blocks repeats the last one with weight 0: the code
-                        # stays branch-free, so the compiler issues every load up front
-                        live = T.if_then_else(j * L + tx < NB, T.float32(1.0), T.float32(0.0))
-                        scale[j] = T.Cast(f32, d[rowc, b]) * live
-                        if HAS_M:
-                            offset[j] = T.Cast(f32, m[rowc, b]) * live
-                        elif Q5:
-                            high[j] = qhw[rowc * NB + b]
-                            offset[j] = T.Cast(f32, d[rowc, b]) * T.float32(-16.0) * live
-                        elif not Q8:
-                            offset[j] = T.Cast(f32, d[rowc, b]) * T.float32(-8.0) * live
+                                words[j * WORDS + w] = qw[rowc * WPR + b * WORDS + w]
+                            if Q8:
+                                for w in T.vectorized(4):
+                                    words[j * WORDS + 4 + w] = qw[rowc * WPR + b * WORDS + 4 + w]
+                            # a lane past the row's blocks repeats the last one with weight 0: the code
+                            # stays branch-free, so the compiler issues every load up front
+                            live = T.if_then_else(j * L + tx < NB, T.float32(1.0), T.float32(0.0))
+                            scale[j] = T.Cast(f32, d[rowc, b]) * live
+                            if HAS_M:
+                                offset[j] = T.Cast(f32, m[rowc, b]) * live
+                            elif Q5:
+                                high[j] = qhw[rowc * NB + b]
+                                offset[j] = T.Cast(f32, d[rowc, b]) * T.float32(-16.0) * live
+                            elif not Q8:
+                                offset[j] = T.Cast(f32, d[rowc, b]) * T.float32(-8.0) * live
                     for t0 in T.serial((n_tokens + TR - 1) // TR):
                         if PRO:
                             stage(x, g, xs, part, rstd, t0, n_tokens, ty * L + tx)
@@ -225,45 +309,50 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                         for t in T.unroll(TR):
                             tok = T.min(t0 * TR + t, n_tokens - 1)
                             for j in T.unroll(J):
-                                b = T.min(T.Cast("int64", j * L + tx), T.int64(NB - 1))
-                                if PRO:
-                                    for c in T.unroll(BLOCK // 4):
-                                        for v in T.vectorized(4):
-                                            xf[c * 4 + v] = xs[t * NB * BP + b * BP + c * 4 + v]
+                                b = T.min(T.Cast("int64", j * L + tx), T.int64(NU - 1))
+                                if KQ:
+                                    load_unit(x, xv, xf, xs, t, tok, b)
+                                    dot_kquant(words, high, scale, offset, xf, dot, acc, t, j)
                                 else:
-                                    load_x(x, xv, xf, tok, b)
-                                for a in T.unroll(5):
-                                    dot[a] = T.float32(0.0)
-                                # four independent partial sums (by word) keep the FMA chains short
-                                for w in T.unroll(WORDS):
-                                    for e in T.unroll(4):
-                                        if Q8:
-                                            dot[w % 4] = dot[w % 4] + T.Cast(f32, T.shift_right(
-                                                T.shift_left(words[j * WORDS + w], 24 - 8 * e), 24)) * xf[w * 4 + e]
-                                        elif Q5:
-                                            dot[w] = dot[w] + T.Cast(f32, T.bitwise_or(T.bitwise_and(T.shift_right(
-                                                words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15)),
-                                                T.shift_left(T.bitwise_and(T.shift_right(high[j], T.Cast(
-                                                    "uint32", w * 4 + e)), T.uint32(1)), T.uint32(4)))) * xf[w * 4 + e]
-                                            dot[w] = dot[w] + T.Cast(f32, T.bitwise_or(T.bitwise_and(T.shift_right(
-                                                words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15)),
-                                                T.shift_left(T.bitwise_and(T.shift_right(high[j], T.Cast(
-                                                    "uint32", w * 4 + e + 16)), T.uint32(1)), T.uint32(4)))) \
-                                                * xf[w * 4 + e + 16]
-                                        else:
-                                            dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
-                                                words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15))) \
-                                                * xf[w * 4 + e]
-                                            dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
-                                                words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15))) \
-                                                * xf[w * 4 + e + 16]
-                                if not Q8:
-                                    for i in T.unroll(BLOCK):
-                                        dot[4] = dot[4] + xf[i]
-                                    acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3])) \
-                                        + offset[j] * dot[4]
-                                else:
-                                    acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3]))
+                                    if PRO:
+                                        for c in T.unroll(BLOCK // 4):
+                                            for v in T.vectorized(4):
+                                                xf[c * 4 + v] = xs[t * NB * BP + b * BP + c * 4 + v]
+                                    else:
+                                        load_x(x, xv, xf, tok, b)
+                                    for a in T.unroll(5):
+                                        dot[a] = T.float32(0.0)
+                                    # four independent partial sums (by word) keep the FMA chains short
+                                    for w in T.unroll(WORDS):
+                                        for e in T.unroll(4):
+                                            if Q8:
+                                                dot[w % 4] = dot[w % 4] + T.Cast(f32, T.shift_right(
+                                                    T.shift_left(words[j * WORDS + w], 24 - 8 * e), 24)) * xf[w * 4 + e]
+                                            elif Q5:
+                                                dot[w] = dot[w] + T.Cast(f32, T.bitwise_or(T.bitwise_and(T.shift_right(
+                                                    words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15)),
+                                                    T.shift_left(T.bitwise_and(T.shift_right(high[j], T.Cast(
+                                                        "uint32", w * 4 + e)), T.uint32(1)), T.uint32(4)))) \
+                                                    * xf[w * 4 + e]
+                                                dot[w] = dot[w] + T.Cast(f32, T.bitwise_or(T.bitwise_and(T.shift_right(
+                                                    words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15)),
+                                                    T.shift_left(T.bitwise_and(T.shift_right(high[j], T.Cast(
+                                                        "uint32", w * 4 + e + 16)), T.uint32(1)), T.uint32(4)))) \
+                                                    * xf[w * 4 + e + 16]
+                                            else:
+                                                dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
+                                                    words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15))) \
+                                                    * xf[w * 4 + e]
+                                                dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
+                                                    words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15))) \
+                                                    * xf[w * 4 + e + 16]
+                                    if not Q8:
+                                        for i in T.unroll(BLOCK):
+                                            dot[4] = dot[4] + xf[i]
+                                        acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3])) \
+                                            + offset[j] * dot[4]
+                                    else:
+                                        acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3]))
                         for t in T.unroll(TR):
                             for s in T.unroll(LOG_L):
                                 acc[t] = acc[t] + T.tvm_warp_shuffle_xor(
@@ -301,6 +390,9 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
         got = dict(zip(names, bufs))
         return got.get("m"), got.get("g"), got.get("r")
 
+    if KQ:
+        return _kquant_func(fmt, N, K, XK, dtype, NORM, RES, tok_rows, body)
+
     # one signature per number of extra arguments; X and Y (and R) shaped by the token count
     if len(extras) == 0:
         @T.prim_func
@@ -309,7 +401,7 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
             n_tokens = T.int64()
             x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(XK)), dtype)
             y = T.match_buffer(y_h, (tok_rows(n_tokens), T.int64(N)), dtype)
-            body(x, qs, d, None, None, None, y, tok_rows(n_tokens))
+            body(x, qs, d, None, None, None, y, tok_rows(n_tokens), None, None, None)
     elif len(extras) == 1:
         @T.prim_func
         def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), e0_h: T.handle,
@@ -319,7 +411,7 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
             x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(XK)), dtype)
             e0 = T.match_buffer(e0_h, shape[0](n_tokens), dt[0])
             y = T.match_buffer(y_h, (tok_rows(n_tokens), T.int64(N)), dtype)
-            body(x, qs, d, *route([e0]), y, tok_rows(n_tokens))
+            body(x, qs, d, *route([e0]), y, tok_rows(n_tokens), None, None, None)
     elif len(extras) == 2:
         @T.prim_func
         def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), e0_h: T.handle,
@@ -330,7 +422,7 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
             e0 = T.match_buffer(e0_h, shape[0](n_tokens), dt[0])
             e1 = T.match_buffer(e1_h, shape[1](n_tokens), dt[1])
             y = T.match_buffer(y_h, (tok_rows(n_tokens), T.int64(N)), dtype)
-            body(x, qs, d, *route([e0, e1]), y, tok_rows(n_tokens))
+            body(x, qs, d, *route([e0, e1]), y, tok_rows(n_tokens), None, None, None)
     else:
         @T.prim_func
         def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), e0_h: T.handle,
@@ -342,5 +434,92 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
             e1 = T.match_buffer(e1_h, shape[1](n_tokens), dt[1])
             e2 = T.match_buffer(e2_h, shape[2](n_tokens), dt[2])
             y = T.match_buffer(y_h, (tok_rows(n_tokens), T.int64(N)), dtype)
-            body(x, qs, d, *route([e0, e1, e2]), y, tok_rows(n_tokens))
+            body(x, qs, d, *route([e0, e1, e2]), y, tok_rows(n_tokens), None, None, None)
+    return func
+
+
+def _kquant_func(fmt: str, n: int, k: int, xk: int, dtype: str, norm: bool, residual: bool, tok_rows, body):
+    """The PrimFunc (X, *parts[, G][, R], Y) of a K-quant GEMV: its parts as config.py lists them
+    (Q4_K: qs, sc, mn, d, dmin; Q6_K: ql, qh, sc, d), the arguments after them named h0, h1, ..."""
+    N, K = T.int64(n), k
+    parts = {"Q4_K": [((N, T.int64(K // 2)), "uint8"), ((N, T.int64(K // 32)), "uint8"),
+                      ((N, T.int64(K // 32)), "uint8"), ((N, T.int64(K // 256)), "float16"),
+                      ((N, T.int64(K // 256)), "float16")],
+             "Q6_K": [((N, T.int64(K // 2)), "uint8"), ((N, T.int64(K // 4)), "uint8"),
+                      ((N, T.int64(K // 16)), "int8"), ((N, T.int64(K // 256)), "float16")]}[fmt]
+    specs = [lambda t, s=shape, d=dt: (s, d) for shape, dt in parts]
+    if norm:
+        specs.append(lambda t: ((T.int64(K),), dtype))
+    if residual:
+        specs.append(lambda t: ((tok_rows(t), N), dtype))
+
+    def front(bufs):
+        """body's (quants, d, m, g, r) from the matched buffers."""
+        rest = list(bufs[len(parts):])
+        g = rest.pop(0) if norm else None
+        r = rest.pop(0) if residual else None
+        return bufs[0], bufs[3], None, g, r
+
+    def back(bufs):
+        """body's (k1, k2, k3): Q4_K's sc, mn, dmin; Q6_K's qh, sc."""
+        return (bufs[1], bufs[2], bufs[4]) if fmt == "Q4_K" else (bufs[1], bufs[2], None)
+
+    count = len(specs)
+    if count == 4:
+        @T.prim_func
+        def func(x_h: T.handle, h0_h: T.handle, h1_h: T.handle, h2_h: T.handle, h3_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n_tokens = T.int64()
+            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(xk)), dtype)
+            h0 = T.match_buffer(h0_h, *specs[0](n_tokens))
+            h1 = T.match_buffer(h1_h, *specs[1](n_tokens))
+            h2 = T.match_buffer(h2_h, *specs[2](n_tokens))
+            h3 = T.match_buffer(h3_h, *specs[3](n_tokens))
+            y = T.match_buffer(y_h, (tok_rows(n_tokens), N), dtype)
+            body(x, *front([h0, h1, h2, h3]), y, tok_rows(n_tokens), *back([h0, h1, h2, h3]))
+    elif count == 5:
+        @T.prim_func
+        def func(x_h: T.handle, h0_h: T.handle, h1_h: T.handle, h2_h: T.handle, h3_h: T.handle, h4_h: T.handle,
+                 y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n_tokens = T.int64()
+            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(xk)), dtype)
+            h0 = T.match_buffer(h0_h, *specs[0](n_tokens))
+            h1 = T.match_buffer(h1_h, *specs[1](n_tokens))
+            h2 = T.match_buffer(h2_h, *specs[2](n_tokens))
+            h3 = T.match_buffer(h3_h, *specs[3](n_tokens))
+            h4 = T.match_buffer(h4_h, *specs[4](n_tokens))
+            y = T.match_buffer(y_h, (tok_rows(n_tokens), N), dtype)
+            body(x, *front([h0, h1, h2, h3, h4]), y, tok_rows(n_tokens), *back([h0, h1, h2, h3, h4]))
+    elif count == 6:
+        @T.prim_func
+        def func(x_h: T.handle, h0_h: T.handle, h1_h: T.handle, h2_h: T.handle, h3_h: T.handle, h4_h: T.handle,
+                 h5_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n_tokens = T.int64()
+            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(xk)), dtype)
+            h0 = T.match_buffer(h0_h, *specs[0](n_tokens))
+            h1 = T.match_buffer(h1_h, *specs[1](n_tokens))
+            h2 = T.match_buffer(h2_h, *specs[2](n_tokens))
+            h3 = T.match_buffer(h3_h, *specs[3](n_tokens))
+            h4 = T.match_buffer(h4_h, *specs[4](n_tokens))
+            h5 = T.match_buffer(h5_h, *specs[5](n_tokens))
+            y = T.match_buffer(y_h, (tok_rows(n_tokens), N), dtype)
+            body(x, *front([h0, h1, h2, h3, h4, h5]), y, tok_rows(n_tokens), *back([h0, h1, h2, h3, h4, h5]))
+    else:
+        @T.prim_func
+        def func(x_h: T.handle, h0_h: T.handle, h1_h: T.handle, h2_h: T.handle, h3_h: T.handle, h4_h: T.handle,
+                 h5_h: T.handle, h6_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n_tokens = T.int64()
+            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(xk)), dtype)
+            h0 = T.match_buffer(h0_h, *specs[0](n_tokens))
+            h1 = T.match_buffer(h1_h, *specs[1](n_tokens))
+            h2 = T.match_buffer(h2_h, *specs[2](n_tokens))
+            h3 = T.match_buffer(h3_h, *specs[3](n_tokens))
+            h4 = T.match_buffer(h4_h, *specs[4](n_tokens))
+            h5 = T.match_buffer(h5_h, *specs[5](n_tokens))
+            h6 = T.match_buffer(h6_h, *specs[6](n_tokens))
+            y = T.match_buffer(y_h, (tok_rows(n_tokens), N), dtype)
+            body(x, *front([h0, h1, h2, h3, h4, h5, h6]), y, tok_rows(n_tokens), *back([h0, h1, h2, h3, h4, h5, h6]))
     return func

@@ -99,7 +99,7 @@ def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.P
         raise ValueError(f"{config.name}: prologue={config.prologue!r} needs the CUDA GEMV (uses_cuda_gemv)")
     if uses_cuda_gemv(config):
         func = gemv_kernel(config.fmt, config.n, config.k, config.tokens, config.dtype,
-                           choose_gemv_schedule(config.n, config.k, config.tokens, config.prologue),
+                           choose_gemv_schedule(config.n, config.k, config.tokens, config.prologue, config.fmt),
                            residual=config.residual, prologue=config.prologue, eps=config.eps)
         return _scheduled(func).with_attr("global_symbol", config.name)
     if config.target == "llvm":

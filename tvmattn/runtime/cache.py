@@ -1,8 +1,9 @@
 """`PagedKVCache`: the paged K/V pools of a model's attention layers and the sequences in them.
 
 Owns the device pools (one tensor per layer, `[num_pages, 2, Hkv, page_size, D]`, index 0 =
-K, 1 = V; in an MLA cache `[num_pages, page_size, qk_head_dim]`, one latent row per token),
-the page allocator and sequence table, the kernels, and the forward step in progress.
+K, 1 = V; in an MLA cache `[num_pages, page_size, qk_head_dim]`, one latent row per token;
+an MHA_SLIDING layer's has `sliding_pool_pages`, see tvmattn.runtime.slides), the page
+allocators and sequence table, the kernels, and the forward step in progress.
 Sequence operations change the host bookkeeping (and copy pages on the device when a fork
 or a copy-on-write needs it); `begin_forward` plans a step on the host and uploads its
 index arrays with one copy; the per-layer attention calls check their arguments and launch.
@@ -27,7 +28,10 @@ Semantics follow TVM's C++ cache (paged_kv_cache.cc), with these choices:
   is committed, so it keeps exactly what appending the path one by one would keep;
 - per-layer kinds (`attn_kinds`, TVM's AttnKind): MHA layers need `v_head_dim == qk_head_dim`;
   MHA_SLIDING layers attend to each token's last `layer_sliding_window_size` tokens in every
-  step (tvmattn.runtime.windows; TVM does so in decode steps only); a cache is either every
+  step (tvmattn.runtime.windows; TVM does so in decode steps only) and keep only the tokens a
+  future query's window reads, in pools and pages of their own (tvmattn.runtime.slides; TVM
+  keeps every token in every layer), so popn / fork_pos cannot go back past what they
+  released (KVCacheError) and debug_get_kv reads zeros there; a cache is either every
   layer MLA (tvmattn.runtime.mla: latent pages, append_mla_kv / self_attention /
   cross_attention, no token trees, no sliding windows, as in TVM) or MHA / MHA_SLIDING.
 Every method validates its arguments before changing anything and raises KVCacheError (a call
@@ -61,10 +65,11 @@ from .kernels import DecodeByShape, Deferred, KernelSet, default_kernels, paged_
 from .kinds import AttnKind, parse_attn_kinds
 from .mla import MLAStep, check_mla_kernels, merge_for, mla_config, mla_kernel_set, ragged_for
 from .pages import PageAllocator
+from .slides import SlidingPages
 from .plan import DeviceArrays, ForwardPlan, build_plan, build_plan_arrays, plan_size_bound, with_window
 from .sequences import PageCopy, SequenceTable, TableArrays
 from .trees import accepted_path, check_new_nodes, compact_copies, is_chain, tree_step
-from .windows import WindowStep, window_level
+from .windows import WindowStep, window_plan
 
 log = logging.getLogger("tvmattn.cache")
 
@@ -171,6 +176,30 @@ class CacheOptions:
         plus two per sequence with sliding windows (partly emptied pages)."""
         pages = -(-self.max_total_seq_len // self.page_size) + 1
         return pages + (2 * self.max_num_sequences if self.support_sliding_window else 0)
+
+    @property
+    def sliding_num_pages(self) -> int:
+        """Pages of the MHA_SLIDING layers' own allocator (0 without such layers): what every
+        sequence's window needs between steps (ceil((W - 1) / page_size) + 1 pages each) plus a
+        step's new tokens (a prefill chunk, a page more per sequence), at most num_pages."""
+        if not self.has_layer_windows:
+            return 0
+        window_pages = -(-(self.layer_sliding_window_size - 1) // self.page_size)
+        bound = self.max_num_sequences * (window_pages + 2) + -(-self.prefill_chunk_size // self.page_size)
+        return min(self.num_pages, bound)
+
+    @property
+    def sliding_pool_pages(self) -> int:
+        """Pages of an MHA_SLIDING layer's pool: sliding_num_pages, a zero page (what
+        debug_get_kv reads for released positions), and the scale page of FP8 pools."""
+        return self.sliding_num_pages + 1 + (1 if self.kv_fp8 else 0)
+
+    def layer_page_bytes(self) -> int:
+        """Device bytes of one page of one layer's pool."""
+        elem = numpy_dtype(self.page_dtype).itemsize
+        if self.is_mla:
+            return self.page_size * self.qk_head_dim * elem
+        return self.num_kv_heads * self.page_size * (self.qk_head_dim + self.v_head_dim) * elem
 
     @property
     def effective_rope_mode(self) -> RopeMode:
@@ -343,12 +372,18 @@ class PagedKVCache:
         self._flashinfer_workspace = bind_workspace((k.ragged, k.paged_prefill, k.paged_decode), self.device)
         self._rope = Rope(opts.effective_rope_mode, opts.rope_scale, opts.rope_theta)
         self._allocator = PageAllocator(opts.num_pages)
-        self._table = SequenceTable(self._allocator, opts.page_size, opts.max_num_sequences, opts.sequence_windows)
+        # the MHA_SLIDING layers' pages: an allocator and smaller pools of their own (runtime/slides.py)
+        self._slides = SlidingPages(opts.sliding_num_pages, opts.page_size, opts.layer_sliding_window_size) \
+            if opts.has_layer_windows else None
+        self._table = SequenceTable(self._allocator, opts.page_size, opts.max_num_sequences, opts.sequence_windows,
+                                    self._slides)
+        self._sliding_layers = [layer for layer, kind in enumerate(self._kinds) if kind == AttnKind.MHA_SLIDING]
         if opts.is_mla:
             page_shape = (opts.pool_pages, opts.page_size, opts.qk_head_dim)
         else:
             page_shape = (opts.pool_pages, 2, opts.num_kv_heads, opts.page_size, opts.qk_head_dim)
-        self._pools = [self._zeros(page_shape, layer) for layer in range(opts.num_layers)]
+        self._pools = [self._zeros((opts.sliding_pool_pages, *page_shape[1:]) if kind == AttnKind.MHA_SLIDING
+                                   else page_shape, layer) for layer, kind in enumerate(self._kinds)]
         # attention_with_fused_qkv's fast path: the MHA layers' pools, where every launch is a
         # compiled function, which checks its arguments (see that method; FlashInfer's modules and
         # Python callables given as kernels take the checked path)
@@ -447,13 +482,16 @@ class PagedKVCache:
 
         Full pages are shared; a partly filled page at the fork point is copied (every layer).
         A parent with a sliding window can only be forked within its sink (the child has no
-        window), as in TVM. Inside a forward step: after rolling the step back.
+        window), as in TVM. In a cache with MHA_SLIDING layers the fork point's window must be
+        in the pages those layers keep (fork_pos >= the parent's released positions + W - 1,
+        see runtime/slides.py), else KVCacheError. Inside a forward step: after rolling the
+        step back.
         """
         self._abandon()
-        copy = self._table.fork(parent_id, child_id, fork_pos)
-        if copy is not None:
+        copies = self._table.fork(parent_id, child_id, fork_pos)
+        if copies:
             try:
-                self._copy_pages([copy])
+                self._copy_pages(copies)
             except BaseException:
                 self._table.remove(child_id)
                 raise
@@ -461,7 +499,10 @@ class PagedKVCache:
     def popn(self, seq_id: int, n: int) -> None:
         """Remove the last `n` tokens of a sequence (it may then end inside a shared page; the
         next append copies that page first). Inside a forward step: after rolling it back, so
-        n counts the tokens the sequence had before the step."""
+        n counts the tokens the sequence had before the step. In a cache with MHA_SLIDING
+        layers, a popn to a length whose next query's window reaches tokens those layers have
+        released is refused (KVCacheError, the sequence unchanged): they keep the window of
+        the sequence's next query only (runtime/slides.py)."""
         self._abandon()
         self._table.popn(seq_id, n)
 
@@ -480,12 +521,16 @@ class PagedKVCache:
         self._table.enable_sliding_window(seq_id, window_size, sink_size)
 
     def _copy_pages(self, copies: list[PageCopy]) -> None:
+        """Run page copies: each on the pools of its pages (PageCopy.sliding: the MHA_SLIDING
+        layers', else the others')."""
         if not copies:  # (the usual step: no loop over the layers)
             return
         copy = self.kernels.copy_single_page
-        for pool in self._pools:
-            for src, dst, length in copies:
-                copy(pool, src, dst, length)
+        for pool, kind in zip(self._pools, self._kinds):
+            sliding = kind == AttnKind.MHA_SLIDING
+            for src, dst, length, of_sliding in copies:
+                if of_sliding == sliding:
+                    copy(pool, src, dst, length)
 
     # -- forward
     def begin_forward(self, seq_ids, append_lengths, token_tree_parent_ptr=None) -> None:
@@ -532,7 +577,6 @@ class PagedKVCache:
                 batch, copies = self._table.reserve_plain(seqs, lengths, tables, seq_ids)
                 self._copy_pages(copies)
                 plan = build_plan_arrays(seq_ids, lengths, batch, page_size, sliding)
-                after = batch.seqs
             else:
                 pages = sum(len(seq.pages) for seq in seqs)
                 self._arrays.reserve(plan_size_bound(pages, lengths, page_size, nodes))
@@ -543,11 +587,9 @@ class PagedKVCache:
                     tree = tree_step([a.seq.tree for a in appended],
                                      [a.seq.length - a.seq.tree_tokens for a in appended], lengths)
                 plan = build_plan(seq_ids, appended, lengths, page_size, sliding, tree=tree)
-                after = None if not self.options.has_layer_windows else TableArrays.gather([a.seq for a in appended])
-            window = self.options.layer_sliding_window_size
-            if self.options.has_layer_windows and int(after.slot_end.max()) > window:
-                # some sequence is longer than the window (else MHA_SLIDING layers attend as MHA layers)
-                plan = with_window(plan, window_level(after, lengths, window, page_size))
+            if self._slides is not None:  # the MHA_SLIDING layers' level, over their own pages
+                plan = with_window(plan, *window_plan(seqs, lengths, self.options.layer_sliding_window_size,
+                                                      page_size))
             self._start_step(plan, self._arrays)
         except BaseException:
             self._table.rollback_step()
@@ -969,28 +1011,35 @@ class PagedKVCache:
     def _compact(self, seqs: list, paths: list) -> None:
         """Move each accepted path into place (compact_copy over every layer's pages); changes
         no bookkeeping (a refusal here leaves the cache as it was)."""
-        indptr, sources, destinations = [0], [], []
+        page_size = self.options.page_size
+        indptr, moves, slide_moves = [0], [[], []], [[], []]
         for seq, path in zip(seqs, paths):
             first = seq.length - seq.tree_tokens
             pairs = compact_copies(path, first)
             if pairs:
-                positions = seq.positions(first, seq.length, self.options.page_size)
-                sources += [int(positions[src - first]) for src, _ in pairs]
-                destinations += [int(positions[dst - first]) for _, dst in pairs]
-            indptr.append(len(sources))
-        if not sources:
+                tables = [(seq.positions(first, seq.length, page_size), moves)]
+                if self._slides is not None:  # (chains only, which move nothing: kept for completeness)
+                    tables.append((seq.slide_positions(first, seq.length, page_size), slide_moves))
+                for positions, (sources, destinations) in tables:
+                    sources += [int(positions[src - first]) for src, _ in pairs]
+                    destinations += [int(positions[dst - first]) for _, dst in pairs]
+            indptr.append(len(moves[0]))
+        if not moves[0]:
             return
         check(self.kernels.compact_copy is not None, "kernels: slot 'compact_copy' is empty, so this cache cannot "
               "commit token trees that are not chains")
         indptr_dev = tvm.runtime.tensor(np.asarray(indptr, dtype=np.int32), device=self.device)
-        pos_dev = tvm.runtime.tensor(np.asarray([sources, destinations], dtype=np.int32), device=self.device)
-        for pool in self._pools:
-            self.kernels.compact_copy(pool, indptr_dev, pos_dev, len(seqs))
+        pos_dev = {False: tvm.runtime.tensor(np.asarray(moves, dtype=np.int32), device=self.device)}
+        if slide_moves[0]:
+            pos_dev[True] = tvm.runtime.tensor(np.asarray(slide_moves, dtype=np.int32), device=self.device)
+        for pool, kind in zip(self._pools, self._kinds):
+            self.kernels.compact_copy(pool, indptr_dev, pos_dev[kind == AttnKind.MHA_SLIDING], len(seqs))
 
     # -- queries
     def empty(self) -> bool:
-        """No sequence and every page free."""
-        return len(self._table) == 0 and self._allocator.num_free == self._allocator.num_pages
+        """No sequence and every page free (the MHA_SLIDING layers' too)."""
+        return len(self._table) == 0 and self._allocator.num_free == self._allocator.num_pages and (
+            self._slides is None or self._slides.held() == 0)
 
     def get_num_available_pages(self) -> int:
         return self._allocator.num_free
@@ -1004,15 +1053,55 @@ class PagedKVCache:
 
     def debug_get_kv(self, seq_id: int, start: int, end: int, k, v) -> None:
         """Copy K and V of tokens start .. end-1 of a sequence, every layer, into
-        k [num_layers, end - start, Hkv, D] and v [num_layers, end - start, Hkv, Dv]."""
+        k [num_layers, end - start, Hkv, D] and v [num_layers, end - start, Hkv, Dv].
+
+        An MHA_SLIDING layer keeps a token only while a future query's window can read it:
+        its rows of a token it released (every token before `sliding_kept_from(seq_id)`) are
+        zeros (read from its pool's zero page)."""
         check(not self.options.is_mla, "debug_get_kv: this is an MLA cache; use debug_get_kv_mla")
         positions, n = self._debug_positions(seq_id, start, end)
         opts = self.options
         k = check_tensor("k", k, (opts.num_layers, n, opts.num_kv_heads, opts.qk_head_dim), opts.dtype, self.device)
         v = check_tensor("v", v, (opts.num_layers, n, opts.num_kv_heads, opts.v_head_dim), opts.dtype, self.device)
         self._refuse_in_step("debug_get_kv")
-        for layer, pool in enumerate(self._pools):
-            self.kernels.debug_get_kv(pool, positions, k, v, layer)
+        slide_positions = None
+        if self._slides is not None:
+            seq = self._table.get(seq_id)
+            slide_positions = tvm.runtime.tensor(seq.slide_positions(start, end, opts.page_size,
+                                                                     self._slides.zero_page), device=self.device)
+        for layer, (pool, kind) in enumerate(zip(self._pools, self._kinds)):
+            self.kernels.debug_get_kv(pool, slide_positions if kind == AttnKind.MHA_SLIDING else positions, k, v,
+                                      layer)
+
+    def sliding_kept_from(self, seq_id: int) -> int:
+        """The first token of a sequence whose K/V the MHA_SLIDING layers still hold (they
+        released the pages before it; 0 in a cache without such layers)."""
+        seq = self._table.get(seq_id)
+        return 0 if self._slides is None else seq.slide_dropped * self.options.page_size
+
+    def memory_report(self) -> dict:
+        """What the cache's K/V pages hold now, against what full attention would hold.
+
+        Keys (pages are counted once however many sequences share them): tokens (the
+        sequences' lengths, summed); page_bytes (one page of one layer); layers, sliding_layers;
+        pages (pages in use by the non-sliding layers, per layer: every token);
+        sliding_pages (in use by the MHA_SLIDING layers, per layer: each sequence's window);
+        held_bytes (in use, every layer); full_bytes (what every layer would hold keeping every
+        token: pages x layers); saved_bytes (full - held); pool_bytes (the pools allocated,
+        every layer; FP8 scale pages and the sliding pools' zero page included);
+        full_pool_bytes (the same with every layer's pool as large as an MHA layer's)."""
+        opts = self.options
+        page = opts.layer_page_bytes()
+        layers, sliding = opts.num_layers, len(self._sliding_layers)
+        pages = self._allocator.num_pages - self._allocator.num_free
+        sliding_pages = self._slides.held() if self._slides is not None else 0
+        held = (layers - sliding) * pages * page + sliding * sliding_pages * page
+        full = layers * pages * page
+        pool = sum(int(p.shape[0]) for p in self._pools) * page
+        return {"tokens": self._table.total_length(), "page_bytes": page, "layers": layers,
+                "sliding_layers": sliding, "pages": pages, "sliding_pages": sliding_pages, "held_bytes": held,
+                "full_bytes": full, "saved_bytes": full - held, "pool_bytes": pool,
+                "full_pool_bytes": layers * opts.pool_pages * page}
 
     def debug_get_kv_mla(self, seq_id: int, start: int, end: int, kv) -> None:
         """Copy the latent rows of tokens start .. end-1 of a sequence, every layer, into

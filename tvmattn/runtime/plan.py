@@ -45,8 +45,9 @@ N = new tokens):
   tables without the new tokens (a last page of length 0 contributes nothing).
 - tree: (mn_indptr [B+1], mask [total_nodes, 2]) in a tree step, else absent; fused is then the
   tree level over whole sequences (qo_indptr = append_indptr) and cross the history level.
-- window: in caches with MHA_SLIDING layers, their one paged-decode level (one request per new
-  token, see tvmattn.runtime.windows), else absent.
+- window: in caches with MHA_SLIDING layers, their one paged-decode level over their own pages
+  (one request per new token, see tvmattn.runtime.windows), else absent; slide_positions [N]
+  with it: each new token's pool position in those pages.
 Levels share arrays (fused and cross the same tables; append_indptr as qo_indptr); each array
 is packed once, where it first appears.
 """
@@ -108,13 +109,14 @@ class PlanArrays(NamedTuple, Generic[T]):
     cross: tuple[LevelArrays[T], ...]  # over the history, run by cross_attention
     tree: tuple[T, ...] = ()  # (tree_attn_mn_indptr, tree_attn_mask) in a tree step
     window: tuple[LevelArrays[T], ...] = ()  # the MHA_SLIDING layers' level (tvmattn.runtime.windows)
+    slide_positions: tuple[T, ...] = ()  # [N]: their pool position of each new token (with `window`)
 
     def map(self, f: Callable[[T], U]) -> PlanArrays[U]:
         """The same arrays with f applied to each, in packing order."""
         return PlanArrays(f(self.q_positions), f(self.append_indptr), f(self.k_ragged_offset),
                           f(self.append_positions), tuple([level.map(f) for level in self.fused]),
                           tuple([level.map(f) for level in self.cross]), tuple([f(a) for a in self.tree]),
-                          tuple([level.map(f) for level in self.window]))
+                          tuple([level.map(f) for level in self.window]), tuple([f(a) for a in self.slide_positions]))
 
 
 @dataclasses.dataclass
@@ -429,9 +431,19 @@ def _tree_plan(seq_ids: list, appended: list[Appended], lengths: list, page_size
     return _pack(seq_ids, lengths, False, True, host)
 
 
-def with_window(plan: ForwardPlan, level: LevelArrays[np.ndarray]) -> ForwardPlan:
-    """`plan` with the MHA_SLIDING layers' level added (packed again)."""
-    return _pack(plan.seq_ids, plan.lengths, plan.decode, plan.tree, plan.host._replace(window=(level,)))
+def with_window(plan: ForwardPlan, level: LevelArrays[np.ndarray], positions: np.ndarray) -> ForwardPlan:
+    """`plan` with the MHA_SLIDING layers' level and append positions added, packed after the
+    plan's own arrays (which keep their places: a decode plan's layout stays the one of its batch)."""
+    packer = Packer()
+    window, slide = level.map(packer.add), packer.add(positions)
+    base = plan.buffer.size  # (a multiple of ALIGN)
+
+    def shift(spec: ArraySpec) -> ArraySpec:
+        return ArraySpec(spec.offset + base, spec.shape)
+
+    specs = plan.specs._replace(window=(window.map(shift),), slide_positions=(shift(slide),))
+    host = plan.host._replace(window=(level,), slide_positions=(positions,))
+    return dataclasses.replace(plan, buffer=np.concatenate([plan.buffer, packer.finish()]), specs=specs, host=host)
 
 
 def _pack(seq_ids: list, lengths: list, decode: bool, tree: bool, host: PlanArrays[np.ndarray]) -> ForwardPlan:

@@ -26,6 +26,12 @@ whose last page is shared and partly filled (popping into a shared prefix); the 
 first copies that page (copy-on-write). Every mutating method validates first; `reserve`
 undoes its page changes when it runs out of pages.
 
+MHA_SLIDING layers (`slides`, tvmattn.runtime.slides): each sequence also has `slide_pages`,
+the pages of those layers from its next query's window on, over an allocator of their own.
+Every method here keeps them beside `pages`: reserves take their pages too (journaled, undone
+with the step), a kept step releases the ones before the window, fork and popn refuse positions
+whose window they released.
+
 Steps: `reserve` / `reserve_plain` append a forward step's tokens and keep what it takes to
 undo them (the sequences' lengths and page-table ends, or copies of the sequences, and the
 allocator's journal of the step); `commit_step` keeps the step, `rollback_step` puts every
@@ -48,6 +54,7 @@ import numpy as np
 
 from .errors import KVCacheError, check, check_int
 from .pages import PageAllocator
+from .slides import SlidingPages
 
 
 def ceildiv(a: int, b: int) -> int:
@@ -60,11 +67,13 @@ def page_array(pages=()) -> array:
 
 
 class PageCopy(NamedTuple):
-    """Copy slots [0, length) of page `src` to page `dst` (every layer)."""
+    """Copy slots [0, length) of page `src` to page `dst`: every layer's pool except the
+    MHA_SLIDING layers', or (sliding) only theirs (see SlidingPages)."""
 
     src: int
     dst: int
     length: int
+    sliding: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -79,6 +88,10 @@ class Sequence:
     sink: int = 0  # sink tokens in effect (0 until the window first slides)
     window_offset: int = 0  # slot of the first windowed token
     tree: list = dataclasses.field(default_factory=list)  # parents of the uncommitted token tree's nodes
+    # the MHA_SLIDING layers' page table (SlidingPages): token t is in slot t % page_size of
+    # slide_pages[t // page_size - slide_dropped]; the first slide_dropped pages were released
+    slide_pages: array = dataclasses.field(default_factory=page_array)
+    slide_dropped: int = 0
 
     @property
     def tree_tokens(self) -> int:
@@ -95,7 +108,8 @@ class Sequence:
 
     def copy(self) -> "Sequence":
         return Sequence(self.seq_id, page_array(self.pages), self.length, self.window_size, self.sink_size,
-                        self.sink, self.window_offset, list(self.tree))
+                        self.sink, self.window_offset, list(self.tree), page_array(self.slide_pages),
+                        self.slide_dropped)
 
     def assign(self, other: "Sequence") -> None:
         """Take every field of `other` (used to roll back)."""
@@ -108,6 +122,18 @@ class Sequence:
         slots = np.where(tokens < self.sink, tokens, tokens - self.sink + self.window_offset)
         pages = np.asarray(self.pages, dtype=np.int64)[slots // page_size]
         return (pages * page_size + slots % page_size).astype(np.int32)
+
+    def slide_positions(self, start: int, end: int, page_size: int, released: int = -1) -> np.ndarray:
+        """Pool positions [end - start] int32 of tokens start .. end-1 in the MHA_SLIDING layers'
+        pages; a token they released is at that slot of page `released` (-1: none may be)."""
+        tokens = np.arange(start, end)
+        index = tokens // page_size - self.slide_dropped
+        gone = index < 0
+        assert released >= 0 or not gone.any(), "a released token has no position"
+        pages = np.asarray(self.slide_pages, dtype=np.int64)[np.maximum(index, 0)] if self.slide_pages else \
+            np.zeros(len(tokens), np.int64)
+        pages = np.where(gone, released, pages)
+        return (pages * page_size + tokens % page_size).astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -195,8 +221,12 @@ class AppendedArrays(NamedTuple):
 class SequenceTable:
     """The sequences of a cache, over a shared `PageAllocator`."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int, max_sequences: int, sliding_window: bool):
+    def __init__(self, allocator: PageAllocator, page_size: int, max_sequences: int, sliding_window: bool,
+                 slides: SlidingPages | None = None):
+        """slides: the MHA_SLIDING layers' pages (tvmattn.runtime.slides), kept beside each
+        sequence's page table by every method here (None: no such layers)."""
         self.allocator = allocator
+        self.slides = slides
         self.page_size = page_size
         self.max_sequences = max_sequences
         self.sliding_window = sliding_window
@@ -230,6 +260,8 @@ class SequenceTable:
         self.version += 1
         seq = self.get(seq_id)
         self.allocator.release_all(seq.pages)
+        if self.slides is not None:
+            self.slides.allocator.release_all(seq.slide_pages)
         del self.seqs[seq.seq_id]
 
     def clear(self) -> None:
@@ -237,10 +269,13 @@ class SequenceTable:
         self.version += 1
         self.seqs.clear()
         self.allocator.reset()
+        if self.slides is not None:
+            self.slides.allocator.reset()
 
-    def fork(self, parent_id, child_id, fork_pos: int = -1) -> PageCopy | None:
+    def fork(self, parent_id, child_id, fork_pos: int = -1) -> list[PageCopy]:
         """Add `child_id` holding the first `fork_pos` tokens of `parent_id` (-1: all of them).
-        Returns the copy of a partly filled page at the fork point, to run for every layer."""
+        Returns the copies of a partly filled page at the fork point (the layers' pages, and
+        the MHA_SLIDING layers' own: a fork_pos before what they keep is refused)."""
         self.commit_step()
         self.version += 1
         parent = self.get(parent_id, "parent_id")
@@ -255,22 +290,35 @@ class SequenceTable:
         # Tokens [0, end) of the parent are in slots [0, end) (they are all in its sink).
         ps = self.page_size
         full, partial = divmod(end, ps)
-        copy = None
+        slides = self.slides
+        if slides is not None:
+            slides.check_keeps(parent, end, f"fork_pos={end}")
+            check(not partial or slides.allocator.num_free > 0, "the MHA_SLIDING layers' pages are full: all "
+                  f"{slides.allocator.num_pages} are in use")
+        copies = []
         pages = parent.pages[:full]
         if partial:
-            copy = PageCopy(parent.pages[full], self.allocator.alloc(), partial)
-            pages.append(copy.dst)  # pages is a copy (a slice)
+            copies.append(PageCopy(parent.pages[full], self.allocator.alloc(), partial))
+            pages.append(copies[-1].dst)  # pages is a copy (a slice)
         for page in parent.pages[:full]:
             self.allocator.retain(page)
-        self.seqs[child_id] = Sequence(child_id, pages, end)
-        return copy
+        child = self.seqs[child_id] = Sequence(child_id, pages, end)
+        if slides is not None:
+            child.slide_pages, child.slide_dropped, partial_page = slides.fork(parent, end)
+            if partial_page is not None:
+                copies.append(PageCopy(partial_page[0], slides.allocator.alloc(), partial_page[1], True))
+                child.slide_pages.append(copies[-1].dst)
+        return copies
 
     def popn(self, seq_id, n) -> None:
         """Remove the last `n` tokens of a sequence (0 <= n <= length)."""
         self.commit_step()
         self.version += 1
         seq = self.get(seq_id)
-        self._pop(seq, check_int("n", n, 0, seq.length))
+        n = check_int("n", n, 0, seq.length)
+        if self.slides is not None:
+            self.slides.check_keeps(seq, seq.length - n - max(len(seq.tree) - n, 0), f"popn(n={n})")
+        self._pop(seq, n)
 
     def _pop(self, seq: Sequence, n: int) -> None:
         length = seq.length - n
@@ -281,6 +329,8 @@ class SequenceTable:
         keep = ceildiv(seq.slot_end, self.page_size)
         self.allocator.release_all(seq.pages[keep:])
         del seq.pages[keep:]
+        if self.slides is not None:
+            self.slides.truncate(seq)
 
     def enable_sliding_window(self, seq_id, window_size, sink_size) -> None:
         self.commit_step()
@@ -313,6 +363,7 @@ class SequenceTable:
         self._last_plain = None
         before = [seq.copy() for seq in seqs]
         firsts = [seq.slot_end for seq in seqs]
+        slide_copies = self._reserve_slides(seqs, lengths)  # (undone by seq.assign and its journal)
         self.allocator.open_journal()
         try:
             copies = [self._copy_on_write(seq) for seq in seqs]
@@ -327,11 +378,13 @@ class SequenceTable:
             for seq, old in zip(seqs, before):
                 seq.assign(old)
             self.allocator.rollback_journal()
+            if self.slides is not None:
+                self.slides.allocator.rollback_journal()
             raise
         self._step = _Step(seqs, before)
         appended = [Appended(h, seq, self._new_positions(seq, first, n))
                     for h, seq, first, n in zip(histories, seqs, firsts, lengths)]
-        return appended, [c for c in copies if c is not None]
+        return appended, [c for c in copies if c is not None] + slide_copies
 
     def commit_step(self) -> None:
         """Keep the open step (if any): its windowed sequences without a token tree slide."""
@@ -339,6 +392,10 @@ class SequenceTable:
         if step is None:
             return
         self.allocator.close_journal()
+        if self.slides is not None:
+            self.slides.allocator.close_journal()
+            for seq in (step.seqs if type(step) is _Step else step[0]):
+                self.slides.drop(seq)
         if type(step) is _Step:
             for seq in step.seqs:
                 if seq.window_size and seq.length > seq.window_size and not seq.tree:
@@ -355,14 +412,18 @@ class SequenceTable:
         if type(step) is _Step:
             for seq, old in zip(step.seqs, step.before):
                 seq.assign(old)
-        else:  # reserve_plain's (seqs, page counts, lengths, copied sequences, their PageCopy)
-            seqs, counts, lengths, cow, copies = step
+        else:  # reserve_plain's (seqs, page counts, lengths, copied sequences, their PageCopy, slide_undo)
+            seqs, counts, lengths, cow, copies, slide_undo = step
             for seq, count, length in zip(seqs, counts.tolist(), lengths.tolist()):
                 del seq.pages[count:]
                 seq.length = length
             for b, copy in zip(cow, copies):
                 seqs[b].pages[-1] = copy.src
+            if slide_undo is not None:
+                _undo_slides(seqs, slide_undo)
         self.allocator.rollback_journal()
+        if self.slides is not None:
+            self.slides.allocator.rollback_journal()
 
     def commit_trees(self, seqs: list, paths: list) -> None:
         """Keep path `paths[i]` (accepted_path of its tree; its K/V already moved into the
@@ -373,6 +434,8 @@ class SequenceTable:
         for seq, path in zip(seqs, paths):
             self._pop(seq, seq.tree_tokens - len(path))
             seq.tree = []
+            if self.slides is not None:
+                self.slides.drop(seq)
             if seq.window_size and seq.length > seq.window_size:
                 self._slide_window(seq)
 
@@ -424,6 +487,10 @@ class SequenceTable:
             fresh = (end + (ps - 1)) // ps - history.counts  # new pages per sequence
             total = int(fresh.sum())
         cow, copies = [], []
+        slide_undo = None
+        if self.slides is not None:
+            slide_undo = [len(seq.slide_pages) for seq in seqs], []
+            slide_copies = self._reserve_slides(seqs, lengths, slide_undo)
         shared = self._shared_last_pages(history)
         if shared or total:  # (most decode steps take no page: nothing to journal)
             self.allocator.open_journal()
@@ -438,9 +505,12 @@ class SequenceTable:
                 new_pages = self.allocator.alloc_many(total)
             except BaseException:
                 self.allocator.rollback_journal()
+                if slide_undo is not None:
+                    _undo_slides(seqs, slide_undo)
+                    self.slides.allocator.rollback_journal()
                 raise
         # how to undo the step (a plain tuple: this runs every decode step), see rollback_step
-        self._step = (seqs, history.counts, history.slot_end, cow, copies)
+        self._step = (seqs, history.counts, history.slot_end, cow, copies, slide_undo)
         # the sequences after the append (tree stays [], sink and window_offset 0)
         if cow:  # (a copy: the tables may be the kept ones, which earlier plans hold)
             history = history._replace(pages=history.pages.copy())
@@ -464,7 +534,7 @@ class SequenceTable:
         batch = AppendedArrays(history, after, n, decode, positions, self.allocator.num_shared > 0)
         if seq_ids is not None:
             self._last_plain = (self.version, seq_ids, seqs, after)
-        return batch, copies
+        return batch, copies if slide_undo is None else copies + slide_copies
 
     def _shared_last_pages(self, history: TableArrays) -> list[tuple[int, int]]:
         """(sequence, used slots) of the sequences whose last page is partly filled and shared
@@ -477,6 +547,45 @@ class SequenceTable:
         if not shared.any():
             return []
         return [(b, int(used[b])) for b in np.flatnonzero(shared).tolist()]
+
+    def _reserve_slides(self, seqs: list, lengths: list, undo: tuple | None = None) -> list[PageCopy]:
+        """The MHA_SLIDING layers' part of a reserve (before the sequences' lengths change):
+        copy-on-write of a shared, partly filled last page, then the new pages. Opens their
+        allocator's journal (kept by commit_step, undone by rollback_step); on KVCacheError
+        nothing changed. undo: (page counts before, []), to which (sequence, copied page) pairs
+        are added (see _undo_slides). Returns the copies (sliding=True)."""
+        slides = self.slides
+        if slides is None:
+            return []
+        allocator, ps = slides.allocator, self.page_size
+        counts = undo[0] if undo is not None else [len(seq.slide_pages) for seq in seqs]
+        cow = undo[1] if undo is not None else []
+        copies = []
+        allocator.open_journal()
+        try:
+            if allocator.num_shared:
+                for b, seq in enumerate(seqs):
+                    used = seq.length % ps
+                    if used and seq.slide_pages and allocator.refcount(seq.slide_pages[-1]) > 1:
+                        src = seq.slide_pages[-1]
+                        copies.append(PageCopy(src, allocator.alloc(), used, True))
+                        allocator.release(src)
+                        seq.slide_pages[-1] = copies[-1].dst
+                        cow.append((b, src))
+            fresh = [slides.pages_needed(seq, seq.length + n) for seq, n in zip(seqs, lengths)]
+            needed = sum(fresh)
+            if needed > allocator.num_free:
+                raise KVCacheError(f"the MHA_SLIDING layers' pages are full: this forward needs {needed} more pages, "
+                                   f"{allocator.num_free} of {allocator.num_pages} are free")
+            if needed:
+                for seq, count in zip(seqs, fresh):
+                    if count:
+                        seq.slide_pages.extend(allocator.alloc_many(count))
+        except BaseException:
+            _undo_slides(seqs, (counts, cow))
+            allocator.rollback_journal()
+            raise
+        return copies
 
     def _copy_on_write(self, seq: Sequence) -> PageCopy | None:
         """Give `seq` a private copy of its last page when the append writes into it while
@@ -522,6 +631,16 @@ def _history(before: Sequence, copy: PageCopy | None) -> Sequence:
         before = before.copy()
         before.pages[-1] = copy.dst
     return before
+
+
+def _undo_slides(seqs: list, undo: tuple) -> None:
+    """Put the MHA_SLIDING layers' page tables of `seqs` back as _reserve_slides found them
+    (the allocator's journal is rolled back by the caller)."""
+    counts, cow = undo
+    for seq, count in zip(seqs, counts):
+        del seq.slide_pages[count:]
+    for b, src in cow:
+        seqs[b].slide_pages[counts[b] - 1] = src
 
 
 class _Step(NamedTuple):

@@ -1,53 +1,76 @@
 """MHA_SLIDING layers: attention over each token's last `layer_sliding_window_size` tokens.
 
-Such a layer keeps every token in its pages (the cache's other layers see them all; no page
-is freed), and a query at position p of its sequence attends to the keys at positions
-max(0, p - W + 1) .. p, W = layer_sliding_window_size: the sliding window of Mistral and of
-Gemma-2/3's local layers, in every step.
+A query at position p of its sequence attends to the keys at positions max(0, p - W + 1) .. p,
+W = layer_sliding_window_size: the sliding window of Mistral and of Gemma-2/3's local layers,
+in every step. These layers keep their K/V in pages of their own (tvmattn.runtime.slides: a
+sequence's pages before its next query's window are recycled when a step is kept), so they
+have page tables, append positions and a plan level of their own.
 
-Plan (`window_level`, host numpy, once per step): one paged-decode request per new token,
-its page table the pages its window touches and length_info [3, N] = (slots used in the last
+Plan (`window_plan`, host numpy, once per step): one paged-decode request per new token, its
+page table the pages its window touches and length_info [3, N] = (slots used in the last
 page, slot of the window's first token in the first page, sink 0), read by the
-sliding-window decode kernel (`decode_paged_sliding_window`). Launches (`WindowStep`): the
-new tokens' K/V are appended first, then that one decode launch over all of them. A step whose
-sequences are all no longer than W (after the append) needs no window: there the cache plans
-no level and MHA_SLIDING layers run as MHA layers (the same keys, cascade and prefill kernels).
+sliding-window decode kernel (`decode_paged_sliding_window`), and the pool position of each
+new token in the sliding pages. Launches (`WindowStep`): an MHA_SLIDING layer appends the new
+tokens' K/V to its pages first, then runs that one decode launch over all of them (in every
+step: prefill too, as one request per token; the MHA layers run the step's usual levels).
 
 TVM's C++ cache attends the same way in decode steps; in other steps it runs the history's
 last W tokens through the causal sliding prefill and the new tokens unwindowed, so a query
-there may see more or fewer keys than its window (docs/design.md, "MHA_SLIDING").
+there may see more or fewer keys than its window (docs/design.md, "MHA_SLIDING"); it keeps
+every token in every layer.
 """
 
 from __future__ import annotations
+
+import operator
 
 import numpy as np
 
 from .forward import Step
 from .plan import LevelArrays
-from .sequences import TableArrays
+from .slides import SlidingPages, ceildiv
+
+_SLIDE_PAGES = operator.attrgetter("slide_pages")
+_SLIDE_DROPPED = operator.attrgetter("slide_dropped")
+_LENGTH = operator.attrgetter("length")
 
 
-def window_level(tables: TableArrays, lengths: np.ndarray, window: int, page_size: int) -> LevelArrays:
-    """The level of one step: tables are the step's sequences after the append (lengths =
-    slot_end, no sequence windows), lengths [B] the tokens each appended. Returns int32 arrays:
-    page_indptr [N+1], page_indices [nnz], length_info [3, N], k_offset [N] (first key's
-    position); qo_indptr None (paged decode)."""
+def window_plan(seqs: list, lengths, window: int, page_size: int) -> tuple[LevelArrays, np.ndarray]:
+    """The MHA_SLIDING layers' part of a step: seqs are the step's sequences after the append
+    (their `slide_pages` hold every new token), lengths [B] the tokens each appended. Returns
+    (level, append_positions): int32 arrays page_indptr [N+1], page_indices [nnz], length_info
+    [3, N], k_offset [N] (the first key's position), qo_indptr None (paged decode); and each
+    new token's pool position in the sliding pages [N]."""
+    batch = len(seqs)
     n = np.asarray(lengths, dtype=np.int64)
     total = int(n.sum())
-    token_start = np.zeros(len(n) + 1, dtype=np.int64)
+    counts = np.fromiter(map(len, map(_SLIDE_PAGES, seqs)), np.int64, batch)
+    indptr = np.zeros(batch + 1, dtype=np.int64)
+    counts.cumsum(out=indptr[1:])
+    pages = np.frombuffer(bytearray(b"".join(map(_SLIDE_PAGES, seqs))), np.int32)
+    end = np.fromiter(map(_LENGTH, seqs), np.int64, batch)
+    dropped = np.fromiter(map(_SLIDE_DROPPED, seqs), np.int64, batch)
+    token_start = np.zeros(batch + 1, dtype=np.int64)
     n.cumsum(out=token_start[1:])
-    end = tables.slot_end.astype(np.int64)
     p = np.repeat(end - n - token_start[:-1], n) + np.arange(total)  # each new token's position
     s = np.maximum(p - window + 1, 0)  # its window's first position
-    first, last = s // page_size, p // page_size
+    base = np.repeat(indptr[:-1] - dropped, n)  # + a page index: its place in `pages`
+    first, last = base + s // page_size, base + p // page_size
     count = last - first + 1
     page_indptr = np.zeros(total + 1, dtype=np.int64)
     count.cumsum(out=page_indptr[1:])
-    base = np.repeat(tables.indptr[:-1].astype(np.int64), n) + first  # its first page in tables.pages
-    flat = np.arange(int(page_indptr[-1])) - np.repeat(page_indptr[:-1] - base, count)
+    flat = np.arange(int(page_indptr[-1])) - np.repeat(page_indptr[:-1] - first, count)
     length_info = np.stack([p % page_size + 1, s % page_size, np.zeros_like(p)]).astype(np.int32)
-    return LevelArrays(page_indptr.astype(np.int32), tables.pages[flat].astype(np.int32), length_info,
-                       s.astype(np.int32), None)
+    positions = (pages[last].astype(np.int64) * page_size + p % page_size).astype(np.int32)
+    level = LevelArrays(page_indptr.astype(np.int32), pages[flat].astype(np.int32), length_info, s.astype(np.int32),
+                        None)
+    return level, positions
+
+
+def sliding_pages_held(length: int, window: int, page_size: int) -> int:
+    """Pages an MHA_SLIDING layer holds for a sequence of `length` tokens between steps (no
+    token tree, no page shared): those from its next query's window on."""
+    return ceildiv(length, page_size) - SlidingPages(1, page_size, window).needed_from(length) // page_size
 
 
 class WindowStep(Step):
@@ -55,7 +78,7 @@ class WindowStep(Step):
 
     def __init__(self, plan, arrays, kernels, work: dict, rope, window_decode):
         super().__init__(plan, arrays, kernels, work, rope)
-        (level,) = arrays.window
+        (level,), (self._slide_positions,) = arrays.window, arrays.slide_positions
         mha, q_positions = window_decode.mha, arrays.q_positions
         indptr, indices, info, k_offset = level.page_indptr, level.page_indices, level.length_info, level.k_offset
 
@@ -66,8 +89,14 @@ class WindowStep(Step):
         self._window_run = run
 
     def attention_in_window(self, pages, qkv, o, sm_scale: float) -> None:
-        """attention_with_fused_qkv of an MHA_SLIDING layer: append, then attend in the windows."""
-        self._split_append(pages, qkv)
+        """attention_with_fused_qkv of an MHA_SLIDING layer: append to its own pages, then attend
+        in the windows."""
+        a, k = self._a, self._k
+        if k.split_rotary_append is not None:
+            k.split_rotary_append(qkv, a.q_positions, self.q, pages, self._slide_positions, self._apply_rope)
+        else:
+            k.split_rotary(qkv, a.q_positions, self.q, self.k, self.v, self._apply_rope)
+            k.transpose_append(pages, self.k, self.v, self._slide_positions)
         self._window_run(pages, self.q, o, self.lse, sm_scale)
 
     def attend_in_window(self, pages, q, o, sm_scale: float) -> None:

@@ -582,9 +582,9 @@ class Engine:
             node, matched = self.prefix.match(r.tokens, count=r.cached_prompt is None)
             matched = min(matched, len(r.tokens) - 1)
         seq_id = next(self._seq_ids)
-        if node is not None and matched > 0:
-            self.runner.fork(node.seq_id, seq_id, matched)
-        else:
+        if node is None or matched == 0 or self._fork_refused(node.seq_id, seq_id, matched):
+            if matched and self.running and not self._ensure_pages(reserved + _pages(len(r.tokens), ps) + 1):
+                return False
             self.runner.add(seq_id)
             matched = 0
         r.seq_id, r.cached = seq_id, matched
@@ -594,6 +594,15 @@ class Engine:
             r.cached_prompt = min(matched, r.prompt_len)
             self.prompt_tokens += r.prompt_len
         return True
+
+    def _fork_refused(self, parent: int, child: int, position: int) -> bool:
+        """Fork the cache sequence; True (nothing changed) where the cache refuses the position:
+        a cache whose sliding-window layers released the tokens its window would read."""
+        try:
+            self.runner.fork(parent, child, position)
+        except ValueError:
+            return True
+        return False
 
     def _preempt(self, r: Request) -> None:
         """Free the request's pages and put it back at the head of the queue (recomputed later)."""
@@ -783,6 +792,12 @@ class Engine:
             for seq_id in (self.prefix.sequence_ids() if self.prefix is not None else []):
                 held.update(cache.sequence_state(seq_id)["pages"])
             return used, len(held)
+
+    def memory_report(self) -> dict | None:
+        """The cache's memory_report() between two steps (tvmattn's cache; None for TVM's)."""
+        with self._step_lock:
+            report = getattr(self.runner.cache, "memory_report", None)
+            return report() if report is not None else None
 
     def cache_sequences(self) -> list[int]:
         with self._step_lock:

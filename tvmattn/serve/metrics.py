@@ -1,5 +1,6 @@
 """Prometheus metrics of a serving engine (prometheus-client, a registry of its own): running and
-waiting requests, KV pages used and free, the pages the prefix cache holds (when no request
+waiting requests, KV pages used and free, the bytes they hold against full attention (the
+saving of sliding-window layers), the pages the prefix cache holds (when no request
 runs, pages used minus those is a leak), prefix-cache hit rate, preemptions and the tokens they
 made the engine prefill again, time-to-first-token and inter-token histograms, generated tokens
 and output tokens/s over the last seconds.
@@ -30,6 +31,10 @@ class EngineMetrics:
         self.waiting = Gauge("tvmattn_requests_waiting", "Requests queued for admission", registry=r)
         self.pages_used = Gauge("tvmattn_kv_pages_used", "KV-cache pages in use", registry=r)
         self.pages_free = Gauge("tvmattn_kv_pages_free", "KV-cache pages free", registry=r)
+        self.bytes_held = Gauge("tvmattn_kv_bytes_held", "KV-cache bytes the pages in use hold, every layer "
+                                "(sliding-window layers: their windows only)", registry=r)
+        self.bytes_full = Gauge("tvmattn_kv_bytes_full_attention", "KV-cache bytes the same tokens would hold "
+                                "with every layer keeping every token", registry=r)
         self.hit_rate = Gauge("tvmattn_prefix_cache_hit_rate",
                               "Prompt tokens found in the prefix cache / prompt tokens looked up", registry=r)
         self.hit_tokens = Gauge("tvmattn_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache so far",
@@ -67,6 +72,10 @@ class EngineMetrics:
         else:
             used = snap["pages_total"] - snap["pages_free"]
         self.pages_free.set(e.runner.num_pages - used)
+        report = e.memory_report()
+        if report is not None:
+            self.bytes_held.set(report["held_bytes"])
+            self.bytes_full.set(report["full_bytes"])
         self.pages_used.set(used)
         self.hit_rate.set(e.prefix.hit_rate if e.prefix is not None else 0.0)
         self.hit_tokens.set(e.prefix.hit_tokens if e.prefix is not None else 0)

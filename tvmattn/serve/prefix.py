@@ -99,7 +99,8 @@ class RadixPrefixCache:
                 if not self._room(2):
                     return
                 leaf = Node(node, tuple(tokens[at:aligned]), self._new_id(), aligned, now)
-                self._fork(seq_id, leaf.seq_id, aligned)
+                if not self._forked(seq_id, leaf.seq_id, aligned):
+                    return
                 node.children[leaf.edge[:ps]] = leaf
                 self.nodes += 1
                 return
@@ -112,13 +113,23 @@ class RadixPrefixCache:
                 if not self._room(2):
                     return
                 middle = Node(node, child.edge[:shared], self._new_id(), at + shared, now)
-                self._fork(child.seq_id, middle.seq_id, at + shared)
+                if not self._forked(child.seq_id, middle.seq_id, at + shared):
+                    return
                 node.children[middle.edge[:ps]] = middle
                 child.parent, child.edge = middle, child.edge[shared:]
                 middle.children[child.edge[:ps]] = child
                 self.nodes += 1
                 child = middle
             node, at = child, at + shared
+
+    def _forked(self, parent: int, child: int, position: int) -> bool:
+        """Fork; False (nothing changed) where the cache refuses the position (ValueError: a
+        cache whose sliding-window layers released the tokens that position's window reads)."""
+        try:
+            self._fork(parent, child, position)
+        except ValueError:
+            return False
+        return True
 
     def _room(self, nodes: int) -> bool:
         """Make room for `nodes` more nodes (evicting LRU leaves); False if none can be made."""

@@ -199,7 +199,12 @@ class DraftModel:
             have = self.cached[key]
             keep = min(common_prefix(have, context), len(context) - 1)  # the last token is fed for its logits
             if keep < len(have):
-                s.popn(key, len(have) - keep)
+                try:
+                    s.popn(key, len(have) - keep)
+                except ValueError:  # its sliding-window layers released what `keep` needs: start over
+                    s.remove_sequence(key)
+                    s.add_sequence(key)
+                    keep = 0
                 del have[keep:]
             feeds.append(context[keep:])
             have.extend(context[keep:])
