@@ -149,10 +149,33 @@ def test_greedy_is_the_argmax_with_the_lowest_id_among_ties(target):
     logits = np.random.default_rng(1).normal(0, 1, (4, vocab)).astype(np.float32)
     logits[1, [2999, 700, 1300]] = 50.0
     logits[2, :] = 0.0
-    logits[3, [5, 6]] = [-np.inf, 60.0]
+    logits[3, [5, 6]] = [-3e38, 60.0]
     u = uniforms(4)
     tokens = kernels.sample(logits, params_for(u, temperature=0.0, top_k=3, top_p=0.5))
     assert tokens.tolist() == [int(np.argmax(logits[0])), 700, 0, 6]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_rows_holding_nan_or_inf_get_the_non_finite_token(target):
+    """Greedy or sampled, a row with one NaN, +inf or -inf logit (anywhere, also past the first
+    CUDA block's worth of ids) gets -1; the finite rows of the same batch are unaffected."""
+    kernels = kernels_for(target)
+    vocab = 3000
+    logits = np.random.default_rng(2).normal(0, 1, (8, vocab)).astype(np.float32)
+    logits[1, 2999] = np.nan
+    logits[2, 0] = np.inf
+    logits[3, 1700] = -np.inf
+    logits[5, 300] = np.nan
+    logits[6, 2] = np.inf
+    u = uniforms(8, seed=3)
+    params = params_for(u, temperature=1.0, top_k=0, top_p=0.9)
+    params[:4, 1] = 0.0  # rows 0-3 greedy, rows 4-7 sampled
+    tokens = kernels.sample(logits, params)
+    assert tokens[[1, 2, 3, 5, 6]].tolist() == [-1] * 5
+    assert tokens[0] == int(np.argmax(logits[0]))
+    expected = reference_distribution(logits[4], 1.0, 0, 0.9)
+    assert tokens[4] == inverse_cdf(expected, u[4:5])[0]
+    assert 0 <= tokens[7] < vocab
 
 
 @pytest.mark.parametrize("target", TARGETS)
