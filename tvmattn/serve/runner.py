@@ -141,10 +141,11 @@ class ModelRunner:
         return self.session.available_pages()
 
     # ------------------------------------------------------------------ steps
-    def mixed(self, seq_ids: list[int], chunks: list[list[int]]) -> np.ndarray:
+    def mixed(self, seq_ids: list[int], chunks: list[list[int]], on_host: bool = True):
         """chunks[i] (>= 1 token) appended to seq_ids[i] in one step -> logits [len(seq_ids), vocab]
-        f32 of each chunk's last token."""
-        return self.session.mixed(seq_ids, chunks)
+        f32 of each chunk's last token; on_host False: left on the device (a tensor whose rows,
+        flattened over its leading axes, are those rows; no copy), for the device sampler."""
+        return self.session.mixed(seq_ids, chunks, on_host)
 
     def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]]) -> list[np.ndarray]:
         """Token trees (tokens[i] with parents[i], node 0 the root) -> per sequence the logits
