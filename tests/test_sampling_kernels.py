@@ -371,6 +371,56 @@ def test_device_sampler_falls_back_to_the_host_per_row(target):
     assert got[4] == (int(np.argmax(logits[4])), None)
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_device_sampler_reports_rows_that_are_not_finite(target):
+    """NaN or inf in a device row, a host (logprobs) row or a row with no sampler: each is named;
+    the other rows still get their choices (wait), choose raises NonFiniteLogits."""
+    from tvmattn.device_sampling import NonFiniteLogits
+
+    vm, device = sampling_vm(target)
+    sampler = DeviceSampler(vm, device)
+    assert sampler.flags_non_finite
+    vocab = 40
+    logits = np.random.default_rng(15).normal(0, 1, (5, vocab)).astype(np.float32)
+    logits[0, 3], logits[2, 39], logits[3, 0] = np.nan, np.inf, -np.inf
+    options = [dict(temperature=1.0, seed=1), dict(temperature=0.0), dict(temperature=0.0, logprobs=True), None,
+               dict(temperature=0.5, seed=2)]
+    samplers = [None if o is None else Sampler(SamplingOptions(**o), vocab) for o in options]
+    step = sampler.launch(sampler.prepare(samplers, vocab=vocab), tvm.runtime.tensor(logits, device)).wait()
+    assert step.non_finite == [True, False, True, True, False]
+    assert step.on_device == [0, 1, 4] and step.on_host == [2]
+    assert step.choices[0] is None and step.choices[2] is None and step.choices[3] is None
+    assert step.choices[1] == (int(np.argmax(logits[1])), None)
+    with pytest.raises(NonFiniteLogits, match=r"\[0, 2, 3\]"):
+        sampler.choose(tvm.runtime.tensor(logits, device), samplers)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_plan_made_before_the_logits_gives_the_same_choices(target):
+    """prepare (uniforms drawn, inputs uploaded) before the logits exist, launch and wait after:
+    the host sampler's tokens; host=True rows are chosen on the host from the whole,
+    unpenalized row; the device rows' generators advance by one draw each at prepare."""
+    vm, device = sampling_vm(target)
+    sampler = DeviceSampler(vm, device)
+    vocab = 120
+    rng = np.random.default_rng(16)
+    host = [Sampler(SamplingOptions(**o), vocab) for o in OPTION_SETS]
+    dev = [Sampler(SamplingOptions(**o), vocab) for o in OPTION_SETS]
+    forced = [i % 2 == 1 for i in range(len(dev))]
+    for _ in range(6):
+        logits = rng.normal(0, 1.5, (len(dev), vocab)).astype(np.float32)
+        plan = sampler.prepare(dev, host=forced, vocab=vocab)
+        assert plan.on_host == [i for i, f in enumerate(forced) if f]
+        step = sampler.launch(plan, tvm.runtime.tensor(logits, device)).wait()
+        expected = [h.choose(logits[i])[0] for i, h in enumerate(host)]
+        assert [c[0] for c in step.choices] == expected
+        for i in plan.on_host:
+            np.testing.assert_array_equal(step.host_rows[i], logits[i])
+        for h, d, token in zip(host, dev, expected):
+            h.accept(token)
+            d.accept(token)
+
+
 def test_device_sampler_rejects_mismatched_rows():
     vm, device = sampling_vm("llvm")
     logits = tvm.runtime.tensor(np.zeros((2, 8), np.float32), device)

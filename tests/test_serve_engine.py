@@ -565,3 +565,54 @@ def test_nan_logits_fail_with_the_same_error_on_device_and_host(library, step, k
             run_all(engine)
         messages.append(str(err.value).replace(f"request {requests[0].id}", "request R"))
     assert messages[0] == messages[1]
+
+
+@pytest.fixture(scope="module")
+def cuda_library(tmp_path_factory):
+    from test_weights import write_tiny_gguf
+
+    from tvmattn.build import compile_model
+
+    folder = tmp_path_factory.mktemp("cuda-tiny")
+    write_tiny_gguf(folder / "tiny.gguf", np.random.default_rng(7))
+    return compile_model(str(folder / "tiny.gguf"), folder / "tiny.so", target="cuda", max_batch_size=8,
+                         prefill_chunk=64, log=lambda _m: None).library
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_cuda_engine_samples_on_the_device_like_the_host(cuda_library, cuda_graph):
+    """On CUDA (graph replays or eager steps) the device sampler gives the host sampler's tokens
+    for every option set, reads the ids back through pinned memory, and only the logprobs
+    request's rows come to the host."""
+    from tvmattn.device_sampling import _AsyncReadback
+
+    def run(sampling):
+        engine = Engine(ModelRunner(cuda_library, cuda_graph=cuda_graph), max_batched_tokens=24, sampling=sampling)
+        work = prompts(42, [9, 50, 3, 31, 17, 70, 5])
+        requests = [engine.submit(p, SamplingOptions(max_tokens=20, ignore_eos=True, **o))
+                    for p, o in zip(work, SAMPLED)]
+        run_all(engine)
+        assert_no_leak(engine)
+        return engine, [(r.stream.result().tokens, r.stream.result().logprobs) for r in requests]
+
+    host, expected = run("host")
+    device, got = run("device")
+    assert device.sampling == "device" and isinstance(device._sampler._readback, _AsyncReadback)
+    assert device.runner.session.uses_cuda_graph == cuda_graph
+    assert got == expected
+    total = sum(len(tokens) for tokens, _ in got)
+    assert device.sampled_on_host == len(got[-1][0]) and device.sampled_on_device == total - len(got[-1][0])
+    assert host.sampled_on_device == 0
+
+
+@pytest.mark.gpu
+def test_cuda_generator_greedy_and_seeded_tokens_do_not_depend_on_the_sampler(cuda_library):
+    work = prompts(43, [5, 40, 90, 12])
+    answers = {}
+    for sampling in ("host", "device"):
+        generator = Generator(cuda_library, sampling=sampling)
+        generator.stop_ids = set()
+        answers[sampling] = [generator.generate_tokens(work, 24, temperature=t, top_p=0.9, seed=7).tokens
+                             for t in (0.0, 1.0)]
+    assert answers["device"] == answers["host"]

@@ -258,10 +258,10 @@ class DeviceSampler:
         self._sample = vm["sample"]
         self._penalize = vm["apply_penalties"]
         self.device = device
-        uploader = make_uploader(device)
-        self._params = _Staging(device, "float32", uploader)
-        self._token_ids = _Staging(device, "int32", uploader)
-        self._amounts = _Staging(device, "float32", uploader)
+        # an uploader each: a step's three copies never wait for one another's staging buffer
+        self._params = _Staging(device, "float32", make_uploader(device))
+        self._token_ids = _Staging(device, "int32", make_uploader(device))
+        self._amounts = _Staging(device, "float32", make_uploader(device))
         self._readback = _make_readback(device)
         self._flags: bool | None = None
 
