@@ -528,6 +528,36 @@ def test_auto_sampling_picks_the_device_and_bad_modes_are_refused(library, monke
         Engine(runner, sampling="device")
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["ids-only", "kept-logits"])
+def test_verify_steps_choose_on_the_device_like_the_host(library, keep):
+    """Speculative trees verified beside sampled and logprobs requests: the draft nodes'
+    argmaxes and the plain rows' choices come from the kernels (no row read back unless its
+    request keeps logits or asks logprobs), the same tokens, accepted drafts and logprobs as
+    the host path's."""
+    def run(sampling):
+        engine = make_engine(library, max_batched_tokens=64, sampling=sampling,
+                             speculative=SpeculativeOptions("prompt-lookup", back_off=False))
+        repetitive = prompts(9, [12])[0] * 4
+        work = [(repetitive, greedy(14), True), (prompts(44, [20])[0], SamplingOptions(
+            temperature=0.9, top_k=30, seed=8, max_tokens=14, ignore_eos=True), False),
+            (prompts(45, [7])[0], SamplingOptions(temperature=0, logprobs=True, max_tokens=14, ignore_eos=True), False)]
+        requests = [engine.submit(p, o, speculative=spec, keep_logits=keep and spec) for p, o, spec in work]
+        run_all(engine)
+        assert_no_leak(engine)
+        outputs = [r.stream.result() for r in requests]
+        kept = np.stack(requests[0].kept) if keep else None
+        return engine, [(o.tokens, o.logprobs) for o in outputs], kept, requests[0].stats
+
+    host, expected, host_kept, host_stats = run("host")
+    device, got, kept, stats = run("device")
+    assert got == expected and stats == host_stats and stats.verify_steps > 0 and device.drafted > 0
+    total = sum(len(tokens) for tokens, _ in got)
+    on_host = len(got[2][0]) + (len(got[0][0]) if keep else 0)  # logprobs rows, kept rows
+    assert (device.sampled_on_device, device.sampled_on_host) == (total - on_host, on_host)
+    if keep:
+        np.testing.assert_array_equal(kept, host_kept)
+
+
 def poison(engine: Engine, request_index: int, step: int):
     """Make the runner's logits row of the request with that submission index NaN at its
     `step`-th step (the library's own tensor, as NaN weights would)."""

@@ -103,14 +103,17 @@ class NonFiniteLogits(ValueError):
 @dataclasses.dataclass
 class StepChoices:
     """The choices of one step: choices[row] = (token, logprob record or None), None where the
-    row had no sampler or is not finite; non_finite[row]: the row holds a NaN or inf (every row,
-    sampled or not, is checked); on_device / on_host: the rows chosen by the kernels / the host."""
+    row had no sampler or is not finite; greedy[row]: the argmax of a row without a sampler (the
+    lowest id among equal maxima; None for a row with one, or not finite), e.g. a verified draft
+    node's; non_finite[row]: the row holds a NaN or inf (every row, sampled or not, is checked);
+    on_device / on_host: the rows with a sampler chosen by the kernels / the host."""
 
     choices: list[tuple[int, TokenLogprob | None] | None]
+    greedy: list[int | None]
     non_finite: list[bool]
     on_device: list[int]
     on_host: list[int]
-    host_rows: dict[int, np.ndarray]  # the fallback rows, as read before the penalties
+    host_rows: dict[int, np.ndarray]  # the rows read whole (fallback and `host=` rows), before the penalties
 
 
 @dataclasses.dataclass
@@ -123,6 +126,7 @@ class SamplingPlan:
     masks: list[np.ndarray | None]
     on_device: list[int]
     on_host: list[int]
+    copied: list[int]  # the rows read whole: on_host and the `host=` rows without a sampler
     params: Any  # device tensor [rows, 4] float32
     penalties: tuple[Any, Any] | None  # device tensors (token_ids [rows, m] int32, amounts [rows, m] float32)
 
@@ -230,12 +234,15 @@ class PendingChoices:
         """Sample the fallback rows on the host (the kernels run meanwhile), then read the ids."""
         plan = self._plan
         out: list[tuple[int, TokenLogprob | None] | None] = [None] * plan.rows
+        greedy: list[int | None] = [None] * plan.rows
         non_finite = [False] * plan.rows
         for i, row in self._host_rows.items():
             if not np.isfinite(row).all():
                 non_finite[i] = True
             elif plan.samplers[i] is not None:
                 out[i] = plan.samplers[i].choose(row, plan.masks[i])
+            else:
+                greedy[i] = int(np.argmax(row))
         if self._read is not None:
             tokens = self._read()
             for i in range(plan.rows):
@@ -245,7 +252,9 @@ class PendingChoices:
                     non_finite[i] = True
                 elif plan.samplers[i] is not None:
                     out[i] = (int(tokens[i]), None)
-        return StepChoices(out, non_finite, list(plan.on_device), list(plan.on_host), self._host_rows)
+                else:
+                    greedy[i] = int(tokens[i])
+        return StepChoices(out, greedy, non_finite, list(plan.on_device), list(plan.on_host), self._host_rows)
 
 
 class DeviceSampler:
@@ -278,9 +287,10 @@ class DeviceSampler:
     def prepare(self, samplers: Sequence[Sampler | None], masks: Sequence[np.ndarray | None] | None = None,
                 host: Sequence[bool] | None = None, vocab: int | None = None) -> SamplingPlan:
         """The plan of a step of len(samplers) rows, made before its logits exist: samplers[row]
-        (None: no choice, e.g. a prompt chunk that is not its last; the row is still checked
-        for NaN), masks[row] (a grammar's allowed tokens, bool [vocab], or None), host[row]
-        (True: the host chooses from the whole row); vocab: the logits' width (default: every
+        (None: no choice but the row's argmax, StepChoices.greedy, e.g. a draft tree's node, or
+        a prompt chunk's row that is not its last; every row is checked for NaN), masks[row] (a
+        grammar's allowed tokens, bool [vocab], or None), host[row] (True: the row is read whole,
+        and its sampler, if any, chooses on the host); vocab: the logits' width (default: every
         sampler's own). Draws each device row's uniform and uploads the kernels' inputs."""
         rows = len(samplers)
         masks = [None] * rows if masks is None else list(masks)
@@ -304,7 +314,8 @@ class DeviceSampler:
         if token_ids.shape[1]:
             penalties = (self._token_ids.put(token_ids), self._amounts.put(amounts))
         params = self._params.put(sample_params(samplers, on_device))
-        return SamplingPlan(rows, list(samplers), masks, on_device, on_host, params, penalties)
+        copied = sorted(set(on_host) | {i for i in range(rows) if host[i]})
+        return SamplingPlan(rows, list(samplers), masks, on_device, on_host, copied, params, penalties)
 
     def launch(self, plan: SamplingPlan, logits) -> PendingChoices:
         """Queue the step's sampling on `logits` (a float32 device tensor [rows, vocab] or
@@ -323,7 +334,7 @@ class DeviceSampler:
                 raise ValueError(f"row {i}: its sampler's vocabulary {plan.samplers[i].vocab_size} differs from the "
                                  f"logits' {vocab}; prepare(vocab=) sends it to the host")
         flat = logits if len(logits.shape) == 2 else logits._create_view((rows, vocab))
-        host_rows = {i: flat._create_view((vocab,), relative_byte_offset=i * vocab * 4).numpy() for i in plan.on_host}
+        host_rows = {i: flat._create_view((vocab,), relative_byte_offset=i * vocab * 4).numpy() for i in plan.copied}
         read = None
         if len(host_rows) < rows:
             if plan.penalties is not None:

@@ -355,12 +355,16 @@ class ModelSession:
             rows.append(logits[0, 0])
         return np.stack(rows)
 
-    def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]]) -> list[np.ndarray]:
+    def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]], on_host: bool = True):
         """Token trees (tokens[i] with parents[i], node 0 the root) -> per sequence the logits
-        [len(tree), vocab] after each node. The trees stay uncommitted (see commit)."""
+        [len(tree), vocab] after each node (on_host False: the device tensor of every node's
+        row, the trees one after the other). The trees stay uncommitted (see commit)."""
         flat = [t for tree in tokens for t in tree]
         logits = self.forward("batch_verify", seq_ids, [len(t) for t in tokens], self.embed(flat)[None],
-                              parents=[p for tree in parents for p in tree])[0]
+                              parents=[p for tree in parents for p in tree], on_host=on_host)
+        if not on_host:
+            return logits
+        logits = logits[0]
         ends = np.cumsum([len(t) for t in tokens])
         return [logits[end - len(t):end] for end, t in zip(ends, tokens)]
 

@@ -47,7 +47,7 @@ import numpy as np
 from ..sampling import Sampler, SamplingOptions, TokenLogprob
 from ..session import GenerateError
 from ..speculative import (DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, BackOff, DraftOption, DraftTree, PromptLookup,
-                           SpeculativeOptions, SpeculativeStats, accept_greedy, first_chain, next_draft_len,
+                           SpeculativeOptions, SpeculativeStats, accept_argmax, accept_greedy, first_chain, next_draft_len,
                            tree_depth)
 from .prefix import RadixPrefixCache
 from .runner import DraftModel, ModelRunner
@@ -623,7 +623,10 @@ class Engine:
     # ------------------------------------------------------------------ running a step
     def _run(self, decode: list[_Chunk], chunks: list[_Chunk]) -> None:
         costs = self.runner.session.step_costs
-        if any(c.tree is not None for c in decode):
+        if any(c.tree is not None for c in decode) and self._sampler is not None:
+            self._verify_on_device(decode)
+            decode = []
+        elif any(c.tree is not None for c in decode):
             # one batch_verify over every decode chunk (a plain one is a tree of its root)
             start = time.perf_counter()
             node_logits = self.runner.verify([c.request.seq_id for c in decode], [c.tokens for c in decode],
@@ -674,6 +677,58 @@ class Engine:
         if fed:  # the draft model's prefill of the same prompts, in the same step
             self._drafter.prefill([r.id for r in fed], [r.tokens[:r.prompt_len] for r in fed])
 
+    def _choice_inputs(self, r: Request) -> tuple[Sampler | None, np.ndarray | None]:
+        """(sampler, grammar mask) of a request about to choose: no sampler when its mask allows
+        nothing (it then ends)."""
+        mask = r.grammar.allowed() if r.grammar is not None else None
+        return (r.sampler if mask is None or mask.any() else None), mask
+
+    def _verify_on_device(self, decode: list[_Chunk]) -> None:
+        """The verify step of `_run` with the device sampler: every draft node's argmax and
+        each plain request's choice come from the kernels (no node's row is copied unless its
+        request keeps logits); the same acceptance and tokens as the host path."""
+        start = time.perf_counter()
+        samplers, masks, host, spans = [], [], [], []
+        for c in decode:
+            r, begin = c.request, len(samplers)
+            if c.tree is None:  # a plain request decoding in a verify step: its own choice
+                sampler, mask = self._choice_inputs(r)
+                samplers.append(sampler)
+                masks.append(mask)
+            else:  # the nodes' argmaxes (greedy rows without a sampler)
+                samplers.extend([None] * len(c.tokens))
+                masks.extend([None] * len(c.tokens))
+            host.extend([r.kept is not None] * len(c.tokens))
+            spans.append(range(begin, len(samplers)))
+        plan = self._sampler.prepare(samplers, masks, host, self.runner.vocab_size)
+        logits = self.runner.verify([c.request.seq_id for c in decode], [c.tokens for c in decode],
+                                    [c.parents if c.parents is not None else [-1] for c in decode], on_host=False)
+        result = self._sampler.launch(plan, logits).wait()
+        self.runner.session.step_costs.observe_verify(len(samplers), time.perf_counter() - start)
+        for c, span in zip(decode, spans):
+            if any(result.non_finite[i] for i in span):
+                self._not_finite(c.request, "decode")
+        accepted = [accept_argmax(c.tree, lambda node, span=span: result.greedy[span[node]])
+                    if c.tree is not None else ([0], None) for c, span in zip(decode, spans)]
+        self.runner.commit([c.request.seq_id for c in decode], [path[-1] for path, _ in accepted])
+        for c, span, (path, bonus) in zip(decode, spans, accepted):
+            r = c.request
+            r.cached += len(path)
+            rows = [result.host_rows.get(i) for i in span]
+            if c.tree is None:
+                if samplers[span[0]] is None:  # no token continues the constrained text
+                    self._retire(r, "stop")
+                else:
+                    if span[0] in result.on_device:
+                        self.sampled_on_device += 1
+                    else:
+                        self.sampled_on_host += 1
+                    token, record = result.choices[span[0]]
+                    self._emit(r, token, record, rows[0])
+            else:
+                self._verified(r, c.tree, rows, path, bonus, on_device=span[0] not in result.host_rows)
+            self._after_decode(r, c.tree)
+
     def _mixed_on_device(self, step: list[_Chunk], n_decode: int, plain: bool) -> None:
         """The mixed step of `_run` with the device sampler: the sampling plan made before the
         forward (uniforms drawn, inputs uploaded), the logits left on the device, the kernels
@@ -685,9 +740,7 @@ class Engine:
         for c in step:
             r, sampler, mask = c.request, None, None
             if r.cached + len(c.tokens) == len(r.tokens):  # the chunk reaches the end of its tokens
-                mask = r.grammar.allowed() if r.grammar is not None else None
-                if mask is None or mask.any():  # a mask that allows nothing ends the request instead
-                    sampler = r.sampler
+                sampler, mask = self._choice_inputs(r)
             samplers.append(sampler)
             masks.append(mask)
             host.append(r.kept is not None)  # kept logits: the whole row comes to the host anyway
@@ -724,8 +777,10 @@ class Engine:
         raise GenerateError(f"logits are not finite at step {len(r.output)} ({kind}) of {r.name}: the weights "
                             f"hold NaN or inf, or the library is broken; check the weights and recompile")
 
-    def _verified(self, r: Request, tree: DraftTree, rows: np.ndarray, path: list[int], bonus: int) -> None:
-        """Emit a verified tree's accepted drafts and its bonus token; count them."""
+    def _verified(self, r: Request, tree: DraftTree, rows, path: list[int], bonus: int, on_device: bool = False) -> None:
+        """Emit a verified tree's accepted drafts and its bonus token; count them (rows: the
+        nodes' logits, or None each where the device chose and nobody keeps them; on_device:
+        the argmaxes came from the kernels)."""
         accepted, depth = len(path) - 1, tree_depth(tree)
         self.drafted += tree.num_drafts
         self.accepted += accepted
@@ -736,7 +791,10 @@ class Engine:
             r.draft_limit = next_draft_len(r.draft_limit, accepted, depth, self.speculative.draft_len)
         if self._back_off is not None:
             self._back_off.verified(r.id, accepted, depth)
-        self.sampled_on_host += len(path)  # the accepted drafts and the bonus: argmaxes of host rows
+        if on_device:  # the accepted drafts and the bonus: argmaxes of the nodes' rows
+            self.sampled_on_device += len(path)
+        else:
+            self.sampled_on_host += len(path)
         chosen = [(tree.tokens[node], rows[parent]) for parent, node in zip(path, path[1:])]
         for token, row in chosen + [(bonus, rows[path[-1]])]:
             if not self._emit(r, token, None, row):

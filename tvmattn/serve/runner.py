@@ -147,10 +147,11 @@ class ModelRunner:
         flattened over its leading axes, are those rows; no copy), for the device sampler."""
         return self.session.mixed(seq_ids, chunks, on_host)
 
-    def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]]) -> list[np.ndarray]:
+    def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]], on_host: bool = True):
         """Token trees (tokens[i] with parents[i], node 0 the root) -> per sequence the logits
-        [len(tree), vocab] after each node. The trees stay uncommitted (see commit)."""
-        return self.session.verify(seq_ids, tokens, parents)
+        [len(tree), vocab] after each node (on_host False: one device tensor of every node's row,
+        the trees in order). The trees stay uncommitted (see commit)."""
+        return self.session.verify(seq_ids, tokens, parents, on_host)
 
     def commit(self, seq_ids: list[int], leaves: list[int]) -> None:
         self.session.commit(seq_ids, leaves)
