@@ -421,6 +421,37 @@ def test_a_plan_made_before_the_logits_gives_the_same_choices(target):
             d.accept(token)
 
 
+def test_the_ids_are_read_after_the_host_rows_are_sampled(monkeypatch):
+    """launch queues the kernels and starts the ids' copy without reading it; wait samples the
+    fallback rows first and reads the ids last (on CUDA the host's sampling overlaps the
+    kernels and the copy); on the CPU the read-back is the synchronous one."""
+    from tvmattn.device_sampling import _SyncReadback
+
+    vm, device = sampling_vm("llvm")
+    sampler = DeviceSampler(vm, device)
+    assert isinstance(sampler._readback, _SyncReadback)
+    events = []
+    start = sampler._readback.start
+
+    def recording_start(tokens, rows):
+        events.append("copy started")
+        read = start(tokens, rows)
+        return lambda: (events.append("ids read"), read())[1]
+
+    monkeypatch.setattr(sampler._readback, "start", recording_start)
+    vocab = 50
+    logits = np.random.default_rng(17).normal(0, 1, (3, vocab)).astype(np.float32)
+    samplers = [Sampler(SamplingOptions(temperature=0.8, seed=1), vocab), Sampler(SamplingOptions(logprobs=True), vocab),
+                Sampler(SamplingOptions(temperature=0.0), vocab)]
+    choose = samplers[1].choose
+    monkeypatch.setattr(samplers[1], "choose", lambda *a: (events.append("host row sampled"), choose(*a))[1])
+    pending = sampler.launch(sampler.prepare(samplers, vocab=vocab), tvm.runtime.tensor(logits, device))
+    assert events == ["copy started"]
+    step = pending.wait()
+    assert events == ["copy started", "host row sampled", "ids read"]
+    assert step.choices[2] == (int(np.argmax(logits[2])), None) and step.on_host == [1]
+
+
 def test_device_sampler_rejects_mismatched_rows():
     vm, device = sampling_vm("llvm")
     logits = tvm.runtime.tensor(np.zeros((2, 8), np.float32), device)
