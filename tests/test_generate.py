@@ -135,9 +135,12 @@ def test_device_and_host_sampling_answer_alike(tiny):
     host.stop_ids = set()
     assert generator.sampling == "auto"
     for temperature, top_p in ((0.0, 1.0), (1.0, 0.9), (0.7, 1.0)):
-        runs = [g.generate_tokens(PROMPTS, 12, temperature=temperature, top_p=top_p, seed=9).tokens
-                for g in (generator, host)]
-        assert runs[0] == runs[1], (temperature, top_p)
+        results = [g.generate_tokens(PROMPTS, 12, temperature=temperature, top_p=top_p, seed=9)
+                   for g in (generator, host)]
+        assert results[0].tokens == results[1].tokens, (temperature, top_p)
+        assert (results[0].sampled_on_device, results[0].sampled_on_host) == (3 * 12, 0)
+        assert (results[1].sampled_on_device, results[1].sampled_on_host) == (0, 3 * 12)
+    assert (generator.sampling_in_use, host.sampling_in_use) == ("device", "host")
     with pytest.raises(GenerateError, match="sampling must be one of auto, device, host, got 'cuda'"):
         Generator(library, sampling="cuda")
 

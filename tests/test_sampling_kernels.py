@@ -441,8 +441,8 @@ def test_the_ids_are_read_after_the_host_rows_are_sampled(monkeypatch):
     monkeypatch.setattr(sampler._readback, "start", recording_start)
     vocab = 50
     logits = np.random.default_rng(17).normal(0, 1, (3, vocab)).astype(np.float32)
-    samplers = [Sampler(SamplingOptions(temperature=0.8, seed=1), vocab), Sampler(SamplingOptions(logprobs=True), vocab),
-                Sampler(SamplingOptions(temperature=0.0), vocab)]
+    samplers = [Sampler(SamplingOptions(temperature=0.8, seed=1), vocab),
+                Sampler(SamplingOptions(logprobs=True), vocab), Sampler(SamplingOptions(temperature=0.0), vocab)]
     choose = samplers[1].choose
     monkeypatch.setattr(samplers[1], "choose", lambda *a: (events.append("host row sampled"), choose(*a))[1])
     pending = sampler.launch(sampler.prepare(samplers, vocab=vocab), tvm.runtime.tensor(logits, device))

@@ -158,7 +158,8 @@ class _AsyncReadback:
         if self._buffer.size:
             self._call("cudaHostUnregister", ctypes.c_void_p(self._buffer.ctypes.data))
         self._buffer = np.empty(max(rows, 1024), np.int32)
-        self._call("cudaHostRegister", ctypes.c_void_p(self._buffer.ctypes.data), ctypes.c_size_t(self._buffer.nbytes), 0)
+        self._call("cudaHostRegister", ctypes.c_void_p(self._buffer.ctypes.data),
+                   ctypes.c_size_t(self._buffer.nbytes), 0)
 
     def _wait(self) -> None:
         if self._in_flight:

@@ -100,6 +100,9 @@ class Generation:
     logits: list[np.ndarray] | None = None
     # speculative decoding only: trees verified (one per sequence and step), drafts fed, drafts accepted
     speculative: SpeculativeStats | None = None
+    # token choices made by the library's sampling kernels and by the host (Generator.sampling)
+    sampled_on_device: int = 0
+    sampled_on_host: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -208,6 +211,14 @@ class Generator:
     @property
     def uses_cuda_graph(self) -> bool:
         return self.session.uses_cuda_graph
+
+    @property
+    def sampling_in_use(self) -> str:
+        """"device" or "host": who chooses the tokens of this generator's calls (sampling
+        "auto" resolved against the library)."""
+        if self.sampling == "host" or self.session.device_sampler() is None:
+            return "host"
+        return "device"
 
     def sibling(self) -> "Generator":
         """The same loaded library with a KV cache of its own (its steps run eagerly)."""
@@ -326,7 +337,7 @@ class Generator:
         return Generation([], [o.tokens for o in outputs],
                           [len(p) for p in prompts], engine.prefill_s, engine.decode_s, engine.decode_steps,
                           [np.stack(r.kept) if r.kept else np.zeros((0, 0), np.float32) for r in requests]
-                          if keep_logits else None, stats)
+                          if keep_logits else None, stats, engine.sampled_on_device, engine.sampled_on_host)
 
     # ------------------------------------------------------------------ speculative decoding
     def _check_speculative(self, options: SpeculativeOptions, temperature: float) -> None:

@@ -47,8 +47,8 @@ import numpy as np
 from ..sampling import Sampler, SamplingOptions, TokenLogprob
 from ..session import GenerateError
 from ..speculative import (DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, BackOff, DraftOption, DraftTree, PromptLookup,
-                           SpeculativeOptions, SpeculativeStats, accept_argmax, accept_greedy, first_chain, next_draft_len,
-                           tree_depth)
+                           SpeculativeOptions, SpeculativeStats, accept_argmax, accept_greedy, first_chain,
+                           next_draft_len, tree_depth)
 from .prefix import RadixPrefixCache
 from .runner import DraftModel, ModelRunner
 from .text import TextStream
@@ -777,7 +777,8 @@ class Engine:
         raise GenerateError(f"logits are not finite at step {len(r.output)} ({kind}) of {r.name}: the weights "
                             f"hold NaN or inf, or the library is broken; check the weights and recompile")
 
-    def _verified(self, r: Request, tree: DraftTree, rows, path: list[int], bonus: int, on_device: bool = False) -> None:
+    def _verified(self, r: Request, tree: DraftTree, rows, path: list[int], bonus: int,
+                  on_device: bool = False) -> None:
         """Emit a verified tree's accepted drafts and its bonus token; count them (rows: the
         nodes' logits, or None each where the device chose and nobody keeps them; on_device:
         the argmaxes came from the kernels)."""
