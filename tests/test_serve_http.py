@@ -503,3 +503,14 @@ def test_max_num_seqs_over_the_library_batch_is_a_one_line_error(library, capsys
         status = exit_.code
     err = capsys.readouterr().err
     assert status == 2 and "--max-num-seqs 9 exceeds the library's max batch size 8" in err
+
+
+@pytest.mark.parametrize("flag, expected", [([], "device"), (["--sampling", "host"], "host"),
+                                            (["--sampling", "device"], "device")])
+def test_the_sampling_flag_reaches_the_engine(library, flag, expected):
+    from tvmattn.__main__ import parser
+    from tvmattn.serve.cli import build_engine
+
+    args = parser().parse_args(["serve", "--lib", str(library), "--max-total-tokens", "256", *flag])
+    engine, _ = build_engine(args)
+    assert engine.sampling == expected
