@@ -38,6 +38,7 @@ from tir_kernels import support
 from .runtime import ffi as _ffi  # noqa: F401  - registers tvmattn.* before the library is loaded
 from .bundle import BundleError, load_params, load_tokenizer, open_bundle
 from .device_sampling import DeviceSampler, has_device_sampling
+from .runtime.upload import make_uploader
 from .speculative import VERIFY_PRIOR_CPU, VERIFY_PRIOR_GPU, StepCosts
 
 # Prompt tokens per prefill call on the CPU: a 512-token prompt in two calls holds half the
@@ -165,6 +166,11 @@ class ModelSession:
         # CPU: the decode step's token ids, a tensor per batch size written through a numpy view
         # (writing into it costs far less than a new tensor from numpy every step)
         self._cpu_ids: dict[int, tuple[Any, np.ndarray]] | None = {} if on_cpu else None
+        # CUDA: the token ids of a step go up by a stream-ordered copy from pinned memory
+        # (tvmattn.runtime.upload), into a tensor per batch size: the host does not wait for the
+        # device before launching the step
+        self._ids_uploader = None if on_cpu else make_uploader(self.device)
+        self._device_ids: dict[int, Any] = {}
         self.cache = None
         self.cache_tokens = 0  # tokens the current cache holds
         # FP8 KV libraries (compile --kv-cache-dtype): scales [layers, 2, kv_heads] given to each
@@ -205,6 +211,7 @@ class ModelSession:
         other = copy.copy(self)
         other.cache, other.cache_tokens = None, 0
         other.graphs, other._graph_ids, other.cuda_graph = None, {}, False
+        other._device_ids = {}
         other._device_sampler = False  # staging buffers of its own
         return other
 
@@ -261,7 +268,7 @@ class ModelSession:
             ids = self._graph_ids[bucket] = tvm.runtime.empty((bucket,), "int32", device=self.device)
         host = np.zeros(bucket, np.int32)
         host[: len(tokens)] = tokens
-        ids.copyfrom(host)
+        self._ids_uploader.copy(host, ids)
         logits = self.graphs.run(seq_ids)
         if not on_host:
             return logits._create_view((len(seq_ids), int(logits.shape[-1])))
@@ -294,10 +301,15 @@ class ModelSession:
         return logits[:, 0] if on_host else logits
 
     def _token_ids(self, tokens: list[int]):
-        """tokens as an int32 tensor [len(tokens)] on the device (on the CPU the same tensor for
-        every step of a batch size: the step reads it before it returns)."""
+        """tokens as an int32 tensor [len(tokens)] on the device, the same tensor for every step
+        of a batch size (on the CPU the step reads it before it returns; on CUDA the copy into it
+        is queued behind the previous step's kernels, which may still read it)."""
         if self._cpu_ids is None:
-            return tvm.runtime.tensor(np.array(tokens, dtype=np.int32), device=self.device)
+            ids = self._device_ids.get(len(tokens))
+            if ids is None:
+                ids = self._device_ids[len(tokens)] = tvm.runtime.empty((len(tokens),), "int32", device=self.device)
+            self._ids_uploader.copy(np.array(tokens, dtype=np.int32), ids)
+            return ids
         entry = self._cpu_ids.get(len(tokens))
         if entry is None:
             ids = tvm.runtime.empty((len(tokens),), "int32", device=self.device)
