@@ -13,7 +13,8 @@ kernels do not serve are sampled by the host `Sampler` from that row of logits a
   - a request whose vocabulary is smaller than the logits' (padded LM heads),
   - rows the caller asks for whole (`host=`; the serving engine's kept logits).
 
-A step is split so that the host never waits on the device for more than the token ids:
+A step is split so that the host waits on the device only for what it reads (the fallback
+rows, when there are any, and the token ids), never to upload:
 `prepare` (before the step's forward is launched) draws the uniforms and uploads the kernels'
 parameters; `launch` (once the forward is queued) reads the fallback rows, queues the penalty
 and sampling kernels and starts an asynchronous copy of the ids (CUDA: cudaMemcpyAsync into
@@ -38,13 +39,14 @@ import numpy as np
 import tvm
 import tvm_ffi
 
+from tir_kernels.sampling import NON_FINITE  # the kernel's token for a row holding a NaN or inf logit
+
 from .runtime.upload import _load_cudart, make_uploader
 from .sampling import Sampler, SamplingOptions, TokenLogprob
 
 SAMPLING_FUNCTIONS = ("sample", "apply_penalties")
 # The largest float32 below 1: a uniform draw in [0, 1) stays below 1 in float32.
 _BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
-NON_FINITE = -1  # the kernel's token for a row holding a NaN or inf logit (tir_kernels.sampling)
 _CUDA_MEMCPY_DEVICE_TO_HOST = 2
 _CUDA_EVENT_DISABLE_TIMING = 2
 
