@@ -272,6 +272,16 @@ def _count(before: dict | None, after: dict | None, name: str) -> int | None:
     return None if delta is None else int(delta)
 
 
+def _sampling(before: dict | None, after: dict | None) -> dict:
+    """Which sampler chose the level's tokens: the engine's mode, and the choices the library's
+    kernels and the host made (the host's: fallback rows, or every row with --sampling host)."""
+    mode = None
+    if after is not None and "tvmattn_sampling_device" in after:
+        mode = "device" if after["tvmattn_sampling_device"] else "host"
+    return {"sampling": mode, "sampled_device": _count(before, after, "tvmattn_sampled_tokens_device"),
+            "sampled_host": _count(before, after, "tvmattn_sampled_tokens_host")}
+
+
 def wait_idle(url: str, headers: dict, timeout_s: float = 120) -> dict | None:
     """The metrics once no request runs or waits (cancellations reach the engine a moment after
     the disconnect)."""
@@ -369,7 +379,7 @@ def bench(impl: str, url: str, model: str | None, args, extra: dict, headers: di
                "ttft_p50_ms": _round(percentile(ttft, 50)), "ttft_p99_ms": _round(percentile(ttft, 99)),
                "itl_p50_ms": _round(percentile(itl, 50)), "itl_p99_ms": _round(percentile(itl, 99)),
                "prefix_hit_rate": round(hits / queried, 4) if queried else None,
-               "preemptions": preempted, "recomputed_tokens": recomputed}
+               "preemptions": preempted, "recomputed_tokens": recomputed, **_sampling(before, after)}
         failed = [r["error"] for r in results if r.get("error")]
         if failed:
             row["errors"] = failed[:3]
@@ -439,7 +449,7 @@ def waves(impl: str, url: str, model: str | None, args, extra: dict, headers: di
                "pages_used": None if after is None else int(after.get("tvmattn_kv_pages_used", 0)),
                "rss_mib": _round(rss_mib(pid), 1),
                "preemptions": _count(before, after, "tvmattn_preemptions"),
-               "recomputed_tokens": _count(before, after, "tvmattn_recomputed_tokens")}
+               "recomputed_tokens": _count(before, after, "tvmattn_recomputed_tokens"), **_sampling(before, after)}
         if short:
             row["errors"] = [r.get("error") or f"{r.get('usage_tokens')} of {r['max_tokens']} tokens, "
                              f"finish {r.get('finish')}" for r in short[:3]]

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     target = generator.metadata["build_options"]["target"]
     meta = bench_rows.run_meta(gpu=target.startswith("cuda"))
     common = {"bench": "speculative", "kernel": "decode", "impl": "tvmattn", "model": library.stem, "target": target,
-              "dtype": generator.metadata["build_options"]["dtype"], "batch": 1}
+              "dtype": generator.metadata["build_options"]["dtype"], "batch": 1, "sampling": generator.sampling_in_use}
     # a library that keeps the GGUF's blocks is a configuration of its own (its plain step is
     # several times faster, so speculation pays differently); a --no-back-off run's plain rows
     # are its own baseline

@@ -127,6 +127,24 @@ def test_sampling_is_seeded(tiny):
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+def test_device_and_host_sampling_answer_alike(tiny):
+    """The library's sampling kernels (the default where it has them) and the host sampler give
+    the same greedy and seeded answers, a batch at a time; a bad mode is refused by name."""
+    generator, _, library = tiny
+    host = Generator(library, sampling="host")
+    host.stop_ids = set()
+    assert generator.sampling == "auto"
+    for temperature, top_p in ((0.0, 1.0), (1.0, 0.9), (0.7, 1.0)):
+        results = [g.generate_tokens(PROMPTS, 12, temperature=temperature, top_p=top_p, seed=9)
+                   for g in (generator, host)]
+        assert results[0].tokens == results[1].tokens, (temperature, top_p)
+        assert (results[0].sampled_on_device, results[0].sampled_on_host) == (3 * 12, 0)
+        assert (results[1].sampled_on_device, results[1].sampled_on_host) == (0, 3 * 12)
+    assert (generator.sampling_in_use, host.sampling_in_use) == ("device", "host")
+    with pytest.raises(GenerateError, match="sampling must be one of auto, device, host, got 'cuda'"):
+        Generator(library, sampling="cuda")
+
+
 def test_sample_top_p_keeps_the_nucleus():
     """The sampler a Generator's requests draw with (tvmattn.sampling; tests/test_sampling.py
     checks it against a reference in full)."""
@@ -248,6 +266,9 @@ def test_generate_cli(tiny):
     assert done.returncode == 0, done.stderr
     assert "[0] hello" in done.stdout and "[1] world" in done.stdout
     assert "prefill:" in done.stderr and "tokens/s" in done.stderr
+    on_host = run_cli("-m", "tvmattn", "generate", "--lib", str(library), "--prompt", "hello", "--prompt", "world",
+                      "--max-new-tokens", "3", "--sampling", "host")
+    assert on_host.returncode == 0 and on_host.stdout == done.stdout, on_host.stderr
     missing = run_cli("-m", "tvmattn", "generate", "--lib", str(library.parent / "nope.so"), "--prompt", "x")
     assert missing.returncode == 2 and "nope.so is missing" in missing.stderr
 

@@ -149,10 +149,33 @@ def test_greedy_is_the_argmax_with_the_lowest_id_among_ties(target):
     logits = np.random.default_rng(1).normal(0, 1, (4, vocab)).astype(np.float32)
     logits[1, [2999, 700, 1300]] = 50.0
     logits[2, :] = 0.0
-    logits[3, [5, 6]] = [-np.inf, 60.0]
+    logits[3, [5, 6]] = [-3e38, 60.0]
     u = uniforms(4)
     tokens = kernels.sample(logits, params_for(u, temperature=0.0, top_k=3, top_p=0.5))
     assert tokens.tolist() == [int(np.argmax(logits[0])), 700, 0, 6]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_rows_holding_nan_or_inf_get_the_non_finite_token(target):
+    """Greedy or sampled, a row with one NaN, +inf or -inf logit (anywhere, also past the first
+    CUDA block's worth of ids) gets -1; the finite rows of the same batch are unaffected."""
+    kernels = kernels_for(target)
+    vocab = 3000
+    logits = np.random.default_rng(2).normal(0, 1, (8, vocab)).astype(np.float32)
+    logits[1, 2999] = np.nan
+    logits[2, 0] = np.inf
+    logits[3, 1700] = -np.inf
+    logits[5, 300] = np.nan
+    logits[6, 2] = np.inf
+    u = uniforms(8, seed=3)
+    params = params_for(u, temperature=1.0, top_k=0, top_p=0.9)
+    params[:4, 1] = 0.0  # rows 0-3 greedy, rows 4-7 sampled
+    tokens = kernels.sample(logits, params)
+    assert tokens[[1, 2, 3, 5, 6]].tolist() == [-1] * 5
+    assert tokens[0] == int(np.argmax(logits[0]))
+    expected = reference_distribution(logits[4], 1.0, 0, 0.9)
+    assert tokens[4] == inverse_cdf(expected, u[4:5])[0]
+    assert 0 <= tokens[7] < vocab
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -346,6 +369,87 @@ def test_device_sampler_falls_back_to_the_host_per_row(target):
     assert [g if g is None else g[0] for g in got] == [e if e is None else e[0] for e in expected]
     assert got[1][1] == expected[1][1]  # the host's logprob record
     assert got[4] == (int(np.argmax(logits[4])), None)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_device_sampler_reports_rows_that_are_not_finite(target):
+    """NaN or inf in a device row, a host (logprobs) row or a row with no sampler: each is named;
+    the other rows still get their choices (wait), choose raises NonFiniteLogits."""
+    from tvmattn.device_sampling import NonFiniteLogits
+
+    vm, device = sampling_vm(target)
+    sampler = DeviceSampler(vm, device)
+    assert sampler.flags_non_finite
+    vocab = 40
+    logits = np.random.default_rng(15).normal(0, 1, (5, vocab)).astype(np.float32)
+    logits[0, 3], logits[2, 39], logits[3, 0] = np.nan, np.inf, -np.inf
+    options = [dict(temperature=1.0, seed=1), dict(temperature=0.0), dict(temperature=0.0, logprobs=True), None,
+               dict(temperature=0.5, seed=2)]
+    samplers = [None if o is None else Sampler(SamplingOptions(**o), vocab) for o in options]
+    step = sampler.launch(sampler.prepare(samplers, vocab=vocab), tvm.runtime.tensor(logits, device)).wait()
+    assert step.non_finite == [True, False, True, True, False]
+    assert step.on_device == [0, 1, 4] and step.on_host == [2]
+    assert step.choices[0] is None and step.choices[2] is None and step.choices[3] is None
+    assert step.choices[1] == (int(np.argmax(logits[1])), None)
+    with pytest.raises(NonFiniteLogits, match=r"\[0, 2, 3\]"):
+        sampler.choose(tvm.runtime.tensor(logits, device), samplers)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_plan_made_before_the_logits_gives_the_same_choices(target):
+    """prepare (uniforms drawn, inputs uploaded) before the logits exist, launch and wait after:
+    the host sampler's tokens; host=True rows are chosen on the host from the whole,
+    unpenalized row; the device rows' generators advance by one draw each at prepare."""
+    vm, device = sampling_vm(target)
+    sampler = DeviceSampler(vm, device)
+    vocab = 120
+    rng = np.random.default_rng(16)
+    host = [Sampler(SamplingOptions(**o), vocab) for o in OPTION_SETS]
+    dev = [Sampler(SamplingOptions(**o), vocab) for o in OPTION_SETS]
+    forced = [i % 2 == 1 for i in range(len(dev))]
+    for _ in range(6):
+        logits = rng.normal(0, 1.5, (len(dev), vocab)).astype(np.float32)
+        plan = sampler.prepare(dev, host=forced, vocab=vocab)
+        assert plan.on_host == [i for i, f in enumerate(forced) if f]
+        step = sampler.launch(plan, tvm.runtime.tensor(logits, device)).wait()
+        expected = [h.choose(logits[i])[0] for i, h in enumerate(host)]
+        assert [c[0] for c in step.choices] == expected
+        for i in plan.on_host:
+            np.testing.assert_array_equal(step.host_rows[i], logits[i])
+        for h, d, token in zip(host, dev, expected):
+            h.accept(token)
+            d.accept(token)
+
+
+def test_the_ids_are_read_after_the_host_rows_are_sampled(monkeypatch):
+    """launch queues the kernels and starts the ids' copy without reading it; wait samples the
+    fallback rows first and reads the ids last (on CUDA the host's sampling overlaps the
+    kernels and the copy); on the CPU the read-back is the synchronous one."""
+    from tvmattn.device_sampling import _SyncReadback
+
+    vm, device = sampling_vm("llvm")
+    sampler = DeviceSampler(vm, device)
+    assert isinstance(sampler._readback, _SyncReadback)
+    events = []
+    start = sampler._readback.start
+
+    def recording_start(tokens, rows):
+        events.append("copy started")
+        read = start(tokens, rows)
+        return lambda: (events.append("ids read"), read())[1]
+
+    monkeypatch.setattr(sampler._readback, "start", recording_start)
+    vocab = 50
+    logits = np.random.default_rng(17).normal(0, 1, (3, vocab)).astype(np.float32)
+    samplers = [Sampler(SamplingOptions(temperature=0.8, seed=1), vocab),
+                Sampler(SamplingOptions(logprobs=True), vocab), Sampler(SamplingOptions(temperature=0.0), vocab)]
+    choose = samplers[1].choose
+    monkeypatch.setattr(samplers[1], "choose", lambda *a: (events.append("host row sampled"), choose(*a))[1])
+    pending = sampler.launch(sampler.prepare(samplers, vocab=vocab), tvm.runtime.tensor(logits, device))
+    assert events == ["copy started"]
+    step = pending.wait()
+    assert events == ["copy started", "host row sampled", "ids read"]
+    assert step.choices[2] == (int(np.argmax(logits[2])), None) and step.on_host == [1]
 
 
 def test_device_sampler_rejects_mismatched_rows():

@@ -97,6 +97,8 @@ def test_an_over_committed_server_reports_its_preemptions_and_loses_nothing(benc
     assert row["completed"] == 8 and row["preemptions"] > 0
     assert row["recomputed_tokens"] >= row["preemptions"] * 39  # each readmission prefills its prompt again
     assert row["output_tokens"] >= 8 * 20
+    # the library's kernels chose every token (plain requests: no host fallback row)
+    assert row["sampling"] == "device" and row["sampled_host"] == 0 and row["sampled_device"] >= row["output_tokens"]
 
 
 def test_the_plot_draws_each_series_within_its_panel(bench, tmp_path):

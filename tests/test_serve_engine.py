@@ -12,6 +12,7 @@ every page.
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import numpy as np
@@ -467,3 +468,181 @@ def test_page_pool_is_sized_from_memory_or_tokens(library):
                             (dict(max_total_tokens=64, kv_cache_memory="1MiB"), "not both")):
         with pytest.raises(GenerateError, match=message):
             ModelRunner(library, **kwargs)
+
+
+# ---------------------------------------------------------------------- device sampling
+
+SAMPLED = [dict(temperature=0.0), dict(temperature=1.0, seed=1), dict(temperature=0.8, top_p=0.9, seed=2),
+           dict(temperature=1.2, top_k=7, seed=3),
+           dict(temperature=1.0, top_k=20, top_p=0.8, seed=4, presence_penalty=0.6, frequency_penalty=0.4),
+           dict(temperature=0.0, frequency_penalty=1.5), dict(temperature=0.9, seed=5, logprobs=True, top_logprobs=2)]
+
+
+def sampled_run(library, sampling: str, keep_last: bool = False):
+    """Every option set of SAMPLED at once (prompts of several chunks beside decode steps), then
+    the engine and each request's (tokens, logprobs)."""
+    engine = make_engine(library, max_batched_tokens=24, sampling=sampling)
+    work = prompts(40, [9, 50, 3, 31, 17, 70, 5])
+    requests = [engine.submit(p, SamplingOptions(max_tokens=14, ignore_eos=True, **o),
+                              keep_logits=keep_last and i == len(work) - 1)
+                for i, (p, o) in enumerate(zip(work, SAMPLED))]
+    run_all(engine)
+    outputs = [r.stream.result() for r in requests]
+    assert_no_leak(engine)
+    return engine, requests, [(o.tokens, o.logprobs) for o in outputs]
+
+
+def test_device_and_host_sampling_give_the_same_tokens(library, reference):
+    """Greedy, temperature, top-k, top-p and penalties chosen by the library's kernels give the
+    host sampler's tokens for the same seeds; the logprobs request (a host fallback row) gets
+    the same tokens and records; only token ids come back for the device rows."""
+    host, _, expected = sampled_run(library, "host")
+    device, requests, got = sampled_run(library, "device")
+    assert host.sampling == "host" and device.sampling == "device"
+    assert got == expected
+    assert got[0][0] == reference(prompts(40, [9])[0], 14)
+    total = sum(len(tokens) for tokens, _ in got)
+    logprob_tokens = len(got[-1][0])
+    assert host.sampled_on_device == 0 and host.sampled_on_host == total
+    assert device.sampled_on_host == logprob_tokens and device.sampled_on_device == total - logprob_tokens
+    assert all(r.kept is None for r in requests)
+
+
+def test_kept_logits_come_back_whole_and_unpenalized(library):
+    """A request that keeps its logits is sampled on the host from the whole row, as the library
+    returned it (the kernels penalize rows in place: the kept row is read before)."""
+    _, host_requests, expected = sampled_run(library, "host", keep_last=True)
+    device, requests, got = sampled_run(library, "device", keep_last=True)
+    assert got == expected
+    np.testing.assert_array_equal(np.stack(requests[-1].kept), np.stack(host_requests[-1].kept))
+
+
+def test_auto_sampling_picks_the_device_and_bad_modes_are_refused(library, monkeypatch):
+    assert make_engine(library).sampling == "device"
+    with pytest.raises(ValueError, match="sampling must be one of"):
+        make_engine(library, sampling="gpu")
+    runner = ModelRunner(library)
+    monkeypatch.setattr(runner.session, "device_sampler", lambda: None)  # a library compiled before the kernels
+    assert Engine(runner).sampling == "host"
+    with pytest.raises(ValueError, match="sampling='device': .* has no sampling kernels"):
+        Engine(runner, sampling="device")
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["ids-only", "kept-logits"])
+def test_verify_steps_choose_on_the_device_like_the_host(library, keep):
+    """Speculative trees verified beside sampled and logprobs requests: the draft nodes'
+    argmaxes and the plain rows' choices come from the kernels (no row read back unless its
+    request keeps logits or asks logprobs), the same tokens, accepted drafts and logprobs as
+    the host path's."""
+    def run(sampling):
+        engine = make_engine(library, max_batched_tokens=64, sampling=sampling,
+                             speculative=SpeculativeOptions("prompt-lookup", back_off=False))
+        repetitive = prompts(9, [12])[0] * 4
+        work = [(repetitive, greedy(14), True), (prompts(44, [20])[0], SamplingOptions(
+            temperature=0.9, top_k=30, seed=8, max_tokens=14, ignore_eos=True), False),
+            (prompts(45, [7])[0], SamplingOptions(temperature=0, logprobs=True, max_tokens=14, ignore_eos=True), False)]
+        requests = [engine.submit(p, o, speculative=spec, keep_logits=keep and spec) for p, o, spec in work]
+        run_all(engine)
+        assert_no_leak(engine)
+        outputs = [r.stream.result() for r in requests]
+        kept = np.stack(requests[0].kept) if keep else None
+        return engine, [(o.tokens, o.logprobs) for o in outputs], kept, requests[0].stats
+
+    host, expected, host_kept, host_stats = run("host")
+    device, got, kept, stats = run("device")
+    assert got == expected and stats == host_stats and stats.verify_steps > 0 and device.drafted > 0
+    total = sum(len(tokens) for tokens, _ in got)
+    on_host = len(got[2][0]) + (len(got[0][0]) if keep else 0)  # logprobs rows, kept rows
+    assert (device.sampled_on_device, device.sampled_on_host) == (total - on_host, on_host)
+    if keep:
+        np.testing.assert_array_equal(kept, host_kept)
+
+
+def poison(engine: Engine, request_index: int, step: int):
+    """Make the runner's logits row of the request with that submission index NaN at its
+    `step`-th step (the library's own tensor, as NaN weights would)."""
+    original = engine.runner.mixed
+    seen = collections.Counter()
+
+    def mixed(seq_ids, chunks, on_host=True):
+        logits = original(seq_ids, chunks, on_host)
+        rows = logits if on_host else np.from_dlpack(logits).reshape(len(seq_ids), -1)
+        for i, seq_id in enumerate(seq_ids):
+            request = next(r for r in engine.running if r.seq_id == seq_id)
+            if request.id == request_index:
+                seen[request.id] += 1
+                if seen[request.id] == step:
+                    rows[i, 5] = np.nan
+        return logits
+
+    engine.runner.mixed = mixed
+
+
+@pytest.mark.parametrize("step, kind", [(1, "prefill"), (2, "prefill"), (4, "decode")])
+def test_nan_logits_fail_with_the_same_error_on_device_and_host(library, step, kind):
+    """A NaN in a row of logits, one that chooses a token or a prompt chunk's that does not, is
+    the same GenerateError on the device as on the host: the kernel flags the row."""
+    from tvmattn.generate import GenerateError
+
+    messages = []
+    for sampling in ("host", "device"):
+        engine = make_engine(library, max_batched_tokens=24, sampling=sampling)
+        work = prompts(41, [40, 6])  # the first prompt takes two steps: a chunk that chooses nothing, then one
+        requests = [engine.submit(p, SamplingOptions(temperature=0.7, seed=1, max_tokens=8, ignore_eos=True))
+                    for p in work]
+        poison(engine, requests[0].id, step)
+        with pytest.raises(GenerateError, match=f"logits are not finite at step \\d+ \\({kind}\\) of request") as err:
+            run_all(engine)
+        messages.append(str(err.value).replace(f"request {requests[0].id}", "request R"))
+    assert messages[0] == messages[1]
+
+
+@pytest.fixture(scope="module")
+def cuda_library(tmp_path_factory):
+    from test_weights import write_tiny_gguf
+
+    from tvmattn.build import compile_model
+
+    folder = tmp_path_factory.mktemp("cuda-tiny")
+    write_tiny_gguf(folder / "tiny.gguf", np.random.default_rng(7))
+    return compile_model(str(folder / "tiny.gguf"), folder / "tiny.so", target="cuda", max_batch_size=8,
+                         prefill_chunk=64, log=lambda _m: None).library
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_cuda_engine_samples_on_the_device_like_the_host(cuda_library, cuda_graph):
+    """On CUDA (graph replays or eager steps) the device sampler gives the host sampler's tokens
+    for every option set, reads the ids back through pinned memory, and only the logprobs
+    request's rows come to the host."""
+    from tvmattn.device_sampling import _AsyncReadback
+
+    def run(sampling):
+        engine = Engine(ModelRunner(cuda_library, cuda_graph=cuda_graph), max_batched_tokens=24, sampling=sampling)
+        work = prompts(42, [9, 50, 3, 31, 17, 70, 5])
+        requests = [engine.submit(p, SamplingOptions(max_tokens=20, ignore_eos=True, **o))
+                    for p, o in zip(work, SAMPLED)]
+        run_all(engine)
+        assert_no_leak(engine)
+        return engine, [(r.stream.result().tokens, r.stream.result().logprobs) for r in requests]
+
+    host, expected = run("host")
+    device, got = run("device")
+    assert device.sampling == "device" and isinstance(device._sampler._readback, _AsyncReadback)
+    assert device.runner.session.uses_cuda_graph == cuda_graph
+    assert got == expected
+    total = sum(len(tokens) for tokens, _ in got)
+    assert device.sampled_on_host == len(got[-1][0]) and device.sampled_on_device == total - len(got[-1][0])
+    assert host.sampled_on_device == 0
+
+
+@pytest.mark.gpu
+def test_cuda_generator_greedy_and_seeded_tokens_do_not_depend_on_the_sampler(cuda_library):
+    work = prompts(43, [5, 40, 90, 12])
+    answers = {}
+    for sampling in ("host", "device"):
+        generator = Generator(cuda_library, sampling=sampling)
+        generator.stop_ids = set()
+        answers[sampling] = [generator.generate_tokens(work, 24, temperature=t, top_p=0.9, seed=7).tokens
+                             for t in (0.0, 1.0)]
+    assert answers["device"] == answers["host"]

@@ -137,8 +137,36 @@ def test_models_health_and_auth(live):
         for name in ("tvmattn_requests_running", "tvmattn_requests_waiting", "tvmattn_kv_pages_used",
                      "tvmattn_kv_pages_free", "tvmattn_prefix_cache_hit_rate", "tvmattn_time_to_first_token_seconds",
                      "tvmattn_inter_token_latency_seconds", "tvmattn_output_tokens_per_second",
-                     "tvmattn_kv_bytes_held", "tvmattn_kv_bytes_full_attention"):
+                     "tvmattn_kv_bytes_held", "tvmattn_kv_bytes_full_attention",
+                     "tvmattn_sampled_tokens_device", "tvmattn_sampled_tokens_host", "tvmattn_sampling_device"):
             assert name in metrics
+
+
+def read_metrics(client) -> dict[str, float]:
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.split()
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_say_which_sampler_chose_the_tokens(live):
+    """Plain requests are chosen by the library's kernels; a logprobs request's rows by the host
+    (its fallback); the engine reports device sampling."""
+    prompt = [int(t) for t in np.random.default_rng(8).integers(3, 268, size=10)]
+    with httpx.Client(base_url=live.url, timeout=60, headers=AUTH) as client:
+        before = read_metrics(client)
+        for body in ({"max_tokens": 5, "temperature": 0.8, "seed": 3}, {"max_tokens": 4, "temperature": 0},
+                     {"max_tokens": 3, "temperature": 0, "logprobs": 2}):
+            response = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "ignore_eos": True,
+                                                            **body})
+            assert response.status_code == 200
+        wait_idle(live.engine)
+        after = read_metrics(client)
+    assert after["tvmattn_sampling_device"] == 1.0
+    assert after["tvmattn_sampled_tokens_device"] - before["tvmattn_sampled_tokens_device"] == 9
+    assert after["tvmattn_sampled_tokens_host"] - before["tvmattn_sampled_tokens_host"] == 3
 
 
 def test_chat_completion_streams_and_not_give_the_greedy_answer(live, generator):
@@ -433,6 +461,7 @@ def test_chat_command_streams_answers_and_resets(library):
     (["serve", "--lib", "X.so", "--kv-cache-memory", "lots"], "fraction"),
     (["chat", "--model", "smollm2", "--lib", "X.so"], "not allowed with"),
     (["serve", "--lib", "X.so", "--max-num-seqs", "0"], "positive integer"),
+    (["serve", "--lib", "X.so", "--sampling", "gpu"], "invalid choice: 'gpu'"),
 ])
 def test_serve_command_errors_are_one_line(argv, message, capsys):
     from tvmattn.__main__ import main
@@ -475,3 +504,14 @@ def test_max_num_seqs_over_the_library_batch_is_a_one_line_error(library, capsys
         status = exit_.code
     err = capsys.readouterr().err
     assert status == 2 and "--max-num-seqs 9 exceeds the library's max batch size 8" in err
+
+
+@pytest.mark.parametrize("flag, expected", [([], "device"), (["--sampling", "host"], "host"),
+                                            (["--sampling", "device"], "device")])
+def test_the_sampling_flag_reaches_the_engine(library, flag, expected):
+    from tvmattn.__main__ import parser
+    from tvmattn.serve.cli import build_engine
+
+    args = parser().parse_args(["serve", "--lib", str(library), "--max-total-tokens", "256", *flag])
+    engine, _ = build_engine(args)
+    assert engine.sampling == expected

@@ -6,6 +6,8 @@ tokens [rows] i32)`; params[r] = (u, temperature, top_k, top_p): u a uniform dra
 host takes from the request's own generator, top_k a whole number (0: off). rows and vocab are
 symbolic. The semantics are tvmattn.sampling's (its docstring is the contract):
 
+- a row holding a NaN or inf logit gets token NON_FINITE (-1), whatever its params: the caller
+  reports broken logits without reading them back;
 - temperature <= 0: the argmax, the lowest token id among equal maxima;
 - otherwise w[v] = exp((z[v] - max z) / temperature) over the float32 logits z; the kept set is
   a prefix of the tokens ordered by decreasing logit, ties by increasing id (numpy's stable
@@ -44,6 +46,7 @@ from .config import tvm_target
 from .support import DTYPES, TargetName
 
 PARAMS = 4  # u, temperature, top_k, top_p
+NON_FINITE = -1  # the token of a row that holds a NaN or inf logit
 TOP_P_SLACK = 1e-6  # relative: the host's float64 sampler uses 1e-12
 _KEY_BITS = 32
 
@@ -102,6 +105,12 @@ def logit_key(z):
     return T.if_then_else(bits >= 0, T.Cast("int64", bits) + T.int64(1 << 31), T.int64(-1) - T.Cast("int64", bits))
 
 
+def not_finite(z):
+    """Whether a float32 is NaN or inf, from its bits (all exponent bits set): a fast-math
+    compiler may fold an isnan() away."""
+    return T.bitwise_and(T.reinterpret("int32", z), T.int32(0x7F800000)) == T.int32(0x7F800000)
+
+
 def key_logit(key):
     """The float32 whose `logit_key` is key."""
     bits = T.if_then_else(key >= T.int64(1 << 31), key - T.int64(1 << 31), T.int64(-1) - key)
@@ -146,12 +155,14 @@ def sample_tokens(config: SamplingConfig, schedule: SamplingSchedule | None = No
                 macros.row_max(logits, row, vocab, tx, red, red_i, fz, fl, il)
                 # phases that synchronize the block run as loops of 0 or 1 trips, not under an
                 # `if` (TVM inserts no barrier inside a condition); the trip count is the row's
-                il[12] = T.if_then_else(params[row, 1] > T.float32(0), T.int64(1), T.int64(0))
+                il[12] = T.if_then_else(params[row, 1] > T.float32(0) and il[15] == T.int64(0), T.int64(1), T.int64(0))
                 for _ in T.serial(T.Cast("int32", il[12])):
                     macros.truncate(logits, params, row, vocab, tx, red, red_i, fz, fl, il, acc)
                     macros.draw(logits, params, tokens, row, vocab, tx, red, red_i, fz, fl, il)
-                if params[row, 1] <= T.float32(0):
-                    if tx == 0:
+                if tx == 0:
+                    if il[15] > T.int64(0):  # a NaN or inf logit: no token (NON_FINITE)
+                        tokens[row] = T.int32(NON_FINITE)
+                    elif params[row, 1] <= T.float32(0):
                         tokens[row] = T.Cast("int32", il[0])
 
     return tvmattn_sample.with_attr("global_symbol", "tvmattn_sample")
@@ -167,7 +178,8 @@ def _sampling_macros(L: LoopKinds, TH: int, NC: int, BITS: int, PASSES: int, RAD
     """The three phases of `sample_tokens` over one row (fl / il: the row's float / int scalars;
     fz[0] max logit, fz[1] temperature (float32); fl[2] kept mass, fl[3] target (float64); il[0] argmax, il[1] tau,
     il[2] n, il[3] top-k tau, il[4] top-k n, il[5] top-k ties, il[6..8] search state, il[9..11] scratch, il[12..14] trip counts of the
-    phases that run or not (loops of 0 or 1 trips: a barrier may not sit under an `if`))."""
+    phases that run or not (loops of 0 or 1 trips: a barrier may not sit under an `if`), il[15]: the
+    row holds a NaN or inf)."""
 
     @T.macro
     def sync_():
@@ -191,11 +203,15 @@ def _sampling_macros(L: LoopKinds, TH: int, NC: int, BITS: int, PASSES: int, RAD
 
     @T.macro
     def row_max(logits, row, vocab, tx, red, red_i, fz, fl, il):
-        """fz[0] <- the row's largest logit, il[0] <- its lowest token id."""
+        """fz[0] <- the row's largest logit, il[0] <- its lowest token id; il[15] <- the count
+        of the threads that read a NaN or inf logit (0: the row is finite)."""
         fz[0] = T.float32(0)
         il[0] = T.int64(-1)
+        il[15] = T.int64(0)
         for j in T.serial(ceildiv(vocab, TH)):
             if j * TH + tx < vocab:
+                if not_finite(T.Cast("float32", logits[row, j * TH + tx])):
+                    il[15] = T.int64(1)
                 if il[0] < 0 or T.Cast("float32", logits[row, j * TH + tx]) > fz[0]:
                     fz[0] = T.Cast("float32", logits[row, j * TH + tx])
                     il[0] = T.Cast("int64", j * TH + tx)
@@ -218,6 +234,12 @@ def _sampling_macros(L: LoopKinds, TH: int, NC: int, BITS: int, PASSES: int, RAD
             sync_()
         fz[0] = T.Cast("float32", red[0])
         il[0] = red_i[0]
+        sync_()
+        red_i[tx] = il[15]  # every thread sums the threads' flags: the row's phases agree on it
+        sync_()
+        il[15] = T.int64(0)
+        for t in T.serial(TH):
+            il[15] = il[15] + red_i[t]
         sync_()
 
     @T.macro

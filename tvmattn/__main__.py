@@ -193,6 +193,9 @@ def _generation_options(command: argparse.ArgumentParser) -> None:
                          help="send the prompt as it is, without the model's chat template")
     command.add_argument("--no-cuda-graph", action="store_true",
                          help="on CUDA, run every decode step eagerly instead of replaying CUDA graphs")
+    command.add_argument("--sampling", choices=("auto", "device", "host"), default="auto",
+                         help="who picks the tokens: the library's sampling kernels (only token ids come back), "
+                              "the host, or auto: device where the library has the kernels. Same tokens either way")
 
 
 def _bounded_int(low: int, high: int):
@@ -512,7 +515,8 @@ def _generate(args) -> int:
         print(f"> {args.prompt[0]}", file=sys.stderr)
     speculative, plain = None, None
     try:
-        generator = Generator(args.lib, cuda_graph=not getattr(args, "no_cuda_graph", False))
+        generator = Generator(args.lib, cuda_graph=not getattr(args, "no_cuda_graph", False),
+                              sampling=getattr(args, "sampling", "auto"))
         problem = _apply_kv_scales(generator, args)
         if problem:
             return _fail(problem)

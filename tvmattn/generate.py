@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .sampling import SamplingOptions
-from .serve.engine import Engine, Event, RequestError
+from .serve.engine import SAMPLING_MODES, Engine, Event, RequestError
 from .serve.runner import DraftModel, ModelRunner
 from .session import GenerateError, ModelSession, no_cyclic_gc
 from .speculative import SpeculativeOptions, SpeculativeStats
@@ -100,6 +100,9 @@ class Generation:
     logits: list[np.ndarray] | None = None
     # speculative decoding only: trees verified (one per sequence and step), drafts fed, drafts accepted
     speculative: SpeculativeStats | None = None
+    # token choices made by the library's sampling kernels and by the host (Generator.sampling)
+    sampled_on_device: int = 0
+    sampled_on_host: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -174,11 +177,20 @@ class Generator:
     GenerateError naming it and the problem (tvmattn/bundle.py).
     """
 
-    def __init__(self, lib_path: str | Path, cuda_graph: bool = True):
+    def __init__(self, lib_path: str | Path, cuda_graph: bool = True, sampling: str = "auto"):
         """cuda_graph: on CUDA, replay decode steps as CUDA graphs (one per batch bucket,
         tvmattn.runtime.graphs) where the library exports `decode_step` and runs tvmattn's
-        cache with its TIR kernels; otherwise (or False) every step runs eagerly."""
+        cache with its TIR kernels; otherwise (or False) every step runs eagerly. sampling:
+        "device" (the library's sampling kernels; the host reads back token ids), "host"
+        (tvmattn.sampling on copied logits) or "auto" (device where the library has the
+        kernels); the same tokens either way (see tvmattn.sampling)."""
+        if sampling not in SAMPLING_MODES:
+            raise GenerateError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {sampling!r}")
         self.session = ModelSession(lib_path, cuda_graph=cuda_graph)
+        self.sampling = sampling
+        if sampling == "device" and self.session.device_sampler() is None:
+            raise GenerateError(f"sampling='device': {lib_path} has no sampling kernels that flag non-finite "
+                                f"logits (compiled before them); recompile it, or sample on the host")
         s = self.session
         self.lib_path, self.device = s.lib_path, s.device
         self.runtime, self.metadata, self.settings, self.tokenizer = s.runtime, s.metadata, s.settings, s.tokenizer
@@ -199,6 +211,14 @@ class Generator:
     @property
     def uses_cuda_graph(self) -> bool:
         return self.session.uses_cuda_graph
+
+    @property
+    def sampling_in_use(self) -> str:
+        """"device" or "host": who chooses the tokens of this generator's calls (sampling
+        "auto" resolved against the library)."""
+        if self.sampling == "host" or self.session.device_sampler() is None:
+            return "host"
+        return "device"
 
     def sibling(self) -> "Generator":
         """The same loaded library with a KV cache of its own (its steps run eagerly)."""
@@ -285,7 +305,7 @@ class Generator:
             draft = self._draft_model(speculative, prompts, max_new_tokens)
         engine = Engine(runner, max_batched_tokens=min(self.prefill_chunk, runner.prefill_chunk),
                         max_running=len(prompts), max_queue=len(prompts), prefix_cache="off",
-                        speculative=speculative, draft_model=draft)
+                        speculative=speculative, draft_model=draft, sampling=self.sampling)
         stops = tuple(sorted(self.stop_ids))
         requests = []
         try:
@@ -317,7 +337,7 @@ class Generator:
         return Generation([], [o.tokens for o in outputs],
                           [len(p) for p in prompts], engine.prefill_s, engine.decode_s, engine.decode_steps,
                           [np.stack(r.kept) if r.kept else np.zeros((0, 0), np.float32) for r in requests]
-                          if keep_logits else None, stats)
+                          if keep_logits else None, stats, engine.sampled_on_device, engine.sampled_on_host)
 
     # ------------------------------------------------------------------ speculative decoding
     def _check_speculative(self, options: SpeculativeOptions, temperature: float) -> None:

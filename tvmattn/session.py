@@ -37,6 +37,8 @@ from tir_kernels import support
 
 from .runtime import ffi as _ffi  # noqa: F401  - registers tvmattn.* before the library is loaded
 from .bundle import BundleError, load_params, load_tokenizer, open_bundle
+from .device_sampling import DeviceSampler, has_device_sampling
+from .runtime.upload import make_uploader
 from .speculative import VERIFY_PRIOR_CPU, VERIFY_PRIOR_GPU, StepCosts
 
 # Prompt tokens per prefill call on the CPU: a 512-token prompt in two calls holds half the
@@ -164,6 +166,11 @@ class ModelSession:
         # CPU: the decode step's token ids, a tensor per batch size written through a numpy view
         # (writing into it costs far less than a new tensor from numpy every step)
         self._cpu_ids: dict[int, tuple[Any, np.ndarray]] | None = {} if on_cpu else None
+        # CUDA: the token ids of a step go up by a stream-ordered copy from pinned memory
+        # (tvmattn.runtime.upload), into a tensor per batch size: the host does not wait for the
+        # device before launching the step
+        self._ids_uploader = None if on_cpu else make_uploader(self.device)
+        self._device_ids: dict[int, Any] = {}
         self.cache = None
         self.cache_tokens = 0  # tokens the current cache holds
         # FP8 KV libraries (compile --kv-cache-dtype): scales [layers, 2, kv_heads] given to each
@@ -174,6 +181,19 @@ class ModelSession:
         # what plain and speculative steps cost here, measured as they run: the engine's
         # speculative back-off weighs drafts against it (tvmattn/speculative.py)
         self.step_costs = StepCosts(VERIFY_PRIOR_CPU if on_cpu else VERIFY_PRIOR_GPU)
+        self._device_sampler: DeviceSampler | None | bool = False  # False: not looked at yet
+
+    def device_sampler(self) -> DeviceSampler | None:
+        """The library's sampling kernels (tvmattn.device_sampling), made once; None when it
+        exports none, or its `sample` predates the NaN flag (compiled before it: recompile)."""
+        if self._device_sampler is False:
+            sampler = None
+            if has_device_sampling(self.metadata):
+                sampler = DeviceSampler(self.vm, self.device)
+                if not sampler.flags_non_finite:
+                    sampler = None
+            self._device_sampler = sampler
+        return self._device_sampler
 
     @property
     def weight_bytes(self) -> int:
@@ -191,6 +211,8 @@ class ModelSession:
         other = copy.copy(self)
         other.cache, other.cache_tokens = None, 0
         other.graphs, other._graph_ids, other.cuda_graph = None, {}, False
+        other._device_ids = {}
+        other._device_sampler = False  # staging buffers of its own
         return other
 
     # ------------------------------------------------------------------ the cache
@@ -233,8 +255,9 @@ class ModelSession:
     def _captured_step(self, bucket: int):
         return library_decode_step(self.vm, self._graph_ids[bucket], self.cache, self.params, self.hidden_size)
 
-    def _graph_decode(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
-        """One decode step replayed as a CUDA graph -> logits [len(seq_ids), vocab] f32."""
+    def _graph_decode(self, seq_ids: list[int], tokens: list[int], on_host: bool = True):
+        """One decode step replayed as a CUDA graph -> logits [len(seq_ids), vocab] f32 (on_host
+        False: a view of the graph's output tensor, rewritten by the next replay)."""
         from .runtime.graphs import DecodeGraphs, bucket_of
 
         if self.graphs is None:
@@ -245,8 +268,11 @@ class ModelSession:
             ids = self._graph_ids[bucket] = tvm.runtime.empty((bucket,), "int32", device=self.device)
         host = np.zeros(bucket, np.int32)
         host[: len(tokens)] = tokens
-        ids.copyfrom(host)
-        return self.graphs.run(seq_ids).numpy()[: len(seq_ids), 0]
+        self._ids_uploader.copy(host, ids)
+        logits = self.graphs.run(seq_ids)
+        if not on_host:
+            return logits._create_view((len(seq_ids), int(logits.shape[-1])))
+        return logits.numpy()[: len(seq_ids), 0]
 
     def function(self, name: str):
         """The library's function `name`, looked up once."""
@@ -260,22 +286,30 @@ class ModelSession:
         ids = tvm.runtime.tensor(np.array(tokens, dtype=np.int32), device=self.device)
         return self.function("embed")(ids, self.params).numpy()
 
-    def decode_step(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
+    def decode_step(self, seq_ids: list[int], tokens: list[int], on_host: bool = True):
         """One decode step of `tokens` (one per sequence) -> logits [len(seq_ids), vocab] f32: a
         CUDA graph where it uses them; else the embedding lookup feeds the step on the device (no
-        copy to the host and back), through `decode` for one sequence, `batch_decode` otherwise."""
+        copy to the host and back), through `decode` for one sequence, `batch_decode` otherwise.
+        on_host False: the logits stay on the device (a tensor of len(seq_ids) rows, see
+        `forward`)."""
         if self.uses_cuda_graph:
-            return self._graph_decode(seq_ids, tokens)
+            return self._graph_decode(seq_ids, tokens, on_host)
         ids = self._token_ids(tokens)
         embeds = self.function("embed")(ids, self.params)._create_view((len(tokens), 1, self.hidden_size))
         function = "decode" if len(seq_ids) == 1 else "batch_decode"
-        return self.forward(function, seq_ids, [1] * len(seq_ids), embeds)[:, 0]
+        logits = self.forward(function, seq_ids, [1] * len(seq_ids), embeds, on_host=on_host)
+        return logits[:, 0] if on_host else logits
 
     def _token_ids(self, tokens: list[int]):
-        """tokens as an int32 tensor [len(tokens)] on the device (on the CPU the same tensor for
-        every step of a batch size: the step reads it before it returns)."""
+        """tokens as an int32 tensor [len(tokens)] on the device, the same tensor for every step
+        of a batch size (on the CPU the step reads it before it returns; on CUDA the copy into it
+        is queued behind the previous step's kernels, which may still read it)."""
         if self._cpu_ids is None:
-            return tvm.runtime.tensor(np.array(tokens, dtype=np.int32), device=self.device)
+            ids = self._device_ids.get(len(tokens))
+            if ids is None:
+                ids = self._device_ids[len(tokens)] = tvm.runtime.empty((len(tokens),), "int32", device=self.device)
+            self._ids_uploader.copy(np.array(tokens, dtype=np.int32), ids)
+            return ids
         entry = self._cpu_ids.get(len(tokens))
         if entry is None:
             ids = tvm.runtime.empty((len(tokens),), "int32", device=self.device)
@@ -284,10 +318,12 @@ class ModelSession:
         return entry[0]
 
     def forward(self, function: str, seq_ids: list[int], lengths: list[int], embeds, *extra,
-                parents: list[int] | None = None) -> np.ndarray:
+                parents: list[int] | None = None, on_host: bool = True):
         """One step of the library's `function` appending lengths[i] tokens to seq_ids[i];
         embeds: a host array, or a tensor already on the device; parents: the token trees of
-        `batch_verify`, flattened. -> the function's logits on the host."""
+        `batch_verify`, flattened. -> the function's logits on the host; on_host False: the
+        logits tensor on the device as the function returned it (its rows, flattened over the
+        leading axes, are the same rows in the same order: what DeviceSampler takes)."""
         tree = () if parents is None else (ShapeTuple(parents),)
         one_each = function in ("prefill", "batch_prefill") and all(n == 1 for n in lengths)
         if one_each:
@@ -299,19 +335,22 @@ class ModelSession:
         self._kv["kv_state_begin_forward"](self.cache, ShapeTuple(seq_ids), ShapeTuple(lengths), *tree)
         logits, _ = self.function(function)(embeds, *extra, self.cache, self.params)
         self._kv["kv_state_end_forward"](self.cache)
+        if not on_host:
+            return logits
         logits = logits.numpy()
         return logits.reshape(1, len(seq_ids), -1) if one_each else logits
 
-    def mixed(self, seq_ids: list[int], chunks: list[list[int]]) -> np.ndarray:
+    def mixed(self, seq_ids: list[int], chunks: list[list[int]], on_host: bool = True):
         """chunks[i] (>= 1 token) appended to seq_ids[i] in one `batch_prefill` step (a decode
         step when every chunk is one token) -> logits [len(seq_ids), vocab] f32 of each chunk's
-        last token."""
+        last token (on_host False: a device tensor of those rows, see `forward`)."""
         if all(len(c) == 1 for c in chunks):
-            return self.decode_step(seq_ids, [c[0] for c in chunks])
+            return self.decode_step(seq_ids, [c[0] for c in chunks], on_host)
         embeds = self.embed([t for c in chunks for t in c])[None]
         ends = np.cumsum([len(c) for c in chunks]).astype(np.int32) - 1
         positions = tvm.runtime.tensor(ends, device=self.device)
-        return self.forward("batch_prefill", seq_ids, [len(c) for c in chunks], embeds, positions)[0]
+        logits = self.forward("batch_prefill", seq_ids, [len(c) for c in chunks], embeds, positions, on_host=on_host)
+        return logits[0] if on_host else logits
 
     def prefill(self, seq_ids: list[int], prompts: list[list[int]]) -> np.ndarray:
         """Whole prompts appended to their sequences -> [len(prompts), vocab] logits of each
@@ -328,12 +367,16 @@ class ModelSession:
             rows.append(logits[0, 0])
         return np.stack(rows)
 
-    def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]]) -> list[np.ndarray]:
+    def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]], on_host: bool = True):
         """Token trees (tokens[i] with parents[i], node 0 the root) -> per sequence the logits
-        [len(tree), vocab] after each node. The trees stay uncommitted (see commit)."""
+        [len(tree), vocab] after each node (on_host False: the device tensor of every node's
+        row, the trees one after the other). The trees stay uncommitted (see commit)."""
         flat = [t for tree in tokens for t in tree]
         logits = self.forward("batch_verify", seq_ids, [len(t) for t in tokens], self.embed(flat)[None],
-                              parents=[p for tree in parents for p in tree])[0]
+                              parents=[p for tree in parents for p in tree], on_host=on_host)
+        if not on_host:
+            return logits
+        logits = logits[0]
         ends = np.cumsum([len(t) for t in tokens])
         return [logits[end - len(t):end] for end, t in zip(ends, tokens)]
 

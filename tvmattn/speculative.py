@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -258,9 +258,15 @@ def accept_greedy(tree: DraftTree, logits: np.ndarray) -> tuple[list[int], int]:
     """(accepted path: node indices from the root, bonus token) for a tree and the logits
     [len(tree), vocab] after each node: a child is accepted when it holds the argmax of its
     parent's logits; the bonus is the argmax after the last accepted node."""
+    return accept_argmax(tree, lambda node: int(np.argmax(logits[node])))
+
+
+def accept_argmax(tree: DraftTree, best_after: Callable[[int], int]) -> tuple[list[int], int]:
+    """accept_greedy from the argmax after each node, best_after(node) (e.g. the device
+    sampler's greedy ids: the lowest id among equal maxima, as np.argmax)."""
     node, path = 0, [0]
     while True:
-        best = int(np.argmax(logits[node]))
+        best = best_after(node)
         child = tree.child(node, best)
         if child is None:
             return path, best

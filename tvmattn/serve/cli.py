@@ -69,6 +69,10 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
                               "max batch size, `compile --max-batch-size`)")
     command.add_argument("--prefix-cache", choices=("radix", "off"), default="radix",
                          help="reuse cached prompt prefixes (a radix tree of page-aligned blocks)")
+    command.add_argument("--sampling", choices=("auto", "device", "host"), default="auto",
+                         help="who picks the tokens: the library's sampling kernels (device: only token ids come "
+                              "back; grammar and logprobs rows still go to the host), the host (logits rows copied "
+                              "back), or auto: device where the library has the kernels. Same tokens either way")
 
 
 def add_commands(commands) -> dict:
@@ -125,7 +129,7 @@ def build_engine(args, max_queue: int = 256):
         raise BuildError(f"--max-num-seqs {args.max_num_seqs} exceeds the library's max batch size "
                          f"{runner.max_batch_size} (compile it with a larger --max-batch-size)")
     engine = Engine(runner, max_batched_tokens=args.max_batched_tokens, max_running=args.max_num_seqs,
-                    max_queue=max_queue, prefix_cache=args.prefix_cache)
+                    max_queue=max_queue, prefix_cache=args.prefix_cache, sampling=args.sampling)
     return engine, name
 
 
@@ -156,7 +160,8 @@ def serve_command(args) -> int:
     # that a drained server exits with status 0
     signal.signal(signal.SIGTERM, lambda *_: None)
     print(f"serving {args.served_model_name or name} on http://{args.host}:{args.port} "
-          f"({engine.runner.num_pages} KV pages of {engine.page_size} tokens)", file=sys.stderr, flush=True)
+          f"({engine.runner.num_pages} KV pages of {engine.page_size} tokens, sampling on the {engine.sampling})",
+          file=sys.stderr, flush=True)
     try:
         server.run()
     finally:

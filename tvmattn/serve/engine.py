@@ -47,13 +47,17 @@ import numpy as np
 from ..sampling import Sampler, SamplingOptions, TokenLogprob
 from ..session import GenerateError
 from ..speculative import (DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, BackOff, DraftOption, DraftTree, PromptLookup,
-                           SpeculativeOptions, SpeculativeStats, accept_greedy, first_chain, next_draft_len,
-                           tree_depth)
+                           SpeculativeOptions, SpeculativeStats, accept_argmax, accept_greedy, first_chain,
+                           next_draft_len, tree_depth)
 from .prefix import RadixPrefixCache
 from .runner import DraftModel, ModelRunner
 from .text import TextStream
 
 PREFIX_CACHE_MODES = ("radix", "off")
+# "device": the library's sampling kernels choose the tokens of the rows they serve (the host
+# reads back token ids only); "host": every row of logits is copied and sampled by
+# tvmattn.sampling; "auto": "device" where the library has the kernels
+SAMPLING_MODES = ("auto", "device", "host")
 
 
 class RequestError(ValueError):
@@ -210,13 +214,17 @@ class Engine:
     cache sequence at once (default the library's max batch size); max_queue: waiting requests
     beyond which submit refuses (429); prefix_cache: "radix" or "off"; speculative: the options
     of requests that ask for speculation (default: prompt lookup); draft_model: the drafting
-    library of mode "draft-model"."""
+    library of mode "draft-model"; sampling: one of SAMPLING_MODES (the mode in use is
+    `self.sampling`, "device" or "host")."""
 
     def __init__(self, runner: ModelRunner, *, max_batched_tokens: int | None = None,
                  max_running: int | None = None, max_queue: int = 256, prefix_cache: str = "radix",
-                 speculative: SpeculativeOptions | None = None, draft_model: DraftModel | None = None):
+                 speculative: SpeculativeOptions | None = None, draft_model: DraftModel | None = None,
+                 sampling: str = "auto"):
         if prefix_cache not in PREFIX_CACHE_MODES:
             raise ValueError(f"prefix_cache must be one of {PREFIX_CACHE_MODES}, got {prefix_cache!r}")
+        if sampling not in SAMPLING_MODES:
+            raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {sampling!r}")
         chunk = runner.prefill_chunk
         if max_batched_tokens is None:  # the session's prefill call size (smaller on the CPU), at most 512
             max_batched_tokens = min(runner.session.prefill_chunk, 512)
@@ -229,6 +237,11 @@ class Engine:
                              f"got {max_running}")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue must be a positive integer, got {max_queue!r}")
+        self._sampler = runner.session.device_sampler() if sampling != "host" else None
+        if sampling == "device" and self._sampler is None:
+            raise ValueError(f"sampling='device': {runner.session.lib_path} has no sampling kernels that flag "
+                             f"non-finite logits (compiled before them); recompile it, or sample on the host")
+        self.sampling = "device" if self._sampler is not None else "host"
         self.runner = runner
         self.page_size = runner.page_size
         self.max_batched_tokens = max_batched_tokens
@@ -271,6 +284,9 @@ class Engine:
         self.accepted = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
+        # token choices made by the library's sampling kernels, and by the host (every choice in
+        # host mode; in device mode the fallback rows: grammar, logprobs, kept logits, verify)
+        self.sampled_on_device = self.sampled_on_host = 0
         # steps that held prompt chunks, and steps of decode tokens alone: how many, their seconds
         self.prefill_steps = self.decode_steps = 0
         self.prefill_s = self.decode_s = 0.0
@@ -616,7 +632,10 @@ class Engine:
     # ------------------------------------------------------------------ running a step
     def _run(self, decode: list[_Chunk], chunks: list[_Chunk]) -> None:
         costs = self.runner.session.step_costs
-        if any(c.tree is not None for c in decode):
+        if any(c.tree is not None for c in decode) and self._sampler is not None:
+            self._verify_on_device(decode)
+            decode = []
+        elif any(c.tree is not None for c in decode):
             # one batch_verify over every decode chunk (a plain one is a tree of its root)
             start = time.perf_counter()
             node_logits = self.runner.verify([c.request.seq_id for c in decode], [c.tokens for c in decode],
@@ -637,7 +656,9 @@ class Engine:
                 self._after_decode(r, c.tree)
             decode = []
         step = decode + chunks
-        if step:
+        if step and self._sampler is not None:
+            self._mixed_on_device(step, len(decode), not chunks)
+        elif step:
             start = time.perf_counter()
             logits = self.runner.mixed([c.request.seq_id for c in step], [c.tokens for c in step])
             if not chunks:
@@ -665,15 +686,111 @@ class Engine:
         if fed:  # the draft model's prefill of the same prompts, in the same step
             self._drafter.prefill([r.id for r in fed], [r.tokens[:r.prompt_len] for r in fed])
 
+    def _choice_inputs(self, r: Request) -> tuple[Sampler | None, np.ndarray | None]:
+        """(sampler, grammar mask) of a request about to choose: no sampler when its mask allows
+        nothing (it then ends)."""
+        mask = r.grammar.allowed() if r.grammar is not None else None
+        return (r.sampler if mask is None or mask.any() else None), mask
+
+    def _verify_on_device(self, decode: list[_Chunk]) -> None:
+        """The verify step of `_run` with the device sampler: every draft node's argmax and
+        each plain request's choice come from the kernels (no node's row is copied unless its
+        request keeps logits); the same acceptance and tokens as the host path."""
+        start = time.perf_counter()
+        samplers, masks, host, spans = [], [], [], []
+        for c in decode:
+            r, begin = c.request, len(samplers)
+            if c.tree is None:  # a plain request decoding in a verify step: its own choice
+                sampler, mask = self._choice_inputs(r)
+                samplers.append(sampler)
+                masks.append(mask)
+            else:  # the nodes' argmaxes (greedy rows without a sampler)
+                samplers.extend([None] * len(c.tokens))
+                masks.extend([None] * len(c.tokens))
+            host.extend([r.kept is not None] * len(c.tokens))
+            spans.append(range(begin, len(samplers)))
+        plan = self._sampler.prepare(samplers, masks, host, self.runner.vocab_size)
+        logits = self.runner.verify([c.request.seq_id for c in decode], [c.tokens for c in decode],
+                                    [c.parents if c.parents is not None else [-1] for c in decode], on_host=False)
+        result = self._sampler.launch(plan, logits).wait()
+        self.runner.session.step_costs.observe_verify(len(samplers), time.perf_counter() - start)
+        for c, span in zip(decode, spans):
+            if any(result.non_finite[i] for i in span):
+                self._not_finite(c.request, "decode")
+        accepted = [accept_argmax(c.tree, lambda node, span=span: result.greedy[span[node]])
+                    if c.tree is not None else ([0], None) for c, span in zip(decode, spans)]
+        self.runner.commit([c.request.seq_id for c in decode], [path[-1] for path, _ in accepted])
+        for c, span, (path, bonus) in zip(decode, spans, accepted):
+            r = c.request
+            r.cached += len(path)
+            rows = [result.host_rows.get(i) for i in span]
+            if c.tree is None:
+                if samplers[span[0]] is None:  # no token continues the constrained text
+                    self._retire(r, "stop")
+                else:
+                    if span[0] in result.on_device:
+                        self.sampled_on_device += 1
+                    else:
+                        self.sampled_on_host += 1
+                    token, record = result.choices[span[0]]
+                    self._emit(r, token, record, rows[0])
+            else:
+                self._verified(r, c.tree, rows, path, bonus, on_device=span[0] not in result.host_rows)
+            self._after_decode(r, c.tree)
+
+    def _mixed_on_device(self, step: list[_Chunk], n_decode: int, plain: bool) -> None:
+        """The mixed step of `_run` with the device sampler: the sampling plan made before the
+        forward (uniforms drawn, inputs uploaded), the logits left on the device, the kernels
+        queued behind the forward and the ids copied back asynchronously; the host samples the
+        fallback rows meanwhile, then waits for the ids alone. Same checks, same tokens as the
+        host path (tvmattn.sampling's contract)."""
+        start = time.perf_counter()
+        samplers, masks, host = [], [], []
+        for c in step:
+            r, sampler, mask = c.request, None, None
+            if r.cached + len(c.tokens) == len(r.tokens):  # the chunk reaches the end of its tokens
+                sampler, mask = self._choice_inputs(r)
+            samplers.append(sampler)
+            masks.append(mask)
+            host.append(r.kept is not None)  # kept logits: the whole row comes to the host anyway
+        plan = self._sampler.prepare(samplers, masks, host, self.runner.vocab_size)
+        logits = self.runner.mixed([c.request.seq_id for c in step], [c.tokens for c in step], on_host=False)
+        pending = self._sampler.launch(plan, logits)
+        result = pending.wait()
+        if plain:
+            self.runner.session.step_costs.observe_plain(len(step), time.perf_counter() - start)
+        for i, c in enumerate(step):
+            if result.non_finite[i]:
+                self._not_finite(c.request, "decode" if i < n_decode else "prefill")
+        self.sampled_on_device += len(result.on_device)
+        self.sampled_on_host += len(result.on_host)
+        for i, c in enumerate(step):
+            r = c.request
+            r.cached += len(c.tokens)
+            if r.pending == 0:
+                if samplers[i] is None:  # no token continues the constrained text
+                    self._retire(r, "stop")
+                else:
+                    token, record = result.choices[i]
+                    self._emit(r, token, record, result.host_rows.get(i))
+            if i < n_decode:
+                self._after_decode(r, None)
+
     def _check_finite(self, r: Request, rows: np.ndarray, kind: str) -> None:
         """GenerateError naming the request and its step (its tokens so far) when a row of
         logits is not finite."""
         if not np.isfinite(rows).all():
-            raise GenerateError(f"logits are not finite at step {len(r.output)} ({kind}) of {r.name}: the weights "
-                                f"hold NaN or inf, or the library is broken; check the weights and recompile")
+            self._not_finite(r, kind)
 
-    def _verified(self, r: Request, tree: DraftTree, rows: np.ndarray, path: list[int], bonus: int) -> None:
-        """Emit a verified tree's accepted drafts and its bonus token; count them."""
+    def _not_finite(self, r: Request, kind: str) -> None:
+        raise GenerateError(f"logits are not finite at step {len(r.output)} ({kind}) of {r.name}: the weights "
+                            f"hold NaN or inf, or the library is broken; check the weights and recompile")
+
+    def _verified(self, r: Request, tree: DraftTree, rows, path: list[int], bonus: int,
+                  on_device: bool = False) -> None:
+        """Emit a verified tree's accepted drafts and its bonus token; count them (rows: the
+        nodes' logits, or None each where the device chose and nobody keeps them; on_device:
+        the argmaxes came from the kernels)."""
         accepted, depth = len(path) - 1, tree_depth(tree)
         self.drafted += tree.num_drafts
         self.accepted += accepted
@@ -684,6 +801,10 @@ class Engine:
             r.draft_limit = next_draft_len(r.draft_limit, accepted, depth, self.speculative.draft_len)
         if self._back_off is not None:
             self._back_off.verified(r.id, accepted, depth)
+        if on_device:  # the accepted drafts and the bonus: argmaxes of the nodes' rows
+            self.sampled_on_device += len(path)
+        else:
+            self.sampled_on_host += len(path)
         chosen = [(tree.tokens[node], rows[parent]) for parent, node in zip(path, path[1:])]
         for token, row in chosen + [(bonus, rows[path[-1]])]:
             if not self._emit(r, token, None, row):
@@ -707,11 +828,12 @@ class Engine:
             self._retire(r, "stop")
             return
         token, record = r.sampler.choose(row, mask)
+        self.sampled_on_host += 1
         self._emit(r, token, record, row)
 
-    def _emit(self, r: Request, token: int, record: TokenLogprob | None, row: np.ndarray) -> bool:
-        """Add a chosen token (from the logits `row`) to the request; False when the request
-        finished."""
+    def _emit(self, r: Request, token: int, record: TokenLogprob | None, row: np.ndarray | None) -> bool:
+        """Add a chosen token (from the logits `row`; None where the device chose it and the
+        request keeps no logits) to the request; False when the request finished."""
         if r.finished:
             return False
         now = time.perf_counter()

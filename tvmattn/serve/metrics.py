@@ -3,7 +3,8 @@ waiting requests, KV pages used and free, the bytes they hold against full atten
 saving of sliding-window layers), the pages the prefix cache holds (when no request
 runs, pages used minus those is a leak), prefix-cache hit rate, preemptions and the tokens they
 made the engine prefill again, time-to-first-token and inter-token histograms, generated tokens
-and output tokens/s over the last seconds.
+and output tokens/s over the last seconds, and which sampler chose the tokens (the library's
+kernels, or the host: every choice with --sampling host, else the fallback rows).
 
 `render()` counts the prefix cache's pages between two engine steps: call it from a worker
 thread, not the server's event loop."""
@@ -54,6 +55,13 @@ class EngineMetrics:
         self.prompt = Counter("tvmattn_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.tokens_per_s = Gauge("tvmattn_output_tokens_per_second",
                                   f"Output tokens per second over the last {RATE_WINDOW_S:g} s", registry=r)
+        self.sampled_device = Gauge("tvmattn_sampled_tokens_device",
+                                    "Token choices made by the library's sampling kernels so far", registry=r)
+        self.sampled_host = Gauge("tvmattn_sampled_tokens_host",
+                                  "Token choices made by the host sampler so far (all with --sampling host; else "
+                                  "grammar, logprobs and speculative verification rows)", registry=r)
+        self.sampling_device = Gauge("tvmattn_sampling_device",
+                                     "1 when the engine samples with the library's kernels, 0 on the host", registry=r)
         self._samples: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._seen_generated = 0
@@ -82,6 +90,9 @@ class EngineMetrics:
         self.queried_tokens.set(e.prefix.queried_tokens if e.prefix is not None else 0)
         self.preemptions.set(e.preemptions)
         self.recomputed.set(e.recomputed_tokens)
+        self.sampled_device.set(e.sampled_on_device)
+        self.sampled_host.set(e.sampled_on_host)
+        self.sampling_device.set(1 if e.sampling == "device" else 0)
         with self._lock:
             generated, prompt = e.generated_tokens, e.prompt_tokens
             self.generated.inc(generated - self._seen_generated)

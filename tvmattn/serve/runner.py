@@ -141,15 +141,17 @@ class ModelRunner:
         return self.session.available_pages()
 
     # ------------------------------------------------------------------ steps
-    def mixed(self, seq_ids: list[int], chunks: list[list[int]]) -> np.ndarray:
+    def mixed(self, seq_ids: list[int], chunks: list[list[int]], on_host: bool = True):
         """chunks[i] (>= 1 token) appended to seq_ids[i] in one step -> logits [len(seq_ids), vocab]
-        f32 of each chunk's last token."""
-        return self.session.mixed(seq_ids, chunks)
+        f32 of each chunk's last token; on_host False: left on the device (a tensor whose rows,
+        flattened over its leading axes, are those rows; no copy), for the device sampler."""
+        return self.session.mixed(seq_ids, chunks, on_host)
 
-    def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]]) -> list[np.ndarray]:
+    def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]], on_host: bool = True):
         """Token trees (tokens[i] with parents[i], node 0 the root) -> per sequence the logits
-        [len(tree), vocab] after each node. The trees stay uncommitted (see commit)."""
-        return self.session.verify(seq_ids, tokens, parents)
+        [len(tree), vocab] after each node (on_host False: one device tensor of every node's row,
+        the trees in order). The trees stay uncommitted (see commit)."""
+        return self.session.verify(seq_ids, tokens, parents, on_host)
 
     def commit(self, seq_ids: list[int], leaves: list[int]) -> None:
         self.session.commit(seq_ids, leaves)
