@@ -88,7 +88,7 @@ def test_an_over_committed_server_reports_its_preemptions_and_loses_nothing(benc
     out = tmp_path / "rows.json"
     # 8 streams of 40 to 60 prompt tokens and 20 to 30 new ones in a pool of 192 tokens (12 pages); no
     # prefix cache, so that a readmitted request prefills its whole prompt again
-    status = run(bench, ["--lib", library, "--server-args", "--max-total-tokens 192 --prefix-cache off",
+    status = run(bench, ["--lib", library, "--server-args", "--max-total-tokens 192 --prefix-cache off --sampling device",
                          "--token-ids", "3:268",
                          "--prompt-len", "40:60", "--output-len", "20:30", "--concurrency", "8", "--requests", "8",
                          "--json", out])

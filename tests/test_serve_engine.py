@@ -517,8 +517,15 @@ def test_kept_logits_come_back_whole_and_unpenalized(library):
     np.testing.assert_array_equal(np.stack(requests[-1].kept), np.stack(host_requests[-1].kept))
 
 
-def test_auto_sampling_picks_the_device_and_bad_modes_are_refused(library, monkeypatch):
-    assert make_engine(library).sampling == "device"
+def test_auto_sampling_picks_the_host_on_the_cpu_the_device_elsewhere(library, monkeypatch):
+    assert make_engine(library).sampling == "host"  # the logits already are in host memory
+    assert make_engine(library, sampling="device").sampling == "device"
+    runner = ModelRunner(library)
+    monkeypatch.setattr(runner.session, "on_cpu", False)  # as on CUDA
+    assert Engine(runner).sampling == "device"
+
+
+def test_bad_sampling_modes_are_refused(library, monkeypatch):
     with pytest.raises(ValueError, match="sampling must be one of"):
         make_engine(library, sampling="gpu")
     runner = ModelRunner(library)

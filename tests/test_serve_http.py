@@ -74,7 +74,7 @@ def library():
 
 @pytest.fixture(scope="module")
 def live(library):
-    engine = Engine(ModelRunner(library, max_total_tokens=48 * 16), max_batched_tokens=48)
+    engine = Engine(ModelRunner(library, max_total_tokens=48 * 16), max_batched_tokens=48, sampling="device")
     engine.start()
     server = LiveServer(engine)
     yield server
@@ -506,7 +506,7 @@ def test_max_num_seqs_over_the_library_batch_is_a_one_line_error(library, capsys
     assert status == 2 and "--max-num-seqs 9 exceeds the library's max batch size 8" in err
 
 
-@pytest.mark.parametrize("flag, expected", [([], "device"), (["--sampling", "host"], "host"),
+@pytest.mark.parametrize("flag, expected", [([], "host"), (["--sampling", "host"], "host"),
                                             (["--sampling", "device"], "device")])
 def test_the_sampling_flag_reaches_the_engine(library, flag, expected):
     from tvmattn.__main__ import parser

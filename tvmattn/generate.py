@@ -182,8 +182,8 @@ class Generator:
         tvmattn.runtime.graphs) where the library exports `decode_step` and runs tvmattn's
         cache with its TIR kernels; otherwise (or False) every step runs eagerly. sampling:
         "device" (the library's sampling kernels; the host reads back token ids), "host"
-        (tvmattn.sampling on copied logits) or "auto" (device where the library has the
-        kernels); the same tokens either way (see tvmattn.sampling)."""
+        (tvmattn.sampling on copied logits) or "auto" (device on an accelerator where the
+        library has the kernels, host on the CPU); the same tokens either way (see tvmattn.sampling)."""
         if sampling not in SAMPLING_MODES:
             raise GenerateError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {sampling!r}")
         self.session = ModelSession(lib_path, cuda_graph=cuda_graph)
@@ -216,7 +216,8 @@ class Generator:
     def sampling_in_use(self) -> str:
         """"device" or "host": who chooses the tokens of this generator's calls (sampling
         "auto" resolved against the library)."""
-        if self.sampling == "host" or self.session.device_sampler() is None:
+        chosen = self.session.auto_sampler() if self.sampling == "auto" else self.session.device_sampler()
+        if self.sampling == "host" or chosen is None:
             return "host"
         return "device"
 

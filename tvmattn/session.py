@@ -159,7 +159,7 @@ class ModelSession:
         self.hidden_size = self.metadata["model_config"]["hidden_size"]
         # tokens per prefill call: the library's chunk, on the CPU at most CPU_PREFILL_CHUNK
         self.prefill_chunk = self.settings["prefill_chunk"]
-        on_cpu = self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+        on_cpu = self.on_cpu = self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
         if on_cpu:
             self.prefill_chunk = min(self.prefill_chunk, CPU_PREFILL_CHUNK)
         self._functions: dict[str, Any] = {}  # the VM's functions, looked up once (function)
@@ -182,6 +182,12 @@ class ModelSession:
         # speculative back-off weighs drafts against it (tvmattn/speculative.py)
         self.step_costs = StepCosts(VERIFY_PRIOR_CPU if on_cpu else VERIFY_PRIOR_GPU)
         self._device_sampler: DeviceSampler | None | bool = False  # False: not looked at yet
+
+    def auto_sampler(self) -> DeviceSampler | None:
+        """The sampler of sampling "auto": the device's kernels on an accelerator; None on the
+        CPU, where the logits already are in host memory and numpy chooses a greedy token
+        faster than the kernel launch (the same tokens either way: tvmattn.sampling)."""
+        return None if self.on_cpu else self.device_sampler()
 
     def device_sampler(self) -> DeviceSampler | None:
         """The library's sampling kernels (tvmattn.device_sampling), made once; None when it

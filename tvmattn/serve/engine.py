@@ -56,7 +56,8 @@ from .text import TextStream
 PREFIX_CACHE_MODES = ("radix", "off")
 # "device": the library's sampling kernels choose the tokens of the rows they serve (the host
 # reads back token ids only); "host": every row of logits is copied and sampled by
-# tvmattn.sampling; "auto": "device" where the library has the kernels
+# tvmattn.sampling; "auto": "device" on an accelerator where the library has the kernels, "host"
+# on the CPU (ModelSession.auto_sampler)
 SAMPLING_MODES = ("auto", "device", "host")
 
 
@@ -237,7 +238,8 @@ class Engine:
                              f"got {max_running}")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue must be a positive integer, got {max_queue!r}")
-        self._sampler = runner.session.device_sampler() if sampling != "host" else None
+        self._sampler = {"auto": runner.session.auto_sampler, "device": runner.session.device_sampler,
+                         "host": lambda: None}[sampling]()
         if sampling == "device" and self._sampler is None:
             raise ValueError(f"sampling='device': {runner.session.lib_path} has no sampling kernels that flag "
                              f"non-finite logits (compiled before them); recompile it, or sample on the host")
