@@ -37,6 +37,8 @@ from tvm import relax, s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
 
+from .fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV
+
 # DecodeBatchGEMV: rows per pass over the weight (the batch is padded to a multiple), and the
 # largest weight it takes (a larger one, the LM head, is re-read from memory on every pass: it
 # keeps the Matmul rule).
@@ -256,7 +258,7 @@ def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True) -
         from tvm.relax.backend.cuda import pipeline as backend
 
         # placed before the CUDA legalize passes' own dlight rules (which skip what is scheduled)
-        decode_gemv = dl.ApplyDefaultSchedule(SmallBatchMatmul()) if small_batch_matmul else None
+        decode_gemv = dl.ApplyDefaultSchedule(CUDAFusedDecodeGEMV(), *([SmallBatchMatmul()] if small_batch_matmul else []))
         schedule = []
     else:
         from tvm.relax.backend.cpu_generic import pipeline as backend
@@ -265,7 +267,7 @@ def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True) -
         from .cpu_matmul import CPUMatmul
 
         # CPUMatmul first: it leaves single-token (static) matmuls to GEMV
-        schedule = [dl.ApplyDefaultSchedule(CPUMatmul(), dl.cpu.GEMV(), SingleRowReduction(), dl.cpu.Reduction(),
+        schedule = [dl.ApplyDefaultSchedule(CPUFusedDecodeGEMV(), CPUMatmul(), dl.cpu.GEMV(), SingleRowReduction(), dl.cpu.Reduction(),
                                             CPUElementwise())]
         decode_gemv = None
 

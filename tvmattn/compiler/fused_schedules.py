@@ -1,0 +1,162 @@
+"""Schedules of the fused decode ops (fused_decode.py: what they compute) on CUDA and the CPU.
+
+Both rules recognize a fused op by its blocks (fused_decode.BLOCKS) and return None for anything
+else, so the pipeline's other rules see every other function.
+
+`CUDAFusedDecodeGEMV`: the GEMV of SmallBatchMatmul (pipeline.py) with the norm in front. One
+thread block per chunk of `rows` rows and `cols` output columns; `lanes` threads (a warp) share a
+column and split K into 16-byte vectors. Each warp first sums its rows' squares (a warp
+reduction) and keeps 1 / RMS in registers; the normalized row is formed as the product reads x
+(never stored); each thread keeps rows x parts partial sums (parts: SwiGLU's gate and up
+columns, so the epilogue has both), combined by a warp reduction, then the epilogue.
+
+`CPUFusedDecodeGEMV`: the norm as plain loops (one row of sums and one normalized row per
+token: little work), then the product parallel over column chunks, each column's dot product
+vectorized over K (a vector of partial sums, summed at the end), every row of the batch against
+the weight row while it is in cache; the epilogue per column.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+
+from .fused_decode import BLOCKS, UP_BLOCK
+
+CUDA_COLS = 1  # output columns per thread block (one warp each)
+CUDA_LANES = 32
+CPU_COLUMN_CHUNK = 16  # columns per parallel task on the CPU
+
+
+def _fused_blocks(func) -> s_tir.Schedule | None:
+    """A schedule of func when it is a fused decode op (has every block of fused_decode.BLOCKS)."""
+    if not isinstance(func, tirx.PrimFunc):
+        return None
+    sch = s_tir.Schedule(func)
+    try:
+        for name in BLOCKS:
+            sch.get_sblock(name)
+    except (RuntimeError, ValueError):  # ScheduleError and TVM internal errors are RuntimeErrors
+        return None
+    return sch
+
+
+def _matmuls(sch: s_tir.Schedule) -> list:
+    """The op's product blocks: NT_matmul, and NT_matmul_up where it has one (SwiGLU)."""
+    blocks = [sch.get_sblock("NT_matmul")]
+    try:
+        blocks.append(sch.get_sblock(UP_BLOCK))
+    except (RuntimeError, ValueError):  # ScheduleError and TVM internal errors are RuntimeErrors
+        pass
+    return blocks
+
+
+def _read_index(sch: s_tir.Schedule, block, ndim: int) -> int:
+    """The index among block's reads of the (single) buffer of `ndim` dimensions."""
+    reads = sch.get(block).reads
+    return next(i for i, region in enumerate(reads) if len(region.source.shape) == ndim)
+
+
+def _vector(extent: int, candidates) -> int:
+    return next((v for v in candidates if extent % v == 0), 1)
+
+
+def _split_k(sch: s_tir.Schedule, matmul, factors: list) -> tuple:
+    """rfactor of `matmul` over its K axis split by `factors` (None first); the factored axis is
+    the second split loop. -> (partial block, write-back block)."""
+    *_, k = sch.get_loops(matmul)
+    splits = sch.split(k, factors)
+    return sch.rfactor(splits[1], factor_axis=0), matmul
+
+
+class CUDAFusedDecodeGEMV(ScheduleRule):
+    """Schedules fused_decode's ops for CUDA (module docstring)."""
+
+    def __init__(self, cols: int = CUDA_COLS, lanes: int = CUDA_LANES):
+        self.cols, self.lanes = cols, lanes
+
+    def apply(self, func, target, _tunable):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        sch = _fused_blocks(func)
+        if sch is None:
+            return None
+        return self._schedule(sch)
+
+    def _schedule(self, sch: s_tir.Schedule) -> s_tir.Schedule:
+        sumsq, rstd, norm, _, epilogue = (sch.get_sblock(name) for name in BLOCKS)
+        sch.compute_inline(norm)
+        matmuls = _matmuls(sch)
+        k_extent = int(sch.get(sch.get_loops(matmuls[0])[-1]).extent)
+        dtype_bits = tvm.DataType(sch.get(matmuls[0]).reads[-1].source.dtype).bits
+        vec = _vector(k_extent, [128 // dtype_bits, 4, 2, 1])
+        lanes = self.lanes
+        while lanes > 1 and (k_extent // vec) % lanes:
+            lanes //= 2
+        factored = [_split_k(sch, m, [None, lanes, vec]) for m in matmuls]
+        # one thread block per row and `cols` columns (rows the fastest block index: the blocks
+        # that read one weight slice run together, the slice comes from memory once)
+        row, _, j = sch.get_loops(epilogue)
+        col_tile, col = sch.split(j, [None, self.cols])
+        sch.bind(row, "blockIdx.x")
+        sch.bind(col_tile, "blockIdx.y")
+        sch.bind(col, "threadIdx.y")
+        for partial, writeback in factored:
+            sch.compute_at(writeback, col, preserve_unit_loops=True)
+            sch.compute_at(partial, col, preserve_unit_loops=True)
+            # under `col`: the rfactor axis (lanes) first, then the block's own (row, 1, column, K)
+            lane, *_, k_step, k_vec = sch.get_loops(partial)[-6:]
+            sch.bind(lane, "threadIdx.x")
+            weight = sch.cache_read(partial, _read_index(sch, partial, 2), "local", consumer_blocks=[partial])
+            sch.compute_at(weight, k_step)
+            sch.vectorize(sch.get_loops(weight)[-1])
+            sch.unroll(k_vec)
+            sch.set_scope(partial, 0, "local")
+            sch.decompose_reduction(partial, k_step)
+            # the lanes' sums, a warp reduction: the write-back's loops are (lane, row, 1, column)
+            sum_lane, *rest = sch.get_loops(writeback)[-4:]
+            sch.reorder(*rest, sum_lane)
+            sch.bind(sum_lane, "threadIdx.x")
+            sch.set_scope(writeback, 0, "local")
+        # the row's 1 / RMS: each warp sums the squares by a warp reduction
+        sch.compute_at(rstd, col)
+        sch.compute_at(sumsq, col)
+        _, sq_lane = sch.split(sch.get_loops(sumsq)[-1], [None, lanes])
+        sch.bind(sq_lane, "threadIdx.x")
+        sch.set_scope(sumsq, 0, "local")
+        sch.set_scope(rstd, 0, "local")
+        return sch
+
+
+class CPUFusedDecodeGEMV(ScheduleRule):
+    """Schedules fused_decode's ops for the CPU (module docstring)."""
+
+    def __init__(self, column_chunk: int = CPU_COLUMN_CHUNK):
+        self.column_chunk = column_chunk
+
+    def apply(self, func, target, _tunable):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+            return None
+        sch = _fused_blocks(func)
+        if sch is None:
+            return None
+        norm, epilogue = sch.get_sblock("rms_norm"), sch.get_sblock("T_epilogue")
+        matmuls = _matmuls(sch)
+        k_extent = int(sch.get(sch.get_loops(matmuls[0])[-1]).extent)
+        vec = _vector(k_extent, [16, 8, 4, 2])
+        factored = [_split_k(sch, m, [None, vec]) for m in matmuls]
+        row, one, j = sch.get_loops(epilogue)
+        col_tile, col = sch.split(j, [None, self.column_chunk])
+        sch.reorder(col_tile, row, one, col)
+        sch.parallel(col_tile)
+        for partial, writeback in factored:
+            sch.compute_at(writeback, col_tile, preserve_unit_loops=True)
+            sch.compute_at(partial, col_tile, preserve_unit_loops=True)
+            k_vec, row, one, col, k_step = sch.get_loops(partial)[-5:]  # the rfactor axis first
+            sch.reorder(row, one, col, k_step, k_vec)
+            sch.vectorize(k_vec)
+            init = sch.decompose_reduction(partial, k_step)
+            sch.vectorize(sch.get_loops(init)[-1])
+        sch.vectorize(sch.get_loops(norm)[-1])
+        return sch
