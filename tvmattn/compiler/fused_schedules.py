@@ -3,12 +3,16 @@
 Both rules recognize a fused op by its blocks (fused_decode.BLOCKS) and return None for anything
 else, so the pipeline's other rules see every other function.
 
-`CUDAFusedDecodeGEMV`: the GEMV of SmallBatchMatmul (pipeline.py) with the norm in front. One
-thread block per chunk of `rows` rows and `cols` output columns; `lanes` threads (a warp) share a
-column and split K into 16-byte vectors. Each warp first sums its rows' squares (a warp
-reduction) and keeps 1 / RMS in registers; the normalized row is formed as the product reads x
-(never stored); each thread keeps rows x parts partial sums (parts: SwiGLU's gate and up
-columns, so the epilogue has both), combined by a warp reduction, then the epilogue.
+`CUDAFusedDecodeGEMV`: a GEMV like SmallBatchMatmul's (pipeline.py) with the norm in front. One
+thread block per row (token) and `cols` output columns, rows the fastest block index (the blocks
+that read one weight slice run together: it comes from memory once, from L2 for the other
+rows); `lanes` threads share a column and split K into 16-byte vectors. Each column's lanes
+first sum the row's squares (a shuffle reduction) and keep 1 / RMS in a register; the normalized
+row is formed as the product reads x (never stored); the lanes' partial sums meet in a shuffle
+reduction, then the epilogue. SwiGLU: the gate column, then the up column, in the same threads,
+so the epilogue has both. One row per block, where SmallBatchMatmul takes 4: with a symbolic
+batch, a block of several rows needs them padded (its local buffers must have static sizes),
+which the ops' SwiGLU weight halves (one buffer read at an offset) do not allow by pad_einsum.
 
 `CPUFusedDecodeGEMV`: the norm as plain loops (one row of sums and one normalized row per
 token: little work), then the product parallel over column chunks, each column's dot product
@@ -24,7 +28,10 @@ from tvm.s_tir.dlight.base import ScheduleRule
 
 from .fused_decode import BLOCKS, UP_BLOCK
 
-CUDA_COLS = 1  # output columns per thread block (one warp each)
+# threads per block and the most lanes per column: SmallBatchMatmul's (pipeline.py), whose sweep
+# found 32-thread blocks fastest for these shapes; a K of fewer 16-byte vectors than a multiple of
+# 32 gets fewer lanes per column and more columns per block
+CUDA_THREADS = 32
 CUDA_LANES = 32
 CPU_COLUMN_CHUNK = 16  # columns per parallel task on the CPU
 
@@ -73,8 +80,8 @@ def _split_k(sch: s_tir.Schedule, matmul, factors: list) -> tuple:
 class CUDAFusedDecodeGEMV(ScheduleRule):
     """Schedules fused_decode's ops for CUDA (module docstring)."""
 
-    def __init__(self, cols: int = CUDA_COLS, lanes: int = CUDA_LANES):
-        self.cols, self.lanes = cols, lanes
+    def __init__(self, threads: int = CUDA_THREADS, lanes: int = CUDA_LANES):
+        self.threads, self.lanes = threads, lanes
 
     def apply(self, func, target, _tunable):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
@@ -98,7 +105,11 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
         # one thread block per row and `cols` columns (rows the fastest block index: the blocks
         # that read one weight slice run together, the slice comes from memory once)
         row, _, j = sch.get_loops(epilogue)
-        col_tile, col = sch.split(j, [None, self.cols])
+        cols = max(1, self.threads // lanes)
+        n_cols = int(sch.get(j).extent)
+        while n_cols % cols:
+            cols //= 2
+        col_tile, col = sch.split(j, [None, cols])
         sch.bind(row, "blockIdx.x")
         sch.bind(col_tile, "blockIdx.y")
         sch.bind(col, "threadIdx.y")
