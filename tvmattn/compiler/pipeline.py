@@ -27,6 +27,9 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   captured a step can be replayed (tvmattn.runtime.graphs). It runs TVM's RewriteCUDAGraph on
   that function alone: with a symbolic batch it only lifts the allocations, and the other
   functions keep TVM's default (no capture regions between the cache's attention calls).
+- the fused decode ops of a decoder layer (fused_decode: RMSNorm + projection + epilogue in one
+  function) get their own schedules before any other rule (fused_schedules: CUDAFusedDecodeGEMV
+  and CPUFusedDecodeGEMV); dlight's rules take only one reduction per function.
 The attention kernels from tir_kernels are already scheduled and pass through unchanged.
 """
 

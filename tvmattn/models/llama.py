@@ -6,6 +6,12 @@ projection, optional q/k/v bias as in Qwen2, RoPE and paged attention in the KV 
 residual -> RMSNorm -> SwiGLU MLP (fused gate/up projection) -> residual; final RMSNorm; LM
 head (its own matrix, or the embedding matrix when tied). Logits are float32.
 
+Decode shapes (`[batch, 1, hidden]`: decode, batch_decode, decode_step) of float projections run
+the fused ops of compiler.fused_decode where the export enables them (BuildOptions.fused_layers):
+the input RMSNorm inside the qkv projection, the post-attention RMSNorm and SiLU * mul inside
+gate_up; FuseOps adds the residuals to o_proj and down_proj. A layer is then four model kernels
+and the cache's attention call. Kept-quantized layers fuse inside QuantLinear instead.
+
 Parameter names are HF's with the fused projections renamed: `...self_attn.qkv_proj.*` holds
 q_proj, k_proj, v_proj stacked on the output axis, `...mlp.gate_up_proj.weight` holds gate_proj
 then up_proj (see `hf_parameter_sources`).
