@@ -4,15 +4,15 @@ Both rules recognize a fused op by its blocks (fused_decode.BLOCKS) and return N
 else, so the pipeline's other rules see every other function.
 
 `CUDAFusedDecodeGEMV`: a GEMV like SmallBatchMatmul's (pipeline.py) with the norm in front. One
-thread block per row (token) and `cols` output columns, rows the fastest block index (the blocks
-that read one weight slice run together: it comes from memory once, from L2 for the other
-rows); `lanes` threads share a column and split K into 16-byte vectors. Each column's lanes
-first sum the row's squares (a shuffle reduction) and keep 1 / RMS in a register; the normalized
-row is formed as the product reads x (never stored); the lanes' partial sums meet in a shuffle
-reduction, then the epilogue. SwiGLU: the gate column, then the up column, in the same threads,
-so the epilogue has both. One row per block, where SmallBatchMatmul takes 4: with a symbolic
-batch, a block of several rows needs them padded (its local buffers must have static sizes),
-which the ops' SwiGLU weight halves (one buffer read at an offset) do not allow by pad_einsum.
+thread block per chunk of `rows` rows (tokens) and `cols` output columns, the chunk the fastest
+block index (the blocks that read one weight slice run together: it comes from memory once, from
+L2 for the other chunks); `lanes` threads share a column and split K into 16-byte vectors. The
+block takes its rows one after the other (past the batch: skipped), so every local buffer has
+a static size with a symbolic batch; the rows after the first read the weight slice from L1.
+Per row, each column's lanes first sum the row's squares (a shuffle reduction) and keep 1 / RMS
+in a register; the normalized row is formed as the product reads x (never stored); the lanes'
+partial sums meet in a shuffle reduction, then the epilogue. SwiGLU: the gate column, then the
+up column, in the same threads, so the epilogue has both.
 
 `CPUFusedDecodeGEMV`: the norm as plain loops (one row of sums and one normalized row per
 token: little work), then the product parallel over column chunks, each column's dot product
@@ -33,6 +33,7 @@ from .fused_decode import BLOCKS, UP_BLOCK
 # 32 gets fewer lanes per column and more columns per block
 CUDA_THREADS = 32
 CUDA_LANES = 32
+CUDA_ROWS = 4  # rows (tokens) per thread block, one after the other: SmallBatchMatmul's count
 CPU_COLUMN_CHUNK = 16  # columns per parallel task on the CPU
 
 
@@ -80,8 +81,8 @@ def _split_k(sch: s_tir.Schedule, matmul, factors: list) -> tuple:
 class CUDAFusedDecodeGEMV(ScheduleRule):
     """Schedules fused_decode's ops for CUDA (module docstring)."""
 
-    def __init__(self, threads: int = CUDA_THREADS, lanes: int = CUDA_LANES):
-        self.threads, self.lanes = threads, lanes
+    def __init__(self, rows: int = CUDA_ROWS, threads: int = CUDA_THREADS, lanes: int = CUDA_LANES):
+        self.rows, self.threads, self.lanes = rows, threads, lanes
 
     def apply(self, func, target, _tunable):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
@@ -104,18 +105,22 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
         factored = [_split_k(sch, m, [None, lanes, vec]) for m in matmuls]
         # one thread block per row and `cols` columns (rows the fastest block index: the blocks
         # that read one weight slice run together, the slice comes from memory once)
-        row, _, j = sch.get_loops(epilogue)
+        row, one, j = sch.get_loops(epilogue)
+        extent = sch.get(row).extent
+        rows = min(self.rows, int(extent)) if isinstance(extent, tirx.IntImm) else self.rows
+        chunk, row = sch.split(row, [None, rows])
         cols = max(1, self.threads // lanes)
         n_cols = int(sch.get(j).extent)
         while n_cols % cols:
             cols //= 2
         col_tile, col = sch.split(j, [None, cols])
-        sch.bind(row, "blockIdx.x")
+        sch.reorder(chunk, col_tile, col, row, one)
+        sch.bind(chunk, "blockIdx.x")
         sch.bind(col_tile, "blockIdx.y")
         sch.bind(col, "threadIdx.y")
         for partial, writeback in factored:
-            sch.compute_at(writeback, col, preserve_unit_loops=True)
-            sch.compute_at(partial, col, preserve_unit_loops=True)
+            sch.compute_at(writeback, row, preserve_unit_loops=True)
+            sch.compute_at(partial, row, preserve_unit_loops=True)
             # under `col`: the rfactor axis (lanes) first, then the block's own (row, 1, column, K)
             lane, *_, k_step, k_vec = sch.get_loops(partial)[-6:]
             sch.bind(lane, "threadIdx.x")
@@ -131,8 +136,8 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
             sch.bind(sum_lane, "threadIdx.x")
             sch.set_scope(writeback, 0, "local")
         # the row's 1 / RMS: each warp sums the squares by a warp reduction
-        sch.compute_at(rstd, col)
-        sch.compute_at(sumsq, col)
+        sch.compute_at(rstd, row)
+        sch.compute_at(sumsq, row)
         _, sq_lane = sch.split(sch.get_loops(sumsq)[-1], [None, lanes])
         sch.bind(sq_lane, "threadIdx.x")
         sch.set_scope(sumsq, 0, "local")
