@@ -67,6 +67,7 @@ def _read_index(sch: s_tir.Schedule, block, ndim: int) -> int:
 
 
 def _vector(extent: int, candidates) -> int:
+    """The first of `candidates` that divides `extent` (1 if none does)."""
     return next((v for v in candidates if extent % v == 0), 1)
 
 
@@ -103,8 +104,9 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
         while lanes > 1 and (k_extent // vec) % lanes:
             lanes //= 2
         factored = [_split_k(sch, m, [None, lanes, vec]) for m in matmuls]
-        # one thread block per row and `cols` columns (rows the fastest block index: the blocks
-        # that read one weight slice run together, the slice comes from memory once)
+        # one thread block per chunk of rows and `cols` columns (the chunk the fastest block index:
+        # the blocks that read one weight slice run together, the slice comes from memory once);
+        # the block's rows one after the other
         row, one, j = sch.get_loops(epilogue)
         extent = sch.get(row).extent
         rows = min(self.rows, int(extent)) if isinstance(extent, tirx.IntImm) else self.rows
@@ -121,7 +123,7 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
         for partial, writeback in factored:
             sch.compute_at(writeback, row, preserve_unit_loops=True)
             sch.compute_at(partial, row, preserve_unit_loops=True)
-            # under `col`: the rfactor axis (lanes) first, then the block's own (row, 1, column, K)
+            # under `row`: the rfactor axis (lanes) first, then the block's own (row, 1, column, K)
             lane, *_, k_step, k_vec = sch.get_loops(partial)[-6:]
             sch.bind(lane, "threadIdx.x")
             weight = sch.cache_read(partial, _read_index(sch, partial, 2), "local", consumer_blocks=[partial])
