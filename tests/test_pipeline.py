@@ -1,19 +1,29 @@
-"""The model pipeline's CUDA schedule for small-batch matmuls (models/pipeline.SmallBatchMatmul).
+"""The model pipeline's CUDA schedule for small-batch matmuls (models/pipeline.SmallBatchMatmul),
+and the fused decode ops (compiler.fused_decode) with their CUDA and CPU schedules.
 
 Spec: `[batch_size, 1, K] x [N, K]^T` with a symbolic batch (decode_step's projections, with or
 without an element-wise epilogue) is scheduled by the rule and compiles for CUDA; on the GPU it
 equals numpy for batches that are and are not multiples of its row chunk; prefill-shaped matmuls,
 K that is not a whole number of 16-byte vectors and weights over the cap are left to the next
 rule (None).
+
+Fused decode ops: each schedule applies to the ops alone (None for a plain matmul), the CUDA one
+compiles to one kernel for sm_90 (static single token and symbolic batch, SmolLM2's shapes and
+a K of few vectors), the CPU one equals a float64 numpy RMSNorm + product (+ bias, or SiLU(gate)
+* up) at batches 1 and 3; on the GPU, the CUDA one too (batches 1, 3, 64).
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
 import tvm
 from tvm import te
 
+from tvmattn.compiler.fused_decode import rms_norm_matmul, rms_norm_matmul_swiglu
+from tvmattn.compiler.fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV
 from tvmattn.compiler.pipeline import SMALL_BATCH_THREADS, SmallBatchMatmul
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
@@ -96,3 +106,114 @@ def test_rule_matches_numpy_on_the_gpu(n, k, epilogue, batch):
     # fp16 sums (as the unscheduled function): about 1e-3 relative per product over k terms
     scale = np.abs(expected).max()
     assert np.abs(got - expected).max() <= 2e-2 * scale
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused decode ops (compiler.fused_decode) and their schedules (compiler.fused_schedules)
+# ---------------------------------------------------------------------------------------------
+LLVM = tvm.target.Target("llvm")
+
+
+def fused_op(kind: str, k: int, n: int, batch: int | None, dtype: str) -> tvm.tirx.PrimFunc:
+    """A fused decode op as the model emits it: kind "plain", "bias" (rms_norm_matmul) or
+    "swiglu" (rms_norm_matmul_swiglu, n = 2 I); batch None: the symbolic batch_size."""
+    rows = tvm.tirx.Var("batch_size", "int64") if batch is None else batch
+    x = te.placeholder((rows, 1, k), dtype, "x")
+    g = te.placeholder((k,), dtype, "g")
+    w = te.placeholder((n, k), dtype, "w")
+    args = [x, g, w]
+    if kind == "swiglu":
+        y = rms_norm_matmul_swiglu(x, g, w, eps=1e-5)
+    elif kind == "bias":
+        bias = te.placeholder((n,), dtype, "bias")
+        args.append(bias)
+        y = rms_norm_matmul(x, g, w, bias, eps=1e-5)
+    else:
+        y = rms_norm_matmul(x, g, w, eps=1e-5)
+    return te.create_prim_func(args + [y]).with_attr("global_symbol", "main")
+
+
+def fused_reference(kind: str, x, g, w, bias=None) -> np.ndarray:
+    """float64 numpy: RMSNorm (its output rounded to x's dtype, as TVM's rms_norm), the product,
+    the bias or SiLU(gate) * up; [b, 1, out]."""
+    x64 = x.astype(np.float64)[:, 0, :]
+    normed = x64 / np.sqrt((x64 ** 2).mean(axis=-1, keepdims=True) + 1e-5) * g.astype(np.float64)
+    normed = normed.astype(x.dtype).astype(np.float64)
+    y = normed @ w.astype(np.float64).T
+    if kind == "bias":
+        y = y + bias.astype(np.float64)
+    if kind == "swiglu":
+        gate, up = np.split(y, 2, axis=-1)
+        y = gate / (1 + np.exp(-gate)) * up
+    return y[:, None, :]
+
+
+FUSED_CASES = [
+    pytest.param("plain", 576, 960, id="qkv-576x960"),
+    pytest.param("bias", 64, 192, id="qkv-bias-64x192"),
+    pytest.param("swiglu", 576, 3072, id="gate-up-576x3072"),
+    pytest.param("swiglu", 80, 96, id="gate-up-80x96"),  # K of 10 vectors: 2 lanes per column
+]
+
+
+@pytest.mark.parametrize("kind, k, n", FUSED_CASES)
+@pytest.mark.parametrize("batch", [1, None], ids=["decode", "batch"])
+def test_fused_rule_schedules_and_compiles_for_cuda(kind, k, n, batch):
+    func = fused_op(kind, k, n, batch, "float16")
+    assert CUDAFusedDecodeGEMV().apply(func, LLVM, False) is None
+    with CUDA:
+        sch = CUDAFusedDecodeGEMV().apply(func, CUDA, False)
+        assert sch is not None
+        lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=CUDA)
+    source = lib.mod.imports[0].inspect_source()
+    kernels = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
+    assert len(kernels) == 1, f"one kernel for norm, product and epilogue, got {kernels}"
+    assert "__launch_bounds__(32)" in source and "__shfl" in source
+
+
+def test_fused_rules_leave_other_functions():
+    for rule, target in ((CUDAFusedDecodeGEMV(), CUDA), (CPUFusedDecodeGEMV(), LLVM)):
+        assert rule.apply(nt_matmul(64, 576), target, False) is None
+        assert rule.apply(nt_matmul(64, 576, "add"), target, False) is None
+    assert CPUFusedDecodeGEMV().apply(fused_op("plain", 64, 64, 1, "float32"), CUDA, False) is None
+
+
+@pytest.mark.parametrize("kind, k, n", FUSED_CASES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_rule_matches_numpy_on_the_cpu(kind, k, n, batch):
+    symbolic = batch != 1  # batch 1: the static decode shape; else the symbolic batch_size
+    func = fused_op(kind, k, n, None if symbolic else 1, "float32")
+    with LLVM:
+        sch = CPUFusedDecodeGEMV().apply(func, LLVM, False)
+        assert sch is not None
+        lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=LLVM)
+    rng = np.random.default_rng(k + n + batch)
+    x = rng.standard_normal((batch, 1, k)).astype("float32")
+    g = (1 + 0.1 * rng.standard_normal(k)).astype("float32")
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype("float32")
+    bias = rng.standard_normal(n).astype("float32") if kind == "bias" else None
+    expected = fused_reference(kind, x, g, w, bias)
+    out = tvm.runtime.tensor(np.zeros(expected.shape, "float32"))
+    lib["main"](*[tvm.runtime.tensor(a) for a in (x, g, w, bias) if a is not None], out)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, k, n", FUSED_CASES)
+@pytest.mark.parametrize("batch", [1, 3, 64])
+def test_fused_rule_matches_numpy_on_the_gpu(kind, k, n, batch):
+    func = fused_op(kind, k, n, 1 if batch == 1 else None, "float16")
+    with CUDA:
+        sch = CUDAFusedDecodeGEMV().apply(func, CUDA, False)
+        lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=CUDA)
+    rng = np.random.default_rng(batch)
+    x = rng.standard_normal((batch, 1, k)).astype("float16")
+    g = (1 + 0.1 * rng.standard_normal(k)).astype("float16")
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype("float16")
+    bias = rng.standard_normal(n).astype("float16") if kind == "bias" else None
+    expected = fused_reference(kind, x, g, w, bias)
+    dev = tvm.cuda(0)
+    out = tvm.runtime.tensor(np.zeros(expected.shape, "float16"), dev)
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, g, w, bias) if a is not None], out)
+    # float32 sums of float16 products, one rounding to float16 at the end
+    np.testing.assert_allclose(out.numpy().astype(np.float64), expected, rtol=2e-2, atol=2e-2)

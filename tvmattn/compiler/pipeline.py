@@ -27,6 +27,9 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   captured a step can be replayed (tvmattn.runtime.graphs). It runs TVM's RewriteCUDAGraph on
   that function alone: with a symbolic batch it only lifts the allocations, and the other
   functions keep TVM's default (no capture regions between the cache's attention calls).
+- the fused decode ops of a decoder layer (fused_decode: RMSNorm + projection + epilogue in one
+  function) get their own schedules before any other rule (fused_schedules: CUDAFusedDecodeGEMV
+  and CPUFusedDecodeGEMV); dlight's rules take only one reduction per function.
 The attention kernels from tir_kernels are already scheduled and pass through unchanged.
 """
 
@@ -36,6 +39,8 @@ import tvm
 from tvm import relax, s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
+
+from .fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV
 
 # DecodeBatchGEMV: rows per pass over the weight (the batch is padded to a multiple), and the
 # largest weight it takes (a larger one, the LM head, is re-read from memory on every pass: it
@@ -256,7 +261,7 @@ def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True) -
         from tvm.relax.backend.cuda import pipeline as backend
 
         # placed before the CUDA legalize passes' own dlight rules (which skip what is scheduled)
-        decode_gemv = dl.ApplyDefaultSchedule(SmallBatchMatmul()) if small_batch_matmul else None
+        decode_gemv = dl.ApplyDefaultSchedule(CUDAFusedDecodeGEMV(), *([SmallBatchMatmul()] if small_batch_matmul else []))
         schedule = []
     else:
         from tvm.relax.backend.cpu_generic import pipeline as backend
@@ -265,7 +270,7 @@ def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True) -
         from .cpu_matmul import CPUMatmul
 
         # CPUMatmul first: it leaves single-token (static) matmuls to GEMV
-        schedule = [dl.ApplyDefaultSchedule(CPUMatmul(), dl.cpu.GEMV(), SingleRowReduction(), dl.cpu.Reduction(),
+        schedule = [dl.ApplyDefaultSchedule(CPUFusedDecodeGEMV(), CPUMatmul(), dl.cpu.GEMV(), SingleRowReduction(), dl.cpu.Reduction(),
                                             CPUElementwise())]
         decode_gemv = None
 

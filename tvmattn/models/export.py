@@ -44,6 +44,7 @@ from tir_kernels.build import PIPELINE
 from tir_kernels.sampling import SamplingConfig, apply_penalties, sample_tokens
 from tir_kernels.support import FP8_KV_DTYPES, TargetName, dtype_problem, is_fp8, numpy_dtype, page_size_problem
 
+from ..compiler.fused_decode import fused_decode
 from ..compiler.pipeline import relax_pipeline
 from ..quant.linear import dequantized, packed_part, split_part_name
 from .architectures import architecture
@@ -76,12 +77,17 @@ class BuildOptions:
     # llvm with weight_formats: compile with the host's AVX-512 (compiler.targets.host_target), for
     # libraries whose every matrix is kept quantized (build.py sets it; float matmuls compile slowly)
     host_avx512: bool = False
+    # the decoder layers' decode ops fused (compiler.fused_decode: RMSNorm into the next
+    # projection, SiLU * mul into gate_up); False: the plain ops (the library before the fusion)
+    fused_layers: bool = True
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size!r} is not supported: expected an int >= 1")
         if not isinstance(self.host_avx512, bool):
             raise ValueError(f"host_avx512={self.host_avx512!r} is not supported: expected a bool")
+        if not isinstance(self.fused_layers, bool):
+            raise ValueError(f"fused_layers={self.fused_layers!r} is not supported: expected a bool")
         if not isinstance(self.small_batch_matmul, bool):
             raise ValueError(f"small_batch_matmul={self.small_batch_matmul!r} is not supported: expected a bool")
         for name, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
@@ -193,7 +199,8 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
     arch = architecture(config)
     model = arch.model_class(config, options.cache_spec(config), options.kv_cache, formats)
     model.to(options.dtype)
-    with options.tvm_target():  # quant.linear picks its kernels' target from this scope
+    # quant.linear picks its kernels' target from the target scope
+    with options.tvm_target(), fused_decode(options.fused_layers):
         mod, params = model.export_tvm(spec=model.get_default_spec())
     if "decode_step" in arch.functions:  # storage planned for the largest batch (see compiler/pipeline.py)
         step = mod.get_global_var("decode_step")

@@ -6,6 +6,12 @@ projection, optional q/k/v bias as in Qwen2, RoPE and paged attention in the KV 
 residual -> RMSNorm -> SwiGLU MLP (fused gate/up projection) -> residual; final RMSNorm; LM
 head (its own matrix, or the embedding matrix when tied). Logits are float32.
 
+Decode shapes (`[batch, 1, hidden]`: decode, batch_decode, decode_step) of float projections run
+the fused ops of compiler.fused_decode where the export enables them (BuildOptions.fused_layers):
+the input RMSNorm inside the qkv projection, the post-attention RMSNorm and SiLU * mul inside
+gate_up; FuseOps adds the residuals to o_proj and down_proj. A layer is then four model kernels
+and the cache's attention call. Kept-quantized layers fuse inside QuantLinear instead.
+
 Parameter names are HF's with the fused projections renamed: `...self_attn.qkv_proj.*` holds
 q_proj, k_proj, v_proj stacked on the output axis, `...mlp.gate_up_proj.weight` holds gate_proj
 then up_proj (see `hf_parameter_sources`).
@@ -17,6 +23,7 @@ becomes the block arrays `<prefix>.weight_qs`, `<prefix>.weight_d` (and `<prefix
 
 from __future__ import annotations
 
+import functools
 import math
 
 from tvm import te, tirx
@@ -25,6 +32,7 @@ from tvm.relax.frontend.nn import op
 
 from typing import Mapping
 
+from ..compiler.fused_decode import fused_decode_enabled, rms_norm_matmul, rms_norm_matmul_swiglu
 from ..quant.linear import PART_PREFIX, QuantEmbedding, QuantLinear
 from ..weights.quant import PACKED
 from .config import ModelConfig
@@ -45,9 +53,23 @@ def _project(linear, x: nn.Tensor, residual: nn.Tensor | None) -> nn.Tensor:
     return linear(x, residual=residual) if isinstance(linear, QuantLinear) else residual + linear(x)
 
 
+def _fusable(linear, x: nn.Tensor, norm: nn.RMSNorm) -> bool:
+    """Whether linear(norm(x)) runs as one fused decode op (compiler.fused_decode): a float
+    nn.Linear, a decode shape ([batch, 1, hidden]: one new token per sequence) and the fusion on."""
+    return (fused_decode_enabled() and isinstance(linear, nn.Linear) and len(x.shape) == 3
+            and isinstance(x.shape[1], int) and x.shape[1] == 1 and getattr(norm, "bias", None) is None)
+
+
 def _normed(linear, x: nn.Tensor, norm: nn.RMSNorm) -> nn.Tensor:
-    """linear(norm(x)); a QuantLinear normalizes inside its kernel where it can."""
-    return linear(x, norm=norm) if isinstance(linear, QuantLinear) else linear(norm(x))
+    """linear(norm(x)); a QuantLinear normalizes inside its kernel where it can, a float
+    projection of a decode step in one fused op (_fusable)."""
+    if isinstance(linear, QuantLinear):
+        return linear(x, norm=norm)
+    if _fusable(linear, x, norm):
+        args = [x, norm.weight, linear.weight] + ([linear.bias] if linear.bias is not None else [])
+        return op.tensor_expr_op(functools.partial(rms_norm_matmul, eps=float(norm.epsilon)),
+                                 "fused_rms_norm_matmul", args=args)
+    return linear(norm(x))
 
 
 class Attention(nn.Module):
@@ -83,6 +105,10 @@ class MLP(nn.Module):
 
     def forward(self, x: nn.Tensor, norm: nn.RMSNorm) -> nn.Tensor:
         """x + mlp(norm(x)) (the norm may run inside gate_up_proj, the SwiGLU gate inside down_proj)."""
+        if _fusable(self.gate_up_proj, x, norm):  # norm, gate_up and SiLU * mul in one op
+            h = op.tensor_expr_op(functools.partial(rms_norm_matmul_swiglu, eps=float(norm.epsilon)),
+                                  "fused_rms_norm_matmul_swiglu", args=[x, norm.weight, self.gate_up_proj.weight])
+            return _project(self.down_proj, h, x)
         gate_up = _normed(self.gate_up_proj, x, norm)
         if isinstance(self.down_proj, QuantLinear):
             return self.down_proj(gate_up, residual=x, swiglu=True)

@@ -1,0 +1,99 @@
+"""Fused decode ops of a decoder layer: what they compute (their schedules: fused_schedules.py).
+
+In a decode step (one new token per sequence, `[batch, 1, hidden]`) every kernel of a layer is a
+launch, and the step is launch-bound. Relax's FuseOps already puts a residual add into the
+projection before it (o_proj, down_proj), but never a reduction into another: an RMSNorm and the
+projection after it, and the MLP's SiLU * mul, stay kernels of their own. The ops here take them
+into the projection:
+
+- `rms_norm_matmul`: y = rms_norm(x, g) W^T (+ bias), the norm of each row computed in the
+  kernel (the qkv projection after the input norm);
+- `rms_norm_matmul_swiglu`: y = silu(h W_gate^T) * (h W_up^T), h = rms_norm(x, g), with
+  W = [W_gate; W_up] (the gate_up projection after the post-attention norm).
+
+The norm is TVM's (topi rms_norm): float32 sum of squares, the normalized row rounded to the
+activations' dtype; the product sums in float32 and rounds once. Blocks, by name (the schedules
+find them so): `rms_sumsq` (the rows' sums of squares), `rms_rstd` (1 / RMS per row), `rms_norm`
+(the normalized row), `NT_matmul` (`[rows, 1, cols]`; SwiGLU: the gate half, and `NT_matmul_up`
+the up half), `T_epilogue` (rounding, bias, SiLU * mul).
+
+`fused_decode(enabled)` is the switch the export runs under (BuildOptions.fused_layers): the
+model uses these ops for its decode shapes where it is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+from tvm import te, tirx
+
+_FUSED = contextvars.ContextVar("tvmattn_fused_decode", default=True)
+_ONE = tirx.const(1, "int64")
+BLOCKS = ("rms_sumsq", "rms_rstd", "rms_norm", "NT_matmul", "T_epilogue")
+UP_BLOCK = "NT_matmul_up"  # SwiGLU's up half (NT_matmul: its gate half)
+
+
+@contextlib.contextmanager
+def fused_decode(enabled: bool):
+    """Models exported inside this context use the fused decode ops (enabled) or the plain ops."""
+    token = _FUSED.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _FUSED.reset(token)
+
+
+def fused_decode_enabled() -> bool:
+    """Whether models exported now use the fused decode ops (see fused_decode)."""
+    return _FUSED.get()
+
+
+def _normed(x: te.Tensor, g: te.Tensor, eps: float) -> te.Tensor:
+    """x [B, 1, K], g [K] -> rms_norm(x, g) [B, K] in x's dtype (topi's rms_norm: float32 inside)."""
+    rows, _, k_dim = x.shape
+    k = te.reduce_axis((0, k_dim), "k")
+    sumsq = te.compute((rows,), lambda b: te.sum(x[b, 0, k].astype("float32") * x[b, 0, k].astype("float32"),
+                                                 axis=k), name="rms_sumsq")
+    inv_k = tirx.const(1.0 / int(k_dim), "float32")
+    rstd = te.compute((rows,), lambda b: tirx.rsqrt(sumsq[b] * inv_k + tirx.const(eps, "float32")), name="rms_rstd")
+    return te.compute((rows, k_dim), lambda b, i: (rstd[b] * x[b, 0, i].astype("float32")
+                                                   * g[i].astype("float32")).astype(x.dtype), name="rms_norm")
+
+
+def _matmul(normed: te.Tensor, w: te.Tensor, first_row: int, cols: int, name: str) -> te.Tensor:
+    """normed [B, K] times rows first_row .. first_row + cols of w [N, K] (transposed) -> [B, 1, cols] float32."""
+    rows, k_dim = normed.shape
+    r = te.reduce_axis((0, k_dim), "k")
+    offset = tirx.const(first_row, "int64")
+    return te.compute((rows, _ONE, tirx.const(cols, "int64")),
+                      lambda b, s, j: te.sum(normed[b, r].astype("float32") * w[offset + j, r].astype("float32"),
+                                             axis=r), name=name)
+
+
+def rms_norm_matmul(x: te.Tensor, g: te.Tensor, w: te.Tensor, bias: te.Tensor | None = None, *,
+                    eps: float) -> te.Tensor:
+    """x [B, 1, K], g [K], w [N, K], bias [N] or None (all the activations' dtype) ->
+    rms_norm(x, g) w^T (+ bias) [B, 1, N] in x's dtype."""
+    n = int(w.shape[0])
+    mm = _matmul(_normed(x, g, eps), w, 0, n, "NT_matmul")
+    if bias is None:
+        return te.compute(mm.shape, lambda b, s, j: mm[b, s, j].astype(x.dtype), name="T_epilogue")
+    return te.compute(mm.shape, lambda b, s, j: (mm[b, s, j] + bias[j].astype("float32")).astype(x.dtype),
+                      name="T_epilogue")
+
+
+def rms_norm_matmul_swiglu(x: te.Tensor, g: te.Tensor, w: te.Tensor, *, eps: float) -> te.Tensor:
+    """x [B, 1, K], g [K], w [2 I, K] (gate rows, then up rows) -> silu(h w_gate^T) * (h w_up^T)
+    [B, 1, I] in x's dtype, h = rms_norm(x, g)."""
+    n = int(w.shape[0])
+    if n % 2:
+        raise ValueError(f"rms_norm_matmul_swiglu: w has {n} rows, expected gate and up halves")
+    normed = _normed(x, g, eps)
+    gate = _matmul(normed, w, 0, n // 2, "NT_matmul")
+    up = _matmul(normed, w, n // 2, n // 2, "NT_matmul_up")
+
+    def swiglu(b, s, j):
+        return (gate[b, s, j] * tirx.sigmoid(gate[b, s, j]) * up[b, s, j]).astype(x.dtype)
+
+    return te.compute(gate.shape, swiglu, name="T_epilogue")

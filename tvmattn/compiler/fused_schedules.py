@@ -1,0 +1,180 @@
+"""Schedules of the fused decode ops (fused_decode.py: what they compute) on CUDA and the CPU.
+
+Both rules recognize a fused op by its blocks (fused_decode.BLOCKS) and return None for anything
+else, so the pipeline's other rules see every other function.
+
+`CUDAFusedDecodeGEMV`: a GEMV like SmallBatchMatmul's (pipeline.py) with the norm in front. One
+thread block per chunk of `rows` rows (tokens) and `cols` output columns, the chunk the fastest
+block index (the blocks that read one weight slice run together: it comes from memory once, from
+L2 for the other chunks); `lanes` threads share a column and split K into 16-byte vectors. The
+block takes its rows one after the other (past the batch: skipped), so every local buffer has
+a static size with a symbolic batch; the rows after the first read the weight slice from L1.
+Per row, each column's lanes first sum the row's squares (a shuffle reduction) and keep 1 / RMS
+in a register; the normalized row is formed as the product reads x (never stored); the lanes'
+partial sums meet in a shuffle reduction, then the epilogue. SwiGLU: the gate column, then the
+up column, in the same threads, so the epilogue has both.
+
+`CPUFusedDecodeGEMV`: the norm as plain loops (one row of sums and one normalized row per
+token: little work), then the product parallel over column chunks, each column's dot product
+vectorized over K (a vector of partial sums, summed at the end), every row of the batch against
+the weight row while it is in cache; the epilogue per column.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+
+from .fused_decode import BLOCKS, UP_BLOCK
+
+# threads per block and the most lanes per column: SmallBatchMatmul's (pipeline.py), whose sweep
+# found 32-thread blocks fastest for these shapes; a K of fewer 16-byte vectors than a multiple of
+# 32 gets fewer lanes per column and more columns per block
+CUDA_THREADS = 32
+CUDA_LANES = 32
+CUDA_ROWS = 4  # rows (tokens) per thread block, one after the other: SmallBatchMatmul's count
+CPU_COLUMN_CHUNK = 16  # columns per parallel task on the CPU
+
+
+def _fused_blocks(func) -> s_tir.Schedule | None:
+    """A schedule of func when it is a fused decode op (has every block of fused_decode.BLOCKS)."""
+    if not isinstance(func, tirx.PrimFunc):
+        return None
+    sch = s_tir.Schedule(func)
+    try:
+        for name in BLOCKS:
+            sch.get_sblock(name)
+    except (RuntimeError, ValueError):  # ScheduleError and TVM internal errors are RuntimeErrors
+        return None
+    return sch
+
+
+def _matmuls(sch: s_tir.Schedule) -> list:
+    """The op's product blocks: NT_matmul, and NT_matmul_up where it has one (SwiGLU)."""
+    blocks = [sch.get_sblock("NT_matmul")]
+    try:
+        blocks.append(sch.get_sblock(UP_BLOCK))
+    except (RuntimeError, ValueError):  # ScheduleError and TVM internal errors are RuntimeErrors
+        pass
+    return blocks
+
+
+def _read_index(sch: s_tir.Schedule, block, ndim: int) -> int:
+    """The index among block's reads of the (single) buffer of `ndim` dimensions."""
+    reads = sch.get(block).reads
+    return next(i for i, region in enumerate(reads) if len(region.source.shape) == ndim)
+
+
+def _vector(extent: int, candidates) -> int:
+    """The first of `candidates` that divides `extent` (1 if none does)."""
+    return next((v for v in candidates if extent % v == 0), 1)
+
+
+def _split_k(sch: s_tir.Schedule, matmul, factors: list) -> tuple:
+    """rfactor of `matmul` over its K axis split by `factors` (None first); the factored axis is
+    the second split loop. -> (partial block, write-back block)."""
+    *_, k = sch.get_loops(matmul)
+    splits = sch.split(k, factors)
+    return sch.rfactor(splits[1], factor_axis=0), matmul
+
+
+class CUDAFusedDecodeGEMV(ScheduleRule):
+    """Schedules fused_decode's ops for CUDA (module docstring)."""
+
+    def __init__(self, rows: int = CUDA_ROWS, threads: int = CUDA_THREADS, lanes: int = CUDA_LANES):
+        self.rows, self.threads, self.lanes = rows, threads, lanes
+
+    def apply(self, func, target, _tunable):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        sch = _fused_blocks(func)
+        if sch is None:
+            return None
+        return self._schedule(sch)
+
+    def _schedule(self, sch: s_tir.Schedule) -> s_tir.Schedule:
+        sumsq, rstd, norm, _, epilogue = (sch.get_sblock(name) for name in BLOCKS)
+        sch.compute_inline(norm)
+        matmuls = _matmuls(sch)
+        k_extent = int(sch.get(sch.get_loops(matmuls[0])[-1]).extent)
+        dtype_bits = tvm.DataType(sch.get(matmuls[0]).reads[-1].source.dtype).bits
+        vec = _vector(k_extent, [128 // dtype_bits, 4, 2, 1])
+        lanes = self.lanes
+        while lanes > 1 and (k_extent // vec) % lanes:
+            lanes //= 2
+        factored = [_split_k(sch, m, [None, lanes, vec]) for m in matmuls]
+        # one thread block per chunk of rows and `cols` columns (the chunk the fastest block index:
+        # the blocks that read one weight slice run together, the slice comes from memory once);
+        # the block's rows one after the other
+        row, one, j = sch.get_loops(epilogue)
+        extent = sch.get(row).extent
+        rows = min(self.rows, int(extent)) if isinstance(extent, tirx.IntImm) else self.rows
+        chunk, row = sch.split(row, [None, rows])
+        cols = max(1, self.threads // lanes)
+        n_cols = int(sch.get(j).extent)
+        while n_cols % cols:
+            cols //= 2
+        col_tile, col = sch.split(j, [None, cols])
+        sch.reorder(chunk, col_tile, col, row, one)
+        sch.bind(chunk, "blockIdx.x")
+        sch.bind(col_tile, "blockIdx.y")
+        sch.bind(col, "threadIdx.y")
+        for partial, writeback in factored:
+            sch.compute_at(writeback, row, preserve_unit_loops=True)
+            sch.compute_at(partial, row, preserve_unit_loops=True)
+            # under `row`: the rfactor axis (lanes) first, then the block's own (row, 1, column, K)
+            lane, *_, k_step, k_vec = sch.get_loops(partial)[-6:]
+            sch.bind(lane, "threadIdx.x")
+            weight = sch.cache_read(partial, _read_index(sch, partial, 2), "local", consumer_blocks=[partial])
+            sch.compute_at(weight, k_step)
+            sch.vectorize(sch.get_loops(weight)[-1])
+            sch.unroll(k_vec)
+            sch.set_scope(partial, 0, "local")
+            sch.decompose_reduction(partial, k_step)
+            # the lanes' sums, a warp reduction: the write-back's loops are (lane, row, 1, column)
+            sum_lane, *rest = sch.get_loops(writeback)[-4:]
+            sch.reorder(*rest, sum_lane)
+            sch.bind(sum_lane, "threadIdx.x")
+            sch.set_scope(writeback, 0, "local")
+        # the row's 1 / RMS: each warp sums the squares by a warp reduction
+        sch.compute_at(rstd, row)
+        sch.compute_at(sumsq, row)
+        _, sq_lane = sch.split(sch.get_loops(sumsq)[-1], [None, lanes])
+        sch.bind(sq_lane, "threadIdx.x")
+        sch.set_scope(sumsq, 0, "local")
+        sch.set_scope(rstd, 0, "local")
+        return sch
+
+
+class CPUFusedDecodeGEMV(ScheduleRule):
+    """Schedules fused_decode's ops for the CPU (module docstring)."""
+
+    def __init__(self, column_chunk: int = CPU_COLUMN_CHUNK):
+        self.column_chunk = column_chunk
+
+    def apply(self, func, target, _tunable):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+            return None
+        sch = _fused_blocks(func)
+        if sch is None:
+            return None
+        norm, epilogue = sch.get_sblock("rms_norm"), sch.get_sblock("T_epilogue")
+        matmuls = _matmuls(sch)
+        k_extent = int(sch.get(sch.get_loops(matmuls[0])[-1]).extent)
+        vec = _vector(k_extent, [16, 8, 4, 2])
+        factored = [_split_k(sch, m, [None, vec]) for m in matmuls]
+        row, one, j = sch.get_loops(epilogue)
+        col_tile, col = sch.split(j, [None, self.column_chunk])
+        sch.reorder(col_tile, row, one, col)
+        sch.parallel(col_tile)
+        for partial, writeback in factored:
+            sch.compute_at(writeback, col_tile, preserve_unit_loops=True)
+            sch.compute_at(partial, col_tile, preserve_unit_loops=True)
+            k_vec, row, one, col, k_step = sch.get_loops(partial)[-5:]  # the rfactor axis first
+            sch.reorder(row, one, col, k_step, k_vec)
+            sch.vectorize(k_vec)
+            init = sch.decompose_reduction(partial, k_step)
+            sch.vectorize(sch.get_loops(init)[-1])
+        sch.vectorize(sch.get_loops(norm)[-1])
+        return sch
