@@ -114,6 +114,8 @@ def parse_args(argv=None):
     p.add_argument("--no-small-batch-matmul", dest="small_batch_matmul", action="store_false",
                    help="build every library with dlight's Matmul rule for decode_step's projections instead of "
                         "compiler.pipeline.SmallBatchMatmul")
+    p.add_argument("--unfused-layers", dest="fused_layers", action="store_false",
+                   help="build every library without the fused decode ops (compiler.fused_decode), to compare")
     args = p.parse_args(argv)
     graphs = args.target == "cuda" and not args.no_cuda_graph
     args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer
@@ -152,7 +154,8 @@ def ensure_libraries(args, max_batch: int) -> None:
         random = dict(random_weights=args.seed, random_format=args.keep_format) if args.keep_format else {}
         compile_model(args.model, path, target=args.target, max_batch_size=max_batch, context_window=context,
                       prefill_chunk=args.prompt_len, log=lambda m: print("  " + m),
-                      small_batch_matmul=args.small_batch_matmul, **random, **BUILD[library])
+                      small_batch_matmul=args.small_batch_matmul, fused_layers=args.fused_layers, **random,
+                      **BUILD[library])
 
 
 def own_weights(args, device) -> list:

@@ -97,6 +97,16 @@ def test_compile_quantization_defaults_to_auto_and_says_so():
     assert "(default: auto)" in help_line and "auto: keep for a GGUF" in help_line
 
 
+def test_compile_passes_unfused_layers_on(tmp_path, monkeypatch):
+    import tvmattn.build
+
+    seen = {}
+    monkeypatch.setattr(tvmattn.build, "compile_model", lambda *a, **kw: seen.update(kw))
+    for flag, fused in (([], True), (["--unfused-layers"], False)):
+        assert main(["compile", "--model", str(tmp_path), "--output", str(tmp_path / "m.so"), *flag]) == 0
+        assert seen["fused_layers"] is fused
+
+
 # ---------------------------------------------------------------- the first hour: errors before compiling
 
 def one_error(err: str, *fragments: str) -> None:

@@ -308,6 +308,9 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--no-small-batch-matmul", dest="small_batch_matmul", action="store_false",
                          help="CUDA: schedule decode_step's projections with dlight's Matmul rule instead of "
                               "tvmattn's small-batch matmul schedule")
+    command.add_argument("--unfused-layers", dest="fused_layers", action="store_false",
+                         help="decode steps' float projections without their RMSNorm and SiLU * mul fused in "
+                              "(compiler.fused_decode; for comparison)")
 
 
 def _main_job_options(job: argparse.ArgumentParser, blocks: str) -> None:
@@ -493,7 +496,8 @@ def _compile(args) -> int:
                       prefill_chunk=args.prefill_chunk, kv_cache=args.kv_cache, dump_ir=args.dump_ir,
                       attn_backend=args.attn_backend, quantization=args.quantization,
                       random_weights=args.random_weights, random_format=args.random_format,
-                      small_batch_matmul=args.small_batch_matmul, kv_cache_dtype=args.kv_cache_dtype)
+                      small_batch_matmul=args.small_batch_matmul, kv_cache_dtype=args.kv_cache_dtype,
+                      fused_layers=args.fused_layers)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0
