@@ -130,6 +130,25 @@ def test_config_rejects_bad_fields(change, message):
         model_config_from_hf(hf)
 
 
+@pytest.mark.parametrize("cap", [30.0, 0.5])
+def test_soft_cap_matches_tanh(cap):
+    """The logits' soft cap (vectorizable arithmetic instead of tanhf) within 2e-7 * cap of
+    cap * tanh(x / cap) in float64: tiny, moderate and huge logits of both signs, and zero."""
+    from tvm import te
+
+    from tvmattn.compiler.targets import host_target
+    from tvmattn.models.gemma3.model import soft_cap
+
+    x = te.placeholder((4097,), "float32")
+    fn = tvm.compile(te.create_prim_func([x, soft_cap(x, cap)]), target=host_target())
+    values = np.concatenate([np.linspace(-1, 1, 2048) * cap, np.geomspace(1e-30, 1e30, 1024),
+                             -np.geomspace(1e-30, 1e30, 1024), [0.0]]).astype(np.float32)
+    out = tvm.runtime.tensor(np.full(values.shape, np.nan, np.float32))
+    fn(tvm.runtime.tensor(values), out)
+    want = cap * np.tanh(values.astype(np.float64) / cap)
+    assert np.abs(out.numpy() - want).max() <= 2e-7 * cap
+
+
 def test_metadata_declares_the_layer_kinds_and_rope_by_the_model(gemma_model):
     cache = gemma_model.library.metadata["kv_cache"]
     assert cache["rope_mode"] == "none" and cache["head_dim"] == 256 and cache["num_kv_heads"] == 1
