@@ -57,6 +57,9 @@ VARIANTS = {
     "dot-r2": CPUSchedule(lanes=16, rows=2, chunk=32, dot=2),
     "dot-r4": CPUSchedule(lanes=16, rows=4, chunk=32, dot=2),
     "dot-r8": CPUSchedule(lanes=16, rows=8, chunk=32, dot=2),
+    "unpack-r1": CPUSchedule(lanes=16, rows=1, chunk=32, unpack=True),  # unpack_gemv (float32)
+    "unpack-r2": CPUSchedule(lanes=16, rows=2, chunk=32, unpack=True),
+    "unpack-r4": CPUSchedule(lanes=16, rows=4, chunk=32, unpack=True),
     "dot1-r1": CPUSchedule(lanes=16, rows=1, chunk=32, dot=1),  # x in one int8 digit (llama.cpp's rounding)
     "dot1-r4": CPUSchedule(lanes=16, rows=4, chunk=32, dot=1),
 }
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
         for label in variants:
             plan = VARIANTS[label]
             if plan is not None and (plan.lookup and fmt not in TABLE_GEMV_FORMATS
-                                     or plan.dot and fmt not in DOT_GEMV_FORMATS):
+                                     or (plan.dot or plan.unpack) and fmt not in DOT_GEMV_FORMATS):
                 continue
             with target:  # the host's choice follows the target in scope
                 fn = tvm.compile(kernel(config, plan), target=target)

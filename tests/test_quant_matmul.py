@@ -25,7 +25,6 @@ from tvmattn.quant.algorithms import gemv_algorithm, matmul_algorithm  # noqa: E
 from tvmattn.quant.config import QuantMatmulConfig  # noqa: E402
 from tvmattn.quant.cpu import (  # noqa: E402
     DOT_GEMV_FORMATS,
-    DOT_X_DIGITS,
     TABLE_GEMV_FORMATS,
     CPUSchedule,
     choose_schedule,
@@ -33,6 +32,7 @@ from tvmattn.quant.cpu import (  # noqa: E402
     table_gemv,
     target_has_vnni,
     unpack_gemm,
+    unpack_gemv,
 )
 from tvmattn.quant.matmul import (  # noqa: E402 - after the gguf check: tvmattn.weights imports gguf
     kernel,
@@ -248,32 +248,37 @@ def test_dot_gemv_matches_the_product_with_int8_x(built, fmt, rows, cols, nr, di
 
 
 @needs_vnni
-def test_dot_gemv_is_chosen_and_uses_vpdpbusd():
-    """Under an AVX-512 VNNI target the one-token products of DOT_GEMV_FORMATS take the int8
-    dot-product GEMV (1-row tiles for long rows and the long LM head), whose code multiplies by
-    vpdpbusd; decode batches, prompts and lookups keep their kernels, and without AVX-512 in
-    scope a dot plan is refused."""
+def test_dot_gemv_is_only_on_request_and_uses_vpdpbusd():
+    """The int8 GEMV is never the host's choice (its rounding of x is not exact); a plan that asks
+    for it gets code that multiplies by vpdpbusd, and is refused without AVX-512 in scope."""
     avx512 = host_target(avx512=True)
+    config = QuantMatmulConfig("Q5_0", 64, 640, tokens=1)
     with avx512:
         for fmt in DOT_GEMV_FORMATS:
-            plan = choose_schedule(QuantMatmulConfig(fmt, 1024, 768, tokens=1))
-            assert plan.dot == DOT_X_DIGITS == 2 and plan.rows == 4
-        assert choose_schedule(QuantMatmulConfig("Q6_K", 640, 2048, tokens=1)).rows == 1
-        assert choose_schedule(QuantMatmulConfig("Q8_0", 262144, 640, tokens=1)).rows == 1
-        for config in (QuantMatmulConfig("Q8_0", 960, 576, tokens=None), QuantMatmulConfig("Q4_K", 960, 512, tokens=4),
-                       QuantMatmulConfig("Q8_0", 960, 576, op="take"), QuantMatmulConfig("Q4_1", 960, 576, tokens=1)):
-            assert not choose_schedule(config).dot
-        config = QuantMatmulConfig("Q5_0", 64, 640, tokens=1)
-        func = kernel(config)
+            assert not choose_schedule(QuantMatmulConfig(fmt, 1024, 768, tokens=1)).dot
+        func = kernel(config, CPUSchedule(rows=4, dot=2))
     asm = tvm.tirx.build(func, target=avx512).inspect_source("s")
     assert "vpdpbusd" in asm
     with host_target():
-        assert not choose_schedule(config).dot
         with pytest.raises(ValueError, match="plan.dot needs an AVX-512 VNNI target"):
             kernel(config, CPUSchedule(dot=2))
 
 
 UNPACK_CASES = [(fmt, rows, cols) for fmt, rows, cols in CASES if fmt in DOT_GEMV_FORMATS]
+
+
+@needs_avx512
+@pytest.mark.parametrize("nr", [1, 4])
+@pytest.mark.parametrize("fmt,rows,cols", slow_except(UNPACK_CASES, *(c for c in UNPACK_CASES if c[1] == 37),
+                                                     unpack=True), ids=[case_id(c) for c in UNPACK_CASES])
+def test_unpack_gemv_matches_dequantize_then_matmul(built, fmt, rows, cols, nr):
+    """The GEMV that unpacks 32 weights a vector (AVX-512), float32: row tiles of 1 and 4, odd row
+    counts (tiles and chunks shrink to divisors of N)."""
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=1)
+    plan = CPUSchedule(lanes=16, rows=nr, chunk=2 * nr, unpack=True)
+    blocks, w = quantized(fmt, rows, cols, seed=11 * rows + cols + nr)
+    x = np.random.default_rng(nr).standard_normal((1, cols)).astype(np.float32)
+    check(run_matmul(built(config, plan), config, blocks, x), x, w)
 
 
 @needs_avx512
@@ -292,11 +297,20 @@ def test_unpack_gemm_matches_dequantize_then_matmul(built, fmt, rows, cols):
 
 
 @needs_avx512
-def test_unpack_gemm_is_chosen_under_avx512():
+def test_unpack_is_chosen_under_avx512():
+    """Under an AVX-512 target the GEMV (4-row tiles; 1 row for long rows and the long LM head) and
+    the GEMM of DOT_GEMV_FORMATS unpack; other formats, lookups and targets without AVX-512 do not,
+    and an unpack plan is refused there."""
     with host_target(avx512=True):
         for fmt in DOT_GEMV_FORMATS:
-            assert choose_schedule(QuantMatmulConfig(fmt, 960, 512, tokens=None)).unpack
-        assert not choose_schedule(QuantMatmulConfig("Q4_1", 960, 512, tokens=None)).unpack
+            for tokens in (1, None):
+                assert choose_schedule(QuantMatmulConfig(fmt, 960, 512, tokens=tokens)).unpack
+            assert choose_schedule(QuantMatmulConfig(fmt, 960, 512, tokens=1)).rows == 4
+        assert choose_schedule(QuantMatmulConfig("Q6_K", 640, 2048, tokens=1)).rows == 1
+        assert choose_schedule(QuantMatmulConfig("Q8_0", 262144, 640, tokens=1)).rows == 1
+        for config in (QuantMatmulConfig("Q4_1", 960, 512, tokens=None), QuantMatmulConfig("Q4_1", 960, 512, tokens=1),
+                       QuantMatmulConfig("Q8_0", 960, 512, op="take")):
+            assert not choose_schedule(config).unpack
     config = QuantMatmulConfig("Q8_0", 960, 512, tokens=None)
     assert not choose_schedule(config).unpack
     with host_target():
@@ -307,6 +321,8 @@ def test_unpack_gemm_is_chosen_under_avx512():
         unpack_gemm(QuantMatmulConfig("Q8_0", 8, 64, tokens=1), CPUSchedule(lanes=16, unpack=True))
     with pytest.raises(ValueError, match="unpack_gemm computes several tokens"):
         unpack_gemm(QuantMatmulConfig("Q4_0", 8, 64, tokens=None), CPUSchedule(lanes=16, unpack=True))
+    with pytest.raises(ValueError, match="unpack_gemv computes one token"):
+        unpack_gemv(QuantMatmulConfig("Q8_0", 8, 64, tokens=2), CPUSchedule(lanes=16, unpack=True))
 
 
 def test_dot_gemv_validation():

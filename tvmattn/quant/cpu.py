@@ -2,15 +2,18 @@
 for `compiler.targets.host_target()`, `host_target(avx512=True)` for the lookup GEMV):
 - GEMV of Q4_0 / Q4_1 under an AVX-512 target (`table_gemv`): each block's 16 possible weights
   as one float32x16 table, indexed by the block's nibbles with vpermps; x in float32.
-- GEMV of Q8_0 / Q5_0 / Q4_K / Q6_K under an AVX-512 VNNI target (`dot_gemv`): x rounded to int8
-  per 32 columns once per call (as llama.cpp's Q8_0 activations), each 32 weights' quants as
-  unsigned bytes against it in one vpdpbusd, the integer dots scaled into float32 accumulators.
+- GEMV of Q8_0 / Q5_0 / Q4_K / Q6_K under an AVX-512 target (`unpack_gemv`): each 32 weights of a
+  row unpacked from their quants as one vector (shifts, masks, a byte concatenation; Q5_0's fifth
+  bits spread by one multiply), dequantized and multiplied with x in float32.
+- (on request, CPUSchedule.dot: `dot_gemv`, the same products by int8 dot products under AVX-512
+  VNNI, x rounded to one or two int8 digits per 32 columns; faster where the weights are in
+  cache, not exact: see its docstring and docs/performance.md.)
 - GEMV (T statically 1, decode; the other formats, or no AVX-512): parallel over chunks of
   rows; per row tile of NR rows and sub-block, V-lane dot products of the integer quants with X
   in a register, scaled into NR x V accumulators, summed at the end (scaling per weight instead
   made Q8_0's LM head latency-bound on one accumulator; figures: docs/performance.md).
 - GEMM of Q8_0 / Q5_0 / Q4_K / Q6_K under an AVX-512 target (`unpack_gemm`): as the next, the
-  chunk of W dequantized 32 weights a vector (the quants unpacked as `dot_gemv` does).
+  chunk of W dequantized 32 weights a vector (the quants unpacked as `unpack_gemv` does).
 - GEMM (T symbolic, prefill): per parallel chunk of NB rows, the chunk of W is dequantized once
   into an f32 scratch tile [NB, K], which every token tile then multiplies as CPUMatmul does
   (tokens padded to MR, MR x NR x V register tile of lanes along K).
@@ -34,13 +37,9 @@ from .config import QuantMatmulConfig
 
 # 4-bit formats whose one-token product `table_gemv` computes (w = table[q], one table a block)
 TABLE_GEMV_FORMATS = ("Q4_0", "Q4_1")
-# formats whose one-token product `dot_gemv` computes by int8 dot products (AVX-512 VNNI); the
-# weights' quants as unsigned bytes u with w = scale * (u - ZERO) (Q4_K: scale * u - dmin * mn)
+# formats whose products `unpack_gemv` / `unpack_gemm` (and `dot_gemv`) compute from the weights'
+# quants as unsigned bytes u, 32 a vector, w = scale * (u - ZERO) (Q4_K: scale * u - dmin * mn)
 DOT_GEMV_FORMATS = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
-# x in two int8 digits (x ~ dx * (q1 + q2 / 256)): a relative rounding of 2^-17 per 32 columns
-# instead of one digit's 2^-8, which moved the model's greedy tokens at near ties away from the
-# exact model's (tests/test_gemma3_gguf.py); the second digit costs one shift, add and vpdpbusd
-DOT_X_DIGITS = 2
 _DOT_ZERO = {"Q8_0": 128, "Q5_0": 16, "Q4_K": 0, "Q6_K": 32}
 _DOT_SUB_BLOCK = {"Q8_0": 32, "Q5_0": 32, "Q4_K": 32, "Q6_K": 16}  # weights sharing one scale
 _DOT_UNROLL = {"Q8_0": 1, "Q5_0": 1, "Q4_K": 2, "Q6_K": 4}  # 32-weight groups whose bit shifts differ
@@ -56,8 +55,9 @@ class CPUSchedule:
     (`table_gemv`: AVX-512, 16 lanes) instead of gemv_algorithm's int-to-float conversions;
     dot: 0, or the GEMV of DOT_GEMV_FORMATS by int8 dot products (`dot_gemv`: AVX-512 VNNI; its
     vector width is fixed, lanes is not read) with x rounded to `dot` int8 digits (1 or 2);
-    unpack: the GEMM of DOT_GEMV_FORMATS whose dequantization unpacks 32 weights a vector
-    (`unpack_gemm`: AVX-512, 16 lanes) instead of matmul_algorithm's per-weight gathers.
+    unpack: the GEMV and GEMM of DOT_GEMV_FORMATS in float32 from their quants unpacked 32 weights
+    a vector (`unpack_gemv`, `unpack_gemm`: AVX-512, 16 lanes) instead of gemv_algorithm's and
+    matmul_algorithm's per-weight gathers.
     """
 
     lanes: int = 16
@@ -92,18 +92,17 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
     one stream is fastest on a long Q8_0 head); GEMM register tiles of 3 rows x 4 tokens (12
     accumulators: faster than 2 x 4, while 4 x 3 and 3 x 5 spill). Figures: docs/performance.md.
     Under an AVX-512 target scope (`compiler.targets.host_target(avx512=True)`), the one-token
-    product of Q4_0 and Q4_1 is `table_gemv` (lookup=True); with VNNI too, that of
-    DOT_GEMV_FORMATS is `dot_gemv` (dot=DOT_X_DIGITS); their GEMM under AVX-512 is `unpack_gemm`
-    (unpack=True)."""
+    product of Q4_0 and Q4_1 is `table_gemv` (lookup=True), and the products of DOT_GEMV_FORMATS
+    are `unpack_gemv` and `unpack_gemm` (unpack=True; `dot_gemv`, not exact, only on request)."""
     lanes = host_cpu()[1]
     if config.op == "matmul" and config.tokens != 1:
         if config.fmt in DOT_GEMV_FORMATS and target_has_avx512(None):
             return CPUSchedule(lanes=16, rows=3, token_tile=4, chunk=48, unpack=True)
         return CPUSchedule(lanes=lanes, rows=3, token_tile=4, chunk=48)
-    if config.op == "matmul" and config.fmt in DOT_GEMV_FORMATS and target_has_vnni(None):
-        # tiles of 4 rows for short rows; 1 row (one stream, and the tile's scales stay small on
-        # the stack) for rows longer than 1024 weights and for the long LM head
-        return CPUSchedule(lanes=16, rows=1 if config.k > 1024 or config.n >= 65536 else 4, chunk=32, dot=DOT_X_DIGITS)
+    if config.op == "matmul" and config.fmt in DOT_GEMV_FORMATS and target_has_avx512(None):
+        # tiles of 4 rows for short rows; 1 row (one stream) for rows longer than 1024 weights
+        # and for the long LM head
+        return CPUSchedule(lanes=16, rows=1 if config.k > 1024 or config.n >= 65536 else 4, chunk=32, unpack=True)
     if config.op == "matmul" and config.fmt in TABLE_GEMV_FORMATS and target_has_avx512(None):
         # the lookup GEMV: tiles of 4 rows for short rows, 1 row (one sequential stream) for rows
         # of 1024 weights and more, where more rows per tile were slower (docs/performance.md)
@@ -515,33 +514,7 @@ def dot_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
                     acc[r, T.ramp(0, 1, 2)] = acc[r, T.ramp(0, 1, 2)] + acc[r, T.ramp(2, 1, 2)]
                     y[0, chunk * nb + tile * nr + r] = acc[r, 0] + acc[r, 1]
 
-    shapes = config.part_shapes()
-    x_t = T.Buffer((i64(1), i64(k)), "float32")
-    y_t = T.Buffer((i64(1), i64(n)), "float32")
-    b = [T.Buffer(tuple(i64(d) for d in shape), dtype) for _, dtype, shape in shapes]
-    names = [name for name, _, _ in shapes]
-    # one signature a part count (TVMScript needs the arguments spelled out)
-    if len(b) == 2:
-        @T.prim_func(check_well_formed=False)
-        def func(x: x_t, p0: b[0], p1: b[1], y: y_t):
-            T.func_attr({"tirx.noalias": True})
-            body(x, dict(zip(names, (p0, p1))), y)
-    elif len(b) == 3:
-        @T.prim_func(check_well_formed=False)
-        def func(x: x_t, p0: b[0], p1: b[1], p2: b[2], y: y_t):
-            T.func_attr({"tirx.noalias": True})
-            body(x, dict(zip(names, (p0, p1, p2))), y)
-    elif len(b) == 4:
-        @T.prim_func(check_well_formed=False)
-        def func(x: x_t, p0: b[0], p1: b[1], p2: b[2], p3: b[3], y: y_t):
-            T.func_attr({"tirx.noalias": True})
-            body(x, dict(zip(names, (p0, p1, p2, p3))), y)
-    else:
-        @T.prim_func(check_well_formed=False)
-        def func(x: x_t, p0: b[0], p1: b[1], p2: b[2], p3: b[3], p4: b[4], y: y_t):
-            T.func_attr({"tirx.noalias": True})
-            body(x, dict(zip(names, (p0, p1, p2, p3, p4))), y)
-    return func
+    return _with_parts_signature(config, body, tokens=i64(1))
 
 
 def _dequant_group(fmt: str, parts: dict, row, g, p):
@@ -574,7 +547,7 @@ def unpack_gemm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
         Y[t, n] = sum_k X[t, k] * dequant(W)[n, k]
 
     Per parallel chunk of NB rows (plan.chunk), the chunk of W is dequantized once into a
-    float32 scratch tile [NB, K], 32 weights a vector (the quants unpacked as in `dot_gemv`,
+    float32 scratch tile [NB, K], 32 weights a vector (the quants unpacked as in `unpack_gemv`,
     instead of a gather per weight); every tile of MR tokens (plan.token_tile) x NR rows
     (plan.rows) then multiplies it in MR x NR float32x16 accumulators along K, each summed at
     the end. Tokens past the last whole tile of MR run in tiles of one token."""
@@ -622,30 +595,79 @@ def unpack_gemm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
                     acc1 = T.alloc_buffer((1, nr, v), "float32")
                     tile(x, w, acc1, y, tokens // mr * mr + tl, 1, chunk, rt)
 
-    shapes = config.part_shapes()
     tokens = tirx.Var("n_tokens", "int64")
-    x_t = T.Buffer((tokens, i64(k)), "float32")
-    y_t = T.Buffer((tokens, i64(n)), "float32")
+
+    @T.macro
+    def with_tokens(x, parts, y):
+        body(x, parts, y, tokens)
+
+    return _with_parts_signature(config, with_tokens, tokens=tokens)
+
+
+def unpack_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
+    """The one-token product of DOT_GEMV_FORMATS in float32, for AVX-512 (same arguments as
+    matmul_algorithm): each 32 weights of a row dequantized as a float32x32 vector from their
+    unpacked quants (`_dequant_group`: as GGML's dequantizers round them) and multiplied into
+    32 float32 accumulators a row (two zmm registers), summed at the end; x in float32, so the
+    result is dequantize-then-matmul's up to the order of the float32 sums. Tiling from the
+    plan: parallel chunks of NB rows (plan.chunk), row tiles of NR rows (plan.rows) sharing x's
+    loads."""
+    fmt, n, k = config.fmt, config.n, config.k
+    if fmt not in DOT_GEMV_FORMATS or config.op != "matmul" or config.tokens != 1 or config.target != "llvm":
+        raise ValueError(f"{config.name}: unpack_gemv computes one token of {DOT_GEMV_FORMATS} on llvm")
+    nr = _divisor_at_most(n, plan.rows)
+    nb = _divisor_at_most(n, plan.chunk, nr)
+    ng, unroll, v = k // BLOCK, _DOT_UNROLL[fmt], 32
+
+    @T.macro
+    def body(x, parts, y):
+        for chunk in T.parallel(i64(n // nb)):
+            for tile in range(i64(nb // nr)):
+                acc = T.alloc_buffer((nr, v), "float32")  # (on the stack: CPU_SCRATCH_SCOPE)
+                for r in T.unroll(nr):
+                    acc[r, T.ramp(0, 1, v)] = T.broadcast(T.float32(0.0), v)
+                for go in range(i64(ng // unroll)):
+                    for p in T.unroll(unroll):
+                        for r in T.unroll(nr):
+                            acc[r, T.ramp(0, 1, v)] = acc[r, T.ramp(0, 1, v)] + _dequant_group(
+                                fmt, parts, chunk * nb + tile * nr + r, go * unroll + p, p) * x[
+                                0, T.ramp((go * unroll + p) * 32, 1, 32)]
+                for r in T.unroll(nr):  # each row's 32 lanes summed as a tree of halves
+                    acc[r, T.ramp(0, 1, 16)] = acc[r, T.ramp(0, 1, 16)] + acc[r, T.ramp(16, 1, 16)]
+                    acc[r, T.ramp(0, 1, 8)] = acc[r, T.ramp(0, 1, 8)] + acc[r, T.ramp(8, 1, 8)]
+                    acc[r, T.ramp(0, 1, 4)] = acc[r, T.ramp(0, 1, 4)] + acc[r, T.ramp(4, 1, 4)]
+                    acc[r, T.ramp(0, 1, 2)] = acc[r, T.ramp(0, 1, 2)] + acc[r, T.ramp(2, 1, 2)]
+                    y[0, chunk * nb + tile * nr + r] = acc[r, 0] + acc[r, 1]
+
+    return _with_parts_signature(config, body, tokens=i64(1))
+
+
+def _with_parts_signature(config: QuantMatmulConfig, body, tokens) -> tirx.PrimFunc:
+    """The PrimFunc (x [tokens, K], *parts, y [tokens, N]) whose body is the macro body(x, parts, y)
+    (parts: name -> buffer). TVMScript needs the arguments spelled out: one signature a part count."""
+    shapes = config.part_shapes()
+    x_t = T.Buffer((tokens, i64(config.k)), "float32")
+    y_t = T.Buffer((tokens, i64(config.n)), "float32")
     b = [T.Buffer(tuple(i64(d) for d in shape), dtype) for _, dtype, shape in shapes]
     names = [name for name, _, _ in shapes]
     if len(b) == 2:
         @T.prim_func(check_well_formed=False)
         def func(x: x_t, p0: b[0], p1: b[1], y: y_t):
             T.func_attr({"tirx.noalias": True})
-            body(x, dict(zip(names, (p0, p1))), y, tokens)
+            body(x, dict(zip(names, (p0, p1))), y)
     elif len(b) == 3:
         @T.prim_func(check_well_formed=False)
         def func(x: x_t, p0: b[0], p1: b[1], p2: b[2], y: y_t):
             T.func_attr({"tirx.noalias": True})
-            body(x, dict(zip(names, (p0, p1, p2))), y, tokens)
+            body(x, dict(zip(names, (p0, p1, p2))), y)
     elif len(b) == 4:
         @T.prim_func(check_well_formed=False)
         def func(x: x_t, p0: b[0], p1: b[1], p2: b[2], p3: b[3], y: y_t):
             T.func_attr({"tirx.noalias": True})
-            body(x, dict(zip(names, (p0, p1, p2, p3))), y, tokens)
+            body(x, dict(zip(names, (p0, p1, p2, p3))), y)
     else:
         @T.prim_func(check_well_formed=False)
         def func(x: x_t, p0: b[0], p1: b[1], p2: b[2], p3: b[3], p4: b[4], y: y_t):
             T.func_attr({"tirx.noalias": True})
-            body(x, dict(zip(names, (p0, p1, p2, p3, p4))), y, tokens)
+            body(x, dict(zip(names, (p0, p1, p2, p3, p4))), y)
     return func
