@@ -46,6 +46,7 @@ GEMMA3_PROJECTIONS = [("q", "Q5_0", 1024, 640), ("k", "Q5_0", 256, 640), ("v", "
 VARIANTS = {
     "chosen": None,
     "convert-8": CPUSchedule(lanes=8, rows=4, chunk=32),  # gemv_algorithm, 8 lanes (AVX2)
+    "convert-8-r1": CPUSchedule(lanes=8, rows=1, chunk=32),  # the Q8_0 head's tile before unpack_gemv
     "convert-16": CPUSchedule(lanes=16, rows=4, chunk=32),  # gemv_algorithm, 16 lanes
     "convert-16-r1": CPUSchedule(lanes=16, rows=1, chunk=32),  # the Q8_0 head's tile, 16 lanes
     "convert-16-r2": CPUSchedule(lanes=16, rows=2, chunk=32),

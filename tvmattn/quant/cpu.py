@@ -100,9 +100,9 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
             return CPUSchedule(lanes=16, rows=3, token_tile=4, chunk=48, unpack=True)
         return CPUSchedule(lanes=lanes, rows=3, token_tile=4, chunk=48)
     if config.op == "matmul" and config.fmt in DOT_GEMV_FORMATS and target_has_avx512(None):
-        # tiles of 4 rows for short rows; 1 row (one stream) for rows longer than 1024 weights
-        # and for the long LM head
-        return CPUSchedule(lanes=16, rows=1 if config.k > 1024 or config.n >= 65536 else 4, chunk=32, unpack=True)
+        # tiles of 1 row (one sequential stream): as fast as 4 at Gemma 3's short projections,
+        # faster at its long rows and at the LM heads (figures: docs/performance.md)
+        return CPUSchedule(lanes=16, rows=1, chunk=32, unpack=True)
     if config.op == "matmul" and config.fmt in TABLE_GEMV_FORMATS and target_has_avx512(None):
         # the lookup GEMV: tiles of 4 rows for short rows, 1 row (one sequential stream) for rows
         # of 1024 weights and more, where more rows per tile were slower (docs/performance.md)
