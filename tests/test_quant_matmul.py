@@ -305,6 +305,7 @@ def test_unpack_is_chosen_under_avx512():
             for tokens in (1, None):
                 assert choose_schedule(QuantMatmulConfig(fmt, 960, 512, tokens=tokens)).unpack
             assert choose_schedule(QuantMatmulConfig(fmt, 960, 512, tokens=1)).rows == 1
+        assert choose_schedule(QuantMatmulConfig("Q6_K", 640, 2048, tokens=None)).rows == 4
         for config in (QuantMatmulConfig("Q4_1", 960, 512, tokens=None), QuantMatmulConfig("Q4_1", 960, 512, tokens=1),
                        QuantMatmulConfig("Q8_0", 960, 512, op="take")):
             assert not choose_schedule(config).unpack

@@ -60,6 +60,21 @@ def soft_cap(x: te.Tensor, cap: float) -> te.Tensor:
     return te.compute(x.shape, value, name="soft_cap")
 
 
+def gelu_tanh_gate(gate: te.Tensor, up: te.Tensor) -> te.Tensor:
+    """GELU-tanh(gate) * up, computed in float32 as gate * sigmoid(2 y) * up with y = sqrt(2 / pi)
+    (gate + 0.044715 gate^3) (0.5 (1 + tanh y) = sigmoid(2 y)), the sigmoid by exp2_vector: arithmetic
+    LLVM vectorizes, where TVM's gelu calls tanhf per element (a tenth of a prompt's time). Within
+    2e-7 * |gate * up| of the exact product."""
+    def value(*i):
+        x = gate(*i).astype("float32")
+        y = tirx.const(math.sqrt(2.0 / math.pi), "float32") * (x + tirx.const(0.044715, "float32") * x * x * x)
+        sigmoid = tirx.const(1.0, "float32") / (tirx.const(1.0, "float32") + exp2_vector(
+            y * tirx.const(-2.0 * math.log2(math.e), "float32")))
+        return (x * sigmoid * up(*i).astype("float32")).astype(gate.dtype)
+
+    return te.compute(gate.shape, value, name="gelu_tanh_gate")
+
+
 class Gemma3Attention(nn.Module):
     def __init__(self, config: Gemma3Config, layer_id: int, formats: Mapping[str, str], prefix: str):
         self.config = config
@@ -94,7 +109,7 @@ class Gemma3MLP(nn.Module):
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(op.tensor_expr_op(gelu_tanh_gate, "gelu_tanh_gate", [gate, up]))
 
 
 class Gemma3DecoderLayer(nn.Module):
