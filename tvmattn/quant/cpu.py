@@ -97,8 +97,9 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
     lanes = host_cpu()[1]
     if config.op == "matmul" and config.tokens != 1:
         if config.fmt in DOT_GEMV_FORMATS and target_has_avx512(None):
-            # 4 x 4 tiles of 32-row chunks for rows of more than 1024 weights (Gemma 3's 640x2048
-            # down: a fifth faster than 3 x 4 of 48), else 3 x 4 of 48 (AVX-512's 32 registers)
+            # 4 x 4 tiles of 32-row chunks for rows of more than 1024 weights (the smaller scratch
+            # tile of a long row, and AVX-512's 32 registers), else 3 x 4 of 48 (figures:
+            # docs/performance.md)
             if config.k > 1024:
                 return CPUSchedule(lanes=16, rows=4, token_tile=4, chunk=32, unpack=True)
             return CPUSchedule(lanes=16, rows=3, token_tile=4, chunk=48, unpack=True)

@@ -49,8 +49,8 @@ def rope(x: te.Tensor, positions: te.Tensor, theta: float) -> te.Tensor:
 
 def soft_cap(x: te.Tensor, cap: float) -> te.Tensor:
     """cap * tanh(x / cap) in float32, tanh(y) as 1 - 2 / (1 + 2**(2 y log2 e)) in arithmetic LLVM
-    vectorizes (tanhf is a library call per element: the 262,144 logits of a decode step cost
-    more than the attention). Within 2e-7 * cap of the exact value (exp2_vector's error and the
+    vectorizes (tanhf is a library call per element, and a decode step caps every logit of the
+    vocabulary). Within 2e-7 * cap of the exact value (exp2_vector's error and the
     rounding of the division; +-cap where 2**(2 y log2 e) leaves float32's range)."""
     def value(*i):
         y = x(*i).astype("float32") * tirx.const(2.0 * math.log2(math.e) / cap, "float32")
@@ -63,7 +63,7 @@ def soft_cap(x: te.Tensor, cap: float) -> te.Tensor:
 def gelu_tanh_gate(gate: te.Tensor, up: te.Tensor) -> te.Tensor:
     """GELU-tanh(gate) * up, computed in float32 as gate * sigmoid(2 y) * up with y = sqrt(2 / pi)
     (gate + 0.044715 gate^3) (0.5 (1 + tanh y) = sigmoid(2 y)), the sigmoid by exp2_vector: arithmetic
-    LLVM vectorizes, where TVM's gelu calls tanhf per element (a tenth of a prompt's time). Within
+    LLVM vectorizes, where TVM's gelu calls tanhf per element (figures: docs/performance.md). Within
     2e-7 * |gate * up| of the exact product."""
     def value(*i):
         x = gate(*i).astype("float32")
