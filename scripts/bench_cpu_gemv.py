@@ -31,7 +31,7 @@ import tvm  # noqa: E402
 
 from tvmattn.compiler.targets import host_target  # noqa: E402
 from tvmattn.quant.config import QuantMatmulConfig  # noqa: E402
-from tvmattn.quant.cpu import DOT_GEMV_FORMATS, TABLE_GEMV_FORMATS, CPUSchedule, choose_schedule  # noqa: E402
+from tvmattn.quant.cpu import UNPACK_FORMATS, TABLE_GEMV_FORMATS, CPUSchedule, choose_schedule  # noqa: E402
 from tvmattn.quant.matmul import kernel  # noqa: E402
 from bench_quant_gemv import random_blocks  # noqa: E402 - the same random blocks as the CUDA GEMV bench
 
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         for label in variants:
             plan = VARIANTS[label]
             if plan is not None and (plan.lookup and fmt not in TABLE_GEMV_FORMATS
-                                     or (plan.dot or plan.unpack) and fmt not in DOT_GEMV_FORMATS):
+                                     or (plan.dot or plan.unpack) and fmt not in UNPACK_FORMATS):
                 continue
             with target:  # the host's choice follows the target in scope
                 fn = tvm.compile(kernel(config, plan), target=target)

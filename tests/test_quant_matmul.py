@@ -24,7 +24,7 @@ from tvmattn.compiler.targets import cuda_target, host_has_avx512, host_target  
 from tvmattn.quant.algorithms import gemv_algorithm, matmul_algorithm  # noqa: E402
 from tvmattn.quant.config import QuantMatmulConfig  # noqa: E402
 from tvmattn.quant.cpu import (  # noqa: E402
-    DOT_GEMV_FORMATS,
+    UNPACK_FORMATS,
     TABLE_GEMV_FORMATS,
     CPUSchedule,
     choose_schedule,
@@ -201,7 +201,7 @@ def test_table_gemv_validation():
 
 needs_vnni = pytest.mark.skipif(not target_has_vnni(host_target(avx512=True)),
                                 reason="the int8 dot-product GEMV needs AVX-512 VNNI")
-DOT_CASES = [(fmt, rows, cols, nr, digits) for fmt, rows, cols in CASES if fmt in DOT_GEMV_FORMATS
+DOT_CASES = [(fmt, rows, cols, nr, digits) for fmt, rows, cols in CASES if fmt in UNPACK_FORMATS
              for nr in (1, 4) for digits in (1, 2)]
 
 
@@ -254,7 +254,7 @@ def test_dot_gemv_is_only_on_request_and_uses_vpdpbusd():
     avx512 = host_target(avx512=True)
     config = QuantMatmulConfig("Q5_0", 64, 640, tokens=1)
     with avx512:
-        for fmt in DOT_GEMV_FORMATS:
+        for fmt in UNPACK_FORMATS:
             assert not choose_schedule(QuantMatmulConfig(fmt, 1024, 768, tokens=1)).dot
         func = kernel(config, CPUSchedule(rows=4, dot=2))
     asm = tvm.tirx.build(func, target=avx512).inspect_source("s")
@@ -264,7 +264,7 @@ def test_dot_gemv_is_only_on_request_and_uses_vpdpbusd():
             kernel(config, CPUSchedule(dot=2))
 
 
-UNPACK_CASES = [(fmt, rows, cols) for fmt, rows, cols in CASES if fmt in DOT_GEMV_FORMATS]
+UNPACK_CASES = [(fmt, rows, cols) for fmt, rows, cols in CASES if fmt in UNPACK_FORMATS]
 
 
 @needs_avx512
@@ -298,10 +298,10 @@ def test_unpack_gemm_matches_dequantize_then_matmul(built, fmt, rows, cols):
 
 @needs_avx512
 def test_unpack_is_chosen_under_avx512():
-    """Under an AVX-512 target the GEMV (1-row tiles) and the GEMM of DOT_GEMV_FORMATS unpack; other
+    """Under an AVX-512 target the GEMV (1-row tiles) and the GEMM of UNPACK_FORMATS unpack; other
     formats, lookups and targets without AVX-512 do not, and an unpack plan is refused there."""
     with host_target(avx512=True):
-        for fmt in DOT_GEMV_FORMATS:
+        for fmt in UNPACK_FORMATS:
             for tokens in (1, None):
                 assert choose_schedule(QuantMatmulConfig(fmt, 960, 512, tokens=tokens)).unpack
             assert choose_schedule(QuantMatmulConfig(fmt, 960, 512, tokens=1)).rows == 1

@@ -38,11 +38,11 @@ from .config import QuantMatmulConfig
 # 4-bit formats whose one-token product `table_gemv` computes (w = table[q], one table a block)
 TABLE_GEMV_FORMATS = ("Q4_0", "Q4_1")
 # formats whose products `unpack_gemv` / `unpack_gemm` (and `dot_gemv`) compute from the weights'
-# quants as unsigned bytes u, 32 a vector, w = scale * (u - ZERO) (Q4_K: scale * u - dmin * mn)
-DOT_GEMV_FORMATS = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
-_DOT_ZERO = {"Q8_0": 128, "Q5_0": 16, "Q4_K": 0, "Q6_K": 32}
+# quants as unsigned bytes u, 32 a vector, w = scale * (u - zero) (Q4_K: scale * u - dmin * mn)
+UNPACK_FORMATS = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
+_QUANT_ZERO = {"Q8_0": 128, "Q5_0": 16, "Q4_K": 0, "Q6_K": 32}
 _DOT_SUB_BLOCK = {"Q8_0": 32, "Q5_0": 32, "Q4_K": 32, "Q6_K": 16}  # weights sharing one scale
-_DOT_UNROLL = {"Q8_0": 1, "Q5_0": 1, "Q4_K": 2, "Q6_K": 4}  # 32-weight groups whose bit shifts differ
+_GROUP_UNROLL = {"Q8_0": 1, "Q5_0": 1, "Q4_K": 2, "Q6_K": 4}  # 32-weight groups whose bit shifts differ
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +53,9 @@ class CPUSchedule:
     token_tile: MR (GEMM); chunk: NB, rows per parallel task (a multiple of NR; GEMV and GEMM
     round it down to a divisor of N); lookup: the GEMV of a 4-bit format by table lookup
     (`table_gemv`: AVX-512, 16 lanes) instead of gemv_algorithm's int-to-float conversions;
-    dot: 0, or the GEMV of DOT_GEMV_FORMATS by int8 dot products (`dot_gemv`: AVX-512 VNNI; its
+    dot: 0, or the GEMV of UNPACK_FORMATS by int8 dot products (`dot_gemv`: AVX-512 VNNI; its
     vector width is fixed, lanes is not read) with x rounded to `dot` int8 digits (1 or 2);
-    unpack: the GEMV and GEMM of DOT_GEMV_FORMATS in float32 from their quants unpacked 32 weights
+    unpack: the GEMV and GEMM of UNPACK_FORMATS in float32 from their quants unpacked 32 weights
     a vector (`unpack_gemv`, `unpack_gemm`: AVX-512, 16 lanes) instead of gemv_algorithm's and
     matmul_algorithm's per-weight gathers.
     """
@@ -92,11 +92,11 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
     one stream is fastest on a long Q8_0 head); GEMM register tiles of 3 rows x 4 tokens (12
     accumulators: faster than 2 x 4, while 4 x 3 and 3 x 5 spill). Figures: docs/performance.md.
     Under an AVX-512 target scope (`compiler.targets.host_target(avx512=True)`), the one-token
-    product of Q4_0 and Q4_1 is `table_gemv` (lookup=True), and the products of DOT_GEMV_FORMATS
+    product of Q4_0 and Q4_1 is `table_gemv` (lookup=True), and the products of UNPACK_FORMATS
     are `unpack_gemv` and `unpack_gemm` (unpack=True; `dot_gemv`, not exact, only on request)."""
     lanes = host_cpu()[1]
     if config.op == "matmul" and config.tokens != 1:
-        if config.fmt in DOT_GEMV_FORMATS and target_has_avx512(None):
+        if config.fmt in UNPACK_FORMATS and target_has_avx512(None):
             # 4 x 4 tiles of 32-row chunks for rows of more than 1024 weights (the smaller scratch
             # tile of a long row, and AVX-512's 32 registers), else 3 x 4 of 48 (figures:
             # docs/performance.md)
@@ -104,7 +104,7 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
                 return CPUSchedule(lanes=16, rows=4, token_tile=4, chunk=32, unpack=True)
             return CPUSchedule(lanes=16, rows=3, token_tile=4, chunk=48, unpack=True)
         return CPUSchedule(lanes=lanes, rows=3, token_tile=4, chunk=48)
-    if config.op == "matmul" and config.fmt in DOT_GEMV_FORMATS and target_has_avx512(None):
+    if config.op == "matmul" and config.fmt in UNPACK_FORMATS and target_has_avx512(None):
         # tiles of 1 row (one sequential stream): as fast as 4 at Gemma 3's short projections,
         # faster at its long rows and at the LM heads (figures: docs/performance.md)
         return CPUSchedule(lanes=16, rows=1, chunk=32, unpack=True)
@@ -340,17 +340,14 @@ def table_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
     return func
 
 
-
-
-
 def _concat(low, high, lanes: int):
     """The vector low ++ high (`lanes` in all, low's first)."""
     return tirx.Shuffle([low, high], [tirx.IntImm("int32", i) for i in range(lanes)])
 
 
-def _dot_quants(fmt: str, parts: dict, row, g, p: int):
+def _unsigned_quants(fmt: str, parts: dict, row, g, p: int):
     """The unsigned quants u (uint8x32) of the 32 weights of group g = 32-weight column block
-    of `row` (p = g % _DOT_UNROLL[fmt]), in column order."""
+    of `row` (p = g % _GROUP_UNROLL[fmt]), in column order."""
     u8, ramp = "uint8", T.ramp
 
     def bcast(value, lanes=32):
@@ -380,7 +377,7 @@ def _dot_quants(fmt: str, parts: dict, row, g, p: int):
 
 
 def dot_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
-    """The one-token product of DOT_GEMV_FORMATS by int8 dot products, for AVX-512 VNNI (same
+    """The one-token product of UNPACK_FORMATS by int8 dot products, for AVX-512 VNNI (same
     arguments as matmul_algorithm), as llama.cpp's vec_dot with x quantized to Q8_0, here in
     plan.dot int8 digits (1 or 2; 256 = 2^8 the second digit's weight):
 
@@ -402,14 +399,14 @@ def dot_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
     Tiling from the plan: parallel chunks of NB rows (plan.chunk), row tiles of NR rows
     (plan.rows) sharing xq's loads, the tile's scales (times dx) converted to float32 first."""
     fmt, n, k = config.fmt, config.n, config.k
-    if fmt not in DOT_GEMV_FORMATS or config.op != "matmul" or config.tokens != 1 or config.target != "llvm":
-        raise ValueError(f"{config.name}: dot_gemv computes one token of {DOT_GEMV_FORMATS} on llvm")
+    if fmt not in UNPACK_FORMATS or config.op != "matmul" or config.tokens != 1 or config.target != "llvm":
+        raise ValueError(f"{config.name}: dot_gemv computes one token of {UNPACK_FORMATS} on llvm")
     if plan.dot not in (1, 2):
         raise ValueError(f"plan.dot={plan.dot!r}: dot_gemv rounds x to 1 or 2 int8 digits")
     two = plan.dot == 2
     nr = _divisor_at_most(n, plan.rows)
     nb = _divisor_at_most(n, plan.chunk, nr)
-    ng, sub, unroll, zero = k // BLOCK, _DOT_SUB_BLOCK[fmt], _DOT_UNROLL[fmt], _DOT_ZERO[fmt]
+    ng, sub, unroll, zero = k // BLOCK, _DOT_SUB_BLOCK[fmt], _GROUP_UNROLL[fmt], _QUANT_ZERO[fmt]
     nsub = k // sub
     per_group = BLOCK // sub  # scale sub-blocks a group
     has_zero, q4_k, q6_k = zero != 0, fmt == "Q4_K", fmt == "Q6_K"  # (static branches in the macros)
@@ -512,7 +509,7 @@ def dot_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
                     for p in T.unroll(unroll):
                         for r in T.unroll(nr):
                             acc[r, T.ramp(0, 1, 8)] = acc[r, T.ramp(0, 1, 8)] + T.Cast(f32x8, digits(
-                                xq, xc, _dot_quants(fmt, parts, chunk * nb + tile * nr + r, go * unroll + p, p),
+                                xq, xc, _unsigned_quants(fmt, parts, chunk * nb + tile * nr + r, go * unroll + p, p),
                                 go * unroll + p)) * scale_vector(scale, r, go * unroll + p)
                 for r in T.unroll(nr):  # each row's 8 lanes summed as a tree of halves
                     acc[r, T.ramp(0, 1, 4)] = acc[r, T.ramp(0, 1, 4)] + acc[r, T.ramp(4, 1, 4)]
@@ -524,14 +521,14 @@ def dot_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
 
 def _dequant_group(fmt: str, parts: dict, row, g, p):
     """The 32 float32 weights (float32x32) of group g (32 columns) of `row`, dequantized from the
-    unsigned quants of _dot_quants (p = g % _DOT_UNROLL[fmt]) as GGML's dequantizers round them:
+    unsigned quants of _unsigned_quants (p = g % _GROUP_UNROLL[fmt]) as GGML's dequantizers round them:
     (u - zero) and the scale exact in float32, one rounding of their product (Q4_K: of each of
     d * sc * q and dmin * mn, then of the difference)."""
     f32, f32x32 = "float32", "float32x32"
     if fmt == "Q8_0":
         return T.Cast(f32x32, parts["qs"][row, T.ramp(g * 32, 1, 32)]) * T.broadcast(
             T.Cast(f32, parts["d"][row, g]), 32)
-    u = T.Cast(f32x32, _dot_quants(fmt, parts, row, g, p))
+    u = T.Cast(f32x32, _unsigned_quants(fmt, parts, row, g, p))
     if fmt == "Q5_0":
         return T.broadcast(T.Cast(f32, parts["d"][row, g]), 32) * (u - T.broadcast(T.float32(16.0), 32))
     if fmt == "Q4_K":
@@ -546,7 +543,7 @@ def _dequant_group(fmt: str, parts: dict, row, g, p):
 
 
 def unpack_gemm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
-    """The product of DOT_GEMV_FORMATS for a symbolic token count (prefill), for AVX-512 (same
+    """The product of UNPACK_FORMATS for a symbolic token count (prefill), for AVX-512 (same
     arguments as matmul_algorithm):
 
         Y[t, n] = sum_k X[t, k] * dequant(W)[n, k]
@@ -557,11 +554,11 @@ def unpack_gemm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
     (plan.rows) then multiplies it in MR x NR float32x16 accumulators along K, each summed at
     the end. Tokens past the last whole tile of MR run in tiles of one token."""
     fmt, n, k = config.fmt, config.n, config.k
-    if fmt not in DOT_GEMV_FORMATS or config.op != "matmul" or config.tokens == 1 or config.target != "llvm":
-        raise ValueError(f"{config.name}: unpack_gemm computes several tokens of {DOT_GEMV_FORMATS} on llvm")
+    if fmt not in UNPACK_FORMATS or config.op != "matmul" or config.tokens == 1 or config.target != "llvm":
+        raise ValueError(f"{config.name}: unpack_gemm computes several tokens of {UNPACK_FORMATS} on llvm")
     nr = _divisor_at_most(n, plan.rows)
     nb = _divisor_at_most(n, plan.chunk, nr)
-    mr, ng, unroll, v = plan.token_tile, k // BLOCK, _DOT_UNROLL[fmt], 16
+    mr, ng, unroll, v = plan.token_tile, k // BLOCK, _GROUP_UNROLL[fmt], 16
     f32xv = f"float32x{v}"
 
     @T.macro
@@ -610,7 +607,7 @@ def unpack_gemm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
 
 
 def unpack_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
-    """The one-token product of DOT_GEMV_FORMATS in float32, for AVX-512 (same arguments as
+    """The one-token product of UNPACK_FORMATS in float32, for AVX-512 (same arguments as
     matmul_algorithm): each 32 weights of a row dequantized as a float32x32 vector from their
     unpacked quants (`_dequant_group`: as GGML's dequantizers round them) and multiplied into
     32 float32 accumulators a row (two zmm registers), summed at the end; x in float32, so the
@@ -618,11 +615,11 @@ def unpack_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
     plan: parallel chunks of NB rows (plan.chunk), row tiles of NR rows (plan.rows) sharing x's
     loads."""
     fmt, n, k = config.fmt, config.n, config.k
-    if fmt not in DOT_GEMV_FORMATS or config.op != "matmul" or config.tokens != 1 or config.target != "llvm":
-        raise ValueError(f"{config.name}: unpack_gemv computes one token of {DOT_GEMV_FORMATS} on llvm")
+    if fmt not in UNPACK_FORMATS or config.op != "matmul" or config.tokens != 1 or config.target != "llvm":
+        raise ValueError(f"{config.name}: unpack_gemv computes one token of {UNPACK_FORMATS} on llvm")
     nr = _divisor_at_most(n, plan.rows)
     nb = _divisor_at_most(n, plan.chunk, nr)
-    ng, unroll, v = k // BLOCK, _DOT_UNROLL[fmt], 32
+    ng, unroll, v = k // BLOCK, _GROUP_UNROLL[fmt], 32
 
     @T.macro
     def body(x, parts, y):
