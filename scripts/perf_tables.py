@@ -299,15 +299,21 @@ def e2e_table(rows: Rows) -> str:
     return table(header, lines) + "\n\n" + sources(used)
 
 
-def cpu_table(rows: Rows) -> str:
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the model of the cpu table (bench_cpu.py rows name their GGUF)
+
+
+def cpu_table(rows: Rows, model: str = SMOLLM2_GGUF) -> str:
+    """bench_cpu.py's rows of one GGUF (`model`, the rows' file name)."""
     used: set = set()
     header = ["engine, weights", "prompt tokens/s", "decode tokens/s", "parameters", "model peak / GGUF", "run"]
     lines = []
     configs = dict.fromkeys((e[4]["impl"], e[4]["variant"], e[4].get("threads"))
-                            for e in sorted(rows.find(bench="cpu", kernel="decode"), key=lambda e: e[:3], reverse=True))
+                            for e in sorted(rows.find(bench="cpu", kernel="decode", model=model),
+                                            key=lambda e: e[:3], reverse=True))
     for impl, variant, threads in configs:
-        row = rows.get(used, bench="cpu", kernel="decode", impl=impl, variant=variant, threads=threads)
-        prefill = rows.get(used, bench="cpu", kernel="prefill", impl=impl, variant=variant, threads=threads)
+        row = rows.get(used, bench="cpu", kernel="decode", impl=impl, variant=variant, threads=threads, model=model)
+        prefill = rows.get(used, bench="cpu", kernel="prefill", impl=impl, variant=variant, threads=threads,
+                           model=model)
 
         def rate(r):
             if r is None:
@@ -427,8 +433,8 @@ def summary_table(rows: Rows) -> str:
         graphs, stock = rows.get(used, impl="tvmattn-cuda-graph", **e2e), rows.get(used, impl="tvm-stock-cache", **e2e)
         add(f"SmolLM2-135M decode step on the H200, batch {batch} (ms)",
             graphs and f"{fmt(graphs['ms'])} (CUDA graphs)", [stock and f"TVM's stock cache {fmt(stock['ms'])}"])
-    ours = rows.get(used, bench="cpu", kernel="decode", impl="tvmattn", variant="keep")
-    llama = rows.get(used, bench="cpu", kernel="decode", impl="llama.cpp")
+    ours = rows.get(used, bench="cpu", kernel="decode", impl="tvmattn", variant="keep", model=SMOLLM2_GGUF)
+    llama = rows.get(used, bench="cpu", kernel="decode", impl="llama.cpp", model=SMOLLM2_GGUF)
     if ours:
         add(f"SmolLM2-135M Q4_1 decode on {ours.get('threads', 2)} CPU cores (tokens/s)", rate(ours, "tokens_per_s"),
             [llama and f"llama.cpp {fmt(llama['tokens_per_s'])}"])

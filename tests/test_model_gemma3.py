@@ -130,6 +130,48 @@ def test_config_rejects_bad_fields(change, message):
         model_config_from_hf(hf)
 
 
+@pytest.mark.parametrize("cap", [30.0, 0.5])
+def test_soft_cap_matches_tanh(cap):
+    """The logits' soft cap (vectorizable arithmetic instead of tanhf) within 2e-7 * cap of
+    cap * tanh(x / cap) in float64: tiny, moderate and huge logits of both signs, and zero."""
+    from tvm import te
+
+    from tvmattn.compiler.targets import host_target
+    from tvmattn.models.gemma3.model import soft_cap
+
+    x = te.placeholder((4097,), "float32")
+    fn = tvm.compile(te.create_prim_func([x, soft_cap(x, cap)]), target=host_target())
+    values = np.concatenate([np.linspace(-1, 1, 2048) * cap, np.geomspace(1e-30, 1e30, 1024),
+                             -np.geomspace(1e-30, 1e30, 1024), [0.0]]).astype(np.float32)
+    out = tvm.runtime.tensor(np.full(values.shape, np.nan, np.float32))
+    fn(tvm.runtime.tensor(values), out)
+    want = cap * np.tanh(values.astype(np.float64) / cap)
+    assert np.abs(out.numpy() - want).max() <= 2e-7 * cap
+
+
+def test_gelu_tanh_gate_matches_the_formula():
+    """The MLP's GELU-tanh(gate) * up (vectorizable arithmetic instead of tanhf) within 2e-7 |g u|
+    of the float64 formula 0.5 g (1 + tanh(y)) u, y = sqrt(2 / pi) (g + 0.044715 g^3), taken as
+    g u / (1 + exp(-2 y)) (the same value; 1 + tanh(y) cancels to 0 in float64 for y < -19)."""
+    from tvm import te
+
+    from tvmattn.compiler.targets import host_target
+    from tvmattn.models.gemma3.model import gelu_tanh_gate
+
+    gate, up = te.placeholder((4096,), "float32"), te.placeholder((4096,), "float32")
+    fn = tvm.compile(te.create_prim_func([gate, up, gelu_tanh_gate(gate, up)]), target=host_target())
+    rng = np.random.default_rng(0)
+    g = np.concatenate([np.linspace(-12, 12, 2048), rng.standard_normal(2048) * 3]).astype(np.float32)
+    u = rng.standard_normal(4096).astype(np.float32)
+    out = tvm.runtime.tensor(np.full(4096, np.nan, np.float32))
+    fn(tvm.runtime.tensor(g), tvm.runtime.tensor(u), out)
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    y = np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3)
+    want = g64 * u64 / (1 + np.exp(-2 * y))
+    assert np.allclose(want[np.abs(y) < 10], (0.5 * g64 * (1 + np.tanh(y)) * u64)[np.abs(y) < 10], rtol=1e-12)
+    assert (np.abs(out.numpy() - want) <= 2e-7 * np.abs(g64 * u64) + 1e-30).all()
+
+
 def test_metadata_declares_the_layer_kinds_and_rope_by_the_model(gemma_model):
     cache = gemma_model.library.metadata["kv_cache"]
     assert cache["rope_mode"] == "none" and cache["head_dim"] == 256 and cache["num_kv_heads"] == 1

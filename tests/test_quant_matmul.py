@@ -23,7 +23,17 @@ gguf = pytest.importorskip("gguf")  # the reference's quantizer (absent on the G
 from tvmattn.compiler.targets import cuda_target, host_has_avx512, host_target  # noqa: E402
 from tvmattn.quant.algorithms import gemv_algorithm, matmul_algorithm  # noqa: E402
 from tvmattn.quant.config import QuantMatmulConfig  # noqa: E402
-from tvmattn.quant.cpu import TABLE_GEMV_FORMATS, CPUSchedule, choose_schedule, table_gemv  # noqa: E402
+from tvmattn.quant.cpu import (  # noqa: E402
+    UNPACK_FORMATS,
+    TABLE_GEMV_FORMATS,
+    CPUSchedule,
+    choose_schedule,
+    dot_gemv,
+    table_gemv,
+    target_has_vnni,
+    unpack_gemm,
+    unpack_gemv,
+)
 from tvmattn.quant.matmul import (  # noqa: E402 - after the gguf check: tvmattn.weights imports gguf
     kernel,
     schedule,
@@ -59,7 +69,8 @@ def built():
     def get(config: QuantMatmulConfig, plan: CPUSchedule | None = None):
         key = (config, plan)
         if key not in cache:
-            cache[key] = tvm.compile(kernel(config, plan), target=host_target(avx512=bool(plan and plan.lookup)))
+            cache[key] = tvm.compile(kernel(config, plan),
+                                     target=host_target(avx512=bool(plan and (plan.lookup or plan.dot or plan.unpack))))
         return cache[key]
 
     return get
@@ -188,6 +199,139 @@ def test_table_gemv_validation():
         table_gemv(QuantMatmulConfig("Q4_1", 8, 64, tokens=2), CPUSchedule(lookup=True))
 
 
+needs_vnni = pytest.mark.skipif(not target_has_vnni(host_target(avx512=True)),
+                                reason="the int8 dot-product GEMV needs AVX-512 VNNI")
+DOT_CASES = [(fmt, rows, cols, nr, digits) for fmt, rows, cols in CASES if fmt in UNPACK_FORMATS
+             for nr in (1, 4) for digits in (1, 2)]
+
+
+def round_x_to_int8_digits(x: np.ndarray, digits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x [1, K] as `digits` int8 digits per 32 columns stand for it, float64; each column's dx).
+    As llama.cpp's quantize_row_q8_0: dx = amax / 127, q1 = round(x * 127 / amax); a second digit
+    q2 = round(256 (x * 127 / amax - q1)) within +-127, worth q2 / 256."""
+    blocks = x.reshape(-1, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    t = blocks * np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.round(t).astype(np.float64)
+    assert np.abs(q).max() <= 127
+    if digits == 2:
+        q += np.clip(np.round((t - np.round(t)) * np.float32(256.0)), -127, 127) / 256
+    dx = (amax / np.float32(127.0)).astype(np.float64)
+    return (dx * q).reshape(x.shape), np.broadcast_to(dx, blocks.shape).reshape(-1)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt,rows,cols,nr,digits", slow_except(DOT_CASES, *(c for c in DOT_CASES if c[1] == 37),
+                                                               unpack=True),
+                         ids=["{}-{}x{}-r{}-d{}".format(*c) for c in DOT_CASES])
+def test_dot_gemv_matches_the_product_with_int8_x(built, fmt, rows, cols, nr, digits):
+    """The int8 dot-product GEMV (AVX-512 VNNI) computes the product of the weights with x rounded
+    to 1 or 2 int8 digits per 32 columns (float32 sums of exact integer dots), and so stays within
+    x's rounding of the float product: |Y - x W^T| <= sum_k |W[n, k]| * dx(k) / 2 (one digit) or
+    / 512 (two), dx = amax / 127 of k's 32 columns (the stated accuracy of the int8 path)."""
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=1)
+    plan = CPUSchedule(lanes=16, rows=nr, chunk=2 * nr, dot=digits)
+    blocks, w = quantized(fmt, rows, cols, seed=5 * rows + cols + nr)
+    rng = np.random.default_rng(nr + digits)
+    x = (rng.standard_normal((1, cols)) * rng.uniform(0.01, 10.0, (1, cols // 32)).repeat(32, axis=1))
+    x[0, :32] = 0.0  # an all-zero block (dx = 0)
+    x = x.astype(np.float32)
+    got = run_matmul(built(config, plan), config, blocks, x)
+    rounded, dx = round_x_to_int8_digits(x, digits)
+    check(got, rounded, w)
+    bound = np.abs(w).astype(np.float64) @ (dx / (2 if digits == 1 else 512))
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    assert (np.abs(got - exact) <= bound * (1 + 1e-3) + 1e-6 * (np.abs(x) @ np.abs(w).T)).all()
+    if digits == 2:  # the second digit counts: one digit's rounding is far outside two digits' bound
+        one, _ = round_x_to_int8_digits(x, 1)
+        assert np.abs(one @ w.astype(np.float64).T - exact).max() > 4 * bound.max()
+
+
+@needs_vnni
+def test_dot_gemv_is_only_on_request_and_uses_vpdpbusd():
+    """The int8 GEMV is never the host's choice (its rounding of x is not exact); a plan that asks
+    for it gets code that multiplies by vpdpbusd, and is refused without AVX-512 in scope."""
+    avx512 = host_target(avx512=True)
+    config = QuantMatmulConfig("Q5_0", 64, 640, tokens=1)
+    with avx512:
+        for fmt in UNPACK_FORMATS:
+            assert not choose_schedule(QuantMatmulConfig(fmt, 1024, 768, tokens=1)).dot
+        func = kernel(config, CPUSchedule(rows=4, dot=2))
+    asm = tvm.tirx.build(func, target=avx512).inspect_source("s")
+    assert "vpdpbusd" in asm
+    with host_target():
+        with pytest.raises(ValueError, match="plan.dot needs an AVX-512 VNNI target"):
+            kernel(config, CPUSchedule(dot=2))
+
+
+UNPACK_CASES = [(fmt, rows, cols) for fmt, rows, cols in CASES if fmt in UNPACK_FORMATS]
+
+
+@needs_avx512
+@pytest.mark.parametrize("nr", [1, 4])
+@pytest.mark.parametrize("fmt,rows,cols", slow_except(UNPACK_CASES, *(c for c in UNPACK_CASES if c[1] == 37),
+                                                     unpack=True), ids=[case_id(c) for c in UNPACK_CASES])
+def test_unpack_gemv_matches_dequantize_then_matmul(built, fmt, rows, cols, nr):
+    """The GEMV that unpacks 32 weights a vector (AVX-512), float32: row tiles of 1 and 4, odd row
+    counts (tiles and chunks shrink to divisors of N)."""
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=1)
+    plan = CPUSchedule(lanes=16, rows=nr, chunk=2 * nr, unpack=True)
+    blocks, w = quantized(fmt, rows, cols, seed=11 * rows + cols + nr)
+    x = np.random.default_rng(nr).standard_normal((1, cols)).astype(np.float32)
+    check(run_matmul(built(config, plan), config, blocks, x), x, w)
+
+
+@needs_avx512
+@pytest.mark.parametrize("fmt,rows,cols", slow_except(UNPACK_CASES, *(c for c in UNPACK_CASES if c[1] == 37),
+                                                     unpack=True), ids=[case_id(c) for c in UNPACK_CASES])
+def test_unpack_gemm_matches_dequantize_then_matmul(built, fmt, rows, cols):
+    """The prompt GEMM that unpacks 32 weights a vector (AVX-512): 1 to 17 tokens (whole tiles of
+    4 and the one-token tail), row tiles of 3 and chunks that do not divide the rows evenly."""
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=None)
+    plan = CPUSchedule(lanes=16, rows=3, token_tile=4, chunk=6, unpack=True)
+    blocks, w = quantized(fmt, rows, cols, seed=7 * rows + cols)
+    fn = built(config, plan)
+    for tokens in TOKENS:
+        x = np.random.default_rng(tokens).standard_normal((tokens, cols)).astype(np.float32)
+        check(run_matmul(fn, config, blocks, x), x, w)
+
+
+@needs_avx512
+def test_unpack_is_chosen_under_avx512():
+    """Under an AVX-512 target the GEMV (1-row tiles) and the GEMM of UNPACK_FORMATS unpack; other
+    formats, lookups and targets without AVX-512 do not, and an unpack plan is refused there."""
+    with host_target(avx512=True):
+        for fmt in UNPACK_FORMATS:
+            for tokens in (1, None):
+                assert choose_schedule(QuantMatmulConfig(fmt, 960, 512, tokens=tokens)).unpack
+            assert choose_schedule(QuantMatmulConfig(fmt, 960, 512, tokens=1)).rows == 1
+        assert choose_schedule(QuantMatmulConfig("Q6_K", 640, 2048, tokens=None)).rows == 4
+        for config in (QuantMatmulConfig("Q4_1", 960, 512, tokens=None), QuantMatmulConfig("Q4_1", 960, 512, tokens=1),
+                       QuantMatmulConfig("Q8_0", 960, 512, op="take")):
+            assert not choose_schedule(config).unpack
+    config = QuantMatmulConfig("Q8_0", 960, 512, tokens=None)
+    assert not choose_schedule(config).unpack
+    with host_target():
+        assert not choose_schedule(config).unpack
+        with pytest.raises(ValueError, match="plan.unpack needs an AVX-512 target"):
+            kernel(config, CPUSchedule(lanes=16, unpack=True))
+    with pytest.raises(ValueError, match="unpack_gemm computes several tokens"):
+        unpack_gemm(QuantMatmulConfig("Q8_0", 8, 64, tokens=1), CPUSchedule(lanes=16, unpack=True))
+    with pytest.raises(ValueError, match="unpack_gemm computes several tokens"):
+        unpack_gemm(QuantMatmulConfig("Q4_0", 8, 64, tokens=None), CPUSchedule(lanes=16, unpack=True))
+    with pytest.raises(ValueError, match="unpack_gemv computes one token"):
+        unpack_gemv(QuantMatmulConfig("Q8_0", 8, 64, tokens=2), CPUSchedule(lanes=16, unpack=True))
+
+
+def test_dot_gemv_validation():
+    with pytest.raises(ValueError, match="dot_gemv computes one token"):
+        dot_gemv(QuantMatmulConfig("Q4_1", 8, 64, tokens=1), CPUSchedule(dot=2))
+    with pytest.raises(ValueError, match="dot_gemv computes one token"):
+        dot_gemv(QuantMatmulConfig("Q8_0", 8, 64, tokens=2), CPUSchedule(dot=2))
+    with pytest.raises(ValueError, match="plan.dot=0"):
+        dot_gemv(QuantMatmulConfig("Q8_0", 8, 64, tokens=1), CPUSchedule())
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_take_reads_rows(built, fmt):
     config = QuantMatmulConfig(fmt, 37, wide(fmt), op="take")
@@ -245,6 +389,9 @@ def test_config_validation(kwargs, message):
 @pytest.mark.parametrize("kwargs,message", [
     ({"lanes": 12}, "lanes=12"), ({"rows": 0}, "rows=0"), ({"rows": 4, "chunk": 6}, "chunk=6"),
     ({"lanes": 8, "lookup": True}, "lookup=True"), ({"lookup": 1}, "lookup=1"),
+    ({"lanes": 8, "unpack": True}, "unpack=True"), ({"lanes": 16, "dot": 2, "unpack": True}, "unpack=True"),
+    ({"unpack": 1}, "unpack=1"),
+    ({"dot": 3}, "dot=3"), ({"dot": True}, "dot=True"), ({"lanes": 16, "lookup": True, "dot": 2}, "dot=2"),
 ])
 def test_schedule_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -20,6 +20,8 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from tir_kernels.common import exp2_vector
+
 from ...quant.linear import QuantEmbedding
 from ..kv_cache import query_positions
 from ..llama import LlamaForCausalLM, _linear, with_kept_parts
@@ -43,6 +45,34 @@ def rope(x: te.Tensor, positions: te.Tensor, theta: float) -> te.Tensor:
         return (own * tirx.cos(angle) + other * tirx.sin(angle)).astype(x.dtype)
 
     return te.compute(x.shape, value, name="rope")
+
+
+def soft_cap(x: te.Tensor, cap: float) -> te.Tensor:
+    """cap * tanh(x / cap) in float32, tanh(y) as 1 - 2 / (1 + 2**(2 y log2 e)) in arithmetic LLVM
+    vectorizes (tanhf is a library call per element, and a decode step caps every logit of the
+    vocabulary). Within 2e-7 * cap of the exact value (exp2_vector's error and the
+    rounding of the division; +-cap where 2**(2 y log2 e) leaves float32's range)."""
+    def value(*i):
+        y = x(*i).astype("float32") * tirx.const(2.0 * math.log2(math.e) / cap, "float32")
+        one = tirx.const(1.0, "float32")
+        return tirx.const(cap, "float32") * (one - tirx.const(2.0, "float32") / (one + exp2_vector(y)))
+
+    return te.compute(x.shape, value, name="soft_cap")
+
+
+def gelu_tanh_gate(gate: te.Tensor, up: te.Tensor) -> te.Tensor:
+    """GELU-tanh(gate) * up, computed in float32 as gate * sigmoid(2 y) * up with y = sqrt(2 / pi)
+    (gate + 0.044715 gate^3) (0.5 (1 + tanh y) = sigmoid(2 y)), the sigmoid by exp2_vector: arithmetic
+    LLVM vectorizes, where TVM's gelu calls tanhf per element (figures: docs/performance.md). Within
+    2e-7 * |gate * up| of the exact product."""
+    def value(*i):
+        x = gate(*i).astype("float32")
+        y = tirx.const(math.sqrt(2.0 / math.pi), "float32") * (x + tirx.const(0.044715, "float32") * x * x * x)
+        sigmoid = tirx.const(1.0, "float32") / (tirx.const(1.0, "float32") + exp2_vector(
+            y * tirx.const(-2.0 * math.log2(math.e), "float32")))
+        return (x * sigmoid * up(*i).astype("float32")).astype(gate.dtype)
+
+    return te.compute(gate.shape, value, name="gelu_tanh_gate")
 
 
 class Gemma3Attention(nn.Module):
@@ -79,7 +109,7 @@ class Gemma3MLP(nn.Module):
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(op.tensor_expr_op(gelu_tanh_gate, "gelu_tanh_gate", [gate, up]))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -125,7 +155,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def logits(self, h: nn.Tensor) -> nn.Tensor:
         out = super().logits(h)
         cap = self.config.final_logit_softcapping
-        return op.tanh(out / cap) * cap if cap else out
+        return op.tensor_expr_op(soft_cap, "soft_cap", [out, cap]) if cap else out
 
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
         """input_ids [n] int32 -> scaled embeddings [n, hidden]."""
