@@ -30,19 +30,33 @@ from .config import Gemma3Config
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
-def rope(x: te.Tensor, positions: te.Tensor, theta: float) -> te.Tensor:
-    """x [b, s, h, d] rotated (rotate-half, as llama.cpp's NEOX mode, float32) at positions [b * s]."""
+def rope_table(positions: te.Tensor, theta: float, d: int) -> te.Tensor:
+    """The rotation of positions [n] at base theta: float32 [n, d], cos(angle_k) in column k and
+    sin(angle_k) in column half + k (angle_k = position * theta ** (-2 k / d), k < half = d / 2).
+    Computed once a step for each base and read by every layer of that base: the transcendentals
+    are then per token, not per token, head and layer."""
+    half = d // 2
+
+    def value(t, k):
+        exponent = (k % half).astype("float32") * tirx.const(2.0 / d, "float32")
+        angle = positions[t].astype("float32") * tirx.power(tirx.const(theta, "float32"), -exponent)
+        return tirx.if_then_else(k < half, tirx.cos(angle), tirx.sin(angle))
+
+    return te.compute((positions.shape[0], d), value, name="rope_table")
+
+
+def rope(x: te.Tensor, table: te.Tensor) -> te.Tensor:
+    """x [b, s, h, d] rotated (rotate-half, as llama.cpp's NEOX mode, float32) by `rope_table`'s
+    rows [b * s, d]."""
     s, d = x.shape[1], int(x.shape[3])
     half = d // 2
 
     def value(i, j, head, k):
-        position = positions[i * s + j].astype("float32")
-        exponent = (k % half).astype("float32") * tirx.const(2.0 / d, "float32")
-        angle = position * tirx.power(tirx.const(theta, "float32"), -exponent)
+        t = i * s + j
         own = x[i, j, head, k].astype("float32")
         other = tirx.if_then_else(k < half, -x[i, j, head, k + half].astype("float32"),
                                   x[i, j, head, k - half].astype("float32"))
-        return (own * tirx.cos(angle) + other * tirx.sin(angle)).astype(x.dtype)
+        return (own * table[t, k % half] + other * table[t, half + k % half]).astype(x.dtype)
 
     return te.compute(x.shape, value, name="rope")
 
@@ -87,16 +101,17 @@ class Gemma3Attention(nn.Module):
         self.q_norm = nn.RMSNorm(d, -1, config.rms_norm_eps, bias=False)
         self.k_norm = nn.RMSNorm(d, -1, config.rms_norm_eps, bias=False)
 
-    def forward(self, x: nn.Tensor, cache, layer_id: int, positions: nn.Tensor) -> nn.Tensor:
-        """x [b, s, hidden] (normed) -> the attention's projection [b, s, hidden]."""
+    def forward(self, x: nn.Tensor, cache, layer_id: int, rope_tables: Mapping[float, nn.Tensor]) -> nn.Tensor:
+        """x [b, s, hidden] (normed) -> the attention's projection [b, s, hidden]; rope_tables:
+        `rope_table` of the step's positions by RoPE base."""
         c = self.config
         b, s, _ = x.shape
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q = self.q_norm(op.reshape(self.q_proj(x), (b, s, hq, d)))
         k = self.k_norm(op.reshape(self.k_proj(x), (b, s, hkv, d)))
         v = op.reshape(self.v_proj(x), (b, s, hkv, d))
-        q = op.tensor_expr_op(rope, "rope_q", [q, positions, self.theta])
-        k = op.tensor_expr_op(rope, "rope_k", [k, positions, self.theta])
+        q = op.tensor_expr_op(rope, "rope_q", [q, rope_tables[self.theta]])
+        k = op.tensor_expr_op(rope, "rope_k", [k, rope_tables[self.theta]])
         o = cache.attention_with_fused_qkv(layer_id, op.concat([q, k, v], dim=2), hq, sm_scale=c.sm_scale)
         return self.o_proj(op.reshape(o, (b, s, hq * d)))
 
@@ -119,8 +134,8 @@ class Gemma3DecoderLayer(nn.Module):
         for name in NORMS:
             setattr(self, name, nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False))
 
-    def forward(self, x: nn.Tensor, cache, layer_id: int, positions: nn.Tensor) -> nn.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, layer_id, positions))
+    def forward(self, x: nn.Tensor, cache, layer_id: int, rope_tables: Mapping[float, nn.Tensor]) -> nn.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, layer_id, rope_tables))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -137,8 +152,11 @@ class Gemma3Model(nn.Module):
     def forward(self, x: nn.Tensor, cache) -> nn.Tensor:
         b, s, _ = x.shape
         positions = query_positions(cache, b * s)
+        d = self.layers[0].self_attn.config.head_dim
+        tables = {theta: op.tensor_expr_op(rope_table, "rope_table", [positions, theta, d])
+                  for theta in sorted({layer.self_attn.theta for layer in self.layers})}
         for layer_id, layer in enumerate(self.layers):
-            x = layer(x, cache, layer_id, positions)
+            x = layer(x, cache, layer_id, tables)
         return self.norm(x)
 
 
