@@ -91,6 +91,14 @@ def test_long_prompts_past_the_window(target, page_size, window):
     assert (m.cache.get_num_available_pages(), m.cache._slides.allocator.num_free) == initial
 
 
+def test_prefill_within_the_window_on_the_cpu_runs_the_decode():
+    """On the CPU a prefill step within the window keeps the per-token windowed decode (the
+    faster kernel there), its outputs against the window reference."""
+    m = model("llvm", 4, 20)
+    m.add(0)
+    assert window_kernels(m, [([0], [12]), ([0], [8])]) == ["decode", "decode"]
+
+
 def window_kernels(m: KindsModel, steps: list) -> list:
     """Run `steps` ((seq_ids, lengths) or (seq_ids, lengths, shared_from_window)) through
     m.forward; the kernel that planned the MHA_SLIDING layers' level of each ("prefill" or
@@ -114,8 +122,12 @@ def test_prefill_within_the_window_runs_the_tiled_prefill(target, page_size, win
     their own pages, causal over whole sequences: chunked up to exactly the window, ragged
     batches with a one-token append, a fork sharing pages (and its copied partial page),
     attention_with_shared_kv over a windowed layer; one token past the window, and decode
-    steps, run the per-token windowed decode. Every output against the window reference."""
+    steps, run the per-token windowed decode. Every output against the window reference. The
+    cache takes that path by default on a GPU only (on the CPU the per-token decode kernel is the
+    faster); here it is turned on for both."""
     m = model(target, page_size, window, seed=page_size + window, max_num_sequences=5)
+    assert m.cache._window_prefill == (target != "llvm")
+    m.cache._window_prefill = True
     for s in (0, 1, 2):
         m.add(s)
     w = window

@@ -369,8 +369,10 @@ class PagedKVCache:
             self._step_kernels = self._check_kernels(self.kernels)
         k = self._step_kernels
         # MHA_SLIDING layers run prefill steps whose windows hide nothing with the paged prefill
-        # kernel (runtime/windows.py) where it is TIR's (FlashInfer's would need a plan of its own)
-        self._window_prefill = self._window_decode is not None and k.paged_prefill.kind == "tir"
+        # kernel (runtime/windows.py) on a GPU, where it is TIR's (FlashInfer's would need a plan
+        # of its own); on the CPU the per-token sliding decode is the faster of the two kernels
+        self._window_prefill = self._window_decode is not None and k.paged_prefill.kind == "tir" and \
+            self.target != "llvm"
         self._backend_plans = self._planning_backends()  # run _begin_backends in _start_step
         self._flashinfer_workspace = bind_workspace((k.ragged, k.paged_prefill, k.paged_decode), self.device)
         self._rope = Rope(opts.effective_rope_mode, opts.rope_scale, opts.rope_theta)
