@@ -309,3 +309,16 @@ def test_fp8_pages_in_windowed_layers():
         m.forward([0, 1, 2], [1, 1, 1])
     assert m.cache.sliding_kept_from(0) == 40
     check_pages(m)
+
+
+def test_fp8_pages_prefill_within_the_window():
+    """The paged prefill path over FP8 sliding pools (their scale page the pool's last): a
+    ragged batch and a chunk up to exactly the window, against the reference over the stored
+    values."""
+    m = FP8KindsModel(page_size=4, rope_mode="normal", seed=12, kinds=["mha_sliding"] * 2, window=20,
+                      max_num_sequences=4, max_total_seq_len=512, prefill_chunk_size=64,
+                      kv_dtype="float8_e4m3fn", kv_scales=0.5)
+    m.cache._window_prefill = True
+    m.add(0)
+    m.add(1)
+    assert window_kernels(m, [([0, 1], [13, 6]), ([0, 1], [7, 1])]) == ["prefill", "prefill"]
