@@ -218,17 +218,24 @@ def test_window_wider_than_every_sequence_is_full_attention():
 
 
 def test_window_plan_one_request_per_token():
-    """The windowed level: one decode request per new token over the MHA_SLIDING layers' own
-    pages, its window's pages only (in every step: the sequences within the window too)."""
+    """The windowed level: in a prefill step whose windows hide nothing, one causal paged-prefill
+    request per sequence over its whole sliding page table; otherwise one decode request per new
+    token over the MHA_SLIDING layers' own pages, its window's pages only."""
     m = KindsModel(page_size=4, seed=6)
+    m.cache._window_prefill = True  # (a GPU's default; the CPU's keeps the decode)
     m.add(0)
 
     def within(seq_ids, lengths):
         m.cache.begin_forward(seq_ids, lengths)
         (level,) = m.cache.current_plan().host.window
-        # positions 0..4, window 5: keys 0..p, pages 0 (and 1 for p = 4)
-        assert level.page_indptr.tolist() == [0, 1, 2, 3, 4, 6]
-        assert level.length_info.tolist() == [[1, 2, 3, 4, 1], [0] * 5, [0] * 5]
+        # positions 0..4, window 5: every query sees keys 0..p, the causal bound; pages 0 and 1
+        assert level.qo_indptr.tolist() == [0, 5] and level.page_indptr.tolist() == [0, 2]
+        assert level.length_info.tolist() == [1] and level.k_offset.tolist() == [0]
+        pages = m.cache.sequence_state(0)["slide_pages"]
+        assert level.page_indices.tolist() == pages
+        (positions,) = m.cache.current_plan().host.slide_positions
+        assert positions.tolist() == [pages[0] * 4 + i for i in range(4)] + [pages[1] * 4]
+        assert m.cache._step.window_kernel == "prefill"
 
     m.forward([0], [WINDOW], begin=within)
     m.forward([0], [4])

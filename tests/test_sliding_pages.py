@@ -91,6 +91,60 @@ def test_long_prompts_past_the_window(target, page_size, window):
     assert (m.cache.get_num_available_pages(), m.cache._slides.allocator.num_free) == initial
 
 
+def test_prefill_within_the_window_on_the_cpu_runs_the_decode():
+    """On the CPU a prefill step within the window keeps the per-token windowed decode (the
+    faster kernel there), its outputs against the window reference."""
+    m = model("llvm", 4, 20)
+    m.add(0)
+    assert window_kernels(m, [([0], [12]), ([0], [8])]) == ["decode", "decode"]
+
+
+def window_kernels(m: KindsModel, steps: list) -> list:
+    """Run `steps` ((seq_ids, lengths) or (seq_ids, lengths, shared_from_window)) through
+    m.forward; the kernel that planned the MHA_SLIDING layers' level of each ("prefill" or
+    "decode")."""
+    kernels = []
+
+    def begin(seq_ids, lengths):
+        m.cache.begin_forward(seq_ids, lengths)
+        kernels.append(m.cache._step.window_kernel)
+
+    for seq_ids, lengths, *shared in steps:
+        m.forward(seq_ids, lengths, *shared, begin=begin)
+        check_pages(m)
+    return kernels
+
+
+@pytest.mark.parametrize("page_size,window", [(1, 20), (16, 20), (16, 16)])
+def test_prefill_within_the_window_runs_the_tiled_prefill(target, page_size, window):
+    """A prefill step in which every sequence's length after the append is at most the window
+    (no window hides a key) runs the MHA_SLIDING layers with the paged prefill kernel over
+    their own pages, causal over whole sequences: chunked up to exactly the window, ragged
+    batches with a one-token append, a fork sharing pages (and its copied partial page),
+    attention_with_shared_kv over a windowed layer; one token past the window, and decode
+    steps, run the per-token windowed decode. Every output against the window reference. The
+    cache takes that path by default on a GPU only (on the CPU the per-token decode kernel is the
+    faster); here it is turned on for both."""
+    m = model(target, page_size, window, seed=page_size + window, max_num_sequences=5)
+    assert m.cache._window_prefill == (target != "llvm")
+    m.cache._window_prefill = True
+    for s in (0, 1, 2):
+        m.add(s)
+    w = window
+    kernels = window_kernels(m, [([0, 1, 2], [7, 1, w - 8], True)])  # ragged, a one-token append among prefills
+    m.fork(0, 3)  # shares the full pages, copies a partial one
+    m.fork(0, 4, 5)
+    kernels += window_kernels(m, [
+        ([0, 2, 3], [w - 7, 8, 5]),  # 0 and 2 reach exactly the window, chunked over a history
+        ([1, 4, 3], [w - 1, 3, 1], True),  # 1 reaches the window
+        ([4, 2], [5, 1]),  # 2 one past the window: the windowed decode for every sequence
+        ([3], [w - 13], True),  # the fork reaches the window
+        ([3, 4, 1], [1, 1, 1]),  # decode
+        ([4], [w]),  # a prefill past the window
+    ])
+    assert kernels == ["prefill"] * 3 + ["decode", "prefill", "decode", "decode"]
+
+
 def test_a_sequence_far_longer_than_the_sliding_pool():
     """The sliding layers' pool is sized for the windows: one sequence runs through 16 times
     its pages, its pages recycled (the pool's pages reused over and over)."""
@@ -255,3 +309,16 @@ def test_fp8_pages_in_windowed_layers():
         m.forward([0, 1, 2], [1, 1, 1])
     assert m.cache.sliding_kept_from(0) == 40
     check_pages(m)
+
+
+def test_fp8_pages_prefill_within_the_window():
+    """The paged prefill path over FP8 sliding pools (their scale page the pool's last): a
+    ragged batch and a chunk up to exactly the window, against the reference over the stored
+    values."""
+    m = FP8KindsModel(page_size=4, rope_mode="normal", seed=12, kinds=["mha_sliding"] * 2, window=20,
+                      max_num_sequences=4, max_total_seq_len=512, prefill_chunk_size=64,
+                      kv_dtype="float8_e4m3fn", kv_scales=0.5)
+    m.cache._window_prefill = True
+    m.add(0)
+    m.add(1)
+    assert window_kernels(m, [([0, 1], [13, 6]), ([0, 1], [7, 1])]) == ["prefill", "prefill"]

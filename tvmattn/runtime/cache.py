@@ -69,7 +69,7 @@ from .slides import SlidingPages
 from .plan import DeviceArrays, ForwardPlan, build_plan, build_plan_arrays, plan_size_bound, with_window
 from .sequences import PageCopy, SequenceTable, TableArrays
 from .trees import accepted_path, check_new_nodes, compact_copies, is_chain, tree_step
-from .windows import WindowStep, window_plan
+from .windows import WindowStep, window_plan, window_prefill_plan
 
 log = logging.getLogger("tvmattn.cache")
 
@@ -368,6 +368,11 @@ class PagedKVCache:
                 layer_windows=opts.has_layer_windows, overrides=kernels)
             self._step_kernels = self._check_kernels(self.kernels)
         k = self._step_kernels
+        # MHA_SLIDING layers run prefill steps whose windows hide nothing with the paged prefill
+        # kernel (runtime/windows.py) on a GPU, where it is TIR's (FlashInfer's would need a plan
+        # of its own); on the CPU the per-token sliding decode is the faster of the two kernels
+        self._window_prefill = self._window_decode is not None and k.paged_prefill.kind == "tir" and \
+            self.target != "llvm"
         self._backend_plans = self._planning_backends()  # run _begin_backends in _start_step
         self._flashinfer_workspace = bind_workspace((k.ragged, k.paged_prefill, k.paged_decode), self.device)
         self._rope = Rope(opts.effective_rope_mode, opts.rope_scale, opts.rope_theta)
@@ -588,8 +593,12 @@ class PagedKVCache:
                                      [a.seq.length - a.seq.tree_tokens for a in appended], lengths)
                 plan = build_plan(seq_ids, appended, lengths, page_size, sliding, tree=tree)
             if self._slides is not None:  # the MHA_SLIDING layers' level, over their own pages
-                plan = with_window(plan, *window_plan(seqs, lengths, self.options.layer_sliding_window_size,
-                                                      page_size))
+                window = self.options.layer_sliding_window_size
+                if trees is None and max(lengths) > 1 and self._window_prefill and \
+                        max(map(_LENGTH, seqs)) <= window:  # no window hides a key: tiled prefill
+                    plan = with_window(plan, *window_prefill_plan(seqs, lengths, page_size))
+                else:
+                    plan = with_window(plan, *window_plan(seqs, lengths, window, page_size))
             self._start_step(plan, self._arrays)
         except BaseException:
             self._table.rollback_step()
@@ -1253,6 +1262,7 @@ def _compiled_launches(kernels: Kernels) -> bool:
 
 
 _WINDOW_SIZE = operator.attrgetter("window_size")
+_LENGTH = operator.attrgetter("length")
 _MHA_KINDS = (AttnKind.MHA, AttnKind.MHA_SLIDING)
 _TREE = operator.attrgetter("tree")
 

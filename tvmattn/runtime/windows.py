@@ -11,8 +11,16 @@ page table the pages its window touches and length_info [3, N] = (slots used in 
 page, slot of the window's first token in the first page, sink 0), read by the
 sliding-window decode kernel (`decode_paged_sliding_window`), and the pool position of each
 new token in the sliding pages. Launches (`WindowStep`): an MHA_SLIDING layer appends the new
-tokens' K/V to its pages first, then runs that one decode launch over all of them (in every
-step: prefill too, as one request per token; the MHA layers run the step's usual levels).
+tokens' K/V to its pages first, then runs that one decode launch over all of them; the MHA
+layers run the step's usual levels.
+
+On a GPU, prefill steps whose windows hide nothing (`window_prefill_plan`: no token tree, some
+sequence appends more than one token, and every sequence's length after the append is at most
+W, so its sliding pages still hold every token and no query's window excludes a key) attend
+with the tiled paged prefill kernel instead, one causal request per sequence over its whole sliding page
+table: query i of n sees keys 0 .. length - n + i, exactly its window. Other prefill steps keep
+the per-token decode (the prefill kernels mask no window's start), as does the CPU, where the
+per-token decode kernel is the faster of the two on the same keys.
 
 TVM's C++ cache attends the same way in decode steps; in other steps it runs the history's
 last W tokens through the causal sliding prefill and the new tokens unwindowed, so a query
@@ -67,6 +75,30 @@ def window_plan(seqs: list, lengths, window: int, page_size: int) -> tuple[Level
     return level, positions
 
 
+def window_prefill_plan(seqs: list, lengths, page_size: int) -> tuple[LevelArrays, np.ndarray]:
+    """The MHA_SLIDING layers' part of a step whose windows hide nothing (see the module
+    docstring; the caller checks that every sequence's length is at most the window, so none
+    has dropped a page): one causal paged-prefill request per sequence over its whole sliding
+    page table. Returns (level, append_positions) as `window_plan`, the level's length_info [B]
+    (the last page's used slots), k_offset [B] zeros, qo_indptr [B+1] the append indptr."""
+    batch = len(seqs)
+    n = np.asarray(lengths, dtype=np.int64)
+    total = int(n.sum())
+    counts = np.fromiter(map(len, map(_SLIDE_PAGES, seqs)), np.int64, batch)
+    indptr = np.zeros(batch + 1, dtype=np.int64)
+    counts.cumsum(out=indptr[1:])
+    pages = np.frombuffer(bytearray(b"".join(map(_SLIDE_PAGES, seqs))), np.int32)
+    end = np.fromiter(map(_LENGTH, seqs), np.int64, batch)
+    qo_indptr = np.zeros(batch + 1, dtype=np.int64)
+    n.cumsum(out=qo_indptr[1:])
+    p = np.repeat(end - n - qo_indptr[:-1], n) + np.arange(total)  # each new token's position
+    positions = (pages[np.repeat(indptr[:-1], n) + p // page_size].astype(np.int64) * page_size
+                 + p % page_size).astype(np.int32)
+    level = LevelArrays(indptr.astype(np.int32), pages.copy(), ((end - 1) % page_size + 1).astype(np.int32),
+                        np.zeros(batch, dtype=np.int32), qo_indptr.astype(np.int32))
+    return level, positions
+
+
 def sliding_pages_held(length: int, window: int, page_size: int) -> int:
     """Pages an MHA_SLIDING layer holds for a sequence of `length` tokens between steps (no
     token tree, no page shared): those from its next query's window on."""
@@ -77,14 +109,26 @@ class WindowStep(Step):
     """A step of a cache with MHA_SLIDING layers: Step's launches, and the windowed ones."""
 
     def __init__(self, plan, arrays, kernels, work: dict, rope, window_decode):
+        """window_decode: the sliding-window paged decode backend; a window level planned for
+        prefill (`window_prefill_plan`) runs kernels.paged_prefill (a TIR kernel: it has no
+        plan step) instead."""
         super().__init__(plan, arrays, kernels, work, rope)
         (level,), (self._slide_positions,) = arrays.window, arrays.slide_positions
-        mha, q_positions = window_decode.mha, arrays.q_positions
+        q_positions = arrays.q_positions
         indptr, indices, info, k_offset = level.page_indptr, level.page_indices, level.length_info, level.k_offset
+        self.window_kernel = level.kernel
+        if level.kernel == "prefill":
+            mha, qo_indptr = kernels.paged_prefill.mha, level.qo_indptr
 
-        def run(pages, q, o, lse, sm_scale):
-            mha(0, q, pages, indptr, indices, info, k_offset, q_positions, rope.mode, rope.scale, rope.theta,
-                sm_scale, o, lse)
+            def run(pages, q, o, lse, sm_scale):
+                mha(0, q, qo_indptr, pages, indptr, indices, info, q_positions, k_offset, True, rope.mode,
+                    rope.scale, rope.theta, sm_scale, o, lse)
+        else:
+            mha = window_decode.mha
+
+            def run(pages, q, o, lse, sm_scale):
+                mha(0, q, pages, indptr, indices, info, k_offset, q_positions, rope.mode, rope.scale, rope.theta,
+                    sm_scale, o, lse)
 
         self._window_run = run
 
