@@ -590,7 +590,7 @@ def _demo(args) -> int:
 
 def _apply_kv_scales(generator, args) -> str | None:
     """Give the generator the FP8 scales --kv-scales or --calibrate-kv-scales ask for; the problem, if any."""
-    from .calibrate import calibrate_kv_scales, load_kv_scales
+    from .calibrate import calibrate_kv_scales, load_library_kv_scales
 
     path, calibrate = getattr(args, "kv_scales", None), getattr(args, "calibrate_kv_scales", False)
     if path is None and not calibrate:
@@ -602,7 +602,7 @@ def _apply_kv_scales(generator, args) -> str | None:
                 f"--kv-cache-dtype {support.FP8_KV_DTYPES[0]})")
     try:
         if path is not None:
-            generator.kv_scales = load_kv_scales(path, spec["num_layers"], spec["num_kv_heads"])
+            generator.kv_scales = load_library_kv_scales(path, spec)
         else:
             prompts = [generator.encode(p, chat=not args.no_chat) for p in args.prompt]
             generator.kv_scales = calibrate_kv_scales(generator, prompts, spec["kv_dtype"])

@@ -6,7 +6,8 @@ a DeepSeek-style layer makes (MLC-LLM's order, the cache first).
 being built and emits `tvmattn.paged_attention_kv_cache_create` in TVM's positional layout
 (tvmattn.runtime.ffi.CreateArgs) as TVM's TIRPagedKVCache does for attn_kind "mla":
 num_kv_heads 1, qk_head_dim = latent + rope, v_head_dim = latent, every layer AttnKind.MLA,
-RoPE mode none (the model rotates q_pe and k_pe itself), the ragged prefill at the model's own
+RoPE mode none (the model rotates q_pe and k_pe itself), pages of MLACacheSpec.kv_dtype (FP8
+latent pages: the option ("kv_dtype", format) in the extensions, as TvmattnKVCache's), the ragged prefill at the model's own
 head dims (H key heads, nope + rope / v_head_dim), the MLA paged prefill in the MLA slot, merge
 functions at the latent width (cascade levels of the cross attention) and at v_head_dim
 (merge_attn_output_inplace), the MLA page operations; the MHA-only slots are empty. The MLA
@@ -51,6 +52,8 @@ class MLACacheSpec:
     of the absorbed attention); rope_dim: qk_rope_head_dim (the cached rotated key part);
     qk_nope_head_dim / v_head_dim: the model's own head dims of the un-absorbed self attention.
     page_size is compiled into the kernels: create_paged_kv_cache must be called with it.
+    kv_dtype: the latent pages' element type: "" (dtype) or an FP8 format, whose scales are two
+    per layer ([num_layers, 2, 1]: index 0 the latent columns, index 1 the rope columns).
     """
 
     num_layers: int
@@ -63,11 +66,12 @@ class MLACacheSpec:
     target: str
     page_size: int = 16
     rope_theta: float = 10000.0
+    kv_dtype: str = ""
 
     def mla_config(self) -> MLAConfig:
         """The latent attention's kernels: pages [P, page_size, latent + rope]."""
         return MLAConfig(self.num_heads, latent_dim=self.latent_dim, rope_dim=self.rope_dim, dtype=self.dtype,
-                         page_size=self.page_size, target=self.target)
+                         page_size=self.page_size, target=self.target, kv_dtype=self.kv_dtype)
 
     def self_attention_config(self) -> AttentionConfig:
         """The ragged prefill among new tokens: H query and H key heads, nope + rope / v_head_dim."""
@@ -99,9 +103,11 @@ def _library_kernels(spec: MLACacheSpec) -> dict[str, rx.Expr]:
 
 def _extensions(spec: MLACacheSpec) -> rx.Tuple:
     """The create call's 29th argument: the MLA paged decode (TVM's create call has no slot for
-    one; TVM's cache runs its MLA prefill in decode steps too)."""
+    one; TVM's cache runs its MLA prefill in decode steps too) and, for FP8 latent pages, the
+    option ("kv_dtype", format)."""
     decode = _spec(tir_kernels.mla_paged_decode(spec.mla_config()), "tvmattn_decode_paged_mla")
-    return rx.Tuple([tvm.ir.StringImm(EXTENSIONS_TAG), tvm.ir.StringImm("decode_paged_mla"), decode])
+    options = [tvm.ir.StringImm("kv_dtype"), tvm.ir.StringImm(spec.kv_dtype)] if spec.kv_dtype else []
+    return rx.Tuple([tvm.ir.StringImm(EXTENSIONS_TAG), tvm.ir.StringImm("decode_paged_mla"), decode, *options])
 
 
 def _flat(x: nn.Tensor) -> tuple[nn.Tensor, tuple]:
