@@ -369,7 +369,8 @@ def parser() -> argparse.ArgumentParser:
     _speculative_options(generate)
     scales = generate.add_mutually_exclusive_group()
     scales.add_argument("--kv-scales", type=_existing_kv_scales_file, default=None, metavar="FILE",
-                        help="FP8 KV cache scales, [layers, 2, kv_heads] in a .npy or .json file (python -m "
+                        help="FP8 KV cache scales, [layers, 2, kv_heads] (an MLA library: [layers, 2, 1], latent "
+                             "and rope) in a .npy or .json file (python -m "
                              "tvmattn calibrate-kv writes one); for a library compiled with --kv-cache-dtype "
                              "(default: 1.0 everywhere)")
     scales.add_argument("--calibrate-kv-scales", action="store_true",
