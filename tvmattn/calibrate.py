@@ -41,9 +41,10 @@ from tir_kernels.support import FP8_MAX, is_fp8
 def calibrate_kv_scales(generator, prompts: list[list[int]] | list[str], kv_dtype: str = "float8_e4m3fn",
                         chunk: int | None = None, percentile: float = 100.0, headroom: float = 1.0) -> np.ndarray:
     """float32 [num_layers, 2, num_kv_heads] scales for `kv_dtype` from the K/V that `generator`'s
-    model computes over `prompts` (an MLA library: [num_layers, 2, 1], latent and rope scales) (token lists, or strings encoded as chat prompts). Each prompt is
+    model computes over `prompts` (token lists, or strings encoded as chat prompts); an MLA
+    library's: [num_layers, 2, 1], its latent and its rope columns' scales. Each prompt is
     prefilled (in chunks of `chunk` tokens, default the library's) into a sequence of the
-    generator's cache, read back with debug_get_kv, and removed. `percentile` (0, 100]: the
+    generator's cache, read back with debug_get_kv (debug_get_kv_mla), and removed. `percentile` (0, 100]: the
     head's largest |value| (100, amax) or that percentile of its |values| maps to FP8_MAX / headroom
     (headroom >= 1: room for values beyond those of the prompts); values above it saturate."""
     if not is_fp8(kv_dtype):

@@ -6,12 +6,13 @@ a DeepSeek-style layer makes (MLC-LLM's order, the cache first).
 being built and emits `tvmattn.paged_attention_kv_cache_create` in TVM's positional layout
 (tvmattn.runtime.ffi.CreateArgs) as TVM's TIRPagedKVCache does for attn_kind "mla":
 num_kv_heads 1, qk_head_dim = latent + rope, v_head_dim = latent, every layer AttnKind.MLA,
-RoPE mode none (the model rotates q_pe and k_pe itself), pages of MLACacheSpec.kv_dtype (FP8
-latent pages: the option ("kv_dtype", format) in the extensions, as TvmattnKVCache's), the ragged prefill at the model's own
+RoPE mode none (the model rotates q_pe and k_pe itself), the ragged prefill at the model's own
 head dims (H key heads, nope + rope / v_head_dim), the MLA paged prefill in the MLA slot, merge
 functions at the latent width (cascade levels of the cross attention) and at v_head_dim
 (merge_attn_output_inplace), the MLA page operations; the MHA-only slots are empty. The MLA
-paged decode rides in the create call's 29th argument (tvmattn's extensions).
+paged decode rides in the create call's 29th argument (tvmattn's extensions), and so does the
+pages' FP8 format where MLACacheSpec.kv_dtype sets one (the option ("kv_dtype", format), as in
+TvmattnKVCache's: the append quantizes the latent rows, the MLA kernels dequantize them).
 
 Calls (tensors [b, s, ...] as the model holds them, flattened to [b * s, ...] for the cache):
 - `append_mla_kv(layer, kv [b, s, latent + rope])` -> the cache (thread it through: later calls
