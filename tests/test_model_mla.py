@@ -383,7 +383,8 @@ def test_fp8_mla_library_generates_the_float32_tokens(mla_model, mla_fp8_model):
 def test_mla_scales_are_the_latent_and_rope_amax(mla_model, mla_fp8_model):
     """calibrate_kv_scales on an MLA library: [layers, 2, 1], the amax of the prompt's normed
     latent c (index 0) and rotated k_pe (index 1) per layer over 448 (the torch model's, float64);
-    on the FP8 library (its own rounded rows) within e4m3's rounding of those."""
+    on the FP8 library (its own rounded rows) within e4m3's rounding of those; percentile 50
+    maps the columns' median |value| instead."""
     from tvmattn.calibrate import calibrate_kv_scales
 
     torch_model = TorchMLAOnFp8Pages(HF, mla_model.torch_weights, None)
@@ -396,6 +397,10 @@ def test_mla_scales_are_the_latent_and_rope_amax(mla_model, mla_fp8_model):
     assert not np.allclose(exact[:, 0], exact[:, 1], rtol=0.05), "the latent and rope scales are measured apart"
     headroom = calibrate_kv_scales(Generator(mla_model.lib), [PROMPT, PROMPTS[1]], headroom=2.0)
     assert (headroom >= 2 * exact * (1 - 1e-6)).all()
+    median = calibrate_kv_scales(Generator(mla_model.lib), [PROMPT], percentile=50.0)
+    columns = [np.abs(part.numpy()).ravel() for layer in range(HF["num_hidden_layers"])
+               for part in torch_model.exact[layer]]
+    np.testing.assert_allclose(median.ravel(), [np.percentile(c, 50.0) / 448.0 for c in columns], rtol=1e-5)
     rounded = calibrate_kv_scales(Generator(mla_fp8_model.lib), [PROMPT])
     assert np.allclose(rounded, exact, rtol=1 / 8, atol=0), rounded / exact
 
@@ -448,3 +453,23 @@ def test_mla_cache_spec_takes_the_kv_dtype(kv_dtype):
     assert spec.kv_dtype == kv_dtype and spec.mla_config().kv_dtype == kv_dtype
     assert spec.to_dict()["kv_dtype"] == kv_dtype and spec.to_dict()["attention"] == "mla"
     assert spec.self_attention_config().kv_dtype == ""
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_latent_pages_match_the_rounded_torch_model(tmp_path):
+    """fp16 on CUDA with FP8 latent pages: teacher-forced logits against the float64 torch model
+    whose cached rows are rounded to e4m3 at calibrated scales (fp16's tolerance)."""
+    from fp8_accuracy import forced_logits
+    from tir_kernels.support import resolve_target
+
+    from tvmattn.calibrate import calibrate_kv_scales
+
+    target = resolve_target("cuda")
+    fp16 = MLAModel(GPU_HF, tmp_path / "fp16", seed=5, target=target, dtype="float16")
+    fp8 = MLAModel(GPU_HF, tmp_path / "fp8", seed=5, target=target, dtype="float16", kv_cache_dtype="float8_e4m3fn")
+    scales = calibrate_kv_scales(Generator(fp16.lib), [PROMPT], headroom=2.0)
+    generator = Generator(fp8.lib)
+    generator.kv_scales = scales
+    got = forced_logits(generator, PROMPT, CONTINUATION).astype(np.float64)
+    simulated = TorchMLAOnFp8Pages(GPU_HF, fp8.torch_weights, scales).forced_logits(PROMPT, CONTINUATION)
+    assert rel_error(got, simulated).max() < 2e-2, rel_error(got, simulated)
