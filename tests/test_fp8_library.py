@@ -201,3 +201,22 @@ def test_calibration_options(tiny_library):
                            ({"kv_dtype": "float16"}, "kv_dtype")):
         with pytest.raises(ValueError, match=name):
             calibrate_kv_scales(generator, [PROMPT], **keywords)
+
+
+def test_kv_scales_shape_of_mha_and_mla_libraries(tmp_path):
+    """A library's scales are [layers, 2, kv_heads], an MLA library's [layers, 2, 1] (latent,
+    rope): load_library_kv_scales reads a file of that shape and names the file and the shape
+    it expected otherwise; load_kv_scales(mla=True) takes only num_kv_heads 1."""
+    from tvmattn.calibrate import kv_scales_shape, load_library_kv_scales
+
+    mha = {"num_layers": 3, "num_kv_heads": 2}
+    mla = {"attention": "mla", "num_layers": 3, "latent_dim": 64, "rope_dim": 16}
+    assert kv_scales_shape(mha) == (3, 2, 2) and kv_scales_shape(mla) == (3, 2, 1)
+    path = write_scales(tmp_path / "s.npy", 0.5, (3, 2, 2))
+    assert np.array_equal(load_library_kv_scales(path, mha), np.full((3, 2, 2), 0.5, np.float32))
+    with pytest.raises(ValueError) as err:
+        load_library_kv_scales(path, mla)
+    assert str(path) in str(err.value) and "[layers, 2, 1] (latent, rope) = [3, 2, 1], got float32 [3, 2, 2]" in str(
+        err.value), err.value
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        load_kv_scales(path, 3, 2, mla=True)

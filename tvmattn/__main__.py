@@ -369,7 +369,8 @@ def parser() -> argparse.ArgumentParser:
     _speculative_options(generate)
     scales = generate.add_mutually_exclusive_group()
     scales.add_argument("--kv-scales", type=_existing_kv_scales_file, default=None, metavar="FILE",
-                        help="FP8 KV cache scales, [layers, 2, kv_heads] in a .npy or .json file (python -m "
+                        help="FP8 KV cache scales, [layers, 2, kv_heads] (an MLA library: [layers, 2, 1], latent "
+                             "and rope) in a .npy or .json file (python -m "
                              "tvmattn calibrate-kv writes one); for a library compiled with --kv-cache-dtype "
                              "(default: 1.0 everywhere)")
     scales.add_argument("--calibrate-kv-scales", action="store_true",
@@ -590,7 +591,7 @@ def _demo(args) -> int:
 
 def _apply_kv_scales(generator, args) -> str | None:
     """Give the generator the FP8 scales --kv-scales or --calibrate-kv-scales ask for; the problem, if any."""
-    from .calibrate import calibrate_kv_scales, load_kv_scales
+    from .calibrate import calibrate_kv_scales, load_library_kv_scales
 
     path, calibrate = getattr(args, "kv_scales", None), getattr(args, "calibrate_kv_scales", False)
     if path is None and not calibrate:
@@ -602,7 +603,7 @@ def _apply_kv_scales(generator, args) -> str | None:
                 f"--kv-cache-dtype {support.FP8_KV_DTYPES[0]})")
     try:
         if path is not None:
-            generator.kv_scales = load_kv_scales(path, spec["num_layers"], spec["num_kv_heads"])
+            generator.kv_scales = load_library_kv_scales(path, spec)
         else:
             prompts = [generator.encode(p, chat=not args.no_chat) for p in args.prompt]
             generator.kv_scales = calibrate_kv_scales(generator, prompts, spec["kv_dtype"])

@@ -18,6 +18,11 @@ On an FP8 library's generator it measures the FP8-rounded K/V of a cache at the 
 scales (1.0 by default), raising the scale of every head whose values reached the format's
 largest code (saturated, so its amax was not seen) and measuring again.
 
+An MLA (DeepSeek) library's cache holds one latent row per token and layer, [c, k_pe]: its
+scales are [num_layers, 2, 1], index 0 the latent columns' scale (c, also the values; amax over
+the first latent_dim columns) and index 1 the rope columns' (k_pe after RoPE; amax over the
+last rope_dim columns), measured the same way (`kv_scales_shape` gives a library's shape).
+
 `save_kv_scales` / `load_kv_scales`: the scales as a file (.npy, or .json: a nested list), what
 `python -m tvmattn calibrate-kv` writes and `generate --kv-scales` reads.
 """
@@ -36,9 +41,10 @@ from tir_kernels.support import FP8_MAX, is_fp8
 def calibrate_kv_scales(generator, prompts: list[list[int]] | list[str], kv_dtype: str = "float8_e4m3fn",
                         chunk: int | None = None, percentile: float = 100.0, headroom: float = 1.0) -> np.ndarray:
     """float32 [num_layers, 2, num_kv_heads] scales for `kv_dtype` from the K/V that `generator`'s
-    model computes over `prompts` (token lists, or strings encoded as chat prompts). Each prompt is
+    model computes over `prompts` (token lists, or strings encoded as chat prompts); an MLA
+    library's: [num_layers, 2, 1], its latent and its rope columns' scales. Each prompt is
     prefilled (in chunks of `chunk` tokens, default the library's) into a sequence of the
-    generator's cache, read back with debug_get_kv, and removed. `percentile` (0, 100]: the
+    generator's cache, read back with debug_get_kv (debug_get_kv_mla), and removed. `percentile` (0, 100]: the
     head's largest |value| (100, amax) or that percentile of its |values| maps to FP8_MAX / headroom
     (headroom >= 1: room for values beyond those of the prompts); values above it saturate."""
     if not is_fp8(kv_dtype):
@@ -59,7 +65,7 @@ def calibrate_kv_scales(generator, prompts: list[list[int]] | list[str], kv_dtyp
         # reached FP8_MAX * scale may hold larger values, so its scale grows until none does
         limit = FP8_MAX[spec["kv_dtype"]]
         given = session.kv_scales
-        trial = np.ones((spec["num_layers"], 2, spec["num_kv_heads"])) if given is None else np.array(given, np.float64)
+        trial = np.ones(kv_scales_shape(spec)) if given is None else np.array(given, np.float64)
         try:
             for _ in range(8):
                 session.kv_scales = trial.astype(np.float32)
@@ -75,36 +81,87 @@ def calibrate_kv_scales(generator, prompts: list[list[int]] | list[str], kv_dtyp
     return scales.astype(np.float32)
 
 
+def is_mla(spec: dict) -> bool:
+    """A library's metadata["kv_cache"] describes an MLA (latent) cache."""
+    return spec.get("attention") == "mla"
+
+
+def kv_scales_shape(spec: dict) -> tuple[int, int, int]:
+    """The FP8 scales' shape of a library's cache (metadata["kv_cache"]): (num_layers, 2,
+    num_kv_heads), or (num_layers, 2, 1) for an MLA cache (latent, rope)."""
+    return (spec["num_layers"], 2, 1 if is_mla(spec) else spec["num_kv_heads"])
+
+
+def load_library_kv_scales(path, spec: dict) -> np.ndarray:
+    """load_kv_scales for the library whose metadata["kv_cache"] is `spec` (MLA or not)."""
+    layers, _, heads = kv_scales_shape(spec)
+    return load_kv_scales(path, layers, heads, mla=is_mla(spec))
+
+
 def _measure(generator, session, token_lists: list[list[int]], chunk: int | None, percentile: float) -> np.ndarray:
-    """float64 [layers, 2, heads]: the percentile of |K| and |V| per head over the prompts, from a
-    cache of the session's own (the generator's is dropped: it makes another on its next call)."""
+    """float64 [layers, 2, heads]: the percentile of |K| and |V| per head over the prompts (an
+    MLA cache: [layers, 2, 1], of its latent and its rope columns), from a cache of the session's
+    own (the generator's is dropped: it makes another on its next call)."""
     spec = session.metadata["kv_cache"]
+    if is_mla(spec):
+        return _measure_mla(generator, session, token_lists, chunk, percentile)
     layers, heads, dim = spec["num_layers"], spec["num_kv_heads"], spec["head_dim"]
     seen: list[list[np.ndarray]] = [[], []]  # per K/V: |values| [layers, tokens * dim, heads] per prompt
+
+    def read(seq: int, n: int) -> None:
+        k = tvm.runtime.empty((layers, n, heads, dim), spec["dtype"], device=session.device)
+        v = tvm.runtime.empty((layers, n, heads, dim), spec["dtype"], device=session.device)
+        tvm.get_global_func("tvmattn.attention_kv_cache_debug_get_kv")(session.cache, seq, 0, n, k, v)
+        for index, values in ((0, k), (1, v)):
+            magnitude = np.abs(values.numpy().astype(np.float64)).transpose(0, 1, 3, 2)
+            seen[index].append(magnitude.reshape(layers, -1, heads))
+
+    _prefill_each(generator, session, token_lists, chunk, read)
+    return np.stack([np.percentile(np.concatenate(part, axis=1), percentile, axis=1) for part in seen], axis=1)
+
+
+def _prefill_each(generator, session, token_lists: list[list[int]], chunk: int | None, read) -> None:
+    """Prefill each prompt (in chunks) into sequence 0 of a new cache of the session's, call
+    read(seq, n) while it is cached, remove it; the session keeps no cache afterwards."""
     chunk = chunk or session.prefill_chunk
     page = session.settings["page_size"]
     longest = max(len(t) for t in token_lists)
     if hasattr(generator, "runner"):
         generator.runner = None  # the calibration's cache replaces the generator's
     session.create_cache(1, -(-longest // page) * page + page)
-    for tokens in token_lists:
-        seq = 0
-        session.add_sequence(seq)
-        try:
-            for begin in range(0, len(tokens), chunk):
-                piece = tokens[begin:begin + chunk]
-                session.forward("prefill", [seq], [len(piece)], session.embed(piece)[None])
-            dtype = spec["dtype"]
-            k = tvm.runtime.empty((layers, len(tokens), heads, dim), dtype, device=session.device)
-            v = tvm.runtime.empty((layers, len(tokens), heads, dim), dtype, device=session.device)
-            tvm.get_global_func("tvmattn.attention_kv_cache_debug_get_kv")(session.cache, seq, 0, len(tokens), k, v)
-            for index, values in ((0, k), (1, v)):
-                magnitude = np.abs(values.numpy().astype(np.float64)).transpose(0, 1, 3, 2)
-                seen[index].append(magnitude.reshape(layers, -1, heads))
-        finally:
-            session.remove_sequence(seq)
-    session.cache, session.cache_tokens = None, 0
-    return np.stack([np.percentile(np.concatenate(part, axis=1), percentile, axis=1) for part in seen], axis=1)
+    try:
+        for tokens in token_lists:
+            session.add_sequence(0)
+            try:
+                for begin in range(0, len(tokens), chunk):
+                    piece = tokens[begin:begin + chunk]
+                    session.forward("prefill", [0], [len(piece)], session.embed(piece)[None])
+                read(0, len(tokens))
+            finally:
+                session.remove_sequence(0)
+    finally:
+        session.cache, session.cache_tokens = None, 0
+
+
+def _measure_mla(generator, session, token_lists: list[list[int]], chunk: int | None,
+                 percentile: float) -> np.ndarray:
+    """float64 [layers, 2, 1]: the percentile of |latent| (columns below latent_dim) and of
+    |k_pe| (the rope columns) per layer, read back with debug_get_kv_mla."""
+    spec = session.metadata["kv_cache"]
+    layers, latent, width = spec["num_layers"], spec["latent_dim"], spec["latent_dim"] + spec["rope_dim"]
+    seen: list[list[np.ndarray]] = [[], []]  # latent / rope: |values| [layers, tokens * columns] per prompt
+
+    def read(seq: int, n: int) -> None:
+        kv = tvm.runtime.empty((layers, n, width), spec["dtype"], device=session.device)
+        tvm.get_global_func("tvmattn.attention_kv_cache_debug_get_kv_mla")(session.cache, seq, 0, n, kv)
+        magnitude = np.abs(kv.numpy().astype(np.float64))
+        seen[0].append(magnitude[:, :, :latent].reshape(layers, -1))
+        seen[1].append(magnitude[:, :, latent:].reshape(layers, -1))
+
+    _prefill_each(generator, session, token_lists, chunk, read)
+    amax = [np.percentile(np.concatenate(part, axis=1), percentile, axis=1) if part[0].shape[1] else np.zeros(layers)
+            for part in seen]
+    return np.stack(amax, axis=1)[:, :, None]
 
 
 def save_kv_scales(path, scales) -> None:
@@ -118,11 +175,15 @@ def save_kv_scales(path, scales) -> None:
         raise ValueError(f"kv scales file {str(path)!r}: expected a name ending in .npy or .json")
 
 
-def load_kv_scales(path, num_layers: int, num_kv_heads: int) -> np.ndarray:
-    """float32 [num_layers, 2, num_kv_heads] read from a .npy or .json file; ValueError naming the
+def load_kv_scales(path, num_layers: int, num_kv_heads: int, mla: bool = False) -> np.ndarray:
+    """float32 [num_layers, 2, num_kv_heads] read from a .npy or .json file (mla: an MLA cache's
+    [num_layers, 2, 1], latent and rope scales; num_kv_heads must be 1); ValueError naming the
     file when it is unreadable, of another shape, or holds a value that is not finite and > 0."""
     path = Path(path)
+    if mla and num_kv_heads != 1:
+        raise ValueError(f"num_kv_heads={num_kv_heads!r}: an MLA cache's scales are [num_layers, 2, 1]")
     expected = [num_layers, 2, num_kv_heads]
+    names = "[layers, 2, 1] (latent, rope)" if mla else "[layers, 2, kv_heads]"
     try:
         if path.suffix == ".json":
             scales = np.array(json.loads(path.read_text()), dtype=np.float64)
@@ -134,7 +195,7 @@ def load_kv_scales(path, num_layers: int, num_kv_heads: int) -> np.ndarray:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
         raise ValueError(f"kv scales file {str(path)!r}: {reason}") from None
     if scales.dtype.kind not in "fiu" or list(scales.shape) != expected:
-        raise ValueError(f"kv scales file {str(path)!r}: expected numbers of shape [layers, 2, kv_heads] = "
+        raise ValueError(f"kv scales file {str(path)!r}: expected numbers of shape {names} = "
                          f"{expected}, got {scales.dtype} {list(scales.shape)}")
     scales = scales.astype(np.float64)
     if not (np.isfinite(scales).all() and (scales > 0).all()):

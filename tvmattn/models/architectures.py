@@ -60,11 +60,7 @@ def cache_spec(config: AnyModelConfig, options) -> Any:
     if isinstance(config, DeepseekV2Config):
         from .deepseek import cache_spec as mla_cache_spec
 
-        if options.kv_dtype:
-            raise ValueError(f"kv_dtype={options.kv_dtype!r} is not supported for MLA (DeepSeek) caches: expected"
-                             " the dtype")
-
-        return mla_cache_spec(config, options.dtype, options.target, options.page_size)
+        return mla_cache_spec(config, options.dtype, options.target, options.page_size, options.kv_dtype)
     from .gemma3 import Gemma3Config
     from .kv_cache import KVCacheSpec
 

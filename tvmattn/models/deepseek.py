@@ -150,11 +150,13 @@ class DeepseekV2Model(nn.Module):
         return self.norm(x)
 
 
-def cache_spec(config: DeepseekV2Config, dtype: str, target: str, page_size: int) -> MLACacheSpec:
+def cache_spec(config: DeepseekV2Config, dtype: str, target: str, page_size: int,
+               kv_dtype: str = "") -> MLACacheSpec:
+    """The library's MLA cache spec; kv_dtype: "" (dtype pages) or an FP8 format (latent pages)."""
     return MLACacheSpec(num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
                         latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim,
                         qk_nope_head_dim=config.qk_nope_head_dim, v_head_dim=config.v_head_dim, dtype=dtype,
-                        target=target, page_size=page_size, rope_theta=config.rope_theta)
+                        target=target, page_size=page_size, rope_theta=config.rope_theta, kv_dtype=kv_dtype)
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):

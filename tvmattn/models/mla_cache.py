@@ -10,7 +10,9 @@ RoPE mode none (the model rotates q_pe and k_pe itself), the ragged prefill at t
 head dims (H key heads, nope + rope / v_head_dim), the MLA paged prefill in the MLA slot, merge
 functions at the latent width (cascade levels of the cross attention) and at v_head_dim
 (merge_attn_output_inplace), the MLA page operations; the MHA-only slots are empty. The MLA
-paged decode rides in the create call's 29th argument (tvmattn's extensions).
+paged decode rides in the create call's 29th argument (tvmattn's extensions), and so does the
+pages' FP8 format where MLACacheSpec.kv_dtype sets one (the option ("kv_dtype", format), as in
+TvmattnKVCache's: the append quantizes the latent rows, the MLA kernels dequantize them).
 
 Calls (tensors [b, s, ...] as the model holds them, flattened to [b * s, ...] for the cache):
 - `append_mla_kv(layer, kv [b, s, latent + rope])` -> the cache (thread it through: later calls
@@ -51,6 +53,8 @@ class MLACacheSpec:
     of the absorbed attention); rope_dim: qk_rope_head_dim (the cached rotated key part);
     qk_nope_head_dim / v_head_dim: the model's own head dims of the un-absorbed self attention.
     page_size is compiled into the kernels: create_paged_kv_cache must be called with it.
+    kv_dtype: the latent pages' element type: "" (dtype) or an FP8 format, whose scales are two
+    per layer ([num_layers, 2, 1]: index 0 the latent columns, index 1 the rope columns).
     """
 
     num_layers: int
@@ -63,11 +67,12 @@ class MLACacheSpec:
     target: str
     page_size: int = 16
     rope_theta: float = 10000.0
+    kv_dtype: str = ""
 
     def mla_config(self) -> MLAConfig:
         """The latent attention's kernels: pages [P, page_size, latent + rope]."""
         return MLAConfig(self.num_heads, latent_dim=self.latent_dim, rope_dim=self.rope_dim, dtype=self.dtype,
-                         page_size=self.page_size, target=self.target)
+                         page_size=self.page_size, target=self.target, kv_dtype=self.kv_dtype)
 
     def self_attention_config(self) -> AttentionConfig:
         """The ragged prefill among new tokens: H query and H key heads, nope + rope / v_head_dim."""
@@ -99,9 +104,11 @@ def _library_kernels(spec: MLACacheSpec) -> dict[str, rx.Expr]:
 
 def _extensions(spec: MLACacheSpec) -> rx.Tuple:
     """The create call's 29th argument: the MLA paged decode (TVM's create call has no slot for
-    one; TVM's cache runs its MLA prefill in decode steps too)."""
+    one; TVM's cache runs its MLA prefill in decode steps too) and, for FP8 latent pages, the
+    option ("kv_dtype", format)."""
     decode = _spec(tir_kernels.mla_paged_decode(spec.mla_config()), "tvmattn_decode_paged_mla")
-    return rx.Tuple([tvm.ir.StringImm(EXTENSIONS_TAG), tvm.ir.StringImm("decode_paged_mla"), decode])
+    options = [tvm.ir.StringImm("kv_dtype"), tvm.ir.StringImm(spec.kv_dtype)] if spec.kv_dtype else []
+    return rx.Tuple([tvm.ir.StringImm(EXTENSIONS_TAG), tvm.ir.StringImm("decode_paged_mla"), decode, *options])
 
 
 def _flat(x: nn.Tensor) -> tuple[nn.Tensor, tuple]:
