@@ -300,6 +300,7 @@ def e2e_table(rows: Rows) -> str:
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the model of the cpu table (bench_cpu.py rows name their GGUF)
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"  # the model of the cpu-gemma3 table
 
 
 def cpu_table(rows: Rows, model: str = SMOLLM2_GGUF) -> str:
@@ -438,6 +439,12 @@ def summary_table(rows: Rows) -> str:
     if ours:
         add(f"SmolLM2-135M Q4_1 decode on {ours.get('threads', 2)} CPU cores (tokens/s)", rate(ours, "tokens_per_s"),
             [llama and f"llama.cpp {fmt(llama['tokens_per_s'])}"])
+    for kernel, what in (("prefill", "prompt"), ("decode", "decode")):
+        ours = rows.get(used, bench="cpu", kernel=kernel, impl="tvmattn", variant="keep", model=GEMMA3_GGUF)
+        llama = rows.get(used, bench="cpu", kernel=kernel, impl="llama.cpp", model=GEMMA3_GGUF)
+        if ours:
+            add(f"Gemma 3 270M Q4_K_M {what} on {ours.get('threads', 2)} CPU cores (tokens/s)",
+                rate(ours, "tokens_per_s"), [llama and f"llama.cpp {fmt(llama['tokens_per_s'])}"])
     spec = dict(bench="speculative", target="llvm")
     backed = [rows.get(used, prompt=p, variant=KEEP + "prompt-lookup K=8 W=1", **spec) for p in ("code-edit", "free-form")]
     every = [rows.get(used, prompt=p, variant=KEEP + "prompt-lookup K=8 W=1 every-step", **spec)
@@ -454,7 +461,7 @@ def summary_table(rows: Rows) -> str:
 TABLES = {
     "decode": decode_table, "prefill": prefill_table, "tree": tree_table, "mla-decode": mla_decode_table,
     "mla-prefill": mla_prefill_table, "cache": cache_table, "cache-host": cache_host_table, "e2e": e2e_table,
-    "cpu": cpu_table, "speculative": speculative_table, "speculative-keep": speculative_keep_table,
+    "cpu": cpu_table, "cpu-gemma3": lambda rows: cpu_table(rows, GEMMA3_GGUF), "speculative": speculative_table, "speculative-keep": speculative_keep_table,
     "summary": summary_table,
 }
 

@@ -102,6 +102,23 @@ def test_kv_scales_reach_the_cache(fp8_library, tmp_path):
     assert np.allclose(base[0], scaled[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("scales, fragment", [(np.ones((1, 2, 3, 4)), "kv_scales must broadcast to"),
+                                              (-1.0, "kv_scales must be finite and positive")])
+def test_bad_generator_kv_scales_are_refused_and_change_nothing(fp8_library, scales, fragment):
+    from tvmattn.generate import GenerateError, Generator
+
+    from fp8_accuracy import forced_logits
+
+    generator = Generator(fp8_library)
+    generator.kv_scales = 0.5
+    before = forced_logits(generator, PROMPT, CONTINUATION)
+    runner = generator.runner
+    with pytest.raises(GenerateError, match=fragment):
+        generator.kv_scales = scales
+    assert generator.runner is runner and (generator.kv_scales == 0.5).all()
+    np.testing.assert_array_equal(forced_logits(generator, PROMPT, CONTINUATION), before)
+
+
 @pytest.mark.parametrize("suffix", [".npy", ".json"])
 def test_kv_scales_files_round_trip(tmp_path, suffix):
     scales = np.random.default_rng(0).uniform(0.01, 2.0, (3, 2, 2)).astype(np.float32)

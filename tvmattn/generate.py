@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .calibrate import kv_scales_shape
 from .sampling import SamplingOptions
 from .serve.engine import SAMPLING_MODES, Engine, Event, RequestError
 from .serve.runner import DraftModel, ModelRunner
@@ -236,6 +237,17 @@ class Generator:
 
     @kv_scales.setter
     def kv_scales(self, scales) -> None:
+        """Checked here (GenerateError naming kv_scales, nothing changed) rather than when the
+        next call's cache is made, which would leave the generator without a cache."""
+        if scales is not None and "kv_cache" in self.session.metadata:
+            shape = kv_scales_shape(self.session.metadata["kv_cache"])
+            try:
+                array = np.broadcast_to(np.asarray(scales, dtype=np.float64), shape).astype(np.float32)
+            except (ValueError, TypeError):
+                raise GenerateError(f"kv_scales must broadcast to {list(shape)}, got shape {np.shape(scales)}") from None
+            if not (np.isfinite(array).all() and (array > 0).all()):
+                raise GenerateError("kv_scales must be finite and positive")
+            scales = array
         self.session.kv_scales, self.runner = scales, None
 
     # ------------------------------------------------------------------ token level
