@@ -161,10 +161,10 @@ import test_cache_layer_kinds as kinds  # noqa: E402
 class FP8KindsModel(kinds.KindsModel):
     """test_cache_layer_kinds.KindsModel over FP8 pages: its truth holds the dequantized codes.
     Which keys a layer reads from the pages (quantized): in a decode step all of them; in another
-    step an MHA layer reads the history from the pages and the step's keys from its arguments,
-    and so does an MHA_SLIDING layer unless a sequence of the step is longer than the window
-    after the append (tvmattn.runtime.windows: then one windowed decode per new token reads
-    every key from the pages)."""
+    step an MHA layer reads the history from the pages and the step's keys from its arguments;
+    an MHA_SLIDING layer appends first and reads every key from its own pages in every step
+    (tvmattn.runtime.windows: the windowed decode per new token, or the paged prefill over the
+    sliding pages)."""
 
     def __init__(self, target="llvm", page_size=4, rope_mode="none", seed=0, *, kv_dtype, **options):
         rng = np.random.default_rng(2000 + seed)
@@ -180,7 +180,7 @@ class FP8KindsModel(kinds.KindsModel):
         return any(h + n > self.window for h, n in zip(history, lengths))
 
     def _expected(self, seq_ids, lengths, history, layer, kind, qkv):
-        from_pages = all(n == 1 for n in lengths) or (kind == "mha_sliding" and self._windowed(history, lengths))
+        from_pages = all(n == 1 for n in lengths) or kind == "mha_sliding"
         out, start = [], 0
         for seq_id, n, h in zip(seq_ids, lengths, history):
             q, k, v = self._split(qkv[start:start + n], h + np.arange(n))
@@ -199,16 +199,18 @@ class FP8KindsModel(kinds.KindsModel):
         super()._shared(seq_ids, lengths, history, qkv)
 
     def check_kv(self):
-        """debug_get_kv: the dequantized truth, rounded to fp16."""
+        """debug_get_kv: the dequantized truth, rounded to fp16 (zeros where the MHA_SLIDING
+        layers released their tokens: `kept`)."""
         for seq_id in self.k:
             n = len(self.k[seq_id][0])
             if n:
                 k, v = (kinds.empty((len(self.kinds), n, kinds.HKV, kinds.D), kinds.DTYPE, self.device)
                         for _ in range(2))
                 self.cache.debug_get_kv(seq_id, 0, n, k, v)
-                for name, got, truth in (("K", k, self.k[seq_id]), ("V", v, self.v[seq_id])):
-                    np.testing.assert_allclose(got.numpy().astype(np.float64), np.stack(truth), rtol=1e-3, atol=1e-6,
-                                               err_msg=f"{name} of {seq_id}")
+                truth = self.kept(seq_id)
+                for name, got, index in (("K", k, 0), ("V", v, 1)):
+                    np.testing.assert_allclose(got.numpy().astype(np.float64), np.stack([t[index] for t in truth]),
+                                               rtol=1e-3, atol=1e-6, err_msg=f"{name} of {seq_id}")
 
 
 @pytest.mark.parametrize("fmt", [pytest.param("float8_e4m3fn", id="e4m3"),
@@ -228,10 +230,11 @@ def test_layer_windows_on_fp8_pages(target, fmt, page_size, rope_mode):
     for _ in range(2):
         m.forward([0, 1, 2], [1, 1, 1], shared_from_window=True)
     m.forward([2, 0], [1, 6])
-    m.fork(0, 3, 10)
+    # the earliest fork point the sliding layers allow (their window's first token still held)
+    m.fork(0, 3, max(m.cache.sliding_kept_from(0) + m.window - 1, len(m.k[0][0]) - 1))
     m.fork(1, 4)
     m.forward([3, 4, 0], [2, 1, 1])
-    m.popn(4, 4)
+    m.popn(4, len(m.k[4][0]) - (m.cache.sliding_kept_from(4) + m.window - 1))
     m.forward([4, 1], [1, 9])
     m.check_kv()
     m.remove(0)
