@@ -156,6 +156,17 @@ def test_cpu_runs_of_one_day_are_told_apart_by_their_device_line():
     assert bench_rows.latest_rows({"cpu.json": rows}) == {"cpu.json": rows[1:]}
 
 
+def test_rows_of_another_model_supersede_nothing():
+    def cpu(model, date):
+        return {"bench": "cpu", "model": model, "kernel": "decode", "impl": "tvmattn", "variant": "keep",
+                "threads": 2, "tokens_per_s": 1.0, "date": date, "commit": "aaaaaaa", "device": "2-core CPU"}
+
+    smollm2, gemma, later = cpu("a.gguf", "2026-01-01"), cpu("b.gguf", "2026-01-02"), cpu("a.gguf", "2026-01-03")
+    assert bench_rows.latest_rows({"cpu.json": [smollm2], "g.json": [gemma]}) == {"cpu.json": [smollm2],
+                                                                                 "g.json": [gemma]}
+    assert bench_rows.latest_rows({"cpu.json": [smollm2, later]}) == {"cpu.json": [later]}
+
+
 def test_stored_rows_are_compact_and_one_a_line():
     row = kernel_row(ms=0.0123456789, variant="table: w4k16 at 1x4096, w4k32 at 8x32768", code="work-12 abc")
     stored = bench_rows.stored(row)
