@@ -332,6 +332,25 @@ def cpu_table(rows: Rows, model: str = SMOLLM2_GGUF) -> str:
 KEEP = "keep: "  # the variant prefix of speculative rows from a library that keeps the GGUF's blocks
 
 
+def serve_cpu_table(rows: Rows) -> str:
+    """bench_serve.py's load levels on the CPU: our server and llama-cpp-python's, on one workload."""
+    used: set = set()
+    header = ["server", "clients", "output tokens/s", "TTFT p50 / p99 (ms)", "inter-token p50 / p99 (ms)",
+              "completed"]
+    lines = []
+    found = [e for e in rows.find(bench="serve", device="cpu") if "part" not in e[4]]
+    for impl in dict.fromkeys(e[4]["impl"] for e in found):
+        for clients in sorted({e[4]["concurrency"] for e in found if e[4]["impl"] == impl}):
+            r = rows.get(used, bench="serve", device="cpu", impl=impl, concurrency=clients)
+            lines.append([impl, str(clients), fmt(r["tokens_per_s"]), f"{fmt(r['ttft_p50_ms'])} / {fmt(r['ttft_p99_ms'])}",
+                          f"{fmt(r['itl_p50_ms'])} / {fmt(r['itl_p99_ms'])}", f"{r['completed']}/{r['requests']}"])
+    if not lines:
+        return "(no rows)"
+    r = found[0][4]
+    return (table(header, lines) + f"\n\nPrompts of {r['prompt_len']} {r['prompt_unit']}, {r['output_len']} output "
+            f"tokens, {r['requests']} requests a level.\n\n" + sources(used))
+
+
 def speculative_table(rows: Rows) -> str:
     """Libraries with dequantized weights (float32 on the CPU, float16 on the H200)."""
     used: set = set()
@@ -461,7 +480,7 @@ def summary_table(rows: Rows) -> str:
 TABLES = {
     "decode": decode_table, "prefill": prefill_table, "tree": tree_table, "mla-decode": mla_decode_table,
     "mla-prefill": mla_prefill_table, "cache": cache_table, "cache-host": cache_host_table, "e2e": e2e_table,
-    "cpu": cpu_table, "cpu-gemma3": lambda rows: cpu_table(rows, GEMMA3_GGUF), "speculative": speculative_table, "speculative-keep": speculative_keep_table,
+    "serve-cpu": serve_cpu_table, "cpu": cpu_table, "cpu-gemma3": lambda rows: cpu_table(rows, GEMMA3_GGUF), "speculative": speculative_table, "speculative-keep": speculative_keep_table,
     "summary": summary_table,
 }
 
