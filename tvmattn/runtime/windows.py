@@ -43,24 +43,32 @@ _SLIDE_DROPPED = operator.attrgetter("slide_dropped")
 _LENGTH = operator.attrgetter("length")
 
 
+def _new_tokens(seqs: list, lengths):
+    """The sliding page tables of a step's sequences (after the append) and where its new tokens
+    are: int64 lengths n [B], page indptr [B+1], the concatenated pages (int32), lengths after
+    the append [B], the new tokens' indptr [B+1] and each new token's position [sum n]."""
+    batch = len(seqs)
+    n = np.asarray(lengths, dtype=np.int64)
+    counts = np.fromiter(map(len, map(_SLIDE_PAGES, seqs)), np.int64, batch)
+    indptr = np.zeros(batch + 1, dtype=np.int64)
+    counts.cumsum(out=indptr[1:])
+    pages = np.frombuffer(bytearray(b"".join(map(_SLIDE_PAGES, seqs))), np.int32)
+    end = np.fromiter(map(_LENGTH, seqs), np.int64, batch)
+    token_start = np.zeros(batch + 1, dtype=np.int64)
+    n.cumsum(out=token_start[1:])
+    positions = np.repeat(end - n - token_start[:-1], n) + np.arange(int(token_start[-1]))
+    return n, indptr, pages, end, token_start, positions
+
+
 def window_plan(seqs: list, lengths, window: int, page_size: int) -> tuple[LevelArrays, np.ndarray]:
     """The MHA_SLIDING layers' part of a step: seqs are the step's sequences after the append
     (their `slide_pages` hold every new token), lengths [B] the tokens each appended. Returns
     (level, append_positions): int32 arrays page_indptr [N+1], page_indices [nnz], length_info
     [3, N], k_offset [N] (the first key's position), qo_indptr None (paged decode); and each
     new token's pool position in the sliding pages [N]."""
-    batch = len(seqs)
-    n = np.asarray(lengths, dtype=np.int64)
-    total = int(n.sum())
-    counts = np.fromiter(map(len, map(_SLIDE_PAGES, seqs)), np.int64, batch)
-    indptr = np.zeros(batch + 1, dtype=np.int64)
-    counts.cumsum(out=indptr[1:])
-    pages = np.frombuffer(bytearray(b"".join(map(_SLIDE_PAGES, seqs))), np.int32)
-    end = np.fromiter(map(_LENGTH, seqs), np.int64, batch)
-    dropped = np.fromiter(map(_SLIDE_DROPPED, seqs), np.int64, batch)
-    token_start = np.zeros(batch + 1, dtype=np.int64)
-    n.cumsum(out=token_start[1:])
-    p = np.repeat(end - n - token_start[:-1], n) + np.arange(total)  # each new token's position
+    n, indptr, pages, end, _, p = _new_tokens(seqs, lengths)
+    dropped = np.fromiter(map(_SLIDE_DROPPED, seqs), np.int64, len(seqs))
+    total = len(p)
     s = np.maximum(p - window + 1, 0)  # its window's first position
     base = np.repeat(indptr[:-1] - dropped, n)  # + a page index: its place in `pages`
     first, last = base + s // page_size, base + p // page_size
@@ -82,16 +90,7 @@ def window_prefill_plan(seqs: list, lengths, page_size: int) -> tuple[LevelArray
     page table. Returns (level, append_positions) as `window_plan`, the level's length_info [B]
     (the last page's used slots), k_offset [B] zeros, qo_indptr [B+1] the append indptr."""
     batch = len(seqs)
-    n = np.asarray(lengths, dtype=np.int64)
-    total = int(n.sum())
-    counts = np.fromiter(map(len, map(_SLIDE_PAGES, seqs)), np.int64, batch)
-    indptr = np.zeros(batch + 1, dtype=np.int64)
-    counts.cumsum(out=indptr[1:])
-    pages = np.frombuffer(bytearray(b"".join(map(_SLIDE_PAGES, seqs))), np.int32)
-    end = np.fromiter(map(_LENGTH, seqs), np.int64, batch)
-    qo_indptr = np.zeros(batch + 1, dtype=np.int64)
-    n.cumsum(out=qo_indptr[1:])
-    p = np.repeat(end - n - qo_indptr[:-1], n) + np.arange(total)  # each new token's position
+    n, indptr, pages, end, qo_indptr, p = _new_tokens(seqs, lengths)
     positions = (pages[np.repeat(indptr[:-1], n) + p // page_size].astype(np.int64) * page_size
                  + p % page_size).astype(np.int32)
     level = LevelArrays(indptr.astype(np.int32), pages.copy(), ((end - 1) % page_size + 1).astype(np.int32),
