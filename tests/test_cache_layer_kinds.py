@@ -184,6 +184,10 @@ def test_layer_windows(target, page_size, rope_mode):
     initial = m.cache.get_num_available_pages()
     for s in (0, 1, 2):
         m.add(s)
+    # pages much larger than the window: longer prompts, so that the sliding layers release pages
+    extra = 2 * page_size if page_size > WINDOW else 0
+    if extra:
+        m.forward([0, 1], [extra, extra])
     m.forward([0, 1, 2], [12, 1, 3])
     m.forward([1, 0], [7, 3], shared_from_window=True)
     for _ in range(3):
@@ -194,6 +198,7 @@ def test_layer_windows(target, page_size, rope_mode):
     m.fork(0, 3, max(m.cache.sliding_kept_from(0) + WINDOW - 1, length - 1))
     m.fork(1, 4)
     m.forward([3, 4, 0], [2, 1, 1])
+    assert m.cache.sliding_kept_from(4) > 0, "the case must release pages to refuse the popn below"
     back = len(m.k[4][0]) - (m.cache.sliding_kept_from(4) + WINDOW - 1)
     before = m.cache.sequence_state(4), m.cache.get_num_available_pages()
     with pytest.raises(KVCacheError, match="released the tokens before"):

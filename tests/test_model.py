@@ -604,6 +604,13 @@ GPU_KINDS = {
 }
 
 
+# the unfused library rounds the normed activations (and SiLU * mul) to float16 between kernels,
+# the fused one keeps them in float32; the decode steps feed the difference back through the
+# cache (up to 0.025 of O(5) logits by the fourth step on the H200), so the two are held to what
+# each is allowed against torch
+FUSED_FLOAT16_TOLERANCE = LOGITS_TOLERANCE["float16"]
+
+
 @pytest.mark.gpu
 def test_cuda_fused_decode_ops_match_torch_and_the_unfused_library():
     """The float16 CUDA library's fused decode ops (compiler.fused_schedules' CUDA schedule) against
@@ -612,7 +619,7 @@ def test_cuda_fused_decode_ops_match_torch_and_the_unfused_library():
     target = resolve_target("cuda")
     fused = Model(GPU_CONFIG, "tvmattn", seed=5, target=target, dtype="float16")
     plain = Model(GPU_CONFIG, "tvmattn", seed=5, target=target, dtype="float16", fused=False)
-    compare_with_stock(fused, plain, STOCK_TOLERANCE["float16"])
+    compare_with_stock(fused, plain, FUSED_FLOAT16_TOLERANCE)
     check_decode_step(fused)
 
 
