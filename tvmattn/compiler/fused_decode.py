@@ -17,8 +17,12 @@ find them so): `rms_sumsq` (the rows' sums of squares), `rms_rstd` (1 / RMS per 
 (the normalized row), `NT_matmul` (`[rows, 1, cols]`; SwiGLU: the gate half, and `NT_matmul_up`
 the up half), `T_epilogue` (rounding, bias, SiLU * mul).
 
-`fused_decode(enabled)` is the switch the export runs under (BuildOptions.fused_layers): the
-model uses these ops for its decode shapes where it is on.
+`fused_decode(enabled, single_row_only)` is the switch the export runs under
+(BuildOptions.fused_layers): the model uses these ops for its decode shapes where it is on, or,
+with single_row_only, only where the batch is a static 1 (the `decode` function). CUDA builds
+take single_row_only: there the launches these ops save matter only where the step is not
+replayed from a CUDA graph, and at batch > 1 the fused kernel's GEMV is slower than dlight's
+matmul after a separate norm.
 """
 
 from __future__ import annotations
@@ -28,25 +32,28 @@ import contextvars
 
 from tvm import te, tirx
 
-_FUSED = contextvars.ContextVar("tvmattn_fused_decode", default=True)
+_FUSED = contextvars.ContextVar("tvmattn_fused_decode", default=(True, False))  # (enabled, single_row_only)
 _ONE = tirx.const(1, "int64")
 BLOCKS = ("rms_sumsq", "rms_rstd", "rms_norm", "NT_matmul", "T_epilogue")
 UP_BLOCK = "NT_matmul_up"  # SwiGLU's up half (NT_matmul: its gate half)
 
 
 @contextlib.contextmanager
-def fused_decode(enabled: bool):
-    """Models exported inside this context use the fused decode ops (enabled) or the plain ops."""
-    token = _FUSED.set(bool(enabled))
+def fused_decode(enabled: bool, single_row_only: bool = False):
+    """Models exported inside this context use the fused decode ops (enabled; with
+    single_row_only at a static batch of 1 only) or the plain ops."""
+    token = _FUSED.set((bool(enabled), bool(single_row_only)))
     try:
         yield
     finally:
         _FUSED.reset(token)
 
 
-def fused_decode_enabled() -> bool:
-    """Whether models exported now use the fused decode ops (see fused_decode)."""
-    return _FUSED.get()
+def fused_decode_enabled(rows=None) -> bool:
+    """Whether models exported now use the fused decode ops for a decode step of `rows`
+    sequences (an int, or a symbolic batch; see fused_decode)."""
+    enabled, single_row_only = _FUSED.get()
+    return enabled and (not single_row_only or (isinstance(rows, int) and rows == 1))
 
 
 def _normed(x: te.Tensor, g: te.Tensor, eps: float) -> te.Tensor:

@@ -200,7 +200,8 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
     model = arch.model_class(config, options.cache_spec(config), options.kv_cache, formats)
     model.to(options.dtype)
     # quant.linear picks its kernels' target from the target scope
-    with options.tvm_target(), fused_decode(options.fused_layers):
+    # on a GPU the fused ops only in `decode` (batch 1, eager): compiler.fused_decode says why
+    with options.tvm_target(), fused_decode(options.fused_layers, single_row_only=options.target != "llvm"):
         mod, params = model.export_tvm(spec=model.get_default_spec())
     if "decode_step" in arch.functions:  # storage planned for the largest batch (see compiler/pipeline.py)
         step = mod.get_global_var("decode_step")

@@ -56,8 +56,8 @@ def _project(linear, x: nn.Tensor, residual: nn.Tensor | None) -> nn.Tensor:
 def _fusable(linear, x: nn.Tensor, norm: nn.RMSNorm) -> bool:
     """Whether linear(norm(x)) runs as one fused decode op (compiler.fused_decode): a float
     nn.Linear, a decode shape ([batch, 1, hidden]: one new token per sequence) and the fusion on."""
-    return (fused_decode_enabled() and isinstance(linear, nn.Linear) and len(x.shape) == 3
-            and isinstance(x.shape[1], int) and x.shape[1] == 1 and getattr(norm, "bias", None) is None)
+    return (isinstance(linear, nn.Linear) and len(x.shape) == 3 and isinstance(x.shape[1], int) and x.shape[1] == 1
+            and getattr(norm, "bias", None) is None and fused_decode_enabled(x.shape[0]))
 
 
 def _normed(linear, x: nn.Tensor, norm: nn.RMSNorm) -> nn.Tensor:
