@@ -16,7 +16,8 @@ Let expressions (pipeline.inline_let_expressions, a workaround for TVM's CommonS
 leaves a variable used before its definition in some functions that hold them): the pass leaves
 no Let and keeps the values (nested Lets on the CPU against numpy); TVM's stock tree-attention
 kernel with Llama-3 RoPE scaling at the shapes that hit the bug (Llama-3.2-1B's 32 / 8 heads of
-64) compiles for CUDA once inlined; the model pipeline runs the pass.
+64) compiles for CUDA once inlined; the model pipeline runs the pass; slow: the whole stock-cache
+library of scripts/llama-3.2-1b-config.json compiles for CUDA.
 """
 
 from __future__ import annotations
@@ -287,3 +288,21 @@ def test_model_pipeline_inlines_lets():
         # (scheduled: the dlight rules take functions of blocks only)
         lowered = relax_pipeline(CUDA)(tvm.IRModule({"main": nested_lets.with_attr("tirx.is_scheduled", True)}))
     assert _lets(lowered["main"]) == 0
+
+
+@pytest.mark.slow
+def test_stock_library_of_llama_3_2_1b_compiles_for_cuda():
+    """The whole stock-cache library of Llama-3.2-1B's config (bench_e2e's comparison library:
+    batch 64, fused layers, small-batch matmuls) goes through the model pipeline and lowering."""
+    import json
+    from pathlib import Path
+
+    from tvmattn.models import BuildOptions, compile_module, export_module
+    from tvmattn.models.config import model_config_from_hf
+
+    hf = json.loads((Path(__file__).parents[1] / "scripts" / "llama-3.2-1b-config.json").read_text())
+    options = BuildOptions(target="cuda:sm_90", dtype="float16", kv_cache="tvm", max_batch_size=64)
+    mod, _ = export_module(model_config_from_hf(hf), options)
+    assert _lets(mod["batch_tree_attn"]) > 0  # the stock kernels' Llama-3 RoPE frequencies
+    executable = compile_module(mod, options)
+    assert "batch_tree_attn" in executable.as_text()
