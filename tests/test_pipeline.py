@@ -11,6 +11,13 @@ Fused decode ops: each schedule applies to the ops alone (None for a plain matmu
 compiles to one kernel for sm_90 (static single token and symbolic batch, SmolLM2's shapes and
 a K of few vectors), the CPU one equals a float64 numpy RMSNorm + product (+ bias, or SiLU(gate)
 * up) at batches 1 and 3; on the GPU, the CUDA one too (batches 1, 3, 64).
+
+Let expressions (pipeline.inline_let_expressions, a workaround for TVM's CommonSubexprElim, which
+leaves a variable used before its definition in some functions that hold them): the pass leaves
+no Let and keeps the values (nested Lets on the CPU against numpy); TVM's stock tree-attention
+kernel with Llama-3 RoPE scaling at the shapes that hit the bug (Llama-3.2-1B's 32 / 8 heads of
+64) compiles for CUDA once inlined; the model pipeline runs the pass; slow: the whole stock-cache
+library of scripts/llama-3.2-1b-config.json compiles for CUDA.
 """
 
 from __future__ import annotations
@@ -20,11 +27,13 @@ import re
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import te
+from tvm.script import tirx as T
 
 from tvmattn.compiler.fused_decode import rms_norm_matmul, rms_norm_matmul_swiglu
 from tvmattn.compiler.fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV
-from tvmattn.compiler.pipeline import SMALL_BATCH_THREADS, SmallBatchMatmul
+from tvmattn.compiler.pipeline import SMALL_BATCH_THREADS, SmallBatchMatmul, inline_let_expressions, relax_pipeline
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 
@@ -217,3 +226,83 @@ def test_fused_rule_matches_numpy_on_the_gpu(kind, k, n, batch):
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, g, w, bias) if a is not None], out)
     # float32 sums of float16 products, one rounding to float16 at the end
     np.testing.assert_allclose(out.numpy().astype(np.float64), expected, rtol=2e-2, atol=2e-2)
+
+
+def _lets(func) -> int:
+    """How many Let expressions func holds."""
+    found = []
+    tvm_ffi.structural_walk(func.body, (tvm.tirx.Let, found.append))
+    return len(found)
+
+
+@T.prim_func(s_tir=True)
+def nested_lets(x: T.Buffer((8,), "float32"), out: T.Buffer((8,), "float32")):
+    """out[i] = let a = x[i] * 2 in (let b = a + i in b * a - b): nested Lets, the inner value
+    naming the outer variable."""
+    T.func_attr({"global_symbol": "main"})
+    a = T.float32()
+    b = T.float32()
+    for i in range(8):
+        out[i] = T.Let(T.Let(b * a - b, where={b: a + T.Cast("float32", i)}), where={a: x[i] * T.float32(2.0)})
+
+
+def test_inlined_lets_keep_the_values_on_the_cpu():
+    mod = tvm.IRModule({"main": nested_lets})
+    inlined = inline_let_expressions(mod)
+    assert _lets(mod["main"]) == 2 and _lets(inlined["main"]) == 0
+    x = np.random.default_rng(0).standard_normal(8).astype("float32")
+    a = x.astype("float64") * 2
+    b = a + np.arange(8)
+    expected = b * a - b
+    for m in (mod, inlined):
+        out = tvm.runtime.tensor(np.zeros(8, "float32"))
+        tvm.compile(m, target=LLVM)["main"](tvm.runtime.tensor(x), out)
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [
+    pytest.param(32, 8, 64, id="llama-3.2-1b"),
+    pytest.param(32, 8, 128, id="llama-3-8b"),
+    pytest.param(16, 8, 128, id="group-2"),
+])
+def test_stock_tree_attention_with_llama3_rope_compiles_for_cuda_once_inlined(heads, kv_heads, head_dim):
+    """TVM's batch_tree_attn (the stock cache's) at these shapes fails CUDA lowering as written:
+    CSE uses a variable before its definition (TVM's CommonSubexprElim and Let expressions)."""
+    from tvm.relax.frontend.nn.llm.tree_attn import tree_attn
+
+    mod = tvm.IRModule({"batch_tree_attn": tree_attn(kv_heads, heads, head_dim, "float16", LLAMA3_ROPE, CUDA)})
+    assert _lets(mod["batch_tree_attn"]) > 0  # the RoPE frequencies
+    inlined = inline_let_expressions(mod)
+    assert _lets(inlined["batch_tree_attn"]) == 0
+    with CUDA:
+        lib = tvm.compile(inlined, target=CUDA)
+    assert "batch_tree_attn_kernel" in lib.mod.imports[0].inspect_source()
+
+
+def test_model_pipeline_inlines_lets():
+    with CUDA:
+        # (scheduled: the dlight rules take functions of blocks only)
+        lowered = relax_pipeline(CUDA)(tvm.IRModule({"main": nested_lets.with_attr("tirx.is_scheduled", True)}))
+    assert _lets(lowered["main"]) == 0
+
+
+@pytest.mark.slow
+def test_stock_library_of_llama_3_2_1b_compiles_for_cuda():
+    """The whole stock-cache library of Llama-3.2-1B's config (bench_e2e's comparison library:
+    batch 64, fused layers, small-batch matmuls) goes through the model pipeline and lowering."""
+    import json
+    from pathlib import Path
+
+    from tvmattn.models import BuildOptions, compile_module, export_module
+    from tvmattn.models.config import model_config_from_hf
+
+    hf = json.loads((Path(__file__).parents[1] / "scripts" / "llama-3.2-1b-config.json").read_text())
+    options = BuildOptions(target="cuda:sm_90", dtype="float16", kv_cache="tvm", max_batch_size=64)
+    mod, _ = export_module(model_config_from_hf(hf), options)
+    assert _lets(mod["batch_tree_attn"]) > 0  # the stock kernels' Llama-3 RoPE frequencies
+    executable = compile_module(mod, options)
+    assert "batch_tree_attn" in executable.as_text()

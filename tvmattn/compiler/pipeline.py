@@ -30,12 +30,17 @@ TVM's default pipeline for a target, with two changes that matter for speed:
 - the fused decode ops of a decoder layer (fused_decode: RMSNorm + projection + epilogue in one
   function) get their own schedules before any other rule (fused_schedules: CUDAFusedDecodeGEMV
   and CPUFusedDecodeGEMV); dlight's rules take only one reduction per function.
+- last, `inline_let_expressions`: the PrimFuncs that hold Let *expressions* get them substituted
+  into their bodies (see its docstring: TVM's CommonSubexprElim can leave a variable used before
+  its definition in such a function). In practice these are TVM's own stock-cache kernels with
+  Llama-3 RoPE scaling (the stock cache's attention kernels and its fused RoPE).
 The attention kernels from tir_kernels are already scheduled and pass through unchanged.
 """
 
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
@@ -243,6 +248,44 @@ def lift_graph_storage(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tv
     return mod
 
 
+def _has_let(stmt) -> bool:
+    """stmt holds a Let expression (`tirx.Let`; not a statement-level binding)."""
+    return tvm_ffi.structural_walk(stmt, (tirx.Let, tvm_ffi.VisitInterrupt), order="pre") is not None
+
+
+def inline_lets(stmt):
+    """stmt with every Let expression replaced by its body, the bound variable substituted by its
+    value (innermost first: a value that names an outer Let's variable is substituted in turn)."""
+
+    def inline(let):
+        return tvm_ffi.structural_map(let.body, (tirx.Var, lambda var: let.value if var.same_as(let.var) else var))
+
+    return tvm_ffi.structural_map(stmt, (tirx.Let, inline))
+
+
+@tvm.transform.module_pass(opt_level=0, name="InlineLetExpressions")
+def inline_let_expressions(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+    """Every PrimFunc that holds Let expressions gets them inlined (`inline_lets`).
+
+    Why: TVM's CommonSubexprElim (run by the s_tir and tirx lowering pipelines) plans its
+    bindings from the occurrences it records, and records none inside a Let's body, yet its
+    rewriter replaces every occurrence, those in Let bodies included. An expression that occurs
+    inside a Let body and twice again further on gets a binding placed before the later
+    occurrences only, so the Let body uses the variable before its definition, and SplitHostDevice
+    fails ("variable cse_vN has been used before definition"). TVM's stock batch_tree_attn at 32
+    query / 8 KV heads with Llama-3 RoPE scaling (Llama-3.2-1B's shape; the scaling's frequencies
+    are Let expressions) hits this with `LH_start % 4`. Inlined, CSE sees every occurrence, and
+    the code computes the same values: only the RoPE frequencies' pure math calls (pow, cos, sin),
+    which CSE leaves alone, are written out once per use, for the CUDA / LLVM compilers to merge."""
+    holding = [(gv, func) for gv, func in mod.functions_items() if isinstance(func, tirx.PrimFunc) and _has_let(func.body)]
+    if not holding:
+        return mod
+    mod = mod.clone()  # the pass's input stays as it was
+    for gv, func in holding:
+        mod[gv] = func.with_body(inline_lets(func.body))
+    return mod
+
+
 def _finalize(backend, target: tvm.target.Target) -> list:
     passes = list(backend.finalize_passes(target))
     if target.kind.name == "cuda":
@@ -284,7 +327,7 @@ def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True) -
                 legalize.insert(len(legalize) - 1, decode_gemv)
             passes = ([relax.transform.FuseTransposeMatmul()] + backend.library_dispatch_passes(target)
                       + legalize + schedule + backend.dataflow_lower_passes(target)
-                      + _finalize(backend, target))
+                      + _finalize(backend, target) + [inline_let_expressions])
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline
