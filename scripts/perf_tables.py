@@ -146,9 +146,18 @@ def decode_table(rows: Rows) -> str:
         if ours:
             cells.append(f"{DTYPES[dtype]} {fmt(ours['gbps'])} (SDPA {fmt(sdpa and sdpa['gbps'])}"
                          + (f", TVM {fmt(tvm['gbps'])})" if tvm else ")"))
+    grouped = []
+    for batch, seq_len in ((64, 4096), (128, 8192)):
+        shape = dict(bench="kernels", kernel="decode", dtype="bfloat16", head_dim=64, num_qo_heads=32, num_kv_heads=8,
+                     batch=batch, seq_len=seq_len)
+        ours, sdpa = (rows.get(used, impl=i, **shape) for i in ("tvmattn", "sdpa"))
+        if ours:
+            grouped.append(f"{batch}x{seq_len} {fmt(ours['gbps'])} (SDPA {fmt(sdpa and sdpa['gbps'])})")
     text = table(header, lines)
     if cells:
         text += "\n\nHead dim 64, group 1 (32 / 32 heads, the CUDA-core kernel), 64x4096: " + "; ".join(cells) + " GB/s."
+    if grouped:
+        text += "\n\nHead dim 64, group 4 (32 / 8 heads, bf16, the tensor-core kernel): " + "; ".join(grouped) + " GB/s."
     return text + "\n\n" + sources(used)
 
 
