@@ -322,3 +322,51 @@ def test_fp8_pages_prefill_within_the_window():
     m.add(0)
     m.add(1)
     assert window_kernels(m, [([0, 1], [13, 6]), ([0, 1], [7, 1])]) == ["prefill", "prefill"]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_gemma_3_shapes_past_the_window(target, batch):
+    """Gemma 3 270M's attention shapes (4 query heads over 1 KV head of 256, page 16, window 512):
+    prompts past the window in prefill chunks, then decode steps, a sliding and a full layer
+    against plain attention over the unpaged sequence with the window."""
+    from test_cache_layer_kinds import device_of, visible
+    import reference as ref
+
+    hq, hkv, d, ps, window, chunk = 4, 1, 256, 16, 512, 256
+    kinds = ["mha_sliding", "mha"]
+    device = device_of(target)
+    cache = PagedKVCache(num_layers=2, num_qo_heads=hq, num_kv_heads=hkv, qk_head_dim=d, dtype="float16",
+                         page_size=ps, rope_mode="none", attn_kinds=kinds, layer_sliding_window_size=window,
+                         max_num_sequences=batch, max_total_seq_len=batch * 1024, prefill_chunk_size=chunk,
+                         device=device)
+    rng = np.random.default_rng(batch)
+    sm_scale = d ** -0.5
+    keys = {(s, layer): np.zeros((0, hkv, d)) for s in range(batch) for layer in range(2)}
+    values = dict(keys)
+
+    def step(seq_ids, lengths):
+        cache.begin_forward(seq_ids, lengths)
+        for layer, kind in enumerate(kinds):
+            qkv = randn(rng, (sum(lengths), hq + 2 * hkv, d), "float16")
+            o = empty((sum(lengths), hq, d), "float16", device)
+            cache.attention_with_fused_qkv(layer, sm_scale, tensor(qkv, device), o)
+            start = 0
+            for s, n in zip(seq_ids, lengths):
+                rows = qkv[start:start + n].astype(np.float64)
+                history = len(keys[s, layer])
+                keys[s, layer] = np.concatenate([keys[s, layer], rows[:, hq:hq + hkv]])
+                values[s, layer] = np.concatenate([values[s, layer], rows[:, hq + hkv:]])
+                want, _ = ref.attention(rows[:, :hq], keys[s, layer], values[s, layer], sm_scale, False,
+                                        visible(kind, history, n, window))
+                np.testing.assert_allclose(o.numpy()[start:start + n].astype(np.float64), want, rtol=2e-2, atol=2e-2,
+                                           err_msg=f"layer {layer} ({kind}), sequence {s}, {history} + {n} tokens")
+                start += n
+        cache.end_forward()
+
+    prompt = [700 + 37 * s for s in range(batch)]  # past the window, ragged, some ending inside a page
+    for s in range(batch):
+        cache.add_sequence(s)
+        for begin in range(0, prompt[s], chunk):
+            step([s], [min(chunk, prompt[s] - begin)])
+    for _ in range(3):
+        step(list(range(batch)), [1] * batch)
