@@ -351,7 +351,7 @@ def test_replay_with_sliding_layers_equals_eager_and_the_reference(page_size, wi
 
     for seq_id in (0, 1, 2):
         both("add", seq_id)
-    both("forward", [0, 1, 2], [window + 30, 13, 1])
+    both("forward", [0, 1, 2], [window + 20, 13, 1])
     for _ in range(page_size + 3):
         step([0, 1, 2])  # bucket 4: captured once, then replayed while the windows slide
     both("fork", 1, 5)

@@ -255,7 +255,7 @@ def test_cuda_graph_decode_replays_the_eager_steps(tmp_path):
             np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2)
             np.testing.assert_allclose(x, model.torch.logits(prompt + tokens[:-1])[len(prompt) - 1:],
                                        **model.tolerance)
-    assert graphed.session.graphs.captures >= 2 and graphed.session.graphs.replays >= 4 * WINDOW
+    assert graphed.session.graphs.captures >= 2 and graphed.session.graphs.replays >= 2 * WINDOW
 
     e2e = load_script("bench_e2e")
     params = [tvm.runtime.tensor(p, device=model.device) for p in model.params]
