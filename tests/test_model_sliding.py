@@ -186,6 +186,38 @@ def test_generator_runs_the_bundle(sliding_model):
             np.testing.assert_allclose(rows, expected, **sliding_model.tolerance)
 
 
+def test_graph_planned_decode_steps_match_torch(sliding_model):
+    """What a CUDA graph replays, run eagerly on the CPU: the library's decode step
+    (session.library_decode_step: `decode_step`, or `embed` + `decode` at one row) over steps
+    planned by begin_graph_decode in padded buckets, past the window; each real row's logits
+    against torch."""
+    from tvmattn.runtime.graphs import bucket_of, buckets_for
+    from tvmattn.session import library_decode_step
+
+    session = sliding_model.session()
+    prompts = [PROMPT, *PROMPTS]
+    last = []
+    for seq_id, prompt in enumerate(prompts):
+        session.add(seq_id)
+        last.append(int(np.argmax(session.prefill(seq_id, prompt))))
+    buckets, hidden = buckets_for(4), SLIDING["hidden_size"]
+    for step in range(WINDOW + 3):  # every sequence past its window
+        seq_ids = [[0, 1, 2], [2, 0], [1]][step % 3]
+        bucket = bucket_of(len(seq_ids), buckets)
+        ids = np.zeros(bucket, np.int32)
+        ids[: len(seq_ids)] = [last[s] for s in seq_ids]
+        session.cache.begin_graph_decode(seq_ids, bucket)
+        logits = library_decode_step(session.vm, tvm.runtime.tensor(ids, device=session.device), session.cache,
+                                     session.params, hidden).numpy()
+        session.host("kv_state_end_forward")(session.cache)
+        assert logits.shape[0] == bucket
+        for row, seq_id in enumerate(seq_ids):
+            session.tokens[seq_id].append(last[seq_id])
+            np.testing.assert_allclose(logits[row, -1], sliding_model.torch.logits(session.tokens[seq_id])[-1],
+                                       **sliding_model.tolerance, err_msg=f"step {step}, sequence {seq_id}")
+            last[seq_id] = int(np.argmax(logits[row, -1]))
+
+
 @pytest.mark.gpu
 def test_cuda_float16_matches_torch(tmp_path):
     from tir_kernels.support import resolve_target
