@@ -421,7 +421,6 @@ def test_bad_calls_on_windowed_layers_leave_the_cache_unchanged():
         "append_mla_kv": (lambda c: c.append_mla_kv(1, tensor(np.zeros((n, D), np.float16), dev)), "MHA layer"),
         "debug_get_kv_mla": (lambda c: c.debug_get_kv_mla(0, 0, 1, o), "no MLA layers"),
         "shared before its layer": (lambda c: c.attention_with_shared_kv(0, SM_SCALE, q, k, k, o), "source layer 0"),
-        "graph decode": (lambda c: c.begin_graph_decode([0], 1), r"MHA layers only; this cache has \['MHA_SLIDING'\]"),
     }
 
     def state():
@@ -435,6 +434,9 @@ def test_bad_calls_on_windowed_layers_leave_the_cache_unchanged():
         assert state() == before, case
     m.cache.cancel_forward()
     before = state()  # (a begin_forward inside a step would first abandon the step)
+    with pytest.raises(KVCacheError, match="bucket=1"):  # (graph decode steps serve MHA_SLIDING layers)
+        m.cache.begin_graph_decode([0, 1], 1)
+    assert state() == before
     with pytest.raises(KVCacheError, match="MHA_SLIDING layers"):
         m.cache.begin_forward([0], [3], [-1, 0, 0])
     assert state() == before

@@ -6,8 +6,15 @@ a model library's decode_step, Generator's graph path).
   reference and appends nothing for the padding, over steps with sequences added, removed,
   forked and popped, crossing page boundaries and buckets; its layout does not depend on the
   sequences; bad input is refused with the cache unchanged.
+- MHA_SLIDING layers (CPU and CUDA): in a cache of MHA and MHA_SLIDING layers the graph plan
+  also carries the window level (fixed offsets, a capacity of bucket * the pages a window
+  touches); every layer's real rows match the windowed reference past the window and across
+  page boundaries, the sliding pages held after each step are exactly those of the window
+  (taken and released as by begin_forward), padding writes nothing, and a cancelled graph step
+  leaves both allocators exactly as they were.
 - Replay (CUDA): DecodeGraphs replays equal the same steps run eagerly, bit for bit, and the
-  reference; a model library's decode_step replayed by Generator gives the eager tokens.
+  reference (MHA caches and caches with MHA_SLIDING layers); a model library's decode_step
+  replayed by Generator gives the eager tokens (a tiny Llama, and a sliding-window one).
 """
 
 from __future__ import annotations
@@ -15,10 +22,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from harness import empty, randn, tensor
+import test_cache_layer_kinds as kinds
 from test_cache import DTYPE, HKV, HQ, LAYERS, RTOL, ATOL, SM_SCALE, D, Model
+from test_sliding_pages import check_pages, exact
 
 from tvmattn import KVCacheError
-from tvmattn.runtime.graphs import bucket_of, buckets_for, graph_layout
+from tvmattn.runtime.graphs import bucket_of, buckets_for, graph_layout, window_pages_per_row
 
 QKV_HEADS = HQ + 2 * HKV
 
@@ -44,6 +53,27 @@ def graph_step(m: Model, seq_ids: list, bucket: int, qkv: list | None = None) ->
     return outputs
 
 
+def kinds_graph_step(m: kinds.KindsModel, seq_ids: list, bucket: int, qkv: list | None = None) -> list:
+    """graph_step for a cache with MHA_SLIDING layers (KindsModel): each layer's real rows
+    against the windowed reference. Returns each layer's o."""
+    n = len(seq_ids)
+    history = [len(m.k[s][0]) for s in seq_ids]
+    m.cache.begin_graph_decode(seq_ids, bucket)
+    np.testing.assert_array_equal(m.cache.get_query_positions().numpy()[:n], history)
+    outputs = []
+    for layer, kind in enumerate(m.kinds):
+        rows = randn(m.rng, (bucket, QKV_HEADS, D), DTYPE) if qkv is None else qkv[layer]
+        o = empty((bucket, HQ, D), DTYPE, m.device)
+        m.cache.attention_with_fused_qkv(layer, kinds.SM_SCALE, tensor(rows, m.device), o)
+        out = o.numpy()
+        expected = m._expected(seq_ids, [1] * n, history, layer, kind, rows[:n])
+        np.testing.assert_allclose(out[:n].astype(np.float64), expected, rtol=kinds.RTOL, atol=kinds.ATOL,
+                                   err_msg=f"layer {layer} ({kind}), graph step {seq_ids} in bucket {bucket}")
+        outputs.append(out)
+    m.cache.end_forward()
+    return outputs
+
+
 def test_buckets():
     assert buckets_for(1) == (1,)
     assert buckets_for(6) == (1, 2, 4, 6)
@@ -58,6 +88,97 @@ def test_layout_depends_on_the_bucket_only():
     assert a == b and a.fused[0].page_indices.offset > a.fused[0].k_offset.offset  # page indices last
     assert graph_layout(8, 100, False) != a
     assert graph_layout(4, 100, True).fused[0].length_info.shape == (3, 4)
+    windowed = graph_layout(4, 100, False, 3)
+    assert windowed == graph_layout(4, 100, False, 3) and not a.window
+    (level,), (slide,) = windowed.window, windowed.slide_positions
+    assert level.page_indices.shape == (12,) and level.length_info.shape == (3, 4) and slide.shape == (4,)
+    assert windowed.fused[0].page_indices.offset > max(spec.offset for spec in (*level, slide) if spec is not None)
+    assert [window_pages_per_row(w, 4) for w in (1, 2, 5, 8, 9)] == [1, 2, 2, 3, 3]
+
+
+SLIDING_KINDS = ["mha_sliding", "mha", "mha_sliding"]
+
+
+def kinds_model(target, page_size: int, window: int, seed: int, **options) -> kinds.KindsModel:
+    options = {"max_num_sequences": 8, "max_total_seq_len": 1024, "prefill_chunk_size": 64, **options}
+    return kinds.KindsModel(target, page_size, "normal", seed=seed, kinds=SLIDING_KINDS, window=window, **options)
+
+
+@pytest.mark.parametrize("page_size,window", [(4, 7), (1, 5), (16, 21)])
+def test_graph_plan_steps_with_sliding_layers_match_the_reference(target, page_size, window):
+    """Prompts past the window, graph-planned decode steps across page boundaries and past the
+    window in every bucket, forks, popn, removals and eager steps in between: every layer
+    against the windowed reference, the sliding pages exactly the window's after every step."""
+    m = kinds_model(target, page_size, window, seed=page_size + window)
+    initial = (m.cache.get_num_available_pages(), m.cache._slides.allocator.num_free)
+    for seq_id in (0, 1, 2):
+        m.add(seq_id)
+    m.forward([0, 1, 2], [window + 9, 1, 3])  # 0 past the window, 1 and 2 within
+    layouts = set()
+    for _ in range(max(page_size, window) + 2):  # 1 and 2 grow past the window, pages slide
+        kinds_graph_step(m, [0, 1, 2], 4)
+        check_pages(m)
+        layouts.add(m.cache._graph_layouts[4])
+    assert len(layouts) == 1 and m.cache._graph_layouts[4].window
+    m.fork(0, 3)  # shares the window's full pages
+    earliest = m.cache.sliding_kept_from(1) + window - 1  # popn reaches back only as far as the kept tokens serve
+    pop = min(2, len(m.k[1][0]) - max(earliest, 1))
+    if pop > 0:
+        m.popn(1, pop)
+    m.add(4)
+    m.forward([4], [3])
+    kinds_graph_step(m, [3, 0, 1, 4, 2], 8)  # bucket 8, three padded rows
+    check_pages(m)
+    m.remove(2)
+    kinds_graph_step(m, [1], 1)
+    kinds_graph_step(m, [4, 3], 2)
+    for _ in range(3):
+        m.forward([0, 3], [1, 1])  # eager steps in between
+        kinds_graph_step(m, [0, 1, 3, 4], 4)
+        check_pages(m)
+    for seq_id in list(m.k):
+        m.remove(seq_id)
+    assert m.cache.empty()
+    assert (m.cache.get_num_available_pages(), m.cache._slides.allocator.num_free) == initial
+
+
+def test_graph_steps_with_sliding_layers_equal_eager_steps():
+    """The same decode steps planned by begin_graph_decode (in a bucket larger than the batch)
+    and by begin_forward give the same outputs and the same sliding pages."""
+    graph, eager = (kinds_model("llvm", 4, 7, seed=5) for _ in range(2))
+    rng = np.random.default_rng(2)
+    for m in (graph, eager):
+        for seq_id in (0, 1, 2):
+            m.add(seq_id)
+        m.forward([0, 1, 2], [12, 2, 6])
+    for _ in range(9):
+        qkv = [randn(rng, (4, QKV_HEADS, D), DTYPE) for _ in SLIDING_KINDS]
+        graphed = kinds_graph_step(graph, [0, 1, 2], 4, qkv)
+        eager.cache.begin_forward([0, 1, 2], [1, 1, 1])
+        for layer, rows in enumerate(qkv):
+            o = empty((3, HQ, D), DTYPE, eager.device)
+            eager.cache.attention_with_fused_qkv(layer, kinds.SM_SCALE, tensor(rows[:3], eager.device), o)
+            np.testing.assert_allclose(graphed[layer][:3], o.numpy(), rtol=1e-3, atol=1e-3, err_msg=f"layer {layer}")
+        eager.cache.end_forward()
+        assert exact(graph) == exact(eager)
+
+
+def test_cancelled_graph_step_with_sliding_layers_leaves_the_cache_unchanged():
+    """A graph step that takes sliding pages (a page boundary) and is cancelled, or abandoned by
+    the next begin_forward, leaves both allocators and every sequence exactly as before."""
+    m = kinds_model("llvm", 4, 7, seed=1)
+    for seq_id in (0, 1):
+        m.add(seq_id)
+    m.forward([0, 1], [12, 8])  # both at a page boundary: the next token takes a page
+    before = exact(m)
+    m.cache.begin_graph_decode([0, 1], 2)
+    assert exact(m) != before
+    m.cache.cancel_forward()
+    assert exact(m) == before
+    m.cache.begin_graph_decode([1, 0], 4)
+    m.forward([0], [2])  # (its begin_forward abandons the graph step)
+    kinds_graph_step(m, [0, 1], 2)
+    check_pages(m)
 
 
 @pytest.mark.parametrize("rope_mode,page_size", [("none", 4), ("normal", 1), ("inline", 16)])
@@ -113,14 +234,15 @@ class FixedBuffers:
     """Per bucket and layer, qkv and o tensors at fixed addresses (what a captured step reads
     and writes)."""
 
-    def __init__(self, device, buckets):
-        self.qkv = {b: [empty((b, QKV_HEADS, D), DTYPE, device) for _ in range(LAYERS)] for b in buckets}
-        self.o = {b: [empty((b, HQ, D), DTYPE, device) for _ in range(LAYERS)] for b in buckets}
+    def __init__(self, device, buckets, layers: int = LAYERS):
+        self.layers = layers
+        self.qkv = {b: [empty((b, QKV_HEADS, D), DTYPE, device) for _ in range(layers)] for b in buckets}
+        self.o = {b: [empty((b, HQ, D), DTYPE, device) for _ in range(layers)] for b in buckets}
 
-    def step(self, cache):
+    def step(self, cache, sm_scale: float = SM_SCALE):
         def run(bucket: int):
-            for layer in range(LAYERS):
-                cache.attention_with_fused_qkv(layer, SM_SCALE, self.qkv[bucket][layer], self.o[bucket][layer])
+            for layer in range(self.layers):
+                cache.attention_with_fused_qkv(layer, sm_scale, self.qkv[bucket][layer], self.o[bucket][layer])
             return self.o[bucket]
 
         return run
@@ -190,6 +312,61 @@ def test_replay_equals_eager_and_the_reference():
     step(list(range(20, 28)))
     assert graphs.captures == 4
     graph.check_no_leaks()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,window", [(16, 21), (4, 7)])
+def test_replay_with_sliding_layers_equals_eager_and_the_reference(page_size, window):
+    """DecodeGraphs over a cache of MHA_SLIDING and MHA layers: replays past the window and
+    across page boundaries equal the same graph-planned steps run eagerly, bit for bit, and the
+    windowed reference; the sliding pages are the window's after every replay."""
+    from tvmattn.runtime.graphs import DecodeGraphs
+
+    graph, eager = (kinds_model("cuda", page_size, window, seed=11) for _ in range(2))
+    buffers = FixedBuffers(graph.device, buckets_for(8), len(SLIDING_KINDS))
+    graphs = DecodeGraphs(graph.cache, buffers.step(graph.cache, kinds.SM_SCALE), 8)
+    rng = np.random.default_rng(5)
+
+    def both(op, *args):
+        getattr(graph, op)(*args)
+        getattr(eager, op)(*args)
+
+    def step(seq_ids):
+        n, bucket = len(seq_ids), bucket_of(len(seq_ids), graphs.buckets)
+        qkv = [randn(rng, (bucket, QKV_HEADS, D), DTYPE) for _ in SLIDING_KINDS]
+        for layer, rows in enumerate(qkv):
+            buffers.qkv[bucket][layer].copyfrom(rows)
+        history = [len(graph.k[s][0]) for s in seq_ids]
+        replayed = [o.numpy() for o in graphs.run(seq_ids)]
+        for layer, kind in enumerate(SLIDING_KINDS):
+            expected = graph._expected(seq_ids, [1] * n, history, layer, kind, qkv[layer][:n])
+            np.testing.assert_allclose(replayed[layer][:n].astype(np.float64), expected, rtol=kinds.RTOL,
+                                       atol=kinds.ATOL, err_msg=f"replay of {seq_ids}, layer {layer} ({kind})")
+        eager_out = kinds_graph_step(eager, seq_ids, bucket, qkv)
+        for layer in range(len(SLIDING_KINDS)):
+            np.testing.assert_array_equal(replayed[layer][:n], eager_out[layer][:n],
+                                          err_msg=f"replay vs eager, {seq_ids}, layer {layer}")
+        check_pages(graph)
+        assert exact(graph) == exact(eager)
+
+    for seq_id in (0, 1, 2):
+        both("add", seq_id)
+    both("forward", [0, 1, 2], [window + 20, 13, 1])
+    for _ in range(page_size + 3):
+        step([0, 1, 2])  # bucket 4: captured once, then replayed while the windows slide
+    both("fork", 1, 5)
+    step([5, 1, 0])
+    both("remove", 2)
+    for seq_id in (6, 7, 8):
+        both("add", seq_id)
+    both("forward", [6, 7, 8], [2, window + 1, 4])
+    for _ in range(4):
+        step([0, 1, 5, 6, 7, 8])  # bucket 8
+        step([7])  # bucket 1
+    assert graphs.captures == 3 and graphs.replays == page_size + 3 + 1 + 8
+    for seq_id in list(graph.k):
+        both("remove", seq_id)
+    assert graph.cache.empty()
 
 
 @pytest.mark.gpu

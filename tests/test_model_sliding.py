@@ -186,6 +186,38 @@ def test_generator_runs_the_bundle(sliding_model):
             np.testing.assert_allclose(rows, expected, **sliding_model.tolerance)
 
 
+def test_graph_planned_decode_steps_match_torch(sliding_model):
+    """What a CUDA graph replays, run eagerly on the CPU: the library's decode step
+    (session.library_decode_step: `decode_step`, or `embed` + `decode` at one row) over steps
+    planned by begin_graph_decode in padded buckets, past the window; each real row's logits
+    against torch."""
+    from tvmattn.runtime.graphs import bucket_of, buckets_for
+    from tvmattn.session import library_decode_step
+
+    session = sliding_model.session()
+    prompts = [PROMPT, *PROMPTS]
+    last = []
+    for seq_id, prompt in enumerate(prompts):
+        session.add(seq_id)
+        last.append(int(np.argmax(session.prefill(seq_id, prompt))))
+    buckets, hidden = buckets_for(4), SLIDING["hidden_size"]
+    for step in range(WINDOW + 3):  # every sequence past its window
+        seq_ids = [[0, 1, 2], [2, 0], [1]][step % 3]
+        bucket = bucket_of(len(seq_ids), buckets)
+        ids = np.zeros(bucket, np.int32)
+        ids[: len(seq_ids)] = [last[s] for s in seq_ids]
+        session.cache.begin_graph_decode(seq_ids, bucket)
+        logits = library_decode_step(session.vm, tvm.runtime.tensor(ids, device=session.device), session.cache,
+                                     session.params, hidden).numpy()
+        session.host("kv_state_end_forward")(session.cache)
+        assert logits.shape[0] == bucket
+        for row, seq_id in enumerate(seq_ids):
+            session.tokens[seq_id].append(last[seq_id])
+            np.testing.assert_allclose(logits[row, -1], sliding_model.torch.logits(session.tokens[seq_id])[-1],
+                                       **sliding_model.tolerance, err_msg=f"step {step}, sequence {seq_id}")
+            last[seq_id] = int(np.argmax(logits[row, -1]))
+
+
 @pytest.mark.gpu
 def test_cuda_float16_matches_torch(tmp_path):
     from tir_kernels.support import resolve_target
@@ -232,3 +264,42 @@ def test_serving_past_the_window_with_prefix_cache_and_draft_model(sliding_model
     assert engine.runner.available_pages() == engine.runner.num_pages and engine.cache_sequences() == []
     report = engine.memory_report()
     assert report["sliding_layers"] == 2 and report["held_bytes"] == report["full_bytes"] == 0
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_replays_the_eager_steps(tmp_path):
+    """A float16 CUDA library with MHA_SLIDING layers replays its decode steps as CUDA graphs:
+    Generator with graphs gives the tokens of Generator without them and torch's logits, for one
+    prompt and a batch running past the window; bench_e2e's Runner replaying graphs gives the
+    logits of its eager decode, step by step, in the buckets of 1, 2 and 3 sequences."""
+    from harness import load_script
+    from tir_kernels.support import resolve_target
+
+    model = SlidingModel(tmp_path, seed=3, target=resolve_target("cuda"), dtype="float16")
+    graphed, eager = Generator(model.lib), Generator(model.lib, cuda_graph=False)
+    prompts = [PROMPT, *PROMPTS]
+    for batch in (prompts[:1], prompts):
+        a = graphed.generate_tokens(batch, max_new_tokens=2 * WINDOW, keep_logits=True)
+        b = eager.generate_tokens(batch, max_new_tokens=2 * WINDOW, keep_logits=True)
+        assert graphed.uses_cuda_graph and not eager.uses_cuda_graph
+        assert a.tokens == b.tokens
+        for prompt, tokens, x, y in zip(batch, a.tokens, a.logits, b.logits):
+            np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2)
+            np.testing.assert_allclose(x, model.torch.logits(prompt + tokens[:-1])[len(prompt) - 1:],
+                                       **model.tolerance)
+    assert graphed.session.graphs.captures >= 2 and graphed.session.graphs.replays >= 2 * WINDOW
+
+    e2e = load_script("bench_e2e")
+    params = [tvm.runtime.tensor(p, device=model.device) for p in model.params]
+    runners = [e2e.Runner(model.lib, model.device, params, 256, 4, 64, graph=graph) for graph in (True, False)]
+    for runner in runners:
+        for seq_id, prompt in enumerate(prompts):
+            runner.host["add_sequence"](runner.cache, seq_id)
+            runner.prefill(seq_id, tvm.runtime.tensor(np.array(prompt, np.int32), device=model.device))
+    rng = np.random.default_rng(1)
+    for step in range(2 * WINDOW):
+        seq_ids = [[0, 1, 2], [2, 0], [1]][step % 3]
+        ids = rng.integers(0, SLIDING["vocab_size"], len(seq_ids)).astype(np.int32)
+        x, y = (runner.decode(seq_ids, tvm.runtime.tensor(ids, device=model.device)).numpy() for runner in runners)
+        np.testing.assert_allclose(x.reshape(y.shape), y, rtol=2e-2, atol=2e-2, err_msg=f"step {step} of {seq_ids}")
+    assert runners[0].graphs.captures == 3 and runners[0].graphs.replays == 2 * WINDOW

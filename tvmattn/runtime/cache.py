@@ -60,7 +60,7 @@ from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPr
                        RopeMode, backend_from_spec, bind_workspace)
 from .errors import KVCacheError, as_tensor, check, check_finite, check_int, check_tensor
 from .forward import Kernels, Rope, Step, Workspace
-from .graphs import empty_decode_plan, graph_layout, layout_end, pad_decode_plan
+from .graphs import empty_decode_plan, graph_layout, layout_end, pad_decode_plan, window_pages_per_row
 from .kernels import DecodeByShape, Deferred, KernelSet, default_kernels, paged_slots
 from .kinds import AttnKind, parse_attn_kinds
 from .mla import MLAStep, check_mla_kernels, merge_for, mla_config, mla_kernel_set, ragged_for
@@ -1137,7 +1137,9 @@ class PagedKVCache:
     def begin_graph_decode(self, seq_ids, bucket: int) -> None:
         """begin_forward of a decode step (one new token per sequence) for a CUDA-graph replay:
         planned without cascade, padded to `bucket` rows, in the bucket's fixed layout in the
-        graph-plan buffer (see tvmattn.runtime.graphs). The step's tensors have `bucket` rows."""
+        graph-plan buffer (see tvmattn.runtime.graphs). The step's tensors have `bucket` rows.
+        In a cache with MHA_SLIDING layers their window level is planned as in begin_forward
+        (their pages taken here; windows slide when end_forward keeps the step)."""
         self._check_graph_decode("begin_graph_decode")
         self._abandon()
         seq_ids, lengths, steady = self._check_batch(seq_ids, [1] * len(seq_ids))
@@ -1156,7 +1158,12 @@ class PagedKVCache:
         try:
             self._copy_pages(copies)
             plan = build_plan_arrays(seq_ids, lengths, batch, self.options.page_size,
-                                     self.options.support_sliding_window, cascade=False)
+                                     self.options.sequence_windows, cascade=False)
+            if self._slides is not None:  # the MHA_SLIDING layers' level, over their own pages
+                level, positions = window_plan(seqs, lengths, self.options.layer_sliding_window_size,
+                                               self.options.page_size)
+                plan = dataclasses.replace(plan, host=plan.host._replace(window=(level,),
+                                                                         slide_positions=(positions,)))
             self._start_step(pad_decode_plan(plan, bucket, layout), self._graph_arrays)
         except BaseException:
             self._table.rollback_step()
@@ -1190,32 +1197,39 @@ class PagedKVCache:
         never frees one that a captured graph uses (tvmattn.runtime.graphs)."""
         self._check_graph_decode("reserve_decode_workspace")
         check(self._step is None, "reserve_decode_workspace: a forward step is in progress")
+        empty = empty_decode_plan(self.options.sequence_windows, self._slides is not None)
+        mha = [pool for pool, kind in zip(self._pools, self._kinds) if kind == AttnKind.MHA]
+        window = [self._pools[layer] for layer in self._sliding_layers]
         for batch in range(1, min(self.options.max_num_sequences, self.options.prefill_chunk_size) + 1):
-            self._start_step(pad_decode_plan(empty_decode_plan(self.options.support_sliding_window), batch,
-                                             self._graph_layout(batch, 2 * batch)), self._graph_arrays)
-            self._step.decode_scratch(self._pools[0])
-            self._step = None
+            self._start_step(pad_decode_plan(empty, batch, self._graph_layout(batch, 2 * batch)), self._graph_arrays)
+            try:
+                self._step.decode_scratch((mha or self._pools)[0])
+                if window:  # the MHA_SLIDING layers' decode kernel too (WindowStep)
+                    self._step.window_scratch(window[0])
+            finally:
+                self._step = None
 
     def graph_state(self) -> tuple:
         """What a captured graph depends on besides the plan's contents: the graph-plan buffer
         and the kernels a decode step launches (a graph captured against another is stale)."""
         k = self._step_kernels
         return (self._graph_generation, id(k.paged_decode), id(k.split_rotary_append), id(k.split_rotary),
-                id(k.transpose_append))
+                id(k.transpose_append), id(getattr(self, "_window_decode", None)))
 
     def graph_plan_bytes(self) -> int:
         return 0 if self._graph_arrays is None else 4 * self._graph_arrays.capacity
 
     @property
     def graph_decode_supported(self) -> bool:
-        """CUDA-graph decode steps serve caches of MHA layers only (an MLA layer's kernels and an
-        MHA_SLIDING layer's window level are not in the graph layout)."""
-        return set(self._kinds) == {AttnKind.MHA}
+        """CUDA-graph decode steps serve caches of MHA and MHA_SLIDING layers (an MLA layer's
+        kernels are not in the graph layout)."""
+        return set(self._kinds) <= _GRAPH_KINDS
 
     def _check_graph_decode(self, what: str) -> None:
         if not self.graph_decode_supported:
-            raise KVCacheError(f"{what}: CUDA-graph decode steps serve caches of MHA layers only; this cache has "
-                               f"{sorted({kind.name for kind in self._kinds} - {'MHA'})} layers (run begin_forward)")
+            others = sorted({kind.name for kind in self._kinds} - {kind.name for kind in _GRAPH_KINDS})
+            raise KVCacheError(f"{what}: CUDA-graph decode steps serve caches of MHA_SLIDING and MHA layers only; "
+                               f"this cache has {others} layers (run begin_forward)")
 
     def _graph_layout(self, bucket: int, page_indices: int):
         """The bucket's graph layout, with a page capacity of at least `page_indices` (a larger
@@ -1224,15 +1238,21 @@ class PagedKVCache:
         if self._graph_arrays is None or page_indices > self._graph_page_capacity:
             self._graph_page_capacity = max(page_indices, 2 * self._graph_page_capacity,
                                             opts.num_pages + opts.max_num_sequences)
-            end = layout_end(graph_layout(opts.max_num_sequences, self._graph_page_capacity, True))
+            end = layout_end(graph_layout(opts.max_num_sequences, self._graph_page_capacity, True,
+                                          self._graph_window_pages()))
             self._graph_arrays = DeviceArrays(self.device, end)
             self._graph_layouts = {}
             self._graph_generation += 1
         layout = self._graph_layouts.get(bucket)
         if layout is None:
             layout = self._graph_layouts[bucket] = graph_layout(bucket, self._graph_page_capacity,
-                                                                opts.support_sliding_window)
+                                                                opts.sequence_windows, self._graph_window_pages())
         return layout
+
+    def _graph_window_pages(self) -> int:
+        """Window pages per row of the graph layout's MHA_SLIDING level (0: no such layers)."""
+        opts = self.options
+        return window_pages_per_row(opts.layer_sliding_window_size, opts.page_size) if self._slides is not None else 0
 
     # -- inspection (tests)
     def sequence_state(self, seq_id: int) -> dict:
@@ -1264,6 +1284,7 @@ def _compiled_launches(kernels: Kernels) -> bool:
 _WINDOW_SIZE = operator.attrgetter("window_size")
 _LENGTH = operator.attrgetter("length")
 _MHA_KINDS = (AttnKind.MHA, AttnKind.MHA_SLIDING)
+_GRAPH_KINDS = frozenset(_MHA_KINDS)  # the layer kinds of CUDA-graph decode steps
 _TREE = operator.attrgetter("tree")
 
 

@@ -18,6 +18,12 @@ What makes a replay valid for any sequences:
   steps replay the same graph. Launch parameters that the graph freezes (grid sizes, split
   counts) depend on the bucket alone: the decode kernels choose split counts from the batch
   size and read lengths at run time.
+- MHA_SLIDING layers (tvmattn.runtime.windows): their window level (one decode request per
+  sequence over the sliding pages its window touches, at most `window_pages_per_row` pages
+  each) and the new tokens' positions in their pages sit in the same layout, at fixed offsets
+  with a page-index capacity of bucket * window_pages_per_row; their pages are taken and
+  released (the window slides) by the host planning of each step, as in begin_forward, and
+  padded rows append nothing there either.
 - The caller's inputs and outputs stay put: the step reads its inputs from buffers the caller
   owns (fixed per bucket), and the outputs of the captured call are kept and rewritten by every
   replay. A model library's `decode_step` allocates its intermediates once per VM
@@ -77,9 +83,18 @@ def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
     raise KVCacheError(f"a batch of {n} sequences exceeds the largest graph bucket {buckets[-1]}")
 
 
-def graph_layout(bucket: int, page_capacity: int, sliding: bool) -> PlanArrays[ArraySpec]:
+def window_pages_per_row(window: int, page_size: int) -> int:
+    """Pages one decode query's window of `window` tokens touches at most (an MHA_SLIDING
+    layer's request, tvmattn.runtime.windows)."""
+    return -(-(window - 1) // page_size) + 1
+
+
+def graph_layout(bucket: int, page_capacity: int, sliding: bool, window_pages: int = 0) -> PlanArrays[ArraySpec]:
     """Where each array of a graph decode plan of `bucket` rows lies (int32 elements): fixed
-    shapes, page indices last with room for `page_capacity` entries."""
+    shapes, page indices last with room for `page_capacity` entries. window_pages > 0: the
+    MHA_SLIDING layers' level too (page_indptr [bucket+1], length_info [3, bucket], k_offset
+    [bucket], slide positions [bucket], page indices with room for bucket * window_pages,
+    `window_pages_per_row`), placed before the main level's page indices."""
     offset = 0
 
     def place(shape: tuple) -> ArraySpec:
@@ -92,10 +107,15 @@ def graph_layout(bucket: int, page_capacity: int, sliding: bool) -> PlanArrays[A
     q_positions, append_indptr, k_ragged_offset, append_positions = (
         place((bucket,)), place((bucket + 1,)), place((bucket,)), place((bucket,)))
     page_indptr, length_info, k_offset, history_info = place((bucket + 1,)), place(info), place((bucket,)), place(info)
+    window, slide_positions = (), ()
+    if window_pages:
+        w_indptr, w_info, w_offset, slide = place((bucket + 1,)), place((3, bucket)), place((bucket,)), place((bucket,))
+        window = (LevelArrays(w_indptr, place((bucket * window_pages,)), w_info, w_offset, None),)
+        slide_positions = (slide,)
     page_indices = place((page_capacity,))
     level = LevelArrays(page_indptr, page_indices, length_info, k_offset, None)
     return PlanArrays(q_positions, append_indptr, k_ragged_offset, append_positions, (level,),
-                      (level._replace(length_info=history_info),))
+                      (level._replace(length_info=history_info),), (), window, slide_positions)
 
 
 def layout_end(layout: PlanArrays[ArraySpec]) -> int:
@@ -105,19 +125,19 @@ def layout_end(layout: PlanArrays[ArraySpec]) -> int:
 
 
 def pad_decode_plan(plan: ForwardPlan, bucket: int, layout: PlanArrays[ArraySpec]) -> ForwardPlan:
-    """A decode plan of n <= bucket sequences (one level, no cascade) padded to `bucket` rows in
-    `layout`: padded rows append nothing and read one slot of page 0. The host buffer ends after
-    the last used page index (the rest of the capacity is never read)."""
+    """A decode plan of n <= bucket sequences (one level, no cascade; in a cache with
+    MHA_SLIDING layers their window level and slide positions too) padded to `bucket` rows in
+    `layout`: padded rows append nothing and read one slot of page 0 (of the main pages, and of
+    the sliding pages in the window level). The host buffer ends after the last used page index
+    (the rest of the capacity is never read)."""
     host = plan.host
     (level,), (history,) = host.fused, host.cross
-    n, nnz = len(plan.lengths), int(level.page_indptr[-1])
+    n = len(plan.lengths)
     pad = bucket - n
     if not plan.decode or len(host.fused) != 1 or n > bucket:
         raise KVCacheError("a graph step needs a decode plan of one level with at most bucket sequences")
-    page_capacity = layout.fused[0].page_indices.shape[0]
-    if nnz + pad > page_capacity:
-        raise KVCacheError(f"the step reads {nnz + pad} page indices, more than the graph plan's capacity "
-                           f"{page_capacity}")
+    if len(host.window) != len(layout.window):
+        raise KVCacheError("a graph step's plan and layout disagree on the MHA_SLIDING layers' window level")
 
     def rows(values: np.ndarray, fill: int) -> np.ndarray:
         if values.ndim == 2:  # sliding-window length_info [3, n]: (last_page_len, offset 0, sink 0)
@@ -127,26 +147,38 @@ def pad_decode_plan(plan: ForwardPlan, bucket: int, layout: PlanArrays[ArraySpec
             return out
         return np.concatenate([values, np.full(pad, fill, np.int32)]).astype(np.int32, copy=False)
 
-    page_indptr = np.concatenate([level.page_indptr, nnz + np.arange(1, pad + 1, dtype=np.int32)]).astype(np.int32)
-    page_indices = np.concatenate([level.page_indices, np.zeros(pad, np.int32)]).astype(np.int32, copy=False)
-    padded_level = LevelArrays(page_indptr, page_indices, rows(level.length_info, 1), rows(level.k_offset, 0), None)
+    def padded_level(level: LevelArrays, spec: LevelArrays, what: str) -> LevelArrays:
+        """The level with one request per padded row, over one slot of page 0."""
+        nnz, capacity = int(level.page_indptr[-1]), spec.page_indices.shape[0]
+        if nnz + pad > capacity:
+            raise KVCacheError(f"the step reads {nnz + pad} {what}page indices, more than the graph plan's capacity "
+                               f"{capacity}")
+        page_indptr = np.concatenate([level.page_indptr, nnz + np.arange(1, pad + 1, dtype=np.int32)])
+        page_indices = np.concatenate([level.page_indices[:nnz], np.zeros(pad, np.int32)])
+        return LevelArrays(page_indptr.astype(np.int32, copy=False), page_indices.astype(np.int32, copy=False),
+                           rows(level.length_info, 1), rows(level.k_offset, 0), None)
+
+    main = padded_level(level, layout.fused[0], "")
+    window = tuple(padded_level(w, spec, "window ") for w, spec in zip(host.window, layout.window))
+    slides = tuple(rows(positions, -1) for positions in host.slide_positions)
     padded = PlanArrays(rows(host.q_positions, 0), np.arange(bucket + 1, dtype=np.int32),
-                        rows(host.k_ragged_offset, 0), rows(host.append_positions, -1), (padded_level,),
-                        (padded_level._replace(length_info=rows(history.length_info, 0)),))
+                        rows(host.k_ragged_offset, 0), rows(host.append_positions, -1), (main,),
+                        (main._replace(length_info=rows(history.length_info, 0)),), (), window, slides)
     pages_spec = layout.fused[0].page_indices
-    buffer = np.zeros(pages_spec.offset + len(page_indices), np.int32)
-    for spec, array in zip(_flat(layout), _flat(padded)):
-        size = len(page_indices) if spec is pages_spec else array.size
-        buffer[spec.offset : spec.offset + size] = array.ravel()[:size]
+    buffer = np.zeros(pages_spec.offset + len(main.page_indices), np.int32)
+    for spec, array in zip(_flat(layout), _flat(padded)):  # (page indices: the used part of their capacity)
+        buffer[spec.offset : spec.offset + array.size] = array.ravel()
     return ForwardPlan(plan.seq_ids, plan.lengths, bucket, True, False, buffer, layout, padded)
 
 
-def empty_decode_plan(sliding: bool) -> ForwardPlan:
-    """The decode plan of no sequence (pad_decode_plan makes every row padding)."""
+def empty_decode_plan(sliding: bool, window: bool = False) -> ForwardPlan:
+    """The decode plan of no sequence (pad_decode_plan makes every row padding); window: with
+    the MHA_SLIDING layers' (empty) window level."""
     empty = np.zeros(0, np.int32)
     info = np.zeros((3, 0), np.int32) if sliding else empty
     level = LevelArrays(np.zeros(1, np.int32), empty, info, empty, None)
-    host = PlanArrays(empty, np.zeros(1, np.int32), empty, empty, (level,), (level,))
+    windows, slides = ((level._replace(length_info=np.zeros((3, 0), np.int32)),), (empty,)) if window else ((), ())
+    host = PlanArrays(empty, np.zeros(1, np.int32), empty, empty, (level,), (level,), (), windows, slides)
     return ForwardPlan([], [], 0, True, False, np.zeros(0, np.int32), None, host)
 
 

@@ -145,3 +145,8 @@ class WindowStep(Step):
     def attend_in_window(self, pages, q, o, sm_scale: float) -> None:
         """The windowed attention of the step's queries q over `pages` (their K/V appended)."""
         self._window_run(pages, q, o, self.lse, sm_scale)
+
+    def window_scratch(self, pages) -> None:
+        """The step's windowed attention over `pages` from the q workspace into the scratch o/lse
+        (PagedKVCache.reserve_decode_workspace: only the launch matters, not the result)."""
+        self._window_run(pages, self.q, self.o_tmp, self.lse_tmp, 1.0)
