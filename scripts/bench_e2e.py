@@ -438,6 +438,15 @@ def main(argv=None) -> int:
     libraries = args.libraries
     ours = [kv for kv in libraries if kv != "tvm"]
     agreement = []
+    window = kv_config.get("sliding_window", 0) if any(kv_config.get("sliding_layers", ())) else 0
+    # TVM's stock cache prefills past a sliding window with unwindowed new tokens (docs/design.md,
+    # "MHA_SLIDING"): its logits are then not the model's, and the two caches are not compared
+    inexact_stock = bool(window) and args.prompt_len > window
+    if window:
+        model_fields["sliding_window"] = window
+    if inexact_stock:
+        print(f"the prompt ({args.prompt_len} tokens) is longer than the sliding window ({window}): TVM's stock "
+              "cache attends past it unwindowed in prefill, so the logits are not compared (times only)")
 
     def compare(what: str, logits: dict) -> tuple[dict, float]:
         """max |diff| of each library's logits against the stock cache's (0 for the stock one); a
@@ -447,7 +456,7 @@ def main(argv=None) -> int:
         for kv in ours:
             diffs[kv] = float(np.abs(logits[kv] - logits["tvm"]).max())
             agreement.append(f"{what}, {LABELS[kv]} vs stock: max |diff| {diffs[kv]:.3e} (max |logit| {scale:.3e})")
-            if not agrees(diffs[kv], scale):
+            if not agrees(diffs[kv], scale) and not inexact_stock:
                 failures.append(f"{what}: {LABELS[kv]} disagrees with the stock cache")
         diffs["tvm"] = max(diffs[kv] for kv in ours)
         return diffs, scale
