@@ -1,0 +1,162 @@
+"""The CPU prefill's `attend` in explicit float32 vectors (a `PrefillSchedule` with vector_lanes).
+
+The same algorithm as prefill_simt's `attend` (a block: one KV head and a tile of packed query
+rows of one request; online softmax over K/V tiles; the same masks, empty rows and outputs),
+written for one CPU thread per block with V = vector_lanes keys per step and every head
+dimension in V-lane vectors:
+  q: the tile's rows, scaled by sm_scale * log2(e), copied once into scratch (float32);
+  per step, V keys read in place (no copy; keys past the tile's last visible one read that key
+    and are masked), then for each packed row:
+    S: the V rows' q . k as V-lane partial sums, reduced to one vector of V scores by a tree of
+      shuffles (decode_simt's, on the CPU);
+    mask (steps that cross the diagonal or the end of the KV only): hidden scores -> the lowest
+      float, whose probability is exactly 0;
+    softmax: the row's max and sum by lane rotations, probabilities by exp2_vector;
+  then O: o(rows) = o * alpha + P V, a V-lane slice of o for `o_rows` rows at a time kept in
+    registers over the step's V keys, so each value vector is read once for those rows.
+Packed rows of a GQA group share their K/V reads: a tile of rows_per_thread packed rows holds
+rows_per_thread / G query tokens of all G heads. Inline RoPE (rotate_) takes the scalar tile
+(prefill_simt), built from the same schedule.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .common import EMPTY_LSE, LOG2E, exp2_vector
+from .decode_simt import _halving_shuffles
+from .softmax import finalize_lse, finalize_scale
+
+# Packed rows whose output slices stay in registers over one step of O (8 x V lanes).
+O_ROWS = 8
+
+
+def cpu_attend_macro(dims, L, scalar_attend):
+    """attend (prefill_simt's signature) for dims.VL-lane vectors; scalar_attend serves rotate_."""
+    V, G, D_QK, D_V, BQ = dims.VL, dims.G, dims.D_QK, dims.D_V, dims.BQ
+    dtype = dims.dtype
+    RB = O_ROWS if BQ % O_ROWS == 0 else 1
+    fv = f"float32x{V}"
+    halves = [_halving_shuffles(w) for w in (16, 8, 4, 2)]
+    rotations = [[(i + n) % V for i in range(V)] for n in (8, 4, 2, 1)]
+    scope = L.local
+
+    def vec(buf, at):
+        return buf[T.ramp(at, 1, V)]
+
+    def f32(x):
+        return x if dtype == "float32" else T.Cast(fv, x)
+
+    def dot(q_loc, p, k_at_, handle):
+        """V-lane partial sums of q(row p) . k(handle)."""
+        total = None
+        for c in range(D_QK // V):
+            term = vec(q_loc, p * D_QK + c * V) * f32(k_at_(handle, T.ramp(c * V, 1, V)))
+            total = term if total is None else total + term
+        return total
+
+    def pair(buf, a, b, idx):
+        both = [vec(buf, a), vec(buf, b)]
+        return T.Shuffle(both, idx[0]) + T.Shuffle(both, idx[1])
+
+    @T.macro
+    def reduce_rows(part_):
+        """part_[0 : V] <- lane r: the sum of the V lanes of part_[r * V : (r + 1) * V]."""
+        for i in T.unroll(8):
+            part_[T.ramp(i * V, 1, V)] = pair(part_, 2 * i * V, (2 * i + 1) * V, halves[0])
+        for i in T.unroll(4):
+            part_[T.ramp(i * V, 1, V)] = pair(part_, 2 * i * V, (2 * i + 1) * V, halves[1])
+        for i in T.unroll(2):
+            part_[T.ramp(i * V, 1, V)] = pair(part_, 2 * i * V, (2 * i + 1) * V, halves[2])
+        part_[T.ramp(0, 1, V)] = pair(part_, 0, V, halves[3])
+
+    @T.macro
+    def fold(buf_, op):
+        """buf_[0] <- op over buf_[0 : V] (lane rotations by 8, 4, 2, 1)."""
+        buf_[T.ramp(0, 1, V)] = op(vec(buf_, 0), T.Shuffle([vec(buf_, 0)], rotations[0]))
+        buf_[T.ramp(0, 1, V)] = op(vec(buf_, 0), T.Shuffle([vec(buf_, 0)], rotations[1]))
+        buf_[T.ramp(0, 1, V)] = op(vec(buf_, 0), T.Shuffle([vec(buf_, 0)], rotations[2]))
+        buf_[T.ramp(0, 1, V)] = op(vec(buf_, 0), T.Shuffle([vec(buf_, 0)], rotations[3]))
+
+    @T.macro
+    def attend(q_at_, q_pos_at_, kv_row_, k_at_, v_at_, k_pos_base_, write_o_, write_lse_, qo_len_, kv_len_, tile_,
+               causal_, rotate_, rope_scale_, rope_theta_, sm_scale_, ty_, tx_):
+        """prefill_simt's attend (the same arguments and results)."""
+        if rotate_:
+            scalar_attend(q_at_, q_pos_at_, kv_row_, k_at_, v_at_, k_pos_base_, write_o_, write_lse_, qo_len_,
+                          kv_len_, tile_, causal_, rotate_, rope_scale_, rope_theta_, sm_scale_, ty_, tx_)
+        else:
+            q_loc = T.alloc_buffer((BQ * D_QK,), "float32", scope=scope)
+            o_loc = T.alloc_buffer((BQ * D_V,), "float32", scope=scope)
+            m_loc = T.alloc_buffer((BQ,), "float32", scope=scope)
+            l_loc = T.alloc_buffer((BQ,), "float32", scope=scope)
+            a_loc = T.alloc_buffer((BQ,), "float32", scope=scope)  # the step's rescale factors
+            s_loc = T.alloc_buffer((BQ * V,), "float32", scope=scope)  # the step's scores, then P
+            part = T.alloc_buffer((V * V,), "float32", scope=scope)
+            red = T.alloc_buffer((V,), "float32", scope=scope)
+            acc = T.alloc_buffer((RB * V,), "float32", scope=scope)
+            handle = T.alloc_buffer((V,), "int32", scope=scope)
+            qo_len = qo_len_
+            kv_len = kv_len_
+            rows = T.if_then_else(tile_ >= 0, qo_len * G, 0)
+            p0 = T.max(tile_, 0) * BQ
+            free_end = dims.unmasked_end(kv_len, qo_len, p0, causal_)
+            kv_end = T.if_then_else(tile_ >= 0, dims.visible_end(kv_len, qo_len, p0 + BQ - 1, causal_), 0)
+            scale = sm_scale_ * T.float32(LOG2E)
+            for p in T.serial(BQ):
+                m_loc[p] = T.float32(EMPTY_LSE)
+                l_loc[p] = T.float32(0)
+                for c in T.serial(D_V // V):
+                    o_loc[T.ramp(p * D_V + c * V, 1, V)] = T.broadcast(T.float32(0), V)
+                if p0 + p < rows:
+                    for c in T.serial(D_QK // V):
+                        q_loc[T.ramp(p * D_QK + c * V, 1, V)] = f32(q_at_(p0 + p, T.ramp(c * V, 1, V))) * \
+                            T.broadcast(scale, V)
+                else:
+                    for c in T.serial(D_QK // V):
+                        q_loc[T.ramp(p * D_QK + c * V, 1, V)] = T.broadcast(T.float32(0), V)
+            for t in T.serial((kv_end + V - 1) // V):
+                for r in T.unroll(V):
+                    handle[r] = kv_row_(T.min(t * V + r, kv_end - 1))
+                for p in T.serial(BQ):
+                    for r in T.unroll(V):
+                        part[T.ramp(r * V, 1, V)] = dot(q_loc, p, k_at_, handle[r])
+                    reduce_rows(part)
+                    s_loc[T.ramp(p * V, 1, V)] = vec(part, 0)
+                if (t + 1) * V > free_end:
+                    for p in T.serial(BQ):
+                        for r in T.serial(V):
+                            if dims.hidden(t * V + r, kv_len, qo_len, p0 + p, causal_):
+                                s_loc[p * V + r] = T.min_value("float32")
+                for p in T.serial(BQ):
+                    red[T.ramp(0, 1, V)] = vec(s_loc, p * V)
+                    fold(red, T.max)
+                    a_loc[p] = exp2_vector(m_loc[p] - T.max(m_loc[p], red[0]))
+                    m_loc[p] = T.max(m_loc[p], red[0])
+                    # a hidden score's probability is exactly 0 (exp2_vector stops at 2**-126)
+                    for r in T.vectorized(V):
+                        s_loc[p * V + r] = T.Select(s_loc[p * V + r] == T.min_value("float32"), T.float32(0),
+                                                    exp2_vector(s_loc[p * V + r] - m_loc[p]))
+                    red[T.ramp(0, 1, V)] = vec(s_loc, p * V)
+                    fold(red, lambda a, b: a + b)
+                    l_loc[p] = l_loc[p] * a_loc[p] + red[0]
+                for c in T.serial(D_V // V):
+                    for pb in T.serial(BQ // RB):
+                        for i in T.unroll(RB):
+                            acc[T.ramp(i * V, 1, V)] = vec(o_loc, (pb * RB + i) * D_V + c * V) * \
+                                T.broadcast(a_loc[pb * RB + i], V)
+                        for r in T.unroll(V):
+                            for i in T.unroll(RB):
+                                acc[T.ramp(i * V, 1, V)] = vec(acc, i * V) + T.broadcast(
+                                    s_loc[(pb * RB + i) * V + r], V) * f32(v_at_(handle[r], T.ramp(c * V, 1, V)))
+                        for i in T.unroll(RB):
+                            o_loc[T.ramp((pb * RB + i) * D_V + c * V, 1, V)] = vec(acc, i * V)
+            for p in T.serial(BQ):
+                if p0 + p < rows:
+                    red[0] = finalize_scale(l_loc[p])
+                    for c in T.serial(D_V // V):
+                        for e in T.vectorized(V):
+                            write_o_(p0 + p, c * V + e, o_loc[p * D_V + c * V + e] * red[0])
+                    write_lse_(p0 + p, finalize_lse(m_loc[p], l_loc[p]))
+
+    return attend
