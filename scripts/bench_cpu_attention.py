@@ -17,6 +17,7 @@ Each row: the median (and best) of --reps timed calls after one warm-up call.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -28,6 +29,7 @@ import numpy as np  # noqa: E402
 import tvm  # noqa: E402
 
 from tir_kernels import AttentionConfig, default_sm_scale, paged_decode, paged_prefill, ragged_prefill  # noqa: E402
+from tir_kernels.schedules import choose_prefill_schedule  # noqa: E402
 from tir_kernels.build import PIPELINE  # noqa: E402
 from tvmattn.compiler.targets import host_target  # noqa: E402
 
@@ -62,8 +64,12 @@ def arrays(n: int, hq: int, hkv: int, d: int, ps: int, rng):
     return q, k, v, pages
 
 
-def runner(kind: str, config: AttentionConfig, n: int, target, rng):
-    """A no-argument callable that runs `kind` once on a prompt of n tokens."""
+def runner(kind: str, config: AttentionConfig, n: int, target, rng, rows: int = 0):
+    """A no-argument callable that runs `kind` once on a prompt of n tokens (rows: the prefill
+    schedule's rows_per_thread instead of the default's)."""
+    sched = choose_prefill_schedule(config)
+    if rows:
+        sched = dataclasses.replace(sched, rows_per_thread=rows)
     hq, hkv, d, ps = config.num_qo_heads, config.num_kv_heads, config.head_dim, config.page_size
     q, k, v, pages = arrays(n, hq, hkv, d, ps, rng)
     t = tvm.runtime.tensor
@@ -73,10 +79,10 @@ def runner(kind: str, config: AttentionConfig, n: int, target, rng):
     sm = default_sm_scale(d)
     npages = pages.shape[0]
     if kind == "ragged":
-        fn = build(ragged_prefill(config), target)
+        fn = build(ragged_prefill(config, sched), target)
         args = (t(q), i32([0, n]), t(k), t(v), i32([0, n]), i32(np.arange(n)), i32([0]), o, lse, 1, 0, 1.0, 1e4, sm)
     elif kind == "paged":
-        fn = build(paged_prefill(config), target)
+        fn = build(paged_prefill(config, sched), target)
         args = (t(q), i32([0, n]), t(pages), i32([0, npages]), i32(np.arange(npages)), i32([(n - 1) % ps + 1]),
                 i32([0]), i32(np.arange(n)), o, lse, 1, 0, 1.0, 1e4, sm)
     else:
@@ -99,6 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--no-avx512", action="store_true")
+    ap.add_argument("--rows", type=int, default=0, help="the prefill schedule's rows_per_thread (default: its own)")
     args = ap.parse_args(argv)
     hq, hkv = map(int, args.heads.split("/"))
     target = host_target(avx512=not args.no_avx512)
@@ -111,7 +118,7 @@ def main(argv=None) -> int:
         config = AttentionConfig(hq, hkv, d, dtype="float32", page_size=16, target="llvm")
         flops = 4 * hq * d * n * (n + 1) / 2
         for kind in args.kernels.split(","):
-            med, best = timed(runner(kind, config, n, target, rng), args.reps)
+            med, best = timed(runner(kind, config, n, target, rng, args.rows), args.reps)
             print(f"{kind:>14} {d:>4} {med * 1e3:>10.3f} {best * 1e3:>8.3f} {flops / med / 1e9:>8.2f} "
                   f"{flops / best / 1e9:>8.2f}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
