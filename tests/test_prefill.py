@@ -260,19 +260,21 @@ def test_prefill_schedule_validation():
 
 
 # CPU schedules: the scalar tile (inline RoPE and FP8 pages take it) and the vectorized one at
-# tiles of 12 (8-row O blocks do not divide it), 16 (the default) and 32 packed rows; GQA groups of
-# 4 (Gemma 3's head dim 256) and 3 (tiles that split a token's heads).
+# tiles of 12 (8-row O blocks do not divide it), 16 (the default) and 32 packed rows, scores a row
+# or a pair of rows at a time; GQA groups of 4 (Gemma 3's head dim 256) and 3 (tiles that split a
+# token's heads).
 CPU_SCALAR = PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=32)
-CPU_VECTOR = [PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=r, cols_per_thread=16, vector_lanes=16)
-              for r in (12, 16, 32)]
+CPU_VECTOR = [PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=r, cols_per_thread=16, vector_lanes=16,
+                              score_rows=s) for r, s in ((12, 2), (16, 1), (16, 2), (32, 2))]
 CPU_SCHEDULE_CASES = slow_except(
-    [(CPU_SCALAR, 4, 1, 256, "float32"), (CPU_VECTOR[0], 6, 2, 64, "float16"), (CPU_VECTOR[1], 4, 1, 256, "float32"),
-     (CPU_VECTOR[2], 4, 1, 256, "float32"), (CPU_VECTOR[0], 4, 1, 256, "bfloat16")], first=2)
+    [(CPU_SCALAR, 4, 1, 256, "float32"), (CPU_VECTOR[0], 6, 2, 64, "float16"), (CPU_VECTOR[1], 6, 2, 128, "float32"),
+     (CPU_VECTOR[2], 4, 1, 256, "float32"), (CPU_VECTOR[3], 4, 1, 256, "float32"),
+     (CPU_VECTOR[0], 4, 1, 256, "bfloat16")], first=3)
 
 
 def cpu_schedule_id(case):
     sched, hq, hkv, d, dtype = case
-    kind = f"vector{sched.rows_per_thread}" if sched.vector_lanes else "scalar"
+    kind = f"vector{sched.rows_per_thread}x{sched.score_rows}" if sched.vector_lanes else "scalar"
     return f"{kind}-hq{hq}-hkv{hkv}-d{d}-{dtype}"
 
 
@@ -300,18 +302,24 @@ def test_cpu_prefill_schedule_choice():
     pages (the scalar tile dequantizes as it stages); vector_lanes is checked."""
     config = AttentionConfig(4, 1, 256, dtype="float32")
     assert choose_prefill_schedule(config) == PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16,
-                                                              cols_per_thread=16, vector_lanes=16)
+                                                              cols_per_thread=16, vector_lanes=16, score_rows=2)
+    assert choose_prefill_schedule(config.replace(head_dim=64)).score_rows == 1
     assert choose_prefill_schedule(config.replace(dtype="float16", kv_dtype="float8_e4m3fn")).vector_lanes == 0
     with pytest.raises(ValueError, match="vector_lanes=8 must be 0 or 16"):
         PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=8, vector_lanes=8)
     with pytest.raises(ValueError, match="cols_per_thread=16"):
         PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=32, vector_lanes=16)
+    with pytest.raises(ValueError, match="score_rows=2 must be 1, or 2 with vector_lanes"):
+        PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=15, cols_per_thread=16, vector_lanes=16,
+                        score_rows=2)
+    with pytest.raises(ValueError, match="score_rows=2 must be 1, or 2 with vector_lanes"):
+        PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=32, score_rows=2)
     with pytest.raises(ValueError, match="is for the CPU"):
         paged_prefill(config.replace(target="cuda", dtype="float16"),
                       PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=16,
                                       vector_lanes=16))
     with pytest.raises(ValueError, match="reads no FP8 pages"):
-        paged_prefill(config.replace(dtype="float16", kv_dtype="float8_e4m3fn"), CPU_VECTOR[1])
+        paged_prefill(config.replace(dtype="float16", kv_dtype="float8_e4m3fn"), CPU_VECTOR[2])
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_89"])  # sm_89: 99 KiB of shared memory per block

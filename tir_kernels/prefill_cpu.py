@@ -6,13 +6,15 @@ written for one CPU thread per block with V = vector_lanes keys per step and eve
 dimension in V-lane vectors:
   q: the tile's rows, scaled by sm_scale * log2(e), copied once into scratch (float32);
   per step, V keys read in place (no copy; keys past the tile's last visible one read that key
-    and are masked), then for each packed row:
-    S: the V rows' q . k as V-lane partial sums, reduced to one vector of V scores by a tree of
-      shuffles (decode_simt's, on the CPU);
+    and are masked), then
+    S: q . k as V-lane partial sums, a row at a time (score_rows 1) or, for a pair of packed
+      rows and half of the keys at a time, held in registers over the head dimension with each
+      key vector loaded once for both rows (score_rows 2); then each row's V sums reduced to
+      one vector of V scores by a tree of shuffles (decode_simt's);
     mask (steps that cross the diagonal or the end of the KV only): hidden scores -> the lowest
       float, whose probability is exactly 0;
-    softmax: the row's max and sum by lane rotations, probabilities by exp2_vector;
-  then O: o(rows) = o * alpha + P V, a V-lane slice of o for `o_rows` rows at a time kept in
+    softmax, per row: max and sum by lane rotations, probabilities by exp2_vector;
+  then O: o(rows) = o * alpha + P V, a V-lane slice of o for O_ROWS rows at a time kept in
     registers over the step's V keys, so each value vector is read once for those rows.
 Packed rows of a GQA group share their K/V reads: a tile of rows_per_thread packed rows holds
 rows_per_thread / G query tokens of all G heads. Inline RoPE (rotate_) takes the scalar tile
@@ -20,6 +22,8 @@ rows_per_thread / G query tokens of all G heads. Inline RoPE (rotate_) takes the
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from tvm.script import tirx as T
 
@@ -31,21 +35,32 @@ from .softmax import finalize_lse, finalize_scale
 O_ROWS = 8
 
 
-def cpu_attend_macro(dims, L, scalar_attend):
-    """attend (prefill_simt's signature) for dims.VL-lane vectors; scalar_attend serves rotate_."""
-    V, G, D_QK, D_V, BQ = dims.VL, dims.G, dims.D_QK, dims.D_V, dims.BQ
-    dtype = dims.dtype
-    RB = O_ROWS if BQ % O_ROWS == 0 else 1
+class _VectorOps(NamedTuple):
+    vec: object  # vec(buf, at): buf[at : at + V] as a vector
+    f32: object  # a vector of the dtype as float32
+    row_scores: object  # macros: see _vector_ops
+    pair_scores: object
+    reduce_rows: object
+    fold: object
+
+
+def _vector_ops(dims) -> _VectorOps:
+    """The vector steps of `cpu_attend_macro`, V = dims.VL lanes."""
+    V, D_QK, dtype = dims.VL, dims.D_QK, dims.dtype
+    H = V // 2  # keys of one pass of `pair_scores`
     fv = f"float32x{V}"
     halves = [_halving_shuffles(w) for w in (16, 8, 4, 2)]
     rotations = [[(i + n) % V for i in range(V)] for n in (8, 4, 2, 1)]
-    scope = L.local
 
     def vec(buf, at):
         return buf[T.ramp(at, 1, V)]
 
     def f32(x):
         return x if dtype == "float32" else T.Cast(fv, x)
+
+    def pair(buf, a, b, idx):
+        both = [vec(buf, a), vec(buf, b)]
+        return T.Shuffle(both, idx[0]) + T.Shuffle(both, idx[1])
 
     def dot(q_loc, p, k_at_, handle):
         """V-lane partial sums of q(row p) . k(handle)."""
@@ -55,9 +70,30 @@ def cpu_attend_macro(dims, L, scalar_attend):
             total = term if total is None else total + term
         return total
 
-    def pair(buf, a, b, idx):
-        both = [vec(buf, a), vec(buf, b)]
-        return T.Shuffle(both, idx[0]) + T.Shuffle(both, idx[1])
+    @T.macro
+    def row_scores(q_loc_, p_, k_at_, handle_, part_):
+        """Row p_: the V-lane partial sums of q . k of the step's V keys into part_ (slot r: key r)."""
+        for r in T.unroll(V):
+            part_[T.ramp(r * V, 1, V)] = dot(q_loc_, p_, k_at_, handle_[r])
+
+    @T.macro
+    def pair_scores(q_loc_, p_, k_at_, handle_, acc0_, acc1_, part0_, part1_):
+        """Rows p_ and p_ + 1: as row_scores into part0_ / part1_, H keys at a time; a key's
+        vector, loaded once, serves both rows, and the 2 x H sums (acc0_, acc1_: H vectors each,
+        under 1 KB, so registers) stay in registers over the head dimension."""
+        for h in T.serial(2):
+            for i in T.unroll(H):
+                acc0_[T.ramp(i * V, 1, V)] = T.broadcast(T.float32(0), V)
+                acc1_[T.ramp(i * V, 1, V)] = T.broadcast(T.float32(0), V)
+            for c in T.serial(D_QK // V):
+                for r in T.unroll(H):
+                    acc0_[T.ramp(r * V, 1, V)] = vec(acc0_, r * V) + vec(q_loc_, p_ * D_QK + c * V) * f32(
+                        k_at_(handle_[h * H + r], T.ramp(c * V, 1, V)))
+                    acc1_[T.ramp(r * V, 1, V)] = vec(acc1_, r * V) + vec(q_loc_, (p_ + 1) * D_QK + c * V) * f32(
+                        k_at_(handle_[h * H + r], T.ramp(c * V, 1, V)))
+            for r in T.unroll(H):
+                part0_[T.ramp((h * H + r) * V, 1, V)] = vec(acc0_, r * V)
+                part1_[T.ramp((h * H + r) * V, 1, V)] = vec(acc1_, r * V)
 
     @T.macro
     def reduce_rows(part_):
@@ -78,6 +114,18 @@ def cpu_attend_macro(dims, L, scalar_attend):
         buf_[T.ramp(0, 1, V)] = op(vec(buf_, 0), T.Shuffle([vec(buf_, 0)], rotations[2]))
         buf_[T.ramp(0, 1, V)] = op(vec(buf_, 0), T.Shuffle([vec(buf_, 0)], rotations[3]))
 
+    return _VectorOps(vec, f32, row_scores, pair_scores, reduce_rows, fold)
+
+
+def cpu_attend_macro(dims, L, scalar_attend):
+    """attend (prefill_simt's signature) for dims.VL-lane vectors; scalar_attend serves rotate_."""
+    V, G, D_QK, D_V, BQ, SR = dims.VL, dims.G, dims.D_QK, dims.D_V, dims.BQ, dims.SR
+    RB = O_ROWS if BQ % O_ROWS == 0 else 1
+    H = V // 2
+    scope = L.local
+    ops = _vector_ops(dims)
+    vec, f32, reduce_rows, fold = ops.vec, ops.f32, ops.reduce_rows, ops.fold
+
     @T.macro
     def attend(q_at_, q_pos_at_, kv_row_, k_at_, v_at_, k_pos_base_, write_o_, write_lse_, qo_len_, kv_len_, tile_,
                causal_, rotate_, rope_scale_, rope_theta_, sm_scale_, ty_, tx_):
@@ -92,7 +140,10 @@ def cpu_attend_macro(dims, L, scalar_attend):
             l_loc = T.alloc_buffer((BQ,), "float32", scope=scope)
             a_loc = T.alloc_buffer((BQ,), "float32", scope=scope)  # the step's rescale factors
             s_loc = T.alloc_buffer((BQ * V,), "float32", scope=scope)  # the step's scores, then P
-            part = T.alloc_buffer((V * V,), "float32", scope=scope)
+            part0 = T.alloc_buffer((V * V,), "float32", scope=scope)  # two rows' partial sums
+            part1 = T.alloc_buffer((V * V,), "float32", scope=scope)
+            acc0 = T.alloc_buffer((H * V,), "float32", scope=scope)  # under 1 KB: registers
+            acc1 = T.alloc_buffer((H * V,), "float32", scope=scope)
             red = T.alloc_buffer((V,), "float32", scope=scope)
             acc = T.alloc_buffer((RB * V,), "float32", scope=scope)
             handle = T.alloc_buffer((V,), "int32", scope=scope)
@@ -118,11 +169,18 @@ def cpu_attend_macro(dims, L, scalar_attend):
             for t in T.serial((kv_end + V - 1) // V):
                 for r in T.unroll(V):
                     handle[r] = kv_row_(T.min(t * V + r, kv_end - 1))
-                for p in T.serial(BQ):
-                    for r in T.unroll(V):
-                        part[T.ramp(r * V, 1, V)] = dot(q_loc, p, k_at_, handle[r])
-                    reduce_rows(part)
-                    s_loc[T.ramp(p * V, 1, V)] = vec(part, 0)
+                if SR == 2:
+                    for pp in T.serial(BQ // 2):
+                        ops.pair_scores(q_loc, 2 * pp, k_at_, handle, acc0, acc1, part0, part1)
+                        reduce_rows(part0)
+                        s_loc[T.ramp(2 * pp * V, 1, V)] = vec(part0, 0)
+                        reduce_rows(part1)
+                        s_loc[T.ramp((2 * pp + 1) * V, 1, V)] = vec(part1, 0)
+                else:
+                    for p in T.serial(BQ):
+                        ops.row_scores(q_loc, p, k_at_, handle, part0)
+                        reduce_rows(part0)
+                        s_loc[T.ramp(p * V, 1, V)] = vec(part0, 0)
                 if (t + 1) * V > free_end:
                     for p in T.serial(BQ):
                         for r in T.serial(V):

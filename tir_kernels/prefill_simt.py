@@ -105,6 +105,7 @@ class _Tiling:
     shared: str  # scope of the tiles: "shared.dyn" on CUDA
     KV_FP8: bool = False  # the pages hold FP8 codes (kv_quant), staged element by element
     VL: int = 0  # the schedule's vector_lanes (prefill_cpu.py), 0: the scalar tile
+    SR: int = 1  # the schedule's score_rows (prefill_cpu.py)
 
     @classmethod
     def of(cls, config: AttentionConfig, sched: PrefillSchedule) -> "_Tiling":
@@ -116,7 +117,7 @@ class _Tiling:
             VEC=CUDA_VECTOR_BYTES // config.elem_bytes, QS=D_QK + PREFILL_ROW_PAD, KS=D_QK + PREFILL_ROW_PAD,
             VS=D_V + PREFILL_ROW_PAD, PS=BK + PREFILL_P_ROW_PAD, OC=D_V // sched.threads_x,
             shared="shared.dyn" if config.is_gpu else CPU_SCRATCH_SCOPE, KV_FP8=config.kv_fp8,
-            VL=sched.vector_lanes,
+            VL=sched.vector_lanes, SR=sched.score_rows,
         )
 
     def row_tiles(self, qo_indptr, b):
