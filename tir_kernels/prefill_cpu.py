@@ -13,7 +13,7 @@ dimension in V-lane vectors:
       one vector of V scores by a tree of shuffles (decode_simt's);
     mask (steps that cross the diagonal or the end of the KV only): hidden scores -> the lowest
       float, whose probability is exactly 0;
-    softmax, per row: max and sum by lane rotations, probabilities by exp2_vector;
+    softmax, per row: max and sum by lane rotations, probabilities by exp2_fine;
   then O: o(rows) = o * alpha + P V, a V-lane slice of o for O_ROWS rows at a time kept in
     registers over the step's V keys, so each value vector is read once for those rows.
 Packed rows of a GQA group share their K/V reads: a tile of rows_per_thread packed rows holds
@@ -27,12 +27,27 @@ from typing import NamedTuple
 
 from tvm.script import tirx as T
 
-from .common import EMPTY_LSE, LOG2E, exp2_vector
+from .common import EMPTY_LSE, LOG2E
 from .decode_simt import _halving_shuffles
 from .softmax import finalize_lse, finalize_scale
 
 # Packed rows whose output slices stay in registers over one step of O (8 x V lanes).
 O_ROWS = 8
+# 2**f on [-1/2, 1/2]: Taylor terms (ln 2)**k / k! to degree 7 (truncation about 5e-9 relative).
+_EXP2_TERMS = (1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.009618129107628477,
+               0.0013333558146428443, 0.00015403530393381606, 1.525273380405984e-05)
+
+
+def exp2_fine(x):
+    """2**x (float32) in arithmetic LLVM vectorizes, to float32 rounding: as common.exp2_vector
+    (x clamped to [-126, 126], 2**round(x) from the exponent bits) with a degree-7 polynomial."""
+    xc = T.min(T.max(x, T.float32(-126.0)), T.float32(126.0))
+    n = T.nearbyint(xc)
+    f = xc - n
+    poly = T.float32(_EXP2_TERMS[-1])
+    for c in reversed(_EXP2_TERMS[:-1]):
+        poly = poly * f + T.float32(c)
+    return poly * T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
 
 
 class _VectorOps(NamedTuple):
@@ -189,12 +204,12 @@ def cpu_attend_macro(dims, L, scalar_attend):
                 for p in T.serial(BQ):
                     red[T.ramp(0, 1, V)] = vec(s_loc, p * V)
                     fold(red, T.max)
-                    a_loc[p] = exp2_vector(m_loc[p] - T.max(m_loc[p], red[0]))
+                    a_loc[p] = exp2_fine(m_loc[p] - T.max(m_loc[p], red[0]))
                     m_loc[p] = T.max(m_loc[p], red[0])
-                    # a hidden score's probability is exactly 0 (exp2_vector stops at 2**-126)
+                    # a hidden score's probability is exactly 0 (exp2_fine stops at 2**-126)
                     for r in T.vectorized(V):
                         s_loc[p * V + r] = T.Select(s_loc[p * V + r] == T.min_value("float32"), T.float32(0),
-                                                    exp2_vector(s_loc[p * V + r] - m_loc[p]))
+                                                    exp2_fine(s_loc[p * V + r] - m_loc[p]))
                     red[T.ramp(0, 1, V)] = vec(s_loc, p * V)
                     fold(red, lambda a, b: a + b)
                     l_loc[p] = l_loc[p] * a_loc[p] + red[0]
