@@ -227,7 +227,6 @@ def test_window_plan_one_request_per_token():
     request per sequence over its whole sliding page table; otherwise one decode request per new
     token over the MHA_SLIDING layers' own pages, its window's pages only."""
     m = KindsModel(page_size=4, seed=6)
-    m.cache._window_prefill = True  # (a GPU's default; the CPU's keeps the decode)
     m.add(0)
 
     def within(seq_ids, lengths):

@@ -259,6 +259,69 @@ def test_prefill_schedule_validation():
                                                                  cols_per_thread=4))
 
 
+# CPU schedules: the scalar tile (inline RoPE and FP8 pages take it) and the vectorized one at
+# tiles of 12 (8-row O blocks do not divide it), 16 (the default) and 32 packed rows, scores a row
+# or a pair of rows at a time; GQA groups of 4 (Gemma 3's head dim 256) and 3 (tiles that split a
+# token's heads).
+CPU_SCALAR = PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=32)
+CPU_VECTOR = [PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=r, cols_per_thread=16, vector_lanes=16,
+                              score_rows=s) for r, s in ((12, 2), (16, 1), (16, 2), (32, 2))]
+CPU_SCHEDULE_CASES = slow_except(
+    [(CPU_SCALAR, 4, 1, 256, "float32"), (CPU_VECTOR[0], 6, 2, 64, "float16"), (CPU_VECTOR[1], 6, 2, 128, "float32"),
+     (CPU_VECTOR[2], 4, 1, 256, "float32"), (CPU_VECTOR[3], 4, 1, 256, "float32"),
+     (CPU_VECTOR[0], 4, 1, 256, "bfloat16")], first=3)
+
+
+def cpu_schedule_id(case):
+    sched, hq, hkv, d, dtype = case
+    kind = f"vector{sched.rows_per_thread}x{sched.score_rows}" if sched.vector_lanes else "scalar"
+    return f"{kind}-hq{hq}-hkv{hkv}-d{d}-{dtype}"
+
+
+@pytest.mark.parametrize("case", CPU_SCHEDULE_CASES, ids=cpu_schedule_id)
+def test_cpu_prefill_schedules(kernels, case):
+    """Both CPU algorithms (scalar tile, vectorized) against the reference, paged and ragged,
+    causal and not; with a request whose first queries see no key (o = 0, EMPTY_LSE) beside
+    queries that do, in the same tile."""
+    sched, hq, hkv, d, dtype = case
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=16, target="llvm")
+    rng = np.random.default_rng(zlib.crc32(cpu_schedule_id(case).encode()))
+    requests = requests_for(16) + [(20, 10)]
+    batch, q, qo_indptr = paged_inputs(rng, config, requests)
+    rq, r_indptr, k, v, kv_indptr = ragged_inputs(rng, config, requests)
+    kv_of = lambda i: (k[kv_indptr[i] : kv_indptr[i + 1]], v[kv_indptr[i] : kv_indptr[i + 1]])  # noqa: E731
+    for causal in (True, False):
+        o, lse = run_paged(kernels, config, batch, q, qo_indptr, causal, extra=(sched,))
+        check(config, o, lse, qo_indptr, expected(q, qo_indptr, batch.visible, default_sm_scale(d), causal))
+        o, lse = run_ragged(kernels, config, rq, r_indptr, k, v, kv_indptr, causal, extra=(sched,))
+        check(config, o, lse, r_indptr, expected(rq, r_indptr, kv_of, default_sm_scale(d), causal))
+
+
+def test_cpu_prefill_schedule_choice():
+    """The CPU default is the vectorized algorithm (16 packed rows, 16 keys a step) except over FP8
+    pages (the scalar tile dequantizes as it stages); vector_lanes is checked."""
+    config = AttentionConfig(4, 1, 256, dtype="float32")
+    assert choose_prefill_schedule(config) == PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16,
+                                                              cols_per_thread=16, vector_lanes=16, score_rows=2)
+    assert choose_prefill_schedule(config.replace(head_dim=64)).score_rows == 1
+    assert choose_prefill_schedule(config.replace(dtype="float16", kv_dtype="float8_e4m3fn")).vector_lanes == 0
+    with pytest.raises(ValueError, match="vector_lanes=8 must be 0 or 16"):
+        PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=8, vector_lanes=8)
+    with pytest.raises(ValueError, match="cols_per_thread=16"):
+        PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=32, vector_lanes=16)
+    with pytest.raises(ValueError, match="score_rows=2 must be 1, or 2 with vector_lanes"):
+        PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=15, cols_per_thread=16, vector_lanes=16,
+                        score_rows=2)
+    with pytest.raises(ValueError, match="score_rows=2 must be 1, or 2 with vector_lanes"):
+        PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=32, score_rows=2)
+    with pytest.raises(ValueError, match="is for the CPU"):
+        paged_prefill(config.replace(target="cuda", dtype="float16"),
+                      PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=16,
+                                      vector_lanes=16))
+    with pytest.raises(ValueError, match="reads no FP8 pages"):
+        paged_prefill(config.replace(dtype="float16", kv_dtype="float8_e4m3fn"), CPU_VECTOR[2])
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "sm_89"])  # sm_89: 99 KiB of shared memory per block
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("head_dim,v_head_dim", [(d, d) for d in range(16, 257, 16)] + [(192, 128), (128, 16)])

@@ -91,12 +91,25 @@ def test_long_prompts_past_the_window(target, page_size, window):
     assert (m.cache.get_num_available_pages(), m.cache._slides.allocator.num_free) == initial
 
 
-def test_prefill_within_the_window_on_the_cpu_runs_the_decode():
-    """On the CPU a prefill step within the window keeps the per-token windowed decode (the
-    faster kernel there), its outputs against the window reference."""
+def test_prefill_within_the_window_on_the_cpu_runs_the_vectorized_prefill():
+    """On the CPU a prefill step within the window runs the paged prefill where that kernel is
+    the vectorized one (head dim 64 here), its outputs against the window reference."""
     m = model("llvm", 4, 20)
     m.add(0)
-    assert window_kernels(m, [([0], [12]), ([0], [8])]) == ["decode", "decode"]
+    assert window_kernels(m, [([0], [12]), ([0], [8])]) == ["prefill", "prefill"]
+
+
+@pytest.mark.parametrize("head_dim,kv_dtype,expected", [(64, "", True), (256, "", True),
+                                                       (64, "float8_e4m3fn", False)])
+def test_cpu_window_prefill_needs_the_vectorized_prefill(head_dim, kv_dtype, expected):
+    """On the CPU the MHA_SLIDING layers take the paged prefill within the window only where it is
+    the vectorized kernel (not over FP8 pages, which the scalar tile reads); otherwise they keep
+    the per-token decode, the faster of the two there."""
+    cache = PagedKVCache(num_layers=2, num_qo_heads=4, num_kv_heads=1, qk_head_dim=head_dim, dtype="float32",
+                         page_size=16, attn_kinds=["mha_sliding", "mha"], layer_sliding_window_size=32,
+                         max_num_sequences=1, max_total_seq_len=64, prefill_chunk_size=64,
+                         **({"kv_dtype": kv_dtype} if kv_dtype else {}))
+    assert cache._window_prefill == expected
 
 
 def window_kernels(m: KindsModel, steps: list) -> list:
@@ -123,11 +136,9 @@ def test_prefill_within_the_window_runs_the_tiled_prefill(target, page_size, win
     batches with a one-token append, a fork sharing pages (and its copied partial page),
     attention_with_shared_kv over a windowed layer; one token past the window, and decode
     steps, run the per-token windowed decode. Every output against the window reference. The
-    cache takes that path by default on a GPU only (on the CPU the per-token decode kernel is the
-    faster); here it is turned on for both."""
+    cache takes that path by default on a GPU, and on the CPU at this head dim (64)."""
     m = model(target, page_size, window, seed=page_size + window, max_num_sequences=5)
-    assert m.cache._window_prefill == (target != "llvm")
-    m.cache._window_prefill = True
+    assert m.cache._window_prefill
     for s in (0, 1, 2):
         m.add(s)
     w = window

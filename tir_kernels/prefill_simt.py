@@ -66,6 +66,7 @@ from .schedules import (
     choose_prefill_schedule,
 )
 from .kv_quant import read_kv
+from .prefill_cpu import cpu_attend_macro
 from .simt_tile import find_tile_macro, gemm_macros, load_macros, out_col, tile_softmax_macros
 
 
@@ -103,6 +104,8 @@ class _Tiling:
     OC: int  # output columns per thread
     shared: str  # scope of the tiles: "shared.dyn" on CUDA
     KV_FP8: bool = False  # the pages hold FP8 codes (kv_quant), staged element by element
+    VL: int = 0  # the schedule's vector_lanes (prefill_cpu.py), 0: the scalar tile
+    SR: int = 1  # the schedule's score_rows (prefill_cpu.py)
 
     @classmethod
     def of(cls, config: AttentionConfig, sched: PrefillSchedule) -> "_Tiling":
@@ -114,6 +117,7 @@ class _Tiling:
             VEC=CUDA_VECTOR_BYTES // config.elem_bytes, QS=D_QK + PREFILL_ROW_PAD, KS=D_QK + PREFILL_ROW_PAD,
             VS=D_V + PREFILL_ROW_PAD, PS=BK + PREFILL_P_ROW_PAD, OC=D_V // sched.threads_x,
             shared="shared.dyn" if config.is_gpu else CPU_SCRATCH_SCOPE, KV_FP8=config.kv_fp8,
+            VL=sched.vector_lanes, SR=sched.score_rows,
         )
 
     def row_tiles(self, qo_indptr, b):
@@ -231,6 +235,8 @@ def prefill_macros(config: AttentionConfig, sched: PrefillSchedule) -> PrefillMa
             o_gemm(ps, vs, o, ty_, tx_)
         store(o, m_run, l_run, rows, p0, ty_, tx_, write_o_, write_lse_)
 
+    if dims.VL:
+        attend = cpu_attend_macro(dims, L, attend)
     return PrefillMacros(dims.num_slots, find_tile_macro(dims.row_tiles), attend)
 
 

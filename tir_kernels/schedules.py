@@ -656,6 +656,13 @@ CUDA_MAX_SHARED_BYTES = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 CUDA_DEFAULT_SHARED_BYTES = 99 * 1024
 # Extra fp32 words per shared-memory row of the prefill tiles: threads that read 16 bytes of
 # different rows at the same column then hit different banks.
+# float32 lanes of the CPU kernels' vectors (one AVX-512 register) and the CPU prefill's packed
+# query rows a block (4 tokens of a GQA group of 4).
+CPU_VECTOR_LANES = 16
+CPU_PREFILL_ROWS = 16
+# Head dims from which the CPU prefill scores rows in pairs (score_rows=2): below, the ragged
+# prefill's q . k of one row at a time was the faster.
+CPU_PAIRED_SCORES_MIN_DIM = 128
 PREFILL_ROW_PAD = 4
 PREFILL_P_ROW_PAD = 4
 
@@ -671,12 +678,19 @@ class PrefillSchedule:
     tile_q = threads_y * rows_per_thread packed query rows and consumes
     tile_kv = threads_x * cols_per_thread keys per step. The threads_x threads of a row are
     consecutive lanes of one warp (row maxima and sums use warp shuffles).
+    vector_lanes (CPU only): 0, the scalar tile above; V (16), the vectorized CPU algorithm
+    (prefill_cpu.py): one thread, tile_q = rows_per_thread packed rows, cols_per_thread = V keys
+    a step, every head dimension in V-lane float32 vectors (head dims multiples of V, no FP8
+    pages). score_rows (with vector_lanes): 1, each row's q . k alone; 2, rows in pairs, each key
+    vector loaded once for both (rows_per_thread even).
     """
 
     threads_y: int
     threads_x: int
     rows_per_thread: int
     cols_per_thread: int
+    vector_lanes: int = 0
+    score_rows: int = 1
 
     def __post_init__(self):
         _require(
@@ -692,6 +706,12 @@ class PrefillSchedule:
             self.cols_per_thread >= 1 and self.tile_kv % 4 == 0,
             f"cols_per_thread={self.cols_per_thread}: tile_kv = threads_x * cols_per_thread must be a multiple of 4",
         )
+        _require(self.vector_lanes in (0, CPU_VECTOR_LANES), f"vector_lanes={self.vector_lanes} must be 0 or {CPU_VECTOR_LANES}")
+        _require(not self.vector_lanes or (self.num_threads == 1 and self.cols_per_thread == self.vector_lanes),
+                 f"vector_lanes={self.vector_lanes}: expected one thread and cols_per_thread={self.vector_lanes}")
+        _require(self.score_rows == 1 or (self.score_rows == 2 and self.vector_lanes
+                                          and self.rows_per_thread % 2 == 0),
+                 f"score_rows={self.score_rows} must be 1, or 2 with vector_lanes and an even rows_per_thread")
 
     @property
     def num_threads(self) -> int:
@@ -719,7 +739,14 @@ class PrefillSchedule:
         )
         if not config.is_gpu:
             _require(self.num_threads == 1, f"threads_y * threads_x = {self.num_threads} must be 1 on the CPU")
+            if self.vector_lanes:
+                _require(config.head_dim % self.vector_lanes == 0 and config.v_head_dim % self.vector_lanes == 0,
+                         f"vector_lanes={self.vector_lanes} must divide head_dim={config.head_dim} and "
+                         f"v_head_dim={config.v_head_dim}")
+                _require(not config.kv_fp8, f"vector_lanes={self.vector_lanes} reads no FP8 pages "
+                         f"(kv_dtype={config.kv_dtype!r}): expected vector_lanes=0")
             return
+        _require(not self.vector_lanes, f"vector_lanes={self.vector_lanes} is for the CPU: expected 0 on CUDA")
         _require(self.num_threads % 32 == 0, f"threads_y * threads_x = {self.num_threads} must be a multiple of 32")
         limit = CUDA_MAX_SHARED_BYTES.get(config.cuda_arch, CUDA_DEFAULT_SHARED_BYTES)
         _require(
@@ -733,8 +760,15 @@ def choose_prefill_schedule(config: AttentionConfig) -> PrefillSchedule:
     """GPU: 128 threads, 64 (32 for head dims above 128) packed query rows x 32 keys per block
     (8 threads per row; fewer where v_head_dim is not a multiple of 32),
     so that two blocks share an SM (three at head_dim 128: 75 KiB of shared memory each);
-    CPU: one thread computing a 16 x 32 tile."""
+    CPU: one thread a block; head dims of multiples of 16 (pages not FP8): the vectorized
+    algorithm over CPU_PREFILL_ROWS packed rows (the GQA group's heads share each K/V read),
+    16 keys a step, scores of row pairs from head dim 128; others a scalar 16 x 32 tile."""
     if not config.is_gpu:
+        if config.head_dim % CPU_VECTOR_LANES == 0 and config.v_head_dim % CPU_VECTOR_LANES == 0 \
+                and not config.kv_fp8:
+            return PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=CPU_PREFILL_ROWS,
+                                   cols_per_thread=CPU_VECTOR_LANES, vector_lanes=CPU_VECTOR_LANES,
+                                   score_rows=2 if config.head_dim >= CPU_PAIRED_SCORES_MIN_DIM else 1)
         return PrefillSchedule(threads_y=1, threads_x=1, rows_per_thread=16, cols_per_thread=32)
     threads_x = 8
     while threads_x > 1 and config.v_head_dim % (4 * threads_x):  # each of a row's threads owns 4-column groups

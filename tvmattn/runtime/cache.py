@@ -52,6 +52,7 @@ import tvm
 import tvm_ffi
 
 from tir_kernels import AttentionConfig, RopeScaling
+from tir_kernels.schedules import choose_prefill_schedule
 from tir_kernels.support import (FP8_KV_DTYPES, cuda_arch_of, dtype_problem, is_fp8, kv_dtype_problem, numpy_dtype,
                                  page_size_problem)
 
@@ -369,10 +370,11 @@ class PagedKVCache:
             self._step_kernels = self._check_kernels(self.kernels)
         k = self._step_kernels
         # MHA_SLIDING layers run prefill steps whose windows hide nothing with the paged prefill
-        # kernel (runtime/windows.py) on a GPU, where it is TIR's (FlashInfer's would need a plan
-        # of its own); on the CPU the per-token sliding decode is the faster of the two kernels
+        # kernel (runtime/windows.py) where it is TIR's (FlashInfer's would need a plan of its
+        # own); on the CPU only where that kernel is the vectorized one (pages not FP8): the
+        # scalar tile is slower there than the per-token sliding decode
         self._window_prefill = self._window_decode is not None and k.paged_prefill.kind == "tir" and \
-            self.target != "llvm"
+            (self.target != "llvm" or choose_prefill_schedule(opts.attention_config(self.target)).vector_lanes > 0)
         self._backend_plans = self._planning_backends()  # run _begin_backends in _start_step
         self._flashinfer_workspace = bind_workspace((k.ragged, k.paged_prefill, k.paged_decode), self.device)
         self._rope = Rope(opts.effective_rope_mode, opts.rope_scale, opts.rope_theta)

@@ -14,13 +14,13 @@ new token in the sliding pages. Launches (`WindowStep`): an MHA_SLIDING layer ap
 tokens' K/V to its pages first, then runs that one decode launch over all of them; the MHA
 layers run the step's usual levels.
 
-On a GPU, prefill steps whose windows hide nothing (`window_prefill_plan`: no token tree, some
+Prefill steps whose windows hide nothing (`window_prefill_plan`: no token tree, some
 sequence appends more than one token, and every sequence's length after the append is at most
 W, so its sliding pages still hold every token and no query's window excludes a key) attend
 with the tiled paged prefill kernel instead, one causal request per sequence over its whole sliding page
 table: query i of n sees keys 0 .. length - n + i, exactly its window. Other prefill steps keep
-the per-token decode (the prefill kernels mask no window's start), as does the CPU, where the
-per-token decode kernel is the faster of the two on the same keys.
+the per-token decode (the prefill kernels mask no window's start), as does the CPU over FP8
+pages, where the paged prefill is the scalar tile and the per-token decode the faster kernel.
 
 TVM's C++ cache attends the same way in decode steps; in other steps it runs the history's
 last W tokens through the causal sliding prefill and the new tokens unwindowed, so a query
