@@ -420,9 +420,16 @@ def main(argv=None) -> int:
                     "num_qo_heads": kv_config["num_qo_heads"], "num_kv_heads": kv_config["num_kv_heads"],
                     "page_size": page}
 
+    # which decode functions of the float libraries take compiler.fused_decode's ops (models/export.py:
+    # CUDA builds in `decode` only); the kept library's layers fuse in their own GEMVs either way
+    fused_layers = ("decode" if args.target == "cuda" else "all") if args.fused_layers else "none"
+
     def kept_variant(kv: str) -> dict:
-        """The kept library's rows name the block type of random blocks (--keep-format) in their variant."""
-        if kv != "keep" or args.keep_format is None:
+        """The kept library's rows name the block type of random blocks (--keep-format) in their
+        variant; the float libraries' rows say which decode functions fuse (fused_layers)."""
+        if kv != "keep":
+            return {"fused_layers": fused_layers}
+        if args.keep_format is None:
             return {}
         return {"variant": f"{args.target}/{common['dtype']}/{args.keep_format.lower()}"}
 
