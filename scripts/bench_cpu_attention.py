@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench_cpu_steps  # noqa: E402
 import numpy as np  # noqa: E402
 import tvm  # noqa: E402
 
@@ -43,13 +43,8 @@ def build(func, target):
 
 def timed(fn, reps: int) -> tuple[float, float]:
     """(median, best) seconds of reps calls after a warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times)
+    median_ms, best_ms = bench_cpu_steps.median_ms(fn, reps)
+    return median_ms / 1e3, best_ms / 1e3
 
 
 def arrays(n: int, hq: int, hkv: int, d: int, ps: int, rng):

@@ -38,7 +38,7 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _median_ms(fn, reps: int) -> tuple[float, float]:
+def median_ms(fn, reps: int) -> tuple[float, float]:
     """(median, best) of reps timed calls after a warm-up call, ms."""
     fn()
     times = []
@@ -64,21 +64,21 @@ def bench(lib: str, context: int, verify: list[int], prefill: list[int], reps: i
         g.popn(0, 1)
 
     with no_cyclic_gc():  # as in Generator's engine loop
-        results["decode"] = _median_ms(decode, reps)
+        results["decode"] = median_ms(decode, reps)
     for n in verify:
         def step(n=n):
             g.forward("batch_verify", [0], [n], g.embed(tokens[context:context + n])[None],
                        parents=list(range(-1, n - 1)))
             g.popn(0, n)
 
-        results[f"verify {n}"] = _median_ms(step, reps)
+        results[f"verify {n}"] = median_ms(step, reps)
     for n in prefill:
         def fill(n=n):
             g.add_sequence(1)
             g.forward("prefill", [1], [n], g.embed(tokens[:n])[None])
             g.remove_sequence(1)
 
-        results[f"prefill {n}"] = _median_ms(fill, max(1, reps // (1 + n // 64)))
+        results[f"prefill {n}"] = median_ms(fill, max(1, reps // (1 + n // 64)))
     return results
 
 
@@ -105,7 +105,7 @@ def profile(lib: str, context: int, rows: int, prefill: int = 0) -> str:
         g.decode_step([0], tokens[context:context + 1])
         g.popn(0, 1)
 
-    plain = _median_ms(step, 3 if prefill else 20)[0]
+    plain = median_ms(step, 3 if prefill else 20)[0]
     totals: dict = collections.defaultdict(float)
     counts: dict = collections.defaultdict(int)
     started: list = []

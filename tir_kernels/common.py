@@ -26,16 +26,16 @@ EMPTY_LSE = -5.0e4
 _EXP2_POLY = (1.0, 0.6931472, 0.24022646, 0.05550329, 0.00961852, 0.0013399861, 0.00015337577)
 
 
-def exp2_vector(x):
+def exp2_vector(x, terms=_EXP2_POLY):
     """2**x (float32) in arithmetic that LLVM vectorizes (exp2f is a library call per lane):
-    x clamped to [-126, 126], 2**round(x) from the exponent bits times a polynomial of the rest.
-    The CPU decode's probabilities and the CPU SiLU (models/cpu_elementwise.py); accurate to about
-    1e-7 relative (below 2**-126: 2**-126)."""
+    x clamped to [-126, 126], 2**round(x) from the exponent bits times a polynomial of the rest
+    (`terms`, lowest degree first). The CPU decode's probabilities and the CPU SiLU
+    (models/cpu_elementwise.py); accurate to about 1e-7 relative (below 2**-126: 2**-126)."""
     xc = T.min(T.max(x, T.float32(-126.0)), T.float32(126.0))
     n = T.nearbyint(xc)
     f = xc - n
-    poly = T.float32(_EXP2_POLY[-1])
-    for c in reversed(_EXP2_POLY[:-1]):
+    poly = T.float32(terms[-1])
+    for c in reversed(terms[:-1]):
         poly = poly * f + T.float32(c)
     return poly * T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from tvm.script import tirx as T
 
-from .common import EMPTY_LSE, LOG2E
+from .common import EMPTY_LSE, LOG2E, exp2_vector
 from .decode_simt import _halving_shuffles
 from .softmax import finalize_lse, finalize_scale
 
@@ -39,15 +39,9 @@ _EXP2_TERMS = (1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
 
 
 def exp2_fine(x):
-    """2**x (float32) in arithmetic LLVM vectorizes, to float32 rounding: as common.exp2_vector
-    (x clamped to [-126, 126], 2**round(x) from the exponent bits) with a degree-7 polynomial."""
-    xc = T.min(T.max(x, T.float32(-126.0)), T.float32(126.0))
-    n = T.nearbyint(xc)
-    f = xc - n
-    poly = T.float32(_EXP2_TERMS[-1])
-    for c in reversed(_EXP2_TERMS[:-1]):
-        poly = poly * f + T.float32(c)
-    return poly * T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
+    """2**x (float32) in arithmetic LLVM vectorizes, to float32 rounding: common.exp2_vector with
+    a degree-7 polynomial."""
+    return exp2_vector(x, _EXP2_TERMS)
 
 
 class _VectorOps(NamedTuple):
