@@ -1216,7 +1216,7 @@ class PagedKVCache:
         and the kernels a decode step launches (a graph captured against another is stale)."""
         k = self._step_kernels
         return (self._graph_generation, id(k.paged_decode), id(k.split_rotary_append), id(k.split_rotary),
-                id(k.transpose_append), id(getattr(self, "_window_decode", None)))
+                id(k.transpose_append), id(self._window_decode))
 
     def graph_plan_bytes(self) -> int:
         return 0 if self._graph_arrays is None else 4 * self._graph_arrays.capacity

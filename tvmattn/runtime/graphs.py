@@ -59,6 +59,7 @@ import tvm_ffi
 
 from .errors import KVCacheError
 from .plan import ALIGN, ArraySpec, ForwardPlan, LevelArrays, PlanArrays
+from .slides import ceildiv
 from .upload import _load_cudart
 
 _CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
@@ -86,7 +87,7 @@ def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
 def window_pages_per_row(window: int, page_size: int) -> int:
     """Pages one decode query's window of `window` tokens touches at most (an MHA_SLIDING
     layer's request, tvmattn.runtime.windows)."""
-    return -(-(window - 1) // page_size) + 1
+    return ceildiv(window - 1, page_size) + 1
 
 
 def graph_layout(bucket: int, page_capacity: int, sliding: bool, window_pages: int = 0) -> PlanArrays[ArraySpec]:
