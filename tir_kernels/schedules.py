@@ -654,8 +654,6 @@ def choose_copy_schedule(config: AttentionConfig, row_len: int) -> CopySchedule:
 # Opt-in shared memory per block (bytes) of the CUDA archs tvmattn targets.
 CUDA_MAX_SHARED_BYTES = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 CUDA_DEFAULT_SHARED_BYTES = 99 * 1024
-# Extra fp32 words per shared-memory row of the prefill tiles: threads that read 16 bytes of
-# different rows at the same column then hit different banks.
 # float32 lanes of the CPU kernels' vectors (one AVX-512 register) and the CPU prefill's packed
 # query rows a block (4 tokens of a GQA group of 4).
 CPU_VECTOR_LANES = 16
@@ -663,6 +661,8 @@ CPU_PREFILL_ROWS = 16
 # Head dims from which the CPU prefill scores rows in pairs (score_rows=2): below, the ragged
 # prefill's q . k of one row at a time was the faster.
 CPU_PAIRED_SCORES_MIN_DIM = 128
+# Extra fp32 words per shared-memory row of the prefill tiles: threads that read 16 bytes of
+# different rows at the same column then hit different banks.
 PREFILL_ROW_PAD = 4
 PREFILL_P_ROW_PAD = 4
 
