@@ -4,8 +4,10 @@
 - every block-quantized tensor of the file kept in its blocks, dequantized exactly as the gguf
   package's own dequantizer (float64 compare);
 - the tokenizer against llama.cpp's;
-- the library (compiled once per test run, blocks kept: --quantization keep) against a float64
-  torch model on the dequantized weights (every position of a short prompt), and against
+- the library (compiled once per test run, blocks kept: --quantization keep; its prompt products in
+  float32, `cpu_bf16=False`) against a float64 torch model on the dequantized weights (every
+  position of a short prompt, and past the window); the default library (prompt products in
+  bfloat16 where the CPU has AVX512-BF16) against the same model within BF16_TOLERANCE, and against
   llama.cpp (llama-cpp-python on the same file) on three prompts: every prompt position's
   logits within LLAMA_CPP_TOLERANCE and the same top token wherever llama.cpp's is clear, the same
   32 greedy tokens up to a near tie (`check_greedy`); past the sliding window (prompts of at
@@ -15,7 +17,9 @@
 llama.cpp rounds the activations of every product to 8-bit blocks (Q8_0 / Q8_K), keeps K and V
 in float16 and takes GELU from a float16 table, so its logits differ from exact ones by that
 rounding (up to about a tenth of the largest logit of a position); our kernels sum float32
-products of the exact weights (within about 1e-6 of it, against the float64 model). Greedy
+products of the exact weights (within about 1e-6 of it, against the float64 model), or with
+bfloat16 products (quant.cpu.unpack_gemm) the prompt's projections round each product by at most
+2^-8. Greedy
 tokens are compared where the continuation is clear: where two tokens are within llama.cpp's
 rounding of each other, greedy decoding may take either. Everything here is slow (the GGUF's 262k-token
 vocabulary alone takes many seconds to parse); skipped where the package or llama-cpp-python
@@ -51,6 +55,9 @@ LONG_PROMPT_TOKENS = 1500
 LLAMA_CPP_TOLERANCE = 0.15
 CLEAR_MARGIN = 0.5
 TORCH_TOLERANCE = {"rtol": 2e-3, "atol": 2e-3}  # float32 sums over 18 layers against float64
+# bfloat16 products in the prompt's projections (each within 2^-8), over 18 layers: |ours - torch|
+# <= BF16_TOLERANCE * (the position's largest |logit|)
+BF16_TOLERANCE = 2e-2
 CHUNK = 1024
 STOP = (1, 106)  # <eos>, <end_of_turn>
 
@@ -78,16 +85,29 @@ def loaded(path):
     return read_gguf(path, keep_quantized=True, layouts=gguf_layouts())
 
 
-@pytest.fixture(scope="module")
-def library(tmp_path_factory, path):
-    """The compiled bundle (llvm, blocks kept), built once per test run."""
+def build_library(tmp_path_factory, path, cpu_bf16: bool) -> "Library":
+    """The compiled bundle (llvm, blocks kept; cpu_bf16: its prompt products in bfloat16 where the
+    CPU has AVX512-BF16), built once per test run."""
     def fill(folder):
         from tvmattn.build import compile_model
 
         compile_model(str(path), folder / "gemma3.so", target="llvm", quantization="keep", max_batch_size=1,
-                      context_window=2048, prefill_chunk=CHUNK, log=lambda _message: None)
+                      context_window=2048, prefill_chunk=CHUNK, cpu_bf16=cpu_bf16, log=lambda _message: None)
 
-    return Library(shared_folder(tmp_path_factory, "gemma3-270m", fill) / "gemma3.so")
+    name = "gemma3-270m" if cpu_bf16 else "gemma3-270m-float32"
+    return Library(shared_folder(tmp_path_factory, name, fill) / "gemma3.so")
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory, path):
+    """The default bundle: what `compile --quantization keep` builds."""
+    return build_library(tmp_path_factory, path, cpu_bf16=True)
+
+
+@pytest.fixture(scope="module")
+def float32_library(tmp_path_factory, path):
+    """The bundle with float32 products everywhere (`--float32-cpu-products`)."""
+    return build_library(tmp_path_factory, path, cpu_bf16=False)
 
 
 @pytest.fixture(scope="module")
@@ -236,16 +256,30 @@ def test_tokenizer_matches_llama_cpp(path, llama_cpp):
         assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == "<bos>" + text
 
 
-def test_forward_matches_float64_torch_on_the_dequantized_weights(library, torch_model):
+SHORT_PROMPT = [2, 818, 5279, 529, 7001, 563, 496, 3823, 529, 506, 8711, 236761]
+
+
+def test_forward_matches_float64_torch_on_the_dequantized_weights(float32_library, torch_model):
     """Every position's logits of a short prompt against TorchGemma3 in float64 on the same
     (dequantized) weights: what is left is float32 rounding."""
-    ids = [2, 818, 5279, 529, 7001, 563, 496, 3823, 529, 506, 8711, 236761]
-    want = torch_model.logits(ids)
-    got = library.prefill(ids, every_position=True)
+    want = torch_model.logits(SHORT_PROMPT)
+    got = float32_library.prefill(SHORT_PROMPT, every_position=True)
     scale = np.abs(want).max(axis=1, keepdims=True)
     err = np.abs(got - want)
     print("max |ours - torch| / max |logit| per position:", (err / scale).max(axis=1))
     assert (err <= TORCH_TOLERANCE["rtol"] * np.abs(want) + TORCH_TOLERANCE["atol"] * scale).all()
+    assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
+
+
+def test_default_library_is_within_its_bfloat16_rounding_of_float64_torch(library, torch_model):
+    """The default library (bfloat16 prompt products where the CPU has them) on the same prompt:
+    every position within BF16_TOLERANCE of its largest logit, the same top tokens."""
+    want = torch_model.logits(SHORT_PROMPT)
+    got = library.prefill(SHORT_PROMPT, every_position=True)
+    scale = np.abs(want).max(axis=1, keepdims=True)
+    err = np.abs(got - want)
+    print("max |ours - torch| / max |logit| per position:", (err / scale).max(axis=1))
+    assert (err <= BF16_TOLERANCE * scale).all()
     assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
 
 
@@ -290,7 +324,7 @@ def counting_prompt(llm) -> list[int]:
     return ids
 
 
-def test_past_the_window_matches_float64_torch(library, loaded, torch_model):
+def test_past_the_window_matches_float64_torch(float32_library, loaded, torch_model):
     """The last position of a 1,500-token prompt, three times the sliding window (the local
     layers see their last 512 tokens, the global ones all), against TorchGemma3 in float64."""
     from tvmattn.weights import tokenizer_from_gguf
@@ -299,7 +333,7 @@ def test_past_the_window_matches_float64_torch(library, loaded, torch_model):
         "Here is a table of numbers.\n" + "\n".join(f"{n}. The number {n} squared is {n * n}." for n in range(1, 200)))
     ids = ids.ids[:LONG_PROMPT_TOKENS]
     want = torch_model.logits(ids, rows=[-1])[0]
-    got = library.prefill(ids, every_position=False)[-1]
+    got = float32_library.prefill(ids, every_position=False)[-1]
     print("max |ours - torch| at", len(ids), "tokens:", np.abs(got - want).max(), "of", np.abs(want).max())
     np.testing.assert_allclose(got, want, rtol=TORCH_TOLERANCE["rtol"], atol=TORCH_TOLERANCE["atol"] *
                                np.abs(want).max())

@@ -30,6 +30,7 @@ from tvmattn.quant.cpu import (  # noqa: E402
     choose_schedule,
     dot_gemv,
     table_gemv,
+    target_has_bf16,
     target_has_vnni,
     unpack_gemm,
     unpack_gemv,
@@ -305,7 +306,10 @@ def test_unpack_is_chosen_under_avx512():
             for tokens in (1, None):
                 assert choose_schedule(QuantMatmulConfig(fmt, 960, 512, tokens=tokens)).unpack
             assert choose_schedule(QuantMatmulConfig(fmt, 960, 512, tokens=1)).rows == 1
+    with host_target(avx512=True, bf16=False):  # float32 products: 4 x 4 tiles for rows past 1024 weights
         assert choose_schedule(QuantMatmulConfig("Q6_K", 640, 2048, tokens=None)).rows == 4
+        assert not choose_schedule(QuantMatmulConfig("Q6_K", 640, 2048, tokens=None)).bf16
+    with host_target(avx512=True):
         for config in (QuantMatmulConfig("Q4_1", 960, 512, tokens=None), QuantMatmulConfig("Q4_1", 960, 512, tokens=1),
                        QuantMatmulConfig("Q8_0", 960, 512, op="take")):
             assert not choose_schedule(config).unpack
@@ -321,6 +325,61 @@ def test_unpack_is_chosen_under_avx512():
         unpack_gemm(QuantMatmulConfig("Q4_0", 8, 64, tokens=None), CPUSchedule(lanes=16, unpack=True))
     with pytest.raises(ValueError, match="unpack_gemv computes one token"):
         unpack_gemv(QuantMatmulConfig("Q8_0", 8, 64, tokens=2), CPUSchedule(lanes=16, unpack=True))
+
+
+needs_bf16 = pytest.mark.skipif(not target_has_bf16(host_target(avx512=True)),
+                                reason="the bfloat16 products need AVX512-BF16")
+
+
+def round_to_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 a rounded to bfloat16 (to nearest, ties to even), as float64 (finite values)."""
+    bits = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@needs_bf16
+@pytest.mark.parametrize("fmt,rows,cols", slow_except(UNPACK_CASES, *(c for c in UNPACK_CASES if c[1] == 37),
+                                                     unpack=True), ids=[case_id(c) for c in UNPACK_CASES])
+def test_unpack_gemm_bf16_is_the_product_of_the_rounded_operands(built, fmt, rows, cols):
+    """The prompt GEMM with bfloat16 products (vdpbf16ps): the product of X and the dequantized W
+    each rounded to bfloat16, summed in float32, so within its stated bound of the float product,
+    |Y - X W^T| <= (2^-8 + 2^-16) sum_k |X W|; 1 to 17 tokens, row tiles of 3, uneven chunks."""
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=None)
+    plan = CPUSchedule(lanes=16, rows=3, token_tile=4, chunk=6, unpack=True, bf16=True)
+    blocks, w = quantized(fmt, rows, cols, seed=3 * rows + cols)
+    fn = built(config, plan)
+    for tokens in TOKENS:
+        x = np.random.default_rng(tokens).standard_normal((tokens, cols)).astype(np.float32)
+        got = run_matmul(fn, config, blocks, x)
+        scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+        rounded = round_to_bf16(x) @ round_to_bf16(w).T
+        assert np.isfinite(got).all()
+        assert (np.abs(got - rounded) <= 1e-6 * scale + 1e-6).all(), np.abs(got - rounded).max()
+        exact = x.astype(np.float64) @ w.astype(np.float64).T
+        assert (np.abs(got - exact) <= (2.0 ** -8 + 2.0 ** -16 + 1e-6) * scale + 1e-6).all()
+        # the rounding is there: float32 products would sit far inside the bound of the rounded ones
+        assert np.abs(got - exact).max() > 1e-3 * np.abs(rounded - exact).max()
+
+
+@needs_bf16
+def test_bf16_products_are_chosen_with_avx512_bf16_and_use_vdpbf16ps():
+    """Under the host's AVX-512 target with AVX512-BF16, the prompt GEMM of UNPACK_FORMATS
+    multiplies in bfloat16 (vdpbf16ps); host_target(bf16=False) keeps float32 products and
+    refuses a bf16 plan; bf16 needs unpack."""
+    config = QuantMatmulConfig("Q5_0", 48, 640, tokens=None)
+    with host_target(avx512=True):
+        assert choose_schedule(config).bf16
+        assert not choose_schedule(QuantMatmulConfig("Q5_0", 48, 640, tokens=1)).bf16  # (decode: float32 GEMV)
+        func = kernel(config)
+    asm = tvm.tirx.build(func, target=host_target(avx512=True)).inspect_source("s")
+    assert "vdpbf16ps" in asm
+    with host_target(avx512=True, bf16=False):
+        assert not choose_schedule(config).bf16
+        with pytest.raises(ValueError, match="plan.bf16 needs an AVX512-BF16 target"):
+            kernel(config, CPUSchedule(lanes=16, unpack=True, bf16=True))
+    with pytest.raises(ValueError, match="bf16=True: expected a bool, True only with unpack=True"):
+        CPUSchedule(lanes=16, bf16=True)
 
 
 def test_dot_gemv_validation():

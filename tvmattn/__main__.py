@@ -311,6 +311,9 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--unfused-layers", dest="fused_layers", action="store_false",
                          help="decode steps' float projections without their RMSNorm and SiLU * mul fused in "
                               "(compiler.fused_decode; for comparison)")
+    command.add_argument("--float32-cpu-products", dest="cpu_bf16", action="store_false",
+                         help="CPU with kept blocks: prefill GEMMs multiply in float32 even where the CPU has "
+                              "AVX512-BF16 (default: bfloat16 products, float32 sums; twice as fast)")
 
 
 def _main_job_options(job: argparse.ArgumentParser, blocks: str) -> None:
@@ -498,7 +501,7 @@ def _compile(args) -> int:
                       attn_backend=args.attn_backend, quantization=args.quantization,
                       random_weights=args.random_weights, random_format=args.random_format,
                       small_batch_matmul=args.small_batch_matmul, kv_cache_dtype=args.kv_cache_dtype,
-                      fused_layers=args.fused_layers)
+                      fused_layers=args.fused_layers, cpu_bf16=args.cpu_bf16)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0

@@ -260,7 +260,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
                   log: Callable[[str], None] = print, attn_backend: str = "tir",
                   quantization: str | None = None, random_weights: int | None = None,
                   random_format: str | None = None, small_batch_matmul: bool = True,
-                  kv_cache_dtype: str | None = None, fused_layers: bool = True) -> BuildResult:
+                  kv_cache_dtype: str | None = None, fused_layers: bool = True,
+                  cpu_bf16: bool = True) -> BuildResult:
     """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
 
     dtype defaults to float32 on llvm and float16 on cuda; context_window defaults to the
@@ -272,7 +273,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     dtype; "auto", the command line's default, keeps a GGUF's blocks; None dequantizes to the dtype).
     small_batch_matmul: CUDA, schedule decode_step's projections with pipeline.SmallBatchMatmul
     (False: dlight's Matmul rule). fused_layers: the decode ops fused (compiler.fused_decode;
-    False: the plain ops).
+    False: the plain ops). cpu_bf16: llvm with kept blocks, the prefill GEMMs multiply in bfloat16
+    where the CPU has AVX512-BF16 (export.BuildOptions.cpu_bf16; False: float32 products).
     kv_cache_dtype: the KV pages' element type: None (the dtype) or "float8_e4m3fn" /
     "float8_e5m2" (FP8 pages, half fp16's bytes; scales 1.0 unless the generator sets them,
     `tvmattn.calibrate_kv_scales`).
@@ -361,7 +363,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     weight_formats = _weight_formats(config, tensors, log) if quantization == "keep" else ()
     options = BuildOptions(target=target, dtype=dtype, page_size=page_size, kv_cache=kv_cache,
                            weight_formats=weight_formats, max_batch_size=max_batch_size,
-                           small_batch_matmul=small_batch_matmul, fused_layers=fused_layers,
+                           small_batch_matmul=small_batch_matmul, fused_layers=fused_layers, cpu_bf16=cpu_bf16,
                            kv_dtype="" if kv_cache_dtype in (None, dtype) else kv_cache_dtype,
                            host_avx512=bool(weight_formats) and _every_matrix_kept(config, weight_formats))
     attn_backend = _attention_backend(attn_backend, options.cache_spec(config), log)

@@ -28,7 +28,7 @@ def host_has_avx512() -> bool:
     return target_has_avx512(tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0]}))
 
 
-def host_target(avx512: bool = False) -> tvm.target.Target:
+def host_target(avx512: bool = False, bf16: bool = True) -> tvm.target.Target:
     """The llvm target of this machine's CPU (its instructions; 256-bit vectors at most unless
     `avx512` and the CPU has AVX-512).
 
@@ -36,8 +36,11 @@ def host_target(avx512: bool = False) -> tvm.target.Target:
     host_avx512): it gives the 4-bit GEMV its 16-entry vector lookup (quant.cpu.table_gemv), but
     LLVM takes minutes instead of seconds with it on dlight's float matmuls in the same library
     (compile times: docs/performance.md).
-    Kernels pick the lookup from the target in scope (`target_has_avx512`)."""
+    Kernels pick the lookup from the target in scope (`target_has_avx512`). bf16=False turns off
+    AVX512-BF16 (the prefill GEMMs of kept blocks then multiply in float32: quant.cpu.unpack_gemm)."""
     if avx512 and host_has_avx512():
+        if not bf16:
+            return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0], "mattr": ["-avx512bf16"]})
         return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0]})
     return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0], "mattr": ["-avx512f"]})
 

@@ -80,12 +80,17 @@ class BuildOptions:
     # the decoder layers' decode ops fused (compiler.fused_decode: RMSNorm into the next
     # projection, SiLU * mul into gate_up); False: the plain ops (the library before the fusion)
     fused_layers: bool = True
+    # llvm with kept blocks on a CPU with AVX512-BF16: the prefill GEMMs multiply in bfloat16
+    # (quant.cpu.unpack_gemm: twice float32's rate, within its stated bound); False: float32
+    cpu_bf16: bool = True
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size!r} is not supported: expected an int >= 1")
         if not isinstance(self.host_avx512, bool):
             raise ValueError(f"host_avx512={self.host_avx512!r} is not supported: expected a bool")
+        if not isinstance(self.cpu_bf16, bool):
+            raise ValueError(f"cpu_bf16={self.cpu_bf16!r} is not supported: expected a bool")
         if not isinstance(self.fused_layers, bool):
             raise ValueError(f"fused_layers={self.fused_layers!r} is not supported: expected a bool")
         if not isinstance(self.small_batch_matmul, bool):
@@ -124,7 +129,7 @@ class BuildOptions:
             # the host CPU's instructions and vector width for the fused kernels (plain "llvm" is
             # SSE2); float builds keep plain llvm: dlight's schedules compile much slower for the
             # host's CPU (docs/performance.md)
-            return host_target(avx512=self.host_avx512)
+            return host_target(avx512=self.host_avx512, bf16=self.cpu_bf16)
         return tvm_target(self.target, schedule_rules=True)
 
 

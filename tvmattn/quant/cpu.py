@@ -57,7 +57,9 @@ class CPUSchedule:
     vector width is fixed, lanes is not read) with x rounded to `dot` int8 digits (1 or 2);
     unpack: the GEMV and GEMM of UNPACK_FORMATS in float32 from their quants unpacked 32 weights
     a vector (`unpack_gemv`, `unpack_gemm`: AVX-512, 16 lanes) instead of gemv_algorithm's and
-    matmul_algorithm's per-weight gathers.
+    matmul_algorithm's per-weight gathers; bf16: `unpack_gemm`'s products in bfloat16 (X and the
+    dequantized W tile rounded to bfloat16, pairs multiplied and summed into float32 by vdpbf16ps:
+    AVX512-BF16; twice the float32 FMA's products an instruction, not exact: see unpack_gemm).
     """
 
     lanes: int = 16
@@ -67,6 +69,7 @@ class CPUSchedule:
     lookup: bool = False
     dot: int = 0
     unpack: bool = False
+    bf16: bool = False
 
     def __post_init__(self):
         if self.lanes not in (4, 8, 16, 32):
@@ -84,6 +87,8 @@ class CPUSchedule:
         if not isinstance(self.unpack, bool) or self.unpack and (self.lanes != 16 or self.lookup or self.dot):
             raise ValueError(f"unpack={self.unpack!r}: expected a bool, True only with lanes=16 (AVX-512), "
                              "without lookup or dot")
+        if not isinstance(self.bf16, bool) or self.bf16 and not self.unpack:
+            raise ValueError(f"bf16={self.bf16!r}: expected a bool, True only with unpack=True")
 
 
 def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
@@ -93,10 +98,15 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
     accumulators: faster than 2 x 4, while 4 x 3 and 3 x 5 spill). Figures: docs/performance.md.
     Under an AVX-512 target scope (`compiler.targets.host_target(avx512=True)`), the one-token
     product of Q4_0 and Q4_1 is `table_gemv` (lookup=True), and the products of UNPACK_FORMATS
-    are `unpack_gemv` and `unpack_gemm` (unpack=True; `dot_gemv`, not exact, only on request)."""
+    are `unpack_gemv` and `unpack_gemm` (unpack=True; `dot_gemv`, not exact, only on request);
+    where the target also has AVX512-BF16, `unpack_gemm` multiplies in bfloat16 (bf16=True: twice
+    the float32 rate, within its stated bound; a target without the feature, as
+    `host_target(bf16=False)`, keeps float32 products)."""
     lanes = host_cpu()[1]
     if config.op == "matmul" and config.tokens != 1:
         if config.fmt in UNPACK_FORMATS and target_has_avx512(None):
+            if target_has_bf16(None):  # products in bfloat16: 3 x 4 tiles at every K (4 x 4 spill)
+                return CPUSchedule(lanes=16, rows=3, token_tile=4, chunk=48, unpack=True, bf16=True)
             # 4 x 4 tiles of 32-row chunks for rows of more than 1024 weights (the smaller scratch
             # tile of a long row, and AVX-512's 32 registers), else 3 x 4 of 48 (figures:
             # docs/performance.md)
@@ -127,6 +137,17 @@ def target_has_vnni(target: tvm.target.Target | None = None) -> bool:
         return False
     features = codegen.llvm_get_cpu_features(target)
     return "avx512vnni" in features and "avx512vl" in features
+
+
+def target_has_bf16(target: tvm.target.Target | None = None) -> bool:
+    """Whether an llvm `target` (None: the one in scope, if any) has AVX512-BF16 (vdpbf16ps on
+    zmm, what `unpack_gemm`'s bf16 products need)."""
+    from tvm.target import codegen
+
+    target = target or tvm.target.Target.current(allow_none=True)
+    if target is None or target.kind.name != "llvm":
+        return False
+    return "avx512bf16" in codegen.llvm_get_cpu_features(target)
 
 
 def _divisor_at_most(n: int, limit: int, multiple_of: int = 1) -> int:
@@ -542,6 +563,32 @@ def _dequant_group(fmt: str, parts: dict, row, g, p):
     return scale * (u - T.broadcast(T.float32(32.0), 32))
 
 
+# LLVM IR that TVMScript cannot write: its bfloat16 values are float32 arithmetic on uint16 storage
+# (BF16ComputeLegalize), and vdpbf16ps takes vectors of LLVM's bfloat. Imported into each function
+# that calls it (`pragma_import_llvm`; linkonce_odr: one copy in a module), inlined.
+_BF16_LLVM = """
+define linkonce_odr <16 x float> @tvmattn_dot_bf16x32(<16 x float> %acc, ptr %x, ptr %w) alwaysinline {
+  %a = load <32 x bfloat>, ptr %x, align 2
+  %b = load <32 x bfloat>, ptr %w, align 2
+  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %a, <32 x bfloat> %b)
+  ret <16 x float> %r
+}
+define linkonce_odr void @tvmattn_store_bf16x32(ptr %dst, <32 x float> %v) alwaysinline {
+  %b = fptrunc <32 x float> %v to <32 x bfloat>
+  store <32 x bfloat> %b, ptr %dst, align 2
+  ret void
+}
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+"""
+
+
+def _row_ptr(buffer, access: str, row, column, extent: int):
+    """A pointer to buffer[row, column : column + extent] (2-D) for an extern call that reads
+    ("r") or writes ("w") those elements; with its extent, unlike T.address_of's one element, so
+    that TVM's buffer compaction keeps the whole span."""
+    return buffer.access_ptr(access, offset=row * buffer.shape[1] + column, extent=extent)
+
+
 def unpack_gemm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
     """The product of UNPACK_FORMATS for a symbolic token count (prefill), for AVX-512 (same
     arguments as matmul_algorithm):
@@ -549,29 +596,44 @@ def unpack_gemm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
         Y[t, n] = sum_k X[t, k] * dequant(W)[n, k]
 
     Per parallel chunk of NB rows (plan.chunk), the chunk of W is dequantized once into a
-    float32 scratch tile [NB, K], 32 weights a vector (the quants unpacked as in `unpack_gemv`,
-    instead of a gather per weight); every tile of MR tokens (plan.token_tile) x NR rows
-    (plan.rows) then multiplies it in MR x NR float32x16 accumulators along K, each summed at
-    the end. Tokens past the last whole tile of MR run in tiles of one token."""
+    scratch tile [NB, K], 32 weights a vector (the quants unpacked as in `unpack_gemv`, instead
+    of a gather per weight); every tile of MR tokens (plan.token_tile) x NR rows (plan.rows)
+    then multiplies it in MR x NR float32x16 accumulators along K, each summed at the end.
+    Tokens past the last whole tile of MR run in tiles of one token.
+
+    The products: float32 FMAs over a float32 tile (exact up to the order of the float32 sums),
+    or with plan.bf16 (AVX512-BF16) vdpbf16ps over a bfloat16 tile and X rounded to bfloat16
+    once per call (round to nearest even), each instruction summing 16 lane pairs into float32:
+    every product then carries at most the two roundings, |error| <= (2^-8 + 2^-16) * sum_k
+    |X[t, k] W[n, k]| besides the float32 sums', the bound tests/test_quant_matmul.py checks."""
     fmt, n, k = config.fmt, config.n, config.k
     if fmt not in UNPACK_FORMATS or config.op != "matmul" or config.tokens == 1 or config.target != "llvm":
         raise ValueError(f"{config.name}: unpack_gemm computes several tokens of {UNPACK_FORMATS} on llvm")
     nr = _divisor_at_most(n, plan.rows)
     nb = _divisor_at_most(n, plan.chunk, nr)
     mr, ng, unroll, v = plan.token_tile, k // BLOCK, _GROUP_UNROLL[fmt], 16
-    f32xv = f"float32x{v}"
+    bf16 = plan.bf16
+    step = 2 * v if bf16 else v  # K columns an accumulator takes per instruction
+    tile_dtype = "uint16" if bf16 else "float32"  # (bfloat16 bits: see _BF16_LLVM)
+
+    def product(acc, a, w, t, token, r, kv, row):
+        """acc[t, r] plus the lanes' products of a's row `token` and w's row `row` at column step kv."""
+        if bf16:
+            return T.call_extern("float32x16", "tvmattn_dot_bf16x32", acc[t, r, T.ramp(0, 1, v)],
+                                 _row_ptr(a, "r", token, kv * step, step), _row_ptr(w, "r", row, kv * step, step))
+        return acc[t, r, T.ramp(0, 1, v)] + a[token, T.ramp(kv * v, 1, v)] * w[row, T.ramp(kv * v, 1, v)]
 
     @T.macro
-    def tile(x, w, acc, y, t0, mt, chunk, rt):
-        """y[t0 : t0 + mt, rows of row tile rt of the chunk] from the dequantized chunk w."""
+    def tile(a, w, acc, y, t0, mt, chunk, rt):
+        """y[t0 : t0 + mt, rows of row tile rt of the chunk] from the dequantized chunk w; a: the
+        tokens' rows (X, or its bfloat16 copy)."""
         for t in T.unroll(mt):
             for r in T.unroll(nr):
                 acc[t, r, T.ramp(0, 1, v)] = T.broadcast(T.float32(0.0), v)
-        for kv in range(i64(k // v)):
+        for kv in range(i64(k // step)):
             for t in T.unroll(mt):
                 for r in T.unroll(nr):
-                    acc[t, r, T.ramp(0, 1, v)] = acc[t, r, T.ramp(0, 1, v)] + (
-                        x[t0 + t, T.ramp(kv * v, 1, v)] * w[rt * nr + r, T.ramp(kv * v, 1, v)])
+                    acc[t, r, T.ramp(0, 1, v)] = product(acc, a, w, t, t0 + t, r, kv, rt * nr + r)
         for t in T.unroll(mt):
             for r in T.unroll(nr):  # the 16 lanes summed as a tree of halves
                 acc[t, r, T.ramp(0, 1, 8)] = acc[t, r, T.ramp(0, 1, 8)] + acc[t, r, T.ramp(8, 1, 8)]
@@ -580,22 +642,43 @@ def unpack_gemm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
                 y[t0 + t, chunk * nb + rt * nr + r] = acc[t, r, 0] + acc[t, r, 1]
 
     @T.macro
-    def body(x, parts, y, tokens):
+    def store_group(w, r, g, values):
+        """w[r, 32 g : 32 g + 32] = values (float32x32; rounded to bfloat16 in a bf16 tile)."""
+        if bf16:
+            T.evaluate(T.call_extern("void", "tvmattn_store_bf16x32", _row_ptr(w, "w", r, g * 32, 32), values))
+        else:
+            w[r, T.ramp(g * 32, 1, 32)] = values
+
+    @T.macro
+    def products(x, a, parts, y, tokens):
         for chunk in T.parallel(i64(n // nb)):
-            w = T.alloc_buffer((i64(nb), i64(k)), "float32")
+            w = T.alloc_buffer((i64(nb), i64(k)), tile_dtype)
             for r in range(i64(nb)):
                 for go in range(i64(ng // unroll)):
                     for p in T.unroll(unroll):
-                        w[r, T.ramp((go * unroll + p) * 32, 1, 32)] = _dequant_group(
-                            fmt, parts, chunk * nb + r, go * unroll + p, p)
+                        store_group(w, r, go * unroll + p,
+                                    _dequant_group(fmt, parts, chunk * nb + r, go * unroll + p, p))
             for tt in range(tokens // mr):
                 for rt in range(i64(nb // nr)):
                     acc = T.alloc_buffer((mr, nr, v), "float32")  # (on the stack: CPU_SCRATCH_SCOPE)
-                    tile(x, w, acc, y, tt * mr, mr, chunk, rt)
+                    tile(a, w, acc, y, tt * mr, mr, chunk, rt)
             for tl in range(tokens % mr):
                 for rt in range(i64(nb // nr)):
                     acc1 = T.alloc_buffer((1, nr, v), "float32")
-                    tile(x, w, acc1, y, tokens // mr * mr + tl, 1, chunk, rt)
+                    tile(a, w, acc1, y, tokens // mr * mr + tl, 1, chunk, rt)
+
+    @T.macro
+    def body(x, parts, y, tokens):
+        if bf16:
+            with T.attr(T.int32(0), "pragma_import_llvm", _BF16_LLVM):
+                xb = T.alloc_buffer((tokens, i64(k)), "uint16")
+                for t in range(tokens):
+                    for g in range(i64(ng)):
+                        T.evaluate(T.call_extern("void", "tvmattn_store_bf16x32", _row_ptr(xb, "w", t, g * 32, 32),
+                                                 x[t, T.ramp(g * 32, 1, 32)]))
+                products(x, xb, parts, y, tokens)
+        else:
+            products(x, x, parts, y, tokens)
 
     tokens = tirx.Var("n_tokens", "int64")
 

@@ -6,7 +6,7 @@ algorithms). Which kernel computes it:
 - llvm: the schedules of cpu.py over algorithms.py's algorithms (the one-token product in
   block-factored form), or cpu.table_gemv under an AVX-512 target (Q4_0, Q4_1 at one token),
   or for Q8_0, Q5_0, Q4_K, Q6_K under an AVX-512 target cpu.unpack_gemv (one token) and
-  cpu.unpack_gemm (several), or cpu.dot_gemv (one token, int8 dot products; AVX-512 VNNI) where a
+  cpu.unpack_gemm (several; its products in bfloat16 where the target has AVX512-BF16), or cpu.dot_gemv (one token, int8 dot products; AVX-512 VNNI) where a
   plan asks for it;
 - CUDA: the 32-weight block formats (Q4_0, Q4_1, Q8_0) for one token or a decode batch run the
   GEMV of gemv_cuda.py (`uses_cuda_gemv`); everything else, matmul_algorithm / take_algorithm
@@ -22,7 +22,8 @@ from tvm import tirx
 from ..compiler.targets import cuda_target, target_has_avx512
 from .algorithms import gemv_algorithm, matmul_algorithm, take_algorithm
 from .config import QuantMatmulConfig
-from .cpu import CPUSchedule, choose_schedule, dot_gemv, schedule_llvm, table_gemv, target_has_vnni, unpack_gemm, unpack_gemv
+from .cpu import (CPUSchedule, choose_schedule, dot_gemv, schedule_llvm, table_gemv, target_has_bf16, target_has_vnni,
+                  unpack_gemm, unpack_gemv)
 from .gemv_cuda import GEMV_FORMATS, choose_gemv_schedule, gemv_kernel
 
 
@@ -121,6 +122,8 @@ def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.P
             scope = tvm.target.Target.current(allow_none=True)
             if scope is not None and not target_has_avx512(scope):
                 raise ValueError(f"{config.name}: plan.unpack needs an AVX-512 target, the scope's is {scope}")
+            if plan.bf16 and scope is not None and not target_has_bf16(scope):
+                raise ValueError(f"{config.name}: plan.bf16 needs an AVX512-BF16 target, the scope's is {scope}")
             func = unpack_gemv(config, plan) if config.tokens == 1 else unpack_gemm(config, plan)
             return _scheduled(func).with_attr("global_symbol", config.name)
     return schedule(algorithm(config, plan), config, plan).with_attr("global_symbol", config.name)
