@@ -4,7 +4,8 @@ elementwise schedule rule.
 Spec: fast_sigmoid matches the float64 sigmoid over the float32 range; the model's
 `silu(gate) * up` (split, SiLU, multiply, fused as the CPU pipeline fuses it) is scheduled by
 CPUElementwise for a static decode row and a symbolic prefill length, compiles for llvm without
-libm's expf, runs in parallel chunks only when large, and equals float64 numpy; float16 SiLU
+libm's expf, runs in parallel chunks only when large, keeps a long last axis as the whole inner
+loop (no per-element division by the row length) and short ones fused, and equals float64 numpy; float16 SiLU
 keeps TVM's legalization; a function with a reduction is left to the other rules (None).
 """
 
@@ -19,7 +20,8 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 import tir_kernels.build  # noqa: F401  - registers the "tvmattn" TIR pipeline
-from tvmattn.compiler.cpu_elementwise import PARALLEL_MIN_ELEMENTS, CPUElementwise, cpu_legalize, fast_sigmoid
+from tvmattn.compiler.cpu_elementwise import (MIN_ROW, PARALLEL_CHUNK, PARALLEL_MIN_ELEMENTS, CPUElementwise, cpu_legalize,
+                                               fast_sigmoid)
 
 TARGET = tvm.target.Target("llvm")
 
@@ -78,6 +80,22 @@ def test_swiglu_scheduled_vectorizable_and_exact(rows, width):
         lib["main"](tvm.runtime.tensor(x), out)
         expected = silu_np(x[:, :width]) * x[:, width:]
         np.testing.assert_allclose(out.numpy(), expected, rtol=2e-6, atol=1e-6, err_msg=f"{n} rows")
+
+
+@pytest.mark.parametrize("width", [MIN_ROW // 2, MIN_ROW, 96])
+def test_rows_stay_whole_inner_loops(width):
+    """A prefill's rows (a symbolic count): a last axis of MIN_ROW elements or more is the inner
+    loop, whole (its extent, contiguous indices LLVM vectorizes), the rows in parallel tasks; a
+    shorter one is fused with the rows into one flat loop (indices by division)."""
+    func = _fused_swiglu("seq_len", width, "float32")
+    with TARGET:
+        sch = CPUElementwise().apply(func, TARGET, False)
+    script = sch.mod["main"].script()
+    flat = f"% T.int64({width})" in script
+    assert flat == (width < MIN_ROW)
+    inner = f"in range(T.int64({width}))" in script or f"T.grid(T.int64({PARALLEL_CHUNK // width}), T.int64({width}))" in script
+    assert inner == (width >= MIN_ROW)
+    assert "T.parallel" in script
 
 
 def test_float16_silu_keeps_tvm_legalization():

@@ -8,9 +8,11 @@ serial at any size (figures: docs/performance.md). Two changes:
 - `cpu_legalize`: float32 SiLU legalizes to x * fast_sigmoid(x), 1 / (1 + exp2_vector(-x log2 e))
   (tir_kernels.common), arithmetic that LLVM's loop vectorizer takes (expf is a call per lane);
 - `CPUElementwise`, a function whose blocks are all injective (elementwise, copies, reshapes,
-  splits): every block inlined into the last one, its loops fused into one loop over the
-  output, split into parallel chunks of PARALLEL_CHUNK elements when larger than
-  PARALLEL_MIN_ELEMENTS (or symbolic); the loop is left to LLVM's vectorizer. Functions with a
+  splits): every block inlined into the last one; a static last axis of MIN_ROW elements or
+  more stays the inner loop, the other axes fused into a loop of rows, split into parallel
+  tasks of about PARALLEL_CHUNK elements when larger than PARALLEL_MIN_ELEMENTS (or symbolic);
+  otherwise every loop fused into one loop over the output, split the same way. The inner loop
+  is left to LLVM's vectorizer. Functions with a
   reduction, or whose blocks cannot be inlined into the last one (several outputs), are left to
   the other rules, i.e. unscheduled.
 """
@@ -32,6 +34,11 @@ from tir_kernels.common import exp2_vector
 PARALLEL_MIN_ELEMENTS = 16384
 # Elements per parallel task (a multiple of every vector width)
 PARALLEL_CHUNK = 4096
+# A last axis of at least this many elements (static) stays the inner loop, whole: a loop of
+# static extent over contiguous elements, which LLVM vectorizes. Fused with the others into one
+# flat loop, every element's indices are a division and a remainder by the row length, and
+# with a symbolic row count LLVM left such a loop scalar.
+MIN_ROW = 16
 
 def fast_sigmoid(x: tirx.PrimExpr) -> tirx.PrimExpr:
     """sigmoid(x) = 1 / (1 + 2**(-x log2 e)) in float32 arithmetic LLVM vectorizes (exp2_vector:
@@ -57,6 +64,16 @@ def cpu_legalize() -> tvm.transform.Pass:
     return relax.transform.LegalizeOps(customize_legalize_map={"relax.nn.silu": _legalize_silu})
 
 
+def _parallel_rows(sch: s_tir.Schedule, outer_loops: list, row: int) -> None:
+    """The rows (every axis but the last, fused) in parallel tasks of about PARALLEL_CHUNK
+    elements, when there are more than PARALLEL_MIN_ELEMENTS (or a symbolic count)."""
+    outer = sch.fuse(*outer_loops) if len(outer_loops) > 1 else outer_loops[0]
+    rows = sch.get(outer).extent
+    if not isinstance(rows, tirx.IntImm) or int(rows) * row > PARALLEL_MIN_ELEMENTS:
+        task, _ = sch.split(outer, [None, max(1, PARALLEL_CHUNK // row)])
+        sch.parallel(task)
+
+
 class CPUElementwise(ScheduleRule):
     """See the module docstring."""
 
@@ -73,6 +90,10 @@ class CPUElementwise(ScheduleRule):
             loops = sch.get_loops(infos[-1].block_rv)
             if not loops:
                 return None
+            row = sch.get(loops[-1]).extent
+            if len(loops) > 1 and isinstance(row, tirx.IntImm) and int(row) >= MIN_ROW:
+                _parallel_rows(sch, loops[:-1], int(row))
+                return sch
             loop = sch.fuse(*loops) if len(loops) > 1 else loops[0]
             extent = sch.get(loop).extent
             if not isinstance(extent, tirx.IntImm) or int(extent) > PARALLEL_MIN_ELEMENTS:
