@@ -25,7 +25,9 @@ from gemma3_reference import TorchGemma3, random_gemma3_weights
 from test_model import LOGITS_TOLERANCE, PAGE_SIZE, Session, run_batch, run_single
 from tvmattn.models import ModelConfigError, compile_library, pack_params
 from tvmattn.models.config import model_config_from_dict, model_config_from_hf
+from tvmattn.compiler.targets import host_target
 from tvmattn.models.gemma3 import Gemma3Config
+from tvmattn.quant.cpu import target_has_bf16
 from tvmattn.runtime.ffi import AttnKind
 
 TINY = {
@@ -73,9 +75,10 @@ def quantize(weights: dict[str, np.ndarray], kinds: dict[str, str], seed: int):
 class GemmaModel:
     """A compiled tiny Gemma 3 library with its matrices kept in blocks, its packed parameters and
     the torch model (Session's interface: library, params, device, kv_cache, tolerance, torch).
-    On CUDA the activations are float16 (the fused kernels')."""
+    On CUDA the activations are float16 (the fused kernels'). On the CPU the prompt's products are
+    float32 unless cpu_bf16 (BuildOptions.cpu_bf16: bfloat16 where the CPU has AVX512-BF16)."""
 
-    def __init__(self, hf: dict, seed: int, target: str = "llvm", kv_cache: str = "tvmattn"):
+    def __init__(self, hf: dict, seed: int, target: str = "llvm", kv_cache: str = "tvmattn", cpu_bf16: bool = False):
         from tvmattn.models import BuildOptions
         from tvmattn.models.gemma3.model import hf_parameter_sources
         from tvmattn.quant.linear import plan_weight_formats
@@ -90,7 +93,7 @@ class GemmaModel:
         assert len(formats) == 1 + 6 * hf["num_hidden_layers"]  # every matrix kept (gate and up fused)
         self.library = compile_library(self.config, BuildOptions(
             target=target, dtype=dtype, page_size=PAGE_SIZE, kv_cache=kv_cache,
-            weight_formats=tuple(sorted(formats.items())), host_avx512=target == "llvm"))
+            weight_formats=tuple(sorted(formats.items())), host_avx512=target == "llvm", cpu_bf16=cpu_bf16))
         self.params = pack_params(self.library.metadata, tensors)
         self.torch = TorchGemma3(hf, dequantized)
 
@@ -203,6 +206,28 @@ def test_decode_step_scales_the_embedding(gemma_model):
     host("kv_state_end_forward")(session.cache)
     np.testing.assert_allclose(logits.numpy()[0, 0], gemma_model.torch.logits(PROMPT[:11])[-1],
                                **gemma_model.tolerance)
+
+
+# bfloat16 products in the prompt's projections (each within 2^-8 of the float product), over the
+# tiny model's layers: |ours - torch| <= BF16_TOLERANCE * (the largest |logit|)
+BF16_TOLERANCE = 2e-2
+
+
+@pytest.mark.skipif(not target_has_bf16(host_target(avx512=True)), reason="bfloat16 products need AVX512-BF16")
+def test_bfloat16_prompt_products_stay_within_their_rounding():
+    """The library as `compile` builds it on a CPU with AVX512-BF16 (cpu_bf16: the prompt's
+    projections in bfloat16 products): the prompt's logits within BF16_TOLERANCE of the float64
+    model, then decode steps (float32 products) from that cache too."""
+    model = GemmaModel(TINY, seed=3, cpu_bf16=True)
+    session = Session(model)
+    session.add(0)
+    logits = session.prefill(0, PROMPT[:10])
+    want = model.torch.logits(PROMPT[:10])[-1]
+    assert np.abs(logits - want).max() <= BF16_TOLERANCE * np.abs(want).max()
+    assert np.abs(logits - want).max() > 1e-2 * BF16_TOLERANCE * np.abs(want).max()  # (the products were rounded)
+    step = session.decode(0, PROMPT[10])
+    want = model.torch.logits(PROMPT[:11])[-1]
+    assert np.abs(step - want).max() <= BF16_TOLERANCE * np.abs(want).max()
 
 
 @pytest.mark.slow

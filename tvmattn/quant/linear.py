@@ -38,8 +38,15 @@ PART_PREFIX = "weight_"
 PROLOGUE_MAX_TOKENS = 4  # a GEMV takes the norm / gate in its kernel for static token counts up to this
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel(config: QuantMatmulConfig):
+    """kernel(config) under the target in scope, made once per config and target: the schedule
+    depends on the target's features (AVX-512, AVX512-BF16: quant.cpu.choose_schedule)."""
+    target = tvm.target.Target.current(allow_none=True)
+    return _kernel_for_target(config, "" if target is None else str(target))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_for_target(config: QuantMatmulConfig, _target: str):
     return kernel(config)
 
 
