@@ -311,6 +311,10 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--unfused-layers", dest="fused_layers", action="store_false",
                          help="decode steps' float projections without their RMSNorm and SiLU * mul fused in "
                               "(compiler.fused_decode; for comparison)")
+    command.add_argument("--dependent-launch", action="store_true",
+                         help="CUDA sm_90 and newer: launch every kernel with programmatic dependent launch (each "
+                              "waits for the previous one's grid, so its launch overlaps that kernel's end; "
+                              "compiler.dependent_launch)")
 
 
 def _main_job_options(job: argparse.ArgumentParser, blocks: str) -> None:
@@ -498,7 +502,7 @@ def _compile(args) -> int:
                       attn_backend=args.attn_backend, quantization=args.quantization,
                       random_weights=args.random_weights, random_format=args.random_format,
                       small_batch_matmul=args.small_batch_matmul, kv_cache_dtype=args.kv_cache_dtype,
-                      fused_layers=args.fused_layers)
+                      fused_layers=args.fused_layers, dependent_launch=args.dependent_launch)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0
