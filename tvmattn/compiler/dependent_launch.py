@@ -16,9 +16,9 @@ attribute) starts with `grid_dependency_wait()` followed by `launch_dependents()
 (tir_kernels.common). A function of several kernels gets both in each.
 
 Why this is safe: every thread of every rewritten kernel waits for the previous grid of the stream
-to complete before it touches any memory (the wait comes before the kernel's first statement, and
-both calls are volatile asm with a memory clobber, so neither TIR's passes nor the CUDA compiler
-moves a load or a store above them). A kernel launched without the tag starts only after its
+to complete before it touches any memory (the wait is the first statement of the kernel's body,
+and both calls are volatile asm with a memory clobber, so neither TIR's passes nor the CUDA
+compiler moves a load or a store above them). A kernel launched without the tag starts only after its
 predecessor completed, as usual. So, by induction along the stream, a kernel's completion implies
 that of every kernel before it: a read sees every earlier write (read-after-write), and a kernel
 that writes storage an earlier kernel reads - the VM reuses its planned storage between calls and
@@ -30,9 +30,11 @@ blocks of the next kernel never keep this grid's blocks from being scheduled.
 Left untouched:
 - functions without device kernels (no thread binding: the VM's host-side shape functions,
   `tirx.is_host_func`), and functions for another target than CUDA;
-- functions that already carry PDL_TAG (tir_kernels' tensor-core decode kernels with a
-  `dependent_launch` schedule place their own wait, some after reading the page tables);
-- TIRx functions (tir_kernels.build.TIRX_ATTR: the Hopper prefill kernels, written with
+- functions that already carry PDL_TAG: tir_kernels' tensor-core decode kernels with a
+  `dependent_launch` schedule place their own wait and trigger (with `tables_before_wait`, after
+  reading the step's page tables, which the host uploads before the step: that schedule's own
+  contract, tir_kernels/schedules.py); every other kernel's wait covers them as any predecessor;
+- TIRx functions (tir_kernels.build.TIRX_ATTR: the Hopper prefill and MLA kernels, written with
   `T.device_entry` and lowered by TVM's TIRx pipeline, whose kernel bodies this pass does not
   read): they are launched without the tag, so they start after their predecessor completed,
   and the kernel after them waits for them as for any other.
