@@ -434,7 +434,8 @@ def main(argv=None) -> int:
 
     print(f"model: {args.model} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
           f"{config['num_attention_heads']}/{config['num_key_value_heads']} heads), "
-          f"{metadata['build_options']['dtype']}, page {metadata['kv_cache']['page_size']}; {weights_note}")
+          f"{metadata['build_options']['dtype']}, page {metadata['kv_cache']['page_size']}; {weights_note}"
+          + ("; every kernel launched with programmatic dependent launch" if args.dependent_launch else ""))
     for kv, runner in runners.items():
         print(f"{LABELS[kv]}: library load {runner.load_s:.3f} s, GPU code: {runner.gpu_code}")
 
