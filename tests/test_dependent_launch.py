@@ -11,6 +11,8 @@ and the lowered kernels' launch parameters):
   keep ordinary launches and no wait;
 - without it, no kernel is tagged and no kernel waits (the tiny library's cache kernels launch
   ordinarily);
+- hand-written functions: a kernel launched from a host loop, a kernel of several thread loops
+  and a `launch_thread` kernel each wait once, first; a function without a kernel is untouched;
 - the option is checked: a bool, CUDA sm_90 and newer only (llvm and sm_80 are refused, naming it);
 - on the GPU (sm_90+), the library's logits equal the ordinary library's, bit for bit, in eager
   steps and in CUDA-graph decode steps.
@@ -24,6 +26,7 @@ import numpy as np
 import pytest
 import tvm
 from tvm import tirx
+from tvm.script import tirx as T
 
 import tvmattn  # noqa: F401  - registers the tvmattn.* functions the library calls
 from tir_kernels.build import DYN_SHARED_TAG, LAUNCH_PARAMS_ATTR, PIPELINE, _mixed_pipeline, uses_tirx_pipeline
@@ -187,6 +190,53 @@ def test_pipeline_runs_the_pass_last():
     assert kernels and all(bool(f.attrs[PDL_TAG]) for f in kernels)
     executable = compile_module(_small_module(), BuildOptions(target=TARGET, dtype="float16", dependent_launch=True))
     assert cuda_source(executable.mod).count(WAIT) == len(kernels)
+
+
+@T.prim_func
+def _three_launches(a: T.Buffer((4, 64), "float32"), b: T.Buffer((4, 64), "float32")):
+    for bx in T.thread_binding(4, thread="blockIdx.x"):  # a kernel
+        for tx in T.thread_binding(64, thread="threadIdx.x"):
+            b[bx, tx] = a[bx, tx] * T.float32(2)
+    for _ in range(2):  # a host loop launching the second kernel twice
+        for bx in T.thread_binding(4, thread="blockIdx.x"):
+            for tx in T.thread_binding(32, thread="threadIdx.x"):  # two thread loops of one kernel
+                a[bx, tx] = b[bx, tx] + T.float32(1)
+            for tx in T.thread_binding(32, thread="threadIdx.x"):
+                a[bx, tx + 32] = b[bx, tx + 32] + T.float32(1)
+
+
+@T.prim_func
+def _launch_thread(a: T.Buffer((64,), "float32")):
+    tx = T.launch_thread("threadIdx.x", 64)  # a thread_extent attribute, no loop
+    a[tx] = a[tx] + T.float32(1)
+
+
+@T.prim_func
+def _host_only(a: T.Buffer((4,), "int64")):
+    for i in range(4):
+        a[i] = a[i] + T.int64(1)
+
+
+@pytest.mark.parametrize("func, kernels", [(_three_launches, 2), (_launch_thread, 1), (_host_only, 0)],
+                         ids=["loops", "launch-thread", "host-only"])
+def test_each_kernel_of_a_function_waits_once(func, kernels):
+    """Hand-written functions: one wait per kernel (a kernel launched in a host loop, kernels of
+    several thread loops, a launch_thread kernel), as the body's first statement; a function
+    without a kernel is left as it is."""
+    func = func.with_attr("global_symbol", "f")
+    assert len(kernel_roots(func.body)) == kernels
+    chained = chain_kernels(func)
+    if not kernels:
+        assert chained.same_as(func) and skip_reason(func) == "launches no device kernel"
+        return
+    assert bool(chained.attrs[PDL_TAG]) and not func.attrs.get(PDL_TAG, False)
+    runtime = tvm.tirx.build(tvm.IRModule({"f": chained}), pipeline=PIPELINE,
+                             target=tvm.target.Target(BuildOptions(target=TARGET).tvm_target(), host="llvm"))
+    bodies = [c[c.index("{") + 1:] for c in cuda_source(runtime).split('extern "C" __global__')[1:]
+              if "{" in c.split(";")[0]]
+    assert len(bodies) == kernels
+    for body in bodies:
+        assert body.count(WAIT) == 1 and body.lstrip().startswith(WAIT + "\n  " + TRIGGER), body
 
 
 def test_chain_kernels_is_idempotent_and_leaves_its_input(plain):
