@@ -18,14 +18,15 @@ attribute) starts with `grid_dependency_wait()` followed by `launch_dependents()
 Why this is safe: every thread of every rewritten kernel waits for the previous grid of the stream
 to complete before it touches any memory (the wait is the first statement of the kernel's body,
 and both calls are volatile asm with a memory clobber, so neither TIR's passes nor the CUDA
-compiler moves a load or a store above them). A kernel launched without the tag starts only after its
-predecessor completed, as usual. So, by induction along the stream, a kernel's completion implies
-that of every kernel before it: a read sees every earlier write (read-after-write), and a kernel
-that writes storage an earlier kernel reads - the VM reuses its planned storage between calls and
-a CUDA graph replays the same buffers - writes only after that reader completed (write-after-read).
-Letting dependents start right after the wait gives up no safety either: they wait in turn, and
-since the trigger fires only once every block of the grid has passed it, the early-scheduled
-blocks of the next kernel never keep this grid's blocks from being scheduled.
+compiler moves a load or a store above them). A kernel launched without the tag starts only
+after its predecessor completed, as usual. So, by induction along the stream, a kernel's
+completion implies that of every kernel before it: a read sees every earlier write
+(read-after-write), and a kernel that writes storage an earlier kernel reads - the VM reuses its
+planned storage between calls and a CUDA graph replays the same buffers - writes only after that
+reader completed (write-after-read). Letting dependents start right after the wait gives up no
+safety either: they wait in turn, and since the trigger fires only once every block of the grid
+has passed it, the early-scheduled blocks of the next kernel never keep this grid's blocks from
+being scheduled.
 
 Left untouched:
 - functions without device kernels (no thread binding: the VM's host-side shape functions,
@@ -47,7 +48,7 @@ import tvm_ffi
 from tvm import tirx
 
 from tir_kernels.build import uses_tirx_pipeline
-from tir_kernels.common import GRID_WAIT, LAUNCH_DEPENDENTS, PDL_TAG, grid_dependency_wait, launch_dependents
+from tir_kernels.common import PDL_TAG, grid_dependency_wait, launch_dependents
 from tir_kernels.support import PDL_MIN_SM, TargetName
 
 KERNEL_THREADS = ("blockIdx.", "threadIdx.")  # the bindings that start a device kernel (not vthread)
@@ -152,5 +153,5 @@ def chain_dependent_launches(mod: tvm.IRModule, _ctx: tvm.transform.PassContext)
     return mod
 
 
-__all__ = ["GRID_WAIT", "LAUNCH_DEPENDENTS", "PDL_TAG", "chain_dependent_launches", "chain_kernels",
-           "dependent_launch_problem", "kernel_roots", "skip_reason"]
+__all__ = ["PDL_TAG", "chain_dependent_launches", "chain_kernels", "dependent_launch_problem", "kernel_roots",
+           "skip_reason"]
