@@ -35,6 +35,12 @@ nothing but the config travels. Its logits are checked against the stock cache's
 others' (the same blocks, dequantized to float16 there), and a line per phase gives its time
 against the float16 graph run's.
 
+--dependent-launch builds every library with programmatic dependent launch (compile
+--dependent-launch, sm_90 and newer: each kernel's launch overlaps the end of the one before;
+tvmattn/compiler/dependent_launch.py), named NAME-pdl-*.so so that the ordinary libraries of
+--libs are never taken for them; its rows carry `dependent_launch: true`, a configuration of
+their own beside the ordinary rows (which carry no such field).
+
 --json PATH writes the results as rows of docs/bench-format.md (`make_row`): bench "e2e",
 kernel "prefill" (batch 1, qo_len = seq_len = --prompt-len) or "decode" (qo_len 1, seq_len =
 --prompt-len: the prompt each sequence holds when the warm-up steps begin), one row per library with
@@ -116,6 +122,10 @@ def parse_args(argv=None):
                         "compiler.pipeline.SmallBatchMatmul")
     p.add_argument("--unfused-layers", dest="fused_layers", action="store_false",
                    help="build every library without the fused decode ops (compiler.fused_decode), to compare")
+    p.add_argument("--dependent-launch", action="store_true",
+                   help="build every library with programmatic dependent launch (compile --dependent-launch, "
+                        "CUDA sm_90+; compiler.dependent_launch): its libraries are named NAME-pdl-*.so and its rows "
+                        "carry dependent_launch: true")
     args = p.parse_args(argv)
     graphs = args.target == "cuda" and not args.no_cuda_graph
     args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer
@@ -129,10 +139,14 @@ def parse_args(argv=None):
     if args.quantization == "keep" and config_model and args.keep_format is None:
         p.error("argument --quantization keep: a config.json --model has no blocks to keep: add --keep-format "
                 f"{{{','.join(RANDOM_FORMATS)}}} (random weights drawn as blocks)")
+    if args.dependent_launch and args.target != "cuda":
+        p.error("argument --dependent-launch: needs --target cuda (programmatic dependent launch is a CUDA feature)")
     if args.name is None:
         args.name = "smollm2" if args.model in MODEL_NAMES else Path(args.model).stem
         if args.keep_format is not None:
             args.name += "-" + args.keep_format.lower()
+        if args.dependent_launch:  # not the ordinary libraries of the same folder
+            args.name += "-pdl"
     problem = bench_rows.output_path_problem(args.json)
     if problem:
         p.error(f"argument --json: {problem}")
@@ -148,14 +162,28 @@ def ensure_libraries(args, max_batch: int) -> None:
     context = args.prompt_len + args.steps + WARMUP_STEPS + 8
     for library in args.libraries:
         path = library_path(args, library)
-        if path.is_file() or library in LIBRARY:
+        if library in LIBRARY:
+            continue
+        if path.is_file():
+            check_dependent_launch(args, path)
             continue
         print(f"building {path} ({LABELS[library]})")
         random = dict(random_weights=args.seed, random_format=args.keep_format) if args.keep_format else {}
         compile_model(args.model, path, target=args.target, max_batch_size=max_batch, context_window=context,
                       prefill_chunk=args.prompt_len, log=lambda m: print("  " + m),
-                      small_batch_matmul=args.small_batch_matmul, fused_layers=args.fused_layers, **random,
-                      **BUILD[library])
+                      small_batch_matmul=args.small_batch_matmul, fused_layers=args.fused_layers,
+                      dependent_launch=args.dependent_launch, **random, **BUILD[library])
+
+
+def check_dependent_launch(args, path: Path) -> None:
+    """An existing library must have been built with --dependent-launch exactly when this run asks
+    for it (its runtime file's build options), else its rows would say what did not run."""
+    runtime = sidecar(path, RUNTIME_SUFFIX)
+    built = bool(json.loads(runtime.read_text())["metadata"]["build_options"].get("dependent_launch", False)) \
+        if runtime.is_file() else False
+    if built != args.dependent_launch:
+        raise SystemExit(f"{path} was built {'with' if built else 'without'} --dependent-launch, this run "
+                         f"{'asks for it' if args.dependent_launch else 'does not'}: pass another --name or --libs")
 
 
 def own_weights(args, device) -> list:
@@ -406,7 +434,8 @@ def main(argv=None) -> int:
 
     print(f"model: {args.model} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
           f"{config['num_attention_heads']}/{config['num_key_value_heads']} heads), "
-          f"{metadata['build_options']['dtype']}, page {metadata['kv_cache']['page_size']}; {weights_note}")
+          f"{metadata['build_options']['dtype']}, page {metadata['kv_cache']['page_size']}; {weights_note}"
+          + ("; every kernel launched with programmatic dependent launch" if args.dependent_launch else ""))
     for kv, runner in runners.items():
         print(f"{LABELS[kv]}: library load {runner.load_s:.3f} s, GPU code: {runner.gpu_code}")
 
@@ -426,12 +455,14 @@ def main(argv=None) -> int:
 
     def kept_variant(kv: str) -> dict:
         """The kept library's rows name the block type of random blocks (--keep-format) in their
-        variant; the float libraries' rows say which decode functions fuse (fused_layers)."""
+        variant; the float libraries' rows say which decode functions fuse (fused_layers); the rows
+        of a --dependent-launch run say so (dependent_launch: true; the others carry no such field)."""
+        pdl = {"dependent_launch": True} if args.dependent_launch else {}
         if kv != "keep":
-            return {"fused_layers": fused_layers}
+            return {"fused_layers": fused_layers, **pdl}
         if args.keep_format is None:
-            return {}
-        return {"variant": f"{args.target}/{common['dtype']}/{args.keep_format.lower()}"}
+            return pdl
+        return {"variant": f"{args.target}/{common['dtype']}/{args.keep_format.lower()}", **pdl}
 
     # prefill
     prefill_s, prefill_logits = {}, {}

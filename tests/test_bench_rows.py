@@ -158,6 +158,30 @@ def test_e2e_json_option(e2e, tmp_path, capsys):
     assert exit_info.value.code == 2 and "argument --json" in capsys.readouterr().err
 
 
+def test_e2e_dependent_launch_option(e2e, tmp_path, capsys):
+    """--dependent-launch builds libraries of their own name (never the ordinary ones of the folder),
+    refuses an existing library built otherwise and the CPU target; its rows form configurations
+    of their own (bench_rows.CONFIG_FIELDS), while the ordinary rows carry no such field."""
+    assert e2e.parse_args([]).name == "smollm2" and not e2e.parse_args([]).dependent_launch
+    args = e2e.parse_args(["--dependent-launch", "--libs", str(tmp_path)])
+    assert args.dependent_launch and args.name == "smollm2-pdl"
+    assert e2e.library_path(args, "graph") == tmp_path / "smollm2-pdl-tvmattn.so"
+    with pytest.raises(SystemExit) as exit_info:
+        e2e.parse_args(["--dependent-launch", "--target", "llvm"])
+    assert exit_info.value.code == 2 and "argument --dependent-launch: needs --target cuda" in capsys.readouterr().err
+    library = tmp_path / "smollm2-pdl-tvmattn.so"
+    runtime = e2e.sidecar(library, e2e.RUNTIME_SUFFIX)
+    for built, asked in ((False, True), (True, False)):
+        runtime.write_text(json.dumps({"metadata": {"build_options": {"dependent_launch": built}}}))
+        run = e2e.parse_args(["--libs", str(tmp_path), "--name", "smollm2-pdl"] + ["--dependent-launch"] * asked)
+        with pytest.raises(SystemExit, match="was built with" + "out" * (not built) + " --dependent-launch"):
+            e2e.check_dependent_launch(run, library)
+    e2e.check_dependent_launch(args, library)  # built with it, asked for: used as it is
+    row = {"bench": "e2e", "kernel": "decode", "impl": "tvmattn-cuda-graph", "variant": "cuda/float16",
+           "fused_layers": "decode", "batch": 1}
+    assert bench_rows.config_key({**row, "dependent_launch": True}) != bench_rows.config_key(row)
+
+
 # --- scripts/bench_cache.py --------------------------------------------------------------------
 
 

@@ -107,6 +107,34 @@ def test_compile_passes_unfused_layers_on(tmp_path, monkeypatch):
         assert seen["fused_layers"] is fused
 
 
+def test_compile_passes_dependent_launch_on(tmp_path, monkeypatch):
+    import tvmattn.build
+
+    seen = {}
+    monkeypatch.setattr(tvmattn.build, "compile_model", lambda *a, **kw: seen.update(kw))
+    for flag, pdl in (([], False), (["--dependent-launch"], True)):
+        assert main(["compile", "--model", str(tmp_path), "--output", str(tmp_path / "m.so"), *flag]) == 0
+        assert seen["dependent_launch"] is pdl
+
+
+def test_compile_refuses_dependent_launch_off_hopper(config_json, tmp_path, capsys):
+    """--dependent-launch needs CUDA sm_90+: the CPU (command line) and sm_80 (compile_model) are
+    refused by name, before the model is loaded."""
+    from tvmattn.build import BuildError, compile_model
+
+    assert main(["compile", "--model", str(config_json), "-o", str(tmp_path / "m.so"), "--dependent-launch",
+                 "--target", "llvm"]) == 2
+    out, err = capsys.readouterr()
+    one_error(err, "--dependent-launch: programmatic dependent launch needs a CUDA target of sm_90 or newer, "
+                   "got 'llvm'")
+    assert "loading model" not in out + err
+    lines: list[str] = []
+    with pytest.raises(BuildError, match="--dependent-launch: .* got 'cuda:sm_80'"):
+        compile_model(str(config_json), tmp_path / "m.so", target="cuda:sm_80", dependent_launch=True,
+                      log=lines.append)
+    assert not any("loading model" in line for line in lines), lines
+
+
 # ---------------------------------------------------------------- the first hour: errors before compiling
 
 def one_error(err: str, *fragments: str) -> None:

@@ -314,6 +314,10 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--float32-cpu-products", dest="cpu_bf16", action="store_false",
                          help="CPU with kept blocks: prefill GEMMs multiply in float32 even where the CPU has "
                               "AVX512-BF16 (default: bfloat16 products, float32 sums; twice as fast)")
+    command.add_argument("--dependent-launch", action="store_true",
+                         help="CUDA sm_90 and newer: launch every kernel with programmatic dependent launch (each "
+                              "waits for the previous one's grid, so its launch overlaps that kernel's end; "
+                              "compiler.dependent_launch)")
 
 
 def _main_job_options(job: argparse.ArgumentParser, blocks: str) -> None:
@@ -501,7 +505,8 @@ def _compile(args) -> int:
                       attn_backend=args.attn_backend, quantization=args.quantization,
                       random_weights=args.random_weights, random_format=args.random_format,
                       small_batch_matmul=args.small_batch_matmul, kv_cache_dtype=args.kv_cache_dtype,
-                      fused_layers=args.fused_layers, cpu_bf16=args.cpu_bf16)
+                      fused_layers=args.fused_layers, cpu_bf16=args.cpu_bf16,
+                      dependent_launch=args.dependent_launch)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0

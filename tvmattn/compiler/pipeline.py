@@ -34,7 +34,13 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   into their bodies (see its docstring: TVM's CommonSubexprElim can leave a variable used before
   its definition in such a function). In practice these are TVM's own stock-cache kernels with
   Llama-3 RoPE scaling (the stock cache's attention kernels and its fused RoPE).
-The attention kernels from tir_kernels are already scheduled and pass through unchanged.
+- on CUDA (sm_90 and newer) with `dependent_launch` (BuildOptions.dependent_launch, off by
+  default), at the very end, once every function is scheduled and before TIR lowering:
+  `dependent_launch.chain_dependent_launches`, programmatic dependent launch for every kernel of
+  the library (each waits for its predecessor's grid before touching memory; the safety argument
+  is in that module's docstring).
+The attention kernels from tir_kernels are already scheduled and pass through unchanged (but for
+the dependent launch above).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from tvm import relax, s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
 
+from .dependent_launch import chain_dependent_launches, dependent_launch_problem
 from .fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV
 
 # DecodeBatchGEMV: rows per pass over the weight (the batch is padded to a multiple), and the
@@ -294,12 +301,19 @@ def _finalize(backend, target: tvm.target.Target) -> list:
     return passes
 
 
-def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True) -> tvm.transform.Pass:
+def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True,
+                   dependent_launch: bool = False) -> tvm.transform.Pass:
     """The module pass that lowers a model library's Relax module for `target`; small_batch_matmul
     (CUDA): schedule decode_step's / batch_decode's projections with `SmallBatchMatmul` (False:
-    dlight's Matmul rule)."""
+    dlight's Matmul rule); dependent_launch (CUDA, sm_90 and newer): every kernel launched with
+    programmatic dependent launch (dependent_launch.chain_dependent_launches). ValueError for
+    dependent_launch on another target."""
     from tvm.s_tir import dlight as dl
 
+    problem = dependent_launch_problem(target) if dependent_launch else None
+    if problem:
+        raise ValueError(f"dependent_launch=True is not supported: {problem}")
+    chain = [chain_dependent_launches] if dependent_launch else []
     if target.kind.name == "cuda":
         from tvm.relax.backend.cuda import pipeline as backend
 
@@ -327,7 +341,7 @@ def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True) -
                 legalize.insert(len(legalize) - 1, decode_gemv)
             passes = ([relax.transform.FuseTransposeMatmul()] + backend.library_dispatch_passes(target)
                       + legalize + schedule + backend.dataflow_lower_passes(target)
-                      + _finalize(backend, target) + [inline_let_expressions])
+                      + _finalize(backend, target) + [inline_let_expressions] + chain)
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

@@ -44,6 +44,7 @@ from tir_kernels.build import PIPELINE
 from tir_kernels.sampling import SamplingConfig, apply_penalties, sample_tokens
 from tir_kernels.support import FP8_KV_DTYPES, TargetName, dtype_problem, is_fp8, numpy_dtype, page_size_problem
 
+from ..compiler.dependent_launch import dependent_launch_problem
 from ..compiler.fused_decode import fused_decode
 from ..compiler.pipeline import relax_pipeline
 from ..quant.linear import dequantized, packed_part, split_part_name
@@ -83,6 +84,9 @@ class BuildOptions:
     # llvm with kept blocks on a CPU with AVX512-BF16: the prefill GEMMs multiply in bfloat16
     # (quant.cpu.unpack_gemm: twice float32's rate, within its stated bound); False: float32
     cpu_bf16: bool = True
+    # CUDA sm_90+: every kernel launched with programmatic dependent launch
+    # (compiler.dependent_launch); off until measured to pay
+    dependent_launch: bool = False
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -95,6 +99,8 @@ class BuildOptions:
             raise ValueError(f"fused_layers={self.fused_layers!r} is not supported: expected a bool")
         if not isinstance(self.small_batch_matmul, bool):
             raise ValueError(f"small_batch_matmul={self.small_batch_matmul!r} is not supported: expected a bool")
+        if not isinstance(self.dependent_launch, bool):
+            raise ValueError(f"dependent_launch={self.dependent_launch!r} is not supported: expected a bool")
         for name, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
             expected = problem(getattr(self, name))
             if expected:
@@ -107,6 +113,9 @@ class BuildOptions:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} is not supported: expected the dtype or one of "
                              f"{FP8_KV_DTYPES} (FP8 pages: tvmattn's cache only)")
         TargetName.parse(self.target)
+        if self.dependent_launch and dependent_launch_problem(self.target):
+            raise ValueError(f"dependent_launch=True is not supported with target={self.target!r}: "
+                             f"{dependent_launch_problem(self.target)}")
         if self.weight_formats:
             from ..weights.quant import QUANT_TYPES
 
@@ -223,8 +232,8 @@ def compile_module(mod: tvm.IRModule, options: BuildOptions) -> relax.VMExecutab
     target = options.tvm_target()
     with target:
         # tir_kernels' pipeline: the Hopper attention kernels are lowered by TVM's TIRx pipeline
-        return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target, options.small_batch_matmul),
-                           tir_pipeline=PIPELINE)
+        pipeline = relax_pipeline(target, options.small_batch_matmul, dependent_launch=options.dependent_launch)
+        return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=PIPELINE)
 
 
 def compile_library(config: AnyModelConfig, options: BuildOptions | None = None, **kwargs) -> ModelLibrary:

@@ -1,0 +1,304 @@
+"""Programmatic dependent launch for every kernel of a model library (compiler.dependent_launch,
+BuildOptions.dependent_launch).
+
+Specification, read from a tiny Llama library compiled for sm_90 (no GPU needed: the CUDA source
+and the lowered kernels' launch parameters):
+- with the option, every kernel of every function the pass handles is launched with TVM's PDL tag
+  (before the dynamic shared memory tag, which the runtime requires last), and its body calls
+  `griddepcontrol.wait` exactly once, before anything touches one of its pointer arguments (only
+  declarations and scalar arithmetic come before it), followed at once by
+  `griddepcontrol.launch_dependents`; the functions it leaves alone (TIRx kernels, host functions)
+  keep ordinary launches and no wait;
+- without it, no kernel is tagged and no kernel waits (the tiny library's cache kernels launch
+  ordinarily);
+- hand-written functions: a kernel launched from a host loop, a kernel of several thread loops
+  and a `launch_thread` kernel each wait once, first; a function without a kernel is untouched;
+- the option is checked: a bool, CUDA sm_90 and newer only (llvm and sm_80 are refused, naming it);
+- on the GPU (sm_90+), the library's logits equal the ordinary library's, bit for bit, in eager
+  steps and in CUDA-graph decode steps.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+import tvmattn  # noqa: F401  - registers the tvmattn.* functions the library calls
+from tir_kernels.build import DYN_SHARED_TAG, LAUNCH_PARAMS_ATTR, PIPELINE, _mixed_pipeline, uses_tirx_pipeline
+from tir_kernels.common import PDL_TAG
+from tvmattn.compiler.dependent_launch import chain_dependent_launches, chain_kernels, kernel_roots, skip_reason
+from tvmattn.compiler.pipeline import relax_pipeline
+from tvmattn.models import BuildOptions, ModelConfig, compile_module, export_module
+
+TARGET = "cuda:sm_90"
+# one layer; head dim 64 (CUDA kernels need head_dim >= 32)
+TINY = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "tie_word_embeddings": True, "attention_bias": False}
+WAIT, TRIGGER = "tvmattn_grid_dependency_wait();", "tvmattn_launch_dependents();"
+_LOWERED: dict = {}
+
+
+def _recording_pipeline():
+    """tir_kernels' pipeline, keeping the last module it lowered (for the launch parameters)."""
+    lower, finalize_host, finalize_device = _mixed_pipeline()
+
+    @tvm.transform.module_pass(opt_level=0, name="RecordingTIRPipeline")
+    def _record(mod, _ctx):
+        _LOWERED["last"] = lower(mod)
+        return _LOWERED["last"]
+
+    return _record, finalize_host, finalize_device
+
+
+tvm.tirx.register_tir_pipeline("tvmattn-test-recording", _recording_pipeline)
+
+
+def cuda_sources(module) -> list[str]:
+    """The CUDA source of every CUDA module `module` imports (at any depth)."""
+    found = [module.inspect_source()] if module.kind == "cuda" else []
+    for imported in module.imports:
+        found += cuda_sources(imported)
+    return found
+
+
+def cuda_source(module) -> str:
+    return "\n".join(cuda_sources(module))
+
+
+class Built:
+    """The PrimFuncs of a scheduled library module, compiled: `funcs` (name -> scheduled PrimFunc),
+    `kernels` (kernel name -> launch parameters), `bodies` (kernel name -> CUDA source of its
+    definition, from the opening parenthesis of its parameters on)."""
+
+    def __init__(self, mod: tvm.IRModule, target: tvm.target.Target):
+        self.funcs = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+        tir = tvm.IRModule({gv: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)})
+        runtime = tvm.tirx.build(tir, target=tvm.target.Target(target, host="llvm"), pipeline="tvmattn-test-recording")
+        lowered = _LOWERED.pop("last")
+        self.kernels = {gv.name_hint: [str(t) for t in f.attrs[LAUNCH_PARAMS_ATTR]] for gv, f in lowered.functions_items()
+                        if f.attrs is not None and f.attrs.get(LAUNCH_PARAMS_ATTR) is not None}
+        self.bodies = {}
+        for source in cuda_sources(runtime):
+            for chunk in source.split('extern "C" __global__')[1:]:
+                if "{" in chunk.split(";")[0]:  # a definition, not a declaration
+                    name = re.match(r"\s*void\s+(?:__launch_bounds__\([\d, ]+\)\s+)?(\w+)\(", chunk).group(1)
+                    self.bodies[name] = chunk[chunk.index(name) + len(name):]
+
+    def owner(self, kernel: str) -> str:
+        """The function a kernel was split from (`<name>_kernel`, `<name>_kernel_<n>`)."""
+        return re.sub(r"_kernel(_\d+)?$", "", kernel)
+
+
+def _scheduled(dependent_launch: bool):
+    options = BuildOptions(target=TARGET, dtype="float16")
+    mod, _ = export_module(ModelConfig.from_hf(TINY), options)
+    target = options.tvm_target()
+    with target:
+        return relax_pipeline(target, dependent_launch=dependent_launch)(mod), target
+
+
+@pytest.fixture(scope="module")
+def plain() -> Built:
+    """The tiny library's kernels without the option (the model pipeline's output)."""
+    mod, target = _scheduled(False)
+    built = Built(mod, target)
+    built.module, built.target = mod, target
+    return built
+
+
+@pytest.fixture(scope="module")
+def chained(plain) -> Built:
+    """The same module through the pass: what the pipeline gives with the option, since the pass
+    is its last step (test_pipeline_runs_the_pass_last)."""
+    return Built(chain_dependent_launches(plain.module), plain.target)
+
+
+def _pointers(body: str) -> list[str]:
+    return re.findall(r"\*\s*(?:__restrict__\s+)?(\w+)\s*[,)]", body[:body.index("{")])
+
+
+def test_every_kernel_waits_before_touching_memory(chained):
+    handled = {name for name, f in chained.funcs.items() if skip_reason(f) is None or bool(f.attrs.get(PDL_TAG, False))}
+    assert {"tvmattn_decode_paged", "tvmattn_split_rotary_append", "tvmattn_sample"} <= handled  # the cache's too
+    waiting = [k for k in chained.kernels if chained.owner(k) in handled]
+    assert len(waiting) >= 30 and len(chained.bodies) == len(chained.kernels)
+    assert any(re.search(r"_kernel_\d+$", k) for k in waiting)  # a function of several kernels: each waits
+    for kernel in waiting:
+        assert bool(chained.funcs[chained.owner(kernel)].attrs[PDL_TAG]), kernel
+        params = chained.kernels[kernel]
+        assert params.count(PDL_TAG) == 1 and DYN_SHARED_TAG not in params[:-1], (kernel, params)
+        body = chained.bodies[kernel]
+        assert body.count(WAIT) == 1, kernel
+        before = body[body.index("{") + 1:body.index(WAIT)]
+        pointers = _pointers(body)
+        assert pointers and not [p for p in pointers if re.search(rf"\b{p}\b", before)], (kernel, before)
+        for line in filter(str.strip, before.split("\n")):  # declarations, scalar arithmetic
+            assert re.match(r"\s*(extern |__shared__ |alignas\(\d+\) |__align__\(\d+\) )*[\w:<>, ]+ \w+(\[\d*\])?( = [^;\[]*)?;$",
+                            line), (kernel, line)
+        assert body[body.index(WAIT) + len(WAIT):].lstrip().startswith(TRIGGER), kernel
+
+
+def test_functions_the_pass_leaves_alone(chained, plain):
+    """TIRx kernels and host functions: untouched, launched ordinarily, no wait."""
+    skipped = {name: skip_reason(f) for name, f in plain.funcs.items() if skip_reason(f) is not None}
+    assert any(uses_tirx_pipeline(chained.funcs[n]) for n in skipped) and "shape_func" in skipped
+    for name, reason in skipped.items():
+        assert chained.funcs[name].same_as(plain.funcs[name]), (name, reason)
+    tirx_kernels = [k for k in chained.kernels if chained.owner(k) in skipped]
+    assert tirx_kernels
+    for kernel in tirx_kernels:
+        assert PDL_TAG not in chained.kernels[kernel] and WAIT not in chained.bodies[kernel], kernel
+
+
+def test_without_the_option_no_kernel_waits(plain):
+    assert plain.kernels and not any(bool(f.attrs.get(PDL_TAG, False)) for f in plain.funcs.values() if f.attrs)
+    for kernel, params in plain.kernels.items():
+        assert PDL_TAG not in params and "griddepcontrol" not in plain.bodies[kernel], kernel
+    for module_source in plain.bodies.values():
+        assert WAIT not in module_source and TRIGGER not in module_source
+
+
+def _small_module() -> tvm.IRModule:
+    """A Relax function of two kernels (an add, an exp)."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((tirx.Var("n", "int64"), 64), "float16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(x, x))
+            z = bb.emit_output(relax.op.exp(y))
+        bb.emit_func_output(z)
+    return bb.finalize()
+
+
+def test_pipeline_runs_the_pass_last():
+    """relax_pipeline(dependent_launch=True) is the pipeline without it, then the pass; a
+    BuildOptions with the option compiles kernels that wait."""
+    target = BuildOptions(target=TARGET, dtype="float16").tvm_target()
+    with target:
+        chained = relax_pipeline(target, dependent_launch=True)(_small_module())
+        expected = chain_dependent_launches(relax_pipeline(target)(_small_module()))
+    tvm.ir.assert_structural_equal(chained, expected)
+    kernels = [f for f in chained.functions.values() if isinstance(f, tirx.PrimFunc) and kernel_roots(f.body)]
+    assert kernels and all(bool(f.attrs[PDL_TAG]) for f in kernels)
+    executable = compile_module(_small_module(), BuildOptions(target=TARGET, dtype="float16", dependent_launch=True))
+    assert cuda_source(executable.mod).count(WAIT) == len(kernels)
+
+
+@T.prim_func
+def _three_launches(a: T.Buffer((4, 64), "float32"), b: T.Buffer((4, 64), "float32")):
+    for bx in T.thread_binding(4, thread="blockIdx.x"):  # a kernel
+        for tx in T.thread_binding(64, thread="threadIdx.x"):
+            b[bx, tx] = a[bx, tx] * T.float32(2)
+    for _ in range(2):  # a host loop launching the second kernel twice
+        for bx in T.thread_binding(4, thread="blockIdx.x"):
+            for tx in T.thread_binding(32, thread="threadIdx.x"):  # two thread loops of one kernel
+                a[bx, tx] = b[bx, tx] + T.float32(1)
+            for tx in T.thread_binding(32, thread="threadIdx.x"):
+                a[bx, tx + 32] = b[bx, tx + 32] + T.float32(1)
+
+
+@T.prim_func
+def _launch_thread(a: T.Buffer((64,), "float32")):
+    tx = T.launch_thread("threadIdx.x", 64)  # a thread_extent attribute, no loop
+    a[tx] = a[tx] + T.float32(1)
+
+
+@T.prim_func
+def _host_only(a: T.Buffer((4,), "int64")):
+    for i in range(4):
+        a[i] = a[i] + T.int64(1)
+
+
+@pytest.mark.parametrize("func, kernels", [(_three_launches, 2), (_launch_thread, 1), (_host_only, 0)],
+                         ids=["loops", "launch-thread", "host-only"])
+def test_each_kernel_of_a_function_waits_once(func, kernels):
+    """Hand-written functions: one wait per kernel (a kernel launched in a host loop, kernels of
+    several thread loops, a launch_thread kernel), as the body's first statement; a function
+    without a kernel is left as it is."""
+    func = func.with_attr("global_symbol", "f")
+    assert len(kernel_roots(func.body)) == kernels
+    chained = chain_kernels(func)
+    if not kernels:
+        assert chained.same_as(func) and skip_reason(func) == "launches no device kernel"
+        return
+    assert bool(chained.attrs[PDL_TAG]) and not func.attrs.get(PDL_TAG, False)
+    runtime = tvm.tirx.build(tvm.IRModule({"f": chained}), pipeline=PIPELINE,
+                             target=tvm.target.Target(BuildOptions(target=TARGET).tvm_target(), host="llvm"))
+    bodies = [c[c.index("{") + 1:] for c in cuda_source(runtime).split('extern "C" __global__')[1:]
+              if "{" in c.split(";")[0]]
+    assert len(bodies) == kernels
+    for body in bodies:
+        assert body.count(WAIT) == 1 and body.lstrip().startswith(WAIT + "\n  " + TRIGGER), body
+
+
+def test_chain_kernels_is_idempotent_and_leaves_its_input(plain):
+    func = plain.funcs["tvmattn_decode_paged"]
+    once = chain_kernels(func)
+    assert not func.attrs.get(PDL_TAG, False)  # the input as it was
+    assert chain_kernels(once).same_as(once)  # tagged: left alone
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(dependent_launch=1), "dependent_launch=1 is not supported: expected a bool"),
+    (dict(dependent_launch=True), "dependent_launch=True is not supported with target='llvm'.*sm_90 or newer"),
+    (dict(target="cuda:sm_80", dtype="float16", dependent_launch=True), "target='cuda:sm_80'.*sm_90 or newer"),
+])
+def test_options_refuse_what_cannot_launch_dependently(options, message):
+    with pytest.raises(ValueError, match=message):
+        BuildOptions(**options)
+
+
+def test_pipeline_refuses_other_targets():
+    with pytest.raises(ValueError, match="dependent_launch=True is not supported: .* got 'llvm'"):
+        relax_pipeline(tvm.target.Target("llvm"), dependent_launch=True)
+
+
+def test_metadata_records_the_option():
+    options = BuildOptions(target=TARGET, dtype="float16", dependent_launch=True)
+    _, document = export_module(ModelConfig.from_hf(TINY), options)
+    assert document["build_options"]["dependent_launch"] is True
+
+
+@pytest.mark.gpu
+def test_dependent_launch_library_gives_the_ordinary_logits(tmp_path):
+    """A float16 CUDA library (a tiny GGUF model) with and without the option: Generator with
+    CUDA graphs and without gives the same tokens and the same logits, bit for bit (the same
+    kernels, run in the same order; only their launches differ)."""
+    pytest.importorskip("gguf")
+    from test_weights import write_tiny_gguf
+
+    from tir_kernels.support import PDL_MIN_SM, present_cuda_arch
+    from tvmattn.build import compile_model
+    from tvmattn.generate import Generator
+
+    arch = present_cuda_arch()
+    if arch is None or int(arch[3:].rstrip("a")) < PDL_MIN_SM:
+        pytest.skip(f"programmatic dependent launch needs sm_{PDL_MIN_SM} or newer, this GPU is {arch}")
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path, np.random.default_rng(7))
+    libraries = {}
+    for pdl in (False, True):
+        libraries[pdl] = tmp_path / f"tiny-pdl{int(pdl)}.so"
+        compile_model(str(gguf_path), libraries[pdl], target=f"cuda:{arch}", max_batch_size=4, log=lambda m: None,
+                      dependent_launch=pdl)
+    prompts = [[5, 17, 9, 3, 42], [9, 4, 10], [12, 8, 3, 3, 45, 27, 0]]
+    for graph in (True, False):
+        runs = {pdl: Generator(library, cuda_graph=graph) for pdl, library in libraries.items()}
+        assert runs[True].session.metadata["build_options"]["dependent_launch"] is True
+        for batch in (prompts[:1], prompts):
+            a = runs[True].generate_tokens(batch, max_new_tokens=12, keep_logits=True)
+            b = runs[False].generate_tokens(batch, max_new_tokens=12, keep_logits=True)
+            assert runs[True].uses_cuda_graph == graph
+            assert a.tokens == b.tokens, (graph, batch)
+            for x, y in zip(a.logits, b.logits):
+                np.testing.assert_array_equal(x, y, err_msg=f"cuda_graph={graph}")
+        if graph:
+            assert runs[True].session.graphs.replays >= 12

@@ -1,0 +1,159 @@
+"""Programmatic dependent launch (sm_90 and newer) for every kernel of a model library.
+
+A decode step launches a few small kernels per layer, each of which would otherwise start only
+once the previous one has drained. With programmatic dependent launch (PDL), a kernel's blocks may
+be scheduled while its predecessor in the stream still runs; the kernel then calls
+`griddepcontrol.wait`, which returns once the predecessor grid has completed and its memory is
+visible, and `griddepcontrol.launch_dependents`, which lets the stream's next kernel be scheduled
+as soon as every block of this grid has called it (or exited).
+
+`chain_dependent_launches` (a module pass, run by compiler.pipeline after every schedule rule and
+before lowering, CUDA only, with BuildOptions.dependent_launch) rewrites each scheduled PrimFunc
+that launches device kernels: the function gets tir_kernels' PDL_TAG attribute (tir_kernels.build
+then puts TVM's launch tag on each of its kernels' launch parameters), and every kernel's body (the
+body of its outermost blockIdx / threadIdx binding, a loop bound to a thread or a `thread_extent`
+attribute) starts with `grid_dependency_wait()` followed by `launch_dependents()`
+(tir_kernels.common). A function of several kernels gets both in each.
+
+Why this is safe: every thread of every rewritten kernel waits for the previous grid of the stream
+to complete before it touches any memory (the wait is the first statement of the kernel's body,
+and both calls are volatile asm with a memory clobber, so neither TIR's passes nor the CUDA
+compiler moves a load or a store above them). A kernel launched without the tag starts only
+after its predecessor completed, as usual. So, by induction along the stream, a kernel's
+completion implies that of every kernel before it: a read sees every earlier write
+(read-after-write), and a kernel that writes storage an earlier kernel reads - the VM reuses its
+planned storage between calls and a CUDA graph replays the same buffers - writes only after that
+reader completed (write-after-read). Letting dependents start right after the wait gives up no
+safety either: they wait in turn, and since the trigger fires only once every block of the grid
+has passed it, the early-scheduled blocks of the next kernel never keep this grid's blocks from
+being scheduled.
+
+Left untouched:
+- functions without device kernels (no thread binding: the VM's host-side shape functions,
+  `tirx.is_host_func`), and functions for another target than CUDA;
+- functions that already carry PDL_TAG: tir_kernels' tensor-core decode kernels with a
+  `dependent_launch` schedule place their own wait and trigger (with `tables_before_wait`, after
+  reading the step's page tables, which the host uploads before the step: that schedule's own
+  contract, tir_kernels/schedules.py, which asks of the kernel before such a decode that it let
+  its dependents start only after its own wait, as every kernel rewritten here does); every
+  other kernel's wait covers them as any predecessor;
+- TIRx functions (tir_kernels.build.TIRX_ATTR: the Hopper prefill and MLA kernels, written with
+  `T.device_entry` and lowered by TVM's TIRx pipeline, whose kernel bodies this pass does not
+  read): they are launched without the tag, so they start after their predecessor completed,
+  and the kernel after them waits for them as for any other.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+from tir_kernels.build import uses_tirx_pipeline
+from tir_kernels.common import PDL_TAG, grid_dependency_wait, launch_dependents
+from tir_kernels.support import PDL_MIN_SM, TargetName
+
+KERNEL_THREADS = ("blockIdx.", "threadIdx.")  # the bindings that start a device kernel (not vthread)
+HOST_FUNC_ATTR = "tirx.is_host_func"
+
+
+def dependent_launch_problem(target) -> str | None:
+    """None where `target` (a tvm Target, or a target string: "llvm", "cuda", "cuda:sm_XY") can
+    launch kernels dependently (CUDA, sm_90 and newer; "cuda" alone means
+    tir_kernels.support.DEFAULT_CUDA_ARCH), else what it needs."""
+    if isinstance(target, str):
+        name = TargetName.parse(target)
+        kind, arch = name.kind, (name.cuda_arch if name.is_cuda else "")
+    else:
+        kind, arch = target.kind.name, str(target.attrs.get("arch", "")) if target.attrs is not None else ""
+    digits = arch[3:].rstrip("a") if arch.startswith("sm_") else ""
+    if kind != "cuda" or not digits.isdigit() or int(digits) < PDL_MIN_SM:
+        shown = f"{kind}:{arch}" if kind == "cuda" else kind
+        return f"programmatic dependent launch needs a CUDA target of sm_{PDL_MIN_SM} or newer, got {shown!r}"
+    return None
+
+
+def _binds_kernel_thread(stmt) -> bool:
+    """stmt binds blockIdx / threadIdx: a loop bound to it, or a `thread_extent` attribute."""
+    if isinstance(stmt, tirx.For):
+        binding = stmt.thread_binding
+        return stmt.kind == tirx.ForKind.THREAD_BINDING and binding is not None and \
+            str(binding.thread_tag).startswith(KERNEL_THREADS)
+    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == "thread_extent":
+        return isinstance(stmt.node, tirx.IterVar) and str(stmt.node.thread_tag).startswith(KERNEL_THREADS)
+    return False
+
+
+def kernel_roots(body: tirx.Stmt) -> list:
+    """The outermost thread bindings of `body`, one per device kernel it launches (in order)."""
+    roots = []
+
+    def visit(stmt):
+        if _binds_kernel_thread(stmt):
+            roots.append(stmt)
+            return tvm_ffi.WalkResult.SKIP  # a binding inside it belongs to the same kernel
+        return tvm_ffi.WalkResult.ADVANCE
+
+    tvm_ffi.structural_walk(body, ((tirx.For, tirx.AttrStmt), visit), order="pre")
+    return roots
+
+
+def _waiting(stmt):
+    """stmt (a kernel's outermost binding) with its body starting with the wait and the trigger."""
+    body = tirx.SeqStmt([tirx.Evaluate(grid_dependency_wait()), tirx.Evaluate(launch_dependents()), stmt.body])
+    if isinstance(stmt, tirx.For):
+        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding,
+                        stmt.annotations, stmt.step, stmt.span)
+    return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body, stmt.span)
+
+
+def skip_reason(func) -> str | None:
+    """Why `chain_kernels` leaves func as it is (the module docstring's list), or None."""
+    attrs = func.attrs if func.attrs is not None else {}
+    if bool(attrs.get(PDL_TAG, False)):
+        return "already launched dependently (places its own wait)"
+    if uses_tirx_pipeline(func):
+        return "a TIRx function (launched without the tag)"
+    if bool(attrs.get(HOST_FUNC_ATTR, False)):
+        return "a host function"
+    target = attrs.get("target")
+    if target is not None and target.kind.name != "cuda":
+        return f"a {target.kind.name} function"
+    if not kernel_roots(func.body):
+        return "launches no device kernel"
+    return None
+
+
+def chain_kernels(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """func with PDL_TAG and every kernel waiting first (module docstring); func itself where
+    `skip_reason` names a reason."""
+    if skip_reason(func) is not None:
+        return func
+    roots = kernel_roots(func.body)
+
+    def rewrite(stmt):
+        return _waiting(stmt) if any(stmt.same_as(root) for root in roots) else stmt
+
+    body = tvm_ffi.structural_map(func.body, ((tirx.For, tirx.AttrStmt), rewrite), order="pre")
+    return func.with_body(body).with_attr(PDL_TAG, True)
+
+
+@tvm.transform.module_pass(opt_level=0, name="ChainDependentLaunches")
+def chain_dependent_launches(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+    """Every PrimFunc of mod through `chain_kernels` (a new module; mod stays as it was)."""
+    changed = {}
+    for gv, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc):
+            chained = chain_kernels(func)
+            if not chained.same_as(func):
+                changed[gv] = chained
+    if not changed:
+        return mod
+    mod = mod.clone()
+    for gv, func in changed.items():
+        mod[gv] = func
+    return mod
+
+
+__all__ = ["PDL_TAG", "chain_dependent_launches", "chain_kernels", "dependent_launch_problem", "kernel_roots",
+           "skip_reason"]
