@@ -58,6 +58,46 @@ def test_shell_script_parses():
     subprocess.run(["bash", "-n", os.path.join(SCRIPTS, "locate_cuda_fault.sh")], check=True)
 
 
+FAKE_PYTHON = """#!/usr/bin/env bash
+# stands in for python3: no fault with synchronous launches, a fault of the stock library at
+# batch 16 at bench_e2e.py's pace
+args="$*"
+case "$args" in
+  *"--sync none"*"--libraries tvm "*) echo "FAULT: tvm batch 16: batch_decode step 3"; exit 3 ;;
+  *) echo "no fault" ;;
+esac
+"""
+FAKE_SANITIZER = """#!/usr/bin/env bash
+echo "========= Invalid __global__ read of size 2 bytes"
+echo "=========     at batch_decode_paged_kv_sliding_window_kernel+0x1a0"
+echo "========= "
+shift 8
+exec "$@"
+"""
+
+
+def test_shell_script_goes_on_to_the_asynchronous_modes_and_memchecks_the_first_fault(tmp_path):
+    """With no fault in --sync launch, the script runs --sync step and --sync none per library,
+    then memcheck over the first fault's mode, library and batch (python3 and compute-sanitizer
+    replaced by stand-ins on PATH)."""
+    for name, text in (("python3", FAKE_PYTHON), ("compute-sanitizer", FAKE_SANITIZER)):
+        path = tmp_path / name
+        path.write_text(text)
+        path.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", PYTHONPATH=ROOT, OUT=str(tmp_path / "out"))
+    done = subprocess.run(["bash", os.path.join(SCRIPTS, "locate_cuda_fault.sh")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    out = done.stdout
+    stages = [line for line in out.splitlines() if line.startswith("== ")]
+    assert stages == ["== launch: --sync launch, libraries tvmattn,tvm, order 1,16,64, 67 steps",
+                      "== step: --sync step, libraries tvmattn,tvm, order 1,16,64, 67 steps",
+                      "== none-tvmattn: --sync none, libraries tvmattn, order 1,16,64, 67 steps",
+                      "== none-tvm: --sync none, libraries tvm, order 1,16,64, 67 steps",
+                      f"== memcheck ({tmp_path}/compute-sanitizer): --sync none, libraries tvm, order 16"], out
+    assert "=========     at batch_decode_paged_kv_sliding_window_kernel+0x1a0" in out
+    assert out.count("FAULT: tvm batch 16: batch_decode step 3") == 2  # the none-tvm run, then under memcheck
+
+
 def test_bad_library_is_refused():
     with pytest.raises(SystemExit, match="--libraries"):
         locate_cuda_fault.main(["--libraries", "tvmattn,flash", "--target", "llvm"])
@@ -80,18 +120,25 @@ def test_cpu_smoke_run_goes_through_every_phase(tmp_path):
     assert done.stdout.splitlines()[-1] == "no fault"
 
 
+@pytest.fixture(scope="module")
+def e2e_libs(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
 @pytest.mark.gpu
-def test_gemma3_decode_after_a_long_prompt_has_no_cuda_fault(tmp_path):
+@pytest.mark.parametrize("sync, libraries", [("launch", "tvmattn,tvm"), ("none", "tvmattn")])
+def test_gemma3_decode_after_a_long_prompt_has_no_cuda_fault(e2e_libs, sync, libraries):
     """Issue 37's case: bench_e2e.py's Gemma 3 270M shapes (random weights), 4,096-token prompts,
-    decode at batches 1, 16 and 64 on both caches, every launch synchronous: no fault."""
+    decode at batches 1, 16 and 64 (3 + 64 steps): no fault with every launch synchronous (both
+    caches), nor at bench_e2e.py's pace, the host ahead of the GPU (tvmattn's cache: its uploads
+    are ordered on the kernels' stream; TVM's stock cache's are not, see locate_cuda_fault.py)."""
     import tvm
 
     if not tvm.cuda(0).exist:
         pytest.skip("needs a CUDA GPU")
-    env = dict(os.environ, PYTHONPATH=ROOT, CUDA_LAUNCH_BLOCKING="1")
     done = subprocess.run(
         [sys.executable, os.path.join(SCRIPTS, "locate_cuda_fault.py"), "--model",
-         os.path.join(SCRIPTS, "gemma3-270m-config.json"), "--libs", str(tmp_path), "--prompt-len", "4096",
-         "--steps", "3"],
-        capture_output=True, text=True, env=env, timeout=1800, cwd=ROOT)
+         os.path.join(SCRIPTS, "gemma3-270m-config.json"), "--libs", str(e2e_libs), "--prompt-len", "4096",
+         "--sync", sync, "--libraries", libraries],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=1800, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "no fault", done.stdout[-4000:]
