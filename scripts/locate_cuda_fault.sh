@@ -6,7 +6,7 @@
 #
 # Needs the project tree and .device/env.sh (full TVM: carry .device/site.tar.xz on a fresh machine).
 # Libraries: bench_e2e.py's build/e2e/gemma3-270m-config-{tvmattn,tvm}.so; missing ones are built
-# first (a few minutes: carry build/e2e from an earlier run to skip that). Logs go to $OUT
+# first (carry build/e2e from an earlier run to skip that). Logs go to $OUT
 # (or /tmp/locate-cuda-fault); each stage prints its FAULT line (library, batch, step) or "no fault".
 # 1. --sync launch: every launch synchronous (CUDA_LAUNCH_BLOCKING=1), a sync after each step: the
 #    launch that reports the fault is the faulting one (its grid/block and Python frames).
@@ -16,7 +16,7 @@
 # 3. If compute-sanitizer is on the machine: memcheck over the first faulting library, batch and
 #    mode alone (24 steps: past the page boundary at 4,112 tokens): the faulting kernel's name, the
 #    access and the address.
-# Without library builds the stages take about a minute each (memcheck longer; each has 7 minutes).
+# Each stage stops after 7 minutes (timeout 420).
 set -u
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHONPATH:-}" ] && [ -f .device/env.sh ]; then . .device/env.sh; fi
