@@ -10,6 +10,10 @@ from the same `compile_model` call (same model, dtype, page size and build flags
 - decode at each batch size: every sequence first prefilled with --prompt-len tokens, then
   greedy `decode` (batch 1) / `batch_decode` steps with the argmax taken on the GPU (torch
   via DLPack where present), timed over --steps steps after 3 warm-up steps -> tokens/s.
+  Our cache's steps run back to back (its plan uploads are ordered on the kernels' stream); TVM's
+  stock cache waits for the previous step before each one (`Runner.ordered_uploads`: its C++
+  runtime uploads the next plan on a separate stream into the buffer the running step reads,
+  which run ahead corrupts K/V or faults), so its step times include its host time.
 Both phases run with Python's cyclic garbage collector off, as Generator runs them.
 The two caches must agree: the prefill logits and the first decode step's logits are compared
 (max |diff| printed; a large difference is reported as a failure).
@@ -231,6 +235,10 @@ class Runner:
         self.metadata = runtime["metadata"]
         self.gpu_code = runtime["settings"].get("gpu_code")
         kind = self.metadata["kv_cache"]["kind"]
+        # Whether a step's plan upload is ordered after the previous step's kernels: ours uploads
+        # on the kernels' stream; TVM's stock cache copies into one reused device buffer on a
+        # non-blocking copy stream, so a step must not begin before the previous one finished
+        self.ordered_uploads = kind == "tvmattn"
         prefix = "tvmattn." if kind == "tvmattn" else "vm.builtin."
         self.host = {name: tvm.get_global_func(prefix + "kv_state_" + name)
                      for name in ("add_sequence", "remove_sequence", "begin_forward", "end_forward")}
@@ -344,6 +352,8 @@ def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
     first = None
     try:
         for _ in range(WARMUP_STEPS):
+            if not runner.ordered_uploads:
+                runner.sync()
             logits = runner.decode(seq_ids, tokens)
             if first is None:
                 first = logits.numpy()
@@ -353,6 +363,8 @@ def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
             runner.plan_s = runner.host_s = 0.0
             start = time.perf_counter()
             for _ in range(steps):
+                if not runner.ordered_uploads:  # (see Runner.ordered_uploads)
+                    runner.sync()
                 logits = runner.decode(seq_ids, tokens)
                 tokens, _ = greedy(logits, runner.device)
             runner.sync()
