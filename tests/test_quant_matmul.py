@@ -24,6 +24,7 @@ from tvmattn.compiler.targets import cuda_target, host_has_avx512, host_target  
 from tvmattn.quant.algorithms import gemv_algorithm, matmul_algorithm  # noqa: E402
 from tvmattn.quant.config import QuantMatmulConfig  # noqa: E402
 from tvmattn.quant.cpu import (  # noqa: E402
+    GEMM_UNPACK_FORMATS,
     UNPACK_FORMATS,
     TABLE_GEMV_FORMATS,
     CPUSchedule,
@@ -266,6 +267,7 @@ def test_dot_gemv_is_only_on_request_and_uses_vpdpbusd():
 
 
 UNPACK_CASES = [(fmt, rows, cols) for fmt, rows, cols in CASES if fmt in UNPACK_FORMATS]
+GEMM_UNPACK_CASES = [(fmt, rows, cols) for fmt, rows, cols in CASES if fmt in GEMM_UNPACK_FORMATS]
 
 
 @needs_avx512
@@ -283,8 +285,8 @@ def test_unpack_gemv_matches_dequantize_then_matmul(built, fmt, rows, cols, nr):
 
 
 @needs_avx512
-@pytest.mark.parametrize("fmt,rows,cols", slow_except(UNPACK_CASES, *(c for c in UNPACK_CASES if c[1] == 37),
-                                                     unpack=True), ids=[case_id(c) for c in UNPACK_CASES])
+@pytest.mark.parametrize("fmt,rows,cols", slow_except(GEMM_UNPACK_CASES, *(c for c in GEMM_UNPACK_CASES if c[1] == 37),
+                                                     unpack=True), ids=[case_id(c) for c in GEMM_UNPACK_CASES])
 def test_unpack_gemm_matches_dequantize_then_matmul(built, fmt, rows, cols):
     """The prompt GEMM that unpacks 32 weights a vector (AVX-512): 1 to 17 tokens (whole tiles of
     4 and the one-token tail), row tiles of 3 and chunks that do not divide the rows evenly."""
@@ -299,8 +301,9 @@ def test_unpack_gemm_matches_dequantize_then_matmul(built, fmt, rows, cols):
 
 @needs_avx512
 def test_unpack_is_chosen_under_avx512():
-    """Under an AVX-512 target the GEMV (1-row tiles) and the GEMM of UNPACK_FORMATS unpack; other
-    formats, lookups and targets without AVX-512 do not, and an unpack plan is refused there."""
+    """Under an AVX-512 target the GEMV (1-row tiles) and the GEMM of UNPACK_FORMATS unpack (the
+    GEMM of the 4-bit formats too, with bfloat16 products only); other formats, lookups and
+    targets without AVX-512 do not, and an unpack plan is refused there."""
     with host_target(avx512=True):
         for fmt in UNPACK_FORMATS:
             for tokens in (1, None):
@@ -309,10 +312,13 @@ def test_unpack_is_chosen_under_avx512():
     with host_target(avx512=True, bf16=False):  # float32 products: 4 x 4 tiles for rows past 1024 weights
         assert choose_schedule(QuantMatmulConfig("Q6_K", 640, 2048, tokens=None)).rows == 4
         assert not choose_schedule(QuantMatmulConfig("Q6_K", 640, 2048, tokens=None)).bf16
+        assert not choose_schedule(QuantMatmulConfig("Q4_1", 960, 512, tokens=None)).unpack
     with host_target(avx512=True):
-        for config in (QuantMatmulConfig("Q4_1", 960, 512, tokens=None), QuantMatmulConfig("Q4_1", 960, 512, tokens=1),
-                       QuantMatmulConfig("Q8_0", 960, 512, op="take")):
+        for config in (QuantMatmulConfig("Q4_1", 960, 512, tokens=1), QuantMatmulConfig("Q8_0", 960, 512, op="take")):
             assert not choose_schedule(config).unpack
+        for fmt in TABLE_GEMV_FORMATS:
+            plan = choose_schedule(QuantMatmulConfig(fmt, 960, 512, tokens=None))
+            assert plan.unpack == plan.bf16 == target_has_bf16(host_target(avx512=True))
     config = QuantMatmulConfig("Q8_0", 960, 512, tokens=None)
     assert not choose_schedule(config).unpack
     with host_target():
@@ -322,7 +328,9 @@ def test_unpack_is_chosen_under_avx512():
     with pytest.raises(ValueError, match="unpack_gemm computes several tokens"):
         unpack_gemm(QuantMatmulConfig("Q8_0", 8, 64, tokens=1), CPUSchedule(lanes=16, unpack=True))
     with pytest.raises(ValueError, match="unpack_gemm computes several tokens"):
-        unpack_gemm(QuantMatmulConfig("Q4_0", 8, 64, tokens=None), CPUSchedule(lanes=16, unpack=True))
+        unpack_gemm(QuantMatmulConfig("Q4_0", 8, 64, op="take"), CPUSchedule(lanes=16, unpack=True))
+    with pytest.raises(ValueError, match="unpack_gemv computes one token"):
+        unpack_gemv(QuantMatmulConfig("Q4_0", 8, 64, tokens=1), CPUSchedule(lanes=16, unpack=True))
     with pytest.raises(ValueError, match="unpack_gemv computes one token"):
         unpack_gemv(QuantMatmulConfig("Q8_0", 8, 64, tokens=2), CPUSchedule(lanes=16, unpack=True))
 
@@ -339,8 +347,8 @@ def round_to_bf16(a: np.ndarray) -> np.ndarray:
 
 
 @needs_bf16
-@pytest.mark.parametrize("fmt,rows,cols", slow_except(UNPACK_CASES, *(c for c in UNPACK_CASES if c[1] == 37),
-                                                     unpack=True), ids=[case_id(c) for c in UNPACK_CASES])
+@pytest.mark.parametrize("fmt,rows,cols", slow_except(GEMM_UNPACK_CASES, *(c for c in GEMM_UNPACK_CASES if c[1] == 37),
+                                                     unpack=True), ids=[case_id(c) for c in GEMM_UNPACK_CASES])
 def test_unpack_gemm_bf16_is_the_product_of_the_rounded_operands(built, fmt, rows, cols):
     """The prompt GEMM with bfloat16 products (vdpbf16ps): the product of X and the dequantized W
     each rounded to bfloat16, summed in float32, so within its stated bound of the float product,

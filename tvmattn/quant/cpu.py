@@ -40,9 +40,12 @@ TABLE_GEMV_FORMATS = ("Q4_0", "Q4_1")
 # formats whose products `unpack_gemv` / `unpack_gemm` (and `dot_gemv`) compute from the weights'
 # quants as unsigned bytes u, 32 a vector, w = scale * (u - zero) (Q4_K: scale * u - dmin * mn)
 UNPACK_FORMATS = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
+# formats whose prompt GEMM `unpack_gemm` computes: UNPACK_FORMATS, and the 4-bit ones (their
+# nibbles unpacked as Q5_0's low bits; chosen only with bfloat16 products, see choose_schedule)
+GEMM_UNPACK_FORMATS = UNPACK_FORMATS + TABLE_GEMV_FORMATS
 _QUANT_ZERO = {"Q8_0": 128, "Q5_0": 16, "Q4_K": 0, "Q6_K": 32}
 _DOT_SUB_BLOCK = {"Q8_0": 32, "Q5_0": 32, "Q4_K": 32, "Q6_K": 16}  # weights sharing one scale
-_GROUP_UNROLL = {"Q8_0": 1, "Q5_0": 1, "Q4_K": 2, "Q6_K": 4}  # 32-weight groups whose bit shifts differ
+_GROUP_UNROLL = {"Q8_0": 1, "Q5_0": 1, "Q4_K": 2, "Q6_K": 4, "Q4_0": 1, "Q4_1": 1}  # 32-weight groups whose bit shifts differ
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +107,10 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
     `host_target(bf16=False)`, keeps float32 products)."""
     lanes = host_cpu()[1]
     if config.op == "matmul" and config.tokens != 1:
+        if config.fmt in GEMM_UNPACK_FORMATS and target_has_avx512(None) and target_has_bf16(None):
+            # products in bfloat16: 3 x 4 tiles at every K (4 x 4 spill)
+            return CPUSchedule(lanes=16, rows=3, token_tile=4, chunk=48, unpack=True, bf16=True)
         if config.fmt in UNPACK_FORMATS and target_has_avx512(None):
-            if target_has_bf16(None):  # products in bfloat16: 3 x 4 tiles at every K (4 x 4 spill)
-                return CPUSchedule(lanes=16, rows=3, token_tile=4, chunk=48, unpack=True, bf16=True)
             # 4 x 4 tiles of 32-row chunks for rows of more than 1024 weights (the smaller scratch
             # tile of a long row, and AVX-512's 32 registers), else 3 x 4 of 48 (figures:
             # docs/performance.md)
@@ -376,6 +380,9 @@ def _unsigned_quants(fmt: str, parts: dict, row, g, p: int):
 
     if fmt == "Q8_0":  # q + 128 = q ^ 0x80
         return T.reinterpret("uint8x32", parts["qs"][row, ramp(g * 32, 1, 32)]) ^ bcast(0x80)
+    if fmt in TABLE_GEMV_FORMATS:  # low nibbles: columns 0-15, high: 16-31
+        qs = parts["qs"][row, ramp(g * 16, 1, 16)]
+        return _concat(qs & bcast(15, 16), qs >> bcast(4, 16), 32)
     if fmt == "Q5_0":  # low nibbles: columns 0-15, high: 16-31; qh bit j: column j's 5th bit
         qs = parts["qs"][row, ramp(g * 16, 1, 16)]
         bits = T.broadcast(T.reinterpret("uint32", parts["qh"][row, ramp(g * 4, 1, 4)]), 8)
@@ -550,6 +557,11 @@ def _dequant_group(fmt: str, parts: dict, row, g, p):
         return T.Cast(f32x32, parts["qs"][row, T.ramp(g * 32, 1, 32)]) * T.broadcast(
             T.Cast(f32, parts["d"][row, g]), 32)
     u = T.Cast(f32x32, _unsigned_quants(fmt, parts, row, g, p))
+    if fmt == "Q4_0":
+        return T.broadcast(T.Cast(f32, parts["d"][row, g]), 32) * (u - T.broadcast(T.float32(8.0), 32))
+    if fmt == "Q4_1":
+        return (T.broadcast(T.Cast(f32, parts["d"][row, g]), 32) * u
+                + T.broadcast(T.Cast(f32, parts["m"][row, g]), 32))
     if fmt == "Q5_0":
         return T.broadcast(T.Cast(f32, parts["d"][row, g]), 32) * (u - T.broadcast(T.float32(16.0), 32))
     if fmt == "Q4_K":
@@ -590,7 +602,7 @@ def _row_ptr(buffer, access: str, row, column, extent: int):
 
 
 def unpack_gemm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
-    """The product of UNPACK_FORMATS for a symbolic token count (prefill), for AVX-512 (same
+    """The product of GEMM_UNPACK_FORMATS for a symbolic token count (prefill), for AVX-512 (same
     arguments as matmul_algorithm):
 
         Y[t, n] = sum_k X[t, k] * dequant(W)[n, k]
@@ -607,8 +619,8 @@ def unpack_gemm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
     every product then carries at most the two roundings, |error| <= (2^-8 + 2^-16) * sum_k
     |X[t, k] W[n, k]| besides the float32 sums', the bound tests/test_quant_matmul.py checks."""
     fmt, n, k = config.fmt, config.n, config.k
-    if fmt not in UNPACK_FORMATS or config.op != "matmul" or config.tokens == 1 or config.target != "llvm":
-        raise ValueError(f"{config.name}: unpack_gemm computes several tokens of {UNPACK_FORMATS} on llvm")
+    if fmt not in GEMM_UNPACK_FORMATS or config.op != "matmul" or config.tokens == 1 or config.target != "llvm":
+        raise ValueError(f"{config.name}: unpack_gemm computes several tokens of {GEMM_UNPACK_FORMATS} on llvm")
     nr = _divisor_at_most(n, plan.rows)
     nb = _divisor_at_most(n, plan.chunk, nr)
     mr, ng, unroll, v = plan.token_tile, k // BLOCK, _GROUP_UNROLL[fmt], 16
