@@ -97,24 +97,18 @@ def test_compile_quantization_defaults_to_auto_and_says_so():
     assert "(default: auto)" in help_line and "auto: keep for a GGUF" in help_line
 
 
-def test_compile_passes_unfused_layers_on(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flag,argument,default", [("--unfused-layers", "fused_layers", True),
+                                                    ("--dependent-launch", "dependent_launch", False),
+                                                    ("--float32-cpu-products", "cpu_bf16", True)])
+def test_compile_passes_its_build_flags_on(tmp_path, monkeypatch, flag, argument, default):
+    """Each build flag reaches compile_model as its argument: the default without it, flipped with it."""
     import tvmattn.build
 
     seen = {}
     monkeypatch.setattr(tvmattn.build, "compile_model", lambda *a, **kw: seen.update(kw))
-    for flag, fused in (([], True), (["--unfused-layers"], False)):
-        assert main(["compile", "--model", str(tmp_path), "--output", str(tmp_path / "m.so"), *flag]) == 0
-        assert seen["fused_layers"] is fused
-
-
-def test_compile_passes_dependent_launch_on(tmp_path, monkeypatch):
-    import tvmattn.build
-
-    seen = {}
-    monkeypatch.setattr(tvmattn.build, "compile_model", lambda *a, **kw: seen.update(kw))
-    for flag, pdl in (([], False), (["--dependent-launch"], True)):
-        assert main(["compile", "--model", str(tmp_path), "--output", str(tmp_path / "m.so"), *flag]) == 0
-        assert seen["dependent_launch"] is pdl
+    for flags, value in (([], default), ([flag], not default)):
+        assert main(["compile", "--model", str(tmp_path), "--output", str(tmp_path / "m.so"), *flags]) == 0
+        assert seen[argument] is value
 
 
 def test_compile_refuses_dependent_launch_off_hopper(config_json, tmp_path, capsys):
