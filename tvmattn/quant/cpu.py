@@ -34,6 +34,7 @@ from ..compiler.targets import host_cpu, target_has_avx512
 from ..weights.quant import BLOCK
 from .algorithms import i64
 from .config import QuantMatmulConfig
+from .signature import prim_func
 
 # 4-bit formats whose one-token product `table_gemv` computes (w = table[q], one table a block)
 TABLE_GEMV_FORMATS = ("Q4_0", "Q4_1")
@@ -346,23 +347,13 @@ def table_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
                     acc[r, T.ramp(0, 1, 2)] = acc[r, T.ramp(0, 1, 2)] + acc[r, T.ramp(2, 1, 2)]
                     y[0, chunk * nb + tile * nr + r] = acc[r, 0] + acc[r, 1]
 
-    x_t = T.Buffer((i64(1), i64(k)), "float32")
-    qs_t = T.Buffer((i64(n), i64(k // 2)), "uint8")
-    d_t = T.Buffer((i64(n), i64(nsb)), "float16")
-    m_t = T.Buffer((i64(n), i64(nsb)), "float16")
-    y_t = T.Buffer((i64(1), i64(n)), "float32")
+    @T.macro
+    def with_args(bufs, n_tokens):  # Q4_0: no m
+        body(bufs[0], bufs[1], bufs[2], None if q4_0 else bufs[3], bufs[-1])
 
-    if q4_0:  # no m
-        @T.prim_func(check_well_formed=False)
-        def func(x: x_t, qs: qs_t, d: d_t, y: y_t):
-            T.func_attr({"tirx.noalias": True})
-            body(x, qs, d, None, y)
-    else:
-        @T.prim_func(check_well_formed=False)
-        def func(x: x_t, qs: qs_t, d: d_t, m: m_t, y: y_t):
-            T.func_attr({"tirx.noalias": True})
-            body(x, qs, d, m, y)
-    return func
+    params = [("x", T.Buffer((i64(1), i64(k)), "float32")), ("qs", T.Buffer((i64(n), i64(k // 2)), "uint8"))]
+    params += [(name, T.Buffer((i64(n), i64(nsb)), "float16")) for name in (("d",) if q4_0 else ("d", "m"))]
+    return prim_func(params + [("y", T.Buffer((i64(1), i64(n)), "float32"))], with_args, check_well_formed=False)
 
 
 def _concat(low, high, lanes: int):
@@ -741,30 +732,14 @@ def unpack_gemv(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
 
 def _with_parts_signature(config: QuantMatmulConfig, body, tokens) -> tirx.PrimFunc:
     """The PrimFunc (x [tokens, K], *parts, y [tokens, N]) whose body is the macro body(x, parts, y)
-    (parts: name -> buffer). TVMScript needs the arguments spelled out: one signature a part count."""
+    (parts: name -> buffer; the arguments named p0, p1, ...)."""
     shapes = config.part_shapes()
-    x_t = T.Buffer((tokens, i64(config.k)), "float32")
-    y_t = T.Buffer((tokens, i64(config.n)), "float32")
-    b = [T.Buffer(tuple(i64(d) for d in shape), dtype) for _, dtype, shape in shapes]
     names = [name for name, _, _ in shapes]
-    if len(b) == 2:
-        @T.prim_func(check_well_formed=False)
-        def func(x: x_t, p0: b[0], p1: b[1], y: y_t):
-            T.func_attr({"tirx.noalias": True})
-            body(x, dict(zip(names, (p0, p1))), y)
-    elif len(b) == 3:
-        @T.prim_func(check_well_formed=False)
-        def func(x: x_t, p0: b[0], p1: b[1], p2: b[2], y: y_t):
-            T.func_attr({"tirx.noalias": True})
-            body(x, dict(zip(names, (p0, p1, p2))), y)
-    elif len(b) == 4:
-        @T.prim_func(check_well_formed=False)
-        def func(x: x_t, p0: b[0], p1: b[1], p2: b[2], p3: b[3], y: y_t):
-            T.func_attr({"tirx.noalias": True})
-            body(x, dict(zip(names, (p0, p1, p2, p3))), y)
-    else:
-        @T.prim_func(check_well_formed=False)
-        def func(x: x_t, p0: b[0], p1: b[1], p2: b[2], p3: b[3], p4: b[4], y: y_t):
-            T.func_attr({"tirx.noalias": True})
-            body(x, dict(zip(names, (p0, p1, p2, p3, p4))), y)
-    return func
+
+    @T.macro
+    def with_args(bufs, n_tokens):
+        body(bufs[0], dict(zip(names, bufs[1:-1])), bufs[-1])
+
+    params = [("x", T.Buffer((tokens, i64(config.k)), "float32"))]
+    params += [(f"p{i}", T.Buffer(tuple(i64(d) for d in shape), dtype)) for i, (_, dtype, shape) in enumerate(shapes)]
+    return prim_func(params + [("y", T.Buffer((tokens, i64(config.n)), "float32"))], with_args, check_well_formed=False)

@@ -53,6 +53,7 @@ import dataclasses
 from tvm.script import tirx as T
 
 from .config import PROLOGUES
+from .signature import prim_func
 
 GEMV_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 BLOCK = 32
@@ -374,71 +375,37 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     def tok_rows(n_tokens):
         return n_tokens if tokens is None else T.int64(tokens)
 
-    # the optional arguments between d and Y, in order: (name, shape of the token count, dtype)
+    def xy(t, cols):  # X's or Y's (shape, dtype) for the token count t
+        return (tok_rows(t), T.int64(cols)), dtype
+
+    if KQ:
+        return _kquant_func(fmt, N, K, XK, dtype, NORM, RES, tok_rows, xy, body)
+
+    # the optional arguments between d and Y, in order: (name, (shape, dtype) of the token count)
     extras = [spec for spec, wanted in (
-        (("m", lambda t: SC, "float16"), HAS_M),
-        (("m", lambda t: (T.int64(N), T.int64(4 * NB)), "uint8"), Q5),
-        (("g", lambda t: (T.int64(K),), dtype), NORM),
-        (("r", lambda t: (tok_rows(t), T.int64(N)), dtype), RES),
+        (("m", lambda t: (SC, "float16")), HAS_M),
+        (("m", lambda t: ((T.int64(N), T.int64(4 * NB)), "uint8")), Q5),
+        (("g", lambda t: ((T.int64(K),), dtype)), NORM),
+        (("r", lambda t: ((tok_rows(t), T.int64(N)), dtype)), RES),
     ) if wanted]
-    names = [name for name, _, _ in extras]
-    shape = [s for _, s, _ in extras]
-    dt = [t for _, _, t in extras]
+    names = [name for name, _ in extras]
 
     def route(bufs):
         """The macro's (m, g, r) from the extra buffers given, None for those absent."""
         got = dict(zip(names, bufs))
         return got.get("m"), got.get("g"), got.get("r")
 
-    if KQ:
-        return _kquant_func(fmt, N, K, XK, dtype, NORM, RES, tok_rows, body)
+    @T.macro
+    def with_args(bufs, n_tokens):
+        body(bufs[0], bufs[1], bufs[2], *route(bufs[3:-1]), bufs[-1], tok_rows(n_tokens), None, None, None)
 
-    # one signature per number of extra arguments; X and Y (and R) shaped by the token count
-    if len(extras) == 0:
-        @T.prim_func
-        def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), y_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n_tokens = T.int64()
-            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(XK)), dtype)
-            y = T.match_buffer(y_h, (tok_rows(n_tokens), T.int64(N)), dtype)
-            body(x, qs, d, None, None, None, y, tok_rows(n_tokens), None, None, None)
-    elif len(extras) == 1:
-        @T.prim_func
-        def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), e0_h: T.handle,
-                 y_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n_tokens = T.int64()
-            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(XK)), dtype)
-            e0 = T.match_buffer(e0_h, shape[0](n_tokens), dt[0])
-            y = T.match_buffer(y_h, (tok_rows(n_tokens), T.int64(N)), dtype)
-            body(x, qs, d, *route([e0]), y, tok_rows(n_tokens), None, None, None)
-    elif len(extras) == 2:
-        @T.prim_func
-        def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), e0_h: T.handle,
-                 e1_h: T.handle, y_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n_tokens = T.int64()
-            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(XK)), dtype)
-            e0 = T.match_buffer(e0_h, shape[0](n_tokens), dt[0])
-            e1 = T.match_buffer(e1_h, shape[1](n_tokens), dt[1])
-            y = T.match_buffer(y_h, (tok_rows(n_tokens), T.int64(N)), dtype)
-            body(x, qs, d, *route([e0, e1]), y, tok_rows(n_tokens), None, None, None)
-    else:
-        @T.prim_func
-        def func(x_h: T.handle, qs: T.Buffer(QS, QS_DTYPE), d: T.Buffer(SC, "float16"), e0_h: T.handle,
-                 e1_h: T.handle, e2_h: T.handle, y_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n_tokens = T.int64()
-            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(XK)), dtype)
-            e0 = T.match_buffer(e0_h, shape[0](n_tokens), dt[0])
-            e1 = T.match_buffer(e1_h, shape[1](n_tokens), dt[1])
-            e2 = T.match_buffer(e2_h, shape[2](n_tokens), dt[2])
-            y = T.match_buffer(y_h, (tok_rows(n_tokens), T.int64(N)), dtype)
-            body(x, qs, d, *route([e0, e1, e2]), y, tok_rows(n_tokens), None, None, None)
-    return func
+    # X and Y (and R) shaped by the token count
+    params = [("x", lambda t: xy(t, XK)), ("qs", T.Buffer(QS, QS_DTYPE)), ("d", T.Buffer(SC, "float16"))]
+    params += [(f"e{i}", spec) for i, (_, spec) in enumerate(extras)]
+    return prim_func(params + [("y", lambda t: xy(t, N))], with_args)
 
 
-def _kquant_func(fmt: str, n: int, k: int, xk: int, dtype: str, norm: bool, residual: bool, tok_rows, body):
+def _kquant_func(fmt: str, n: int, k: int, xk: int, dtype: str, norm: bool, residual: bool, tok_rows, xy, body):
     """The PrimFunc (X, *parts[, G][, R], Y) of a K-quant GEMV: its parts as config.py lists them
     (Q4_K: qs, sc, mn, d, dmin; Q6_K: ql, qh, sc, d), the arguments after them named h0, h1, ..."""
     N, K = T.int64(n), k
@@ -464,62 +431,9 @@ def _kquant_func(fmt: str, n: int, k: int, xk: int, dtype: str, norm: bool, resi
         """body's (k1, k2, k3): Q4_K's sc, mn, dmin; Q6_K's qh, sc."""
         return (bufs[1], bufs[2], bufs[4]) if fmt == "Q4_K" else (bufs[1], bufs[2], None)
 
-    count = len(specs)
-    if count == 4:
-        @T.prim_func
-        def func(x_h: T.handle, h0_h: T.handle, h1_h: T.handle, h2_h: T.handle, h3_h: T.handle, y_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n_tokens = T.int64()
-            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(xk)), dtype)
-            h0 = T.match_buffer(h0_h, *specs[0](n_tokens))
-            h1 = T.match_buffer(h1_h, *specs[1](n_tokens))
-            h2 = T.match_buffer(h2_h, *specs[2](n_tokens))
-            h3 = T.match_buffer(h3_h, *specs[3](n_tokens))
-            y = T.match_buffer(y_h, (tok_rows(n_tokens), N), dtype)
-            body(x, *front([h0, h1, h2, h3]), y, tok_rows(n_tokens), *back([h0, h1, h2, h3]))
-    elif count == 5:
-        @T.prim_func
-        def func(x_h: T.handle, h0_h: T.handle, h1_h: T.handle, h2_h: T.handle, h3_h: T.handle, h4_h: T.handle,
-                 y_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n_tokens = T.int64()
-            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(xk)), dtype)
-            h0 = T.match_buffer(h0_h, *specs[0](n_tokens))
-            h1 = T.match_buffer(h1_h, *specs[1](n_tokens))
-            h2 = T.match_buffer(h2_h, *specs[2](n_tokens))
-            h3 = T.match_buffer(h3_h, *specs[3](n_tokens))
-            h4 = T.match_buffer(h4_h, *specs[4](n_tokens))
-            y = T.match_buffer(y_h, (tok_rows(n_tokens), N), dtype)
-            body(x, *front([h0, h1, h2, h3, h4]), y, tok_rows(n_tokens), *back([h0, h1, h2, h3, h4]))
-    elif count == 6:
-        @T.prim_func
-        def func(x_h: T.handle, h0_h: T.handle, h1_h: T.handle, h2_h: T.handle, h3_h: T.handle, h4_h: T.handle,
-                 h5_h: T.handle, y_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n_tokens = T.int64()
-            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(xk)), dtype)
-            h0 = T.match_buffer(h0_h, *specs[0](n_tokens))
-            h1 = T.match_buffer(h1_h, *specs[1](n_tokens))
-            h2 = T.match_buffer(h2_h, *specs[2](n_tokens))
-            h3 = T.match_buffer(h3_h, *specs[3](n_tokens))
-            h4 = T.match_buffer(h4_h, *specs[4](n_tokens))
-            h5 = T.match_buffer(h5_h, *specs[5](n_tokens))
-            y = T.match_buffer(y_h, (tok_rows(n_tokens), N), dtype)
-            body(x, *front([h0, h1, h2, h3, h4, h5]), y, tok_rows(n_tokens), *back([h0, h1, h2, h3, h4, h5]))
-    else:
-        @T.prim_func
-        def func(x_h: T.handle, h0_h: T.handle, h1_h: T.handle, h2_h: T.handle, h3_h: T.handle, h4_h: T.handle,
-                 h5_h: T.handle, h6_h: T.handle, y_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n_tokens = T.int64()
-            x = T.match_buffer(x_h, (tok_rows(n_tokens), T.int64(xk)), dtype)
-            h0 = T.match_buffer(h0_h, *specs[0](n_tokens))
-            h1 = T.match_buffer(h1_h, *specs[1](n_tokens))
-            h2 = T.match_buffer(h2_h, *specs[2](n_tokens))
-            h3 = T.match_buffer(h3_h, *specs[3](n_tokens))
-            h4 = T.match_buffer(h4_h, *specs[4](n_tokens))
-            h5 = T.match_buffer(h5_h, *specs[5](n_tokens))
-            h6 = T.match_buffer(h6_h, *specs[6](n_tokens))
-            y = T.match_buffer(y_h, (tok_rows(n_tokens), N), dtype)
-            body(x, *front([h0, h1, h2, h3, h4, h5, h6]), y, tok_rows(n_tokens), *back([h0, h1, h2, h3, h4, h5, h6]))
-    return func
+    @T.macro
+    def with_args(bufs, n_tokens):
+        body(bufs[0], *front(bufs[1:-1]), bufs[-1], tok_rows(n_tokens), *back(bufs[1:-1]))
+
+    params = [("x", lambda t: xy(t, xk))] + [(f"h{i}", spec) for i, spec in enumerate(specs)]
+    return prim_func(params + [("y", lambda t: xy(t, n))], with_args)
