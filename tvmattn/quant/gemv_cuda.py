@@ -150,11 +150,12 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
 
     @T.macro
     def load_x(x, xv, xf, tok, b):
-        """xf = X's 32 values of block b for token `tok`, in float32 (no prologue)."""
-        for c in T.unroll(BLOCK // VEC):
+        """xf = X's UNIT values of unit b (a block but for the K-quants) for token `tok`, in float32
+        (no prologue)."""
+        for c in T.unroll(UNIT // VEC):
             for v in T.vectorized(VEC):
-                xv[c * VEC + v] = x[tok, b * BLOCK + c * VEC + v]
-        for i in T.unroll(BLOCK):
+                xv[c * VEC + v] = x[tok, b * UNIT + c * VEC + v]
+        for i in T.unroll(UNIT):
             xf[i] = T.Cast(f32, xv[i])
 
     @T.macro
@@ -165,11 +166,7 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                 for v in T.vectorized(4):
                     xf[c * 4 + v] = xs[t * NB * BP + (b * (UNIT // BLOCK) + c // 8) * BP + c % 8 * 4 + v]
         else:
-            for c in T.unroll(UNIT // VEC):
-                for v in T.vectorized(VEC):
-                    xv[c * VEC + v] = x[tok, b * UNIT + c * VEC + v]
-            for i in T.unroll(UNIT):
-                xf[i] = T.Cast(f32, xv[i])
+            load_x(x, xv, xf, tok, b)
 
     @T.macro
     def load_kquant(qw, qhw, d, k1, k2, k3, words, high, scale, offset, rowc, j, b, live):
