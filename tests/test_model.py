@@ -400,8 +400,10 @@ def compare_with_stock(model: Model, stock_model: Model, tolerance: dict) -> Non
 
 
 # fused decode ops (compiler.fused_decode) against the plain ops: the same float32 arithmetic
-# but for the order of the sums (norm, product), a few float32 ulps of the O(1) logits
-FUSED_TOLERANCE = {"rtol": 2e-6, "atol": 2e-6}
+# but for the order of the sums (the norm's squares: one row's in the fused projection, 16
+# vector lanes in cpu_norm.CPURowNorm's batch norms; the products), tens of float32 ulps of the
+# O(1) logits
+FUSED_TOLERANCE = {"rtol": 5e-6, "atol": 5e-6}
 
 
 def test_fused_decode_ops_give_the_unfused_logits(bias_model):

@@ -9,8 +9,9 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   batch_prefill, batch_verify, batch_decode: token tiles that share each weight read, vectorized;
   unscheduled they re-read every weight per token), then dlight's CPU rules (GEMV for the
   single-token decode projections, Reduction for norms); the default CPU pipeline schedules nothing.
-  A reduction over one static row (decode's RMSNorm of [1, 1, hidden]) is left to plain loops
-  (`SingleRowReduction`): dlight's CPU Reduction rule makes the weight cast's hidden axis its
+  A prompt's row reductions (its RMSNorms) get `cpu_norm.CPURowNorm` (a row's sum in vector
+  lanes, the rows in parallel tasks). A reduction over one static row (decode's RMSNorm of
+  [1, 1, hidden]) is left to plain loops (`SingleRowReduction`): dlight's CPU Reduction rule makes the weight cast's hidden axis its
   parallel loop and recomputes the whole norm inside it, hidden-size times the work (and a
   decode step runs two norms a layer). Last, `cpu_elementwise.CPUElementwise` for the
   elementwise functions: inlined into one loop that LLVM vectorizes (parallel chunks when
@@ -325,10 +326,11 @@ def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True,
 
         from .cpu_elementwise import CPUElementwise, cpu_legalize
         from .cpu_matmul import CPUMatmul
+        from .cpu_norm import CPURowNorm
 
         # CPUMatmul first: it leaves single-token (static) matmuls to GEMV
-        schedule = [dl.ApplyDefaultSchedule(CPUFusedDecodeGEMV(), CPUMatmul(), dl.cpu.GEMV(), SingleRowReduction(), dl.cpu.Reduction(),
-                                            CPUElementwise())]
+        schedule = [dl.ApplyDefaultSchedule(CPUFusedDecodeGEMV(), CPUMatmul(), dl.cpu.GEMV(), SingleRowReduction(),
+                                            CPURowNorm(), dl.cpu.Reduction(), CPUElementwise())]
         decode_gemv = None
 
     @tvm.transform.module_pass(opt_level=0, name="TvmattnModelPipeline")
