@@ -1,7 +1,7 @@
 """Compiling a model library: the Relax pipeline (`pipeline.relax_pipeline`: the stock backend
 passes plus our schedule rules), its CPU schedule rules for the model's own functions
 (`cpu_matmul`: multi-token projections; `cpu_elementwise`: elementwise functions and the float32
-SiLU), the fused decode ops of a decoder layer (`fused_decode`: RMSNorm + projection + epilogue,
+SiLU; `cpu_norm`: a prompt's RMSNorms), the fused decode ops of a decoder layer (`fused_decode`: RMSNorm + projection + epilogue,
 what they compute; `fused_schedules`: their CUDA and CPU schedules), programmatic dependent
 launch for every CUDA kernel of a library (`dependent_launch`, opt-in), the count of a lowered
 step's kernel launches (`kernel_count`) and the targets the kernels compile for (`targets`: the
