@@ -10,7 +10,9 @@ import platform
 import sys
 import types
 
+import numpy as np
 import pytest
+import tvm
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 if SCRIPTS not in sys.path:
@@ -229,3 +231,35 @@ def test_cache_cpu_run_writes_rows(cache_bench, tmp_path, capsys):
     assert row["bench"] == "cache" and row["impl"] == "tvm-cpp+tvm" and row["variant"] == "llvm"
     assert (row["batch"], row["seq_len"]) == (2, 16) and row["ms"] > 0 and row["host_ms"] > 0
     assert row["device"] == (platform.processor() or "cpu") and row["commit"] == bench_rows.git_commit()
+
+
+class _StepLog:
+    """A stand-in for bench_e2e.Runner that records its calls in order (no library runs)."""
+
+    def __init__(self, ordered_uploads: bool, vocab: int = 8):
+        self.ordered_uploads, self.vocab, self.calls = ordered_uploads, vocab, []
+        self.device, self.cache, self.plan_s, self.host_s = tvm.cpu(0), None, 0.0, 0.0
+        self.host = {"add_sequence": lambda cache, seq_id: None, "remove_sequence": lambda cache, seq_id: None}
+
+    def prefill(self, seq_id, ids):
+        self.calls.append("prefill")
+
+    def sync(self):
+        self.calls.append("sync")
+
+    def decode(self, seq_ids, tokens):
+        self.calls.append("decode")
+        return tvm.runtime.tensor(np.zeros((len(seq_ids), 1, self.vocab), np.float32))
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["tvmattn", "tvm-stock"])
+def test_e2e_stock_cache_steps_wait_for_the_previous_step(e2e, ordered):
+    """bench_decode: our cache's steps run back to back; TVM's stock cache (its plan upload is not
+    ordered after the running step) is synchronized before every decode step, warm-up included."""
+    runner = _StepLog(ordered)
+    e2e.bench_decode(runner, [np.zeros(4, np.int32)] * 2, steps=5)
+    steps = [i for i, call in enumerate(runner.calls) if call == "decode"]
+    assert len(steps) == e2e.WARMUP_STEPS + 5
+    waited = [runner.calls[i - 1] == "sync" for i in steps]
+    # ours: only after the prefills and before the timed steps (the warm-up's end)
+    assert waited == [not ordered or i in (0, e2e.WARMUP_STEPS) for i in range(len(steps))]
