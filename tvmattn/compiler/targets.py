@@ -45,14 +45,20 @@ def host_target(avx512: bool = False, bf16: bool = True) -> tvm.target.Target:
     return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()[0], "mattr": ["-avx512f"]})
 
 
-def target_has_avx512(target: tvm.target.Target | None) -> bool:
-    """Whether an llvm `target` (None: the one in scope, if any) generates AVX-512F code."""
+def llvm_features(target: tvm.target.Target | None) -> frozenset[str]:
+    """The CPU features an llvm `target` (None: the one in scope, if any) generates code for;
+    none for another target or none in scope."""
     from tvm.target import codegen
 
     target = target or tvm.target.Target.current(allow_none=True)
     if target is None or target.kind.name != "llvm":
-        return False
-    return "avx512f" in codegen.llvm_get_cpu_features(target)
+        return frozenset()
+    return frozenset(str(feature) for feature in codegen.llvm_get_cpu_features(target))
+
+
+def target_has_avx512(target: tvm.target.Target | None) -> bool:
+    """Whether an llvm `target` (None: the one in scope, if any) generates AVX-512F code."""
+    return "avx512f" in llvm_features(target)
 
 
 def cuda_target() -> tvm.target.Target:

@@ -30,7 +30,7 @@ from tvm.script import tirx as T
 
 from tir_kernels.common import CPU_SCRATCH_SCOPE
 
-from ..compiler.targets import host_cpu, target_has_avx512
+from ..compiler.targets import host_cpu, llvm_features, target_has_avx512
 from ..weights.quant import BLOCK
 from .algorithms import i64
 from .config import QuantMatmulConfig
@@ -135,24 +135,13 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
 def target_has_vnni(target: tvm.target.Target | None = None) -> bool:
     """Whether an llvm `target` (None: the one in scope, if any) has AVX-512 VNNI with 256-bit
     vectors (vpdpbusd on ymm: AVX512_VNNI and AVX512VL), what `dot_gemv` needs."""
-    from tvm.target import codegen
-
-    target = target or tvm.target.Target.current(allow_none=True)
-    if target is None or target.kind.name != "llvm":
-        return False
-    features = codegen.llvm_get_cpu_features(target)
-    return "avx512vnni" in features and "avx512vl" in features
+    return {"avx512vnni", "avx512vl"} <= llvm_features(target)
 
 
 def target_has_bf16(target: tvm.target.Target | None = None) -> bool:
     """Whether an llvm `target` (None: the one in scope, if any) has AVX512-BF16 (vdpbf16ps on
     zmm, what `unpack_gemm`'s bf16 products need)."""
-    from tvm.target import codegen
-
-    target = target or tvm.target.Target.current(allow_none=True)
-    if target is None or target.kind.name != "llvm":
-        return False
-    return "avx512bf16" in codegen.llvm_get_cpu_features(target)
+    return "avx512bf16" in llvm_features(target)
 
 
 def _divisor_at_most(n: int, limit: int, multiple_of: int = 1) -> int:
@@ -653,7 +642,7 @@ def unpack_gemm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
             w[r, T.ramp(g * 32, 1, 32)] = values
 
     @T.macro
-    def products(x, a, parts, y, tokens):
+    def products(a, parts, y, tokens):
         for chunk in T.parallel(i64(n // nb)):
             w = T.alloc_buffer((i64(nb), i64(k)), tile_dtype)
             for r in range(i64(nb)):
@@ -679,9 +668,9 @@ def unpack_gemm(config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
                     for g in range(i64(ng)):
                         T.evaluate(T.call_extern("void", "tvmattn_store_bf16x32", _row_ptr(xb, "w", t, g * 32, 32),
                                                  x[t, T.ramp(g * 32, 1, 32)]))
-                products(x, xb, parts, y, tokens)
+                products(xb, parts, y, tokens)
         else:
-            products(x, x, parts, y, tokens)
+            products(x, parts, y, tokens)
 
     tokens = tirx.Var("n_tokens", "int64")
 
