@@ -6,9 +6,9 @@ time. `CPURowNorm` takes a function of one reduction over a static last axis (RO
 more, a multiple of them) whose other blocks are all injective: the element-wise producers
 inlined into the reduction and the output; the blocks of one value a row (rsqrt) computed once
 a row; per row, the sum as ROW_LANES partial sums in a vector (`rfactor`), then the output row
-in vectors; the rows in parallel tasks of about ROW_TASK_ELEMENTS elements. A function with
-another output (an add whose result is kept besides the norm), several reductions or a short row
-is left to the other rules.
+in vectors; the rows in parallel tasks of about PARALLEL_CHUNK elements (cpu_elementwise's). A
+function with another output (an add whose result is kept besides the norm), several reductions
+or a short row is left to the other rules.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
 
+from .cpu_elementwise import PARALLEL_CHUNK
+
 # Float32 lanes of the partial sums and of the output row's vectors (an AVX-512 vector)
 ROW_LANES = 16
-# Elements of the rows one parallel task takes (a task per row is a fork for a few hundred
-# elements)
-ROW_TASK_ELEMENTS = 4096
 
 
 def _static(extent) -> int | None:
@@ -65,11 +64,11 @@ class CPURowNorm(ScheduleRule):
         # the sum as ROW_LANES partial sums [rows, lanes] over the row's vectors (rfactor), whose
         # loop nest (rows, the row's vectors, lanes) takes the rows in parallel tasks; under each
         # row the rest: the lanes' sum (the reduction block), the per-row values, the output row
-        k_outer, _ = sch.split(sch.get_loops(reduction.block_rv)[-1], [None, ROW_LANES])
+        sch.split(sch.get_loops(reduction.block_rv)[-1], [None, ROW_LANES])
         partial = sch.rfactor(sch.get_loops(reduction.block_rv)[-1], factor_axis=len(kinds) - 1)
         *spatial, k_outer, k_lanes = sch.get_loops(partial)
         rows = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
-        task, each_row = sch.split(rows, [None, max(1, ROW_TASK_ELEMENTS // row)])
+        task, each_row = sch.split(rows, [None, max(1, PARALLEL_CHUNK // row)])
         sch.parallel(task)
         for block in (reduction.block_rv, *per_row, output.block_rv):
             sch.reverse_compute_at(block, each_row, preserve_unit_loops=True)
