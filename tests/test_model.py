@@ -574,10 +574,14 @@ def test_build_options_quantized_weights_need_the_targets_activation_dtype():
         BuildOptions(small_batch_matmul=1)
     with pytest.raises(ValueError, match="host_avx512=1 is not supported"):
         BuildOptions(host_avx512=1)
-    from tvmattn.compiler.targets import host_cpu
+    with pytest.raises(ValueError, match="cpu_bf16=1 is not supported: expected a bool"):
+        BuildOptions(cpu_bf16=1)
+    from tvmattn.compiler.targets import host_cpu, llvm_features
     target = BuildOptions(weight_formats=(("lm_head", "Q4_1"),), host_avx512=True).tvm_target()
     assert target.attrs["mcpu"] == host_cpu()[0]  # AVX-512 only where asked for (and the CPU has it)
     assert "-avx512f" in list(BuildOptions(weight_formats=(("lm_head", "Q4_1"),)).tvm_target().attrs["mattr"])
+    exact = BuildOptions(weight_formats=(("lm_head", "Q4_1"),), host_avx512=True, cpu_bf16=False).tvm_target()
+    assert "avx512bf16" not in llvm_features(exact)  # cpu_bf16=False: float32 prompt products
 
 
 # CUDA kernels need head_dim >= 32 (a multiple of 4 * the schedule's threads): 128 / 2 heads.
