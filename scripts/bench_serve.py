@@ -274,12 +274,14 @@ def _count(before: dict | None, after: dict | None, name: str) -> int | None:
 
 def _sampling(before: dict | None, after: dict | None) -> dict:
     """Which sampler chose the level's tokens: the engine's mode, and the choices the library's
-    kernels and the host made (the host's: fallback rows, or every row with --sampling host)."""
+    kernels and the host made (the host's: fallback rows, or every row with --sampling host);
+    the decode steps launched before the previous step's tokens were read (lookahead)."""
     mode = None
     if after is not None and "tvmattn_sampling_device" in after:
         mode = "device" if after["tvmattn_sampling_device"] else "host"
     return {"sampling": mode, "sampled_device": _count(before, after, "tvmattn_sampled_tokens_device"),
-            "sampled_host": _count(before, after, "tvmattn_sampled_tokens_host")}
+            "sampled_host": _count(before, after, "tvmattn_sampled_tokens_host"),
+            "lookahead_steps": _count(before, after, "tvmattn_lookahead_steps")}
 
 
 def wait_idle(url: str, headers: dict, timeout_s: float = 120) -> dict | None:

@@ -13,8 +13,8 @@ from tvm import relax
 
 from test_sampling import LOGITS, VOCAB, chi_square_p
 from test_sampling import reference as reference_distribution
-from tir_kernels.sampling import (SamplingConfig, SamplingSchedule, apply_penalties, choose_sampling_schedule,
-                                  sample_tokens)
+from tir_kernels.sampling import (NON_FINITE, SamplingConfig, SamplingSchedule, apply_penalties,
+                                  choose_sampling_schedule, sample_tokens)
 from tvmattn.device_sampling import DeviceSampler, has_device_sampling, penalty_rows
 from tvmattn.sampling import Sampler, SamplingOptions
 
@@ -475,6 +475,19 @@ def test_device_sampler_rejects_mismatched_rows():
         DeviceSampler(vm, device).choose(logits, [None, None], [None])
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_feed_tokens_writes_the_ids_in_place_with_non_finite_rows_as_zero(target):
+    """A step's sampled tokens become the next step's input ids on the device: written into the
+    caller's tensor (here the first rows of a larger buffer, as a CUDA graph's bucket), the
+    NON_FINITE token as 0 so that no embedding lookup reads row -1; the rows after stay."""
+    vm, device = sampling_vm(target)
+    tokens = np.array([5, NON_FINITE, 0, 267, 3], np.int32)
+    buffer = tvm.runtime.tensor(np.full(8, 9, np.int32), device)
+    out = vm["feed_tokens"](tvm.runtime.tensor(tokens, device), buffer._create_view((5,), "int32"))
+    assert out.numpy().tolist() == [5, 0, 0, 267, 3]
+    assert buffer.numpy().tolist() == [5, 0, 0, 267, 3, 9, 9, 9]
+
+
 def test_penalty_rows_list_each_generated_token_once():
     a, b = Sampler(SamplingOptions(presence_penalty=0.5, frequency_penalty=0.25), 10), Sampler(SamplingOptions(), 10)
     for token in (3, 3, 7):
@@ -495,7 +508,9 @@ def test_model_libraries_export_the_sampling_functions():
     mod, document = export_module(config, BuildOptions())
     assert has_device_sampling(document)
     names = {gv.name_hint for gv in mod.get_global_vars()}
-    assert {"sample", "apply_penalties", "tvmattn_sample", "tvmattn_apply_penalties"} <= names
+    assert {"sample", "apply_penalties", "tvmattn_sample", "tvmattn_apply_penalties", "feed_tokens",
+            "tvmattn_feed_tokens"} <= names
+    assert "feed_tokens" in document["functions"]
 
 
 @pytest.mark.slow  # compiles the tiny library (shared with test_generate / test_speculative)

@@ -89,8 +89,10 @@ def test_an_over_committed_server_reports_its_preemptions_and_loses_nothing(benc
                                                                           capsys):
     out = tmp_path / "rows.json"
     # 8 streams of 40 to 60 prompt tokens and 20 to 30 new ones in a pool of 192 tokens (12 pages); no
-    # prefix cache, so that a readmitted request prefills its whole prompt again
-    status = run(bench, ["--lib", library, "--server-args", "--max-total-tokens 192 --prefix-cache off --sampling device",
+    # prefix cache, so that a readmitted request prefills its whole prompt again; lookahead steps
+    # between the preemptions
+    status = run(bench, ["--lib", library, "--server-args",
+                         "--max-total-tokens 192 --prefix-cache off --sampling device --lookahead on",
                          "--token-ids", "3:268",
                          "--prompt-len", "40:60", "--output-len", "20:30", "--concurrency", "8", "--requests", "8",
                          "--json", out])
@@ -101,6 +103,7 @@ def test_an_over_committed_server_reports_its_preemptions_and_loses_nothing(benc
     assert row["output_tokens"] >= 8 * 20
     # the library's kernels chose every token (plain requests: no host fallback row)
     assert row["sampling"] == "device" and row["sampled_host"] == 0 and row["sampled_device"] >= row["output_tokens"]
+    assert row["lookahead_steps"] > 0  # steady steps between the preemptions launched ahead
 
 
 def test_the_plot_draws_each_series_within_its_panel(bench, tmp_path):

@@ -74,7 +74,7 @@ def reference(library, torch_model):
 
 
 def make_engine(library, **kwargs) -> Engine:
-    runner_args = {k: kwargs.pop(k) for k in ("max_total_tokens", "kv_cache_memory") if k in kwargs}
+    runner_args = {k: kwargs.pop(k) for k in ("max_total_tokens", "kv_cache_memory", "cuda_graph") if k in kwargs}
     return Engine(ModelRunner(library, **runner_args), **kwargs)
 
 
@@ -567,33 +567,38 @@ def test_verify_steps_choose_on_the_device_like_the_host(library, keep):
 
 def poison(engine: Engine, request_index: int, step: int):
     """Make the runner's logits row of the request with that submission index NaN at its
-    `step`-th step (the library's own tensor, as NaN weights would)."""
-    original = engine.runner.mixed
+    `step`-th step (the library's own tensor, as NaN weights would), in steps of host ids and
+    in lookahead steps fed the device's."""
     seen = collections.Counter()
 
-    def mixed(seq_ids, chunks, on_host=True):
-        logits = original(seq_ids, chunks, on_host)
-        rows = logits if on_host else np.from_dlpack(logits).reshape(len(seq_ids), -1)
-        for i, seq_id in enumerate(seq_ids):
-            request = next(r for r in engine.running if r.seq_id == seq_id)
-            if request.id == request_index:
-                seen[request.id] += 1
-                if seen[request.id] == step:
-                    rows[i, 5] = np.nan
-        return logits
+    def poisoned(original):
+        def run(seq_ids, inputs, on_host=False):
+            logits = original(seq_ids, inputs, on_host) if on_host else original(seq_ids, inputs)
+            rows = logits if on_host else np.from_dlpack(logits).reshape(len(seq_ids), -1)
+            for i, seq_id in enumerate(seq_ids):
+                request = next(r for r in engine.running if r.seq_id == seq_id)
+                if request.id == request_index:
+                    seen[request.id] += 1
+                    if seen[request.id] == step:
+                        rows[i, 5] = np.nan
+            return logits
+        return run
 
-    engine.runner.mixed = mixed
+    mixed = poisoned(engine.runner.mixed)
+    engine.runner.mixed = lambda seq_ids, chunks, on_host=True: mixed(seq_ids, chunks, on_host)
+    engine.runner.decode_fed = poisoned(engine.runner.decode_fed)
 
 
-@pytest.mark.parametrize("step, kind", [(1, "prefill"), (2, "prefill"), (4, "decode")])
+@pytest.mark.parametrize("step, kind", [(1, "prefill"), (2, "prefill"), (4, "decode"), (6, "decode")])
 def test_nan_logits_fail_with_the_same_error_on_device_and_host(library, step, kind):
     """A NaN in a row of logits, one that chooses a token or a prompt chunk's that does not, is
-    the same GenerateError on the device as on the host: the kernel flags the row."""
+    the same GenerateError on the device as on the host, and in lookahead steps (whose next
+    step already took the NaN row's token, as id 0): the kernel flags the row."""
     from tvmattn.generate import GenerateError
 
     messages = []
-    for sampling in ("host", "device"):
-        engine = make_engine(library, max_batched_tokens=24, sampling=sampling)
+    for sampling, lookahead in (("host", False), ("device", False), ("device", True)):
+        engine = make_engine(library, max_batched_tokens=24, sampling=sampling, lookahead=lookahead)
         work = prompts(41, [40, 6])  # the first prompt takes two steps: a chunk that chooses nothing, then one
         requests = [engine.submit(p, SamplingOptions(temperature=0.7, seed=1, max_tokens=8, ignore_eos=True))
                     for p in work]
@@ -653,3 +658,141 @@ def test_cuda_generator_greedy_and_seeded_tokens_do_not_depend_on_the_sampler(cu
         answers[sampling] = [generator.generate_tokens(work, 24, temperature=t, top_p=0.9, seed=7).tokens
                              for t in (0.0, 1.0)]
     assert answers["device"] == answers["host"]
+
+
+# ------------------------------------------------------------------ lookahead
+def lookahead_run(library, lookahead: bool, **engine_args):
+    """Requests joining at different steps with every device-served option set (greedy, seeded
+    temperature, top-p, top-k), short and long answers, a shared system prompt, and a
+    penalized request (no lookahead while it runs) -> the engine and each request's (tokens,
+    finish reason)."""
+    engine = make_engine(library, max_batched_tokens=24, sampling="device", lookahead=lookahead, **engine_args)
+    system = prompts(50, [20])[0]
+    work = [(system + p, o) for p, o in zip(prompts(51, [5, 9, 3, 12]), [
+        SamplingOptions(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingOptions(temperature=1.0, seed=3, max_tokens=25, ignore_eos=True),
+        SamplingOptions(temperature=0.8, top_p=0.9, seed=4, max_tokens=40, ignore_eos=True),
+        SamplingOptions(temperature=1.1, top_k=9, seed=5, max_tokens=3, ignore_eos=True)])]
+    late = [(p, SamplingOptions(temperature=0, max_tokens=12, ignore_eos=True)) for p in prompts(52, [7, 30])]
+    late.append((prompts(53, [6])[0], SamplingOptions(temperature=0.7, seed=6, presence_penalty=0.5, max_tokens=6,
+                                                      ignore_eos=True)))
+    requests = [engine.submit(p, o) for p, o in work]
+    for _ in range(12):  # the first requests reach steady decoding before the others join
+        engine.step()
+    requests += [engine.submit(p, o) for p, o in late]
+    run_all(engine)
+    # the same prompts again, after the first answers were recorded in the prefix cache
+    requests += [engine.submit(p, o) for p, o in work[:2]]
+    run_all(engine)
+    assert_no_leak(engine)
+    return engine, [(r.stream.result().tokens, r.stream.result().finish_reason) for r in requests]
+
+
+def test_lookahead_steps_give_the_tokens_of_steps_that_wait(library):
+    """Launching each decode step before the previous one's tokens are read changes nothing a
+    request sees: the same tokens and finish reasons as waiting for each step, for greedy and
+    seeded sampling, requests joining mid-stream, penalized requests beside them and prompts
+    found again in the prefix cache; the tokens computed past a request's end are dropped and
+    no page leaks."""
+    waiting, expected = lookahead_run(library, lookahead=False)
+    ahead, got = lookahead_run(library, lookahead=True)
+    assert got == expected
+    assert waiting.lookahead_steps == 0 and ahead.lookahead_steps > 20
+    assert ahead.lookahead_dropped == 0  # every request ends by length, which lookahead foresees
+    assert ahead.generated_tokens == waiting.generated_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
+def test_cuda_lookahead_steps_give_the_tokens_of_steps_that_wait(cuda_library, cuda_graph):
+    """On CUDA (lookahead on by default): the sampled ids feed the next step on the device,
+    into the replayed graph's input buffer or the eager step's, with the tokens of an engine
+    that waits for every step."""
+    waiting, expected = lookahead_run(cuda_library, lookahead=False, cuda_graph=cuda_graph)
+    ahead, got = lookahead_run(cuda_library, lookahead=None, cuda_graph=cuda_graph)
+    assert ahead.lookahead and ahead.runner.session.uses_cuda_graph == cuda_graph
+    assert got == expected and ahead.lookahead_steps > 20
+
+
+def test_lookahead_past_a_stop_token_pops_the_extra_token(library, reference):
+    """A stop token read after the next step was launched: the request ends with the tokens of
+    a waiting engine, its extra cache token is popped before its sequence is shared, and a
+    request continuing the same text from the prefix cache gets the reference tokens."""
+    prompt = prompts(54, [35])[0]
+    expected = reference(prompt, 20)
+    stop_at = next(t for t in expected[4:] if t not in expected[:4])
+    options = SamplingOptions(temperature=0, max_tokens=20, stop_token_ids=[stop_at], ignore_eos=True)
+    outputs = []
+    for lookahead in (False, True):
+        engine = make_engine(library, sampling="device", lookahead=lookahead)
+        request = engine.submit(prompt, options)
+        bystander = engine.submit(prompts(55, [9])[0], greedy(20))
+        run_all(engine)
+        out = request.stream.result()
+        assert out.finish_reason == "stop" and out.tokens == expected[:expected.index(stop_at)]
+        assert engine.lookahead_dropped == (1 if lookahead else 0)
+        follow = prompt + out.tokens
+        again = engine.submit(follow, greedy(6))
+        run_all(engine)
+        # the popped sequence was recorded: its whole pages (all but the last token) are found
+        assert again.stream.result().cached_tokens == min(len(follow) // 16 * 16, len(follow) - 1) >= 32
+        assert again.stream.result().tokens == reference(follow, 6)
+        outputs.append((out.tokens, bystander.stream.result().tokens))
+        assert_no_leak(engine)
+    assert outputs[0] == outputs[1]
+
+
+def test_cancelling_during_lookahead_frees_the_pages(library, reference):
+    engine = make_engine(library, sampling="device", lookahead=True)
+    work = prompts(56, [14, 22, 8])
+    requests = [engine.submit(p, greedy(30)) for p in work]
+    while engine.lookahead_steps < 3:
+        engine.step()
+    engine.cancel(requests[1])
+    run_all(engine)
+    assert requests[1].stream.result().finish_reason == "cancelled"
+    for i in (0, 2):
+        assert requests[i].stream.result().tokens == reference(work[i], 30)
+    assert_no_leak(engine)
+
+
+def test_decode_steps_take_the_previous_steps_sampled_ids_on_the_device(library):
+    """ModelSession.decode_step fed a device tensor of ids (a `sample` output, NON_FINITE rows
+    read as id 0) gives the logits of the same ids sent from the host."""
+    import tvm
+
+    runner = ModelRunner(library)
+    session = runner.session
+    assert session.feeds_tokens
+    work = prompts(57, [6, 10, 3])
+    logits = {}
+    for fed in (False, True):
+        for seq_id, prompt in enumerate(work):
+            runner.add(seq_id)
+            runner.mixed([seq_id], [prompt])
+        ids = [17, -1, 200]
+        tokens = tvm.runtime.tensor(np.array(ids, np.int32), session.device) if fed else [17, 0, 200]
+        logits[fed] = session.decode_step([0, 1, 2], tokens)
+        for seq_id in range(len(work)):
+            runner.remove(seq_id)
+    np.testing.assert_array_equal(logits[True], logits[False])
+    with pytest.raises(ValueError, match="tokens: expected an int32 tensor of shape \\(2,\\)"):
+        session.decode_step([0, 1], tvm.runtime.tensor(np.zeros(3, np.int32), session.device))
+
+
+def test_lookahead_needs_device_sampling_and_the_feed_function(library, monkeypatch):
+    assert make_engine(library, sampling="device").lookahead is False  # the CPU: nothing to overlap
+    runner = ModelRunner(library)
+    monkeypatch.setattr(runner.session, "on_cpu", False)  # as on CUDA
+    assert Engine(runner).lookahead is True
+    with pytest.raises(ValueError, match="lookahead needs sampling on the device"):
+        make_engine(library, sampling="host", lookahead=True)
+    with pytest.raises(ValueError, match="lookahead must be True, False or None"):
+        make_engine(library, sampling="device", lookahead="yes")
+    runner = ModelRunner(library)
+    functions = [f for f in runner.session.metadata["functions"] if f != "feed_tokens"]
+    monkeypatch.setitem(runner.session.metadata, "functions", functions)  # a library compiled before it
+    monkeypatch.setattr(runner.session, "on_cpu", False)
+    assert Engine(runner).lookahead is False
+    with pytest.raises(ValueError, match="exports feed_tokens: .* compiled before it; recompile"):
+        Engine(runner, sampling="device", lookahead=True)

@@ -138,7 +138,8 @@ def test_models_health_and_auth(live):
                      "tvmattn_kv_pages_free", "tvmattn_prefix_cache_hit_rate", "tvmattn_time_to_first_token_seconds",
                      "tvmattn_inter_token_latency_seconds", "tvmattn_output_tokens_per_second",
                      "tvmattn_kv_bytes_held", "tvmattn_kv_bytes_full_attention",
-                     "tvmattn_sampled_tokens_device", "tvmattn_sampled_tokens_host", "tvmattn_sampling_device"):
+                     "tvmattn_sampled_tokens_device", "tvmattn_sampled_tokens_host", "tvmattn_sampling_device",
+                     "tvmattn_lookahead_steps", "tvmattn_lookahead_dropped_tokens"):
             assert name in metrics
 
 
@@ -462,6 +463,7 @@ def test_chat_command_streams_answers_and_resets(library):
     (["chat", "--model", "smollm2", "--lib", "X.so"], "not allowed with"),
     (["serve", "--lib", "X.so", "--max-num-seqs", "0"], "positive integer"),
     (["serve", "--lib", "X.so", "--sampling", "gpu"], "invalid choice: 'gpu'"),
+    (["serve", "--lib", "X.so", "--lookahead", "yes"], "invalid choice: 'yes'"),
 ])
 def test_serve_command_errors_are_one_line(argv, message, capsys):
     from tvmattn.__main__ import main
@@ -515,3 +517,21 @@ def test_the_sampling_flag_reaches_the_engine(library, flag, expected):
     args = parser().parse_args(["serve", "--lib", str(library), "--max-total-tokens", "256", *flag])
     engine, _ = build_engine(args)
     assert engine.sampling == expected
+
+
+@pytest.mark.parametrize("flags, expected", [([], False), (["--sampling", "device", "--lookahead", "on"], True),
+                                             (["--sampling", "device", "--lookahead", "off"], False)])
+def test_the_lookahead_flag_reaches_the_engine(library, flags, expected):
+    from tvmattn.__main__ import parser
+    from tvmattn.serve.cli import build_engine
+
+    args = parser().parse_args(["serve", "--lib", str(library), "--max-total-tokens", "256", *flags])
+    engine, _ = build_engine(args)
+    assert engine.lookahead is expected  # auto: off on the CPU
+
+
+def test_lookahead_on_with_host_sampling_is_refused(library, capsys):
+    from tvmattn.__main__ import main
+
+    status = main(["serve", "--lib", str(library), "--sampling", "host", "--lookahead", "on"])
+    assert status == 2 and "lookahead needs sampling on the device" in capsys.readouterr().err

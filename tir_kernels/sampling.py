@@ -24,6 +24,10 @@ whose at-or-above aggregate (a count for top-k, the kept weight for top-p) reach
 The draw scans per-thread chunks of the row in id order (tie ranks and weights), so it is the
 same cumulative sum as the host's.
 
+`feed_tokens(config)` -> PrimFunc `tvmattn_feed_tokens(tokens [rows] i32, ids [rows] i32)`: ids[r] =
+tokens[r], NON_FINITE (and any negative token) as 0: a step's sampled tokens become the next
+step's input ids on the device, and an embedding lookup never reads row -1 of its table.
+
 `apply_penalties(config)` -> PrimFunc `tvmattn_apply_penalties(logits [rows, vocab] (in place),
 token_ids [rows, m] i32, amounts [rows, m] f32)`: logits[r, token_ids[r, j]] -= amounts[r, j]
 for token_ids >= 0 (-1 pads); the host gives each penalized token once per row, with amount
@@ -421,3 +425,26 @@ def apply_penalties(config: SamplingConfig, schedule: SamplingSchedule | None = 
                                 - amounts[row, j * TH + tx])
 
     return tvmattn_apply_penalties.with_attr("global_symbol", "tvmattn_apply_penalties")
+
+
+FEED_THREADS = 128  # CUDA threads per block of feed_tokens
+
+
+def feed_tokens(config: SamplingConfig):
+    """The token-feed PrimFunc (module docstring): tokens [rows] int32 -> ids [rows] int32 (written
+    in place), negative tokens as 0."""
+    L = LoopKinds(config.is_gpu)
+    TH = FEED_THREADS if config.is_gpu else 1
+
+    @T.prim_func
+    def tvmattn_feed_tokens(tokens_handle: T.handle, ids_handle: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        rows = T.int32()
+        tokens = T.match_buffer(tokens_handle, (rows,), "int32")
+        ids = T.match_buffer(ids_handle, (rows,), "int32")
+        for block in L.block(ceildiv(rows, TH), "x", outer=True):
+            for tx in L.thread(TH, "x"):
+                if block * TH + tx < rows:
+                    ids[block * TH + tx] = T.max(tokens[block * TH + tx], 0)
+
+    return tvmattn_feed_tokens.with_attr("global_symbol", "tvmattn_feed_tokens")

@@ -45,6 +45,9 @@ from .runtime.upload import _load_cudart, make_uploader
 from .sampling import Sampler, SamplingOptions, TokenLogprob
 
 SAMPLING_FUNCTIONS = ("sample", "apply_penalties")
+# a step's sampled ids written as the next step's input ids on the device (NON_FINITE as 0):
+# exported beside them; libraries compiled before it lack it (ModelSession.feeds_tokens)
+FEED_FUNCTION = "feed_tokens"
 # The largest float32 below 1: a uniform draw in [0, 1) stays below 1 in float32.
 _BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
 _CUDA_MEMCPY_DEVICE_TO_HOST = 2
@@ -142,56 +145,68 @@ class _SyncReadback:
 
 class _AsyncReadback:
     """The ids copied by cudaMemcpyAsync into pinned host memory on TVM's current stream, after
-    the sampling kernel; an event marks the copy's end. One copy in flight at a time."""
+    the sampling kernel; an event marks the copy's end. Two slots alternate, so a step's copy
+    may be started before the previous step's ids are read (lookahead steps); a read must come
+    before its slot's next-but-one copy starts (a later read is refused)."""
+
+    SLOTS = 2
 
     def __init__(self, cudart: ctypes.CDLL, device):
         self._rt, self._device = cudart, device
-        self._buffer = np.empty(0, np.int32)
-        self._event = ctypes.c_void_p()
-        self._in_flight = False
-        self._call("cudaEventCreateWithFlags", ctypes.byref(self._event), _CUDA_EVENT_DISABLE_TIMING)
+        self._buffers = [np.empty(0, np.int32) for _ in range(self.SLOTS)]
+        self._events = [ctypes.c_void_p() for _ in range(self.SLOTS)]
+        self._in_flight = [False] * self.SLOTS
+        self._copies = 0  # copies started so far: copy k uses slot k % SLOTS
+        for event in self._events:
+            self._call("cudaEventCreateWithFlags", ctypes.byref(event), _CUDA_EVENT_DISABLE_TIMING)
 
     def _call(self, name: str, *args) -> None:
         status = getattr(self._rt, name)(*args)
         if status != 0:
             raise RuntimeError(f"{name} failed with CUDA error {status}")
 
-    def _grow(self, rows: int) -> None:
-        if self._buffer.size:
-            self._call("cudaHostUnregister", ctypes.c_void_p(self._buffer.ctypes.data))
-        self._buffer = np.empty(max(rows, 1024), np.int32)
-        self._call("cudaHostRegister", ctypes.c_void_p(self._buffer.ctypes.data),
-                   ctypes.c_size_t(self._buffer.nbytes), 0)
+    def _grow(self, slot: int, rows: int) -> None:
+        if self._buffers[slot].size:
+            self._call("cudaHostUnregister", ctypes.c_void_p(self._buffers[slot].ctypes.data))
+        buffer = self._buffers[slot] = np.empty(max(rows, 1024), np.int32)
+        self._call("cudaHostRegister", ctypes.c_void_p(buffer.ctypes.data), ctypes.c_size_t(buffer.nbytes), 0)
 
-    def _wait(self) -> None:
-        if self._in_flight:
-            self._call("cudaEventSynchronize", self._event)
-            self._in_flight = False
+    def _wait(self, slot: int) -> None:
+        if self._in_flight[slot]:
+            self._call("cudaEventSynchronize", self._events[slot])
+            self._in_flight[slot] = False
 
     def start(self, tokens, rows: int) -> Callable[[], np.ndarray]:
-        self._wait()
-        if rows > self._buffer.size:
-            self._grow(rows)
+        copy, slot = self._copies, self._copies % self.SLOTS
+        self._wait(slot)
+        if rows > self._buffers[slot].size:
+            self._grow(slot, rows)
+        buffer = self._buffers[slot]
         stream = ctypes.c_void_p(tvm_ffi.get_raw_stream(self._device) or None)
         self._call("cudaSetDevice", self._device.index)
-        self._call("cudaMemcpyAsync", ctypes.c_void_p(self._buffer.ctypes.data), ctypes.c_void_p(tokens.data_ptr()),
+        self._call("cudaMemcpyAsync", ctypes.c_void_p(buffer.ctypes.data), ctypes.c_void_p(tokens.data_ptr()),
                    ctypes.c_size_t(4 * rows), _CUDA_MEMCPY_DEVICE_TO_HOST, stream)
-        self._call("cudaEventRecord", self._event, stream)
-        self._in_flight = True
+        self._call("cudaEventRecord", self._events[slot], stream)
+        self._in_flight[slot] = True
+        self._copies += 1
 
         def read() -> np.ndarray:
             _ = tokens  # the device ids live until the copy has run
-            self._wait()
-            return self._buffer[:rows].copy()
+            if self._copies - copy > self.SLOTS:
+                raise RuntimeError(f"the ids of copy {copy} were overwritten by copy {self._copies - 1}: read each "
+                                   f"step's ids before starting {self.SLOTS} more")
+            self._wait(slot)
+            return buffer[:rows].copy()
 
         return read
 
     def __del__(self):
         try:
-            self._wait()
-            if self._buffer.size:
-                self._rt.cudaHostUnregister(ctypes.c_void_p(self._buffer.ctypes.data))
-            self._rt.cudaEventDestroy(self._event)
+            for slot in range(self.SLOTS):
+                self._wait(slot)
+                if self._buffers[slot].size:
+                    self._rt.cudaHostUnregister(ctypes.c_void_p(self._buffers[slot].ctypes.data))
+                self._rt.cudaEventDestroy(self._events[slot])
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -228,10 +243,15 @@ class _Staging:
 
 
 class PendingChoices:
-    """A launched step (`DeviceSampler.launch`); `wait()` -> StepChoices."""
+    """A launched step (`DeviceSampler.launch`); `wait()` -> StepChoices. tokens: the `sample`
+    kernel's output on the device (int32 [rows], NON_FINITE for a non-finite row; None when
+    every row was read whole), which a next decode step may take as its input ids before the
+    host has read them (ModelSession.decode_step)."""
 
-    def __init__(self, plan: SamplingPlan, host_rows: dict[int, np.ndarray], read: Callable[[], np.ndarray] | None):
+    def __init__(self, plan: SamplingPlan, host_rows: dict[int, np.ndarray], read: Callable[[], np.ndarray] | None,
+                 tokens=None):
         self._plan, self._host_rows, self._read = plan, host_rows, read
+        self.tokens = tokens
 
     def wait(self) -> StepChoices:
         """Sample the fallback rows on the host (the kernels run meanwhile), then read the ids."""
@@ -338,13 +358,13 @@ class DeviceSampler:
                                  f"logits' {vocab}; prepare(vocab=) sends it to the host")
         flat = logits if len(logits.shape) == 2 else logits._create_view((rows, vocab))
         host_rows = {i: flat._create_view((vocab,), relative_byte_offset=i * vocab * 4).numpy() for i in plan.copied}
-        read = None
+        read = tokens = None
         if len(host_rows) < rows:
             if plan.penalties is not None:
                 self._penalize(flat, *plan.penalties)
             tokens = self._sample(flat, plan.params)
             read = self._readback.start(tokens, rows)
-        return PendingChoices(plan, host_rows, read)
+        return PendingChoices(plan, host_rows, read, tokens)
 
     def choose(self, logits, samplers: Sequence[Sampler | None],
                masks: Sequence[np.ndarray | None] | None = None) -> list[tuple[int, TokenLogprob | None] | None]:

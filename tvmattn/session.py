@@ -37,7 +37,7 @@ from tir_kernels import support
 
 from .runtime import ffi as _ffi  # noqa: F401  - registers tvmattn.* before the library is loaded
 from .bundle import BundleError, load_params, load_tokenizer, open_bundle
-from .device_sampling import DeviceSampler, has_device_sampling
+from .device_sampling import FEED_FUNCTION, DeviceSampler, has_device_sampling
 from .runtime.upload import make_uploader
 from .speculative import VERIFY_PRIOR_CPU, VERIFY_PRIOR_GPU, StepCosts
 
@@ -261,9 +261,10 @@ class ModelSession:
     def _captured_step(self, bucket: int):
         return library_decode_step(self.vm, self._graph_ids[bucket], self.cache, self.params, self.hidden_size)
 
-    def _graph_decode(self, seq_ids: list[int], tokens: list[int], on_host: bool = True):
+    def _graph_decode(self, seq_ids: list[int], tokens, on_host: bool = True):
         """One decode step replayed as a CUDA graph -> logits [len(seq_ids), vocab] f32 (on_host
-        False: a view of the graph's output tensor, rewritten by the next replay)."""
+        False: a view of the graph's output tensor, rewritten by the next replay); tokens: as
+        decode_step's."""
         from .runtime.graphs import DecodeGraphs, bucket_of
 
         if self.graphs is None:
@@ -272,9 +273,13 @@ class ModelSession:
         ids = self._graph_ids.get(bucket)
         if ids is None:
             ids = self._graph_ids[bucket] = tvm.runtime.empty((bucket,), "int32", device=self.device)
-        host = np.zeros(bucket, np.int32)
-        host[: len(tokens)] = tokens
-        self._ids_uploader.copy(host, ids)
+            self._ids_uploader.copy(np.zeros(bucket, np.int32), ids)  # padding rows: a valid id
+        if isinstance(tokens, tvm.runtime.Tensor):
+            self._feed(tokens, ids if bucket == len(seq_ids) else ids._create_view((len(seq_ids),), "int32"))
+        else:
+            host = np.zeros(bucket, np.int32)
+            host[: len(tokens)] = tokens
+            self._ids_uploader.copy(host, ids)
         logits = self.graphs.run(seq_ids)
         if not on_host:
             return logits._create_view((len(seq_ids), int(logits.shape[-1])))
@@ -292,16 +297,38 @@ class ModelSession:
         ids = tvm.runtime.tensor(np.array(tokens, dtype=np.int32), device=self.device)
         return self.function("embed")(ids, self.params).numpy()
 
-    def decode_step(self, seq_ids: list[int], tokens: list[int], on_host: bool = True):
+    @property
+    def feeds_tokens(self) -> bool:
+        """The library exports `feed_tokens`: decode_step takes the previous step's sampled ids
+        as a device tensor."""
+        return FEED_FUNCTION in self.metadata.get("functions", ())
+
+    def _feed(self, tokens, ids) -> None:
+        """ids (a device int32 tensor [n]) = tokens (the `sample` output [n]), NON_FINITE as 0."""
+        if not self.feeds_tokens:
+            raise GenerateError(f"{self.lib_path} has no {FEED_FUNCTION} (compiled before it): decode steps take "
+                                f"host token ids only; recompile")
+        if tuple(tokens.shape) != tuple(ids.shape) or str(tokens.dtype) != "int32":
+            raise ValueError(f"tokens: expected an int32 tensor of shape {tuple(ids.shape)} (one id per sequence), "
+                             f"got {tokens.dtype} {tuple(tokens.shape)}")
+        self.function(FEED_FUNCTION)(tokens, ids)
+
+    def decode_step(self, seq_ids: list[int], tokens, on_host: bool = True):
         """One decode step of `tokens` (one per sequence) -> logits [len(seq_ids), vocab] f32: a
         CUDA graph where it uses them; else the embedding lookup feeds the step on the device (no
         copy to the host and back), through `decode` for one sequence, `batch_decode` otherwise.
-        on_host False: the logits stay on the device (a tensor of len(seq_ids) rows, see
-        `forward`)."""
+        tokens: host ids, or a device int32 tensor [len(seq_ids)] such as the previous step's
+        `sample` output (its NON_FINITE rows read as id 0; `feeds_tokens`), which the host need
+        not have read. on_host False: the logits stay on the device (a tensor of len(seq_ids)
+        rows, see `forward`)."""
         if self.uses_cuda_graph:
             return self._graph_decode(seq_ids, tokens, on_host)
-        ids = self._token_ids(tokens)
-        embeds = self.function("embed")(ids, self.params)._create_view((len(tokens), 1, self.hidden_size))
+        if isinstance(tokens, tvm.runtime.Tensor):
+            ids = self._batch_ids(len(seq_ids))
+            self._feed(tokens, ids)
+        else:
+            ids = self._token_ids(tokens)
+        embeds = self.function("embed")(ids, self.params)._create_view((len(seq_ids), 1, self.hidden_size))
         function = "decode" if len(seq_ids) == 1 else "batch_decode"
         logits = self.forward(function, seq_ids, [1] * len(seq_ids), embeds, on_host=on_host)
         return logits[:, 0] if on_host else logits
@@ -310,17 +337,24 @@ class ModelSession:
         """tokens as an int32 tensor [len(tokens)] on the device, the same tensor for every step
         of a batch size (on the CPU the step reads it before it returns; on CUDA the copy into it
         is queued behind the previous step's kernels, which may still read it)."""
+        ids = self._batch_ids(len(tokens))
         if self._cpu_ids is None:
-            ids = self._device_ids.get(len(tokens))
-            if ids is None:
-                ids = self._device_ids[len(tokens)] = tvm.runtime.empty((len(tokens),), "int32", device=self.device)
             self._ids_uploader.copy(np.array(tokens, dtype=np.int32), ids)
+        else:
+            self._cpu_ids[len(tokens)][1][:] = tokens
+        return ids
+
+    def _batch_ids(self, n: int):
+        """The token-id tensor [n] of decode steps of n sequences (CPU: with its numpy alias)."""
+        if self._cpu_ids is None:
+            ids = self._device_ids.get(n)
+            if ids is None:
+                ids = self._device_ids[n] = tvm.runtime.empty((n,), "int32", device=self.device)
             return ids
-        entry = self._cpu_ids.get(len(tokens))
+        entry = self._cpu_ids.get(n)
         if entry is None:
-            ids = tvm.runtime.empty((len(tokens),), "int32", device=self.device)
-            entry = self._cpu_ids[len(tokens)] = (ids, np.from_dlpack(ids))
-        entry[1][:] = tokens
+            ids = tvm.runtime.empty((n,), "int32", device=self.device)
+            entry = self._cpu_ids[n] = (ids, np.from_dlpack(ids))
         return entry[0]
 
     def forward(self, function: str, seq_ids: list[int], lengths: list[int], embeds, *extra,

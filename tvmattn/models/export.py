@@ -41,10 +41,12 @@ from tvm import relax
 
 from tir_kernels import tvm_target
 from tir_kernels.build import PIPELINE
-from tir_kernels.sampling import SamplingConfig, apply_penalties, sample_tokens
+from tir_kernels.sampling import SamplingConfig, apply_penalties, feed_tokens, sample_tokens
 from tir_kernels.support import FP8_KV_DTYPES, TargetName, dtype_problem, is_fp8, numpy_dtype, page_size_problem
 
 from ..compiler.dependent_launch import dependent_launch_problem
+# exported by every library beside its architecture's functions (model-independent)
+from ..device_sampling import FEED_FUNCTION, SAMPLING_FUNCTIONS
 from ..compiler.fused_decode import fused_decode
 from ..compiler.pipeline import relax_pipeline
 from ..quant.linear import dequantized, packed_part, split_part_name
@@ -54,8 +56,6 @@ from .config import AnyModelConfig, model_config_from_dict
 from .kv_cache import KV_CACHE_KINDS, KVCacheSpec, attention_backend_record
 
 METADATA_FUNCTION = "_metadata"
-# exported by every library beside its architecture's functions (model-independent: they take logits)
-SAMPLING_FUNCTIONS = ("sample", "apply_penalties")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +163,7 @@ def metadata(config: AnyModelConfig, options: BuildOptions, params: list[tuple[s
         "params": [{"name": name, "shape": [int(d) for d in p.shape], "dtype": str(p.dtype)} for name, p in params],
         "kv_cache": {"kind": options.kv_cache, **spec.to_dict(), "attention_backend": attention_backend_record(spec)},
         "build_options": dataclasses.asdict(options),
-        "functions": list(architecture(config).functions) + list(SAMPLING_FUNCTIONS),
+        "functions": list(architecture(config).functions) + list(SAMPLING_FUNCTIONS) + [FEED_FUNCTION],
         "param_mode": "packed",
     }
 
@@ -178,7 +178,8 @@ def _attach_metadata(mod: tvm.IRModule, document: dict[str, Any]) -> tvm.IRModul
 
 def sampling_module(target: str) -> tvm.IRModule:
     """The Relax functions `sample` and `apply_penalties` (module docstring) over float32 logits
-    of any shape [rows, vocab], for `target` (a target string), with their kernels
+    of any shape [rows, vocab], and `feed_tokens(tokens [rows] i32, ids [rows] i32)` (writes ids
+    in place and returns them), for `target` (a target string), with their kernels
     (tir_kernels.sampling). Functions of their own rather than fused into the logits' producers:
     every function that makes logits (decode_step, batch_decode, batch_prefill, ...) keeps its
     signature, the logits stay on the device for the rows the host samples (grammar masks,
@@ -198,6 +199,12 @@ def sampling_module(target: str) -> tvm.IRModule:
         kernel = bb.add_func(apply_penalties(config).with_attr("tirx.is_scheduled", True), "tvmattn_apply_penalties")
         bb.emit_func_output(bb.emit(relax.call_tir_inplace(kernel, [logits, ids, amounts], [0],
                                                            relax.TensorType((rows, vocab), "float32"))))
+    tokens = relax.Var("tokens", relax.TensorType((rows,), "int32"))
+    ids = relax.Var("ids", relax.TensorType((rows,), "int32"))
+    with bb.function(FEED_FUNCTION, [tokens, ids]):
+        kernel = bb.add_func(feed_tokens(config).with_attr("tirx.is_scheduled", True), "tvmattn_feed_tokens")
+        bb.emit_func_output(bb.emit(relax.call_tir_inplace(kernel, [tokens, ids], [1],
+                                                           relax.TensorType((rows,), "int32"))))
     return bb.finalize()
 
 

@@ -73,6 +73,10 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
                          help="who picks the tokens: the library's sampling kernels (device: only token ids come "
                               "back; grammar and logprobs rows still go to the host), the host (logits rows copied "
                               "back), or auto: device where the library has the kernels. Same tokens either way")
+    command.add_argument("--lookahead", choices=tuple(LOOKAHEAD_MODES), default="auto",
+                         help="launch each steady decode step before reading the previous step's tokens, fed its "
+                              "sampled ids on the device (on: needs device sampling; auto: on where the device runs "
+                              "asynchronously, off on the CPU). Same tokens either way")
 
 
 def add_commands(commands) -> dict:
@@ -98,6 +102,10 @@ def add_commands(commands) -> dict:
     chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     chat.add_argument("--system", default=None, help="a system message opening the conversation")
     return {"serve": serve_command, "chat": chat_command}
+
+
+# --lookahead -> Engine(lookahead=)
+LOOKAHEAD_MODES = {"auto": None, "on": True, "off": False}
 
 
 def _fail(message: str) -> int:
@@ -129,7 +137,8 @@ def build_engine(args, max_queue: int = 256):
         raise BuildError(f"--max-num-seqs {args.max_num_seqs} exceeds the library's max batch size "
                          f"{runner.max_batch_size} (compile it with a larger --max-batch-size)")
     engine = Engine(runner, max_batched_tokens=args.max_batched_tokens, max_running=args.max_num_seqs,
-                    max_queue=max_queue, prefix_cache=args.prefix_cache, sampling=args.sampling)
+                    max_queue=max_queue, prefix_cache=args.prefix_cache, sampling=args.sampling,
+                    lookahead=LOOKAHEAD_MODES[args.lookahead])
     return engine, name
 
 

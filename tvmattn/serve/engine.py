@@ -16,6 +16,18 @@ library), and a step whose decode tokens hold a tree verifies them all in one `b
 where they do not pay, from the session's measured step costs). The tokens are those of plain
 greedy decoding.
 
+Lookahead (on an accelerator, sampling on the device): in steady decoding the host does not
+wait for a step's tokens before launching the next. A plain decode step whose requests all
+sample on the device (no grammar, logprobs, penalties, kept logits or speculation) is left in
+flight; the next `step()` launches the following decode step with the first one's `sample`
+output as its input ids (`ModelRunner.decode_fed`, never read by the host), and only then reads
+and emits the first step's tokens while the GPU runs the second. A request that the read token
+ends (a stop token or string, its length) has one token too many in its cache sequence: it is
+popped before the sequence is recorded in the prefix cache, and the second step's row for it is
+dropped. The tokens are the same as without lookahead (the same draws in the same order);
+anything else (a new request, a cancellation, a request near max_tokens, pages running short)
+lets the step in flight finish first and the scheduler run as usual.
+
 Memory: a new request forks its cache sequence from the longest cached prefix (`prefix.py`) and
 prefills the rest. Before a step, the pages it needs are counted; when they run short, the
 prefix cache's least-recently-used leaves are evicted, then prompt chunks wait, then the newest
@@ -44,6 +56,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..device_sampling import PendingChoices, served_on_device
 from ..sampling import Sampler, SamplingOptions, TokenLogprob
 from ..session import GenerateError
 from ..speculative import (DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, BackOff, DraftOption, DraftTree, PromptLookup,
@@ -184,6 +197,9 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = [] if options.logprobs else None
         self.kept: list[np.ndarray] | None = [] if keep_logits else None  # the rows its tokens were chosen from
         self.finished = False
+        # tokens its cache sequence holds after self.tokens that the host has not read yet: a
+        # lookahead step appended the sampled token of the step still in flight (0 or 1)
+        self.unseen = 0
 
     @property
     def output(self) -> list[int]:
@@ -193,6 +209,15 @@ class Request:
     def pending(self) -> int:
         """Tokens not yet in the cache (>= 1 for a running request: at least the last chosen)."""
         return len(self.tokens) - self.cached
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A plain decode step on the device whose token choices the host has not read (lookahead):
+    its requests in row order and the sampling kernels' pending choices."""
+
+    requests: list[Request]
+    pending: PendingChoices
 
 
 @dataclasses.dataclass
@@ -216,12 +241,15 @@ class Engine:
     beyond which submit refuses (429); prefix_cache: "radix" or "off"; speculative: the options
     of requests that ask for speculation (default: prompt lookup); draft_model: the drafting
     library of mode "draft-model"; sampling: one of SAMPLING_MODES (the mode in use is
-    `self.sampling`, "device" or "host")."""
+    `self.sampling`, "device" or "host"); lookahead: launch each steady decode step before
+    reading the previous one's tokens (module docstring; None: where the device runs
+    asynchronously, sampling is on the device and the library exports `feed_tokens`; True
+    needs the latter two)."""
 
     def __init__(self, runner: ModelRunner, *, max_batched_tokens: int | None = None,
                  max_running: int | None = None, max_queue: int = 256, prefix_cache: str = "radix",
                  speculative: SpeculativeOptions | None = None, draft_model: DraftModel | None = None,
-                 sampling: str = "auto"):
+                 sampling: str = "auto", lookahead: bool | None = None):
         if prefix_cache not in PREFIX_CACHE_MODES:
             raise ValueError(f"prefix_cache must be one of {PREFIX_CACHE_MODES}, got {prefix_cache!r}")
         if sampling not in SAMPLING_MODES:
@@ -244,6 +272,16 @@ class Engine:
             raise ValueError(f"sampling='device': {runner.session.lib_path} has no sampling kernels that flag "
                              f"non-finite logits (compiled before them); recompile it, or sample on the host")
         self.sampling = "device" if self._sampler is not None else "host"
+        if lookahead not in (None, True, False):
+            raise ValueError(f"lookahead must be True, False or None (automatic), got {lookahead!r}")
+        feeds = self._sampler is not None and runner.session.feeds_tokens
+        if lookahead and not feeds:
+            raise ValueError(f"lookahead needs a library that exports feed_tokens: {runner.session.lib_path} was "
+                             f"compiled before it; recompile" if self._sampler is not None else
+                             "lookahead needs sampling on the device (this engine samples on the host)")
+        # on the CPU a step's kernels run before its call returns: nothing to overlap
+        self.lookahead = feeds and not runner.session.on_cpu if lookahead is None else lookahead
+        self._ahead: _Launched | None = None  # the step in flight (lookahead)
         self.runner = runner
         self.page_size = runner.page_size
         self.max_batched_tokens = max_batched_tokens
@@ -289,6 +327,9 @@ class Engine:
         # token choices made by the library's sampling kernels, and by the host (every choice in
         # host mode; in device mode the fallback rows: grammar, logprobs, kept logits, verify)
         self.sampled_on_device = self.sampled_on_host = 0
+        # decode steps launched before the previous step's tokens were read, and the tokens they
+        # appended past a request's end (popped from its sequence, their choices dropped)
+        self.lookahead_steps = self.lookahead_dropped = 0
         # steps that held prompt chunks, and steps of decode tokens alone: how many, their seconds
         self.prefill_steps = self.decode_steps = 0
         self.prefill_s = self.decode_s = 0.0
@@ -356,7 +397,7 @@ class Engine:
             while True:
                 with self._lock:
                     while not self._stop and not self._incoming and not self._cancels \
-                            and not self.running and not self.waiting:
+                            and not self.running and not self.waiting and self._ahead is None:
                         self._wake.wait()
                     if self._stop:
                         return
@@ -418,6 +459,12 @@ class Engine:
         loop is not started). False when there was nothing to do."""
         with self._step_lock:
             self._take_incoming()
+            if self._ahead is not None:
+                start = time.perf_counter()
+                self._advance()
+                self.decode_s += time.perf_counter() - start
+                self._update_snapshot()
+                return True
             if not self.running and not self.waiting:
                 self._update_snapshot()
                 return False
@@ -758,6 +805,12 @@ class Engine:
         plan = self._sampler.prepare(samplers, masks, host, self.runner.vocab_size)
         logits = self.runner.mixed([c.request.seq_id for c in step], [c.tokens for c in step], on_host=False)
         pending = self._sampler.launch(plan, logits)
+        requests = [c.request for c in step]
+        if plain and self.lookahead and pending.tokens is not None and all(map(self._looks_ahead, requests)):
+            for r in requests:
+                r.cached += 1
+            self._ahead = _Launched(requests, pending)  # read by the next step(), after it launches its own
+            return
         result = pending.wait()
         if plain:
             self.runner.session.step_costs.observe_plain(len(step), time.perf_counter() - start)
@@ -777,6 +830,48 @@ class Engine:
                     self._emit(r, token, record, result.host_rows.get(i))
             if i < n_decode:
                 self._after_decode(r, None)
+
+    # ------------------------------------------------------------------ lookahead
+    def _looks_ahead(self, r: Request) -> bool:
+        """Whether the request's next decode step may be launched before its current token is
+        read: sampled by the kernels alone (no grammar, logprobs, penalties, kept logits), not
+        speculative."""
+        return (not r.finished and not r.speculative and r.grammar is None and r.logprobs is None
+                and r.kept is None and not r.options.penalized and served_on_device(r.options, None))
+
+    def _advance(self) -> None:
+        """Launch the decode step after the one in flight, fed its sampled ids, where nothing
+        else waits to be scheduled; then read and emit the in-flight step's tokens."""
+        launched, self._ahead = self._ahead, None
+        rows = launched.requests
+        if (not self.waiting and rows == self.running and all(map(self._looks_ahead, rows))
+                and all(len(r.output) + 1 < r.options.max_tokens for r in rows)
+                and self._ensure_pages(sum(self._need(r, 1) for r in rows))):
+            plan = self._sampler.prepare([r.sampler for r in rows], vocab=self.runner.vocab_size)
+            logits = self.runner.decode_fed([r.seq_id for r in rows], launched.pending.tokens)
+            self._ahead = _Launched(rows, self._sampler.launch(plan, logits))
+            for r in rows:
+                r.unseen = 1
+            self.steps += 1
+            self.decode_steps += 1
+            self.lookahead_steps += 1
+        self._complete(launched)
+
+    def _complete(self, launched: _Launched) -> None:
+        """Emit the tokens of a decode step left in flight (requests finished meanwhile, by a
+        cancellation, get none)."""
+        result = launched.pending.wait()
+        for i, r in enumerate(launched.requests):
+            if result.non_finite[i] and not r.finished:
+                self._not_finite(r, "decode")
+        for i, r in enumerate(launched.requests):
+            if r.finished:
+                continue
+            token, record = result.choices[i]
+            self.sampled_on_device += 1
+            if self._emit(r, token, record, None) and r.unseen:
+                r.cached += r.unseen  # the lookahead step appended the token just emitted
+                r.unseen = 0
 
     def _check_finite(self, r: Request, rows: np.ndarray, kind: str) -> None:
         """GenerateError naming the request and its step (its tokens so far) when a row of
@@ -888,7 +983,15 @@ class Engine:
         """Release the request's sequence (its pages stay with the prefix cache as far as it
         records them) and send the last event."""
         if r.seq_id is not None:
-            if self.prefix is not None and reason != "cancelled":
+            shareable = True
+            if r.unseen:  # a lookahead step appended a token past the request's end
+                self.lookahead_dropped += r.unseen
+                try:
+                    self.runner.popn(r.seq_id, r.unseen)
+                except ValueError:  # the cache refuses (sliding window): the sequence is not r.tokens' prefix
+                    shareable = False
+                r.unseen = 0
+            if self.prefix is not None and reason != "cancelled" and shareable:
                 self.prefix.insert(r.tokens[:r.cached], r.seq_id)
             self.runner.remove(r.seq_id)
             r.seq_id = None

@@ -62,6 +62,10 @@ class EngineMetrics:
                                   "grammar, logprobs and speculative verification rows)", registry=r)
         self.sampling_device = Gauge("tvmattn_sampling_device",
                                      "1 when the engine samples with the library's kernels, 0 on the host", registry=r)
+        self.lookahead_steps = Gauge("tvmattn_lookahead_steps",
+                                     "Decode steps launched before the previous step's tokens were read", registry=r)
+        self.lookahead_dropped = Gauge("tvmattn_lookahead_dropped_tokens",
+                                       "Tokens lookahead steps computed past a request's end (dropped)", registry=r)
         self._samples: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._seen_generated = 0
@@ -93,6 +97,8 @@ class EngineMetrics:
         self.sampled_device.set(e.sampled_on_device)
         self.sampled_host.set(e.sampled_on_host)
         self.sampling_device.set(1 if e.sampling == "device" else 0)
+        self.lookahead_steps.set(e.lookahead_steps)
+        self.lookahead_dropped.set(e.lookahead_dropped)
         with self._lock:
             generated, prompt = e.generated_tokens, e.prompt_tokens
             self.generated.inc(generated - self._seen_generated)

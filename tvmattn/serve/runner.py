@@ -137,6 +137,11 @@ class ModelRunner:
     def fork(self, parent: int, child: int, position: int) -> None:
         self.session.fork_sequence(parent, child, position)
 
+    def popn(self, seq_id: int, n: int) -> None:
+        """Drop the sequence's last n tokens (ValueError where the cache refuses: a sliding
+        window that released the pages they would expose)."""
+        self.session.popn(seq_id, n)
+
     def available_pages(self) -> int:
         return self.session.available_pages()
 
@@ -146,6 +151,11 @@ class ModelRunner:
         f32 of each chunk's last token; on_host False: left on the device (a tensor whose rows,
         flattened over its leading axes, are those rows; no copy), for the device sampler."""
         return self.session.mixed(seq_ids, chunks, on_host)
+
+    def decode_fed(self, seq_ids: list[int], tokens):
+        """A decode step of one token per sequence whose ids are a device tensor (the previous
+        step's `sample` output, not read by the host) -> its logits, left on the device."""
+        return self.session.decode_step(seq_ids, tokens, on_host=False)
 
     def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]], on_host: bool = True):
         """Token trees (tokens[i] with parents[i], node 0 the root) -> per sequence the logits
