@@ -107,6 +107,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, default=0, metavar="BATCH",
                    help="also print the top GPU kernels of a decode step at this batch size, per cache")
+    p.add_argument("--profile-host", type=int, default=0, metavar="BATCH",
+                   help="also print where the host spends 20 decode steps at this batch size (cProfile), per cache")
     p.add_argument("--target", default="cuda", choices=["cuda", "llvm"], help="llvm: a CPU smoke run of this script")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON rows (docs/bench-format.md)")
     p.add_argument("--flashinfer", action="store_true",
@@ -421,6 +423,16 @@ def profile_decode(runner: Runner, prompts, steps: int = 5, top: int = 15) -> No
     print(prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=60))
 
 
+def profile_host(runner: Runner, prompts, steps: int = 20, top: int = 18) -> None:
+    """Print the host functions of `steps` decode steps by their own time (cProfile)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    bench_decode(runner, prompts, steps, around_steps=profiler)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -543,6 +555,11 @@ def main(argv=None) -> int:
         for kv, runner in runners.items():
             print(f"--- {LABELS[kv]}: GPU kernels of 5 decode steps at batch {args.profile}")
             profile_decode(runner, prompts)
+    if args.profile_host:
+        prompts = [tvm.runtime.tensor(np.roll(prompt, 7 * i), device=device) for i in range(args.profile_host)]
+        for kv, runner in runners.items():
+            print(f"--- {LABELS[kv]}: host time of 20 decode steps at batch {args.profile_host}")
+            profile_host(runner, prompts)
 
     print()
     short = {"tvmattn": "tvmattn", "graph": "graph", "tvm": "stock", "flashinfer": "flashinfer", "keep": "keep"}

@@ -796,3 +796,9 @@ def test_lookahead_needs_device_sampling_and_the_feed_function(library, monkeypa
     assert Engine(runner).lookahead is False
     with pytest.raises(ValueError, match="exports feed_tokens: .* compiled before it; recompile"):
         Engine(runner, sampling="device", lookahead=True)
+    runner = ModelRunner(library)
+    monkeypatch.setitem(runner.session.metadata, "kv_cache", {**runner.session.metadata["kv_cache"], "kind": "tvm"})
+    monkeypatch.setattr(runner.session, "on_cpu", False)
+    assert Engine(runner).lookahead is False  # TVM's stock cache: its plan uploads must not run ahead
+    with pytest.raises(ValueError, match="lookahead needs tvmattn's KV cache"):
+        Engine(runner, sampling="device", lookahead=True)

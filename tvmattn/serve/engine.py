@@ -274,13 +274,19 @@ class Engine:
         self.sampling = "device" if self._sampler is not None else "host"
         if lookahead not in (None, True, False):
             raise ValueError(f"lookahead must be True, False or None (automatic), got {lookahead!r}")
-        feeds = self._sampler is not None and runner.session.feeds_tokens
-        if lookahead and not feeds:
-            raise ValueError(f"lookahead needs a library that exports feed_tokens: {runner.session.lib_path} was "
-                             f"compiled before it; recompile" if self._sampler is not None else
-                             "lookahead needs sampling on the device (this engine samples on the host)")
+        problem = None
+        if self._sampler is None:
+            problem = "sampling on the device (this engine samples on the host)"
+        elif not runner.session.feeds_tokens:
+            problem = f"a library that exports feed_tokens: {runner.session.lib_path} was compiled before it; recompile"
+        elif runner.session.metadata["kv_cache"]["kind"] != "tvmattn":
+            # TVM's C++ cache uploads a step's plan on a copy stream of its own, into the buffer the
+            # step before may still read: its steps must not run ahead of the GPU
+            problem = "tvmattn's KV cache (this library runs TVM's stock cache, whose plan uploads race ahead)"
+        if lookahead and problem:
+            raise ValueError(f"lookahead needs {problem}")
         # on the CPU a step's kernels run before its call returns: nothing to overlap
-        self.lookahead = feeds and not runner.session.on_cpu if lookahead is None else lookahead
+        self.lookahead = not problem and not runner.session.on_cpu if lookahead is None else lookahead
         self._ahead: _Launched | None = None  # the step in flight (lookahead)
         self.runner = runner
         self.page_size = runner.page_size
