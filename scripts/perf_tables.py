@@ -59,8 +59,13 @@ class Rows:
             return None
         entry = max(found, key=lambda e: e[:3])
         if used is not None:
-            used.add((entry[3], entry[4].get("commit", "?"), str(entry[4].get("date", ""))[:10]))
+            used.add(run_of(entry))
         return entry[4]
+
+
+def run_of(entry: tuple) -> tuple:
+    """(file, commit, day) of a row entry: what `sources` names."""
+    return entry[3], entry[4].get("commit", "?"), str(entry[4].get("date", ""))[:10]
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -288,28 +293,53 @@ E2E_IMPLS = (("tvmattn", "tvmattn, eager"), ("tvmattn-cuda-graph", "tvmattn, CUD
 
 
 SMOLLM2_SHAPE = {"num_layers": 30, "num_qo_heads": 9}  # the e2e table's model (other shapes have rows too)
+H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"  # the e2e tables' devices (rows' `device`)
 # rows of CUDA libraries with the fused decode ops in every decode function, which builds no longer
 # make (models/export.py): docs/performance.md quotes them beside the unfused run
 E2E_UNLESS = {"fused_layers": "all"}
 
 
-def e2e_points(rows: Rows) -> list[tuple]:
-    points = {(e[4]["kernel"], e[4]["batch"]) for e in rows.find(bench="e2e", **SMOLLM2_SHAPE)
+def e2e_points(rows: Rows, device: str) -> list[tuple]:
+    points = {(e[4]["kernel"], e[4]["batch"]) for e in rows.find(bench="e2e", device=device, **SMOLLM2_SHAPE)
               if e[4]["impl"] == "tvmattn-cuda-graph"}
     return sorted(points, key=lambda p: (p[0] != "prefill", p[1]))
 
 
-def e2e_table(rows: Rows) -> str:
+def e2e_table(rows: Rows, device: str = H200) -> str:
+    """bench_e2e.py's SmolLM2 rows on one GPU (`device`, the rows' field), without the
+    dependent-launch runs (a configuration of their own)."""
     used: set = set()
     header = ["step", *(name for _, name in E2E_IMPLS), "stock / graphs"]
     lines = []
-    for kernel, batch in e2e_points(rows):
-        found = [rows.get(used, E2E_UNLESS, bench="e2e", kernel=kernel, impl=i, batch=batch, **SMOLLM2_SHAPE)
-                 for i, _ in E2E_IMPLS]
+    unless = {**E2E_UNLESS, "dependent_launch": True}
+    for kernel, batch in e2e_points(rows, device):
+        found = [rows.get(used, unless, bench="e2e", kernel=kernel, impl=i, batch=batch, device=device,
+                          **SMOLLM2_SHAPE) for i, _ in E2E_IMPLS]
         graphs, stock = found[1], found[2]
         label = f"prefill {found[1]['qo_len']} tokens" if kernel == "prefill" else f"decode, batch {batch}"
         lines.append([label] + [fmt(r and r["ms"]) for r in found]
                      + [f"{stock['ms'] / graphs['ms']:.2f}x" if graphs and stock else "-"])
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def e2e_pdl_table(rows: Rows, device: str) -> str:
+    """bench_e2e.py's SmolLM2 runs on one GPU with and without --dependent-launch: ms per step of
+    our library, eager and replayed, each run beside its own stock-cache rows."""
+    used: set = set()
+    header = ["step", "eager", "eager, PDL", "CUDA graphs", "CUDA graphs, PDL"]
+    lines = []
+    for kernel, batch in e2e_points(rows, device):
+        found = []
+        for impl in ("tvmattn", "tvmattn-cuda-graph"):
+            for pdl in (False, True):
+                latest = sorted((e for e in rows.find(bench="e2e", kernel=kernel, impl=impl, batch=batch, device=device,
+                                                      **SMOLLM2_SHAPE)
+                                 if bool(e[4].get("dependent_launch")) == pdl), key=lambda e: e[:3])
+                if latest:
+                    used.add(run_of(latest[-1]))
+                found.append(latest[-1][4] if latest else None)
+        label = f"prefill {found[2]['qo_len']} tokens" if kernel == "prefill" and found[2] else f"decode, batch {batch}"
+        lines.append([label] + [fmt(r and r["ms"]) for r in found])
     return table(header, lines) + "\n\n" + sources(used)
 
 
@@ -463,7 +493,7 @@ def summary_table(rows: Rows) -> str:
     add("MLA absorbed prefill, fp16, 128 heads, 1x512@4096 (TFLOP/s)", rate(ours, "tflops"),
         [sdpa and f"torch SDPA {fmt(sdpa['tflops'])}", tvm and f"TVM {fmt(tvm['tflops'])}"])
     for batch in (1, 16):
-        e2e = dict(bench="e2e", kernel="decode", batch=batch, **SMOLLM2_SHAPE)
+        e2e = dict(bench="e2e", kernel="decode", batch=batch, device=H200, **SMOLLM2_SHAPE)
         graphs = rows.get(used, E2E_UNLESS, impl="tvmattn-cuda-graph", **e2e)
         stock = rows.get(used, E2E_UNLESS, impl="tvm-stock-cache", **e2e)
         add(f"SmolLM2-135M decode step on the H200, batch {batch} (ms)",
@@ -495,6 +525,7 @@ def summary_table(rows: Rows) -> str:
 TABLES = {
     "decode": decode_table, "prefill": prefill_table, "tree": tree_table, "mla-decode": mla_decode_table,
     "mla-prefill": mla_prefill_table, "cache": cache_table, "cache-host": cache_host_table, "e2e": e2e_table,
+    "e2e-h100": lambda rows: e2e_table(rows, H100), "e2e-pdl-h100": lambda rows: e2e_pdl_table(rows, H100),
     "serve-cpu": serve_cpu_table, "cpu": cpu_table, "cpu-gemma3": lambda rows: cpu_table(rows, GEMMA3_GGUF), "speculative": speculative_table, "speculative-keep": speculative_keep_table,
     "summary": summary_table,
 }
