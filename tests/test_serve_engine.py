@@ -802,3 +802,9 @@ def test_lookahead_needs_device_sampling_and_the_feed_function(library, monkeypa
     assert Engine(runner).lookahead is False  # TVM's stock cache: its plan uploads must not run ahead
     with pytest.raises(ValueError, match="lookahead needs tvmattn's KV cache"):
         Engine(runner, sampling="device", lookahead=True)
+    runner = ModelRunner(library)
+    monkeypatch.setattr(runner.session, "on_cpu", False)
+    monkeypatch.setattr(runner.cache, "backend", "flashinfer")
+    assert Engine(runner).lookahead is False
+    with pytest.raises(ValueError, match="lookahead needs tvmattn's TIR kernels \\(this cache runs the flashinfer"):
+        Engine(runner, sampling="device", lookahead=True)

@@ -283,6 +283,9 @@ class Engine:
             # TVM's C++ cache uploads a step's plan on a copy stream of its own, into the buffer the
             # step before may still read: its steps must not run ahead of the GPU
             problem = "tvmattn's KV cache (this library runs TVM's stock cache, whose plan uploads race ahead)"
+        elif getattr(runner.cache, "backend", "tir") != "tir":
+            # FlashInfer's plan step writes its own workspace, not ordered behind the running step
+            problem = f"tvmattn's TIR kernels (this cache runs the {runner.cache.backend} backend)"
         if lookahead and problem:
             raise ValueError(f"lookahead needs {problem}")
         # on the CPU a step's kernels run before its call returns: nothing to overlap
