@@ -4,25 +4,17 @@ both (the script checks them), and lookahead steps counted only where they ran."
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from harness import load_script
 from serve_support import tiny_library
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("bench_engine", ROOT / "scripts" / "bench_engine.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_engine")
 
 
 def test_rows_compare_lookahead_with_waiting_steps(bench, tmp_path, capsys):
