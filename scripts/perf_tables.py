@@ -59,13 +59,8 @@ class Rows:
             return None
         entry = max(found, key=lambda e: e[:3])
         if used is not None:
-            used.add(run_of(entry))
+            used.add((entry[3], entry[4].get("commit", "?"), str(entry[4].get("date", ""))[:10]))
         return entry[4]
-
-
-def run_of(entry: tuple) -> tuple:
-    """(file, commit, day) of a row entry: what `sources` names."""
-    return entry[3], entry[4].get("commit", "?"), str(entry[4].get("date", ""))[:10]
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -329,15 +324,10 @@ def e2e_pdl_table(rows: Rows, device: str) -> str:
     header = ["step", "eager", "eager, PDL", "CUDA graphs", "CUDA graphs, PDL"]
     lines = []
     for kernel, batch in e2e_points(rows, device):
-        found = []
-        for impl in ("tvmattn", "tvmattn-cuda-graph"):
-            for pdl in (False, True):
-                latest = sorted((e for e in rows.find(bench="e2e", kernel=kernel, impl=impl, batch=batch, device=device,
-                                                      **SMOLLM2_SHAPE)
-                                 if bool(e[4].get("dependent_launch")) == pdl), key=lambda e: e[:3])
-                if latest:
-                    used.add(run_of(latest[-1]))
-                found.append(latest[-1][4] if latest else None)
+        step = dict(bench="e2e", kernel=kernel, batch=batch, device=device, **SMOLLM2_SHAPE)
+        found = [rows.get(used, {"dependent_launch": True}, impl=impl, **step) if not pdl else
+                 rows.get(used, impl=impl, dependent_launch=True, **step)
+                 for impl in ("tvmattn", "tvmattn-cuda-graph") for pdl in (False, True)]
         label = f"prefill {found[2]['qo_len']} tokens" if kernel == "prefill" and found[2] else f"decode, batch {batch}"
         lines.append([label] + [fmt(r and r["ms"]) for r in found])
     return table(header, lines) + "\n\n" + sources(used)

@@ -45,10 +45,10 @@ from tir_kernels.sampling import SamplingConfig, apply_penalties, feed_tokens, s
 from tir_kernels.support import FP8_KV_DTYPES, TargetName, dtype_problem, is_fp8, numpy_dtype, page_size_problem
 
 from ..compiler.dependent_launch import dependent_launch_problem
-# exported by every library beside its architecture's functions (model-independent)
-from ..device_sampling import FEED_FUNCTION, SAMPLING_FUNCTIONS
 from ..compiler.fused_decode import fused_decode
 from ..compiler.pipeline import relax_pipeline
+# exported by every library beside its architecture's functions (model-independent)
+from ..device_sampling import FEED_FUNCTION, SAMPLING_FUNCTIONS
 from ..quant.linear import dequantized, packed_part, split_part_name
 from .architectures import architecture
 from .architectures import cache_spec as architecture_cache_spec
