@@ -13,6 +13,9 @@ every vector width a host may have. Each kernel is built once per module.
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -389,6 +392,44 @@ def test_bf16_products_are_chosen_with_avx512_bf16_and_use_vdpbf16ps():
             kernel(config, CPUSchedule(lanes=16, unpack=True, bf16=True))
     with pytest.raises(ValueError, match="bf16=True: expected a bool, True only with unpack=True"):
         CPUSchedule(lanes=16, bf16=True)
+
+
+@needs_bf16
+def test_verify_multiplies_in_float32_inside_a_bfloat16_library():
+    """A tiny Llama exported for the CPU with kept blocks and bfloat16 prompt products: its
+    prompt functions call the bfloat16 GEMM, batch_verify the float32 one (`_f32x`), so a verify
+    step's logits round as a decode step's and verified drafts give plain greedy tokens."""
+    from tvmattn.models import BuildOptions, ModelConfig, export_module
+
+    hf = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-5,
+          "rope_theta": 100000.0, "tie_word_embeddings": True, "attention_bias": False}
+    formats = {"model.embed_tokens": "Q8_0", "model.layers.0.self_attn.qkv_proj": "Q5_0",
+               "model.layers.0.self_attn.o_proj": "Q4_K", "model.layers.0.mlp.gate_up_proj": "Q6_K",
+               "model.layers.0.mlp.down_proj": "Q4_1"}
+    options = BuildOptions(target="llvm", dtype="float32", page_size=16, host_avx512=True,
+                           weight_formats=tuple(sorted(formats.items())))
+    mod, _ = export_module(ModelConfig.from_hf(hf), options)
+
+    def gemms(function: str) -> set[str]:
+        return set(re.findall(r"quant_matmul_\w+_n(?:_f32x)?\b", mod[function].script()))
+
+    exact = {"quant_matmul_q5_0_512x256_n_f32x", "quant_matmul_q4_k_256x256_n_f32x",
+             "quant_matmul_q6_k_1024x256_n_f32x", "quant_matmul_q4_1_256x512_n_f32x",
+             "quant_matmul_q8_0_128x256_n_f32x"}
+    assert gemms("batch_verify") == exact
+    prompt = {name.removesuffix("_f32x") for name in exact}
+    for function in ("batch_prefill", "batch_decode"):
+        assert gemms(function) == prompt, function
+    assert gemms("prefill") == prompt - {"quant_matmul_q8_0_128x256_n"}  # (the last token's logits: a GEMV)
+    with host_target(avx512=True):
+        for name in exact:
+            fmt, rows, cols = re.match(r"quant_matmul_(\w+?)_(\d+)x(\d+)_n", name).groups()
+            config = QuantMatmulConfig(fmt.upper(), int(rows), int(cols), tokens=None)
+            assert choose_schedule(config).bf16 == (config.fmt in GEMM_UNPACK_FORMATS)
+            assert not choose_schedule(dataclasses.replace(config, bf16_products=False)).bf16
+    with pytest.raises(ValueError, match="bf16_products=1: expected a bool"):
+        QuantMatmulConfig("Q4_0", 8, 64, bf16_products=1)
 
 
 def test_dot_gemv_validation():

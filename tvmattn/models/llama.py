@@ -33,7 +33,7 @@ from tvm.relax.frontend.nn import op
 from typing import Mapping
 
 from ..compiler.fused_decode import fused_decode_enabled, rms_norm_matmul, rms_norm_matmul_swiglu
-from ..quant.linear import PART_PREFIX, QuantEmbedding, QuantLinear
+from ..quant.linear import PART_PREFIX, QuantEmbedding, QuantLinear, float32_products
 from ..weights.quant import PACKED
 from .config import ModelConfig
 from .kv_cache import KVCacheSpec, TvmattnKVCache, kv_cache_object_type, tvm_stock_kv_cache
@@ -217,8 +217,10 @@ class LlamaForCausalLM(nn.Module):
         """input_embeds [1, n, hidden]: every node of the step's token trees (the sequences
         packed in begin_forward order, each tree's nodes parent before child, with the tree
         given to begin_forward as token_tree_parent_ptr) -> (logits [1, n, vocab] of every
-        node, cache). Speculative decoding verifies a draft with it."""
-        return self.logits(self.model(input_embeds, paged_kv_cache)), paged_kv_cache
+        node, cache). Speculative decoding verifies a draft with it; kept-quantized layers
+        multiply in float32 here (quant.linear.float32_products)."""
+        with float32_products():
+            return self.logits(self.model(input_embeds, paged_kv_cache)), paged_kv_cache
 
     def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                               prefill_chunk_size: tirx.Var, page_size: tirx.Var, support_sliding_window: tirx.Var):

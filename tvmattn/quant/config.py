@@ -38,7 +38,10 @@ class QuantMatmulConfig:
     and returns R + X W^T (only where `uses_cuda_gemv`: the model adds it separately elsewhere);
     prologue: what the CUDA GEMV applies to X first (only where `uses_cuda_gemv`, as residual):
     "rms_norm" (X -> X * rsqrt(mean(X^2) + eps) * G, taking G [K] after the parts; the layer's
-    RMSNorm), "swiglu" (X [T, 2K] -> silu(X[:, :K]) * X[:, K:]; the MLP's gate), or "none".
+    RMSNorm), "swiglu" (X [T, 2K] -> silu(X[:, :K]) * X[:, K:]; the MLP's gate), or "none";
+    bf16_products: an llvm GEMM may multiply in bfloat16 where the target has AVX512-BF16
+    (quant.cpu.choose_schedule); False keeps float32 products (a verify step's rows, whose logits
+    must round as a decode step's: quant.linear.float32_products).
     """
 
     fmt: str
@@ -52,6 +55,7 @@ class QuantMatmulConfig:
     residual: bool = False
     prologue: str = "none"
     eps: float = 1e-5
+    bf16_products: bool = True
 
     def __post_init__(self):
         if self.fmt not in QUANT_TYPES:
@@ -79,16 +83,20 @@ class QuantMatmulConfig:
             raise ValueError(f"prologue={self.prologue!r}: expected one of {PROLOGUES} ('none' for a take)")
         if not isinstance(self.eps, float) or not self.eps > 0:
             raise ValueError(f"eps={self.eps!r}: expected a positive float")
+        if not isinstance(self.bf16_products, bool):
+            raise ValueError(f"bf16_products={self.bf16_products!r}: expected a bool")
 
     @property
     def name(self) -> str:
         """A symbol naming the kernel, e.g. quant_matmul_q4_1_3072x576_n (n: symbolic tokens, b:
-        a symbolic decode batch; float16 activations add _f16)."""
+        a symbolic decode batch; float16 activations add _f16; float32 products where bfloat16
+        ones are allowed otherwise add _f32x)."""
         tokens = "" if self.op == "take" else f"_{self.tokens or ('b' if self.few_tokens else 'n')}"
         dtype = "" if self.dtype == "float32" else "_f16"
         residual = "_res" if self.residual else ""
         prologue = {"none": "", "rms_norm": "_norm", "swiglu": "_swiglu"}[self.prologue]
-        return f"quant_{self.op}_{self.fmt.lower()}_{self.n}x{self.k}{tokens}{dtype}{prologue}{residual}"
+        products = "" if self.bf16_products else "_f32x"
+        return f"quant_{self.op}_{self.fmt.lower()}_{self.n}x{self.k}{tokens}{dtype}{prologue}{residual}{products}"
 
     def part_shapes(self) -> list[tuple[str, str, tuple[int, int]]]:
         """(name, dtype, shape) of each weight array, in argument order."""

@@ -105,10 +105,11 @@ def choose_schedule(config: QuantMatmulConfig) -> CPUSchedule:
     are `unpack_gemv` and `unpack_gemm` (unpack=True; `dot_gemv`, not exact, only on request);
     where the target also has AVX512-BF16, `unpack_gemm` multiplies in bfloat16 (bf16=True: twice
     the float32 rate, within its stated bound; a target without the feature, as
-    `host_target(bf16=False)`, keeps float32 products)."""
+    `host_target(bf16=False)`, or config.bf16_products=False keeps float32 products)."""
     lanes = host_cpu()[1]
     if config.op == "matmul" and config.tokens != 1:
-        if config.fmt in GEMM_UNPACK_FORMATS and target_has_avx512(None) and target_has_bf16(None):
+        if (config.bf16_products and config.fmt in GEMM_UNPACK_FORMATS and target_has_avx512(None)
+                and target_has_bf16(None)):
             # products in bfloat16: 3 x 4 tiles at every K (4 x 4 spill)
             return CPUSchedule(lanes=16, rows=3, token_tile=4, chunk=48, unpack=True, bf16=True)
         if config.fmt in UNPACK_FORMATS and target_has_avx512(None):

@@ -21,6 +21,8 @@ block type. `packed_part` makes a layer's parameter arrays from the HF tensors i
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Mapping
@@ -36,6 +38,20 @@ from .matmul import kernel, uses_cuda_gemv
 
 PART_PREFIX = "weight_"
 PROLOGUE_MAX_TOKENS = 4  # a GEMV takes the norm / gate in its kernel for static token counts up to this
+_FLOAT32_PRODUCTS = contextvars.ContextVar("tvmattn_float32_products", default=False)
+
+
+@contextlib.contextmanager
+def float32_products():
+    """Layers exported inside this context multiply in float32 on the CPU even where the target
+    has AVX512-BF16 (QuantMatmulConfig.bf16_products=False). A verify step's rows run the GEMM,
+    a decode step's the GEMV (float32 products): in float32 both round alike, so verified drafts
+    give plain greedy decoding's tokens; with bfloat16 products a near tie could flip."""
+    token = _FLOAT32_PRODUCTS.set(True)
+    try:
+        yield
+    finally:
+        _FLOAT32_PRODUCTS.reset(token)
 
 
 def _kernel(config: QuantMatmulConfig):
@@ -77,8 +93,10 @@ def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor,
     static = tokens if isinstance(tokens, int) else None
     # [batch, 1, cols] with a symbolic batch: a decode step's few rows (decode_step, batch_decode)
     few = kernel_target() == "cuda" and static is None and len(lead) == 2 and isinstance(lead[1], int) and lead[1] == 1
+    # float32_products: only where the CPU GEMM could multiply in bfloat16 (else the same kernel)
+    exact = _FLOAT32_PRODUCTS.get() and kernel_target() == "llvm" and static != 1
     config = QuantMatmulConfig(fmt, rows, cols, tokens=static, target=kernel_target(), dtype=str(x.dtype),
-                               few_tokens=few)
+                               few_tokens=few, bf16_products=not exact)
     fused = uses_cuda_gemv(config)
     # the prologue only where one pass of the GEMV covers every token (the single-token decode):
     # a decode batch's passes each wait on the staged prologue, which made a batch step slower
