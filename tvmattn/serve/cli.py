@@ -50,10 +50,22 @@ def _memory(text: str) -> str:
     return text
 
 
+def _gemma3_path():
+    from ..weights import gemma3_path
+
+    return gemma3_path()  # raises WeightError with the install command where it is absent
+
+
+# --model -> (the served model's name, its weights: None for the main job's default, SmolLM2)
+PACKAGED_MODELS = {"smollm2": ("smollm2-135m", None), "smollm2-135m": ("smollm2-135m", None),
+                   "gemma3": ("gemma3-270m", _gemma3_path), "gemma3-270m": ("gemma3-270m", _gemma3_path)}
+
+
 def _engine_options(command: argparse.ArgumentParser) -> None:
     source = command.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", choices=("smollm2", "smollm2-135m"),
-                        help="SmolLM2-135M-Instruct (compiled once and cached, as `python -m tvmattn smollm2`)")
+    source.add_argument("--model", choices=tuple(PACKAGED_MODELS),
+                        help="a packaged model, compiled once and cached as its main job does: SmolLM2-135M-Instruct "
+                             "(`python -m tvmattn smollm2`) or Gemma 3 270M (`python -m tvmattn gemma3`)")
     source.add_argument("--lib", metavar="OUT.so", help="a library bundle made by `python -m tvmattn compile`")
     command.add_argument("--target", default="auto", help="with --model: auto, llvm, cuda or cuda:sm_XY")
     command.add_argument("--max-batched-tokens", type=_positive_int, default=None,
@@ -121,8 +133,9 @@ def build_engine(args, max_queue: int = 256):
     from .runner import ModelRunner
 
     if args.model:
-        library = cached_library(args.target, log=lambda m: print(m, file=sys.stderr))
-        name = "smollm2-135m"
+        name, weights = PACKAGED_MODELS[args.model]
+        library = cached_library(args.target, log=lambda m: print(m, file=sys.stderr),
+                                 weights=None if weights is None else weights())
     else:
         library = Path(args.lib)
         if not library.is_file():
