@@ -1,10 +1,15 @@
 """A tiny random-weight library bundle for the serving tests, compiled once per test session
-(tests/test_serve_engine.py and tests/test_serve_http.py share it)."""
+(tests/test_serve_engine.py and tests/test_serve_http.py share it), and `serve_process`: the
+`serve` command in a child process, once it answers /health."""
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,3 +35,36 @@ def tiny_library() -> Path:
                                prefill_chunk=64, log=lambda _message: None)
         _BUILT["lib"] = Path(result.library)
     return _BUILT["lib"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_process(args: list[str], env: dict | None = None, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """(process, url): `python -m tvmattn serve ARGS --port P` on 127.0.0.1, started with the
+    project on PYTHONPATH (and `env`), once /health answers 200 (AssertionError with the
+    server's output if it exits, or after `timeout` seconds). The caller ends the process."""
+    import httpx
+
+    port = free_port()
+    root = Path(__file__).resolve().parents[1]
+    process = subprocess.Popen([sys.executable, "-m", "tvmattn", "serve", *args, "--port", str(port)],
+                               env={**os.environ, "PYTHONPATH": str(root), **(env or {})},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(f"the server exited ({process.returncode}): {process.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"the server did not answer /health within {timeout} s")
+        time.sleep(0.2)

@@ -370,39 +370,17 @@ def test_cuda_library_matches_the_cpu_library(tmp_path, path, library):
 def test_serve_model_gemma3_answers_with_the_main_jobs_greedy_tokens(tmp_path):
     """`serve --model gemma3` compiles the main job's library into the cache (what `python -m
     tvmattn gemma3` builds) and answers a chat request over HTTP with that library's greedy tokens."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
+    from serve_support import serve_process
+
     from tvmattn.generate import Generator
     from tvmattn.serve.prompts import render_messages
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "TVMATTN_CACHE": str(tmp_path)}
-    process = subprocess.Popen([sys.executable, "-m", "tvmattn", "serve", "--model", "gemma3", "--target", "llvm",
-                                "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
-    url = f"http://127.0.0.1:{port}"
     messages = [{"role": "user", "content": "Name three colors."}]
+    # the first run compiles the library
+    process, url = serve_process(["--model", "gemma3", "--target", "llvm"], {"TVMATTN_CACHE": str(tmp_path)}, 900)
     try:
-        deadline = time.monotonic() + 900  # the first run compiles the library
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.5)
         assert [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]] == ["gemma3-270m"]
         body = httpx.post(f"{url}/v1/chat/completions", timeout=120,
                           json={"model": "gemma3-270m", "messages": messages, "temperature": 0, "max_tokens": 16}).json()

@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 pytest.importorskip("sse_starlette")
 
-from serve_support import tiny_library  # noqa: E402
+from serve_support import free_port, serve_process, tiny_library  # noqa: E402
 from tvmattn.generate import Generator  # noqa: E402
 from tvmattn.serve.engine import Engine  # noqa: E402
 from tvmattn.serve.prompts import render_messages  # noqa: E402
@@ -36,12 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:
@@ -401,23 +394,8 @@ def test_concurrent_streaming_clients_with_random_disconnects_leak_nothing(live)
 
 
 def test_sigterm_drains_and_exits_zero(library, tmp_path):
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-m", "tvmattn", "serve", "--lib", str(library), "--port", str(port),
-                                "--drain-grace", "30"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
-    url = f"http://127.0.0.1:{port}"
+    process, url = serve_process(["--lib", str(library), "--drain-grace", "30"])
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
         body = {"prompt": [5, 6, 7], "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
         events = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
