@@ -25,6 +25,7 @@ from tvmattn.serve.engine import Engine, RequestError
 from tvmattn.serve.prefix import RadixPrefixCache
 from tvmattn.serve.runner import DraftModel, ModelRunner
 from tvmattn.serve.text import TextStream
+from tvmattn.session import ModelSession
 from tvmattn.speculative import SpeculativeOptions, build_trie
 
 VOCAB = 268
@@ -433,10 +434,33 @@ def test_cuda_engine_replays_decode_graphs_and_keeps_the_greedy_tokens(tmp_path)
     requests = [engine.submit(p, greedy(16)) for p in work]
     run_all(engine)
     assert engine.runner.session.graphs.replays > 0
+    scorer = ModelSession(library, cuda_graph=False)
+    scorer.create_cache(1, 256)
+    exact = 0
     for prompt, request in zip(work, requests):
         expected = reference_generator.generate_tokens([prompt], 16).tokens[0]
-        assert request.stream.result().tokens == expected
+        exact += assert_greedy_up_to_a_near_tie(scorer, prompt, request.stream.result().tokens, expected)
+    assert exact >= len(work) - 1
     assert_no_leak(engine)
+
+
+def assert_greedy_up_to_a_near_tie(session: ModelSession, prompt: list[int], got: list[int], expected: list[int],
+                                   tolerance: float = 0.05) -> bool:
+    """float16 greedy tokens of a batched run (`got`) against a solo run's (`expected`): equal,
+    or parting where the solo run's two best logits are within `tolerance` and `got` took the
+    other one (batching changes float16 rounding; the continuations then differ). -> equal?"""
+    assert len(got) == len(expected)
+    part = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    if part is None:
+        return True
+    session.add_sequence(0)
+    logits = session.prefill([0], [prompt + expected[:part]])[0].astype(np.float64)
+    session.remove_sequence(0)
+    top = logits.max()
+    assert top - logits[expected[part]] <= tolerance and top - logits[got[part]] <= tolerance, (
+        f"token {part}: got {got[part]} (logit {logits[got[part]]:.4f}), the solo run took {expected[part]} "
+        f"(logit {logits[expected[part]]:.4f}), the best logit is {top:.4f}: not a near tie")
+    return False
 
 
 @pytest.mark.parametrize("pool_pages, budget, lengths, new", [(8, 16, [60, 60, 50], 20), (6, 8, [40, 45, 30, 20], 30),
