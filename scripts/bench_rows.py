@@ -143,10 +143,17 @@ GRAPH_PREFIX = "cuda-graph"  # the variant of a row timed as a CUDA-graph replay
 SWEEP_IMPL = re.compile(r"^tvmattn(-tc-.*|\[.*\]|-table|-dup|-cuda-core|-simt)$")
 
 
+def machine(row: dict) -> str:
+    """The machine kind a row was measured on: the GPU's name (an H100 run does not replace an
+    H200 run), or "cpu" (a CPU run's `device` names the load it saw, which is no configuration)."""
+    device = str(row.get("device", ""))
+    return device if device.startswith("NVIDIA") else "cpu"
+
+
 def config_key(row: dict) -> tuple:
     """What `row` measures, up to its point (POINT_FIELDS): CONFIG_FIELDS, and the variant where it
     names the configuration."""
-    key = tuple((field, row[field]) for field in CONFIG_FIELDS if field in row)
+    key = tuple((field, row[field]) for field in CONFIG_FIELDS if field in row) + (("machine", machine(row)),)
     if row.get("bench") in VARIANT_NAMES_CONFIG:
         key += (("variant", str(row.get("variant", ""))),)
     return key

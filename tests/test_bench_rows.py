@@ -184,6 +184,23 @@ def test_e2e_dependent_launch_option(e2e, tmp_path, capsys):
     assert bench_rows.config_key({**row, "dependent_launch": True}) != bench_rows.config_key(row)
 
 
+def test_a_run_replaces_only_the_rows_of_its_machine_kind():
+    """An H100 run keeps the H200 rows of the same configuration; CPU runs (whose `device` names
+    the load seen) replace each other."""
+    row = {"bench": "e2e", "kernel": "decode", "impl": "tvmattn", "variant": "cuda/float16", "batch": 1}
+
+    def run(device, date):
+        return {**row, "device": device, "date": date, "commit": "c"}
+
+    h200, h100 = run("NVIDIA H200", "2026-01-01"), run("NVIDIA H100 80GB HBM3", "2026-01-02")
+    kept = bench_rows.latest_rows({"a.json": [h200], "b.json": [h100]})
+    assert kept == {"a.json": [h200], "b.json": [h100]}
+    old_cpu, new_cpu = run("2-core CPU (load 1.0)", "2026-01-01"), run("2-core CPU (load 2.0)", "2026-01-02")
+    assert bench_rows.latest_rows({"c.json": [old_cpu, new_cpu]}) == {"c.json": [new_cpu]}
+    later_h200 = run("NVIDIA H200", "2026-01-03")
+    assert bench_rows.latest_rows({"a.json": [h200, later_h200]}) == {"a.json": [later_h200]}
+
+
 # --- scripts/bench_cache.py --------------------------------------------------------------------
 
 
