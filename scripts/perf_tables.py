@@ -34,6 +34,9 @@ DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 # --------------------------------------------------------------------------------------------
 # Rows
 # --------------------------------------------------------------------------------------------
+DEFAULT_GPU = "NVIDIA H200"  # the GPU of the tables that name none (other GPUs' tables pass `device`)
+
+
 class Rows:
     """Every row of docs/bench with its file; `get` finds the latest row matching some fields."""
 
@@ -45,10 +48,13 @@ class Rows:
                     self.rows.append((str(row.get("date", "")), findex, rindex, name, row))
 
     def find(self, **fields) -> list[tuple]:
-        """(stamp..., file, row) of every row whose fields equal `fields` (graph=False: not a replay)."""
+        """(stamp..., file, row) of every row whose fields equal `fields` (graph=False: not a replay).
+        Without a `device` field: rows of the CPU and of the default GPU (DEFAULT_GPU) only."""
         graph = fields.pop("graph", False)
+        machines = None if "device" in fields else ("cpu", DEFAULT_GPU)
         return [entry for entry in self.rows
                 if all(entry[4].get(k) == v for k, v in fields.items())
+                and (machines is None or bench_rows.machine(entry[4]) in machines)
                 and str(entry[4].get("variant", "")).startswith(bench_rows.GRAPH_PREFIX) == graph]
 
     def get(self, used: set | None = None, unless: dict | None = None, **fields) -> dict | None:
@@ -283,33 +289,38 @@ def cache_host_table(rows: Rows) -> str:
 
 
 E2E_IMPLS = (("tvmattn", "tvmattn, eager"), ("tvmattn-cuda-graph", "tvmattn, CUDA graphs"),
-             ("tvm-stock-cache", "TVM's stock cache"), ("tvmattn-cuda-graph-keep", "kept Q4_1/Q8_0, CUDA graphs"),
+             ("tvm-stock-cache", "TVM's stock cache"), ("tvmattn-cuda-graph-keep", "kept quantized, CUDA graphs"),
              ("tvmattn-flashinfer", "tvmattn + FlashInfer, eager"))
 
 
 SMOLLM2_SHAPE = {"num_layers": 30, "num_qo_heads": 9}  # the e2e table's model (other shapes have rows too)
-H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"  # the e2e tables' devices (rows' `device`)
+H200, H100 = DEFAULT_GPU, "NVIDIA H100 80GB HBM3"  # the e2e tables' devices (rows' `device`)
 # rows of CUDA libraries with the fused decode ops in every decode function, which builds no longer
 # make (models/export.py): docs/performance.md quotes them beside the unfused run
 E2E_UNLESS = {"fused_layers": "all"}
 
 
-def e2e_points(rows: Rows, device: str) -> list[tuple]:
-    points = {(e[4]["kernel"], e[4]["batch"]) for e in rows.find(bench="e2e", device=device, **SMOLLM2_SHAPE)
+GEMMA3_SHAPE = {"num_layers": 18, "num_qo_heads": 4}  # scripts/gemma3-270m-config.json
+LLAMA_1B_SHAPE = {"num_layers": 16, "num_qo_heads": 32}  # scripts/llama-3.2-1b-config.json
+
+
+def e2e_points(rows: Rows, device: str, shape: dict = SMOLLM2_SHAPE) -> list[tuple]:
+    points = {(e[4]["kernel"], e[4]["batch"]) for e in rows.find(bench="e2e", device=device, **shape)
               if e[4]["impl"] == "tvmattn-cuda-graph"}
     return sorted(points, key=lambda p: (p[0] != "prefill", p[1]))
 
 
-def e2e_table(rows: Rows, device: str = H200) -> str:
-    """bench_e2e.py's SmolLM2 rows on one GPU (`device`, the rows' field), without the
-    dependent-launch runs (a configuration of their own)."""
+def e2e_table(rows: Rows, device: str = H200, shape: dict = SMOLLM2_SHAPE) -> str:
+    """bench_e2e.py's rows of one model (`shape`: its layers and query heads; SmolLM2 by
+    default) on one GPU (`device`, the rows' field), without the dependent-launch runs (a
+    configuration of their own)."""
     used: set = set()
     header = ["step", *(name for _, name in E2E_IMPLS), "stock / graphs"]
     lines = []
     unless = {**E2E_UNLESS, "dependent_launch": True}
-    for kernel, batch in e2e_points(rows, device):
+    for kernel, batch in e2e_points(rows, device, shape):
         found = [rows.get(used, unless, bench="e2e", kernel=kernel, impl=i, batch=batch, device=device,
-                          **SMOLLM2_SHAPE) for i, _ in E2E_IMPLS]
+                          **shape) for i, _ in E2E_IMPLS]
         graphs, stock = found[1], found[2]
         label = f"prefill {found[1]['qo_len']} tokens" if kernel == "prefill" else f"decode, batch {batch}"
         lines.append([label] + [fmt(r and r["ms"]) for r in found]
@@ -330,6 +341,41 @@ def e2e_pdl_table(rows: Rows, device: str) -> str:
                  for impl in ("tvmattn", "tvmattn-cuda-graph") for pdl in (False, True)]
         label = f"prefill {found[2]['qo_len']} tokens" if kernel == "prefill" and found[2] else f"decode, batch {batch}"
         lines.append([label] + [fmt(r and r["ms"]) for r in found])
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def engine_table(rows: Rows, device: str) -> str:
+    """bench_engine.py's rows on one GPU: generated tokens per second of the serving engine
+    waiting for each decode step's tokens against launching the next step first (lookahead)."""
+    used: set = set()
+    batches = sorted({e[4]["batch"] for e in rows.find(bench="engine", device=device)})
+    lines = []
+    for batch in batches:
+        wait, ahead = (rows.get(used, bench="engine", variant=v, batch=batch, device=device)
+                       for v in ("wait", "lookahead"))
+        lines.append([str(batch), fmt(wait and wait["tokens_per_s"]), fmt(ahead and ahead["tokens_per_s"]),
+                      fmt(wait and wait["ms"]), fmt(ahead and ahead["ms"]),
+                      f"{ahead['tokens_per_s'] / wait['tokens_per_s']:.2f}x" if wait and ahead else "-"])
+    header = ["batch", "wait, tok/s", "lookahead, tok/s", "wait, ms/step", "lookahead, ms/step", "lookahead / wait"]
+    return table(header, lines) + "\n\n" + sources(used)
+
+
+def kernels_table(rows: Rows, device: str, head_dim: int) -> str:
+    """bench_kernels.py's rows of one head dim on one GPU: our decode (GB/s) and prefill
+    (TFLOP/s) beside torch SDPA's."""
+    used: set = set()
+    points = sorted({(e[4]["kernel"], e[4]["dtype"], e[4]["batch"], e[4]["seq_len"], e[4]["qo_len"])
+                     for e in rows.find(bench="kernels", impl="tvmattn", device=device, head_dim=head_dim)},
+                    key=lambda p: (p[0] != "decode", p[1] != "float16", p[2] * p[4], p[3]))
+    lines = []
+    for kernel, dtype, batch, seq_len, qo_len in points:
+        ours, sdpa = (rows.get(used, bench="kernels", kernel=kernel, impl=i, dtype=dtype, head_dim=head_dim,
+                               batch=batch, seq_len=seq_len, qo_len=qo_len, device=device) for i in ("tvmattn", "sdpa"))
+        rate = "gbps" if kernel == "decode" else "tflops"
+        lines.append([kernel, DTYPES[dtype], shape_label(ours), f"{ours['num_qo_heads']} / {ours['num_kv_heads']}",
+                      fmt(ours[rate]), fmt(sdpa and sdpa[rate]),
+                      f"{ours[rate] / sdpa[rate]:.2f}" if sdpa else "-"])
+    header = ["kernel", "dtype", "shape", "heads (q / kv)", "tvmattn", "torch SDPA", "tvmattn / SDPA"]
     return table(header, lines) + "\n\n" + sources(used)
 
 
@@ -516,6 +562,9 @@ TABLES = {
     "decode": decode_table, "prefill": prefill_table, "tree": tree_table, "mla-decode": mla_decode_table,
     "mla-prefill": mla_prefill_table, "cache": cache_table, "cache-host": cache_host_table, "e2e": e2e_table,
     "e2e-h100": lambda rows: e2e_table(rows, H100), "e2e-pdl-h100": lambda rows: e2e_pdl_table(rows, H100),
+    "e2e-gemma3-h100": lambda rows: e2e_table(rows, H100, GEMMA3_SHAPE),
+    "e2e-llama-1b": lambda rows: e2e_table(rows, H200, LLAMA_1B_SHAPE),
+    "engine-h100": lambda rows: engine_table(rows, H100), "kernels-d64-h100": lambda rows: kernels_table(rows, H100, 64),
     "serve-cpu": serve_cpu_table, "cpu": cpu_table, "cpu-gemma3": lambda rows: cpu_table(rows, GEMMA3_GGUF), "speculative": speculative_table, "speculative-keep": speculative_keep_table,
     "summary": summary_table,
 }
