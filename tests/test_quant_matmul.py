@@ -40,6 +40,9 @@ from tvmattn.quant.cpu import (  # noqa: E402
     unpack_gemv,
 )
 from tvmattn.quant.matmul import (  # noqa: E402 - after the gguf check: tvmattn.weights imports gguf
+    CUDA_DEQUANTIZE_MAX_BYTES,
+    CUDA_FUSED_GEMM_MAX_TOKENS,
+    dequantizes_first,
     kernel,
     schedule,
     uses_cuda_gemv,
@@ -452,6 +455,69 @@ def test_take_reads_rows(built, fmt):
     np.testing.assert_array_equal(out.numpy(), w[ids])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_writes_the_whole_matrix(built, fmt):
+    config = QuantMatmulConfig(fmt, 37, wide(fmt), op="dequantize")
+    assert config.name == f"quant_dequantize_{fmt.lower()}_37x{wide(fmt)}"
+    blocks, w = quantized(fmt, 37, wide(fmt), seed=10)
+    parts = [tvm.runtime.tensor(blocks.parts[name]) for name, _, _ in config.part_shapes()]
+    out = tvm.runtime.tensor(np.full((37, wide(fmt)), np.nan, np.float32))
+    built(config)(*parts, out)
+    np.testing.assert_array_equal(out.numpy(), w)
+
+
+def test_cuda_prompt_products_dequantize_first():
+    """On CUDA a GEMM over a prompt's tokens (symbolic, not a decode batch; or more static tokens
+    than the fused kernel keeps) dequantizes W and multiplies densely, unless W would take more
+    than CUDA_DEQUANTIZE_MAX_BYTES (a tied LM head); the GEMVs, decode batches and the CPU keep
+    their fused kernels."""
+    def config(**kw):
+        return QuantMatmulConfig(**{"fmt": "Q4_0", "n": 2048, "k": 8192, "target": "cuda", "dtype": "float16", **kw})
+
+    assert dequantizes_first(config()) and dequantizes_first(config(tokens=CUDA_FUSED_GEMM_MAX_TOKENS + 1))
+    assert dequantizes_first(config(fmt="Q6_K")) and dequantizes_first(config(dtype="float32"))
+    assert not dequantizes_first(config(tokens=CUDA_FUSED_GEMM_MAX_TOKENS))
+    assert not dequantizes_first(config(tokens=1, fmt="Q4_K"))  # dlight's GEMV, fused
+    assert not dequantizes_first(config(few_tokens=True))
+    assert not dequantizes_first(config(op="take"))
+    assert not dequantizes_first(QuantMatmulConfig("Q4_0", 2048, 8192))  # llvm
+    head = CUDA_DEQUANTIZE_MAX_BYTES // (2 * 2048)
+    assert dequantizes_first(config(n=head, k=2048)) and not dequantizes_first(config(n=head + 1, k=2048))
+    with pytest.raises(ValueError, match="tokens=4: a dequantize takes no tokens"):
+        QuantMatmulConfig("Q4_0", 8, 64, op="dequantize", tokens=4)
+    with pytest.raises(ValueError, match="residual=True: expected a bool, True only for a matmul"):
+        QuantMatmulConfig("Q4_0", 8, 64, op="dequantize", residual=True)
+
+
+def test_cuda_library_prompt_functions_call_dequantize_then_matmul():
+    """A tiny Llama exported for CUDA with kept blocks of every type: prefill, batch_prefill and
+    batch_verify dequantize each layer's W and multiply densely; decode and batch_decode keep the
+    fused GEMVs; prefill's last-token logits stay a GEMV."""
+    from tvmattn.models import BuildOptions, ModelConfig, export_module
+
+    hf = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-5,
+          "rope_theta": 100000.0, "tie_word_embeddings": True, "attention_bias": False}
+    formats = {"model.embed_tokens": "Q8_0", "model.layers.0.self_attn.qkv_proj": "Q5_0",
+               "model.layers.0.self_attn.o_proj": "Q4_K", "model.layers.0.mlp.gate_up_proj": "Q6_K",
+               "model.layers.0.mlp.down_proj": "Q4_0"}
+    options = BuildOptions(target="cuda", dtype="float16", page_size=16, weight_formats=tuple(sorted(formats.items())))
+    mod, _ = export_module(ModelConfig.from_hf(hf), options)
+
+    def kernels(function: str) -> tuple[set[str], int]:
+        script = mod[function].script()
+        return set(re.findall(r"quant_\w+", script)), script.count("R.matmul")
+
+    layers = {"quant_dequantize_q5_0_512x256_f16", "quant_dequantize_q4_k_256x256_f16",
+              "quant_dequantize_q6_k_1024x256_f16", "quant_dequantize_q4_0_256x512_f16"}
+    assert kernels("batch_prefill") == (layers | {"quant_dequantize_q8_0_128x256_f16"}, 5)
+    assert kernels("batch_verify") == kernels("batch_prefill")
+    assert kernels("prefill") == (layers | {"quant_matmul_q8_0_128x256_1_f16"}, 4)
+    for function in ("decode", "batch_decode"):
+        names, matmuls = kernels(function)
+        assert matmuls == 0 and all(n.startswith("quant_matmul_") for n in names) and len(names) == 5, function
+
+
 def test_part_shapes_follow_the_block_layout():
     config = QuantMatmulConfig("Q4_1", 8, 64)
     assert config.part_shapes() == [("qs", "uint8", (8, 32)), ("d", "float16", (8, 2)), ("m", "float16", (8, 2))]
@@ -596,6 +662,18 @@ def test_cuda_static_tokens_and_float32(built_cuda, fmt, dtype):
         blocks, w = quantized(fmt, 37, cols, seed=5)
         x = np.random.default_rng(5).standard_normal((tokens, cols)).astype(np.float32)
         check_cuda(run_cuda(built_cuda(config), config, blocks, x), x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_dequantize_writes_the_whole_matrix(built_cuda, fmt):
+    config = QuantMatmulConfig(fmt, 37, wide(fmt), op="dequantize", target="cuda", dtype="float16")
+    blocks, w = quantized(fmt, 37, wide(fmt), seed=10)
+    dev = tvm.cuda(0)
+    parts = [tvm.runtime.tensor(blocks.parts[name], device=dev) for name, _, _ in config.part_shapes()]
+    out = tvm.runtime.tensor(np.full((37, wide(fmt)), np.nan, np.float16), device=dev)
+    built_cuda(config)(*parts, out)
+    np.testing.assert_array_equal(out.numpy(), w.astype(np.float16))
 
 
 @pytest.mark.gpu
@@ -774,7 +852,8 @@ def test_cuda_gemv_source_loads_16_bytes_and_reduces_by_shuffles(fmt):
 def test_cuda_model_takes_the_gemv_and_fuses_the_residual():
     """A tiny Llama exported for CUDA with kept weights: decode (one token) and decode_step /
     batch_decode (a symbolic batch) call the GEMV, o_proj and down_proj with the residual in the
-    kernel; decode's qkv also with its RMSNorm (a batch keeps them apart); prefill-like functions call the symbolic-token matmul with all three apart."""
+    kernel; decode's qkv also with its RMSNorm (a batch keeps them apart); prefill-like functions
+    dequantize W for a dense matmul (quant.matmul.dequantizes_first), with all three apart."""
     from tvmattn.models import BuildOptions, ModelConfig, export_module
 
     hf = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -787,13 +866,13 @@ def test_cuda_model_takes_the_gemv_and_fuses_the_residual():
     mod, _ = export_module(ModelConfig.from_hf(hf), options)
     names = {gv.name_hint for gv in mod.functions if gv.name_hint.startswith("quant_")}
     assert names == {
-        "quant_matmul_q4_0_64x64_1_f16_res", "quant_matmul_q4_0_64x64_b_f16_res", "quant_matmul_q4_0_64x64_n_f16",
+        "quant_matmul_q4_0_64x64_1_f16_res", "quant_matmul_q4_0_64x64_b_f16_res", "quant_dequantize_q4_0_64x64_f16",
         # layer 0's float gate_up is a fused decode op that applies SiLU * up itself
         # (compiler.fused_decode), so its kept down_proj takes no gate
         "quant_matmul_q4_1_64x128_1_f16_res", "quant_matmul_q4_1_64x128_b_f16_res",
-        "quant_matmul_q4_1_64x128_n_f16",
-        "quant_matmul_q4_1_128x64_1_f16_norm", "quant_matmul_q4_1_128x64_b_f16", "quant_matmul_q4_1_128x64_n_f16",
-        "quant_matmul_q8_0_128x64_1_f16", "quant_matmul_q8_0_128x64_b_f16", "quant_matmul_q8_0_128x64_n_f16",
+        "quant_dequantize_q4_1_64x128_f16",
+        "quant_matmul_q4_1_128x64_1_f16_norm", "quant_matmul_q4_1_128x64_b_f16", "quant_dequantize_q4_1_128x64_f16",
+        "quant_matmul_q8_0_128x64_1_f16", "quant_matmul_q8_0_128x64_b_f16", "quant_dequantize_q8_0_128x64_f16",
         "quant_take_q8_0_128x64_f16"}
 
 

@@ -3,6 +3,7 @@
     W[n, k] = dequant(parts, n, k)                 float32, rounded as GGML's dequantizers
     Y[t, n] = sum_k X[t, k] * W[n, k]              X float32 [T, K], Y float32 [T, N]   (matmul_algorithm)
     E[i, k] = dequant(parts, ids[i], k)            ids int32 [I], E float32 [I, K]      (take_algorithm)
+    W[n, k] = dequant(parts, n, k)                 W [N, K] in the activations' dtype   (dequantize_algorithm)
 
 and, for one token, Y in block-factored form (`gemv_algorithm`: W = scale * q + offset per
 sub-block, the scale and offset applied once per sub-block and lane, not per weight). The parts
@@ -177,3 +178,10 @@ def take_algorithm(config: QuantMatmulConfig) -> tirx.PrimFunc:
                      name="take")
     return te.create_prim_func([ids, *parts.values(), out])
 
+
+def dequantize_algorithm(config: QuantMatmulConfig) -> tirx.PrimFunc:
+    """W[n, k] = dequant(W)[n, k]: arguments (*parts, W [N, K] in config.dtype)."""
+    parts = _placeholders(config)
+    out = te.compute((i64(config.n), i64(config.k)),
+                     lambda n, c: _dequant(config.fmt, parts, n, c).astype(config.dtype), name="dequantize")
+    return te.create_prim_func([*parts.values(), out])

@@ -19,7 +19,7 @@ import dataclasses
 
 from ..weights.quant import BLOCK_ELEMS, QUANT_TYPES, part_shapes
 
-OPS = ("matmul", "take")
+OPS = ("matmul", "take", "dequantize")
 PROLOGUES = ("none", "rms_norm", "swiglu")  # what a CUDA GEMV applies to X (QuantMatmulConfig.prologue)
 TARGET_DTYPES = {"llvm": ("float32",), "cuda": ("float16", "float32")}  # activation dtypes per target
 
@@ -30,7 +30,8 @@ class QuantMatmulConfig:
 
     fmt: block type (QUANT_TYPES); n: output features (rows of W; for take, rows of the table);
     k: input features (a multiple of 32); tokens: for matmul, the static token count T, or None
-    for a symbolic one (`n_tokens`, int64); op: "matmul" or "take"; target: "llvm" or "cuda";
+    for a symbolic one (`n_tokens`, int64); op: "matmul", "take" or "dequantize" (W [N, K] in
+    dtype: the CUDA prompt GEMMs' first half, `quant.matmul.dequantizes_first`); target: "llvm" or "cuda";
     dtype: the activations' (X, Y, E): float32 on llvm, float16 or float32 on cuda (products
     are summed in float32 either way); few_tokens: the symbolic token count is a decode batch
     (decode_step, batch_decode: a few rows), which CUDA runs as passes of its GEMV instead of
@@ -68,6 +69,8 @@ class QuantMatmulConfig:
             raise ValueError(f"k={self.k}: expected a multiple of {BLOCK_ELEMS[self.fmt]} (whole {self.fmt} blocks)")
         if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens <= 0):
             raise ValueError(f"tokens={self.tokens!r}: expected None (symbolic) or a positive integer")
+        if self.op == "dequantize" and self.tokens is not None:
+            raise ValueError(f"tokens={self.tokens!r}: a dequantize takes no tokens (expected None)")
         if self.op not in OPS:
             raise ValueError(f"op={self.op!r}: expected one of {OPS}")
         if self.target not in TARGET_DTYPES:
@@ -91,7 +94,7 @@ class QuantMatmulConfig:
         """A symbol naming the kernel, e.g. quant_matmul_q4_1_3072x576_n (n: symbolic tokens, b:
         a symbolic decode batch; float16 activations add _f16; float32 products where bfloat16
         ones are allowed otherwise add _f32x)."""
-        tokens = "" if self.op == "take" else f"_{self.tokens or ('b' if self.few_tokens else 'n')}"
+        tokens = "" if self.op != "matmul" else f"_{self.tokens or ('b' if self.few_tokens else 'n')}"
         dtype = "" if self.dtype == "float32" else "_f16"
         residual = "_res" if self.residual else ""
         prologue = {"none": "", "rms_norm": "_norm", "swiglu": "_swiglu"}[self.prologue]

@@ -18,6 +18,8 @@ for `compiler.targets.host_target()`, `host_target(avx512=True)` for the lookup 
   into an f32 scratch tile [NB, K], which every token tile then multiplies as CPUMatmul does
   (tokens padded to MR, MR x NR x V register tile of lanes along K).
 - take: one thread (a decode step looks up one row), vectorized over K.
+- dequantize (W whole, the CUDA prompt GEMM's first kernel; here for its tests): rows in
+  parallel, vectorized over K.
 """
 
 from __future__ import annotations
@@ -243,12 +245,24 @@ def _schedule_take(sch: s_tir.Schedule, config: QuantMatmulConfig, plan: CPUSche
     sch.vectorize(cv)
 
 
+def _schedule_dequantize(sch: s_tir.Schedule, plan: CPUSchedule) -> None:
+    """Rows over the threads, each vectorized (the CUDA prompt GEMM's first kernel; on the CPU
+    only for tests of it)."""
+    block = sch.get_sblock("dequantize")
+    n, c = sch.get_loops(block)
+    sch.parallel(n)
+    _, cv = sch.split(c, factors=[None, plan.lanes])
+    sch.vectorize(cv)
+
+
 def schedule_llvm(func: tirx.PrimFunc, config: QuantMatmulConfig, plan: CPUSchedule) -> tirx.PrimFunc:
-    """`func` (take_algorithm; gemv_algorithm for one static token; else matmul_algorithm of
-    `config`) scheduled by `plan` for llvm."""
+    """`func` (take_algorithm; dequantize_algorithm; gemv_algorithm for one static token; else
+    matmul_algorithm of `config`) scheduled by `plan` for llvm."""
     sch = s_tir.Schedule(func)
     if config.op == "take":
         _schedule_take(sch, config, plan)
+    elif config.op == "dequantize":
+        _schedule_dequantize(sch, plan)
     elif config.tokens == 1:
         _schedule_gemv(sch, config, plan)
     else:

@@ -7,7 +7,8 @@ tvmattn.weights.quant.PACKED as parameters named `weight_<part>` (for example
 and call the fused kernels of matmul.py: the GEMV for a statically single token (decode),
 the GEMM otherwise (prefill, batch_prefill, batch_decode, batch_verify); on CUDA a decode
 batch (`[batch, 1, K]`, symbolic batch: decode_step, batch_decode) is marked `few_tokens`
-and runs the GEMV in passes. `QuantLinear(x, residual=r)` returns r + x W^T, the add inside
+and runs the GEMV in passes; a CUDA prompt's product dequantizes W first and multiplies as
+nn.Linear does (`quant.matmul.dequantizes_first`). `QuantLinear(x, residual=r)` returns r + x W^T, the add inside
 the kernel where the CUDA GEMV runs it (llama's o_proj and down_proj), else a separate add;
 `norm=` (llama's qkv and gate_up projections take their RMSNorm) and `swiglu=True` (down_proj
 takes the gate_up output) likewise.
@@ -34,7 +35,7 @@ from tvm.relax.frontend.nn import op
 
 from ..weights.quant import PACKED, QUANT_TYPES, QuantizedTensor, concat_rows, part_shapes
 from .config import QuantMatmulConfig
-from .matmul import kernel, uses_cuda_gemv
+from .matmul import dequantizes_first, kernel, uses_cuda_gemv
 
 PART_PREFIX = "weight_"
 PROLOGUE_MAX_TOKENS = 4  # a GEMV takes the norm / gate in its kernel for static token counts up to this
@@ -114,6 +115,12 @@ def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor,
     in_cols = 2 * cols if in_kernel and swiglu else cols
     flat = op.reshape(x, (tokens, in_cols))
     parts = [getattr(module, PART_PREFIX + name) for name, _, _ in PACKED[fmt]]
+    if dequantizes_first(config):
+        dequantize = QuantMatmulConfig(fmt, rows, cols, op="dequantize", target=config.target, dtype=config.dtype)
+        weight = op.tensor_ir_op(_kernel(dequantize), dequantize.name, args=parts,
+                                 out=nn.Tensor.placeholder((rows, cols), config.dtype))
+        out = op.reshape(op.matmul(flat, op.permute_dims(weight)), (*lead, rows))  # as nn.Linear's
+        return residual + out if residual is not None else out
     extra = [norm.weight] if in_kernel and norm is not None else []
     extra += [op.reshape(residual, (tokens, rows))] if fused and residual is not None else []
     out = op.tensor_ir_op(_kernel(config), config.name, args=[flat, *parts, *extra],

@@ -9,8 +9,11 @@ algorithms). Which kernel computes it:
   cpu.unpack_gemm (several; its products in bfloat16 where the target has AVX512-BF16), or cpu.dot_gemv (one token, int8 dot products; AVX-512 VNNI) where a
   plan asks for it;
 - CUDA: the 32-weight block formats (Q4_0, Q4_1, Q8_0) for one token or a decode batch run the
-  GEMV of gemv_cuda.py (`uses_cuda_gemv`); everything else, matmul_algorithm / take_algorithm
-  under dlight's rules (`_schedule_cuda`).
+  GEMV of gemv_cuda.py (`uses_cuda_gemv`); a prompt's GEMM (more tokens than a GEMV takes, not a
+  decode batch) is two kernels, `dequantizes_first`: dequantize_algorithm writes W in the
+  activations' dtype, and the model multiplies by it as a float16 library does (dlight's Matmul
+  rule on tensor cores); everything else, matmul_algorithm / take_algorithm under dlight's
+  rules (`_schedule_cuda`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import tvm
 from tvm import tirx
 
 from ..compiler.targets import cuda_target, target_has_avx512
-from .algorithms import gemv_algorithm, matmul_algorithm, take_algorithm
+from .algorithms import dequantize_algorithm, gemv_algorithm, matmul_algorithm, take_algorithm
 from .config import QuantMatmulConfig
 from .cpu import (CPUSchedule, choose_schedule, dot_gemv, schedule_llvm, table_gemv, target_has_bf16, target_has_vnni,
                   unpack_gemm, unpack_gemv)
@@ -37,7 +40,7 @@ def _schedule_cuda(func: tirx.PrimFunc, config: QuantMatmulConfig) -> tirx.PrimF
     from tvm.s_tir import dlight as dl
 
     target = cuda_target()
-    if config.op == "take":
+    if config.op in ("take", "dequantize"):
         rules = [dl.gpu.Fallback()]
     elif config.tokens == 1:
         rules = [dl.gpu.GEMV(), dl.gpu.Fallback()]
@@ -69,6 +72,30 @@ def uses_cuda_gemv(config: QuantMatmulConfig) -> bool:
     return config.few_tokens and weight_bytes <= CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES
 
 
+# the most static tokens the fused GEMM (dlight's Matmul tiles over W dequantized in shared memory
+# per token tile) keeps on CUDA: for more, dequantizing W once and multiplying on tensor cores wins
+CUDA_FUSED_GEMM_MAX_TOKENS = 8
+# the largest W dequantized whole (in the activations' dtype): a tied LM head (262k x 640 for
+# Gemma 3, 128k x 2048 for Llama-3.2-1B) multiplies a prompt call's few last-token rows, for which
+# a copy of the whole table is mostly waste, and its scratch would come out of KV-cache memory
+CUDA_DEQUANTIZE_MAX_BYTES = 128 << 20
+
+
+def dequantizes_first(config: QuantMatmulConfig) -> bool:
+    """Whether the model computes `config`'s product as a dequantize kernel (W in the activations'
+    dtype, QuantMatmulConfig(op="dequantize")) and a dense matmul: a CUDA matmul that is not the
+    GEMV, over a symbolic token count that is not a decode batch (prefill, batch_prefill,
+    batch_verify) or more than CUDA_FUSED_GEMM_MAX_TOKENS static tokens, whose W takes at most
+    CUDA_DEQUANTIZE_MAX_BYTES dequantized. The fused kernel re-dequantizes every W tile for every
+    token tile; dequantizing once costs a write and a read of W in float16, a fraction of a
+    prompt's product."""
+    if config.target != "cuda" or config.op != "matmul" or uses_cuda_gemv(config) or config.few_tokens:
+        return False
+    if config.n * config.k * np.dtype(config.dtype).itemsize > CUDA_DEQUANTIZE_MAX_BYTES:
+        return False
+    return config.tokens is None or config.tokens > CUDA_FUSED_GEMM_MAX_TOKENS
+
+
 def _scheduled(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """`func` marked scheduled (the model pipeline's dlight rules leave it alone) and opaque (never fused)."""
     return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
@@ -85,10 +112,12 @@ def schedule(func: tirx.PrimFunc, config: QuantMatmulConfig, plan: CPUSchedule |
 
 
 def algorithm(config: QuantMatmulConfig, plan: CPUSchedule | None) -> tirx.PrimFunc:
-    """The unscheduled PrimFunc `schedule` expects for `config`: take_algorithm, on llvm
+    """The unscheduled PrimFunc `schedule` expects for `config`: take_algorithm, dequantize_algorithm, on llvm
     gemv_algorithm (one static token, with the plan's lanes), else matmul_algorithm."""
     if config.op == "take":
         return take_algorithm(config)
+    if config.op == "dequantize":
+        return dequantize_algorithm(config)
     if config.target == "llvm" and config.tokens == 1:
         return gemv_algorithm(config, (plan or choose_schedule(config)).lanes)
     return matmul_algorithm(config)
