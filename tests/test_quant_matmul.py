@@ -397,11 +397,9 @@ def test_bf16_products_are_chosen_with_avx512_bf16_and_use_vdpbf16ps():
         CPUSchedule(lanes=16, bf16=True)
 
 
-@needs_bf16
-def test_verify_multiplies_in_float32_inside_a_bfloat16_library():
-    """A tiny Llama exported for the CPU with kept blocks and bfloat16 prompt products: its
-    prompt functions call the bfloat16 GEMM, batch_verify the float32 one (`_f32x`), so a verify
-    step's logits round as a decode step's and verified drafts give plain greedy tokens."""
+def export_one_layer_llama(target: str, dtype: str, down_proj: str, **options) -> tvm.IRModule:
+    """The Relax module of a one-layer Llama (hidden 256) whose projections are kept as Q5_0 (qkv),
+    Q4_K (o), Q6_K (gate_up) and `down_proj`, with a tied Q8_0 embedding."""
     from tvmattn.models import BuildOptions, ModelConfig, export_module
 
     hf = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
@@ -409,10 +407,18 @@ def test_verify_multiplies_in_float32_inside_a_bfloat16_library():
           "rope_theta": 100000.0, "tie_word_embeddings": True, "attention_bias": False}
     formats = {"model.embed_tokens": "Q8_0", "model.layers.0.self_attn.qkv_proj": "Q5_0",
                "model.layers.0.self_attn.o_proj": "Q4_K", "model.layers.0.mlp.gate_up_proj": "Q6_K",
-               "model.layers.0.mlp.down_proj": "Q4_1"}
-    options = BuildOptions(target="llvm", dtype="float32", page_size=16, host_avx512=True,
-                           weight_formats=tuple(sorted(formats.items())))
-    mod, _ = export_module(ModelConfig.from_hf(hf), options)
+               "model.layers.0.mlp.down_proj": down_proj}
+    build = BuildOptions(target=target, dtype=dtype, page_size=16, weight_formats=tuple(sorted(formats.items())),
+                         **options)
+    return export_module(ModelConfig.from_hf(hf), build)[0]
+
+
+@needs_bf16
+def test_verify_multiplies_in_float32_inside_a_bfloat16_library():
+    """A tiny Llama exported for the CPU with kept blocks and bfloat16 prompt products: its
+    prompt functions call the bfloat16 GEMM, batch_verify the float32 one (`_f32x`), so a verify
+    step's logits round as a decode step's and verified drafts give plain greedy tokens."""
+    mod = export_one_layer_llama("llvm", "float32", down_proj="Q4_1", host_avx512=True)
 
     def gemms(function: str) -> set[str]:
         return set(re.findall(r"quant_matmul_\w+_n(?:_f32x)?\b", mod[function].script()))
@@ -493,16 +499,7 @@ def test_cuda_library_prompt_functions_call_dequantize_then_matmul():
     """A tiny Llama exported for CUDA with kept blocks of every type: prefill, batch_prefill and
     batch_verify dequantize each layer's W and multiply densely; decode and batch_decode keep the
     fused GEMVs; prefill's last-token logits stay a GEMV."""
-    from tvmattn.models import BuildOptions, ModelConfig, export_module
-
-    hf = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-5,
-          "rope_theta": 100000.0, "tie_word_embeddings": True, "attention_bias": False}
-    formats = {"model.embed_tokens": "Q8_0", "model.layers.0.self_attn.qkv_proj": "Q5_0",
-               "model.layers.0.self_attn.o_proj": "Q4_K", "model.layers.0.mlp.gate_up_proj": "Q6_K",
-               "model.layers.0.mlp.down_proj": "Q4_0"}
-    options = BuildOptions(target="cuda", dtype="float16", page_size=16, weight_formats=tuple(sorted(formats.items())))
-    mod, _ = export_module(ModelConfig.from_hf(hf), options)
+    mod = export_one_layer_llama("cuda", "float16", down_proj="Q4_0")
 
     def kernels(function: str) -> tuple[set[str], int]:
         script = mod[function].script()
