@@ -534,6 +534,17 @@ def summary_table(rows: Rows) -> str:
         stock = rows.get(used, E2E_UNLESS, impl="tvm-stock-cache", **e2e)
         add(f"SmolLM2-135M decode step on the H200, batch {batch} (ms)",
             graphs and f"{fmt(graphs['ms'])} (CUDA graphs)", [stock and f"TVM's stock cache {fmt(stock['ms'])}"])
+    e2e = dict(bench="e2e", kernel="decode", batch=64, device=H100, **GEMMA3_SHAPE)
+    eager, graphs, stock = (rows.get(used, E2E_UNLESS, impl=i, **e2e)
+                            for i in ("tvmattn", "tvmattn-cuda-graph", "tvm-stock-cache"))
+    if eager and graphs:
+        best = min((eager, "eager"), (graphs, "CUDA graphs"), key=lambda p: p[0]["ms"])
+        add(f"Gemma 3 270M shapes, decode step on the H100, batch 64, {eager['seq_len']}-token prompts (ms)",
+            f"{fmt(best[0]['ms'])} ({best[1]})", [stock and f"TVM's stock cache {fmt(stock['ms'])}"])
+    waiting, ahead = (rows.get(used, bench="engine", variant=v, batch=16, device=H100) for v in ("wait", "lookahead"))
+    if ahead:
+        add("serving engine, SmolLM2-135M shapes on the H100, 16 requests (generated tokens/s)",
+            f"{fmt(ahead['tokens_per_s'])} (lookahead)", [waiting and f"waiting for each step {fmt(waiting['tokens_per_s'])}"])
     ours = rows.get(used, bench="cpu", kernel="decode", impl="tvmattn", variant="keep", model=SMOLLM2_GGUF)
     llama = rows.get(used, bench="cpu", kernel="decode", impl="llama.cpp", model=SMOLLM2_GGUF)
     if ours:
