@@ -497,8 +497,8 @@ def test_cuda_prompt_products_dequantize_first():
 
 def test_cuda_library_prompt_functions_call_dequantize_then_matmul():
     """A tiny Llama exported for CUDA with kept blocks of every type: prefill, batch_prefill and
-    batch_verify dequantize each layer's W and multiply densely; decode and batch_decode keep the
-    fused GEMVs; prefill's last-token logits stay a GEMV."""
+    batch_verify dequantize each layer's W and multiply densely (on tensor cores, float32 sums);
+    decode and batch_decode keep the fused GEMVs; prefill's last-token logits stay a GEMV."""
     mod = export_one_layer_llama("cuda", "float16", down_proj="Q4_0")
 
     def kernels(function: str) -> tuple[set[str], int]:
@@ -513,6 +513,18 @@ def test_cuda_library_prompt_functions_call_dequantize_then_matmul():
     for function in ("decode", "batch_decode"):
         names, matmuls = kernels(function)
         assert matmuls == 0 and all(n.startswith("quant_matmul_") for n in names) and len(names) == 5, function
+    # lowered, the dense products run on tensor cores (dlight's Matmul: wmma) and sum in float32
+    from tvmattn.compiler.pipeline import relax_pipeline
+
+    target = cuda_target()
+    with target:
+        lowered = relax_pipeline(target)(mod)
+    dense = {gv.name_hint: func.script() for gv, func in lowered.functions.items()
+             if isinstance(func, tvm.tirx.PrimFunc) and re.fullmatch(r"fused_NT_matmul\d*_cast\d*", gv.name_hint)}
+    assert len(dense) >= 4
+    for name, script in dense.items():
+        assert "wmma.matrix_a" in script and "tvm_fill_fragment" in script, name
+        assert re.search(r"tvm_fill_fragment\([^\n]*T\.float32\(0", script), name  # float32 accumulators
 
 
 def test_part_shapes_follow_the_block_layout():

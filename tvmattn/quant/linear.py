@@ -7,8 +7,8 @@ tvmattn.weights.quant.PACKED as parameters named `weight_<part>` (for example
 and call the fused kernels of matmul.py: the GEMV for a statically single token (decode),
 the GEMM otherwise (prefill, batch_prefill, batch_decode, batch_verify); on CUDA a decode
 batch (`[batch, 1, K]`, symbolic batch: decode_step, batch_decode) is marked `few_tokens`
-and runs the GEMV in passes; a CUDA prompt's product dequantizes W first and multiplies as
-nn.Linear does (`quant.matmul.dequantizes_first`). `QuantLinear(x, residual=r)` returns r + x W^T, the add inside
+and runs the GEMV in passes; a CUDA prompt's product dequantizes W first and multiplies it
+densely, summing in float32 (`quant.matmul.dequantizes_first`). `QuantLinear(x, residual=r)` returns r + x W^T, the add inside
 the kernel where the CUDA GEMV runs it (llama's o_proj and down_proj), else a separate add;
 `norm=` (llama's qkv and gate_up projections take their RMSNorm) and `swiglu=True` (down_proj
 takes the gate_up output) likewise.
@@ -119,7 +119,10 @@ def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor,
         dequantize = QuantMatmulConfig(fmt, rows, cols, op="dequantize", target=config.target, dtype=config.dtype)
         weight = op.tensor_ir_op(_kernel(dequantize), dequantize.name, args=parts,
                                  out=nn.Tensor.placeholder((rows, cols), config.dtype))
-        out = op.reshape(op.matmul(flat, op.permute_dims(weight)), (*lead, rows))  # as nn.Linear's
+        # float32 sums, as the fused kernels' (dlight's Matmul takes the float16 x float16 -> float32
+        # tensor-core intrinsics for it; a float16 output would sum in float16)
+        out = op.matmul(flat, op.permute_dims(weight), out_dtype="float32")
+        out = op.reshape(out if config.dtype == "float32" else out.astype(config.dtype), (*lead, rows))
         return residual + out if residual is not None else out
     extra = [norm.weight] if in_kernel and norm is not None else []
     extra += [op.reshape(residual, (tokens, rows))] if fused and residual is not None else []

@@ -11,8 +11,8 @@ algorithms). Which kernel computes it:
 - CUDA: the 32-weight block formats (Q4_0, Q4_1, Q8_0) for one token or a decode batch run the
   GEMV of gemv_cuda.py (`uses_cuda_gemv`); a prompt's GEMM (more tokens than a GEMV takes, not a
   decode batch) is two kernels, `dequantizes_first`: dequantize_algorithm writes W in the
-  activations' dtype, and the model multiplies by it as a float16 library does (dlight's Matmul
-  rule on tensor cores); everything else, matmul_algorithm / take_algorithm under dlight's
+  activations' dtype, and the model multiplies by it with float32 sums (dlight's Matmul rule on
+  tensor cores); everything else, matmul_algorithm / take_algorithm under dlight's
   rules (`_schedule_cuda`).
 """
 
