@@ -544,7 +544,8 @@ def summary_table(rows: Rows) -> str:
     waiting, ahead = (rows.get(used, bench="engine", variant=v, batch=16, device=H100) for v in ("wait", "lookahead"))
     if ahead:
         add("serving engine, SmolLM2-135M shapes on the H100, 16 requests (generated tokens/s)",
-            f"{fmt(ahead['tokens_per_s'])} (lookahead)", [waiting and f"waiting for each step {fmt(waiting['tokens_per_s'])}"])
+            f"{fmt(ahead['tokens_per_s'])} (lookahead)",
+            [waiting and f"waiting for each step {fmt(waiting['tokens_per_s'])}"])
     ours = rows.get(used, bench="cpu", kernel="decode", impl="tvmattn", variant="keep", model=SMOLLM2_GGUF)
     llama = rows.get(used, bench="cpu", kernel="decode", impl="llama.cpp", model=SMOLLM2_GGUF)
     if ours:
@@ -575,7 +576,8 @@ TABLES = {
     "e2e-h100": lambda rows: e2e_table(rows, H100), "e2e-pdl-h100": lambda rows: e2e_pdl_table(rows, H100),
     "e2e-gemma3-h100": lambda rows: e2e_table(rows, H100, GEMMA3_SHAPE),
     "e2e-llama-1b": lambda rows: e2e_table(rows, H200, LLAMA_1B_SHAPE),
-    "engine-h100": lambda rows: engine_table(rows, H100), "kernels-d64-h100": lambda rows: kernels_table(rows, H100, 64),
+    "engine-h100": lambda rows: engine_table(rows, H100),
+    "kernels-d64-h100": lambda rows: kernels_table(rows, H100, 64),
     "serve-cpu": serve_cpu_table, "cpu": cpu_table, "cpu-gemma3": lambda rows: cpu_table(rows, GEMMA3_GGUF), "speculative": speculative_table, "speculative-keep": speculative_keep_table,
     "summary": summary_table,
 }

@@ -8,8 +8,9 @@ and call the fused kernels of matmul.py: the GEMV for a statically single token 
 the GEMM otherwise (prefill, batch_prefill, batch_decode, batch_verify); on CUDA a decode
 batch (`[batch, 1, K]`, symbolic batch: decode_step, batch_decode) is marked `few_tokens`
 and runs the GEMV in passes; a CUDA prompt's product dequantizes W first and multiplies it
-densely, summing in float32 (`quant.matmul.dequantizes_first`). `QuantLinear(x, residual=r)` returns r + x W^T, the add inside
-the kernel where the CUDA GEMV runs it (llama's o_proj and down_proj), else a separate add;
+densely, summing in float32 (`quant.matmul.dequantizes_first`). `QuantLinear(x, residual=r)`
+returns r + x W^T, the add inside the kernel where the CUDA GEMV runs it (llama's o_proj and
+down_proj), else a separate add;
 `norm=` (llama's qkv and gate_up projections take their RMSNorm) and `swiglu=True` (down_proj
 takes the gate_up output) likewise.
 Activations are float32 on the CPU and float16 on CUDA (the kernels' target: the target
@@ -82,7 +83,7 @@ def kernel_target() -> str:
 def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor,
             residual: nn.Tensor | None = None, norm: nn.RMSNorm | None = None, swiglu: bool = False) -> nn.Tensor:
     """x [..., cols] -> [..., rows] (x's dtype: float32 on llvm, float16 on cuda) through the fused
-    kernel; residual [..., rows]: returns residual + the product; norm: the product of norm(x);
+    kernel (on CUDA over a prompt's tokens: W dequantized, then a dense matmul); residual [..., rows]: returns residual + the product; norm: the product of norm(x);
     swiglu: x is [..., 2 cols] (gate, up), the product of silu(gate) * up. The residual is added
     inside the kernel where it takes one (`uses_cuda_gemv`: the decode GEMV), the norm and the gate
     where it runs for a static count of at most PROLOGUE_MAX_TOKENS tokens (the `decode` function);
@@ -119,15 +120,16 @@ def _matmul(module: nn.Module, fmt: str, rows: int, cols: int, x: nn.Tensor,
         dequantize = QuantMatmulConfig(fmt, rows, cols, op="dequantize", target=config.target, dtype=config.dtype)
         weight = op.tensor_ir_op(_kernel(dequantize), dequantize.name, args=parts,
                                  out=nn.Tensor.placeholder((rows, cols), config.dtype))
-        # float32 sums, as the fused kernels' (dlight's Matmul takes the float16 x float16 -> float32
-        # tensor-core intrinsics for it; a float16 output would sum in float16)
+        # float32 sums, as the fused kernels' (dlight's Matmul tensorizes it with float32
+        # accumulators; with a float16 output its SIMT schedule sums in float16)
         out = op.matmul(flat, op.permute_dims(weight), out_dtype="float32")
-        out = op.reshape(out if config.dtype == "float32" else out.astype(config.dtype), (*lead, rows))
-        return residual + out if residual is not None else out
-    extra = [norm.weight] if in_kernel and norm is not None else []
-    extra += [op.reshape(residual, (tokens, rows))] if fused and residual is not None else []
-    out = op.tensor_ir_op(_kernel(config), config.name, args=[flat, *parts, *extra],
-                          out=nn.Tensor.placeholder((tokens, rows), config.dtype))
+        if config.dtype != "float32":
+            out = out.astype(config.dtype)
+    else:
+        extra = [norm.weight] if in_kernel and norm is not None else []
+        extra += [op.reshape(residual, (tokens, rows))] if fused and residual is not None else []
+        out = op.tensor_ir_op(_kernel(config), config.name, args=[flat, *parts, *extra],
+                              out=nn.Tensor.placeholder((tokens, rows), config.dtype))
     out = op.reshape(out, (*lead, rows))
     return residual + out if residual is not None and not fused else out
 
