@@ -91,6 +91,7 @@ BUILD = {"tvmattn": dict(kv_cache="tvmattn"), "tvm": dict(kv_cache="tvm"),  # co
          "keep": dict(kv_cache="tvmattn", quantization="keep")}
 LIBRARY = {"graph": "tvmattn"}  # runs another entry's library
 WARMUP_STEPS = 3
+REPLAYS = 200  # back-to-back replays that time a graph step's GPU work
 RANDOM_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # --keep-format: weights.random_blocks.RANDOM_BLOCK_TYPES
 
 
@@ -371,10 +372,15 @@ def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
                 tokens, _ = greedy(logits, runner.device)
             runner.sync()
             per_step = (time.perf_counter() - start) / steps
+        gpu_s = None
+        if runner.graphs is not None:  # the last step's graph replayed back to back: its GPU time
+            from tvmattn.runtime.graphs import bucket_of
+
+            gpu_s = runner.graphs.time_replays(bucket_of(len(seq_ids), runner.graphs.buckets), REPLAYS)
     finally:
         for seq_id in seq_ids:
             runner.host["remove_sequence"](runner.cache, seq_id)
-    return DecodeTiming(per_step, runner.host_s / steps, runner.plan_s / steps), first
+    return DecodeTiming(per_step, runner.host_s / steps, runner.plan_s / steps, gpu_s), first
 
 
 @dataclasses.dataclass
@@ -382,6 +388,7 @@ class DecodeTiming:
     step_s: float  # wall time per step, synchronized
     host_s: float  # host time per step in begin_forward + the library call + end_forward
     plan_s: float  # of which begin_forward
+    gpu_s: float | None = None  # a CUDA-graph step's GPU time: its graph replayed back to back (None: eager)
 
 
 def agrees(diff: float, scale: float) -> bool:
@@ -406,6 +413,8 @@ def make_row(kernel: str, kv_cache: str, *, batch: int, prompt_len: int, seconds
            "max_abs_diff": diff, "max_abs_logit": scale, "agrees": agrees(diff, scale)}
     if timing is not None:
         row.update(host_ms=1e3 * timing.host_s, begin_forward_ms=1e3 * timing.plan_s)
+        if timing.gpu_s is not None:
+            row.update(gpu_ms=1e3 * timing.gpu_s)
     row.update(extra or {})
     row.update(meta)
     return row
@@ -539,8 +548,9 @@ def main(argv=None) -> int:
             timing, first[kv] = bench_decode(runner, prompts, args.steps)
             step_s[kv] = timing.step_s
             timings[kv] = timing
+            gpu = "" if timing.gpu_s is None else f", GPU {1e3 * timing.gpu_s:.3f} ms (graph replayed alone)"
             host_lines.append(f"decode batch {batch}, {LABELS[kv]}: host {1e3 * timing.host_s:.3f} ms per step "
-                              f"(begin_forward {1e3 * timing.plan_s:.3f} ms), wall {1e3 * timing.step_s:.3f} ms")
+                              f"(begin_forward {1e3 * timing.plan_s:.3f} ms), wall {1e3 * timing.step_s:.3f} ms{gpu}")
         diffs, scale = compare(f"decode batch {batch}, first step logits", first)
         json_rows += [make_row("decode", kv, batch=batch, prompt_len=args.prompt_len, seconds=step_s[kv],
                                diff=diffs[kv], scale=scale, **common, timing=timings[kv],

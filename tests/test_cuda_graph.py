@@ -13,8 +13,9 @@ a model library's decode_step, Generator's graph path).
   (taken and released as by begin_forward), padding writes nothing, and a cancelled graph step
   leaves both allocators exactly as they were.
 - Replay (CUDA): DecodeGraphs replays equal the same steps run eagerly, bit for bit, and the
-  reference (MHA caches and caches with MHA_SLIDING layers); a model library's decode_step
-  replayed by Generator gives the eager tokens (a tiny Llama, and a sliding-window one).
+  reference (MHA caches and caches with MHA_SLIDING layers), and replays timed back to back
+  leave the cache unchanged; a model library's decode_step replayed by Generator gives the
+  eager tokens (a tiny Llama, and a sliding-window one).
 """
 
 from __future__ import annotations
@@ -297,6 +298,10 @@ def test_replay_equals_eager_and_the_reference():
         step([7])  # bucket 1
     assert graphs.captures == 3 and graphs.replays == 14
     assert graphs.memory_bytes > 0
+    # timing replays of the last step rewrite its K/V slots with the same values (check_kv below)
+    assert graphs.time_replays(1, 5) > 0
+    with pytest.raises(KVCacheError, match="no current graph of bucket 2"):
+        graphs.time_replays(2, 1)
     graph.check_kv()
     eager.check_kv()
     for seq_id in list(graph.k):

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -235,6 +236,9 @@ class CudaRuntime:
     def launch(self, graph_exec: ctypes.c_void_p) -> None:
         self._call("cudaGraphLaunch", graph_exec, self.stream)
 
+    def synchronize(self) -> None:
+        self._call("cudaStreamSynchronize", self.stream)
+
     def destroy(self, graph_exec: ctypes.c_void_p) -> None:
         self._rt.cudaGraphExecDestroy(graph_exec)
 
@@ -312,6 +316,25 @@ class DecodeGraphs:
             raise
         self.cache.end_forward()
         return graph.outputs
+
+    def time_replays(self, bucket: int, count: int) -> float:
+        """Seconds of GPU time per replay of the bucket's graph: `count` replays launched back to
+        back, then one synchronize (no planning or upload between them, so the host never holds
+        the GPU back). Each replay recomputes the last step of this bucket from the same inputs
+        and plan and rewrites the same K/V slots with the same values, so the cache is unchanged.
+        The bucket's graph must be current (run a step of it first)."""
+        graph = self._graphs.get(bucket)
+        if graph is None or graph.key != self._key():
+            raise KVCacheError(f"no current graph of bucket {bucket}: run a decode step of that bucket first")
+        if count < 1:
+            raise KVCacheError(f"count must be at least 1, got {count}")
+        self._runtime.launch(graph.exec)  # (a warm replay: the timed ones start from a busy stream)
+        self._runtime.synchronize()
+        start = time.perf_counter()
+        for _ in range(count):
+            self._runtime.launch(graph.exec)
+        self._runtime.synchronize()
+        return (time.perf_counter() - start) / count
 
     def _capture(self, bucket: int) -> _Graph:
         self.step(bucket)  # eager warm-up: loads modules, allocates the VM's storage and outputs
