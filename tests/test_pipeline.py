@@ -23,6 +23,8 @@ library of scripts/llama-3.2-1b-config.json compiles for CUDA.
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -165,19 +167,46 @@ FUSED_CASES = [
 ]
 
 
+def compiles_with_nvcc(source: str, folder) -> None:
+    """The CUDA source compiles to PTX for sm_90 (where nvcc is present: without a GPU TVM only
+    writes the source, which the GPU machine compiles when the library loads)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    path = folder / "kernels.cu"
+    path.write_text(source)
+    done = subprocess.run([nvcc, "-arch=sm_90", "--ptx", "-o", str(folder / "kernels.ptx"), str(path)],
+                          capture_output=True, text=True)
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert done.returncode == 0, f"nvcc: {errors[:5]}"
+
+
+# the CUDA rule's layouts: the normalized row staged in shared memory (the default), per warp
+CUDA_RULES = [pytest.param(True, id="staged"), pytest.param(False, id="per-warp")]
+
+
+@pytest.mark.parametrize("staged", CUDA_RULES)
 @pytest.mark.parametrize("kind, k, n", FUSED_CASES)
 @pytest.mark.parametrize("batch", [1, None], ids=["decode", "batch"])
-def test_fused_rule_schedules_and_compiles_for_cuda(kind, k, n, batch):
+def test_fused_rule_schedules_and_compiles_for_cuda(kind, k, n, batch, staged, tmp_path):
     func = fused_op(kind, k, n, batch, "float16")
-    assert CUDAFusedDecodeGEMV().apply(func, LLVM, False) is None
+    rule = CUDAFusedDecodeGEMV(staged=staged)
+    assert rule.apply(func, LLVM, False) is None
     with CUDA:
-        sch = CUDAFusedDecodeGEMV().apply(func, CUDA, False)
+        sch = rule.apply(func, CUDA, False)
         assert sch is not None
         lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=CUDA)
     source = lib.mod.imports[0].inspect_source()
     kernels = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
     assert len(kernels) == 1, f"one kernel for norm, product and epilogue, got {kernels}"
-    assert "__launch_bounds__(32)" in source and "__shfl" in source
+    assert "__shfl" in source
+    compiles_with_nvcc(source, tmp_path)
+    # staged: the normalized row in shared memory, read as 16-byte vectors (K a multiple of 8)
+    assert ("__shared__" in source) == staged
+    if staged and k % 8 == 0:
+        assert re.search(r"\*\(uint4\*\)\(\w*rms_norm_shared_local_ptr", source)
+    threads = int(re.search(r"__launch_bounds__\((\d+)\)", source).group(1))
+    assert threads <= 32 if staged else threads == 32  # one warp a block
 
 
 def test_fused_rules_leave_other_functions():
@@ -208,12 +237,13 @@ def test_fused_rule_matches_numpy_on_the_cpu(kind, k, n, batch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind, k, n", FUSED_CASES)
+@pytest.mark.parametrize("staged", CUDA_RULES)
+@pytest.mark.parametrize("kind, k, n", FUSED_CASES + [pytest.param("swiglu", 2048, 16384, id="gate-up-2048x16384")])
 @pytest.mark.parametrize("batch", [1, 3, 64])
-def test_fused_rule_matches_numpy_on_the_gpu(kind, k, n, batch):
+def test_fused_rule_matches_numpy_on_the_gpu(kind, k, n, batch, staged):
     func = fused_op(kind, k, n, 1 if batch == 1 else None, "float16")
     with CUDA:
-        sch = CUDAFusedDecodeGEMV().apply(func, CUDA, False)
+        sch = CUDAFusedDecodeGEMV(staged=staged).apply(func, CUDA, False)
         lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=CUDA)
     rng = np.random.default_rng(batch)
     x = rng.standard_normal((batch, 1, k)).astype("float16")

@@ -4,15 +4,20 @@ Both rules recognize a fused op by its blocks (fused_decode.BLOCKS) and return N
 else, so the pipeline's other rules see every other function.
 
 `CUDAFusedDecodeGEMV`: a GEMV like SmallBatchMatmul's (pipeline.py) with the norm in front. One
-thread block per chunk of `rows` rows (tokens) and `cols` output columns, the chunk the fastest
-block index (the blocks that read one weight slice run together: it comes from memory once, from
-L2 for the other chunks); `lanes` threads share a column and split K into 16-byte vectors. The
-block takes its rows one after the other (past the batch: skipped), so every local buffer has
-a static size with a symbolic batch; the rows after the first read the weight slice from L1.
-Per row, each column's lanes first sum the row's squares (a shuffle reduction) and keep 1 / RMS
-in a register; the normalized row is formed as the product reads x (never stored); the lanes'
-partial sums meet in a shuffle reduction, then the epilogue. SwiGLU: the gate column, then the
-up column, in the same threads, so the epilogue has both.
+thread block (one warp) per chunk of `rows` rows (tokens) and `cols` output columns, the chunk
+the fastest block index (the blocks that read one weight slice run together: it comes from
+memory once, from L2 for the other chunks); `lanes` threads share a column and split K into
+16-byte vectors (32 lanes where K has a multiple of 32 vectors, else fewer lanes and more
+columns a block, fewer columns while that would leave under `min_blocks` blocks). The block
+takes its rows one after the other (past the batch: skipped), so every local buffer has a
+static size with a symbolic batch; the rows after the first read the weight slice from L1. Per
+row, the block's threads sum the row's squares together, then write the normalized row (in
+the activations' dtype, as TVM's rms_norm rounds it) to shared memory once; each column's
+lanes then read it and the weight as 16-byte vectors, their partial sums meet in a shuffle
+reduction, then the epilogue. SwiGLU: the gate column, then the up column, in the same
+threads, so the epilogue has both. `staged=False` is the earlier layout, where every column's
+lanes recomputed the norm from x and g element by element (2x to 3x slower at batch 1 on the
+H200, scripts/bench_fused_gemv.py); it stays for that comparison.
 
 `CPUFusedDecodeGEMV`: the norm as plain loops (one row of sums and one normalized row per
 token: little work), then the product parallel over column chunks, each column's dot product
@@ -34,6 +39,7 @@ from .fused_decode import BLOCKS, UP_BLOCK
 CUDA_THREADS = 32
 CUDA_LANES = 32
 CUDA_ROWS = 4  # rows (tokens) per thread block, one after the other: SmallBatchMatmul's count
+CUDA_MIN_BLOCKS = 264  # staged: fewer columns a block while there would be fewer blocks (2 per H100 SM)
 CPU_COLUMN_CHUNK = 16  # columns per parallel task on the CPU
 
 
@@ -80,10 +86,18 @@ def _split_k(sch: s_tir.Schedule, matmul, factors: list) -> tuple:
 
 
 class CUDAFusedDecodeGEMV(ScheduleRule):
-    """Schedules fused_decode's ops for CUDA (module docstring)."""
+    """Schedules fused_decode's ops for CUDA (module docstring). staged False: the per-warp
+    layout (every column's lanes compute the norm themselves, no shared memory), kept for
+    scripts/bench_fused_gemv.py's comparison."""
 
-    def __init__(self, rows: int = CUDA_ROWS, threads: int = CUDA_THREADS, lanes: int = CUDA_LANES):
-        self.rows, self.threads, self.lanes = rows, threads, lanes
+    def __init__(self, rows: int = CUDA_ROWS, threads: int = CUDA_THREADS, lanes: int = CUDA_LANES,
+                 min_blocks: int = CUDA_MIN_BLOCKS, staged: bool = True):
+        # One warp a block: blocks of several warps whose columns take 32 lanes each (K of 2048)
+        # gave wrong sums on the H200 (scripts/bench_fused_gemv.py's check), and were no faster
+        # where they were right
+        if not 1 <= lanes <= threads <= 32:
+            raise ValueError(f"threads={threads}, lanes={lanes}: expected 1 <= lanes <= threads <= 32 (one warp)")
+        self.rows, self.threads, self.lanes, self.min_blocks, self.staged = rows, threads, lanes, min_blocks, staged
 
     def apply(self, func, target, _tunable):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
@@ -95,7 +109,10 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
 
     def _schedule(self, sch: s_tir.Schedule) -> s_tir.Schedule:
         sumsq, rstd, norm, _, epilogue = (sch.get_sblock(name) for name in BLOCKS)
-        sch.compute_inline(norm)
+        if self.staged:
+            sch.set_scope(norm, 0, "shared")  # (before the cache reads below tell it from the weight)
+        else:
+            sch.compute_inline(norm)
         matmuls = _matmuls(sch)
         k_extent = int(sch.get(sch.get_loops(matmuls[0])[-1]).extent)
         dtype_bits = tvm.DataType(sch.get(matmuls[0]).reads[-1].source.dtype).bits
@@ -111,36 +128,59 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
         extent = sch.get(row).extent
         rows = min(self.rows, int(extent)) if isinstance(extent, tirx.IntImm) else self.rows
         chunk, row = sch.split(row, [None, rows])
-        cols = max(1, self.threads // lanes)
         n_cols = int(sch.get(j).extent)
-        while n_cols % cols:
+        cols = max(1, self.threads // lanes)
+        # (staged: fewer columns per block while that leaves too few blocks to fill the GPU)
+        while cols > 1 and (n_cols % cols or (self.staged and n_cols // cols < self.min_blocks)):
             cols //= 2
         col_tile, col = sch.split(j, [None, cols])
-        sch.reorder(chunk, col_tile, col, row, one)
+        # staged: the row above the columns, so the block stages each row once for all its columns
+        sch.reorder(chunk, col_tile, *((row, col) if self.staged else (col, row)), one)
         sch.bind(chunk, "blockIdx.x")
         sch.bind(col_tile, "blockIdx.y")
         sch.bind(col, "threadIdx.y")
+        product_at = col if self.staged else row
         for partial, writeback in factored:
-            sch.compute_at(writeback, row, preserve_unit_loops=True)
-            sch.compute_at(partial, row, preserve_unit_loops=True)
-            # under `row`: the rfactor axis (lanes) first, then the block's own (row, 1, column, K)
+            sch.compute_at(writeback, product_at, preserve_unit_loops=True)
+            sch.compute_at(partial, product_at, preserve_unit_loops=True)
+            # under it: the rfactor axis (lanes) first, then the block's own (row, 1, column, K)
             lane, *_, k_step, k_vec = sch.get_loops(partial)[-6:]
             sch.bind(lane, "threadIdx.x")
-            weight = sch.cache_read(partial, _read_index(sch, partial, 2), "local", consumer_blocks=[partial])
-            sch.compute_at(weight, k_step)
-            sch.vectorize(sch.get_loops(weight)[-1])
+            # 16-byte vectors of the weight (global) and, staged, of the normalized row (shared)
+            for scope in ("global", "shared") if self.staged else ("global",):
+                reads = sch.get(partial).reads
+                index = next(i for i, region in enumerate(reads)
+                             if region.source.scope() == scope and len(region.source.shape) == 2)
+                vector = sch.cache_read(partial, index, "local", consumer_blocks=[partial])
+                sch.compute_at(vector, k_step)
+                sch.vectorize(sch.get_loops(vector)[-1])
             sch.unroll(k_vec)
             sch.set_scope(partial, 0, "local")
             sch.decompose_reduction(partial, k_step)
+            if self.staged:
+                sch.unroll(k_step)
             # the lanes' sums, a warp reduction: the write-back's loops are (lane, row, 1, column)
             sum_lane, *rest = sch.get_loops(writeback)[-4:]
             sch.reorder(*rest, sum_lane)
             sch.bind(sum_lane, "threadIdx.x")
             sch.set_scope(writeback, 0, "local")
-        # the row's 1 / RMS: each warp sums the squares by a warp reduction
+        if self.staged:
+            # the row normalized once per (block, row) into shared memory, 16-byte vectors
+            sch.compute_at(norm, row, preserve_unit_loops=True)
+            # (float32 math: vectors of at most 4, which CUDA has; 8 halves as 2 of them)
+            norm_vec = _vector(vec, [4, 2, 1])
+            _, ty, tx, v = sch.split(sch.get_loops(norm)[-1], [None, cols, lanes, norm_vec])
+            sch.bind(ty, "threadIdx.y")
+            sch.bind(tx, "threadIdx.x")
+            sch.vectorize(v)
+        # the row's 1 / RMS: staged, a reduction over the whole block; else each warp's own
         sch.compute_at(rstd, row)
         sch.compute_at(sumsq, row)
-        _, sq_lane = sch.split(sch.get_loops(sumsq)[-1], [None, lanes])
+        if self.staged:
+            _, sq_col, sq_lane = sch.split(sch.get_loops(sumsq)[-1], [None, cols, lanes])
+            sch.bind(sq_col, "threadIdx.y")
+        else:
+            _, sq_lane = sch.split(sch.get_loops(sumsq)[-1], [None, lanes])
         sch.bind(sq_lane, "threadIdx.x")
         sch.set_scope(sumsq, 0, "local")
         sch.set_scope(rstd, 0, "local")
