@@ -141,6 +141,11 @@ def test_e2e_decode_row(e2e):
     assert row["host_ms"] == pytest.approx(1.5) and row["begin_forward_ms"] == pytest.approx(0.5)
     assert row["agrees"] is False  # 0.5 > 2e-2 * 10
     assert all(isinstance(v, (str, int, float, bool)) for v in row.values())
+    assert "gpu_ms" not in row  # an eager step: no graph replayed alone
+    graph = e2e.DecodeTiming(step_s=0.002, host_s=0.0015, plan_s=0.0, gpu_s=0.0018)
+    row = e2e.make_row("decode", "graph", batch=16, prompt_len=512, seconds=graph.step_s, diff=0.0, scale=10.0,
+                       target="cuda", dtype="float16", meta=META, timing=graph)
+    assert row["impl"] == "tvmattn-cuda-graph" and row["gpu_ms"] == pytest.approx(1.8)
 
 
 def test_e2e_agreement(e2e):
@@ -256,6 +261,7 @@ class _StepLog:
     def __init__(self, ordered_uploads: bool, vocab: int = 8):
         self.ordered_uploads, self.vocab, self.calls = ordered_uploads, vocab, []
         self.device, self.cache, self.plan_s, self.host_s = tvm.cpu(0), None, 0.0, 0.0
+        self.graphs = None  # (eager steps: no graph replays to time)
         self.host = {"add_sequence": lambda cache, seq_id: None, "remove_sequence": lambda cache, seq_id: None}
 
     def prefill(self, seq_id, ids):

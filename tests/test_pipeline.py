@@ -32,6 +32,7 @@ import tvm
 import tvm_ffi
 from tvm import te
 from tvm.script import tirx as T
+from harness import load_script
 
 from tvmattn.compiler.fused_decode import rms_norm_matmul, rms_norm_matmul_swiglu
 from tvmattn.compiler.fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV
@@ -336,3 +337,22 @@ def test_stock_library_of_llama_3_2_1b_compiles_for_cuda():
     assert _lets(mod["batch_tree_attn"]) > 0  # the stock kernels' Llama-3 RoPE frequencies
     executable = compile_module(mod, options)
     assert "batch_tree_attn" in executable.as_text()
+
+
+def test_bench_fused_gemv_builds_every_variant_and_shares_the_reference(tmp_path):
+    """scripts/bench_fused_gemv.py: every variant it compares builds (a library per shape and
+    variant), a bad variant name is refused before any build, and its float64 reference is the
+    tests' (fused_reference)."""
+    bench = load_script("bench_fused_gemv")
+    for variant in bench.VARIANTS:
+        assert (tmp_path / f"smollm2-qkv-{variant}.so") == type(tmp_path)(bench.build(("smollm2-qkv", variant),
+                                                                                        str(tmp_path)))
+        assert (tmp_path / f"smollm2-qkv-{variant}.so").stat().st_size > 0
+    with pytest.raises(ValueError):
+        bench.rule("staged-t64-b264")  # more than one warp a block
+    rng = np.random.default_rng(3)
+    for kind, n in (("plain", 48), ("swiglu", 96)):
+        x = rng.standard_normal((1, 1, 64)).astype(np.float16)
+        g = (1 + 0.1 * rng.standard_normal(64)).astype(np.float16)
+        w = (rng.standard_normal((n, 64)) / 8).astype(np.float16)
+        np.testing.assert_allclose(bench.reference(kind, x, g, w), fused_reference(kind, x, g, w)[0, 0], rtol=1e-12)
