@@ -11,8 +11,9 @@ memory once, from L2 for the other chunks); `lanes` threads share a column and s
 columns a block, fewer columns while that would leave under `min_blocks` blocks). The block
 takes its rows one after the other (past the batch: skipped), so every local buffer has a
 static size with a symbolic batch; the rows after the first read the weight slice from L1. Per
-row, the block's threads sum the row's squares together, then write the normalized row (in
-the activations' dtype, as TVM's rms_norm rounds it) to shared memory once; each column's
+row, each of the block's threads sums the squares of its own vectors of x, a shuffle reduction
+adds them, and the block writes the normalized row (in the activations' dtype, as TVM's
+rms_norm rounds it) to shared memory once; each column's
 lanes then read it and the weight as 16-byte vectors, their partial sums meet in a shuffle
 reduction, then the epilogue. SwiGLU: the gate column, then the up column, in the same
 threads, so the epilogue has both. `staged=False` is the earlier layout, where every column's
@@ -169,22 +170,53 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
             sch.compute_at(norm, row, preserve_unit_loops=True)
             # (float32 math: vectors of at most 4, which CUDA has; 8 halves as 2 of them)
             norm_vec = _vector(vec, [4, 2, 1])
-            _, ty, tx, v = sch.split(sch.get_loops(norm)[-1], [None, cols, lanes, norm_vec])
+            steps, ty, tx, v = sch.split(sch.get_loops(norm)[-1], [None, cols, lanes, norm_vec])
+            sch.unroll(steps)
             sch.bind(ty, "threadIdx.y")
             sch.bind(tx, "threadIdx.x")
             sch.vectorize(v)
         # the row's 1 / RMS: staged, a reduction over the whole block; else each warp's own
         sch.compute_at(rstd, row)
-        sch.compute_at(sumsq, row)
         if self.staged:
-            _, sq_col, sq_lane = sch.split(sch.get_loops(sumsq)[-1], [None, cols, lanes])
-            sch.bind(sq_col, "threadIdx.y")
+            self._block_sumsq(sch, sumsq, row, cols, lanes, vec)
         else:
+            sch.compute_at(sumsq, row)
             _, sq_lane = sch.split(sch.get_loops(sumsq)[-1], [None, lanes])
-        sch.bind(sq_lane, "threadIdx.x")
-        sch.set_scope(sumsq, 0, "local")
+            sch.bind(sq_lane, "threadIdx.x")
+            sch.set_scope(sumsq, 0, "local")
         sch.set_scope(rstd, 0, "local")
         return sch
+
+    @staticmethod
+    def _block_sumsq(sch: s_tir.Schedule, sumsq, row, cols: int, lanes: int, vec: int) -> None:
+        """The row's sum of squares by the block's cols * lanes threads: each sums its own
+        16-byte vectors of x (a partial in a register), then a shuffle reduction."""
+        threads = cols * lanes
+        k_extent = int(sch.get(sch.get_loops(sumsq)[-1]).extent)
+        # the widest vector (of at most `vec` elements) that splits the row evenly over the threads
+        vec = _vector(k_extent // threads, [vec, 4, 2, 1]) if k_extent % threads == 0 else 1
+        partial, writeback = _split_k(sch, sumsq, [None, threads, vec])
+        sch.compute_at(writeback, row, preserve_unit_loops=True)
+        sch.compute_at(partial, row, preserve_unit_loops=True)
+        thread, *_, k_step, k_vec = sch.get_loops(partial)[-4:]
+        sq_col, sq_lane = sch.split(thread, [cols, lanes])
+        sch.bind(sq_col, "threadIdx.y")
+        sch.bind(sq_lane, "threadIdx.x")
+        if vec > 1:
+            x_vector = sch.cache_read(partial, 0, "local", consumer_blocks=[partial])
+            sch.compute_at(x_vector, k_step)
+            sch.vectorize(sch.get_loops(x_vector)[-1])
+        sch.unroll(k_vec)
+        sch.set_scope(partial, 0, "local")
+        sch.decompose_reduction(partial, k_step)
+        sch.unroll(k_step)  # (every load issued before the sums wait on them)
+        # the threads' partials, a shuffle reduction: the write-back's loops are (thread, row)
+        sum_thread, row_loop = sch.get_loops(writeback)[-2:]
+        sch.reorder(row_loop, sum_thread)
+        sum_col, sum_lane = sch.split(sum_thread, [cols, lanes])
+        sch.bind(sum_col, "threadIdx.y")
+        sch.bind(sum_lane, "threadIdx.x")
+        sch.set_scope(writeback, 0, "local")
 
 
 class CPUFusedDecodeGEMV(ScheduleRule):
