@@ -50,6 +50,7 @@ The CUDA runtime (`libcudart`, loaded by TVM) is reached through ctypes, as in u
 from __future__ import annotations
 
 import ctypes
+import math
 import dataclasses
 import time
 from typing import Any, Callable
@@ -131,7 +132,8 @@ def pad_decode_plan(plan: ForwardPlan, bucket: int, layout: PlanArrays[ArraySpec
     MHA_SLIDING layers their window level and slide positions too) padded to `bucket` rows in
     `layout`: padded rows append nothing and read one slot of page 0 (of the main pages, and of
     the sliding pages in the window level). The host buffer ends after the last used page index
-    (the rest of the capacity is never read)."""
+    (the rest of the capacity is never read); the plan's host arrays are views of it, written in
+    place (this runs every graph step: no intermediate arrays)."""
     host = plan.host
     (level,), (history,) = host.fused, host.cross
     n = len(plan.lengths)
@@ -140,36 +142,51 @@ def pad_decode_plan(plan: ForwardPlan, bucket: int, layout: PlanArrays[ArraySpec
         raise KVCacheError("a graph step needs a decode plan of one level with at most bucket sequences")
     if len(host.window) != len(layout.window):
         raise KVCacheError("a graph step's plan and layout disagree on the MHA_SLIDING layers' window level")
-
-    def rows(values: np.ndarray, fill: int) -> np.ndarray:
-        if values.ndim == 2:  # sliding-window length_info [3, n]: (last_page_len, offset 0, sink 0)
-            out = np.zeros((3, bucket), np.int32)
-            out[:, :n] = values
-            out[0, n:] = fill
-            return out
-        return np.concatenate([values, np.full(pad, fill, np.int32)]).astype(np.int32, copy=False)
-
-    def padded_level(level: LevelArrays, spec: LevelArrays, what: str) -> LevelArrays:
-        """The level with one request per padded row, over one slot of page 0."""
-        nnz, capacity = int(level.page_indptr[-1]), spec.page_indices.shape[0]
+    levels = [(level, layout.fused[0], "")] + [(w, spec, "window ") for w, spec in zip(host.window, layout.window)]
+    used = []  # page indices each level reads: its own, then one per padded row
+    for values, spec, what in levels:
+        nnz, capacity = int(values.page_indptr[-1]), spec.page_indices.shape[0]
         if nnz + pad > capacity:
             raise KVCacheError(f"the step reads {nnz + pad} {what}page indices, more than the graph plan's capacity "
                                f"{capacity}")
-        page_indptr = np.concatenate([level.page_indptr, nnz + np.arange(1, pad + 1, dtype=np.int32)])
-        page_indices = np.concatenate([level.page_indices[:nnz], np.zeros(pad, np.int32)])
-        return LevelArrays(page_indptr.astype(np.int32, copy=False), page_indices.astype(np.int32, copy=False),
-                           rows(level.length_info, 1), rows(level.k_offset, 0), None)
+        used.append(nnz)
+    main_pages = layout.fused[0].page_indices
+    buffer = np.zeros(main_pages.offset + used[0] + pad, np.int32)  # (padding is mostly 0: page 0, offset 0)
 
-    main = padded_level(level, layout.fused[0], "")
-    window = tuple(padded_level(w, spec, "window ") for w, spec in zip(host.window, layout.window))
-    slides = tuple(rows(positions, -1) for positions in host.slide_positions)
-    padded = PlanArrays(rows(host.q_positions, 0), np.arange(bucket + 1, dtype=np.int32),
-                        rows(host.k_ragged_offset, 0), rows(host.append_positions, -1), (main,),
-                        (main._replace(length_info=rows(history.length_info, 0)),), (), window, slides)
-    pages_spec = layout.fused[0].page_indices
-    buffer = np.zeros(pages_spec.offset + len(main.page_indices), np.int32)
-    for spec, array in zip(_flat(layout), _flat(padded)):  # (page indices: the used part of their capacity)
-        buffer[spec.offset : spec.offset + array.size] = array.ravel()
+    def view(spec: ArraySpec, size: int | None = None) -> np.ndarray:
+        if size is not None:
+            return buffer[spec.offset : spec.offset + size]
+        return buffer[spec.offset : spec.offset + math.prod(spec.shape)].reshape(spec.shape)
+
+    def rows(spec: ArraySpec, values: np.ndarray, fill: int) -> np.ndarray:
+        """A [bucket] (or sliding-window length_info [3, bucket]) array: values, then fill in
+        the padded rows (length_info: fill in its first row, last_page_len; 0 in the others)."""
+        out = view(spec)
+        out[..., :n] = values
+        if fill:
+            (out[0] if out.ndim == 2 else out)[n:] = fill
+        return out
+
+    def padded_level(values: LevelArrays, spec: LevelArrays, nnz: int) -> LevelArrays:
+        """The level with one request per padded row, over one slot of page 0."""
+        indptr = view(spec.page_indptr)
+        indptr[: n + 1] = values.page_indptr
+        indptr[n + 1 :] = nnz + np.arange(1, pad + 1, dtype=np.int32)
+        indices = view(spec.page_indices, nnz + pad)
+        indices[:nnz] = values.page_indices[:nnz]
+        return LevelArrays(indptr, indices, rows(spec.length_info, values.length_info, 1),
+                           rows(spec.k_offset, values.k_offset, 0), None)
+
+    main = padded_level(level, layout.fused[0], used[0])
+    window = tuple(padded_level(values, spec, nnz) for (values, spec, _), nnz in zip(levels[1:], used[1:]))
+    slides = tuple(rows(spec, positions, -1) for spec, positions in zip(layout.slide_positions, host.slide_positions))
+    append_indptr = view(layout.append_indptr)
+    append_indptr[:] = np.arange(bucket + 1, dtype=np.int32)
+    padded = PlanArrays(rows(layout.q_positions, host.q_positions, 0), append_indptr,
+                        rows(layout.k_ragged_offset, host.k_ragged_offset, 0),
+                        rows(layout.append_positions, host.append_positions, -1), (main,),
+                        (main._replace(length_info=rows(layout.cross[0].length_info, history.length_info, 0)),),
+                        (), window, slides)
     return ForwardPlan(plan.seq_ids, plan.lengths, bucket, True, False, buffer, layout, padded)
 
 
@@ -182,12 +199,6 @@ def empty_decode_plan(sliding: bool, window: bool = False) -> ForwardPlan:
     windows, slides = ((level._replace(length_info=np.zeros((3, 0), np.int32)),), (empty,)) if window else ((), ())
     host = PlanArrays(empty, np.zeros(1, np.int32), empty, empty, (level,), (level,), (), windows, slides)
     return ForwardPlan([], [], 0, True, False, np.zeros(0, np.int32), None, host)
-
-
-def _flat(arrays: PlanArrays) -> list:
-    out: list = []
-    arrays.map(out.append)
-    return out
 
 
 class CudaRuntime:
