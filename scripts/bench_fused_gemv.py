@@ -162,9 +162,9 @@ def main(argv=None) -> int:
                 failures.append(f"{label} {variant}")
             rows.append({"bench": "kernels", "kernel": "fused_rms_norm_gemv", "impl": f"tvmattn-{variant}",
                          "variant": f"{label} {kind}", "dtype": "float16", "batch": 1, "k": k, "n": n,
-                         "us": times[variant], "gbps": w.nbytes / times[variant] / 1e3, "agrees": ok, **meta})
+                         "ms": times[variant] / 1e3, "gbps": w.nbytes / times[variant] / 1e3, "agrees": ok, **meta})
         rows.append({"bench": "kernels", "kernel": "fused_rms_norm_gemv", "impl": "torch", "variant": f"{label} {kind}",
-                     "dtype": "float16", "batch": 1, "k": k, "n": n, "us": times["torch"],
+                     "dtype": "float16", "batch": 1, "k": k, "n": n, "ms": times["torch"] / 1e3,
                      "gbps": w.nbytes / times["torch"] / 1e3, **meta})
         print(f"{label:>18} {k:>5} {n:>6} " + " ".join(
             f"{times[v]:>8.2f} {w.nbytes / times[v] / 1e3:>7.0f}  " for v in ("torch", *args.variants)))
