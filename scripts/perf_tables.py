@@ -296,7 +296,7 @@ E2E_IMPLS = (("tvmattn", "tvmattn, eager"), ("tvmattn-cuda-graph", "tvmattn, CUD
 SMOLLM2_SHAPE = {"num_layers": 30, "num_qo_heads": 9}  # the e2e table's model (other shapes have rows too)
 H200, H100 = DEFAULT_GPU, "NVIDIA H100 80GB HBM3"  # the e2e tables' devices (rows' `device`)
 # rows of CUDA libraries with the fused decode ops in every decode function, which builds no longer
-# make (models/export.py): docs/performance.md quotes them beside the unfused run
+# make (models/export.py): never the e2e tables' configuration
 E2E_UNLESS = {"fused_layers": "all"}
 
 
