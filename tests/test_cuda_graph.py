@@ -302,6 +302,8 @@ def test_replay_equals_eager_and_the_reference():
     assert graphs.time_replays(1, 5) > 0
     with pytest.raises(KVCacheError, match="no current graph of bucket 2"):
         graphs.time_replays(2, 1)
+    with pytest.raises(KVCacheError, match="count must be at least 1, got 0"):
+        graphs.time_replays(1, 0)
     graph.check_kv()
     eager.check_kv()
     for seq_id in list(graph.k):

@@ -210,6 +210,12 @@ def test_fused_rule_schedules_and_compiles_for_cuda(kind, k, n, batch, staged, t
     assert threads <= 32 if staged else threads == 32  # one warp a block
 
 
+@pytest.mark.parametrize("threads, lanes", [(64, 32), (16, 32), (32, 0)])
+def test_cuda_fused_rule_refuses_blocks_other_than_one_warp(threads, lanes):
+    with pytest.raises(ValueError, match=f"threads={threads}, lanes={lanes}: expected 1 <= lanes <= threads <= 32"):
+        CUDAFusedDecodeGEMV(threads=threads, lanes=lanes)
+
+
 def test_fused_rules_leave_other_functions():
     for rule, target in ((CUDAFusedDecodeGEMV(), CUDA), (CPUFusedDecodeGEMV(), LLVM)):
         assert rule.apply(nt_matmul(64, 576), target, False) is None
@@ -345,10 +351,9 @@ def test_bench_fused_gemv_builds_every_variant_and_shares_the_reference(tmp_path
     tests' (fused_reference)."""
     bench = load_script("bench_fused_gemv")
     for variant in bench.VARIANTS:
-        assert (tmp_path / f"smollm2-qkv-{variant}.so") == type(tmp_path)(bench.build(("smollm2-qkv", variant),
-                                                                                        str(tmp_path)))
-        assert (tmp_path / f"smollm2-qkv-{variant}.so").stat().st_size > 0
-    with pytest.raises(ValueError):
+        path = tmp_path / f"smollm2-qkv-{variant}.so"
+        assert bench.build(("smollm2-qkv", variant), str(tmp_path)) == str(path) and path.stat().st_size > 0
+    with pytest.raises(ValueError, match="one warp"):
         bench.rule("staged-t64-b264")  # more than one warp a block
     rng = np.random.default_rng(3)
     for kind, n in (("plain", 48), ("swiglu", 96)):

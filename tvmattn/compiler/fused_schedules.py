@@ -17,8 +17,8 @@ rms_norm rounds it) to shared memory once; each column's
 lanes then read it and the weight as 16-byte vectors, their partial sums meet in a shuffle
 reduction, then the epilogue. SwiGLU: the gate column, then the up column, in the same
 threads, so the epilogue has both. `staged=False` is the earlier layout, where every column's
-lanes recomputed the norm from x and g element by element (2x to 3x slower at batch 1 on the
-H200, scripts/bench_fused_gemv.py); it stays for that comparison.
+lanes recomputed the norm from x and g element by element (slower: docs/performance.md,
+"Kernels per decode layer"); it stays for scripts/bench_fused_gemv.py's comparison.
 
 `CPUFusedDecodeGEMV`: the norm as plain loops (one row of sums and one normalized row per
 token: little work), then the product parallel over column chunks, each column's dot product
@@ -65,12 +65,6 @@ def _matmuls(sch: s_tir.Schedule) -> list:
     except (RuntimeError, ValueError):  # ScheduleError and TVM internal errors are RuntimeErrors
         pass
     return blocks
-
-
-def _read_index(sch: s_tir.Schedule, block, ndim: int) -> int:
-    """The index among block's reads of the (single) buffer of `ndim` dimensions."""
-    reads = sch.get(block).reads
-    return next(i for i, region in enumerate(reads) if len(region.source.shape) == ndim)
 
 
 def _vector(extent: int, candidates) -> int:

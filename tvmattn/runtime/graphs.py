@@ -50,8 +50,8 @@ The CUDA runtime (`libcudart`, loaded by TVM) is reached through ctypes, as in u
 from __future__ import annotations
 
 import ctypes
-import math
 import dataclasses
+import math
 import time
 from typing import Any, Callable
 
