@@ -1,6 +1,7 @@
 """paged_decode against the float64 reference, CPU and CUDA."""
 
 import dataclasses
+import re
 import zlib
 
 import numpy as np
@@ -93,23 +94,44 @@ def test_paged_decode_split_kv(kernels, batch_size, length):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused_merge", [True, False], ids=["fused-merge", "merge-kernel"])
 @pytest.mark.parametrize("min_split_keys", [None, 1, 32, 4096])
-def test_paged_decode_request_splits(kernels, min_split_keys):
+def test_paged_decode_request_splits(kernels, min_split_keys, fused_merge):
     """SmolLM2's heads (9 / 3, d64: the CUDA-core kernel) with ragged lengths: each request
     takes min(slots, ceil(kv_len / min_split_keys)) splits (one: written directly, the merge
-    skips it); default, every slot, and never split."""
+    skips it); default, every slot, and never split; the splits merged by the last split block
+    (fused_merge) or by the merge kernel. Each call runs twice: the fused merge's arrival
+    counters must be back at zero for the next launch."""
     hq, hkv, d, ps, dtype = 9, 3, 64, 16, "float16"
     config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target="cuda")
     lengths = [1, 0, 64, 65, 512, 3000, 17]
     rng = np.random.default_rng(13)
     batch = make_paged_batch(rng, lengths, hkv, d, ps, dtype)
     q = randn(rng, (batch.batch, hq, d), dtype)
-    runner = kernels
-    if min_split_keys is not None:
-        runner = _Scheduled(kernels, dataclasses.replace(choose_decode_schedule(config), min_split_keys=min_split_keys))
-    o, lse = run_decode(runner, config, batch, q)
+    sched = choose_decode_schedule(config)
+    sched = dataclasses.replace(sched, min_split_keys=min_split_keys or sched.min_split_keys, fused_merge=fused_merge)
+    runner = _Scheduled(kernels, sched)
     expected = [ref.attention(q[i : i + 1], *batch.visible(i), default_sm_scale(d), causal=False)
                 for i in range(batch.batch)]
+    for _ in range(2):
+        o, lse = run_decode(runner, config, batch, q)
+        check(config, o, lse, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_size,length", [(1, 512), (1, 70000), (64, 300), (175, 129)])
+def test_paged_decode_fused_merge_at_every_grid(kernels, batch_size, length):
+    """The default CUDA-core schedule (fused merge) where the grid has many split slots per
+    request (batch 1: 64 slots, 70,000 keys: every slot taken) down to two (175 requests of 3
+    KV heads: 525 of the 528 target blocks), ragged lengths, group 3 at head dim 64."""
+    hq, hkv, d, ps, dtype = 9, 3, 64, 16, "bfloat16"
+    config = AttentionConfig(hq, hkv, d, dtype=dtype, page_size=ps, target="cuda")
+    rng = np.random.default_rng(batch_size * 7 + length)
+    batch = make_paged_batch(rng, [length + 5 * (i % 13) for i in range(batch_size)], hkv, d, ps, dtype)
+    q = randn(rng, (batch_size, hq, d), dtype)
+    o, lse = run_decode(kernels, config, batch, q)
+    expected = [ref.attention(q[i : i + 1], *batch.visible(i), default_sm_scale(d), causal=False)
+                for i in range(batch_size)]
     check(config, o, lse, expected)
 
 
@@ -168,6 +190,23 @@ def test_decode_schedule_validation():
         DecodeSchedule(lanes=8, rows=16, rows_per_thread=2, heads_per_block=1, min_split_keys=0)
     with pytest.raises(ValueError, match="v_head_dim"):
         paged_decode(AttentionConfig(8, 2, 64, v_head_dim=128))
+    with pytest.raises(ValueError, match="fused_merge is CUDA's"):
+        paged_decode(AttentionConfig(9, 3, 64), DecodeSchedule(lanes=1, rows=1, rows_per_thread=16, heads_per_block=3,
+                                                               max_splits=4, fused_merge=True))
+
+
+@pytest.mark.parametrize("fused_merge", [True, False])
+def test_cuda_core_decode_merges_in_the_split_kernel(fused_merge):
+    """CUDA source (no GPU needed): with fused_merge (the default schedule's) each rotary mode is
+    one kernel that counts its split blocks' arrivals; without it a merge kernel follows either."""
+    config = AttentionConfig(9, 3, 64, dtype="float16", page_size=16, target="cuda")
+    sched = dataclasses.replace(choose_decode_schedule(config), fused_merge=fused_merge)
+    assert choose_decode_schedule(config).fused_merge
+    module = tvm.compile(tvm.IRModule({"decode": paged_decode(config, sched)}), target=config.tvm_target())
+    cuda_source = module.mod.imports[0].inspect_source()
+    kernels = set(re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(', cuda_source))
+    assert len(kernels) == (2 if fused_merge else 3)
+    assert ("tvmattn_decode_arrive_simt" in cuda_source) == fused_merge
 
 
 def test_paged_decode_cpu_prefetches_next_step():

@@ -6,7 +6,9 @@ tensor-core kernel (decode_tc.py) does not serve a config, or a `DecodeSchedule`
 Algorithm: a block serves one request, one KV head and `heads_per_block` query heads of its
 group, over one split of the request's visible KV tokens. Each thread keeps an online
 softmax (running max, denominator, output) over the rows it reads; rows are combined in
-shared memory, and splits (when more than one) are merged in FP32 by a second kernel.
+shared memory, and splits (when more than one) are merged in FP32: on CUDA by the last of a
+request's split blocks to finish (`fused_merge`, an arrival counter per request and head chunk),
+else (the CPU, or a schedule without fused_merge) by a second kernel.
 The grid's split slots per request are computed at launch from the batch size, so small
 batches still fill the GPU; a request uses min(slots, ceil(kv_len / min_split_keys)) of
 them (`request_splits`, read in the kernel from its length: a captured grid stays valid for
@@ -34,11 +36,15 @@ from tvm.script import tirx as T
 from .common import (CPU_SCRATCH_SCOPE, EMPTY_LSE, LOG2E, ceildiv, exp2_vector, kv_chunk_len, loop_kinds,
                      paged_position, rope_value)
 from .config import AttentionConfig, RopeScaling
+from .cuda_funcs import LDCG, LDCG_SRC, arrival_counter
 from .decode_contract import check_config, decode_func
 from .kv_quant import read_kv
 from .schedules import DecodeSchedule, choose_decode_schedule
 from .softmax import (finalize_lse, finalize_scale, finished_l, prob, rescale_factor,
                       softmax_macros)
+
+# CUDA fused merge: the splits whose partials a merging thread loads in one round
+FUSED_MERGE_UNROLL = 8
 
 # CPU: the split merge runs as a parallel loop from this many (request, query head) rows on
 CPU_PARALLEL_MERGE_ROWS = 64
@@ -86,6 +92,7 @@ class _Dims:
     MAX_SPLITS: int
     TARGET_BLOCKS: int
     MIN_SPLIT_KEYS: int
+    FUSED: bool  # CUDA: the last split block of a (request, head chunk) merges the splits
     VL: int  # CPU: float lanes of the q . k partial sums (a power of two dividing EPL)
     ROW_LINES: int  # CPU: cache lines a K or V row spans (the prefetches per row)
     LINE_ELEMS: int  # CPU: elements per cache line
@@ -102,6 +109,7 @@ class _Dims:
             LANES=sched.lanes, ROWS=sched.rows, RPT=sched.rows_per_thread, HB=sched.heads_per_block,
             EPL=epl, VEC=min(epl, 16 // config.elem_bytes) if config.is_gpu else epl,
             MAX_SPLITS=sched.max_splits, TARGET_BLOCKS=sched.target_blocks, MIN_SPLIT_KEYS=sched.min_split_keys,
+            FUSED=config.is_gpu and sched.fused_merge and sched.max_splits > 1,
             VL=next(v for v in (8, 4, 2, 1) if epl % v == 0),
             ROW_LINES=ceildiv(config.head_dim * page_bytes, CACHE_LINE_BYTES),
             LINE_ELEMS=CACHE_LINE_BYTES // page_bytes, config=config,
@@ -484,8 +492,9 @@ def _attend_cpu_macro(dims: _Dims, L):
 
 
 def _merge_macros(dims: _Dims, L):
-    """combine_rows (the row groups of a block) and merge_splits(indptr_, length_info_, o_part_,
-    lse_part_, O_, lse_) (the splits of each request that took more than one)."""
+    """combine_rows (the row groups of a block), merge_splits(indptr_, length_info_, o_part_,
+    lse_part_, O_, lse_) (the splits of each request that took more than one) and, on CUDA,
+    fused_merge (the same merge by the last split block of a request and head chunk)."""
     dtype, D, Hq = dims.dtype, dims.D, dims.Hq
     LANES, ROWS, HB, NTHREADS = dims.LANES, dims.ROWS, dims.HB, dims.NTHREADS
     sm = softmax_macros(L)
@@ -583,9 +592,75 @@ def _merge_macros(dims: _Dims, L):
             for bh in T.serial(batch * Hq):
                 merge_row_cpu(indptr_, length_info_, o_part_, lse_part_, O_, lse_, batch, bh)
 
+    # Arrival counters of the fused merge, a slot per (request, head chunk): a launch splits only
+    # where batch * heads < TARGET_BLOCKS (`num_splits`), so slot b * heads + hc stays below it.
+    ARRIVE, ARRIVE_SRC = arrival_counter(max(dims.TARGET_BLOCKS, 1), "_simt")
+
+    @T.macro
+    def fused_merge(o_part_, lse_part_, O_, lse_, batch, b, hc, nsplit, ty_, tx_):
+        """After this block's split partial is written: the last of the request's nsplit split
+        blocks of head chunk hc to arrive merges their partials into O_ / lse_ (merge_splits_gpu's
+        arithmetic, FUSED_MERGE_UNROLL splits at a time; the partials read through L2, where the
+        other blocks wrote them)."""
+        flag = T.alloc_buffer((1,), "int32", scope="shared")
+        last = T.alloc_buffer((1,), "int32", scope=L.local)
+        m_all = T.alloc_buffer((1,), "float32", scope=L.local)
+        d_all = T.alloc_buffer((1,), "float32", scope=L.local)
+        acc = T.alloc_buffer((1,), "float32", scope=L.local)
+        m_new = T.alloc_buffer((1,), "float32", scope=L.local)
+        weight = T.alloc_buffer((1,), "float32", scope=L.local)
+        lse_v = T.alloc_buffer((FUSED_MERGE_UNROLL,), "float32", scope=L.local)
+        o_v = T.alloc_buffer((FUSED_MERGE_UNROLL,), "float32", scope=L.local)
+        T.tvm_storage_sync("shared")  # every thread's share of the partial is written
+        if ty_ * LANES + tx_ == 0:
+            flag[0] = T.cuda.func_call(ARRIVE, b * (dims.Hkv * dims.CHUNKS) + hc, nsplit, source_code=ARRIVE_SRC,
+                                       return_type="int32")
+        T.tvm_storage_sync("shared")
+        last[0] = flag[0]
+        T.tvm_storage_sync("shared")  # (so that TVM needs no barrier inside the branch)
+        if last[0] == 1:
+            for step in T.serial(ceildiv(HB * D, NTHREADS)):
+                if step * NTHREADS + ty_ * LANES + tx_ < HB * D:
+                    h = dims.head(hc, (step * NTHREADS + ty_ * LANES + tx_) // D)
+                    e = (step * NTHREADS + ty_ * LANES + tx_) % D
+                    m_all[0] = T.float32(EMPTY_LSE)
+                    d_all[0] = T.float32(0)
+                    acc[0] = T.float32(0)
+                    for chunk in T.serial(ceildiv(nsplit, FUSED_MERGE_UNROLL)):
+                        # one round of independent loads per chunk of splits (a loop of dependent
+                        # ones would wait an L2 round trip per split)
+                        for u in T.unroll(FUSED_MERGE_UNROLL):
+                            lse_v[u] = T.float32(EMPTY_LSE)
+                            o_v[u] = T.float32(0)
+                            if chunk * FUSED_MERGE_UNROLL + u < nsplit:
+                                lse_v[u] = T.cuda.func_call(
+                                    LDCG, T.address_of(
+                                        lse_part_[((chunk * FUSED_MERGE_UNROLL + u) * batch + b) * Hq + h]),
+                                    source_code=LDCG_SRC, return_type="float32")
+                                o_v[u] = T.cuda.func_call(
+                                    LDCG, T.address_of(
+                                        o_part_[(((chunk * FUSED_MERGE_UNROLL + u) * batch + b) * Hq + h) * D + e]),
+                                    source_code=LDCG_SRC, return_type="float32")
+                        m_new[0] = m_all[0]
+                        for u in T.unroll(FUSED_MERGE_UNROLL):
+                            m_new[0] = T.max(m_new[0], lse_v[u])
+                        # softmax.combine's arithmetic, a chunk at a time (the running state
+                        # rescaled to the chunk's max)
+                        d_all[0] = d_all[0] * rescale_factor(m_all[0], m_new[0])
+                        acc[0] = acc[0] * rescale_factor(m_all[0], m_new[0])
+                        m_all[0] = m_new[0]
+                        for u in T.unroll(FUSED_MERGE_UNROLL):
+                            weight[0] = finished_l(lse_v[u]) * rescale_factor(lse_v[u], m_all[0])
+                            d_all[0] = d_all[0] + weight[0]
+                            acc[0] = acc[0] + o_v[u] * weight[0]
+                    sm.finalize(m_all, d_all, acc, 0, 1)
+                    O_[b, h, e] = T.Cast(dtype, acc[0])
+                    if e == 0:
+                        lse_[b, h] = m_all[0]
+
     if dims.gpu:
-        return combine_rows, merge_splits_gpu
-    return combine_rows, merge_splits_cpu
+        return combine_rows, merge_splits_gpu, fused_merge
+    return combine_rows, merge_splits_cpu, None
 
 
 def _split_kernel_macro(dims: _Dims, L):
@@ -594,7 +669,7 @@ def _split_kernel_macro(dims: _Dims, L):
     LANES, ROWS, HB = dims.LANES, dims.ROWS, dims.HB
     attend = _attend_macro(dims, L)
     attend_cpu = _attend_cpu_macro(dims, L)
-    combine_rows, _ = _merge_macros(dims, L)
+    combine_rows, _, fused_merge = _merge_macros(dims, L)
 
     @T.macro
     def block(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, o_, lse_, o_part_, lse_part_,
@@ -627,6 +702,8 @@ def _split_kernel_macro(dims: _Dims, L):
                                          o_part_, val, [((split * batch + b) * Hq + dims.head(hc, h)) * D + e]),
                                      lambda h, val: T.buffer_store(
                                          lse_part_, val, [(split * batch + b) * Hq + dims.head(hc, h)]))
+                        if dims.FUSED:
+                            fused_merge(o_part_, lse_part_, o_, lse_, batch, b, hc, nsplit, ty, tx)
 
     @T.macro
     def split_kernel(q_, pages_, indptr_, indices_, length_info_, k_pos_, q_pos_, o_, lse_, o_part_, lse_part_,
@@ -659,7 +736,7 @@ def paged_decode_simt(config: AttentionConfig, schedule: DecodeSchedule | None =
     dims = _Dims.of(config, sched)
     L = loop_kinds(config)
     split_kernel = _split_kernel_macro(dims, L)
-    _, merge_splits = _merge_macros(dims, L)
+    _, merge_splits, _ = _merge_macros(dims, L)
     Hq, D = dims.Hq, dims.D
 
     @T.macro
@@ -675,7 +752,7 @@ def paged_decode_simt(config: AttentionConfig, schedule: DecodeSchedule | None =
         else:
             split_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, k_rope_pos_offset_, q_rope_position_,
                          O_, lse_, o_part, lse_part, False, rope_scale_, rope_theta_, sm_scale_)
-        if dims.num_splits(batch) > 1:
+        if dims.num_splits(batch) > 1 and not dims.FUSED:
             merge_splits(page_indptr_, length_info_, o_part, lse_part, O_, lse_)  # in FP32, per (request, head)
 
     return decode_func(config, kernel)

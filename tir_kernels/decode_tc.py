@@ -73,7 +73,7 @@ from tvm.script import tirx as T
 from .common import (EMPTY_LSE, LOG2E, PDL_TAG, ceildiv, grid_dependency_wait, launch_dependents, loop_kinds,
                      paged_position, rope_inv_freq)
 from .config import AttentionConfig
-from .cuda_funcs import FMA4, FMA4_SRC, LDCG, LDCG4, LDCG4_SRC, LDCG_SRC
+from .cuda_funcs import FMA4, FMA4_SRC, LDCG, LDCG4, LDCG4_SRC, LDCG_SRC, arrival_counter
 from .decode_contract import check_config, decode_func
 from .kv_quant import (FP8_FETCH, FP8_FETCH_SRC, FP8_TILE_FACTOR, fp8_chunk_function, fp8_store_function,
                        kv_scale)
@@ -119,28 +119,6 @@ __device__ __forceinline__ void {name}(float* lo, float* hi, {params}) {{
   }}
   *reinterpret_cast<uint4*>(lo) = make_uint4(x[0], x[1], x[2], x[3]);
   *reinterpret_cast<uint4*>(hi) = make_uint4(y[0], y[1], y[2], y[3]);
-}}
-"""
-    return name, src
-
-
-def _arrival_counter(slots: int, tag: str = ""):
-    """Name and CUDA source of the fused merge's arrival function over `slots` counters: a
-    module-scope __device__ array (zeroed when the module loads, as every __device__ variable
-    without an initializer); arrive(slot, n), called by one thread of a split block after the
-    block's partial is written and fenced, returns 1 to the n-th block to arrive, which resets
-    the counter to 0 for the next launch (so no per-call memset). Launches of one module must not
-    overlap in time (one stream, or graphs replayed in order)."""
-    name, counters = f"tvmattn_decode_arrive{tag}_{slots}", f"tvmattn_decode_arrivals{tag}_{slots}"
-    src = f"""
-__device__ unsigned {counters}[{slots}];
-__device__ __forceinline__ int {name}(int slot, int n) {{
-  __threadfence();
-  unsigned seen = atomicAdd(&{counters}[slot], 1u);
-  if (seen + 1u < (unsigned)n) return 0;
-  {counters}[slot] = 0u;
-  __threadfence();
-  return 1;
 }}
 """
     return name, src
@@ -308,11 +286,11 @@ class _Layout:
         ROPE, ROPE_SRC = _rope_chunks_function(dtype)
         # (request, KV head) arrival counters of fused_merge: a launch with more than one split slot
         # has at most target_blocks / 2 of them
-        ARRIVE, ARRIVE_SRC = _arrival_counter(max(sched.target_blocks, 1))
+        ARRIVE, ARRIVE_SRC = arrival_counter(max(sched.target_blocks, 1))
         # merge_fanin: the first level counts per (request, KV head, run of splits) at the run's first
         # block slot (batch * Hkv * slots <= target_blocks), the second per (request, KV head)
         FANIN = sched.merge_fanin if FUSED else 0
-        ARRIVE2, ARRIVE2_SRC = _arrival_counter(max(sched.target_blocks, 1), "runs")
+        ARRIVE2, ARRIVE2_SRC = arrival_counter(max(sched.target_blocks, 1), "runs")
         ARRIVEC, ARRIVEC_SRC = _cooperative_arrival(max(sched.target_blocks, 1))
         # Split slots the merge is compiled for (a launch takes the first that holds its slots):
         # 8, the slots of a batch of one, max_splits.
@@ -920,7 +898,7 @@ def _fused_merge_macro(lay: _Layout, L):
 
     @T.macro
     def arrive(smem_, func_, src_, args_, tid_, last_):
-        """last_[0] <- func_(*args_) (an arrival function of this module: `_arrival_counter`'s
+        """last_[0] <- func_(*args_) (an arrival function of this module: `cuda_funcs.arrival_counter`'s
         1 in the n-th block to arrive, else 0; `_cooperative_arrival`'s merger index or -1),
         called by one thread after the block's barrier (the arrival fences); the verdict goes
         to every thread through shared memory."""

@@ -40,6 +40,8 @@ class DecodeSchedule:
     min_split_keys: a request uses min(slots, ceil(kv_len / min_split_keys)) of the slots (read
       in the kernel from its length, so a captured grid stays valid); one split writes o / lse
       directly, more are merged in FP32.
+    fused_merge (CUDA): the last of a request's split blocks to finish (an arrival counter per
+      request and head chunk) merges the splits, instead of a second kernel.
     """
 
     lanes: int
@@ -49,6 +51,7 @@ class DecodeSchedule:
     max_splits: int = 1
     target_blocks: int = 2 * CUDA_NUM_SMS
     min_split_keys: int = 1
+    fused_merge: bool = False
 
     def __post_init__(self):
         _require(is_power_of_two(self.lanes) and self.lanes <= 32, "lanes must be a power of two <= 32")
@@ -64,6 +67,7 @@ class DecodeSchedule:
             config.group_size % self.heads_per_block == 0,
             f"heads_per_block={self.heads_per_block} must divide the GQA group {config.group_size}",
         )
+        _require(config.is_gpu or not self.fused_merge, f"fused_merge is CUDA's (target={config.target!r})")
 
 
 def choose_decode_schedule(config: AttentionConfig) -> DecodeSchedule:
@@ -94,6 +98,7 @@ def choose_decode_schedule(config: AttentionConfig) -> DecodeSchedule:
         max_splits=64,
         target_blocks=4 * CUDA_NUM_SMS,
         min_split_keys=CUDA_CORE_MIN_SPLIT_KEYS,
+        fused_merge=True,
     )
 
 
@@ -497,12 +502,12 @@ def schedule_to_dict(sched) -> dict:
 
 def decode_schedule_label(sched) -> str:
     """A schedule's short name: TensorCoreDecodeSchedule.label, or cc-l<lanes>r<rows>p<rows per
-    thread>h<heads per block>t<target_blocks>x<max_splits>[m<min_split_keys>] for the CUDA-core kernel."""
+    thread>h<heads per block>t<target_blocks>x<max_splits>[m<min_split_keys>][-f (fused_merge)] for the CUDA-core kernel."""
     if isinstance(sched, TensorCoreDecodeSchedule):
         return sched.label
     return (f"cc-l{sched.lanes}r{sched.rows}p{sched.rows_per_thread}h{sched.heads_per_block}"
             f"t{sched.target_blocks}x{sched.max_splits}"
-            + (f"m{sched.min_split_keys}" if sched.min_split_keys != 1 else ""))
+            + (f"m{sched.min_split_keys}" if sched.min_split_keys != 1 else "") + ("-f" if sched.fused_merge else ""))
 
 
 _TABLE_CACHE: dict = {}
