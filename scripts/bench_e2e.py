@@ -9,7 +9,9 @@ from the same `compile_model` call (same model, dtype, page size and build flags
   prefill, end_forward, synchronized), median of --reps runs -> tokens/s;
 - decode at each batch size: every sequence first prefilled with --prompt-len tokens, then
   greedy `decode` (batch 1) / `batch_decode` steps with the argmax taken on the GPU (torch
-  via DLPack where present), timed over --steps steps after 3 warm-up steps -> tokens/s.
+  via DLPack where present; with CUDA graphs, where the library has sampling kernels, its
+  `sample` as the graph's last kernel, the ids fed to the next step by its `feed_tokens`: a step
+  is then one graph), timed over --steps steps after 3 warm-up steps -> tokens/s.
   Our cache's steps run back to back (its plan uploads are ordered on the kernels' stream); TVM's
   stock cache waits for the previous step before each one (`Runner.ordered_uploads`: its C++
   runtime uploads the next plan on a separate stream into the buffer the running step reads,
@@ -258,13 +260,28 @@ class Runner:
 
             if "decode_step" not in self.metadata["functions"]:
                 raise SystemExit(f"{path} has no decode_step (built before CUDA-graph support): delete it to rebuild")
+            from tvmattn.device_sampling import FEED_FUNCTION, has_device_sampling
+
             self.graph_ids: dict = {}
+            # the greedy choice inside the graph where the library has sampling kernels: `sample`
+            # with all-zero parameters (temperature 0: the argmax), its ids fed to the next step
+            # by `feed_tokens`, so that a step is one graph and no kernel runs between graphs
+            self.samples_in_graph = (has_device_sampling(self.metadata)
+                                     and FEED_FUNCTION in self.metadata.get("functions", ()))
+            self.graph_params: dict = {}
             self.graphs = DecodeGraphs(self.cache, self._decode_step, max_batch)
+        self.sampled = None  # the last graph step's sampled ids (samples_in_graph), else None
 
     def _decode_step(self, bucket: int):
         from tvmattn.session import library_decode_step
 
-        return library_decode_step(self.vm, self.graph_ids[bucket], self.cache, self.params, self.hidden)
+        logits = library_decode_step(self.vm, self.graph_ids[bucket], self.cache, self.params, self.hidden)
+        if not self.samples_in_graph:
+            return logits
+        if bucket not in self.graph_params:
+            self.graph_params[bucket] = tvm.runtime.tensor(np.zeros((bucket, 4), np.float32), self.device)
+        rows = logits._create_view((bucket, int(logits.shape[-1])))
+        return logits, self.function("sample")(rows, self.graph_params[bucket])
 
     def function(self, name: str):
         function = self.functions.get(name)
@@ -299,8 +316,16 @@ class Runner:
             if bucket not in self.graph_ids:
                 self.graph_ids[bucket] = tvm.runtime.empty((bucket,), "int32", device=self.device)
             buffer = self.graph_ids[bucket]
-            (buffer if b == bucket else buffer._create_view((b,), "int32", 0)).copyfrom(ids)
-            logits = self.graphs.run(seq_ids)
+            ids_view = buffer if b == bucket else buffer._create_view((b,), "int32", 0)
+            if self.samples_in_graph:
+                self.function("feed_tokens")(ids, ids_view)
+            else:
+                ids_view.copyfrom(ids)
+            outputs = self.graphs.run(seq_ids)
+            logits = outputs
+            if self.samples_in_graph:
+                logits, sampled = outputs
+                self.sampled = sampled if b == bucket else sampled._create_view((b,), "int32", 0)
             if b != bucket:
                 logits = logits._create_view((b, *logits.shape[1:]), "float32", 0)
             self.host_s += time.perf_counter() - start
@@ -322,6 +347,14 @@ def greedy(logits, device):
     except ImportError:
         host = logits.numpy()[:, 0].argmax(-1).astype(np.int32)
         return tvm.runtime.tensor(host, device=device), host
+
+
+def next_tokens(runner: Runner, logits):
+    """The greedy ids of a decode step on the device: chosen inside its graph (Runner.sampled),
+    else `greedy` of its logits."""
+    if runner.graphs is not None and runner.sampled is not None:
+        return runner.sampled
+    return greedy(logits, runner.device)[0]
 
 
 @no_cyclic_gc()
@@ -360,7 +393,7 @@ def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
             logits = runner.decode(seq_ids, tokens)
             if first is None:
                 first = logits.numpy()
-            tokens, _ = greedy(logits, runner.device)
+            tokens = next_tokens(runner, logits)
         runner.sync()
         with around_steps or contextlib.nullcontext():
             runner.plan_s = runner.host_s = 0.0
@@ -369,7 +402,7 @@ def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
                 if not runner.ordered_uploads:  # (see Runner.ordered_uploads)
                     runner.sync()
                 logits = runner.decode(seq_ids, tokens)
-                tokens, _ = greedy(logits, runner.device)
+                tokens = next_tokens(runner, logits)
             runner.sync()
             per_step = (time.perf_counter() - start) / steps
         gpu_s = None

@@ -376,21 +376,29 @@ def test_replay_with_sliding_layers_equals_eager_and_the_reference(page_size, wi
     assert graph.cache.empty()
 
 
-@pytest.mark.gpu
-def test_generator_replays_decode_steps_with_the_eager_tokens(tmp_path):
-    """A float16 CUDA library (a tiny GGUF model): Generator with graphs (the default) gives the
-    tokens and logits of Generator without them, for one prompt and a batch."""
+@pytest.fixture(scope="module")
+def tiny_cuda_library(tmp_path_factory):
+    """A float16 CUDA library of a tiny GGUF model (max batch 4)."""
     pytest.importorskip("gguf")
     from test_weights import write_tiny_gguf
 
     from tvmattn.build import compile_model, resolve_target
+
+    folder = tmp_path_factory.mktemp("tiny-cuda")
+    write_tiny_gguf(folder / "tiny.gguf", np.random.default_rng(7))
+    library = folder / "tiny.so"
+    compile_model(str(folder / "tiny.gguf"), library, target=resolve_target("cuda"), max_batch_size=4,
+                  log=lambda m: None)
+    return library
+
+
+@pytest.mark.gpu
+def test_generator_replays_decode_steps_with_the_eager_tokens(tiny_cuda_library):
+    """Generator with graphs (the default) gives the tokens and logits of Generator without
+    them, for one prompt and a batch."""
     from tvmattn.generate import Generator
 
-    gguf_path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(gguf_path, np.random.default_rng(7))
-    library = tmp_path / "tiny.so"
-    compile_model(str(gguf_path), library, target=resolve_target("cuda"), max_batch_size=4, log=lambda m: None)
-    graphed, eager = Generator(library), Generator(library, cuda_graph=False)
+    graphed, eager = Generator(tiny_cuda_library), Generator(tiny_cuda_library, cuda_graph=False)
     prompts = [[5, 17, 9, 3, 42], [9, 4, 10], [12, 8, 3, 3, 45, 27, 0]]
     for batch in (prompts[:1], prompts):
         a = graphed.generate_tokens(batch, max_new_tokens=12, keep_logits=True)
@@ -400,3 +408,42 @@ def test_generator_replays_decode_steps_with_the_eager_tokens(tmp_path):
         for x, y in zip(a.logits, b.logits):
             np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2)
     assert graphed.session.graphs.captures >= 2 and graphed.session.graphs.replays >= 12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3])
+def test_graph_samples_its_rows_like_the_host(tiny_cuda_library, rows):
+    """decode_sampled: the graph's last kernel is `sample` with the parameters prepare uploaded
+    into the graph's buffer: greedy rows get the argmax of the step's logits, seeded ones the
+    host Sampler's token from those logits; 3 rows replay bucket 4 (a padding row), each step
+    fed the previous step's ids on the device."""
+    from tvmattn.sampling import Sampler, SamplingOptions
+    from tvmattn.session import ModelSession
+
+    session = ModelSession(tiny_cuda_library)
+    session.create_cache(4, 256)
+    vocab = session.vocab_size
+    options = [SamplingOptions(temperature=0), SamplingOptions(temperature=0.9, seed=2),
+               SamplingOptions(temperature=1.2, top_k=7, top_p=0.9, seed=3)][:rows]
+    device_side = [Sampler(o, vocab) for o in options]
+    host_side = [Sampler(o, vocab) for o in options]
+    seq_ids = list(range(rows))
+    for seq_id in seq_ids:
+        session.add_sequence(seq_id)
+    session.prefill(seq_ids, [[5, 17, 9], [9, 4, 10, 11], [12, 8]][:rows])
+    assert session.samples_in_graph
+    sampler = session.device_sampler()
+    tokens = [3] * rows
+    for _ in range(6):
+        plan = sampler.prepare(device_side, vocab=vocab, params_at=session.graph_sample_params(rows))
+        logits, sampled = session.decode_sampled(seq_ids, tokens)
+        host_logits = logits.numpy()
+        step = sampler.launch(plan, logits, sampled=sampled).wait()
+        expected = [h.choose(host_logits[i])[0] for i, h in enumerate(host_side)]
+        assert [c[0] for c in step.choices] == expected
+        assert expected[0] == int(np.argmax(host_logits[0]))
+        for h, d, token in zip(host_side, device_side, expected):
+            h.accept(token)
+            d.accept(token)
+        tokens = sampled  # the next step reads them on the device
+    assert session.graphs.replays >= 5

@@ -435,6 +435,61 @@ def test_a_plan_made_before_the_logits_gives_the_same_choices(target):
             d.accept(token)
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_plan_uploaded_for_a_graph_samples_like_the_host(target):
+    """prepare(params_at=) uploads the `sample` parameters into a buffer of the caller's (a CUDA
+    graph's, ModelSession.graph_sample_params), where `sample` reads them (run here as the graph
+    would); launch(sampled=) then only reads its ids back: the host samplers' tokens, a row
+    without a sampler greedy, a host=True row chosen on the host."""
+    vm, device = sampling_vm(target)
+    sampler = DeviceSampler(vm, device)
+    vocab = 90
+    rng = np.random.default_rng(18)
+    options = [o for o in OPTION_SETS if "frequency_penalty" not in o and "presence_penalty" not in o]
+    host = [Sampler(SamplingOptions(**o), vocab) for o in options] + [None]
+    dev = [Sampler(SamplingOptions(**o), vocab) for o in options] + [None]
+    forced = [i == 1 for i in range(len(dev))]
+    graph_params = tvm.runtime.tensor(np.zeros((8, 4), np.float32), device)  # a bucket of 8 rows
+    for _ in range(5):
+        logits = rng.normal(0, 1.5, (len(dev), vocab)).astype(np.float32)
+        params_at = graph_params._create_view((len(dev), 4))
+        plan = sampler.prepare(dev, host=forced, vocab=vocab, params_at=params_at)
+        rows = tvm.runtime.tensor(logits, device)
+        sampled = vm["sample"](rows, params_at)  # what the graph's last kernel does
+        step = sampler.launch(plan, rows, sampled=sampled).wait()
+        expected = [h.choose(logits[i])[0] for i, h in enumerate(host) if h is not None]
+        assert [c[0] for c in step.choices[:-1]] == expected and step.choices[-1] is None
+        assert step.greedy[-1] == int(np.argmax(logits[-1])) and step.on_host == [1]
+        for h, d, token in zip(host, dev, expected):
+            h.accept(token)
+            d.accept(token)
+
+
+def test_a_plan_for_a_graph_refuses_penalties_and_bad_buffers():
+    """params_at: the rows' shape (rows, 4) float32, and no penalized row (the graph samples the
+    logits as they come); the refusal draws nothing (the request's generator is where it was);
+    launch(sampled=): ids [rows] int32, and no plan with penalties."""
+    vm, device = sampling_vm("llvm")
+    sampler = DeviceSampler(vm, device)
+    vocab = 16
+    penalized = Sampler(SamplingOptions(temperature=1.0, seed=3, presence_penalty=1.0), vocab)
+    penalized.accept(2)
+    plain = Sampler(SamplingOptions(temperature=1.0, seed=3), vocab)
+    state = penalized.rng.bit_generator.state
+    with pytest.raises(ValueError, match=r"params_at: rows \[0\] have penalties"):
+        sampler.prepare([penalized], vocab=vocab, params_at=tvm.runtime.tensor(np.zeros((1, 4), np.float32), device))
+    assert penalized.rng.bit_generator.state == state
+    with pytest.raises(ValueError, match=r"params_at: expected a float32 tensor of shape \(1, 4\), got float32 \(2, 4\)"):
+        sampler.prepare([plain], vocab=vocab, params_at=tvm.runtime.tensor(np.zeros((2, 4), np.float32), device))
+    logits = tvm.runtime.tensor(np.zeros((1, vocab), np.float32), device)
+    plan = sampler.prepare([plain], vocab=vocab)
+    with pytest.raises(ValueError, match=r"sampled: expected an int32 tensor of shape \(1,\), got int32 \(2,\)"):
+        sampler.launch(plan, logits, sampled=tvm.runtime.tensor(np.zeros(2, np.int32), device))
+    plan = sampler.prepare([penalized], vocab=vocab)
+    with pytest.raises(ValueError, match="sampled: the plan has penalties"):
+        sampler.launch(plan, logits, sampled=tvm.runtime.tensor(np.zeros(1, np.int32), device))
+
+
 def test_the_ids_are_read_after_the_host_rows_are_sampled(monkeypatch):
     """launch queues the kernels and starts the ids' copy without reading it; wait samples the
     fallback rows first and reads the ids last (on CUDA the host's sampling overlaps the

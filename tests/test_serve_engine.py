@@ -731,11 +731,14 @@ def test_lookahead_steps_give_the_tokens_of_steps_that_wait(library):
 def test_cuda_lookahead_steps_give_the_tokens_of_steps_that_wait(cuda_library, cuda_graph):
     """On CUDA (lookahead on by default): the sampled ids feed the next step on the device,
     into the replayed graph's input buffer or the eager step's, with the tokens of an engine
-    that waits for every step."""
+    that waits for every step; with graphs every lookahead step samples inside its graph (the
+    library's `sample` as the graph's last kernel, its parameters uploaded into the graph's buffer)."""
     waiting, expected = lookahead_run(cuda_library, lookahead=False, cuda_graph=cuda_graph)
     ahead, got = lookahead_run(cuda_library, lookahead=None, cuda_graph=cuda_graph)
     assert ahead.lookahead and ahead.runner.session.uses_cuda_graph == cuda_graph
     assert got == expected and ahead.lookahead_steps > 20
+    assert ahead.graph_sampled_steps == (ahead.lookahead_steps if cuda_graph else 0)
+    assert waiting.graph_sampled_steps == 0
 
 
 def test_lookahead_past_a_stop_token_pops_the_extra_token(library, reference):

@@ -132,7 +132,7 @@ def test_models_health_and_auth(live):
                      "tvmattn_inter_token_latency_seconds", "tvmattn_output_tokens_per_second",
                      "tvmattn_kv_bytes_held", "tvmattn_kv_bytes_full_attention",
                      "tvmattn_sampled_tokens_device", "tvmattn_sampled_tokens_host", "tvmattn_sampling_device",
-                     "tvmattn_lookahead_steps", "tvmattn_lookahead_dropped_tokens"):
+                     "tvmattn_lookahead_steps", "tvmattn_lookahead_dropped_tokens", "tvmattn_graph_sampled_steps"):
             assert name in metrics
 
 

@@ -308,13 +308,15 @@ class DeviceSampler:
         return self._flags
 
     def prepare(self, samplers: Sequence[Sampler | None], masks: Sequence[np.ndarray | None] | None = None,
-                host: Sequence[bool] | None = None, vocab: int | None = None) -> SamplingPlan:
+                host: Sequence[bool] | None = None, vocab: int | None = None, params_at=None) -> SamplingPlan:
         """The plan of a step of len(samplers) rows, made before its logits exist: samplers[row]
         (None: no choice but the row's argmax, StepChoices.greedy, e.g. a draft tree's node, or
         a prompt chunk's row that is not its last; every row is checked for NaN), masks[row] (a
         grammar's allowed tokens, bool [vocab], or None), host[row] (True: the row is read whole,
         and its sampler, if any, chooses on the host); vocab: the logits' width (default: every
-        sampler's own). Draws each device row's uniform and uploads the kernels' inputs."""
+        sampler's own). Draws each device row's uniform and uploads the kernels' inputs;
+        params_at: a device float32 tensor [rows, 4] to upload the `sample` parameters into (a
+        graph that samples, ModelSession.graph_sample_params; its rows take no penalties)."""
         rows = len(samplers)
         masks = [None] * rows if masks is None else list(masks)
         if len(masks) != rows:
@@ -333,19 +335,33 @@ class DeviceSampler:
                 on_host.append(i)
         token_ids, amounts = penalty_rows(samplers, on_device, vocab or max(
             (s.vocab_size for s in samplers if s is not None), default=0))
+        if params_at is not None:
+            if tuple(params_at.shape) != (rows, 4) or str(params_at.dtype) != "float32":
+                raise ValueError(f"params_at: expected a float32 tensor of shape ({rows}, 4), got "
+                                 f"{params_at.dtype} {tuple(params_at.shape)}")
+            if token_ids.shape[1]:
+                raise ValueError(f"params_at: rows {np.flatnonzero((token_ids >= 0).any(1)).tolist()} have penalties, "
+                                 "which must change the logits before they are sampled")
         penalties = None
         if token_ids.shape[1]:
             penalties = (self._token_ids.put(token_ids), self._amounts.put(amounts))
-        params = self._params.put(sample_params(samplers, on_device))
+        if params_at is None:
+            params = self._params.put(sample_params(samplers, on_device))
+        else:  # the uploaders copy int32 elements: the float32 bits travel as they are
+            params = params_at
+            self._params.uploader.copy(sample_params(samplers, on_device).view(np.int32).reshape(-1),
+                                       params_at._create_view((rows * 4,), "int32"))
         copied = sorted(set(on_host) | {i for i in range(rows) if host[i]})
         return SamplingPlan(rows, list(samplers), masks, on_device, on_host, copied, params, penalties)
 
-    def launch(self, plan: SamplingPlan, logits) -> PendingChoices:
+    def launch(self, plan: SamplingPlan, logits, sampled=None) -> PendingChoices:
         """Queue the step's sampling on `logits` (a float32 device tensor [rows, vocab] or
         [b, s, vocab], rows = b * s, as the library returned it): the fallback rows are read
         first (before the penalties change the device rows, in place), then the kernels and the
         ids' copy are queued. Every row goes through `sample` (greedy where it has no device
-        sampler), so every row is checked for NaN."""
+        sampler), so every row is checked for NaN. sampled: the ids [rows] int32 that `sample`
+        already chose inside the step's graph with the plan's parameters (prepare's params_at):
+        only their copy is queued."""
         vocab = int(logits.shape[-1])
         rows = int(np.prod([int(d) for d in logits.shape[:-1]]))
         if str(logits.dtype) != "float32":
@@ -359,10 +375,19 @@ class DeviceSampler:
         flat = logits if len(logits.shape) == 2 else logits._create_view((rows, vocab))
         host_rows = {i: flat._create_view((vocab,), relative_byte_offset=i * vocab * 4).numpy() for i in plan.copied}
         read = tokens = None
-        if len(host_rows) < rows:
+        if sampled is not None:
+            if tuple(sampled.shape) != (rows,) or str(sampled.dtype) != "int32":
+                raise ValueError(f"sampled: expected an int32 tensor of shape ({rows},), got {sampled.dtype} "
+                                 f"{tuple(sampled.shape)}")
             if plan.penalties is not None:
-                self._penalize(flat, *plan.penalties)
-            tokens = self._sample(flat, plan.params)
+                raise ValueError("sampled: the plan has penalties, which the logits must take before sampling")
+        if len(host_rows) < rows:
+            if sampled is not None:
+                tokens = sampled
+            else:
+                if plan.penalties is not None:
+                    self._penalize(flat, *plan.penalties)
+                tokens = self._sample(flat, plan.params)
             read = self._readback.start(tokens, rows)
         return PendingChoices(plan, host_rows, read, tokens)
 

@@ -7,6 +7,8 @@ VM, OUT.params.npz onto the device, the tokenizer), creates its paged KV cache
 - `prefill(seq_ids, prompts)`: whole prompts, the logits of each one's last token;
 - `decode_step(seq_ids, tokens)`: one token per sequence (`decode` for one sequence, else
   `batch_decode`; on CUDA a replayed CUDA graph per batch bucket, tvmattn.runtime.graphs);
+  `decode_sampled`: the same graph, whose last kernel is the library's `sample` (the step's
+  token choice inside the graph, its parameters uploaded to `graph_sample_params` first);
 - `forward(function, ...)`: any step function between `begin_forward` and `end_forward`
   (`batch_prefill` of mixed chunks, `batch_verify` of draft trees); `commit` keeps the
   accepted paths of a verify step;
@@ -178,6 +180,8 @@ class ModelSession:
         self.kv_scales = None
         self.graphs = None  # DecodeGraphs of the current cache (see _graph_decode)
         self._graph_ids: dict[int, Any] = {}  # bucket -> its token-id input buffer on the device
+        # bucket -> the sampling parameters [bucket, 4] f32 its graph's `sample` reads (samples_in_graph)
+        self._graph_params: dict[int, Any] = {}
         # what plain and speculative steps cost here, measured as they run: the engine's
         # speculative back-off weighs drafts against it (tvmattn/speculative.py)
         self.step_costs = StepCosts(VERIFY_PRIOR_CPU if on_cpu else VERIFY_PRIOR_GPU)
@@ -216,7 +220,7 @@ class ModelSession:
         drafting for itself. Its steps run eagerly."""
         other = copy.copy(self)
         other.cache, other.cache_tokens = None, 0
-        other.graphs, other._graph_ids, other.cuda_graph = None, {}, False
+        other.graphs, other._graph_ids, other._graph_params, other.cuda_graph = None, {}, {}, False
         other._device_ids = {}
         other._device_sampler = False  # staging buffers of its own
         return other
@@ -258,17 +262,66 @@ class ModelSession:
                 and "decode_step" in self.metadata.get("functions", ()) and isinstance(self.cache, PagedKVCache)
                 and self.cache.backend == "tir" and self.cache.graph_decode_supported)
 
+    @property
+    def samples_in_graph(self) -> bool:
+        """Decode steps replay CUDA graphs that end with the library's `sample` kernel (the
+        library has device sampling): `decode_sampled` returns the step's choices with its logits."""
+        return self.uses_cuda_graph and self.device_sampler() is not None
+
+    def graph_sample_params(self, rows: int):
+        """Where the graph of a decode step of `rows` sequences reads its sampling parameters: a
+        device float32 view [rows, 4] (tvmattn.device_sampling's layout), written before the
+        step by DeviceSampler.prepare(params_at=); None where steps do not sample in a graph."""
+        if not self.samples_in_graph:
+            return None
+        from .runtime.graphs import bucket_of, buckets_for
+
+        bucket = bucket_of(rows, buckets_for(self.settings["max_batch_size"]))
+        params = self._graph_params.get(bucket)
+        if params is None:  # padding rows: greedy (all zeros)
+            params = self._graph_params[bucket] = tvm.runtime.tensor(np.zeros((bucket, 4), np.float32), self.device)
+        return params if rows == bucket else params._create_view((rows, 4))
+
     def _captured_step(self, bucket: int):
-        return library_decode_step(self.vm, self._graph_ids[bucket], self.cache, self.params, self.hidden_size)
+        logits = library_decode_step(self.vm, self._graph_ids[bucket], self.cache, self.params, self.hidden_size)
+        if not self.samples_in_graph:
+            return logits
+        self.graph_sample_params(bucket)
+        rows = logits._create_view((bucket, int(logits.shape[-1])))
+        return logits, self.function("sample")(rows, self._graph_params[bucket])
+
+    def decode_sampled(self, seq_ids: list[int], tokens):
+        """One decode step replayed as a CUDA graph whose last kernel samples each row with the
+        parameters uploaded to `graph_sample_params(len(seq_ids))` -> (logits [len(seq_ids),
+        vocab] f32, ids [len(seq_ids)] int32), both on the device and rewritten by the next
+        replay of the bucket (ids: `sample`'s, NON_FINITE for a row that is not finite);
+        tokens: as decode_step's. Needs `samples_in_graph`."""
+        if not self.samples_in_graph:
+            raise GenerateError("decode_sampled: this session's decode steps do not sample in a CUDA graph "
+                                "(samples_in_graph is False)")
+        logits, sampled = self._graph_run(seq_ids, tokens)
+        n = len(seq_ids)
+        return (logits._create_view((n, int(logits.shape[-1]))),
+                sampled if int(sampled.shape[0]) == n else sampled._create_view((n,), "int32"))
 
     def _graph_decode(self, seq_ids: list[int], tokens, on_host: bool = True):
         """One decode step replayed as a CUDA graph -> logits [len(seq_ids), vocab] f32 (on_host
         False: a view of the graph's output tensor, rewritten by the next replay); tokens: as
         decode_step's."""
+        outputs = self._graph_run(seq_ids, tokens)
+        logits = outputs[0] if isinstance(outputs, tuple) else outputs
+        if not on_host:
+            return logits._create_view((len(seq_ids), int(logits.shape[-1])))
+        return logits.numpy()[: len(seq_ids), 0]
+
+    def _graph_run(self, seq_ids: list[int], tokens):
+        """The bucket's graph replayed on `tokens` (decode_step's) -> its outputs: logits [bucket,
+        1, vocab], or (logits, sampled ids [bucket]) where samples_in_graph."""
         from .runtime.graphs import DecodeGraphs, bucket_of
 
         if self.graphs is None:
             self.graphs = DecodeGraphs(self.cache, self._captured_step, self.settings["max_batch_size"])
+            self.device_sampler()  # (its one-time check runs a kernel and reads it: never inside a capture)
         bucket = bucket_of(len(seq_ids), self.graphs.buckets)
         ids = self._graph_ids.get(bucket)
         if ids is None:
@@ -280,10 +333,7 @@ class ModelSession:
             host = np.zeros(bucket, np.int32)
             host[: len(tokens)] = tokens
             self._ids_uploader.copy(host, ids)
-        logits = self.graphs.run(seq_ids)
-        if not on_host:
-            return logits._create_view((len(seq_ids), int(logits.shape[-1])))
-        return logits.numpy()[: len(seq_ids), 0]
+        return self.graphs.run(seq_ids)
 
     def function(self, name: str):
         """The library's function `name`, looked up once."""

@@ -339,6 +339,8 @@ class Engine:
         # decode steps launched before the previous step's tokens were read, and the tokens they
         # appended past a request's end (popped from its sequence, their choices dropped)
         self.lookahead_steps = self.lookahead_dropped = 0
+        # lookahead steps whose tokens the library's `sample` chose inside the step's CUDA graph
+        self.graph_sampled_steps = 0
         # steps that held prompt chunks, and steps of decode tokens alone: how many, their seconds
         self.prefill_steps = self.decode_steps = 0
         self.prefill_s = self.decode_s = 0.0
@@ -856,9 +858,18 @@ class Engine:
         if (not self.waiting and rows == self.running and all(map(self._looks_ahead, rows))
                 and all(len(r.output) + 1 < r.options.max_tokens for r in rows)
                 and self._ensure_pages(sum(self._need(r, 1) for r in rows))):
-            plan = self._sampler.prepare([r.sampler for r in rows], vocab=self.runner.vocab_size)
-            logits = self.runner.decode_fed([r.seq_id for r in rows], launched.pending.tokens)
-            self._ahead = _Launched(rows, self._sampler.launch(plan, logits))
+            # where the step is a CUDA graph that ends with `sample`, its parameters go straight
+            # to the graph's buffer and the graph chooses the tokens (no launch after it)
+            params_at = self.runner.graph_sample_params(len(rows))
+            plan = self._sampler.prepare([r.sampler for r in rows], vocab=self.runner.vocab_size, params_at=params_at)
+            seq_ids = [r.seq_id for r in rows]
+            if params_at is None:
+                logits = self.runner.decode_fed(seq_ids, launched.pending.tokens)
+                self._ahead = _Launched(rows, self._sampler.launch(plan, logits))
+            else:
+                logits, sampled = self.runner.decode_fed_sampled(seq_ids, launched.pending.tokens)
+                self._ahead = _Launched(rows, self._sampler.launch(plan, logits, sampled=sampled))
+                self.graph_sampled_steps += 1
             for r in rows:
                 r.unseen = 1
             self.steps += 1

@@ -64,6 +64,9 @@ class EngineMetrics:
                                      "1 when the engine samples with the library's kernels, 0 on the host", registry=r)
         self.lookahead_steps = Gauge("tvmattn_lookahead_steps",
                                      "Decode steps launched before the previous step's tokens were read", registry=r)
+        self.graph_sampled_steps = Gauge("tvmattn_graph_sampled_steps",
+                                         "Lookahead steps whose tokens were sampled inside the step's CUDA graph",
+                                         registry=r)
         self.lookahead_dropped = Gauge("tvmattn_lookahead_dropped_tokens",
                                        "Tokens lookahead steps computed past a request's end (dropped)", registry=r)
         self._samples: collections.deque = collections.deque()
@@ -99,6 +102,7 @@ class EngineMetrics:
         self.sampling_device.set(1 if e.sampling == "device" else 0)
         self.lookahead_steps.set(e.lookahead_steps)
         self.lookahead_dropped.set(e.lookahead_dropped)
+        self.graph_sampled_steps.set(e.graph_sampled_steps)
         with self._lock:
             generated, prompt = e.generated_tokens, e.prompt_tokens
             self.generated.inc(generated - self._seen_generated)

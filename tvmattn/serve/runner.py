@@ -157,6 +157,16 @@ class ModelRunner:
         step's `sample` output, not read by the host) -> its logits, left on the device."""
         return self.session.decode_step(seq_ids, tokens, on_host=False)
 
+    def graph_sample_params(self, rows: int):
+        """Where a decode step of `rows` sequences that samples inside its CUDA graph reads its
+        sampling parameters (DeviceSampler.prepare's params_at), or None where steps do not."""
+        return self.session.graph_sample_params(rows)
+
+    def decode_fed_sampled(self, seq_ids: list[int], tokens):
+        """decode_fed whose CUDA graph also samples (graph_sample_params) -> (logits, ids), both
+        left on the device."""
+        return self.session.decode_sampled(seq_ids, tokens)
+
     def verify(self, seq_ids: list[int], tokens: list[list[int]], parents: list[list[int]], on_host: bool = True):
         """Token trees (tokens[i] with parents[i], node 0 the root) -> per sequence the logits
         [len(tree), vocab] after each node (on_host False: one device tensor of every node's row,
