@@ -166,6 +166,31 @@ def test_greedy_is_the_argmax_with_the_lowest_id_among_ties(target):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_greedy_over_a_vocabulary_of_many_argmax_blocks(target):
+    """A row longer than one block of the CUDA argmax pass (threads x ARGMAX_LOADS ids): equal
+    maxima in different blocks give the lowest id, a maximum in the last, partial block wins,
+    a NaN there or an inf in the first block flags the row; sampled rows beside them."""
+    from tir_kernels.sampling import ARGMAX_LOADS
+
+    kernels = kernels_for(target)
+    block = choose_sampling_schedule(SamplingConfig("float32", "cuda")).threads * ARGMAX_LOADS
+    vocab = 4 * block + 37
+    logits = np.random.default_rng(21).normal(0, 1, (6, vocab)).astype(np.float32)
+    logits[0, [3 * block + 1, block, block - 1]] = 40.0  # ties across blocks: block - 1
+    logits[1, vocab - 1] = 40.0  # the last, partial block
+    logits[2, vocab - 5] = np.nan
+    logits[3, 7] = np.inf
+    logits[4, [block + 3, 2 * block + 9]] = 30.0
+    params = params_for(uniforms(6, seed=22), temperature=0.0)
+    params[4:, 1] = 1.0  # rows 4 and 5 sampled
+    tokens = kernels.sample(logits, params)
+    assert tokens[:4].tolist() == [block - 1, vocab - 1, -1, -1]
+    assert tokens[4] in (block + 3, 2 * block + 9)  # e^30 against a tail of e^N(0,1): one of the two
+    expected = reference_distribution(logits[5], 1.0, 0, 1.0)
+    assert tokens[5] == inverse_cdf(expected, params[5:6, 0])[0]
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_rows_holding_nan_or_inf_get_the_non_finite_token(target):
     """Greedy or sampled, a row with one NaN, +inf or -inf logit (anywhere, also past the first
     CUDA block's worth of ids) gets -1; the finite rows of the same batch are unaffected."""

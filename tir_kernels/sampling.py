@@ -33,8 +33,11 @@ token_ids [rows, m] i32, amounts [rows, m] f32)`: logits[r, token_ids[r, j]] -= 
 for token_ids >= 0 (-1 pads); the host gives each penalized token once per row, with amount
 frequency_penalty * count + presence_penalty.
 
-CUDA: one block of `threads` threads per row, block-wide reductions in shared memory. CPU: the
-same algorithm with one "thread" per row, rows in parallel.
+CUDA: the argmax (and NaN check) first runs over blocks of threads * ARGMAX_LOADS logits each
+(`chunk_argmax`: a greedy row at batch 1 is not streamed through one SM), then one block of
+`threads` threads per row reduces the partials and, for a sampled row, cuts and draws, with
+block-wide reductions in shared memory. CPU: the same algorithm with one "thread" per row,
+rows in parallel, the argmax in the row's own pass.
 """
 
 from __future__ import annotations
@@ -97,6 +100,10 @@ class SamplingSchedule:
         return max((1 << self.radix_bits) - 1, 3)
 
 
+# CUDA: logits per block of the argmax pass (`chunk_argmax`), ARGMAX_LOADS per thread loaded at once
+ARGMAX_LOADS = 16
+
+
 def choose_sampling_schedule(config: SamplingConfig) -> SamplingSchedule:
     """256 threads per row on CUDA (15 sums x 256 threads of shared memory), one on the CPU."""
     return SamplingSchedule(256 if config.is_gpu else 1, 4)
@@ -139,6 +146,7 @@ def sample_tokens(config: SamplingConfig, schedule: SamplingSchedule | None = No
     TH, BITS, NC, dtype = sched.threads, sched.radix_bits, sched.columns, config.dtype
     PASSES, RADIX = _KEY_BITS // BITS, (1 << BITS) - 1
     SHARED = "shared" if gpu else CPU_SCRATCH_SCOPE
+    CHUNK = TH * ARGMAX_LOADS
     macros = _sampling_macros(L, TH, NC, BITS, PASSES, RADIX, gpu)
 
     @T.prim_func
@@ -148,6 +156,17 @@ def sample_tokens(config: SamplingConfig, schedule: SamplingSchedule | None = No
         logits = T.match_buffer(logits_handle, (rows, vocab), dtype)
         params = T.match_buffer(params_handle, (rows, PARAMS), "float32")
         tokens = T.match_buffer(tokens_handle, (rows,), "int32")
+        if gpu:
+            # the argmax pass spread over blocks of CHUNK logits (one block per row would stream
+            # the row through one SM): each block's (max, lowest id, non-finite) to a partial
+            chunks = T.meta_var(ceildiv(vocab, CHUNK))
+            part_max = T.alloc_buffer((rows * chunks,), "float32")
+            part_idx = T.alloc_buffer((rows * chunks,), "int32")
+            part_bad = T.alloc_buffer((rows * chunks,), "int32")
+            for row in L.block(rows, "x", outer=True):
+                for ch in L.block(chunks, "y"):
+                    for tx in L.thread(TH, "x"):
+                        macros.chunk_argmax(logits, row, ch, vocab, tx, part_max, part_idx, part_bad)
         for row in L.block(rows, "x", outer=True):
             for tx in L.thread(TH, "x"):
                 red = T.alloc_buffer((TH * NC,), "float64", scope=SHARED)
@@ -156,7 +175,11 @@ def sample_tokens(config: SamplingConfig, schedule: SamplingSchedule | None = No
                 fl = T.alloc_buffer((8,), "float64", scope=L.local)
                 il = T.alloc_buffer((16,), "int64", scope=L.local)
                 acc = T.alloc_buffer((NC,), "float64", scope=L.local)
-                macros.row_max(logits, row, vocab, tx, red, red_i, fz, fl, il)
+                if gpu:
+                    macros.row_max_of_chunks(part_max, part_idx, part_bad, row, ceildiv(vocab, CHUNK), tx, red, red_i,
+                                             fz, fl, il)
+                else:
+                    macros.row_max(logits, row, vocab, tx, red, red_i, fz, fl, il)
                 # phases that synchronize the block run as loops of 0 or 1 trips, not under an
                 # `if` (TVM inserts no barrier inside a condition); the trip count is the row's
                 il[12] = T.if_then_else(params[row, 1] > T.float32(0) and il[15] == T.int64(0), T.int64(1), T.int64(0))
@@ -174,6 +197,8 @@ def sample_tokens(config: SamplingConfig, schedule: SamplingSchedule | None = No
 
 class _Macros(NamedTuple):
     row_max: object
+    chunk_argmax: object
+    row_max_of_chunks: object
     truncate: object
     draw: object
 
@@ -206,6 +231,36 @@ def _sampling_macros(L: LoopKinds, TH: int, NC: int, BITS: int, PASSES: int, RAD
             sync_()
 
     @T.macro
+    def reduce_candidates(tx, red, red_i, fz, fl, il):
+        """The threads' candidates (fz[0], il[0]) and non-finite flags il[15] (0 or 1) -> the
+        row's, in every thread (row_max's second half); the flags ride the same tree, in
+        red[tx * NC + 1]."""
+        red[tx * NC] = T.Cast("float64", fz[0])
+        red[tx * NC + 1] = T.Cast("float64", il[15])
+        red_i[tx] = il[0]
+        sync_()
+        for lvl in T.serial((TH - 1).bit_length()):
+            if tx < T.shift_right(TH, lvl + 1):
+                # the other thread's candidate wins when it is larger, or equal with a lower id
+                il[9] = T.if_then_else(red_i[tx + T.shift_right(TH, lvl + 1)] >= 0 and (
+                    red_i[tx] < 0 or red[(tx + T.shift_right(TH, lvl + 1)) * NC] > red[tx * NC]
+                    or (red[(tx + T.shift_right(TH, lvl + 1)) * NC] == red[tx * NC]
+                        and red_i[tx + T.shift_right(TH, lvl + 1)] < red_i[tx])), T.int64(1), T.int64(0))
+                fl[7] = T.if_then_else(il[9] == T.int64(1), red[(tx + T.shift_right(TH, lvl + 1)) * NC], red[tx * NC])
+                il[10] = T.if_then_else(il[9] == T.int64(1), red_i[tx + T.shift_right(TH, lvl + 1)], red_i[tx])
+                fl[6] = T.max(red[tx * NC + 1], red[(tx + T.shift_right(TH, lvl + 1)) * NC + 1])
+            sync_()
+            if tx < T.shift_right(TH, lvl + 1):
+                red[tx * NC] = fl[7]
+                red_i[tx] = il[10]
+                red[tx * NC + 1] = fl[6]
+            sync_()
+        fz[0] = T.Cast("float32", red[0])
+        il[0] = red_i[0]
+        il[15] = T.Cast("int64", red[1])
+        sync_()
+
+    @T.macro
     def row_max(logits, row, vocab, tx, red, red_i, fz, fl, il):
         """fz[0] <- the row's largest logit, il[0] <- its lowest token id; il[15] <- the count
         of the threads that read a NaN or inf logit (0: the row is finite)."""
@@ -219,32 +274,75 @@ def _sampling_macros(L: LoopKinds, TH: int, NC: int, BITS: int, PASSES: int, RAD
                 if il[0] < 0 or T.Cast("float32", logits[row, j * TH + tx]) > fz[0]:
                     fz[0] = T.Cast("float32", logits[row, j * TH + tx])
                     il[0] = T.Cast("int64", j * TH + tx)
-        red[tx * NC] = T.Cast("float64", fz[0])
-        red_i[tx] = il[0]
+        reduce_candidates(tx, red, red_i, fz, fl, il)
+
+    @T.macro
+    def chunk_argmax(logits, row, ch, vocab, tx, part_max, part_idx, part_bad):
+        """CUDA: the partial of logits ch * TH * ARGMAX_LOADS.. of the row (max, its lowest
+        id, whether any is NaN or inf) -> part_*[row * chunks + ch]: each thread loads its
+        ARGMAX_LOADS logits (TH apart) at once, then a tree over the block's threads."""
+        vals = T.alloc_buffer((ARGMAX_LOADS,), "float32", scope="local")
+        best = T.alloc_buffer((1,), "float32", scope="local")
+        best_i = T.alloc_buffer((1,), "int32", scope="local")
+        bad = T.alloc_buffer((1,), "int32", scope="local")
+        other = T.alloc_buffer((1,), "int32", scope="local")
+        cm = T.alloc_buffer((TH,), "float32", scope="shared")
+        ci = T.alloc_buffer((TH,), "int32", scope="shared")
+        cb = T.alloc_buffer((TH,), "int32", scope="shared")
+        for u in T.unroll(ARGMAX_LOADS):
+            vals[u] = T.float32(0)
+            if (ch * ARGMAX_LOADS + u) * TH + tx < vocab:
+                vals[u] = T.Cast("float32", logits[row, (ch * ARGMAX_LOADS + u) * TH + tx])
+        best[0] = T.float32(0)
+        best_i[0] = -1
+        bad[0] = 0
+        for u in T.unroll(ARGMAX_LOADS):  # ids rise with u: a strict > keeps the lowest of equal maxima
+            if (ch * ARGMAX_LOADS + u) * TH + tx < vocab:
+                if not_finite(vals[u]):
+                    bad[0] = 1
+                if best_i[0] < 0 or vals[u] > best[0]:
+                    best[0] = vals[u]
+                    best_i[0] = (ch * ARGMAX_LOADS + u) * TH + tx
+        cm[tx] = best[0]
+        ci[tx] = best_i[0]
+        cb[tx] = bad[0]
         sync_()
         for lvl in T.serial((TH - 1).bit_length()):
             if tx < T.shift_right(TH, lvl + 1):
                 # the other thread's candidate wins when it is larger, or equal with a lower id
-                il[9] = T.if_then_else(red_i[tx + T.shift_right(TH, lvl + 1)] >= 0 and (
-                    red_i[tx] < 0 or red[(tx + T.shift_right(TH, lvl + 1)) * NC] > red[tx * NC]
-                    or (red[(tx + T.shift_right(TH, lvl + 1)) * NC] == red[tx * NC]
-                        and red_i[tx + T.shift_right(TH, lvl + 1)] < red_i[tx])), T.int64(1), T.int64(0))
-                fl[7] = T.if_then_else(il[9] == T.int64(1), red[(tx + T.shift_right(TH, lvl + 1)) * NC], red[tx * NC])
-                il[10] = T.if_then_else(il[9] == T.int64(1), red_i[tx + T.shift_right(TH, lvl + 1)], red_i[tx])
+                other[0] = T.if_then_else(ci[tx + T.shift_right(TH, lvl + 1)] >= 0 and (
+                    ci[tx] < 0 or cm[tx + T.shift_right(TH, lvl + 1)] > cm[tx]
+                    or (cm[tx + T.shift_right(TH, lvl + 1)] == cm[tx]
+                        and ci[tx + T.shift_right(TH, lvl + 1)] < ci[tx])), 1, 0)
+                best[0] = T.if_then_else(other[0] == 1, cm[tx + T.shift_right(TH, lvl + 1)], cm[tx])
+                best_i[0] = T.if_then_else(other[0] == 1, ci[tx + T.shift_right(TH, lvl + 1)], ci[tx])
+                bad[0] = T.max(cb[tx], cb[tx + T.shift_right(TH, lvl + 1)])
             sync_()
             if tx < T.shift_right(TH, lvl + 1):
-                red[tx * NC] = fl[7]
-                red_i[tx] = il[10]
+                cm[tx] = best[0]
+                ci[tx] = best_i[0]
+                cb[tx] = bad[0]
             sync_()
-        fz[0] = T.Cast("float32", red[0])
-        il[0] = red_i[0]
-        sync_()
-        red_i[tx] = il[15]  # every thread sums the threads' flags: the row's phases agree on it
-        sync_()
+        if tx == 0:
+            part_max[row * ceildiv(vocab, TH * ARGMAX_LOADS) + ch] = cm[0]
+            part_idx[row * ceildiv(vocab, TH * ARGMAX_LOADS) + ch] = ci[0]
+            part_bad[row * ceildiv(vocab, TH * ARGMAX_LOADS) + ch] = cb[0]
+
+    @T.macro
+    def row_max_of_chunks(part_max, part_idx, part_bad, row, chunks, tx, red, red_i, fz, fl, il):
+        """row_max from the row's chunk_argmax partials (CUDA)."""
+        fz[0] = T.float32(0)
+        il[0] = T.int64(-1)
         il[15] = T.int64(0)
-        for t in T.serial(TH):
-            il[15] = il[15] + red_i[t]
-        sync_()
+        for j in T.serial(ceildiv(chunks, TH)):  # chunks rise with j: a strict > keeps the lowest id
+            if j * TH + tx < chunks:
+                if part_bad[row * chunks + j * TH + tx] != 0:
+                    il[15] = T.int64(1)
+                if part_idx[row * chunks + j * TH + tx] >= 0 and (
+                        il[0] < 0 or part_max[row * chunks + j * TH + tx] > fz[0]):
+                    fz[0] = part_max[row * chunks + j * TH + tx]
+                    il[0] = T.Cast("int64", part_idx[row * chunks + j * TH + tx])
+        reduce_candidates(tx, red, red_i, fz, fl, il)
 
     @T.macro
     def radix_search(logits, row, vocab, tx, red, il, acc, want, weight, out):
@@ -292,10 +390,10 @@ def _sampling_macros(L: LoopKinds, TH: int, NC: int, BITS: int, PASSES: int, RAD
             red[tx * NC + c] = acc[c]
         block_sum(red, acc, tx, 3)
 
-    return _truncate_and_draw(L, TH, NC, gpu, sync_, row_max, radix_search, stats)
+    return _truncate_and_draw(L, TH, NC, gpu, sync_, (row_max, chunk_argmax, row_max_of_chunks), radix_search, stats)
 
 
-def _truncate_and_draw(L, TH, NC, gpu, sync_, row_max, radix_search, stats):
+def _truncate_and_draw(L, TH, NC, gpu, sync_, maxima, radix_search, stats):
     """The top-k / top-p cut and the draw (see `_sampling_macros` for the scalars)."""
 
     def weight_of(fz):
@@ -398,7 +496,7 @@ def _truncate_and_draw(L, TH, NC, gpu, sync_, row_max, radix_search, stats):
                         il[9] = il[9] + T.int64(1)
             tokens[row] = T.Cast("int32", T.if_then_else(il[10] >= 0, il[10], il[11]))
 
-    return _Macros(row_max, truncate, draw)
+    return _Macros(*maxima, truncate, draw)
 
 
 def apply_penalties(config: SamplingConfig, schedule: SamplingSchedule | None = None):
