@@ -276,11 +276,16 @@ class ModelSession:
             return None
         from .runtime.graphs import bucket_of, buckets_for
 
-        bucket = bucket_of(rows, buckets_for(self.settings["max_batch_size"]))
+        bucket = bucket_of(rows, buckets_for(self._graph_max_batch()))
         params = self._graph_params.get(bucket)
         if params is None:  # padding rows: greedy (all zeros)
             params = self._graph_params[bucket] = tvm.runtime.tensor(np.zeros((bucket, 4), np.float32), self.device)
         return params if rows == bucket else params._create_view((rows, 4))
+
+    def _graph_max_batch(self) -> int:
+        """The largest graph bucket: the library's max batch, or the cache's sequences where it
+        holds fewer (its graph-plan buffer is sized for those)."""
+        return min(self.settings["max_batch_size"], self.cache.options.max_num_sequences)
 
     def _captured_step(self, bucket: int):
         logits = library_decode_step(self.vm, self._graph_ids[bucket], self.cache, self.params, self.hidden_size)
@@ -320,7 +325,7 @@ class ModelSession:
         from .runtime.graphs import DecodeGraphs, bucket_of
 
         if self.graphs is None:
-            self.graphs = DecodeGraphs(self.cache, self._captured_step, self.settings["max_batch_size"])
+            self.graphs = DecodeGraphs(self.cache, self._captured_step, self._graph_max_batch())
             self.device_sampler()  # (its one-time check runs a kernel and reads it: never inside a capture)
         bucket = bucket_of(len(seq_ids), self.graphs.buckets)
         ids = self._graph_ids.get(bucket)
