@@ -328,22 +328,6 @@ def e2e_table(rows: Rows, device: str = H200, shape: dict = SMOLLM2_SHAPE) -> st
     return table(header, lines) + "\n\n" + sources(used)
 
 
-def e2e_pdl_table(rows: Rows, device: str) -> str:
-    """bench_e2e.py's SmolLM2 runs on one GPU with and without --dependent-launch: ms per step of
-    our library, eager and replayed, each run beside its own stock-cache rows."""
-    used: set = set()
-    header = ["step", "eager", "eager, PDL", "CUDA graphs", "CUDA graphs, PDL"]
-    lines = []
-    for kernel, batch in e2e_points(rows, device):
-        step = dict(bench="e2e", kernel=kernel, batch=batch, device=device, **SMOLLM2_SHAPE)
-        found = [rows.get(used, {"dependent_launch": True}, impl=impl, **step) if not pdl else
-                 rows.get(used, impl=impl, dependent_launch=True, **step)
-                 for impl in ("tvmattn", "tvmattn-cuda-graph") for pdl in (False, True)]
-        label = f"prefill {found[2]['qo_len']} tokens" if kernel == "prefill" and found[2] else f"decode, batch {batch}"
-        lines.append([label] + [fmt(r and r["ms"]) for r in found])
-    return table(header, lines) + "\n\n" + sources(used)
-
-
 def engine_table(rows: Rows, device: str) -> str:
     """bench_engine.py's rows on one GPU: generated tokens per second of the serving engine
     waiting for each decode step's tokens against launching the next step first (lookahead)."""
@@ -573,7 +557,7 @@ def summary_table(rows: Rows) -> str:
 TABLES = {
     "decode": decode_table, "prefill": prefill_table, "tree": tree_table, "mla-decode": mla_decode_table,
     "mla-prefill": mla_prefill_table, "cache": cache_table, "cache-host": cache_host_table, "e2e": e2e_table,
-    "e2e-h100": lambda rows: e2e_table(rows, H100), "e2e-pdl-h100": lambda rows: e2e_pdl_table(rows, H100),
+    "e2e-h100": lambda rows: e2e_table(rows, H100),
     "e2e-gemma3-h100": lambda rows: e2e_table(rows, H100, GEMMA3_SHAPE),
     "e2e-llama-1b": lambda rows: e2e_table(rows, H200, LLAMA_1B_SHAPE),
     "engine-h100": lambda rows: engine_table(rows, H100),
