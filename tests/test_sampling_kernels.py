@@ -11,6 +11,7 @@ import pytest
 import tvm
 from tvm import relax
 
+from harness import load_script
 from test_sampling import LOGITS, VOCAB, chi_square_p
 from test_sampling import reference as reference_distribution
 from tir_kernels.sampling import (NON_FINITE, SamplingConfig, SamplingSchedule, apply_penalties,
@@ -607,3 +608,29 @@ def test_a_compiled_library_samples_on_the_device(tiny_library):
     dev = [Sampler(SamplingOptions(**o), vocab) for o in OPTION_SETS[:3]]
     got = DeviceSampler(vm, device).choose(tvm.runtime.tensor(logits, device), dev)
     assert [t for t, _ in got] == [h.choose(logits[i, 0])[0] for i, h in enumerate(host)]
+
+
+def test_bench_sampling_checks_and_anchor_agree_with_the_kernel():
+    """scripts/bench_sampling.py on the CPU build: each mode's parameters, and its kept sets
+    hold every token the kernel and the torch anchor draw (greedy: the argmax alone), over many
+    rows of a small vocabulary."""
+    torch = pytest.importorskip("torch")
+    bench = load_script("bench_sampling")
+    sample = bench.build("llvm")
+    rng = np.random.default_rng(31)
+    rows, vocab = 200, 300
+    logits = (2 * rng.standard_normal((rows, vocab))).astype(np.float32)
+    for mode, (temperature, top_k, top_p) in bench.MODES.items():
+        params = bench.params_for(mode, rows, rng)
+        assert params.shape == (rows, 4) and (params[:, 1:] == np.float32([temperature, top_k, top_p])).all()
+        tokens = tvm.runtime.tensor(np.zeros(rows, np.int32), tvm.cpu())
+        sample(tvm.runtime.tensor(logits, tvm.cpu()), tvm.runtime.tensor(params, tvm.cpu()), tokens)
+        allowed = bench.kept_sets(logits, mode)
+        assert all(int(t) in s for t, s in zip(tokens.numpy(), allowed)), mode
+        anchor = bench.torch_sampler(mode)(torch.from_numpy(logits)).numpy()
+        assert all(int(t) in s for t, s in zip(anchor, allowed)), mode
+        sizes = {len(s) for s in allowed}
+        if mode == "top-p":
+            assert 1 < min(sizes) and max(sizes) < vocab
+        else:
+            assert sizes == {{"greedy": 1, "temperature": vocab, "top-k": top_k}[mode]}
