@@ -513,9 +513,15 @@ def test_cuda_library_prompt_functions_call_dequantize_then_matmul():
     for function in ("decode", "batch_decode"):
         names, matmuls = kernels(function)
         assert matmuls == 0 and all(n.startswith("quant_matmul_") for n in names) and len(names) == 5, function
-    # lowered, the dense products run on tensor cores (dlight's Matmul: wmma) and sum in float32
+
+
+@pytest.mark.slow  # the whole CUDA Relax pipeline (dlight's schedules of every kernel): over a minute on 2 cores
+def test_cuda_library_prompt_products_run_on_tensor_cores_in_float32():
+    """The same library lowered: its dense prompt products run on tensor cores (dlight's Matmul:
+    wmma) and sum in float32."""
     from tvmattn.compiler.pipeline import relax_pipeline
 
+    mod = export_one_layer_llama("cuda", "float16", down_proj="Q4_0")
     target = cuda_target()
     with target:
         lowered = relax_pipeline(target)(mod)
