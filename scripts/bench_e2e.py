@@ -275,13 +275,12 @@ class Runner:
     def _decode_step(self, bucket: int):
         from tvmattn.session import library_decode_step
 
-        logits = library_decode_step(self.vm, self.graph_ids[bucket], self.cache, self.params, self.hidden)
-        if not self.samples_in_graph:
-            return logits
-        if bucket not in self.graph_params:
-            self.graph_params[bucket] = tvm.runtime.tensor(np.zeros((bucket, 4), np.float32), self.device)
-        rows = logits._create_view((bucket, int(logits.shape[-1])))
-        return logits, self.function("sample")(rows, self.graph_params[bucket])
+        params = None
+        if self.samples_in_graph:
+            if bucket not in self.graph_params:
+                self.graph_params[bucket] = tvm.runtime.tensor(np.zeros((bucket, 4), np.float32), self.device)
+            params = self.graph_params[bucket]
+        return library_decode_step(self.vm, self.graph_ids[bucket], self.cache, self.params, self.hidden, params)
 
     def function(self, name: str):
         function = self.functions.get(name)

@@ -515,7 +515,7 @@ def test_cuda_library_prompt_functions_call_dequantize_then_matmul():
         assert matmuls == 0 and all(n.startswith("quant_matmul_") for n in names) and len(names) == 5, function
 
 
-@pytest.mark.slow  # the whole CUDA Relax pipeline (dlight's schedules of every kernel): over a minute on 2 cores
+@pytest.mark.slow  # the whole CUDA Relax pipeline: dlight schedules every kernel of the library
 def test_cuda_library_prompt_products_run_on_tensor_cores_in_float32():
     """The same library lowered: its dense prompt products run on tensor cores (dlight's Matmul:
     wmma) and sum in float32."""

@@ -835,3 +835,21 @@ def test_lookahead_needs_device_sampling_and_the_feed_function(library, monkeypa
     assert Engine(runner).lookahead is False
     with pytest.raises(ValueError, match="lookahead needs tvmattn's TIR kernels \\(this cache runs the flashinfer"):
         Engine(runner, sampling="device", lookahead=True)
+
+
+def test_decode_sampled_refuses_a_session_that_does_not_sample_in_a_graph(library):
+    """On the CPU (no CUDA graphs) there is no graph parameter buffer, and decode_sampled is a
+    GenerateError that runs nothing: no graphs made, the sequence's length unchanged."""
+    from tvmattn.generate import GenerateError
+
+    session = ModelSession(library)
+    session.create_cache(2, 128)
+    session.add_sequence(0)
+    session.prefill([0], [[5, 6, 7]])
+    assert not session.samples_in_graph and session.graph_sample_params(1) is None
+    pages = session.available_pages()
+    with pytest.raises(GenerateError, match="decode_sampled: this session's decode steps do not sample in a CUDA "
+                                            r"graph \(samples_in_graph is False\)"):
+        session.decode_sampled([0], [3])
+    assert session.graphs is None and session.available_pages() == pages
+    session.decode_step([0], [3])  # the sequence takes its next token as if nothing had happened

@@ -236,10 +236,15 @@ class _Staging:
         size = max(array.size, 1)
         if self.tensor is None or int(self.tensor.shape[0]) < size:
             self.tensor = tvm.runtime.empty((max(2 * size, 256),), "int32", self.device)
+        self.write(array, self.tensor)
+        return self.tensor._create_view(array.shape, self.dtype)
+
+    def write(self, array: np.ndarray, tensor) -> None:
+        """array's elements (as this staging's dtype) into the first elements of `tensor` (a
+        device tensor of 4-byte elements) by the uploader."""
         if array.size:  # the uploaders copy int32 elements: the float32 bits travel as they are
             bits = np.ascontiguousarray(array, self.dtype).view(np.int32).reshape(-1)
-            self.uploader.copy(bits, self.tensor._create_view(bits.shape, "int32"))
-        return self.tensor._create_view(array.shape, self.dtype)
+            self.uploader.copy(bits, tensor._create_view(bits.shape, "int32"))
 
 
 class PendingChoices:
@@ -347,10 +352,9 @@ class DeviceSampler:
             penalties = (self._token_ids.put(token_ids), self._amounts.put(amounts))
         if params_at is None:
             params = self._params.put(sample_params(samplers, on_device))
-        else:  # the uploaders copy int32 elements: the float32 bits travel as they are
+        else:
             params = params_at
-            self._params.uploader.copy(sample_params(samplers, on_device).view(np.int32).reshape(-1),
-                                       params_at._create_view((rows * 4,), "int32"))
+            self._params.write(sample_params(samplers, on_device), params_at)
         copied = sorted(set(on_host) | {i for i in range(rows) if host[i]})
         return SamplingPlan(rows, list(samplers), masks, on_device, on_host, copied, params, penalties)
 

@@ -100,17 +100,21 @@ def load_library(path: Path, device: tvm.runtime.Device) -> tuple[relax.VirtualM
     return vm, metadata
 
 
-def library_decode_step(vm: relax.VirtualMachine, ids, cache, params, hidden: int):
+def library_decode_step(vm: relax.VirtualMachine, ids, cache, params, hidden: int, sample_params=None):
     """One decode step of a model library from token ids [b] int32 on the device -> logits
     [b, 1, vocab] f32: what a CUDA graph captures. b = 1 runs `embed` then the static `decode`
     (whose matmuls get dlight's single-row GEMV, several times faster at one row than the
-    symbolic-batch kernels); larger b runs `decode_step` (storage allocated once per VM)."""
+    symbolic-batch kernels); larger b runs `decode_step` (storage allocated once per VM).
+    sample_params (float32 [b, 4], tvmattn.device_sampling's layout): the step ends with the
+    library's `sample` over its logits -> (logits, ids [b] int32)."""
     if ids.shape[0] == 1:
         embeds = vm["embed"](ids, params)._create_view((1, 1, hidden))
         logits, _ = vm["decode"](embeds, cache, params)
     else:
         logits, _ = vm["decode_step"](ids, cache, params)
-    return logits
+    if sample_params is None:
+        return logits
+    return logits, vm["sample"](logits._create_view((int(ids.shape[0]), int(logits.shape[-1]))), sample_params)
 
 
 class ModelSession:
@@ -288,12 +292,8 @@ class ModelSession:
         return min(self.settings["max_batch_size"], self.cache.options.max_num_sequences)
 
     def _captured_step(self, bucket: int):
-        logits = library_decode_step(self.vm, self._graph_ids[bucket], self.cache, self.params, self.hidden_size)
-        if not self.samples_in_graph:
-            return logits
-        self.graph_sample_params(bucket)
-        rows = logits._create_view((bucket, int(logits.shape[-1])))
-        return logits, self.function("sample")(rows, self._graph_params[bucket])
+        return library_decode_step(self.vm, self._graph_ids[bucket], self.cache, self.params, self.hidden_size,
+                                   self.graph_sample_params(bucket))
 
     def decode_sampled(self, seq_ids: list[int], tokens):
         """One decode step replayed as a CUDA graph whose last kernel samples each row with the
