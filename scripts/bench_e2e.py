@@ -627,12 +627,7 @@ def main(argv=None) -> int:
     print()
     for line in agreement:
         print(line)
-    if args.json:
-        bench_rows.write_rows(json_rows, args.json)
-    if failures:
-        print("FAILED: " + "; ".join(failures))
-        return 1
-    return 0
+    return bench_rows.finish(json_rows, args.json, failures, "FAILED: ", "; ")
 
 
 if __name__ == "__main__":

@@ -168,12 +168,7 @@ def main(argv=None) -> int:
                      "gbps": w.nbytes / times["torch"] / 1e3, **meta})
         print(f"{label:>18} {k:>5} {n:>6} " + " ".join(
             f"{times[v]:>8.2f} {w.nbytes / times[v] / 1e3:>7.0f}  " for v in ("torch", *args.variants)))
-    if args.json:
-        bench_rows.write_rows(rows, args.json)
-    if failures:
-        print("FAILED (disagrees with the reference): " + ", ".join(failures))
-        return 1
-    return 0
+    return bench_rows.finish(rows, args.json, failures, "FAILED (disagrees with the reference): ")
 
 
 if __name__ == "__main__":

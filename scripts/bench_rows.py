@@ -121,6 +121,17 @@ def write_rows(rows: list[dict], path: str) -> None:
     print(f"wrote {len(rows)} rows to {path}")
 
 
+def finish(rows: list[dict], path: str | None, failures: list[str], heading: str, sep: str = ", ") -> int:
+    """A benchmark's ending: its rows written to path (when given), then its failed checks
+    printed as heading + sep-joined failures -> the exit status (1 when any failed)."""
+    if path:
+        write_rows(rows, path)
+    if failures:
+        print(heading + sep.join(failures))
+        return 1
+    return 0
+
+
 # --------------------------------------------------------------------------------------------
 # Configurations and runs: which rows supersede which
 # --------------------------------------------------------------------------------------------

@@ -144,12 +144,7 @@ def main(argv=None) -> int:
                                      **meta})
                 cells.append(f"{ours:>10.2f} /{theirs:>9.2f}")
             print(f"{vocab:>7} {rows:>5} " + " ".join(f"{c:>22}" for c in cells))
-    if args.json:
-        bench_rows.write_rows(rows_out, args.json)
-    if failures:
-        print("FAILED (a token outside its kept set): " + ", ".join(failures))
-        return 1
-    return 0
+    return bench_rows.finish(rows_out, args.json, failures, "FAILED (a token outside its kept set): ")
 
 
 if __name__ == "__main__":

@@ -286,3 +286,14 @@ def test_e2e_stock_cache_steps_wait_for_the_previous_step(e2e, ordered):
     waited = [runner.calls[i - 1] == "sync" for i in steps]
     # ours: only after the prefills and before the timed steps (the warm-up's end)
     assert waited == [not ordered or i in (0, e2e.WARMUP_STEPS) for i in range(len(steps))]
+
+
+def test_finish_writes_the_rows_then_reports_the_failures(tmp_path, capsys):
+    """A benchmark's ending: rows to --json when given, failed checks on one line, status 1."""
+    rows = [{"bench": "kernels", "ms": 1.0}]
+    path = tmp_path / "rows.json"
+    assert bench_rows.finish(rows, str(path), [], "FAILED: ") == 0
+    assert json.loads(path.read_text()) == rows
+    assert bench_rows.finish(rows, None, ["a", "b"], "FAILED (x): ", "; ") == 1
+    out = capsys.readouterr().out
+    assert f"wrote 1 rows to {path}" in out and out.rstrip().endswith("FAILED (x): a; b")
