@@ -43,8 +43,10 @@ against the float16 graph run's.
 
 --dependent-launch builds every library with programmatic dependent launch (compile
 --dependent-launch, sm_90 and newer: each kernel's launch overlaps the end of the one before;
-tvmattn/compiler/dependent_launch.py), named NAME-pdl-*.so so that the ordinary libraries of
---libs are never taken for them; its rows carry `dependent_launch: true`, a configuration of
+tvmattn/compiler/dependent_launch.py), and --tensor-core-matmul with decode_step's projections
+on tensor cores (tvmattn/compiler/tensor_core_matmul.py). Such libraries are named NAME-pdl-*.so,
+NAME-tc-*.so (or NAME-pdl-tc-*.so), so that the ordinary libraries of --libs are never taken for
+them; their rows carry `dependent_launch: true` / `tensor_core_matmul: true`, configurations of
 their own beside the ordinary rows (which carry no such field).
 
 --json PATH writes the results as rows of docs/bench-format.md (`make_row`): bench "e2e",
@@ -94,7 +96,9 @@ BUILD = {"tvmattn": dict(kv_cache="tvmattn"), "tvm": dict(kv_cache="tvm"),  # co
 LIBRARY = {"graph": "tvmattn"}  # runs another entry's library
 WARMUP_STEPS = 3
 REPLAYS = 200  # back-to-back replays that time a graph step's GPU work
-RANDOM_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # --keep-format: weights.random_blocks.RANDOM_BLOCK_TYPES
+RANDOM_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+# opt-in build options: (args / build option / row field, command-line flag, library name suffix)
+OPT_IN_BUILDS = (("dependent_launch", "--dependent-launch", "pdl"), ("tensor_core_matmul", "--tensor-core-matmul", "tc"))  # --keep-format: weights.random_blocks.RANDOM_BLOCK_TYPES
 
 
 def parse_args(argv=None):
@@ -135,6 +139,10 @@ def parse_args(argv=None):
                    help="build every library with programmatic dependent launch (compile --dependent-launch, "
                         "CUDA sm_90+; compiler.dependent_launch): its libraries are named NAME-pdl-*.so and its rows "
                         "carry dependent_launch: true")
+    p.add_argument("--tensor-core-matmul", action="store_true",
+                   help="build every library with decode_step's projections on tensor cores (compile "
+                        "--tensor-core-matmul, CUDA sm_80+; compiler.tensor_core_matmul): its libraries are named "
+                        "NAME-tc-*.so and its rows carry tensor_core_matmul: true")
     args = p.parse_args(argv)
     graphs = args.target == "cuda" and not args.no_cuda_graph
     args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer
@@ -148,14 +156,16 @@ def parse_args(argv=None):
     if args.quantization == "keep" and config_model and args.keep_format is None:
         p.error("argument --quantization keep: a config.json --model has no blocks to keep: add --keep-format "
                 f"{{{','.join(RANDOM_FORMATS)}}} (random weights drawn as blocks)")
-    if args.dependent_launch and args.target != "cuda":
-        p.error("argument --dependent-launch: needs --target cuda (programmatic dependent launch is a CUDA feature)")
+    for field, flag, _ in OPT_IN_BUILDS:
+        if getattr(args, field) and args.target != "cuda":
+            p.error(f"argument {flag}: needs --target cuda (a CUDA feature)")
     if args.name is None:
         args.name = "smollm2" if args.model in MODEL_NAMES else Path(args.model).stem
         if args.keep_format is not None:
             args.name += "-" + args.keep_format.lower()
-        if args.dependent_launch:  # not the ordinary libraries of the same folder
-            args.name += "-pdl"
+        for field, _, suffix in OPT_IN_BUILDS:  # not the ordinary libraries of the same folder
+            if getattr(args, field):
+                args.name += "-" + suffix
     problem = bench_rows.output_path_problem(args.json)
     if problem:
         p.error(f"argument --json: {problem}")
@@ -174,25 +184,27 @@ def ensure_libraries(args, max_batch: int) -> None:
         if library in LIBRARY:
             continue
         if path.is_file():
-            check_dependent_launch(args, path)
+            check_opt_in_builds(args, path)
             continue
         print(f"building {path} ({LABELS[library]})")
         random = dict(random_weights=args.seed, random_format=args.keep_format) if args.keep_format else {}
         compile_model(args.model, path, target=args.target, max_batch_size=max_batch, context_window=context,
                       prefill_chunk=args.prompt_len, log=lambda m: print("  " + m),
                       small_batch_matmul=args.small_batch_matmul, fused_layers=args.fused_layers,
-                      dependent_launch=args.dependent_launch, **random, **BUILD[library])
+                      dependent_launch=args.dependent_launch, tensor_core_matmul=args.tensor_core_matmul,
+                      **random, **BUILD[library])
 
 
-def check_dependent_launch(args, path: Path) -> None:
-    """An existing library must have been built with --dependent-launch exactly when this run asks
-    for it (its runtime file's build options), else its rows would say what did not run."""
+def check_opt_in_builds(args, path: Path) -> None:
+    """An existing library must have been built with each of OPT_IN_BUILDS exactly when this run
+    asks for it (its runtime file's build options), else its rows would say what did not run."""
     runtime = sidecar(path, RUNTIME_SUFFIX)
-    built = bool(json.loads(runtime.read_text())["metadata"]["build_options"].get("dependent_launch", False)) \
-        if runtime.is_file() else False
-    if built != args.dependent_launch:
-        raise SystemExit(f"{path} was built {'with' if built else 'without'} --dependent-launch, this run "
-                         f"{'asks for it' if args.dependent_launch else 'does not'}: pass another --name or --libs")
+    options = json.loads(runtime.read_text())["metadata"]["build_options"] if runtime.is_file() else {}
+    for field, flag, _ in OPT_IN_BUILDS:
+        built, asked = bool(options.get(field, False)), getattr(args, field)
+        if built != asked:
+            raise SystemExit(f"{path} was built {'with' if built else 'without'} {flag}, this run "
+                             f"{'asks for it' if asked else 'does not'}: pass another --name or --libs")
 
 
 def own_weights(args, device) -> list:
@@ -500,7 +512,8 @@ def main(argv=None) -> int:
     print(f"model: {args.model} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
           f"{config['num_attention_heads']}/{config['num_key_value_heads']} heads), "
           f"{metadata['build_options']['dtype']}, page {metadata['kv_cache']['page_size']}; {weights_note}"
-          + ("; every kernel launched with programmatic dependent launch" if args.dependent_launch else ""))
+          + ("; every kernel launched with programmatic dependent launch" if args.dependent_launch else "")
+          + ("; decode_step's projections on tensor cores" if args.tensor_core_matmul else ""))
     for kv, runner in runners.items():
         print(f"{LABELS[kv]}: library load {runner.load_s:.3f} s, GPU code: {runner.gpu_code}")
 
@@ -521,8 +534,8 @@ def main(argv=None) -> int:
     def kept_variant(kv: str) -> dict:
         """The kept library's rows name the block type of random blocks (--keep-format) in their
         variant; the float libraries' rows say which decode functions fuse (fused_layers); the rows
-        of a --dependent-launch run say so (dependent_launch: true; the others carry no such field)."""
-        pdl = {"dependent_launch": True} if args.dependent_launch else {}
+        of a run with OPT_IN_BUILDS say so (dependent_launch: true, ...; the others carry no such field)."""
+        pdl = {field: True for field, _, _ in OPT_IN_BUILDS if getattr(args, field)}
         if kv != "keep":
             return {"fused_layers": fused_layers, **pdl}
         if args.keep_format is None:

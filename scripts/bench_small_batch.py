@@ -3,8 +3,9 @@
 - matmuls: the symbolic-batch projections of a model library's `decode_step` (taken from the
   exported module after legalization, so the same fused PrimFuncs), scheduled by dlight's
   default CUDA rules ("matmul"), by compiler.pipeline.DecodeBatchGEMV (dlight's LowBatchGEMV)
-  with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), or by compiler.pipeline.SmallBatchMatmul
-  (the pipeline's choice, "rows"), at batch 1, 2, 16 and 64; checked against torch (float32
+  with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), by compiler.pipeline.SmallBatchMatmul
+  (CUDA cores, "rows"), or by compiler.tensor_core_matmul.SmallBatchTensorCoreMatmul (the
+  pipeline's first choice, "tc"), at batches 1 to 128; checked against torch (float32
   products of the same fp16 inputs).
 - decode attention: tir_kernels.paged_decode with the default CUDA-core schedule and variants
   of it (DECODE_VARIANTS: split size and count, rows per thread), at batch 1, 16 and 64
@@ -27,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-BATCHES = (1, 2, 16, 64)
+BATCHES = (1, 2, 4, 8, 16, 64, 128)
 BUCKETS = (4, 8, 16)
 
 
@@ -77,17 +78,23 @@ def decode_step_matmuls(model: str, max_batch: int):
 
 
 def schedule(func, target, variant: str):
-    """The compiled module of func under `variant`: "matmul", "gemv-b<bucket>", "rows" (the
-    pipeline's SmallBatchMatmul) or "rows-r<R>-t<T>" (SmallBatchMatmul(rows=R, threads=T))."""
+    """The compiled module of func under `variant`: "matmul", "gemv-b<bucket>", "rows"
+    (SmallBatchMatmul), "rows-r<R>-t<T>" (SmallBatchMatmul(rows=R, threads=T)) or "tc"
+    (SmallBatchTensorCoreMatmul)."""
     import tvm
     from tvm.s_tir import dlight as dl
     from tvm.relax.backend.cuda import pipeline as backend
 
     from tvmattn.compiler.pipeline import DecodeBatchGEMV, SmallBatchMatmul
+    from tvmattn.compiler.tensor_core_matmul import SmallBatchTensorCoreMatmul
 
     mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     with target:
-        if variant.startswith("gemv-b"):
+        if variant == "tc":
+            mod = dl.ApplyDefaultSchedule(SmallBatchTensorCoreMatmul())(mod)
+            if "tirx.is_scheduled" not in mod["main"].attrs:
+                raise SystemExit("SmallBatchTensorCoreMatmul did not take " + str(func.buffer_map))
+        elif variant.startswith("gemv-b"):
             mod = dl.ApplyDefaultSchedule(DecodeBatchGEMV(int(variant[6:]), max_weight_bytes=None))(mod)
         elif variant == "rows":
             mod = dl.ApplyDefaultSchedule(SmallBatchMatmul())(mod)
@@ -98,7 +105,7 @@ def schedule(func, target, variant: str):
         return tvm.compile(mod, target=target)
 
 
-MATMUL_VARIANTS = (("matmul", "rows") + tuple(f"gemv-b{b}" for b in BUCKETS)
+MATMUL_VARIANTS = (("matmul", "rows", "tc") + tuple(f"gemv-b{b}" for b in BUCKETS)
                    + tuple(f"rows-r{r}-t{t}" for r in (2, 4, 8, 16) for t in (32, 64, 128)))
 
 
@@ -226,7 +233,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, nargs=4, default=(9, 3, 64, 16), metavar=("HQ", "HKV", "D", "PAGE"))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--only", choices=("matmul", "decode"))
-    parser.add_argument("--variants", nargs="+", choices=MATMUL_VARIANTS, default=["matmul", "rows", "gemv-b8"],
+    parser.add_argument("--variants", nargs="+", choices=MATMUL_VARIANTS, default=["matmul", "rows", "tc"],
                         help="matmul schedules to compare")
     parser.add_argument("--decode-variants", nargs="+", choices=list(DECODE_VARIANTS), default=list(DECODE_VARIANTS),
                         help="CUDA-core decode schedules to compare")

@@ -176,17 +176,24 @@ def test_e2e_dependent_launch_option(e2e, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         e2e.parse_args(["--dependent-launch", "--target", "llvm"])
     assert exit_info.value.code == 2 and "argument --dependent-launch: needs --target cuda" in capsys.readouterr().err
+    both = e2e.parse_args(["--dependent-launch", "--tensor-core-matmul"])
+    assert both.tensor_core_matmul and both.name == "smollm2-pdl-tc"
     library = tmp_path / "smollm2-pdl-tvmattn.so"
     runtime = e2e.sidecar(library, e2e.RUNTIME_SUFFIX)
     for built, asked in ((False, True), (True, False)):
         runtime.write_text(json.dumps({"metadata": {"build_options": {"dependent_launch": built}}}))
         run = e2e.parse_args(["--libs", str(tmp_path), "--name", "smollm2-pdl"] + ["--dependent-launch"] * asked)
         with pytest.raises(SystemExit, match="was built with" + "out" * (not built) + " --dependent-launch"):
-            e2e.check_dependent_launch(run, library)
-    e2e.check_dependent_launch(args, library)  # built with it, asked for: used as it is
+            e2e.check_opt_in_builds(run, library)
+    e2e.check_opt_in_builds(args, library)  # built with it, asked for: used as it is
+    runtime.write_text(json.dumps({"metadata": {"build_options": {"dependent_launch": True,
+                                                                  "tensor_core_matmul": True}}}))
+    with pytest.raises(SystemExit, match="was built with --tensor-core-matmul, this run does not"):
+        e2e.check_opt_in_builds(args, library)
     row = {"bench": "e2e", "kernel": "decode", "impl": "tvmattn-cuda-graph", "variant": "cuda/float16",
            "fused_layers": "decode", "batch": 1}
     assert bench_rows.config_key({**row, "dependent_launch": True}) != bench_rows.config_key(row)
+    assert bench_rows.config_key({**row, "tensor_core_matmul": True}) != bench_rows.config_key(row)
 
 
 def test_a_run_replaces_only_the_rows_of_its_machine_kind():

@@ -99,6 +99,7 @@ def test_compile_quantization_defaults_to_auto_and_says_so():
 
 @pytest.mark.parametrize("flag,argument,default", [("--unfused-layers", "fused_layers", True),
                                                     ("--dependent-launch", "dependent_launch", False),
+                                                    ("--tensor-core-matmul", "tensor_core_matmul", False),
                                                     ("--float32-cpu-products", "cpu_bf16", True)])
 def test_compile_passes_its_build_flags_on(tmp_path, monkeypatch, flag, argument, default):
     """Each build flag reaches compile_model as its argument: the default without it, flipped with it."""
@@ -127,6 +128,31 @@ def test_compile_refuses_dependent_launch_off_hopper(config_json, tmp_path, caps
         compile_model(str(config_json), tmp_path / "m.so", target="cuda:sm_80", dependent_launch=True,
                       log=lines.append)
     assert not any("loading model" in line for line in lines), lines
+
+
+def test_compile_refuses_tensor_core_matmul_where_it_cannot_run(config_json, tmp_path, capsys):
+    """--tensor-core-matmul needs CUDA sm_80+ and the small-batch rules: the CPU (command line),
+    sm_75 and --no-small-batch-matmul (compile_model) are refused by name before the model loads."""
+    from tvmattn.build import BuildError, compile_model
+    from tvmattn.models import BuildOptions
+
+    assert main(["compile", "--model", str(config_json), "-o", str(tmp_path / "m.so"), "--tensor-core-matmul",
+                 "--target", "llvm"]) == 2
+    out, err = capsys.readouterr()
+    one_error(err, "--tensor-core-matmul: target 'llvm': the tensor-core matmul is a CUDA kernel")
+    assert "loading model" not in out + err
+    lines: list[str] = []
+    with pytest.raises(BuildError, match="--tensor-core-matmul: target 'cuda:sm_75': .* needs sm_80 or newer"):
+        compile_model(str(config_json), tmp_path / "m.so", target="cuda:sm_75", tensor_core_matmul=True,
+                      log=lines.append)
+    with pytest.raises(BuildError, match="--tensor-core-matmul: it replaces small_batch_matmul's CUDA-core rule"):
+        compile_model(str(config_json), tmp_path / "m.so", target="cuda:sm_90", tensor_core_matmul=True,
+                      small_batch_matmul=False, log=lines.append)
+    assert not any("loading model" in line for line in lines), lines
+    with pytest.raises(ValueError, match="tensor_core_matmul='yes' is not supported: expected a bool"):
+        BuildOptions(target="cuda:sm_90", dtype="float16", tensor_core_matmul="yes")
+    with pytest.raises(ValueError, match="tensor_core_matmul=True is not supported: target 'cuda:sm_75'"):
+        BuildOptions(target="cuda:sm_75", dtype="float16", tensor_core_matmul=True)
 
 
 # ---------------------------------------------------------------- the first hour: errors before compiling

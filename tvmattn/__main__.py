@@ -318,6 +318,9 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
                          help="CUDA sm_90 and newer: launch every kernel with programmatic dependent launch (each "
                               "waits for the previous one's grid, so its launch overlaps that kernel's end; "
                               "compiler.dependent_launch)")
+    command.add_argument("--tensor-core-matmul", action="store_true",
+                         help="CUDA sm_80 and newer: decode_step's projections on tensor cores "
+                              "(compiler.tensor_core_matmul; not yet the default: it has not run on a GPU)")
 
 
 def _main_job_options(job: argparse.ArgumentParser, blocks: str) -> None:
@@ -506,7 +509,7 @@ def _compile(args) -> int:
                       random_weights=args.random_weights, random_format=args.random_format,
                       small_batch_matmul=args.small_batch_matmul, kv_cache_dtype=args.kv_cache_dtype,
                       fused_layers=args.fused_layers, cpu_bf16=args.cpu_bf16,
-                      dependent_launch=args.dependent_launch)
+                      dependent_launch=args.dependent_launch, tensor_core_matmul=args.tensor_core_matmul)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0

@@ -261,7 +261,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
                   quantization: str | None = None, random_weights: int | None = None,
                   random_format: str | None = None, small_batch_matmul: bool = True,
                   kv_cache_dtype: str | None = None, fused_layers: bool = True,
-                  cpu_bf16: bool = True, dependent_launch: bool = False) -> BuildResult:
+                  cpu_bf16: bool = True, dependent_launch: bool = False,
+                  tensor_core_matmul: bool = False) -> BuildResult:
     """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
 
     dtype defaults to float32 on llvm and float16 on cuda; context_window defaults to the
@@ -276,7 +277,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     False: the plain ops). cpu_bf16: llvm with kept blocks, the prefill GEMMs multiply in bfloat16
     where the CPU has AVX512-BF16 (export.BuildOptions.cpu_bf16; False: float32 products).
     dependent_launch: CUDA sm_90 and newer, every kernel launched with programmatic dependent
-    launch (compiler.dependent_launch).
+    launch (compiler.dependent_launch). tensor_core_matmul: CUDA sm_80 and newer, decode_step's
+    projections on tensor cores (compiler.tensor_core_matmul; needs small_batch_matmul).
     kv_cache_dtype: the KV pages' element type: None (the dtype) or "float8_e4m3fn" /
     "float8_e5m2" (FP8 pages, half fp16's bytes; scales 1.0 unless the generator sets them,
     `tvmattn.calibrate_kv_scales`).
@@ -314,6 +316,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     _check_random_format(random_format, random_weights)
     if not isinstance(dependent_launch, bool):
         raise BuildError(f"--dependent-launch must be a bool, got {dependent_launch!r}")
+    if not isinstance(tensor_core_matmul, bool):
+        raise BuildError(f"--tensor-core-matmul must be a bool, got {tensor_core_matmul!r}")
     out_path = Path(out_path)
     problem = output_problem(out_path)
     if problem:
@@ -324,6 +328,11 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
 
         if dependent_launch_problem(target):
             raise BuildError(f"--dependent-launch: {dependent_launch_problem(target)}")
+    if tensor_core_matmul:
+        from .compiler.tensor_core_matmul import tensor_core_matmul_problem
+
+        if tensor_core_matmul_problem(target, small_batch_matmul):
+            raise BuildError(f"--tensor-core-matmul: {tensor_core_matmul_problem(target, small_batch_matmul)}")
     quantization = resolve_quantization(model, quantization, target, dtype)
     if quantization is not None:
         wanted = kept_dtype(target) if quantization == "keep" else QUANTIZATION_DTYPES[quantization]
@@ -373,7 +382,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     options = BuildOptions(target=target, dtype=dtype, page_size=page_size, kv_cache=kv_cache,
                            weight_formats=weight_formats, max_batch_size=max_batch_size,
                            small_batch_matmul=small_batch_matmul, fused_layers=fused_layers, cpu_bf16=cpu_bf16,
-                           dependent_launch=dependent_launch,
+                           dependent_launch=dependent_launch, tensor_core_matmul=tensor_core_matmul,
                            kv_dtype="" if kv_cache_dtype in (None, dtype) else kv_cache_dtype,
                            host_avx512=bool(weight_formats) and _every_matrix_kept(config, weight_formats))
     attn_backend = _attention_backend(attn_backend, options.cache_spec(config), log)

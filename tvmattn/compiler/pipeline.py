@@ -18,11 +18,15 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   large), float32 SiLU legalized with a polynomial exp (`cpu_elementwise.cpu_legalize`, before
   TVM's LegalizeOps) instead of a libm call per element.
 - on CUDA, with `small_batch_matmul` (BuildOptions.small_batch_matmul, on by default), before
-  dlight's default rules: `SmallBatchMatmul` for the matmuls of batch_decode / decode_step
-  (`[batch_size, 1, K] x [N, K]^T`, symbolic batch_size). Without it they get dlight's Matmul
-  rule, whose 128 x 128 tiles leave most SMs idle at these shapes (figures of both:
-  docs/performance.md). dlight's LowBatchGEMV (`DecodeBatchGEMV`) is a variant in
-  scripts/bench_small_batch.py;
+  dlight's default rules, for the matmuls of batch_decode / decode_step (`[batch_size, 1, K] x
+  [N, K]^T`, symbolic batch_size): `SmallBatchMatmul` (CUDA cores); with
+  BuildOptions.tensor_core_matmul (off by default: not yet run on a GPU) first
+  `tensor_core_matmul.SmallBatchTensorCoreMatmul` (sm_80 and newer: the projections as TVM
+  legalizes them, with no epilogue, a residual add or a float32 cast, replaced by a tensor-core
+  kernel).
+  Without it they get dlight's Matmul rule, whose 128 x 128 tiles leave most SMs idle at these
+  shapes (figures: docs/performance.md). dlight's LowBatchGEMV (`DecodeBatchGEMV`) is a variant
+  in scripts/bench_small_batch.py;
 - on CUDA, after memory planning: `lift_graph_storage`, the storage of `decode_step` (planned for
   its batch upper bound) allocated once per VM instead of per call, so a CUDA graph that
   captured a step can be replayed (tvmattn.runtime.graphs). It runs TVM's RewriteCUDAGraph on
@@ -54,6 +58,7 @@ from tvm.s_tir.dlight.base import ScheduleRule
 
 from .dependent_launch import chain_dependent_launches, dependent_launch_problem
 from .fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV
+from .tensor_core_matmul import SmallBatchTensorCoreMatmul
 
 # DecodeBatchGEMV: rows per pass over the weight (the batch is padded to a multiple), and the
 # largest weight it takes (a larger one, the LM head, is re-read from memory on every pass: it
@@ -187,6 +192,13 @@ class SmallBatchMatmul(ScheduleRule):
         return sch
 
 
+def small_batch_rules(tensor_cores: bool = False) -> list[ScheduleRule]:
+    """The CUDA rules of decode_step's / batch_decode's projections, first match wins: with
+    tensor_cores, the tensor-core kernel for the projections it recognizes; CUDA cores for the
+    others."""
+    return ([SmallBatchTensorCoreMatmul()] if tensor_cores else []) + [SmallBatchMatmul()]
+
+
 def _largest_static_read(func: tirx.PrimFunc) -> int:
     """Bytes of the largest buffer of static shape that func's blocks read (a matmul's weight)."""
     sch = s_tir.Schedule(func)
@@ -303,12 +315,14 @@ def _finalize(backend, target: tvm.target.Target) -> list:
 
 
 def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True,
-                   dependent_launch: bool = False) -> tvm.transform.Pass:
+                   dependent_launch: bool = False, tensor_core_matmul: bool = False) -> tvm.transform.Pass:
     """The module pass that lowers a model library's Relax module for `target`; small_batch_matmul
     (CUDA): schedule decode_step's / batch_decode's projections with `SmallBatchMatmul` (False:
-    dlight's Matmul rule); dependent_launch (CUDA, sm_90 and newer): every kernel launched with
-    programmatic dependent launch (dependent_launch.chain_dependent_launches). ValueError for
-    dependent_launch on another target."""
+    dlight's Matmul rule); tensor_core_matmul (CUDA, with small_batch_matmul): those the
+    tensor-core kernel recognizes run on it (tensor_core_matmul.SmallBatchTensorCoreMatmul);
+    dependent_launch (CUDA, sm_90 and newer): every kernel launched with programmatic dependent
+    launch (dependent_launch.chain_dependent_launches). ValueError for dependent_launch on
+    another target."""
     from tvm.s_tir import dlight as dl
 
     problem = dependent_launch_problem(target) if dependent_launch else None
@@ -319,7 +333,8 @@ def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True,
         from tvm.relax.backend.cuda import pipeline as backend
 
         # placed before the CUDA legalize passes' own dlight rules (which skip what is scheduled)
-        decode_gemv = dl.ApplyDefaultSchedule(CUDAFusedDecodeGEMV(), *([SmallBatchMatmul()] if small_batch_matmul else []))
+        small = small_batch_rules(tensor_core_matmul) if small_batch_matmul else []
+        decode_gemv = dl.ApplyDefaultSchedule(CUDAFusedDecodeGEMV(), *small)
         schedule = []
     else:
         from tvm.relax.backend.cpu_generic import pipeline as backend

@@ -45,6 +45,7 @@ from tir_kernels.sampling import SamplingConfig, apply_penalties, feed_tokens, s
 from tir_kernels.support import FP8_KV_DTYPES, TargetName, dtype_problem, is_fp8, numpy_dtype, page_size_problem
 
 from ..compiler.dependent_launch import dependent_launch_problem
+from ..compiler.tensor_core_matmul import tensor_core_matmul_problem
 from ..compiler.fused_decode import fused_decode
 from ..compiler.pipeline import relax_pipeline
 # exported by every library beside its architecture's functions (model-independent)
@@ -87,6 +88,9 @@ class BuildOptions:
     # CUDA sm_90+: every kernel launched with programmatic dependent launch
     # (compiler.dependent_launch); off until measured to pay
     dependent_launch: bool = False
+    # CUDA sm_80+ with small_batch_matmul: decode_step's projections on tensor cores
+    # (compiler.tensor_core_matmul); off until it has run on a GPU
+    tensor_core_matmul: bool = False
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -101,6 +105,8 @@ class BuildOptions:
             raise ValueError(f"small_batch_matmul={self.small_batch_matmul!r} is not supported: expected a bool")
         if not isinstance(self.dependent_launch, bool):
             raise ValueError(f"dependent_launch={self.dependent_launch!r} is not supported: expected a bool")
+        if not isinstance(self.tensor_core_matmul, bool):
+            raise ValueError(f"tensor_core_matmul={self.tensor_core_matmul!r} is not supported: expected a bool")
         for name, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
             expected = problem(getattr(self, name))
             if expected:
@@ -116,6 +122,9 @@ class BuildOptions:
         if self.dependent_launch and dependent_launch_problem(self.target):
             raise ValueError(f"dependent_launch=True is not supported with target={self.target!r}: "
                              f"{dependent_launch_problem(self.target)}")
+        if self.tensor_core_matmul and tensor_core_matmul_problem(self.target, self.small_batch_matmul):
+            raise ValueError(f"tensor_core_matmul=True is not supported: "
+                             f"{tensor_core_matmul_problem(self.target, self.small_batch_matmul)}")
         if self.weight_formats:
             from ..weights.quant import QUANT_TYPES
 
@@ -239,7 +248,8 @@ def compile_module(mod: tvm.IRModule, options: BuildOptions) -> relax.VMExecutab
     target = options.tvm_target()
     with target:
         # tir_kernels' pipeline: the Hopper attention kernels are lowered by TVM's TIRx pipeline
-        pipeline = relax_pipeline(target, options.small_batch_matmul, dependent_launch=options.dependent_launch)
+        pipeline = relax_pipeline(target, options.small_batch_matmul, dependent_launch=options.dependent_launch,
+                                  tensor_core_matmul=options.tensor_core_matmul)
         return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=PIPELINE)
 
 

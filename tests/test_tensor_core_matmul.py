@@ -1,0 +1,244 @@
+"""The tensor-core matmul of a few rows (compiler.tensor_core_matmul).
+
+Spec: `SmallBatchTensorCoreMatmul` takes exactly the projections TVM legalizes for decode_step
+(`[batch_size, 1, K] x [N, K]^T` summed in the activations' dtype, then nothing, a residual add or
+a float32 cast) for CUDA sm_80 and newer, and every one of a model's decode_step projections; it
+leaves prefill shapes, the CPU, older GPUs, float32 operands, other epilogues and N or K that are
+not multiples of 16 to the next rule (None). Schedules are validated at construction and chosen
+per weight shape; the kernel compiles to mma.sync / ldmatrix / cp.async code for sm_90. On the
+GPU it equals a float32 numpy product (+ residual) rounded as the kernel rounds, for batches
+below, at and past its 16-row tiles and 64-row chunks, every epilogue, float16 and bfloat16 and
+every schedule family (column blocks of 16, 32 and 64, K steps of 1 and 2, 2 to 6 stages); a
+tiny model's library built with it (BuildOptions.tensor_core_matmul) generates the default
+library's greedy tokens, eagerly and with CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+from harness import load_script
+
+from tvmattn.compiler.pipeline import SmallBatchMatmul, small_batch_rules
+from tvmattn.compiler.tensor_core_matmul import (SkinnyMatmulSchedule, SmallBatchTensorCoreMatmul,
+                                                 choose_skinny_schedule, skinny_matmul)
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+RULE = SmallBatchTensorCoreMatmul()
+
+
+def legalized(n: int, k: int, epilogue: str = "none", dtype: str = "float16", seq: bool = False,
+              other: bool = False) -> tvm.tirx.PrimFunc:
+    """A projection as a model library's pipeline legalizes it (FuseTransposeMatmul, then TVM's
+    CUDA legalize and fusion passes): x [batch_size, 1, k] times permute_dims(w [n, k]), then a
+    residual add or a cast to float32; seq: x [1, seq_len, k] (a prefill); other: the epilogue
+    multiplies instead of adding."""
+    from tvm import relax
+    from tvm.relax.backend.cuda import pipeline as backend
+    from tvm.script import relax as R
+
+    var = tvm.tirx.Var("seq_len" if seq else "batch_size", "int64")
+    x_shape, o_shape = ((1, var, k), (1, var, n)) if seq else ((var, 1, k), (var, 1, n))
+    x = relax.Var("x", R.Tensor(x_shape, dtype))
+    w = relax.Var("w", R.Tensor((n, k), dtype))
+    res = relax.Var("res", R.Tensor(o_shape, dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w, res] if epilogue == "add" else [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w)))
+            if epilogue == "add":
+                y = bb.emit(relax.op.multiply(res, y) if other else relax.op.add(res, y))
+            elif epilogue == "cast":
+                y = bb.emit(relax.op.astype(y, "float32"))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    with CUDA:
+        passes = [relax.transform.FuseTransposeMatmul()] + list(backend.legalize_passes(CUDA))[:-1]
+        mod = tvm.transform.Sequential(passes)(bb.get())
+    (func,) = [f for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint]
+    return func
+
+
+def test_schedules_follow_the_weight_shape():
+    # SmolLM2: qkv, gate_up (few column blocks: 16 columns, more stages), down (K 1536: 128-wide
+    # stages), the LM head (64-column blocks)
+    assert choose_skinny_schedule(960, 576) == SkinnyMatmulSchedule(warps_n=1, warps_k=4, k_steps=1, stages=6)
+    assert choose_skinny_schedule(3072, 576) == SkinnyMatmulSchedule(warps_n=1, warps_k=4, k_steps=1, stages=4)
+    # (six 128-wide stages would pass the shared-memory cap: four)
+    assert choose_skinny_schedule(576, 1536) == SkinnyMatmulSchedule(warps_n=1, warps_k=4, k_steps=2, stages=4)
+    assert choose_skinny_schedule(49152, 576) == SkinnyMatmulSchedule(warps_n=4, warps_k=4, k_steps=1, stages=4)
+    # Llama-3.2-1B's gate_up: 512 blocks of 32 columns
+    assert choose_skinny_schedule(16384, 2048) == SkinnyMatmulSchedule(warps_n=2, warps_k=4, k_steps=2, stages=4)
+    # K of 80 and 48: fewer warps split it
+    assert choose_skinny_schedule(96, 80).block_k == 16 and choose_skinny_schedule(96, 48).block_k == 16
+    assert choose_skinny_schedule(100, 64) is None and choose_skinny_schedule(96, 60) is None
+    for n, k in ((960, 576), (576, 1536), (49152, 576), (16384, 2048), (2048, 8192)):
+        assert choose_skinny_schedule(n, k).smem_bytes() <= 96 << 10
+
+
+def test_schedule_fields_are_validated():
+    with pytest.raises(ValueError, match="warps_n=3: expected 1, 2, 4 or 8"):
+        SkinnyMatmulSchedule(warps_n=3)
+    with pytest.raises(ValueError, match="stages=1: expected an int from 2 to 8"):
+        SkinnyMatmulSchedule(stages=1)
+    with pytest.raises(ValueError, match="at most 16 warps"):
+        SkinnyMatmulSchedule(warps_n=8, warps_k=4)
+    with pytest.raises(ValueError, match="N=48 is not a multiple of the block's 32 columns"):
+        skinny_matmul(48, 64, schedule=SkinnyMatmulSchedule(warps_n=2))
+    with pytest.raises(ValueError, match="K=96 is not a multiple of a stage's 64 columns"):
+        skinny_matmul(64, 96, schedule=SkinnyMatmulSchedule(warps_k=4))
+    with pytest.raises(ValueError, match="dtype='float32'"):
+        skinny_matmul(64, 64, "float32")
+    with pytest.raises(ValueError, match="epilogue='mul'"):
+        skinny_matmul(64, 64, epilogue="mul")
+
+
+@pytest.mark.parametrize("epilogue", ["none", "add", "cast"])
+def test_rule_takes_legalized_projections(epilogue):
+    original = legalized(960, 576, epilogue)
+    sch = RULE.apply(original, CUDA, False)
+    assert sch is not None
+    func = sch.mod["main"]
+    assert original.attrs and all(func.attrs[key] == value for key, value in original.attrs.items())  # kept
+    assert str(func.params[-1].dtype) == ("float32" if epilogue == "cast" else "float16")
+
+
+def test_rule_leaves_everything_else_to_the_next_rule():
+    assert RULE.apply(legalized(960, 576, seq=True), CUDA, False) is None  # a prefill
+    assert RULE.apply(legalized(960, 576), tvm.target.Target("llvm"), False) is None
+    assert RULE.apply(legalized(960, 576), tvm.target.Target({"kind": "cuda", "arch": "sm_75"}), False) is None
+    assert RULE.apply(legalized(960, 576, dtype="float32"), CUDA, False) is None
+    assert RULE.apply(legalized(960, 576, "add", other=True), CUDA, False) is None  # not a residual add
+    assert RULE.apply(legalized(968, 576), CUDA, False) is None  # N not a multiple of 16
+    assert RULE.apply(legalized(960, 584), CUDA, False) is None  # K not a multiple of 16
+
+
+def test_rule_takes_every_decode_step_projection_of_a_model(tmp_path):
+    """A tiny Llama's decode_step projections, legalized by TVM's CUDA passes: qkv, o (+ residual),
+    gate_up, down (+ residual) and the LM head (float32 cast): every one is taken."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+              "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 256,
+              "max_position_embeddings": 256, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    funcs, target = load_script("bench_small_batch").decode_step_matmuls(str(path), 64)
+    kinds = {}
+    for name, func in funcs.items():
+        sch = RULE.apply(func, target, False)
+        assert sch is not None, name
+        kinds[name] = str(sch.mod["main"].params[-1].dtype), len(func.params)
+    assert sorted(kinds.values()) == sorted([("float16", 3)] * 2 + [("float16", 4)] * 2 + [("float32", 3)])
+
+
+@pytest.mark.parametrize("epilogue", ["none", "add", "cast"])
+def test_kernel_compiles_to_tensor_core_code_for_sm90(epilogue):
+    lib = tvm.compile(tvm.IRModule({"main": skinny_matmul(576, 1536, "bfloat16", epilogue)}), target=CUDA)
+    source = lib.mod.imports[0].inspect_source()
+    assert "mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32" in source
+    assert "ldmatrix" in source and "cp_async" in source
+
+
+def test_the_pipeline_tries_it_before_the_cuda_core_rule():
+    from tvm.s_tir import dlight as dl
+
+    assert [type(rule) for rule in small_batch_rules()] == [SmallBatchMatmul]  # (the default: off)
+    rules = small_batch_rules(tensor_cores=True)
+    assert [type(rule) for rule in rules] == [SmallBatchTensorCoreMatmul, SmallBatchMatmul]
+    with CUDA:
+        taken = dl.ApplyDefaultSchedule(*rules)(tvm.IRModule({"main": legalized(960, 576)}))["main"].script()
+        # the CUDA-core rule takes what this one leaves (N not a multiple of 16)
+        left = dl.ApplyDefaultSchedule(*rules)(tvm.IRModule({"main": legalized(968, 576)}))["main"].script()
+    assert "T.ptx.mma(" in taken and "T.ptx.mma(" not in left and "threadIdx" in left
+
+
+# (n, k, epilogue, dtype, schedule): every schedule family the chooser makes, and forced ones
+GPU_CASES = [
+    pytest.param(960, 576, "none", "float16", None, id="qkv-576"),
+    pytest.param(576, 1536, "add", "float16", None, id="down-1536-add"),
+    pytest.param(4096, 576, "cast", "float16", SkinnyMatmulSchedule(warps_n=4, warps_k=4, stages=4), id="head-cast-wn4"),
+    pytest.param(512, 2048, "add", "bfloat16", SkinnyMatmulSchedule(warps_n=2, warps_k=4, k_steps=2, stages=3),
+                 id="bf16-wn2-ks2"),
+    pytest.param(96, 80, "none", "float16", None, id="k80"),
+    pytest.param(256, 256, "none", "float16", SkinnyMatmulSchedule(warps_n=1, warps_k=2, k_steps=1, stages=2),
+                 id="two-stages"),
+]
+
+
+def _reference(x, w, res, epilogue: str, dtype: str) -> np.ndarray:
+    """float32 products and sums, rounded to dtype, then the epilogue (as the kernel rounds)."""
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    total = (x.astype(np.float32)[:, 0] @ w.astype(np.float32).T)[:, None, :].astype(np_dtype)
+    if epilogue == "add":
+        return (res.astype(np.float32) + total.astype(np.float32)).astype(np_dtype).astype(np.float32)
+    return total.astype(np.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, epilogue, dtype, schedule", GPU_CASES)
+def test_kernel_matches_numpy_on_the_gpu(n, k, epilogue, dtype, schedule):
+    lib = tvm.compile(tvm.IRModule({"main": skinny_matmul(n, k, dtype, epilogue, schedule)}), target=CUDA)
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    dev = tvm.cuda(0)
+    for batch in (1, 2, 15, 16, 17, 63, 64, 65, 130, 256):
+        rng = np.random.default_rng(batch)
+        x = (rng.standard_normal((batch, 1, k)) * 0.5).astype(np_dtype)
+        w = (rng.standard_normal((n, k)) * 0.5).astype(np_dtype)
+        res = (rng.standard_normal((batch, 1, n)) * 0.5).astype(np_dtype)
+        args = [tvm.runtime.tensor(x, dev), tvm.runtime.tensor(w, dev)]
+        if epilogue == "add":
+            args.append(tvm.runtime.tensor(res, dev))
+        out_dtype = np.float32 if epilogue == "cast" else np_dtype
+        # one row past the batch: the kernel writes none of it
+        out = tvm.runtime.tensor(np.full((batch + 1, 1, n), 7, out_dtype), dev)
+        lib["main"](*args, out._create_view((batch, 1, n), str(np.dtype(out_dtype)) if out_dtype != ml_dtypes.bfloat16
+                                             else "bfloat16", 0))
+        got = out.numpy().astype(np.float32)
+        expected = _reference(x, w, res, epilogue, dtype)
+        # summation order differs (float32): the rounded results may differ by an ulp of the sum
+        ulp = 2.0 ** (-7 if dtype == "bfloat16" else -10)
+        tolerance = 2 * ulp * (np.abs(expected) + 1)
+        bad = np.abs(got[:batch] - expected) > tolerance
+        assert not bad.any(), f"batch {batch}: {bad.sum()} of {bad.size} outside, first at {np.argwhere(bad)[0]}"
+        assert (got[batch] == 7).all(), f"batch {batch}: a row past the batch was written"
+
+
+@pytest.fixture(scope="module")
+def tiny_libraries(tmp_path_factory):
+    """A tiny GGUF model compiled for CUDA twice: decode_step's projections on CUDA cores (the
+    default) and on tensor cores (its qkv, o, gate_up and down: N and K multiples of 16; the LM
+    head's 268 rows are not, and stay on CUDA cores)."""
+    pytest.importorskip("gguf")
+    from test_weights import write_tiny_gguf
+
+    from tvmattn.build import compile_model, resolve_target
+
+    folder = tmp_path_factory.mktemp("tiny-tc")
+    write_tiny_gguf(folder / "tiny.gguf", np.random.default_rng(11))
+    libraries = {}
+    for tensor_cores in (False, True):
+        libraries[tensor_cores] = folder / f"tiny-{int(tensor_cores)}.so"
+        compile_model(str(folder / "tiny.gguf"), libraries[tensor_cores], target=resolve_target("cuda"),
+                      max_batch_size=8, tensor_core_matmul=tensor_cores, log=lambda m: None)
+    return libraries
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
+def test_a_library_with_it_generates_the_default_librarys_tokens(tiny_libraries, cuda_graph):
+    """Batches of 1, 3 and 6 prompts (batch_decode eagerly; the graphs' buckets 1, 4 and 8):
+    the same greedy tokens, logits within float16 rounding."""
+    from tvmattn.generate import Generator
+
+    plain, tensor_cores = (Generator(tiny_libraries[t], cuda_graph=cuda_graph) for t in (False, True))
+    prompts = [[5, 17, 9, 3, 42], [9, 4, 10], [12, 8, 3, 3, 45, 27, 0], [1, 2], [77, 3, 5, 100], [6]]
+    for batch in (prompts[:1], prompts[:3], prompts):
+        a = plain.generate_tokens(batch, max_new_tokens=10, keep_logits=True)
+        b = tensor_cores.generate_tokens(batch, max_new_tokens=10, keep_logits=True)
+        assert a.tokens == b.tokens
+        for x, y in zip(a.logits, b.logits):
+            np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,413 @@
+"""A tensor-core matmul for a few rows: decode_step's projections at batches of a few to a few hundred.
+
+What it computes is the PrimFunc it replaces (`SmallBatchTensorCoreMatmul` recognizes it):
+
+    Y[b, 0, n] = epilogue(sum_k X[b, 0, k] * W[n, k])    b < batch_size (symbolic), n < N
+
+with the products summed in float32 and the sum rounded once to the activations' dtype, then
+the epilogue: "none" (Y is the rounded sum), "add" (Y = R[b, 0, n] + sum, a decoder layer's
+residual, in the activations' dtype as the separate add computes it) or "cast" (Y float32, the
+LM head's logits).
+
+Why: at these shapes a step streams each weight once, so the kernel should run at the memory's
+speed. On CUDA cores (SmallBatchMatmul) each weight element costs batch multiply-adds, and from
+batch 16 on the step waits on arithmetic, not on memory. One m16n8k16 MMA does 16 rows at once.
+
+How (`SkinnyMatmulSchedule`): a thread block owns `16 * warps_n` output columns and a chunk of
+up to 64 rows (four 16-row MMA tiles; blockIdx.x, the fastest index, walks the row chunks, so
+the blocks that read one weight slice run together and the slice comes from memory once). Its
+warps are `warps_n` column groups of 16 times `warps_k` slices of K: each stage of the
+cp.async ring holds a tile of `16 * warps_k * k_steps` columns of K of the chunk's rows of X
+and of the block's rows of W (16-byte copies into XOR-swizzled rows, mma.Tile), and warp
+(n, k) multiplies its k_steps 16-wide slices of it (ldmatrix, then one MMA per 16-row tile and
+8 columns). Rows past the batch are neither copied nor stored: a 16-row tile past the chunk's
+last row is skipped, and inside the last tile the rows past the batch read the batch's last
+row (valid memory; their sums are never stored). At the end the warps of a column group add
+their float32 sums through shared memory and the block applies the epilogue, each thread
+storing consecutive columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.script import tirx as T
+
+EPILOGUES = ("none", "add", "cast")
+DTYPES = {"float16": "f16", "bfloat16": "bf16"}  # operand dtype -> PTX type
+ROWS_PER_TILE = 16  # the M of m16n8k16
+MAX_TILES = 4  # 16-row MMA tiles per row chunk: 64 rows a block
+CHUNK = 8  # 16-bit elements per 16-byte copy
+SWIZZLE = 8  # chunks per XOR period (128 bytes: the 32 banks)
+LDSM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
+CP_ASYNC = "cp.async.cg.shared.global"
+MIN_ARCH = 80  # cp.async, ldmatrix and bf16 mma.sync
+SMEM_LIMIT = 96 << 10  # bytes of dynamic shared memory the schedules stay under
+TARGET_BLOCKS = 132  # about one block per SM of an H100 / H200: fewer column blocks than this use 16-column blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyMatmulSchedule:
+    """How the kernel is laid out (never what it computes): warps_n column groups of 16 columns
+    and warps_k slices of K per block, k_steps 16-wide K steps per warp and stage, `stages`
+    tiles in the cp.async ring."""
+
+    warps_n: int = 1
+    warps_k: int = 4
+    k_steps: int = 1
+    stages: int = 4
+
+    def __post_init__(self):
+        for name in ("warps_n", "warps_k", "k_steps"):
+            value = getattr(self, name)
+            if value not in (1, 2, 4, 8):
+                raise ValueError(f"{name}={value!r}: expected 1, 2, 4 or 8")
+        if not isinstance(self.stages, int) or not 2 <= self.stages <= 8:
+            raise ValueError(f"stages={self.stages!r}: expected an int from 2 to 8")
+        if self.warps_n * self.warps_k > 16:
+            raise ValueError(f"warps_n * warps_k = {self.warps_n * self.warps_k}: at most 16 warps (512 threads)")
+
+    @property
+    def block_n(self) -> int:
+        return ROWS_PER_TILE * self.warps_n
+
+    @property
+    def block_k(self) -> int:
+        return ROWS_PER_TILE * self.warps_k * self.k_steps
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the ring, or the warps' sums at the end (the larger)."""
+        ring = self.stages * (MAX_TILES * ROWS_PER_TILE + self.block_n) * _Tile(self.block_k).stride * 2
+        sums = self.warps_k * MAX_TILES * ROWS_PER_TILE * (self.block_n + 4) * 4
+        return max(ring, sums)
+
+    def check(self, n: int, k: int) -> None:
+        """ValueError unless the schedule tiles an N x K weight."""
+        if n % self.block_n:
+            raise ValueError(f"N={n} is not a multiple of the block's {self.block_n} columns (warps_n={self.warps_n})")
+        if k % self.block_k:
+            raise ValueError(f"K={k} is not a multiple of a stage's {self.block_k} columns "
+                             f"(warps_k={self.warps_k}, k_steps={self.k_steps})")
+        if self.smem_bytes() > SMEM_LIMIT:
+            raise ValueError(f"{self.smem_bytes()} bytes of shared memory: over {SMEM_LIMIT}")
+
+
+def choose_skinny_schedule(n: int, k: int) -> SkinnyMatmulSchedule | None:
+    """The schedule of an N x K weight, or None where none tiles it (N or K not a multiple of 16).
+
+    Column blocks: 64 columns where that still makes two blocks per SM, 32 where it makes one,
+    else 16 (SmolLM2's 576-row projections: 36 blocks). K: 4 warps split each stage; a stage is
+    128 columns where K allows it (the most bytes in flight per copy round), else 64, 32 or 16,
+    with fewer warps. More stages where there are few blocks: each block then keeps more of its
+    weight in flight."""
+    if n % ROWS_PER_TILE or k % ROWS_PER_TILE:
+        return None
+    warps_n = 4 if n % 64 == 0 and n // 64 >= 2 * TARGET_BLOCKS else 2 if n % 32 == 0 and n // 32 >= TARGET_BLOCKS else 1
+    for warps_k, k_steps in ((4, 2), (4, 1), (2, 1), (1, 1)):
+        if k % (ROWS_PER_TILE * warps_k * k_steps) == 0:
+            break
+    stages = 4 if n // (ROWS_PER_TILE * warps_n) >= TARGET_BLOCKS else 6
+    schedule = SkinnyMatmulSchedule(warps_n=warps_n, warps_k=warps_k, k_steps=k_steps, stages=stages)
+    while schedule.smem_bytes() > SMEM_LIMIT and schedule.stages > 2:
+        schedule = dataclasses.replace(schedule, stages=schedule.stages - 1)
+    return schedule
+
+
+class _Tile:
+    """Shared-memory rows of `width` 16-bit elements in 16-byte chunks: rows of a multiple of 8
+    chunks XOR-swizzled (chunk c of row r at c ^ (r % 8)), others padded by one chunk, so that
+    the 8 rows an ldmatrix phase reads fall in distinct banks."""
+
+    def __init__(self, width: int):
+        self.chunks = width // CHUNK
+        self.swizzled = self.chunks % SWIZZLE == 0
+        self.stride = width if self.swizzled else width + CHUNK
+
+    def offset(self, row, chunk):
+        if self.swizzled:
+            return row * self.stride + T.bitwise_xor(chunk, row % SWIZZLE) * CHUNK
+        return row * self.stride + chunk * CHUNK
+
+
+def skinny_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none",
+                  schedule: SkinnyMatmulSchedule | None = None) -> tirx.PrimFunc:
+    """The PrimFunc (X [batch_size, 1, K], W [N, K][, R [batch_size, 1, N]], Y [batch_size, 1, N])
+    of the module docstring; batch_size symbolic (int64), dtype float16 or bfloat16 (Y float32
+    for epilogue "cast"). ValueError for what it does not take."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {tuple(DTYPES)}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r}: expected one of {EPILOGUES}")
+    sched = schedule or choose_skinny_schedule(n, k)
+    if sched is None:
+        raise ValueError(f"N={n}, K={k}: expected multiples of {ROWS_PER_TILE}")
+    sched.check(n, k)
+    WN, WK, KS, STAGES = sched.warps_n, sched.warps_k, sched.k_steps, sched.stages
+    BN, BK, BM = sched.block_n, sched.block_k, MAX_TILES * ROWS_PER_TILE
+    NT = 32 * WN * WK
+    KT = k // BK  # stage tiles along K
+    TL = _Tile(BK)
+    X_WORDS = BM * TL.stride // 2  # a stage's X rows, in 32-bit words
+    STAGE_WORDS = (BM + BN) * TL.stride // 2
+    SUM_STRIDE = BN + 4  # floats per row of the warps' sums (padded against bank conflicts)
+    SUM_WORDS = BM * SUM_STRIDE
+    SMEM_WORDS = sched.smem_bytes() // 4
+    X_COPIES = (BM * TL.chunks + NT - 1) // NT  # copy rounds of X per thread (rows past the batch skip)
+    W_COPIES = (BN * TL.chunks + NT - 1) // NT
+    OUT_ROUNDS = (BM * BN + NT - 1) // NT
+    ptx = DTYPES[dtype]
+    MMA = f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32"
+    out_dtype = "float32" if epilogue == "cast" else dtype
+    f32 = "float32"
+    N64, K64 = T.int64(n), T.int64(k)
+
+    def word(elem):
+        return elem // 2
+
+    @T.macro
+    def issue(x_, w_, smem_, rows_, m0_, n0_, kt_, tid_):
+        """Stage tile kt_ (K columns kt_ * BK ..) of the chunk's X rows and the block's W rows ->
+        ring stage kt_ % STAGES (cp.async; X rows from the chunk's 16-row tiles in use only)."""
+        base = T.meta_var(kt_ % STAGES * STAGE_WORDS)
+        for it in T.unroll(X_COPIES):
+            c = T.meta_var(it * NT + tid_)
+            r = T.meta_var(c // TL.chunks)
+            ch = T.meta_var(c % TL.chunks)
+            if (BM * TL.chunks % NT == 0 or c < BM * TL.chunks) and r < (rows_ + 15) // 16 * 16:
+                T.ptx[CP_ASYNC](smem_.ptr_to([base + word(TL.offset(r, ch))]),
+                                T.address_of(x_[T.min(m0_ + T.Cast("int64", r), x_.shape[0] - 1), 0,
+                                                kt_ * BK + ch * CHUNK]), 16)
+        for it in T.unroll(W_COPIES):
+            c = T.meta_var(it * NT + tid_)
+            r = T.meta_var(c // TL.chunks)
+            ch = T.meta_var(c % TL.chunks)
+            if BN * TL.chunks % NT == 0 or c < BN * TL.chunks:
+                T.ptx[CP_ASYNC](smem_.ptr_to([base + X_WORDS + word(TL.offset(r, ch))]),
+                                T.address_of(w_[n0_ + r, kt_ * BK + ch * CHUNK]), 16)
+
+    @T.macro
+    def compute(smem_, acc_, af_, bf_, tiles_, kt_, wn_, wk_, lane_):
+        """acc_ += the warp's k_steps slices of stage tile kt_: its 16 columns of W against the
+        chunk's 16-row tiles in use."""
+        base = T.meta_var(kt_ % STAGES * STAGE_WORDS)
+        for ks in T.unroll(KS):
+            kk = T.meta_var(wk_ * KS + ks)  # the 16-wide slice of the stage tile
+            T.ptx[LDSM](bf_[0], bf_[1], bf_[2], bf_[3], smem_.ptr_to([base + X_WORDS + word(TL.offset(
+                wn_ * 16 + lane_ % 8 + lane_ // 16 * 8, kk * 2 + lane_ // 8 % 2))]))
+            for mt in T.unroll(MAX_TILES):
+                if mt < tiles_:
+                    T.ptx[LDSM](af_[0], af_[1], af_[2], af_[3], smem_.ptr_to([base + word(TL.offset(
+                        mt * 16 + lane_ % 16, kk * 2 + lane_ // 16))]))
+                    for h in T.unroll(2):
+                        a = T.meta_var(mt * 8 + h * 4)
+                        T.ptx[MMA](acc_[a], acc_[a + 1], acc_[a + 2], acc_[a + 3], af_[0], af_[1], af_[2], af_[3],
+                                   bf_[h * 2], bf_[h * 2 + 1], acc_[a], acc_[a + 1], acc_[a + 2], acc_[a + 3])
+
+    @T.macro
+    def store(y_, r_, sums_, total_, rows_, m0_, n0_, tid_):
+        """Y of the chunk's rows: the warps' sums added, rounded, the epilogue applied."""
+        for it in T.unroll(OUT_ROUNDS):
+            e = T.meta_var(it * NT + tid_)
+            row = T.meta_var(e // BN)
+            col = T.meta_var(e % BN)
+            if (BM * BN % NT == 0 or e < BM * BN) and row < rows_:
+                total_[0] = T.float32(0)
+                for w in T.unroll(WK):
+                    total_[0] = total_[0] + sums_[w * SUM_WORDS + row * SUM_STRIDE + col]
+                rounded = T.meta_var(T.Cast(dtype, total_[0]))
+                b = T.meta_var(m0_ + T.Cast("int64", row))
+                if epilogue == "add":
+                    y_[b, 0, n0_ + col] = r_[b, 0, n0_ + col] + rounded
+                elif epilogue == "cast":
+                    y_[b, 0, n0_ + col] = T.Cast(f32, rounded)
+                else:
+                    y_[b, 0, n0_ + col] = rounded
+
+    @T.macro
+    def body(x_, w_, r_, y_):
+        batch = x_.shape[0]
+        for chunk in T.thread_binding((batch + BM - 1) // BM, thread="blockIdx.x"):
+            for col_block in T.thread_binding(n // BN, thread="blockIdx.y"):
+                for tid in T.thread_binding(NT, thread="threadIdx.x"):
+                    smem = T.alloc_buffer((SMEM_WORDS,), f32, scope="shared.dyn")
+                    acc = T.alloc_buffer((MAX_TILES * 8,), f32, scope="local")
+                    af = T.alloc_buffer((4,), "uint32", scope="local")
+                    bf = T.alloc_buffer((4,), "uint32", scope="local")
+                    total = T.alloc_buffer((1,), f32, scope="local")
+                    warp = tid // 32
+                    lane = tid % 32
+                    wn = warp % WN
+                    wk = warp // WN
+                    m0 = chunk * BM
+                    n0 = col_block * BN
+                    rows = T.Cast("int32", T.min(batch - m0, BM))  # rows of the chunk in the batch
+                    tiles = (rows + 15) // 16
+                    for i in T.unroll(MAX_TILES * 8):
+                        acc[i] = T.float32(0)
+                    for s in T.unroll(STAGES - 1):
+                        if s < KT:
+                            issue(x_, w_, smem, rows, m0, n0, s, tid)
+                        T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
+                    for kt in T.serial(KT):
+                        T.ptx["cp.async.wait_group"](STAGES - 2)  # this thread's copies of tile kt have landed
+                        T.tvm_storage_sync("shared")  # ... everyone's; no warp reads tile kt - 1 any more
+                        if kt + STAGES - 1 < KT:
+                            issue(x_, w_, smem, rows, m0, n0, kt + STAGES - 1, tid)
+                        T.ptx["cp.async.commit_group"]()
+                        compute(smem, acc, af, bf, tiles, kt, wn, wk, lane)
+                    T.ptx["cp.async.wait_group"](0)
+                    T.tvm_storage_sync("shared")  # the ring is free: it holds the warps' sums now
+                    for mt in T.unroll(MAX_TILES):
+                        if mt < tiles:
+                            for h in T.unroll(2):
+                                for half in T.unroll(2):
+                                    for e in T.unroll(2):
+                                        smem[wk * SUM_WORDS + (mt * 16 + lane // 4 + half * 8) * SUM_STRIDE
+                                             + wn * 16 + h * 8 + lane % 4 * 2 + e] = acc[mt * 8 + h * 4 + half * 2 + e]
+                    T.tvm_storage_sync("shared")
+                    store(y_, r_, smem, total, rows, m0, n0, tid)
+
+    if epilogue == "add":
+        @T.prim_func
+        def func(x_h: T.handle, w: T.Buffer((N64, K64), dtype), r_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            batch_size = T.int64()
+            x = T.match_buffer(x_h, (batch_size, T.int64(1), K64), dtype)
+            r = T.match_buffer(r_h, (batch_size, T.int64(1), N64), dtype)
+            y = T.match_buffer(y_h, (batch_size, T.int64(1), N64), out_dtype)
+            body(x, w, r, y)
+    else:
+        @T.prim_func
+        def func(x_h: T.handle, w: T.Buffer((N64, K64), dtype), y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            batch_size = T.int64()
+            x = T.match_buffer(x_h, (batch_size, T.int64(1), K64), dtype)
+            y = T.match_buffer(y_h, (batch_size, T.int64(1), N64), out_dtype)
+            body(x, w, None, y)
+    return func
+
+
+def matmul_definition(n: int, k: int, dtype: str, epilogue: str) -> tirx.PrimFunc:
+    """The unscheduled PrimFunc that `skinny_matmul(n, k, dtype, epilogue)` replaces, as TVM's
+    legalization writes it (NT_matmul summing in `dtype`, then T_add residual + product, or
+    compute casting to float32); what `SmallBatchTensorCoreMatmul` compares a function with."""
+    N64, K64, one = T.int64(n), T.int64(k), T.int64(1)
+    zero = tirx.const(0.0, dtype)
+    if epilogue == "add":
+        @T.prim_func(private=True, s_tir=True)
+        def func(x_h: T.handle, w: T.Buffer((N64, K64), dtype), r_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            batch_size = T.int64()
+            x = T.match_buffer(x_h, (batch_size, one, K64), dtype)
+            r = T.match_buffer(r_h, (batch_size, one, N64), dtype)
+            y = T.match_buffer(y_h, (batch_size, one, N64), dtype)
+            product = T.sblock_alloc_buffer((batch_size, one, N64), dtype)
+            for i0, i1, i2, kk in T.grid(batch_size, one, N64, K64):
+                with T.sblock("NT_matmul"):
+                    v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, kk])
+                    T.reads(x[v0, v1, vk], w[v2, vk])
+                    T.writes(product[v0, v1, v2])
+                    with T.init():
+                        product[v0, v1, v2] = zero
+                    product[v0, v1, v2] = product[v0, v1, v2] + x[v0, v1, vk] * w[v2, vk]
+            for a0, a1, a2 in T.grid(batch_size, one, N64):
+                with T.sblock("T_add"):
+                    v0, v1, v2 = T.axis.remap("SSS", [a0, a1, a2])
+                    T.reads(r[v0, v1, v2], product[v0, v1, v2])
+                    T.writes(y[v0, v1, v2])
+                    y[v0, v1, v2] = r[v0, v1, v2] + product[v0, v1, v2]
+    elif epilogue == "cast":
+        @T.prim_func(private=True, s_tir=True)
+        def func(x_h: T.handle, w: T.Buffer((N64, K64), dtype), y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            batch_size = T.int64()
+            x = T.match_buffer(x_h, (batch_size, one, K64), dtype)
+            y = T.match_buffer(y_h, (batch_size, one, N64), "float32")
+            product = T.sblock_alloc_buffer((batch_size, one, N64), dtype)
+            for i0, i1, i2, kk in T.grid(batch_size, one, N64, K64):
+                with T.sblock("NT_matmul"):
+                    v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, kk])
+                    T.reads(x[v0, v1, vk], w[v2, vk])
+                    T.writes(product[v0, v1, v2])
+                    with T.init():
+                        product[v0, v1, v2] = zero
+                    product[v0, v1, v2] = product[v0, v1, v2] + x[v0, v1, vk] * w[v2, vk]
+            for a0, a1, a2 in T.grid(batch_size, one, N64):
+                with T.sblock("compute"):
+                    v0, v1, v2 = T.axis.remap("SSS", [a0, a1, a2])
+                    T.reads(product[v0, v1, v2])
+                    T.writes(y[v0, v1, v2])
+                    y[v0, v1, v2] = T.Cast("float32", product[v0, v1, v2])
+    else:
+        @T.prim_func(private=True, s_tir=True)
+        def func(x_h: T.handle, w: T.Buffer((N64, K64), dtype), y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            batch_size = T.int64()
+            x = T.match_buffer(x_h, (batch_size, one, K64), dtype)
+            y = T.match_buffer(y_h, (batch_size, one, N64), dtype)
+            for i0, i1, i2, kk in T.grid(batch_size, one, N64, K64):
+                with T.sblock("NT_matmul"):
+                    v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, kk])
+                    T.reads(x[v0, v1, vk], w[v2, vk])
+                    T.writes(y[v0, v1, v2])
+                    with T.init():
+                        y[v0, v1, v2] = zero
+                    y[v0, v1, v2] = y[v0, v1, v2] + x[v0, v1, vk] * w[v2, vk]
+    return func
+
+
+def tensor_core_matmul_problem(target: str, small_batch_matmul: bool = True) -> str | None:
+    """None when a library for `target` (a target string, "cuda:sm_XY") can take the kernel, else why not."""
+    from tir_kernels.support import TargetName
+
+    name = TargetName.parse(target)
+    if not name.is_cuda:
+        return f"target {target!r}: the tensor-core matmul is a CUDA kernel"
+    if int(name.cuda_arch[3:].rstrip("a")) < MIN_ARCH:
+        return f"target {target!r}: the tensor-core matmul needs sm_{MIN_ARCH} or newer (mma.sync, cp.async)"
+    if not small_batch_matmul:
+        return "it replaces small_batch_matmul's CUDA-core rule, which is off"
+    return None
+
+
+def _sm(target) -> int:
+    """The SM version of a CUDA target's arch ("sm_90a" -> 90; 0 when it names none)."""
+    arch = str(target.attrs.get("arch", ""))
+    digits = arch[3:].rstrip("a") if arch.startswith("sm_") else ""
+    return int(digits) if digits.isdigit() else 0
+
+
+class SmallBatchTensorCoreMatmul(ScheduleRule):
+    """Replaces a function that computes exactly `matmul_definition(N, K, dtype, epilogue)` (a
+    decode_step / batch_decode projection over the symbolic batch_size, compared structurally)
+    with `skinny_matmul`'s kernel, for CUDA sm_80 and newer. Anything else: None, for the next
+    rule. The replacement keeps the function's attributes (its op pattern)."""
+
+    def apply(self, func, target, _tunable):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda" or _sm(target) < MIN_ARCH:
+            return None
+        if len(func.params) not in (3, 4):
+            return None
+        weight, out = func.params[1], func.params[-1]  # (TVM 0.27: parameters carry their shape and dtype)
+        if len(getattr(weight, "shape", ())) != 2 or str(weight.dtype) not in DTYPES or not hasattr(out, "dtype"):
+            return None
+        if not all(isinstance(d, tirx.IntImm) for d in weight.shape):
+            return None
+        n, k = (int(d) for d in weight.shape)
+        dtype = str(weight.dtype)
+        epilogue = "add" if len(func.params) == 4 else "cast" if str(out.dtype) == "float32" else "none"
+        schedule = choose_skinny_schedule(n, k)
+        if schedule is None:
+            return None
+        definition = matmul_definition(n, k, dtype, epilogue)
+        for key, value in (func.attrs or {}).items():
+            definition = definition.with_attr(key, value)
+        if not tvm_ffi.structural_equal(func, definition, map_free_vars=True):
+            return None
+        kernel = skinny_matmul(n, k, dtype, epilogue, schedule)
+        for key, value in (func.attrs or {}).items():
+            kernel = kernel.with_attr(key, value)
+        return s_tir.Schedule(kernel)
