@@ -14,7 +14,9 @@ runs the reference and the table the vectorized path, and the two must agree exa
     the packed buffer (the arrays' places in it; padding is not initialized);
   - on a full cache: the same KVCacheError, and neither changed anything.
 Decode steps often repeat one batch: from its second step on, the vectorized path runs on the
-tables the step before kept (SequenceTable.steady), which must equal a fresh gather.
+tables the step before kept (SequenceTable.steady), which must equal a fresh gather; where no
+page is shared and no sequence starts a page, reserve_plain takes the next slots
+(`_reserve_next_slot`), which must still equal the reference.
 No device and no kernels: the whole file runs in seconds on the CPU.
 """
 
@@ -28,10 +30,11 @@ import pytest
 from tvmattn.runtime.errors import KVCacheError
 from tvmattn.runtime.pages import PageAllocator
 from tvmattn.runtime.plan import PlanArrays, build_plan, build_plan_arrays, cascade_groups, cascade_groups_arrays
-from tvmattn.runtime.sequences import SequenceTable, TableArrays
+from tvmattn.runtime.sequences import SequenceTable, TableArrays, _ones
 
 MAX_BATCHES = (1, 3, 16, 64, 256)
 STEADY_STEPS: list = []  # the steps that ran on the kept tables of the step before (SequenceTable.steady)
+NEXT_SLOT_STEPS: list = []  # the steps reserve_plain took as the last one's next slots
 
 
 def table_state(table: SequenceTable) -> tuple:
@@ -111,6 +114,8 @@ def check_step(table: SequenceTable, seq_ids: list, lengths: list, sliding: bool
     ref = build_plan(seq_ids, appended, lengths, ps, sliding, cascade=cascade)
     vec = build_plan_arrays(seq_ids, lengths, batch, ps, sliding, cascade=cascade)
     assert_same_plan(ref, vec, what)
+    if batch.lengths is _ones(len(seq_ids)):
+        NEXT_SLOT_STEPS.append(what)
     return True
 
 
@@ -259,6 +264,42 @@ def test_steady_steps_run_on_kept_tables():
         assert table.steady(ids) is not None
         change()
         assert table.steady(ids) is None
+
+
+def test_steady_decode_steps_take_the_next_slots():
+    """Runs of decode steps over one batch with no page shared (no forks): every step but the
+    ones where some sequence starts a page takes reserve_plain's next slots, and still equals
+    the reference (check_step); a popn or another batch in between sends the next step down the
+    general path, and so does a shared page (a fork)."""
+    NEXT_SLOT_STEPS.clear()
+    for page_size, sizes in ((4, (1, 3, 6)), (16, (2, 5)), (1, (3,))):
+        table = SequenceTable(PageAllocator(400), page_size, 16, sliding_window=False)
+        for seq_id in range(8):
+            table.add(seq_id)
+        table.reserve_plain([table.get(i) for i in range(8)], [5, 1, 8, 3, 4, 2, 7, 6], None)
+        for size in sizes:
+            ids = list(range(size))
+            for step in range(2 * page_size + 3):
+                assert check_step(table, ids, [1] * size, False, True, f"ps {page_size} b{size} step {step}")
+    assert len(NEXT_SLOT_STEPS) >= 30, len(NEXT_SLOT_STEPS)
+    assert not any(what.startswith("ps 1 ") for what in NEXT_SLOT_STEPS)  # (every token starts a page)
+    table = SequenceTable(PageAllocator(64), 4, 8, sliding_window=False)
+    ids = [0, 1]
+    for seq_id in ids:
+        table.add(seq_id)
+    table.reserve_plain([table.get(i) for i in ids], [5, 2], None)
+    # (last, a fork: while a page is shared no step takes them)
+    for change in (lambda: table.popn(1, 1), lambda: check_step(table, [0], [1], False, True, "other batch"),
+                   lambda: table.fork(0, 5)):
+        check_step(table, ids, [1, 1], False, True, "steady")
+        NEXT_SLOT_STEPS.clear()
+        for _ in range(4):  # (a step in which a sequence starts a page takes the general path)
+            check_step(table, ids, [1, 1], False, True, "next")
+        assert NEXT_SLOT_STEPS
+        change()
+        NEXT_SLOT_STEPS.clear()
+        check_step(table, ids, [1, 1], False, True, "after a change")
+        assert not NEXT_SLOT_STEPS
 
 
 def test_shared_last_page_copied_once():
