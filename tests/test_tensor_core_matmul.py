@@ -115,6 +115,11 @@ def test_rule_leaves_everything_else_to_the_next_rule():
     assert RULE.apply(legalized(960, 576, "add", other=True), CUDA, False) is None  # not a residual add
     assert RULE.apply(legalized(968, 576), CUDA, False) is None  # N not a multiple of 16
     assert RULE.apply(legalized(960, 584), CUDA, False) is None  # K not a multiple of 16
+    # a schedule of the caller's that does not tile the weight (32-column blocks of 976 rows)
+    assert SmallBatchTensorCoreMatmul(lambda n, k: SkinnyMatmulSchedule(warps_n=2)).apply(
+        legalized(976, 576), CUDA, False) is None
+    assert SmallBatchTensorCoreMatmul(lambda n, k: SkinnyMatmulSchedule(warps_n=1)).apply(
+        legalized(976, 576), CUDA, False) is not None
 
 
 def test_rule_takes_every_decode_step_projection_of_a_model(tmp_path):

@@ -384,7 +384,12 @@ class SmallBatchTensorCoreMatmul(ScheduleRule):
     """Replaces a function that computes exactly `matmul_definition(N, K, dtype, epilogue)` (a
     decode_step / batch_decode projection over the symbolic batch_size, compared structurally)
     with `skinny_matmul`'s kernel, for CUDA sm_80 and newer. Anything else: None, for the next
-    rule. The replacement keeps the function's attributes (its op pattern)."""
+    rule. The replacement keeps the function's attributes (its op pattern). schedule_for(N, K):
+    the kernel's schedule, None where none serves (default: choose_skinny_schedule; a sweep,
+    scripts/bench_small_batch.py, passes others)."""
+
+    def __init__(self, schedule_for=None):
+        self.schedule_for = schedule_for or choose_skinny_schedule
 
     def apply(self, func, target, _tunable):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda" or _sm(target) < MIN_ARCH:
@@ -399,8 +404,12 @@ class SmallBatchTensorCoreMatmul(ScheduleRule):
         n, k = (int(d) for d in weight.shape)
         dtype = str(weight.dtype)
         epilogue = "add" if len(func.params) == 4 else "cast" if str(out.dtype) == "float32" else "none"
-        schedule = choose_skinny_schedule(n, k)
+        schedule = self.schedule_for(n, k)
         if schedule is None:
+            return None
+        try:
+            schedule.check(n, k)
+        except ValueError:
             return None
         definition = matmul_definition(n, k, dtype, epilogue)
         for key, value in (func.attrs or {}).items():
