@@ -30,21 +30,22 @@ storing consecutive columns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.script import tirx as T
 
+from tir_kernels.mma import CHUNK, CP_ASYNC, LDSM, MIN_ARCH as MMA_MIN_ARCH, ROWS_PER_MMA, Tile, mma_name
+from tir_kernels.support import TENSOR_CORE_DTYPES
+
 EPILOGUES = ("none", "add", "cast")
-DTYPES = {"float16": "f16", "bfloat16": "bf16"}  # operand dtype -> PTX type
-ROWS_PER_TILE = 16  # the M of m16n8k16
+DTYPES = TENSOR_CORE_DTYPES  # the operands' dtype (Y's in epilogues "none" and "add")
+ROWS_PER_TILE = ROWS_PER_MMA  # the M of m16n8k16
 MAX_TILES = 4  # 16-row MMA tiles per row chunk: 64 rows a block
-CHUNK = 8  # 16-bit elements per 16-byte copy
-SWIZZLE = 8  # chunks per XOR period (128 bytes: the 32 banks)
-LDSM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
-CP_ASYNC = "cp.async.cg.shared.global"
-MIN_ARCH = 80  # cp.async, ldmatrix and bf16 mma.sync
+MIN_ARCH = MMA_MIN_ARCH  # cp.async, ldmatrix and bf16 mma.sync
 SMEM_LIMIT = 96 << 10  # bytes of dynamic shared memory the schedules stay under
 TARGET_BLOCKS = 132  # about one block per SM of an H100 / H200: fewer column blocks than this use 16-column blocks
 
@@ -80,7 +81,7 @@ class SkinnyMatmulSchedule:
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the ring, or the warps' sums at the end (the larger)."""
-        ring = self.stages * (MAX_TILES * ROWS_PER_TILE + self.block_n) * _Tile(self.block_k).stride * 2
+        ring = self.stages * (MAX_TILES * ROWS_PER_TILE + self.block_n) * Tile(self.block_k).stride * 2
         sums = self.warps_k * MAX_TILES * ROWS_PER_TILE * (self.block_n + 4) * 4
         return max(ring, sums)
 
@@ -116,22 +117,6 @@ def choose_skinny_schedule(n: int, k: int) -> SkinnyMatmulSchedule | None:
     return schedule
 
 
-class _Tile:
-    """Shared-memory rows of `width` 16-bit elements in 16-byte chunks: rows of a multiple of 8
-    chunks XOR-swizzled (chunk c of row r at c ^ (r % 8)), others padded by one chunk, so that
-    the 8 rows an ldmatrix phase reads fall in distinct banks."""
-
-    def __init__(self, width: int):
-        self.chunks = width // CHUNK
-        self.swizzled = self.chunks % SWIZZLE == 0
-        self.stride = width if self.swizzled else width + CHUNK
-
-    def offset(self, row, chunk):
-        if self.swizzled:
-            return row * self.stride + T.bitwise_xor(chunk, row % SWIZZLE) * CHUNK
-        return row * self.stride + chunk * CHUNK
-
-
 def skinny_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none",
                   schedule: SkinnyMatmulSchedule | None = None) -> tirx.PrimFunc:
     """The PrimFunc (X [batch_size, 1, K], W [N, K][, R [batch_size, 1, N]], Y [batch_size, 1, N])
@@ -149,7 +134,7 @@ def skinny_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none"
     BN, BK, BM = sched.block_n, sched.block_k, MAX_TILES * ROWS_PER_TILE
     NT = 32 * WN * WK
     KT = k // BK  # stage tiles along K
-    TL = _Tile(BK)
+    TL = Tile(BK)
     X_WORDS = BM * TL.stride // 2  # a stage's X rows, in 32-bit words
     STAGE_WORDS = (BM + BN) * TL.stride // 2
     SUM_STRIDE = BN + 4  # floats per row of the warps' sums (padded against bank conflicts)
@@ -158,8 +143,7 @@ def skinny_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none"
     X_COPIES = (BM * TL.chunks + NT - 1) // NT  # copy rounds of X per thread (rows past the batch skip)
     W_COPIES = (BN * TL.chunks + NT - 1) // NT
     OUT_ROUNDS = (BM * BN + NT - 1) // NT
-    ptx = DTYPES[dtype]
-    MMA = f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32"
+    MMA = mma_name(dtype)
     out_dtype = "float32" if epilogue == "cast" else dtype
     f32 = "float32"
     N64, K64 = T.int64(n), T.int64(k)
@@ -290,72 +274,36 @@ def skinny_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none"
     return func
 
 
+@functools.lru_cache(maxsize=256)
 def matmul_definition(n: int, k: int, dtype: str, epilogue: str) -> tirx.PrimFunc:
-    """The unscheduled PrimFunc that `skinny_matmul(n, k, dtype, epilogue)` replaces, as TVM's
-    legalization writes it (NT_matmul summing in `dtype`, then T_add residual + product, or
-    compute casting to float32); what `SmallBatchTensorCoreMatmul` compares a function with."""
-    N64, K64, one = T.int64(n), T.int64(k), T.int64(1)
-    zero = tirx.const(0.0, dtype)
-    if epilogue == "add":
-        @T.prim_func(private=True, s_tir=True)
-        def func(x_h: T.handle, w: T.Buffer((N64, K64), dtype), r_h: T.handle, y_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            batch_size = T.int64()
-            x = T.match_buffer(x_h, (batch_size, one, K64), dtype)
-            r = T.match_buffer(r_h, (batch_size, one, N64), dtype)
-            y = T.match_buffer(y_h, (batch_size, one, N64), dtype)
-            product = T.sblock_alloc_buffer((batch_size, one, N64), dtype)
-            for i0, i1, i2, kk in T.grid(batch_size, one, N64, K64):
-                with T.sblock("NT_matmul"):
-                    v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, kk])
-                    T.reads(x[v0, v1, vk], w[v2, vk])
-                    T.writes(product[v0, v1, v2])
-                    with T.init():
-                        product[v0, v1, v2] = zero
-                    product[v0, v1, v2] = product[v0, v1, v2] + x[v0, v1, vk] * w[v2, vk]
-            for a0, a1, a2 in T.grid(batch_size, one, N64):
-                with T.sblock("T_add"):
-                    v0, v1, v2 = T.axis.remap("SSS", [a0, a1, a2])
-                    T.reads(r[v0, v1, v2], product[v0, v1, v2])
-                    T.writes(y[v0, v1, v2])
-                    y[v0, v1, v2] = r[v0, v1, v2] + product[v0, v1, v2]
-    elif epilogue == "cast":
-        @T.prim_func(private=True, s_tir=True)
-        def func(x_h: T.handle, w: T.Buffer((N64, K64), dtype), y_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            batch_size = T.int64()
-            x = T.match_buffer(x_h, (batch_size, one, K64), dtype)
-            y = T.match_buffer(y_h, (batch_size, one, N64), "float32")
-            product = T.sblock_alloc_buffer((batch_size, one, N64), dtype)
-            for i0, i1, i2, kk in T.grid(batch_size, one, N64, K64):
-                with T.sblock("NT_matmul"):
-                    v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, kk])
-                    T.reads(x[v0, v1, vk], w[v2, vk])
-                    T.writes(product[v0, v1, v2])
-                    with T.init():
-                        product[v0, v1, v2] = zero
-                    product[v0, v1, v2] = product[v0, v1, v2] + x[v0, v1, vk] * w[v2, vk]
-            for a0, a1, a2 in T.grid(batch_size, one, N64):
-                with T.sblock("compute"):
-                    v0, v1, v2 = T.axis.remap("SSS", [a0, a1, a2])
-                    T.reads(product[v0, v1, v2])
-                    T.writes(y[v0, v1, v2])
-                    y[v0, v1, v2] = T.Cast("float32", product[v0, v1, v2])
-    else:
-        @T.prim_func(private=True, s_tir=True)
-        def func(x_h: T.handle, w: T.Buffer((N64, K64), dtype), y_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            batch_size = T.int64()
-            x = T.match_buffer(x_h, (batch_size, one, K64), dtype)
-            y = T.match_buffer(y_h, (batch_size, one, N64), dtype)
-            for i0, i1, i2, kk in T.grid(batch_size, one, N64, K64):
-                with T.sblock("NT_matmul"):
-                    v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, kk])
-                    T.reads(x[v0, v1, vk], w[v2, vk])
-                    T.writes(y[v0, v1, v2])
-                    with T.init():
-                        y[v0, v1, v2] = zero
-                    y[v0, v1, v2] = y[v0, v1, v2] + x[v0, v1, vk] * w[v2, vk]
+    """The unscheduled PrimFunc that `skinny_matmul(n, k, dtype, epilogue)` replaces, as a model
+    library's pipeline writes it: a Relax function of x [batch_size, 1, k] times
+    permute_dims(w [n, k]), then a residual add (residual + product) or a cast to float32, through
+    FuseTransposeMatmul and TVM's CUDA legalization and fusion passes (NT_matmul summing in
+    `dtype`, fused with its epilogue); what `SmallBatchTensorCoreMatmul` compares a function with."""
+    from tvm import relax
+    from tvm.relax.backend.cuda import pipeline as backend
+    from tvm.script import relax as R
+
+    batch = tirx.Var("batch_size", "int64")
+    x = relax.Var("x", R.Tensor((batch, 1, k), dtype))
+    w = relax.Var("w", R.Tensor((n, k), dtype))
+    residual = relax.Var("residual", R.Tensor((batch, 1, n), dtype))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x, w, residual] if epilogue == "add" else [x, w]):
+        with builder.dataflow():
+            y = builder.emit(relax.op.matmul(x, relax.op.permute_dims(w)))
+            if epilogue == "add":
+                y = builder.emit(relax.op.add(residual, y))
+            elif epilogue == "cast":
+                y = builder.emit(relax.op.astype(y, "float32"))
+            out = builder.emit_output(y)
+        builder.emit_func_output(out)
+    target = tvm.target.Target({"kind": "cuda", "arch": f"sm_{MIN_ARCH}"})
+    with target:
+        passes = [relax.transform.FuseTransposeMatmul()] + list(backend.legalize_passes(target))[:-1]
+        mod = tvm.transform.Sequential(passes)(builder.get())
+    (func,) = [f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc)]
     return func
 
 
@@ -412,9 +360,9 @@ class SmallBatchTensorCoreMatmul(ScheduleRule):
         except ValueError:
             return None
         definition = matmul_definition(n, k, dtype, epilogue)
-        for key, value in (func.attrs or {}).items():
-            definition = definition.with_attr(key, value)
-        if not tvm_ffi.structural_equal(func, definition, map_free_vars=True):
+        # (the parameters and the body; attributes such as the op pattern may differ)
+        if not tvm_ffi.structural_equal([func.params, func.body], [definition.params, definition.body],
+                                        map_free_vars=True):
             return None
         kernel = skinny_matmul(n, k, dtype, epilogue, schedule)
         for key, value in (func.attrs or {}).items():
