@@ -96,9 +96,10 @@ BUILD = {"tvmattn": dict(kv_cache="tvmattn"), "tvm": dict(kv_cache="tvm"),  # co
 LIBRARY = {"graph": "tvmattn"}  # runs another entry's library
 WARMUP_STEPS = 3
 REPLAYS = 200  # back-to-back replays that time a graph step's GPU work
-RANDOM_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+RANDOM_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # --keep-format: weights.random_blocks.RANDOM_BLOCK_TYPES
 # opt-in build options: (args / build option / row field, command-line flag, library name suffix)
-OPT_IN_BUILDS = (("dependent_launch", "--dependent-launch", "pdl"), ("tensor_core_matmul", "--tensor-core-matmul", "tc"))  # --keep-format: weights.random_blocks.RANDOM_BLOCK_TYPES
+OPT_IN_BUILDS = (("dependent_launch", "--dependent-launch", "pdl"),
+                 ("tensor_core_matmul", "--tensor-core-matmul", "tc"))
 
 
 def parse_args(argv=None):

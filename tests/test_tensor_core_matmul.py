@@ -165,7 +165,8 @@ def test_the_pipeline_tries_it_before_the_cuda_core_rule():
 GPU_CASES = [
     pytest.param(960, 576, "none", "float16", None, id="qkv-576"),
     pytest.param(576, 1536, "add", "float16", None, id="down-1536-add"),
-    pytest.param(4096, 576, "cast", "float16", SkinnyMatmulSchedule(warps_n=4, warps_k=4, stages=4), id="head-cast-wn4"),
+    pytest.param(4096, 576, "cast", "float16", SkinnyMatmulSchedule(warps_n=4, warps_k=4, stages=4),
+                 id="head-cast-wn4"),
     pytest.param(512, 2048, "add", "bfloat16", SkinnyMatmulSchedule(warps_n=2, warps_k=4, k_steps=2, stages=3),
                  id="bf16-wn2-ks2"),
     pytest.param(96, 80, "none", "float16", None, id="k80"),

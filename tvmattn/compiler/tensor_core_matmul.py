@@ -106,7 +106,10 @@ def choose_skinny_schedule(n: int, k: int) -> SkinnyMatmulSchedule | None:
     weight in flight."""
     if n % ROWS_PER_TILE or k % ROWS_PER_TILE:
         return None
-    warps_n = 4 if n % 64 == 0 and n // 64 >= 2 * TARGET_BLOCKS else 2 if n % 32 == 0 and n // 32 >= TARGET_BLOCKS else 1
+    if n % 64 == 0 and n // 64 >= 2 * TARGET_BLOCKS:
+        warps_n = 4
+    else:
+        warps_n = 2 if n % 32 == 0 and n // 32 >= TARGET_BLOCKS else 1
     for warps_k, k_steps in ((4, 2), (4, 1), (2, 1), (1, 1)):
         if k % (ROWS_PER_TILE * warps_k * k_steps) == 0:
             break

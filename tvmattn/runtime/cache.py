@@ -1188,7 +1188,12 @@ class PagedKVCache:
         """Make the graph-plan buffer large enough for a graph decode step of seq_ids in `bucket`
         (a larger one replaces it: graphs captured before are recaptured); returns its
         generation (see graph_state)."""
-        pages = sum(len(seq.pages) for seq in self._sequences(_int_list("seq_ids", seq_ids)))
+        seq_ids = _int_list("seq_ids", seq_ids)
+        steady = self._table.steady(seq_ids)  # (a steady step's kept tables: no pass over the batch)
+        if steady is not None:
+            pages = len(steady[1].pages)
+        else:
+            pages = sum(len(seq.pages) for seq in self._sequences(seq_ids))
         self._graph_layout(bucket, pages + 2 * bucket)
         return self._graph_generation
 
