@@ -205,6 +205,7 @@ class TableArrays(NamedTuple):
 
 
 _LENGTH = operator.attrgetter("length")
+_PAGES = operator.attrgetter("pages")
 
 
 @functools.lru_cache(maxsize=64)
@@ -213,7 +214,6 @@ def _ones(batch: int) -> np.ndarray:
     ones = np.ones(batch, np.int64)
     ones.flags.writeable = False
     return ones
-_PAGES = operator.attrgetter("pages")
 
 
 class AppendedArrays(NamedTuple):
@@ -241,12 +241,11 @@ class SequenceTable:
         self.sliding_window = sliding_window
         self.seqs: dict[int, Sequence] = {}
         self.version = 0  # bumped by every method that may change a sequence (see tables)
-        # (version, seq_ids, their Sequences, TableArrays after the step) of the last reserve_plain
+        # (version, seq_ids, their Sequences, TableArrays after the step, next slots) of the last
+        # reserve_plain; next slots, where no page of the batch is shared and it was a decode step:
+        # (the decode steps every sequence can take before one starts a page, the positions of
+        # its new tokens), see _reserve_next_slot; else None
         self._last_plain: tuple | None = None
-        # of the last reserve_plain that kept _last_plain, when no page of the batch is shared:
-        # (its TableArrays after the step, the decode steps every sequence can take before one
-        # starts a page, the positions of its new tokens); see _reserve_next_slot
-        self._next_slots: tuple | None = None
         self._step: tuple | _Step | None = None  # how to undo the open step (see the module docstring)
 
     def __len__(self) -> int:
@@ -373,7 +372,7 @@ class SequenceTable:
         """
         self.commit_step()
         self.version += 1
-        self._last_plain = self._next_slots = None
+        self._last_plain = None
         before = [seq.copy() for seq in seqs]
         firsts = [seq.slot_end for seq in seqs]
         slide_copies = self._reserve_slides(seqs, lengths)  # (undone by seq.assign and its journal)
@@ -421,7 +420,7 @@ class SequenceTable:
         if step is None:
             return
         self.version += 1
-        self._last_plain = self._next_slots = None
+        self._last_plain = None
         if type(step) is _Step:
             for seq, old in zip(step.seqs, step.before):
                 seq.assign(old)
@@ -484,12 +483,12 @@ class SequenceTable:
         """
         if self._step is not None:
             self.commit_step()
-        next_slots = self._next_slots
-        if next_slots is not None and tables is next_slots[0] and next_slots[1] > 0 and seq_ids is not None \
-                and sum(lengths) == len(lengths) and self.slides is None and not self.allocator.num_shared:
-            return self._reserve_next_slot(seqs, tables, seq_ids, next_slots)
+        last = self._last_plain
+        if last is not None and tables is last[3] and last[4] is not None and last[4][0] > 0 \
+                and seq_ids is not None and sum(lengths) == len(lengths) and not self.allocator.num_shared:
+            return self._reserve_next_slot(seqs, tables, seq_ids, last[4])
         self.version += 1
-        self._last_plain = self._next_slots = None
+        self._last_plain = None
         ps = self.page_size
         decode = sum(lengths) == len(lengths)  # one token per sequence
         n = np.array(lengths, dtype=np.int64)
@@ -550,21 +549,23 @@ class SequenceTable:
         positions = (pages * np.int64(ps) + slots_in_page).astype(np.int32)  # in int64, as Python ints
         batch = AppendedArrays(history, after, n, decode, positions, self.allocator.num_shared > 0)
         if seq_ids is not None:
-            self._last_plain = (self.version, seq_ids, seqs, after)
+            next_slots = None
             if decode and slide_undo is None and not batch.shared:
                 # steps until some sequence's next token starts a page: its slot_end on a page boundary
                 room = (ps - after.slot_end % ps) % ps
-                self._next_slots = (after, int(room.min()) if room.size else 0, positions)
+                next_slots = (int(room.min()) if room.size else 0, positions)
+            self._last_plain = (self.version, seq_ids, seqs, after, next_slots)
         return batch, copies if slide_undo is None else copies + slide_copies
 
     def _reserve_next_slot(self, seqs: list, history: TableArrays, seq_ids: list,
                            next_slots: tuple) -> tuple[AppendedArrays, list]:
         """reserve_plain of a decode step right after the last one of the same sequences in which
-        no sequence starts a page and no page is shared (`next_slots`, kept by the last step):
+        no sequence starts a page and no page is shared (`next_slots`, which the last step keeps
+        only in a cache without MHA_SLIDING layers' pages):
         every new token goes to the slot after the last one's, in the same page, so the page
         tables stay and no page is taken. The same result as the general path, in fewer numpy
         calls."""
-        _, room, last_positions = next_slots
+        room, last_positions = next_slots
         self.version += 1
         # how to undo the step: as reserve_plain's (no copies, no new pages)
         self._step = (seqs, history.counts, history.slot_end, [], [], None)
@@ -573,8 +574,7 @@ class SequenceTable:
         after = history._replace(slot_end=history.slot_end + 1)
         positions = last_positions + 1
         batch = AppendedArrays(history, after, _ones(len(seqs)), True, positions, False)
-        self._last_plain = (self.version, seq_ids, seqs, after)
-        self._next_slots = (after, room - 1, positions)
+        self._last_plain = (self.version, seq_ids, seqs, after, (room - 1, positions))
         return batch, []
 
     def _shared_last_pages(self, history: TableArrays) -> list[tuple[int, int]]:
