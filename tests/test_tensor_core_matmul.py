@@ -107,6 +107,17 @@ def test_rule_takes_legalized_projections(epilogue):
     assert str(func.params[-1].dtype) == ("float32" if epilogue == "cast" else "float16")
 
 
+def test_sm_of_reads_targets_and_target_strings():
+    """support.sm_of, which gates the rule (and dependent launch): the arch of a tvm Target or a
+    target string; 0 where there is none."""
+    from tir_kernels.support import DEFAULT_CUDA_ARCH, sm_of
+
+    assert sm_of(CUDA) == 90 and sm_of(tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})) == 90
+    assert sm_of("cuda:sm_80") == 80 and sm_of("cuda") == int(DEFAULT_CUDA_ARCH[3:])
+    assert sm_of("llvm") == 0 and sm_of(tvm.target.Target("llvm")) == 0
+    assert sm_of(tvm.target.Target("cuda")) == 50  # (TVM fills in sm_50 where none is named)
+
+
 def test_rule_leaves_everything_else_to_the_next_rule():
     assert RULE.apply(legalized(960, 576, seq=True), CUDA, False) is None  # a prefill
     assert RULE.apply(legalized(960, 576), tvm.target.Target("llvm"), False) is None

@@ -113,6 +113,19 @@ class TargetName:
         return f"cuda:{self.arch}" if self.arch else self.kind
 
 
+def sm_of(target) -> int:
+    """The SM version a CUDA target names ("sm_90a" -> 90): of a tvm Target (its arch), or of a
+    target string ("cuda:sm_XY"; "cuda" alone: DEFAULT_CUDA_ARCH's). 0 for another kind of
+    target, or a tvm Target without an sm_XY arch."""
+    if isinstance(target, str):
+        name = TargetName.parse(target)
+        arch = name.cuda_arch if name.is_cuda else ""
+    else:
+        arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" and target.attrs is not None else ""
+    digits = arch[3:].rstrip("a") if arch.startswith("sm_") else ""
+    return int(digits) if digits.isdigit() else 0
+
+
 def cuda_arch_of(device) -> str | None:
     """The arch of a CUDA tvm.runtime.Device ("sm_90" on an H200, "sm_80" on an A100), or None
     where that device does not exist."""

@@ -51,7 +51,7 @@ from tvm import tirx
 
 from tir_kernels.build import uses_tirx_pipeline
 from tir_kernels.common import PDL_TAG, grid_dependency_wait, launch_dependents
-from tir_kernels.support import PDL_MIN_SM, TargetName
+from tir_kernels.support import PDL_MIN_SM, TargetName, sm_of
 
 KERNEL_THREADS = ("blockIdx.", "threadIdx.")  # the bindings that start a device kernel (not vthread)
 HOST_FUNC_ATTR = "tirx.is_host_func"
@@ -66,8 +66,7 @@ def dependent_launch_problem(target) -> str | None:
         kind, arch = name.kind, (name.cuda_arch if name.is_cuda else "")
     else:
         kind, arch = target.kind.name, str(target.attrs.get("arch", "")) if target.attrs is not None else ""
-    digits = arch[3:].rstrip("a") if arch.startswith("sm_") else ""
-    if kind != "cuda" or not digits.isdigit() or int(digits) < PDL_MIN_SM:
+    if sm_of(target) < PDL_MIN_SM:
         shown = f"{kind}:{arch}" if kind == "cuda" else kind
         return f"programmatic dependent launch needs a CUDA target of sm_{PDL_MIN_SM} or newer, got {shown!r}"
     return None

@@ -39,7 +39,7 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.script import tirx as T
 
 from tir_kernels.mma import CHUNK, CP_ASYNC, LDSM, MIN_ARCH as MMA_MIN_ARCH, ROWS_PER_MMA, Tile, mma_name
-from tir_kernels.support import TENSOR_CORE_DTYPES
+from tir_kernels.support import TENSOR_CORE_DTYPES, TargetName, sm_of
 
 EPILOGUES = ("none", "add", "cast")
 DTYPES = TENSOR_CORE_DTYPES  # the operands' dtype (Y's in epilogues "none" and "add")
@@ -312,23 +312,13 @@ def matmul_definition(n: int, k: int, dtype: str, epilogue: str) -> tirx.PrimFun
 
 def tensor_core_matmul_problem(target: str, small_batch_matmul: bool = True) -> str | None:
     """None when a library for `target` (a target string, "cuda:sm_XY") can take the kernel, else why not."""
-    from tir_kernels.support import TargetName
-
-    name = TargetName.parse(target)
-    if not name.is_cuda:
+    if not TargetName.parse(target).is_cuda:
         return f"target {target!r}: the tensor-core matmul is a CUDA kernel"
-    if int(name.cuda_arch[3:].rstrip("a")) < MIN_ARCH:
+    if sm_of(target) < MIN_ARCH:
         return f"target {target!r}: the tensor-core matmul needs sm_{MIN_ARCH} or newer (mma.sync, cp.async)"
     if not small_batch_matmul:
         return "it replaces small_batch_matmul's CUDA-core rule, which is off"
     return None
-
-
-def _sm(target) -> int:
-    """The SM version of a CUDA target's arch ("sm_90a" -> 90; 0 when it names none)."""
-    arch = str(target.attrs.get("arch", ""))
-    digits = arch[3:].rstrip("a") if arch.startswith("sm_") else ""
-    return int(digits) if digits.isdigit() else 0
 
 
 class SmallBatchTensorCoreMatmul(ScheduleRule):
@@ -343,7 +333,7 @@ class SmallBatchTensorCoreMatmul(ScheduleRule):
         self.schedule_for = schedule_for or choose_skinny_schedule
 
     def apply(self, func, target, _tunable):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda" or _sm(target) < MIN_ARCH:
+        if not isinstance(func, tirx.PrimFunc) or sm_of(target) < MIN_ARCH:
             return None
         if len(func.params) not in (3, 4):
             return None
