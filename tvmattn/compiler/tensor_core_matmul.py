@@ -219,7 +219,9 @@ def skinny_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none"
         for chunk in T.thread_binding((batch + BM - 1) // BM, thread="blockIdx.x"):
             for col_block in T.thread_binding(n // BN, thread="blockIdx.y"):
                 for tid in T.thread_binding(NT, thread="threadIdx.x"):
-                    smem = T.alloc_buffer((SMEM_WORDS,), f32, scope="shared.dyn")
+                    # (its own name: a library's kernels share one CUDA source, where each dynamic
+                    # shared buffer is an `extern __shared__` array named after it, typed as it is)
+                    matmul_smem = T.alloc_buffer((SMEM_WORDS,), f32, scope="shared.dyn")
                     acc = T.alloc_buffer((MAX_TILES * 8,), f32, scope="local")
                     af = T.alloc_buffer((4,), "uint32", scope="local")
                     bf = T.alloc_buffer((4,), "uint32", scope="local")
@@ -236,15 +238,15 @@ def skinny_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none"
                         acc[i] = T.float32(0)
                     for s in T.unroll(STAGES - 1):
                         if s < KT:
-                            issue(x_, w_, smem, rows, m0, n0, s, tid)
+                            issue(x_, w_, matmul_smem, rows, m0, n0, s, tid)
                         T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
                     for kt in T.serial(KT):
                         T.ptx["cp.async.wait_group"](STAGES - 2)  # this thread's copies of tile kt have landed
                         T.tvm_storage_sync("shared")  # ... everyone's; no warp reads tile kt - 1 any more
                         if kt + STAGES - 1 < KT:
-                            issue(x_, w_, smem, rows, m0, n0, kt + STAGES - 1, tid)
+                            issue(x_, w_, matmul_smem, rows, m0, n0, kt + STAGES - 1, tid)
                         T.ptx["cp.async.commit_group"]()
-                        compute(smem, acc, af, bf, tiles, kt, wn, wk, lane)
+                        compute(matmul_smem, acc, af, bf, tiles, kt, wn, wk, lane)
                     T.ptx["cp.async.wait_group"](0)
                     T.tvm_storage_sync("shared")  # the ring is free: it holds the warps' sums now
                     for mt in T.unroll(MAX_TILES):
@@ -252,10 +254,10 @@ def skinny_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none"
                             for h in T.unroll(2):
                                 for half in T.unroll(2):
                                     for e in T.unroll(2):
-                                        smem[wk * SUM_WORDS + (mt * 16 + lane // 4 + half * 8) * SUM_STRIDE
+                                        matmul_smem[wk * SUM_WORDS + (mt * 16 + lane // 4 + half * 8) * SUM_STRIDE
                                              + wn * 16 + h * 8 + lane % 4 * 2 + e] = acc[mt * 8 + h * 4 + half * 2 + e]
                     T.tvm_storage_sync("shared")
-                    store(y_, r_, smem, total, rows, m0, n0, tid)
+                    store(y_, r_, matmul_smem, total, rows, m0, n0, tid)
 
     if epilogue == "add":
         @T.prim_func
