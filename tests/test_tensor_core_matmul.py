@@ -259,3 +259,34 @@ def test_a_library_with_it_generates_the_default_librarys_tokens(tiny_libraries,
         assert a.tokens == b.tokens
         for x, y in zip(a.logits, b.logits):
             np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2)
+
+
+def test_a_library_with_it_compiles_as_one_cuda_source(tmp_path):
+    """A tiny Llama library with the kernel: its kernels share one CUDA source, in which each
+    dynamic shared array keeps one type (the kernel's float buffer once collided with the
+    prefill's half `smem`, which NVRTC refused), and nvcc compiles it (where present)."""
+    import re
+
+    from test_pipeline import compiles_with_nvcc
+
+    from tvmattn.models import BuildOptions, compile_module, export_module
+    from tvmattn.models.config import model_config_from_hf
+
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
+          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 128, "max_position_embeddings": 256,
+          "tie_word_embeddings": True}
+    options = BuildOptions(target="cuda:sm_90", dtype="float16", max_batch_size=8, tensor_core_matmul=True)
+    mod, _ = export_module(model_config_from_hf(hf), options)
+    modules, sources = [compile_module(mod, options).mod], []
+    while modules:  # (the CUDA module sits below the host module's imports)
+        module = modules.pop()
+        modules += list(module.imports)
+        if module.kind == "cuda":
+            sources.append(module.inspect_source())
+    (source,) = sources
+    assert "mma_sync_aligned_m16n8k16" in source
+    arrays = set(re.findall(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\]", source))
+    names = [name for _, name in arrays]
+    assert len(names) == len(set(names)), sorted(arrays)
+    compiles_with_nvcc(source, tmp_path)
