@@ -320,7 +320,7 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
                               "compiler.dependent_launch)")
     command.add_argument("--tensor-core-matmul", action="store_true",
                          help="CUDA sm_80 and newer: decode_step's projections on tensor cores "
-                              "(compiler.tensor_core_matmul; not yet the default: it has not run on a GPU)")
+                              "(compiler.tensor_core_matmul; not yet the default)")
 
 
 def _main_job_options(job: argparse.ArgumentParser, blocks: str) -> None:

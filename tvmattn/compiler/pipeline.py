@@ -20,7 +20,7 @@ TVM's default pipeline for a target, with two changes that matter for speed:
 - on CUDA, with `small_batch_matmul` (BuildOptions.small_batch_matmul, on by default), before
   dlight's default rules, for the matmuls of batch_decode / decode_step (`[batch_size, 1, K] x
   [N, K]^T`, symbolic batch_size): `SmallBatchMatmul` (CUDA cores); with
-  BuildOptions.tensor_core_matmul (off by default: not yet run on a GPU) first
+  BuildOptions.tensor_core_matmul (off by default) first
   `tensor_core_matmul.SmallBatchTensorCoreMatmul` (sm_80 and newer: the projections as TVM
   legalizes them, with no epilogue, a residual add or a float32 cast, replaced by a tensor-core
   kernel).

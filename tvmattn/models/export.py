@@ -89,7 +89,7 @@ class BuildOptions:
     # (compiler.dependent_launch); off until measured to pay
     dependent_launch: bool = False
     # CUDA sm_80+ with small_batch_matmul: decode_step's projections on tensor cores
-    # (compiler.tensor_core_matmul); off until it has run on a GPU
+    # (compiler.tensor_core_matmul); off until a whole decode step is measured with it
     tensor_core_matmul: bool = False
 
     def __post_init__(self):
