@@ -4,9 +4,10 @@
   exported module after legalization, so the same fused PrimFuncs), scheduled by dlight's
   default CUDA rules ("matmul"), by compiler.pipeline.DecodeBatchGEMV (dlight's LowBatchGEMV)
   with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), by compiler.pipeline.SmallBatchMatmul
-  (CUDA cores, "rows"), or by compiler.tensor_core_matmul.SmallBatchTensorCoreMatmul (the
-  pipeline's first choice, "tc"), at batches 1 to 128; checked against torch (float32
-  products of the same fp16 inputs).
+  (CUDA cores, "rows"), by compiler.tensor_core_matmul.SmallBatchTensorCoreMatmul alone
+  (tensor cores at every batch, "tc"), or by the pipeline's rules with the tensor-core kernel
+  (compiler.pipeline.small_batch_rules(True): CUDA cores below batch 16, "hybrid"), at batches
+  1 to 128; checked against torch (float32 products of the same fp16 inputs).
 - decode attention: tir_kernels.paged_decode with the default CUDA-core schedule and variants
   of it (DECODE_VARIANTS: split size and count, rows per thread), at batch 1, 16 and 64
   (--len keys each).
@@ -80,13 +81,13 @@ def decode_step_matmuls(model: str, max_batch: int):
 def schedule(func, target, variant: str):
     """The compiled module of func under `variant`: "matmul", "gemv-b<bucket>", "rows"
     (SmallBatchMatmul), "rows-r<R>-t<T>" (SmallBatchMatmul(rows=R, threads=T)), "tc"
-    (SmallBatchTensorCoreMatmul) or "tc-n<W>-p<S>" (its kernel with warps_n=W and S stages, K
+    (SmallBatchTensorCoreMatmul), "hybrid" (small_batch_rules(True)) or "tc-n<W>-p<S>" (its kernel with warps_n=W and S stages, K
     tiled as the default schedule tiles it); None where a tc variant does not tile the weight."""
     import tvm
     from tvm.s_tir import dlight as dl
     from tvm.relax.backend.cuda import pipeline as backend
 
-    from tvmattn.compiler.pipeline import DecodeBatchGEMV, SmallBatchMatmul
+    from tvmattn.compiler.pipeline import DecodeBatchGEMV, SmallBatchMatmul, small_batch_rules
     from tvmattn.compiler.tensor_core_matmul import SmallBatchTensorCoreMatmul
 
     mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
@@ -99,6 +100,8 @@ def schedule(func, target, variant: str):
             mod = dl.ApplyDefaultSchedule(DecodeBatchGEMV(int(variant[6:]), max_weight_bytes=None))(mod)
         elif variant == "rows":
             mod = dl.ApplyDefaultSchedule(SmallBatchMatmul())(mod)
+        elif variant == "hybrid":
+            mod = dl.ApplyDefaultSchedule(*small_batch_rules(tensor_cores=True))(mod)
         elif variant.startswith("rows-"):
             rows, threads = (int(part[1:]) for part in variant.split("-")[1:])
             mod = dl.ApplyDefaultSchedule(SmallBatchMatmul(rows=rows, threads=threads, max_weight_bytes=None))(mod)
@@ -122,7 +125,7 @@ def tc_schedule(variant: str):
 
 
 TC_SWEEP = tuple(f"tc-n{w}-p{s}" for w in (1, 2, 4) for s in (3, 4, 6))
-MATMUL_VARIANTS = (("matmul", "rows", "tc") + TC_SWEEP + tuple(f"gemv-b{b}" for b in BUCKETS)
+MATMUL_VARIANTS = (("matmul", "rows", "tc", "hybrid") + TC_SWEEP + tuple(f"gemv-b{b}" for b in BUCKETS)
                    + tuple(f"rows-r{r}-t{t}" for r in (2, 4, 8, 16) for t in (32, 64, 128)))
 
 
@@ -252,7 +255,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, nargs=4, default=(9, 3, 64, 16), metavar=("HQ", "HKV", "D", "PAGE"))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--only", choices=("matmul", "decode"))
-    parser.add_argument("--variants", nargs="+", choices=MATMUL_VARIANTS, default=["matmul", "rows", "tc"],
+    parser.add_argument("--variants", nargs="+", choices=MATMUL_VARIANTS, default=["matmul", "rows", "tc", "hybrid"],
                         help="matmul schedules to compare")
     parser.add_argument("--decode-variants", nargs="+", choices=list(DECODE_VARIANTS), default=list(DECODE_VARIANTS),
                         help="CUDA-core decode schedules to compare")

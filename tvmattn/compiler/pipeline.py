@@ -194,9 +194,11 @@ class SmallBatchMatmul(ScheduleRule):
 
 def small_batch_rules(tensor_cores: bool = False) -> list[ScheduleRule]:
     """The CUDA rules of decode_step's / batch_decode's projections, first match wins: with
-    tensor_cores, the tensor-core kernel for the projections it recognizes; CUDA cores for the
-    others."""
-    return ([SmallBatchTensorCoreMatmul()] if tensor_cores else []) + [SmallBatchMatmul()]
+    tensor_cores, the projections the tensor-core kernel recognizes run on it from batch
+    TENSOR_CORES_FROM_BATCH on and on CUDA cores below (where the CUDA-core rule takes them; else
+    on tensor cores at every batch); CUDA cores for the others."""
+    cuda_cores = SmallBatchMatmul()
+    return ([SmallBatchTensorCoreMatmul(below=cuda_cores)] if tensor_cores else []) + [cuda_cores]
 
 
 def _largest_static_read(func: tirx.PrimFunc) -> int:

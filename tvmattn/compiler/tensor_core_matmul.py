@@ -47,6 +47,10 @@ ROWS_PER_TILE = ROWS_PER_MMA  # the M of m16n8k16
 MAX_TILES = 4  # 16-row MMA tiles per row chunk: 64 rows a block
 MIN_ARCH = MMA_MIN_ARCH  # cp.async, ldmatrix and bf16 mma.sync
 SMEM_LIMIT = 96 << 10  # bytes of dynamic shared memory the schedules stay under
+# Batches from which a replacement with a rule `below` (the CUDA-core kernel) runs on tensor
+# cores: in a sweep of SmolLM2's projections on an H100 (docs/performance.md) the CUDA-core kernel
+# was faster at every projection at batch 8 and the tensor-core kernel as fast or faster at 16.
+TENSOR_CORES_FROM_BATCH = 16
 TARGET_BLOCKS = 132  # about one block per SM of an H100 / H200: fewer column blocks than this use 16-column blocks
 
 
@@ -125,6 +129,18 @@ def skinny_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none"
     """The PrimFunc (X [batch_size, 1, K], W [N, K][, R [batch_size, 1, N]], Y [batch_size, 1, N])
     of the module docstring; batch_size symbolic (int64), dtype float16 or bfloat16 (Y float32
     for epilogue "cast"). ValueError for what it does not take."""
+    return _skinny_matmul(n, k, dtype, epilogue, schedule, None)
+
+
+def skinny_matmul_body(n: int, k: int, dtype: str, epilogue: str, schedule: SkinnyMatmulSchedule | None,
+                       x, w, r, y) -> tirx.Stmt:
+    """skinny_matmul's kernel as a statement on another function's buffers x, w, r (None unless
+    epilogue "add") and y, shaped and typed as skinny_matmul's parameters (x.shape[0] the
+    batch); for a function that launches it on some batches and another kernel on others."""
+    return _skinny_matmul(n, k, dtype, epilogue, schedule, (x, w, r, y))
+
+
+def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers):
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {tuple(DTYPES)}")
     if epilogue not in EPILOGUES:
@@ -259,6 +275,15 @@ def skinny_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none"
                     T.tvm_storage_sync("shared")
                     store(y_, r_, matmul_smem, total, rows, m0, n0, tid)
 
+    if buffers is not None:
+        x_b, w_b, r_b, y_b = buffers
+
+        # (the caller's buffers are free here: the statement is checked where it lands)
+        @T.prim_func(check_well_formed=False)
+        def holder():
+            body(x_b, w_b, r_b, y_b)
+
+        return holder.body
     if epilogue == "add":
         @T.prim_func
         def func(x_h: T.handle, w: T.Buffer((N64, K64), dtype), r_h: T.handle, y_h: T.handle):
@@ -327,14 +352,24 @@ class SmallBatchTensorCoreMatmul(ScheduleRule):
     """Replaces a function that computes exactly `matmul_definition(N, K, dtype, epilogue)` (a
     decode_step / batch_decode projection over the symbolic batch_size, compared structurally)
     with `skinny_matmul`'s kernel, for CUDA sm_80 and newer. Anything else: None, for the next
-    rule. The replacement keeps the function's attributes (its op pattern). schedule_for(N, K):
-    the kernel's schedule, None where none serves (default: choose_skinny_schedule; a sweep,
-    scripts/bench_small_batch.py, passes others)."""
+    rule. The replacement keeps the function's attributes (its op pattern).
 
-    def __init__(self, schedule_for=None):
+    below: the rule of batches under `from_batch` (the CUDA-core SmallBatchMatmul in a library's
+    pipeline), None for tensor cores at every batch. Where it schedules the function, the
+    replacement launches its kernel when batch_size < from_batch and the tensor-core kernel
+    otherwise (one function, two kernels, the branch on the host); where it declines (a weight
+    over its cap, the LM head), the tensor-core kernel runs at every batch.
+    schedule_for(N, K): the kernel's schedule, None where none serves (default:
+    choose_skinny_schedule; a sweep, scripts/bench_small_batch.py, passes others)."""
+
+    def __init__(self, schedule_for=None, below: ScheduleRule | None = None, from_batch: int = TENSOR_CORES_FROM_BATCH):
+        if not isinstance(from_batch, int) or from_batch < 1:
+            raise ValueError(f"from_batch={from_batch!r}: expected an int of at least 1")
         self.schedule_for = schedule_for or choose_skinny_schedule
+        self.below = below
+        self.from_batch = from_batch
 
-    def apply(self, func, target, _tunable):
+    def apply(self, func, target, tunable):
         if not isinstance(func, tirx.PrimFunc) or sm_of(target) < MIN_ARCH:
             return None
         if len(func.params) not in (3, 4):
@@ -359,7 +394,22 @@ class SmallBatchTensorCoreMatmul(ScheduleRule):
         if not tvm_ffi.structural_equal([func.params, func.body], [definition.params, definition.body],
                                         map_free_vars=True):
             return None
+        low = self._below(func, target, tunable)
+        if low is not None:
+            x, w, *rest, y = low.params
+            tensor_cores = skinny_matmul_body(n, k, dtype, epilogue, schedule, x, w, rest[0] if rest else None, y)
+            small = x.shape[0] < tirx.const(self.from_batch, "int64")  # (batch_size is an int64)
+            return s_tir.Schedule(low.with_body(tirx.IfThenElse(small, low.body, tensor_cores)))
         kernel = skinny_matmul(n, k, dtype, epilogue, schedule)
         for key, value in (func.attrs or {}).items():
             kernel = kernel.with_attr(key, value)
         return s_tir.Schedule(kernel)
+
+    def _below(self, func, target, tunable) -> tirx.PrimFunc | None:
+        """`below`'s scheduled function, None where there is none (no rule, from_batch 1, declined)."""
+        if self.below is None or self.from_batch == 1:
+            return None
+        scheduled = self.below.apply(func, target, tunable)
+        if isinstance(scheduled, list):
+            scheduled = scheduled[0] if scheduled else None
+        return None if scheduled is None else scheduled.mod["main"]
