@@ -43,11 +43,12 @@ against the float16 graph run's.
 
 --dependent-launch builds every library with programmatic dependent launch (compile
 --dependent-launch, sm_90 and newer: each kernel's launch overlaps the end of the one before;
-tvmattn/compiler/dependent_launch.py), and --tensor-core-matmul with decode_step's projections
-on tensor cores (tvmattn/compiler/tensor_core_matmul.py). Such libraries are named NAME-pdl-*.so,
-NAME-tc-*.so (or NAME-pdl-tc-*.so), so that the ordinary libraries of --libs are never taken for
-them; their rows carry `dependent_launch: true` / `tensor_core_matmul: true`, configurations of
-their own beside the ordinary rows (which carry no such field).
+tvmattn/compiler/dependent_launch.py), and --no-tensor-core-matmul with decode_step's projections
+on CUDA cores at every batch (the default build runs them on tensor cores from batch 16 on:
+tvmattn/compiler/tensor_core_matmul.py). Such libraries are named NAME-pdl-*.so, NAME-cc-*.so (or
+NAME-pdl-cc-*.so), so that the ordinary libraries of --libs are never taken for them; their rows
+carry `dependent_launch: true` / `tensor_core_matmul: false`, configurations of their own beside
+the ordinary rows (which carry no such field).
 
 --json PATH writes the results as rows of docs/bench-format.md (`make_row`): bench "e2e",
 kernel "prefill" (batch 1, qo_len = seq_len = --prompt-len) or "decode" (qo_len 1, seq_len =
@@ -97,9 +98,10 @@ LIBRARY = {"graph": "tvmattn"}  # runs another entry's library
 WARMUP_STEPS = 3
 REPLAYS = 200  # back-to-back replays that time a graph step's GPU work
 RANDOM_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # --keep-format: weights.random_blocks.RANDOM_BLOCK_TYPES
-# opt-in build options: (args / build option / row field, command-line flag, library name suffix)
-OPT_IN_BUILDS = (("dependent_launch", "--dependent-launch", "pdl"),
-                 ("tensor_core_matmul", "--tensor-core-matmul", "tc"))
+# build options whose runs are configurations of their own: (args / build option / row field,
+# command-line flag, library name suffix, the value the flag sets, against the build's default)
+OWN_CONFIG_BUILDS = (("dependent_launch", "--dependent-launch", "pdl", True),
+                     ("tensor_core_matmul", "--no-tensor-core-matmul", "cc", False))
 
 
 def parse_args(argv=None):
@@ -140,10 +142,10 @@ def parse_args(argv=None):
                    help="build every library with programmatic dependent launch (compile --dependent-launch, "
                         "CUDA sm_90+; compiler.dependent_launch): its libraries are named NAME-pdl-*.so and its rows "
                         "carry dependent_launch: true")
-    p.add_argument("--tensor-core-matmul", action="store_true",
-                   help="build every library with decode_step's projections on tensor cores (compile "
-                        "--tensor-core-matmul, CUDA sm_80+; compiler.tensor_core_matmul): its libraries are named "
-                        "NAME-tc-*.so and its rows carry tensor_core_matmul: true")
+    p.add_argument("--no-tensor-core-matmul", dest="tensor_core_matmul", action="store_false", default=None,
+                   help="build every library with decode_step's projections on CUDA cores at every batch (compile "
+                        "--no-tensor-core-matmul; compiler.tensor_core_matmul): its libraries are named NAME-cc-*.so "
+                        "and its rows carry tensor_core_matmul: false")
     args = p.parse_args(argv)
     graphs = args.target == "cuda" and not args.no_cuda_graph
     args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer
@@ -157,15 +159,19 @@ def parse_args(argv=None):
     if args.quantization == "keep" and config_model and args.keep_format is None:
         p.error("argument --quantization keep: a config.json --model has no blocks to keep: add --keep-format "
                 f"{{{','.join(RANDOM_FORMATS)}}} (random weights drawn as blocks)")
-    for field, flag, _ in OPT_IN_BUILDS:
-        if getattr(args, field) and args.target != "cuda":
+    # the build options this run sets against their defaults; a library's own default elsewhere
+    args.own_config = {field: value for field, _, _, value in OWN_CONFIG_BUILDS if getattr(args, field) is value}
+    for field, flag, _, _ in OWN_CONFIG_BUILDS:
+        if field in args.own_config and args.target != "cuda":
             p.error(f"argument {flag}: needs --target cuda (a CUDA feature)")
+    if args.tensor_core_matmul is None:  # (compile's default: wherever the target takes it)
+        args.tensor_core_matmul = args.target == "cuda" and args.small_batch_matmul
     if args.name is None:
         args.name = "smollm2" if args.model in MODEL_NAMES else Path(args.model).stem
         if args.keep_format is not None:
             args.name += "-" + args.keep_format.lower()
-        for field, _, suffix in OPT_IN_BUILDS:  # not the ordinary libraries of the same folder
-            if getattr(args, field):
+        for field, _, suffix, _ in OWN_CONFIG_BUILDS:  # not the ordinary libraries of the same folder
+            if field in args.own_config:
                 args.name += "-" + suffix
     problem = bench_rows.output_path_problem(args.json)
     if problem:
@@ -185,7 +191,7 @@ def ensure_libraries(args, max_batch: int) -> None:
         if library in LIBRARY:
             continue
         if path.is_file():
-            check_opt_in_builds(args, path)
+            check_own_config_builds(args, path)
             continue
         print(f"building {path} ({LABELS[library]})")
         random = dict(random_weights=args.seed, random_format=args.keep_format) if args.keep_format else {}
@@ -196,16 +202,16 @@ def ensure_libraries(args, max_batch: int) -> None:
                       **random, **BUILD[library])
 
 
-def check_opt_in_builds(args, path: Path) -> None:
-    """An existing library must have been built with each of OPT_IN_BUILDS exactly when this run
-    asks for it (its runtime file's build options), else its rows would say what did not run."""
+def check_own_config_builds(args, path: Path) -> None:
+    """An existing library must have been built with each of OWN_CONFIG_BUILDS' options as this
+    run builds them (its runtime file's build options), else its rows would say what did not run."""
     runtime = sidecar(path, RUNTIME_SUFFIX)
     options = json.loads(runtime.read_text())["metadata"]["build_options"] if runtime.is_file() else {}
-    for field, flag, _ in OPT_IN_BUILDS:
+    for field, _, _, _ in OWN_CONFIG_BUILDS:
         built, asked = bool(options.get(field, False)), getattr(args, field)
         if built != asked:
-            raise SystemExit(f"{path} was built {'with' if built else 'without'} {flag}, this run "
-                             f"{'asks for it' if asked else 'does not'}: pass another --name or --libs")
+            raise SystemExit(f"{path} was built with {field}={built}, this run builds {field}={asked}: "
+                             f"pass another --name or --libs")
 
 
 def own_weights(args, device) -> list:
@@ -514,7 +520,8 @@ def main(argv=None) -> int:
           f"{config['num_attention_heads']}/{config['num_key_value_heads']} heads), "
           f"{metadata['build_options']['dtype']}, page {metadata['kv_cache']['page_size']}; {weights_note}"
           + ("; every kernel launched with programmatic dependent launch" if args.dependent_launch else "")
-          + ("; decode_step's projections on tensor cores" if args.tensor_core_matmul else ""))
+          + ("; decode_step's projections on CUDA cores at every batch" if "tensor_core_matmul" in args.own_config
+             else ""))
     for kv, runner in runners.items():
         print(f"{LABELS[kv]}: library load {runner.load_s:.3f} s, GPU code: {runner.gpu_code}")
 
@@ -535,8 +542,9 @@ def main(argv=None) -> int:
     def kept_variant(kv: str) -> dict:
         """The kept library's rows name the block type of random blocks (--keep-format) in their
         variant; the float libraries' rows say which decode functions fuse (fused_layers); the rows
-        of a run with OPT_IN_BUILDS say so (dependent_launch: true, ...; the others carry no such field)."""
-        pdl = {field: True for field, _, _ in OPT_IN_BUILDS if getattr(args, field)}
+        of a run with OWN_CONFIG_BUILDS' flags say so (dependent_launch: true, ...; the others carry no
+        such field)."""
+        pdl = dict(args.own_config)
         if kv != "keep":
             return {"fused_layers": fused_layers, **pdl}
         if args.keep_format is None:

@@ -54,7 +54,7 @@ def lowered_module(hf_config: dict, kv_cache: str = "tvmattn", max_batch: int = 
     mod, _ = export_module(model_config_from_hf(hf_config), options)
     target = options.tvm_target()
     with target:
-        return relax_pipeline(target, options.small_batch_matmul)(mod)
+        return relax_pipeline(target, options.small_batch_matmul, tensor_core_matmul=options.tensor_core_matmul)(mod)
 
 
 def launched(mod, function: str) -> list[str]:

@@ -56,7 +56,8 @@ def lowered_module(hf_config: dict, target: str, quantization: str = "none", fmt
     mod, _ = export_module(config, options)
     tvm_target = options.tvm_target()
     with tvm_target:
-        return relax_pipeline(tvm_target, options.small_batch_matmul)(mod), options
+        return relax_pipeline(tvm_target, options.small_batch_matmul,
+                              tensor_core_matmul=options.tensor_core_matmul)(mod), options
 
 
 def _kinds(counts: dict[str, int]) -> str:

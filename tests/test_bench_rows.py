@@ -165,10 +165,11 @@ def test_e2e_json_option(e2e, tmp_path, capsys):
     assert exit_info.value.code == 2 and "argument --json" in capsys.readouterr().err
 
 
-def test_e2e_dependent_launch_option(e2e, tmp_path, capsys):
-    """--dependent-launch builds libraries of their own name (never the ordinary ones of the folder),
-    refuses an existing library built otherwise and the CPU target; its rows form configurations
-    of their own (bench_rows.CONFIG_FIELDS), while the ordinary rows carry no such field."""
+def test_e2e_own_configuration_options(e2e, tmp_path, capsys):
+    """--dependent-launch and --no-tensor-core-matmul build libraries of their own name (never the
+    ordinary ones of the folder), refuse an existing library built otherwise and the CPU target;
+    their rows form configurations of their own (bench_rows.CONFIG_FIELDS), while the ordinary
+    rows carry no such field."""
     assert e2e.parse_args([]).name == "smollm2" and not e2e.parse_args([]).dependent_launch
     args = e2e.parse_args(["--dependent-launch", "--libs", str(tmp_path)])
     assert args.dependent_launch and args.name == "smollm2-pdl"
@@ -176,20 +177,31 @@ def test_e2e_dependent_launch_option(e2e, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         e2e.parse_args(["--dependent-launch", "--target", "llvm"])
     assert exit_info.value.code == 2 and "argument --dependent-launch: needs --target cuda" in capsys.readouterr().err
-    both = e2e.parse_args(["--dependent-launch", "--tensor-core-matmul"])
-    assert both.tensor_core_matmul and both.name == "smollm2-pdl-tc"
+    # the tensor-core matmul is the CUDA default: the flag turns it off
+    assert args.tensor_core_matmul and args.own_config == {"dependent_launch": True}
+    assert not e2e.parse_args(["--target", "llvm"]).tensor_core_matmul
+    both = e2e.parse_args(["--dependent-launch", "--no-tensor-core-matmul"])
+    assert not both.tensor_core_matmul and both.name == "smollm2-pdl-cc"
+    assert both.own_config == {"dependent_launch": True, "tensor_core_matmul": False}
+    with pytest.raises(SystemExit) as exit_info:
+        e2e.parse_args(["--no-tensor-core-matmul", "--target", "llvm"])
+    assert "argument --no-tensor-core-matmul: needs --target cuda" in capsys.readouterr().err
     library = tmp_path / "smollm2-pdl-tvmattn.so"
     runtime = e2e.sidecar(library, e2e.RUNTIME_SUFFIX)
     for built, asked in ((False, True), (True, False)):
-        runtime.write_text(json.dumps({"metadata": {"build_options": {"dependent_launch": built}}}))
+        runtime.write_text(json.dumps({"metadata": {"build_options": {"dependent_launch": built,
+                                                                      "tensor_core_matmul": True}}}))
         run = e2e.parse_args(["--libs", str(tmp_path), "--name", "smollm2-pdl"] + ["--dependent-launch"] * asked)
-        with pytest.raises(SystemExit, match="was built with" + "out" * (not built) + " --dependent-launch"):
-            e2e.check_opt_in_builds(run, library)
-    e2e.check_opt_in_builds(args, library)  # built with it, asked for: used as it is
+        with pytest.raises(SystemExit, match=f"was built with dependent_launch={built}, this run builds "
+                                             f"dependent_launch={asked}"):
+            e2e.check_own_config_builds(run, library)
+    e2e.check_own_config_builds(args, library)  # built as this run builds: used as it is
+    # a library from before the default (built without the tensor-core matmul) is not taken for it
     runtime.write_text(json.dumps({"metadata": {"build_options": {"dependent_launch": True,
-                                                                  "tensor_core_matmul": True}}}))
-    with pytest.raises(SystemExit, match="was built with --tensor-core-matmul, this run does not"):
-        e2e.check_opt_in_builds(args, library)
+                                                                  "tensor_core_matmul": False}}}))
+    with pytest.raises(SystemExit, match="was built with tensor_core_matmul=False, this run builds "
+                                         "tensor_core_matmul=True"):
+        e2e.check_own_config_builds(args, library)
     row = {"bench": "e2e", "kernel": "decode", "impl": "tvmattn-cuda-graph", "variant": "cuda/float16",
            "fused_layers": "decode", "batch": 1}
     assert bench_rows.config_key({**row, "dependent_launch": True}) != bench_rows.config_key(row)

@@ -97,19 +97,21 @@ def test_compile_quantization_defaults_to_auto_and_says_so():
     assert "(default: auto)" in help_line and "auto: keep for a GGUF" in help_line
 
 
-@pytest.mark.parametrize("flag,argument,default", [("--unfused-layers", "fused_layers", True),
-                                                    ("--dependent-launch", "dependent_launch", False),
-                                                    ("--tensor-core-matmul", "tensor_core_matmul", False),
-                                                    ("--float32-cpu-products", "cpu_bf16", True)])
-def test_compile_passes_its_build_flags_on(tmp_path, monkeypatch, flag, argument, default):
-    """Each build flag reaches compile_model as its argument: the default without it, flipped with it."""
+@pytest.mark.parametrize("flag,argument,default,value", [("--unfused-layers", "fused_layers", True, False),
+                                                          ("--dependent-launch", "dependent_launch", False, True),
+                                                          ("--tensor-core-matmul", "tensor_core_matmul", None, True),
+                                                          ("--no-tensor-core-matmul", "tensor_core_matmul", None, False),
+                                                          ("--float32-cpu-products", "cpu_bf16", True, False)])
+def test_compile_passes_its_build_flags_on(tmp_path, monkeypatch, flag, argument, default, value):
+    """Each build flag reaches compile_model as its argument: the default without it (None: the
+    target's own), the flag's value with it."""
     import tvmattn.build
 
     seen = {}
     monkeypatch.setattr(tvmattn.build, "compile_model", lambda *a, **kw: seen.update(kw))
-    for flags, value in (([], default), ([flag], not default)):
+    for flags, expected in (([], default), ([flag], value)):
         assert main(["compile", "--model", str(tmp_path), "--output", str(tmp_path / "m.so"), *flags]) == 0
-        assert seen[argument] is value
+        assert seen[argument] is expected
 
 
 def test_compile_refuses_dependent_launch_off_hopper(config_json, tmp_path, capsys):
@@ -149,10 +151,23 @@ def test_compile_refuses_tensor_core_matmul_where_it_cannot_run(config_json, tmp
         compile_model(str(config_json), tmp_path / "m.so", target="cuda:sm_90", tensor_core_matmul=True,
                       small_batch_matmul=False, log=lines.append)
     assert not any("loading model" in line for line in lines), lines
-    with pytest.raises(ValueError, match="tensor_core_matmul='yes' is not supported: expected a bool"):
+    with pytest.raises(ValueError, match="tensor_core_matmul='yes' is not supported: expected a bool or None"):
         BuildOptions(target="cuda:sm_90", dtype="float16", tensor_core_matmul="yes")
     with pytest.raises(ValueError, match="tensor_core_matmul=True is not supported: target 'cuda:sm_75'"):
         BuildOptions(target="cuda:sm_75", dtype="float16", tensor_core_matmul=True)
+
+
+@pytest.mark.parametrize("target,small_batch_matmul,default", [("cuda:sm_90", True, True), ("cuda:sm_80", True, True),
+                                                               ("cuda:sm_75", True, False), ("llvm", True, False),
+                                                               ("cuda:sm_90", False, False)])
+def test_tensor_core_matmul_is_on_wherever_the_target_takes_it(target, small_batch_matmul, default):
+    """BuildOptions' default (None) becomes True where the kernel can run, False elsewhere; an
+    explicit False stays off."""
+    from tvmattn.models import BuildOptions
+
+    dtype = "float32" if target == "llvm" else "float16"
+    assert BuildOptions(target=target, dtype=dtype, small_batch_matmul=small_batch_matmul).tensor_core_matmul is default
+    assert BuildOptions(target=target, dtype=dtype, tensor_core_matmul=False).tensor_core_matmul is False
 
 
 # ---------------------------------------------------------------- the first hour: errors before compiling

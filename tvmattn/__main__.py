@@ -318,9 +318,9 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
                          help="CUDA sm_90 and newer: launch every kernel with programmatic dependent launch (each "
                               "waits for the previous one's grid, so its launch overlaps that kernel's end; "
                               "compiler.dependent_launch)")
-    command.add_argument("--tensor-core-matmul", action="store_true",
-                         help="CUDA sm_80 and newer: decode_step's projections on tensor cores "
-                              "(compiler.tensor_core_matmul; not yet the default)")
+    command.add_argument("--tensor-core-matmul", action=argparse.BooleanOptionalAction, default=None,
+                         help="decode steps' projections on tensor cores from batch 16 on (CUDA sm_80 and newer; "
+                              "compiler.tensor_core_matmul). Default: on wherever the target has them")
 
 
 def _main_job_options(job: argparse.ArgumentParser, blocks: str) -> None:

@@ -262,7 +262,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
                   random_format: str | None = None, small_batch_matmul: bool = True,
                   kv_cache_dtype: str | None = None, fused_layers: bool = True,
                   cpu_bf16: bool = True, dependent_launch: bool = False,
-                  tensor_core_matmul: bool = False) -> BuildResult:
+                  tensor_core_matmul: bool | None = None) -> BuildResult:
     """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
 
     dtype defaults to float32 on llvm and float16 on cuda; context_window defaults to the
@@ -278,7 +278,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     where the CPU has AVX512-BF16 (export.BuildOptions.cpu_bf16; False: float32 products).
     dependent_launch: CUDA sm_90 and newer, every kernel launched with programmatic dependent
     launch (compiler.dependent_launch). tensor_core_matmul: CUDA sm_80 and newer, decode_step's
-    projections on tensor cores (compiler.tensor_core_matmul; needs small_batch_matmul).
+    projections on tensor cores from batch 16 on (compiler.tensor_core_matmul; needs
+    small_batch_matmul); None: wherever the target takes it, True: an error where it does not.
     kv_cache_dtype: the KV pages' element type: None (the dtype) or "float8_e4m3fn" /
     "float8_e5m2" (FP8 pages, half fp16's bytes; scales 1.0 unless the generator sets them,
     `tvmattn.calibrate_kv_scales`).
@@ -316,8 +317,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     _check_random_format(random_format, random_weights)
     if not isinstance(dependent_launch, bool):
         raise BuildError(f"--dependent-launch must be a bool, got {dependent_launch!r}")
-    if not isinstance(tensor_core_matmul, bool):
-        raise BuildError(f"--tensor-core-matmul must be a bool, got {tensor_core_matmul!r}")
+    if tensor_core_matmul is not None and not isinstance(tensor_core_matmul, bool):
+        raise BuildError(f"--tensor-core-matmul must be a bool or None, got {tensor_core_matmul!r}")
     out_path = Path(out_path)
     problem = output_problem(out_path)
     if problem:

@@ -88,9 +88,9 @@ class BuildOptions:
     # CUDA sm_90+: every kernel launched with programmatic dependent launch
     # (compiler.dependent_launch); off until measured to pay
     dependent_launch: bool = False
-    # CUDA sm_80+ with small_batch_matmul: decode_step's projections on tensor cores
-    # (compiler.tensor_core_matmul); off until a whole decode step is measured with it
-    tensor_core_matmul: bool = False
+    # CUDA sm_80+ with small_batch_matmul: decode_step's projections on tensor cores from batch
+    # 16 on (compiler.tensor_core_matmul); None: wherever the target takes it
+    tensor_core_matmul: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -105,8 +105,8 @@ class BuildOptions:
             raise ValueError(f"small_batch_matmul={self.small_batch_matmul!r} is not supported: expected a bool")
         if not isinstance(self.dependent_launch, bool):
             raise ValueError(f"dependent_launch={self.dependent_launch!r} is not supported: expected a bool")
-        if not isinstance(self.tensor_core_matmul, bool):
-            raise ValueError(f"tensor_core_matmul={self.tensor_core_matmul!r} is not supported: expected a bool")
+        if self.tensor_core_matmul is not None and not isinstance(self.tensor_core_matmul, bool):
+            raise ValueError(f"tensor_core_matmul={self.tensor_core_matmul!r} is not supported: expected a bool or None")
         for name, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
             expected = problem(getattr(self, name))
             if expected:
@@ -122,6 +122,9 @@ class BuildOptions:
         if self.dependent_launch and dependent_launch_problem(self.target):
             raise ValueError(f"dependent_launch=True is not supported with target={self.target!r}: "
                              f"{dependent_launch_problem(self.target)}")
+        if self.tensor_core_matmul is None:
+            object.__setattr__(self, "tensor_core_matmul",
+                               tensor_core_matmul_problem(self.target, self.small_batch_matmul) is None)
         if self.tensor_core_matmul and tensor_core_matmul_problem(self.target, self.small_batch_matmul):
             raise ValueError(f"tensor_core_matmul=True is not supported: "
                              f"{tensor_core_matmul_problem(self.target, self.small_batch_matmul)}")
