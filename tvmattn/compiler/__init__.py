@@ -3,7 +3,7 @@ passes plus our schedule rules), its CPU schedule rules for the model's own func
 (`cpu_matmul`: multi-token projections; `cpu_elementwise`: elementwise functions and the float32
 SiLU; `cpu_norm`: a prompt's RMSNorms), the fused decode ops of a decoder layer (`fused_decode`: RMSNorm + projection + epilogue,
 what they compute; `fused_schedules`: their CUDA and CPU schedules), a tensor-core kernel for
-decode_step's projections (`tensor_core_matmul`, opt-in), programmatic dependent
+decode_step's projections (`tensor_core_matmul`, from batch 16 on), programmatic dependent
 launch for every CUDA kernel of a library (`dependent_launch`, opt-in), the count of a lowered
 step's kernel launches (`kernel_count`) and the targets the kernels compile for (`targets`: the
 host CPU's llvm target, the CUDA target whose limits the schedules read).

@@ -20,11 +20,12 @@ TVM's default pipeline for a target, with two changes that matter for speed:
 - on CUDA, with `small_batch_matmul` (BuildOptions.small_batch_matmul, on by default), before
   dlight's default rules, for the matmuls of batch_decode / decode_step (`[batch_size, 1, K] x
   [N, K]^T`, symbolic batch_size): `SmallBatchMatmul` (CUDA cores); with
-  BuildOptions.tensor_core_matmul (off by default) first
-  `tensor_core_matmul.SmallBatchTensorCoreMatmul` (sm_80 and newer: the projections as TVM
-  legalizes them, with no epilogue, a residual add or a float32 cast, replaced by a tensor-core
-  kernel).
-  Without it they get dlight's Matmul rule, whose 128 x 128 tiles leave most SMs idle at these
+  BuildOptions.tensor_core_matmul (on by default for sm_80 and newer) first
+  `tensor_core_matmul.SmallBatchTensorCoreMatmul`: the projections as TVM legalizes them, with
+  no epilogue, a residual add or a float32 cast, replaced by a function that runs the CUDA-core
+  kernel below batch 16 and a tensor-core kernel from 16 on (the LM head, which SmallBatchMatmul
+  leaves, on tensor cores at every batch).
+  Without small_batch_matmul they get dlight's Matmul rule, whose 128 x 128 tiles leave most SMs idle at these
   shapes (figures: docs/performance.md). dlight's LowBatchGEMV (`DecodeBatchGEMV`) is a variant
   in scripts/bench_small_batch.py;
 - on CUDA, after memory planning: `lift_graph_storage`, the storage of `decode_step` (planned for
