@@ -158,6 +158,23 @@ def test_rule_takes_every_decode_step_projection_of_a_model(tmp_path):
     assert sorted(kinds.values()) == sorted([("float16", 3)] * 2 + [("float16", 4)] * 2 + [("float32", 3)])
 
 
+def test_llama_1b_projections_over_the_cuda_core_cap_run_on_tensor_cores_at_every_batch():
+    """Llama-3.2-1B's decode_step (scripts/llama-3.2-1b-config.json): qkv and o_proj (under
+    SmallBatchMatmul's 16 MiB) branch on the batch; gate_up, down_proj and the LM head (over it,
+    which left them to dlight's Matmul rule) run on tensor cores alone."""
+    from tvm.s_tir import dlight as dl
+
+    funcs, target = load_script("bench_small_batch").decode_step_matmuls("scripts/llama-3.2-1b-config.json", 64)
+    kinds = {}
+    for func in funcs.values():
+        with target:
+            script = dl.ApplyDefaultSchedule(*small_batch_rules(True))(tvm.IRModule({"main": func}))["main"].script()
+        assert "T.ptx.mma(" in script
+        kinds[tuple(int(d) for d in func.params[1].shape)] = bool(re.search(r"\n    if batch", script))
+    assert kinds == {(3072, 2048): True, (2048, 2048): True, (16384, 2048): False, (2048, 8192): False,
+                     (128256, 2048): False}
+
+
 @pytest.mark.parametrize("epilogue", ["none", "add", "cast"])
 def test_kernel_compiles_to_tensor_core_code_for_sm90(epilogue):
     lib = tvm.compile(tvm.IRModule({"main": skinny_matmul(576, 1536, "bfloat16", epilogue)}), target=CUDA)
