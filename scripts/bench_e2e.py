@@ -82,6 +82,7 @@ from tvm.runtime import ShapeTuple  # noqa: E402
 import bench_rows  # noqa: E402
 import tvmattn  # noqa: E402,F401  - registers tvmattn.*
 from tvmattn.build import MODEL_NAMES, PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar  # noqa: E402
+from tvmattn.compiler.tensor_core_matmul import tensor_core_matmul_problem  # noqa: E402
 from tvmattn.generate import no_cyclic_gc  # noqa: E402
 
 # always run: ours eagerly, ours replaying CUDA graphs (the same library; --no-cuda-graph leaves it out),
@@ -164,8 +165,8 @@ def parse_args(argv=None):
     for field, flag, _, _ in OWN_CONFIG_BUILDS:
         if field in args.own_config and args.target != "cuda":
             p.error(f"argument {flag}: needs --target cuda (a CUDA feature)")
-    if args.tensor_core_matmul is None:  # (compile's default: wherever the target takes it)
-        args.tensor_core_matmul = args.target == "cuda" and args.small_batch_matmul
+    if args.tensor_core_matmul is None:  # compile's default: wherever the target takes it
+        args.tensor_core_matmul = tensor_core_matmul_problem(args.target, args.small_batch_matmul) is None
     if args.name is None:
         args.name = "smollm2" if args.model in MODEL_NAMES else Path(args.model).stem
         if args.keep_format is not None:
