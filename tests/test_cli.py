@@ -150,6 +150,9 @@ def test_compile_refuses_tensor_core_matmul_where_it_cannot_run(config_json, tmp
     with pytest.raises(BuildError, match="--tensor-core-matmul: it replaces small_batch_matmul's CUDA-core rule"):
         compile_model(str(config_json), tmp_path / "m.so", target="cuda:sm_90", tensor_core_matmul=True,
                       small_batch_matmul=False, log=lines.append)
+    with pytest.raises(BuildError, match="--tensor-core-matmul must be a bool or None, got 'yes'"):
+        compile_model(str(config_json), tmp_path / "m.so", target="cuda:sm_90", tensor_core_matmul="yes",
+                      log=lines.append)
     assert not any("loading model" in line for line in lines), lines
     with pytest.raises(ValueError, match="tensor_core_matmul='yes' is not supported: expected a bool or None"):
         BuildOptions(target="cuda:sm_90", dtype="float16", tensor_core_matmul="yes")
