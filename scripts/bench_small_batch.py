@@ -51,8 +51,10 @@ def device_us(fn, iters: int) -> float:
     return total / iters
 
 
-def decode_step_matmuls(model: str, max_batch: int):
-    """{name: PrimFunc}: decode_step's legalized matmul PrimFuncs (symbolic batch_size)."""
+def decode_step_matmuls(model: str, max_batch: int, fused: bool = False):
+    """{name: PrimFunc}: decode_step's legalized matmul PrimFuncs (symbolic batch_size) of the
+    library without the fused decode ops (every projection plain); fused: the library's fused
+    decode ops instead (compiler.fused_decode: RMSNorm + qkv, RMSNorm + gate_up + SiLU * mul)."""
     import tvm
     from tvm import relax, tirx
     from tvm.relax.backend.cuda import pipeline as backend
@@ -62,7 +64,7 @@ def decode_step_matmuls(model: str, max_batch: int):
     from tvmattn.compiler.pipeline import SmallBatchMatmul, _has_var
 
     config = model_config_from_hf(json.load(open(model)))
-    options = BuildOptions(target="cuda:sm_90", dtype="float16", max_batch_size=max_batch)
+    options = BuildOptions(target="cuda:sm_90", dtype="float16", max_batch_size=max_batch, fused_layers=fused)
     mod, _ = export_module(config, options)
     target = options.tvm_target()
     with target:
@@ -71,9 +73,13 @@ def decode_step_matmuls(model: str, max_batch: int):
                                        + backend.library_dispatch_passes(target) + legalize)(mod)
     funcs = {}
     for gv, func in mod.functions.items():
+        if not (isinstance(func, tirx.PrimFunc) and _has_var(func, "batch_size")):
+            continue
+        if fused:
+            if gv.name_hint.startswith("fused_rms_norm_matmul"):
+                funcs[gv.name_hint] = func
         # decode_step's [batch_size, 1, K] x [N, K]^T projections: the pattern SmallBatchMatmul takes
-        if (isinstance(func, tirx.PrimFunc) and "matmul" in gv.name_hint and _has_var(func, "batch_size")
-                and SmallBatchMatmul(max_weight_bytes=None).apply(func, target, False) is not None):
+        elif "matmul" in gv.name_hint and SmallBatchMatmul(max_weight_bytes=None).apply(func, target, False) is not None:
             funcs[gv.name_hint] = func
     return funcs, target
 
@@ -92,7 +98,18 @@ def schedule(func, target, variant: str):
 
     mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     with target:
-        if variant.startswith("tc"):
+        if _is_fused(func):  # RMSNorm + projection: the fused GEMV ("rows"), norm_matmul ("tc") or both
+            from tvmattn.compiler.fused_schedules import CUDAFusedDecodeGEMV
+            from tvmattn.compiler.tensor_core_matmul import FusedNormTensorCoreMatmul
+
+            rules = {"rows": [CUDAFusedDecodeGEMV()], "tc": [FusedNormTensorCoreMatmul()],
+                     "hybrid": [FusedNormTensorCoreMatmul(below=CUDAFusedDecodeGEMV()), CUDAFusedDecodeGEMV()]}
+            if variant not in rules:
+                return None
+            mod = dl.ApplyDefaultSchedule(*rules[variant])(mod)
+            if "tirx.is_scheduled" not in mod["main"].attrs:
+                return None
+        elif variant.startswith("tc"):
             mod = dl.ApplyDefaultSchedule(SmallBatchTensorCoreMatmul(tc_schedule(variant)))(mod)
             if "tirx.is_scheduled" not in mod["main"].attrs:
                 return None  # (the variant does not tile this weight)
@@ -129,9 +146,17 @@ MATMUL_VARIANTS = (("matmul", "rows", "tc", "hybrid") + TC_SWEEP + tuple(f"gemv-
                    + tuple(f"rows-r{r}-t{t}" for r in (2, 4, 8, 16) for t in (32, 64, 128)))
 
 
+def _is_fused(func) -> bool:
+    """Whether func is a fused decode op (RMSNorm + projection) rather than a plain projection."""
+    from tvmattn.compiler.tensor_core_matmul import _norm_eps
+
+    return _norm_eps(func) is not None
+
+
 def build_matmuls(args):
-    """[(name, func, {variant: compiled module})] of decode_step's matmuls."""
-    funcs, target = decode_step_matmuls(args.model, max(BATCHES))
+    """[(name, func, {variant: compiled module})] of decode_step's matmuls (with --fused, its
+    fused decode ops)."""
+    funcs, target = decode_step_matmuls(args.model, max(BATCHES), args.fused)
     return [(name, func, {v: schedule(func, target, v) for v in args.variants}) for name, func in sorted(funcs.items())]
 
 
@@ -178,7 +203,22 @@ def _inputs(func, batch):
 
 
 def _reference(func, ins):
-    """x @ W^T in float32 (+ the residual of a fused add)."""
+    """x @ W^T in float32 (+ the residual of a fused add); a fused decode op: x's RMSNorm (rounded
+    to its dtype) times W^T (+ bias), or SwiGLU of its gate and up halves."""
+    if _is_fused(func):
+        import torch
+
+        from tvmattn.compiler.tensor_core_matmul import _has_up_half, _norm_eps
+
+        x, g, w = ins[0].float()[:, 0], ins[1].float(), ins[2].float()
+        h = (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + _norm_eps(func)) * g).to(ins[0].dtype).float()
+        out = h @ w.T
+        if _has_up_half(func):
+            gate, up = out.chunk(2, dim=-1)
+            out = torch.nn.functional.silu(gate) * up
+        elif len(ins) == 5:
+            out = out + ins[3].float()
+        return out[:, None]
     x, w = ins[0].float(), ins[1].float()
     out = x @ w.T
     if len(ins) == 4:  # fused_NT_matmul_add: (x, W, residual, out)
@@ -259,6 +299,9 @@ def main(argv=None) -> int:
                         help="matmul schedules to compare")
     parser.add_argument("--decode-variants", nargs="+", choices=list(DECODE_VARIANTS), default=list(DECODE_VARIANTS),
                         help="CUDA-core decode schedules to compare")
+    parser.add_argument("--fused", action="store_true",
+                        help="the library's fused decode ops (RMSNorm + qkv, RMSNorm + gate_up + SiLU * mul) instead "
+                             "of its plain projections: variants rows (the fused GEMV), tc (norm_matmul), hybrid")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = []

@@ -31,11 +31,14 @@ import tvm
 from harness import load_script
 
 from tvmattn.compiler.pipeline import SmallBatchMatmul, small_batch_rules
-from tvmattn.compiler.tensor_core_matmul import (SkinnyMatmulSchedule, SmallBatchTensorCoreMatmul,
-                                                 choose_skinny_schedule, skinny_matmul)
+from tvmattn.compiler.tensor_core_matmul import (FusedNormTensorCoreMatmul, SkinnyMatmulSchedule,
+                                                 SmallBatchTensorCoreMatmul, choose_norm_schedule,
+                                                 choose_skinny_schedule, norm_matmul, skinny_matmul, smem_limit_of)
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 RULE = SmallBatchTensorCoreMatmul()
+# the host's branch of a two-kernel function (TENSOR_CORES_FROM_BATCH), as TVMScript prints it
+BRANCH = r"\n    if T.tvm_thread_invariant\(batch\w* < T.int64\(16\)\):"
 
 
 def legalized(n: int, k: int, epilogue: str = "none", dtype: str = "float16", seq: bool = False,
@@ -170,7 +173,7 @@ def test_llama_1b_projections_over_the_cuda_core_cap_run_on_tensor_cores_at_ever
         with target:
             script = dl.ApplyDefaultSchedule(*small_batch_rules(True))(tvm.IRModule({"main": func}))["main"].script()
         assert "T.ptx.mma(" in script
-        kinds[tuple(int(d) for d in func.params[1].shape)] = bool(re.search(r"\n    if batch", script))
+        kinds[tuple(int(d) for d in func.params[1].shape)] = bool(re.search(BRANCH, script))
     assert kinds == {(3072, 2048): True, (2048, 2048): True, (16384, 2048): False, (2048, 8192): False,
                      (128256, 2048): False}
 
@@ -213,7 +216,7 @@ def test_in_the_pipeline_small_batches_stay_on_cuda_cores(epilogue):
     with CUDA:
         func = dl.ApplyDefaultSchedule(*small_batch_rules(True))(tvm.IRModule({"main": legalized(960, 576, epilogue)}))["main"]
     script = func.script()
-    assert re.search(rf"\n    if batch\w* < T.int64\({TENSOR_CORES_FROM_BATCH}\):", script) and "T.ptx.mma(" in script
+    assert re.search(BRANCH, script) and "T.ptx.mma(" in script
     assert [threads for threads, _ in _kernels(func)] == ["128", "32"]
     assert TENSOR_CORES_FROM_BATCH == 16
 
@@ -225,14 +228,134 @@ def test_weights_the_cuda_core_rule_leaves_run_on_tensor_cores_at_every_batch():
 
     with CUDA:
         func = dl.ApplyDefaultSchedule(*small_batch_rules(True))(tvm.IRModule({"main": legalized(16384, 576, "cast")}))["main"]
-    assert not re.search(r"\n    if batch", func.script())
+    assert not re.search(BRANCH, func.script())
     assert [threads for threads, _ in _kernels(func)] == ["256"]
     # and a rule with no rule below, or from batch 1: tensor cores alone as well
-    assert not re.search(r"\n    if batch", RULE.apply(legalized(960, 576), CUDA, False).mod["main"].script())
+    assert not re.search(BRANCH, RULE.apply(legalized(960, 576), CUDA, False).mod["main"].script())
     alone = SmallBatchTensorCoreMatmul(below=SmallBatchMatmul(), from_batch=1).apply(legalized(960, 576), CUDA, False)
-    assert not re.search(r"\n    if batch", alone.mod["main"].script())
+    assert not re.search(BRANCH, alone.mod["main"].script())
     with pytest.raises(ValueError, match="from_batch=0: expected an int of at least 1"):
         SmallBatchTensorCoreMatmul(from_batch=0)
+
+
+# --- the fused decode ops (RMSNorm + projection) on tensor cores
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+              "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 256,
+              "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def fused_op(epilogue: str, n: int = 192, k: int = 128, batch=None, eps: float = 1e-5) -> tvm.tirx.PrimFunc:
+    """A fused decode op as a model's export writes it (relax emit_te of compiler.fused_decode's
+    te function): rms_norm_matmul (epilogue "none" / "bias") or rms_norm_matmul_swiglu ("swiglu",
+    n output columns of a 2n-row weight), over x [batch, 1, k] (None: the symbolic batch_size)."""
+    from tvm import relax
+    from tvm.script import relax as R
+
+    from tvmattn.compiler.fused_decode import rms_norm_matmul, rms_norm_matmul_swiglu
+
+    rows = 2 * n if epilogue == "swiglu" else n
+    x = relax.Var("x", R.Tensor((tvm.tirx.Var("batch_size", "int64") if batch is None else batch, 1, k), "float16"))
+    g, w, bias = (relax.Var("g", R.Tensor((k,), "float16")), relax.Var("w", R.Tensor((rows, k), "float16")),
+                  relax.Var("bias", R.Tensor((n,), "float16")))
+    args = [x, g, w] + ([bias] if epilogue == "bias" else [])
+    bb = relax.BlockBuilder()
+    with bb.function("main", args):
+        with bb.dataflow():
+            te_func = rms_norm_matmul_swiglu if epilogue == "swiglu" else rms_norm_matmul
+            out = bb.emit_output(bb.emit_te(te_func, *args, eps=eps))
+        bb.emit_func_output(out)
+    (func,) = [f for f in bb.get().functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    return func
+
+
+def test_norm_schedules_keep_x_rows_within_the_arch_shared_memory():
+    # SmolLM2 (K 576): 64 rows a block; Llama-3.2-1B (K 2048): 32 on sm_90, 16 with 99 KiB
+    assert choose_norm_schedule(960, 576, 1, 90).row_tiles == 4
+    assert choose_norm_schedule(1536, 576, 2, 90).row_tiles == 4
+    assert choose_norm_schedule(8192, 2048, 2, 90).row_tiles == 2
+    assert choose_norm_schedule(8192, 2048, 2, 86).row_tiles == 1
+    for (n, k, halves, archs) in ((960, 576, 1, (80, 86, 90)), (1536, 576, 2, (80, 86, 90)),
+                                  (3072, 2048, 1, (80, 86, 90)), (8192, 2048, 2, (80, 86, 90)), (4096, 4096, 2, (80, 90))):
+        for sm in archs:
+            schedule = choose_norm_schedule(n, k, halves, sm)
+            assert schedule is not None and schedule.smem_bytes(halves, k) <= smem_limit_of(sm), (n, k, sm)
+    # rows of 8192 columns leave no room on any arch; N and K must be multiples of 16
+    assert choose_norm_schedule(960, 8192, 1, 90) is None
+    assert choose_norm_schedule(100, 576) is None and choose_norm_schedule(96, 60) is None
+    with pytest.raises(ValueError, match="row_tiles=3: expected 1, 2 or 4"):
+        SkinnyMatmulSchedule(row_tiles=3)
+    with pytest.raises(ValueError, match="epilogue='add': expected one of"):
+        norm_matmul(96, 64, epilogue="add")
+
+
+@pytest.mark.parametrize("epilogue", ["none", "bias", "swiglu"])
+def test_fused_rule_takes_the_fused_decode_ops_of_a_decode_batch(epilogue):
+    taken = FusedNormTensorCoreMatmul().apply(fused_op(epilogue), CUDA, False)
+    assert taken is not None and "T.ptx.mma(" in taken.mod["main"].script()
+    # the other epsilon is read from the function, and the kernel keeps it
+    assert "T.float32(9.9999999999999995e-07)" in FusedNormTensorCoreMatmul().apply(
+        fused_op(epilogue, eps=1e-6), CUDA, False).mod["main"].script()
+
+
+def test_fused_rule_leaves_everything_else_to_the_next_rule():
+    rule = FusedNormTensorCoreMatmul()
+    assert rule.apply(fused_op("none", batch=1), CUDA, False) is None  # `decode`'s static batch
+    assert rule.apply(legalized(192, 128), CUDA, False) is None  # a plain projection
+    assert rule.apply(fused_op("none"), tvm.target.Target("llvm"), False) is None
+    assert rule.apply(fused_op("none"), tvm.target.Target({"kind": "cuda", "arch": "sm_75"}), False) is None
+    assert rule.apply(fused_op("none", n=200), CUDA, False) is None  # N not a multiple of 16
+    assert rule.apply(fused_op("none", k=8192), CUDA, False) is None  # X's rows do not fit
+    with pytest.raises(ValueError, match="from_batch=0: expected an int of at least 1"):
+        FusedNormTensorCoreMatmul(from_batch=0)
+
+
+@pytest.mark.parametrize("epilogue", ["none", "swiglu"])
+def test_in_the_pipeline_the_fused_ops_branch_on_the_batch(epilogue):
+    """With the fused GEMV below: one function, two kernels (the GEMV's 32 threads, tensor cores'
+    128), the host's branch marked thread-invariant (TVM's ThreadSync inserts the GEMV's barriers
+    under it)."""
+    from tvm.s_tir import dlight as dl
+
+    from tvmattn.compiler.fused_schedules import CUDAFusedDecodeGEMV
+    from tvmattn.compiler.tensor_core_matmul import TENSOR_CORES_FROM_BATCH
+
+    gemv = CUDAFusedDecodeGEMV()
+    with CUDA:
+        func = dl.ApplyDefaultSchedule(FusedNormTensorCoreMatmul(below=gemv), gemv)(
+            tvm.IRModule({"main": fused_op(epilogue, n=960, k=576)}))["main"]
+    script = func.script()
+    assert re.search(BRANCH, script) and TENSOR_CORES_FROM_BATCH == 16
+    with CUDA:
+        gemv_alone = dl.ApplyDefaultSchedule(gemv)(tvm.IRModule({"main": fused_op(epilogue, n=960, k=576)}))["main"]
+    (gemv_threads, _), = _kernels(gemv_alone)
+    assert sorted(threads for threads, _ in _kernels(func)) == sorted(["128", gemv_threads])
+
+
+@pytest.mark.parametrize("epilogue", ["none", "bias", "swiglu"])
+def test_norm_kernel_compiles_with_nvcc_for_sm90(epilogue, tmp_path):
+    from test_pipeline import compiles_with_nvcc
+
+    lib = tvm.compile(tvm.IRModule({"main": norm_matmul(1536, 576, "bfloat16", epilogue)}), target=CUDA)
+    source = lib.mod.imports[0].inspect_source()
+    assert "mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32" in source and "tvmattn_norm8_bfloat16" in source
+    compiles_with_nvcc(source, tmp_path)
+
+
+def test_cuda_libraries_fuse_at_every_batch_where_tensor_cores_take_the_fused_ops():
+    from tvmattn.models import BuildOptions
+    from tvmattn.models.config import model_config_from_hf
+    from tvmattn.models.export import fused_on_tensor_cores
+
+    smollm2 = model_config_from_hf(json.load(open("scripts/smollm2-config.json")))
+    llama_1b = model_config_from_hf(json.load(open("scripts/llama-3.2-1b-config.json")))
+    cuda = dict(target="cuda:sm_90", dtype="float16")
+    assert fused_on_tensor_cores(smollm2, BuildOptions(**cuda)) and fused_on_tensor_cores(llama_1b, BuildOptions(**cuda))
+    assert not fused_on_tensor_cores(smollm2, BuildOptions(**cuda, tensor_core_matmul=False))
+    assert not fused_on_tensor_cores(smollm2, BuildOptions(target="cuda:sm_75", dtype="float16"))
+    assert not fused_on_tensor_cores(smollm2, BuildOptions(target="cuda:sm_90", dtype="float32"))
+    assert not fused_on_tensor_cores(smollm2, BuildOptions(target="llvm", dtype="float32"))
 
 
 # (n, k, epilogue, dtype, schedule): every schedule family the chooser makes, and forced ones
@@ -318,6 +441,101 @@ def test_the_pipelines_function_runs_each_kernel_on_its_side_of_the_branch(epilo
         outputs = []
         for function in (both, cuda_cores if batch < TENSOR_CORES_FROM_BATCH else tensor_cores):
             out = tvm.runtime.tensor(np.zeros((batch, 1, 960), np.float16), dev)
+            function(*[tvm.runtime.tensor(a, dev) for a in inputs], out)
+            outputs.append(out.numpy())
+        np.testing.assert_array_equal(outputs[0], outputs[1], err_msg=f"batch {batch}")
+
+
+NORM_GPU_CASES = [
+    pytest.param(960, 576, "none", "float16", None, id="qkv-576"),
+    pytest.param(1536, 576, "swiglu", "bfloat16", None, id="gate-up-576-bf16"),
+    pytest.param(512, 2048, "bias", "float16", SkinnyMatmulSchedule(warps_n=2, warps_k=4, k_steps=2, stages=3,
+                                                                    row_tiles=2), id="bias-2048-rt2"),
+    pytest.param(256, 256, "swiglu", "float16", SkinnyMatmulSchedule(warps_n=1, warps_k=2, k_steps=1, stages=2,
+                                                                     row_tiles=1), id="swiglu-rt1-two-stages"),
+]
+
+
+def _norm_reference(x, g, w, bias, epilogue: str, dtype: str, eps: float) -> np.ndarray:
+    """fused_decode's ops in numpy: h = (rstd * x) * g in float32, rounded to dtype; its float32
+    products with w; rounded (+ bias in float32), or silu(gate) * up in float32, rounded once."""
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    xf = x.astype(np.float32)[:, 0]
+    rstd = 1 / np.sqrt((xf * xf).sum(-1, keepdims=True) / x.shape[-1] + np.float32(eps))
+    h = (rstd * xf * g.astype(np.float32)).astype(np_dtype).astype(np.float32)
+    total = h @ w.astype(np.float32).T
+    if epilogue == "swiglu":
+        gate, up = np.split(total, 2, axis=-1)
+        total = gate / (1 + np.exp(-gate)) * up
+    elif epilogue == "bias":
+        total = total + bias.astype(np.float32)
+    return total[:, None, :].astype(np_dtype).astype(np.float32)
+
+
+def _check_norm_on_gpu(function, n: int, k: int, epilogue: str, dtype: str, batches, eps: float = 1e-5):
+    """function (x, g, w[, bias], y) against _norm_reference, and the row past the batch left alone.
+    The kernel's float32 sums (of squares and of products) may differ from numpy's by their order."""
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    dev = tvm.cuda(0)
+    rows = 2 * n if epilogue == "swiglu" else n
+    for batch in batches:
+        rng = np.random.default_rng(batch)
+        x = (rng.standard_normal((batch, 1, k)) * 3).astype(np_dtype)
+        g = (1 + rng.standard_normal(k) * 0.2).astype(np_dtype)
+        w = (rng.standard_normal((rows, k)) * 0.1).astype(np_dtype)
+        bias = (rng.standard_normal(n) * 0.5).astype(np_dtype)
+        args = [tvm.runtime.tensor(a, dev) for a in (x, g, w)]
+        if epilogue == "bias":
+            args.append(tvm.runtime.tensor(bias, dev))
+        out = tvm.runtime.tensor(np.full((batch + 1, 1, n), 7, np_dtype), dev)
+        function(*args, out._create_view((batch, 1, n), dtype, 0))
+        got = out.numpy().astype(np.float32)
+        expected = _norm_reference(x, g, w, bias, epilogue, dtype, eps)
+        ulp = 2.0 ** (-7 if dtype == "bfloat16" else -10)
+        tolerance = 4 * ulp * (np.abs(expected) + 1)
+        bad = np.abs(got[:batch] - expected) > tolerance
+        assert not bad.any(), f"batch {batch}: {bad.sum()} of {bad.size} outside, first at {np.argwhere(bad)[0]}"
+        assert (got[batch] == 7).all(), f"batch {batch}: a row past the batch was written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, epilogue, dtype, schedule", NORM_GPU_CASES)
+def test_norm_kernel_matches_numpy_on_the_gpu(n, k, epilogue, dtype, schedule):
+    lib = tvm.compile(tvm.IRModule({"main": norm_matmul(n, k, dtype, epilogue, 1e-5, schedule)}), target=CUDA)
+    _check_norm_on_gpu(lib["main"], n, k, epilogue, dtype, (1, 2, 15, 16, 17, 33, 64, 65, 130, 256))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", ["none", "swiglu"])
+def test_the_pipelines_fused_function_runs_each_kernel_on_its_side_of_the_branch(epilogue):
+    """FusedNormTensorCoreMatmul over the fused GEMV: bit for bit the GEMV's function below batch 16
+    and norm_matmul's kernel from 16 on; both within numpy's rounding of the op."""
+    from tvm.s_tir import dlight as dl
+
+    from tvmattn.compiler.fused_schedules import CUDAFusedDecodeGEMV
+    from tvmattn.compiler.tensor_core_matmul import TENSOR_CORES_FROM_BATCH
+
+    n, k = (1536, 576) if epilogue == "swiglu" else (960, 576)
+
+    def build(*rules):
+        with CUDA:
+            func = dl.ApplyDefaultSchedule(*rules)(tvm.IRModule({"main": fused_op(epilogue, n, k)}))["main"]
+        return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=CUDA)["main"]
+
+    gemv = CUDAFusedDecodeGEMV()
+    both, below = build(FusedNormTensorCoreMatmul(below=gemv), gemv), build(gemv)
+    tensor_cores = tvm.compile(tvm.IRModule({"main": norm_matmul(n, k, "float16", epilogue)}), target=CUDA)["main"]
+    _check_norm_on_gpu(both, n, k, epilogue, "float16", (1, 3, 15, 16, 17, 64))
+    dev = tvm.cuda(0)
+    rows = 2 * n if epilogue == "swiglu" else n
+    for batch in (1, 3, 15, 16, 17, 64):
+        rng = np.random.default_rng(batch)
+        inputs = [(rng.standard_normal((batch, 1, k)) * 3).astype(np.float16),
+                  (1 + rng.standard_normal(k) * 0.2).astype(np.float16),
+                  (rng.standard_normal((rows, k)) * 0.1).astype(np.float16)]
+        outputs = []
+        for function in (both, below if batch < TENSOR_CORES_FROM_BATCH else tensor_cores):
+            out = tvm.runtime.tensor(np.zeros((batch, 1, n), np.float16), dev)
             function(*[tvm.runtime.tensor(a, dev) for a in inputs], out)
             outputs.append(out.numpy())
         np.testing.assert_array_equal(outputs[0], outputs[1], err_msg=f"batch {batch}")

@@ -35,7 +35,10 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   functions keep TVM's default (no capture regions between the cache's attention calls).
 - the fused decode ops of a decoder layer (fused_decode: RMSNorm + projection + epilogue in one
   function) get their own schedules before any other rule (fused_schedules: CUDAFusedDecodeGEMV
-  and CPUFusedDecodeGEMV); dlight's rules take only one reduction per function.
+  and CPUFusedDecodeGEMV); dlight's rules take only one reduction per function. With
+  tensor_core_matmul, those over the symbolic batch (batch_decode, decode_step) first meet
+  `tensor_core_matmul.FusedNormTensorCoreMatmul`: CUDAFusedDecodeGEMV's kernel below batch 16,
+  a tensor-core kernel that normalizes X's rows in shared memory from 16 on.
 - last, `inline_let_expressions`: the PrimFuncs that hold Let *expressions* get them substituted
   into their bodies (see its docstring: TVM's CommonSubexprElim can leave a variable used before
   its definition in such a function). In practice these are TVM's own stock-cache kernels with
@@ -59,7 +62,7 @@ from tvm.s_tir.dlight.base import ScheduleRule
 
 from .dependent_launch import chain_dependent_launches, dependent_launch_problem
 from .fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV
-from .tensor_core_matmul import SmallBatchTensorCoreMatmul
+from .tensor_core_matmul import FusedNormTensorCoreMatmul, SmallBatchTensorCoreMatmul
 
 # DecodeBatchGEMV: rows per pass over the weight (the batch is padded to a multiple), and the
 # largest weight it takes (a larger one, the LM head, is re-read from memory on every pass: it
@@ -337,7 +340,9 @@ def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True,
 
         # placed before the CUDA legalize passes' own dlight rules (which skip what is scheduled)
         small = small_batch_rules(tensor_core_matmul) if small_batch_matmul else []
-        decode_gemv = dl.ApplyDefaultSchedule(CUDAFusedDecodeGEMV(), *small)
+        fused_gemv = CUDAFusedDecodeGEMV()
+        fused = [FusedNormTensorCoreMatmul(below=fused_gemv)] if tensor_core_matmul and small_batch_matmul else []
+        decode_gemv = dl.ApplyDefaultSchedule(*fused, fused_gemv, *small)
         schedule = []
     else:
         from tvm.relax.backend.cpu_generic import pipeline as backend

@@ -38,15 +38,19 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.script import tirx as T
 
-from tir_kernels.mma import CHUNK, CP_ASYNC, LDSM, MIN_ARCH as MMA_MIN_ARCH, ROWS_PER_MMA, Tile, mma_name
+from tir_kernels.mma import CHUNK, CP_ASYNC, FULL_WARP, LDSM, MIN_ARCH as MMA_MIN_ARCH, ROWS_PER_MMA, Tile, mma_name
 from tir_kernels.support import TENSOR_CORE_DTYPES, TargetName, sm_of
 
-EPILOGUES = ("none", "add", "cast")
+EPILOGUES = ("none", "add", "cast")  # of a plain projection
+NORM_EPILOGUES = ("none", "bias", "swiglu")  # after the RMSNorm (fused_decode's ops)
 DTYPES = TENSOR_CORE_DTYPES  # the operands' dtype (Y's in epilogues "none" and "add")
 ROWS_PER_TILE = ROWS_PER_MMA  # the M of m16n8k16
 MAX_TILES = 4  # 16-row MMA tiles per row chunk: 64 rows a block
 MIN_ARCH = MMA_MIN_ARCH  # cp.async, ldmatrix and bf16 mma.sync
-SMEM_LIMIT = 96 << 10  # bytes of dynamic shared memory the schedules stay under
+SMEM_LIMIT = 96 << 10  # bytes of dynamic shared memory the plain projections' schedules stay under
+# what a block may take on an arch (the normalized kernels keep X's rows whole): sm_80 163 KiB,
+# sm_90 227 KiB; the others (sm_86, sm_89, sm_120) 99 KiB
+ARCH_SMEM_LIMIT = {80: 160 << 10, 87: 160 << 10, 90: 224 << 10}
 # Batches from which a replacement with a rule `below` (the CUDA-core kernel) runs on tensor
 # cores: in a sweep of SmolLM2's projections on an H100 (docs/performance.md) the CUDA-core kernel
 # was faster at every projection at batch 8 and the tensor-core kernel as fast or faster at 16.
@@ -58,12 +62,13 @@ TARGET_BLOCKS = 132  # about one block per SM of an H100 / H200: fewer column bl
 class SkinnyMatmulSchedule:
     """How the kernel is laid out (never what it computes): warps_n column groups of 16 columns
     and warps_k slices of K per block, k_steps 16-wide K steps per warp and stage, `stages`
-    tiles in the cp.async ring."""
+    tiles in the cp.async ring, row_tiles 16-row MMA tiles per row chunk (a block's rows)."""
 
     warps_n: int = 1
     warps_k: int = 4
     k_steps: int = 1
     stages: int = 4
+    row_tiles: int = MAX_TILES
 
     def __post_init__(self):
         for name in ("warps_n", "warps_k", "k_steps"):
@@ -74,6 +79,8 @@ class SkinnyMatmulSchedule:
             raise ValueError(f"stages={self.stages!r}: expected an int from 2 to 8")
         if self.warps_n * self.warps_k > 16:
             raise ValueError(f"warps_n * warps_k = {self.warps_n * self.warps_k}: at most 16 warps (512 threads)")
+        if self.row_tiles not in (1, 2, 4):
+            raise ValueError(f"row_tiles={self.row_tiles!r}: expected 1, 2 or 4")
 
     @property
     def block_n(self) -> int:
@@ -83,21 +90,31 @@ class SkinnyMatmulSchedule:
     def block_k(self) -> int:
         return ROWS_PER_TILE * self.warps_k * self.k_steps
 
-    def smem_bytes(self) -> int:
-        """Dynamic shared memory: the ring, or the warps' sums at the end (the larger)."""
-        ring = self.stages * (MAX_TILES * ROWS_PER_TILE + self.block_n) * Tile(self.block_k).stride * 2
-        sums = self.warps_k * MAX_TILES * ROWS_PER_TILE * (self.block_n + 4) * 4
-        return max(ring, sums)
+    @property
+    def block_m(self) -> int:
+        return ROWS_PER_TILE * self.row_tiles
 
-    def check(self, n: int, k: int) -> None:
-        """ValueError unless the schedule tiles an N x K weight."""
+    def smem_bytes(self, halves: int = 1, resident_k: int = 0) -> int:
+        """Dynamic shared memory: the ring (with, for a normalized X, the chunk's whole rows of
+        resident_k columns beside it), or the warps' sums at the end (the larger); halves: 2
+        where each output column takes two weight rows (SwiGLU's gate and up)."""
+        stage_rows = (0 if resident_k else self.block_m) + halves * self.block_n
+        ring = self.stages * stage_rows * Tile(self.block_k).stride * 2
+        resident = self.block_m * Tile(resident_k).stride * 2 if resident_k else 0
+        sums = self.warps_k * self.block_m * (halves * self.block_n + 4) * 4
+        return max(ring + resident, sums)
+
+    def check(self, n: int, k: int, halves: int = 1, resident: bool = False, smem_limit: int = SMEM_LIMIT) -> None:
+        """ValueError unless the schedule tiles an N x K weight (N output columns; halves * N
+        weight rows) within smem_limit bytes of shared memory (resident: X's rows kept whole)."""
         if n % self.block_n:
             raise ValueError(f"N={n} is not a multiple of the block's {self.block_n} columns (warps_n={self.warps_n})")
         if k % self.block_k:
             raise ValueError(f"K={k} is not a multiple of a stage's {self.block_k} columns "
                              f"(warps_k={self.warps_k}, k_steps={self.k_steps})")
-        if self.smem_bytes() > SMEM_LIMIT:
-            raise ValueError(f"{self.smem_bytes()} bytes of shared memory: over {SMEM_LIMIT}")
+        used = self.smem_bytes(halves, k if resident else 0)
+        if used > smem_limit:
+            raise ValueError(f"{used} bytes of shared memory: over {smem_limit}")
 
 
 def choose_skinny_schedule(n: int, k: int) -> SkinnyMatmulSchedule | None:
@@ -124,6 +141,29 @@ def choose_skinny_schedule(n: int, k: int) -> SkinnyMatmulSchedule | None:
     return schedule
 
 
+def smem_limit_of(sm: int) -> int:
+    """Bytes of dynamic shared memory a block may take on sm_<sm> (ARCH_SMEM_LIMIT, else 96 KiB)."""
+    return ARCH_SMEM_LIMIT.get(sm, SMEM_LIMIT)
+
+
+def choose_norm_schedule(n: int, k: int, halves: int = 1, sm: int = 90) -> SkinnyMatmulSchedule | None:
+    """The schedule of norm_matmul for N output columns (halves * N weight rows) and K = the
+    norm's width on sm_<sm>, or None where none serves: choose_skinny_schedule's columns and K
+    steps, with the most row tiles (64, 32 or 16 rows a block) whose whole rows of X leave room
+    for a ring of at least 3 stages (2 if none does) within the arch's shared memory."""
+    base = choose_skinny_schedule(n, k)
+    if base is None:
+        return None
+    limit = smem_limit_of(sm)
+    for fewest in (3, 2):
+        for row_tiles in (MAX_TILES, 2, 1):
+            for stages in range(base.stages, fewest - 1, -1):
+                schedule = dataclasses.replace(base, stages=stages, row_tiles=row_tiles)
+                if schedule.smem_bytes(halves, k) <= limit:
+                    return schedule
+    return None
+
+
 def skinny_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none",
                   schedule: SkinnyMatmulSchedule | None = None) -> tirx.PrimFunc:
     """The PrimFunc (X [batch_size, 1, K], W [N, K][, R [batch_size, 1, N]], Y [batch_size, 1, N])
@@ -137,100 +177,242 @@ def skinny_matmul_body(n: int, k: int, dtype: str, epilogue: str, schedule: Skin
     """skinny_matmul's kernel as a statement on another function's buffers x, w, r (None unless
     epilogue "add") and y, shaped and typed as skinny_matmul's parameters (x.shape[0] the
     batch); for a function that launches it on some batches and another kernel on others."""
-    return _skinny_matmul(n, k, dtype, epilogue, schedule, (x, w, r, y))
+    return _skinny_matmul(n, k, dtype, epilogue, schedule, (x, None, w, r, y))
 
 
-def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers):
+def norm_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none", eps: float = 1e-5,
+                schedule: SkinnyMatmulSchedule | None = None) -> tirx.PrimFunc:
+    """The kernel with fused_decode's RMSNorm in front: the PrimFunc (X [batch_size, 1, K],
+    G [K], W [halves * N, K][, B [N]], Y [batch_size, 1, N]) computing, for h = rms_norm(X, G)
+    (fused_decode's: float32 sum of squares, h rounded to dtype),
+    "none": Y = h W^T; "bias": Y = h W^T + B (in float32, rounded once); "swiglu": Y =
+    silu(h W_gate^T) * (h W_up^T), W = [W_gate; W_up] (halves 2, float32, rounded once).
+    Each block keeps its chunk's rows of X whole in shared memory and normalizes them there
+    before the weight streams past (schedules: choose_norm_schedule)."""
+    return _skinny_matmul(n, k, dtype, epilogue, schedule, None, float(eps))
+
+
+def norm_matmul_body(n: int, k: int, dtype: str, epilogue: str, eps: float, schedule: SkinnyMatmulSchedule | None,
+                     x, g, w, bias, y) -> tirx.Stmt:
+    """norm_matmul's kernel as a statement on another function's buffers (bias None unless
+    epilogue "bias"), as skinny_matmul_body."""
+    return _skinny_matmul(n, k, dtype, epilogue, schedule, (x, g, w, bias, y), float(eps))
+
+
+def _norm_chunk_functions(dtype: str):
+    """Names and CUDA sources of the normalizing prologue's two chunk operations on 8 `dtype`
+    elements (16 bytes of shared memory): sumsq(p) -> their float32 sum of squares; norm(p, g,
+    rstd): p[i] <- (rstd * p[i]) * g[i] in float32, rounded to dtype (fused_decode's order), g
+    8 elements of global memory (16-byte aligned). -> (sumsq, its source, norm, its source): TVM
+    emits each source once per module, by its function's name."""
+    pair, to_f2, from_f2 = {"float16": ("__half2", "__half22float2", "__floats2half2_rn"),
+                            "bfloat16": ("__nv_bfloat162", "__bfloat1622float2", "__floats2bfloat162_rn")}[dtype]
+    sumsq, norm = f"tvmattn_sumsq8_{dtype}", f"tvmattn_norm8_{dtype}"
+    sumsq_src = f"""
+union {sumsq}_word {{ unsigned u; {pair} h; }};
+__device__ __forceinline__ float {sumsq}(const float* p) {{
+  const uint4 a = *reinterpret_cast<const uint4*>(p);
+  const unsigned x[4] = {{a.x, a.y, a.z, a.w}};
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {{
+    {sumsq}_word w;
+    w.u = x[k];
+    const float2 f = {to_f2}(w.h);
+    s += f.x * f.x;
+    s += f.y * f.y;
+  }}
+  return s;
+}}
+"""
+    norm_src = f"""
+union {norm}_word {{ unsigned u; {pair} h; }};
+__device__ __forceinline__ void {norm}(float* p, const void* g, float rstd) {{
+  const uint4 a = *reinterpret_cast<const uint4*>(p);
+  const uint4 b = __ldg(reinterpret_cast<const uint4*>(g));
+  unsigned x[4] = {{a.x, a.y, a.z, a.w}};
+  const unsigned y[4] = {{b.x, b.y, b.z, b.w}};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {{
+    {norm}_word wx, wg;
+    wx.u = x[k];
+    wg.u = y[k];
+    const float2 fx = {to_f2}(wx.h), fg = {to_f2}(wg.h);
+    wx.h = {from_f2}(rstd * fx.x * fg.x, rstd * fx.y * fg.y);
+    x[k] = wx.u;
+  }}
+  *reinterpret_cast<uint4*>(p) = make_uint4(x[0], x[1], x[2], x[3]);
+}}
+"""
+    return sumsq, sumsq_src, norm, norm_src
+
+
+def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {tuple(DTYPES)}")
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"epilogue={epilogue!r}: expected one of {EPILOGUES}")
-    sched = schedule or choose_skinny_schedule(n, k)
+    NORM = norm_eps is not None
+    allowed = NORM_EPILOGUES if NORM else EPILOGUES
+    if epilogue not in allowed:
+        raise ValueError(f"epilogue={epilogue!r}: expected one of {allowed}")
+    H = 2 if epilogue == "swiglu" else 1  # weight rows per output column
+    if schedule is not None:
+        sched = schedule
+    else:
+        sched = choose_norm_schedule(n, k, H) if NORM else choose_skinny_schedule(n, k)
     if sched is None:
-        raise ValueError(f"N={n}, K={k}: expected multiples of {ROWS_PER_TILE}")
-    sched.check(n, k)
-    WN, WK, KS, STAGES = sched.warps_n, sched.warps_k, sched.k_steps, sched.stages
-    BN, BK, BM = sched.block_n, sched.block_k, MAX_TILES * ROWS_PER_TILE
+        raise ValueError(f"N={n}, K={k}: expected multiples of {ROWS_PER_TILE}"
+                         + (" and X's rows within the arch's shared memory" if NORM else ""))
+    sched.check(n, k, H, NORM, max(ARCH_SMEM_LIMIT.values()) if NORM else SMEM_LIMIT)
+    WN, WK, KS, STAGES, RT = sched.warps_n, sched.warps_k, sched.k_steps, sched.stages, sched.row_tiles
+    BN, BK, BM = sched.block_n, sched.block_k, sched.block_m
     NT = 32 * WN * WK
+    NWARPS = WN * WK
     KT = k // BK  # stage tiles along K
     TL = Tile(BK)
-    X_WORDS = BM * TL.stride // 2  # a stage's X rows, in 32-bit words
-    STAGE_WORDS = (BM + BN) * TL.stride // 2
-    SUM_STRIDE = BN + 4  # floats per row of the warps' sums (padded against bank conflicts)
+    TX = Tile(k)  # NORM: the chunk's whole rows of X, resident beside the ring
+    X_WORDS = 0 if NORM else BM * TL.stride // 2  # a stage's X rows, in 32-bit words
+    STAGE_WORDS = X_WORDS + H * BN * TL.stride // 2
+    X_OFF = STAGES * STAGE_WORDS  # NORM: where the resident rows start, in words
+    SUM_STRIDE = H * BN + 4  # floats per row of the warps' sums (padded against bank conflicts)
     SUM_WORDS = BM * SUM_STRIDE
-    SMEM_WORDS = sched.smem_bytes() // 4
+    SMEM_WORDS = sched.smem_bytes(H, k if NORM else 0) // 4
     X_COPIES = (BM * TL.chunks + NT - 1) // NT  # copy rounds of X per thread (rows past the batch skip)
-    W_COPIES = (BN * TL.chunks + NT - 1) // NT
+    W_COPIES = (H * BN * TL.chunks + NT - 1) // NT
+    XR_COPIES = (BM * TX.chunks + NT - 1) // NT  # NORM: copy rounds of the resident rows
+    ROW_ROUNDS = (TX.chunks + 31) // 32  # NORM: chunks of a row per lane
+    ROWS_PER_WARP = (BM + NWARPS - 1) // NWARPS
+    ROW_GROUP = min(4, ROWS_PER_WARP)  # NORM: rows a warp normalizes side by side
     OUT_ROUNDS = (BM * BN + NT - 1) // NT
+    MT8 = RT * 8  # accumulators of one weight half
     MMA = mma_name(dtype)
     out_dtype = "float32" if epilogue == "cast" else dtype
     f32 = "float32"
-    N64, K64 = T.int64(n), T.int64(k)
+    N64, K64, NW64 = T.int64(n), T.int64(k), T.int64(H * n)
+    SUMSQ, SUMSQ_SRC, NORM8, NORM8_SRC = _norm_chunk_functions(dtype)
+    INV_K = 1.0 / k
 
     def word(elem):
         return elem // 2
 
+    def w_row(r, n0):
+        """The weight row of the block's stage row r (SwiGLU: gate rows, then up rows)."""
+        return n0 + r if H == 1 else r // BN * n + n0 + r % BN
+
     @T.macro
     def issue(x_, w_, smem_, rows_, m0_, n0_, kt_, tid_):
-        """Stage tile kt_ (K columns kt_ * BK ..) of the chunk's X rows and the block's W rows ->
-        ring stage kt_ % STAGES (cp.async; X rows from the chunk's 16-row tiles in use only)."""
+        """Stage tile kt_ (K columns kt_ * BK ..) of the block's W rows (and, unless NORM, of the
+        chunk's X rows, from its 16-row tiles in use only) -> ring stage kt_ % STAGES (cp.async)."""
         base = T.meta_var(kt_ % STAGES * STAGE_WORDS)
-        for it in T.unroll(X_COPIES):
-            c = T.meta_var(it * NT + tid_)
-            r = T.meta_var(c // TL.chunks)
-            ch = T.meta_var(c % TL.chunks)
-            if (BM * TL.chunks % NT == 0 or c < BM * TL.chunks) and r < (rows_ + 15) // 16 * 16:
-                T.ptx[CP_ASYNC](smem_.ptr_to([base + word(TL.offset(r, ch))]),
-                                T.address_of(x_[T.min(m0_ + T.Cast("int64", r), x_.shape[0] - 1), 0,
-                                                kt_ * BK + ch * CHUNK]), 16)
+        if not NORM:
+            for it in T.unroll(X_COPIES):
+                c = T.meta_var(it * NT + tid_)
+                r = T.meta_var(c // TL.chunks)
+                ch = T.meta_var(c % TL.chunks)
+                if (BM * TL.chunks % NT == 0 or c < BM * TL.chunks) and r < (rows_ + 15) // 16 * 16:
+                    T.ptx[CP_ASYNC](smem_.ptr_to([base + word(TL.offset(r, ch))]),
+                                    T.address_of(x_[T.min(m0_ + T.Cast("int64", r), x_.shape[0] - 1), 0,
+                                                    kt_ * BK + ch * CHUNK]), 16)
         for it in T.unroll(W_COPIES):
             c = T.meta_var(it * NT + tid_)
             r = T.meta_var(c // TL.chunks)
             ch = T.meta_var(c % TL.chunks)
-            if BN * TL.chunks % NT == 0 or c < BN * TL.chunks:
+            if H * BN * TL.chunks % NT == 0 or c < H * BN * TL.chunks:
                 T.ptx[CP_ASYNC](smem_.ptr_to([base + X_WORDS + word(TL.offset(r, ch))]),
-                                T.address_of(w_[n0_ + r, kt_ * BK + ch * CHUNK]), 16)
+                                T.address_of(w_[w_row(r, n0_), kt_ * BK + ch * CHUNK]), 16)
+
+    @T.macro
+    def fetch_rows(x_, smem_, rows_, m0_, tid_):
+        """NORM: the chunk's rows of X in use, whole -> the resident tile (cp.async; rows past
+        the batch copy its last row)."""
+        for it in T.serial(XR_COPIES):
+            c = it * NT + tid_
+            r = c // TX.chunks
+            ch = c % TX.chunks
+            if r < (rows_ + 15) // 16 * 16:
+                T.ptx[CP_ASYNC](smem_.ptr_to([X_OFF + word(TX.offset(r, ch))]),
+                                T.address_of(x_[T.min(m0_ + T.Cast("int64", r), x_.shape[0] - 1), 0, ch * CHUNK]), 16)
+
+    @T.macro
+    def normalize_rows(g_, smem_, part_, rows_, warp_, lane_):
+        """NORM: each resident row r <- rms_norm(row, g_) in place: warp w takes rows w, w +
+        warps, ..., ROW_GROUP at a time; a row's lanes sum the squares of their chunks, a
+        shuffle reduction adds them, then they scale their chunks."""
+        for grp in T.serial((ROWS_PER_WARP + ROW_GROUP - 1) // ROW_GROUP):
+            for i in T.unroll(ROW_GROUP):
+                part_[i] = T.float32(0)
+                r = T.meta_var((grp * ROW_GROUP + i) * NWARPS + warp_)
+                if r < (rows_ + 15) // 16 * 16:
+                    for j in T.unroll(ROW_ROUNDS):
+                        if TX.chunks % 32 == 0 or j * 32 + lane_ < TX.chunks:
+                            part_[i] = part_[i] + T.cuda.func_call(
+                                SUMSQ, smem_.ptr_to([X_OFF + word(TX.offset(r, j * 32 + lane_))]),
+                                source_code=SUMSQ_SRC, return_type=f32)
+            for i in T.unroll(ROW_GROUP):
+                for s in T.unroll(5):
+                    part_[i] = part_[i] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), part_[i], 1 << s, 32, 32)
+            for i in T.unroll(ROW_GROUP):
+                r = T.meta_var((grp * ROW_GROUP + i) * NWARPS + warp_)
+                if r < (rows_ + 15) // 16 * 16:
+                    part_[i] = T.rsqrt(part_[i] * T.float32(INV_K) + T.float32(norm_eps if NORM else 0.0))
+                    for j in T.unroll(ROW_ROUNDS):
+                        if TX.chunks % 32 == 0 or j * 32 + lane_ < TX.chunks:
+                            T.evaluate(T.cuda.func_call(
+                                NORM8, smem_.ptr_to([X_OFF + word(TX.offset(r, j * 32 + lane_))]),
+                                T.address_of(g_[(j * 32 + lane_) * CHUNK]), part_[i], source_code=NORM8_SRC))
 
     @T.macro
     def compute(smem_, acc_, af_, bf_, tiles_, kt_, wn_, wk_, lane_):
-        """acc_ += the warp's k_steps slices of stage tile kt_: its 16 columns of W against the
-        chunk's 16-row tiles in use."""
+        """acc_ += the warp's k_steps slices of stage tile kt_: its 16 columns (of each weight
+        half) against the chunk's 16-row tiles in use."""
         base = T.meta_var(kt_ % STAGES * STAGE_WORDS)
         for ks in T.unroll(KS):
             kk = T.meta_var(wk_ * KS + ks)  # the 16-wide slice of the stage tile
-            T.ptx[LDSM](bf_[0], bf_[1], bf_[2], bf_[3], smem_.ptr_to([base + X_WORDS + word(TL.offset(
-                wn_ * 16 + lane_ % 8 + lane_ // 16 * 8, kk * 2 + lane_ // 8 % 2))]))
-            for mt in T.unroll(MAX_TILES):
+            for part in T.unroll(H):
+                T.ptx[LDSM](bf_[part * 4], bf_[part * 4 + 1], bf_[part * 4 + 2], bf_[part * 4 + 3],
+                            smem_.ptr_to([base + X_WORDS + word(TL.offset(
+                                part * BN + wn_ * 16 + lane_ % 8 + lane_ // 16 * 8, kk * 2 + lane_ // 8 % 2))]))
+            for mt in T.unroll(RT):
                 if mt < tiles_:
-                    T.ptx[LDSM](af_[0], af_[1], af_[2], af_[3], smem_.ptr_to([base + word(TL.offset(
-                        mt * 16 + lane_ % 16, kk * 2 + lane_ // 16))]))
-                    for h in T.unroll(2):
-                        a = T.meta_var(mt * 8 + h * 4)
-                        T.ptx[MMA](acc_[a], acc_[a + 1], acc_[a + 2], acc_[a + 3], af_[0], af_[1], af_[2], af_[3],
-                                   bf_[h * 2], bf_[h * 2 + 1], acc_[a], acc_[a + 1], acc_[a + 2], acc_[a + 3])
+                    if NORM:
+                        T.ptx[LDSM](af_[0], af_[1], af_[2], af_[3], smem_.ptr_to([X_OFF + word(TX.offset(
+                            mt * 16 + lane_ % 16, kt_ * (BK // CHUNK) + kk * 2 + lane_ // 16))]))
+                    else:
+                        T.ptx[LDSM](af_[0], af_[1], af_[2], af_[3], smem_.ptr_to([base + word(TL.offset(
+                            mt * 16 + lane_ % 16, kk * 2 + lane_ // 16))]))
+                    for part in T.unroll(H):
+                        for h in T.unroll(2):
+                            a = T.meta_var(part * MT8 + mt * 8 + h * 4)
+                            T.ptx[MMA](acc_[a], acc_[a + 1], acc_[a + 2], acc_[a + 3], af_[0], af_[1], af_[2], af_[3],
+                                       bf_[part * 4 + h * 2], bf_[part * 4 + h * 2 + 1],
+                                       acc_[a], acc_[a + 1], acc_[a + 2], acc_[a + 3])
 
     @T.macro
     def store(y_, r_, sums_, total_, rows_, m0_, n0_, tid_):
-        """Y of the chunk's rows: the warps' sums added, rounded, the epilogue applied."""
+        """Y of the chunk's rows: the warps' sums added, then the epilogue (rounded once)."""
         for it in T.unroll(OUT_ROUNDS):
             e = T.meta_var(it * NT + tid_)
             row = T.meta_var(e // BN)
             col = T.meta_var(e % BN)
             if (BM * BN % NT == 0 or e < BM * BN) and row < rows_:
-                total_[0] = T.float32(0)
-                for w in T.unroll(WK):
-                    total_[0] = total_[0] + sums_[w * SUM_WORDS + row * SUM_STRIDE + col]
+                for part in T.unroll(H):
+                    total_[part] = T.float32(0)
+                    for w in T.unroll(WK):
+                        total_[part] = total_[part] + sums_[w * SUM_WORDS + row * SUM_STRIDE + part * BN + col]
                 rounded = T.meta_var(T.Cast(dtype, total_[0]))
                 b = T.meta_var(m0_ + T.Cast("int64", row))
                 if epilogue == "add":
                     y_[b, 0, n0_ + col] = r_[b, 0, n0_ + col] + rounded
                 elif epilogue == "cast":
                     y_[b, 0, n0_ + col] = T.Cast(f32, rounded)
+                elif epilogue == "bias":
+                    y_[b, 0, n0_ + col] = T.Cast(dtype, total_[0] + T.Cast(f32, r_[n0_ + col]))
+                elif epilogue == "swiglu":
+                    y_[b, 0, n0_ + col] = T.Cast(dtype, total_[0] * T.sigmoid(total_[0]) * total_[1])
                 else:
                     y_[b, 0, n0_ + col] = rounded
 
     @T.macro
-    def body(x_, w_, r_, y_):
+    def body(x_, g_, w_, r_, y_):
         batch = x_.shape[0]
         for chunk in T.thread_binding((batch + BM - 1) // BM, thread="blockIdx.x"):
             for col_block in T.thread_binding(n // BN, thread="blockIdx.y"):
@@ -238,10 +420,11 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers):
                     # (its own name: a library's kernels share one CUDA source, where each dynamic
                     # shared buffer is an `extern __shared__` array named after it, typed as it is)
                     matmul_smem = T.alloc_buffer((SMEM_WORDS,), f32, scope="shared.dyn")
-                    acc = T.alloc_buffer((MAX_TILES * 8,), f32, scope="local")
+                    acc = T.alloc_buffer((H * MT8,), f32, scope="local")
                     af = T.alloc_buffer((4,), "uint32", scope="local")
-                    bf = T.alloc_buffer((4,), "uint32", scope="local")
-                    total = T.alloc_buffer((1,), f32, scope="local")
+                    bf = T.alloc_buffer((H * 4,), "uint32", scope="local")
+                    total = T.alloc_buffer((H,), f32, scope="local")
+                    part = T.alloc_buffer((ROW_GROUP,), f32, scope="local")
                     warp = tid // 32
                     lane = tid % 32
                     wn = warp % WN
@@ -250,12 +433,19 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers):
                     n0 = col_block * BN
                     rows = T.Cast("int32", T.min(batch - m0, BM))  # rows of the chunk in the batch
                     tiles = (rows + 15) // 16
-                    for i in T.unroll(MAX_TILES * 8):
+                    for i in T.unroll(H * MT8):
                         acc[i] = T.float32(0)
+                    if NORM:
+                        fetch_rows(x_, matmul_smem, rows, m0, tid)
+                        T.ptx["cp.async.commit_group"]()
                     for s in T.unroll(STAGES - 1):
                         if s < KT:
                             issue(x_, w_, matmul_smem, rows, m0, n0, s, tid)
                         T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
+                    if NORM:  # the rows landed (the first group); normalized while the weight streams in
+                        T.ptx["cp.async.wait_group"](STAGES - 1)
+                        T.tvm_storage_sync("shared")
+                        normalize_rows(g_, matmul_smem, part, rows, warp, lane)
                     for kt in T.serial(KT):
                         T.ptx["cp.async.wait_group"](STAGES - 2)  # this thread's copies of tile kt have landed
                         T.tvm_storage_sync("shared")  # ... everyone's; no warp reads tile kt - 1 any more
@@ -265,26 +455,45 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers):
                         compute(matmul_smem, acc, af, bf, tiles, kt, wn, wk, lane)
                     T.ptx["cp.async.wait_group"](0)
                     T.tvm_storage_sync("shared")  # the ring is free: it holds the warps' sums now
-                    for mt in T.unroll(MAX_TILES):
+                    for mt in T.unroll(RT):
                         if mt < tiles:
-                            for h in T.unroll(2):
-                                for half in T.unroll(2):
-                                    for e in T.unroll(2):
-                                        matmul_smem[wk * SUM_WORDS + (mt * 16 + lane // 4 + half * 8) * SUM_STRIDE
-                                             + wn * 16 + h * 8 + lane % 4 * 2 + e] = acc[mt * 8 + h * 4 + half * 2 + e]
+                            for pt in T.unroll(H):
+                                for h in T.unroll(2):
+                                    for half in T.unroll(2):
+                                        for e in T.unroll(2):
+                                            matmul_smem[wk * SUM_WORDS + (mt * 16 + lane // 4 + half * 8) * SUM_STRIDE
+                                                        + pt * BN + wn * 16 + h * 8 + lane % 4 * 2 + e] = acc[
+                                                pt * MT8 + mt * 8 + h * 4 + half * 2 + e]
                     T.tvm_storage_sync("shared")
                     store(y_, r_, matmul_smem, total, rows, m0, n0, tid)
 
     if buffers is not None:
-        x_b, w_b, r_b, y_b = buffers
+        x_b, g_b, w_b, r_b, y_b = buffers
 
         # (the caller's buffers are free here: the statement is checked where it lands)
         @T.prim_func(check_well_formed=False)
         def holder():
-            body(x_b, w_b, r_b, y_b)
+            body(x_b, g_b, w_b, r_b, y_b)
 
         return holder.body
-    if epilogue == "add":
+    if NORM and epilogue == "bias":
+        @T.prim_func
+        def func(x_h: T.handle, g: T.Buffer((K64,), dtype), w: T.Buffer((NW64, K64), dtype),
+                 bias: T.Buffer((N64,), dtype), y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            batch_size = T.int64()
+            x = T.match_buffer(x_h, (batch_size, T.int64(1), K64), dtype)
+            y = T.match_buffer(y_h, (batch_size, T.int64(1), N64), dtype)
+            body(x, g, w, bias, y)
+    elif NORM:
+        @T.prim_func
+        def func(x_h: T.handle, g: T.Buffer((K64,), dtype), w: T.Buffer((NW64, K64), dtype), y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            batch_size = T.int64()
+            x = T.match_buffer(x_h, (batch_size, T.int64(1), K64), dtype)
+            y = T.match_buffer(y_h, (batch_size, T.int64(1), N64), dtype)
+            body(x, g, w, None, y)
+    elif epilogue == "add":
         @T.prim_func
         def func(x_h: T.handle, w: T.Buffer((N64, K64), dtype), r_h: T.handle, y_h: T.handle):
             T.func_attr({"tirx.noalias": True})
@@ -292,7 +501,7 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers):
             x = T.match_buffer(x_h, (batch_size, T.int64(1), K64), dtype)
             r = T.match_buffer(r_h, (batch_size, T.int64(1), N64), dtype)
             y = T.match_buffer(y_h, (batch_size, T.int64(1), N64), out_dtype)
-            body(x, w, r, y)
+            body(x, None, w, r, y)
     else:
         @T.prim_func
         def func(x_h: T.handle, w: T.Buffer((N64, K64), dtype), y_h: T.handle):
@@ -300,7 +509,7 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers):
             batch_size = T.int64()
             x = T.match_buffer(x_h, (batch_size, T.int64(1), K64), dtype)
             y = T.match_buffer(y_h, (batch_size, T.int64(1), N64), out_dtype)
-            body(x, w, None, y)
+            body(x, None, w, None, y)
     return func
 
 
@@ -394,22 +603,140 @@ class SmallBatchTensorCoreMatmul(ScheduleRule):
         if not tvm_ffi.structural_equal([func.params, func.body], [definition.params, definition.body],
                                         map_free_vars=True):
             return None
-        low = self._below(func, target, tunable)
+        low = _scheduled_by(self.below, self.from_batch, func, target, tunable)
         if low is not None:
             x, w, *rest, y = low.params
             tensor_cores = skinny_matmul_body(n, k, dtype, epilogue, schedule, x, w, rest[0] if rest else None, y)
-            small = x.shape[0] < tirx.const(self.from_batch, "int64")  # (batch_size is an int64)
-            return s_tir.Schedule(low.with_body(tirx.IfThenElse(small, low.body, tensor_cores)))
+            return s_tir.Schedule(low.with_body(_branch_on_batch(x.shape[0], self.from_batch, low.body, tensor_cores)))
         kernel = skinny_matmul(n, k, dtype, epilogue, schedule)
         for key, value in (func.attrs or {}).items():
             kernel = kernel.with_attr(key, value)
         return s_tir.Schedule(kernel)
 
-    def _below(self, func, target, tunable) -> tirx.PrimFunc | None:
-        """`below`'s scheduled function, None where there is none (no rule, from_batch 1, declined)."""
-        if self.below is None or self.from_batch == 1:
+@functools.lru_cache(maxsize=256)
+def norm_matmul_definition(n: int, k: int, dtype: str, epilogue: str, eps: float) -> tirx.PrimFunc:
+    """The unscheduled PrimFunc that `norm_matmul(n, k, dtype, epilogue, eps)` replaces: the
+    fused decode op (compiler.fused_decode) as a model library's export writes it, over x
+    [batch_size, 1, k]; what `FusedNormTensorCoreMatmul` compares a function with."""
+    from tvm import relax
+    from tvm.script import relax as R
+
+    from .fused_decode import rms_norm_matmul, rms_norm_matmul_swiglu
+
+    rows = 2 * n if epilogue == "swiglu" else n
+    x = relax.Var("x", R.Tensor((tirx.Var("batch_size", "int64"), 1, k), dtype))
+    g = relax.Var("g", R.Tensor((k,), dtype))
+    w = relax.Var("w", R.Tensor((rows, k), dtype))
+    bias = relax.Var("bias", R.Tensor((n,), dtype))
+    args = [x, g, w] + ([bias] if epilogue == "bias" else [])
+    builder = relax.BlockBuilder()
+    with builder.function("main", args):
+        with builder.dataflow():  # (as nn's tensor_expr_op emits it)
+            if epilogue == "swiglu":
+                y = builder.emit_te(rms_norm_matmul_swiglu, x, g, w, eps=eps)
+            else:
+                y = builder.emit_te(rms_norm_matmul, *args, eps=eps)
+            out = builder.emit_output(y)
+        builder.emit_func_output(out)
+    (func,) = [f for f in builder.get().functions.values() if isinstance(f, tirx.PrimFunc)]
+    return func
+
+
+def _norm_eps(func: tirx.PrimFunc) -> float | None:
+    """The epsilon of a fused decode op's RMSNorm (its `rms_rstd` block: rsqrt(sumsq * (1 / K) +
+    eps)), None where func has no such block."""
+    from .fused_decode import BLOCKS
+
+    try:
+        sch = s_tir.Schedule(func)
+        for name in BLOCKS:
+            sch.get_sblock(name)
+        return float(sch.get(sch.get_sblock("rms_rstd")).body.value.args[0].b.value)
+    except (RuntimeError, ValueError, AttributeError, IndexError):  # (ScheduleErrors are RuntimeErrors)
+        return None
+
+
+def _has_up_half(func: tirx.PrimFunc) -> bool:
+    from .fused_decode import UP_BLOCK
+
+    try:
+        s_tir.Schedule(func).get_sblock(UP_BLOCK)
+        return True
+    except (RuntimeError, ValueError):
+        return False
+
+
+class FusedNormTensorCoreMatmul(ScheduleRule):
+    """Replaces a fused decode op over the symbolic batch_size (compiler.fused_decode:
+    rms_norm_matmul with or without a bias, rms_norm_matmul_swiglu; compared structurally with
+    `norm_matmul_definition`) with `norm_matmul`'s kernel, for CUDA sm_80 and newer, where a
+    schedule fits the arch's shared memory. Anything else (a static batch: `decode`'s): None.
+
+    below: the rule of batches under `from_batch` (CUDAFusedDecodeGEMV in a library's
+    pipeline), as SmallBatchTensorCoreMatmul's: one function, two kernels, the branch on the host.
+    schedule_for(N, K, halves, sm): the kernel's schedule (default: choose_norm_schedule)."""
+
+    def __init__(self, below: ScheduleRule | None = None, from_batch: int = TENSOR_CORES_FROM_BATCH,
+                 schedule_for=None):
+        if not isinstance(from_batch, int) or from_batch < 1:
+            raise ValueError(f"from_batch={from_batch!r}: expected an int of at least 1")
+        self.below = below
+        self.from_batch = from_batch
+        self.schedule_for = schedule_for or choose_norm_schedule
+
+    def apply(self, func, target, tunable):
+        if not isinstance(func, tirx.PrimFunc) or sm_of(target) < MIN_ARCH or len(func.params) not in (4, 5):
             return None
-        scheduled = self.below.apply(func, target, tunable)
-        if isinstance(scheduled, list):
-            scheduled = scheduled[0] if scheduled else None
-        return None if scheduled is None else scheduled.mod["main"]
+        x, g, w = func.params[:3]
+        if (len(getattr(x, "shape", ())) != 3 or isinstance(x.shape[0], tirx.IntImm)
+                or len(getattr(w, "shape", ())) != 2 or str(getattr(w, "dtype", "")) not in DTYPES
+                or not all(isinstance(d, tirx.IntImm) for d in w.shape)):
+            return None
+        eps = _norm_eps(func)
+        if eps is None:
+            return None
+        rows, k = (int(d) for d in w.shape)
+        dtype = str(w.dtype)
+        swiglu = _has_up_half(func)
+        epilogue = "swiglu" if swiglu else "bias" if len(func.params) == 5 else "none"
+        n = rows // 2 if swiglu else rows
+        halves = 2 if swiglu else 1
+        schedule = self.schedule_for(n, k, halves, sm_of(target))
+        if schedule is None:
+            return None
+        try:
+            schedule.check(n, k, halves, True, smem_limit_of(sm_of(target)))
+        except ValueError:
+            return None
+        definition = norm_matmul_definition(n, k, dtype, epilogue, eps)
+        if not tvm_ffi.structural_equal([func.params, func.body], [definition.params, definition.body],
+                                        map_free_vars=True):
+            return None
+        low = _scheduled_by(self.below, self.from_batch, func, target, tunable)
+        if low is not None:
+            x, g, w, *rest, y = low.params
+            tensor_cores = norm_matmul_body(n, k, dtype, epilogue, eps, schedule, x, g, w,
+                                            rest[0] if rest else None, y)
+            return s_tir.Schedule(low.with_body(_branch_on_batch(x.shape[0], self.from_batch, low.body, tensor_cores)))
+        kernel = norm_matmul(n, k, dtype, epilogue, eps, schedule)
+        for key, value in (func.attrs or {}).items():
+            kernel = kernel.with_attr(key, value)
+        return s_tir.Schedule(kernel)
+
+
+def _branch_on_batch(batch, from_batch: int, below: tirx.Stmt, tensor_cores: tirx.Stmt) -> tirx.Stmt:
+    """`if batch < from_batch: below else tensor_cores`, the condition marked thread-invariant
+    (tvm_thread_invariant): TVM's ThreadSync refuses to insert a barrier under any other
+    condition, and the kernel below (a dlight-style schedule) may need one."""
+    small = tirx.call_intrin("bool", "tirx.tvm_thread_invariant", batch < tirx.const(from_batch, "int64"))
+    return tirx.IfThenElse(small, below, tensor_cores)
+
+
+def _scheduled_by(rule, from_batch, func, target, tunable) -> tirx.PrimFunc | None:
+    """`rule`'s scheduled func, None where there is none (no rule, from_batch 1, declined)."""
+    if rule is None or from_batch == 1:
+        return None
+    scheduled = rule.apply(func, target, tunable)
+    if isinstance(scheduled, list):
+        scheduled = scheduled[0] if scheduled else None
+    return None if scheduled is None else scheduled.mod["main"]

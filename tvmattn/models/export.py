@@ -42,10 +42,11 @@ from tvm import relax
 from tir_kernels import tvm_target
 from tir_kernels.build import PIPELINE
 from tir_kernels.sampling import SamplingConfig, apply_penalties, feed_tokens, sample_tokens
-from tir_kernels.support import FP8_KV_DTYPES, TargetName, dtype_problem, is_fp8, numpy_dtype, page_size_problem
+from tir_kernels.support import (FP8_KV_DTYPES, TargetName, dtype_problem, is_fp8, numpy_dtype, page_size_problem,
+                                 sm_of)
 
 from ..compiler.dependent_launch import dependent_launch_problem
-from ..compiler.tensor_core_matmul import tensor_core_matmul_problem
+from ..compiler.tensor_core_matmul import DTYPES as TENSOR_CORE_DTYPES, choose_norm_schedule, tensor_core_matmul_problem
 from ..compiler.fused_decode import fused_decode
 from ..compiler.pipeline import relax_pipeline
 # exported by every library beside its architecture's functions (model-independent)
@@ -226,6 +227,23 @@ def _attach_sampling(mod: tvm.IRModule, options: BuildOptions) -> tvm.IRModule:
     return mod
 
 
+def fused_on_tensor_cores(config: AnyModelConfig, options: BuildOptions) -> bool:
+    """Whether a CUDA library's fused decode ops (compiler.fused_decode) run at every batch: with
+    tensor_core_matmul on, a 16-bit dtype, and norm_matmul schedules for the model's qkv and
+    gate_up shapes on the target's arch (compiler.tensor_core_matmul.FusedNormTensorCoreMatmul
+    takes them from batch 16 on; without it the fused GEMV loses to the plain ops there)."""
+    if not options.tensor_core_matmul or options.dtype not in TENSOR_CORE_DTYPES:
+        return False
+    try:
+        hidden, qkv = config.hidden_size, config.q_size + 2 * config.kv_size
+        intermediate = config.intermediate_size
+    except AttributeError:  # (an architecture without the fused ops)
+        return False
+    sm = sm_of(options.target)
+    return all(choose_norm_schedule(n, hidden, halves, sm) is not None
+               for n, halves in ((qkv, 1), (intermediate, 2)))
+
+
 def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IRModule, dict[str, Any]]:
     """The Relax IRModule of the model library (before compilation) and its metadata."""
     formats = dict(options.weight_formats)
@@ -233,8 +251,10 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
     model = arch.model_class(config, options.cache_spec(config), options.kv_cache, formats)
     model.to(options.dtype)
     # quant.linear picks its kernels' target from the target scope
-    # on a GPU the fused ops only in `decode` (batch 1, eager): compiler.fused_decode says why
-    with options.tvm_target(), fused_decode(options.fused_layers, single_row_only=options.target != "llvm"):
+    # on a GPU the fused ops at every batch where tensor cores take them from batch 16 on, else
+    # only in `decode` (batch 1): compiler.fused_decode says why
+    single_row_only = options.target != "llvm" and not fused_on_tensor_cores(config, options)
+    with options.tvm_target(), fused_decode(options.fused_layers, single_row_only=single_row_only):
         mod, params = model.export_tvm(spec=model.get_default_spec())
     if "decode_step" in arch.functions:  # storage planned for the largest batch (see compiler/pipeline.py)
         step = mod.get_global_var("decode_step")
