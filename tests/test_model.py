@@ -406,6 +406,7 @@ def compare_with_stock(model: Model, stock_model: Model, tolerance: dict) -> Non
 FUSED_TOLERANCE = {"rtol": 5e-6, "atol": 5e-6}
 
 
+@pytest.mark.slow  # a library of its own; the default tier checks the fused library against torch
 def test_fused_decode_ops_give_the_unfused_logits(bias_model):
     """The default library (RMSNorm in the qkv and gate_up projections, SiLU * mul in gate_up,
     the qkv bias in the epilogue) against one built with fused_layers=False: decode,

@@ -335,7 +335,7 @@ def test_fp8_pages_prefill_within_the_window():
     assert window_kernels(m, [([0, 1], [13, 6]), ([0, 1], [7, 1])]) == ["prefill", "prefill"]
 
 
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [1, pytest.param(8, marks=pytest.mark.slow)])
 def test_gemma_3_shapes_past_the_window(target, batch):
     """Gemma 3 270M's attention shapes (4 query heads over 1 KV head of 256, page 16, window 512):
     prompts past the window in prefill chunks, then decode steps, a sliding and a full layer

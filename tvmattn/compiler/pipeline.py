@@ -62,6 +62,7 @@ from tvm.s_tir.dlight.base import ScheduleRule
 
 from .dependent_launch import chain_dependent_launches, dependent_launch_problem
 from .fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV
+from .script_frames import cheap_frame_stacks
 from .tensor_core_matmul import FusedNormTensorCoreMatmul, SmallBatchTensorCoreMatmul
 
 # DecodeBatchGEMV: rows per pass over the weight (the batch is padded to a multiple), and the
@@ -358,7 +359,7 @@ def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True,
 
     @tvm.transform.module_pass(opt_level=0, name="TvmattnModelPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        with target:
+        with target, cheap_frame_stacks():  # (dlight's tensor-core rules parse TVMScript: script_frames)
             legalize = list(backend.legalize_passes(target))
             if target.kind.name != "cuda":  # the CPU's own legalizations first (cpu_elementwise)
                 legalize.insert(0, cpu_legalize())

@@ -49,6 +49,7 @@ from ..compiler.dependent_launch import dependent_launch_problem
 from ..compiler.tensor_core_matmul import DTYPES as TENSOR_CORE_DTYPES, choose_norm_schedule, tensor_core_matmul_problem
 from ..compiler.fused_decode import fused_decode
 from ..compiler.pipeline import relax_pipeline
+from ..compiler.script_frames import cheap_frame_stacks
 # exported by every library beside its architecture's functions (model-independent)
 from ..device_sampling import FEED_FUNCTION, SAMPLING_FUNCTIONS
 from ..quant.linear import dequantized, packed_part, split_part_name
@@ -254,7 +255,8 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
     # on a GPU the fused ops at every batch where tensor cores take them from batch 16 on, else
     # only in `decode` (batch 1): compiler.fused_decode says why
     single_row_only = options.target != "llvm" and not fused_on_tensor_cores(config, options)
-    with options.tvm_target(), fused_decode(options.fused_layers, single_row_only=single_row_only):
+    with options.tvm_target(), fused_decode(options.fused_layers, single_row_only=single_row_only), \
+            cheap_frame_stacks():  # (the kernel generators parse TVMScript: compiler.script_frames)
         mod, params = model.export_tvm(spec=model.get_default_spec())
     if "decode_step" in arch.functions:  # storage planned for the largest batch (see compiler/pipeline.py)
         step = mod.get_global_var("decode_step")
