@@ -414,6 +414,7 @@ def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
                 first = logits.numpy()
             tokens = next_tokens(runner, logits)
         runner.sync()
+        captured = runner.graphs.captures if runner.graphs is not None else 0
         with around_steps or contextlib.nullcontext():
             runner.plan_s = runner.host_s = 0.0
             start = time.perf_counter()
@@ -424,6 +425,7 @@ def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
                 tokens = next_tokens(runner, logits)
             runner.sync()
             per_step = (time.perf_counter() - start) / steps
+        captures = (runner.graphs.captures - captured) if runner.graphs is not None else None
         gpu_s = None
         if runner.graphs is not None:  # the last step's graph replayed back to back: its GPU time
             from tvmattn.runtime.graphs import bucket_of
@@ -432,7 +434,7 @@ def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
     finally:
         for seq_id in seq_ids:
             runner.host["remove_sequence"](runner.cache, seq_id)
-    return DecodeTiming(per_step, runner.host_s / steps, runner.plan_s / steps, gpu_s), first
+    return DecodeTiming(per_step, runner.host_s / steps, runner.plan_s / steps, gpu_s, captures), first
 
 
 @dataclasses.dataclass
@@ -441,6 +443,7 @@ class DecodeTiming:
     host_s: float  # host time per step in begin_forward + the library call + end_forward
     plan_s: float  # of which begin_forward
     gpu_s: float | None = None  # a CUDA-graph step's GPU time: its graph replayed back to back (None: eager)
+    captures: int | None = None  # graphs captured during the timed steps (None: eager)
 
 
 def agrees(diff: float, scale: float) -> bool:
@@ -467,6 +470,8 @@ def make_row(kernel: str, kv_cache: str, *, batch: int, prompt_len: int, seconds
         row.update(host_ms=1e3 * timing.host_s, begin_forward_ms=1e3 * timing.plan_s)
         if timing.gpu_s is not None:
             row.update(gpu_ms=1e3 * timing.gpu_s)
+        if timing.captures is not None:
+            row.update(graph_captures=timing.captures)
     row.update(extra or {})
     row.update(meta)
     return row
@@ -603,7 +608,8 @@ def main(argv=None) -> int:
             timing, first[kv] = bench_decode(runner, prompts, args.steps)
             step_s[kv] = timing.step_s
             timings[kv] = timing
-            gpu = "" if timing.gpu_s is None else f", GPU {1e3 * timing.gpu_s:.3f} ms (graph replayed alone)"
+            gpu = "" if timing.gpu_s is None else (f", GPU {1e3 * timing.gpu_s:.3f} ms (graph replayed alone), "
+                                                   f"{timing.captures} captures in the timed steps")
             host_lines.append(f"decode batch {batch}, {LABELS[kv]}: host {1e3 * timing.host_s:.3f} ms per step "
                               f"(begin_forward {1e3 * timing.plan_s:.3f} ms), wall {1e3 * timing.step_s:.3f} ms{gpu}")
         diffs, scale = compare(f"decode batch {batch}, first step logits", first)
