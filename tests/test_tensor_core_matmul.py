@@ -399,13 +399,16 @@ def _check_on_gpu(lib, n: int, k: int, epilogue: str, dtype: str, batches):
         out = tvm.runtime.tensor(np.full((batch + 1, 1, n), 7, out_dtype), dev)
         lib["main"](*args, out._create_view((batch, 1, n), str(np.dtype(out_dtype)) if out_dtype != ml_dtypes.bfloat16
                                              else "bfloat16", 0))
-        got = out.numpy().astype(np.float32)
-        expected = _reference(x, w, res, epilogue, dtype)
-        ulp = 2.0 ** (-7 if dtype == "bfloat16" else -10)
-        tolerance = 2 * ulp * (np.abs(expected) + 1)
-        bad = np.abs(got[:batch] - expected) > tolerance
-        assert not bad.any(), f"batch {batch}: {bad.sum()} of {bad.size} outside, first at {np.argwhere(bad)[0]}"
-        assert (got[batch] == 7).all(), f"batch {batch}: a row past the batch was written"
+        _assert_within(out.numpy().astype(np.float32), _reference(x, w, res, epilogue, dtype), batch, dtype, ulps=2)
+
+
+def _assert_within(got: np.ndarray, expected: np.ndarray, batch: int, dtype: str, ulps: int) -> None:
+    """got's first `batch` rows within `ulps` ulps of the dtype of expected (+ 1, for sums near
+    zero), and its row past the batch still the 7s it was filled with."""
+    ulp = 2.0 ** (-7 if dtype == "bfloat16" else -10)
+    bad = np.abs(got[:batch] - expected) > ulps * ulp * (np.abs(expected) + 1)
+    assert not bad.any(), f"batch {batch}: {bad.sum()} of {bad.size} outside, first at {np.argwhere(bad)[0]}"
+    assert (got[batch] == 7).all(), f"batch {batch}: a row past the batch was written"
 
 
 @pytest.mark.gpu
@@ -489,13 +492,8 @@ def _check_norm_on_gpu(function, n: int, k: int, epilogue: str, dtype: str, batc
             args.append(tvm.runtime.tensor(bias, dev))
         out = tvm.runtime.tensor(np.full((batch + 1, 1, n), 7, np_dtype), dev)
         function(*args, out._create_view((batch, 1, n), dtype, 0))
-        got = out.numpy().astype(np.float32)
-        expected = _norm_reference(x, g, w, bias, epilogue, dtype, eps)
-        ulp = 2.0 ** (-7 if dtype == "bfloat16" else -10)
-        tolerance = 4 * ulp * (np.abs(expected) + 1)
-        bad = np.abs(got[:batch] - expected) > tolerance
-        assert not bad.any(), f"batch {batch}: {bad.sum()} of {bad.size} outside, first at {np.argwhere(bad)[0]}"
-        assert (got[batch] == 7).all(), f"batch {batch}: a row past the batch was written"
+        _assert_within(out.numpy().astype(np.float32), _norm_reference(x, g, w, bias, epilogue, dtype, eps), batch,
+                       dtype, ulps=4)
 
 
 @pytest.mark.gpu
