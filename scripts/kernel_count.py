@@ -32,9 +32,10 @@ FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def lowered_module(hf_config: dict, target: str, quantization: str = "none", fmt: str = "Q4_1",
-                   dtype: str | None = None, fused: bool = True):
+                   dtype: str | None = None, fused: bool = True, fused_batch_layers: bool = False):
     """The library module of `hf_config` after the model pipeline for `target` ("llvm", "cuda" or
-    "cuda:sm_XY"; CUDA defaults to sm_90), and its BuildOptions."""
+    "cuda:sm_XY"; CUDA defaults to sm_90), and its BuildOptions (fused_batch_layers: as
+    BuildOptions')."""
     import tvm
 
     from tvmattn.build import _weight_formats, kept_dtype
@@ -52,7 +53,8 @@ def lowered_module(hf_config: dict, target: str, quantization: str = "none", fmt
         formats = _weight_formats(config, random_block_tensors(hf_config, fmt, 0), lambda _: None)
         dtype = kept_dtype(target)
     dtype = dtype or ("float32" if target == "llvm" else "float16")
-    options = BuildOptions(target=target, dtype=dtype, weight_formats=formats, fused_layers=fused)
+    options = BuildOptions(target=target, dtype=dtype, weight_formats=formats, fused_layers=fused,
+                           fused_batch_layers=fused_batch_layers)
     mod, _ = export_module(config, options)
     tvm_target = options.tvm_target()
     with tvm_target:

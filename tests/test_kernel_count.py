@@ -7,8 +7,8 @@ split_rotary_append and decodes with one paged kernel):
   add into the matmul), RMSNorm, gate_up projection, SiLU * mul, down_proj + residual:
   4 projections, 2 norms, 1 elementwise, 1 append, 1 attention = 9;
 - fused (compiler.fused_decode): norm + qkv, [append, attention], o_proj + residual,
-  norm + gate_up + SiLU * mul, down_proj + residual: 4 projections + 2 = 6 (CUDA without
-  tensor cores: in `decode` only);
+  norm + gate_up + SiLU * mul, down_proj + residual: 4 projections + 2 = 6 (CUDA: in `decode`
+  only, unless BuildOptions.fused_batch_layers);
 - kept-quantized weights on CUDA (quant.linear: norm, SwiGLU and residual inside the GEMV in
   `decode`; a decode batch keeps the norms and the gate apart): 6 in decode, 9 in batch_decode.
 After the layers: the final norm and the (tied) LM head; decode_step also embeds first (1).
@@ -38,7 +38,9 @@ def lowered(target: str, fused: bool = True, quantization: str = "none"):
     """The tiny model's lowered module, built once per module run (each build takes seconds)."""
     key = (target, fused, quantization)
     if key not in _MODULES:
-        _MODULES[key] = kernel_count.lowered_module(TINY, target, quantization, "Q4_1", fused=fused)[0]
+        extra = dict(fused_batch_layers=fused) if target == "cuda-fused-batch" else {}
+        _MODULES[key] = kernel_count.lowered_module(TINY, target.replace("-fused-batch", ""), quantization, "Q4_1",
+                                                    fused=fused, **extra)[0]
     return _MODULES[key]
 
 
@@ -46,16 +48,15 @@ PLAIN = {"projection": 4, "norm": 2, "elementwise": 1, "cache append": 1, "atten
 FUSED = {"projection": 4, "cache append": 1, "attention": 1}
 
 
-@pytest.mark.parametrize("target", ["llvm", "cuda", "cuda:sm_75"])
+@pytest.mark.parametrize("target", ["llvm", "cuda", "cuda-fused-batch"])
 @pytest.mark.parametrize("fused, per_layer", [(False, PLAIN), (True, FUSED)], ids=["plain", "fused"])
 def test_float_library_counts_match_the_hand_count(target, fused, per_layer):
-    """CUDA libraries fuse at every batch where tensor cores take the fused ops from batch 16 on
-    (sm_90: models.export.fused_on_tensor_cores), else in `decode` only (sm_75: fused_decode's
-    single_row_only)."""
+    """CUDA libraries fuse in `decode` only (fused_decode's single_row_only), unless built with
+    fused_batch_layers ("cuda-fused-batch": the fused ops on tensor cores from batch 16 on)."""
     mod = lowered(target, fused)
     for function, before in (("decode", 0), ("batch_decode", 0), ("decode_step", 1)):
         counts = count_step(mod, function)
-        expected = PLAIN if target == "cuda:sm_75" and function != "decode" else per_layer
+        expected = PLAIN if target == "cuda" and function != "decode" else per_layer
         assert sorted(counts.per_layer) == [0, 1], function
         assert counts.uniform_layer() == expected, function
         assert sum(counts.embed.values()) == before, function

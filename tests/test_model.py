@@ -438,7 +438,7 @@ def test_metadata_lists_every_parameter(bias_model):
                                      "kv_cache": "tvmattn", "weight_formats": [], "max_batch_size": 4,
                                      "small_batch_matmul": True, "host_avx512": False, "kv_dtype": "",
                                      "fused_layers": True, "cpu_bf16": True, "dependent_launch": False,
-                                     "tensor_core_matmul": False}
+                                     "tensor_core_matmul": False, "fused_batch_layers": False}
     for name in ("embed", "prefill", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache"):
         assert name in meta["functions"]
 

@@ -343,19 +343,23 @@ def test_norm_kernel_compiles_with_nvcc_for_sm90(epilogue, tmp_path):
     compiles_with_nvcc(source, tmp_path)
 
 
-def test_cuda_libraries_fuse_at_every_batch_where_tensor_cores_take_the_fused_ops():
+def test_fused_batch_layers_fuse_every_batch_where_tensor_cores_take_the_fused_ops():
     from tvmattn.models import BuildOptions
     from tvmattn.models.config import model_config_from_hf
     from tvmattn.models.export import fused_on_tensor_cores
 
     smollm2 = model_config_from_hf(json.load(open("scripts/smollm2-config.json")))
     llama_1b = model_config_from_hf(json.load(open("scripts/llama-3.2-1b-config.json")))
-    cuda = dict(target="cuda:sm_90", dtype="float16")
-    assert fused_on_tensor_cores(smollm2, BuildOptions(**cuda)) and fused_on_tensor_cores(llama_1b, BuildOptions(**cuda))
-    assert not fused_on_tensor_cores(smollm2, BuildOptions(**cuda, tensor_core_matmul=False))
-    assert not fused_on_tensor_cores(smollm2, BuildOptions(target="cuda:sm_75", dtype="float16"))
-    assert not fused_on_tensor_cores(smollm2, BuildOptions(target="cuda:sm_90", dtype="float32"))
-    assert not fused_on_tensor_cores(smollm2, BuildOptions(target="llvm", dtype="float32"))
+    on = dict(target="cuda:sm_90", dtype="float16", fused_batch_layers=True)
+    assert fused_on_tensor_cores(smollm2, BuildOptions(**on)) and fused_on_tensor_cores(llama_1b, BuildOptions(**on))
+    assert not fused_on_tensor_cores(smollm2, BuildOptions(target="cuda:sm_90", dtype="float16"))  # (the default)
+    assert not fused_on_tensor_cores(smollm2, BuildOptions(**{**on, "dtype": "float32"}))
+    for refused in (dict(tensor_core_matmul=False), dict(target="cuda:sm_75"), dict(target="llvm", dtype="float32"),
+                    dict(fused_layers=False)):
+        with pytest.raises(ValueError, match="fused_batch_layers=True is not supported: it needs tensor_core_matmul"):
+            BuildOptions(**{**on, **refused})
+    with pytest.raises(ValueError, match="fused_batch_layers=1 is not supported: expected a bool"):
+        BuildOptions(target="cuda:sm_90", dtype="float16", fused_batch_layers=1)
 
 
 # (n, k, epilogue, dtype, schedule): every schedule family the chooser makes, and forced ones

@@ -20,9 +20,9 @@ the up half), `T_epilogue` (rounding, bias, SiLU * mul).
 `fused_decode(enabled, single_row_only)` is the switch the export runs under
 (BuildOptions.fused_layers): the model uses these ops for its decode shapes where it is on, or,
 with single_row_only, only where the batch is a static 1 (the `decode` function). CUDA builds
-take single_row_only: there the launches these ops save matter only where the step is not
-replayed from a CUDA graph, and at batch > 1 the fused kernel's GEMV is slower than dlight's
-matmul after a separate norm.
+take single_row_only (unless BuildOptions.fused_batch_layers): at batch > 1 the fused GEMV,
+which takes the rows one after the other, and the tensor-core norm_matmul from batch 16 on were
+slower than the plain projections after a separate norm (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -93,6 +93,10 @@ class BuildOptions:
     # CUDA sm_80+ with small_batch_matmul: decode_step's projections on tensor cores from batch
     # 16 on (compiler.tensor_core_matmul); None: wherever the target takes it
     tensor_core_matmul: bool | None = None
+    # CUDA with tensor_core_matmul: the fused decode ops in batch_decode / decode_step too (the
+    # fused GEMV below batch 16, compiler.tensor_core_matmul.norm_matmul from 16 on); off: slower
+    # than the plain ops at batch 64 (docs/performance.md, "Tried and rejected")
+    fused_batch_layers: bool = False
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -127,6 +131,10 @@ class BuildOptions:
         if self.tensor_core_matmul is None:
             object.__setattr__(self, "tensor_core_matmul",
                                tensor_core_matmul_problem(self.target, self.small_batch_matmul) is None)
+        if not isinstance(self.fused_batch_layers, bool):
+            raise ValueError(f"fused_batch_layers={self.fused_batch_layers!r} is not supported: expected a bool")
+        if self.fused_batch_layers and not (self.tensor_core_matmul and self.fused_layers):
+            raise ValueError("fused_batch_layers=True is not supported: it needs tensor_core_matmul and fused_layers")
         if self.tensor_core_matmul and tensor_core_matmul_problem(self.target, self.small_batch_matmul):
             raise ValueError(f"tensor_core_matmul=True is not supported: "
                              f"{tensor_core_matmul_problem(self.target, self.small_batch_matmul)}")
@@ -230,10 +238,10 @@ def _attach_sampling(mod: tvm.IRModule, options: BuildOptions) -> tvm.IRModule:
 
 def fused_on_tensor_cores(config: AnyModelConfig, options: BuildOptions) -> bool:
     """Whether a CUDA library's fused decode ops (compiler.fused_decode) run at every batch: with
-    tensor_core_matmul on, a 16-bit dtype, and norm_matmul schedules for the model's qkv and
-    gate_up shapes on the target's arch (compiler.tensor_core_matmul.FusedNormTensorCoreMatmul
-    takes them from batch 16 on; without it the fused GEMV loses to the plain ops there)."""
-    if not options.tensor_core_matmul or options.dtype not in TENSOR_CORE_DTYPES:
+    fused_batch_layers (and so tensor_core_matmul) on, a 16-bit dtype, and norm_matmul schedules
+    for the model's qkv and gate_up shapes on the target's arch
+    (compiler.tensor_core_matmul.FusedNormTensorCoreMatmul takes them from batch 16 on)."""
+    if not options.fused_batch_layers or options.dtype not in TENSOR_CORE_DTYPES:
         return False
     try:
         hidden, qkv = config.hidden_size, config.q_size + 2 * config.kv_size
@@ -252,8 +260,7 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
     model = arch.model_class(config, options.cache_spec(config), options.kv_cache, formats)
     model.to(options.dtype)
     # quant.linear picks its kernels' target from the target scope
-    # on a GPU the fused ops at every batch where tensor cores take them from batch 16 on, else
-    # only in `decode` (batch 1): compiler.fused_decode says why
+    # on a GPU the fused ops in `decode` (batch 1) only, unless fused_batch_layers: compiler.fused_decode
     single_row_only = options.target != "llvm" and not fused_on_tensor_cores(config, options)
     with options.tvm_target(), fused_decode(options.fused_layers, single_row_only=single_row_only), \
             cheap_frame_stacks():  # (the kernel generators parse TVMScript: compiler.script_frames)
