@@ -208,6 +208,26 @@ def test_graph_plan_steps_match_the_reference(target, rope_mode, page_size):
     m.check_no_leaks()
 
 
+def test_the_graph_plan_buffer_holds_a_full_cache_from_its_first_step():
+    """The graph-plan buffer is made large enough for a full pool and a new page in every row:
+    graph steps of the largest bucket up to a full cache never replace it (a replacement makes
+    every captured graph stale: bench_e2e saw a recapture mid-run at batch 64)."""
+    m = Model("llvm", "none", 4, seed=5, max_num_sequences=8, max_total_seq_len=96)
+    seq_ids = list(range(8))
+    for seq_id in seq_ids:
+        m.add(seq_id)
+    m.forward(seq_ids, [3] * 8)  # (one page each, one slot left in it)
+    graph_step(m, seq_ids, 8)
+    generation = m.cache.graph_state()[0]
+    pool = m.cache._allocator.num_pages
+    pages_each = pool // 8
+    for _ in range(pages_each * 4 - 4):  # up to pages_each full pages per row
+        graph_step(m, seq_ids, 8)
+        assert m.cache.graph_state()[0] == generation, (pool - m.cache._allocator.num_free, pool)
+    assert m.cache._allocator.num_free == pool - 8 * pages_each  # (the pool as full as 8 rows make it)
+    m.check_kv()
+
+
 def test_graph_plan_refusals_leave_the_cache_unchanged():
     m = Model("llvm", "none", 4, sliding=True, seed=3, max_num_sequences=4)
     for seq_id in (0, 1):

@@ -1243,8 +1243,10 @@ class PagedKVCache:
         one means a new graph-plan buffer: graphs captured before are recaptured)."""
         opts = self.options
         if self._graph_arrays is None or page_indices > self._graph_page_capacity:
+            # (the largest request callers make: every page in use plus 2 per row of the largest
+            # bucket, so that a full cache never replaces the buffer and recaptures the graphs)
             self._graph_page_capacity = max(page_indices, 2 * self._graph_page_capacity,
-                                            opts.num_pages + opts.max_num_sequences)
+                                            opts.num_pages + 2 * opts.max_num_sequences)
             end = layout_end(graph_layout(opts.max_num_sequences, self._graph_page_capacity, True,
                                           self._graph_window_pages()))
             self._graph_arrays = DeviceArrays(self.device, end)
