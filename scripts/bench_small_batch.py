@@ -148,9 +148,9 @@ MATMUL_VARIANTS = (("matmul", "rows", "tc", "hybrid") + TC_SWEEP + tuple(f"gemv-
 
 def _is_fused(func) -> bool:
     """Whether func is a fused decode op (RMSNorm + projection) rather than a plain projection."""
-    from tvmattn.compiler.tensor_core_matmul import _norm_eps
+    from tvmattn.compiler.tensor_core_matmul import fused_op_params
 
-    return _norm_eps(func) is not None
+    return fused_op_params(func) is not None
 
 
 def build_matmuls(args):
@@ -208,12 +208,13 @@ def _reference(func, ins):
     if _is_fused(func):
         import torch
 
-        from tvmattn.compiler.tensor_core_matmul import _has_up_half, _norm_eps
+        from tvmattn.compiler.tensor_core_matmul import fused_op_params
 
+        eps, swiglu = fused_op_params(func)
         x, g, w = ins[0].float()[:, 0], ins[1].float(), ins[2].float()
-        h = (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + _norm_eps(func)) * g).to(ins[0].dtype).float()
+        h = (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * g).to(ins[0].dtype).float()
         out = h @ w.T
-        if _has_up_half(func):
+        if swiglu:
             gate, up = out.chunk(2, dim=-1)
             out = torch.nn.functional.silu(gate) * up
         elif len(ins) == 5:

@@ -44,7 +44,7 @@ CUDA_MIN_BLOCKS = 264  # staged: fewer columns a block while there would be fewe
 CPU_COLUMN_CHUNK = 16  # columns per parallel task on the CPU
 
 
-def _fused_blocks(func) -> s_tir.Schedule | None:
+def fused_op_schedule(func) -> s_tir.Schedule | None:
     """A schedule of func when it is a fused decode op (has every block of fused_decode.BLOCKS)."""
     if not isinstance(func, tirx.PrimFunc):
         return None
@@ -57,7 +57,7 @@ def _fused_blocks(func) -> s_tir.Schedule | None:
     return sch
 
 
-def _matmuls(sch: s_tir.Schedule) -> list:
+def fused_matmuls(sch: s_tir.Schedule) -> list:
     """The op's product blocks: NT_matmul, and NT_matmul_up where it has one (SwiGLU)."""
     blocks = [sch.get_sblock("NT_matmul")]
     try:
@@ -97,7 +97,7 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
     def apply(self, func, target, _tunable):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
             return None
-        sch = _fused_blocks(func)
+        sch = fused_op_schedule(func)
         if sch is None:
             return None
         return self._schedule(sch)
@@ -108,7 +108,7 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
             sch.set_scope(norm, 0, "shared")  # (before the cache reads below tell it from the weight)
         else:
             sch.compute_inline(norm)
-        matmuls = _matmuls(sch)
+        matmuls = fused_matmuls(sch)
         k_extent = int(sch.get(sch.get_loops(matmuls[0])[-1]).extent)
         dtype_bits = tvm.DataType(sch.get(matmuls[0]).reads[-1].source.dtype).bits
         vec = _vector(k_extent, [128 // dtype_bits, 4, 2, 1])
@@ -222,11 +222,11 @@ class CPUFusedDecodeGEMV(ScheduleRule):
     def apply(self, func, target, _tunable):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
             return None
-        sch = _fused_blocks(func)
+        sch = fused_op_schedule(func)
         if sch is None:
             return None
         norm, epilogue = sch.get_sblock("rms_norm"), sch.get_sblock("T_epilogue")
-        matmuls = _matmuls(sch)
+        matmuls = fused_matmuls(sch)
         k_extent = int(sch.get(sch.get_loops(matmuls[0])[-1]).extent)
         vec = _vector(k_extent, [16, 8, 4, 2])
         factored = [_split_k(sch, m, [None, vec]) for m in matmuls]

@@ -4,7 +4,8 @@ Every `@T.prim_func` (tvm.tirx.script.parser.entry.prim_func) calls `inspect.sta
 reads a line of source for every frame on the stack; for a frame whose file Python cannot map to
 a module (code compiled from strings, as TVMScript's own evaluator makes), `inspect.getmodule`
 scans all of `sys.modules`, per frame. dlight's tensor-core Matmul rule and our kernel generators
-parse hundreds of prim_funcs under deep stacks (a tiny CUDA model: over 100 s in that scan).
+parse hundreds of prim_funcs under deep stacks, which made that scan most of a CUDA build's time
+(docs/performance.md).
 
 `cheap_frame_stacks()` swaps `inspect.stack` for a walk of the frames that gives each frame its
 function and line number, and the source line (linecache, no module lookup) for the nearest

@@ -199,6 +199,11 @@ def norm_matmul_body(n: int, k: int, dtype: str, epilogue: str, eps: float, sche
     return _skinny_matmul(n, k, dtype, epilogue, schedule, (x, g, w, bias, y), float(eps))
 
 
+def word(elem):
+    """The 32-bit word of the shared buffer that holds 16-bit element `elem`."""
+    return elem // 2
+
+
 def _norm_chunk_functions(dtype: str):
     """Names and CUDA sources of the normalizing prologue's two chunk operations on 8 `dtype`
     elements (16 bytes of shared memory): sumsq(p) -> their float32 sum of squares; norm(p, g,
@@ -247,26 +252,86 @@ __device__ __forceinline__ void {norm}(float* p, const void* g, float rstd) {{
     return sumsq, sumsq_src, norm, norm_src
 
 
-def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
+def _checked_schedule(n, k, dtype, epilogue, schedule, norm: bool) -> SkinnyMatmulSchedule:
+    """The kernel's schedule (`schedule`, else the chooser's), ValueError for what it does not take."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {tuple(DTYPES)}")
-    NORM = norm_eps is not None
-    allowed = NORM_EPILOGUES if NORM else EPILOGUES
+    allowed = NORM_EPILOGUES if norm else EPILOGUES
     if epilogue not in allowed:
         raise ValueError(f"epilogue={epilogue!r}: expected one of {allowed}")
-    H = 2 if epilogue == "swiglu" else 1  # weight rows per output column
-    if schedule is not None:
-        sched = schedule
-    else:
-        sched = choose_norm_schedule(n, k, H) if NORM else choose_skinny_schedule(n, k)
-    if sched is None:
+    halves = 2 if epilogue == "swiglu" else 1
+    if schedule is None:
+        schedule = choose_norm_schedule(n, k, halves) if norm else choose_skinny_schedule(n, k)
+    if schedule is None:
         raise ValueError(f"N={n}, K={k}: expected multiples of {ROWS_PER_TILE}"
-                         + (" and X's rows within the arch's shared memory" if NORM else ""))
-    sched.check(n, k, H, NORM, max(ARCH_SMEM_LIMIT.values()) if NORM else SMEM_LIMIT)
+                         + (" and X's rows within the arch's shared memory" if norm else ""))
+    schedule.check(n, k, halves, norm, max(ARCH_SMEM_LIMIT.values()) if norm else SMEM_LIMIT)
+    return schedule
+
+
+def _norm_macros(dtype: str, k: int, block_m: int, threads: int, x_off: int, eps: float):
+    """norm_matmul's prologue: (fetch_rows, normalize_rows, row_group) over the resident tile of
+    block_m rows of k columns at 32-bit word x_off of the shared buffer; row_group: the rows a
+    warp normalizes side by side (the length of normalize_rows' `part_`)."""
+    TX, NT, NWARPS, X_OFF = Tile(k), threads, threads // 32, x_off
+    XR_COPIES = (block_m * TX.chunks + NT - 1) // NT  # copy rounds of the resident rows
+    ROW_ROUNDS = (TX.chunks + 31) // 32  # chunks of a row per lane
+    ROWS_PER_WARP = (block_m + NWARPS - 1) // NWARPS
+    ROW_GROUP = min(4, ROWS_PER_WARP)
+    SUMSQ, SUMSQ_SRC, NORM8, NORM8_SRC = _norm_chunk_functions(dtype)
+    INV_K = 1.0 / k
+    f32 = "float32"
+
+    @T.macro
+    def fetch_rows(x_, smem_, rows_, m0_, tid_):
+        """The chunk's rows of X in use, whole -> the resident tile (cp.async; rows past
+        the batch copy its last row)."""
+        for it in T.serial(XR_COPIES):
+            c = it * NT + tid_
+            r = c // TX.chunks
+            ch = c % TX.chunks
+            if r < (rows_ + 15) // 16 * 16:
+                T.ptx[CP_ASYNC](smem_.ptr_to([X_OFF + word(TX.offset(r, ch))]),
+                                T.address_of(x_[T.min(m0_ + T.Cast("int64", r), x_.shape[0] - 1), 0, ch * CHUNK]), 16)
+
+    @T.macro
+    def normalize_rows(g_, smem_, part_, rows_, warp_, lane_):
+        """Each resident row r <- rms_norm(row, g_) in place: warp w takes rows w, w +
+        warps, ..., ROW_GROUP at a time; a row's lanes sum the squares of their chunks, a
+        shuffle reduction adds them, then they scale their chunks."""
+        for grp in T.serial((ROWS_PER_WARP + ROW_GROUP - 1) // ROW_GROUP):
+            for i in T.unroll(ROW_GROUP):
+                part_[i] = T.float32(0)
+                r = T.meta_var((grp * ROW_GROUP + i) * NWARPS + warp_)
+                if r < (rows_ + 15) // 16 * 16:
+                    for j in T.unroll(ROW_ROUNDS):
+                        if TX.chunks % 32 == 0 or j * 32 + lane_ < TX.chunks:
+                            part_[i] = part_[i] + T.cuda.func_call(
+                                SUMSQ, smem_.ptr_to([X_OFF + word(TX.offset(r, j * 32 + lane_))]),
+                                source_code=SUMSQ_SRC, return_type=f32)
+            for i in T.unroll(ROW_GROUP):
+                for s in T.unroll(5):
+                    part_[i] = part_[i] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), part_[i], 1 << s, 32, 32)
+            for i in T.unroll(ROW_GROUP):
+                r = T.meta_var((grp * ROW_GROUP + i) * NWARPS + warp_)
+                if r < (rows_ + 15) // 16 * 16:
+                    part_[i] = T.rsqrt(part_[i] * T.float32(INV_K) + T.float32(eps))
+                    for j in T.unroll(ROW_ROUNDS):
+                        if TX.chunks % 32 == 0 or j * 32 + lane_ < TX.chunks:
+                            T.evaluate(T.cuda.func_call(
+                                NORM8, smem_.ptr_to([X_OFF + word(TX.offset(r, j * 32 + lane_))]),
+                                T.address_of(g_[(j * 32 + lane_) * CHUNK]), part_[i], source_code=NORM8_SRC))
+
+    return fetch_rows, normalize_rows, ROW_GROUP
+
+
+def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
+    NORM = norm_eps is not None
+    sched = _checked_schedule(n, k, dtype, epilogue, schedule, NORM)
+    H = 2 if epilogue == "swiglu" else 1  # weight rows per output column
     WN, WK, KS, STAGES, RT = sched.warps_n, sched.warps_k, sched.k_steps, sched.stages, sched.row_tiles
     BN, BK, BM = sched.block_n, sched.block_k, sched.block_m
     NT = 32 * WN * WK
-    NWARPS = WN * WK
     KT = k // BK  # stage tiles along K
     TL = Tile(BK)
     TX = Tile(k)  # NORM: the chunk's whole rows of X, resident beside the ring
@@ -278,21 +343,12 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
     SMEM_WORDS = sched.smem_bytes(H, k if NORM else 0) // 4
     X_COPIES = (BM * TL.chunks + NT - 1) // NT  # copy rounds of X per thread (rows past the batch skip)
     W_COPIES = (H * BN * TL.chunks + NT - 1) // NT
-    XR_COPIES = (BM * TX.chunks + NT - 1) // NT  # NORM: copy rounds of the resident rows
-    ROW_ROUNDS = (TX.chunks + 31) // 32  # NORM: chunks of a row per lane
-    ROWS_PER_WARP = (BM + NWARPS - 1) // NWARPS
-    ROW_GROUP = min(4, ROWS_PER_WARP)  # NORM: rows a warp normalizes side by side
     OUT_ROUNDS = (BM * BN + NT - 1) // NT
     MT8 = RT * 8  # accumulators of one weight half
     MMA = mma_name(dtype)
-    out_dtype = "float32" if epilogue == "cast" else dtype
     f32 = "float32"
-    N64, K64, NW64 = T.int64(n), T.int64(k), T.int64(H * n)
-    SUMSQ, SUMSQ_SRC, NORM8, NORM8_SRC = _norm_chunk_functions(dtype)
-    INV_K = 1.0 / k
 
-    def word(elem):
-        return elem // 2
+    fetch_rows, normalize_rows, ROW_GROUP = _norm_macros(dtype, k, BM, NT, X_OFF, norm_eps or 0.0)
 
     def w_row(r, n0):
         """The weight row of the block's stage row r (SwiGLU: gate rows, then up rows)."""
@@ -319,46 +375,6 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
             if H * BN * TL.chunks % NT == 0 or c < H * BN * TL.chunks:
                 T.ptx[CP_ASYNC](smem_.ptr_to([base + X_WORDS + word(TL.offset(r, ch))]),
                                 T.address_of(w_[w_row(r, n0_), kt_ * BK + ch * CHUNK]), 16)
-
-    @T.macro
-    def fetch_rows(x_, smem_, rows_, m0_, tid_):
-        """NORM: the chunk's rows of X in use, whole -> the resident tile (cp.async; rows past
-        the batch copy its last row)."""
-        for it in T.serial(XR_COPIES):
-            c = it * NT + tid_
-            r = c // TX.chunks
-            ch = c % TX.chunks
-            if r < (rows_ + 15) // 16 * 16:
-                T.ptx[CP_ASYNC](smem_.ptr_to([X_OFF + word(TX.offset(r, ch))]),
-                                T.address_of(x_[T.min(m0_ + T.Cast("int64", r), x_.shape[0] - 1), 0, ch * CHUNK]), 16)
-
-    @T.macro
-    def normalize_rows(g_, smem_, part_, rows_, warp_, lane_):
-        """NORM: each resident row r <- rms_norm(row, g_) in place: warp w takes rows w, w +
-        warps, ..., ROW_GROUP at a time; a row's lanes sum the squares of their chunks, a
-        shuffle reduction adds them, then they scale their chunks."""
-        for grp in T.serial((ROWS_PER_WARP + ROW_GROUP - 1) // ROW_GROUP):
-            for i in T.unroll(ROW_GROUP):
-                part_[i] = T.float32(0)
-                r = T.meta_var((grp * ROW_GROUP + i) * NWARPS + warp_)
-                if r < (rows_ + 15) // 16 * 16:
-                    for j in T.unroll(ROW_ROUNDS):
-                        if TX.chunks % 32 == 0 or j * 32 + lane_ < TX.chunks:
-                            part_[i] = part_[i] + T.cuda.func_call(
-                                SUMSQ, smem_.ptr_to([X_OFF + word(TX.offset(r, j * 32 + lane_))]),
-                                source_code=SUMSQ_SRC, return_type=f32)
-            for i in T.unroll(ROW_GROUP):
-                for s in T.unroll(5):
-                    part_[i] = part_[i] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), part_[i], 1 << s, 32, 32)
-            for i in T.unroll(ROW_GROUP):
-                r = T.meta_var((grp * ROW_GROUP + i) * NWARPS + warp_)
-                if r < (rows_ + 15) // 16 * 16:
-                    part_[i] = T.rsqrt(part_[i] * T.float32(INV_K) + T.float32(norm_eps if NORM else 0.0))
-                    for j in T.unroll(ROW_ROUNDS):
-                        if TX.chunks % 32 == 0 or j * 32 + lane_ < TX.chunks:
-                            T.evaluate(T.cuda.func_call(
-                                NORM8, smem_.ptr_to([X_OFF + word(TX.offset(r, j * 32 + lane_))]),
-                                T.address_of(g_[(j * 32 + lane_) * CHUNK]), part_[i], source_code=NORM8_SRC))
 
     @T.macro
     def compute(smem_, acc_, af_, bf_, tiles_, kt_, wn_, wk_, lane_):
@@ -467,6 +483,15 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
                     T.tvm_storage_sync("shared")
                     store(y_, r_, matmul_smem, total, rows, m0, n0, tid)
 
+    return _as_function(body, n, k, dtype, epilogue, NORM, buffers)
+
+
+def _as_function(body, n: int, k: int, dtype: str, epilogue: str, norm: bool, buffers):
+    """The kernel macro `body` (x, g, w, r or bias, y) as skinny_matmul's / norm_matmul's PrimFunc,
+    or with `buffers` as a statement on them (the *_body functions)."""
+    H = 2 if epilogue == "swiglu" else 1
+    out_dtype = "float32" if epilogue == "cast" else dtype
+    N64, K64, NW64 = T.int64(n), T.int64(k), T.int64(H * n)
     if buffers is not None:
         x_b, g_b, w_b, r_b, y_b = buffers
 
@@ -476,7 +501,7 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
             body(x_b, g_b, w_b, r_b, y_b)
 
         return holder.body
-    if NORM and epilogue == "bias":
+    if norm and epilogue == "bias":
         @T.prim_func
         def func(x_h: T.handle, g: T.Buffer((K64,), dtype), w: T.Buffer((NW64, K64), dtype),
                  bias: T.Buffer((N64,), dtype), y_h: T.handle):
@@ -485,7 +510,7 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
             x = T.match_buffer(x_h, (batch_size, T.int64(1), K64), dtype)
             y = T.match_buffer(y_h, (batch_size, T.int64(1), N64), dtype)
             body(x, g, w, bias, y)
-    elif NORM:
+    elif norm:
         @T.prim_func
         def func(x_h: T.handle, g: T.Buffer((K64,), dtype), w: T.Buffer((NW64, K64), dtype), y_h: T.handle):
             T.func_attr({"tirx.noalias": True})
@@ -642,28 +667,20 @@ def norm_matmul_definition(n: int, k: int, dtype: str, epilogue: str, eps: float
     return func
 
 
-def _norm_eps(func: tirx.PrimFunc) -> float | None:
-    """The epsilon of a fused decode op's RMSNorm (its `rms_rstd` block: rsqrt(sumsq * (1 / K) +
-    eps)), None where func has no such block."""
-    from .fused_decode import BLOCKS
+def fused_op_params(func) -> tuple[float, bool] | None:
+    """(epsilon, swiglu) of a fused decode op (fused_schedules.fused_op_schedule recognizes it):
+    its RMSNorm's epsilon (the `rms_rstd` block: rsqrt(sumsq * (1 / K) + eps)) and whether it has
+    SwiGLU's up half; None for any other function."""
+    from .fused_schedules import fused_matmuls, fused_op_schedule
 
-    try:
-        sch = s_tir.Schedule(func)
-        for name in BLOCKS:
-            sch.get_sblock(name)
-        return float(sch.get(sch.get_sblock("rms_rstd")).body.value.args[0].b.value)
-    except (RuntimeError, ValueError, AttributeError, IndexError):  # (ScheduleErrors are RuntimeErrors)
+    sch = fused_op_schedule(func)
+    if sch is None:
         return None
-
-
-def _has_up_half(func: tirx.PrimFunc) -> bool:
-    from .fused_decode import UP_BLOCK
-
     try:
-        s_tir.Schedule(func).get_sblock(UP_BLOCK)
-        return True
-    except (RuntimeError, ValueError):
-        return False
+        eps = float(sch.get(sch.get_sblock("rms_rstd")).body.value.args[0].b.value)
+    except (AttributeError, IndexError):  # (an rms_rstd block of another form)
+        return None
+    return eps, len(fused_matmuls(sch)) == 2
 
 
 class FusedNormTensorCoreMatmul(ScheduleRule):
@@ -692,12 +709,12 @@ class FusedNormTensorCoreMatmul(ScheduleRule):
                 or len(getattr(w, "shape", ())) != 2 or str(getattr(w, "dtype", "")) not in DTYPES
                 or not all(isinstance(d, tirx.IntImm) for d in w.shape)):
             return None
-        eps = _norm_eps(func)
-        if eps is None:
+        fused = fused_op_params(func)
+        if fused is None:
             return None
+        eps, swiglu = fused
         rows, k = (int(d) for d in w.shape)
         dtype = str(w.dtype)
-        swiglu = _has_up_half(func)
         epilogue = "swiglu" if swiglu else "bias" if len(func.params) == 5 else "none"
         n = rows // 2 if swiglu else rows
         halves = 2 if swiglu else 1
