@@ -105,7 +105,8 @@ def symbol(func) -> str:
 def build_one(args):
     """Build one job into a shared library; returns (job, path, symbol, description) or
     (job, None, None, error)."""
-    job, head_dim, page_size, outdir = args
+    job, head_dim, page_size, outdir, num_qo_heads = args
+    bk.NUM_QO_HEADS = num_qo_heads  # a spawned worker starts from the module's default
     try:
         import tvm
 
@@ -135,7 +136,7 @@ def build_all(jobs, head_dim, page_size, nproc: int):
     outdir = tempfile.mkdtemp(prefix="tune_decode_")
     t0 = time.time()
     with multiprocessing.get_context("spawn").Pool(nproc) as pool:
-        work = [(j, head_dim, page_size, outdir) for j in jobs]
+        work = [(j, head_dim, page_size, outdir, bk.NUM_QO_HEADS) for j in jobs]
         results = {r[0]: r[1:] for r in pool.imap_unordered(build_one, work)}
     built = {}
     for job in jobs:
@@ -460,8 +461,10 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", nargs="*", default=["float16"], choices=bk.DTYPES,
                         help="dtypes whose candidate schedules are measured too (default: float16)")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--qo-heads", type=int, default=bk.NUM_QO_HEADS,
+                        help=f"query heads (default: {bk.NUM_QO_HEADS}; SmolLM2's shape: --qo-heads 9 --kv-heads 3)")
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[bk.NUM_KV_HEADS],
-                        help=f"KV head counts ({bk.NUM_QO_HEADS} query heads; default: {bk.NUM_KV_HEADS})")
+                        help=f"KV head counts (default: {bk.NUM_KV_HEADS}); each must divide --qo-heads")
     parser.add_argument("--sweep-all-kv", action="store_true",
                         help="measure the candidates for every --kv-heads count (default: the first)")
     parser.add_argument("--no-baselines", action="store_true",
@@ -494,6 +497,10 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=8, help="build processes")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
+    bad_kv = [kv for kv in args.kv_heads if kv < 1 or args.qo_heads % kv]
+    if args.qo_heads < 1 or bad_kv:
+        parser.error(f"--kv-heads {bad_kv or args.kv_heads}: each must divide --qo-heads {args.qo_heads}")
+    bk.NUM_QO_HEADS = args.qo_heads  # the benchmark's inputs, references and byte counts follow it
     shapes = [bk.parse_shape(s, "decode") for s in args.shapes]
     jobs = jobs_for(args.dtype, args.sweep, args.head_dim, args.page_size, args.kv_heads,
                     baselines=not args.no_baselines, sweep_all_kv=args.sweep_all_kv, table=args.with_table,
@@ -548,7 +555,7 @@ def main(argv=None) -> int:
                         print(f"  skip graph {dtype} {shape.label}: {type(e).__name__}: {e}")
                         torch.cuda.empty_cache()
             for r in group:  # (make_row's head count and bytes are the module's defaults)
-                r["num_kv_heads"] = kv
+                r["num_qo_heads"], r["num_kv_heads"] = bk.NUM_QO_HEADS, kv
                 r["gbps"] = bk.decode_bytes(r["batch"], r["seq_len"], bk.NUM_QO_HEADS, kv, r["head_dim"],
                                             bk.ELEM_BYTES[dtype]) / r["ms"] / 1e6
             rows += group

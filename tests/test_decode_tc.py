@@ -27,7 +27,7 @@ from tir_kernels.schedules import (choose_decode_variant, choose_tc_decode_sched
 from tir_kernels.support import present_cuda_arch
 
 # (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding): fp16 and bf16, GQA group
-# 4 / 8 / 16, head dim 64 / 128 / 256, page size 1 / 16 / 64, with and without a window.
+# 3 / 4 / 8 / 16, head dim 64 / 128 / 256, page size 1 / 16 / 64, with and without a window.
 CASES = [
     (32, 8, 128, 16, "float16", False),
     (32, 8, 128, 16, "bfloat16", False),
@@ -39,6 +39,8 @@ CASES = [
     (32, 2, 256, 64, "float16", True),
     (64, 4, 128, 16, "float16", True),
     (16, 1, 128, 64, "bfloat16", False),
+    (9, 3, 64, 16, "float16", False),  # SmolLM2's heads: 13 of the MMA tile's 16 rows are padding
+    (24, 8, 128, 64, "bfloat16", True),
 ]
 
 # The schedules scripts/tune_decode.py measures (schedules.tc_decode_candidates), on the
@@ -59,14 +61,22 @@ FLAG_CASES = [(case, (True, True, 8)) for case in CASES] + [(CASES[0], flags) fo
     (True, False, 0), (False, True, 0), (False, False, 16))]
 
 
+
+
+def bucket_heads(group: int) -> tuple:
+    """(num_qo_heads, num_kv_heads) of a bucket's group: 32 query heads where the group divides
+    32, else 8 KV heads."""
+    return (32, 32 // group) if 32 % group == 0 else (8 * group, 8)
+
+
 # Every schedule the decode table (tir_kernels/decode_table.json) can pick, with a config of its
-# bucket: (label, schedule, num_kv_heads of 32 query heads, head_dim, dtype, page_size).
+# bucket: (label, num_qo_heads, num_kv_heads, head_dim, dtype, page_size).
 TABLE = load_decode_table()
-TABLE_CASES = sorted({(e["schedule"], 32 // b["group"], b["head_dim"], b["dtype"], b["page_size"])
+TABLE_CASES = sorted({(e["schedule"], *bucket_heads(b["group"]), b["head_dim"], b["dtype"], b["page_size"])
                       for b in TABLE.get("buckets", []) for e in b["shapes"]})
 # (schedule, rope schedule, ...) of each table entry that names the inline-RoPE build's schedule
-TABLE_ROPE_CASES = sorted({(e["schedule"], e["rope_schedule"], 32 // b["group"], b["head_dim"], b["dtype"],
-                            b["page_size"]) for b in TABLE.get("buckets", []) for e in b["shapes"]
+TABLE_ROPE_CASES = sorted({(e["schedule"], e["rope_schedule"], *bucket_heads(b["group"]), b["head_dim"],
+                            b["dtype"], b["page_size"]) for b in TABLE.get("buckets", []) for e in b["shapes"]
                            if e.get("rope_schedule")})
 
 
@@ -354,10 +364,10 @@ def test_paged_decode_tc_dependent_launch_graph(kernels, gpu_target, dtype, tabl
 def test_decode_table_schedules(kernels, gpu_target, case):
     """Each schedule the table can pick, on its bucket's config and on the other 16-bit dtype,
     for batches that take one split and several (ragged lengths, empty requests)."""
-    label, kv, d, dtype, ps = case
+    label, hq, kv, d, dtype, ps = case
     sched = schedule_from_dict(TABLE["schedules"][label])
     for dt in (dtype, "bfloat16" if dtype == "float16" else "float16"):
-        config = AttentionConfig(32, kv, d, dtype=dt, page_size=ps, target=gpu_target)
+        config = AttentionConfig(hq, kv, d, dtype=dt, page_size=ps, target=gpu_target)
         for batch_size, lengths in ((1, [3000]), (5, [0, 1, 129, 700, 2049]), (40, [33 * i + 7 for i in range(40)])):
             rng = np.random.default_rng(batch_size + kv)
             batch, q = inputs(rng, config, lengths)
@@ -381,10 +391,10 @@ def test_decode_table_rope_schedules(kernels, gpu_target, case):
     bucket's config and on the other 16-bit dtype: rotary_mode=1 (the rope build) and 0 (the
     plain build beside it) on a batch-1 request of one split and of many (4096, 32768 keys), and
     on ragged batches with empty and page-boundary lengths."""
-    plain_label, rope_label, kv, d, dtype, ps = case
+    plain_label, rope_label, hq, kv, d, dtype, ps = case
     pair = (schedule_from_dict(TABLE["schedules"][plain_label]), schedule_from_dict(TABLE["schedules"][rope_label]))
     for dt in (dtype, "bfloat16" if dtype == "float16" else "float16"):
-        config = AttentionConfig(32, kv, d, dtype=dt, page_size=ps, target=gpu_target)
+        config = AttentionConfig(hq, kv, d, dtype=dt, page_size=ps, target=gpu_target)
         for lengths in ([4096], [32768], [100], [0, 1, 129, 700, 2049], [33 * i + 7 for i in range(12)]):
             rng = np.random.default_rng(len(lengths) + kv + lengths[0])
             batch, q = inputs(rng, config, lengths)
@@ -395,8 +405,9 @@ def test_decode_table_rope_schedules(kernels, gpu_target, case):
 
 
 # Every (schedule, rope schedule or None) the table can pick, for its sliding-window build.
-TABLE_WINDOW_CASES = sorted({(e["schedule"], e.get("rope_schedule") or "", 32 // b["group"], b["head_dim"],
-                              b["dtype"], b["page_size"]) for b in TABLE.get("buckets", []) for e in b["shapes"]})
+TABLE_WINDOW_CASES = sorted({(e["schedule"], e.get("rope_schedule") or "", *bucket_heads(b["group"]),
+                              b["head_dim"], b["dtype"], b["page_size"])
+                             for b in TABLE.get("buckets", []) for e in b["shapes"]})
 
 # (length, sink, window offset) of the requests of test_decode_table_window_schedules: the
 # benchmark's window (page 0's 4 sinks, then from slot 3 of a page: tiles shifted off key 0 by
@@ -414,12 +425,12 @@ def test_decode_table_window_schedules(kernels, gpu_target, case):
     windows that start mid-page after sinks (split 0's first tile then starts before key 0,
     decode_tc's page_shift), on page boundaries, sinks only; one request alone (many splits)
     and all of them in one batch; rotary_mode 0 and 1."""
-    plain_label, rope_label, kv, d, dtype, ps = case
+    plain_label, rope_label, hq, kv, d, dtype, ps = case
     sched = schedule_from_dict(TABLE["schedules"][plain_label])
     rope = schedule_from_dict(TABLE["schedules"][rope_label]) if rope_label else tc_decode_rope_schedule(
-        BENCH_CONFIG.replace(num_kv_heads=kv, head_dim=d, page_size=ps), sched)
+        BENCH_CONFIG.replace(num_qo_heads=hq, num_kv_heads=kv, head_dim=d, page_size=ps), sched)
     for dt in (dtype, "bfloat16" if dtype == "float16" else "float16"):
-        config = AttentionConfig(32, kv, d, dtype=dt, page_size=ps, target=gpu_target, sliding_window=True)
+        config = AttentionConfig(hq, kv, d, dtype=dt, page_size=ps, target=gpu_target, sliding_window=True)
         for requests in (WINDOW_REQUESTS[:1], WINDOW_REQUESTS[1:2], WINDOW_REQUESTS):
             rng = np.random.default_rng(len(requests) + kv)
             batch, q = inputs(rng, config, [n for n, _, _ in requests])
@@ -736,7 +747,7 @@ def test_default_tc_decode_schedules_fit(arch, dtype):
 
 @pytest.mark.slow
 def test_tc_decode_dispatch():
-    """paged_decode picks the tensor-core kernel for fp16/bf16 groups of 4..16 on CUDA sm_80+
+    """paged_decode picks the tensor-core kernel for fp16/bf16 groups of 3..16 on CUDA sm_80+
     and the CUDA-core kernel for small groups, fp32, older archs and the CPU."""
     from tir_kernels import decode
 
@@ -746,6 +757,8 @@ def test_tc_decode_dispatch():
     base = AttentionConfig(32, 8, 128, dtype="float16", page_size=16, target="cuda:sm_90")
     assert uses_mma(base) == decode.TENSOR_CORE_DECODE
     assert uses_mma(base.replace(dtype="bfloat16", num_kv_heads=2)) == decode.TENSOR_CORE_DECODE
+    assert uses_mma(AttentionConfig(9, 3, 64, dtype="float16", page_size=16, target="cuda:sm_90")) == \
+        decode.TENSOR_CORE_DECODE  # group 3
     assert not uses_mma(base.replace(num_kv_heads=16))  # group 2
     assert not uses_mma(base.replace(dtype="float32"))
     assert not uses_mma(base.replace(target="cuda:sm_75"))
@@ -758,8 +771,8 @@ def test_decode_table_file():
     benchmark config; test_decode_table_schedules each table schedule on its bucket)."""
     assert TABLE, "tir_kernels/decode_table.json is missing"
     assert TABLE["arch"] == "sm_90" and TABLE["buckets"]
-    for label, kv, d, dtype, ps in TABLE_CASES:
-        config = AttentionConfig(32, kv, d, dtype=dtype, page_size=ps, target="cuda:sm_90")
+    for label, hq, kv, d, dtype, ps in TABLE_CASES:
+        config = AttentionConfig(hq, kv, d, dtype=dtype, page_size=ps, target="cuda:sm_90")
         sched = schedule_from_dict(TABLE["schedules"][label])
         assert decode_schedule_label(sched) == label
         sched.check(config)
@@ -769,8 +782,8 @@ def test_decode_table_file():
     # rope schedules: valid for the bucket, among the rope candidates, the entry's launch kept,
     # and each pair taken by the lookup (test_decode_table_rope_schedules runs them on the GPU)
     assert TABLE_ROPE_CASES, "the table names no rope schedule"
-    for plain_label, rope_label, kv, d, dtype, ps in TABLE_ROPE_CASES:
-        config = AttentionConfig(32, kv, d, dtype=dtype, page_size=ps, target="cuda:sm_90")
+    for plain_label, rope_label, hq, kv, d, dtype, ps in TABLE_ROPE_CASES:
+        config = AttentionConfig(hq, kv, d, dtype=dtype, page_size=ps, target="cuda:sm_90")
         plain, rope = (schedule_from_dict(TABLE["schedules"][lab]) for lab in (plain_label, rope_label))
         rope.check(config)
         assert rope_label in tc_decode_rope_candidates(config) and rope.dependent_launch == plain.dependent_launch

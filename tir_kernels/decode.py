@@ -16,7 +16,7 @@ from .decode_tc import paged_decode_tc
 from .schedules import (DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_schedule, choose_decode_variant,
                         tc_decode_problem)
 
-# Whether paged_decode(config) serves fp16/bf16 GQA groups of 4..16 on CUDA sm_80+ with the
+# Whether paged_decode(config) serves fp16/bf16 GQA groups of 3..16 on CUDA sm_80+ with the
 # tensor-core kernel (decode_tc.py; `schedules.tc_decode_applies`); tests/test_decode_tc.py runs
 # it on the GPU.
 TENSOR_CORE_DECODE = True
@@ -74,7 +74,7 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | TensorCoreD
 
     The kernel and its schedules are `choose_decode_kernel(config, schedule, rope_schedule)`'s:
     without a schedule, a CUDA config takes the decode table's choice for its bucket, else the
-    defaults (fp16/bf16 configs with GQA groups of 4..16 on sm_80 and newer get the tensor-core
+    defaults (fp16/bf16 configs with GQA groups of 3..16 on sm_80 and newer get the tensor-core
     kernel, decode_tc.paged_decode_tc); a TensorCoreDecodeSchedule runs the tensor-core kernel;
     a DecodeSchedule, and every other config, the CUDA-core kernel (decode_simt.py).
     rope_schedule (tensor-core kernel only): the schedule of its inline-RoPE build

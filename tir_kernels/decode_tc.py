@@ -1,4 +1,4 @@
-"""Tensor-core paged decode for GQA groups of 4..16 (fp16/bf16, pages of the dtype or FP8, CUDA sm_80 and newer).
+"""Tensor-core paged decode for GQA groups of 3..16 (fp16/bf16, pages of the dtype or FP8, CUDA sm_80 and newer).
 
 `paged_decode_tc(config)` returns the PrimFunc of `decode.paged_decode` (same parameters,
 argument order, semantics and global symbol; its docstring is the contract), computed with

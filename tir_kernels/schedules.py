@@ -109,7 +109,9 @@ CUDA_CORE_MIN_SPLIT_KEYS = 64
 # Tensor-core decode (`decode_tc`): the dtypes, smallest arch and GQA groups it serves.
 TC_DECODE_DTYPES = TENSOR_CORE_DTYPES
 TC_DECODE_MIN_ARCH = MMA_MIN_SM  # cp.async, ldmatrix and bf16 mma.sync: sm_80 and newer
-TC_DECODE_MIN_GROUP = 4  # below, 16-row MMA tiles waste more than the CUDA-core kernel loses
+# below, 16-row MMA tiles waste more than the CUDA-core kernel loses; at 3 (SmolLM2's 9 / 3 heads)
+# the tensor-core kernel moved more bytes at every shape tune_decode measured (docs/performance.md)
+TC_DECODE_MIN_GROUP = 3
 TC_DECODE_MAX_GROUP = 16  # the query heads of a group are the M = 16 rows of one MMA tile
 PDL_MIN_ARCH = PDL_MIN_SM  # griddepcontrol (programmatic dependent launch): sm_90 and newer
 # 32-bit registers per thread the O accumulators, S accumulators and Q fragments may take.

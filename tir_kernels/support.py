@@ -200,7 +200,7 @@ CAPABILITIES = {
                             head_dims="32, 64, 128 and 256 (its inline RoPE rotates whole K rows per pass of the"
                                       " block's threads: schedules.tc_rope_pass_problem; 80, 96 and the other"
                                       " multiples of 16 run the CUDA-core decode)",
-                            notes="v_head_dim = head_dim; GQA groups up to 16 (chosen by default for 4..16);"
+                            notes="v_head_dim = head_dim; GQA groups up to 16 (chosen by default for 3..16);"
                                   f" dependent launch from sm_{PDL_MIN_SM}"),
     "prefill": Capability(DTYPES, cpu=True, min_sm=_ALL_CUDA,
                           notes="CUDA cores; paged: v_head_dim = head_dim; ragged: any v_head_dim"),
