@@ -41,14 +41,14 @@ nothing but the config travels. Its logits are checked against the stock cache's
 others' (the same blocks, dequantized to float16 there), and a line per phase gives its time
 against the float16 graph run's.
 
---dependent-launch builds every library with programmatic dependent launch (compile
---dependent-launch, sm_90 and newer: each kernel's launch overlaps the end of the one before;
-tvmattn/compiler/dependent_launch.py), and --no-tensor-core-matmul with decode_step's projections
-on CUDA cores at every batch (the default build runs them on tensor cores from batch 16 on:
-tvmattn/compiler/tensor_core_matmul.py). Such libraries are named NAME-pdl-*.so, NAME-cc-*.so (or
-NAME-pdl-cc-*.so), so that the ordinary libraries of --libs are never taken for them; their rows
-carry `dependent_launch: true` / `tensor_core_matmul: false`, configurations of their own beside
-the ordinary rows (which carry no such field).
+--no-dependent-launch builds every library without programmatic dependent launch (the default
+build, on sm_90 and newer, launches each kernel so that its launch overlaps the end of the one
+before: tvmattn/compiler/dependent_launch.py), and --no-tensor-core-matmul with decode_step's
+projections on CUDA cores at every batch (the default build runs them on tensor cores from batch
+16 on: tvmattn/compiler/tensor_core_matmul.py). Such libraries are named NAME-nopdl-*.so,
+NAME-cc-*.so (or NAME-nopdl-cc-*.so), so that the ordinary libraries of --libs are never taken for
+them; their rows carry `dependent_launch: false` / `tensor_core_matmul: false`, configurations of
+their own beside the ordinary rows (which carry no such field).
 
 --json PATH writes the results as rows of docs/bench-format.md (`make_row`): bench "e2e",
 kernel "prefill" (batch 1, qo_len = seq_len = --prompt-len) or "decode" (qo_len 1, seq_len =
@@ -81,7 +81,9 @@ from tvm.runtime import ShapeTuple  # noqa: E402
 
 import bench_rows  # noqa: E402
 import tvmattn  # noqa: E402,F401  - registers tvmattn.*
-from tvmattn.build import MODEL_NAMES, PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model, sidecar  # noqa: E402
+from tvmattn.build import (MODEL_NAMES, PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model,  # noqa: E402
+                           resolve_target, sidecar)
+from tvmattn.compiler.dependent_launch import dependent_launch_problem  # noqa: E402
 from tvmattn.compiler.tensor_core_matmul import tensor_core_matmul_problem  # noqa: E402
 from tvmattn.generate import no_cyclic_gc  # noqa: E402
 
@@ -101,7 +103,7 @@ REPLAYS = 200  # back-to-back replays that time a graph step's GPU work
 RANDOM_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # --keep-format: weights.random_blocks.RANDOM_BLOCK_TYPES
 # build options whose runs are configurations of their own: (args / build option / row field,
 # command-line flag, library name suffix, the value the flag sets, against the build's default)
-OWN_CONFIG_BUILDS = (("dependent_launch", "--dependent-launch", "pdl", True),
+OWN_CONFIG_BUILDS = (("dependent_launch", "--no-dependent-launch", "nopdl", False),
                      ("tensor_core_matmul", "--no-tensor-core-matmul", "cc", False))
 
 
@@ -139,10 +141,10 @@ def parse_args(argv=None):
                         "compiler.pipeline.SmallBatchMatmul")
     p.add_argument("--unfused-layers", dest="fused_layers", action="store_false",
                    help="build every library without the fused decode ops (compiler.fused_decode), to compare")
-    p.add_argument("--dependent-launch", action="store_true",
-                   help="build every library with programmatic dependent launch (compile --dependent-launch, "
-                        "CUDA sm_90+; compiler.dependent_launch): its libraries are named NAME-pdl-*.so and its rows "
-                        "carry dependent_launch: true")
+    p.add_argument("--no-dependent-launch", dest="dependent_launch", action="store_false", default=None,
+                   help="build every library without programmatic dependent launch (compile --no-dependent-launch; "
+                        "compiler.dependent_launch): its libraries are named NAME-nopdl-*.so and its rows carry "
+                        "dependent_launch: false")
     p.add_argument("--no-tensor-core-matmul", dest="tensor_core_matmul", action="store_false", default=None,
                    help="build every library with decode_step's projections on CUDA cores at every batch (compile "
                         "--no-tensor-core-matmul; compiler.tensor_core_matmul): its libraries are named NAME-cc-*.so "
@@ -167,6 +169,8 @@ def parse_args(argv=None):
             p.error(f"argument {flag}: needs --target cuda (a CUDA feature)")
     if args.tensor_core_matmul is None:  # compile's default: wherever the target takes it
         args.tensor_core_matmul = tensor_core_matmul_problem(args.target, args.small_batch_matmul) is None
+    if args.dependent_launch is None:  # compile's default: wherever the target (the GPU's arch) takes it
+        args.dependent_launch = dependent_launch_problem(resolve_target(args.target)) is None
     if args.name is None:
         args.name = "smollm2" if args.model in MODEL_NAMES else Path(args.model).stem
         if args.keep_format is not None:
@@ -525,7 +529,8 @@ def main(argv=None) -> int:
     print(f"model: {args.model} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
           f"{config['num_attention_heads']}/{config['num_key_value_heads']} heads), "
           f"{metadata['build_options']['dtype']}, page {metadata['kv_cache']['page_size']}; {weights_note}"
-          + ("; every kernel launched with programmatic dependent launch" if args.dependent_launch else "")
+          + ("; every kernel launched with programmatic dependent launch" if metadata["build_options"].get(
+              "dependent_launch") else "")
           + ("; decode_step's projections on CUDA cores at every batch" if "tensor_core_matmul" in args.own_config
              else ""))
     for kv, runner in runners.items():

@@ -98,7 +98,8 @@ def test_compile_quantization_defaults_to_auto_and_says_so():
 
 
 @pytest.mark.parametrize("flag,argument,default,value", [("--unfused-layers", "fused_layers", True, False),
-                                                          ("--dependent-launch", "dependent_launch", False, True),
+                                                          ("--dependent-launch", "dependent_launch", None, True),
+                                                          ("--no-dependent-launch", "dependent_launch", None, False),
                                                           ("--tensor-core-matmul", "tensor_core_matmul", None, True),
                                                           ("--no-tensor-core-matmul", "tensor_core_matmul", None, False),
                                                           ("--float32-cpu-products", "cpu_bf16", True, False)])

@@ -269,7 +269,7 @@ def test_chain_kernels_is_idempotent_and_leaves_its_input(plain):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(dependent_launch=1), "dependent_launch=1 is not supported: expected a bool"),
+    (dict(dependent_launch=1), "dependent_launch=1 is not supported: expected a bool or None"),
     (dict(dependent_launch=True), "dependent_launch=True is not supported with target='llvm'.*sm_90 or newer"),
     (dict(target="cuda:sm_80", dtype="float16", dependent_launch=True), "target='cuda:sm_80'.*sm_90 or newer"),
 ])
@@ -287,6 +287,14 @@ def test_metadata_records_the_option():
     options = BuildOptions(target=TARGET, dtype="float16", dependent_launch=True)
     _, document = export_module(ModelConfig.from_hf(TINY), options)
     assert document["build_options"]["dependent_launch"] is True
+
+
+@pytest.mark.parametrize("target, expected", [("cuda:sm_90", True), ("cuda:sm_100", True), ("cuda:sm_80", False),
+                                              ("llvm", False)])
+def test_the_default_is_on_wherever_the_target_takes_it(target, expected):
+    options = BuildOptions(target=target, dtype="float16" if target != "llvm" else "float32")
+    assert options.dependent_launch is expected
+    assert BuildOptions(target=target, dtype=options.dtype, dependent_launch=False).dependent_launch is False
 
 
 @pytest.mark.gpu

@@ -314,10 +314,10 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--float32-cpu-products", dest="cpu_bf16", action="store_false",
                          help="CPU with kept blocks: prefill GEMMs multiply in float32 even where the CPU has "
                               "AVX512-BF16 (default: bfloat16 products, float32 sums; twice as fast)")
-    command.add_argument("--dependent-launch", action="store_true",
-                         help="CUDA sm_90 and newer: launch every kernel with programmatic dependent launch (each "
+    command.add_argument("--dependent-launch", action=argparse.BooleanOptionalAction, default=None,
+                         help="launch every kernel with programmatic dependent launch (CUDA sm_90 and newer: each "
                               "waits for the previous one's grid, so its launch overlaps that kernel's end; "
-                              "compiler.dependent_launch)")
+                              "compiler.dependent_launch). Default: on wherever the target takes it")
     command.add_argument("--tensor-core-matmul", action=argparse.BooleanOptionalAction, default=None,
                          help="decode steps' projections on tensor cores from batch 16 on (CUDA sm_80 and newer; "
                               "compiler.tensor_core_matmul). Default: on wherever the target has them")

@@ -261,7 +261,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
                   quantization: str | None = None, random_weights: int | None = None,
                   random_format: str | None = None, small_batch_matmul: bool = True,
                   kv_cache_dtype: str | None = None, fused_layers: bool = True,
-                  cpu_bf16: bool = True, dependent_launch: bool = False,
+                  cpu_bf16: bool = True, dependent_launch: bool | None = None,
                   tensor_core_matmul: bool | None = None) -> BuildResult:
     """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
 
@@ -277,7 +277,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     False: the plain ops). cpu_bf16: llvm with kept blocks, the prefill GEMMs multiply in bfloat16
     where the CPU has AVX512-BF16 (export.BuildOptions.cpu_bf16; False: float32 products).
     dependent_launch: CUDA sm_90 and newer, every kernel launched with programmatic dependent
-    launch (compiler.dependent_launch). tensor_core_matmul: CUDA sm_80 and newer, decode_step's
+    launch (compiler.dependent_launch); None: wherever the target takes it, True: an error where
+    it does not. tensor_core_matmul: CUDA sm_80 and newer, decode_step's
     projections on tensor cores from batch 16 on (compiler.tensor_core_matmul; needs
     small_batch_matmul); None: wherever the target takes it, True: an error where it does not.
     kv_cache_dtype: the KV pages' element type: None (the dtype) or "float8_e4m3fn" /
@@ -315,8 +316,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     if dtype is not None and support.dtype_problem(dtype):
         raise BuildError(f"--dtype {dtype!r} is not supported: expected {support.dtype_problem(dtype)}")
     _check_random_format(random_format, random_weights)
-    if not isinstance(dependent_launch, bool):
-        raise BuildError(f"--dependent-launch must be a bool, got {dependent_launch!r}")
+    if dependent_launch is not None and not isinstance(dependent_launch, bool):
+        raise BuildError(f"--dependent-launch must be a bool or None, got {dependent_launch!r}")
     if tensor_core_matmul is not None and not isinstance(tensor_core_matmul, bool):
         raise BuildError(f"--tensor-core-matmul must be a bool or None, got {tensor_core_matmul!r}")
     out_path = Path(out_path)

@@ -43,7 +43,7 @@ TVM's default pipeline for a target, with two changes that matter for speed:
   into their bodies (see its docstring: TVM's CommonSubexprElim can leave a variable used before
   its definition in such a function). In practice these are TVM's own stock-cache kernels with
   Llama-3 RoPE scaling (the stock cache's attention kernels and its fused RoPE).
-- on CUDA (sm_90 and newer) with `dependent_launch` (BuildOptions.dependent_launch, off by
+- on CUDA (sm_90 and newer) with `dependent_launch` (BuildOptions.dependent_launch, on by
   default), at the very end, once every function is scheduled and before TIR lowering:
   `dependent_launch.chain_dependent_launches`, programmatic dependent launch for every kernel of
   the library (each waits for its predecessor's grid before touching memory; the safety argument

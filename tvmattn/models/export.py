@@ -88,8 +88,8 @@ class BuildOptions:
     # (quant.cpu.unpack_gemm: twice float32's rate, within its stated bound); False: float32
     cpu_bf16: bool = True
     # CUDA sm_90+: every kernel launched with programmatic dependent launch
-    # (compiler.dependent_launch); off until measured to pay
-    dependent_launch: bool = False
+    # (compiler.dependent_launch); None: wherever the target takes it
+    dependent_launch: bool | None = None
     # CUDA sm_80+ with small_batch_matmul: decode_step's projections on tensor cores from batch
     # 16 on (compiler.tensor_core_matmul); None: wherever the target takes it
     tensor_core_matmul: bool | None = None
@@ -109,8 +109,8 @@ class BuildOptions:
             raise ValueError(f"fused_layers={self.fused_layers!r} is not supported: expected a bool")
         if not isinstance(self.small_batch_matmul, bool):
             raise ValueError(f"small_batch_matmul={self.small_batch_matmul!r} is not supported: expected a bool")
-        if not isinstance(self.dependent_launch, bool):
-            raise ValueError(f"dependent_launch={self.dependent_launch!r} is not supported: expected a bool")
+        if self.dependent_launch is not None and not isinstance(self.dependent_launch, bool):
+            raise ValueError(f"dependent_launch={self.dependent_launch!r} is not supported: expected a bool or None")
         if self.tensor_core_matmul is not None and not isinstance(self.tensor_core_matmul, bool):
             raise ValueError(f"tensor_core_matmul={self.tensor_core_matmul!r} is not supported: expected a bool or None")
         for name, problem in (("dtype", dtype_problem), ("page_size", page_size_problem)):
@@ -125,6 +125,8 @@ class BuildOptions:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} is not supported: expected the dtype or one of "
                              f"{FP8_KV_DTYPES} (FP8 pages: tvmattn's cache only)")
         TargetName.parse(self.target)
+        if self.dependent_launch is None:
+            object.__setattr__(self, "dependent_launch", dependent_launch_problem(self.target) is None)
         if self.dependent_launch and dependent_launch_problem(self.target):
             raise ValueError(f"dependent_launch=True is not supported with target={self.target!r}: "
                              f"{dependent_launch_problem(self.target)}")
