@@ -297,7 +297,7 @@ SMOLLM2_SHAPE = {"num_layers": 30, "num_qo_heads": 9}  # the e2e table's model (
 H200, H100 = DEFAULT_GPU, "NVIDIA H100 80GB HBM3"  # the e2e tables' devices (rows' `device`)
 # rows of CUDA libraries with the fused decode ops in every decode function, which builds no longer
 # make (models/export.py): never the e2e tables' configuration
-E2E_UNLESS = {"fused_layers": "all"}
+E2E_UNLESS = {"fused_layers": "all", "dependent_launch": False}  # (the CPU runs; runs without the default PDL)
 
 
 GEMMA3_SHAPE = {"num_layers": 18, "num_qo_heads": 4}  # scripts/gemma3-270m-config.json
@@ -312,12 +312,12 @@ def e2e_points(rows: Rows, device: str, shape: dict = SMOLLM2_SHAPE) -> list[tup
 
 def e2e_table(rows: Rows, device: str = H200, shape: dict = SMOLLM2_SHAPE) -> str:
     """bench_e2e.py's rows of one model (`shape`: its layers and query heads; SmolLM2 by
-    default) on one GPU (`device`, the rows' field), without the dependent-launch runs (a
-    configuration of their own)."""
+    default) on one GPU (`device`, the rows' field), without the runs built without programmatic
+    dependent launch (a configuration of their own)."""
     used: set = set()
     header = ["step", *(name for _, name in E2E_IMPLS), "stock / graphs"]
     lines = []
-    unless = {**E2E_UNLESS, "dependent_launch": True}
+    unless = E2E_UNLESS
     for kernel, batch in e2e_points(rows, device, shape):
         found = [rows.get(used, unless, bench="e2e", kernel=kernel, impl=i, batch=batch, device=device,
                           **shape) for i, _ in E2E_IMPLS]
