@@ -81,7 +81,7 @@ from tvm.runtime import ShapeTuple  # noqa: E402
 
 import bench_rows  # noqa: E402
 import tvmattn  # noqa: E402,F401  - registers tvmattn.*
-from tvmattn.build import (MODEL_NAMES, PARAMS_SUFFIX, RUNTIME_SUFFIX, compile_model,  # noqa: E402
+from tvmattn.build import (MODEL_NAMES, PARAMS_SUFFIX, RUNTIME_SUFFIX, BuildError, compile_model,  # noqa: E402
                            resolve_target, sidecar)
 from tvmattn.compiler.dependent_launch import dependent_launch_problem  # noqa: E402
 from tvmattn.compiler.tensor_core_matmul import tensor_core_matmul_problem  # noqa: E402
@@ -170,7 +170,10 @@ def parse_args(argv=None):
     if args.tensor_core_matmul is None:  # compile's default: wherever the target takes it
         args.tensor_core_matmul = tensor_core_matmul_problem(args.target, args.small_batch_matmul) is None
     if args.dependent_launch is None:  # compile's default: wherever the target (the GPU's arch) takes it
-        args.dependent_launch = dependent_launch_problem(resolve_target(args.target)) is None
+        try:
+            args.dependent_launch = dependent_launch_problem(resolve_target(args.target)) is None
+        except BuildError as err:
+            p.error(f"argument --target: {err}")
     if args.name is None:
         args.name = "smollm2" if args.model in MODEL_NAMES else Path(args.model).stem
         if args.keep_format is not None:
