@@ -208,6 +208,17 @@ def test_e2e_own_configuration_options(e2e, tmp_path, capsys):
     assert bench_rows.config_key({**row, "tensor_core_matmul": True}) != bench_rows.config_key(row)
 
 
+def test_e2e_target_that_cannot_be_built_is_an_argument_error(e2e, monkeypatch, capsys):
+    def refuse(target, cuda_arch=None):
+        raise e2e.BuildError("--target 'cuda': nvcc here cannot build sm_90")
+
+    monkeypatch.setattr(e2e, "resolve_target", refuse)
+    with pytest.raises(SystemExit) as exit_info:
+        e2e.parse_args([])
+    assert exit_info.value.code == 2
+    assert "argument --target: --target 'cuda': nvcc here cannot build sm_90" in capsys.readouterr().err
+
+
 def test_a_run_replaces_only_the_rows_of_its_machine_kind():
     """An H100 run keeps the H200 rows of the same configuration; CPU runs (whose `device` names
     the load seen) replace each other."""

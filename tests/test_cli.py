@@ -130,6 +130,9 @@ def test_compile_refuses_dependent_launch_off_hopper(config_json, tmp_path, caps
     with pytest.raises(BuildError, match="--dependent-launch: .* got 'cuda:sm_80'"):
         compile_model(str(config_json), tmp_path / "m.so", target="cuda:sm_80", dependent_launch=True,
                       log=lines.append)
+    with pytest.raises(BuildError, match="--dependent-launch must be a bool or None, got 'yes'"):
+        compile_model(str(config_json), tmp_path / "m.so", target="cuda:sm_90", dependent_launch="yes",
+                      log=lines.append)
     assert not any("loading model" in line for line in lines), lines
 
 

@@ -100,3 +100,15 @@ def test_choose_rope_table(tune):
     table = tune.choose_rope_table(only_plain, base, 1.03, candidates)
     assert all("rope_schedule" not in e for b in table["buckets"] for e in b["shapes"])
     assert table["buckets"][0]["shapes"][0]["rope_gbps"] == 1000
+
+
+@pytest.mark.parametrize("heads", [["--qo-heads", "9", "--kv-heads", "2"], ["--qo-heads", "32", "--kv-heads", "8", "3"],
+                                   ["--qo-heads", "0", "--kv-heads", "1"]])
+def test_kv_heads_must_divide_the_query_heads(tune, capsys, heads):
+    """Refused before anything is built; the query heads the benchmark uses stay as they were."""
+    before = tune.bk.NUM_QO_HEADS
+    with pytest.raises(SystemExit) as exit_info:
+        tune.main(heads)
+    assert exit_info.value.code == 2
+    assert "each must divide --qo-heads" in capsys.readouterr().err
+    assert tune.bk.NUM_QO_HEADS == before
