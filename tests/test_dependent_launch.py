@@ -7,7 +7,9 @@ and the lowered kernels' launch parameters):
   (before the dynamic shared memory tag, which the runtime requires last), and its body calls
   `griddepcontrol.wait` exactly once, before anything touches one of its pointer arguments (only
   declarations and scalar arithmetic come before it), followed at once by
-  `griddepcontrol.launch_dependents`; the functions it leaves alone (TIRx kernels, host functions)
+  `griddepcontrol.launch_dependents` (the tiny library's functions all stream less than
+  EARLY_TRIGGER_MAX_BYTES; one that streams more has no trigger: its exit lets the next kernel
+  start); the functions it leaves alone (TIRx kernels, host functions)
   keep ordinary launches and no wait;
 - without it, no kernel is tagged and no kernel waits (the tiny library's cache kernels launch
   ordinarily);
@@ -31,7 +33,8 @@ from tvm.script import tirx as T
 import tvmattn  # noqa: F401  - registers the tvmattn.* functions the library calls
 from tir_kernels.build import DYN_SHARED_TAG, LAUNCH_PARAMS_ATTR, PIPELINE, _mixed_pipeline, uses_tirx_pipeline
 from tir_kernels.common import PDL_TAG
-from tvmattn.compiler.dependent_launch import chain_dependent_launches, chain_kernels, kernel_roots, skip_reason
+from tvmattn.compiler.dependent_launch import (EARLY_TRIGGER_MAX_BYTES, chain_dependent_launches, chain_kernels,
+                                               early_trigger, kernel_roots, skip_reason, static_buffer_bytes)
 from tvmattn.compiler.pipeline import relax_pipeline
 from tvmattn.models import BuildOptions, ModelConfig, compile_module, export_module
 
@@ -259,6 +262,41 @@ def test_each_kernel_of_a_function_waits_once(func, kernels):
     assert len(bodies) == kernels
     for body in bodies:
         assert body.count(WAIT) == 1 and body.lstrip().startswith(WAIT + "\n  " + TRIGGER), body
+
+
+@T.prim_func
+def _row_sums(w: T.Buffer((1024, 1024), "float32"), y: T.Buffer((1024,), "float32")):
+    for bx in T.thread_binding(1024, thread="blockIdx.x"):  # 4 MiB of weight: a projection's size
+        for tx in T.thread_binding(1, thread="threadIdx.x"):
+            y[bx] = T.float32(0)
+            for k in range(1024):
+                y[bx] = y[bx] + w[bx, k]
+
+
+@T.prim_func
+def _row_sums_symbolic(a: T.handle, y: T.Buffer((1024,), "float32")):
+    n = T.int64()
+    w = T.match_buffer(a, (n, 1024), "float32")
+    for bx in T.thread_binding(1024, thread="blockIdx.x"):
+        for tx in T.thread_binding(1, thread="threadIdx.x"):
+            y[bx] = T.float32(0)
+            for k in range(n):
+                y[bx] = y[bx] + w[k, bx]
+
+
+def test_kernels_streaming_megabytes_let_dependents_start_at_exit():
+    """A function whose static-shape buffers reach EARLY_TRIGGER_MAX_BYTES waits first but has no
+    early trigger (its blocks' exit lets the next kernel start); a symbolic shape counts nothing."""
+    assert static_buffer_bytes(_row_sums) == 1024 * 1024 * 4 + 1024 * 4 >= EARLY_TRIGGER_MAX_BYTES
+    assert static_buffer_bytes(_row_sums_symbolic) == 1024 * 4 and early_trigger(_row_sums_symbolic)
+    assert static_buffer_bytes(_three_launches) == 2 * 4 * 64 * 4 and early_trigger(_three_launches)
+    chained = chain_kernels(_row_sums.with_attr("global_symbol", "f"))
+    assert bool(chained.attrs[PDL_TAG]) and not early_trigger(chained)
+    runtime = tvm.tirx.build(tvm.IRModule({"f": chained}), pipeline=PIPELINE,
+                             target=tvm.target.Target(BuildOptions(target=TARGET).tvm_target(), host="llvm"))
+    source = cuda_source(runtime)
+    body = source[source.index("{", source.index('extern "C" __global__')) + 1:]
+    assert body.lstrip().startswith(WAIT) and body.count(WAIT) == 1 and TRIGGER not in body
 
 
 def test_chain_kernels_is_idempotent_and_leaves_its_input(plain):

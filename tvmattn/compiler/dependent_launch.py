@@ -12,8 +12,18 @@ before lowering, CUDA only, with BuildOptions.dependent_launch) rewrites each sc
 that launches device kernels: the function gets tir_kernels' PDL_TAG attribute (tir_kernels.build
 then puts TVM's launch tag on each of its kernels' launch parameters), and every kernel's body (the
 body of its outermost blockIdx / threadIdx binding, a loop bound to a thread or a `thread_extent`
-attribute) starts with `grid_dependency_wait()` followed by `launch_dependents()`
-(tir_kernels.common). A function of several kernels gets both in each.
+attribute) starts with `grid_dependency_wait()`, followed by `launch_dependents()` (tir_kernels.common)
+in a function that streams less than EARLY_TRIGGER_MAX_BYTES through its static-shape buffers
+(`static_buffer_bytes`). A function of several kernels gets the same in each.
+
+Why the trigger is early only in small kernels: a decode step's small kernels (a norm, RoPE and
+the append, attention at a short history, a small model's projections) take a few microseconds,
+so the next kernel's launch latency is a large part of the step, and scheduling its blocks while
+this kernel runs hides it. A kernel that streams megabytes (a 1B model's projections and LM head)
+hides that latency behind its own tail, and its next kernel's blocks, scheduled early, would land
+on whichever SMs have free slots at the time: an unbalanced placement that slows a bandwidth-bound
+successor (docs/performance.md, "Programmatic dependent launch"). Without the call, the
+dependents start as this grid's blocks exit, still before its completion is flushed.
 
 Why this is safe: every thread of every rewritten kernel waits for the previous grid of the stream
 to complete before it touches any memory (the wait is the first statement of the kernel's body,
@@ -45,9 +55,12 @@ Left untouched:
 
 from __future__ import annotations
 
+import math
+
 import tvm
 import tvm_ffi
 from tvm import tirx
+from tvm.tirx.buffer import BufferType
 
 from tir_kernels.build import uses_tirx_pipeline
 from tir_kernels.common import PDL_TAG, grid_dependency_wait, launch_dependents
@@ -55,6 +68,9 @@ from tir_kernels.support import PDL_MIN_SM, TargetName, sm_of
 
 KERNEL_THREADS = ("blockIdx.", "threadIdx.")  # the bindings that start a device kernel (not vthread)
 HOST_FUNC_ATTR = "tirx.is_host_func"
+# functions streaming this much or more let their dependents start only as their blocks exit
+# (module docstring); SmolLM2's largest layer projection streams 3.4 MiB, a 1B model's smallest 8 MiB
+EARLY_TRIGGER_MAX_BYTES = 4 << 20
 
 
 def dependent_launch_problem(target) -> str | None:
@@ -97,9 +113,29 @@ def kernel_roots(body: tirx.Stmt) -> list:
     return roots
 
 
-def _waiting(stmt):
-    """stmt (a kernel's outermost binding) with its body starting with the wait and the trigger."""
-    body = tirx.SeqStmt([tirx.Evaluate(grid_dependency_wait()), tirx.Evaluate(launch_dependents()), stmt.body])
+def static_buffer_bytes(func: tirx.PrimFunc) -> int:
+    """Bytes of func's buffer parameters whose shapes are static (a projection's weight and, at a
+    static batch, its activations); parameters of a symbolic shape count nothing."""
+    total = 0
+    for param in func.params:
+        buffer = param.ty  # a BufferType for a buffer parameter, a PrimType for a scalar
+        if not isinstance(buffer, BufferType):
+            continue
+        dims = [int(d) if isinstance(d, tirx.IntImm) else None for d in buffer.shape]
+        if None not in dims:
+            total += math.prod(dims) * tvm.runtime.DataType(buffer.dtype).bits // 8
+    return total
+
+
+def early_trigger(func: tirx.PrimFunc) -> bool:
+    """Whether func's kernels let their dependents start right after their wait (module docstring)."""
+    return static_buffer_bytes(func) < EARLY_TRIGGER_MAX_BYTES
+
+
+def _waiting(stmt, trigger: bool):
+    """stmt (a kernel's outermost binding) with its body starting with the wait (and the trigger)."""
+    first = [tirx.Evaluate(grid_dependency_wait())] + ([tirx.Evaluate(launch_dependents())] if trigger else [])
+    body = tirx.SeqStmt(first + [stmt.body])
     if isinstance(stmt, tirx.For):
         return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding,
                         stmt.annotations, stmt.step, stmt.span)
@@ -129,9 +165,10 @@ def chain_kernels(func: tirx.PrimFunc) -> tirx.PrimFunc:
     if skip_reason(func) is not None:
         return func
     roots = kernel_roots(func.body)
+    trigger = early_trigger(func)
 
     def rewrite(stmt):
-        return _waiting(stmt) if any(stmt.same_as(root) for root in roots) else stmt
+        return _waiting(stmt, trigger) if any(stmt.same_as(root) for root in roots) else stmt
 
     body = tvm_ffi.structural_map(func.body, ((tirx.For, tirx.AttrStmt), rewrite), order="pre")
     return func.with_body(body).with_attr(PDL_TAG, True)
@@ -154,5 +191,5 @@ def chain_dependent_launches(mod: tvm.IRModule, _ctx: tvm.transform.PassContext)
     return mod
 
 
-__all__ = ["PDL_TAG", "chain_dependent_launches", "chain_kernels", "dependent_launch_problem", "kernel_roots",
-           "skip_reason"]
+__all__ = ["EARLY_TRIGGER_MAX_BYTES", "PDL_TAG", "chain_dependent_launches", "chain_kernels",
+           "dependent_launch_problem", "early_trigger", "kernel_roots", "skip_reason", "static_buffer_bytes"]
