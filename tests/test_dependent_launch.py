@@ -6,7 +6,8 @@ and the lowered kernels' launch parameters):
 - with the option, every kernel of every function the pass handles is launched with TVM's PDL tag
   (before the dynamic shared memory tag, which the runtime requires last), and its body calls
   `griddepcontrol.wait` exactly once, before anything touches one of its pointer arguments (only
-  declarations and scalar arithmetic come before it), followed at once by
+  declarations and scalar arithmetic come before it, and in the fused decode GEMVs the 16-byte
+  loads of their weight into registers), followed at once by
   `griddepcontrol.launch_dependents` (the tiny library's functions all stream less than
   EARLY_TRIGGER_MAX_BYTES; one that streams more has no trigger: its exit lets the next kernel
   start); the functions it leaves alone (TIRx kernels, host functions)
@@ -44,6 +45,7 @@ TINY = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 128, "nu
         "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128, "rms_norm_eps": 1e-5,
         "rope_theta": 100000.0, "tie_word_embeddings": True, "attention_bias": False}
 WAIT, TRIGGER = "tvmattn_grid_dependency_wait();", "tvmattn_launch_dependents();"
+PREFETCH_LINE = re.compile(r"\s*\*\(uint4\*\)\((\w+_local_ptr(?:_\d+)?) \+ \d+\) = \*\(uint4\*\)\((\w+_ptr) \+ [^;]*\);$")
 _LOWERED: dict = {}
 
 
@@ -149,6 +151,7 @@ def test_every_kernel_waits_before_touching_memory(chained):
     waiting = [k for k in chained.kernels if chained.owner(k) in handled]
     assert len(waiting) >= 30 and len(chained.bodies) == len(chained.kernels)
     assert any(re.search(r"_kernel_\d+$", k) for k in waiting)  # a function of several kernels: each waits
+    prefetching = set()
     for kernel in waiting:
         assert bool(chained.funcs[chained.owner(kernel)].attrs[PDL_TAG]), kernel
         params = chained.kernels[kernel]
@@ -157,11 +160,20 @@ def test_every_kernel_waits_before_touching_memory(chained):
         assert body.count(WAIT) == 1, kernel
         before = body[body.index("{") + 1:body.index(WAIT)]
         pointers = _pointers(body)
-        assert pointers and not [p for p in pointers if re.search(rf"\b{p}\b", before)], (kernel, before)
-        for line in filter(str.strip, before.split("\n")):  # declarations, scalar arithmetic
-            assert re.match(r"\s*(extern |__shared__ |alignas\(\d+\) |__align__\(\d+\) )*[\w:<>, ]+ \w+(\[\d*\])?( = [^;\[]*)?;$",
-                            line), (kernel, line)
+        # the fused decode GEMV's weight prefetch: 16-byte loads of its weight into registers
+        prefetched = {m.group(2) for m in map(PREFETCH_LINE.match, before.split("\n")) if m}
+        assert not prefetched or ("rms_norm_matmul" in kernel and len(prefetched) == 1
+                                  and "_weight" in next(iter(prefetched))), (kernel, prefetched)
+        if prefetched:
+            prefetching.add(chained.owner(kernel))
+        touched = [p for p in pointers if re.search(rf"\b{p}\b", before) and p not in prefetched]
+        assert pointers and not touched, (kernel, before)
+        for line in filter(str.strip, before.split("\n")):  # declarations, scalar arithmetic, the prefetch
+            assert PREFETCH_LINE.match(line) or re.match(
+                r"\s*(extern |__shared__ |alignas\(\d+\) |__align__\(\d+\) )*[\w:<>, ]+ \w+(\[\d*\])?( = [^;\[]*)?;$",
+                line), (kernel, line)
         assert body[body.index(WAIT) + len(WAIT):].lstrip().startswith(TRIGGER), kernel
+    assert {"fused_rms_norm_matmul", "fused_rms_norm_matmul_swiglu"} <= prefetching, prefetching
 
 
 def test_functions_the_pass_leaves_alone(chained, plain):

@@ -35,6 +35,7 @@ from tvm.script import tirx as T
 from harness import load_script
 
 from tvmattn.compiler.fused_decode import rms_norm_matmul, rms_norm_matmul_swiglu
+from tvmattn.compiler.dependent_launch import PREFETCH_ATTR
 from tvmattn.compiler.fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV
 from tvmattn.compiler.pipeline import SMALL_BATCH_THREADS, SmallBatchMatmul, inline_let_expressions, relax_pipeline
 
@@ -184,6 +185,9 @@ def compiles_with_nvcc(source: str, folder) -> None:
 
 # the CUDA rule's layouts: the normalized row staged in shared memory (the default), per warp
 CUDA_RULES = [pytest.param(True, id="staged"), pytest.param(False, id="per-warp")]
+# on the GPU also the staged layout without the weight prefetch (each lane's 16-byte vectors interleaved)
+GPU_RULES = [pytest.param(dict(staged=True), id="staged"), pytest.param(dict(staged=False), id="per-warp"),
+             pytest.param(dict(staged=True, prefetch=False), id="staged-no-prefetch")]
 
 
 @pytest.mark.parametrize("staged", CUDA_RULES)
@@ -208,6 +212,46 @@ def test_fused_rule_schedules_and_compiles_for_cuda(kind, k, n, batch, staged, t
         assert re.search(r"\*\(uint4\*\)\(\w*rms_norm_shared_local_ptr", source)
     threads = int(re.search(r"__launch_bounds__\((\d+)\)", source).group(1))
     assert threads <= 32 if staged else threads == 32  # one warp a block
+
+
+PREFETCH_CASES = [  # (kind, K, N, lanes, whether each lane's chunk of K is a conflict-free stride)
+    pytest.param("plain", 576, 960, 8, True, id="qkv-576x960"),  # SmolLM2: 144-byte chunks
+    pytest.param("swiglu", 576, 3072, 8, True, id="gate-up-576x3072"),
+    pytest.param("swiglu", 640, 4096, 16, True, id="gate-up-640x4096"),  # Gemma 3 270M: 80 bytes
+    pytest.param("plain", 2048, 3072, 32, False, id="qkv-2048x3072"),  # Llama-1B: 128 bytes, 8 lanes a bank group
+]
+
+
+@pytest.mark.parametrize("kind, k, n, lanes, prefetched", PREFETCH_CASES)
+@pytest.mark.parametrize("batch", [1, None], ids=["decode", "batch"])
+def test_staged_rule_prefetches_each_lanes_weight_chunk(kind, k, n, lanes, prefetched, batch):
+    """Where a lane's contiguous chunk of K is an odd multiple of 16 bytes (its shared-memory
+    reads of the normalized row then hit distinct bank groups), the staged rule loads the
+    thread's whole chunk of its weight column(s) into registers before it reads x, in a loop
+    marked PREFETCH_ATTR (where dependent launch waits); elsewhere, and with prefetch=False,
+    the lanes interleave 16-byte vectors loaded as the product needs them."""
+    func = fused_op(kind, k, n, batch, "float16")
+    for rule, expect in ((CUDAFusedDecodeGEMV(), prefetched), (CUDAFusedDecodeGEMV(prefetch=False), False)):
+        with CUDA:
+            sch = rule.apply(func, CUDA, False)
+            marked = [loop for loop in _loops(sch.mod["main"]) if PREFETCH_ATTR in loop.annotations]
+            source = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=CUDA).mod.imports[0].inspect_source()
+        assert len(marked) == ((2 if kind == "swiglu" else 1) if expect else 0)
+        body = source[source.index("{", source.index("__global__")):]
+        registers = [int(r) for r in re.findall(r"half w_local_ptr(?:_1)?\[(\d+)\];", body)]
+        weight_loads = [m.start() for m in re.finditer(r"= \*\(uint4\*\)\(w_ptr", body)]
+        x_loads = [m.start() for m in re.finditer(r"\(x_ptr \+", body)]
+        if expect:
+            assert registers and set(registers) == {k // lanes}, registers  # the chunk, no more
+            assert max(weight_loads) < min(x_loads)
+        else:
+            assert set(registers) == {8} and min(weight_loads) > min(x_loads)  # a vector at a time
+
+
+def _loops(func) -> list:
+    found = []
+    tvm_ffi.structural_walk(func.body, (tvm.tirx.For, found.append))
+    return found
 
 
 @pytest.mark.parametrize("threads, lanes", [(64, 32), (16, 32), (32, 0)])
@@ -244,13 +288,14 @@ def test_fused_rule_matches_numpy_on_the_cpu(kind, k, n, batch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("staged", CUDA_RULES)
-@pytest.mark.parametrize("kind, k, n", FUSED_CASES + [pytest.param("swiglu", 2048, 16384, id="gate-up-2048x16384")])
+@pytest.mark.parametrize("rule", GPU_RULES)
+@pytest.mark.parametrize("kind, k, n", FUSED_CASES + [pytest.param("swiglu", 2048, 16384, id="gate-up-2048x16384"),
+                                                       pytest.param("swiglu", 640, 4096, id="gate-up-640x4096")])
 @pytest.mark.parametrize("batch", [1, 3, 64])
-def test_fused_rule_matches_numpy_on_the_gpu(kind, k, n, batch, staged):
+def test_fused_rule_matches_numpy_on_the_gpu(kind, k, n, batch, rule):
     func = fused_op(kind, k, n, 1 if batch == 1 else None, "float16")
     with CUDA:
-        sch = CUDAFusedDecodeGEMV(staged=staged).apply(func, CUDA, False)
+        sch = CUDAFusedDecodeGEMV(**rule).apply(func, CUDA, False)
         lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=CUDA)
     rng = np.random.default_rng(batch)
     x = rng.standard_normal((batch, 1, k)).astype("float16")

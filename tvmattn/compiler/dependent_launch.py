@@ -25,6 +25,12 @@ on whichever SMs have free slots at the time: an unbalanced placement that slows
 successor (docs/performance.md, "Programmatic dependent launch"). Without the call, the
 dependents start as this grid's blocks exit, still before its completion is flushed.
 
+One exception to "first": a kernel whose first statement is a loop nest marked PREFETCH_ATTR
+(the fused decode GEMV's weight prefetch into registers, compiler/fused_schedules.py) waits right
+after that nest, so the weight streams in while the previous kernel finishes. Such a nest reads
+only its function's weight parameter: a model weight, which no kernel writes and whose storage
+the VM never reuses, so reading it early observes nothing a wait would order.
+
 Why this is safe: every thread of every rewritten kernel waits for the previous grid of the stream
 to complete before it touches any memory (the wait is the first statement of the kernel's body,
 and both calls are volatile asm with a memory clobber, so neither TIR's passes nor the CUDA
@@ -68,6 +74,8 @@ from tir_kernels.support import PDL_MIN_SM, TargetName, sm_of
 
 KERNEL_THREADS = ("blockIdx.", "threadIdx.")  # the bindings that start a device kernel (not vthread)
 HOST_FUNC_ATTR = "tirx.is_host_func"
+# a loop marked so (a schedule's weight prefetch, fused_schedules.py) may run before the grid wait
+PREFETCH_ATTR = "tvmattn_prefetch_before_wait"
 # functions streaming this much or more let their dependents start only as their blocks exit
 # (module docstring); SmolLM2's largest layer projection streams 3.4 MiB, a 1B model's smallest 8 MiB
 EARLY_TRIGGER_MAX_BYTES = 4 << 20
@@ -132,14 +140,51 @@ def early_trigger(func: tirx.PrimFunc) -> bool:
     return static_buffer_bytes(func) < EARLY_TRIGGER_MAX_BYTES
 
 
-def _waiting(stmt, trigger: bool):
-    """stmt (a kernel's outermost binding) with its body starting with the wait (and the trigger)."""
-    first = [tirx.Evaluate(grid_dependency_wait())] + ([tirx.Evaluate(launch_dependents())] if trigger else [])
-    body = tirx.SeqStmt(first + [stmt.body])
+def _with_body(stmt, body):
+    """stmt (a For or an AttrStmt) with another body."""
     if isinstance(stmt, tirx.For):
         return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding,
                         stmt.annotations, stmt.step, stmt.span)
     return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body, stmt.span)
+
+
+def _unmarked(loop: tirx.For) -> tirx.For:
+    annotations = {k: v for k, v in loop.annotations.items() if k != PREFETCH_ATTR}
+    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, loop.body, loop.thread_binding,
+                    annotations, loop.step, loop.span)
+
+
+def _is_prefetch(stmt) -> bool:
+    return isinstance(stmt, tirx.For) and PREFETCH_ATTR in stmt.annotations
+
+
+def _after_prefetch(body, first: list):
+    """body with `first` put right after its leading PREFETCH_ATTR loop: the loop must be the
+    first statement the kernel runs (reached through loops and bindings only, as the first
+    statement of each sequence). None where body has no such loop."""
+    if _is_prefetch(body):
+        return tirx.SeqStmt([_unmarked(body)] + first)
+    if isinstance(body, tirx.SeqStmt) and len(body.seq) > 0:
+        seq = list(body.seq)
+        leading = 0  # (SwiGLU: the gate's and the up half's prefetch, one after the other)
+        while leading < len(seq) and _is_prefetch(seq[leading]):
+            leading += 1
+        if leading:
+            return tirx.SeqStmt([_unmarked(s) for s in seq[:leading]] + first + seq[leading:])
+        inner = _after_prefetch(seq[0], first)
+        return None if inner is None else tirx.SeqStmt([inner] + seq[1:])
+    if isinstance(body, (tirx.For, tirx.AttrStmt)):
+        inner = _after_prefetch(body.body, first)
+        return None if inner is None else _with_body(body, inner)
+    return None
+
+
+def _waiting(stmt, trigger: bool):
+    """stmt (a kernel's outermost binding) with the wait (and the trigger) first in its body, or
+    right after the kernel's leading weight prefetch (PREFETCH_ATTR)."""
+    first = [tirx.Evaluate(grid_dependency_wait())] + ([tirx.Evaluate(launch_dependents())] if trigger else [])
+    body = _after_prefetch(stmt.body, first)
+    return _with_body(stmt, tirx.SeqStmt(first + [stmt.body]) if body is None else body)
 
 
 def skip_reason(func) -> str | None:
@@ -191,5 +236,5 @@ def chain_dependent_launches(mod: tvm.IRModule, _ctx: tvm.transform.PassContext)
     return mod
 
 
-__all__ = ["EARLY_TRIGGER_MAX_BYTES", "PDL_TAG", "chain_dependent_launches", "chain_kernels",
+__all__ = ["EARLY_TRIGGER_MAX_BYTES", "PDL_TAG", "PREFETCH_ATTR", "chain_dependent_launches", "chain_kernels",
            "dependent_launch_problem", "early_trigger", "kernel_roots", "skip_reason", "static_buffer_bytes"]

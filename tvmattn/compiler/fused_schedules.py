@@ -16,7 +16,12 @@ adds them, and the block writes the normalized row (in the activations' dtype, a
 rms_norm rounds it) to shared memory once; each column's
 lanes then read it and the weight as 16-byte vectors, their partial sums meet in a shuffle
 reduction, then the epilogue. SwiGLU: the gate column, then the up column, in the same
-threads, so the epilogue has both. `staged=False` is the earlier layout, where every column's
+threads, so the epilogue has both. With `prefetch` (the default), where each lane's contiguous
+chunk of K is an odd multiple of 16 bytes (conflict-free shared-memory reads of the staged row:
+SmolLM2's 576, Gemma 3's 640, not a 1B model's 2048), the lanes take contiguous chunks instead
+of interleaved vectors and the block first loads its threads' whole chunks of the weight into
+registers, before x: under programmatic dependent launch that load runs before the grid wait
+(dependent_launch.py's PREFETCH_ATTR), while the previous kernel finishes. `staged=False` is the earlier layout, where every column's
 lanes recomputed the norm from x and g element by element (slower: docs/performance.md,
 "Kernels per decode layer"); it stays for scripts/bench_fused_gemv.py's comparison.
 
@@ -32,6 +37,7 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 
+from .dependent_launch import PREFETCH_ATTR
 from .fused_decode import BLOCKS, UP_BLOCK
 
 # threads per block and the most lanes per column: SmallBatchMatmul's (pipeline.py), whose sweep
@@ -72,12 +78,20 @@ def _vector(extent: int, candidates) -> int:
     return next((v for v in candidates if extent % v == 0), 1)
 
 
-def _split_k(sch: s_tir.Schedule, matmul, factors: list) -> tuple:
-    """rfactor of `matmul` over its K axis split by `factors` (None first); the factored axis is
-    the second split loop. -> (partial block, write-back block)."""
+def _split_k(sch: s_tir.Schedule, matmul, factors: list, lane_major: bool = False) -> tuple:
+    """rfactor of `matmul` over its K axis split by `factors`; the factored axis is the second
+    split loop ([None, lanes, vec]: lanes interleaving vectors), or with lane_major the first
+    ([lanes, None, vec]: each lane a contiguous chunk). -> (partial block, write-back block)."""
     *_, k = sch.get_loops(matmul)
     splits = sch.split(k, factors)
-    return sch.rfactor(splits[1], factor_axis=0), matmul
+    return sch.rfactor(splits[0 if lane_major else 1], factor_axis=0), matmul
+
+
+def _conflict_free(chunk: int, dtype_bits: int) -> bool:
+    """Whether 16-byte shared-memory reads at a stride of `chunk` elements hit 8 distinct
+    16-byte bank groups (the lanes of a quarter warp): the stride is an odd multiple of 16 bytes."""
+    stride = chunk * dtype_bits // 8
+    return stride % 16 == 0 and (stride // 16) % 2 == 1
 
 
 class CUDAFusedDecodeGEMV(ScheduleRule):
@@ -86,13 +100,14 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
     scripts/bench_fused_gemv.py's comparison."""
 
     def __init__(self, rows: int = CUDA_ROWS, threads: int = CUDA_THREADS, lanes: int = CUDA_LANES,
-                 min_blocks: int = CUDA_MIN_BLOCKS, staged: bool = True):
+                 min_blocks: int = CUDA_MIN_BLOCKS, staged: bool = True, prefetch: bool = True):
         # One warp a block: blocks of several warps whose columns take 32 lanes each (K of 2048)
         # gave wrong sums on the H200 (scripts/bench_fused_gemv.py's check), and were no faster
         # where they were right
         if not 1 <= lanes <= threads <= 32:
             raise ValueError(f"threads={threads}, lanes={lanes}: expected 1 <= lanes <= threads <= 32 (one warp)")
         self.rows, self.threads, self.lanes, self.min_blocks, self.staged = rows, threads, lanes, min_blocks, staged
+        self.prefetch = prefetch
 
     def apply(self, func, target, _tunable):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
@@ -115,7 +130,11 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
         lanes = self.lanes
         while lanes > 1 and (k_extent // vec) % lanes:
             lanes //= 2
-        factored = [_split_k(sch, m, [None, lanes, vec]) for m in matmuls]
+        # prefetch: each lane takes a contiguous chunk of K (lane-major), so that a thread's
+        # registers hold its own chunk and nothing else; else the lanes interleave 16-byte vectors
+        prefetch = self.staged and self.prefetch and _conflict_free(k_extent // lanes, dtype_bits)
+        factored = [_split_k(sch, m, [lanes, None, vec] if prefetch else [None, lanes, vec], lane_major=prefetch)
+                    for m in matmuls]
         # one thread block per chunk of rows and `cols` columns (the chunk the fastest block index:
         # the blocks that read one weight slice run together, the slice comes from memory once);
         # the block's rows one after the other
@@ -147,6 +166,9 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
                 index = next(i for i, region in enumerate(reads)
                              if region.source.scope() == scope and len(region.source.shape) == 2)
                 vector = sch.cache_read(partial, index, "local", consumer_blocks=[partial])
+                if scope == "global" and prefetch:
+                    self._prefetch(sch, vector, col_tile, lanes, vec)
+                    continue
                 sch.compute_at(vector, k_step)
                 sch.vectorize(sch.get_loops(vector)[-1])
             sch.unroll(k_vec)
@@ -180,6 +202,22 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
             sch.set_scope(sumsq, 0, "local")
         sch.set_scope(rstd, 0, "local")
         return sch
+
+    @staticmethod
+    def _prefetch(sch: s_tir.Schedule, vector, col_tile, lanes: int, vec: int) -> None:
+        """The thread's whole chunk of its column of the weight into registers, first thing in
+        the block (before x is read and normalized), as 16-byte vectors; the outermost loop is
+        marked PREFETCH_ATTR, after which programmatic dependent launch puts the grid wait
+        (compiler/dependent_launch.py: a weight is read-only, so its reads need not wait)."""
+        sch.compute_at(vector, col_tile, preserve_unit_loops=True)
+        col, k = sch.get_loops(vector)[-2:]
+        lane, k_step, k_vec = sch.split(k, [lanes, None, vec])
+        if int(sch.get(col).extent) > 1:  # (a unit loop bound to threadIdx.y mixes int64 and int32 extents)
+            sch.bind(col, "threadIdx.y")
+        sch.bind(lane, "threadIdx.x")
+        sch.unroll(k_step)
+        sch.vectorize(k_vec)
+        sch.annotate(col, PREFETCH_ATTR, 1)
 
     @staticmethod
     def _block_sumsq(sch: s_tir.Schedule, sumsq, row, cols: int, lanes: int, vec: int) -> None:
