@@ -33,7 +33,8 @@ from harness import load_script
 from tvmattn.compiler.pipeline import SmallBatchMatmul, small_batch_rules
 from tvmattn.compiler.tensor_core_matmul import (FusedNormTensorCoreMatmul, SkinnyMatmulSchedule,
                                                  SmallBatchTensorCoreMatmul, choose_norm_schedule,
-                                                 choose_skinny_schedule, norm_matmul, skinny_matmul, smem_limit_of)
+                                                 choose_skinny_schedule, norm_matmul, skinny_matmul, smem_limit_of,
+                                                 swiglu_matmul_definition, swiglu_matmul_takes)
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 RULE = SmallBatchTensorCoreMatmul()
@@ -178,12 +179,28 @@ def test_llama_1b_projections_over_the_cuda_core_cap_run_on_tensor_cores_at_ever
                      (128256, 2048): False}
 
 
-@pytest.mark.parametrize("epilogue", ["none", "add", "cast"])
+@pytest.mark.parametrize("epilogue", ["none", "add", "cast", "swiglu"])
 def test_kernel_compiles_to_tensor_core_code_for_sm90(epilogue):
     lib = tvm.compile(tvm.IRModule({"main": skinny_matmul(576, 1536, "bfloat16", epilogue)}), target=CUDA)
     source = lib.mod.imports[0].inspect_source()
     assert "mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32" in source
     assert "ldmatrix" in source and "cp_async" in source
+
+
+def test_rule_takes_the_batched_swiglu_op_at_every_batch():
+    """fused_decode.matmul_swiglu over the symbolic batch: replaced by the "swiglu" kernel,
+    without a CUDA-core branch (there is no CUDA-core schedule of the op); a plain projection
+    whose weight has as many rows is not taken for it."""
+    func = swiglu_matmul_definition(1536, 576, "float16")
+    rule = SmallBatchTensorCoreMatmul(below=SmallBatchMatmul())
+    with CUDA:
+        taken = rule.apply(func, CUDA, False).mod["main"]
+        expected = skinny_matmul(1536, 576, "float16", "swiglu")
+        tvm.ir.assert_structural_equal(taken.body, expected.body, map_free_vars=True)
+        plain = rule.apply(legalized(3072, 576), CUDA, False).mod["main"]
+        assert "sigmoid" not in plain.script() and "tvm_thread_invariant" in plain.script()
+    assert swiglu_matmul_takes(1536, 576, "float16") and not swiglu_matmul_takes(1536, 576, "float32")
+    assert not swiglu_matmul_takes(1000, 576, "float16")  # N not a multiple of 16
 
 
 def test_the_pipeline_tries_it_before_the_cuda_core_rule():
@@ -373,13 +390,20 @@ GPU_CASES = [
     pytest.param(96, 80, "none", "float16", None, id="k80"),
     pytest.param(256, 256, "none", "float16", SkinnyMatmulSchedule(warps_n=1, warps_k=2, k_steps=1, stages=2),
                  id="two-stages"),
+    pytest.param(1536, 576, "swiglu", "float16", None, id="gate-up-576-swiglu"),  # SmolLM2's
+    pytest.param(512, 2048, "swiglu", "bfloat16", SkinnyMatmulSchedule(warps_n=2, warps_k=4, k_steps=2, stages=3),
+                 id="bf16-swiglu-wn2-ks2"),
 ]
 
 
 def _reference(x, w, res, epilogue: str, dtype: str) -> np.ndarray:
     """float32 products and sums, rounded to dtype, then the epilogue (as the kernel rounds)."""
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
-    total = (x.astype(np.float32)[:, 0] @ w.astype(np.float32).T)[:, None, :].astype(np_dtype)
+    sums = (x.astype(np.float32)[:, 0] @ w.astype(np.float32).T)[:, None, :]
+    if epilogue == "swiglu":  # w = [gate; up]: silu(gate) * up of the float32 sums, rounded once
+        gate, up = np.split(sums.astype(np.float64), 2, axis=-1)
+        return (gate / (1 + np.exp(-gate)) * up).astype(np_dtype).astype(np.float32)
+    total = sums.astype(np_dtype)
     if epilogue == "add":
         return (res.astype(np.float32) + total.astype(np.float32)).astype(np_dtype).astype(np.float32)
     return total.astype(np.float32)
@@ -393,7 +417,7 @@ def _check_on_gpu(lib, n: int, k: int, epilogue: str, dtype: str, batches):
     for batch in batches:
         rng = np.random.default_rng(batch)
         x = (rng.standard_normal((batch, 1, k)) * 0.5).astype(np_dtype)
-        w = (rng.standard_normal((n, k)) * 0.5).astype(np_dtype)
+        w = (rng.standard_normal((2 * n if epilogue == "swiglu" else n, k)) * 0.5).astype(np_dtype)
         res = (rng.standard_normal((batch, 1, n)) * 0.5).astype(np_dtype)
         args = [tvm.runtime.tensor(x, dev), tvm.runtime.tensor(w, dev)]
         if epilogue == "add":

@@ -11,6 +11,10 @@ into the projection:
 - `rms_norm_matmul_swiglu`: y = silu(h W_gate^T) * (h W_up^T), h = rms_norm(x, g), with
   W = [W_gate; W_up] (the gate_up projection after the post-attention norm).
 
+- `matmul_swiglu`: y = silu(x W_gate^T) * (x W_up^T), the norm a kernel before it: a batched
+  decode step's gate_up on tensor cores with SiLU * mul as its epilogue (fused_decode's
+  batched_swiglu: the export takes it where tensor_core_matmul's kernel serves the weight).
+
 The norm is TVM's (topi rms_norm): float32 sum of squares, the normalized row rounded to the
 activations' dtype; the product sums in float32 and rounds once. Blocks, by name (the schedules
 find them so): `rms_sumsq` (the rows' sums of squares), `rms_rstd` (1 / RMS per row), `rms_norm`
@@ -33,20 +37,30 @@ import contextvars
 from tvm import te, tirx
 
 _FUSED = contextvars.ContextVar("tvmattn_fused_decode", default=(True, False))  # (enabled, single_row_only)
+_BATCHED_SWIGLU = contextvars.ContextVar("tvmattn_batched_swiglu", default=False)
 _ONE = tirx.const(1, "int64")
 BLOCKS = ("rms_sumsq", "rms_rstd", "rms_norm", "NT_matmul", "T_epilogue")
 UP_BLOCK = "NT_matmul_up"  # SwiGLU's up half (NT_matmul: its gate half)
 
 
 @contextlib.contextmanager
-def fused_decode(enabled: bool, single_row_only: bool = False):
+def fused_decode(enabled: bool, single_row_only: bool = False, batched_swiglu: bool = False):
     """Models exported inside this context use the fused decode ops (enabled; with
-    single_row_only at a static batch of 1 only) or the plain ops."""
+    single_row_only at a static batch of 1 only) or the plain ops; with batched_swiglu, where a
+    decode step's gate_up has no fused op (a symbolic batch), `matmul_swiglu` after the norm."""
     token = _FUSED.set((bool(enabled), bool(single_row_only)))
+    swiglu = _BATCHED_SWIGLU.set(bool(batched_swiglu))
     try:
         yield
     finally:
         _FUSED.reset(token)
+        _BATCHED_SWIGLU.reset(swiglu)
+
+
+def batched_swiglu_enabled(rows) -> bool:
+    """Whether models exported now write a decode step of `rows` sequences' gate_up and SiLU *
+    mul as one `matmul_swiglu` (a symbolic batch, inside fused_decode(..., batched_swiglu=True))."""
+    return _BATCHED_SWIGLU.get() and not isinstance(rows, int)
 
 
 def fused_decode_enabled(rows=None) -> bool:
@@ -76,6 +90,30 @@ def _matmul(normed: te.Tensor, w: te.Tensor, first_row: int, cols: int, name: st
     return te.compute((rows, _ONE, tirx.const(cols, "int64")),
                       lambda b, s, j: te.sum(normed[b, r].astype("float32") * w[offset + j, r].astype("float32"),
                                              axis=r), name=name)
+
+
+def matmul_swiglu(x: te.Tensor, w: te.Tensor) -> te.Tensor:
+    """x [B, 1, K], w [2 I, K] (gate rows, then up rows) -> silu(x w_gate^T) * (x w_up^T)
+    [B, 1, I] in x's dtype: the MLP's gate_up with its SiLU * mul, the norm before it a kernel of
+    its own (tensor_core_matmul's "swiglu" kernel in the batched steps)."""
+    n = int(w.shape[0])
+    if n % 2:
+        raise ValueError(f"matmul_swiglu: w has {n} rows, expected gate and up halves")
+    rows, _, k_dim = x.shape
+
+    def product(first_row: int, name: str) -> te.Tensor:
+        r = te.reduce_axis((0, k_dim), "k")
+        offset = tirx.const(first_row, "int64")
+        return te.compute((rows, _ONE, tirx.const(n // 2, "int64")),
+                          lambda b, s, j: te.sum(x[b, 0, r].astype("float32") * w[offset + j, r].astype("float32"),
+                                                 axis=r), name=name)
+
+    gate, up = product(0, "NT_matmul"), product(n // 2, UP_BLOCK)
+
+    def swiglu(b, s, j):
+        return (gate[b, s, j] * tirx.sigmoid(gate[b, s, j]) * up[b, s, j]).astype(x.dtype)
+
+    return te.compute(gate.shape, swiglu, name="T_epilogue")
 
 
 def rms_norm_matmul(x: te.Tensor, g: te.Tensor, w: te.Tensor, bias: te.Tensor | None = None, *,

@@ -6,8 +6,9 @@ What it computes is the PrimFunc it replaces (`SmallBatchTensorCoreMatmul` recog
 
 with the products summed in float32 and the sum rounded once to the activations' dtype, then
 the epilogue: "none" (Y is the rounded sum), "add" (Y = R[b, 0, n] + sum, a decoder layer's
-residual, in the activations' dtype as the separate add computes it) or "cast" (Y float32, the
-LM head's logits).
+residual, in the activations' dtype as the separate add computes it), "cast" (Y float32, the
+LM head's logits) or "swiglu" (W = [W_gate; W_up] of 2N rows, Y = silu(gate) * up of the two
+float32 sums, rounded once: fused_decode.matmul_swiglu, the MLP's gate_up with its SiLU * mul).
 
 Why: at these shapes a step streams each weight once, so the kernel should run at the memory's
 speed. On CUDA cores (SmallBatchMatmul) each weight element costs batch multiply-adds, and from
@@ -41,7 +42,7 @@ from tvm.script import tirx as T
 from tir_kernels.mma import CHUNK, CP_ASYNC, FULL_WARP, LDSM, MIN_ARCH as MMA_MIN_ARCH, ROWS_PER_MMA, Tile, mma_name
 from tir_kernels.support import TENSOR_CORE_DTYPES, TargetName, sm_of
 
-EPILOGUES = ("none", "add", "cast")  # of a plain projection
+EPILOGUES = ("none", "add", "cast", "swiglu")  # of a plain projection
 NORM_EPILOGUES = ("none", "bias", "swiglu")  # after the RMSNorm (fused_decode's ops)
 DTYPES = TENSOR_CORE_DTYPES  # the operands' dtype (Y's in epilogues "none" and "add")
 ROWS_PER_TILE = ROWS_PER_MMA  # the M of m16n8k16
@@ -117,8 +118,9 @@ class SkinnyMatmulSchedule:
             raise ValueError(f"{used} bytes of shared memory: over {smem_limit}")
 
 
-def choose_skinny_schedule(n: int, k: int) -> SkinnyMatmulSchedule | None:
-    """The schedule of an N x K weight, or None where none tiles it (N or K not a multiple of 16).
+def choose_skinny_schedule(n: int, k: int, halves: int = 1) -> SkinnyMatmulSchedule | None:
+    """The schedule of an N x K weight (halves * N rows: 2 for SwiGLU's gate and up), or None
+    where none tiles it (N or K not a multiple of 16).
 
     Column blocks: 64 columns where that still makes two blocks per SM, 32 where it makes one,
     else 16 (SmolLM2's 576-row projections: 36 blocks). K: 4 warps split each stage; a stage is
@@ -136,7 +138,7 @@ def choose_skinny_schedule(n: int, k: int) -> SkinnyMatmulSchedule | None:
             break
     stages = 4 if n // (ROWS_PER_TILE * warps_n) >= TARGET_BLOCKS else 6
     schedule = SkinnyMatmulSchedule(warps_n=warps_n, warps_k=warps_k, k_steps=k_steps, stages=stages)
-    while schedule.smem_bytes() > SMEM_LIMIT and schedule.stages > 2:
+    while schedule.smem_bytes(halves) > SMEM_LIMIT and schedule.stages > 2:
         schedule = dataclasses.replace(schedule, stages=schedule.stages - 1)
     return schedule
 
@@ -261,7 +263,7 @@ def _checked_schedule(n, k, dtype, epilogue, schedule, norm: bool) -> SkinnyMatm
         raise ValueError(f"epilogue={epilogue!r}: expected one of {allowed}")
     halves = 2 if epilogue == "swiglu" else 1
     if schedule is None:
-        schedule = choose_norm_schedule(n, k, halves) if norm else choose_skinny_schedule(n, k)
+        schedule = choose_norm_schedule(n, k, halves) if norm else choose_skinny_schedule(n, k, halves)
     if schedule is None:
         raise ValueError(f"N={n}, K={k}: expected multiples of {ROWS_PER_TILE}"
                          + (" and X's rows within the arch's shared memory" if norm else ""))
@@ -529,7 +531,7 @@ def _as_function(body, n: int, k: int, dtype: str, epilogue: str, norm: bool, bu
             body(x, None, w, r, y)
     else:
         @T.prim_func
-        def func(x_h: T.handle, w: T.Buffer((N64, K64), dtype), y_h: T.handle):
+        def func(x_h: T.handle, w: T.Buffer((NW64, K64), dtype), y_h: T.handle):
             T.func_attr({"tirx.noalias": True})
             batch_size = T.int64()
             x = T.match_buffer(x_h, (batch_size, T.int64(1), K64), dtype)
@@ -569,6 +571,39 @@ def matmul_definition(n: int, k: int, dtype: str, epilogue: str) -> tirx.PrimFun
         mod = tvm.transform.Sequential(passes)(builder.get())
     (func,) = [f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc)]
     return func
+
+
+@functools.lru_cache(maxsize=64)
+def swiglu_matmul_definition(n: int, k: int, dtype: str) -> tirx.PrimFunc:
+    """The unscheduled PrimFunc that `skinny_matmul(n, k, dtype, "swiglu")` replaces: the op
+    fused_decode.matmul_swiglu over x [batch_size, 1, k] and w [2 n, k], as the export writes it."""
+    from tvm import relax
+    from tvm.script import relax as R
+
+    from .fused_decode import matmul_swiglu
+
+    x = relax.Var("x", R.Tensor((tirx.Var("batch_size", "int64"), 1, k), dtype))
+    w = relax.Var("w", R.Tensor((2 * n, k), dtype))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x, w]):
+        with builder.dataflow():  # (as nn's tensor_expr_op emits it)
+            out = builder.emit_output(builder.emit_te(matmul_swiglu, x, w))
+        builder.emit_func_output(out)
+    (func,) = [f for f in builder.get().functions.values() if isinstance(f, tirx.PrimFunc)]
+    return func
+
+
+def swiglu_matmul_takes(n: int, k: int, dtype: str) -> bool:
+    """Whether skinny_matmul's "swiglu" kernel serves a gate_up weight of 2 n x k rows in dtype
+    (what the export checks before it writes fused_decode.matmul_swiglu)."""
+    schedule = choose_skinny_schedule(n, k, 2) if dtype in DTYPES else None
+    if schedule is None:
+        return False
+    try:
+        schedule.check(n, k, 2)
+    except ValueError:
+        return False
+    return True
 
 
 def tensor_core_matmul_problem(target: str, small_batch_matmul: bool = True) -> str | None:
@@ -613,22 +648,28 @@ class SmallBatchTensorCoreMatmul(ScheduleRule):
             return None
         if not all(isinstance(d, tirx.IntImm) for d in weight.shape):
             return None
-        n, k = (int(d) for d in weight.shape)
+        rows, k = (int(d) for d in weight.shape)
         dtype = str(weight.dtype)
         epilogue = "add" if len(func.params) == 4 else "cast" if str(out.dtype) == "float32" else "none"
-        schedule = self.schedule_for(n, k)
+        if _is_swiglu_matmul(func, rows, k, dtype):
+            epilogue = "swiglu"
+        n = rows // 2 if epilogue == "swiglu" else rows
+        halves = 2 if epilogue == "swiglu" else 1
+        schedule = self.schedule_for(n, k, halves) if halves == 2 else self.schedule_for(n, k)
         if schedule is None:
             return None
         try:
-            schedule.check(n, k)
+            schedule.check(n, k, halves)
         except ValueError:
             return None
-        definition = matmul_definition(n, k, dtype, epilogue)
-        # (the parameters and the body; attributes such as the op pattern may differ)
-        if not tvm_ffi.structural_equal([func.params, func.body], [definition.params, definition.body],
-                                        map_free_vars=True):
-            return None
-        low = _scheduled_by(self.below, self.from_batch, func, target, tunable)
+        if epilogue != "swiglu":
+            definition = matmul_definition(n, k, dtype, epilogue)
+            # (the parameters and the body; attributes such as the op pattern may differ)
+            if not tvm_ffi.structural_equal([func.params, func.body], [definition.params, definition.body],
+                                            map_free_vars=True):
+                return None
+        # (SwiGLU's op has no CUDA-core schedule: tensor cores at every batch)
+        low = None if epilogue == "swiglu" else _scheduled_by(self.below, self.from_batch, func, target, tunable)
         if low is not None:
             x, w, *rest, y = low.params
             tensor_cores = skinny_matmul_body(n, k, dtype, epilogue, schedule, x, w, rest[0] if rest else None, y)
@@ -739,6 +780,18 @@ class FusedNormTensorCoreMatmul(ScheduleRule):
         for key, value in (func.attrs or {}).items():
             kernel = kernel.with_attr(key, value)
         return s_tir.Schedule(kernel)
+
+
+def _is_swiglu_matmul(func, rows: int, k: int, dtype: str) -> bool:
+    """func computes exactly swiglu_matmul_definition(rows / 2, k, dtype)."""
+    out = func.params[-1]
+    if len(func.params) != 3 or rows % 2 or str(out.dtype) != dtype or len(getattr(out, "shape", ())) != 3:
+        return False
+    if not isinstance(out.shape[-1], tirx.IntImm) or int(out.shape[-1]) != rows // 2:  # (a plain projection: rows)
+        return False
+    definition = swiglu_matmul_definition(rows // 2, k, dtype)
+    return bool(tvm_ffi.structural_equal([func.params, func.body], [definition.params, definition.body],
+                                         map_free_vars=True))
 
 
 def _branch_on_batch(batch, from_batch: int, below: tirx.Stmt, tensor_cores: tirx.Stmt) -> tirx.Stmt:

@@ -46,7 +46,8 @@ from tir_kernels.support import (FP8_KV_DTYPES, TargetName, dtype_problem, is_fp
                                  sm_of)
 
 from ..compiler.dependent_launch import dependent_launch_problem
-from ..compiler.tensor_core_matmul import DTYPES as TENSOR_CORE_DTYPES, choose_norm_schedule, tensor_core_matmul_problem
+from ..compiler.tensor_core_matmul import (DTYPES as TENSOR_CORE_DTYPES, choose_norm_schedule, swiglu_matmul_takes,
+                                          tensor_core_matmul_problem)
 from ..compiler.fused_decode import fused_decode
 from ..compiler.pipeline import relax_pipeline
 from ..compiler.script_frames import cheap_frame_stacks
@@ -255,6 +256,21 @@ def fused_on_tensor_cores(config: AnyModelConfig, options: BuildOptions) -> bool
                for n, halves in ((qkv, 1), (intermediate, 2)))
 
 
+def swiglu_on_tensor_cores(config: AnyModelConfig, options: BuildOptions) -> bool:
+    """Whether a CUDA library's batched decode steps write gate_up and SiLU * mul as one
+    fused_decode.matmul_swiglu (tensor_core_matmul's "swiglu" kernel, at every batch): with
+    tensor_core_matmul and fused_layers on, fused_batch_layers off (its own fused op takes the
+    norm too), a 16-bit dtype and a kernel schedule for the model's gate_up."""
+    if (options.target == "llvm" or not options.tensor_core_matmul or not options.fused_layers
+            or options.fused_batch_layers or options.dtype not in TENSOR_CORE_DTYPES):
+        return False
+    try:
+        hidden, intermediate = config.hidden_size, config.intermediate_size
+    except AttributeError:  # (an architecture without an MLP of this shape)
+        return False
+    return swiglu_matmul_takes(intermediate, hidden, options.dtype)
+
+
 def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IRModule, dict[str, Any]]:
     """The Relax IRModule of the model library (before compilation) and its metadata."""
     formats = dict(options.weight_formats)
@@ -264,7 +280,8 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
     # quant.linear picks its kernels' target from the target scope
     # on a GPU the fused ops in `decode` (batch 1) only, unless fused_batch_layers: compiler.fused_decode
     single_row_only = options.target != "llvm" and not fused_on_tensor_cores(config, options)
-    with options.tvm_target(), fused_decode(options.fused_layers, single_row_only=single_row_only), \
+    swiglu = swiglu_on_tensor_cores(config, options)
+    with options.tvm_target(), fused_decode(options.fused_layers, single_row_only, batched_swiglu=swiglu), \
             cheap_frame_stacks():  # (the kernel generators parse TVMScript: compiler.script_frames)
         mod, params = model.export_tvm(spec=model.get_default_spec())
     if "decode_step" in arch.functions:  # storage planned for the largest batch (see compiler/pipeline.py)

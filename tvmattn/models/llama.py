@@ -10,7 +10,9 @@ Decode shapes (`[batch, 1, hidden]`: decode, batch_decode, decode_step) of float
 the fused ops of compiler.fused_decode where the export enables them (BuildOptions.fused_layers):
 the input RMSNorm inside the qkv projection, the post-attention RMSNorm and SiLU * mul inside
 gate_up; FuseOps adds the residuals to o_proj and down_proj. A layer is then four model kernels
-and the cache's attention call. Kept-quantized layers fuse inside QuantLinear instead.
+and the cache's attention call. Where the fused ops are left out of the batched steps (CUDA
+without fused_batch_layers), the export's batched_swiglu writes gate_up with SiLU * mul as one
+op (matmul_swiglu) after its own RMSNorm. Kept-quantized layers fuse inside QuantLinear instead.
 
 Parameter names are HF's with the fused projections renamed: `...self_attn.qkv_proj.*` holds
 q_proj, k_proj, v_proj stacked on the output axis, `...mlp.gate_up_proj.weight` holds gate_proj
@@ -32,7 +34,8 @@ from tvm.relax.frontend.nn import op
 
 from typing import Mapping
 
-from ..compiler.fused_decode import fused_decode_enabled, rms_norm_matmul, rms_norm_matmul_swiglu
+from ..compiler.fused_decode import (batched_swiglu_enabled, fused_decode_enabled, matmul_swiglu, rms_norm_matmul,
+                                     rms_norm_matmul_swiglu)
 from ..quant.linear import PART_PREFIX, QuantEmbedding, QuantLinear, float32_products
 from ..weights.quant import PACKED
 from .config import ModelConfig
@@ -58,6 +61,13 @@ def _fusable(linear, x: nn.Tensor, norm: nn.RMSNorm) -> bool:
     nn.Linear, a decode shape ([batch, 1, hidden]: one new token per sequence) and the fusion on."""
     return (isinstance(linear, nn.Linear) and len(x.shape) == 3 and isinstance(x.shape[1], int) and x.shape[1] == 1
             and getattr(norm, "bias", None) is None and fused_decode_enabled(x.shape[0]))
+
+
+def _batched_swiglu(linear, x: nn.Tensor) -> bool:
+    """Whether a float gate_up without bias of a batched decode step ([batch_size, 1, hidden],
+    symbolic batch) runs as compiler.fused_decode.matmul_swiglu (the export's batched_swiglu)."""
+    return (isinstance(linear, nn.Linear) and linear.bias is None and len(x.shape) == 3
+            and isinstance(x.shape[1], int) and x.shape[1] == 1 and batched_swiglu_enabled(x.shape[0]))
 
 
 def _normed(linear, x: nn.Tensor, norm: nn.RMSNorm) -> nn.Tensor:
@@ -108,6 +118,9 @@ class MLP(nn.Module):
         if _fusable(self.gate_up_proj, x, norm):  # norm, gate_up and SiLU * mul in one op
             h = op.tensor_expr_op(functools.partial(rms_norm_matmul_swiglu, eps=float(norm.epsilon)),
                                   "fused_rms_norm_matmul_swiglu", args=[x, norm.weight, self.gate_up_proj.weight])
+            return _project(self.down_proj, h, x)
+        if _batched_swiglu(self.gate_up_proj, x):  # gate_up with SiLU * mul as its epilogue
+            h = op.tensor_expr_op(matmul_swiglu, "fused_matmul_swiglu", args=[norm(x), self.gate_up_proj.weight])
             return _project(self.down_proj, h, x)
         gate_up = _normed(self.gate_up_proj, x, norm)
         if isinstance(self.down_proj, QuantLinear):
