@@ -9,7 +9,9 @@ F.linear (cuBLAS), then SiLU * mul for SwiGLU, on the same inputs.
 Variants: "warp" (staged=False: each column's lanes compute the norm themselves), and
 "staged-t<threads>-b<min_blocks>" (the normalized row in shared memory once per block, up to
 <threads> threads a block (one warp at most), fewer columns a block while there would be under
-<min_blocks> blocks; the default: staged-t32-b264).
+<min_blocks> blocks; the default: staged-t32-b264), and any staged variant with "-noprefetch"
+(lanes interleaving 16-byte vectors, no weight prefetch; the prefetch itself pays under
+programmatic dependent launch, which these lone calls do not use).
 
 Device time per call is the kernels' time (torch.profiler, mean over --iters calls). Each call
 reads another copy of the weight, the copies together larger than the L2 cache, so the weight
@@ -41,7 +43,7 @@ SHAPES = (
     ("gemma3-qkv", "plain", 640, 1536),
     ("gemma3-gate-up", "swiglu", 640, 4096),
 )
-VARIANTS = ("warp", "staged-t32-b264", "staged-t32-b132", "staged-t32-b528")
+VARIANTS = ("warp", "staged-t32-b264", "staged-t32-b132", "staged-t32-b528", "staged-t32-b264-noprefetch")
 L2_BYTES = 200 << 20  # the weight copies of one shape, together: over any Hopper's L2
 EPS = 1e-5
 
@@ -51,8 +53,14 @@ def rule(variant: str):
 
     if variant == "warp":
         return CUDAFusedDecodeGEMV(staged=False)
-    _, threads, blocks = variant.split("-")
-    return CUDAFusedDecodeGEMV(threads=int(threads[1:]), min_blocks=int(blocks[1:]))
+    parts = variant.split("-")
+    prefetch = parts[-1] != "noprefetch"
+    if not prefetch:
+        parts = parts[:-1]
+    if len(parts) != 3 or parts[0] != "staged" or parts[1][:1] != "t" or parts[2][:1] != "b":
+        raise ValueError(f"variant {variant!r}: expected warp or staged-t<threads>-b<min_blocks>[-noprefetch]")
+    _, threads, blocks = parts
+    return CUDAFusedDecodeGEMV(threads=int(threads[1:]), min_blocks=int(blocks[1:]), prefetch=prefetch)
 
 
 def fused_func(kind: str, k: int, n: int):

@@ -260,6 +260,13 @@ def test_cuda_fused_rule_refuses_blocks_other_than_one_warp(threads, lanes):
         CUDAFusedDecodeGEMV(threads=threads, lanes=lanes)
 
 
+@pytest.mark.parametrize("flags, message", [(dict(prefetch=1), "prefetch=1: expected a bool"),
+                                            (dict(staged="yes"), "staged='yes': expected a bool")])
+def test_cuda_fused_rule_takes_its_layout_flags_as_bools(flags, message):
+    with pytest.raises(ValueError, match=message):
+        CUDAFusedDecodeGEMV(**flags)
+
+
 def test_fused_rules_leave_other_functions():
     for rule, target in ((CUDAFusedDecodeGEMV(), CUDA), (CPUFusedDecodeGEMV(), LLVM)):
         assert rule.apply(nt_matmul(64, 576), target, False) is None
@@ -400,6 +407,9 @@ def test_bench_fused_gemv_builds_every_variant_and_shares_the_reference(tmp_path
         assert bench.build(("smollm2-qkv", variant), str(tmp_path)) == str(path) and path.stat().st_size > 0
     with pytest.raises(ValueError, match="one warp"):
         bench.rule("staged-t64-b264")  # more than one warp a block
+    with pytest.raises(ValueError, match="expected warp or staged-t<threads>-b<min_blocks>"):
+        bench.rule("staged-t32-b264-fast")
+    assert not bench.rule("staged-t32-b264-noprefetch").prefetch and bench.rule("staged-t32-b264").prefetch
     rng = np.random.default_rng(3)
     for kind, n in (("plain", 48), ("swiglu", 96)):
         x = rng.standard_normal((1, 1, 64)).astype(np.float16)

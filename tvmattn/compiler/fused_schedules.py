@@ -106,6 +106,9 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
         # where they were right
         if not 1 <= lanes <= threads <= 32:
             raise ValueError(f"threads={threads}, lanes={lanes}: expected 1 <= lanes <= threads <= 32 (one warp)")
+        for name, flag in (("staged", staged), ("prefetch", prefetch)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}={flag!r}: expected a bool")
         self.rows, self.threads, self.lanes, self.min_blocks, self.staged = rows, threads, lanes, min_blocks, staged
         self.prefetch = prefetch
 
