@@ -1,7 +1,8 @@
 """The GPU kernels of a small-batch decode step, variant by variant (a tuning aid, H200):
 
 - matmuls: the symbolic-batch projections of a model library's `decode_step` (taken from the
-  exported module after legalization, so the same fused PrimFuncs), scheduled by dlight's
+  exported module after legalization, so the same fused PrimFuncs; beside them gate_up with
+  SiLU * mul as one op, compiler.fused_decode.matmul_swiglu, which only the "tc" variants take), scheduled by dlight's
   default CUDA rules ("matmul"), by compiler.pipeline.DecodeBatchGEMV (dlight's LowBatchGEMV)
   with a batch bucket of 4, 8 or 16 ("gemv-b<bucket>"), by compiler.pipeline.SmallBatchMatmul
   (CUDA cores, "rows"), by compiler.tensor_core_matmul.SmallBatchTensorCoreMatmul alone
@@ -84,6 +85,25 @@ def decode_step_matmuls(model: str, max_batch: int, fused: bool = False):
     return funcs, target
 
 
+def swiglu_matmuls(model: str) -> dict:
+    """{"fused_matmul_swiglu": PrimFunc}: the model's gate_up with SiLU * mul as one op over the
+    symbolic batch (what a CUDA library's batched steps run), or {} where the kernel does not
+    serve its shape."""
+    from tvmattn.compiler.tensor_core_matmul import swiglu_matmul_definition, swiglu_matmul_takes
+    from tvmattn.models.config import model_config_from_hf
+
+    config = model_config_from_hf(json.load(open(model)))
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    if not swiglu_matmul_takes(intermediate, hidden, "float16"):
+        return {}
+    return {"fused_matmul_swiglu": swiglu_matmul_definition(intermediate, hidden, "float16")}
+
+
+def _is_swiglu(func) -> bool:
+    """Whether func is matmul_swiglu's op: its output has half as many columns as W has rows."""
+    return len(func.params) == 3 and int(func.params[-1].shape[-1]) * 2 == int(func.params[1].shape[0])
+
+
 def schedule(func, target, variant: str):
     """The compiled module of func under `variant`: "matmul", "gemv-b<bucket>", "rows"
     (SmallBatchMatmul), "rows-r<R>-t<T>" (SmallBatchMatmul(rows=R, threads=T)), "tc"
@@ -107,6 +127,13 @@ def schedule(func, target, variant: str):
             if variant not in rules:
                 return None
             mod = dl.ApplyDefaultSchedule(*rules[variant])(mod)
+            if "tirx.is_scheduled" not in mod["main"].attrs:
+                return None
+        elif _is_swiglu(func):  # no CUDA-core schedule: the tensor-core kernel at every batch
+            if not (variant.startswith("tc") or variant == "hybrid"):
+                return None
+            tc = "tc" if variant == "hybrid" else variant
+            mod = dl.ApplyDefaultSchedule(SmallBatchTensorCoreMatmul(tc_schedule(tc)))(mod)
             if "tirx.is_scheduled" not in mod["main"].attrs:
                 return None
         elif variant.startswith("tc"):
@@ -134,8 +161,8 @@ def tc_schedule(variant: str):
 
     warps_n, stages = (int(part[1:]) for part in variant.split("-")[1:])
 
-    def schedule_for(n, k):
-        base = choose_skinny_schedule(n, k)
+    def schedule_for(n, k, halves=1):
+        base = choose_skinny_schedule(n, k, halves)
         return None if base is None else dataclasses.replace(base, warps_n=warps_n, stages=stages)
 
     return schedule_for
@@ -157,6 +184,8 @@ def build_matmuls(args):
     """[(name, func, {variant: compiled module})] of decode_step's matmuls (with --fused, its
     fused decode ops)."""
     funcs, target = decode_step_matmuls(args.model, max(BATCHES), args.fused)
+    if not args.fused:
+        funcs.update(swiglu_matmuls(args.model))
     return [(name, func, {v: schedule(func, target, v) for v in args.variants}) for name, func in sorted(funcs.items())]
 
 
@@ -222,6 +251,11 @@ def _reference(func, ins):
         return out[:, None]
     x, w = ins[0].float(), ins[1].float()
     out = x @ w.T
+    if _is_swiglu(func):  # silu(gate) * up of the float32 sums
+        import torch
+
+        gate, up = out.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
     if len(ins) == 4:  # fused_NT_matmul_add: (x, W, residual, out)
         out = out + ins[2].float()
     return out

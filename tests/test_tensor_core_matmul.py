@@ -203,6 +203,22 @@ def test_rule_takes_the_batched_swiglu_op_at_every_batch():
     assert not swiglu_matmul_takes(1000, 576, "float16")  # N not a multiple of 16
 
 
+def test_bench_small_batch_sweeps_the_swiglu_op_on_tensor_cores_only():
+    """scripts/bench_small_batch.py: beside decode_step's plain projections, SmolLM2's gate_up
+    with SiLU * mul (1536 x 576, two weight halves); the tc variants build it, the CUDA-core
+    ones have no schedule of it (None)."""
+    bench = load_script("bench_small_batch")
+    funcs = bench.swiglu_matmuls("scripts/smollm2-config.json")
+    func = funcs["fused_matmul_swiglu"]
+    assert bench._is_swiglu(func) and [int(d) for d in func.params[1].shape] == [3072, 576]
+    assert not any(bench._is_swiglu(f) for f in bench.decode_step_matmuls("scripts/smollm2-config.json", 64)[0].values())
+    for variant in ("rows", "matmul", "gemv-b8"):
+        assert bench.schedule(func, CUDA, variant) is None, variant
+    for variant in ("tc", "tc-n2-p4"):
+        source = bench.schedule(func, CUDA, variant).mod.imports[0].inspect_source()
+        assert "mma_sync_aligned_m16n8k16" in source, variant
+
+
 def test_the_pipeline_tries_it_before_the_cuda_core_rule():
     from tvm.s_tir import dlight as dl
 

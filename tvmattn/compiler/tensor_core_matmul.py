@@ -628,8 +628,9 @@ class SmallBatchTensorCoreMatmul(ScheduleRule):
     replacement launches its kernel when batch_size < from_batch and the tensor-core kernel
     otherwise (one function, two kernels, the branch on the host); where it declines (a weight
     over its cap, the LM head), the tensor-core kernel runs at every batch.
-    schedule_for(N, K): the kernel's schedule, None where none serves (default:
-    choose_skinny_schedule; a sweep, scripts/bench_small_batch.py, passes others)."""
+    schedule_for(N, K), and schedule_for(N, K, 2) for matmul_swiglu's op (2 N weight rows): the
+    kernel's schedule, None where none serves (default: choose_skinny_schedule; a sweep,
+    scripts/bench_small_batch.py, passes others)."""
 
     def __init__(self, schedule_for=None, below: ScheduleRule | None = None, from_batch: int = TENSOR_CORES_FROM_BATCH):
         if not isinstance(from_batch, int) or from_batch < 1:
