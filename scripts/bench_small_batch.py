@@ -99,11 +99,6 @@ def swiglu_matmuls(model: str) -> dict:
     return {"fused_matmul_swiglu": swiglu_matmul_definition(intermediate, hidden, "float16")}
 
 
-def _is_swiglu(func) -> bool:
-    """Whether func is matmul_swiglu's op: its output has half as many columns as W has rows."""
-    return len(func.params) == 3 and int(func.params[-1].shape[-1]) * 2 == int(func.params[1].shape[0])
-
-
 def schedule(func, target, variant: str):
     """The compiled module of func under `variant`: "matmul", "gemv-b<bucket>", "rows"
     (SmallBatchMatmul), "rows-r<R>-t<T>" (SmallBatchMatmul(rows=R, threads=T)), "tc"
@@ -114,7 +109,7 @@ def schedule(func, target, variant: str):
     from tvm.relax.backend.cuda import pipeline as backend
 
     from tvmattn.compiler.pipeline import DecodeBatchGEMV, SmallBatchMatmul, small_batch_rules
-    from tvmattn.compiler.tensor_core_matmul import SmallBatchTensorCoreMatmul
+    from tvmattn.compiler.tensor_core_matmul import SmallBatchTensorCoreMatmul, swiglu_shaped
 
     mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     with target:
@@ -129,7 +124,7 @@ def schedule(func, target, variant: str):
             mod = dl.ApplyDefaultSchedule(*rules[variant])(mod)
             if "tirx.is_scheduled" not in mod["main"].attrs:
                 return None
-        elif _is_swiglu(func):  # no CUDA-core schedule: the tensor-core kernel at every batch
+        elif swiglu_shaped(func):  # no CUDA-core schedule: the tensor-core kernel at every batch
             if not (variant.startswith("tc") or variant == "hybrid"):
                 return None
             tc = "tc" if variant == "hybrid" else variant
@@ -249,9 +244,11 @@ def _reference(func, ins):
         elif len(ins) == 5:
             out = out + ins[3].float()
         return out[:, None]
+    from tvmattn.compiler.tensor_core_matmul import swiglu_shaped
+
     x, w = ins[0].float(), ins[1].float()
     out = x @ w.T
-    if _is_swiglu(func):  # silu(gate) * up of the float32 sums
+    if swiglu_shaped(func):  # silu(gate) * up of the float32 sums
         import torch
 
         gate, up = out.chunk(2, dim=-1)

@@ -34,7 +34,7 @@ from tvmattn.compiler.pipeline import SmallBatchMatmul, small_batch_rules
 from tvmattn.compiler.tensor_core_matmul import (FusedNormTensorCoreMatmul, SkinnyMatmulSchedule,
                                                  SmallBatchTensorCoreMatmul, choose_norm_schedule,
                                                  choose_skinny_schedule, norm_matmul, skinny_matmul, smem_limit_of,
-                                                 swiglu_matmul_definition, swiglu_matmul_takes)
+                                                 swiglu_matmul_definition, swiglu_matmul_takes, swiglu_shaped)
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 RULE = SmallBatchTensorCoreMatmul()
@@ -199,6 +199,7 @@ def test_rule_takes_the_batched_swiglu_op_at_every_batch():
         tvm.ir.assert_structural_equal(taken.body, expected.body, map_free_vars=True)
         plain = rule.apply(legalized(3072, 576), CUDA, False).mod["main"]
         assert "sigmoid" not in plain.script() and "tvm_thread_invariant" in plain.script()
+    assert swiglu_shaped(func) and not swiglu_shaped(legalized(3072, 576))
     assert swiglu_matmul_takes(1536, 576, "float16") and not swiglu_matmul_takes(1536, 576, "float32")
     assert not swiglu_matmul_takes(1000, 576, "float16")  # N not a multiple of 16
 
@@ -210,13 +211,23 @@ def test_bench_small_batch_sweeps_the_swiglu_op_on_tensor_cores_only():
     bench = load_script("bench_small_batch")
     funcs = bench.swiglu_matmuls("scripts/smollm2-config.json")
     func = funcs["fused_matmul_swiglu"]
-    assert bench._is_swiglu(func) and [int(d) for d in func.params[1].shape] == [3072, 576]
-    assert not any(bench._is_swiglu(f) for f in bench.decode_step_matmuls("scripts/smollm2-config.json", 64)[0].values())
+    assert swiglu_shaped(func) and [int(d) for d in func.params[1].shape] == [3072, 576]
+    assert not any(swiglu_shaped(f) for f in bench.decode_step_matmuls("scripts/smollm2-config.json", 64)[0].values())
     for variant in ("rows", "matmul", "gemv-b8"):
         assert bench.schedule(func, CUDA, variant) is None, variant
     for variant in ("tc", "tc-n2-p4"):
         source = bench.schedule(func, CUDA, variant).mod.imports[0].inspect_source()
         assert "mma_sync_aligned_m16n8k16" in source, variant
+
+
+def test_matmul_swiglu_refuses_a_weight_without_two_halves():
+    from tvm import te
+
+    from tvmattn.compiler.fused_decode import matmul_swiglu
+
+    x, w = te.placeholder((2, 1, 64), "float16", "x"), te.placeholder((95, 64), "float16", "w")
+    with pytest.raises(ValueError, match="matmul_swiglu: w has 95 rows, expected gate and up halves"):
+        matmul_swiglu(x, w)
 
 
 def test_the_pipeline_tries_it_before_the_cuda_core_rule():

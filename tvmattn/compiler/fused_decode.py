@@ -82,46 +82,46 @@ def _normed(x: te.Tensor, g: te.Tensor, eps: float) -> te.Tensor:
                                                    * g[i].astype("float32")).astype(x.dtype), name="rms_norm")
 
 
-def _matmul(normed: te.Tensor, w: te.Tensor, first_row: int, cols: int, name: str) -> te.Tensor:
-    """normed [B, K] times rows first_row .. first_row + cols of w [N, K] (transposed) -> [B, 1, cols] float32."""
-    rows, k_dim = normed.shape
+def _matmul(row, rows, k_dim, w: te.Tensor, first_row: int, cols: int, name: str) -> te.Tensor:
+    """The activations' rows (row(b, k): element k of row b < rows, of k_dim) times rows first_row
+    .. first_row + cols of w [N, K] (transposed) -> [rows, 1, cols] float32."""
     r = te.reduce_axis((0, k_dim), "k")
     offset = tirx.const(first_row, "int64")
     return te.compute((rows, _ONE, tirx.const(cols, "int64")),
-                      lambda b, s, j: te.sum(normed[b, r].astype("float32") * w[offset + j, r].astype("float32"),
+                      lambda b, s, j: te.sum(row(b, r).astype("float32") * w[offset + j, r].astype("float32"),
                                              axis=r), name=name)
+
+
+def _swiglu(row, rows, k_dim, w: te.Tensor, dtype: str, op: str) -> te.Tensor:
+    """silu(gate) * up in dtype, gate and up the activations' rows (as _matmul's) times w's first
+    and second halves of rows; op names the caller in the error for an odd row count."""
+    n = int(w.shape[0])
+    if n % 2:
+        raise ValueError(f"{op}: w has {n} rows, expected gate and up halves")
+    gate = _matmul(row, rows, k_dim, w, 0, n // 2, "NT_matmul")
+    up = _matmul(row, rows, k_dim, w, n // 2, n // 2, UP_BLOCK)
+
+    def swiglu(b, s, j):
+        return (gate[b, s, j] * tirx.sigmoid(gate[b, s, j]) * up[b, s, j]).astype(dtype)
+
+    return te.compute(gate.shape, swiglu, name="T_epilogue")
 
 
 def matmul_swiglu(x: te.Tensor, w: te.Tensor) -> te.Tensor:
     """x [B, 1, K], w [2 I, K] (gate rows, then up rows) -> silu(x w_gate^T) * (x w_up^T)
     [B, 1, I] in x's dtype: the MLP's gate_up with its SiLU * mul, the norm before it a kernel of
     its own (tensor_core_matmul's "swiglu" kernel in the batched steps)."""
-    n = int(w.shape[0])
-    if n % 2:
-        raise ValueError(f"matmul_swiglu: w has {n} rows, expected gate and up halves")
     rows, _, k_dim = x.shape
-
-    def product(first_row: int, name: str) -> te.Tensor:
-        r = te.reduce_axis((0, k_dim), "k")
-        offset = tirx.const(first_row, "int64")
-        return te.compute((rows, _ONE, tirx.const(n // 2, "int64")),
-                          lambda b, s, j: te.sum(x[b, 0, r].astype("float32") * w[offset + j, r].astype("float32"),
-                                                 axis=r), name=name)
-
-    gate, up = product(0, "NT_matmul"), product(n // 2, UP_BLOCK)
-
-    def swiglu(b, s, j):
-        return (gate[b, s, j] * tirx.sigmoid(gate[b, s, j]) * up[b, s, j]).astype(x.dtype)
-
-    return te.compute(gate.shape, swiglu, name="T_epilogue")
+    return _swiglu(lambda b, k: x[b, 0, k], rows, k_dim, w, x.dtype, "matmul_swiglu")
 
 
 def rms_norm_matmul(x: te.Tensor, g: te.Tensor, w: te.Tensor, bias: te.Tensor | None = None, *,
                     eps: float) -> te.Tensor:
     """x [B, 1, K], g [K], w [N, K], bias [N] or None (all the activations' dtype) ->
     rms_norm(x, g) w^T (+ bias) [B, 1, N] in x's dtype."""
-    n = int(w.shape[0])
-    mm = _matmul(_normed(x, g, eps), w, 0, n, "NT_matmul")
+    normed = _normed(x, g, eps)
+    rows, k_dim = normed.shape
+    mm = _matmul(lambda b, k: normed[b, k], rows, k_dim, w, 0, int(w.shape[0]), "NT_matmul")
     if bias is None:
         return te.compute(mm.shape, lambda b, s, j: mm[b, s, j].astype(x.dtype), name="T_epilogue")
     return te.compute(mm.shape, lambda b, s, j: (mm[b, s, j] + bias[j].astype("float32")).astype(x.dtype),
@@ -131,14 +131,6 @@ def rms_norm_matmul(x: te.Tensor, g: te.Tensor, w: te.Tensor, bias: te.Tensor | 
 def rms_norm_matmul_swiglu(x: te.Tensor, g: te.Tensor, w: te.Tensor, *, eps: float) -> te.Tensor:
     """x [B, 1, K], g [K], w [2 I, K] (gate rows, then up rows) -> silu(h w_gate^T) * (h w_up^T)
     [B, 1, I] in x's dtype, h = rms_norm(x, g)."""
-    n = int(w.shape[0])
-    if n % 2:
-        raise ValueError(f"rms_norm_matmul_swiglu: w has {n} rows, expected gate and up halves")
     normed = _normed(x, g, eps)
-    gate = _matmul(normed, w, 0, n // 2, "NT_matmul")
-    up = _matmul(normed, w, n // 2, n // 2, "NT_matmul_up")
-
-    def swiglu(b, s, j):
-        return (gate[b, s, j] * tirx.sigmoid(gate[b, s, j]) * up[b, s, j]).astype(x.dtype)
-
-    return te.compute(gate.shape, swiglu, name="T_epilogue")
+    rows, k_dim = normed.shape
+    return _swiglu(lambda b, k: normed[b, k], rows, k_dim, w, x.dtype, "rms_norm_matmul_swiglu")

@@ -78,13 +78,14 @@ def _vector(extent: int, candidates) -> int:
     return next((v for v in candidates if extent % v == 0), 1)
 
 
-def _split_k(sch: s_tir.Schedule, matmul, factors: list, lane_major: bool = False) -> tuple:
-    """rfactor of `matmul` over its K axis split by `factors`; the factored axis is the second
-    split loop ([None, lanes, vec]: lanes interleaving vectors), or with lane_major the first
-    ([lanes, None, vec]: each lane a contiguous chunk). -> (partial block, write-back block)."""
+def _split_k(sch: s_tir.Schedule, matmul, factors: list) -> tuple:
+    """rfactor of `matmul` over its K axis split by `factors`; the factored axis is the first
+    split loop of a given factor ([None, lanes, vec]: lanes interleaving vectors; [lanes, None,
+    vec]: each lane a contiguous chunk). -> (partial block, write-back block)."""
     *_, k = sch.get_loops(matmul)
     splits = sch.split(k, factors)
-    return sch.rfactor(splits[0 if lane_major else 1], factor_axis=0), matmul
+    factored = next(i for i, factor in enumerate(factors) if factor is not None)
+    return sch.rfactor(splits[factored], factor_axis=0), matmul
 
 
 def _conflict_free(chunk: int, dtype_bits: int) -> bool:
@@ -136,8 +137,7 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
         # prefetch: each lane takes a contiguous chunk of K (lane-major), so that a thread's
         # registers hold its own chunk and nothing else; else the lanes interleave 16-byte vectors
         prefetch = self.staged and self.prefetch and _conflict_free(k_extent // lanes, dtype_bits)
-        factored = [_split_k(sch, m, [lanes, None, vec] if prefetch else [None, lanes, vec], lane_major=prefetch)
-                    for m in matmuls]
+        factored = [_split_k(sch, m, [lanes, None, vec] if prefetch else [None, lanes, vec]) for m in matmuls]
         # one thread block per chunk of rows and `cols` columns (the chunk the fastest block index:
         # the blocks that read one weight slice run together, the slice comes from memory once);
         # the block's rows one after the other

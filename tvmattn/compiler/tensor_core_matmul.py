@@ -651,11 +651,10 @@ class SmallBatchTensorCoreMatmul(ScheduleRule):
             return None
         rows, k = (int(d) for d in weight.shape)
         dtype = str(weight.dtype)
-        epilogue = "add" if len(func.params) == 4 else "cast" if str(out.dtype) == "float32" else "none"
-        if _is_swiglu_matmul(func, rows, k, dtype):
-            epilogue = "swiglu"
-        n = rows // 2 if epilogue == "swiglu" else rows
-        halves = 2 if epilogue == "swiglu" else 1
+        halves = 2 if swiglu_shaped(func) else 1
+        epilogue = ("swiglu" if halves == 2 else "add" if len(func.params) == 4
+                    else "cast" if str(out.dtype) == "float32" else "none")
+        n = rows // halves
         schedule = self.schedule_for(n, k, halves) if halves == 2 else self.schedule_for(n, k)
         if schedule is None:
             return None
@@ -663,14 +662,14 @@ class SmallBatchTensorCoreMatmul(ScheduleRule):
             schedule.check(n, k, halves)
         except ValueError:
             return None
-        if epilogue != "swiglu":
-            definition = matmul_definition(n, k, dtype, epilogue)
-            # (the parameters and the body; attributes such as the op pattern may differ)
-            if not tvm_ffi.structural_equal([func.params, func.body], [definition.params, definition.body],
-                                            map_free_vars=True):
-                return None
-        # (SwiGLU's op has no CUDA-core schedule: tensor cores at every batch)
-        low = None if epilogue == "swiglu" else _scheduled_by(self.below, self.from_batch, func, target, tunable)
+        definition = (swiglu_matmul_definition(n, k, dtype) if epilogue == "swiglu"
+                      else matmul_definition(n, k, dtype, epilogue))
+        # (the parameters and the body; attributes such as the op pattern may differ)
+        if not tvm_ffi.structural_equal([func.params, func.body], [definition.params, definition.body],
+                                        map_free_vars=True):
+            return None
+        # (the CUDA-core rule declines SwiGLU's op: it runs on tensor cores at every batch)
+        low = _scheduled_by(self.below, self.from_batch, func, target, tunable)
         if low is not None:
             x, w, *rest, y = low.params
             tensor_cores = skinny_matmul_body(n, k, dtype, epilogue, schedule, x, w, rest[0] if rest else None, y)
@@ -783,16 +782,15 @@ class FusedNormTensorCoreMatmul(ScheduleRule):
         return s_tir.Schedule(kernel)
 
 
-def _is_swiglu_matmul(func, rows: int, k: int, dtype: str) -> bool:
-    """func computes exactly swiglu_matmul_definition(rows / 2, k, dtype)."""
-    out = func.params[-1]
-    if len(func.params) != 3 or rows % 2 or str(out.dtype) != dtype or len(getattr(out, "shape", ())) != 3:
+def swiglu_shaped(func) -> bool:
+    """Whether func's parameters are (x, w, y) with y half as many columns as w has rows:
+    matmul_swiglu's shape (gate and up halves), not a plain projection's."""
+    if len(func.params) != 3:
         return False
-    if not isinstance(out.shape[-1], tirx.IntImm) or int(out.shape[-1]) != rows // 2:  # (a plain projection: rows)
+    rows, cols = getattr(func.params[1], "shape", ()), getattr(func.params[2], "shape", ())
+    if len(rows) != 2 or len(cols) != 3 or not all(isinstance(d, tirx.IntImm) for d in (rows[0], cols[-1])):
         return False
-    definition = swiglu_matmul_definition(rows // 2, k, dtype)
-    return bool(tvm_ffi.structural_equal([func.params, func.body], [definition.params, definition.body],
-                                         map_free_vars=True))
+    return int(rows[0]) == 2 * int(cols[-1])
 
 
 def _branch_on_batch(batch, from_batch: int, below: tirx.Stmt, tensor_cores: tirx.Stmt) -> tirx.Stmt:

@@ -59,15 +59,20 @@ def _project(linear, x: nn.Tensor, residual: nn.Tensor | None) -> nn.Tensor:
 def _fusable(linear, x: nn.Tensor, norm: nn.RMSNorm) -> bool:
     """Whether linear(norm(x)) runs as one fused decode op (compiler.fused_decode): a float
     nn.Linear, a decode shape ([batch, 1, hidden]: one new token per sequence) and the fusion on."""
-    return (isinstance(linear, nn.Linear) and len(x.shape) == 3 and isinstance(x.shape[1], int) and x.shape[1] == 1
-            and getattr(norm, "bias", None) is None and fused_decode_enabled(x.shape[0]))
+    return (isinstance(linear, nn.Linear) and _decode_shape(x) and getattr(norm, "bias", None) is None
+            and fused_decode_enabled(x.shape[0]))
+
+
+def _decode_shape(x: nn.Tensor) -> bool:
+    """x is [batch, 1, hidden]: one new token per sequence."""
+    return len(x.shape) == 3 and isinstance(x.shape[1], int) and x.shape[1] == 1
 
 
 def _batched_swiglu(linear, x: nn.Tensor) -> bool:
     """Whether a float gate_up without bias of a batched decode step ([batch_size, 1, hidden],
     symbolic batch) runs as compiler.fused_decode.matmul_swiglu (the export's batched_swiglu)."""
-    return (isinstance(linear, nn.Linear) and linear.bias is None and len(x.shape) == 3
-            and isinstance(x.shape[1], int) and x.shape[1] == 1 and batched_swiglu_enabled(x.shape[0]))
+    return (isinstance(linear, nn.Linear) and linear.bias is None and _decode_shape(x)
+            and batched_swiglu_enabled(x.shape[0]))
 
 
 def _normed(linear, x: nn.Tensor, norm: nn.RMSNorm) -> nn.Tensor:
