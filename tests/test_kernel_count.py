@@ -11,7 +11,9 @@ split_rotary_append and decodes with one paged kernel):
   only, unless BuildOptions.fused_batch_layers; else the batched steps' gate_up takes SiLU * mul
   on tensor cores, fused_decode.matmul_swiglu: 8, the plain count less the elementwise kernel);
 - kept-quantized weights on CUDA (quant.linear: norm, SwiGLU and residual inside the GEMV in
-  `decode`; a decode batch keeps the norms and the gate apart): 6 in decode, 9 in batch_decode.
+  `decode`; a decode batch keeps the norms and the gate apart): 6 in decode, 9 in batch_decode;
+- CUDA libraries whose attention takes the tensor-core decode (GQA groups of 3 and more, fp16):
+  the append inside the decode kernel (decode_append), one kernel fewer: 5 in decode.
 After the layers: the final norm and the (tied) LM head; decode_step also embeds first (1).
 """
 
@@ -67,6 +69,21 @@ def test_float_library_counts_match_the_hand_count(target, fused, per_layer):
         assert sum(counts.embed.values()) == before, function
         assert counts.head.get("projection") == 1 and sum(counts.head.values()) == 2, (function, counts.head)
         assert counts.total == before + 2 * sum(expected.values()) + 2
+
+
+def without_append(counts: dict) -> dict:
+    return {kind: n for kind, n in counts.items() if kind != "cache append"}
+
+
+def test_decode_append_library_counts():
+    """A group-4 model on CUDA: the library carries decode_append, and every step's attention
+    call is one launch."""
+    mod = kernel_count.lowered_module({**TINY, "hidden_size": 128, "num_attention_heads": 4,
+                                       "num_key_value_heads": 1}, "cuda", "none", "Q4_1", fused=True)[0]
+    assert count_step(mod, "decode").uniform_layer() == without_append(FUSED)
+    assert count_step(mod, "batch_decode").uniform_layer() == without_append(BATCHED_SWIGLU)
+    layer = [launch.name for launch in step_launches(mod, "decode") if launch.segment == 0]
+    assert "decode_append" in layer and "split_rotary_append" not in layer
 
 
 def test_layer_launches_in_order():

@@ -26,6 +26,8 @@ _EXPORTS = {
     "paged_decode": "decode",
     "choose_decode_kernel": "decode",
     "paged_decode_tc": "decode_tc",
+    "paged_decode_append": "decode",
+    "decode_append_problem": "decode",
     "merge_state": "merge",
     "MLAConfig": "config",
     "MLASchedule": "mla_simt",

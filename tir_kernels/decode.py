@@ -4,6 +4,8 @@ Two kernels compute the contract's decode (`paged_decode`'s docstring), below th
 decode_simt.py on CUDA cores (and the CPU) and decode_tc.py on tensor cores (fp16/bf16 GQA
 groups on CUDA sm_80 and newer). `choose_decode_kernel` says which one serves a config, with
 which schedules, and why the tensor-core kernel was passed over where it was.
+`paged_decode_append` (tvmattn's own) is split_rotary_append and the tensor-core decode in one
+launch, where paged_decode would take the tensor-core kernel.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import NamedTuple
 
 from .config import AttentionConfig
 from .decode_simt import paged_decode_simt
-from .decode_tc import paged_decode_tc
+from .decode_tc import paged_decode_append_tc, paged_decode_tc
 from .schedules import (DecodeSchedule, TensorCoreDecodeSchedule, choose_decode_schedule, choose_decode_variant,
                         tc_decode_problem)
 
@@ -84,3 +86,35 @@ def paged_decode(config: AttentionConfig, schedule: DecodeSchedule | TensorCoreD
     if choice.kernel == "decode_tc":
         return paged_decode_tc(config, choice.schedule, choice.rope_schedule)
     return paged_decode_simt(config, choice.schedule)
+
+
+def decode_append_problem(config: AttentionConfig,
+                          schedule: DecodeSchedule | TensorCoreDecodeSchedule | None = None) -> str | None:
+    """Why `paged_decode_append(config, schedule)` is not built (None: it is): it exists where
+    paged_decode takes the tensor-core kernel, for plain builds (no sliding window, pages of
+    the dtype)."""
+    if config.sliding_window or config.kv_fp8:
+        return (f"sliding_window={config.sliding_window}, kv_dtype={config.kv_dtype!r} (the decode with the append "
+                "serves plain builds: no sliding window, pages of the dtype)")
+    choice = choose_decode_kernel(config, schedule)
+    if choice.kernel != "decode_tc":
+        return f"paged_decode takes the CUDA-core kernel ({choice.reason or 'the schedule names it'})"
+    return None
+
+
+def paged_decode_append(config: AttentionConfig, schedule: TensorCoreDecodeSchedule | None = None):
+    """split_rotary_append and paged decode in one launch (tvmattn's own kernel), arguments:
+
+    qkv [B, Hq + 2 Hkv, D] (the step's fused projection, RoPE not applied),
+    pages [P, 2, Hkv, page_size, D], page_indptr [B+1] i32, page_indices [nnz] i32,
+    length_info [B] i32 (the new token counted: it is each request's last visible key),
+    q_rope_position [B] i32, append_position [B] i32 (the new token's page slot; negative: not
+    stored), o [B, Hq, D], lse [B, Hq] f32 (base 2), apply_rope i64 (> 0: q and the new key
+    rotated with the config's theta, scale and scaling), sm_scale f32.
+    The tensor-core kernel with paged_decode's schedule for the config (or `schedule`)
+    (decode_tc.paged_decode_append_tc); ValueError where `decode_append_problem` names one.
+    """
+    problem = decode_append_problem(config, schedule)
+    if problem is not None:
+        raise ValueError(f"paged_decode_append: {problem}")
+    return paged_decode_append_tc(config, choose_decode_kernel(config, schedule).schedule)

@@ -71,10 +71,10 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .common import (EMPTY_LSE, LOG2E, PDL_TAG, ceildiv, grid_dependency_wait, launch_dependents, loop_kinds,
-                     paged_position, rope_inv_freq)
+                     paged_position, rope_angle, rope_inv_freq)
 from .config import AttentionConfig
 from .cuda_funcs import FMA4, FMA4_SRC, LDCG, LDCG4, LDCG4_SRC, LDCG_SRC, arrival_counter
-from .decode_contract import check_config, decode_func
+from .decode_contract import check_config, decode_append_func, decode_func
 from .kv_quant import (FP8_FETCH, FP8_FETCH_SRC, FP8_TILE_FACTOR, fp8_chunk_function, fp8_store_function,
                        kv_scale)
 from .mma import CHUNK, CP_ASYNC, FULL_WARP, LDSM, LDSM_T, ROWS_PER_MMA, Tile, mma_name, pack_name
@@ -506,19 +506,23 @@ def _load_macros(lay: _Layout, L):
                 slot_[at_ + p] = paged_position(j, li_, 0, sliding) % ps
 
     @T.macro
-    def issue(pages_, smem_, hkv_, stage_, kv0_, kv_end_, tid_, page_, slot_, at_, warp_rows, deferred_, staged_):
+    def issue(pages_, smem_, hkv_, stage_, kv0_, kv_end_, tid_, page_, slot_, at_, warp_rows, deferred_, staged_,
+              skip_):
         """cp.async of this thread's chunks of K and V rows kv0_.. (copy_row; found by `lookup`,
         at at_ of page_ / slot_) -> ring buffer stage_; zeros from kv_end_ on (and, sliding,
         before key 0). FP8 pages: the chunks' codes widened into the tile (`copy_chunk`), or with
         deferred_ only loaded into staged_ (registers), which `commit` stores after the step's
-        MMAs (so the loads overlap them)."""
+        MMAs (so the loads overlap them). skip_ (None, or a key index): that key's row is left
+        alone (the append build stores the new key's row itself, `put_new_row`)."""
         for p in L.unroll(PASSES):
             r = T.meta_var(copy_row(p, tid_, warp_rows))
             if BK % RP == 0 or r < BK:
                 if kv0_ + r < kv_end_ and (not sliding or kv0_ + r >= 0):
                     for c in L.unroll(CPT):
                         ch = T.meta_var(tid_ % TPR + c * TPR)
-                        if FP8 and deferred_:
+                        if skip_ is not None and kv0_ + r == skip_:
+                            T.evaluate(0)
+                        elif FP8 and deferred_:
                             for kv in L.unroll(2):
                                 T.evaluate(T.cuda.func_call(
                                     FP8_FETCH, T.address_of(staged_[((p * CPT + c) * 2 + kv) * 2]),
@@ -555,13 +559,13 @@ def _load_macros(lay: _Layout, L):
 
     @T.macro
     def refill(pages_, indices_, li_, page0_, smem_, hkv_, t_, ntiles_, j_begin_, j_end_, tid_, page_, slot_,
-               warp_rows, staged_):
+               warp_rows, staged_, skip_):
         """Step t_ of the main loop: `issue` tile t_ + STAGES - 1 into the stage it takes (FP8
         pages: deferred, `refill_commit` stores it), then `lookup` tile t_ + STAGES (warp_rows:
         the warp-wise row mapping, copy_row)."""
         if t_ + STAGES - 1 < ntiles_:
             issue(pages_, smem_, hkv_, (t_ + STAGES - 1) % STAGES, j_begin_ + (t_ + STAGES - 1) * BK, j_end_, tid_,
-                  page_, slot_, 0, warp_rows, True, staged_)
+                  page_, slot_, 0, warp_rows, True, staged_, skip_)
             if t_ + STAGES < ntiles_:
                 lookup(indices_, li_, page0_, j_begin_ + (t_ + STAGES) * BK, j_end_, tid_, page_, slot_, 0, warp_rows)
 
@@ -581,6 +585,95 @@ def _load_macros(lay: _Layout, L):
                     smem_.ptr_to([word(Q_OFF + TL.offset(lane_ % 16, kk_ * 2 + lane_ // 16))]))
 
     return load_length_info, load_q, lookup, issue, refill, refill_commit, load_q_frag
+
+
+def _append_macros(lay: _Layout, L):
+    """The append build (`paged_decode_append_tc`): load_q_append (the query rows from qkv,
+    rotated, -> the Q region), load_new_kv (the new key and value rows -> their page slot and
+    registers) and put_new_row (those registers -> the new key's row of a tile)."""
+    BK, D, G, Hkv, Hq, K_OFF, NT, Q_OFF = lay.BK, lay.D, lay.G, lay.Hkv, lay.Hq, lay.K_OFF, lay.NT, lay.Q_OFF
+    HC, PACK, TL, V_OFF, dtype, ps, word = lay.HC, lay.PACK, lay.TL, lay.V_OFF, lay.dtype, lay.ps, lay.word
+    config = lay.config
+    theta, scale, scaling = T.float32(config.rope_theta), T.float32(config.rope_scale), config.rope_scaling
+
+    @T.macro
+    def chunk_values(qkv_, b_, h_, ch_, pos_, rotate_, vals_):
+        """vals_ <- chunk ch_ of head row qkv_[b_, h_] in float32, rotated to position pos_ where
+        rotate_ (rotate-half RoPE with split_rotary's arithmetic: common.rope_angle and
+        rope_rotate's expression, so that the rounded values are the ones it stores)."""
+        own = T.alloc_buffer((CHUNK,), dtype, scope="local")
+        mate = T.alloc_buffer((CHUNK,), dtype, scope="local")
+        for e in L.vector(CHUNK):
+            own[e] = qkv_[b_, h_, ch_ * CHUNK + e]
+        if rotate_:
+            for e in L.vector(CHUNK):
+                mate[e] = qkv_[b_, h_, (ch_ + HC) % TL.chunks * CHUNK + e]
+            for e in L.unroll(CHUNK):
+                angle = T.meta_var(rope_angle(ch_ * CHUNK + e, pos_, D, theta, scale, scaling))
+                vals_[e] = T.cos(angle) * T.Cast("float32", own[e]) + T.sin(angle) * T.if_then_else(
+                    ch_ < HC, T.float32(0.0) - T.Cast("float32", mate[e]), T.Cast("float32", mate[e]))
+        else:
+            for e in L.unroll(CHUNK):
+                vals_[e] = T.Cast("float32", own[e])
+
+    @T.macro
+    def pack(vals_, words_):
+        """words_[k] <- elements 2k, 2k + 1 of vals_ rounded to dtype (element 2k in the low half)."""
+        for k in L.unroll(CHUNK // 2):
+            T.ptx[PACK](words_[k], vals_[2 * k + 1], vals_[2 * k])
+
+    @T.macro
+    def store_words(smem_, off_, words_):
+        """The 16-byte chunk at 16-bit element off_ of shared memory <- words_."""
+        for k in L.unroll(CHUNK // 2):
+            smem_[word(off_) + k] = T.reinterpret("float32", words_[k])
+
+    @T.macro
+    def load_q_append(qkv_, smem_, b_, hkv_, tid_, pos_, rotate_):
+        """The group's G query rows of qkv_ -> the Q region, rotated to pos_ where rotate_ (each
+        element rounded once, as split_rotary stores it); rows G..15 zero."""
+        vals = T.alloc_buffer((CHUNK,), "float32", scope="local")
+        words = T.alloc_buffer((CHUNK // 2,), "uint32", scope="local")
+        for it in L.unroll(ceildiv(ROWS_PER_MMA * TL.chunks, NT)):
+            c = T.meta_var(it * NT + tid_)
+            r = T.meta_var(c // TL.chunks)
+            ch = T.meta_var(c % TL.chunks)
+            if ROWS_PER_MMA * TL.chunks % NT == 0 or c < ROWS_PER_MMA * TL.chunks:
+                if r < G:
+                    chunk_values(qkv_, b_, hkv_ * G + r, ch, pos_, rotate_, vals)
+                    pack(vals, words)
+                    store_words(smem_, Q_OFF + TL.offset(r, ch), words)
+                else:
+                    for e in L.vector(4):
+                        smem_[word(Q_OFF + TL.offset(r, ch)) + e] = T.float32(0)
+
+    @T.macro
+    def load_new_kv(qkv_, pages_, b_, hkv_, tid_, pos_, rotate_, slot_, newkv_):
+        """The request's new key (rotated to pos_ where rotate_) and value rows of KV head hkv_:
+        thread tid_ < 2 * chunks takes chunk tid_ % chunks of the key (tid_ < chunks) or of the
+        value row, stores it to page slot slot_ (none where slot_ < 0) and keeps it packed in
+        newkv_ (`put_new_row`)."""
+        vals = T.alloc_buffer((CHUNK,), "float32", scope="local")
+        out = T.alloc_buffer((CHUNK,), dtype, scope="local")
+        if tid_ < 2 * TL.chunks:
+            kv = T.meta_var(tid_ // TL.chunks)
+            ch = T.meta_var(tid_ % TL.chunks)
+            chunk_values(qkv_, b_, Hq + kv * Hkv + hkv_, ch, pos_, rotate_ and kv == 0, vals)
+            pack(vals, newkv_)
+            if slot_ >= 0:
+                for e in L.unroll(CHUNK):
+                    out[e] = T.Cast(dtype, vals[e])
+                for e in L.vector(CHUNK):
+                    pages_[slot_ // ps, kv, hkv_, slot_ % ps, ch * CHUNK + e] = out[e]
+
+    @T.macro
+    def put_new_row(smem_, stage_, row_, tid_, newkv_):
+        """load_new_kv's chunks -> row row_ of the K and V tiles in ring stage stage_."""
+        if tid_ < 2 * TL.chunks:
+            store_words(smem_, K_OFF + tid_ // TL.chunks * (V_OFF - K_OFF) + stage_ * BK * TL.stride
+                        + TL.offset(row_, tid_ % TL.chunks), newkv_)
+
+    return load_q_append, load_new_kv, put_new_row
 
 
 def _mma_macros(lay: _Layout, L):
@@ -973,6 +1066,11 @@ def _fused_merge_macro(lay: _Layout, L):
     return fused_merge
 
 
+def new_key(append_, kv_len):
+    """The key `issue` leaves alone in the append build (the new token: the last visible key), else None."""
+    return None if append_ is None else kv_len - 1
+
+
 def _body_macro(lay: _Layout, L):
     """body: the work of one block (request, KV head, split slot), thread by thread."""
     sched, BK, D, EARLY, FUSED, G, HALVES = lay.sched, lay.BK, lay.D, lay.EARLY, lay.FUSED, lay.G, lay.HALVES
@@ -987,6 +1085,7 @@ def _body_macro(lay: _Layout, L):
     s_mma, softmax, pv_mma = _mma_macros(lay, L)
     finish = _finish_macro(lay, L)
     fused_merge = _fused_merge_macro(lay, L)
+    load_q_append, load_new_kv, put_new_row = _append_macros(lay, L)
     FP8 = lay.FP8
     # FP8 pages: the tiles hold code values times FP8_TILE_FACTOR; the K scale (over that
     # factor) multiplies the scores, the V scale the output (both linear in the tile values)
@@ -999,10 +1098,12 @@ def _body_macro(lay: _Layout, L):
         return val * fp8_scale[1] if FP8 else val
 
     @T.macro
-    def body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, rope_, b, hkv,
-             split, tid):
+    def body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, rope_, append_, b,
+             hkv, split, tid):
         """The work of block (request b, KV head hkv, split slot `split`), thread tid. rope_: None,
-        or (k_rope_pos_offset, q_rope_position, rope_scale, rope_theta) for inline RoPE."""
+        or (k_rope_pos_offset, q_rope_position, rope_scale, rope_theta) for inline RoPE. append_:
+        None, or (q_rope_position, append_position, apply_rope) for the append build (q_ is the
+        step's qkv; see paged_decode_append_tc)."""
         batch = q_.shape[0]
         smem = T.alloc_buffer((SMEM_WORDS,), "float32", scope=shared)
         qf = T.alloc_buffer((KSTEPS_QK * 4 if QREG else 4,), "uint32", scope="local")
@@ -1023,6 +1124,7 @@ def _body_macro(lay: _Layout, L):
         rope_tstep = T.alloc_buffer((2 * CHUNK if rope_ is not None and ROPE_OWN else 1,), "float32", scope="local")
         fp8_scale = T.alloc_buffer((2 if FP8 else 1,), "float32", scope="local")  # K, V (FP8 pages)
         staged = T.alloc_buffer((PASSES * lay.CPT * 4 if FP8 else 1,), "uint32", scope="local")  # FP8 refill codes
+        newkv = T.alloc_buffer((CHUNK // 2,), "uint32", scope="local")  # append build: a chunk of the new K / V row
         if PDL and not TABLES_EARLY:  # nothing of the previous grids' is read (or written) before they completed
             T.evaluate(grid_dependency_wait())
         load_length_info(length_info_, b, li)
@@ -1034,6 +1136,10 @@ def _body_macro(lay: _Layout, L):
         j_begin = T.min(split * split_len - shift, kv_len)
         j_end = T.min(j_begin + split_len, kv_len)
         ntiles = T.if_then_else(split < nsplit, ceildiv(j_end - j_begin, BK), 0)
+        # the append build: the new token is the request's last visible key, in this block's split
+        # or not (its tile row is stored from registers, never copied from its page slot)
+        holds_new = T.meta_var(split < nsplit and j_begin <= kv_len - 1 and kv_len - 1 < j_end)
+        new_row = T.meta_var(kv_len - 1 - j_begin - (ntiles - 1) * BK)
         scale = sm_scale_ * T.float32(LOG2E)
         for r in L.unroll(HALVES):
             m_run[r] = T.float32(EMPTY_LSE)
@@ -1041,7 +1147,8 @@ def _body_macro(lay: _Layout, L):
         for i in L.unroll(ON * 4):
             o[i] = T.float32(0)
         if not TABLES_EARLY:
-            load_q(q_, smem, b, hkv, tid)
+            if append_ is None:
+                load_q(q_, smem, b, hkv, tid)
             T.ptx["cp.async.commit_group"]()
         if EARLY:  # every page-table read of the prologue, then every copy
             for st in L.unroll(STAGES - 1):
@@ -1049,19 +1156,20 @@ def _body_macro(lay: _Layout, L):
                     lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES, rope_own(rope_))
             if TABLES_EARLY:  # the page tables are read; q, the pages and the workspace only after the wait
                 T.evaluate(grid_dependency_wait())
-                load_q(q_, smem, b, hkv, tid)
+                if append_ is None:
+                    load_q(q_, smem, b, hkv, tid)
                 T.ptx["cp.async.commit_group"]()
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
                     issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES,
-                          rope_own(rope_), False, staged)
+                          rope_own(rope_), False, staged, new_key(append_, kv_len))
                 T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
         else:
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
                     lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, 0, rope_own(rope_))
                     issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, 0, rope_own(rope_), False,
-                          staged)
+                          staged, new_key(append_, kv_len))
                 T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
         # Page lookups run a tile ahead of the copies: their latency hides behind a step of
         # arithmetic.
@@ -1069,6 +1177,12 @@ def _body_macro(lay: _Layout, L):
             lookup(indices_, li, page0, j_begin + (STAGES - 1) * BK, j_end, tid, pg, sl, 0, rope_own(rope_))
         if PDL:  # the prologue's copies are issued: the next launch may take SMs as they free up
             T.evaluate(launch_dependents())
+        if append_ is not None:  # the query rows and the new key / value, while the copies are in flight
+            load_q_append(q_, smem, b, hkv, tid, append_[0][b], append_[2] > 0)
+            if holds_new:
+                load_new_kv(q_, pages_, b, hkv, tid, append_[0][b], append_[2] > 0, append_[1][b], newkv)
+                if ntiles - 1 < STAGES - 1:  # its tile is one of the prologue's
+                    put_new_row(smem, ntiles - 1, new_row, tid, newkv)
         if rope_ is not None:  # the angles need no data: computed while the copies are in flight
             rope_freqs(rope_[2], rope_[3], tid, rope_freq, rope_step, RPW if ROPE_OWN else ROPE_RPP)
             rope_angles(rope_[1][b], tid, rope_freq, rope_qcs)
@@ -1100,7 +1214,10 @@ def _body_macro(lay: _Layout, L):
                     T.ptx["cp.async.wait_group"](STAGES - 2)  # tile t has landed ...
                 T.tvm_storage_sync(shared)  # ... for all, and no warp reads tile t - 1
                 refill(pages_, indices_, li, page0, smem, hkv, t, ntiles, j_begin, j_end, tid, pg, sl, False,
-                       staged)
+                       staged, new_key(append_, kv_len))
+                if append_ is not None:  # (the stage tile t - 1 left: no warp reads it after the barrier)
+                    if holds_new and t + STAGES - 1 == ntiles - 1:
+                        put_new_row(smem, (t + STAGES - 1) % STAGES, new_row, tid, newkv)
                 T.ptx["cp.async.commit_group"]()
                 if rope_ is not None:
                     if ROPE_AHEAD:  # tile t + 1's keys, in place, while the warps multiply tile t's
@@ -1118,7 +1235,7 @@ def _body_macro(lay: _Layout, L):
             for t in T.serial(ntiles):
                 T.evaluate(T.cuda.func_call(SYNCWARP, source_code=SYNCWARP_SRC))  # step t - 1 read its stage
                 refill(pages_, indices_, li, page0, smem, hkv, t, ntiles, j_begin, j_end, tid, pg, sl, True,
-                       staged)
+                       staged, None)
                 T.ptx["cp.async.commit_group"]()
                 T.ptx["cp.async.wait_group"](STAGES - 1)  # this thread's copies of tile t have landed
                 rope_own_tile(smem, t % STAGES, tid, rope_step, rope_cs)
@@ -1154,7 +1271,7 @@ def _kernel_macro(lay: _Layout, L):
     body = _body_macro(lay, L)
 
     @T.macro
-    def tc_kernel(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, rope_):
+    def tc_kernel(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_, sm_scale_, rope_, append_):
         """One block per (request, KV head, split slot); slots past the request's split count
         do nothing. A request of one split writes o / lse, others the split workspace. The grid
         runs requests fastest, or KV heads (heads_first)."""
@@ -1165,14 +1282,14 @@ def _kernel_macro(lay: _Layout, L):
                     for b in L.block(batch, "z"):
                         for tid in L.thread(NT, "x"):
                             body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_,
-                                 sm_scale_, rope_, b, hkv, split, tid)
+                                 sm_scale_, rope_, append_, b, hkv, split, tid)
         else:
             for b in L.block(batch, "x", outer=True):
                 for hkv in L.block(Hkv, "y"):
                     for split in L.block(grid_splits(sched, Hkv, batch), "z"):
                         for tid in L.thread(NT, "x"):
                             body(q_, pages_, indptr_, indices_, length_info_, o_, lse_, o_part_, lse_part_,
-                                 sm_scale_, rope_, b, hkv, split, tid)
+                                 sm_scale_, rope_, append_, b, hkv, split, tid)
 
     return tc_kernel
 
@@ -1305,12 +1422,12 @@ def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule 
         lse_part = T.alloc_buffer((slots(batch) * batch * Hq,), "float32")
         if rotary_mode_ == 1:
             rope_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_,
-                        (k_rope_pos_offset_, q_rope_position_, rope_scale_, rope_theta_))
+                        (k_rope_pos_offset_, q_rope_position_, rope_scale_, rope_theta_), None)
             if not shared_merge and not rope_sched.fused_merge and grid_splits(rope_sched, Hkv, batch) > 1:
                 rope_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
         else:
             tc_kernel(Q_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_,
-                      None)
+                      None, None)
             if not shared_merge and not sched.fused_merge and grid_splits(sched, Hkv, batch) > 1:
                 tc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
         if shared_merge and not sched.fused_merge and grid_splits(sched, Hkv, batch) > 1:
@@ -1320,4 +1437,41 @@ def paged_decode_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule 
     return func.with_attr(PDL_TAG, True) if sched.dependent_launch else func
 
 
-__all__ = ["paged_decode_tc", "threads_per_row"]
+def paged_decode_append_tc(config: AttentionConfig, schedule: TensorCoreDecodeSchedule | None = None):
+    """split_rotary_append and the tensor-core paged decode in one launch (tvmattn's own kernel,
+    `decode_contract.decode_append_func`'s arguments): a decode step's attention of each request's
+    new token, its query heads read from the step's qkv [B, Hq + 2 Hkv, D] and its key and value
+    stored to page slot append_position[b] by the block whose split holds the request's last
+    visible key (the new token's), which puts the same rows into its tile from registers instead
+    of reading the slot back; q and the key rotated to q_rope_position[b] where apply_rope > 0
+    (RoPE with the config's theta, scale and scaling, split_rotary's arithmetic). Plain builds
+    only: no sliding window, no FP8 pages (ValueError otherwise); `schedule` as paged_decode_tc's
+    (default `schedules.choose_tc_decode_schedule`)."""
+    check_config(config, "paged_decode_append_tc")
+    if config.sliding_window or config.kv_fp8:
+        raise ValueError(f"paged_decode_append_tc: sliding_window={config.sliding_window}, kv_dtype="
+                         f"{config.kv_dtype!r}: expected a plain build (no sliding window, pages of the dtype)")
+    sched = schedule or choose_tc_decode_schedule(config)
+    sched.check(config)
+    if sched.num_threads < 2 * (config.head_dim // CHUNK):
+        raise ValueError(f"paged_decode_append_tc: {sched.num_threads} threads cannot hold a new key and value row "
+                         f"of {config.head_dim // CHUNK} chunks each")
+    tc_kernel, tc_merge = _tc_macros(config, sched)
+    Hq, Hkv, D = config.num_qo_heads, config.num_kv_heads, config.head_dim
+
+    @T.macro
+    def kernel(QKV_, pages_, page_indptr_, page_indices_, length_info_, q_rope_position_, append_position_, O_, lse_,
+               apply_rope_, sm_scale_):
+        batch = QKV_.shape[0]
+        o_part = T.alloc_buffer((grid_splits(sched, Hkv, batch) * batch * Hq * D,), "float32")
+        lse_part = T.alloc_buffer((grid_splits(sched, Hkv, batch) * batch * Hq,), "float32")
+        tc_kernel(QKV_, pages_, page_indptr_, page_indices_, length_info_, O_, lse_, o_part, lse_part, sm_scale_, None,
+                  (q_rope_position_, append_position_, apply_rope_))
+        if not sched.fused_merge and grid_splits(sched, Hkv, batch) > 1:
+            tc_merge(page_indptr_, length_info_, o_part, lse_part, O_, lse_)
+
+    func = decode_append_func(config, kernel)
+    return func.with_attr(PDL_TAG, True) if sched.dependent_launch else func
+
+
+__all__ = ["paged_decode_append_tc", "paged_decode_tc", "threads_per_row"]

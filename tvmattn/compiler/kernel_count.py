@@ -8,10 +8,11 @@ functions left out) and the KV cache's attention is one packed call per layer. K
 - "norm": an RMSNorm of its own;
 - "elementwise": anything else of the model (SiLU * mul, residual adds, casts, the embedding);
 - "cache append" and "attention": what one attention call of the KV cache launches in a decode
-  step. tvmattn's cache (runtime/forward.py, decode path) runs the split + RoPE + page append
-  as one kernel where the library carries `split_rotary_append` (two, split_rotary and
-  transpose_append, where it does not), then one paged-decode kernel; TVM's stock cache
-  call is counted as one "attention" launch (its own launches are not visible here).
+  step. tvmattn's cache (runtime/forward.py, decode path) runs one kernel, "attention", where the
+  library carries `decode_append` (the split, RoPE, page append and paged decode together); else
+  the split + RoPE + page append as one kernel where it carries `split_rotary_append` (two,
+  split_rotary and transpose_append, where it does not), then one paged-decode kernel; TVM's
+  stock cache call is counted as one "attention" launch (its own launches are not visible here).
 
 A kernel belongs to the layer whose parameter it reads (`model_layers_<i>_...`), or the cache
 call's layer id; a kernel that reads no layer parameter belongs to the layer of the kernel before
@@ -75,6 +76,7 @@ def step_launches(mod: tvm.IRModule, function: str) -> list[Launch]:
     if function not in gvars:
         raise KeyError(f"function {function!r} is not in the module (it has {sorted(gvars)})")
     fused_append = any("split_rotary_append" in name for name in gvars)
+    decode_append = any("decode_append" in name for name in gvars)
     launches: list[Launch] = []
     segment: int | str = "embed"
     seen_layer = False
@@ -98,6 +100,9 @@ def step_launches(mod: tvm.IRModule, function: str) -> list[Launch]:
             seen_layer = True
             if call.op.global_symbol == STOCK_ATTENTION:
                 launches.append(Launch("stock_attention_with_fused_qkv", "attention", segment))
+                continue
+            if decode_append:
+                launches.append(Launch("decode_append", "attention", segment))
                 continue
             appends = ["split_rotary_append"] if fused_append else ["split_rotary", "transpose_append"]
             launches += [Launch(name, "cache append", segment) for name in appends]

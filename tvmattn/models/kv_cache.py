@@ -198,11 +198,18 @@ def _flashinfer_specs(spec: KVCacheSpec) -> dict[str, rx.Expr]:
 def _extensions(spec: KVCacheSpec) -> rx.Tuple:
     """The create call's 29th argument: tvmattn's own kernels beyond TVM's contract
     (runtime/ffi.py extension_slots): split_rotary_append, one launch per layer fewer in decode;
-    and, for FP8 pages, the option ("kv_dtype", format) (TVM's create call has no page dtype)."""
-    func = tir_kernels.split_rotary_append(spec.attention_config(False))
-    options = [tvm.ir.StringImm("kv_dtype"), tvm.ir.StringImm(spec.kv_dtype)] if spec.kv_dtype else []
-    return rx.Tuple([tvm.ir.StringImm(EXTENSIONS_TAG), tvm.ir.StringImm("split_rotary_append"),
-                     _kernel(func, "tvmattn_split_rotary_append"), *options])
+    decode_append (split_rotary_append and the decode in one launch, where the attention backend
+    is TIR's and `tir_kernels.decode_append_problem` finds none), one fewer again; and, for FP8
+    pages, the option ("kv_dtype", format) (TVM's create call has no page dtype)."""
+    config = spec.attention_config(False)
+    items = [tvm.ir.StringImm("split_rotary_append"),
+             _kernel(tir_kernels.split_rotary_append(config), "tvmattn_split_rotary_append")]
+    if current_attention_backend() == "tir" and tir_kernels.decode_append_problem(config) is None:
+        items += [tvm.ir.StringImm("decode_append"),
+                  _kernel(tir_kernels.paged_decode_append(config), "tvmattn_decode_append")]
+    if spec.kv_dtype:
+        items += [tvm.ir.StringImm("kv_dtype"), tvm.ir.StringImm(spec.kv_dtype)]
+    return rx.Tuple([tvm.ir.StringImm(EXTENSIONS_TAG), *items])
 
 
 def _library_kernels(spec: KVCacheSpec) -> dict[str, rx.Expr]:

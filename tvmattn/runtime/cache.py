@@ -58,7 +58,7 @@ from tir_kernels.support import (FP8_KV_DTYPES, cuda_arch_of, dtype_problem, is_
 
 from .backend_choice import attention_kernels
 from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPrefill, RaggedPrefillTreeMask,
-                       RopeMode, backend_from_spec, bind_workspace)
+                       RopeMode, TIRPagedDecode, backend_from_spec, bind_workspace)
 from .errors import KVCacheError, as_tensor, check, check_finite, check_int, check_tensor
 from .forward import Kernels, Rope, Step, Workspace
 from .graphs import empty_decode_plan, graph_layout, layout_end, pad_decode_plan, window_pages_per_row
@@ -471,8 +471,16 @@ class PagedKVCache:
         fused = kernels.split_rotary_append
         check(fused is None or callable(fused),
               f"kernels: slot 'split_rotary_append' must be a function, got {fused!r}")
+        decode_append = kernels.decode_append
+        check(decode_append is None or callable(decode_append),
+              f"kernels: slot 'decode_append' must be a function, got {decode_append!r}")
+        # it computes the plain decode slot's attention: not that of a sliding-window cache's
+        # decode, nor of a decode the caller replaced (FlashInfer's, TVM's)
+        if self.options.sequence_windows or not isinstance(backends[paged[1]], TIRPagedDecode):
+            decode_append = None
         return Kernels(backends["prefill_ragged"], backends[paged[0]], backends[paged[1]], kernels.split_rotary,
-                       kernels.transpose_append, kernels.merge_state, split_rotary_append=fused)
+                       kernels.transpose_append, kernels.merge_state, split_rotary_append=fused,
+                       decode_append=decode_append)
 
     # -- sequences
     def add_sequence(self, seq_id: int) -> None:
@@ -1220,8 +1228,8 @@ class PagedKVCache:
         """What a captured graph depends on besides the plan's contents: the graph-plan buffer
         and the kernels a decode step launches (a graph captured against another is stale)."""
         k = self._step_kernels
-        return (self._graph_generation, id(k.paged_decode), id(k.split_rotary_append), id(k.split_rotary),
-                id(k.transpose_append), id(self._window_decode))
+        return (self._graph_generation, id(k.paged_decode), id(k.split_rotary_append), id(k.decode_append),
+                id(k.split_rotary), id(k.transpose_append), id(self._window_decode))
 
     def graph_plan_bytes(self) -> int:
         return 0 if self._graph_arrays is None else 4 * self._graph_arrays.capacity
@@ -1284,6 +1292,9 @@ def _compiled_launches(kernels: Kernels) -> bool:
     funcs = [kernels.split_rotary, kernels.transpose_append, kernels.merge]
     if kernels.split_rotary_append is not None:
         funcs.append(kernels.split_rotary_append)
+    if kernels.decode_append is not None:
+        fused = kernels.decode_append
+        funcs += fused.variants if isinstance(fused, DecodeByShape) else [fused]
     for backend in (kernels.ragged, kernels.paged_prefill, kernels.paged_decode):
         func = getattr(backend, "func", None)
         funcs += func.variants if isinstance(func, DecodeByShape) else [func]

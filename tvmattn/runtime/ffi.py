@@ -428,7 +428,7 @@ def _is_tensor(value) -> bool:
 
 
 EXTENSIONS_TAG = "tvmattn_extensions"
-EXTENSION_SLOTS = ("split_rotary_append", "decode_paged_mla")
+EXTENSION_SLOTS = ("split_rotary_append", "decode_append", "decode_paged_mla")
 # options of the extensions argument (not kernels): PagedKVCache keyword arguments
 EXTENSION_OPTIONS = ("kv_dtype",)
 

@@ -7,7 +7,8 @@ nothing else (the cache has checked the arguments).
 attention_with_fused_qkv, per layer:
   decode step:  split_rotary_append(qkv) -> q, k and v into their page slots (one launch; or
                 split_rotary then transpose_append where the cache has no fused kernel);
-                [shared level -> o]; paged decode -> o (merged)
+                [shared level -> o]; paged decode -> o (merged). A plain decode step (one
+                paged level) of a cache with decode_append: that one launch does it all.
   prefill step: split_rotary(qkv) -> q, k, v (RoPE applied when the mode is "normal"); ragged
                 causal prefill over the new tokens -> o; [shared level]; history level; each
                 merged into o by LSE; then transpose_append(k, v)
@@ -49,6 +50,7 @@ class Kernels:
     tree_paged: object = None  # PagedPrefillTreeMask, for tree steps
     tree_ragged: object = None  # RaggedPrefillTreeMask, for tree steps
     split_rotary_append: object = None  # split_rotary + transpose_append in one launch (optional)
+    decode_append: object = None  # split_rotary_append + the paged decode in one launch (optional)
 
 
 class Workspace:
@@ -135,6 +137,7 @@ class Step:
     def _decode_launches(self):
         """attention_with_fused_qkv of a decode step with one paged level and a TIR decode kernel
         (the usual decode step) as a closure that makes the launches with arguments bound here:
+        decode_append where the cache has it and the rope mode is not inline, else
         split_rotary_append (or split_rotary + transpose_append), then paged decode (the variant
         of a DecodeByShape picked once for the step). None for any other step."""
         if not self.decode or self.tree or len(self._fused) != 1 or type(self).attention_with_fused_qkv is not \
@@ -154,7 +157,14 @@ class Step:
         split_append = self._k.split_rotary_append
         if split_append is None and self._k.split_rotary is None:  # (an MLA step: no fused-QKV layers)
             return None
-        if split_append is not None:
+        fused = self._k.decode_append
+        if fused is not None and not inline:
+            if isinstance(fused, DecodeByShape):
+                fused = fused.variants[fused.pick(self.total, int(level.page_indices.shape[0]))]
+
+            def launches(pages, qkv, o, sm_scale):
+                fused(qkv, pages, indptr, indices, info, q_positions, positions, o, lse, apply_rope, sm_scale)
+        elif split_append is not None:
             def launches(pages, qkv, o, sm_scale):
                 split_append(qkv, q_positions, q, pages, positions, apply_rope)
                 func(q, pages, indptr, indices, info, k_offset, q_positions, o, lse, inline, scale, theta, sm_scale)

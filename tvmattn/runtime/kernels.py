@@ -11,6 +11,12 @@ Slot names (the `kernels=` keys of PagedKVCache), with what each holds:
 - `split_rotary_append` (optional, not in TVM's contract): split_rotary and transpose_append in
   one launch (tir_kernels.split_rotary_append), run in decode and tree steps. Built only where
   neither split_rotary nor transpose_append is replaced (a replaced one must run as given).
+- `decode_append` (optional, not in TVM's contract): split_rotary_append and the paged decode in
+  one launch (tir_kernels.paged_decode_append), run by plain decode steps (one paged level,
+  rope mode "normal" or "none") in place of those two. Built where split_rotary_append is and
+  decode_paged is not replaced, for caches without sliding windows whose decode takes the
+  tensor-core kernel (`tir_kernels.decode_append_problem`), as one function or a
+  `DecodeByShape` over the decode's table variants.
 - MLA caches (tvmattn.runtime.mla builds their set): `prefill_paged_mla` (TVM's mla_prefill),
   `decode_paged_mla` (ours, not in TVM's create call), `transpose_append_mla`, and
   `merge_attn_output` (TVM's second merge function, run by merge_attn_output_inplace); there
@@ -46,7 +52,7 @@ ATTENTION_SLOTS = (
     "decode_paged_mla",
 )
 FUNCTION_SLOTS = ("transpose_append", "split_rotary", "copy_single_page", "compact_copy", "debug_get_kv", "merge_state")
-OPTIONAL_SLOTS = ("split_rotary_append", "transpose_append_mla", "merge_attn_output")
+OPTIONAL_SLOTS = ("split_rotary_append", "decode_append", "transpose_append_mla", "merge_attn_output")
 SLOTS = ATTENTION_SLOTS + FUNCTION_SLOTS + OPTIONAL_SLOTS
 
 
@@ -68,6 +74,7 @@ class KernelSet:
     debug_get_kv: object = None
     merge_state: object = None
     split_rotary_append: object = None
+    decode_append: object = None
     prefill_paged_mla: object = ()
     decode_paged_mla: object = ()
     transpose_append_mla: object = None
@@ -142,6 +149,8 @@ def default_kernels(config: AttentionConfig, num_layers: int, *, sliding_window:
         built.update({slot: Deferred(slot, config, num_layers) for slot in TREE_SLOTS if slot not in overrides})
     if "split_rotary_append" not in overrides and not {"split_rotary", "transpose_append"} & set(overrides):
         built["split_rotary_append"] = build_slot("split_rotary_append", config, num_layers)
+        if not sliding_window and not {"decode_append", "decode_paged"} & set(overrides):
+            built["decode_append"] = decode_append_kernel(config)
     return KernelSet(**built, **overrides)
 
 
@@ -176,6 +185,25 @@ def decode_kernel(config: AttentionConfig):
     if len(built) == 1:
         return built[0][0]
     return DecodeByShape(built, config.page_size)
+
+
+@functools.lru_cache(maxsize=None)
+def decode_append_kernel(config: AttentionConfig):
+    """The decode with the append of config beside `decode_kernel(config)`: one compiled function,
+    or a `DecodeByShape` over the same table variants; None where it is not built (a variant on
+    the CUDA-core kernel, or `tir_kernels.decode_append_problem`'s reasons)."""
+    from tir_kernels.schedules import decode_variants
+
+    config = config.replace(sliding_window=False)
+    if tir_kernels.decode_append_problem(config) is not None:
+        return None
+    variants = decode_variants(config)
+    if len(variants) == 1 and not variants[0][2]:  # no table entry: paged_decode's own choice
+        return _build(tir_kernels.paged_decode_append, config, ())
+    if any(tir_kernels.decode_append_problem(config, sched) for sched, _, _ in variants):
+        return None
+    built = [(_build(tir_kernels.paged_decode_append, config, (sched,)), shapes) for sched, _, shapes in variants]
+    return built[0][0] if len(built) == 1 else DecodeByShape(built, config.page_size)
 
 
 class DecodeByShape:
