@@ -446,6 +446,48 @@ def _rope_macros(lay: _Layout, L):
     return rope_freqs, rope_steps, rope_angles, rope_rows, rope_exact, rope_own_tile, rope_own_next, rope_tile
 
 
+def _chunk_macros(lay: _Layout, L):
+    """The append build's rows from qkv: chunk_values (a 16-byte chunk of a head row in float32,
+    rotated), pack (rounded into words) and store_words (the words -> shared memory)."""
+    D, HC, PACK, TL, dtype, word = lay.D, lay.HC, lay.PACK, lay.TL, lay.dtype, lay.word
+    config = lay.config
+    theta, scale, scaling = T.float32(config.rope_theta), T.float32(config.rope_scale), config.rope_scaling
+
+    @T.macro
+    def chunk_values(qkv_, b_, h_, ch_, pos_, rotate_, vals_):
+        """vals_ <- chunk ch_ of head row qkv_[b_, h_] in float32, rotated to position pos_ where
+        rotate_ (rotate-half RoPE with split_rotary's arithmetic: common.rope_angle and
+        rope_rotate's expression, so that the rounded values are the ones it stores)."""
+        own = T.alloc_buffer((CHUNK,), dtype, scope="local")
+        mate = T.alloc_buffer((CHUNK,), dtype, scope="local")
+        for e in L.vector(CHUNK):
+            own[e] = qkv_[b_, h_, ch_ * CHUNK + e]
+        if rotate_:
+            for e in L.vector(CHUNK):
+                mate[e] = qkv_[b_, h_, (ch_ + HC) % TL.chunks * CHUNK + e]
+            for e in L.unroll(CHUNK):
+                angle = T.meta_var(rope_angle(ch_ * CHUNK + e, pos_, D, theta, scale, scaling))
+                vals_[e] = T.cos(angle) * T.Cast("float32", own[e]) + T.sin(angle) * T.if_then_else(
+                    ch_ < HC, T.float32(0.0) - T.Cast("float32", mate[e]), T.Cast("float32", mate[e]))
+        else:
+            for e in L.unroll(CHUNK):
+                vals_[e] = T.Cast("float32", own[e])
+
+    @T.macro
+    def pack(vals_, words_):
+        """words_[k] <- elements 2k, 2k + 1 of vals_ rounded to dtype (element 2k in the low half)."""
+        for k in L.unroll(CHUNK // 2):
+            T.ptx[PACK](words_[k], vals_[2 * k + 1], vals_[2 * k])
+
+    @T.macro
+    def store_words(smem_, off_, words_):
+        """The 16-byte chunk at 16-bit element off_ of shared memory <- words_."""
+        for k in L.unroll(CHUNK // 2):
+            smem_[word(off_) + k] = T.reinterpret("float32", words_[k])
+
+    return chunk_values, pack, store_words
+
+
 def _load_macros(lay: _Layout, L):
     """Loads: load_length_info, load_q (Q -> shared), lookup (page table), issue (K/V tiles ->
     the ring), refill (a step's issue and lookup) and load_q_frag (Q's A fragments)."""
@@ -454,6 +496,7 @@ def _load_macros(lay: _Layout, L):
     copy_row, ps, sliding, word = lay.copy_row, lay.ps, lay.sliding, lay.word
     FP8, FP8_TILE, FP8_TILE_SRC, FP8_STORE, FP8_STORE_SRC = (lay.FP8, lay.FP8_TILE, lay.FP8_TILE_SRC, lay.FP8_STORE,
                                                              lay.FP8_STORE_SRC)
+    chunk_values, pack, store_words = _chunk_macros(lay, L)
 
     @T.macro
     def copy_chunk(smem_, off_, pages_, page_, kv_, hkv_, slot_, ch_):
@@ -478,16 +521,25 @@ def _load_macros(lay: _Layout, L):
             li_[0] = length_info_[b_]
 
     @T.macro
-    def load_q(q_, smem_, b_, hkv_, tid_):
-        """The group's G query rows -> the Q region (cp.async); rows G..15 zero."""
+    def load_q(q_, smem_, b_, hkv_, tid_, rope_q_):
+        """The group's G query rows -> the Q region: by cp.async from q_ [B, Hq, D], or, with
+        rope_q_ = (position, rotate) (the append build), from the step's qkv_ rotated to position
+        where rotate (each element rounded once, as split_rotary stores it); rows G..15 zero."""
+        vals = T.alloc_buffer((CHUNK if rope_q_ is not None else 1,), "float32", scope="local")
+        words = T.alloc_buffer((CHUNK // 2 if rope_q_ is not None else 1,), "uint32", scope="local")
         for it in L.unroll(ceildiv(ROWS_PER_MMA * TL.chunks, NT)):
             c = T.meta_var(it * NT + tid_)
             r = T.meta_var(c // TL.chunks)
             ch = T.meta_var(c % TL.chunks)
             if ROWS_PER_MMA * TL.chunks % NT == 0 or c < ROWS_PER_MMA * TL.chunks:
                 if r < G:
-                    T.ptx[CP_ASYNC](smem_.ptr_to([word(Q_OFF + TL.offset(r, ch))]),
-                                    T.address_of(q_[b_, hkv_ * G + r, ch * CHUNK]), 16)
+                    if rope_q_ is None:
+                        T.ptx[CP_ASYNC](smem_.ptr_to([word(Q_OFF + TL.offset(r, ch))]),
+                                        T.address_of(q_[b_, hkv_ * G + r, ch * CHUNK]), 16)
+                    else:
+                        chunk_values(q_, b_, hkv_ * G + r, ch, rope_q_[0], rope_q_[1], vals)
+                        pack(vals, words)
+                        store_words(smem_, Q_OFF + TL.offset(r, ch), words)
                 else:
                     for e in L.vector(4):
                         smem_[word(Q_OFF + TL.offset(r, ch)) + e] = T.float32(0)
@@ -588,64 +640,10 @@ def _load_macros(lay: _Layout, L):
 
 
 def _append_macros(lay: _Layout, L):
-    """The append build (`paged_decode_append_tc`): load_q_append (the query rows from qkv,
-    rotated, -> the Q region), load_new_kv (the new key and value rows -> their page slot and
-    registers) and put_new_row (those registers -> the new key's row of a tile)."""
-    BK, D, G, Hkv, Hq, K_OFF, NT, Q_OFF = lay.BK, lay.D, lay.G, lay.Hkv, lay.Hq, lay.K_OFF, lay.NT, lay.Q_OFF
-    HC, PACK, TL, V_OFF, dtype, ps, word = lay.HC, lay.PACK, lay.TL, lay.V_OFF, lay.dtype, lay.ps, lay.word
-    config = lay.config
-    theta, scale, scaling = T.float32(config.rope_theta), T.float32(config.rope_scale), config.rope_scaling
-
-    @T.macro
-    def chunk_values(qkv_, b_, h_, ch_, pos_, rotate_, vals_):
-        """vals_ <- chunk ch_ of head row qkv_[b_, h_] in float32, rotated to position pos_ where
-        rotate_ (rotate-half RoPE with split_rotary's arithmetic: common.rope_angle and
-        rope_rotate's expression, so that the rounded values are the ones it stores)."""
-        own = T.alloc_buffer((CHUNK,), dtype, scope="local")
-        mate = T.alloc_buffer((CHUNK,), dtype, scope="local")
-        for e in L.vector(CHUNK):
-            own[e] = qkv_[b_, h_, ch_ * CHUNK + e]
-        if rotate_:
-            for e in L.vector(CHUNK):
-                mate[e] = qkv_[b_, h_, (ch_ + HC) % TL.chunks * CHUNK + e]
-            for e in L.unroll(CHUNK):
-                angle = T.meta_var(rope_angle(ch_ * CHUNK + e, pos_, D, theta, scale, scaling))
-                vals_[e] = T.cos(angle) * T.Cast("float32", own[e]) + T.sin(angle) * T.if_then_else(
-                    ch_ < HC, T.float32(0.0) - T.Cast("float32", mate[e]), T.Cast("float32", mate[e]))
-        else:
-            for e in L.unroll(CHUNK):
-                vals_[e] = T.Cast("float32", own[e])
-
-    @T.macro
-    def pack(vals_, words_):
-        """words_[k] <- elements 2k, 2k + 1 of vals_ rounded to dtype (element 2k in the low half)."""
-        for k in L.unroll(CHUNK // 2):
-            T.ptx[PACK](words_[k], vals_[2 * k + 1], vals_[2 * k])
-
-    @T.macro
-    def store_words(smem_, off_, words_):
-        """The 16-byte chunk at 16-bit element off_ of shared memory <- words_."""
-        for k in L.unroll(CHUNK // 2):
-            smem_[word(off_) + k] = T.reinterpret("float32", words_[k])
-
-    @T.macro
-    def load_q_append(qkv_, smem_, b_, hkv_, tid_, pos_, rotate_):
-        """The group's G query rows of qkv_ -> the Q region, rotated to pos_ where rotate_ (each
-        element rounded once, as split_rotary stores it); rows G..15 zero."""
-        vals = T.alloc_buffer((CHUNK,), "float32", scope="local")
-        words = T.alloc_buffer((CHUNK // 2,), "uint32", scope="local")
-        for it in L.unroll(ceildiv(ROWS_PER_MMA * TL.chunks, NT)):
-            c = T.meta_var(it * NT + tid_)
-            r = T.meta_var(c // TL.chunks)
-            ch = T.meta_var(c % TL.chunks)
-            if ROWS_PER_MMA * TL.chunks % NT == 0 or c < ROWS_PER_MMA * TL.chunks:
-                if r < G:
-                    chunk_values(qkv_, b_, hkv_ * G + r, ch, pos_, rotate_, vals)
-                    pack(vals, words)
-                    store_words(smem_, Q_OFF + TL.offset(r, ch), words)
-                else:
-                    for e in L.vector(4):
-                        smem_[word(Q_OFF + TL.offset(r, ch)) + e] = T.float32(0)
+    """The append build (`paged_decode_append_tc`): load_new_kv (the new key and value rows -> their
+    page slot and registers) and put_new_row (those registers -> the new key's row of a tile)."""
+    BK, Hkv, Hq, K_OFF, TL, V_OFF, dtype, ps = lay.BK, lay.Hkv, lay.Hq, lay.K_OFF, lay.TL, lay.V_OFF, lay.dtype, lay.ps
+    chunk_values, pack, store_words = _chunk_macros(lay, L)
 
     @T.macro
     def load_new_kv(qkv_, pages_, b_, hkv_, tid_, pos_, rotate_, slot_, newkv_):
@@ -673,7 +671,7 @@ def _append_macros(lay: _Layout, L):
             store_words(smem_, K_OFF + tid_ // TL.chunks * (V_OFF - K_OFF) + stage_ * BK * TL.stride
                         + TL.offset(row_, tid_ % TL.chunks), newkv_)
 
-    return load_q_append, load_new_kv, put_new_row
+    return load_new_kv, put_new_row
 
 
 def _mma_macros(lay: _Layout, L):
@@ -1085,7 +1083,7 @@ def _body_macro(lay: _Layout, L):
     s_mma, softmax, pv_mma = _mma_macros(lay, L)
     finish = _finish_macro(lay, L)
     fused_merge = _fused_merge_macro(lay, L)
-    load_q_append, load_new_kv, put_new_row = _append_macros(lay, L)
+    load_new_kv, put_new_row = _append_macros(lay, L)
     FP8 = lay.FP8
     # FP8 pages: the tiles hold code values times FP8_TILE_FACTOR; the K scale (over that
     # factor) multiplies the scores, the V scale the output (both linear in the tile values)
@@ -1148,7 +1146,7 @@ def _body_macro(lay: _Layout, L):
             o[i] = T.float32(0)
         if not TABLES_EARLY:
             if append_ is None:
-                load_q(q_, smem, b, hkv, tid)
+                load_q(q_, smem, b, hkv, tid, None)
             T.ptx["cp.async.commit_group"]()
         if EARLY:  # every page-table read of the prologue, then every copy
             for st in L.unroll(STAGES - 1):
@@ -1157,7 +1155,7 @@ def _body_macro(lay: _Layout, L):
             if TABLES_EARLY:  # the page tables are read; q, the pages and the workspace only after the wait
                 T.evaluate(grid_dependency_wait())
                 if append_ is None:
-                    load_q(q_, smem, b, hkv, tid)
+                    load_q(q_, smem, b, hkv, tid, None)
                 T.ptx["cp.async.commit_group"]()
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
@@ -1178,7 +1176,7 @@ def _body_macro(lay: _Layout, L):
         if PDL:  # the prologue's copies are issued: the next launch may take SMs as they free up
             T.evaluate(launch_dependents())
         if append_ is not None:  # the query rows and the new key / value, while the copies are in flight
-            load_q_append(q_, smem, b, hkv, tid, append_[0][b], append_[2] > 0)
+            load_q(q_, smem, b, hkv, tid, (append_[0][b], append_[2] > 0))
             if holds_new:
                 load_new_kv(q_, pages_, b, hkv, tid, append_[0][b], append_[2] > 0, append_[1][b], newkv)
                 if ntiles - 1 < STAGES - 1:  # its tile is one of the prologue's
