@@ -237,29 +237,40 @@ def test_decode_append_signature_and_schedule_checks():
 # -- the cache: decode steps with decode_append against the same steps without it
 
 
-def run_cache_steps(kernels: dict | None, rope_mode: str, seed: int = 3):
-    """A CUDA cache of group-4 fp16 layers: three sequences prefilled (ragged), then decode steps
-    (a fork and a new sequence on the way; batch 1 and 4) -> every step's outputs and the final
-    pages of each layer."""
+LAYERS, HQ, HKV, D = 2, 8, 2, 64  # the caches' layers: GQA groups of 4, fp16
+
+
+def group4_cache(kernels: dict | None, rope_mode: str = "normal"):
+    """A CUDA PagedKVCache of LAYERS group-4 fp16 layers (kernels: the slots replaced)."""
     import tvm
 
     from tvmattn import PagedKVCache
 
-    layers, hq, hkv, d = 2, 8, 2, 64
-    cache = PagedKVCache(num_layers=layers, num_qo_heads=hq, num_kv_heads=hkv, qk_head_dim=d, dtype="float16",
-                         page_size=16, rope_mode=rope_mode, rope_theta=5e5, rope_scale=0.5, device=tvm.cuda(0),
-                         max_num_sequences=8, max_total_seq_len=4096, prefill_chunk_size=512, kernels=kernels)
+    return PagedKVCache(num_layers=LAYERS, num_qo_heads=HQ, num_kv_heads=HKV, qk_head_dim=D, dtype="float16",
+                        page_size=16, rope_mode=rope_mode, rope_theta=5e5, rope_scale=0.5, device=tvm.cuda(0),
+                        max_num_sequences=8, max_total_seq_len=4096, prefill_chunk_size=512, kernels=kernels)
+
+
+def forward_layers(cache, rng, seq_ids, lengths, outputs: list) -> None:
+    """One step of random qkv through every layer; each layer's o appended to outputs."""
+    cache.begin_forward(seq_ids, lengths)
+    for layer in range(LAYERS):
+        qkv = tensor(randn(rng, (sum(lengths), HQ + 2 * HKV, D), "float16"), cache.device)
+        o = empty((sum(lengths), HQ, D), "float16", cache.device)
+        cache.attention_with_fused_qkv(layer, default_sm_scale(D), qkv, o)
+        outputs.append(o.numpy())
+    cache.end_forward()
+
+
+def run_cache_steps(kernels: dict | None, rope_mode: str, seed: int = 3):
+    """A group-4 cache: three sequences prefilled (ragged), then decode steps (a fork and a new
+    sequence on the way; batch 1 and 4) -> (the cache, every step's outputs)."""
+    cache = group4_cache(kernels, rope_mode)
     rng = np.random.default_rng(seed)
     outputs = []
 
     def forward(seq_ids, lengths):
-        cache.begin_forward(seq_ids, lengths)
-        for layer in range(layers):
-            qkv = tensor(randn(rng, (sum(lengths), hq + 2 * hkv, d), "float16"), cache.device)
-            o = empty((sum(lengths), hq, d), "float16", cache.device)
-            cache.attention_with_fused_qkv(layer, default_sm_scale(d), qkv, o)
-            outputs.append(o.numpy())
-        cache.end_forward()
+        forward_layers(cache, rng, seq_ids, lengths, outputs)
 
     for seq_id in (0, 1, 2):
         cache.add_sequence(seq_id)
@@ -290,11 +301,47 @@ def test_cache_decode_steps_with_decode_append_equal_those_without(rope_mode):
     for seq_id, length in ((0, 306), (1, 21), (2, 6), (5, 19), (6, 44)):
         kv = []
         for cache in (fused, plain):
-            k, v = (empty((2, length, 2, 64), "float16", cache.device) for _ in range(2))
+            k, v = (empty((LAYERS, length, HKV, D), "float16", cache.device) for _ in range(2))
             cache.debug_get_kv(seq_id, 0, length, k, v)
             kv.append((k.numpy(), v.numpy()))
         for a, b in zip(*kv):
             np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"K/V of sequence {seq_id}")
+
+
+@pytest.mark.gpu
+def test_graph_replays_with_decode_append_equal_the_steps_without():
+    """Decode steps replayed from CUDA graphs (three sequences in bucket 4: one padded row, which
+    appends nothing) on a cache with decode_append: the real rows equal the same graph-planned
+    steps run eagerly on the cache without it, bit for bit."""
+    from tvmattn.runtime.graphs import DecodeGraphs
+
+    fused, plain = group4_cache(None), group4_cache({"decode_append": None})
+    qkv = {b: [empty((b, HQ + 2 * HKV, D), "float16", fused.device) for _ in range(LAYERS)] for b in (1, 2, 4)}
+    out = {b: [empty((b, HQ, D), "float16", fused.device) for _ in range(LAYERS)] for b in (1, 2, 4)}
+
+    def step(bucket):
+        for layer in range(LAYERS):
+            fused.attention_with_fused_qkv(layer, default_sm_scale(D), qkv[bucket][layer], out[bucket][layer])
+        return out[bucket]
+
+    graphs = DecodeGraphs(fused, step, 4)
+    rng = np.random.default_rng(9)
+    for cache in (fused, plain):
+        for seq_id in (0, 1, 2):
+            cache.add_sequence(seq_id)
+        forward_layers(cache, np.random.default_rng(1), [0, 1, 2], [200, 33, 5], [])
+    for _ in range(4):
+        rows = [randn(rng, (4, HQ + 2 * HKV, D), "float16") for _ in range(LAYERS)]
+        for layer in range(LAYERS):
+            qkv[4][layer].copyfrom(rows[layer])
+        replayed = [o.numpy()[:3] for o in graphs.run([0, 1, 2])]
+        plain.begin_graph_decode([0, 1, 2], 4)
+        for layer in range(LAYERS):
+            o = empty((4, HQ, D), "float16", plain.device)
+            plain.attention_with_fused_qkv(layer, default_sm_scale(D), tensor(rows[layer], plain.device), o)
+            np.testing.assert_array_equal(bits(replayed[layer]), bits(o.numpy()[:3]), err_msg=f"layer {layer}")
+        plain.end_forward()
+    assert graphs.captures == 1 and graphs.replays == 4
 
 
 def test_where_the_runtime_builds_decode_append():
