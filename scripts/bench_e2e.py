@@ -45,10 +45,13 @@ against the float16 graph run's.
 build, on sm_90 and newer, launches each kernel so that its launch overlaps the end of the one
 before: tvmattn/compiler/dependent_launch.py), and --no-tensor-core-matmul with decode_step's
 projections on CUDA cores at every batch (the default build runs them on tensor cores from batch
-16 on: tvmattn/compiler/tensor_core_matmul.py). Such libraries are named NAME-nopdl-*.so,
-NAME-cc-*.so (or NAME-nopdl-cc-*.so), so that the ordinary libraries of --libs are never taken for
-them; their rows carry `dependent_launch: false` / `tensor_core_matmul: false`, configurations of
-their own beside the ordinary rows (which carry no such field).
+16 on: tvmattn/compiler/tensor_core_matmul.py), and --no-decode-append with the K/V append in a
+kernel of its own (the default appends inside the tensor-core decode kernel:
+tir_kernels.paged_decode_append). Such libraries are named NAME-nopdl-*.so, NAME-cc-*.so,
+NAME-noda-*.so (or combinations: NAME-nopdl-cc-*.so), so that the ordinary libraries of --libs are
+never taken for them; their rows carry `dependent_launch: false` / `tensor_core_matmul: false` /
+`decode_append: false`, configurations of their own beside the ordinary rows (which carry no such
+field).
 
 --json PATH writes the results as rows of docs/bench-format.md (`make_row`): bench "e2e",
 kernel "prefill" (batch 1, qo_len = seq_len = --prompt-len) or "decode" (qo_len 1, seq_len =
@@ -104,7 +107,8 @@ RANDOM_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # --keep-format: weights.random_block
 # build options whose runs are configurations of their own: (args / build option / row field,
 # command-line flag, library name suffix, the value the flag sets, against the build's default)
 OWN_CONFIG_BUILDS = (("dependent_launch", "--no-dependent-launch", "nopdl", False),
-                     ("tensor_core_matmul", "--no-tensor-core-matmul", "cc", False))
+                     ("tensor_core_matmul", "--no-tensor-core-matmul", "cc", False),
+                     ("decode_append", "--no-decode-append", "noda", False))
 
 
 def parse_args(argv=None):
@@ -149,6 +153,10 @@ def parse_args(argv=None):
                    help="build every library with decode_step's projections on CUDA cores at every batch (compile "
                         "--no-tensor-core-matmul; compiler.tensor_core_matmul): its libraries are named NAME-cc-*.so "
                         "and its rows carry tensor_core_matmul: false")
+    p.add_argument("--no-decode-append", dest="decode_append", action="store_false",
+                   help="build every library with the K/V append in a kernel of its own instead of inside the "
+                        "tensor-core decode kernel (compile --no-decode-append; tir_kernels.paged_decode_append): its "
+                        "libraries are named NAME-noda-*.so and its rows carry decode_append: false")
     args = p.parse_args(argv)
     graphs = args.target == "cuda" and not args.no_cuda_graph
     args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer
@@ -207,6 +215,7 @@ def ensure_libraries(args, max_batch: int) -> None:
                       prefill_chunk=args.prompt_len, log=lambda m: print("  " + m),
                       small_batch_matmul=args.small_batch_matmul, fused_layers=args.fused_layers,
                       dependent_launch=args.dependent_launch, tensor_core_matmul=args.tensor_core_matmul,
+                      decode_append=args.decode_append,
                       **random, **BUILD[library])
 
 

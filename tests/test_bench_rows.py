@@ -166,39 +166,43 @@ def test_e2e_json_option(e2e, tmp_path, capsys):
 
 
 def test_e2e_own_configuration_options(e2e, tmp_path, capsys):
-    """--no-dependent-launch and --no-tensor-core-matmul build libraries of their own name (never
+    """--no-dependent-launch, --no-tensor-core-matmul and --no-decode-append build libraries of their own name (never
     the ordinary ones of the folder), refuse an existing library built otherwise and the CPU
     target; their rows form configurations of their own (bench_rows.CONFIG_FIELDS), while the
     ordinary rows carry no such field."""
     # both are the CUDA default (the present GPU's arch, else sm_90): the flags turn them off
     default = e2e.parse_args(["--libs", str(tmp_path)])
     assert default.name == "smollm2" and default.dependent_launch and default.tensor_core_matmul
-    assert default.own_config == {}
+    assert default.decode_append and default.own_config == {}
     cpu = e2e.parse_args(["--target", "llvm"])
     assert not cpu.dependent_launch and not cpu.tensor_core_matmul and cpu.own_config == {}
     args = e2e.parse_args(["--no-dependent-launch", "--libs", str(tmp_path)])
     assert not args.dependent_launch and args.name == "smollm2-nopdl"
     assert e2e.library_path(args, "graph") == tmp_path / "smollm2-nopdl-tvmattn.so"
     assert args.tensor_core_matmul and args.own_config == {"dependent_launch": False}
-    for flag in ("--no-dependent-launch", "--no-tensor-core-matmul"):
+    for flag in ("--no-dependent-launch", "--no-tensor-core-matmul", "--no-decode-append"):
         with pytest.raises(SystemExit) as exit_info:
             e2e.parse_args([flag, "--target", "llvm"])
         assert exit_info.value.code == 2 and f"argument {flag}: needs --target cuda" in capsys.readouterr().err
     both = e2e.parse_args(["--no-dependent-launch", "--no-tensor-core-matmul"])
     assert not both.tensor_core_matmul and both.name == "smollm2-nopdl-cc"
     assert both.own_config == {"dependent_launch": False, "tensor_core_matmul": False}
+    separate = e2e.parse_args(["--no-decode-append", "--libs", str(tmp_path)])
+    assert separate.name == "smollm2-noda" and separate.own_config == {"decode_append": False}
     library = tmp_path / "smollm2-tvmattn.so"
     runtime = e2e.sidecar(library, e2e.RUNTIME_SUFFIX)
     for built, run in ((False, default), (True, args)):
         runtime.write_text(json.dumps({"metadata": {"build_options": {"dependent_launch": built,
-                                                                      "tensor_core_matmul": True}}}))
+                                                                      "tensor_core_matmul": True,
+                                                                      "decode_append": True}}}))
         with pytest.raises(SystemExit, match=f"was built with dependent_launch={built}, this run builds "
                                              f"dependent_launch={not built}"):
             e2e.check_own_config_builds(run, library)
     e2e.check_own_config_builds(default, library)  # built as this run builds: used as it is
     # a library from before the default (built without the tensor-core matmul) is not taken for it
     runtime.write_text(json.dumps({"metadata": {"build_options": {"dependent_launch": True,
-                                                                  "tensor_core_matmul": False}}}))
+                                                                  "tensor_core_matmul": False,
+                                                                  "decode_append": True}}}))
     with pytest.raises(SystemExit, match="was built with tensor_core_matmul=False, this run builds "
                                          "tensor_core_matmul=True"):
         e2e.check_own_config_builds(default, library)
@@ -206,6 +210,7 @@ def test_e2e_own_configuration_options(e2e, tmp_path, capsys):
            "fused_layers": "decode", "batch": 1}
     assert bench_rows.config_key({**row, "dependent_launch": False}) != bench_rows.config_key(row)
     assert bench_rows.config_key({**row, "tensor_core_matmul": True}) != bench_rows.config_key(row)
+    assert bench_rows.config_key({**row, "decode_append": False}) != bench_rows.config_key(row)
 
 
 def test_e2e_target_that_cannot_be_built_is_an_argument_error(e2e, monkeypatch, capsys):

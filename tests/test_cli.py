@@ -102,7 +102,8 @@ def test_compile_quantization_defaults_to_auto_and_says_so():
                                                           ("--no-dependent-launch", "dependent_launch", None, False),
                                                           ("--tensor-core-matmul", "tensor_core_matmul", None, True),
                                                           ("--no-tensor-core-matmul", "tensor_core_matmul", None, False),
-                                                          ("--float32-cpu-products", "cpu_bf16", True, False)])
+                                                          ("--float32-cpu-products", "cpu_bf16", True, False),
+                                                          ("--no-decode-append", "decode_append", True, False)])
 def test_compile_passes_its_build_flags_on(tmp_path, monkeypatch, flag, argument, default, value):
     """Each build flag reaches compile_model as its argument: the default without it (None: the
     target's own), the flag's value with it."""

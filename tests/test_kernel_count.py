@@ -84,6 +84,10 @@ def test_decode_append_library_counts():
     assert count_step(mod, "batch_decode").uniform_layer() == without_append(BATCHED_SWIGLU)
     layer = [launch.name for launch in step_launches(mod, "decode") if launch.segment == 0]
     assert "decode_append" in layer and "split_rotary_append" not in layer
+    separate = kernel_count.lowered_module({**TINY, "hidden_size": 128, "num_attention_heads": 4,
+                                            "num_key_value_heads": 1}, "cuda", "none", "Q4_1", fused=True,
+                                           decode_append=False)[0]  # (compile --no-decode-append)
+    assert count_step(separate, "decode").uniform_layer() == FUSED
 
 
 def test_layer_launches_in_order():

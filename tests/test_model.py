@@ -438,7 +438,8 @@ def test_metadata_lists_every_parameter(bias_model):
                                      "kv_cache": "tvmattn", "weight_formats": [], "max_batch_size": 4,
                                      "small_batch_matmul": True, "host_avx512": False, "kv_dtype": "",
                                      "fused_layers": True, "cpu_bf16": True, "dependent_launch": False,
-                                     "tensor_core_matmul": False, "fused_batch_layers": False}
+                                     "tensor_core_matmul": False, "fused_batch_layers": False,
+                                     "decode_append": True}
     for name in ("embed", "prefill", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache"):
         assert name in meta["functions"]
 
@@ -578,6 +579,8 @@ def test_build_options_quantized_weights_need_the_targets_activation_dtype():
         BuildOptions(host_avx512=1)
     with pytest.raises(ValueError, match="cpu_bf16=1 is not supported: expected a bool"):
         BuildOptions(cpu_bf16=1)
+    with pytest.raises(ValueError, match="decode_append=1 is not supported: expected a bool"):
+        BuildOptions(decode_append=1)
     from tvmattn.compiler.targets import host_cpu, llvm_features
     target = BuildOptions(weight_formats=(("lm_head", "Q4_1"),), host_avx512=True).tvm_target()
     assert target.attrs["mcpu"] == host_cpu()[0]  # AVX-512 only where asked for (and the CPU has it)

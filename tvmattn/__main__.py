@@ -321,6 +321,9 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--tensor-core-matmul", action=argparse.BooleanOptionalAction, default=None,
                          help="decode steps' projections on tensor cores from batch 16 on (CUDA sm_80 and newer; "
                               "compiler.tensor_core_matmul). Default: on wherever the target has them")
+    command.add_argument("--no-decode-append", dest="decode_append", action="store_false",
+                         help="decode steps append K/V in a kernel of their own instead of inside the tensor-core "
+                              "decode kernel (tir_kernels.paged_decode_append; for comparison)")
 
 
 def _main_job_options(job: argparse.ArgumentParser, blocks: str) -> None:
@@ -509,7 +512,8 @@ def _compile(args) -> int:
                       random_weights=args.random_weights, random_format=args.random_format,
                       small_batch_matmul=args.small_batch_matmul, kv_cache_dtype=args.kv_cache_dtype,
                       fused_layers=args.fused_layers, cpu_bf16=args.cpu_bf16,
-                      dependent_launch=args.dependent_launch, tensor_core_matmul=args.tensor_core_matmul)
+                      dependent_launch=args.dependent_launch, tensor_core_matmul=args.tensor_core_matmul,
+                      decode_append=args.decode_append)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0

@@ -70,13 +70,13 @@ def cache_spec(config: AnyModelConfig, options) -> Any:
             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=options.dtype,
             target=options.target, page_size=options.page_size, rope_theta=config.rope_theta,
             sliding_window=config.sliding_window, sliding_layers=config.sliding_layers, kv_dtype=options.kv_dtype,
-            rope_mode="none")
+            rope_mode="none", decode_append=options.decode_append)
     return KVCacheSpec(
         num_layers=config.num_hidden_layers, num_qo_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=options.dtype,
         target=options.target, page_size=options.page_size, rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling, sliding_window=config.sliding_window,
-        sliding_layers=config.sliding_layers, kv_dtype=options.kv_dtype,
+        sliding_layers=config.sliding_layers, kv_dtype=options.kv_dtype, decode_append=options.decode_append,
     )
 
 

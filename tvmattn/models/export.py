@@ -98,6 +98,10 @@ class BuildOptions:
     # fused GEMV below batch 16, compiler.tensor_core_matmul.norm_matmul from 16 on); off: slower
     # than the plain ops at batch 64 (docs/performance.md, "Tried and rejected")
     fused_batch_layers: bool = False
+    # tvmattn's cache: the K/V append inside the tensor-core decode kernel (one launch a layer,
+    # tir_kernels.paged_decode_append) where the decode takes that kernel; False: split_rotary_append
+    # then the decode (two)
+    decode_append: bool = True
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -108,6 +112,8 @@ class BuildOptions:
             raise ValueError(f"cpu_bf16={self.cpu_bf16!r} is not supported: expected a bool")
         if not isinstance(self.fused_layers, bool):
             raise ValueError(f"fused_layers={self.fused_layers!r} is not supported: expected a bool")
+        if not isinstance(self.decode_append, bool):
+            raise ValueError(f"decode_append={self.decode_append!r} is not supported: expected a bool")
         if not isinstance(self.small_batch_matmul, bool):
             raise ValueError(f"small_batch_matmul={self.small_batch_matmul!r} is not supported: expected a bool")
         if self.dependent_launch is not None and not isinstance(self.dependent_launch, bool):

@@ -107,6 +107,7 @@ class KVCacheSpec:
     sliding_layers: tuple[bool, ...] = ()
     kv_dtype: str = ""  # the pages' element type: "" (dtype) or an FP8 format (tir_kernels.kv_quant)
     rope_mode: str = "normal"
+    decode_append: bool = True  # pass decode_append where it serves the config (_extensions)
 
     def __post_init__(self):
         if self.rope_mode not in ROPE_MODES:
@@ -204,7 +205,7 @@ def _extensions(spec: KVCacheSpec) -> rx.Tuple:
     config = spec.attention_config(False)
     items = [tvm.ir.StringImm("split_rotary_append"),
              _kernel(tir_kernels.split_rotary_append(config), "tvmattn_split_rotary_append")]
-    if current_attention_backend() == "tir" and tir_kernels.decode_append_problem(config) is None:
+    if spec.decode_append and current_attention_backend() == "tir" and tir_kernels.decode_append_problem(config) is None:
         items += [tvm.ir.StringImm("decode_append"),
                   _kernel(tir_kernels.paged_decode_append(config), "tvmattn_decode_append")]
     if spec.kv_dtype:
