@@ -344,6 +344,54 @@ def test_graph_replays_with_decode_append_equal_the_steps_without():
     assert graphs.captures == 1 and graphs.replays == 4
 
 
+@pytest.mark.parametrize("rope_mode", ["normal", "none", "inline"])
+def test_cache_launches_decode_append_in_plain_decode_steps(rope_mode):
+    """CPU: a decode_append given as a Python function (split_rotary_append, then the paged decode,
+    with the arguments it is called with) is what a plain decode step launches, once a layer, when
+    the rope mode is not inline, and never in prefill steps; the outputs equal the cache's own
+    split + decode."""
+    import tvm
+
+    from tvmattn import PagedKVCache
+
+    def cpu_cache(kernels=None):
+        return PagedKVCache(num_layers=LAYERS, num_qo_heads=HQ, num_kv_heads=HKV, qk_head_dim=D, dtype="float32",
+                            page_size=4, rope_mode=rope_mode, rope_theta=5e5, rope_scale=0.5, device=tvm.cpu(0),
+                            max_num_sequences=4, max_total_seq_len=256, prefill_chunk_size=64, kernels=kernels)
+
+    plain = cpu_cache()
+    split, (_, decode) = plain.kernels.split_rotary_append, plain.kernels.decode_paged
+    calls = []
+
+    def decode_append(qkv, pages, indptr, indices, length_info, q_positions, append_positions, o, lse, apply_rope,
+                      sm_scale):
+        calls.append(int(qkv.shape[0]))
+        q = empty((qkv.shape[0], HQ, D), "float32", qkv.device)
+        split(qkv, q_positions, q, pages, append_positions, apply_rope)
+        decode(q, pages, indptr, indices, length_info, tensor(np.zeros(qkv.shape[0], np.int32), qkv.device),
+               q_positions, o, lse, 0, 1.0, 1e4, sm_scale)
+
+    fused = cpu_cache({"decode_append": decode_append})
+    rng = {name: np.random.default_rng(4) for name in ("fused", "plain")}
+    outputs = {"fused": [], "plain": []}
+    for name, cache in (("fused", fused), ("plain", plain)):
+        for seq_id in (0, 1):
+            cache.add_sequence(seq_id)
+        dtype_rng = rng[name]
+        for seq_ids, lengths in (([0, 1], [9, 4]), ([0, 1], [1, 1]), ([1], [1]), ([1, 0], [3, 1]), ([0, 1], [1, 1])):
+            cache.begin_forward(seq_ids, lengths)
+            for layer in range(LAYERS):
+                qkv = tensor(dtype_rng.standard_normal((sum(lengths), HQ + 2 * HKV, D)).astype("float32"), cache.device)
+                o = empty((sum(lengths), HQ, D), "float32", cache.device)
+                cache.attention_with_fused_qkv(layer, default_sm_scale(D), qkv, o)
+                outputs[name].append(o.numpy())
+            cache.end_forward()
+    expected_calls = [] if rope_mode == "inline" else [2, 2, 1, 1, 2, 2]  # the three decode steps' layers
+    assert calls == expected_calls
+    for step, (a, b) in enumerate(zip(outputs["fused"], outputs["plain"])):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {step}")
+
+
 def test_where_the_runtime_builds_decode_append():
     """CUDA group-3+ fp16 / bf16 caches build it beside the decode (CUDA source, no GPU needed);
     sliding-window caches, the CPU and a replaced decode slot do not."""
