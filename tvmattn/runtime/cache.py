@@ -58,7 +58,7 @@ from tir_kernels.support import (FP8_KV_DTYPES, cuda_arch_of, dtype_problem, is_
 
 from .backend_choice import attention_kernels
 from .backends import (PagedDecode, PagedPrefill, PagedPrefillTreeMask, RaggedPrefill, RaggedPrefillTreeMask,
-                       RopeMode, TIRPagedDecode, backend_from_spec, bind_workspace)
+                       RopeMode, backend_from_spec, bind_workspace)
 from .errors import KVCacheError, as_tensor, check, check_finite, check_int, check_tensor
 from .forward import Kernels, Rope, Step, Workspace
 from .graphs import empty_decode_plan, graph_layout, layout_end, pad_decode_plan, window_pages_per_row
@@ -474,9 +474,10 @@ class PagedKVCache:
         decode_append = kernels.decode_append
         check(decode_append is None or callable(decode_append),
               f"kernels: slot 'decode_append' must be a function, got {decode_append!r}")
-        # it computes the plain decode slot's attention: not that of a sliding-window cache's
-        # decode, nor of a decode the caller replaced (FlashInfer's, TVM's)
-        if self.options.sequence_windows or not isinstance(backends[paged[1]], TIRPagedDecode):
+        # it computes the plain decode slot's attention, not a sliding-window cache's decode (a
+        # replaced decode, FlashInfer's or TVM's, is not a TIRPagedDecode: Step's decode closure,
+        # the one caller, then takes neither)
+        if self.options.sequence_windows:
             decode_append = None
         return Kernels(backends["prefill_ragged"], backends[paged[0]], backends[paged[1]], kernels.split_rotary,
                        kernels.transpose_append, kernels.merge_state, split_rotary_append=fused,
@@ -1290,13 +1291,10 @@ def _compiled_launches(kernels: Kernels) -> bool:
     """Whether every function a step of MHA layers launches is a tvm_ffi Function (a compiled
     kernel checks its arguments at entry; a Python callable given as a kernel may not)."""
     funcs = [kernels.split_rotary, kernels.transpose_append, kernels.merge]
-    if kernels.split_rotary_append is not None:
-        funcs.append(kernels.split_rotary_append)
-    if kernels.decode_append is not None:
-        fused = kernels.decode_append
-        funcs += fused.variants if isinstance(fused, DecodeByShape) else [fused]
-    for backend in (kernels.ragged, kernels.paged_prefill, kernels.paged_decode):
-        func = getattr(backend, "func", None)
+    optional = [func for func in (kernels.split_rotary_append, kernels.decode_append) if func is not None]
+    backends = [getattr(backend, "func", None) for backend in (kernels.ragged, kernels.paged_prefill,
+                                                                kernels.paged_decode)]
+    for func in optional + backends:  # (a backend without a function: not compiled)
         funcs += func.variants if isinstance(func, DecodeByShape) else [func]
     return all(isinstance(func, tvm_ffi.Function) for func in funcs)
 

@@ -79,6 +79,11 @@ class Workspace:
         return {name: views[n] for name, views in self._buffers.items()}
 
 
+def _for_step(func, batch: int, level: LevelArrays):
+    """func, or a DecodeByShape's variant for a step of `batch` requests over `level`'s pages."""
+    return func.variant(batch, int(level.page_indices.shape[0])) if isinstance(func, DecodeByShape) else func
+
+
 def _rows(row: tuple, dtype: str, n: int) -> tuple:
     """(shape, dtype, byte offset) of the first n rows."""
     return (n, *row), dtype, 0
@@ -147,9 +152,7 @@ class Step:
         if not isinstance(decode, TIRPagedDecode) or type(decode).mha is not TIRPagedDecode.mha:
             return None
         a, (level,), rope = self._a, self._a.fused, self._rope
-        func = decode.func
-        if isinstance(func, DecodeByShape):
-            func = func.variants[func.pick(self.total, int(level.page_indices.shape[0]))]
+        func = _for_step(decode.func, self.total, level)
         q, lse, q_positions, positions, apply_rope = self.q, self.lse, a.q_positions, a.append_positions, \
             self._apply_rope
         indptr, indices, info, k_offset = level.page_indptr, level.page_indices, level.length_info, level.k_offset
@@ -159,8 +162,7 @@ class Step:
             return None
         fused = self._k.decode_append
         if fused is not None and not inline:
-            if isinstance(fused, DecodeByShape):
-                fused = fused.variants[fused.pick(self.total, int(level.page_indices.shape[0]))]
+            fused = _for_step(fused, self.total, level)
 
             def launches(pages, qkv, o, sm_scale):
                 fused(qkv, pages, indptr, indices, info, q_positions, positions, o, lse, apply_rope, sm_scale)

@@ -178,13 +178,7 @@ def decode_kernel(config: AttentionConfig):
 
     if config.kv_fp8:  # FP8 pages: paged_decode's own choice (the table measured fp16/bf16 pages)
         return _build(tir_kernels.paged_decode, config, ())
-    variants = decode_variants(config)
-    if len(variants) == 1 and not variants[0][2]:  # no table entry: paged_decode's own choice
-        return _build(tir_kernels.paged_decode, config, ())
-    built = [(_build(tir_kernels.paged_decode, config, (sched, rope)), shapes) for sched, rope, shapes in variants]
-    if len(built) == 1:
-        return built[0][0]
-    return DecodeByShape(built, config.page_size)
+    return _by_shape(tir_kernels.paged_decode, config, decode_variants(config), lambda sched, rope: (sched, rope))
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,11 +192,18 @@ def decode_append_kernel(config: AttentionConfig):
     if tir_kernels.decode_append_problem(config) is not None:
         return None
     variants = decode_variants(config)
-    if len(variants) == 1 and not variants[0][2]:  # no table entry: paged_decode's own choice
-        return _build(tir_kernels.paged_decode_append, config, ())
-    if any(tir_kernels.decode_append_problem(config, sched) for sched, _, _ in variants):
+    if any(tir_kernels.decode_append_problem(config, sched) for sched, _, shapes in variants if shapes):
         return None
-    built = [(_build(tir_kernels.paged_decode_append, config, (sched,)), shapes) for sched, _, shapes in variants]
+    return _by_shape(tir_kernels.paged_decode_append, config, variants, lambda sched, rope: (sched,))
+
+
+def _by_shape(generator, config: AttentionConfig, variants: list, extra):
+    """generator's kernel of config for the decode table's `variants` (schedules.decode_variants):
+    the generator's own choice where the table has no entry, else each variant's build
+    (generator(config, *extra(schedule, rope_schedule))), one function or a `DecodeByShape`."""
+    if len(variants) == 1 and not variants[0][2]:  # no table entry: the generator's own choice
+        return _build(generator, config, ())
+    built = [(_build(generator, config, extra(sched, rope)), shapes) for sched, rope, shapes in variants]
     return built[0][0] if len(built) == 1 else DecodeByShape(built, config.page_size)
 
 
@@ -234,9 +235,12 @@ class DecodeByShape:
             self._memo[key] = index
         return index
 
+    def variant(self, batch: int, num_pages: int):
+        """The variant function for `batch` requests holding `num_pages` pages in all (`pick`)."""
+        return self.variants[self.pick(batch, num_pages)]
+
     def __call__(self, q, pages, page_indptr, page_indices, *args):
-        func = self.variants[self.pick(int(q.shape[0]), int(page_indices.shape[0]))]
-        return func(q, pages, page_indptr, page_indices, *args)
+        return self.variant(int(q.shape[0]), int(page_indices.shape[0]))(q, pages, page_indptr, page_indices, *args)
 
 
 @functools.lru_cache(maxsize=None)
