@@ -386,6 +386,10 @@ def test_cache_launches_decode_append_in_plain_decode_steps(rope_mode):
                 cache.attention_with_fused_qkv(layer, default_sm_scale(D), qkv, o)
                 outputs[name].append(o.numpy())
             cache.end_forward()
+    from tvmattn import KVCacheError
+
+    with pytest.raises(KVCacheError, match="slot 'decode_append' must be a function, got 'not a kernel'"):
+        cpu_cache({"decode_append": "not a kernel"})
     expected_calls = [] if rope_mode == "inline" else [2, 2, 1, 1, 2, 2]  # the three decode steps' layers
     assert calls == expected_calls
     for step, (a, b) in enumerate(zip(outputs["fused"], outputs["plain"])):
