@@ -386,40 +386,53 @@ def choose_rope_table(rows, base: dict, min_gain: float, candidates: dict, also:
     return table
 
 
-def merge_buckets(base: dict, buckets: list) -> tuple[list, dict]:
+TABLE_ABOUT = ("Decode schedule per (dtype, head dim, GQA group) bucket and (batch, context) shape, measured by "
+               "scripts/tune_decode.py; read by tir_kernels/schedules.py; a bucket with its own "
+               "device/command/date/commit was measured apart from the table's")
+PROVENANCE = ("device", "command", "date", "commit")
+
+
+def merge_buckets(base: dict, buckets: list, stamp: dict | None = None) -> tuple[list, dict]:
     """(buckets, schedules) of the table `base` (a decode table file's dict) with the new
     buckets' entries in place of its entries at the same (bucket, batch, seq_len); base's other
-    entries and buckets stay, and so do the schedule dicts they name (returned by label)."""
+    entries and buckets stay, and so do the schedule dicts they name (returned by label).
+    stamp ({device, command, date, commit} of this run): put on every bucket the new buckets
+    measured (the run that last measured any of its shapes), so that base's own top-level
+    provenance stays true of the buckets this run did not touch."""
     def key(b):
         return b["dtype"], b["head_dim"], b["group"], b["page_size"]
 
+    stamp = stamp or {}
     new = {key(b): b for b in buckets}
     out = []
     for b in base.get("buckets", []):
         fresh = new.pop(key(b), {"shapes": []})
         measured = {(e["batch"], e["seq_len"]) for e in fresh["shapes"]}
         kept = [e for e in b["shapes"] if (e["batch"], e["seq_len"]) not in measured]
-        out.append({**b, "shapes": sorted(kept + fresh["shapes"], key=lambda e: (e["batch"], e["seq_len"]))})
-    out += list(new.values())
+        out.append({**b, **(stamp if measured else {}),
+                    "shapes": sorted(kept + fresh["shapes"], key=lambda e: (e["batch"], e["seq_len"]))})
+    out += [{**b, **stamp} for b in new.values()]
     used = {lab for b in out for e in b["shapes"] for lab in (e["schedule"], e.get("rope_schedule")) if lab}
     return out, {lab: d for lab, d in base.get("schedules", {}).items() if lab in used}
 
 
 def write_table(path: str, buckets: list, candidates: dict, meta: dict, command: str, base: dict | None = None) -> None:
     """The table file (see schedules.py, "Decode schedule table"); with `base` (a table file's
-    dict), base's entries at shapes the new buckets did not measure are kept (`merge_buckets`)."""
+    dict), base's entries at shapes the new buckets did not measure are kept (`merge_buckets`),
+    with base's top-level provenance, and the buckets this run measured carry this run's own."""
     import json
 
     from tir_kernels.schedules import schedule_to_dict
 
+    header = {"about": TABLE_ABOUT, "command": command, "device": meta["device"], "arch": "sm_90", "sms": 132,
+              "date": meta["date"], "commit": meta["commit"]}
     kept = {}
     if base is not None:
-        buckets, kept = merge_buckets(base, buckets)
+        run = {"device": meta["device"], "command": command, "date": meta["date"], "commit": meta["commit"]}
+        buckets, kept = merge_buckets(base, buckets, stamp=run)
+        header.update({k: base[k] for k in PROVENANCE if k in base})
     used = sorted({lab for b in buckets for e in b["shapes"] for lab in (e["schedule"], e.get("rope_schedule")) if lab})
-    table = {"about": "Decode schedule per (dtype, head dim, GQA group) bucket and (batch, context) shape, "
-                      "measured by scripts/tune_decode.py; read by tir_kernels/schedules.py",
-             "command": command, "device": meta["device"], "arch": "sm_90", "sms": 132, "date": meta["date"],
-             "commit": meta["commit"],
+    table = {**header,
              "schedules": {lab: schedule_to_dict(candidates[lab]) if lab in candidates else kept[lab] for lab in used},
              "buckets": buckets}
     with open(path, "w") as f:

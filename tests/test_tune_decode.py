@@ -49,6 +49,26 @@ def test_write_table_with_base_keeps_old_schedules(tune, tmp_path):
     assert [e["schedule"] for e in table["buckets"][0]["shapes"]] == [new.label, old.label]
 
 
+def test_write_table_with_base_keeps_its_provenance(tune, tmp_path):
+    """A partial re-tune keeps the base table's top-level device / command / date / commit (true
+    of the buckets it did not measure); the buckets it measured carry the run's own."""
+    from tir_kernels.schedules import TensorCoreDecodeSchedule, schedule_to_dict
+
+    old, new = TensorCoreDecodeSchedule(warps=2), TensorCoreDecodeSchedule(keys_per_warp=32)
+    first = {"device": "NVIDIA H200", "command": "first", "date": "2026-01-01T00:00:00+00:00", "commit": "aaa1111"}
+    base = {"about": "a table", **first, "arch": "sm_90", "sms": 132, "schedules": {old.label: schedule_to_dict(old)},
+            "buckets": [bucket(8, [entry(1, 4096, old.label)]), bucket(4, [entry(1, 4096, old.label)])]}
+    path = tmp_path / "table.json"
+    meta = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-02-02T00:00:00+00:00", "commit": "bbb2222"}
+    tune.write_table(str(path), [bucket(4, [entry(1, 512, new.label)])], {new.label: new}, meta, "second", base)
+    table = json.loads(path.read_text())
+    assert {k: table[k] for k in first} == first
+    untouched, measured = table["buckets"]
+    assert not set(tune.PROVENANCE) & set(untouched)
+    assert {k: measured[k] for k in tune.PROVENANCE} == {**meta, "command": "second"}
+    assert [(e["seq_len"], e["schedule"]) for e in measured["shapes"]] == [(512, new.label), (4096, old.label)]
+
+
 def rope_row(label, group, batch, seq_len, gbps, dtype="float16", agrees=True):
     return {"impl": f"tvmattn-tc-{label}-rope", "variant": "rotary_mode=1", "dtype": dtype, "head_dim": 128,
             "num_qo_heads": 32, "num_kv_heads": 32 // group, "page_size": 16, "batch": batch, "seq_len": seq_len,
