@@ -460,6 +460,12 @@ def tc_decode_candidates(config: AttentionConfig) -> dict:
         *(dataclasses.replace(sched, min_split_keys=128, threads_per_row=8, early_pages=True, heads_first=True,
                               fused_merge=True, cooperative_merge=coop, dependent_launch=True, tables_before_wait=early)
           for sched in (base, tc(4, 16, 3)) for coop in (False, True) for early in (False, True)),
+        # one block a (request, KV head) for short contexts (splits of at least 256 or 512 keys):
+        # 8 warps (128-key tiles) or 32 keys a warp, a short request's tiles all in flight at once
+        # and no merge between blocks
+        *(dataclasses.replace(sched, min_split_keys=keys, threads_per_row=8, early_pages=True, heads_first=True,
+                              fused_merge=True, dependent_launch=True, tables_before_wait=True)
+          for sched in (tc(8, 16, 4), tc(8, 16, 3), tc(4, 32, 4), base) for keys in (256, 512)),
         # with -fc-pdlt at two blocks per SM: L2 prefetch hints, splits of at least 256 keys
         *(dataclasses.replace(tc(4, 16, 3), min_split_keys=keys, threads_per_row=8, early_pages=True, heads_first=True,
                               fused_merge=True, cooperative_merge=True, dependent_launch=True, tables_before_wait=True,
