@@ -123,7 +123,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=10, help="timed prefill runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, default=0, metavar="BATCH",
-                   help="also print the top GPU kernels of a decode step at this batch size, per cache")
+                   help="also print the top GPU kernels of a decode step at this batch size, per cache, by "
+                        "duration and by share of the stream's busy time (PDL overlap charged to the predecessor)")
     p.add_argument("--profile-host", type=int, default=0, metavar="BATCH",
                    help="also print where the host spends 20 decode steps at this batch size (cProfile), per cache")
     p.add_argument("--target", default="cuda", choices=["cuda", "llvm"], help="llvm: a CPU smoke run of this script")
@@ -493,8 +494,25 @@ def make_row(kernel: str, kv_cache: str, *, batch: int, prompt_len: int, seconds
     return row
 
 
+def stream_shares(kernels) -> tuple[dict, float]:
+    """({name: (microseconds, calls)}, busy microseconds) of kernels [(name, start, end)] of one
+    stream: each kernel's share of the stream's busy time, from the later of its start and the
+    end of the kernels before it to its own end. Under programmatic dependent launch a kernel
+    starts while its predecessor runs and waits for it; that wait is the predecessor's time, so
+    the shares add up to the busy time (idle gaps excluded) where plain durations overlap."""
+    shares, busy, done = {}, 0.0, -math.inf
+    for name, start, end in sorted(kernels, key=lambda k: (k[1], k[2])):
+        share = max(0.0, end - max(start, done))
+        total, calls = shares.get(name, (0.0, 0))
+        shares[name] = (total + share, calls + 1)
+        busy += share
+        done = max(done, end)
+    return shares, busy
+
+
 def profile_decode(runner: Runner, prompts, steps: int = 5, top: int = 15) -> None:
-    """Print the GPU kernels of `steps` decode steps by total time (torch.profiler / CUPTI)."""
+    """Print the GPU kernels of `steps` decode steps by total time (torch.profiler / CUPTI), then
+    by their share of the stream's busy time (`stream_shares`)."""
     from torch.profiler import ProfilerActivity, profile
 
     import torch
@@ -503,6 +521,14 @@ def profile_decode(runner: Runner, prompts, steps: int = 5, top: int = 15) -> No
     bench_decode(runner, prompts, steps, around_steps=prof)
     sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=60))
+    if not torch.cuda.is_available():
+        return
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    shares, busy = stream_shares(kernels)
+    print(f"stream busy {busy / steps:.1f} us a step; each kernel's share (from its predecessor's end to its own):")
+    for name, (total, calls) in sorted(shares.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {total / steps:8.1f} us a step {total / calls:7.2f} us a call {calls // steps:4d} a step  {name[:70]}")
 
 
 def profile_host(runner: Runner, prompts, steps: int = 20, top: int = 18) -> None:

@@ -117,6 +117,17 @@ def test_bench_kernels_uses_the_helper():
 # --- scripts/bench_e2e.py ----------------------------------------------------------------------
 
 
+def test_stream_shares_split_overlapped_kernels_at_their_predecessors_end(e2e):
+    """--profile's stream breakdown: a kernel started early (programmatic dependent launch) and
+    waiting is charged only from its predecessor's end; gaps count for nobody; shares add up."""
+    kernels = [("qkv", 0.0, 2.0), ("attention", 1.0, 6.0), ("o_proj", 5.0, 7.5),  # overlapping starts
+               ("qkv", 10.0, 12.0), ("attention", 11.5, 16.0), ("o_proj", 17.0, 18.0)]  # a gap before o_proj
+    shares, busy = e2e.stream_shares(list(reversed(kernels)))  # (any order: sorted by start)
+    assert shares == {"qkv": (4.0, 2), "attention": (8.0, 2), "o_proj": (2.5, 2)}
+    assert busy == pytest.approx(14.5) == sum(total for total, _ in shares.values())
+    assert e2e.stream_shares([]) == ({}, 0.0)
+
+
 def test_e2e_prefill_row(e2e):
     row = e2e.make_row("prefill", "tvm", batch=1, prompt_len=512, seconds=0.004, diff=1e-3, scale=20.0,
                        target="cuda", dtype="float16", meta=META, extra={"model": "smollm2-135m", "page_size": 16})
