@@ -428,8 +428,7 @@ def write_table(path: str, buckets: list, candidates: dict, meta: dict, command:
               "date": meta["date"], "commit": meta["commit"]}
     kept = {}
     if base is not None:
-        run = {"device": meta["device"], "command": command, "date": meta["date"], "commit": meta["commit"]}
-        buckets, kept = merge_buckets(base, buckets, stamp=run)
+        buckets, kept = merge_buckets(base, buckets, stamp={k: header[k] for k in PROVENANCE})
         header.update({k: base[k] for k in PROVENANCE if k in base})
     used = sorted({lab for b in buckets for e in b["shapes"] for lab in (e["schedule"], e.get("rope_schedule")) if lab})
     table = {**header,
