@@ -224,6 +224,33 @@ def test_decode_append_cuda_source(arch):
     assert stores == 2, f"the new row is put into a tile in two places (prologue, main loop), found {stores}"
 
 
+@pytest.mark.parametrize("tables_before_wait", [False, True])
+def test_decode_append_copies_the_history_before_the_wait(tables_before_wait):
+    """With programmatic dependent launch and tables_before_wait, a block reads the page tables and
+    issues its prologue's copies of the history's K and V rows before griddepcontrol.wait; qkv
+    (the previous kernel's output), the positions and the outputs only after it. Without
+    tables_before_wait nothing is read before the wait."""
+    import dataclasses
+
+    import tvm
+
+    from tir_kernels.build import PIPELINE
+
+    config = config_of(CASES[0], "cuda:sm_90")
+    sched = dataclasses.replace(choose_tc_decode_schedule(config), early_pages=True, dependent_launch=True,
+                                tables_before_wait=tables_before_wait)
+    module = tvm.compile(tvm.IRModule({"f": paged_decode_append(config, sched)}), target=config.tvm_target(),
+                         tir_pipeline=PIPELINE)
+    body = next(k for k in module.mod.imports[0].inspect_source().split('extern "C" __global__')[1:]
+                if "{" in k.split(";")[0] and "ldmatrix" in k)  # the attention kernel (not the merge)
+    before = body[body.index("{"):body.index("tvmattn_grid_dependency_wait();")]
+    assert body.count("tvmattn_grid_dependency_wait();") == 1
+    early = ["page_indices_ptr[", "length_info_ptr[", "pages_ptr"]
+    late = ["QKV_ptr", "q_rope_position_ptr", "append_position_ptr", "O_ptr", "lse_ptr", "o_part_ptr"]
+    for pointer in early + late:
+        assert (pointer in before) == (tables_before_wait and pointer in early), pointer
+
+
 def test_decode_append_signature_and_schedule_checks():
     config = config_of(CASES[0], "cuda:sm_90")
     assert tir_kernels.choose_decode_kernel(config).kernel == "decode_tc"

@@ -33,8 +33,10 @@ Per block (`TensorCoreDecodeSchedule`: warps, keys_per_warp, stages):
   finish: the warps' (m, l, O) states are merged through shared memory (softmax.combine) and
     finished into o / lse, or into the split workspace.
   dependent_launch (sm_90): the block first waits for the stream's previous grids
-    (griddepcontrol.wait; with tables_before_wait only after the prologue's page-table reads)
-    and lets the next launch start once its prologue is issued (build.py: the launch tag).
+    (griddepcontrol.wait; with tables_before_wait only after the prologue's page-table reads,
+    and in the append build after the prologue's copies of the history's K and V rows too:
+    `pages_early`) and lets the next launch start once its prologue is issued (build.py: the
+    launch tag).
 
 rotary_mode == 1 (RoPE inside the kernel: q and the keys are stored un-rotated) runs the same
 kernel, compiled a second time with `rope_rows` and its own schedule (by default
@@ -1064,6 +1066,13 @@ def _fused_merge_macro(lay: _Layout, L):
     return fused_merge
 
 
+def pages_early(append_) -> bool:
+    """Whether a tables_before_wait block also issues its prologue's copies of the history's K and
+    V rows before the grid wait: in the append build, whose new key row `issue` leaves alone and
+    whose previous kernel (the QKV projection) writes no page (the schedule's contract)."""
+    return append_ is not None
+
+
 def new_key(append_, kv_len):
     """The key `issue` leaves alone in the append build (the new token: the last visible key), else None."""
     return None if append_ is None else kv_len - 1
@@ -1152,7 +1161,9 @@ def _body_macro(lay: _Layout, L):
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
                     lookup(indices_, li, page0, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES, rope_own(rope_))
-            if TABLES_EARLY:  # the page tables are read; q, the pages and the workspace only after the wait
+            if TABLES_EARLY and pages_early(append_):  # no Q copy in the append build: an empty group
+                T.ptx["cp.async.commit_group"]()
+            elif TABLES_EARLY:  # the page tables are read; q, the pages and the workspace only after the wait
                 T.evaluate(grid_dependency_wait())
                 if append_ is None:
                     load_q(q_, smem, b, hkv, tid, None)
@@ -1162,6 +1173,8 @@ def _body_macro(lay: _Layout, L):
                     issue(pages_, smem, hkv, st, j_begin + st * BK, j_end, tid, pg, sl, st * PASSES,
                           rope_own(rope_), False, staged, new_key(append_, kv_len))
                 T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
+            if TABLES_EARLY and pages_early(append_):  # the history's copies are in flight; q after the wait
+                T.evaluate(grid_dependency_wait())
         else:
             for st in L.unroll(STAGES - 1):
                 if st < ntiles:
@@ -1444,7 +1457,10 @@ def paged_decode_append_tc(config: AttentionConfig, schedule: TensorCoreDecodeSc
     of reading the slot back; q and the key rotated to q_rope_position[b] where apply_rope > 0
     (RoPE with the config's theta, scale and scaling, split_rotary's arithmetic). Plain builds
     only: no sliding window, no FP8 pages (ValueError otherwise); `schedule` as paged_decode_tc's
-    (default `schedules.choose_tc_decode_schedule`)."""
+    (default `schedules.choose_tc_decode_schedule`). With tables_before_wait the blocks also copy
+    the history's K and V rows before the grid wait (`pages_early`), so the schedule's contract
+    grows: the kernel launched just before this one must write no page either (in a model, the
+    QKV projection)."""
     check_config(config, "paged_decode_append_tc")
     if config.sliding_window or config.kv_fp8:
         raise ValueError(f"paged_decode_append_tc: sliding_window={config.sliding_window}, kv_dtype="

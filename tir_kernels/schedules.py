@@ -179,7 +179,10 @@ class TensorCoreDecodeSchedule:
     previous kernel's tail. Contract: the kernel launched just before the decode in its stream
     must not write the page tables (host copies, and kernels before that one, may: they have
     completed when the decode's blocks start, provided that kernel is an ordinary launch or lets
-    its dependents start only after its own griddepcontrol.wait, as this one does).
+    its dependents start only after its own griddepcontrol.wait, as this one does). The append
+    build (decode_tc.paged_decode_append_tc) also copies the prologue's K and V rows of the
+    history before the wait, all but the new token's, which it stores itself: there the kernel
+    launched just before must not write the pages either.
     """
 
     warps: int = 4
