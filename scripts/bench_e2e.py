@@ -102,6 +102,7 @@ BUILD = {"tvmattn": dict(kv_cache="tvmattn"), "tvm": dict(kv_cache="tvm"),  # co
          "keep": dict(kv_cache="tvmattn", quantization="keep")}
 LIBRARY = {"graph": "tvmattn"}  # runs another entry's library
 WARMUP_STEPS = 3
+PROFILE_STEPS = 20  # decode steps of a --profile-host run
 REPLAYS = 200  # back-to-back replays that time a graph step's GPU work
 RANDOM_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # --keep-format: weights.random_blocks.RANDOM_BLOCK_TYPES
 # build options whose runs are configurations of their own: (args / build option / row field,
@@ -200,9 +201,16 @@ def library_path(args, kv_cache: str) -> Path:
     return Path(args.libs) / f"{args.name}-{LIBRARY.get(kv_cache, kv_cache)}.so"
 
 
+def sequence_tokens(args) -> int:
+    """The most tokens a sequence of the run holds: its prompt, the timed steps or a profile's
+    (--profile-host), the warm-up, and a margin."""
+    steps = max(args.steps, PROFILE_STEPS if args.profile_host else 0)
+    return args.prompt_len + steps + WARMUP_STEPS + 8
+
+
 def ensure_libraries(args, max_batch: int) -> None:
     Path(args.libs).mkdir(parents=True, exist_ok=True)
-    context = args.prompt_len + args.steps + WARMUP_STEPS + 8
+    context = sequence_tokens(args)
     for library in args.libraries:
         path = library_path(args, library)
         if library in LIBRARY:
@@ -531,7 +539,7 @@ def profile_decode(runner: Runner, prompts, steps: int = 5, top: int = 15) -> No
         print(f"  {total / steps:8.1f} us a step {total / calls:7.2f} us a call {calls // steps:4d} a step  {name[:70]}")
 
 
-def profile_host(runner: Runner, prompts, steps: int = 20, top: int = 18) -> None:
+def profile_host(runner: Runner, prompts, steps: int = PROFILE_STEPS, top: int = 18) -> None:
     """Print the host functions of `steps` decode steps by their own time (cProfile)."""
     import cProfile
     import pstats
@@ -552,7 +560,7 @@ def main(argv=None) -> int:
     metadata = json.loads(sidecar(library_path(args, "tvmattn"), RUNTIME_SUFFIX).read_text())["metadata"]
     params, weights_note = load_weights(args, device, metadata)
     page = metadata["kv_cache"]["page_size"]
-    pages_per_sequence = -(-(args.prompt_len + args.steps + WARMUP_STEPS + 8) // page)
+    pages_per_sequence = -(-sequence_tokens(args) // page)
     capacity = max_batch * pages_per_sequence * page
     graphs = ("graph", "keep") if args.target == "cuda" and not args.no_cuda_graph else ()
     runners = {kv: Runner(library_path(args, kv), device, own_weights(args, device) if kv == "keep" else params,

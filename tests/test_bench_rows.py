@@ -128,6 +128,15 @@ def test_stream_shares_split_overlapped_kernels_at_their_predecessors_end(e2e):
     assert e2e.stream_shares([]) == ({}, 0.0)
 
 
+def test_sequences_hold_a_host_profiles_steps(e2e):
+    """--profile-host runs PROFILE_STEPS more decode steps than a short --steps run times: each
+    sequence's pages (and the library's context) hold them."""
+    short = e2e.parse_args(["--steps", "4", "--prompt-len", "32"])
+    profiled = e2e.parse_args(["--steps", "4", "--prompt-len", "32", "--profile-host", "16"])
+    assert e2e.sequence_tokens(short) == 32 + 4 + e2e.WARMUP_STEPS + 8
+    assert e2e.sequence_tokens(profiled) == 32 + e2e.PROFILE_STEPS + e2e.WARMUP_STEPS + 8
+
+
 def test_e2e_prefill_row(e2e):
     row = e2e.make_row("prefill", "tvm", batch=1, prompt_len=512, seconds=0.004, diff=1e-3, scale=20.0,
                        target="cuda", dtype="float16", meta=META, extra={"model": "smollm2-135m", "page_size": 16})
