@@ -587,3 +587,13 @@ def test_cpu_smoke_run_fp8_decode(bench, monkeypatch, capsys, fmt):
     assert fp8["agrees"] and fp8["max_abs_diff"] < 1e-2, fp8
     assert fp8["agrees_vs_unquantized"] and fp8["max_abs_diff_vs_unquantized"] > 1e-3, fp8
     assert fp8["gbps"] == pytest.approx(bench.decode_bytes(3, 40, 32, 8, 64, 2, kv_elem_bytes=1) / fp8["ms"] / 1e6)
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc")
+def test_phase_boundary_benchmark_builds(tmp_path):
+    """scripts/bench_phase_boundary.cu (a CUDA program, no Python) compiles for sm_90."""
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                          "bench_phase_boundary.cu")
+    done = subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-o", str(tmp_path / "bench"), source],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
