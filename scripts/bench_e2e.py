@@ -11,7 +11,9 @@ from the same `compile_model` call (same model, dtype, page size and build flags
   greedy `decode` (batch 1) / `batch_decode` steps with the argmax taken on the GPU (torch
   via DLPack where present; with CUDA graphs, where the library has sampling kernels, its
   `sample` as the graph's last kernel, the ids fed to the next step by its `feed_tokens`: a step
-  is then one graph), timed over --steps steps after 3 warm-up steps -> tokens/s.
+  is then one graph), timed over --steps steps after 3 warm-up steps -> tokens/s; with
+  --rounds N, N such timings per library in rounds that alternate the libraries, the median
+  round reported (the host's speed drifts between runs by more than the caches differ).
   Our cache's steps run back to back (its plan uploads are ordered on the kernels' stream); TVM's
   stock cache waits for the previous step before each one (`Runner.ordered_uploads`: its C++
   runtime uploads the next plan on a separate stream into the buffer the running step reads,
@@ -122,6 +124,9 @@ def parse_args(argv=None):
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     p.add_argument("--reps", type=int, default=10, help="timed prefill runs")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="decode timings per batch size and library, taken in rounds that alternate the libraries "
+                        "(each round starts with the next one); each library's median round is reported")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, default=0, metavar="BATCH",
                    help="also print the top GPU kernels of a decode step at this batch size, per cache, by "
@@ -191,6 +196,8 @@ def parse_args(argv=None):
         for field, _, suffix, _ in OWN_CONFIG_BUILDS:  # not the ordinary libraries of the same folder
             if field in args.own_config:
                 args.name += "-" + suffix
+    if args.rounds < 1:
+        p.error(f"argument --rounds: expected at least 1, got {args.rounds}")
     problem = bench_rows.output_path_problem(args.json)
     if problem:
         p.error(f"argument --json: {problem}")
@@ -462,6 +469,19 @@ def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
     return DecodeTiming(per_step, runner.host_s / steps, runner.plan_s / steps, gpu_s, captures), first
 
 
+def round_order(libraries: tuple, round_index: int) -> tuple:
+    """The libraries in the order round `round_index` times them: rotated by one a round, so
+    none is always first (after a prefill) or last."""
+    shift = round_index % len(libraries)
+    return libraries[shift:] + libraries[:shift]
+
+
+def median_round(timings: list):
+    """The round whose step time is the median (the lower middle one of an even count)."""
+    ranked = sorted(timings, key=lambda t: t.step_s)
+    return ranked[(len(ranked) - 1) // 2]
+
+
 @dataclasses.dataclass
 class DecodeTiming:
     step_s: float  # wall time per step, synchronized
@@ -655,19 +675,29 @@ def main(argv=None) -> int:
     for batch in batches:
         prompts = [tvm.runtime.tensor(np.roll(prompt, 7 * i), device=device) for i in range(batch)]
         step_s, first, timings = {}, {}, {}
-        for kv, runner in runners.items():
-            timing, first[kv] = bench_decode(runner, prompts, args.steps)
+        rounds = {kv: [] for kv in runners}
+        for round_index in range(args.rounds):
+            for kv in round_order(tuple(runners), round_index):
+                timing, logits = bench_decode(runners[kv], prompts, args.steps)
+                rounds[kv].append(timing)
+                first.setdefault(kv, logits)
+        for kv in runners:
+            timings[kv] = timing = median_round(rounds[kv])
             step_s[kv] = timing.step_s
-            timings[kv] = timing
             gpu = "" if timing.gpu_s is None else (f", GPU {1e3 * timing.gpu_s:.3f} ms (graph replayed alone), "
                                                    f"{timing.captures} captures in the timed steps")
+            spread = "" if args.rounds == 1 else (
+                f" (median of {args.rounds} rounds; wall {1e3 * min(t.step_s for t in rounds[kv]):.3f} to "
+                f"{1e3 * max(t.step_s for t in rounds[kv]):.3f} ms)")
             host_lines.append(f"decode batch {batch}, {LABELS[kv]}: host {1e3 * timing.host_s:.3f} ms per step "
-                              f"(begin_forward {1e3 * timing.plan_s:.3f} ms), wall {1e3 * timing.step_s:.3f} ms{gpu}")
+                              f"(begin_forward {1e3 * timing.plan_s:.3f} ms), wall {1e3 * timing.step_s:.3f} ms{gpu}"
+                              + spread)
         diffs, scale = compare(f"decode batch {batch}, first step logits", first)
         json_rows += [make_row("decode", kv, batch=batch, prompt_len=args.prompt_len, seconds=step_s[kv],
                                diff=diffs[kv], scale=scale, **common, timing=timings[kv],
                                extra={**model_fields, **kept_variant(kv), "steps": args.steps,
-                                      "warmup_steps": WARMUP_STEPS})
+                                      "warmup_steps": WARMUP_STEPS,
+                                      **({"rounds": args.rounds} if args.rounds > 1 else {})})
                       for kv in libraries]
         rows.append(("decode", batch, {kv: batch / step_s[kv] for kv in libraries},
                      {kv: 1e3 * step_s[kv] for kv in libraries}))

@@ -343,6 +343,23 @@ def test_e2e_stock_cache_steps_wait_for_the_previous_step(e2e, ordered):
     assert waited == [not ordered or i in (0, e2e.WARMUP_STEPS) for i in range(len(steps))]
 
 
+def test_e2e_rounds_alternate_the_libraries_and_report_the_median(e2e, capsys):
+    """--rounds N: round r times the libraries rotated by r (none always first); a library's
+    reported timing is its median round (the lower middle one of an even count)."""
+    libraries = ("tvmattn", "graph", "tvm")
+    assert [e2e.round_order(libraries, r) for r in range(4)] == [
+        libraries, ("graph", "tvm", "tvmattn"), ("tvm", "tvmattn", "graph"), libraries]
+    timing = e2e.DecodeTiming
+    odd = [timing(3e-3, 2e-3, 1e-4), timing(1e-3, 5e-4, 1e-4), timing(2e-3, 1e-3, 1e-4)]
+    assert e2e.median_round(odd) is odd[2]
+    assert e2e.median_round(odd + [timing(4e-3, 3e-3, 1e-4)]) is odd[2]
+    assert e2e.median_round(odd[:1]) is odd[0]
+    assert e2e.parse_args(["--rounds", "3"]).rounds == 3 and e2e.parse_args([]).rounds == 1
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--rounds", "0"])
+    assert "argument --rounds: expected at least 1, got 0" in capsys.readouterr().err
+
+
 def test_finish_writes_the_rows_then_reports_the_failures(tmp_path, capsys):
     """A benchmark's ending: rows to --json when given, failed checks on one line, status 1."""
     rows = [{"bench": "kernels", "ms": 1.0}]
