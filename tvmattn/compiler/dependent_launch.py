@@ -52,8 +52,9 @@ Left untouched:
   reading the step's page tables, which the host uploads before the step, and in `decode_append`
   after issuing its copies of the history's K and V, which earlier steps wrote: that schedule's
   own contract, tir_kernels/schedules.py, which asks of the kernel before such a decode that it
-  write neither and let its dependents start only after its own wait, as every kernel rewritten
-  here does); every other kernel's wait covers them as any predecessor;
+  not write what the decode reads before its wait and let its dependents start only after its
+  own wait, as every kernel rewritten here does); every other kernel's wait covers them as any
+  predecessor;
 - TIRx functions (tir_kernels.build.TIRX_ATTR: the Hopper prefill and MLA kernels, written with
   `T.device_entry` and lowered by TVM's TIRx pipeline, whose kernel bodies this pass does not
   read): they are launched without the tag, so they start after their predecessor completed,
