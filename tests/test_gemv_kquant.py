@@ -16,6 +16,7 @@ import tvm
 from test_quant_matmul import check_cuda, prologue_reference, quantized, run_cuda, run_matmul
 
 from tvmattn.compiler.targets import cuda_target
+from tvmattn.quant import gemv_cuda
 from tvmattn.quant.config import QuantMatmulConfig
 from tvmattn.quant.gemv_cuda import UNITS, CUDAGemvSchedule, choose_gemv_schedule, gemv_kernel
 from tvmattn.quant.matmul import kernel, uses_cuda_gemv
@@ -31,6 +32,7 @@ def test_kquant_gemv_arithmetic_on_the_cpu(monkeypatch, fmt, rows, cols, tokens)
     from tvm.script import tirx as T
 
     monkeypatch.setattr(T, "thread_binding", lambda extent, thread=None: T.serial(extent))
+    monkeypatch.setattr(gemv_cuda, "magic_byte", gemv_cuda.magic_byte_by_shifts)  # PRMT is CUDA's
     func = gemv_kernel(fmt, rows, cols, tokens, "float32", CUDAGemvSchedule(lanes=1, rows=1, token_tile=tokens))
     lib = tvm.compile(func, target="llvm")
     blocks, w = quantized(fmt, rows, cols, seed=rows + cols)

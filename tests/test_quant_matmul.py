@@ -47,7 +47,7 @@ from tvmattn.quant.matmul import (  # noqa: E402 - after the gguf check: tvmattn
     schedule,
     uses_cuda_gemv,
 )
-from tvmattn.quant.gemv_cuda import CUDAGemvSchedule, choose_gemv_schedule  # noqa: E402
+from tvmattn.quant.gemv_cuda import GEMV_FORMATS, CUDAGemvSchedule, choose_gemv_schedule  # noqa: E402
 from tvmattn.weights.quant import LAYOUTS, PACKED, QUANT_TYPES, QuantizedTensor, split_blocks  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
@@ -645,6 +645,31 @@ def check_cuda(got: np.ndarray, x: np.ndarray, w: np.ndarray, residual=None, rou
     assert np.isfinite(got).all()
     err = np.abs(got.astype(np.float64) - want)
     assert (err <= rel * np.abs(want) + 1e-5 * scale + 1e-6).all(), err.max()
+
+
+@pytest.mark.parametrize("fmt", [f for f in GEMV_FORMATS if f not in K_QUANTS])
+@pytest.mark.parametrize("tokens,token_tile,x_rows", [(1, 1, 1), (None, 2, 5)])
+def test_cuda_gemv_arithmetic_on_the_cpu(monkeypatch, fmt, tokens, token_tile, x_rows):
+    """The CUDA GEMV's own arithmetic (its quants made float32 through the 2^23 mantissa, each
+    format's zero point and offset; passes of tokens over a block made float32 once), its thread
+    loops serial on the CPU, against float64 gguf dequantize-then-matmul: float32 sums, within
+    1e-5 of the magnitudes' product. test_gemv_kquant.py does the same for the K-quants."""
+    from tvm.script import tirx as T
+
+    from tvmattn.quant import gemv_cuda
+
+    monkeypatch.setattr(T, "thread_binding", lambda extent, thread=None: T.serial(extent))
+    monkeypatch.setattr(gemv_cuda, "magic_byte", gemv_cuda.magic_byte_by_shifts)  # PRMT is CUDA's
+    rows, cols = 37, 96
+    func = gemv_cuda.gemv_kernel(fmt, rows, cols, tokens, "float32",
+                                 CUDAGemvSchedule(lanes=1, rows=1, token_tile=token_tile))
+    lib = tvm.compile(func, target="llvm")
+    blocks, w = quantized(fmt, rows, cols, seed=rows + cols)
+    x = np.random.default_rng(x_rows).standard_normal((x_rows, cols)).astype(np.float32)
+    got = run_matmul(lib, QuantMatmulConfig(fmt, rows, cols, tokens=tokens), blocks, x)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    assert (np.abs(got - want) <= 1e-5 * scale + 1e-6).all(), np.abs(got - want).max()
 
 
 @pytest.mark.gpu

@@ -2,12 +2,15 @@
 
 What it computes is algorithms.matmul_algorithm's product for a few tokens,
 Y[t, n] = sum_k X[t, k] * W[n, k], in the block-factored form of algorithms.gemv_algorithm:
-per block b of 32 weights, W = d * q + offset (Q4_1: offset m; Q4_0: -8 d; Q5_0: -16 d, q's fifth
-bits from qh; Q8_0: none), so
+per block b of 32 weights, W = d * (q - z) + m (Q4_0: z = 8; Q5_0: z = 16, q's fifth bits from qh;
+Q8_0: q the signed byte; Q4_1: z = 0 and an offset m), so
 
-    Y[t, n] = sum_b d[n, b] * (sum_i q[n, 32b + i] * X[t, 32b + i]) + offset[n, b] * (sum_i X[t, 32b + i])
+    Y[t, n] = sum_b d[n, b] * (sum_i (q - z)[n, 32b + i] * X[t, 32b + i]) + m[n, b] * (sum_i X[t, 32b + i])
 
-with the products and sums in float32 and Y rounded once to the activations' dtype.
+with the products and sums in float32 and Y rounded once to the activations' dtype. A quant
+becomes a float32 without a conversion instruction: one byte permute (PRMT) puts it in the low
+bits of 0x4B000000, the float 2^23, whose mantissa then holds it (2^23 + q exactly), and one
+float add takes off 2^23 + z (`dequantize_block`).
 
 How (`CUDAGemvSchedule`): `lanes` threads of a warp share an output row; each takes whole
 blocks (lane, lane + lanes, ...): one 16-byte load of a Q4 block's quants (two for Q8_0, the
@@ -16,16 +19,17 @@ in 16-byte loads; the lanes' partial sums meet in a warp shuffle reduction. `row
 thread block (threadIdx.y), so a 576-row projection is 288 blocks of 64 threads for the H200's
 132 SMs. Lanes past the row's blocks repeat its last block with weight 0, so the code is
 branch-free and every load is issued up front. More tokens than one (decode_step's symbolic
-batch) run in passes of `token_tile` tokens; the weight blocks stay in the thread's registers
-and X is re-read per token (from L1 / L2).
+batch) run in passes of `token_tile` tokens; the weight blocks stay in the thread's registers,
+each block is made float32 once per pass, and X is re-read per token (from L1 / L2).
 
 The K-quants take whole units of their 256-weight super-blocks, laid out as GGUF's (config.py):
 a Q4_K unit is 64 weights, the 32 bytes whose low nibbles are one 32-weight sub-block and whose
 high nibbles the next (scale d * sc, offset -dmin * mn each); a Q6_K unit is 128 weights, half a
 super-block: 64 bytes of ql and 32 of qh (eight 32-bit loads of quants and two of high bits),
-eight 16-weight groups of scale d * sc and offset -32 d * sc. Per group g of a unit,
+eight 16-weight groups of scale d * sc, its quants less 32. Per group g of a unit,
 
-    Y[t, n] += scale_g * (sum_i q_i * X[t, i]) + offset_g * (sum_i X[t, i])
+    Y[t, n] += scale_g * (sum_i q_i * X[t, i]) + offset_g * (sum_i X[t, i])   (Q4_K)
+    Y[t, n] += scale_g * (sum_i (q_i - 32) * X[t, i])                          (Q6_K)
 
 A lane takes whole units as it takes blocks (their quants, scales and offsets in registers).
 
@@ -59,6 +63,19 @@ GEMV_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 BLOCK = 32
 UNITS = {"Q4_K": 64, "Q6_K": 128}  # weights a lane takes at once (other formats: a BLOCK)
 FULL_WARP = 0xFFFFFFFF
+MAGIC, MAGIC_VALUE = 0x4B000000, 8388608.0  # the float32 2^23: OR-ing q < 2^23 into its mantissa adds q
+
+
+def magic_byte(word, e: int):
+    """The uint32 whose low byte is byte e of `word` and whose top byte is MAGIC's (0x4B), as one
+    byte permute (PRMT; shifts and masks compile to two instructions): as a float32, 2^23 + that
+    byte."""
+    return T.call_pure_extern("uint32", "__byte_perm", word, T.uint32(MAGIC), T.uint32(0x7540 + e))
+
+
+def magic_byte_by_shifts(word, e: int):
+    """magic_byte's value by shifts and masks: for a CPU build of the kernel's arithmetic (tests)."""
+    return T.bitwise_or(T.bitwise_and(T.shift_right(word, T.uint32(8 * e)), T.uint32(0xFF)), T.uint32(MAGIC))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +158,7 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     NORM, GLU = prologue == "rms_norm", prologue == "swiglu"
     XK = 2 * K if GLU else K  # X's columns
     f32 = "float32"
+    ZERO = {"Q4_0": 8, "Q5_0": 16}.get(fmt, 0)  # the zero point dequantize_block takes off
 
     PRO = NORM or GLU
     NT = L * R  # threads per block
@@ -157,6 +175,33 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                 xv[c * VEC + v] = x[tok, b * UNIT + c * VEC + v]
         for i in T.unroll(UNIT):
             xf[i] = T.Cast(f32, xv[i])
+
+    @T.macro
+    def dequantize_block(words, high, wq, j):
+        """wq = block j's 32 quants as exact float32 integers, its format's zero point taken off
+        (Q4_0: q - 8, Q5_0: q - 16, Q8_0: the signed byte; Q4_1: q, its offset m stays apart): each
+        quant is OR-ed into the mantissa of MAGIC (2^23 + q exactly) and MAGIC + zero subtracted,
+        an integer op and a float add instead of a conversion instruction."""
+        if Q8:
+            for w in T.unroll(WORDS):  # a signed byte + 128 is the unsigned byte with its top bit flipped
+                for e in T.unroll(4):
+                    wq[w * 4 + e] = T.reinterpret(f32, magic_byte(T.bitwise_xor(
+                        T.reinterpret("uint32", words[j * WORDS + w]), T.uint32(0x80808080)), e)) \
+                        - T.float32(MAGIC_VALUE + 128)
+        else:
+            for w in T.unroll(WORDS):  # byte 4 w + e: weight 4 w + e in its low nibble, 4 w + e + 16 high
+                for half in T.unroll(2):
+                    nibbles = T.bitwise_and(T.shift_right(words[j * WORDS + w], T.uint32(4 * half)),
+                                            T.uint32(0x0F0F0F0F))
+                    for e in T.unroll(4):
+                        if Q5:  # the fifth bit: bit i of the block's qh word
+                            wq[w * 4 + e + 16 * half] = T.reinterpret(f32, T.bitwise_or(
+                                magic_byte(nibbles, e), T.shift_left(T.bitwise_and(T.shift_right(
+                                    high[j], T.uint32(w * 4 + e + 16 * half)), T.uint32(1)), T.uint32(4)))) \
+                                - T.float32(MAGIC_VALUE + ZERO)
+                        else:
+                            wq[w * 4 + e + 16 * half] = T.reinterpret(f32, magic_byte(nibbles, e)) \
+                                - T.float32(MAGIC_VALUE + ZERO)
 
     @T.macro
     def load_unit(x, xv, xf, xs, t, tok, b):
@@ -185,34 +230,42 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                     high[j * HW + h * 4 + w] = qhw[rowc * (NU * HW) + b * HW + h * 4 + w]
             for g in T.unroll(8):
                 scale[j * 8 + g] = T.Cast(f32, d[rowc, b // 2]) * T.Cast(f32, k2[rowc, b * 8 + g]) * live
-                offset[j * 8 + g] = scale[j * 8 + g] * T.float32(-32.0)
 
     @T.macro
     def dot_kquant(words, high, scale, offset, xf, dot, acc, t, j):
-        """acc[t] += unit j's groups: scale * (q . X) + offset * sum(X)."""
+        """acc[t] += unit j's groups: scale * (q . X) + offset * sum(X) (Q6_K: scale * ((q - 32) . X),
+        its offset taken off the quants as dequantize_block takes Q4_0's)."""
         for a in T.unroll(2 * G):
             dot[a] = T.float32(0.0)
         if Q4K:  # low nibbles: the unit's first 32 weights; high nibbles: the next 32
             for w in T.unroll(WORDS):
-                for e in T.unroll(4):
-                    dot[0] = dot[0] + T.Cast(f32, T.bitwise_and(T.shift_right(
-                        words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15))) * xf[w * 4 + e]
-                    dot[1] = dot[1] + T.Cast(f32, T.bitwise_and(T.shift_right(
-                        words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15))) * xf[w * 4 + e + 32]
+                for half in T.unroll(2):
+                    nibbles = T.bitwise_and(T.shift_right(words[j * WORDS + w], T.uint32(4 * half)),
+                                            T.uint32(0x0F0F0F0F))
+                    for e in T.unroll(4):
+                        dot[half] = dot[half] + (T.reinterpret(f32, magic_byte(nibbles, e))
+                                                 - T.float32(MAGIC_VALUE)) * xf[w * 4 + e + 32 * half]
         else:  # Q6_K: byte l of ql's first and second 32 and of qh make weights l, l + 32, l + 64, l + 96
             for w in T.unroll(8):
-                for e in T.unroll(4):
-                    for part in T.unroll(4):  # weight part * 32 + 4 w + e, in group 2 part + w // 4
-                        dot[2 * part + w // 4] = dot[2 * part + w // 4] + T.Cast(f32, T.bitwise_or(
-                            T.bitwise_and(T.shift_right(words[j * WORDS + w + 8 * (part % 2)],
-                                                        T.Cast("uint32", 8 * e + 4 * (part // 2))), T.uint32(15)),
-                            T.shift_left(T.bitwise_and(T.shift_right(high[j * HW + w], T.Cast(
-                                "uint32", 8 * e + 2 * part)), T.uint32(3)), T.uint32(4)))) * xf[part * 32 + w * 4 + e]
-        for g in T.unroll(G):
-            for i in T.unroll(UNIT // G):
-                dot[G + g] = dot[G + g] + xf[g * (UNIT // G) + i]
-        for g in T.unroll(G):
-            acc[t] = acc[t] + scale[j * G + g] * dot[g] + offset[j * G + g] * dot[G + g]
+                for part in T.unroll(4):  # weight part * 32 + 4 w + e, in group 2 part + w // 4
+                    quants = T.bitwise_or(  # byte e: the weight's low 4 bits from ql, its top 2 from qh
+                        T.bitwise_and(T.shift_right(words[j * WORDS + w + 8 * (part % 2)], T.uint32(4 * (part // 2))),
+                                      T.uint32(0x0F0F0F0F)),
+                        T.shift_left(T.bitwise_and(T.shift_right(high[j * HW + w], T.uint32(2 * part)),
+                                                   T.uint32(0x03030303)), T.uint32(4)))
+                    for e in T.unroll(4):
+                        dot[2 * part + w // 4] = dot[2 * part + w // 4] + (
+                            T.reinterpret(f32, magic_byte(quants, e)) - T.float32(MAGIC_VALUE + 32)) \
+                            * xf[part * 32 + w * 4 + e]
+        if Q4K:
+            for g in T.unroll(G):
+                for i in T.unroll(UNIT // G):
+                    dot[G + g] = dot[G + g] + xf[g * (UNIT // G) + i]
+            for g in T.unroll(G):
+                acc[t] = acc[t] + scale[j * G + g] * dot[g] + offset[j * G + g] * dot[G + g]
+        else:
+            for g in T.unroll(G):
+                acc[t] = acc[t] + scale[j * G + g] * dot[g]
 
     @T.macro
     def stage(x, g, xs, part, rstd, t0, n_tokens, lin):
@@ -271,6 +324,7 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                     offset = T.alloc_local((J * G,), f32)
                     xv = T.alloc_local((UNIT,), dtype)
                     xf = T.alloc_local((UNIT,), f32)
+                    wq = T.alloc_local((BLOCK,), f32)
                     acc = T.alloc_local((TR,), f32)
                     rstd = T.alloc_local((TR,), f32)
                     dot = T.alloc_local((max(5, 2 * G),), f32)
@@ -296,18 +350,17 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                                 offset[j] = T.Cast(f32, m[rowc, b]) * live
                             elif Q5:
                                 high[j] = qhw[rowc * NB + b]
-                                offset[j] = T.Cast(f32, d[rowc, b]) * T.float32(-16.0) * live
-                            elif not Q8:
-                                offset[j] = T.Cast(f32, d[rowc, b]) * T.float32(-8.0) * live
                     for t0 in T.serial((n_tokens + TR - 1) // TR):
                         if PRO:
                             stage(x, g, xs, part, rstd, t0, n_tokens, ty * L + tx)
                         for t in T.unroll(TR):
                             acc[t] = T.float32(0.0)
-                        for t in T.unroll(TR):
-                            tok = T.min(t0 * TR + t, n_tokens - 1)
-                            for j in T.unroll(J):
-                                b = T.min(T.Cast("int64", j * L + tx), T.int64(NU - 1))
+                        for j in T.unroll(J):
+                            b = T.min(T.Cast("int64", j * L + tx), T.int64(NU - 1))
+                            if not KQ:  # the block's weights once for the pass's tokens
+                                dequantize_block(words, high, wq, j)
+                            for t in T.unroll(TR):
+                                tok = T.min(t0 * TR + t, n_tokens - 1)
                                 if KQ:
                                     load_unit(x, xv, xf, xs, t, tok, b)
                                     dot_kquant(words, high, scale, offset, xf, dot, acc, t, j)
@@ -320,31 +373,10 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                                         load_x(x, xv, xf, tok, b)
                                     for a in T.unroll(5):
                                         dot[a] = T.float32(0.0)
-                                    # four independent partial sums (by word) keep the FMA chains short
-                                    for w in T.unroll(WORDS):
-                                        for e in T.unroll(4):
-                                            if Q8:
-                                                dot[w % 4] = dot[w % 4] + T.Cast(f32, T.shift_right(
-                                                    T.shift_left(words[j * WORDS + w], 24 - 8 * e), 24)) * xf[w * 4 + e]
-                                            elif Q5:
-                                                dot[w] = dot[w] + T.Cast(f32, T.bitwise_or(T.bitwise_and(T.shift_right(
-                                                    words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15)),
-                                                    T.shift_left(T.bitwise_and(T.shift_right(high[j], T.Cast(
-                                                        "uint32", w * 4 + e)), T.uint32(1)), T.uint32(4)))) \
-                                                    * xf[w * 4 + e]
-                                                dot[w] = dot[w] + T.Cast(f32, T.bitwise_or(T.bitwise_and(T.shift_right(
-                                                    words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15)),
-                                                    T.shift_left(T.bitwise_and(T.shift_right(high[j], T.Cast(
-                                                        "uint32", w * 4 + e + 16)), T.uint32(1)), T.uint32(4)))) \
-                                                    * xf[w * 4 + e + 16]
-                                            else:
-                                                dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
-                                                    words[j * WORDS + w], T.Cast("uint32", 8 * e)), T.uint32(15))) \
-                                                    * xf[w * 4 + e]
-                                                dot[w] = dot[w] + T.Cast(f32, T.bitwise_and(T.shift_right(
-                                                    words[j * WORDS + w], T.Cast("uint32", 8 * e + 4)), T.uint32(15))) \
-                                                    * xf[w * 4 + e + 16]
-                                    if not Q8:
+                                    # four independent partial sums keep the FMA chains short
+                                    for i in T.unroll(BLOCK):
+                                        dot[i % 4] = dot[i % 4] + wq[i] * xf[i]
+                                    if HAS_M:
                                         for i in T.unroll(BLOCK):
                                             dot[4] = dot[4] + xf[i]
                                         acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3])) \

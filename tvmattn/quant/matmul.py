@@ -61,7 +61,7 @@ CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES = 16 << 20
 
 
 def uses_cuda_gemv(config: QuantMatmulConfig) -> bool:
-    """Whether `config` runs gemv_cuda's kernel: a CUDA matmul of a 32-weight block format
+    """Whether `config` runs gemv_cuda's kernel: a CUDA matmul of a GEMV_FORMATS block type
     for one static token (decode; also a few static tokens) or a decode batch (`few_tokens`) whose
     weight is at most CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES; else dlight's rules (`_schedule_cuda`)."""
     if config.target != "cuda" or config.op != "matmul" or config.fmt not in GEMV_FORMATS:
