@@ -25,15 +25,17 @@ K_QUANTS = tuple(UNITS)
 
 
 @pytest.mark.parametrize("fmt", K_QUANTS)
-@pytest.mark.parametrize("rows,cols,tokens", [(19, 256, 1), pytest.param(37, 768, 3, marks=pytest.mark.slow)])
-def test_kquant_gemv_arithmetic_on_the_cpu(monkeypatch, fmt, rows, cols, tokens):
+@pytest.mark.parametrize("rows,cols,tokens,rows_per_thread", [(19, 256, 1, 1), (19, 256, 2, 2),
+                                                                pytest.param(37, 768, 3, 1, marks=pytest.mark.slow)])
+def test_kquant_gemv_arithmetic_on_the_cpu(monkeypatch, fmt, rows, cols, tokens, rows_per_thread):
     """The GEMV's own arithmetic, its thread loops serial on the CPU, against float64 gguf
     dequantize-then-matmul (float32 sums: within 1e-5 of the magnitudes' product)."""
     from tvm.script import tirx as T
 
     monkeypatch.setattr(T, "thread_binding", lambda extent, thread=None: T.serial(extent))
     monkeypatch.setattr(gemv_cuda, "magic_byte", gemv_cuda.magic_byte_by_shifts)  # PRMT is CUDA's
-    func = gemv_kernel(fmt, rows, cols, tokens, "float32", CUDAGemvSchedule(lanes=1, rows=1, token_tile=tokens))
+    plan = CUDAGemvSchedule(lanes=1, rows=1, token_tile=tokens, rows_per_thread=rows_per_thread)
+    func = gemv_kernel(fmt, rows, cols, tokens, "float32", plan)
     lib = tvm.compile(func, target="llvm")
     blocks, w = quantized(fmt, rows, cols, seed=rows + cols)
     x = np.random.default_rng(tokens).standard_normal((tokens, cols)).astype(np.float32)

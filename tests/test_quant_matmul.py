@@ -648,12 +648,13 @@ def check_cuda(got: np.ndarray, x: np.ndarray, w: np.ndarray, residual=None, rou
 
 
 @pytest.mark.parametrize("fmt", [f for f in GEMV_FORMATS if f not in K_QUANTS])
-@pytest.mark.parametrize("tokens,token_tile,x_rows", [(1, 1, 1), (None, 2, 5)])
-def test_cuda_gemv_arithmetic_on_the_cpu(monkeypatch, fmt, tokens, token_tile, x_rows):
+@pytest.mark.parametrize("tokens,token_tile,x_rows,rows_per_thread", [(1, 1, 1, 1), (None, 2, 5, 2), (1, 1, 1, 2)])
+def test_cuda_gemv_arithmetic_on_the_cpu(monkeypatch, fmt, tokens, token_tile, x_rows, rows_per_thread):
     """The CUDA GEMV's own arithmetic (its quants made float32 through the 2^23 mantissa, each
-    format's zero point and offset; passes of tokens over a block made float32 once), its thread
-    loops serial on the CPU, against float64 gguf dequantize-then-matmul: float32 sums, within
-    1e-5 of the magnitudes' product. test_gemv_kquant.py does the same for the K-quants."""
+    format's zero point and offset; passes of tokens over a block made float32 once; a thread's
+    rows sharing X, the last past the 37 rows), its thread loops serial on the CPU, against
+    float64 gguf dequantize-then-matmul: float32 sums, within 1e-5 of the magnitudes' product.
+    test_gemv_kquant.py does the same for the K-quants."""
     from tvm.script import tirx as T
 
     from tvmattn.quant import gemv_cuda
@@ -662,7 +663,8 @@ def test_cuda_gemv_arithmetic_on_the_cpu(monkeypatch, fmt, tokens, token_tile, x
     monkeypatch.setattr(gemv_cuda, "magic_byte", gemv_cuda.magic_byte_by_shifts)  # PRMT is CUDA's
     rows, cols = 37, 96
     func = gemv_cuda.gemv_kernel(fmt, rows, cols, tokens, "float32",
-                                 CUDAGemvSchedule(lanes=1, rows=1, token_tile=token_tile))
+                                 CUDAGemvSchedule(lanes=1, rows=1, token_tile=token_tile,
+                                                  rows_per_thread=rows_per_thread))
     lib = tvm.compile(func, target="llvm")
     blocks, w = quantized(fmt, rows, cols, seed=rows + cols)
     x = np.random.default_rng(x_rows).standard_normal((x_rows, cols)).astype(np.float32)
@@ -799,6 +801,33 @@ def test_cuda_gemv_prologues(built_cuda, fmt, rows, cols, tokens, prologue):
         g = (1 + 0.5 * rng.standard_normal(cols)).astype(np.float32) if prologue == "rms_norm" else None
         r = (rng.standard_normal((count, rows)) * 4).astype(np.float32) if residual else None
         got = run_cuda(fn, config, blocks, x, r, g)
+        check_cuda(got, prologue_reference(x, prologue, g, config.eps), w, r, rounded=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [f for f in GEMV_FORMATS if f not in K_QUANTS])
+@pytest.mark.parametrize("prologue", ["none", "rms_norm", "swiglu"])
+def test_cuda_gemv_two_rows_a_thread(fmt, prologue):
+    """A thread computing two rows (`rows_per_thread=2`, chosen for large single-token products)
+    with each prologue, the residual with SwiGLU and without a prologue; 1061 rows, so the last
+    thread's second row is past the end."""
+    from tvmattn.quant.gemv_cuda import gemv_kernel
+
+    rows, cols, residual = 1061, 256, prologue != "rms_norm"
+    config = QuantMatmulConfig(fmt, rows, cols, tokens=1, target="cuda", dtype="float16",
+                               residual=residual, prologue=prologue, eps=1e-6)
+    plan = CUDAGemvSchedule(lanes=8, rows=4 if prologue == "none" else 64, token_tile=1, rows_per_thread=2)
+    fn = tvm.compile(gemv_kernel(fmt, rows, cols, 1, "float16", plan, residual=residual, prologue=prologue,
+                                 eps=1e-6), target=cuda_target())
+    blocks, w = quantized(fmt, rows, cols, seed=rows + cols)
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((1, 2 * cols if prologue == "swiglu" else cols)) * 3).astype(np.float32)
+    g = (1 + 0.5 * rng.standard_normal(cols)).astype(np.float32) if prologue == "rms_norm" else None
+    r = (rng.standard_normal((1, rows)) * 4).astype(np.float32) if residual else None
+    got = run_cuda(fn, config, blocks, x, r, g)
+    if prologue == "none":
+        check_cuda(got, x, w, r)
+    else:
         check_cuda(got, prologue_reference(x, prologue, g, config.eps), w, r, rounded=True)
 
 

@@ -63,6 +63,7 @@ GEMV_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 BLOCK = 32
 UNITS = {"Q4_K": 64, "Q6_K": 128}  # weights a lane takes at once (other formats: a BLOCK)
 FULL_WARP = 0xFFFFFFFF
+PAIRED_ROWS_MIN_BLOCKS = 264  # two thread blocks for each of an H100's / H200's 132 SMs
 MAGIC, MAGIC_VALUE = 0x4B000000, 8388608.0  # the float32 2^23: OR-ing q < 2^23 into its mantissa adds q
 
 
@@ -83,18 +84,21 @@ class CUDAGemvSchedule:
     """How the CUDA GEMV is laid out (never what it computes).
 
     lanes: threads per output row (1, 2, 4, 8, 16 or 32: a warp's lanes reduce by shuffles);
-    rows: output rows per thread block (lanes * rows threads, at most 1024); token_tile: tokens
-    per pass over the weight for symbolic token counts (a static count is one pass).
+    rows: thread rows per thread block (lanes * rows threads, at most 1024); token_tile: tokens
+    per pass over the weight for symbolic token counts (a static count is one pass);
+    rows_per_thread: consecutive output rows a thread row computes (each X value it loads serves
+    them all), so a thread block covers rows * rows_per_thread output rows.
     """
 
     lanes: int = 16
     rows: int = 4
     token_tile: int = 4
+    rows_per_thread: int = 1
 
     def __post_init__(self):
         if self.lanes not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"lanes={self.lanes!r}: expected a power of 2 up to 32")
-        for name in ("rows", "token_tile"):
+        for name in ("rows", "token_tile", "rows_per_thread"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
@@ -105,20 +109,27 @@ class CUDAGemvSchedule:
 def choose_gemv_schedule(n: int, k: int, tokens: int | None, prologue: str = "none",
                          fmt: str | None = None) -> CUDAGemvSchedule:
     """lanes: the smallest power of 2 up to 32 covering the row's blocks, so a lane takes as few
-    blocks as it can (each is about 200 dependent instructions: at one token the kernel is bound by
-    that latency, not by bytes; SmolLM2's K of 576 and 1536 are 18 and 48 blocks: 1 and 2 per
-    lane); rows: 64 threads per block (576 rows: 288 blocks on 132 SMs); token tiles of 4 (a static
+    blocks as it can (each is about 100 dependent instructions: at one token the kernel is bound by
+    that latency and by issue, not by bytes; SmolLM2's K of 576 and 1536 are 18 and 48 blocks: 1
+    and 2 per lane); rows: 64 threads per block (576 rows: 288 blocks on 132 SMs); token tiles of 4 (a static
     count: one pass). With a prologue, 512 threads a block: the prologue runs once per block and
     pass (staged in shared memory), so bigger blocks repeat it less; and passes of at most 4
     tokens (the staged X of SmolLM2's K = 1536 then fits the 48 KB of static shared memory).
-    fmt: a K-quant's lanes cover its units (UNITS) instead of 32-weight blocks."""
+    fmt: a K-quant's lanes cover its units (UNITS) instead of 32-weight blocks. rows_per_thread:
+    see `paired` below."""
     blocks = k // UNITS.get(fmt, BLOCK)
     lanes = 1
     while lanes < min(blocks, 32):
         lanes *= 2
     threads = 64 if prologue == "none" else 512
+    rows = max(1, threads // lanes)
     tile = 4 if tokens is None else tokens if prologue == "none" else min(tokens, 4)
-    return CUDAGemvSchedule(lanes=lanes, rows=max(1, threads // lanes), token_tile=tile)
+    # two rows a thread halve its X loads (and their conversions) per weight, at a static token
+    # count (a batch's passes would hold twice the dequantized blocks), where a lane holds at most
+    # two blocks of each row and the grid keeps PAIRED_ROWS_MIN_BLOCKS thread blocks
+    paired = (tokens is not None and fmt not in UNITS and (blocks + lanes - 1) // lanes <= 2
+              and n // (2 * rows) >= PAIRED_ROWS_MIN_BLOCKS)
+    return CUDAGemvSchedule(lanes=lanes, rows=rows, token_tile=tile, rows_per_thread=2 if paired else 1)
 
 
 def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: CUDAGemvSchedule,
@@ -136,12 +147,12 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue={prologue!r}: expected one of {PROLOGUES}")
     N, K, NB = n, k, k // BLOCK
-    L, R = plan.lanes, plan.rows
+    L, R, PT = plan.lanes, plan.rows, plan.rows_per_thread
     TR = plan.token_tile if tokens is None else min(tokens, plan.token_tile)  # tokens per pass
     UNIT = UNITS.get(fmt, BLOCK)
     NU = K // UNIT  # units per row (a BLOCK each but for the K-quants)
     J = (NU + L - 1) // L  # units per lane
-    GRID = (N + R - 1) // R
+    GRID = (N + R * PT - 1) // (R * PT)
     LOG_L = L.bit_length() - 1
     VEC = 16 // (2 if dtype == "float16" else 4)  # activations per 16-byte load
     Q8 = fmt == "Q8_0"
@@ -177,15 +188,16 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
             xf[i] = T.Cast(f32, xv[i])
 
     @T.macro
-    def dequantize_block(words, high, wq, j):
-        """wq = block j's 32 quants as exact float32 integers, its format's zero point taken off
-        (Q4_0: q - 8, Q5_0: q - 16, Q8_0: the signed byte; Q4_1: q, its offset m stays apart): each
+    def dequantize_block(words, high, wq, j, base):
+        """wq[base:base + 32] = block (slot) j's 32 quants as exact float32 integers, its format's
+        zero point taken off (Q4_0: q - 8, Q5_0: q - 16, Q8_0: the signed byte; Q4_1: q, its offset
+        m stays apart): each
         quant is OR-ed into the mantissa of MAGIC (2^23 + q exactly) and MAGIC + zero subtracted,
         an integer op and a float add instead of a conversion instruction."""
         if Q8:
             for w in T.unroll(WORDS):  # a signed byte + 128 is the unsigned byte with its top bit flipped
                 for e in T.unroll(4):
-                    wq[w * 4 + e] = T.reinterpret(f32, magic_byte(T.bitwise_xor(
+                    wq[base + w * 4 + e] = T.reinterpret(f32, magic_byte(T.bitwise_xor(
                         T.reinterpret("uint32", words[j * WORDS + w]), T.uint32(0x80808080)), e)) \
                         - T.float32(MAGIC_VALUE + 128)
         else:
@@ -195,12 +207,12 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                                             T.uint32(0x0F0F0F0F))
                     for e in T.unroll(4):
                         if Q5:  # the fifth bit: bit i of the block's qh word
-                            wq[w * 4 + e + 16 * half] = T.reinterpret(f32, T.bitwise_or(
+                            wq[base + w * 4 + e + 16 * half] = T.reinterpret(f32, T.bitwise_or(
                                 magic_byte(nibbles, e), T.shift_left(T.bitwise_and(T.shift_right(
                                     high[j], T.uint32(w * 4 + e + 16 * half)), T.uint32(1)), T.uint32(4)))) \
                                 - T.float32(MAGIC_VALUE + ZERO)
                         else:
-                            wq[w * 4 + e + 16 * half] = T.reinterpret(f32, magic_byte(nibbles, e)) \
+                            wq[base + w * 4 + e + 16 * half] = T.reinterpret(f32, magic_byte(nibbles, e)) \
                                 - T.float32(MAGIC_VALUE + ZERO)
 
     @T.macro
@@ -233,7 +245,8 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
 
     @T.macro
     def dot_kquant(words, high, scale, offset, xf, dot, acc, t, j):
-        """acc[t] += unit j's groups: scale * (q . X) + offset * sum(X) (Q6_K: scale * ((q - 32) . X),
+        # t: acc's index (token and row), j: the unit's slot
+        """acc[t] += unit (slot) j's groups: scale * (q . X) + offset * sum(X) (Q6_K: scale * ((q - 32) . X),
         its offset taken off the quants as dequantize_block takes Q4_0's)."""
         for a in T.unroll(2 * G):
             dot[a] = T.float32(0.0)
@@ -318,86 +331,96 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                     else:
                         xs = T.meta_var(None)
                         part = T.meta_var(None)
-                    words = T.alloc_local((J * WORDS,), WORD)
-                    high = T.alloc_local((J * HW,), "uint32")
-                    scale = T.alloc_local((J * G,), f32)
-                    offset = T.alloc_local((J * G,), f32)
+                    words = T.alloc_local((PT * J * WORDS,), WORD)  # slot u * J + j: row u's unit j
+                    high = T.alloc_local((PT * J * HW,), "uint32")
+                    scale = T.alloc_local((PT * J * G,), f32)
+                    offset = T.alloc_local((PT * J * G,), f32)
                     xv = T.alloc_local((UNIT,), dtype)
                     xf = T.alloc_local((UNIT,), f32)
-                    wq = T.alloc_local((BLOCK,), f32)
-                    acc = T.alloc_local((TR,), f32)
+                    wq = T.alloc_local((PT * BLOCK,), f32)
+                    acc = T.alloc_local((TR * PT,), f32)  # token t, row u: acc[t * PT + u]
                     rstd = T.alloc_local((TR,), f32)
                     dot = T.alloc_local((max(5, 2 * G),), f32)
-                    row = T.Cast("int64", bx * R + ty)
-                    rowc = T.min(row, T.int64(N - 1))  # rows past N compute row N-1, never stored
-                    # the lane's blocks: quants (16-byte loads), scale and offset, once
-                    for j in T.unroll(J):
-                        b = T.min(T.Cast("int64", j * L + tx), T.int64(NU - 1))
-                        if KQ:
-                            load_kquant(qw, qhw, d, k1, k2, k3, words, high, scale, offset, rowc, j, b,
-                                        T.if_then_else(j * L + tx < NU, T.float32(1.0), T.float32(0.0)))
-                        else:
-                            for w in T.vectorized(4):
-                                words[j * WORDS + w] = qw[rowc * WPR + b * WORDS + w]
-                            if Q8:
+                    row0 = T.Cast("int64", (bx * R + ty) * PT)  # the thread's rows: row0, ..., row0 + PT - 1
+                    # the lane's blocks of each of its rows: quants (16-byte loads), scale and offset, once
+                    for u in T.unroll(PT):
+                        rowc = T.min(row0 + u, T.int64(N - 1))  # rows past N compute row N-1, never stored
+                        for j in T.unroll(J):
+                            b = T.min(T.Cast("int64", j * L + tx), T.int64(NU - 1))
+                            slot = T.meta_var(u * J + j)
+                            if KQ:
+                                load_kquant(qw, qhw, d, k1, k2, k3, words, high, scale, offset, rowc, slot, b,
+                                            T.if_then_else(j * L + tx < NU, T.float32(1.0), T.float32(0.0)))
+                            else:
                                 for w in T.vectorized(4):
-                                    words[j * WORDS + 4 + w] = qw[rowc * WPR + b * WORDS + 4 + w]
-                            # a lane past the row's blocks repeats the last one with weight 0: the code
-                            # stays branch-free, so the compiler issues every load up front
-                            live = T.if_then_else(j * L + tx < NB, T.float32(1.0), T.float32(0.0))
-                            scale[j] = T.Cast(f32, d[rowc, b]) * live
-                            if HAS_M:
-                                offset[j] = T.Cast(f32, m[rowc, b]) * live
-                            elif Q5:
-                                high[j] = qhw[rowc * NB + b]
+                                    words[slot * WORDS + w] = qw[rowc * WPR + b * WORDS + w]
+                                if Q8:
+                                    for w in T.vectorized(4):
+                                        words[slot * WORDS + 4 + w] = qw[rowc * WPR + b * WORDS + 4 + w]
+                                # a lane past the row's blocks repeats the last one with weight 0: the
+                                # code stays branch-free, so the compiler issues every load up front
+                                live = T.if_then_else(j * L + tx < NB, T.float32(1.0), T.float32(0.0))
+                                scale[slot] = T.Cast(f32, d[rowc, b]) * live
+                                if HAS_M:
+                                    offset[slot] = T.Cast(f32, m[rowc, b]) * live
+                                elif Q5:
+                                    high[slot] = qhw[rowc * NB + b]
                     for t0 in T.serial((n_tokens + TR - 1) // TR):
                         if PRO:
                             stage(x, g, xs, part, rstd, t0, n_tokens, ty * L + tx)
-                        for t in T.unroll(TR):
-                            acc[t] = T.float32(0.0)
+                        for a in T.unroll(TR * PT):
+                            acc[a] = T.float32(0.0)
                         for j in T.unroll(J):
                             b = T.min(T.Cast("int64", j * L + tx), T.int64(NU - 1))
-                            if not KQ:  # the block's weights once for the pass's tokens
-                                dequantize_block(words, high, wq, j)
+                            if not KQ:  # the rows' blocks once for the pass's tokens
+                                for u in T.unroll(PT):
+                                    dequantize_block(words, high, wq, u * J + j, u * BLOCK)
                             for t in T.unroll(TR):
                                 tok = T.min(t0 * TR + t, n_tokens - 1)
                                 if KQ:
                                     load_unit(x, xv, xf, xs, t, tok, b)
-                                    dot_kquant(words, high, scale, offset, xf, dot, acc, t, j)
+                                    for u in T.unroll(PT):
+                                        dot_kquant(words, high, scale, offset, xf, dot, acc, t * PT + u, u * J + j)
                                 else:
-                                    if PRO:
+                                    if PRO:  # X once for the thread's rows
                                         for c in T.unroll(BLOCK // 4):
                                             for v in T.vectorized(4):
                                                 xf[c * 4 + v] = xs[t * NB * BP + b * BP + c * 4 + v]
                                     else:
                                         load_x(x, xv, xf, tok, b)
-                                    for a in T.unroll(5):
-                                        dot[a] = T.float32(0.0)
-                                    # four independent partial sums keep the FMA chains short
-                                    for i in T.unroll(BLOCK):
-                                        dot[i % 4] = dot[i % 4] + wq[i] * xf[i]
                                     if HAS_M:
+                                        dot[4] = T.float32(0.0)
                                         for i in T.unroll(BLOCK):
                                             dot[4] = dot[4] + xf[i]
-                                        acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3])) \
-                                            + offset[j] * dot[4]
-                                    else:
-                                        acc[t] = acc[t] + scale[j] * ((dot[0] + dot[1]) + (dot[2] + dot[3]))
-                        for t in T.unroll(TR):
-                            for s in T.unroll(LOG_L):
-                                acc[t] = acc[t] + T.tvm_warp_shuffle_xor(
-                                    T.uint32(FULL_WARP), acc[t], T.shift_right(L, s + 1), L, 32)
-                            if NORM:  # (X * rstd * G) W^T = rstd * ((X G) W^T)
-                                acc[t] = acc[t] * rstd[t]
-                        if tx == 0:
-                            if row < N:
-                                for t in T.unroll(TR):
-                                    if t0 * TR + t < n_tokens:
-                                        if RES:
-                                            y[t0 * TR + t, row] = T.Cast(dtype, acc[t] + T.Cast(
-                                                f32, r[t0 * TR + t, row]))
+                                    for u in T.unroll(PT):
+                                        for a in T.unroll(4):
+                                            dot[a] = T.float32(0.0)
+                                        # four independent partial sums keep the FMA chains short
+                                        for i in T.unroll(BLOCK):
+                                            dot[i % 4] = dot[i % 4] + wq[u * BLOCK + i] * xf[i]
+                                        if HAS_M:
+                                            acc[t * PT + u] = acc[t * PT + u] + scale[u * J + j] * (
+                                                (dot[0] + dot[1]) + (dot[2] + dot[3])) + offset[u * J + j] * dot[4]
                                         else:
-                                            y[t0 * TR + t, row] = T.Cast(dtype, acc[t])
+                                            acc[t * PT + u] = acc[t * PT + u] + scale[u * J + j] * (
+                                                (dot[0] + dot[1]) + (dot[2] + dot[3]))
+                        for t in T.unroll(TR):
+                            for u in T.unroll(PT):
+                                for s in T.unroll(LOG_L):
+                                    acc[t * PT + u] = acc[t * PT + u] + T.tvm_warp_shuffle_xor(
+                                        T.uint32(FULL_WARP), acc[t * PT + u], T.shift_right(L, s + 1), L, 32)
+                                if NORM:  # (X * rstd * G) W^T = rstd * ((X G) W^T)
+                                    acc[t * PT + u] = acc[t * PT + u] * rstd[t]
+                        if tx == 0:
+                            for u in T.unroll(PT):
+                                if row0 + u < N:
+                                    for t in T.unroll(TR):
+                                        if t0 * TR + t < n_tokens:
+                                            if RES:
+                                                y[t0 * TR + t, row0 + u] = T.Cast(dtype, acc[t * PT + u] + T.Cast(
+                                                    f32, r[t0 * TR + t, row0 + u]))
+                                            else:
+                                                y[t0 * TR + t, row0 + u] = T.Cast(dtype, acc[t * PT + u])
 
     QS, SC = (T.int64(N), T.int64(QS_COLS)), (T.int64(N), T.int64(NB))  # the parts' shapes
 
