@@ -172,10 +172,12 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     ZERO = {"Q4_0": 8, "Q5_0": 16}.get(fmt, 0)  # the zero point dequantize_block takes off
 
     PRO = NORM or GLU
+    CHUNKS = K // VEC  # 16-byte chunks of X a token's prologue stages
     NT = L * R  # threads per block
     BP = BLOCK + 4  # a staged block's floats: 4 of padding keep the lanes' 16-byte reads conflict-free
     if PRO and NT % 32:
         raise ValueError(f"lanes * rows = {NT}: a prologue needs whole warps")
+    ITER = (CHUNKS + NT - 1) // NT  # chunks a thread stages per token
 
     @T.macro
     def load_x(x, xv, xf, tok, b):
@@ -283,22 +285,41 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     @T.macro
     def stage(x, g, xs, part, rstd, t0, n_tokens, lin):
         """The pass's tokens through the prologue into shared memory, once per thread block (not per
-        row): xs[t, block, i] = silu(gate) * up, or X * G with rstd[t] = rsqrt(mean(X^2) + eps)."""
+        row): xs[t, block, i] = silu(gate) * up, or X * G with rstd[t] = rsqrt(mean(X^2) + eps).
+        Each thread takes 16-byte chunks (lin, lin + NT, ...) and issues all its loads before any
+        arithmetic, so a thread waits on its loads once rather than once per element."""
         sq = T.alloc_local((TR,), f32)
+        xa = T.alloc_local((ITER * VEC,), dtype)  # the chunks of X (the gate with SwiGLU)
+        xb = T.alloc_local((ITER * VEC,), dtype)  # SwiGLU's up, or the norm's weight
+        sv = T.alloc_local((VEC,), f32)
         T.tvm_storage_sync("shared")  # the previous pass's readers are done with xs
         for t in T.unroll(TR):
             tok = T.min(t0 * TR + t, n_tokens - 1)
             sq[t] = T.float32(0.0)
-            for it in T.serial((K + NT - 1) // NT):
-                c = lin + it * NT
-                if c < K:
-                    v = T.Cast(f32, x[tok, c])
+            for it in T.unroll(ITER):
+                ch = T.min(lin + it * NT, CHUNKS - 1)  # threads past the chunks repeat the last (not stored)
+                for v in T.vectorized(VEC):
+                    xa[it * VEC + v] = x[tok, ch * VEC + v]
+                if GLU:
+                    for v in T.vectorized(VEC):
+                        xb[it * VEC + v] = x[tok, T.int64(K) + ch * VEC + v]
+                else:
+                    for v in T.vectorized(VEC):
+                        xb[it * VEC + v] = g[ch * VEC + v]
+            for it in T.unroll(ITER):
+                ch = T.min(lin + it * NT, CHUNKS - 1)
+                for v in T.unroll(VEC):
                     if NORM:
-                        xs[t * NB * BP + c // BLOCK * BP + c % BLOCK] = v * T.Cast(f32, g[c])
-                        sq[t] = sq[t] + v * v
-                    else:  # swiglu: the gate, then the up half K columns on
-                        xs[t * NB * BP + c // BLOCK * BP + c % BLOCK] = v / (T.float32(1.0) + T.exp(-v)) \
-                            * T.Cast(f32, x[tok, T.int64(K) + c])
+                        sv[v] = T.Cast(f32, xa[it * VEC + v]) * T.Cast(f32, xb[it * VEC + v])
+                        sq[t] = sq[t] + T.if_then_else(lin + it * NT < CHUNKS, T.float32(1.0), T.float32(0.0)) \
+                            * T.Cast(f32, xa[it * VEC + v]) * T.Cast(f32, xa[it * VEC + v])
+                    else:
+                        sv[v] = T.Cast(f32, xa[it * VEC + v]) / (T.float32(1.0) + T.exp(-T.Cast(
+                            f32, xa[it * VEC + v]))) * T.Cast(f32, xb[it * VEC + v])
+                if lin + it * NT < CHUNKS:
+                    for c4 in T.unroll(VEC // 4):
+                        for v in T.vectorized(4):
+                            xs[t * NB * BP + ch * VEC // BLOCK * BP + ch * VEC % BLOCK + c4 * 4 + v] = sv[c4 * 4 + v]
         if NORM:  # the block's sum of squares per token: warp shuffles, then across the warps
             for t in T.unroll(TR):
                 for s in T.unroll(5):
