@@ -17,7 +17,8 @@ blocks (lane, lane + lanes, ...): one 16-byte load of a Q4 block's quants (two f
 quants read as 32-bit words of the same array), its scale (and offset) once, and X's 32 values
 in 16-byte loads; the lanes' partial sums meet in a warp shuffle reduction. `rows` rows per
 thread block (threadIdx.y), so a 576-row projection is 288 blocks of 64 threads for the H200's
-132 SMs. Lanes past the row's blocks repeat its last block with weight 0, so the code is
+132 SMs; with `rows_per_thread` = 2 (large single-token products) a thread computes two
+consecutive rows from each X value it loads. Lanes past the row's blocks repeat its last block with weight 0, so the code is
 branch-free and every load is issued up front. More tokens than one (decode_step's symbolic
 batch) run in passes of `token_tile` tokens; the weight blocks stay in the thread's registers,
 each block is made float32 once per pass, and X is re-read per token (from L1 / L2).
@@ -45,7 +46,8 @@ launch less each (per decoder layer: the two RMSNorms and the MLP's gate):
 - "swiglu": X [T, 2K] holds gate then up; the product takes silu(gate) * up.
 A prologue kernel has 512-thread blocks; for each pass of tokens the block first writes the
 prologue's float32 output to shared memory once (X G, and each token's sum of squares by warp
-shuffles and a sum over the warps; or silu(gate) * up), and its rows read X from there. The
+shuffles and a sum over the warps; or silu(gate) * up; each thread a few 16-byte chunks of X,
+every load issued before the arithmetic), and its rows read X from there. The
 normalized X never exists in global memory (nor is it rounded to float16 as a separate RMSNorm
 would round it).
 """
