@@ -18,10 +18,11 @@ quants read as 32-bit words of the same array), its scale (and offset) once, and
 in 16-byte loads; the lanes' partial sums meet in a warp shuffle reduction. `rows` rows per
 thread block (threadIdx.y), so a 576-row projection is 288 blocks of 64 threads for the H200's
 132 SMs; with `rows_per_thread` = 2 (large single-token products) a thread computes two
-consecutive rows from each X value it loads. Lanes past the row's blocks repeat its last block with weight 0, so the code is
-branch-free and every load is issued up front. More tokens than one (decode_step's symbolic
-batch) run in passes of `token_tile` tokens; the weight blocks stay in the thread's registers,
-each block is made float32 once per pass, and X is re-read per token (from L1 / L2).
+consecutive rows from each X value it loads. Lanes past the row's blocks repeat its last block
+with weight 0, so the code is branch-free and every load is issued up front. More tokens than
+one (decode_step's symbolic batch) run in passes of `token_tile` tokens; the weight blocks stay
+in the thread's registers, each block is made float32 once per pass, and X is re-read per token
+(from L1 / L2).
 
 The K-quants take whole units of their 256-weight super-blocks, laid out as GGUF's (config.py):
 a Q4_K unit is 64 weights, the 32 bytes whose low nibbles are one 32-weight sub-block and whose
@@ -81,6 +82,16 @@ def magic_byte_by_shifts(word, e: int):
     return T.bitwise_or(T.bitwise_and(T.shift_right(word, T.uint32(8 * e)), T.uint32(0xFF)), T.uint32(MAGIC))
 
 
+def quant_value(bits, zero: int):
+    """The float32 q - zero from `bits`, a magic_byte (2^23 + q as a float32; q < 2^23)."""
+    return T.reinterpret("float32", bits) - T.float32(MAGIC_VALUE + zero)
+
+
+def nibble_bytes(word, half: int):
+    """The uint32 whose byte e is byte e of `word`'s low (half 0) or high (half 1) nibble."""
+    return T.bitwise_and(T.shift_right(word, T.uint32(4 * half)), T.uint32(0x0F0F0F0F))
+
+
 @dataclasses.dataclass(frozen=True)
 class CUDAGemvSchedule:
     """How the CUDA GEMV is laid out (never what it computes).
@@ -113,8 +124,8 @@ def choose_gemv_schedule(n: int, k: int, tokens: int | None, prologue: str = "no
     """lanes: the smallest power of 2 up to 32 covering the row's blocks, so a lane takes as few
     blocks as it can (each is about 100 dependent instructions: at one token the kernel is bound by
     that latency and by issue, not by bytes; SmolLM2's K of 576 and 1536 are 18 and 48 blocks: 1
-    and 2 per lane); rows: 64 threads per block (576 rows: 288 blocks on 132 SMs); token tiles of 4 (a static
-    count: one pass). With a prologue, 512 threads a block: the prologue runs once per block and
+    and 2 per lane); rows: 64 threads per block (576 rows: 288 blocks on 132 SMs); token tiles of
+    4 (a static count: one pass). With a prologue, 512 threads a block: the prologue runs once per block and
     pass (staged in shared memory), so bigger blocks repeat it less; and passes of at most 4
     tokens (the staged X of SmolLM2's K = 1536 then fits the 48 KB of static shared memory).
     fmt: a K-quant's lanes cover its units (UNITS) instead of 32-weight blocks. rows_per_thread:
@@ -195,29 +206,24 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     def dequantize_block(words, high, wq, j, base):
         """wq[base:base + 32] = block (slot) j's 32 quants as exact float32 integers, its format's
         zero point taken off (Q4_0: q - 8, Q5_0: q - 16, Q8_0: the signed byte; Q4_1: q, its offset
-        m stays apart): each
-        quant is OR-ed into the mantissa of MAGIC (2^23 + q exactly) and MAGIC + zero subtracted,
-        an integer op and a float add instead of a conversion instruction."""
+        m stays apart): each quant is put in the mantissa of MAGIC (2^23 + q exactly) and MAGIC +
+        zero subtracted, a byte permute and a float add instead of a conversion instruction."""
         if Q8:
             for w in T.unroll(WORDS):  # a signed byte + 128 is the unsigned byte with its top bit flipped
                 for e in T.unroll(4):
-                    wq[base + w * 4 + e] = T.reinterpret(f32, magic_byte(T.bitwise_xor(
-                        T.reinterpret("uint32", words[j * WORDS + w]), T.uint32(0x80808080)), e)) \
-                        - T.float32(MAGIC_VALUE + 128)
+                    wq[base + w * 4 + e] = quant_value(magic_byte(T.bitwise_xor(
+                        T.reinterpret("uint32", words[j * WORDS + w]), T.uint32(0x80808080)), e), 128)
         else:
             for w in T.unroll(WORDS):  # byte 4 w + e: weight 4 w + e in its low nibble, 4 w + e + 16 high
                 for half in T.unroll(2):
-                    nibbles = T.bitwise_and(T.shift_right(words[j * WORDS + w], T.uint32(4 * half)),
-                                            T.uint32(0x0F0F0F0F))
+                    nibbles = nibble_bytes(words[j * WORDS + w], half)
                     for e in T.unroll(4):
                         if Q5:  # the fifth bit: bit i of the block's qh word
-                            wq[base + w * 4 + e + 16 * half] = T.reinterpret(f32, T.bitwise_or(
+                            wq[base + w * 4 + e + 16 * half] = quant_value(T.bitwise_or(
                                 magic_byte(nibbles, e), T.shift_left(T.bitwise_and(T.shift_right(
-                                    high[j], T.uint32(w * 4 + e + 16 * half)), T.uint32(1)), T.uint32(4)))) \
-                                - T.float32(MAGIC_VALUE + ZERO)
+                                    high[j], T.uint32(w * 4 + e + 16 * half)), T.uint32(1)), T.uint32(4))), ZERO)
                         else:
-                            wq[base + w * 4 + e + 16 * half] = T.reinterpret(f32, magic_byte(nibbles, e)) \
-                                - T.float32(MAGIC_VALUE + ZERO)
+                            wq[base + w * 4 + e + 16 * half] = quant_value(magic_byte(nibbles, e), ZERO)
 
     @T.macro
     def load_unit(x, xv, xf, xs, t, tok, b):
@@ -249,31 +255,26 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
 
     @T.macro
     def dot_kquant(words, high, scale, offset, xf, dot, acc, t, j):
-        # t: acc's index (token and row), j: the unit's slot
-        """acc[t] += unit (slot) j's groups: scale * (q . X) + offset * sum(X) (Q6_K: scale * ((q - 32) . X),
-        its offset taken off the quants as dequantize_block takes Q4_0's)."""
+        """acc[t] (t: a token and row's index) += unit (slot) j's groups: scale * (q . X) + offset *
+        sum(X) (Q6_K: scale * ((q - 32) . X), its offset taken off the quants)."""
         for a in T.unroll(2 * G):
             dot[a] = T.float32(0.0)
         if Q4K:  # low nibbles: the unit's first 32 weights; high nibbles: the next 32
             for w in T.unroll(WORDS):
                 for half in T.unroll(2):
-                    nibbles = T.bitwise_and(T.shift_right(words[j * WORDS + w], T.uint32(4 * half)),
-                                            T.uint32(0x0F0F0F0F))
+                    nibbles = nibble_bytes(words[j * WORDS + w], half)
                     for e in T.unroll(4):
-                        dot[half] = dot[half] + (T.reinterpret(f32, magic_byte(nibbles, e))
-                                                 - T.float32(MAGIC_VALUE)) * xf[w * 4 + e + 32 * half]
+                        dot[half] = dot[half] + quant_value(magic_byte(nibbles, e), 0) * xf[w * 4 + e + 32 * half]
         else:  # Q6_K: byte l of ql's first and second 32 and of qh make weights l, l + 32, l + 64, l + 96
             for w in T.unroll(8):
                 for part in T.unroll(4):  # weight part * 32 + 4 w + e, in group 2 part + w // 4
                     quants = T.bitwise_or(  # byte e: the weight's low 4 bits from ql, its top 2 from qh
-                        T.bitwise_and(T.shift_right(words[j * WORDS + w + 8 * (part % 2)], T.uint32(4 * (part // 2))),
-                                      T.uint32(0x0F0F0F0F)),
+                        nibble_bytes(words[j * WORDS + w + 8 * (part % 2)], part // 2),
                         T.shift_left(T.bitwise_and(T.shift_right(high[j * HW + w], T.uint32(2 * part)),
                                                    T.uint32(0x03030303)), T.uint32(4)))
                     for e in T.unroll(4):
-                        dot[2 * part + w // 4] = dot[2 * part + w // 4] + (
-                            T.reinterpret(f32, magic_byte(quants, e)) - T.float32(MAGIC_VALUE + 32)) \
-                            * xf[part * 32 + w * 4 + e]
+                        dot[2 * part + w // 4] = dot[2 * part + w // 4] \
+                            + quant_value(magic_byte(quants, e), 32) * xf[part * 32 + w * 4 + e]
         if Q4K:
             for g in T.unroll(G):
                 for i in T.unroll(UNIT // G):
@@ -421,12 +422,10 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                                         # four independent partial sums keep the FMA chains short
                                         for i in T.unroll(BLOCK):
                                             dot[i % 4] = dot[i % 4] + wq[u * BLOCK + i] * xf[i]
+                                        acc[t * PT + u] = acc[t * PT + u] + scale[u * J + j] * (
+                                            (dot[0] + dot[1]) + (dot[2] + dot[3]))
                                         if HAS_M:
-                                            acc[t * PT + u] = acc[t * PT + u] + scale[u * J + j] * (
-                                                (dot[0] + dot[1]) + (dot[2] + dot[3])) + offset[u * J + j] * dot[4]
-                                        else:
-                                            acc[t * PT + u] = acc[t * PT + u] + scale[u * J + j] * (
-                                                (dot[0] + dot[1]) + (dot[2] + dot[3]))
+                                            acc[t * PT + u] = acc[t * PT + u] + offset[u * J + j] * dot[4]
                         for t in T.unroll(TR):
                             for u in T.unroll(PT):
                                 for s in T.unroll(LOG_L):
