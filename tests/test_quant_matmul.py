@@ -869,8 +869,21 @@ def test_cuda_gemv_schedule_choice(k, lanes, rows):
     assert choose_gemv_schedule(960, k, 1) == CUDAGemvSchedule(lanes=lanes, rows=rows, token_tile=1)
 
 
+@pytest.mark.parametrize("n,k,tokens,prologue,fmt,paired", [
+    (16384, 2048, 1, "rms_norm", "Q4_0", True),  # Llama-1B's gate_up: 512 blocks of 32 rows
+    (128256, 2048, 1, "none", "Q4_0", True),  # its LM head
+    (3072, 2048, 1, "rms_norm", "Q4_0", False),  # its qkv: 96 blocks of 32 rows, too few
+    (2048, 8192, 1, "swiglu", "Q4_0", False),  # its down_proj: 8 blocks a lane
+    (16384, 2048, None, "none", "Q4_0", False),  # a decode batch
+    (16384, 2048, 1, "none", "Q4_K", False),  # a K-quant
+])
+def test_cuda_gemv_pairs_rows_only_where_it_pays(n, k, tokens, prologue, fmt, paired):
+    assert choose_gemv_schedule(n, k, tokens, prologue, fmt).rows_per_thread == (2 if paired else 1)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"lanes": 3}, "lanes=3"), ({"rows": 0}, "rows=0"), ({"token_tile": 0}, "token_tile=0"),
+    ({"rows_per_thread": 0}, "rows_per_thread=0"), ({"rows_per_thread": 2.0}, "rows_per_thread=2.0"),
     ({"lanes": 32, "rows": 33}, "1056: at most 1024"),
 ])
 def test_cuda_gemv_schedule_validation(kwargs, message):
