@@ -145,13 +145,53 @@ def choose_gemv_schedule(n: int, k: int, tokens: int | None, prologue: str = "no
     return CUDAGemvSchedule(lanes=lanes, rows=rows, token_tile=tile, rows_per_thread=2 if paired else 1)
 
 
-def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: CUDAGemvSchedule,
-                residual: bool = False, prologue: str = "none", eps: float = 1e-5):
-    """The PrimFunc (X, qs, d[, m | qh][, G][, R], Y) of the module docstring for `fmt` in GEMV_FORMATS;
-    residual: Y = R + X W^T with R [T, N] in `dtype` (the sum rounded once); prologue: what the
-    kernel applies to X before the product, in float32 (see PROLOGUES in the module docstring):
-    "rms_norm" takes G [K] (`dtype`) and `eps`, "swiglu" takes X [T, 2K]. The arguments between d
-    and Y are named e0, e1, ... in the PrimFunc (whichever of m or qh, G, R it takes, in that order)."""
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """One gemv_kernel build: its arguments and what `_layout` derives from them (sizes, format
+    flags), the names the kernel's macros read."""
+    dtype: str
+    eps: float
+    KQ: bool
+    Q4K: bool
+    Q6K: bool
+    N: int
+    K: int
+    NB: int
+    L: int
+    R: int
+    PT: int
+    TR: int
+    UNIT: int
+    NU: int
+    J: int
+    GRID: int
+    LOG_L: int
+    VEC: int
+    Q8: bool
+    WORDS: int
+    WPR: int
+    G: int
+    HW: int
+    QS_COLS: int
+    QS_DTYPE: str
+    WORD: str
+    HAS_M: bool
+    Q5: bool
+    RES: bool
+    NORM: bool
+    GLU: bool
+    XK: int
+    ZERO: int
+    PRO: bool
+    CHUNKS: int
+    NT: int
+    BP: int
+    ITER: int
+
+
+def _layout(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: CUDAGemvSchedule,
+            residual: bool, prologue: str, eps: float) -> _Layout:
+    """gemv_kernel's arguments checked, and the sizes and flags its macros read."""
     if fmt not in GEMV_FORMATS:
         raise ValueError(f"fmt={fmt!r}: the CUDA GEMV takes {GEMV_FORMATS}")
     KQ, Q4K, Q6K = fmt in UNITS, fmt == "Q4_K", fmt == "Q6_K"  # K-quants: units of UNITS[fmt] weights
@@ -181,7 +221,6 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     RES = residual
     NORM, GLU = prologue == "rms_norm", prologue == "swiglu"
     XK = 2 * K if GLU else K  # X's columns
-    f32 = "float32"
     ZERO = {"Q4_0": 8, "Q5_0": 16}.get(fmt, 0)  # the zero point dequantize_block takes off
 
     PRO = NORM or GLU
@@ -191,6 +230,16 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     if PRO and NT % 32:
         raise ValueError(f"lanes * rows = {NT}: a prologue needs whole warps")
     ITER = (CHUNKS + NT - 1) // NT  # chunks a thread stages per token
+    names = locals()
+    return _Layout(**{field.name: names[field.name] for field in dataclasses.fields(_Layout)})
+
+
+def _unit_macros(lay: _Layout):
+    """The macros that load a unit (a block, or a K-quant's unit) and multiply it: load_x,
+    dequantize_block, load_unit, load_kquant, dot_kquant."""
+    Q4K, Q5, Q8, PRO, NB, UNIT, NU, VEC = lay.Q4K, lay.Q5, lay.Q8, lay.PRO, lay.NB, lay.UNIT, lay.NU, lay.VEC
+    WORDS, WPR, G, HW, ZERO, BP = lay.WORDS, lay.WPR, lay.G, lay.HW, lay.ZERO, lay.BP
+    f32 = "float32"
 
     @T.macro
     def load_x(x, xv, xf, tok, b):
@@ -285,6 +334,15 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
             for g in T.unroll(G):
                 acc[t] = acc[t] + scale[j * G + g] * dot[g]
 
+    return load_x, dequantize_block, load_unit, load_kquant, dot_kquant
+
+
+def _stage_macro(lay: _Layout):
+    """The macro that stages a pass's tokens through the prologue into shared memory."""
+    dtype, eps, NORM, GLU, K, NB, TR, VEC = lay.dtype, lay.eps, lay.NORM, lay.GLU, lay.K, lay.NB, lay.TR, lay.VEC
+    CHUNKS, NT, BP, ITER = lay.CHUNKS, lay.NT, lay.BP, lay.ITER
+    f32 = "float32"
+
     @T.macro
     def stage(x, g, xs, part, rstd, t0, n_tokens, lin):
         """The pass's tokens through the prologue into shared memory, once per thread block (not per
@@ -336,6 +394,18 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                 for w in T.unroll(NT // 32):
                     sq[t] = sq[t] + part[w * TR + t]
                 rstd[t] = T.rsqrt(sq[t] / T.float32(K) + T.float32(eps))
+
+    return stage
+
+
+def _body_macro(lay: _Layout, load_x, dequantize_block, load_unit, load_kquant, dot_kquant, stage):
+    """The kernel's body over its buffers (the module docstring's "How"), from the other macros."""
+    dtype, KQ, Q6K, Q8, Q5, HAS_M, RES, NORM, PRO = (lay.dtype, lay.KQ, lay.Q6K, lay.Q8, lay.Q5, lay.HAS_M, lay.RES,
+                                                     lay.NORM, lay.PRO)
+    N, NB, L, R, PT, TR, UNIT, NU, J = lay.N, lay.NB, lay.L, lay.R, lay.PT, lay.TR, lay.UNIT, lay.NU, lay.J
+    GRID, LOG_L, WORDS, WPR, G, HW, WORD, NT, BP = (lay.GRID, lay.LOG_L, lay.WORDS, lay.WPR, lay.G, lay.HW, lay.WORD,
+                                                    lay.NT, lay.BP)
+    f32 = "float32"
 
     @T.macro
     def body(x, qs, d, m, g, r, y, n_tokens, k1, k2, k3):
@@ -444,6 +514,21 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
                                             else:
                                                 y[t0 * TR + t, row0 + u] = T.Cast(dtype, acc[t * PT + u])
 
+    return body
+
+
+def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: CUDAGemvSchedule,
+                residual: bool = False, prologue: str = "none", eps: float = 1e-5):
+    """The PrimFunc (X, qs, d[, m | qh][, G][, R], Y) of the module docstring for `fmt` in GEMV_FORMATS;
+    residual: Y = R + X W^T with R [T, N] in `dtype` (the sum rounded once); prologue: what the
+    kernel applies to X before the product, in float32 (see PROLOGUES in the module docstring):
+    "rms_norm" takes G [K] (`dtype`) and `eps`, "swiglu" takes X [T, 2K]. The arguments between d
+    and Y are named e0, e1, ... in the PrimFunc (whichever of m or qh, G, R it takes, in that order)."""
+    lay = _layout(fmt, n, k, tokens, dtype, plan, residual, prologue, eps)
+    body = _body_macro(lay, *_unit_macros(lay), _stage_macro(lay))
+    KQ, HAS_M, Q5, RES, NORM, N, K, NB = lay.KQ, lay.HAS_M, lay.Q5, lay.RES, lay.NORM, lay.N, lay.K, lay.NB
+    QS_COLS, QS_DTYPE, XK = lay.QS_COLS, lay.QS_DTYPE, lay.XK
+
     QS, SC = (T.int64(N), T.int64(QS_COLS)), (T.int64(N), T.int64(NB))  # the parts' shapes
 
     def tok_rows(n_tokens):
@@ -477,6 +562,7 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     params = [("x", lambda t: xy(t, XK)), ("qs", T.Buffer(QS, QS_DTYPE)), ("d", T.Buffer(SC, "float16"))]
     params += [(f"e{i}", spec) for i, (_, spec) in enumerate(extras)]
     return prim_func(params + [("y", lambda t: xy(t, N))], with_args)
+
 
 
 def _kquant_func(fmt: str, n: int, k: int, xk: int, dtype: str, norm: bool, residual: bool, tok_rows, xy, body):
