@@ -47,7 +47,7 @@ from tvmattn.quant.matmul import (  # noqa: E402 - after the gguf check: tvmattn
     schedule,
     uses_cuda_gemv,
 )
-from tvmattn.quant.gemv_cuda import GEMV_FORMATS, CUDAGemvSchedule, choose_gemv_schedule  # noqa: E402
+from tvmattn.quant.gemv_cuda import GEMV_FORMATS, CUDAGemvSchedule, choose_gemv_schedule, gemv_kernel  # noqa: E402
 from tvmattn.weights.quant import LAYOUTS, PACKED, QUANT_TYPES, QuantizedTensor, split_blocks  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
@@ -811,8 +811,6 @@ def test_cuda_gemv_two_rows_a_thread(fmt, prologue):
     """A thread computing two rows (`rows_per_thread=2`, chosen for large single-token products)
     with each prologue, the residual with SwiGLU and without a prologue; 1061 rows, so the last
     thread's second row is past the end."""
-    from tvmattn.quant.gemv_cuda import gemv_kernel
-
     rows, cols, residual = 1061, 256, prologue != "rms_norm"
     config = QuantMatmulConfig(fmt, rows, cols, tokens=1, target="cuda", dtype="float16",
                                residual=residual, prologue=prologue, eps=1e-6)
@@ -893,8 +891,6 @@ def test_cuda_gemv_schedule_validation(kwargs, message):
 
 def test_cuda_gemv_prologue_arguments_are_checked():
     """An unknown prologue, or one on blocks of partial warps (its block reduction works by warps)."""
-    from tvmattn.quant.gemv_cuda import gemv_kernel
-
     with pytest.raises(ValueError, match="prologue='gelu'"):
         gemv_kernel("Q4_1", 64, 96, 1, "float16", choose_gemv_schedule(64, 96, 1), prologue="gelu")
     with pytest.raises(ValueError, match="lanes \\* rows = 16: a prologue needs whole warps"):
