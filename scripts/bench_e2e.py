@@ -139,6 +139,9 @@ def parse_args(argv=None):
                    help="also run a third library, our cache with FlashInfer's attention kernels (--attn-backend "
                         "flashinfer; its modules must be built: python -m tvmattn.flashinfer.build)")
     p.add_argument("--no-cuda-graph", action="store_true", help="leave out the CUDA-graph runs of our library")
+    p.add_argument("--build-only", action="store_true",
+                   help="build the run's missing libraries into --libs and stop (several builds may then run in "
+                        "parallel, before the timed runs)")
     p.add_argument("--quantization", default="f16", choices=["f16", "keep"],
                    help="keep: also run our library with the GGUF's block-quantized weights kept (scripts/compile.py "
                         "--quantization keep; fused dequantize + matmul kernels, float16 activations), with CUDA "
@@ -572,10 +575,15 @@ def profile_host(runner: Runner, prompts, steps: int = PROFILE_STEPS, top: int =
 def main(argv=None) -> int:
     args = parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    max_batch = max(batches)
+    if args.build_only:
+        ensure_libraries(args, max_batch)
+        print(f"libraries in {args.libs}: " + ", ".join(library_path(args, kv).name for kv in args.libraries
+                                                         if kv not in LIBRARY))
+        return 0
     device = tvm.cuda(0) if args.target == "cuda" else tvm.cpu(0)
     if not device.exist:
         raise SystemExit("bench_e2e.py needs a CUDA GPU (or --target llvm for a CPU smoke run)")
-    max_batch = max(batches)
     ensure_libraries(args, max_batch)
     metadata = json.loads(sidecar(library_path(args, "tvmattn"), RUNTIME_SUFFIX).read_text())["metadata"]
     params, weights_note = load_weights(args, device, metadata)
