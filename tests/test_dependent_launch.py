@@ -8,7 +8,9 @@ and the lowered kernels' launch parameters):
   `griddepcontrol.wait` exactly once, before anything touches one of its pointer arguments (only
   declarations and scalar arithmetic come before it, and in the fused decode GEMVs the 16-byte
   loads of their weight into registers), followed at once by
-  `griddepcontrol.launch_dependents` (the tiny library's functions all stream less than
+  `griddepcontrol.launch_dependents`; before both, in an early-triggering function whose largest
+  static-shape buffer (its weight) holds L2_PREFETCH_MIN_BYTES or more, one call that starts the
+  block's share of that weight streaming into L2 (the tiny library's functions all stream less than
   EARLY_TRIGGER_MAX_BYTES; one that streams more has no trigger: its exit lets the next kernel
   start); the functions it leaves alone (TIRx kernels, host functions)
   keep ordinary launches and no wait;
@@ -34,8 +36,9 @@ from tvm.script import tirx as T
 import tvmattn  # noqa: F401  - registers the tvmattn.* functions the library calls
 from tir_kernels.build import DYN_SHARED_TAG, LAUNCH_PARAMS_ATTR, PIPELINE, _mixed_pipeline, uses_tirx_pipeline
 from tir_kernels.common import PDL_TAG
-from tvmattn.compiler.dependent_launch import (EARLY_TRIGGER_MAX_BYTES, chain_dependent_launches, chain_kernels,
-                                               early_trigger, kernel_roots, skip_reason, static_buffer_bytes)
+from tvmattn.compiler.dependent_launch import (EARLY_TRIGGER_MAX_BYTES, L2_PREFETCH_BLOCK_BYTES, L2_PREFETCH_MIN_BYTES,
+                                               chain_dependent_launches, chain_kernels, early_trigger, kernel_roots,
+                                               prefetched_weight, skip_reason, static_buffer_bytes)
 from tvmattn.compiler.pipeline import relax_pipeline
 from tvmattn.models import BuildOptions, ModelConfig, compile_module, export_module
 
@@ -45,6 +48,7 @@ TINY = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 128, "nu
         "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128, "rms_norm_eps": 1e-5,
         "rope_theta": 100000.0, "tie_word_embeddings": True, "attention_bias": False}
 WAIT, TRIGGER = "tvmattn_grid_dependency_wait();", "tvmattn_launch_dependents();"
+L2_PREFETCH_LINE = re.compile(r"\s*tvmattn_prefetch_l2\(\(&\((\w+_ptr)\[0\]\)\), (\d+), (\d+)\);$")
 PREFETCH_LINE = re.compile(r"\s*\*\(uint4\*\)\((\w+_local_ptr(?:_\d+)?) \+ \d+\) = \*\(uint4\*\)\((\w+_ptr) \+ [^;]*\);$")
 _LOWERED: dict = {}
 
@@ -151,7 +155,7 @@ def test_every_kernel_waits_before_touching_memory(chained):
     waiting = [k for k in chained.kernels if chained.owner(k) in handled]
     assert len(waiting) >= 30 and len(chained.bodies) == len(chained.kernels)
     assert any(re.search(r"_kernel_\d+$", k) for k in waiting)  # a function of several kernels: each waits
-    prefetching = set()
+    prefetching, l2_prefetching = set(), set()
     for kernel in waiting:
         assert bool(chained.funcs[chained.owner(kernel)].attrs[PDL_TAG]), kernel
         params = chained.kernels[kernel]
@@ -166,14 +170,28 @@ def test_every_kernel_waits_before_touching_memory(chained):
                                   and "_weight" in next(iter(prefetched))), (kernel, prefetched)
         if prefetched:
             prefetching.add(chained.owner(kernel))
-        touched = [p for p in pointers if re.search(rf"\b{p}\b", before) and p not in prefetched]
+        # the L2 prefetch: the first statement, one call naming the function's weight and its size
+        l2 = [m for m in map(L2_PREFETCH_LINE.match, before.split("\n")) if m]
+        if l2:
+            weight, size = prefetched_weight(chained.funcs[chained.owner(kernel)])
+            assert len(l2) == 1 and l2[0].group(1) == weight.name + "_ptr" and "_weight" in weight.name, (kernel, l2)
+            assert int(l2[0].group(2)) == size >= L2_PREFETCH_MIN_BYTES and int(l2[0].group(3)) == L2_PREFETCH_BLOCK_BYTES
+            loads = [line for line in before.split("\n") if PREFETCH_LINE.match(line) or L2_PREFETCH_LINE.match(line)]
+            assert L2_PREFETCH_LINE.match(loads[0]), (kernel, before)  # before the loads into registers
+            l2_prefetching.add(chained.owner(kernel))
+        else:
+            assert prefetched_weight(chained.funcs[chained.owner(kernel)]) is None, kernel
+        touched = [p for p in pointers if re.search(rf"\b{p}\b", before) and p not in prefetched
+                   and not (l2 and p == l2[0].group(1))]
         assert pointers and not touched, (kernel, before)
-        for line in filter(str.strip, before.split("\n")):  # declarations, scalar arithmetic, the prefetch
-            assert PREFETCH_LINE.match(line) or re.match(
+        for line in filter(str.strip, before.split("\n")):  # declarations, scalar arithmetic, the prefetches
+            assert PREFETCH_LINE.match(line) or L2_PREFETCH_LINE.match(line) or re.match(
                 r"\s*(extern |__shared__ |alignas\(\d+\) |__align__\(\d+\) )*[\w:<>, ]+ \w+(\[\d*\])?( = [^;\[]*)?;$",
                 line), (kernel, line)
         assert body[body.index(WAIT) + len(WAIT):].lstrip().startswith(TRIGGER), kernel
     assert {"fused_rms_norm_matmul", "fused_rms_norm_matmul_swiglu"} <= prefetching, prefetching
+    # the 64 KiB qkv and gate_up weights; the 32 KiB embedding, o_proj and down_proj are too small
+    assert {"fused_rms_norm_matmul", "fused_rms_norm_matmul_swiglu"} <= l2_prefetching, l2_prefetching
 
 
 def test_functions_the_pass_leaves_alone(chained, plain):
@@ -308,7 +326,53 @@ def test_kernels_streaming_megabytes_let_dependents_start_at_exit():
                              target=tvm.target.Target(BuildOptions(target=TARGET).tvm_target(), host="llvm"))
     source = cuda_source(runtime)
     body = source[source.index("{", source.index('extern "C" __global__')) + 1:]
+    # nor an L2 prefetch: its dependents' blocks start as its own exit, nothing to overlap
     assert body.lstrip().startswith(WAIT) and body.count(WAIT) == 1 and TRIGGER not in body
+    assert "tvmattn_prefetch_l2" not in body
+
+
+@T.prim_func
+def _row_sums_small(w: T.Buffer((256, 1024), "float32"), y: T.Buffer((256,), "float32")):
+    for bx in T.thread_binding(256, thread="blockIdx.x"):  # 1 MiB of weight: a small model's projection
+        for tx in T.thread_binding(1, thread="threadIdx.x"):
+            y[bx] = T.float32(0)
+            for k in range(1024):
+                y[bx] = y[bx] + w[bx, k]
+
+
+@T.prim_func
+def _small_rows(w: T.Buffer((8, 1024), "float32"), y: T.Buffer((8,), "float32")):
+    for bx in T.thread_binding(8, thread="blockIdx.x"):
+        for tx in T.thread_binding(1, thread="threadIdx.x"):
+            y[bx] = T.float32(0)
+            for k in range(1024):
+                y[bx] = y[bx] + w[bx, k]
+
+
+def test_the_prefetched_weight_is_the_largest_static_buffer():
+    """The L2 prefetch takes a function's largest static-shape buffer parameter, where it holds at
+    least L2_PREFETCH_MIN_BYTES; symbolic shapes count nothing."""
+    weight, size = prefetched_weight(_row_sums)
+    assert weight.name == "w" and size == 1024 * 1024 * 4
+    assert 8 * 1024 * 4 < L2_PREFETCH_MIN_BYTES and prefetched_weight(_small_rows) is None
+    assert prefetched_weight(_row_sums_symbolic) is None  # the symbolic (n, 1024) one is not counted
+    body = chain_kernels(_small_rows.with_attr("global_symbol", "f")).script()
+    assert "tvmattn_prefetch_l2" not in body and "tvmattn_grid_dependency_wait" in body
+
+
+def test_early_triggering_kernels_prefetch_their_weight_before_the_wait():
+    """A function under EARLY_TRIGGER_MAX_BYTES with a weight of at least L2_PREFETCH_MIN_BYTES:
+    each kernel first starts its block's share of the weight streaming into L2, then waits, then
+    lets its dependents start."""
+    chained = chain_kernels(_row_sums_small.with_attr("global_symbol", "f"))
+    assert early_trigger(chained)
+    runtime = tvm.tirx.build(tvm.IRModule({"f": chained}), pipeline=PIPELINE,
+                             target=tvm.target.Target(BuildOptions(target=TARGET).tvm_target(), host="llvm"))
+    source = cuda_source(runtime)
+    body = source[source.index("{", source.index('extern "C" __global__')) + 1:]
+    prefetch = f"tvmattn_prefetch_l2((&(w_ptr[0])), {256 * 1024 * 4}, {L2_PREFETCH_BLOCK_BYTES});"
+    assert body.lstrip().startswith(f"{prefetch}\n  {WAIT}\n  {TRIGGER}"), body[:300]
+    assert "cp.async.bulk.prefetch.L2.global" in source  # the device function's instruction
 
 
 def test_chain_kernels_is_idempotent_and_leaves_its_input(plain):

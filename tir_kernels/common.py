@@ -65,11 +65,38 @@ __device__ __forceinline__ void tvmattn_launch_dependents() {
 }
 """
 
+PREFETCH_L2, PREFETCH_L2_SRC = "tvmattn_prefetch_l2", """
+// A hint (sm_90+): the block's share of `bytes` bytes from `base` (bytes / blocks, whole 16-byte
+// units, the last block the rest; at most `cap` bytes of it) starts streaming into L2, issued by
+// one thread; no memory is read into the block and nothing waits for it.
+__device__ __forceinline__ void tvmattn_prefetch_l2(const void* base, long long bytes, long long cap) {
+  if (threadIdx.x != 0 || threadIdx.y != 0 || threadIdx.z != 0) return;
+  const long long blocks = (long long)gridDim.x * gridDim.y * gridDim.z;
+  const long long b = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
+  const long long share = (bytes / blocks) & ~15LL;
+  const long long begin = b * share;
+  long long size = (b == blocks - 1 ? bytes - begin : share);
+  if (size > cap) size = cap;
+  // the instruction takes a 16-byte aligned address and a multiple of 16 bytes
+  const unsigned long long first = reinterpret_cast<unsigned long long>(base) + begin;
+  const unsigned long long aligned = (first + 15ULL) & ~15ULL;
+  size = (size - (long long)(aligned - first)) & ~15LL;
+  if (size < 16) return;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(aligned), "r"((unsigned)size) : "memory");
+}
+"""
+
 
 def grid_dependency_wait():
     """The call (a void expression for T.evaluate) that marks its kernel for programmatic
     dependent launch and waits for the stream's previous grids (build.py's docstring)."""
     return T.cuda.func_call(GRID_WAIT, source_code=GRID_WAIT_SRC)
+
+
+def prefetch_l2(base, nbytes: int, cap: int):
+    """The call (a void expression for T.evaluate) with which a block starts its share of the
+    `nbytes` bytes at pointer `base` streaming into L2, at most `cap` bytes (PREFETCH_L2_SRC)."""
+    return T.cuda.func_call(PREFETCH_L2, base, T.int64(nbytes), T.int64(cap), source_code=PREFETCH_L2_SRC)
 
 
 def launch_dependents():

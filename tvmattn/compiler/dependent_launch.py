@@ -31,6 +31,17 @@ after that nest, so the weight streams in while the previous kernel finishes. Su
 only its function's weight parameter: a model weight, which no kernel writes and whose storage
 the VM never reuses, so reading it early observes nothing a wait would order.
 
+Before both, a kernel of an early-triggering function whose largest static-shape buffer parameter
+(its weight: `prefetched_weight`) holds at least L2_PREFETCH_MIN_BYTES starts the block's share
+of that buffer streaming into L2 (tir_kernels.common.prefetch_l2: one thread issues
+`cp.async.bulk.prefetch.L2` for the block's 1/gridDim of the bytes, at most
+L2_PREFETCH_BLOCK_BYTES). Such a kernel's blocks are scheduled while the previous kernel runs, so
+a small model's projection weight is in L2 by the time its wait returns; a GEMV whose blocks take
+rows in order reads what it prefetched. In a function streaming megabytes the blocks start only
+as the previous grid exits, and the prefetch slowed a 1B model's steps (docs/performance.md), so
+there is none. A prefetch is a hint that moves nothing into the block and is ordered with no
+write (L2 is where every SM's accesses meet), so it may read any buffer before the wait.
+
 Why this is safe: every thread of every rewritten kernel waits for the previous grid of the stream
 to complete before it touches any memory (the wait is the first statement of the kernel's body,
 and both calls are volatile asm with a memory clobber, so neither TIR's passes nor the CUDA
@@ -71,7 +82,7 @@ from tvm import tirx
 from tvm.tirx.buffer import BufferType
 
 from tir_kernels.build import uses_tirx_pipeline
-from tir_kernels.common import PDL_TAG, grid_dependency_wait, launch_dependents
+from tir_kernels.common import PDL_TAG, grid_dependency_wait, launch_dependents, prefetch_l2
 from tir_kernels.support import PDL_MIN_SM, TargetName, sm_of
 
 KERNEL_THREADS = ("blockIdx.", "threadIdx.")  # the bindings that start a device kernel (not vthread)
@@ -81,6 +92,11 @@ PREFETCH_ATTR = "tvmattn_prefetch_before_wait"
 # functions streaming this much or more let their dependents start only as their blocks exit
 # (module docstring); SmolLM2's largest layer projection streams 3.4 MiB, a 1B model's smallest 8 MiB
 EARLY_TRIGGER_MAX_BYTES = 4 << 20
+# an early-triggering function's kernels prefetch the block's share of its largest static buffer (its
+# weight) into L2 before the wait: at most this many bytes a block, where that buffer holds at least
+# L2_PREFETCH_MIN_BYTES
+L2_PREFETCH_BLOCK_BYTES = 32 << 10
+L2_PREFETCH_MIN_BYTES = 64 << 10
 
 
 def dependent_launch_problem(target) -> str | None:
@@ -137,6 +153,36 @@ def static_buffer_bytes(func: tirx.PrimFunc) -> int:
     return total
 
 
+def prefetched_weight(func: tirx.PrimFunc):
+    """(buffer parameter, bytes) of the largest static-shape buffer parameter of func (a
+    projection's weight) where it holds at least L2_PREFETCH_MIN_BYTES, else None."""
+    best = None
+    for param in func.params:
+        buffer = param.ty
+        if not isinstance(buffer, BufferType):
+            continue
+        dims = [int(d) if isinstance(d, tirx.IntImm) else None for d in buffer.shape]
+        if None in dims:
+            continue
+        size = math.prod(dims) * tvm.runtime.DataType(buffer.dtype).bits // 8
+        if best is None or size > best[1]:
+            best = (param, size)
+    if best is None or best[1] < L2_PREFETCH_MIN_BYTES:
+        return None
+    return best[0], best[1]
+
+
+def _l2_prefetch(func: tirx.PrimFunc):
+    """The statement that prefetches a block's share of func's weight into L2, or None: only in a
+    function that lets its dependents start early (module docstring)."""
+    found = prefetched_weight(func) if early_trigger(func) else None
+    if found is None:
+        return None
+    param, size = found
+    first = tirx.BufferLoad(param, [tirx.IntImm(d.ty, 0) for d in param.ty.shape])
+    return tirx.Evaluate(prefetch_l2(tirx.address_of(first), size, L2_PREFETCH_BLOCK_BYTES))
+
+
 def early_trigger(func: tirx.PrimFunc) -> bool:
     """Whether func's kernels let their dependents start right after their wait (module docstring)."""
     return static_buffer_bytes(func) < EARLY_TRIGGER_MAX_BYTES
@@ -181,12 +227,15 @@ def _after_prefetch(body, first: list):
     return None
 
 
-def _waiting(stmt, trigger: bool):
+def _waiting(stmt, trigger: bool, l2_prefetch=None):
     """stmt (a kernel's outermost binding) with the wait (and the trigger) first in its body, or
-    right after the kernel's leading weight prefetch (PREFETCH_ATTR)."""
+    right after the kernel's leading weight prefetch (PREFETCH_ATTR); `l2_prefetch` before both."""
     first = [tirx.Evaluate(grid_dependency_wait())] + ([tirx.Evaluate(launch_dependents())] if trigger else [])
     body = _after_prefetch(stmt.body, first)
-    return _with_body(stmt, tirx.SeqStmt(first + [stmt.body]) if body is None else body)
+    body = tirx.SeqStmt(first + [stmt.body]) if body is None else body
+    if l2_prefetch is not None:
+        body = tirx.SeqStmt([l2_prefetch, body])
+    return _with_body(stmt, body)
 
 
 def skip_reason(func) -> str | None:
@@ -213,9 +262,10 @@ def chain_kernels(func: tirx.PrimFunc) -> tirx.PrimFunc:
         return func
     roots = kernel_roots(func.body)
     trigger = early_trigger(func)
+    l2_prefetch = _l2_prefetch(func)
 
     def rewrite(stmt):
-        return _waiting(stmt, trigger) if any(stmt.same_as(root) for root in roots) else stmt
+        return _waiting(stmt, trigger, l2_prefetch) if any(stmt.same_as(root) for root in roots) else stmt
 
     body = tvm_ffi.structural_map(func.body, ((tirx.For, tirx.AttrStmt), rewrite), order="pre")
     return func.with_body(body).with_attr(PDL_TAG, True)
@@ -238,5 +288,6 @@ def chain_dependent_launches(mod: tvm.IRModule, _ctx: tvm.transform.PassContext)
     return mod
 
 
-__all__ = ["EARLY_TRIGGER_MAX_BYTES", "PDL_TAG", "PREFETCH_ATTR", "chain_dependent_launches", "chain_kernels",
-           "dependent_launch_problem", "early_trigger", "kernel_roots", "skip_reason", "static_buffer_bytes"]
+__all__ = ["EARLY_TRIGGER_MAX_BYTES", "L2_PREFETCH_BLOCK_BYTES", "L2_PREFETCH_MIN_BYTES", "PDL_TAG", "PREFETCH_ATTR",
+           "chain_dependent_launches", "chain_kernels", "dependent_launch_problem", "early_trigger", "kernel_roots",
+           "prefetched_weight", "skip_reason", "static_buffer_bytes"]
