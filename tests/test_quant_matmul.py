@@ -46,6 +46,7 @@ from tvmattn.quant.matmul import (  # noqa: E402 - after the gguf check: tvmattn
     kernel,
     schedule,
     uses_cuda_gemv,
+    uses_mma_gemv,
 )
 from tvmattn.quant.gemv_cuda import GEMV_FORMATS, CUDAGemvSchedule, choose_gemv_schedule, gemv_kernel  # noqa: E402
 from tvmattn.weights.quant import LAYOUTS, PACKED, QUANT_TYPES, QuantizedTensor, split_blocks  # noqa: E402
@@ -837,7 +838,17 @@ def test_cuda_gemv_routing():
     assert uses_cuda_gemv(cfg(tokens=1)) and uses_cuda_gemv(cfg(fmt="Q8_0", n=49152, tokens=1))
     assert uses_cuda_gemv(cfg(tokens=None, few_tokens=True))
     assert not uses_cuda_gemv(cfg(tokens=None))  # prefill: dlight's Matmul
-    assert not uses_cuda_gemv(cfg(fmt="Q8_0", n=49152, tokens=None, few_tokens=True))  # the 30 MB LM head
+    # a float16 decode batch of the 32-weight formats: the tensor-core GEMV, at any size (a 30 MB LM head)
+    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        assert uses_mma_gemv(cfg(fmt=fmt, tokens=None, few_tokens=True))
+    assert uses_mma_gemv(cfg(fmt="Q8_0", n=49152, tokens=None, few_tokens=True))
+    assert uses_cuda_gemv(cfg(fmt="Q8_0", n=49152, tokens=None, few_tokens=True))  # (takes the residual)
+    assert not uses_mma_gemv(cfg(tokens=1)) and not uses_mma_gemv(cfg(tokens=None))
+    assert not uses_mma_gemv(cfg(fmt="Q5_0", tokens=None, few_tokens=True))
+    assert not uses_mma_gemv(QuantMatmulConfig("Q4_1", 960, 576, target="cuda", dtype="float32", few_tokens=True))
+    assert not uses_mma_gemv(cfg(tokens=None, few_tokens=True, prologue="rms_norm"))  # gemv_cuda's prologue
+    # elsewhere a decode batch's weight over CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES stays with dlight's Matmul
+    assert not uses_cuda_gemv(cfg(fmt="Q5_0", n=49152, tokens=None, few_tokens=True))
     assert uses_cuda_gemv(cfg(fmt="Q4_K", k=768, tokens=1))  # (tests/test_gemv_kquant.py)
     assert not uses_cuda_gemv(QuantMatmulConfig("Q4_1", 960, 576, tokens=1))  # llvm
     assert cfg(tokens=None, few_tokens=True).name == "quant_matmul_q4_1_960x576_b_f16"

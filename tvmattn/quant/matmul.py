@@ -8,8 +8,9 @@ algorithms). Which kernel computes it:
   or for Q8_0, Q5_0, Q4_K, Q6_K under an AVX-512 target cpu.unpack_gemv (one token) and
   cpu.unpack_gemm (several; its products in bfloat16 where the target has AVX512-BF16), or cpu.dot_gemv (one token, int8 dot products; AVX-512 VNNI) where a
   plan asks for it;
-- CUDA: the 32-weight block formats (Q4_0, Q4_1, Q8_0) for one token or a decode batch run the
-  GEMV of gemv_cuda.py (`uses_cuda_gemv`); a prompt's GEMM (more tokens than a GEMV takes, not a
+- CUDA: a decode batch (symbolic, `few_tokens`) of Q4_0, Q4_1 or Q8_0 blocks with float16
+  activations runs the tensor-core GEMV of gemv_mma.py (`uses_mma_gemv`); GEMV_FORMATS for one
+  token, or another decode batch, the GEMV of gemv_cuda.py (`uses_cuda_gemv`); a prompt's GEMM (more tokens than a GEMV takes, not a
   decode batch) is two kernels, `dequantizes_first`: dequantize_algorithm writes W in the
   activations' dtype, and the model multiplies by it with float32 sums (dlight's Matmul rule on
   tensor cores); everything else, matmul_algorithm / take_algorithm under dlight's
@@ -28,6 +29,7 @@ from .config import QuantMatmulConfig
 from .cpu import (CPUSchedule, choose_schedule, dot_gemv, schedule_llvm, table_gemv, target_has_bf16, target_has_vnni,
                   unpack_gemm, unpack_gemv)
 from .gemv_cuda import GEMV_FORMATS, choose_gemv_schedule, gemv_kernel
+from .gemv_mma import MMA_GEMV_FORMATS, choose_mma_gemv_schedule, mma_gemv_kernel
 
 
 def _schedule_cuda(func: tirx.PrimFunc, config: QuantMatmulConfig) -> tirx.PrimFunc:
@@ -55,19 +57,30 @@ def _schedule_cuda(func: tirx.PrimFunc, config: QuantMatmulConfig) -> tirx.PrimF
     raise ValueError(f"{config.name}: no CUDA schedule applies")
 
 
-# a decode batch's GEMV passes keep each weight block in registers but re-read X per token and
-# row: weights above this size (SmolLM2's 30 MB Q8_0 LM head) keep dlight's Matmul for a batch
+# gemv_cuda's decode-batch passes keep each weight block in registers but re-read X per token and
+# row: weights above this size (a 30 MB Q8_0 LM head) keep dlight's Matmul for a batch where the
+# tensor-core GEMV does not apply (float32 activations, Q5_0, the K-quants)
 CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES = 16 << 20
 
 
+def uses_mma_gemv(config: QuantMatmulConfig) -> bool:
+    """Whether `config` runs gemv_mma's tensor-core kernel: a CUDA decode batch (`few_tokens`) of a
+    MMA_GEMV_FORMATS block type with float16 activations and no prologue, at any weight size."""
+    return (config.target == "cuda" and config.op == "matmul" and config.few_tokens
+            and config.fmt in MMA_GEMV_FORMATS and config.dtype == "float16" and config.prologue == "none")
+
+
 def uses_cuda_gemv(config: QuantMatmulConfig) -> bool:
-    """Whether `config` runs gemv_cuda's kernel: a CUDA matmul of a GEMV_FORMATS block type
-    for one static token (decode; also a few static tokens) or a decode batch (`few_tokens`) whose
+    """Whether `config` runs one of our CUDA GEMVs (which take a residual, and gemv_cuda's a
+    prologue): gemv_mma's where `uses_mma_gemv`, else gemv_cuda's for a GEMV_FORMATS block type
+    at one static token (decode; also a few static tokens) or a decode batch (`few_tokens`) whose
     weight is at most CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES; else dlight's rules (`_schedule_cuda`)."""
     if config.target != "cuda" or config.op != "matmul" or config.fmt not in GEMV_FORMATS:
         return False
     if config.tokens is not None:
         return config.tokens <= 8
+    if uses_mma_gemv(config):
+        return True
     weight_bytes = sum(np.prod(shape) * np.dtype(dtype).itemsize for _, dtype, shape in config.part_shapes())
     return config.few_tokens and weight_bytes <= CUDA_GEMV_MAX_BATCH_WEIGHT_BYTES
 
@@ -130,6 +143,10 @@ def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.P
         raise ValueError(f"{config.name}: residual=True needs the CUDA GEMV (uses_cuda_gemv)")
     if config.prologue != "none" and not uses_cuda_gemv(config):
         raise ValueError(f"{config.name}: prologue={config.prologue!r} needs the CUDA GEMV (uses_cuda_gemv)")
+    if uses_mma_gemv(config):
+        func = mma_gemv_kernel(config.fmt, config.n, config.k, config.dtype,
+                               choose_mma_gemv_schedule(config.n, config.k), residual=config.residual)
+        return _scheduled(func).with_attr("global_symbol", config.name)
     if uses_cuda_gemv(config):
         func = gemv_kernel(config.fmt, config.n, config.k, config.tokens, config.dtype,
                            choose_gemv_schedule(config.n, config.k, config.tokens, config.prologue, config.fmt),
