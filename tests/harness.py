@@ -15,6 +15,7 @@ import importlib.util
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,6 +82,22 @@ def slow_except(cases, *keep, first: int = 0, unpack: bool = False):
 
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def compiles_with_nvcc(source: str, folder, cubin: bool = False) -> None:
+    """The CUDA source compiles for sm_90, to PTX (with `cubin` through ptxas too), where nvcc is
+    present (without a GPU TVM only writes the source, which the GPU machine compiles when the
+    library loads)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    path = Path(folder) / "kernels.cu"
+    path.write_text(source)
+    out, stage = (Path(folder) / "kernels.cubin", "-cubin") if cubin else (Path(folder) / "kernels.ptx", "--ptx")
+    done = subprocess.run([nvcc, "-arch=sm_90", stage, "-w", "-o", str(out), str(path)], capture_output=True,
+                          text=True, timeout=600)
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert done.returncode == 0, f"nvcc: {errors[:5] or done.stderr[-3000:]}"
 
 
 def load_script(name: str):

@@ -13,13 +13,12 @@ for odd row counts, K of whole and half groups of 4 blocks, and 2..64 tokens.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 import tvm
 
+from harness import compiles_with_nvcc
 from tvmattn.compiler.targets import cuda_target
 from tvmattn.quant.algorithms import dequantize_algorithm
 from tvmattn.quant.config import QuantMatmulConfig
@@ -38,7 +37,6 @@ from tvmattn.quant.gemv_mma import (
 from tvmattn.weights.quant import BLOCK, QuantizedTensor
 from tvmattn.weights.random_blocks import random_block_matrix
 
-NVCC = shutil.which("nvcc")
 ZERO = {"Q4_0": 8, "Q4_1": 0, "Q8_0": 0}  # the weights' zero point: W = d (q - z) (+ m)
 
 
@@ -274,13 +272,7 @@ def test_builds_for_sm90(tmp_path, fmt, residual):
     assert ("= tvmattn_dequant_pair_offset(" in source) == (fmt == "Q4_1") and "__byte_perm" in source
     assert "__launch_bounds__(128)" in source and "__syncthreads()" in source
     assert (("e1_ptr" if fmt == "Q4_1" else "e0_ptr") in source) == residual
-    if NVCC is None:
-        return
-    path = tmp_path / "kernel.cu"
-    path.write_text(source)
-    done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-w", str(path), "-o", str(tmp_path / "kernel.cubin")],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    compiles_with_nvcc(source, tmp_path, cubin=True)
 
 
 # ---------------------------------------------------------------------------- GPU

@@ -23,8 +23,6 @@ library of scripts/llama-3.2-1b-config.json compiles for CUDA.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -32,7 +30,7 @@ import tvm
 import tvm_ffi
 from tvm import te
 from tvm.script import tirx as T
-from harness import load_script
+from harness import compiles_with_nvcc, load_script
 
 from tvmattn.compiler.fused_decode import rms_norm_matmul, rms_norm_matmul_swiglu
 from tvmattn.compiler.dependent_launch import PREFETCH_ATTR
@@ -167,20 +165,6 @@ FUSED_CASES = [
     pytest.param("swiglu", 576, 3072, id="gate-up-576x3072"),
     pytest.param("swiglu", 80, 96, id="gate-up-80x96"),  # K of 10 vectors: 2 lanes per column
 ]
-
-
-def compiles_with_nvcc(source: str, folder) -> None:
-    """The CUDA source compiles to PTX for sm_90 (where nvcc is present: without a GPU TVM only
-    writes the source, which the GPU machine compiles when the library loads)."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        return
-    path = folder / "kernels.cu"
-    path.write_text(source)
-    done = subprocess.run([nvcc, "-arch=sm_90", "--ptx", "-o", str(folder / "kernels.ptx"), str(path)],
-                          capture_output=True, text=True)
-    errors = [line for line in done.stderr.splitlines() if "error" in line]
-    assert done.returncode == 0, f"nvcc: {errors[:5]}"
 
 
 # the CUDA rule's layouts: the normalized row staged in shared memory (the default), per warp
