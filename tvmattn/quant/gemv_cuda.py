@@ -59,6 +59,7 @@ import dataclasses
 
 from tvm.script import tirx as T
 
+from ..weights.quant import part_shapes
 from .config import PROLOGUES
 from .signature import prim_func
 
@@ -172,8 +173,6 @@ class _Layout:
     WPR: int
     G: int
     HW: int
-    QS_COLS: int
-    QS_DTYPE: str
     WORD: str
     HAS_M: bool
     Q5: bool
@@ -213,8 +212,6 @@ def _layout(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: CUDA
     WPR = NU * WORDS  # words per row
     G = {"Q4_K": 2, "Q6_K": 8}.get(fmt, 1)  # groups of one scale and offset per unit
     HW = 8 if Q6K else 1  # 32-bit words of high bits per unit (Q5_0's qh, Q6_K's)
-    QS_COLS = K if Q8 else K // 2
-    QS_DTYPE = "int8" if Q8 else "uint8"
     WORD = "int32" if Q8 else "uint32"
     HAS_M = fmt == "Q4_1"
     Q5 = fmt == "Q5_0"  # the `m` slot holds qh, uint8 [N, 4 NB]: one 32-bit word of fifth bits a block
@@ -517,6 +514,34 @@ def _body_macro(lay: _Layout, load_x, dequantize_block, load_unit, load_kquant, 
     return body
 
 
+def block_gemv_params(fmt: str, n: int, k: int, tokens: int | None, dtype: str, residual: bool = False,
+                      norm: bool = False, x_cols: int | None = None):
+    """The parameters (`signature.prim_func`'s (name, type) list) of a GEMV of the 32-weight block
+    format `fmt`, (X [T, x_cols or K], qs, d[, m | qh][, G [K]][, R [T, N]], Y [T, N]) with T =
+    `tokens` or the symbolic count, the arguments after d named e0, e1, ...; and `route`, which
+    maps the buffers between d and Y to (m | qh, G, R), None for those absent."""
+    def rows(t):
+        return t if tokens is None else T.int64(tokens)
+
+    parts = part_shapes(fmt, n, k)  # qs, d[, m | qh]
+    fixed = [(name, T.Buffer(tuple(T.int64(v) for v in shape), dt)) for name, dt, shape in parts[:2]]
+    # the optional arguments between d and Y, in order: (name, (shape, dtype) of the token count)
+    extras = [("m", lambda t, shape=shape, dt=dt: (tuple(T.int64(v) for v in shape), dt))
+              for _, dt, shape in parts[2:]]
+    extras += [("g", lambda t: ((T.int64(k),), dtype))] if norm else []
+    extras += [("r", lambda t: ((rows(t), T.int64(n)), dtype))] if residual else []
+    names = [name for name, _ in extras]
+
+    def route(bufs):
+        """(m | qh, G, R) from the extra buffers given, None for those absent."""
+        got = dict(zip(names, bufs))
+        return got.get("m"), got.get("g"), got.get("r")
+
+    params = [("x", lambda t: ((rows(t), T.int64(x_cols or k)), dtype))] + fixed
+    params += [(f"e{i}", spec) for i, (_, spec) in enumerate(extras)]
+    return params + [("y", lambda t: ((rows(t), T.int64(n)), dtype))], route
+
+
 def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: CUDAGemvSchedule,
                 residual: bool = False, prologue: str = "none", eps: float = 1e-5):
     """The PrimFunc (X, qs, d[, m | qh][, G][, R], Y) of the module docstring for `fmt` in GEMV_FORMATS;
@@ -526,10 +551,7 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     and Y are named e0, e1, ... in the PrimFunc (whichever of m or qh, G, R it takes, in that order)."""
     lay = _layout(fmt, n, k, tokens, dtype, plan, residual, prologue, eps)
     body = _body_macro(lay, *_unit_macros(lay), _stage_macro(lay))
-    KQ, HAS_M, Q5, RES, NORM, N, K, NB = lay.KQ, lay.HAS_M, lay.Q5, lay.RES, lay.NORM, lay.N, lay.K, lay.NB
-    QS_COLS, QS_DTYPE, XK = lay.QS_COLS, lay.QS_DTYPE, lay.XK
-
-    QS, SC = (T.int64(N), T.int64(QS_COLS)), (T.int64(N), T.int64(NB))  # the parts' shapes
+    KQ, RES, NORM, N, K, XK = lay.KQ, lay.RES, lay.NORM, lay.N, lay.K, lay.XK
 
     def tok_rows(n_tokens):
         return n_tokens if tokens is None else T.int64(tokens)
@@ -540,28 +562,13 @@ def gemv_kernel(fmt: str, n: int, k: int, tokens: int | None, dtype: str, plan: 
     if KQ:
         return _kquant_func(fmt, N, K, XK, dtype, NORM, RES, tok_rows, xy, body)
 
-    # the optional arguments between d and Y, in order: (name, (shape, dtype) of the token count)
-    extras = [spec for spec, wanted in (
-        (("m", lambda t: (SC, "float16")), HAS_M),
-        (("m", lambda t: ((T.int64(N), T.int64(4 * NB)), "uint8")), Q5),
-        (("g", lambda t: ((T.int64(K),), dtype)), NORM),
-        (("r", lambda t: ((tok_rows(t), T.int64(N)), dtype)), RES),
-    ) if wanted]
-    names = [name for name, _ in extras]
-
-    def route(bufs):
-        """The macro's (m, g, r) from the extra buffers given, None for those absent."""
-        got = dict(zip(names, bufs))
-        return got.get("m"), got.get("g"), got.get("r")
+    params, route = block_gemv_params(fmt, n, k, tokens, dtype, residual=RES, norm=NORM, x_cols=XK)
 
     @T.macro
     def with_args(bufs, n_tokens):
         body(bufs[0], bufs[1], bufs[2], *route(bufs[3:-1]), bufs[-1], tok_rows(n_tokens), None, None, None)
 
-    # X and Y (and R) shaped by the token count
-    params = [("x", lambda t: xy(t, XK)), ("qs", T.Buffer(QS, QS_DTYPE)), ("d", T.Buffer(SC, "float16"))]
-    params += [(f"e{i}", spec) for i, (_, spec) in enumerate(extras)]
-    return prim_func(params + [("y", lambda t: xy(t, N))], with_args)
+    return prim_func(params, with_args)
 
 
 

@@ -52,8 +52,7 @@ from tvm.script import tirx as T
 
 from tir_kernels.mma import mma_name
 
-from ..weights.quant import part_shapes
-from .gemv_cuda import BLOCK, nibble_bytes
+from .gemv_cuda import BLOCK, block_gemv_params, nibble_bytes
 from .signature import prim_func
 
 MMA_GEMV_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
@@ -303,24 +302,15 @@ def mma_gemv_kernel(fmt: str, n: int, k: int, dtype: str, plan: MMAGemvSchedule,
     gemv_cuda.gemv_kernel(fmt, n, k, None, dtype, ..., residual=residual)."""
     lay = _layout(fmt, n, k, dtype, plan, residual)
     body = _body_macro(lay)
-    parts = part_shapes(fmt, n, k)  # qs, d[, m]
-    N = T.int64(n)
-    extras = [spec for spec, wanted in (
-        (lambda t: ((T.int64(n), T.int64(k // BLOCK)), "float16"), lay.HAS_M),
-        (lambda t: ((t, N), dtype), residual),
-    ) if wanted]
+    params, route = block_gemv_params(fmt, n, k, None, dtype, residual=residual)
 
-    def route(bufs):
-        """The macro's (m, r) from the extra buffers given, None for those absent."""
-        rest = list(bufs)
-        m = rest.pop(0) if lay.HAS_M else None
-        return m, (rest.pop(0) if residual else None)
+    def offsets_residual(bufs):
+        """The macro's (m, r) from the buffers between d and Y (gemv_cuda's route, without G)."""
+        m, _, r = route(bufs)
+        return m, r
 
     @T.macro
     def with_args(bufs, n_tokens):
-        body(bufs[0], bufs[1], bufs[2], *route(bufs[3:-1]), bufs[-1], n_tokens)
+        body(bufs[0], bufs[1], bufs[2], *offsets_residual(bufs[3:-1]), bufs[-1], n_tokens)
 
-    params = [("x", lambda t: ((t, T.int64(k)), dtype))]
-    params += [(name, T.Buffer(tuple(T.int64(v) for v in shape), dt)) for name, dt, shape in parts[:2]]
-    params += [(f"e{i}", spec) for i, spec in enumerate(extras)]
-    return prim_func(params + [("y", lambda t: ((t, N), dtype))], with_args)
+    return prim_func(params, with_args)

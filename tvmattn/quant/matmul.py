@@ -10,8 +10,8 @@ algorithms). Which kernel computes it:
   plan asks for it;
 - CUDA: a decode batch (symbolic, `few_tokens`) of Q4_0, Q4_1 or Q8_0 blocks with float16
   activations runs the tensor-core GEMV of gemv_mma.py (`uses_mma_gemv`); GEMV_FORMATS for one
-  token, or another decode batch, the GEMV of gemv_cuda.py (`uses_cuda_gemv`); a prompt's GEMM (more tokens than a GEMV takes, not a
-  decode batch) is two kernels, `dequantizes_first`: dequantize_algorithm writes W in the
+  token, or another decode batch, the GEMV of gemv_cuda.py (`uses_cuda_gemv`); a prompt's GEMM
+  (more tokens than a GEMV takes, not a decode batch) is two kernels, `dequantizes_first`: dequantize_algorithm writes W in the
   activations' dtype, and the model multiplies by it with float32 sums (dlight's Matmul rule on
   tensor cores); everything else, matmul_algorithm / take_algorithm under dlight's
   rules (`_schedule_cuda`).
