@@ -139,37 +139,30 @@ def kernel_roots(body: tirx.Stmt) -> list:
     return roots
 
 
-def static_buffer_bytes(func: tirx.PrimFunc) -> int:
-    """Bytes of func's buffer parameters whose shapes are static (a projection's weight and, at a
-    static batch, its activations); parameters of a symbolic shape count nothing."""
-    total = 0
+def _static_buffers(func: tirx.PrimFunc) -> list:
+    """(parameter, bytes) of each of func's buffer parameters whose shape is static."""
+    found = []
     for param in func.params:
         buffer = param.ty  # a BufferType for a buffer parameter, a PrimType for a scalar
         if not isinstance(buffer, BufferType):
             continue
         dims = [int(d) if isinstance(d, tirx.IntImm) else None for d in buffer.shape]
         if None not in dims:
-            total += math.prod(dims) * tvm.runtime.DataType(buffer.dtype).bits // 8
-    return total
+            found.append((param, math.prod(dims) * tvm.runtime.DataType(buffer.dtype).bits // 8))
+    return found
+
+
+def static_buffer_bytes(func: tirx.PrimFunc) -> int:
+    """Bytes of func's buffer parameters whose shapes are static (a projection's weight and, at a
+    static batch, its activations); parameters of a symbolic shape count nothing."""
+    return sum(size for _, size in _static_buffers(func))
 
 
 def prefetched_weight(func: tirx.PrimFunc):
     """(buffer parameter, bytes) of the largest static-shape buffer parameter of func (a
     projection's weight) where it holds at least L2_PREFETCH_MIN_BYTES, else None."""
-    best = None
-    for param in func.params:
-        buffer = param.ty
-        if not isinstance(buffer, BufferType):
-            continue
-        dims = [int(d) if isinstance(d, tirx.IntImm) else None for d in buffer.shape]
-        if None in dims:
-            continue
-        size = math.prod(dims) * tvm.runtime.DataType(buffer.dtype).bits // 8
-        if best is None or size > best[1]:
-            best = (param, size)
-    if best is None or best[1] < L2_PREFETCH_MIN_BYTES:
-        return None
-    return best[0], best[1]
+    largest = max(_static_buffers(func), key=lambda found: found[1], default=None)
+    return largest if largest is not None and largest[1] >= L2_PREFETCH_MIN_BYTES else None
 
 
 def _l2_prefetch(func: tirx.PrimFunc):
