@@ -732,20 +732,32 @@ def test_cuda_take_reads_rows(built_cuda, fmt):
     np.testing.assert_array_equal(out.numpy(), w[ids].astype(np.float16))
 
 
+def multiplied_weights(config: QuantMatmulConfig, blocks: QuantizedTensor, w: np.ndarray) -> np.ndarray:
+    """The weights config's kernel multiplies: gemv_mma's (`uses_mma_gemv`) are each rounded once to
+    float16 from the exact dequantized value (test_gemv_mma.rounded_weights), the CUDA-core GEMV's
+    float32 ones are w."""
+    if not uses_mma_gemv(config):
+        return w
+    from test_gemv_mma import rounded_weights
+
+    return rounded_weights(blocks)
+
+
 GEMV_CASES = [c for c in CASES if c[0] in ("Q4_0", "Q4_1", "Q8_0")] + [("Q4_1", 3072, 576), ("Q4_1", 576, 1536)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,rows,cols", GEMV_CASES, ids=[case_id(c) for c in GEMV_CASES])
 def test_cuda_decode_batch_matches_dequantize_then_matmul(built_cuda, fmt, rows, cols):
-    """The GEMV's passes over a decode batch (few_tokens): 1 to 17 rows, passes of 4 with a tail."""
+    """A decode batch (few_tokens) of 1 to 17 rows: for these formats in float16, gemv_mma's 8-token
+    tiles on tensor cores (partial tiles), against the weights it multiplies (`multiplied_weights`)."""
     config = QuantMatmulConfig(fmt, rows, cols, tokens=None, target="cuda", dtype="float16", few_tokens=True)
     assert uses_cuda_gemv(config)
     blocks, w = quantized(fmt, rows, cols, seed=3 * rows + cols)
     fn = built_cuda(config)
     for tokens in (1, 2, 5, 16, 17):
         x = np.random.default_rng(tokens).standard_normal((tokens, cols)).astype(np.float32)
-        check_cuda(run_cuda(fn, config, blocks, x), x, w)
+        check_cuda(run_cuda(fn, config, blocks, x), x, multiplied_weights(config, blocks, w))
 
 
 RESIDUAL_CASES = [("Q4_1", 576, 576, 1), ("Q4_1", 576, 1536, None), ("Q4_0", 37, 96, 1), ("Q8_0", 19, 160, None),
@@ -764,7 +776,7 @@ def test_cuda_gemv_adds_the_residual(built_cuda, fmt, rows, cols, tokens):
         rng = np.random.default_rng(count)
         x = rng.standard_normal((count, cols)).astype(np.float32)
         r = (rng.standard_normal((count, rows)) * 4).astype(np.float32)
-        check_cuda(run_cuda(fn, config, blocks, x, r), x, w, r)
+        check_cuda(run_cuda(fn, config, blocks, x, r), x, multiplied_weights(config, blocks, w), r)
 
 
 PROLOGUE_CASES = [("Q4_1", 960, 576, 1, "rms_norm"), ("Q4_1", 3072, 576, None, "rms_norm"),
