@@ -1,21 +1,25 @@
-"""GPU time of the decode projections of SmolLM2-135M, kept quantized against float16, side by side.
+"""GPU time of a model's decode projections, kept quantized against float16, side by side.
 
-For each projection of a decode step (one token): our CUDA GEMV over the GGUF blocks
-(tvmattn/quant/gemv_cuda.py, with the residual add where the layer has one) and the
-float16 library's kernel for the same product (dlight's GEMV rule on the float16 NT matmul, the
-add as its epilogue). Each runs for every one of the model's 30 layers with that layer's own
-weights, layer by layer as in a step (the weights together exceed the H200's 50 MB L2, as in the
-model), for --steps steps; the table gives the mean GPU time per call from CUPTI (torch.profiler),
-as bench_e2e.py --profile does. Random blocks (every bit pattern of a block is valid) and
-weights; layer 0's outputs are compared against each other (its float16 W is its blocks
-dequantized).
+For each projection of a decode step: our CUDA kernel over the GGUF blocks (the one a library
+routes to: quant.matmul.kernel; with the residual add where the layer has one) and the float16
+library's product. One token (--tokens 1): gemv_cuda's GEMV against dlight's GEMV rule on the
+float16 NT matmul (the add as its epilogue). A decode batch (--tokens 4,16,64): the routed kernel
+(gemv_mma for Q4_0 / Q4_1 / Q8_0) and each --mma-plans layout of gemv_mma (`MMAGemvSchedule`,
+written w4t2u4: warps, token tiles, unroll) against torch's float16 matmul
+(cuBLAS; addmm with the residual). Each runs for every one of the model's layers with that
+layer's own weights, layer by layer as in a step (the weights together exceed the H200's 50 MB
+L2, as in the model), for --steps steps; the table gives the mean GPU time per call from CUPTI
+(torch.profiler), all of a call's kernels summed. Random blocks (every bit pattern of a block is
+valid) and weights; layer 0's outputs are compared against the float16 product of its blocks
+dequantized.
 
-    python scripts/bench_quant_gemv.py [--steps 5] [--layers 30]
+    python scripts/bench_quant_gemv.py [--model smollm2|llama-1b] [--tokens 1,16,64] [--steps 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -27,13 +31,31 @@ from tvm import te, tirx  # noqa: E402
 
 from tvmattn.compiler.targets import cuda_target  # noqa: E402
 from tvmattn.quant.config import QuantMatmulConfig  # noqa: E402
+from tvmattn.quant.gemv_mma import MMAGemvSchedule, mma_gemv_kernel  # noqa: E402
 from tvmattn.quant.matmul import kernel  # noqa: E402
 from tvmattn.weights.quant import QuantizedTensor, part_shapes  # noqa: E402
 
-# (name, format, N, K, residual): SmolLM2-135M's decode projections and its tied Q8_0 LM head
-PROJECTIONS = [("qkv", "Q4_1", 960, 576, False), ("o", "Q4_1", 576, 576, True),
-               ("gate_up", "Q4_1", 3072, 576, False), ("down", "Q4_1", 576, 1536, True),
-               ("lm_head", "Q8_0", 49152, 576, False)]
+# model -> (layers, [(name, format, N, K, residual)]): the decode projections and the LM head;
+# SmolLM2-135M's as its GGUF keeps them (Q4_1, a Q8_0 head), Llama-3.2-1B's as bench_e2e's
+# --keep-format Q4_0 draws them
+MODELS = {
+    "smollm2": (30, [("qkv", "Q4_1", 960, 576, False), ("o", "Q4_1", 576, 576, True),
+                     ("gate_up", "Q4_1", 3072, 576, False), ("down", "Q4_1", 576, 1536, True),
+                     ("lm_head", "Q8_0", 49152, 576, False)]),
+    "llama-1b": (16, [("qkv", "Q4_0", 3072, 2048, False), ("o", "Q4_0", 2048, 2048, True),
+                      ("gate_up", "Q4_0", 16384, 2048, False), ("down", "Q4_0", 2048, 8192, True),
+                      ("lm_head", "Q4_0", 128256, 2048, False)]),
+}
+
+
+def parse_plan(text: str) -> MMAGemvSchedule:
+    """'w4t2u4' -> MMAGemvSchedule(warps=4, token_tiles=2, unroll=4)."""
+    import re
+
+    match = re.fullmatch(r"w(\d)t(\d)u(\d)", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"plan {text!r}: expected w<warps>t<token tiles>u<unroll>, e.g. w4t2u4")
+    return MMAGemvSchedule(warps=int(match[1]), token_tiles=int(match[2]), unroll=int(match[3]))
 
 
 def f16_gemv(n: int, k: int, residual: bool, name: str) -> tirx.PrimFunc:
@@ -68,70 +90,104 @@ def random_blocks(fmt: str, n: int, k: int, rng) -> QuantizedTensor:
     return QuantizedTensor(fmt, (n, k), parts)
 
 
+@functools.lru_cache(maxsize=None)
+def kernels_of(name, fmt, n, k, residual, batch, plans):
+    """(config, [(label, compiled function)]) of one projection, one token or a decode batch: the
+    routed kernel, then each plan's (a batch), or dlight's float16 GEMV (one token)."""
+    config = QuantMatmulConfig(fmt, n, k, tokens=None if batch else 1, few_tokens=batch, target="cuda",
+                               dtype="float16", residual=residual)
+    built = [("routed", tvm.compile(kernel(config), target=cuda_target()))]
+    if batch and fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        for text, plan in plans:
+            func = mma_gemv_kernel(fmt, n, k, "float16", plan, residual=residual)
+            built.append((text, tvm.compile(func.with_attr("global_symbol", f"mma_{name}_{text}"),
+                                            target=cuda_target())))
+    if not batch:
+        built.append(("f16", tvm.compile(f16_gemv(n, k, residual, f"f16_gemv_{name}"), target=cuda_target())))
+    return config, built
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", choices=sorted(MODELS))
+    p.add_argument("--tokens", default="1", help="comma-separated token counts (1: one token; more: a decode batch)")
+    p.add_argument("--mma-plans", default="", help="comma-separated gemv_mma layouts for decode batches, e.g. "
+                                                  "w4t2u4,w8t2u4,w4t4u2")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--layers", type=int, default=None, help="layers to cycle through (default: the model's)")
     args = p.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    layers, projections = MODELS[args.model]
+    layers = args.layers or layers
+    plans = [(text, parse_plan(text)) for text in args.mma_plans.split(",") if text]
     dev = tvm.cuda(0)
     rng = np.random.default_rng(0)
-    runs = []  # (projection, layers of (ours fn, ours args), (f16 fn, f16 args))
-    for name, fmt, n, k, residual in PROJECTIONS:
-        layers = 1 if name == "lm_head" else args.layers
-        config = QuantMatmulConfig(fmt, n, k, tokens=1, target="cuda", dtype="float16", residual=residual)
-        ours = tvm.compile(kernel(config), target=cuda_target())
-        anchor_name = f"f16_gemv_{name}"
-        anchor = tvm.compile(f16_gemv(n, k, residual, anchor_name), target=cuda_target())
-        x = tvm.runtime.tensor(rng.standard_normal((1, k)).astype(np.float16), device=dev)
-        r = tvm.runtime.tensor(rng.standard_normal((1, n)).astype(np.float16), device=dev)
-        y_ours = tvm.runtime.empty((1, n), "float16", dev)
-        y_f16 = tvm.runtime.empty((1, n), "float16", dev)
-        calls = []
-        for layer in range(layers):
+    weights = {}  # projection -> [(blocks parts on the device, float16 W as torch)] per layer
+    for name, fmt, n, k, residual in projections:
+        count = 1 if name == "lm_head" else layers
+        per_layer = []
+        for layer in range(count):
             blocks = random_blocks(fmt, n, k, rng)
-            parts = [tvm.runtime.tensor(blocks.parts[part], device=dev) for part, _, _ in config.part_shapes()]
+            parts = [tvm.runtime.tensor(blocks.parts[part], device=dev) for part, _, _ in part_shapes(fmt, n, k)]
             # layer 0's float16 W is its blocks dequantized (the outputs are compared); the others random
-            w = (blocks.dequantize() if layer == 0 else rng.standard_normal((n, k)) * 0.05).astype(np.float16)
-            w = tvm.runtime.tensor(w, device=dev)
-            calls.append(((ours, [x, *parts, *([r] if residual else []), y_ours]),
-                          (anchor, [x, w, *([r] if residual else []), y_f16])))
-            if layer == 0:
-                for (fn, fargs) in calls[0]:
-                    fn(*fargs)
-                a, b = y_ours.numpy().astype(np.float64), y_f16.numpy().astype(np.float64)
-                print(f"{name}: max |ours - f16| {np.abs(a - b).max():.3e} (max |y| {np.abs(b).max():.3e})")
-        runs.append((name, calls))
-    for _ in range(2):  # warm-up
-        for _, calls in runs:
-            for pair in calls:
-                for fn, fargs in pair:
-                    fn(*fargs)
-    dev.sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            for layer in range(args.layers):
-                for _, calls in runs:
-                    if layer < len(calls):
-                        for fn, fargs in calls[layer]:
-                            fn(*fargs)
-        dev.sync()
-    times = {e.key: (e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total, e.count)
-             for e in prof.key_averages()}
-    print(f"{'projection':>10} {'kept (us)':>10} {'f16 (us)':>10} {'kept/f16':>9}   (GPU time per call, "
-          f"{args.steps} steps x {args.layers} layers; torch {torch.__version__})")
-    per_layer = [0.0, 0.0]
-    for name, fmt, n, k, residual in PROJECTIONS:
-        config = QuantMatmulConfig(fmt, n, k, tokens=1, target="cuda", dtype="float16", residual=residual)
-        ours = next((t / c for key, (t, c) in times.items() if key.startswith(config.name)), float("nan"))
-        f16 = next((t / c for key, (t, c) in times.items() if key.startswith(f"f16_gemv_{name}")), float("nan"))
-        if name != "lm_head":
-            per_layer[0] += ours
-            per_layer[1] += f16
-        print(f"{name:>10} {ours:>10.3f} {f16:>10.3f} {ours / f16:>9.2f}")
-    print(f"{'per layer':>10} {per_layer[0]:>10.3f} {per_layer[1]:>10.3f} {per_layer[0] / per_layer[1]:>9.2f}")
+            w = (torch.tensor(blocks.dequantize(), dtype=torch.float16, device="cuda") if layer == 0 else
+                 torch.randn(n, k, dtype=torch.float16, device="cuda") * 0.05)
+            per_layer.append((parts, w))
+        weights[name] = per_layer
+    print(f"{args.model}: {layers} layers, GPU us per call ({args.steps} steps; torch {torch.__version__})")
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        table = {}  # (projection, label) -> us per call
+        for name, fmt, n, k, residual in projections:
+            _, built = kernels_of(name, fmt, n, k, residual, tokens > 1, tuple(plans))
+            x16 = torch.randn(tokens, k, dtype=torch.float16, device="cuda")
+            r16 = torch.randn(tokens, n, dtype=torch.float16, device="cuda")
+            y = torch.empty(tokens, n, dtype=torch.float16, device="cuda")
+            x, r, y_tvm = (tvm.runtime.from_dlpack(t) for t in (x16, r16, y))
+            want = (torch.addmm(r16, x16, weights[name][0][1].T) if residual else x16 @ weights[name][0][1].T)
+            runs = []
+            for label, fn in built:
+                if label == "f16":
+                    continue
+                calls = [lambda fn=fn, parts=parts: fn(x, *parts, *([r] if residual else []), y_tvm)
+                         for parts, _ in weights[name]]
+                calls[0]()
+                err = (y.float() - want.float()).abs().max().item()
+                print(f"  {tokens:>3} tokens {name:>8} {label:>8}: max |ours - f16| {err:.3e} "
+                      f"(max |y| {want.float().abs().max().item():.3e})")
+                runs.append((label, calls))
+            if tokens == 1:
+                fn = dict(built)["f16"]
+                runs.append(("f16", [lambda fn=fn, w=w: fn(x, tvm.runtime.from_dlpack(w), *([r] if residual else []),
+                                                          y_tvm) for _, w in weights[name]]))
+            else:
+                runs.append(("f16", [(lambda w=w: torch.addmm(r16, x16, w.T, out=y)) if residual else
+                                     (lambda w=w: torch.matmul(x16, w.T, out=y)) for _, w in weights[name]]))
+            for label, calls in runs:
+                for call in calls * 2:  # warm-up
+                    call()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(args.steps):
+                        for call in calls:
+                            call()
+                    torch.cuda.synchronize()
+                total = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                            for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+                table[name, label] = total / (args.steps * len(calls))
+        labels = list(dict.fromkeys(label for _, label in table))
+        print(f"{'tokens':>6} {'projection':>10} " + " ".join(f"{label:>9}" for label in labels) + "   routed/f16")
+        per_layer = {label: 0.0 for label in labels}
+        for name, *_ in projections:
+            row = [table.get((name, label), float("nan")) for label in labels]
+            if name != "lm_head":
+                for label, value in zip(labels, row):
+                    per_layer[label] += value
+            print(f"{tokens:>6} {name:>10} " + " ".join(f"{v:>9.2f}" for v in row)
+                  + f"   {table[name, 'routed'] / table[name, 'f16']:>6.2f}")
+        print(f"{tokens:>6} {'per layer':>10} " + " ".join(f"{per_layer[label]:>9.2f}" for label in labels)
+              + f"   {per_layer['routed'] / per_layer['f16']:>6.2f}")
     return 0
 
 

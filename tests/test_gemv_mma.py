@@ -214,14 +214,14 @@ def test_float16_dequantization_is_the_library_s(fmt):
 @pytest.mark.parametrize("kwargs,message", [
     ({"warps": 3}, "warps=3"), ({"warps": 16}, "warps=16"), ({"warps": True}, "warps=True"),
     ({"token_tiles": 0}, "token_tiles=0"), ({"token_tiles": 8}, "token_tiles=8"),
-    ({"token_tiles": 2.0}, "token_tiles=2.0"),
+    ({"token_tiles": 2.0}, "token_tiles=2.0"), ({"unroll": 3}, "unroll=3"), ({"unroll": 8}, "unroll=8"),
 ])
 def test_schedule_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MMAGemvSchedule(**kwargs)
 
 
-@pytest.mark.parametrize("k,warps", [(576, 4), (1536, 4), (8192, 4), (96, 1), (256, 2), (384, 2), (32, 1)])
+@pytest.mark.parametrize("k,warps", [(576, 8), (1536, 8), (8192, 8), (96, 1), (256, 2), (384, 2), (32, 1)])
 def test_schedule_choice(k, warps):
     assert choose_mma_gemv_schedule(960, k) == MMAGemvSchedule(warps=warps, token_tiles=2)
 
@@ -345,3 +345,27 @@ def test_matches_float64_and_the_cuda_core_gemv(built_gpu, fmt, n, k, residual):
         want32, tol32 = bound(x, w32, r)
         rounding = 2.0 ** -11 * (np.abs(x).astype(np.float64) @ np.abs(w32).astype(np.float64).T)
         assert (np.abs(got - other) <= tol + tol32 + rounding).all(), (tokens, np.abs(got - other).max())
+
+
+LAYOUTS = [MMAGemvSchedule(), MMAGemvSchedule(warps=8), MMAGemvSchedule(token_tiles=4, unroll=2),
+           MMAGemvSchedule(warps=8, token_tiles=1, unroll=1), MMAGemvSchedule(warps=2, token_tiles=4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", MMA_GEMV_FORMATS)
+@pytest.mark.parametrize("plan", LAYOUTS, ids=lambda plan: f"w{plan.warps}t{plan.token_tiles}u{plan.unroll}")
+def test_every_layout_gives_the_product(fmt, plan):
+    """Each layout (warps, token tiles, unroll) of one shape with a residual, against
+    float64 X W16^T + R within check_cuda's tolerance: 1000 rows (a partial row tile), K = 1536
+    (12 groups: a warp's unrolled loop with a tail), 2 to 70 tokens (several token tiles)."""
+    n, k = 1000, 1536
+    fn = tvm.compile(mma_gemv_kernel(fmt, n, k, "float16", plan, residual=True), target=cuda_target())
+    rng = np.random.default_rng(k)
+    blocks = random_block_matrix(n, k, fmt, k ** -0.5, rng)
+    w16 = rounded_weights(blocks)
+    for tokens in (2, 17, 33, 70):
+        x = rng.standard_normal((tokens, k)).astype(np.float16)
+        r = (rng.standard_normal((tokens, n)) * 4).astype(np.float16)
+        got = run_gpu(fn, blocks, x, r).astype(np.float64)
+        want, tol = bound(x, w16, r)
+        assert (np.abs(got - want) <= tol).all(), (tokens, np.abs(got - want).max())

@@ -21,7 +21,7 @@ How, a thread block (threadIdx.x: the lane, threadIdx.y: warp w of `MMAGemvSched
 - K is walked in groups of GROUP = 4 consecutive blocks (128 weights, 8 mma steps of k16); warp w
   takes groups w, w + warps, ...; a group past the row's last block reads clamped blocks with
   scale 0 (and offset 0): the code stays branch-free (K = 576 is 18 blocks, 4.5 groups). The loop
-  is unrolled by GROUP_UNROLL groups, so a warp has that many groups' loads in flight.
+  is unrolled by `MMAGemvSchedule.unroll` groups, so a warp has that many groups' loads in flight.
 - Lane (g, c) = (lane // 4, lane % 4) owns block 4 j + c of group j: `real_k` maps the logical
   k positions it holds in step s (2c, 2c+1, 2c+8, 2c+9: the PTX ISA's m16n8k16 fragments) to four
   consecutive weights idx..idx+3 of that block (4-bit: word s % 4 of the block's 16 bytes, nibble
@@ -122,26 +122,30 @@ class MMAGemvSchedule:
 
     warps: warps per thread block (1, 2, 4 or 8), each taking every warps-th group of 4 blocks of
     the 16 rows' K; token_tiles: tiles of 8 tokens per warp (1, 2 or 4), so a thread block covers
-    8 * token_tiles tokens and each dequantized A fragment serves token_tiles MMAs."""
+    8 * token_tiles tokens and each dequantized A fragment serves token_tiles MMAs; unroll: groups
+    of a warp's K loop unrolled (1, 2 or 4; at most the groups it walks)."""
 
     warps: int = 4
     token_tiles: int = 2
+    unroll: int = GROUP_UNROLL
 
     def __post_init__(self):
-        for name, allowed in (("warps", (1, 2, 4, 8)), ("token_tiles", (1, 2, 4))):
+        for name, allowed in (("warps", (1, 2, 4, 8)), ("token_tiles", (1, 2, 4)), ("unroll", (1, 2, 4))):
             value = getattr(self, name)
             if type(value) is not int or value not in allowed:
                 raise ValueError(f"{name}={value!r}: expected an int in {allowed}")
 
 
 def choose_mma_gemv_schedule(n: int, k: int) -> MMAGemvSchedule:
-    """4 warps, so the 16 rows' groups load in 4 streams (a block of 128 threads), fewer where K
-    has fewer groups (the largest power of 2 up to the count: no warp without a group); 2 token
-    tiles: a batch of 16 tokens is one row of thread blocks, and each dequantized pair serves two
-    MMAs. `n` does not change the choice (the grid grows with it)."""
+    """8 warps where K has at least 4 groups (a block of 256 threads), fewer where it has fewer (the
+    largest power of 2 up to the count); 2 token tiles: a batch of 16 tokens is one row of thread
+    blocks, and each dequantized pair serves two MMAs. A warp's groups run one after another, so
+    the more warps split K the shorter that chain; at 4.5 groups (K = 576) 8 warps measured faster
+    than 4 although three of them only read clamped blocks (docs/performance.md). `n` does not
+    change the choice (the grid grows with it)."""
     del n
     groups = (k // BLOCK + GROUP - 1) // GROUP
-    warps = 4 if groups >= 4 else 2 if groups >= 2 else 1
+    warps = 8 if groups >= 4 else 2 if groups >= 2 else 1
     return MMAGemvSchedule(warps=warps, token_tiles=2)
 
 
@@ -160,6 +164,7 @@ class _Layout:
     HAS_M: bool
     Q8: bool
     RES: bool
+    UNROLL: int  # groups a warp's K loop unrolls
     NT: int  # threads per block
     OUTS: int  # outputs per thread block (TB tokens x ROWS rows)
     OPT: int  # outputs a thread sums and stores
@@ -181,7 +186,7 @@ def _layout(fmt: str, n: int, k: int, dtype: str, plan: MMAGemvSchedule, residua
     OUTS = TB * ROWS
     return _Layout(fmt=fmt, N=n, K=k, NB=NB, W=W, TT=TT, TB=TB, GPW=((NB + GROUP - 1) // GROUP + W - 1) // W,
                    WORDS=8 if fmt == "Q8_0" else 4, HAS_M=fmt == "Q4_1", Q8=fmt == "Q8_0", RES=residual,
-                   NT=NT, OUTS=OUTS, OPT=(OUTS + NT - 1) // NT)
+                   UNROLL=plan.unroll, NT=NT, OUTS=OUTS, OPT=(OUTS + NT - 1) // NT)
 
 
 def _dequantize_pair(lay: _Layout, bytes_, e: int, d2, m2):
@@ -213,7 +218,7 @@ def _body_macro(lay: _Layout):
     HAS_M, RES, NT, OUTS, OPT = lay.HAS_M, lay.RES, lay.NT, lay.OUTS, lay.OPT
     MMA, f32, XW = mma_name("float16"), "float32", K // 2  # X's 32-bit words per token
     ROW_TILES = (N + ROWS - 1) // ROWS
-    UNROLL = min(GROUP_UNROLL, GPW)
+    UNROLL = min(lay.UNROLL, GPW)
 
     @T.macro
     def body(x, qs, d, m, r, y, n_tokens):
