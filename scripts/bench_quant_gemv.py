@@ -5,7 +5,7 @@ routes to: quant.matmul.kernel; with the residual add where the layer has one) a
 library's product. One token (--tokens 1): gemv_cuda's GEMV against dlight's GEMV rule on the
 float16 NT matmul (the add as its epilogue). A decode batch (--tokens 4,16,64): the routed kernel
 (gemv_mma for Q4_0 / Q4_1 / Q8_0) and each --mma-plans layout of gemv_mma (`MMAGemvSchedule`,
-written w4t2u4: warps, token tiles, unroll) against torch's float16 matmul
+written w4t2u4r1: warps, token tiles, unroll, row tiles) against torch's float16 matmul
 (cuBLAS; addmm with the residual). Each runs for every one of the model's layers with that
 layer's own weights, layer by layer as in a step (the weights together exceed the H200's 50 MB
 L2, as in the model), for --steps steps; the table gives the mean GPU time per call from CUPTI
@@ -49,13 +49,14 @@ MODELS = {
 
 
 def parse_plan(text: str) -> MMAGemvSchedule:
-    """'w4t2u4' -> MMAGemvSchedule(warps=4, token_tiles=2, unroll=4)."""
+    """'w4t2u4r2' -> MMAGemvSchedule(warps=4, token_tiles=2, unroll=4, row_tiles=2)."""
     import re
 
-    match = re.fullmatch(r"w(\d)t(\d)u(\d)", text)
+    match = re.fullmatch(r"w(\d)t(\d)u(\d)r(\d)", text)
     if match is None:
-        raise argparse.ArgumentTypeError(f"plan {text!r}: expected w<warps>t<token tiles>u<unroll>, e.g. w4t2u4")
-    return MMAGemvSchedule(warps=int(match[1]), token_tiles=int(match[2]), unroll=int(match[3]))
+        raise argparse.ArgumentTypeError(f"plan {text!r}: expected w<warps>t<token tiles>u<unroll>r<row tiles>, e.g. w4t2u4r1")
+    return MMAGemvSchedule(warps=int(match[1]), token_tiles=int(match[2]), unroll=int(match[3]),
+                           row_tiles=int(match[4]))
 
 
 def f16_gemv(n: int, k: int, residual: bool, name: str) -> tirx.PrimFunc:
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2", choices=sorted(MODELS))
     p.add_argument("--tokens", default="1", help="comma-separated token counts (1: one token; more: a decode batch)")
     p.add_argument("--mma-plans", default="", help="comma-separated gemv_mma layouts for decode batches, e.g. "
-                                                  "w4t2u4,w8t2u4,w4t4u2")
+                                                  "w4t2u4r1,w8t2u4r2")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--layers", type=int, default=None, help="layers to cycle through (default: the model's)")
     args = p.parse_args(argv)

@@ -215,6 +215,7 @@ def test_float16_dequantization_is_the_library_s(fmt):
     ({"warps": 3}, "warps=3"), ({"warps": 16}, "warps=16"), ({"warps": True}, "warps=True"),
     ({"token_tiles": 0}, "token_tiles=0"), ({"token_tiles": 8}, "token_tiles=8"),
     ({"token_tiles": 2.0}, "token_tiles=2.0"), ({"unroll": 3}, "unroll=3"), ({"unroll": 8}, "unroll=8"),
+    ({"row_tiles": 3}, "row_tiles=3"), ({"row_tiles": 8}, "row_tiles=8"),
 ])
 def test_schedule_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -348,15 +349,18 @@ def test_matches_float64_and_the_cuda_core_gemv(built_gpu, fmt, n, k, residual):
 
 
 LAYOUTS = [MMAGemvSchedule(), MMAGemvSchedule(warps=8), MMAGemvSchedule(token_tiles=4, unroll=2),
-           MMAGemvSchedule(warps=8, token_tiles=1, unroll=1), MMAGemvSchedule(warps=2, token_tiles=4)]
+           MMAGemvSchedule(warps=8, token_tiles=1, unroll=1), MMAGemvSchedule(warps=2, token_tiles=4),
+           MMAGemvSchedule(warps=8, row_tiles=2, unroll=2), MMAGemvSchedule(warps=4, row_tiles=4, unroll=1),
+           MMAGemvSchedule(warps=8, token_tiles=4, row_tiles=2, unroll=1)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", MMA_GEMV_FORMATS)
-@pytest.mark.parametrize("plan", LAYOUTS, ids=lambda plan: f"w{plan.warps}t{plan.token_tiles}u{plan.unroll}")
+@pytest.mark.parametrize("plan", LAYOUTS, ids=lambda plan: f"w{plan.warps}t{plan.token_tiles}u{plan.unroll}"
+                                                          f"r{plan.row_tiles}")
 def test_every_layout_gives_the_product(fmt, plan):
-    """Each layout (warps, token tiles, unroll) of one shape with a residual, against
-    float64 X W16^T + R within check_cuda's tolerance: 1000 rows (a partial row tile), K = 1536
+    """Each layout (warps, token tiles, unroll, row tiles) of one shape with a residual, against
+    float64 X W16^T + R within check_cuda's tolerance: 1000 rows (a partial block of rows), K = 1536
     (12 groups: a warp's unrolled loop with a tail), 2 to 70 tokens (several token tiles)."""
     n, k = 1000, 1536
     fn = tvm.compile(mma_gemv_kernel(fmt, n, k, "float16", plan, residual=True), target=cuda_target())

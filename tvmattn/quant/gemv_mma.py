@@ -15,8 +15,8 @@ a float16 pair in 4 instructions, shared by the token tiles, and one MMA does 16
 multiply-adds.
 
 How, a thread block (threadIdx.x: the lane, threadIdx.y: warp w of `MMAGemvSchedule.warps`):
-- blockIdx.x: a tile of 16 output rows r0.. (the mma's M; rows past N compute row N-1, never
-  stored); blockIdx.y: a tile of 8 * token_tiles tokens t0.. (token tile i: the mma's N = 8
+- blockIdx.x: `row_tiles` tiles of 16 output rows r0.. (the mma's M; rows past N compute row
+  N-1, never stored), each multiplied by the same X registers; blockIdx.y: a tile of 8 * token_tiles tokens t0.. (token tile i: the mma's N = 8
   tokens t0 + 8 i..; tokens past n_tokens read token n_tokens - 1, never stored).
 - K is walked in groups of GROUP = 4 consecutive blocks (128 weights, 8 mma steps of k16); warp w
   takes groups w, w + warps, ...; a group past the row's last block reads clamped blocks with
@@ -67,9 +67,9 @@ GROUP_UNROLL = 4
 # the float16 pair (1024 + z, 1024 + z): what leaves q - z of a magic pair (1024 + q); z is the
 # format's zero point (Q4_0: 8; Q8_0: 128, its signed byte read with the top bit flipped)
 ZERO_PAIR = {"Q4_0": 0x64086408, "Q4_1": 0x64006400, "Q8_0": 0x64806480}
-# accumulator floats between consecutive tokens of the shared tile: 20 (not 16) puts the 32
-# lanes' stores of one register (row g, token 2c) in 32 distinct banks: 8 c + g
-RED_STRIDE = 20
+# accumulator floats between consecutive tokens of the shared tile: 16 per row tile and 4 more,
+# which puts the 32 lanes' stores of one register (row g, token 2c) in 32 distinct banks: 8 c + g
+RED_PAD = 4
 
 DEQUANT, DEQUANT_OFFSET, DEQUANT_SRC = "tvmattn_dequant_pair", "tvmattn_dequant_pair_offset", """
 // Two weights of a GGUF block as a half2 (returned as its 32 bits): the quants in bytes of
@@ -123,14 +123,19 @@ class MMAGemvSchedule:
     warps: warps per thread block (1, 2, 4 or 8), each taking every warps-th group of 4 blocks of
     the 16 rows' K; token_tiles: tiles of 8 tokens per warp (1, 2 or 4), so a thread block covers
     8 * token_tiles tokens and each dequantized A fragment serves token_tiles MMAs; unroll: groups
-    of a warp's K loop unrolled (1, 2 or 4; at most the groups it walks)."""
+    of a warp's K loop unrolled (1, 2 or 4; at most the groups it walks); row_tiles: tiles of 16
+    rows per thread block (1, 2 or 4), each warp multiplying its X fragments with every one, so X
+    is read once per row_tiles * 16 rows (X, read again by every row tile's block, is most of
+    what a block reads from L2 at 16 tokens and more)."""
 
     warps: int = 4
     token_tiles: int = 2
     unroll: int = GROUP_UNROLL
+    row_tiles: int = 1
 
     def __post_init__(self):
-        for name, allowed in (("warps", (1, 2, 4, 8)), ("token_tiles", (1, 2, 4)), ("unroll", (1, 2, 4))):
+        for name, allowed in (("warps", (1, 2, 4, 8)), ("token_tiles", (1, 2, 4)), ("unroll", (1, 2, 4)),
+                              ("row_tiles", (1, 2, 4))):
             value = getattr(self, name)
             if type(value) is not int or value not in allowed:
                 raise ValueError(f"{name}={value!r}: expected an int in {allowed}")
@@ -165,8 +170,10 @@ class _Layout:
     Q8: bool
     RES: bool
     UNROLL: int  # groups a warp's K loop unrolls
+    RT: int  # row tiles per thread block
+    BR: int  # rows per thread block (RT x ROWS)
     NT: int  # threads per block
-    OUTS: int  # outputs per thread block (TB tokens x ROWS rows)
+    OUTS: int  # outputs per thread block (TB tokens x BR rows)
     OPT: int  # outputs a thread sums and stores
 
 
@@ -183,10 +190,11 @@ def _layout(fmt: str, n: int, k: int, dtype: str, plan: MMAGemvSchedule, residua
     NB = k // BLOCK
     W, TT = plan.warps, plan.token_tiles
     NT, TB = W * WARP, TOKENS * TT
-    OUTS = TB * ROWS
+    OUTS = TB * ROWS * plan.row_tiles
     return _Layout(fmt=fmt, N=n, K=k, NB=NB, W=W, TT=TT, TB=TB, GPW=((NB + GROUP - 1) // GROUP + W - 1) // W,
                    WORDS=8 if fmt == "Q8_0" else 4, HAS_M=fmt == "Q4_1", Q8=fmt == "Q8_0", RES=residual,
-                   UNROLL=plan.unroll, NT=NT, OUTS=OUTS, OPT=(OUTS + NT - 1) // NT)
+                   UNROLL=plan.unroll, RT=plan.row_tiles, BR=ROWS * plan.row_tiles, NT=NT, OUTS=OUTS,
+                   OPT=(OUTS + NT - 1) // NT)
 
 
 def _dequantize_pair(lay: _Layout, bytes_, e: int, d2, m2):
@@ -200,8 +208,9 @@ def _dequantize_pair(lay: _Layout, bytes_, e: int, d2, m2):
 
 
 def _step_bytes(lay: _Layout, quants, u: int, idx):
-    """The word of row u's (0: row g, 1: row g + 8) quants that holds weights idx..idx+3, a quant
-    a byte (4-bit: its nibble half; Q8_0: q + 128, the signed byte's top bit flipped)."""
+    """The word of row u's (2 rt + 0: row tile rt's row g, 2 rt + 1: its row g + 8) quants that
+    holds weights idx..idx+3, a quant a byte (4-bit: its nibble half; Q8_0: q + 128, the signed
+    byte's top bit flipped)."""
     if lay.Q8:
         return T.bitwise_xor(quants[u * lay.WORDS + idx // 4], T.uint32(0x80808080))
     return nibble_bytes(quants[u * lay.WORDS + idx % 16 // 4], idx // 16)
@@ -217,7 +226,9 @@ def _body_macro(lay: _Layout):
     fmt, N, K, NB, W, TT, TB, GPW, WORDS = lay.fmt, lay.N, lay.K, lay.NB, lay.W, lay.TT, lay.TB, lay.GPW, lay.WORDS
     HAS_M, RES, NT, OUTS, OPT = lay.HAS_M, lay.RES, lay.NT, lay.OUTS, lay.OPT
     MMA, f32, XW = mma_name("float16"), "float32", K // 2  # X's 32-bit words per token
-    ROW_TILES = (N + ROWS - 1) // ROWS
+    RT, BR = lay.RT, lay.BR
+    BLOCK_ROWS = (N + BR - 1) // BR
+    RED_STRIDE = BR + RED_PAD
     UNROLL = min(lay.UNROLL, GPW)
 
     @T.macro
@@ -229,21 +240,22 @@ def _body_macro(lay: _Layout):
             mw = T.decl_buffer((T.int64(N * NB),), "uint16", data=m.data)
         else:
             mw = T.meta_var(None)
-        for bx in T.thread_binding(ROW_TILES, thread="blockIdx.x"):
+        for bx in T.thread_binding(BLOCK_ROWS, thread="blockIdx.x"):
             for by in T.thread_binding((n_tokens + TB - 1) // TB, thread="blockIdx.y"):
                 for w in T.thread_binding(W, thread="threadIdx.y"):
                     for lane in T.thread_binding(WARP, thread="threadIdx.x"):
                         red = T.alloc_shared((W * TB * RED_STRIDE,), f32)  # warp w's tiles, [token][row]
-                        acc = T.alloc_local((4 * TT,), f32)  # tile i: (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)
-                        quants = T.alloc_local((2 * WORDS,), "uint32")  # the lane's block of rows g, g + 8
-                        scales = T.alloc_local((2,), "uint32")  # their d as float16 bits (0: a group past K)
-                        offsets = T.alloc_local((2,), "uint32")  # Q4_1's m likewise
+                        # row tile rt, token tile i at 4 (rt TT + i): (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)
+                        acc = T.alloc_local((4 * TT * RT,), f32)
+                        quants = T.alloc_local((2 * RT * WORDS,), "uint32")  # the lane's block of each tile's rows g, g + 8
+                        scales = T.alloc_local((2 * RT,), "uint32")  # their d as float16 bits (0: a group past K)
+                        offsets = T.alloc_local((2 * RT,), "uint32")  # Q4_1's m likewise
                         xr = T.alloc_local((TT * BLOCK // 2,), "uint32")  # tile i's token over the block
                         frag = T.alloc_local((4,), "uint32")  # the step's A registers
                         total = T.alloc_local((1,), f32)
                         g = T.meta_var(lane // 4)
                         c = T.meta_var(lane % 4)
-                        for a in T.unroll(4 * TT):
+                        for a in T.unroll(4 * TT * RT):
                             acc[a] = T.float32(0.0)
                         for it0 in T.serial((GPW + UNROLL - 1) // UNROLL):
                             for iu in T.unroll(UNROLL):  # unrolled: later groups' loads issue before this one's MMAs
@@ -251,8 +263,9 @@ def _body_macro(lay: _Layout):
                                 blk = (it * W + w) * GROUP + c
                                 live = blk < NB
                                 bc = T.Cast("int64", T.min(blk, NB - 1))
-                                for u in T.unroll(2):  # rows past N compute row N - 1, never stored
-                                    row = T.min(T.Cast("int64", bx * ROWS + g + u * 8), T.int64(N - 1))
+                                for u in T.unroll(2 * RT):  # rows past N compute row N - 1, never stored
+                                    row = T.min(T.Cast("int64", bx * BR + u // 2 * ROWS + g + u % 2 * 8),
+                                                T.int64(N - 1))
                                     for h in T.unroll(WORDS // 4):
                                         for v in T.vectorized(4):
                                             quants[u * WORDS + h * 4 + v] = qw[(row * NB + bc) * WORDS + h * 4 + v]
@@ -267,29 +280,33 @@ def _body_macro(lay: _Layout):
                                             xr[i * (BLOCK // 2) + h * 4 + v] = xw[tok * XW + bc * (BLOCK // 2) + h * 4 + v]
                                 for s in T.unroll(STEPS):
                                     idx = T.meta_var(real_k(0, s, fmt)[0])  # the same offset in every lane's block
-                                    for e in T.unroll(2):  # R0, R1: weights idx, idx+1; R2, R3: idx+2, idx+3
-                                        for u in T.unroll(2):
-                                            frag[e * 2 + u] = _dequantize_pair(
-                                                lay, _step_bytes(lay, quants, u, idx), 2 * e, _pair(scales, u),
-                                                _pair(offsets, u) if HAS_M else None)
-                                    for i in T.unroll(TT):
-                                        base = T.meta_var(i * (BLOCK // 2) + idx // 2)
-                                        T.ptx[MMA](acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3],
-                                                   frag[0], frag[1], frag[2], frag[3], xr[base], xr[base + 1],
-                                                   acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3])
-                        for i in T.unroll(TT):
-                            for a in T.unroll(4):  # (row g + 8 (a // 2), token 8 i + 2c + a % 2)
-                                red[(w * TB + i * TOKENS + 2 * c + a % 2) * RED_STRIDE + g + a // 2 * 8] = \
-                                    acc[4 * i + a]
+                                    for rt in T.unroll(RT):  # every row tile multiplies the same X registers
+                                        for e in T.unroll(2):  # R0, R1: weights idx, idx+1; R2, R3: idx+2, idx+3
+                                            for u in T.unroll(2):
+                                                frag[e * 2 + u] = _dequantize_pair(
+                                                    lay, _step_bytes(lay, quants, 2 * rt + u, idx), 2 * e,
+                                                    _pair(scales, 2 * rt + u),
+                                                    _pair(offsets, 2 * rt + u) if HAS_M else None)
+                                        for i in T.unroll(TT):
+                                            base = T.meta_var(i * (BLOCK // 2) + idx // 2)
+                                            a0 = T.meta_var(4 * (rt * TT + i))
+                                            T.ptx[MMA](acc[a0], acc[a0 + 1], acc[a0 + 2], acc[a0 + 3],
+                                                       frag[0], frag[1], frag[2], frag[3], xr[base], xr[base + 1],
+                                                       acc[a0], acc[a0 + 1], acc[a0 + 2], acc[a0 + 3])
+                        for rt in T.unroll(RT):
+                            for i in T.unroll(TT):
+                                for a in T.unroll(4):  # (row 16 rt + g + 8 (a // 2), token 8 i + 2c + a % 2)
+                                    red[(w * TB + i * TOKENS + 2 * c + a % 2) * RED_STRIDE + rt * ROWS + g
+                                        + a // 2 * 8] = acc[4 * (rt * TT + i) + a]
                         T.tvm_storage_sync("shared")
                         for o in T.unroll(OPT):
-                            out = T.meta_var(o * NT + w * WARP + lane)  # (token out // ROWS, row out % ROWS)
+                            out = T.meta_var(o * NT + w * WARP + lane)  # (token out // BR, row out % BR)
                             if out < OUTS:
                                 total[0] = T.float32(0.0)
                                 for v in T.unroll(W):
-                                    total[0] = total[0] + red[(v * TB + out // ROWS) * RED_STRIDE + out % ROWS]
-                                tok = T.meta_var(by * TB + out // ROWS)
-                                row = T.meta_var(bx * ROWS + out % ROWS)
+                                    total[0] = total[0] + red[(v * TB + out // BR) * RED_STRIDE + out % BR]
+                                tok = T.meta_var(by * TB + out // BR)
+                                row = T.meta_var(bx * BR + out % BR)
                                 if tok < n_tokens and row < N:
                                     if RES:
                                         y[tok, row] = T.Cast("float16", total[0] + T.Cast(f32, r[tok, row]))
