@@ -227,6 +227,12 @@ def test_schedule_choice(k, warps):
     assert choose_mma_gemv_schedule(960, k) == MMAGemvSchedule(warps=warps, token_tiles=2)
 
 
+@pytest.mark.parametrize("n,row_tiles", [(576, 1), (16383, 1), (16384, 2), (49152, 2), (128256, 2)])
+def test_row_tiles_choice(n, row_tiles):
+    """Two row tiles a block from ROW_TILES_FROM_N rows on (an LM head, a 1B model's gate_up)."""
+    assert choose_mma_gemv_schedule(n, 2048).row_tiles == row_tiles
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"fmt": "Q5_0"}, "fmt='Q5_0'"), ({"fmt": "Q4_K"}, "fmt='Q4_K'"), ({"dtype": "float32"}, "dtype='float32'"),
     ({"k": 48}, "k=48"), ({"n": 0}, "n=0"),

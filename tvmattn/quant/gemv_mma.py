@@ -67,6 +67,9 @@ GROUP_UNROLL = 4
 # the float16 pair (1024 + z, 1024 + z): what leaves q - z of a magic pair (1024 + q); z is the
 # format's zero point (Q4_0: 8; Q8_0: 128, its signed byte read with the top bit flipped)
 ZERO_PAIR = {"Q4_0": 0x64086408, "Q4_1": 0x64006400, "Q8_0": 0x64806480}
+# rows from which a thread block takes two 16-row tiles (choose_mma_gemv_schedule): an LM head
+# or a 1B model's gate_up, whose blocks read X again for every 16 rows
+ROW_TILES_FROM_N = 16384
 # accumulator floats between consecutive tokens of the shared tile: 16 per row tile and 4 more,
 # which puts the 32 lanes' stores of one register (row g, token 2c) in 32 distinct banks: 8 c + g
 RED_PAD = 4
@@ -146,12 +149,13 @@ def choose_mma_gemv_schedule(n: int, k: int) -> MMAGemvSchedule:
     largest power of 2 up to the count); 2 token tiles: a batch of 16 tokens is one row of thread
     blocks, and each dequantized pair serves two MMAs. A warp's groups run one after another, so
     the more warps split K the shorter that chain; at 4.5 groups (K = 576) 8 warps measured faster
-    than 4 although three of them only read clamped blocks (docs/performance.md). `n` does not
-    change the choice (the grid grows with it)."""
-    del n
+    than 4 although three of them only read clamped blocks (docs/performance.md). Two row tiles
+    from ROW_TILES_FROM_N rows: where the grid is that large, X read again by every block costs
+    more than the second tile's registers and shared memory; below it one tile was faster at up
+    to 16 tokens."""
     groups = (k // BLOCK + GROUP - 1) // GROUP
     warps = 8 if groups >= 4 else 2 if groups >= 2 else 1
-    return MMAGemvSchedule(warps=warps, token_tiles=2)
+    return MMAGemvSchedule(warps=warps, token_tiles=2, row_tiles=2 if n >= ROW_TILES_FROM_N else 1)
 
 
 @dataclasses.dataclass(frozen=True)
