@@ -379,3 +379,19 @@ def test_every_layout_gives_the_product(fmt, plan):
         got = run_gpu(fn, blocks, x, r).astype(np.float64)
         want, tol = bound(x, w16, r)
         assert (np.abs(got - want) <= tol).all(), (tokens, np.abs(got - want).max())
+
+
+# ---------------------------------------------------------------------------- bench_quant_gemv's plans
+
+def test_bench_plans_parse_to_schedules():
+    """scripts/bench_quant_gemv.py --mma-plans: w<warps>t<token tiles>u<unroll>r<row tiles>."""
+    import argparse
+
+    from harness import load_script
+
+    parse_plan = load_script("bench_quant_gemv").parse_plan
+    assert parse_plan("w8t2u4r2") == MMAGemvSchedule(warps=8, token_tiles=2, unroll=4, row_tiles=2)
+    with pytest.raises(argparse.ArgumentTypeError, match="plan 'w8t2u4'"):
+        parse_plan("w8t2u4")
+    with pytest.raises(ValueError, match="row_tiles=3"):
+        parse_plan("w8t2u4r3")
