@@ -26,13 +26,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def git_commit(repo: str = REPO) -> str:
-    """`git rev-parse --short HEAD` of the repository, "unknown" when git cannot say."""
+    """`git rev-parse --short HEAD` of the repository, with "-dirty" appended where tracked files
+    differ from it (the code that ran is then not that commit's), "unknown" when git cannot say."""
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
                               timeout=10, check=False)
+        if done.returncode != 0 or not done.stdout.strip():
+            return "unknown"
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                 capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+    return done.stdout.strip() + ("-dirty" if changed.returncode != 0 or changed.stdout.strip() else "")
 
 
 def now_iso() -> str:

@@ -356,7 +356,7 @@ def test_import_needs_neither_torch_nor_tvm():
 
 
 def test_git_commit(bench):
-    commit = bench.git_commit()
+    commit = bench.git_commit().removesuffix("-dirty")
     assert commit == "unknown" or (commit and all(c in "0123456789abcdef" for c in commit))
 
 

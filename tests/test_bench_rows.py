@@ -40,8 +40,28 @@ def cache_bench():
 
 
 def test_git_commit():
-    commit = bench_rows.git_commit()
+    commit = bench_rows.git_commit().removesuffix("-dirty")
     assert commit == "unknown" or (4 <= len(commit) <= 40 and all(c in "0123456789abcdef" for c in commit))
+
+
+def test_git_commit_marks_a_changed_tree(tmp_path):
+    """A run from a tree whose tracked files differ from HEAD is not HEAD's code: "-dirty"."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "kernel.py").write_text("a = 1\n")
+    git("add", "kernel.py")
+    git("commit", "-q", "-m", "one")
+    head = bench_rows.git_commit(str(tmp_path))
+    assert all(c in "0123456789abcdef" for c in head)
+    (tmp_path / "notes.txt").write_text("untracked files do not count\n")
+    assert bench_rows.git_commit(str(tmp_path)) == head
+    (tmp_path / "kernel.py").write_text("a = 2\n")
+    assert bench_rows.git_commit(str(tmp_path)) == head + "-dirty"
 
 
 def test_git_commit_outside_a_repository(tmp_path):
