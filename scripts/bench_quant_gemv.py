@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +32,7 @@ from tvm import te, tirx  # noqa: E402
 
 from tvmattn.compiler.targets import cuda_target  # noqa: E402
 from tvmattn.quant.config import QuantMatmulConfig  # noqa: E402
-from tvmattn.quant.gemv_mma import MMAGemvSchedule, mma_gemv_kernel  # noqa: E402
+from tvmattn.quant.gemv_mma import MMA_GEMV_FORMATS, MMAGemvSchedule, mma_gemv_kernel  # noqa: E402
 from tvmattn.quant.matmul import kernel  # noqa: E402
 from tvmattn.weights.quant import QuantizedTensor, part_shapes  # noqa: E402
 
@@ -50,11 +51,11 @@ MODELS = {
 
 def parse_plan(text: str) -> MMAGemvSchedule:
     """'w4t2u4r2' -> MMAGemvSchedule(warps=4, token_tiles=2, unroll=4, row_tiles=2)."""
-    import re
 
     match = re.fullmatch(r"w(\d)t(\d)u(\d)r(\d)", text)
     if match is None:
-        raise argparse.ArgumentTypeError(f"plan {text!r}: expected w<warps>t<token tiles>u<unroll>r<row tiles>, e.g. w4t2u4r1")
+        raise argparse.ArgumentTypeError(f"plan {text!r}: expected w<warps>t<token tiles>u<unroll>r<row tiles>, "
+                                         "e.g. w4t2u4r1")
     return MMAGemvSchedule(warps=int(match[1]), token_tiles=int(match[2]), unroll=int(match[3]),
                            row_tiles=int(match[4]))
 
@@ -93,19 +94,38 @@ def random_blocks(fmt: str, n: int, k: int, rng) -> QuantizedTensor:
 
 @functools.lru_cache(maxsize=None)
 def kernels_of(name, fmt, n, k, residual, batch, plans):
-    """(config, [(label, compiled function)]) of one projection, one token or a decode batch: the
-    routed kernel, then each plan's (a batch), or dlight's float16 GEMV (one token)."""
+    """([(label, compiled function)], anchor) of one projection, one token or a decode batch: the
+    routed kernel, then each plan's (a batch of MMA_GEMV_FORMATS); anchor: dlight's float16 GEMV
+    (one token) or None (a batch: torch's matmul)."""
     config = QuantMatmulConfig(fmt, n, k, tokens=None if batch else 1, few_tokens=batch, target="cuda",
                                dtype="float16", residual=residual)
-    built = [("routed", tvm.compile(kernel(config), target=cuda_target()))]
-    if batch and fmt in ("Q4_0", "Q4_1", "Q8_0"):
+    ours = [("routed", tvm.compile(kernel(config), target=cuda_target()))]
+    if batch and fmt in MMA_GEMV_FORMATS:
         for text, plan in plans:
             func = mma_gemv_kernel(fmt, n, k, "float16", plan, residual=residual)
-            built.append((text, tvm.compile(func.with_attr("global_symbol", f"mma_{name}_{text}"),
-                                            target=cuda_target())))
-    if not batch:
-        built.append(("f16", tvm.compile(f16_gemv(n, k, residual, f"f16_gemv_{name}"), target=cuda_target())))
-    return config, built
+            ours.append((text, tvm.compile(func.with_attr("global_symbol", f"mma_{name}_{text}"),
+                                           target=cuda_target())))
+    anchor = None if batch else tvm.compile(f16_gemv(n, k, residual, f"f16_gemv_{name}"), target=cuda_target())
+    return ours, anchor
+
+
+def gpu_us_per_call(calls: list, steps: int) -> float:
+    """Mean GPU time per call (all of a call's kernels, from CUPTI) over `steps` rounds of `calls`,
+    after two warm-up rounds."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for call in calls * 2:
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            for call in calls:
+                call()
+        torch.cuda.synchronize()
+    total = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total / (steps * len(calls))
 
 
 def main(argv=None) -> int:
@@ -118,7 +138,6 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="layers to cycle through (default: the model's)")
     args = p.parse_args(argv)
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     layers, projections = MODELS[args.model]
     layers = args.layers or layers
@@ -141,16 +160,14 @@ def main(argv=None) -> int:
     for tokens in [int(t) for t in args.tokens.split(",")]:
         table = {}  # (projection, label) -> us per call
         for name, fmt, n, k, residual in projections:
-            _, built = kernels_of(name, fmt, n, k, residual, tokens > 1, tuple(plans))
+            ours, anchor = kernels_of(name, fmt, n, k, residual, tokens > 1, tuple(plans))
             x16 = torch.randn(tokens, k, dtype=torch.float16, device="cuda")
             r16 = torch.randn(tokens, n, dtype=torch.float16, device="cuda")
             y = torch.empty(tokens, n, dtype=torch.float16, device="cuda")
             x, r, y_tvm = (tvm.runtime.from_dlpack(t) for t in (x16, r16, y))
             want = (torch.addmm(r16, x16, weights[name][0][1].T) if residual else x16 @ weights[name][0][1].T)
             runs = []
-            for label, fn in built:
-                if label == "f16":
-                    continue
+            for label, fn in ours:
                 calls = [lambda fn=fn, parts=parts: fn(x, *parts, *([r] if residual else []), y_tvm)
                          for parts, _ in weights[name]]
                 calls[0]()
@@ -158,25 +175,14 @@ def main(argv=None) -> int:
                 print(f"  {tokens:>3} tokens {name:>8} {label:>8}: max |ours - f16| {err:.3e} "
                       f"(max |y| {want.float().abs().max().item():.3e})")
                 runs.append((label, calls))
-            if tokens == 1:
-                fn = dict(built)["f16"]
-                runs.append(("f16", [lambda fn=fn, w=w: fn(x, tvm.runtime.from_dlpack(w), *([r] if residual else []),
-                                                          y_tvm) for _, w in weights[name]]))
+            if anchor is not None:
+                runs.append(("f16", [lambda w=w: anchor(x, tvm.runtime.from_dlpack(w), *([r] if residual else []),
+                                                        y_tvm) for _, w in weights[name]]))
             else:
                 runs.append(("f16", [(lambda w=w: torch.addmm(r16, x16, w.T, out=y)) if residual else
                                      (lambda w=w: torch.matmul(x16, w.T, out=y)) for _, w in weights[name]]))
             for label, calls in runs:
-                for call in calls * 2:  # warm-up
-                    call()
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(args.steps):
-                        for call in calls:
-                            call()
-                    torch.cuda.synchronize()
-                total = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-                            for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-                table[name, label] = total / (args.steps * len(calls))
+                table[name, label] = gpu_us_per_call(calls, args.steps)
         labels = list(dict.fromkeys(label for _, label in table))
         print(f"{'tokens':>6} {'projection':>10} " + " ".join(f"{label:>9}" for label in labels) + "   routed/f16")
         per_layer = {label: 0.0 for label in labels}

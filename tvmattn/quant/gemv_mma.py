@@ -16,8 +16,9 @@ multiply-adds.
 
 How, a thread block (threadIdx.x: the lane, threadIdx.y: warp w of `MMAGemvSchedule.warps`):
 - blockIdx.x: `row_tiles` tiles of 16 output rows r0.. (the mma's M; rows past N compute row
-  N-1, never stored), each multiplied by the same X registers; blockIdx.y: a tile of 8 * token_tiles tokens t0.. (token tile i: the mma's N = 8
-  tokens t0 + 8 i..; tokens past n_tokens read token n_tokens - 1, never stored).
+  N-1, never stored), each multiplied by the same X registers; blockIdx.y: a tile of
+  8 * token_tiles tokens t0.. (token tile i: the mma's N = 8 tokens t0 + 8 i..; tokens past
+  n_tokens read token n_tokens - 1, never stored).
 - K is walked in groups of GROUP = 4 consecutive blocks (128 weights, 8 mma steps of k16); warp w
   takes groups w, w + warps, ...; a group past the row's last block reads clamped blocks with
   scale 0 (and offset 0): the code stays branch-free (K = 576 is 18 blocks, 4.5 groups). The loop
@@ -27,7 +28,7 @@ How, a thread block (threadIdx.x: the lane, threadIdx.y: warp w of `MMAGemvSched
   consecutive weights idx..idx+3 of that block (4-bit: word s % 4 of the block's 16 bytes, nibble
   half s // 4, idx = 16 (s // 4) + 4 (s % 4); Q8_0: idx = 4 s). A dot product is a sum, so
   permuting k alike in A (the weights) and B (X) leaves it unchanged, and the lane's registers
-  come straight from its own loads: per group, rows r0 + g and r0 + g + 8 of its block (one
+  come straight from its own loads: per group and row tile, rows r0 + g and r0 + g + 8 of its block (one
   16-byte load each; Q8_0: two), their scales (and offsets), and per token tile X[t0 + 8 i + g]
   over the block (four 16-byte loads, X read as 32-bit words of two float16).
 - Step s: A registers R0 = (row g: weights idx, idx+1), R1 = (row g+8: idx, idx+1), R2 = (row g:
@@ -37,7 +38,8 @@ How, a thread block (threadIdx.x: the lane, threadIdx.y: warp w of `MMAGemvSched
   of the word ^ 0x80808080, q + 128) in the low mantissa bits of the float16 1024, giving
   (1024 + q_e, 1024 + q_e+1) exactly; subtracting 1024 + z (z = 8, 0, 128) is exact, then one
   __hmul2 by (d, d) (Q4_1: __hfma2 with (m, m)) rounds once.
-- The accumulators, 4 floats a lane per token tile: (row g, tokens 2c, 2c+1), (row g+8, same).
+- The accumulators, 4 floats a lane per row tile and token tile: (row g, tokens 2c, 2c+1), (row
+  g+8, same).
   After the K loop the warps' partial sums meet in shared memory: each warp writes its tiles, one
   barrier, then each thread sums the warps' values of a few (token, row) outputs (rows fastest),
   adds the residual and stores Y where token < n_tokens and row < N.
@@ -251,7 +253,8 @@ def _body_macro(lay: _Layout):
                         red = T.alloc_shared((W * TB * RED_STRIDE,), f32)  # warp w's tiles, [token][row]
                         # row tile rt, token tile i at 4 (rt TT + i): (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)
                         acc = T.alloc_local((4 * TT * RT,), f32)
-                        quants = T.alloc_local((2 * RT * WORDS,), "uint32")  # the lane's block of each tile's rows g, g + 8
+                        # the lane's block of each row tile's rows g, g + 8
+                        quants = T.alloc_local((2 * RT * WORDS,), "uint32")
                         scales = T.alloc_local((2 * RT,), "uint32")  # their d as float16 bits (0: a group past K)
                         offsets = T.alloc_local((2 * RT,), "uint32")  # Q4_1's m likewise
                         xr = T.alloc_local((TT * BLOCK // 2,), "uint32")  # tile i's token over the block
@@ -281,7 +284,8 @@ def _body_macro(lay: _Layout):
                                     tok = T.min(T.Cast("int64", by * TB + i * TOKENS + g), n_tokens - 1)
                                     for h in T.unroll(BLOCK // 8):  # 16-byte loads: 8 values of X
                                         for v in T.vectorized(4):
-                                            xr[i * (BLOCK // 2) + h * 4 + v] = xw[tok * XW + bc * (BLOCK // 2) + h * 4 + v]
+                                            xr[i * (BLOCK // 2) + h * 4 + v] = \
+                                                xw[tok * XW + bc * (BLOCK // 2) + h * 4 + v]
                                 for s in T.unroll(STEPS):
                                     idx = T.meta_var(real_k(0, s, fmt)[0])  # the same offset in every lane's block
                                     for rt in T.unroll(RT):  # every row tile multiplies the same X registers
