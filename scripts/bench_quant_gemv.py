@@ -95,12 +95,13 @@ def random_blocks(fmt: str, n: int, k: int, rng) -> QuantizedTensor:
 @functools.lru_cache(maxsize=None)
 def kernels_of(name, fmt, n, k, residual, batch, plans):
     """([(label, compiled function)], anchor) of one projection, one token or a decode batch: the
-    routed kernel, then each plan's (a batch of MMA_GEMV_FORMATS); anchor: dlight's float16 GEMV
+    routed kernel, then each plan's (MMA_GEMV_FORMATS; at one token the plan's first token tile
+    holds the token); anchor: dlight's float16 GEMV
     (one token) or None (a batch: torch's matmul)."""
     config = QuantMatmulConfig(fmt, n, k, tokens=None if batch else 1, few_tokens=batch, target="cuda",
                                dtype="float16", residual=residual)
     ours = [("routed", tvm.compile(kernel(config), target=cuda_target()))]
-    if batch and fmt in MMA_GEMV_FORMATS:
+    if fmt in MMA_GEMV_FORMATS:
         for text, plan in plans:
             func = mma_gemv_kernel(fmt, n, k, "float16", plan, residual=residual)
             ours.append((text, tvm.compile(func.with_attr("global_symbol", f"mma_{name}_{text}"),
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", choices=sorted(MODELS))
     p.add_argument("--tokens", default="1", help="comma-separated token counts (1: one token; more: a decode batch)")
-    p.add_argument("--mma-plans", default="", help="comma-separated gemv_mma layouts for decode batches, e.g. "
+    p.add_argument("--mma-plans", default="", help="comma-separated gemv_mma layouts beside the routed kernel, e.g. "
                                                   "w4t2u4r1,w8t2u4r2")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--layers", type=int, default=None, help="layers to cycle through (default: the model's)")
