@@ -27,8 +27,10 @@ from tvmattn.quant.gemv_mma import (
     GROUP,
     MMA_GEMV_FORMATS,
     STEPS,
+    WIDE_FROM_TOKENS,
     ZERO_PAIR,
     MMAGemvSchedule,
+    choose_mma_gemv_layouts,
     choose_mma_gemv_schedule,
     mma_gemv_kernel,
     pair_selector,
@@ -233,6 +235,27 @@ def test_row_tiles_choice(n, row_tiles):
     assert choose_mma_gemv_schedule(n, 2048).row_tiles == row_tiles
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (16383, 2048), (64, 96)])
+def test_wide_layout_from_32_tokens(n, k):
+    """Below ROW_TILES_FROM_N rows, batches of WIDE_FROM_TOKENS tokens or more take 4 token tiles
+    and 2 row tiles (the warps as below it); choose_mma_gemv_layouts gives both."""
+    plan = choose_mma_gemv_schedule(n, k)
+    wide = MMAGemvSchedule(warps=plan.warps, token_tiles=4, row_tiles=2)
+    assert WIDE_FROM_TOKENS == 32
+    assert choose_mma_gemv_schedule(n, k, 31) == plan and plan.token_tiles == 2 and plan.row_tiles == 1
+    assert all(choose_mma_gemv_schedule(n, k, tokens) == wide for tokens in (32, 64, 256))
+    assert choose_mma_gemv_layouts(n, k) == (plan, wide)
+
+
+@pytest.mark.parametrize("n", [16384, 49152, 128256])
+def test_one_layout_from_16384_rows(n):
+    """From ROW_TILES_FROM_N rows (an LM head, a 1B gate_up) every count takes 2 token tiles and 2
+    row tiles: no branch."""
+    assert {choose_mma_gemv_schedule(n, 2048, tokens) for tokens in (1, 31, 32, 256)} == {
+        MMAGemvSchedule(warps=8, token_tiles=2, row_tiles=2)}
+    assert choose_mma_gemv_layouts(n, 2048)[1] is None
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"fmt": "Q5_0"}, "fmt='Q5_0'"), ({"fmt": "Q4_K"}, "fmt='Q4_K'"), ({"dtype": "float32"}, "dtype='float32'"),
     ({"k": 48}, "k=48"), ({"n": 0}, "n=0"),
@@ -282,10 +305,28 @@ def test_builds_for_sm90(tmp_path, fmt, residual):
     compiles_with_nvcc(source, tmp_path, cubin=True)
 
 
+def test_wide_branch_is_a_second_kernel(tmp_path):
+    """With `wide`, the function holds two kernels, the host launching the wide one from
+    WIDE_FROM_TOKENS tokens (a 32-token tile: 4 token tiles' X registers); with nvcc on PATH both
+    compile to a cubin."""
+    if tvm.get_global_func("target.build.cuda", allow_missing=True) is None:
+        pytest.skip("TVM built without CUDA codegen")
+    narrow, wide = choose_mma_gemv_layouts(1000, 576)
+    func = mma_gemv_kernel("Q4_1", 1000, 576, "float16", narrow, residual=True, wide=wide)
+    script = func.script()
+    assert "tvm_thread_invariant(n_tokens >= T.int64(32))" in script
+    with cuda_target():
+        built = tvm.compile(func, target=cuda_target())
+    source = built.mod.imports[0].inspect_source()
+    kernels = re.findall(r"__global__ void __launch_bounds__\((\d+)\) (\w+)\([^)]*\) \{", source)
+    assert [threads for threads, _ in kernels] == ["256", "256"] and len({name for _, name in kernels}) == 2
+    compiles_with_nvcc(source, tmp_path, cubin=True)
+
+
 # ---------------------------------------------------------------------------- GPU
 
 GPU_SHAPES = [(960, 576), (576, 1536), (2048, 8192), (1000, 96), (16384, 2048)]
-GPU_TOKENS = (2, 7, 8, 16, 17, 64)
+GPU_TOKENS = (2, 7, 8, 16, 17, 31, 32, 64)  # the routed layouts: narrow below 32 tokens, wide from 32
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +337,8 @@ def built_gpu():
     def get(fmt, n, k, residual, which):
         key = (fmt, n, k, residual, which)
         if key not in cache:
-            func = (mma_gemv_kernel(fmt, n, k, "float16", choose_mma_gemv_schedule(n, k), residual=residual)
+            narrow, wide = choose_mma_gemv_layouts(n, k)
+            func = (mma_gemv_kernel(fmt, n, k, "float16", narrow, residual=residual, wide=wide)
                     if which == "mma" else
                     gemv_kernel(fmt, n, k, None, "float16", choose_gemv_schedule(n, k, None), residual=residual))
             cache[key] = tvm.compile(func, target=cuda_target())
@@ -333,7 +375,7 @@ def test_matches_float64_and_the_cuda_core_gemv(built_gpu, fmt, n, k, residual):
     """Y against float64 X W16^T (+ R), W16 the float16 weights the kernel multiplies, within
     check_cuda's tolerance, and against gemv_kernel's Y (float32 weights) within both tolerances
     and W16's rounding (2^-11 of sum |X| |W|); 2..64 tokens: partial token tiles, one and four
-    thread-block rows."""
+    thread-block rows, both of the routed function's kernels."""
     if k * n > 2048 * 8192 and residual:
         pytest.skip("the largest shape runs once, without the residual")
     rng = np.random.default_rng(n + k)

@@ -72,6 +72,10 @@ ZERO_PAIR = {"Q4_0": 0x64086408, "Q4_1": 0x64006400, "Q8_0": 0x64806480}
 # rows from which a thread block takes two 16-row tiles (choose_mma_gemv_schedule): an LM head
 # or a 1B model's gate_up, whose blocks read X again for every 16 rows
 ROW_TILES_FROM_N = 16384
+# tokens from which a batch of fewer than ROW_TILES_FROM_N rows runs the wide layout
+# (choose_mma_gemv_schedule; the kernel branches on its token count at launch): 4 token tiles and
+# 2 row tiles, so a dequantized weight pair serves four MMAs and X is read once per 32 rows
+WIDE_FROM_TOKENS = 32
 # accumulator floats between consecutive tokens of the shared tile: 16 per row tile and 4 more,
 # which puts the 32 lanes' stores of one register (row g, token 2c) in 32 distinct banks: 8 c + g
 RED_PAD = 4
@@ -146,18 +150,32 @@ class MMAGemvSchedule:
                 raise ValueError(f"{name}={value!r}: expected an int in {allowed}")
 
 
-def choose_mma_gemv_schedule(n: int, k: int) -> MMAGemvSchedule:
-    """8 warps where K has at least 4 groups (a block of 256 threads), fewer where it has fewer (the
-    largest power of 2 up to the count); 2 token tiles: a batch of 16 tokens is one row of thread
-    blocks, and each dequantized pair serves two MMAs. A warp's groups run one after another, so
-    the more warps split K the shorter that chain; at 4.5 groups (K = 576) 8 warps measured faster
-    than 4 although three of them only read clamped blocks (docs/performance.md). Two row tiles
-    from ROW_TILES_FROM_N rows: where the grid is that large, X read again by every block costs
-    more than the second tile's registers and shared memory; below it one tile was faster at up
-    to 16 tokens."""
+def choose_mma_gemv_schedule(n: int, k: int, tokens: int = 1) -> MMAGemvSchedule:
+    """The layout of a batch of `tokens` tokens. 8 warps where K has at least 4 groups (a block of
+    256 threads), fewer where it has fewer (the largest power of 2 up to the count): a warp's
+    groups run one after another, so the more warps split K the shorter that chain; at 4.5
+    groups (K = 576) 8 warps measured faster than 4 although three of them only read clamped
+    blocks (docs/performance.md). Below WIDE_FROM_TOKENS: 2 token tiles (a batch of 16 tokens is
+    one row of thread blocks, and each dequantized pair serves two MMAs), and two row tiles from
+    ROW_TILES_FROM_N rows, where X read again by every block costs more than the second tile's
+    registers and shared memory (one tile was faster below it at up to 16 tokens). From
+    WIDE_FROM_TOKENS below ROW_TILES_FROM_N rows: 4 token tiles and 2 row tiles (at 64 tokens a
+    1B layer's qkv, o_proj and down_proj took 32.83 µs against 47.76; from ROW_TILES_FROM_N rows 4
+    token tiles were level or slower: gate_up 37.63 against 36.53, the LM head 276.36 / 269.39)."""
     groups = (k // BLOCK + GROUP - 1) // GROUP
     warps = 8 if groups >= 4 else 2 if groups >= 2 else 1
-    return MMAGemvSchedule(warps=warps, token_tiles=2, row_tiles=2 if n >= ROW_TILES_FROM_N else 1)
+    if n >= ROW_TILES_FROM_N:
+        return MMAGemvSchedule(warps=warps, token_tiles=2, row_tiles=2)
+    if tokens >= WIDE_FROM_TOKENS:
+        return MMAGemvSchedule(warps=warps, token_tiles=4, row_tiles=2)
+    return MMAGemvSchedule(warps=warps, token_tiles=2, row_tiles=1)
+
+
+def choose_mma_gemv_layouts(n: int, k: int) -> tuple[MMAGemvSchedule, MMAGemvSchedule | None]:
+    """(plan, wide): `mma_gemv_kernel`'s layouts for a decode batch of any size; wide (batches of
+    WIDE_FROM_TOKENS or more) is None where the choice does not change with the count."""
+    plan, wide = choose_mma_gemv_schedule(n, k), choose_mma_gemv_schedule(n, k, WIDE_FROM_TOKENS)
+    return plan, None if wide == plan else wide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,13 +343,15 @@ def _body_macro(lay: _Layout):
 
 
 def mma_gemv_kernel(fmt: str, n: int, k: int, dtype: str, plan: MMAGemvSchedule,
-                    residual: bool = False) -> tirx.PrimFunc:
+                    residual: bool = False, wide: MMAGemvSchedule | None = None) -> tirx.PrimFunc:
     """The PrimFunc (x [n_tokens, K], qs, d [N, K/32][, e0 = m [N, K/32] (Q4_1)][, r [n_tokens, N]
     (residual)], y [n_tokens, N]) of the module docstring, float16 but the quants (qs: uint8
     [N, K/2] for Q4_0 / Q4_1, int8 [N, K] for Q8_0), n_tokens symbolic: the parameters of
-    gemv_cuda.gemv_kernel(fmt, n, k, None, dtype, ..., residual=residual)."""
-    lay = _layout(fmt, n, k, dtype, plan, residual)
-    body = _body_macro(lay)
+    gemv_cuda.gemv_kernel(fmt, n, k, None, dtype, ..., residual=residual). wide: a second layout,
+    which the host launches instead of `plan` where n_tokens >= WIDE_FROM_TOKENS (two kernels in
+    one function; None: `plan` at every count)."""
+    body = _body_macro(_layout(fmt, n, k, dtype, plan, residual))
+    wide_body = None if wide is None else _body_macro(_layout(fmt, n, k, dtype, wide, residual))
     params, route = block_gemv_params(fmt, n, k, None, dtype, residual=residual)
 
     def offsets_residual(bufs):
@@ -343,4 +363,12 @@ def mma_gemv_kernel(fmt: str, n: int, k: int, dtype: str, plan: MMAGemvSchedule,
     def with_args(bufs, n_tokens):
         body(bufs[0], bufs[1], bufs[2], *offsets_residual(bufs[3:-1]), bufs[-1], n_tokens)
 
-    return prim_func(params, with_args)
+    @T.macro
+    def by_count(bufs, n_tokens):
+        # thread-invariant: ThreadSync places barriers in a kernel under no other kind of branch
+        if T.tvm_thread_invariant(n_tokens >= WIDE_FROM_TOKENS):
+            wide_body(bufs[0], bufs[1], bufs[2], *offsets_residual(bufs[3:-1]), bufs[-1], n_tokens)
+        else:
+            body(bufs[0], bufs[1], bufs[2], *offsets_residual(bufs[3:-1]), bufs[-1], n_tokens)
+
+    return prim_func(params, with_args if wide is None else by_count)

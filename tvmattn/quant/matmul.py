@@ -29,7 +29,7 @@ from .config import QuantMatmulConfig
 from .cpu import (CPUSchedule, choose_schedule, dot_gemv, schedule_llvm, table_gemv, target_has_bf16, target_has_vnni,
                   unpack_gemm, unpack_gemv)
 from .gemv_cuda import GEMV_FORMATS, choose_gemv_schedule, gemv_kernel
-from .gemv_mma import MMA_GEMV_FORMATS, choose_mma_gemv_schedule, mma_gemv_kernel
+from .gemv_mma import MMA_GEMV_FORMATS, choose_mma_gemv_layouts, mma_gemv_kernel
 
 
 def _schedule_cuda(func: tirx.PrimFunc, config: QuantMatmulConfig) -> tirx.PrimFunc:
@@ -144,8 +144,9 @@ def kernel(config: QuantMatmulConfig, plan: CPUSchedule | None = None) -> tirx.P
     if config.prologue != "none" and not uses_cuda_gemv(config):
         raise ValueError(f"{config.name}: prologue={config.prologue!r} needs the CUDA GEMV (uses_cuda_gemv)")
     if uses_mma_gemv(config):
-        func = mma_gemv_kernel(config.fmt, config.n, config.k, config.dtype,
-                               choose_mma_gemv_schedule(config.n, config.k), residual=config.residual)
+        narrow, wide = choose_mma_gemv_layouts(config.n, config.k)
+        func = mma_gemv_kernel(config.fmt, config.n, config.k, config.dtype, narrow, residual=config.residual,
+                               wide=wide)
         return _scheduled(func).with_attr("global_symbol", config.name)
     if uses_cuda_gemv(config):
         func = gemv_kernel(config.fmt, config.n, config.k, config.tokens, config.dtype,
