@@ -10,8 +10,8 @@ written w4t2u4r1: warps, token tiles, unroll, row tiles) against torch's float16
 layer's own weights, layer by layer as in a step (the weights together exceed the H200's 50 MB
 L2, as in the model), for --steps steps; the table gives the mean GPU time per call from CUPTI
 (torch.profiler), all of a call's kernels summed. Random blocks (every bit pattern of a block is
-valid) and weights; layer 0's outputs are compared against the float16 product of its blocks
-dequantized.
+valid) and weights; layer 0's outputs are checked against the float16 product of its blocks
+dequantized (`agrees`): a kernel that disagrees is marked, and the script exits with status 1.
 
     python scripts/bench_quant_gemv.py [--model smollm2|llama-1b] [--tokens 1,16,64] [--steps 5]
 """
@@ -92,6 +92,14 @@ def random_blocks(fmt: str, n: int, k: int, rng) -> QuantizedTensor:
     return QuantizedTensor(fmt, (n, k), parts)
 
 
+def agrees(got, want, scale) -> bool:
+    """Whether a kernel's Y agrees with the float16 product: |Y - want| <= 2^-11 |want| (Y's
+    rounding) + 2^-10 scale (the weights' rounding to float16, which gemv_cuda leaves out, and
+    the float32 sums), scale = |X| |W|^T (+ |R|); torch tensors, on any device."""
+    got, want, scale = got.double(), want.double(), scale.double()
+    return bool(((got - want).abs() <= 2.0 ** -11 * want.abs() + 2.0 ** -10 * scale + 1e-6).all())
+
+
 @functools.lru_cache(maxsize=None)
 def kernels_of(name, fmt, n, k, residual, batch, plans):
     """([(label, compiled function)], anchor) of one projection, one token or a decode batch: the
@@ -158,6 +166,7 @@ def main(argv=None) -> int:
             per_layer.append((parts, w))
         weights[name] = per_layer
     print(f"{args.model}: {layers} layers, GPU us per call ({args.steps} steps; torch {torch.__version__})")
+    disagreeing = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         table = {}  # (projection, label) -> us per call
         for name, fmt, n, k, residual in projections:
@@ -166,15 +175,19 @@ def main(argv=None) -> int:
             r16 = torch.randn(tokens, n, dtype=torch.float16, device="cuda")
             y = torch.empty(tokens, n, dtype=torch.float16, device="cuda")
             x, r, y_tvm = (tvm.runtime.from_dlpack(t) for t in (x16, r16, y))
-            want = (torch.addmm(r16, x16, weights[name][0][1].T) if residual else x16 @ weights[name][0][1].T)
+            w0 = weights[name][0][1].double()
+            want = x16.double() @ w0.T + (r16.double() if residual else 0)
+            scale = x16.double().abs() @ w0.abs().T + (r16.double().abs() if residual else 0)
             runs = []
             for label, fn in ours:
                 calls = [lambda fn=fn, parts=parts: fn(x, *parts, *([r] if residual else []), y_tvm)
                          for parts, _ in weights[name]]
                 calls[0]()
-                err = (y.float() - want.float()).abs().max().item()
+                err = (y.double() - want).abs().max().item()
+                ok = agrees(y, want, scale)
+                disagreeing += [] if ok else [f"{tokens} tokens {name} {label}"]
                 print(f"  {tokens:>3} tokens {name:>8} {label:>8}: max |ours - f16| {err:.3e} "
-                      f"(max |y| {want.float().abs().max().item():.3e})")
+                      f"(max |y| {want.abs().max().item():.3e}) {'agrees' if ok else 'DISAGREES'}")
                 runs.append((label, calls))
             if anchor is not None:
                 runs.append(("f16", [lambda w=w: anchor(x, tvm.runtime.from_dlpack(w), *([r] if residual else []),
@@ -196,6 +209,9 @@ def main(argv=None) -> int:
                   + f"   {table[name, 'routed'] / table[name, 'f16']:>6.2f}")
         print(f"{tokens:>6} {'per layer':>10} " + " ".join(f"{per_layer[label]:>9.2f}" for label in labels)
               + f"   {per_layer['routed'] / per_layer['f16']:>6.2f}")
+    if disagreeing:
+        print("disagree with the float16 product: " + ", ".join(disagreeing))
+        return 1
     return 0
 
 

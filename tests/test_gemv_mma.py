@@ -437,3 +437,21 @@ def test_bench_plans_parse_to_schedules():
         parse_plan("w8t2u4")
     with pytest.raises(ValueError, match="row_tiles=3"):
         parse_plan("w8t2u4r3")
+
+
+def test_bench_flags_a_kernel_off_the_float16_product():
+    """bench_quant_gemv's `agrees`: a float16 Y of the product agrees, one output off by more than
+    its rounding and the weights' does not."""
+    torch = pytest.importorskip("torch")
+    from harness import load_script
+
+    agrees = load_script("bench_quant_gemv").agrees
+    rng = np.random.default_rng(0)
+    x = torch.tensor(rng.standard_normal((4, 96)))
+    w = torch.tensor(rng.standard_normal((32, 96)) * 96 ** -0.5)
+    want, scale = x @ w.T, x.abs() @ w.abs().T
+    y = want.half()
+    assert agrees(y, want, scale)
+    wrong = y.clone()
+    wrong[2, 5] += 0.01 * scale[2, 5].item() + 0.01
+    assert not agrees(wrong, want, scale)
