@@ -104,8 +104,7 @@ def agrees(got, want, scale) -> bool:
 def kernels_of(name, fmt, n, k, residual, batch, plans):
     """([(label, compiled function)], anchor) of one projection, one token or a decode batch: the
     routed kernel, then each plan's (MMA_GEMV_FORMATS; at one token the plan's first token tile
-    holds the token); anchor: dlight's float16 GEMV
-    (one token) or None (a batch: torch's matmul)."""
+    holds the token); anchor: dlight's float16 GEMV (one token) or None (a batch: torch's matmul)."""
     config = QuantMatmulConfig(fmt, n, k, tokens=None if batch else 1, few_tokens=batch, target="cuda",
                                dtype="float16", residual=residual)
     ours = [("routed", tvm.compile(kernel(config), target=cuda_target()))]

@@ -159,9 +159,8 @@ def choose_mma_gemv_schedule(n: int, k: int, tokens: int = 1) -> MMAGemvSchedule
     one row of thread blocks, and each dequantized pair serves two MMAs), and two row tiles from
     ROW_TILES_FROM_N rows, where X read again by every block costs more than the second tile's
     registers and shared memory (one tile was faster below it at up to 16 tokens). From
-    WIDE_FROM_TOKENS below ROW_TILES_FROM_N rows: 4 token tiles and 2 row tiles (at 64 tokens a
-    1B layer's qkv, o_proj and down_proj took 32.83 µs against 47.76; from ROW_TILES_FROM_N rows 4
-    token tiles were level or slower: gate_up 37.63 against 36.53, the LM head 276.36 / 269.39)."""
+    WIDE_FROM_TOKENS below ROW_TILES_FROM_N rows: 4 token tiles and 2 row tiles, faster there at 64
+    tokens; from ROW_TILES_FROM_N rows 4 token tiles were level or slower (docs/performance.md)."""
     groups = (k // BLOCK + GROUP - 1) // GROUP
     warps = 8 if groups >= 4 else 2 if groups >= 2 else 1
     if n >= ROW_TILES_FROM_N:
@@ -350,8 +349,6 @@ def mma_gemv_kernel(fmt: str, n: int, k: int, dtype: str, plan: MMAGemvSchedule,
     gemv_cuda.gemv_kernel(fmt, n, k, None, dtype, ..., residual=residual). wide: a second layout,
     which the host launches instead of `plan` where n_tokens >= WIDE_FROM_TOKENS (two kernels in
     one function; None: `plan` at every count)."""
-    body = _body_macro(_layout(fmt, n, k, dtype, plan, residual))
-    wide_body = None if wide is None else _body_macro(_layout(fmt, n, k, dtype, wide, residual))
     params, route = block_gemv_params(fmt, n, k, None, dtype, residual=residual)
 
     def offsets_residual(bufs):
@@ -359,16 +356,26 @@ def mma_gemv_kernel(fmt: str, n: int, k: int, dtype: str, plan: MMAGemvSchedule,
         m, _, r = route(bufs)
         return m, r
 
-    @T.macro
-    def with_args(bufs, n_tokens):
-        body(bufs[0], bufs[1], bufs[2], *offsets_residual(bufs[3:-1]), bufs[-1], n_tokens)
+    def with_args(layout: MMAGemvSchedule):
+        """The macro (buffers, n_tokens) running `layout`'s kernel body over the arguments."""
+        body = _body_macro(_layout(fmt, n, k, dtype, layout, residual))
+
+        @T.macro
+        def run(bufs, n_tokens):
+            body(bufs[0], bufs[1], bufs[2], *offsets_residual(bufs[3:-1]), bufs[-1], n_tokens)
+
+        return run
+
+    if wide is None:
+        return prim_func(params, with_args(plan))
+    run_plan, run_wide = with_args(plan), with_args(wide)
 
     @T.macro
     def by_count(bufs, n_tokens):
         # thread-invariant: ThreadSync places barriers in a kernel under no other kind of branch
         if T.tvm_thread_invariant(n_tokens >= WIDE_FROM_TOKENS):
-            wide_body(bufs[0], bufs[1], bufs[2], *offsets_residual(bufs[3:-1]), bufs[-1], n_tokens)
+            run_wide(bufs, n_tokens)
         else:
-            body(bufs[0], bufs[1], bufs[2], *offsets_residual(bufs[3:-1]), bufs[-1], n_tokens)
+            run_plan(bufs, n_tokens)
 
-    return prim_func(params, with_args if wide is None else by_count)
+    return prim_func(params, by_count)
