@@ -111,7 +111,8 @@ RANDOM_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # --keep-format: weights.random_block
 # command-line flag, library name suffix, the value the flag sets, against the build's default)
 OWN_CONFIG_BUILDS = (("dependent_launch", "--no-dependent-launch", "nopdl", False),
                      ("tensor_core_matmul", "--no-tensor-core-matmul", "cc", False),
-                     ("decode_append", "--no-decode-append", "noda", False))
+                     ("decode_append", "--no-decode-append", "noda", False),
+                     ("fused_batch_layers", "--fused-batch-layers", "fb", True))
 
 
 def parse_args(argv=None):
@@ -167,6 +168,10 @@ def parse_args(argv=None):
                    help="build every library with the K/V append in a kernel of its own instead of inside the "
                         "tensor-core decode kernel (compile --no-decode-append; tir_kernels.paged_decode_append): its "
                         "libraries are named NAME-noda-*.so and its rows carry decode_append: false")
+    p.add_argument("--fused-batch-layers", action="store_true",
+                   help="build every library with the fused decode ops in the batched steps too (compile "
+                        "--fused-batch-layers; compiler.tensor_core_matmul.norm_matmul from batch 16 on): its "
+                        "libraries are named NAME-fb-*.so and its rows carry fused_batch_layers: true")
     args = p.parse_args(argv)
     graphs = args.target == "cuda" and not args.no_cuda_graph
     args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer
@@ -234,7 +239,7 @@ def ensure_libraries(args, max_batch: int) -> None:
                       prefill_chunk=args.prompt_len, log=lambda m: print("  " + m),
                       small_batch_matmul=args.small_batch_matmul, fused_layers=args.fused_layers,
                       dependent_launch=args.dependent_launch, tensor_core_matmul=args.tensor_core_matmul,
-                      decode_append=args.decode_append,
+                      decode_append=args.decode_append, fused_batch_layers=args.fused_batch_layers,
                       **random, **BUILD[library])
 
 
@@ -622,7 +627,8 @@ def main(argv=None) -> int:
 
     # which decode functions of the float libraries take compiler.fused_decode's ops (models/export.py:
     # CUDA builds in `decode` only); the kept library's layers fuse in their own GEMVs either way
-    fused_layers = ("decode" if args.target == "cuda" else "all") if args.fused_layers else "none"
+    fused_layers = (("decode" if args.target == "cuda" and not args.fused_batch_layers else "all")
+                    if args.fused_layers else "none")
 
     def kept_variant(kv: str) -> dict:
         """The kept library's rows name the block type of random blocks (--keep-format) in their

@@ -206,8 +206,8 @@ def test_e2e_json_option(e2e, tmp_path, capsys):
 
 
 def test_e2e_own_configuration_options(e2e, tmp_path, capsys):
-    """--no-dependent-launch, --no-tensor-core-matmul and --no-decode-append build libraries of their own name (never
-    the ordinary ones of the folder), refuse an existing library built otherwise and the CPU
+    """--no-dependent-launch, --no-tensor-core-matmul, --no-decode-append and --fused-batch-layers build
+    libraries of their own name (never the ordinary ones of the folder), refuse an existing library built otherwise and the CPU
     target; their rows form configurations of their own (bench_rows.CONFIG_FIELDS), while the
     ordinary rows carry no such field."""
     # both are the CUDA default (the present GPU's arch, else sm_90): the flags turn them off
@@ -220,7 +220,7 @@ def test_e2e_own_configuration_options(e2e, tmp_path, capsys):
     assert not args.dependent_launch and args.name == "smollm2-nopdl"
     assert e2e.library_path(args, "graph") == tmp_path / "smollm2-nopdl-tvmattn.so"
     assert args.tensor_core_matmul and args.own_config == {"dependent_launch": False}
-    for flag in ("--no-dependent-launch", "--no-tensor-core-matmul", "--no-decode-append"):
+    for flag in ("--no-dependent-launch", "--no-tensor-core-matmul", "--no-decode-append", "--fused-batch-layers"):
         with pytest.raises(SystemExit) as exit_info:
             e2e.parse_args([flag, "--target", "llvm"])
         assert exit_info.value.code == 2 and f"argument {flag}: needs --target cuda" in capsys.readouterr().err
@@ -229,6 +229,8 @@ def test_e2e_own_configuration_options(e2e, tmp_path, capsys):
     assert both.own_config == {"dependent_launch": False, "tensor_core_matmul": False}
     separate = e2e.parse_args(["--no-decode-append", "--libs", str(tmp_path)])
     assert separate.name == "smollm2-noda" and separate.own_config == {"decode_append": False}
+    fused = e2e.parse_args(["--fused-batch-layers", "--libs", str(tmp_path)])
+    assert fused.name == "smollm2-fb" and fused.own_config == {"fused_batch_layers": True}
     library = tmp_path / "smollm2-tvmattn.so"
     runtime = e2e.sidecar(library, e2e.RUNTIME_SUFFIX)
     for built, run in ((False, default), (True, args)):

@@ -16,7 +16,9 @@ stages); the pipeline's two-kernel function equals, bit for bit, the CUDA-core f
 batch 16 and the kernel from 16 on; a tiny model's library built with it
 (BuildOptions.tensor_core_matmul) at batches below and past 16, eagerly and with CUDA graphs,
 gives logits no further from a float32 CPU library's than the CUDA-core library's, and the same
-greedy tokens but where rounding explains a different choice.
+greedy tokens but where rounding explains a different choice. norm_matmul (the fused RMSNorm +
+projection, `FusedNormTensorCoreMatmul` from batch 16 on) equals numpy's op rounded as it rounds
+(x * g to the dtype, the float32 sums times 1 / RMS) for every epilogue and schedule family.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from harness import load_script
 
 from tvmattn.compiler.pipeline import SmallBatchMatmul, small_batch_rules
 from tvmattn.compiler.tensor_core_matmul import (FusedNormTensorCoreMatmul, SkinnyMatmulSchedule,
-                                                 SmallBatchTensorCoreMatmul, choose_norm_schedule,
-                                                 choose_skinny_schedule, norm_matmul, skinny_matmul, smem_limit_of,
+                                                 SmallBatchTensorCoreMatmul, choose_skinny_schedule, norm_matmul,
+                                                 skinny_matmul,
                                                  swiglu_matmul_definition, swiglu_matmul_takes, swiglu_shaped)
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
@@ -314,24 +316,23 @@ def fused_op(epilogue: str, n: int = 192, k: int = 128, batch=None, eps: float =
     return func
 
 
-def test_norm_schedules_keep_x_rows_within_the_arch_shared_memory():
-    # SmolLM2 (K 576): 64 rows a block; Llama-3.2-1B (K 2048): 32 on sm_90, 16 with 99 KiB
-    assert choose_norm_schedule(960, 576, 1, 90).row_tiles == 4
-    assert choose_norm_schedule(1536, 576, 2, 90).row_tiles == 4
-    assert choose_norm_schedule(8192, 2048, 2, 90).row_tiles == 2
-    assert choose_norm_schedule(8192, 2048, 2, 86).row_tiles == 1
-    for (n, k, halves, archs) in ((960, 576, 1, (80, 86, 90)), (1536, 576, 2, (80, 86, 90)),
-                                  (3072, 2048, 1, (80, 86, 90)), (8192, 2048, 2, (80, 86, 90)), (4096, 4096, 2, (80, 90))):
-        for sm in archs:
-            schedule = choose_norm_schedule(n, k, halves, sm)
-            assert schedule is not None and schedule.smem_bytes(halves, k) <= smem_limit_of(sm), (n, k, sm)
-    # rows of 8192 columns leave no room on any arch; N and K must be multiples of 16
-    assert choose_norm_schedule(960, 8192, 1, 90) is None
-    assert choose_norm_schedule(100, 576) is None and choose_norm_schedule(96, 60) is None
+def test_the_norm_kernel_normalizes_in_registers_on_the_plain_schedules():
+    """norm_matmul streams X through the ring like the plain kernel (64 rows a block at any K):
+    each A fragment's squares are summed and the fragment scaled by g before its MMAs, and the
+    epilogue scales the sums by the row's 1 / RMS (read from the warps' sums' padding column)."""
+    script = norm_matmul(960, 576).script()
+    assert "tvmattn_sumsq2_float16" in script and "tvmattn_scale2_float16" in script
+    assert "T.rsqrt(" in script and "tvm_warp_shuffle_xor" in script
+    for n, k, halves in ((960, 576, 1), (1536, 576, 2), (3072, 2048, 1), (8192, 2048, 2), (960, 8192, 1)):
+        schedule = choose_skinny_schedule(n, k, halves, norm=True)
+        assert schedule.row_tiles == 4 and schedule.smem_bytes(halves, norm=True) <= 96 << 10, (n, k)
+        norm_matmul(n, k, epilogue="swiglu" if halves == 2 else "none")  # (builds)
     with pytest.raises(ValueError, match="row_tiles=3: expected 1, 2 or 4"):
         SkinnyMatmulSchedule(row_tiles=3)
     with pytest.raises(ValueError, match="epilogue='add': expected one of"):
         norm_matmul(96, 64, epilogue="add")
+    with pytest.raises(ValueError, match="N=100, K=576: expected multiples of 16"):
+        norm_matmul(100, 576)
 
 
 @pytest.mark.parametrize("epilogue", ["none", "bias", "swiglu"])
@@ -350,7 +351,7 @@ def test_fused_rule_leaves_everything_else_to_the_next_rule():
     assert rule.apply(fused_op("none"), tvm.target.Target("llvm"), False) is None
     assert rule.apply(fused_op("none"), tvm.target.Target({"kind": "cuda", "arch": "sm_75"}), False) is None
     assert rule.apply(fused_op("none", n=200), CUDA, False) is None  # N not a multiple of 16
-    assert rule.apply(fused_op("none", k=8192), CUDA, False) is None  # X's rows do not fit
+    assert rule.apply(fused_op("none", k=8200), CUDA, False) is None  # K not a multiple of 16
     with pytest.raises(ValueError, match="from_batch=0: expected an int of at least 1"):
         FusedNormTensorCoreMatmul(from_batch=0)
 
@@ -383,7 +384,7 @@ def test_norm_kernel_compiles_with_nvcc_for_sm90(epilogue, tmp_path):
 
     lib = tvm.compile(tvm.IRModule({"main": norm_matmul(1536, 576, "bfloat16", epilogue)}), target=CUDA)
     source = lib.mod.imports[0].inspect_source()
-    assert "mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32" in source and "tvmattn_norm8_bfloat16" in source
+    assert "mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32" in source and "tvmattn_scale2_bfloat16" in source
     compiles_with_nvcc(source, tmp_path)
 
 
@@ -514,14 +515,17 @@ NORM_GPU_CASES = [
 ]
 
 
-def _norm_reference(x, g, w, bias, epilogue: str, dtype: str, eps: float) -> np.ndarray:
+def _norm_reference(x, g, w, bias, epilogue: str, dtype: str, eps: float, scale_last: bool = False) -> np.ndarray:
     """fused_decode's ops in numpy: h = (rstd * x) * g in float32, rounded to dtype; its float32
-    products with w; rounded (+ bias in float32), or silu(gate) * up in float32, rounded once."""
+    products with w; rounded (+ bias in float32), or silu(gate) * up in float32, rounded once.
+    scale_last: as norm_matmul rounds, h = x * g rounded to dtype, the products times rstd."""
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
     xf = x.astype(np.float32)[:, 0]
     rstd = 1 / np.sqrt((xf * xf).sum(-1, keepdims=True) / x.shape[-1] + np.float32(eps))
-    h = (rstd * xf * g.astype(np.float32)).astype(np_dtype).astype(np.float32)
-    total = h @ w.astype(np.float32).T
+    if scale_last:
+        total = ((xf * g.astype(np.float32)).astype(np_dtype).astype(np.float32) @ w.astype(np.float32).T) * rstd
+    else:
+        total = (rstd * xf * g.astype(np.float32)).astype(np_dtype).astype(np.float32) @ w.astype(np.float32).T
     if epilogue == "swiglu":
         gate, up = np.split(total, 2, axis=-1)
         total = gate / (1 + np.exp(-gate)) * up
@@ -530,9 +534,11 @@ def _norm_reference(x, g, w, bias, epilogue: str, dtype: str, eps: float) -> np.
     return total[:, None, :].astype(np_dtype).astype(np.float32)
 
 
-def _check_norm_on_gpu(function, n: int, k: int, epilogue: str, dtype: str, batches, eps: float = 1e-5):
-    """function (x, g, w[, bias], y) against _norm_reference, and the row past the batch left alone.
-    The kernel's float32 sums (of squares and of products) may differ from numpy's by their order."""
+def _check_norm_on_gpu(function, n: int, k: int, epilogue: str, dtype: str, batches, eps: float = 1e-5,
+                       scale_last_from: int = 1):
+    """function (x, g, w[, bias], y) against _norm_reference (scale_last from batch
+    scale_last_from on: norm_matmul's rounding), and the row past the batch left alone. The
+    kernel's float32 sums (of squares and of products) may differ from numpy's by their order."""
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
     dev = tvm.cuda(0)
     rows = 2 * n if epilogue == "swiglu" else n
@@ -547,7 +553,8 @@ def _check_norm_on_gpu(function, n: int, k: int, epilogue: str, dtype: str, batc
             args.append(tvm.runtime.tensor(bias, dev))
         out = tvm.runtime.tensor(np.full((batch + 1, 1, n), 7, np_dtype), dev)
         function(*args, out._create_view((batch, 1, n), dtype, 0))
-        _assert_within(out.numpy().astype(np.float32), _norm_reference(x, g, w, bias, epilogue, dtype, eps), batch,
+        expected = _norm_reference(x, g, w, bias, epilogue, dtype, eps, scale_last=batch >= scale_last_from)
+        _assert_within(out.numpy().astype(np.float32), expected, batch,
                        dtype, ulps=4)
 
 
@@ -578,7 +585,7 @@ def test_the_pipelines_fused_function_runs_each_kernel_on_its_side_of_the_branch
     gemv = CUDAFusedDecodeGEMV()
     both, below = build(FusedNormTensorCoreMatmul(below=gemv), gemv), build(gemv)
     tensor_cores = tvm.compile(tvm.IRModule({"main": norm_matmul(n, k, "float16", epilogue)}), target=CUDA)["main"]
-    _check_norm_on_gpu(both, n, k, epilogue, "float16", (1, 3, 15, 16, 17, 64))
+    _check_norm_on_gpu(both, n, k, epilogue, "float16", (1, 3, 15, 16, 17, 64), scale_last_from=TENSOR_CORES_FROM_BATCH)
     dev = tvm.cuda(0)
     rows = 2 * n if epilogue == "swiglu" else n
     for batch in (1, 3, 15, 16, 17, 64):

@@ -324,6 +324,9 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--no-decode-append", dest="decode_append", action="store_false",
                          help="decode steps append K/V in a kernel of their own instead of inside the tensor-core "
                               "decode kernel (tir_kernels.paged_decode_append; for comparison)")
+    command.add_argument("--fused-batch-layers", action="store_true",
+                         help="CUDA: the batched decode steps take the fused RMSNorm + projection ops too (on tensor "
+                              "cores from batch 16 on, compiler.tensor_core_matmul.norm_matmul; default: `decode` only)")
 
 
 def _main_job_options(job: argparse.ArgumentParser, blocks: str) -> None:
@@ -513,7 +516,7 @@ def _compile(args) -> int:
                       small_batch_matmul=args.small_batch_matmul, kv_cache_dtype=args.kv_cache_dtype,
                       fused_layers=args.fused_layers, cpu_bf16=args.cpu_bf16,
                       dependent_launch=args.dependent_launch, tensor_core_matmul=args.tensor_core_matmul,
-                      decode_append=args.decode_append)
+                      decode_append=args.decode_append, fused_batch_layers=args.fused_batch_layers)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0

@@ -48,10 +48,7 @@ DTYPES = TENSOR_CORE_DTYPES  # the operands' dtype (Y's in epilogues "none" and 
 ROWS_PER_TILE = ROWS_PER_MMA  # the M of m16n8k16
 MAX_TILES = 4  # 16-row MMA tiles per row chunk: 64 rows a block
 MIN_ARCH = MMA_MIN_ARCH  # cp.async, ldmatrix and bf16 mma.sync
-SMEM_LIMIT = 96 << 10  # bytes of dynamic shared memory the plain projections' schedules stay under
-# what a block may take on an arch (the normalized kernels keep X's rows whole): sm_80 163 KiB,
-# sm_90 227 KiB; the others (sm_86, sm_89, sm_120) 99 KiB
-ARCH_SMEM_LIMIT = {80: 160 << 10, 87: 160 << 10, 90: 224 << 10}
+SMEM_LIMIT = 96 << 10  # bytes of dynamic shared memory a schedule stays under (every arch from sm_80 has 99 KiB)
 # Batches from which a replacement with a rule `below` (the CUDA-core kernel) runs on tensor
 # cores: in a sweep of SmolLM2's projections on an H100 (docs/performance.md) the CUDA-core kernel
 # was faster at every projection at batch 8 and the tensor-core kernel as fast or faster at 16.
@@ -95,32 +92,31 @@ class SkinnyMatmulSchedule:
     def block_m(self) -> int:
         return ROWS_PER_TILE * self.row_tiles
 
-    def smem_bytes(self, halves: int = 1, resident_k: int = 0) -> int:
-        """Dynamic shared memory: the ring (with, for a normalized X, the chunk's whole rows of
-        resident_k columns beside it), or the warps' sums at the end (the larger); halves: 2
-        where each output column takes two weight rows (SwiGLU's gate and up)."""
-        stage_rows = (0 if resident_k else self.block_m) + halves * self.block_n
-        ring = self.stages * stage_rows * Tile(self.block_k).stride * 2
-        resident = self.block_m * Tile(resident_k).stride * 2 if resident_k else 0
+    def smem_bytes(self, halves: int = 1, norm: bool = False) -> int:
+        """Dynamic shared memory: the ring, or the warps' sums at the end (the larger); halves: 2
+        where each output column takes two weight rows (SwiGLU's gate and up); norm: each stage
+        also holds the norm weight's block_k elements (norm_matmul)."""
+        stage = (self.block_m + halves * self.block_n) * Tile(self.block_k).stride * 2 + (2 * self.block_k if norm else 0)
+        ring = self.stages * stage
         sums = self.warps_k * self.block_m * (halves * self.block_n + 4) * 4
-        return max(ring + resident, sums)
+        return max(ring, sums)
 
-    def check(self, n: int, k: int, halves: int = 1, resident: bool = False, smem_limit: int = SMEM_LIMIT) -> None:
+    def check(self, n: int, k: int, halves: int = 1, norm: bool = False, smem_limit: int = SMEM_LIMIT) -> None:
         """ValueError unless the schedule tiles an N x K weight (N output columns; halves * N
-        weight rows) within smem_limit bytes of shared memory (resident: X's rows kept whole)."""
+        weight rows) within smem_limit bytes of shared memory (norm: norm_matmul's)."""
         if n % self.block_n:
             raise ValueError(f"N={n} is not a multiple of the block's {self.block_n} columns (warps_n={self.warps_n})")
         if k % self.block_k:
             raise ValueError(f"K={k} is not a multiple of a stage's {self.block_k} columns "
                              f"(warps_k={self.warps_k}, k_steps={self.k_steps})")
-        used = self.smem_bytes(halves, k if resident else 0)
+        used = self.smem_bytes(halves, norm)
         if used > smem_limit:
             raise ValueError(f"{used} bytes of shared memory: over {smem_limit}")
 
 
-def choose_skinny_schedule(n: int, k: int, halves: int = 1) -> SkinnyMatmulSchedule | None:
-    """The schedule of an N x K weight (halves * N rows: 2 for SwiGLU's gate and up), or None
-    where none tiles it (N or K not a multiple of 16).
+def choose_skinny_schedule(n: int, k: int, halves: int = 1, norm: bool = False) -> SkinnyMatmulSchedule | None:
+    """The schedule of an N x K weight (halves * N rows: 2 for SwiGLU's gate and up; norm:
+    norm_matmul's), or None where none tiles it (N or K not a multiple of 16).
 
     Column blocks: 64 columns where that still makes two blocks per SM, 32 where it makes one,
     else 16 (SmolLM2's 576-row projections: 36 blocks). K: 4 warps split each stage; a stage is
@@ -138,32 +134,9 @@ def choose_skinny_schedule(n: int, k: int, halves: int = 1) -> SkinnyMatmulSched
             break
     stages = 4 if n // (ROWS_PER_TILE * warps_n) >= TARGET_BLOCKS else 6
     schedule = SkinnyMatmulSchedule(warps_n=warps_n, warps_k=warps_k, k_steps=k_steps, stages=stages)
-    while schedule.smem_bytes(halves) > SMEM_LIMIT and schedule.stages > 2:
+    while schedule.smem_bytes(halves, norm) > SMEM_LIMIT and schedule.stages > 2:
         schedule = dataclasses.replace(schedule, stages=schedule.stages - 1)
     return schedule
-
-
-def smem_limit_of(sm: int) -> int:
-    """Bytes of dynamic shared memory a block may take on sm_<sm> (ARCH_SMEM_LIMIT, else 96 KiB)."""
-    return ARCH_SMEM_LIMIT.get(sm, SMEM_LIMIT)
-
-
-def choose_norm_schedule(n: int, k: int, halves: int = 1, sm: int = 90) -> SkinnyMatmulSchedule | None:
-    """The schedule of norm_matmul for N output columns (halves * N weight rows) and K = the
-    norm's width on sm_<sm>, or None where none serves: choose_skinny_schedule's columns and K
-    steps, with the most row tiles (64, 32 or 16 rows a block) whose whole rows of X leave room
-    for a ring of at least 3 stages (2 if none does) within the arch's shared memory."""
-    base = choose_skinny_schedule(n, k)
-    if base is None:
-        return None
-    limit = smem_limit_of(sm)
-    for fewest in (3, 2):
-        for row_tiles in (MAX_TILES, 2, 1):
-            for stages in range(base.stages, fewest - 1, -1):
-                schedule = dataclasses.replace(base, stages=stages, row_tiles=row_tiles)
-                if schedule.smem_bytes(halves, k) <= limit:
-                    return schedule
-    return None
 
 
 def skinny_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none",
@@ -189,8 +162,12 @@ def norm_matmul(n: int, k: int, dtype: str = "float16", epilogue: str = "none", 
     (fused_decode's: float32 sum of squares, h rounded to dtype),
     "none": Y = h W^T; "bias": Y = h W^T + B (in float32, rounded once); "swiglu": Y =
     silu(h W_gate^T) * (h W_up^T), W = [W_gate; W_up] (halves 2, float32, rounded once).
-    Each block keeps its chunk's rows of X whole in shared memory and normalizes them there
-    before the weight streams past (schedules: choose_norm_schedule)."""
+    The norm costs no pass of its own: the product is summed over x * g (each X fragment scaled
+    in registers, rounded to dtype, as it enters the MMA) while the fragments' squares add up,
+    and the epilogue multiplies the float32 sums by the row's 1 / RMS. So h's rounding happens
+    before the scale by 1 / RMS, not after (within a few units of the last place of dtype), and
+    with float16 x * g must stay within its range (as the residual stream itself must).
+    Schedules: choose_skinny_schedule's."""
     return _skinny_matmul(n, k, dtype, epilogue, schedule, None, float(eps))
 
 
@@ -206,52 +183,34 @@ def word(elem):
     return elem // 2
 
 
-def _norm_chunk_functions(dtype: str):
-    """Names and CUDA sources of the normalizing prologue's two chunk operations on 8 `dtype`
-    elements (16 bytes of shared memory): sumsq(p) -> their float32 sum of squares; norm(p, g,
-    rstd): p[i] <- (rstd * p[i]) * g[i] in float32, rounded to dtype (fused_decode's order), g
-    8 elements of global memory (16-byte aligned). -> (sumsq, its source, norm, its source): TVM
-    emits each source once per module, by its function's name."""
+def _norm_fragment_functions(dtype: str):
+    """Names and CUDA sources of norm_matmul's operations on 32-bit words of two `dtype` elements:
+    sumsq2(a) -> a's float32 sum of squares; scale2(a, g) -> a * g elementwise in float32,
+    rounded to dtype. TVM emits each source once per module, by its function's name."""
     pair, to_f2, from_f2 = {"float16": ("__half2", "__half22float2", "__floats2half2_rn"),
                             "bfloat16": ("__nv_bfloat162", "__bfloat1622float2", "__floats2bfloat162_rn")}[dtype]
-    sumsq, norm = f"tvmattn_sumsq8_{dtype}", f"tvmattn_norm8_{dtype}"
+    sumsq, scale = f"tvmattn_sumsq2_{dtype}", f"tvmattn_scale2_{dtype}"
     sumsq_src = f"""
 union {sumsq}_word {{ unsigned u; {pair} h; }};
-__device__ __forceinline__ float {sumsq}(const float* p) {{
-  const uint4 a = *reinterpret_cast<const uint4*>(p);
-  const unsigned x[4] = {{a.x, a.y, a.z, a.w}};
-  float s = 0.f;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {{
-    {sumsq}_word w;
-    w.u = x[k];
-    const float2 f = {to_f2}(w.h);
-    s += f.x * f.x;
-    s += f.y * f.y;
-  }}
-  return s;
+__device__ __forceinline__ float {sumsq}(unsigned a) {{
+  {sumsq}_word w;
+  w.u = a;
+  const float2 f = {to_f2}(w.h);
+  return f.x * f.x + f.y * f.y;
 }}
 """
-    norm_src = f"""
-union {norm}_word {{ unsigned u; {pair} h; }};
-__device__ __forceinline__ void {norm}(float* p, const void* g, float rstd) {{
-  const uint4 a = *reinterpret_cast<const uint4*>(p);
-  const uint4 b = __ldg(reinterpret_cast<const uint4*>(g));
-  unsigned x[4] = {{a.x, a.y, a.z, a.w}};
-  const unsigned y[4] = {{b.x, b.y, b.z, b.w}};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {{
-    {norm}_word wx, wg;
-    wx.u = x[k];
-    wg.u = y[k];
-    const float2 fx = {to_f2}(wx.h), fg = {to_f2}(wg.h);
-    wx.h = {from_f2}(rstd * fx.x * fg.x, rstd * fx.y * fg.y);
-    x[k] = wx.u;
-  }}
-  *reinterpret_cast<uint4*>(p) = make_uint4(x[0], x[1], x[2], x[3]);
+    scale_src = f"""
+union {scale}_word {{ unsigned u; {pair} h; }};
+__device__ __forceinline__ unsigned {scale}(unsigned a, unsigned g) {{
+  {scale}_word wa, wg;
+  wa.u = a;
+  wg.u = g;
+  const float2 fa = {to_f2}(wa.h), fg = {to_f2}(wg.h);
+  wa.h = {from_f2}(fa.x * fg.x, fa.y * fg.y);
+  return wa.u;
 }}
 """
-    return sumsq, sumsq_src, norm, norm_src
+    return sumsq, sumsq_src, scale, scale_src
 
 
 def _checked_schedule(n, k, dtype, epilogue, schedule, norm: bool) -> SkinnyMatmulSchedule:
@@ -263,68 +222,11 @@ def _checked_schedule(n, k, dtype, epilogue, schedule, norm: bool) -> SkinnyMatm
         raise ValueError(f"epilogue={epilogue!r}: expected one of {allowed}")
     halves = 2 if epilogue == "swiglu" else 1
     if schedule is None:
-        schedule = choose_norm_schedule(n, k, halves) if norm else choose_skinny_schedule(n, k, halves)
+        schedule = choose_skinny_schedule(n, k, halves, norm)
     if schedule is None:
-        raise ValueError(f"N={n}, K={k}: expected multiples of {ROWS_PER_TILE}"
-                         + (" and X's rows within the arch's shared memory" if norm else ""))
-    schedule.check(n, k, halves, norm, max(ARCH_SMEM_LIMIT.values()) if norm else SMEM_LIMIT)
+        raise ValueError(f"N={n}, K={k}: expected multiples of {ROWS_PER_TILE}")
+    schedule.check(n, k, halves, norm)
     return schedule
-
-
-def _norm_macros(dtype: str, k: int, block_m: int, threads: int, x_off: int, eps: float):
-    """norm_matmul's prologue: (fetch_rows, normalize_rows, row_group) over the resident tile of
-    block_m rows of k columns at 32-bit word x_off of the shared buffer; row_group: the rows a
-    warp normalizes side by side (the length of normalize_rows' `part_`)."""
-    TX, NT, NWARPS, X_OFF = Tile(k), threads, threads // 32, x_off
-    XR_COPIES = (block_m * TX.chunks + NT - 1) // NT  # copy rounds of the resident rows
-    ROW_ROUNDS = (TX.chunks + 31) // 32  # chunks of a row per lane
-    ROWS_PER_WARP = (block_m + NWARPS - 1) // NWARPS
-    ROW_GROUP = min(4, ROWS_PER_WARP)
-    SUMSQ, SUMSQ_SRC, NORM8, NORM8_SRC = _norm_chunk_functions(dtype)
-    INV_K = 1.0 / k
-    f32 = "float32"
-
-    @T.macro
-    def fetch_rows(x_, smem_, rows_, m0_, tid_):
-        """The chunk's rows of X in use, whole -> the resident tile (cp.async; rows past
-        the batch copy its last row)."""
-        for it in T.serial(XR_COPIES):
-            c = it * NT + tid_
-            r = c // TX.chunks
-            ch = c % TX.chunks
-            if r < (rows_ + 15) // 16 * 16:
-                T.ptx[CP_ASYNC](smem_.ptr_to([X_OFF + word(TX.offset(r, ch))]),
-                                T.address_of(x_[T.min(m0_ + T.Cast("int64", r), x_.shape[0] - 1), 0, ch * CHUNK]), 16)
-
-    @T.macro
-    def normalize_rows(g_, smem_, part_, rows_, warp_, lane_):
-        """Each resident row r <- rms_norm(row, g_) in place: warp w takes rows w, w +
-        warps, ..., ROW_GROUP at a time; a row's lanes sum the squares of their chunks, a
-        shuffle reduction adds them, then they scale their chunks."""
-        for grp in T.serial((ROWS_PER_WARP + ROW_GROUP - 1) // ROW_GROUP):
-            for i in T.unroll(ROW_GROUP):
-                part_[i] = T.float32(0)
-                r = T.meta_var((grp * ROW_GROUP + i) * NWARPS + warp_)
-                if r < (rows_ + 15) // 16 * 16:
-                    for j in T.unroll(ROW_ROUNDS):
-                        if TX.chunks % 32 == 0 or j * 32 + lane_ < TX.chunks:
-                            part_[i] = part_[i] + T.cuda.func_call(
-                                SUMSQ, smem_.ptr_to([X_OFF + word(TX.offset(r, j * 32 + lane_))]),
-                                source_code=SUMSQ_SRC, return_type=f32)
-            for i in T.unroll(ROW_GROUP):
-                for s in T.unroll(5):
-                    part_[i] = part_[i] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), part_[i], 1 << s, 32, 32)
-            for i in T.unroll(ROW_GROUP):
-                r = T.meta_var((grp * ROW_GROUP + i) * NWARPS + warp_)
-                if r < (rows_ + 15) // 16 * 16:
-                    part_[i] = T.rsqrt(part_[i] * T.float32(INV_K) + T.float32(eps))
-                    for j in T.unroll(ROW_ROUNDS):
-                        if TX.chunks % 32 == 0 or j * 32 + lane_ < TX.chunks:
-                            T.evaluate(T.cuda.func_call(
-                                NORM8, smem_.ptr_to([X_OFF + word(TX.offset(r, j * 32 + lane_))]),
-                                T.address_of(g_[(j * 32 + lane_) * CHUNK]), part_[i], source_code=NORM8_SRC))
-
-    return fetch_rows, normalize_rows, ROW_GROUP
 
 
 def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
@@ -336,13 +238,13 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
     NT = 32 * WN * WK
     KT = k // BK  # stage tiles along K
     TL = Tile(BK)
-    TX = Tile(k)  # NORM: the chunk's whole rows of X, resident beside the ring
-    X_WORDS = 0 if NORM else BM * TL.stride // 2  # a stage's X rows, in 32-bit words
-    STAGE_WORDS = X_WORDS + H * BN * TL.stride // 2
-    X_OFF = STAGES * STAGE_WORDS  # NORM: where the resident rows start, in words
+    X_WORDS = BM * TL.stride // 2  # a stage's X rows, in 32-bit words
+    G_OFF = X_WORDS + H * BN * TL.stride // 2  # NORM: the stage's BK elements of g, after its W rows
+    STAGE_WORDS = G_OFF + (BK // 2 if NORM else 0)
+    G_COPIES = BK // CHUNK  # NORM: 16-byte copies of g per stage (the first threads')
     SUM_STRIDE = H * BN + 4  # floats per row of the warps' sums (padded against bank conflicts)
     SUM_WORDS = BM * SUM_STRIDE
-    SMEM_WORDS = sched.smem_bytes(H, k if NORM else 0) // 4
+    SMEM_WORDS = sched.smem_bytes(H, NORM) // 4
     X_COPIES = (BM * TL.chunks + NT - 1) // NT  # copy rounds of X per thread (rows past the batch skip)
     W_COPIES = (H * BN * TL.chunks + NT - 1) // NT
     OUT_ROUNDS = (BM * BN + NT - 1) // NT
@@ -350,26 +252,31 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
     MMA = mma_name(dtype)
     f32 = "float32"
 
-    fetch_rows, normalize_rows, ROW_GROUP = _norm_macros(dtype, k, BM, NT, X_OFF, norm_eps or 0.0)
+    SUMSQ2, SUMSQ2_SRC, SCALE2, SCALE2_SRC = _norm_fragment_functions(dtype)
+    SQ_COL = H * BN  # NORM: the padding column of the warps' sums that holds a row's sum of squares
+    INV_K = 1.0 / k
 
     def w_row(r, n0):
         """The weight row of the block's stage row r (SwiGLU: gate rows, then up rows)."""
         return n0 + r if H == 1 else r // BN * n + n0 + r % BN
 
     @T.macro
-    def issue(x_, w_, smem_, rows_, m0_, n0_, kt_, tid_):
-        """Stage tile kt_ (K columns kt_ * BK ..) of the block's W rows (and, unless NORM, of the
-        chunk's X rows, from its 16-row tiles in use only) -> ring stage kt_ % STAGES (cp.async)."""
+    def issue(x_, g_, w_, smem_, rows_, m0_, n0_, kt_, tid_):
+        """Stage tile kt_ (K columns kt_ * BK ..) of the chunk's X rows (from its 16-row tiles in
+        use only), of the block's W rows and (NORM) of g -> ring stage kt_ % STAGES (cp.async)."""
         base = T.meta_var(kt_ % STAGES * STAGE_WORDS)
-        if not NORM:
-            for it in T.unroll(X_COPIES):
-                c = T.meta_var(it * NT + tid_)
-                r = T.meta_var(c // TL.chunks)
-                ch = T.meta_var(c % TL.chunks)
-                if (BM * TL.chunks % NT == 0 or c < BM * TL.chunks) and r < (rows_ + 15) // 16 * 16:
-                    T.ptx[CP_ASYNC](smem_.ptr_to([base + word(TL.offset(r, ch))]),
-                                    T.address_of(x_[T.min(m0_ + T.Cast("int64", r), x_.shape[0] - 1), 0,
-                                                    kt_ * BK + ch * CHUNK]), 16)
+        if NORM:  # (g in the ring: read from global memory next to its MMAs, its latency would be each step's)
+            if tid_ < G_COPIES:
+                T.ptx[CP_ASYNC](smem_.ptr_to([base + G_OFF + tid_ * (CHUNK // 2)]),
+                                T.address_of(g_[kt_ * BK + tid_ * CHUNK]), 16)
+        for it in T.unroll(X_COPIES):
+            c = T.meta_var(it * NT + tid_)
+            r = T.meta_var(c // TL.chunks)
+            ch = T.meta_var(c % TL.chunks)
+            if (BM * TL.chunks % NT == 0 or c < BM * TL.chunks) and r < (rows_ + 15) // 16 * 16:
+                T.ptx[CP_ASYNC](smem_.ptr_to([base + word(TL.offset(r, ch))]),
+                                T.address_of(x_[T.min(m0_ + T.Cast("int64", r), x_.shape[0] - 1), 0,
+                                                kt_ * BK + ch * CHUNK]), 16)
         for it in T.unroll(W_COPIES):
             c = T.meta_var(it * NT + tid_)
             r = T.meta_var(c // TL.chunks)
@@ -379,24 +286,32 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
                                 T.address_of(w_[w_row(r, n0_), kt_ * BK + ch * CHUNK]), 16)
 
     @T.macro
-    def compute(smem_, acc_, af_, bf_, tiles_, kt_, wn_, wk_, lane_):
+    def compute(smem_, acc_, af_, bf_, sq_, gf_, tiles_, kt_, wn_, wk_, lane_):
         """acc_ += the warp's k_steps slices of stage tile kt_: its 16 columns (of each weight
-        half) against the chunk's 16-row tiles in use."""
+        half) against the chunk's 16-row tiles in use. NORM: each X fragment's squares first go
+        to sq_ (rows lane / 4 and lane / 4 + 8 of each tile, this lane's columns), then the
+        fragment is scaled by the norm's weight g (the stage's, its words at the fragment's columns in gf_),
+        so the product is sum((x * g) w) and the epilogue multiplies it by 1 / RMS."""
         base = T.meta_var(kt_ % STAGES * STAGE_WORDS)
         for ks in T.unroll(KS):
             kk = T.meta_var(wk_ * KS + ks)  # the 16-wide slice of the stage tile
+            if NORM:  # m16n8k16's A fragment: words 0, 2 row lane / 4, columns c and c + 8; 1, 3 row lane / 4 + 8
+                for i in T.unroll(2):
+                    gf_[i] = T.reinterpret("uint32", smem_[base + G_OFF + kk * 8 + lane_ % 4 + i * 4])
             for part in T.unroll(H):
                 T.ptx[LDSM](bf_[part * 4], bf_[part * 4 + 1], bf_[part * 4 + 2], bf_[part * 4 + 3],
                             smem_.ptr_to([base + X_WORDS + word(TL.offset(
                                 part * BN + wn_ * 16 + lane_ % 8 + lane_ // 16 * 8, kk * 2 + lane_ // 8 % 2))]))
             for mt in T.unroll(RT):
                 if mt < tiles_:
+                    T.ptx[LDSM](af_[0], af_[1], af_[2], af_[3], smem_.ptr_to([base + word(TL.offset(
+                        mt * 16 + lane_ % 16, kk * 2 + lane_ // 16))]))
                     if NORM:
-                        T.ptx[LDSM](af_[0], af_[1], af_[2], af_[3], smem_.ptr_to([X_OFF + word(TX.offset(
-                            mt * 16 + lane_ % 16, kt_ * (BK // CHUNK) + kk * 2 + lane_ // 16))]))
-                    else:
-                        T.ptx[LDSM](af_[0], af_[1], af_[2], af_[3], smem_.ptr_to([base + word(TL.offset(
-                            mt * 16 + lane_ % 16, kk * 2 + lane_ // 16))]))
+                        for i in T.unroll(4):
+                            sq_[mt * 2 + i % 2] = sq_[mt * 2 + i % 2] + T.cuda.func_call(
+                                SUMSQ2, af_[i], source_code=SUMSQ2_SRC, return_type=f32)
+                            af_[i] = T.cuda.func_call(SCALE2, af_[i], gf_[i // 2], source_code=SCALE2_SRC,
+                                                      return_type="uint32")
                     for part in T.unroll(H):
                         for h in T.unroll(2):
                             a = T.meta_var(part * MT8 + mt * 8 + h * 4)
@@ -406,7 +321,8 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
 
     @T.macro
     def store(y_, r_, sums_, total_, rows_, m0_, n0_, tid_):
-        """Y of the chunk's rows: the warps' sums added, then the epilogue (rounded once)."""
+        """Y of the chunk's rows: the warps' sums added (NORM: times the row's 1 / RMS), then the
+        epilogue (rounded once)."""
         for it in T.unroll(OUT_ROUNDS):
             e = T.meta_var(it * NT + tid_)
             row = T.meta_var(e // BN)
@@ -416,6 +332,13 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
                     total_[part] = T.float32(0)
                     for w in T.unroll(WK):
                         total_[part] = total_[part] + sums_[w * SUM_WORDS + row * SUM_STRIDE + part * BN + col]
+                if NORM:
+                    total_[H] = T.float32(0)
+                    for w in T.unroll(WK):
+                        total_[H] = total_[H] + sums_[w * SUM_WORDS + row * SUM_STRIDE + SQ_COL]
+                    total_[H] = T.rsqrt(total_[H] * T.float32(INV_K) + T.float32(norm_eps))
+                    for part in T.unroll(H):
+                        total_[part] = total_[part] * total_[H]
                 rounded = T.meta_var(T.Cast(dtype, total_[0]))
                 b = T.meta_var(m0_ + T.Cast("int64", row))
                 if epilogue == "add":
@@ -441,8 +364,9 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
                     acc = T.alloc_buffer((H * MT8,), f32, scope="local")
                     af = T.alloc_buffer((4,), "uint32", scope="local")
                     bf = T.alloc_buffer((H * 4,), "uint32", scope="local")
-                    total = T.alloc_buffer((H,), f32, scope="local")
-                    part = T.alloc_buffer((ROW_GROUP,), f32, scope="local")
+                    total = T.alloc_buffer((H + 1,), f32, scope="local")  # (NORM: the row's 1 / RMS last)
+                    sq = T.alloc_buffer((RT * 2,), f32, scope="local")  # NORM: sums of squares, this lane's
+                    gf = T.alloc_buffer((2,), "uint32", scope="local")  # NORM: g's words at the fragment's columns
                     warp = tid // 32
                     lane = tid % 32
                     wn = warp % WN
@@ -453,24 +377,19 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
                     tiles = (rows + 15) // 16
                     for i in T.unroll(H * MT8):
                         acc[i] = T.float32(0)
-                    if NORM:
-                        fetch_rows(x_, matmul_smem, rows, m0, tid)
-                        T.ptx["cp.async.commit_group"]()
+                    for i in T.unroll(RT * 2):
+                        sq[i] = T.float32(0)
                     for s in T.unroll(STAGES - 1):
                         if s < KT:
-                            issue(x_, w_, matmul_smem, rows, m0, n0, s, tid)
+                            issue(x_, g_, w_, matmul_smem, rows, m0, n0, s, tid)
                         T.ptx["cp.async.commit_group"]()  # (empty groups keep the count)
-                    if NORM:  # the rows landed (the first group); normalized while the weight streams in
-                        T.ptx["cp.async.wait_group"](STAGES - 1)
-                        T.tvm_storage_sync("shared")
-                        normalize_rows(g_, matmul_smem, part, rows, warp, lane)
                     for kt in T.serial(KT):
                         T.ptx["cp.async.wait_group"](STAGES - 2)  # this thread's copies of tile kt have landed
                         T.tvm_storage_sync("shared")  # ... everyone's; no warp reads tile kt - 1 any more
                         if kt + STAGES - 1 < KT:
-                            issue(x_, w_, matmul_smem, rows, m0, n0, kt + STAGES - 1, tid)
+                            issue(x_, g_, w_, matmul_smem, rows, m0, n0, kt + STAGES - 1, tid)
                         T.ptx["cp.async.commit_group"]()
-                        compute(matmul_smem, acc, af, bf, tiles, kt, wn, wk, lane)
+                        compute(matmul_smem, acc, af, bf, sq, gf, tiles, kt, wn, wk, lane)
                     T.ptx["cp.async.wait_group"](0)
                     T.tvm_storage_sync("shared")  # the ring is free: it holds the warps' sums now
                     for mt in T.unroll(RT):
@@ -482,6 +401,15 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
                                             matmul_smem[wk * SUM_WORDS + (mt * 16 + lane // 4 + half * 8) * SUM_STRIDE
                                                         + pt * BN + wn * 16 + h * 8 + lane % 4 * 2 + e] = acc[
                                                 pt * MT8 + mt * 8 + h * 4 + half * 2 + e]
+                    if NORM:  # a row's squares: its quad's lanes added, then (in store) the K-slice warps'
+                        for i in T.unroll(RT * 2):
+                            for s in T.unroll(2):
+                                sq[i] = sq[i] + T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), sq[i], 1 << s, 32, 32)
+                        for mt in T.unroll(RT):
+                            if mt < tiles and wn == 0 and lane % 4 == 0:
+                                for half in T.unroll(2):
+                                    matmul_smem[wk * SUM_WORDS + (mt * 16 + lane // 4 + half * 8) * SUM_STRIDE
+                                                + SQ_COL] = sq[mt * 2 + half]
                     T.tvm_storage_sync("shared")
                     store(y_, r_, matmul_smem, total, rows, m0, n0, tid)
 
@@ -728,11 +656,11 @@ class FusedNormTensorCoreMatmul(ScheduleRule):
     """Replaces a fused decode op over the symbolic batch_size (compiler.fused_decode:
     rms_norm_matmul with or without a bias, rms_norm_matmul_swiglu; compared structurally with
     `norm_matmul_definition`) with `norm_matmul`'s kernel, for CUDA sm_80 and newer, where a
-    schedule fits the arch's shared memory. Anything else (a static batch: `decode`'s): None.
+    schedule tiles the weight. Anything else (a static batch: `decode`'s): None.
 
     below: the rule of batches under `from_batch` (CUDAFusedDecodeGEMV in a library's
     pipeline), as SmallBatchTensorCoreMatmul's: one function, two kernels, the branch on the host.
-    schedule_for(N, K, halves, sm): the kernel's schedule (default: choose_norm_schedule)."""
+    schedule_for(N, K, halves): the kernel's schedule (default: choose_skinny_schedule's, norm=True)."""
 
     def __init__(self, below: ScheduleRule | None = None, from_batch: int = TENSOR_CORES_FROM_BATCH,
                  schedule_for=None):
@@ -740,7 +668,7 @@ class FusedNormTensorCoreMatmul(ScheduleRule):
             raise ValueError(f"from_batch={from_batch!r}: expected an int of at least 1")
         self.below = below
         self.from_batch = from_batch
-        self.schedule_for = schedule_for or choose_norm_schedule
+        self.schedule_for = schedule_for or functools.partial(choose_skinny_schedule, norm=True)
 
     def apply(self, func, target, tunable):
         if not isinstance(func, tirx.PrimFunc) or sm_of(target) < MIN_ARCH or len(func.params) not in (4, 5):
@@ -759,11 +687,11 @@ class FusedNormTensorCoreMatmul(ScheduleRule):
         epilogue = "swiglu" if swiglu else "bias" if len(func.params) == 5 else "none"
         n = rows // 2 if swiglu else rows
         halves = 2 if swiglu else 1
-        schedule = self.schedule_for(n, k, halves, sm_of(target))
+        schedule = self.schedule_for(n, k, halves)
         if schedule is None:
             return None
         try:
-            schedule.check(n, k, halves, True, smem_limit_of(sm_of(target)))
+            schedule.check(n, k, halves, norm=True)
         except ValueError:
             return None
         definition = norm_matmul_definition(n, k, dtype, epilogue, eps)

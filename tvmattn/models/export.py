@@ -42,11 +42,10 @@ from tvm import relax
 from tir_kernels import tvm_target
 from tir_kernels.build import PIPELINE
 from tir_kernels.sampling import SamplingConfig, apply_penalties, feed_tokens, sample_tokens
-from tir_kernels.support import (FP8_KV_DTYPES, TargetName, dtype_problem, is_fp8, numpy_dtype, page_size_problem,
-                                 sm_of)
+from tir_kernels.support import FP8_KV_DTYPES, TargetName, dtype_problem, is_fp8, numpy_dtype, page_size_problem
 
 from ..compiler.dependent_launch import dependent_launch_problem
-from ..compiler.tensor_core_matmul import (DTYPES as TENSOR_CORE_DTYPES, choose_norm_schedule, swiglu_matmul_takes,
+from ..compiler.tensor_core_matmul import (DTYPES as TENSOR_CORE_DTYPES, choose_skinny_schedule, swiglu_matmul_takes,
                                           tensor_core_matmul_problem)
 from ..compiler.fused_decode import fused_decode
 from ..compiler.pipeline import relax_pipeline
@@ -248,7 +247,7 @@ def _attach_sampling(mod: tvm.IRModule, options: BuildOptions) -> tvm.IRModule:
 def fused_on_tensor_cores(config: AnyModelConfig, options: BuildOptions) -> bool:
     """Whether a CUDA library's fused decode ops (compiler.fused_decode) run at every batch: with
     fused_batch_layers (and so tensor_core_matmul) on, a 16-bit dtype, and norm_matmul schedules
-    for the model's qkv and gate_up shapes on the target's arch
+    for the model's qkv and gate_up shapes
     (compiler.tensor_core_matmul.FusedNormTensorCoreMatmul takes them from batch 16 on)."""
     if not options.fused_batch_layers or options.dtype not in TENSOR_CORE_DTYPES:
         return False
@@ -257,8 +256,7 @@ def fused_on_tensor_cores(config: AnyModelConfig, options: BuildOptions) -> bool
         intermediate = config.intermediate_size
     except AttributeError:  # (an architecture without the fused ops)
         return False
-    sm = sm_of(options.target)
-    return all(choose_norm_schedule(n, hidden, halves, sm) is not None
+    return all(choose_skinny_schedule(n, hidden, halves, norm=True) is not None
                for n, halves in ((qkv, 1), (intermediate, 2)))
 
 
