@@ -65,7 +65,9 @@ def decode_step_matmuls(model: str, max_batch: int, fused: bool = False):
     from tvmattn.compiler.pipeline import SmallBatchMatmul, _has_var
 
     config = model_config_from_hf(json.load(open(model)))
-    options = BuildOptions(target="cuda:sm_90", dtype="float16", max_batch_size=max_batch, fused_layers=fused)
+    # (a CUDA library fuses its batched steps only with fused_batch_layers: models/export.py)
+    options = BuildOptions(target="cuda:sm_90", dtype="float16", max_batch_size=max_batch, fused_layers=fused,
+                           fused_batch_layers=fused)
     mod, _ = export_module(config, options)
     target = options.tvm_target()
     with target:

@@ -164,6 +164,22 @@ def test_rule_takes_every_decode_step_projection_of_a_model(tmp_path):
     assert sorted(kinds.values()) == sorted([("float16", 3)] * 2 + [("float16", 4)] * 2 + [("float32", 3)])
 
 
+def test_bench_small_batch_fused_finds_the_fused_ops_of_the_batched_step(tmp_path):
+    """bench_small_batch.py --fused: decode_step's fused RMSNorm + qkv and RMSNorm + gate_up + SiLU
+    * mul (a library built with fused_batch_layers), each taken by the fused tensor-core rule."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+              "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 256,
+              "max_position_embeddings": 256, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    funcs, target = load_script("bench_small_batch").decode_step_matmuls(str(path), 64, fused=True)
+    assert sorted(name.rstrip("0123456789") for name in funcs) == ["fused_rms_norm_matmul",
+                                                                   "fused_rms_norm_matmul_swiglu"]
+    for func in funcs.values():
+        assert FusedNormTensorCoreMatmul().apply(func, target, False) is not None
+
+
 def test_llama_1b_projections_over_the_cuda_core_cap_run_on_tensor_cores_at_every_batch():
     """Llama-3.2-1B's decode_step (scripts/llama-3.2-1b-config.json): qkv and o_proj (under
     SmallBatchMatmul's 16 MiB) branch on the batch; gate_up, down_proj and the LM head (over it,
