@@ -146,16 +146,21 @@ def test_rule_leaves_everything_else_to_the_next_rule():
         legalized(976, 576), CUDA, False) is not None
 
 
-def test_rule_takes_every_decode_step_projection_of_a_model(tmp_path):
-    """A tiny Llama's decode_step projections, legalized by TVM's CUDA passes: qkv, o (+ residual),
-    gate_up, down (+ residual) and the LM head (float32 cast): every one is taken."""
+def _tiny_llama_config(folder) -> str:
+    """The path of a tiny Llama's config.json (one layer, hidden 128) written into folder."""
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
               "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
               "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 256,
               "max_position_embeddings": 256, "tie_word_embeddings": False}
-    path = tmp_path / "config.json"
+    path = folder / "config.json"
     path.write_text(json.dumps(config))
-    funcs, target = load_script("bench_small_batch").decode_step_matmuls(str(path), 64)
+    return str(path)
+
+
+def test_rule_takes_every_decode_step_projection_of_a_model(tmp_path):
+    """A tiny Llama's decode_step projections, legalized by TVM's CUDA passes: qkv, o (+ residual),
+    gate_up, down (+ residual) and the LM head (float32 cast): every one is taken."""
+    funcs, target = load_script("bench_small_batch").decode_step_matmuls(_tiny_llama_config(tmp_path), 64)
     kinds = {}
     for name, func in funcs.items():
         sch = RULE.apply(func, target, False)
@@ -167,13 +172,7 @@ def test_rule_takes_every_decode_step_projection_of_a_model(tmp_path):
 def test_bench_small_batch_fused_finds_the_fused_ops_of_the_batched_step(tmp_path):
     """bench_small_batch.py --fused: decode_step's fused RMSNorm + qkv and RMSNorm + gate_up + SiLU
     * mul (a library built with fused_batch_layers), each taken by the fused tensor-core rule."""
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-              "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 256,
-              "max_position_embeddings": 256, "tie_word_embeddings": False}
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    funcs, target = load_script("bench_small_batch").decode_step_matmuls(str(path), 64, fused=True)
+    funcs, target = load_script("bench_small_batch").decode_step_matmuls(_tiny_llama_config(tmp_path), 64, fused=True)
     assert sorted(name.rstrip("0123456789") for name in funcs) == ["fused_rms_norm_matmul",
                                                                    "fused_rms_norm_matmul_swiglu"]
     for func in funcs.values():
