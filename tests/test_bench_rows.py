@@ -206,10 +206,10 @@ def test_e2e_json_option(e2e, tmp_path, capsys):
 
 
 def test_e2e_own_configuration_options(e2e, tmp_path, capsys):
-    """--no-dependent-launch, --no-tensor-core-matmul, --no-decode-append and --fused-batch-layers build
-    libraries of their own name (never the ordinary ones of the folder), refuse an existing library built otherwise and the CPU
-    target; their rows form configurations of their own (bench_rows.CONFIG_FIELDS), while the
-    ordinary rows carry no such field."""
+    """--no-dependent-launch, --no-tensor-core-matmul, --no-decode-append and --fused-batch-layers
+    build libraries of their own name (never the ordinary ones of the folder), refuse an existing
+    library built otherwise and the CPU target; their rows form configurations of their own
+    (bench_rows.CONFIG_FIELDS), while the ordinary rows carry no such field."""
     # both are the CUDA default (the present GPU's arch, else sm_90): the flags turn them off
     default = e2e.parse_args(["--libs", str(tmp_path)])
     assert default.name == "smollm2" and default.dependent_launch and default.tensor_core_matmul

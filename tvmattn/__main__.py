@@ -325,8 +325,9 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
                          help="decode steps append K/V in a kernel of their own instead of inside the tensor-core "
                               "decode kernel (tir_kernels.paged_decode_append; for comparison)")
     command.add_argument("--fused-batch-layers", action="store_true",
-                         help="CUDA: the batched decode steps take the fused RMSNorm + projection ops too (on tensor "
-                              "cores from batch 16 on, compiler.tensor_core_matmul.norm_matmul; default: `decode` only)")
+                         help="CUDA: the batched decode steps take the fused RMSNorm + projection ops too (on "
+                              "tensor cores from batch 16 on, compiler.tensor_core_matmul.norm_matmul; default: "
+                              "`decode` only)")
 
 
 def _main_job_options(job: argparse.ArgumentParser, blocks: str) -> None:

@@ -390,7 +390,8 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
                            weight_formats=weight_formats, max_batch_size=max_batch_size,
                            small_batch_matmul=small_batch_matmul, fused_layers=fused_layers, cpu_bf16=cpu_bf16,
                            dependent_launch=dependent_launch, tensor_core_matmul=tensor_core_matmul,
-                           decode_append=decode_append, fused_batch_layers=fused_batch_layers, kv_dtype="" if kv_cache_dtype in (None, dtype) else kv_cache_dtype,
+                           decode_append=decode_append, fused_batch_layers=fused_batch_layers,
+                           kv_dtype="" if kv_cache_dtype in (None, dtype) else kv_cache_dtype,
                            host_avx512=bool(weight_formats) and _every_matrix_kept(config, weight_formats))
     attn_backend = _attention_backend(attn_backend, options.cache_spec(config), log)
     log(f"[compile] exporting the Relax module (target {target}, dtype {dtype}, kv cache {kv_cache}, "

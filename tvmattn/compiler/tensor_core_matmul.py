@@ -96,22 +96,22 @@ class SkinnyMatmulSchedule:
         """Dynamic shared memory: the ring, or the warps' sums at the end (the larger); halves: 2
         where each output column takes two weight rows (SwiGLU's gate and up); norm: each stage
         also holds the norm weight's block_k elements (norm_matmul)."""
-        stage = (self.block_m + halves * self.block_n) * Tile(self.block_k).stride * 2 + (2 * self.block_k if norm else 0)
-        ring = self.stages * stage
+        rows = (self.block_m + halves * self.block_n) * Tile(self.block_k).stride * 2
+        ring = self.stages * (rows + (2 * self.block_k if norm else 0))
         sums = self.warps_k * self.block_m * (halves * self.block_n + 4) * 4
         return max(ring, sums)
 
-    def check(self, n: int, k: int, halves: int = 1, norm: bool = False, smem_limit: int = SMEM_LIMIT) -> None:
+    def check(self, n: int, k: int, halves: int = 1, norm: bool = False) -> None:
         """ValueError unless the schedule tiles an N x K weight (N output columns; halves * N
-        weight rows) within smem_limit bytes of shared memory (norm: norm_matmul's)."""
+        weight rows) within SMEM_LIMIT bytes of shared memory (norm: norm_matmul's)."""
         if n % self.block_n:
             raise ValueError(f"N={n} is not a multiple of the block's {self.block_n} columns (warps_n={self.warps_n})")
         if k % self.block_k:
             raise ValueError(f"K={k} is not a multiple of a stage's {self.block_k} columns "
                              f"(warps_k={self.warps_k}, k_steps={self.k_steps})")
         used = self.smem_bytes(halves, norm)
-        if used > smem_limit:
-            raise ValueError(f"{used} bytes of shared memory: over {smem_limit}")
+        if used > SMEM_LIMIT:
+            raise ValueError(f"{used} bytes of shared memory: over {SMEM_LIMIT}")
 
 
 def choose_skinny_schedule(n: int, k: int, halves: int = 1, norm: bool = False) -> SkinnyMatmulSchedule | None:
@@ -377,8 +377,9 @@ def _skinny_matmul(n, k, dtype, epilogue, schedule, buffers, norm_eps=None):
                     tiles = (rows + 15) // 16
                     for i in T.unroll(H * MT8):
                         acc[i] = T.float32(0)
-                    for i in T.unroll(RT * 2):
-                        sq[i] = T.float32(0)
+                    if NORM:
+                        for i in T.unroll(RT * 2):
+                            sq[i] = T.float32(0)
                     for s in T.unroll(STAGES - 1):
                         if s < KT:
                             issue(x_, g_, w_, matmul_smem, rows, m0, n0, s, tid)
