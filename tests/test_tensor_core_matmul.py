@@ -340,7 +340,8 @@ def test_the_norm_kernel_normalizes_in_registers_on_the_plain_schedules():
     assert "T.rsqrt(" in script and "tvm_warp_shuffle_xor" in script
     for n, k, halves in ((960, 576, 1), (1536, 576, 2), (3072, 2048, 1), (8192, 2048, 2), (960, 8192, 1)):
         schedule = choose_skinny_schedule(n, k, halves, norm=True)
-        assert schedule.row_tiles == 4 and schedule.smem_bytes(halves, norm=True) <= 96 << 10, (n, k)
+        assert schedule.row_tiles == 4 and schedule.smem_bytes(halves, norm=True) <= 99 << 10, (n, k)
+        assert schedule.stages == choose_skinny_schedule(n, k, halves).stages, (n, k)  # (g's slices cost no stage)
         norm_matmul(n, k, epilogue="swiglu" if halves == 2 else "none")  # (builds)
     with pytest.raises(ValueError, match="row_tiles=3: expected 1, 2 or 4"):
         SkinnyMatmulSchedule(row_tiles=3)

@@ -48,7 +48,10 @@ DTYPES = TENSOR_CORE_DTYPES  # the operands' dtype (Y's in epilogues "none" and 
 ROWS_PER_TILE = ROWS_PER_MMA  # the M of m16n8k16
 MAX_TILES = 4  # 16-row MMA tiles per row chunk: 64 rows a block
 MIN_ARCH = MMA_MIN_ARCH  # cp.async, ldmatrix and bf16 mma.sync
-SMEM_LIMIT = 96 << 10  # bytes of dynamic shared memory a schedule stays under (every arch from sm_80 has 99 KiB)
+SMEM_LIMIT = 96 << 10  # bytes of dynamic shared memory a plain projection's schedule stays under
+# norm_matmul's: the most every arch from sm_80 gives a block (sm_86 / sm_89 / sm_120: 99 KiB), so that g's
+# slice in each stage does not cost a stage where the plain kernel's ring takes 96 KiB (Llama-1B's gate_up)
+NORM_SMEM_LIMIT = 99 << 10
 # Batches from which a replacement with a rule `below` (the CUDA-core kernel) runs on tensor
 # cores: in a sweep of SmolLM2's projections on an H100 (docs/performance.md) the CUDA-core kernel
 # was faster at every projection at batch 8 and the tensor-core kernel as fast or faster at 16.
@@ -103,15 +106,16 @@ class SkinnyMatmulSchedule:
 
     def check(self, n: int, k: int, halves: int = 1, norm: bool = False) -> None:
         """ValueError unless the schedule tiles an N x K weight (N output columns; halves * N
-        weight rows) within SMEM_LIMIT bytes of shared memory (norm: norm_matmul's)."""
+        weight rows) within SMEM_LIMIT bytes of shared memory (norm: norm_matmul's, within
+        NORM_SMEM_LIMIT)."""
         if n % self.block_n:
             raise ValueError(f"N={n} is not a multiple of the block's {self.block_n} columns (warps_n={self.warps_n})")
         if k % self.block_k:
             raise ValueError(f"K={k} is not a multiple of a stage's {self.block_k} columns "
                              f"(warps_k={self.warps_k}, k_steps={self.k_steps})")
-        used = self.smem_bytes(halves, norm)
-        if used > SMEM_LIMIT:
-            raise ValueError(f"{used} bytes of shared memory: over {SMEM_LIMIT}")
+        used, limit = self.smem_bytes(halves, norm), NORM_SMEM_LIMIT if norm else SMEM_LIMIT
+        if used > limit:
+            raise ValueError(f"{used} bytes of shared memory: over {limit}")
 
 
 def choose_skinny_schedule(n: int, k: int, halves: int = 1, norm: bool = False) -> SkinnyMatmulSchedule | None:
@@ -134,7 +138,7 @@ def choose_skinny_schedule(n: int, k: int, halves: int = 1, norm: bool = False) 
             break
     stages = 4 if n // (ROWS_PER_TILE * warps_n) >= TARGET_BLOCKS else 6
     schedule = SkinnyMatmulSchedule(warps_n=warps_n, warps_k=warps_k, k_steps=k_steps, stages=stages)
-    while schedule.smem_bytes(halves, norm) > SMEM_LIMIT and schedule.stages > 2:
+    while schedule.smem_bytes(halves, norm) > (NORM_SMEM_LIMIT if norm else SMEM_LIMIT) and schedule.stages > 2:
         schedule = dataclasses.replace(schedule, stages=schedule.stages - 1)
     return schedule
 
@@ -185,10 +189,10 @@ def word(elem):
 
 def _norm_fragment_functions(dtype: str):
     """Names and CUDA sources of norm_matmul's operations on 32-bit words of two `dtype` elements:
-    sumsq2(a) -> a's float32 sum of squares; scale2(a, g) -> a * g elementwise in float32,
-    rounded to dtype. TVM emits each source once per module, by its function's name."""
-    pair, to_f2, from_f2 = {"float16": ("__half2", "__half22float2", "__floats2half2_rn"),
-                            "bfloat16": ("__nv_bfloat162", "__bfloat1622float2", "__floats2bfloat162_rn")}[dtype]
+    sumsq2(a) -> a's float32 sum of squares; scale2(a, g) -> a * g elementwise, rounded to dtype
+    (__hmul2: a 16-bit product is exact in float32, so this is the float32 product rounded, in
+    one instruction). TVM emits each source once per module, by its function's name."""
+    pair, to_f2 = {"float16": ("__half2", "__half22float2"), "bfloat16": ("__nv_bfloat162", "__bfloat1622float2")}[dtype]
     sumsq, scale = f"tvmattn_sumsq2_{dtype}", f"tvmattn_scale2_{dtype}"
     sumsq_src = f"""
 union {sumsq}_word {{ unsigned u; {pair} h; }};
@@ -205,8 +209,7 @@ __device__ __forceinline__ unsigned {scale}(unsigned a, unsigned g) {{
   {scale}_word wa, wg;
   wa.u = a;
   wg.u = g;
-  const float2 fa = {to_f2}(wa.h), fg = {to_f2}(wg.h);
-  wa.h = {from_f2}(fa.x * fg.x, fa.y * fg.y);
+  wa.h = __hmul2(wa.h, wg.h);
   return wa.u;
 }}
 """
