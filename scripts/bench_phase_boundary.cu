@@ -3,7 +3,13 @@
 //   kernels + PDL    the same with programmatic dependent launch (griddepcontrol.wait first);
 //   barrier (fence)  one persistent kernel, phases separated by a software grid barrier: an
 //                    arrival counter (__threadfence, atomicAdd, a volatile spin, __threadfence);
-//   barrier (acq/rel) the same counter with red.release.gpu / ld.acquire.gpu and no full fences.
+//   barrier (acq/rel) the same counter with red.release.gpu / ld.acquire.gpu and no full fences;
+//   barrier (flags)  no shared counter: each block stores its own flag (st.release.gpu) and
+//                    polls every block's (ld.acquire.gpu, one thread a flag), so no atomics queue
+//                    at one L2 address.
+// Two more ways load each phase's weight columns into registers before the dependency, as the
+// library's kernels do before griddepcontrol.wait: "PDL + regs" (kernels + PDL) and "flags +
+// regs" (the flags barrier, the next phase's weights loaded before it waits).
 // (A grid barrier needs every block resident at once: one or half a block an SM here.)
 // Each phase is a GEMV of the vector the previous phase wrote (N floats, read from L2 by every
 // block) with an N x N fp16 weight (the block's columns), or nothing but the dependency ("empty":
@@ -39,6 +45,48 @@ __device__ void gemv_phase(const float* __restrict__ x, float* __restrict__ out,
     if (lane == 0) out[c] = acc * (1.0f / N) + 1.0f;
   }
   __syncthreads();
+}
+
+constexpr int WARPS = THREADS / 32;
+constexpr int K_PER_LANE = N / 32;
+constexpr int COLS_PER_WARP = 3;  // a block's columns in registers: grids of at least 48 blocks
+
+struct WeightRegs { half v[COLS_PER_WARP][K_PER_LANE]; };
+
+__device__ __forceinline__ void load_weights(WeightRegs& r, const half* __restrict__ w) {
+  int per = (N + gridDim.x - 1) / gridDim.x, c0 = min(N, (int)blockIdx.x * per), c1 = min(N, c0 + per);
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < COLS_PER_WARP; ++j) {
+    int c = min(c0 + warp + j * WARPS, c1 - 1);  // (clamped: columns past c1 are not written)
+#pragma unroll
+    for (int i = 0; i < K_PER_LANE; ++i) r.v[j][i] = w[(size_t)max(c, 0) * N + lane + 32 * i];
+  }
+}
+
+__device__ void gemv_regs_phase(const float* __restrict__ x, float* __restrict__ out, const WeightRegs& r) {
+  __shared__ float xs[N];
+  int per = (N + gridDim.x - 1) / gridDim.x, c0 = min(N, (int)blockIdx.x * per), c1 = min(N, c0 + per);
+  for (int i = threadIdx.x; i < N; i += THREADS) xs[i] = __ldcg(x + i);
+  __syncthreads();
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < COLS_PER_WARP; ++j) {
+    int c = c0 + warp + j * WARPS;
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < K_PER_LANE; ++i) acc += __half2float(r.v[j][i]) * xs[lane + 32 * i];
+    for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0 && c < c1) out[c] = acc * (1.0f / N) + 1.0f;
+  }
+  __syncthreads();
+}
+
+__global__ void step_regs_kernel(const float* x, float* out, const half* w) {
+  WeightRegs r;
+  load_weights(r, w);
+  pdl_wait(); pdl_launch();
+  gemv_regs_phase(x, out, r);
 }
 
 __device__ void empty_phase(const float* __restrict__ x, float* __restrict__ out) {
@@ -80,6 +128,35 @@ __device__ __forceinline__ void barrier_acq_rel(unsigned target) {
   __syncthreads();
 }
 
+__device__ unsigned flags[1024];  // a block's count of barriers passed, across launches
+
+__device__ __forceinline__ void barrier_flags(unsigned target) {
+  __syncthreads();
+  if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(flags + blockIdx.x), "r"(target) : "memory");
+  for (int b = threadIdx.x; b < gridDim.x; b += THREADS) {
+    unsigned seen;
+    do { asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(flags + b) : "memory"); }
+    while ((int)(seen - target) < 0);
+  }
+  __syncthreads();
+}
+
+__global__ void persistent_flags_kernel(float* bufs, const half* w, int phases, unsigned base, int empty, int regs) {
+  WeightRegs r;
+  if (regs && !empty) load_weights(r, w);
+  for (int p = 0; p < phases; ++p) {
+    const float* x = bufs + (p % 2) * N;
+    float* out = bufs + ((p + 1) % 2) * N;
+    if (empty) empty_phase(x, out);
+    else if (regs) gemv_regs_phase(x, out, r);
+    else gemv_phase(x, out, w + (size_t)(p % 8) * N * N);
+    if (p + 1 < phases) {
+      if (regs && !empty) load_weights(r, w + (size_t)((p + 1) % 8) * N * N);
+      barrier_flags(base + p + 1);
+    }
+  }
+}
+
 __global__ void persistent_kernel(float* bufs, const half* w, int phases, unsigned base, int acq_rel, int empty) {
   unsigned target = base;
   for (int p = 0; p < phases; ++p) {
@@ -114,10 +191,14 @@ int main(int argc, char** argv) {
     float ms; CHECK(cudaEventElapsedTime(&ms, e0, e1));
     return 1e3f * ms / reps / phases;
   };
+  unsigned epoch = 0;  // the flags only grow, across all the flags-barrier launches
   for (int empty = 0; empty < 2; ++empty) {
     for (int blocks : {sms, sms / 2}) {
-      float us[4]; std::vector<float> out[4];
-      for (int pdl = 0; pdl < 2; ++pdl) {  // a graph of `phases` kernels
+      constexpr int WAYS = 7;
+      float us[WAYS]; std::vector<float> out[WAYS];
+      for (int way = 0; way < 3; ++way) {  // a graph of `phases` kernels: plain, PDL, PDL + regs
+        int pdl = way > 0, regs = way == 2;
+        if (regs && empty) { us[way] = NAN; out[way] = out[1]; continue; }
         cudaGraph_t g; cudaGraphExec_t ge;
         CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
         for (int p = 0; p < phases; ++p) {
@@ -126,13 +207,15 @@ int main(int argc, char** argv) {
           attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
           attr[0].val.programmaticStreamSerializationAllowed = pdl;
           cfg.attrs = attr; cfg.numAttrs = 1;
-          CHECK(cudaLaunchKernelEx(&cfg, step_kernel, (const float*)(bufs + (p % 2) * N), bufs + ((p + 1) % 2) * N,
-                                   (const half*)(w + (size_t)(p % 8) * N * N), pdl, empty));
+          const float* x = bufs + (p % 2) * N;
+          const half* wp = w + (size_t)(p % 8) * N * N;
+          if (regs) CHECK(cudaLaunchKernelEx(&cfg, step_regs_kernel, x, bufs + ((p + 1) % 2) * N, wp));
+          else CHECK(cudaLaunchKernelEx(&cfg, step_kernel, x, bufs + ((p + 1) % 2) * N, wp, pdl, empty));
         }
         CHECK(cudaStreamEndCapture(s, &g));
         CHECK(cudaGraphInstantiate(&ge, g, 0));
-        reset(); CHECK(cudaGraphLaunch(ge, s)); CHECK(cudaStreamSynchronize(s)); out[pdl] = last();
-        us[pdl] = timed([&] { CHECK(cudaGraphLaunch(ge, s)); });
+        reset(); CHECK(cudaGraphLaunch(ge, s)); CHECK(cudaStreamSynchronize(s)); out[way] = last();
+        us[way] = timed([&] { CHECK(cudaGraphLaunch(ge, s)); });
       }
       unsigned base = 0; CHECK(cudaMemcpyToSymbol(arrivals, &base, sizeof(base)));
       for (int acq = 0; acq < 2; ++acq) {
@@ -140,14 +223,24 @@ int main(int argc, char** argv) {
           persistent_kernel<<<blocks, THREADS, 0, s>>>(bufs, w, phases, base, acq, empty);
           base += (unsigned)blocks * (phases - 1);
         };
-        reset(); launch(); CHECK(cudaStreamSynchronize(s)); out[2 + acq] = last();
-        us[2 + acq] = timed(launch);
+        reset(); launch(); CHECK(cudaStreamSynchronize(s)); out[3 + acq] = last();
+        us[3 + acq] = timed(launch);
+      }
+      for (int regs = 0; regs < 2; ++regs) {
+        if (regs && empty) { us[6] = NAN; out[6] = out[5]; continue; }
+        auto launch = [&] {
+          persistent_flags_kernel<<<blocks, THREADS, 0, s>>>(bufs, w, phases, epoch, empty, regs);
+          epoch += phases - 1;
+        };
+        reset(); launch(); CHECK(cudaStreamSynchronize(s)); out[5 + regs] = last();
+        us[5 + regs] = timed(launch);
       }
       double diff = 0;  // every way computes the same phases from the same start
-      for (int v = 1; v < 4; ++v) for (int i = 0; i < N; ++i) diff = fmax(diff, fabs((double)out[v][i] - out[0][i]));
+      for (int v = 1; v < WAYS; ++v) for (int i = 0; i < N; ++i) diff = fmax(diff, fabs((double)out[v][i] - out[0][i]));
       printf("%s phases, %d blocks of %d threads, %d phases: us a phase: kernels %.2f, kernels + PDL %.2f, "
-             "barrier (fence) %.2f, barrier (acq/rel) %.2f; max |diff| %.3g\n", empty ? "empty" : "GEMV",
-             blocks, THREADS, phases, us[0], us[1], us[2], us[3], diff);
+             "PDL + regs %.2f, barrier (fence) %.2f, barrier (acq/rel) %.2f, barrier (flags) %.2f, "
+             "flags + regs %.2f; max |diff| %.3g\n", empty ? "empty" : "GEMV",
+             blocks, THREADS, phases, us[0], us[1], us[2], us[3], us[4], us[5], us[6], diff);
     }
   }
   return 0;
