@@ -164,9 +164,9 @@ def test_every_kernel_waits_before_touching_memory(chained):
         assert body.count(WAIT) == 1, kernel
         before = body[body.index("{") + 1:body.index(WAIT)]
         pointers = _pointers(body)
-        # the fused decode GEMVs' weight prefetch: 16-byte loads of its weight into registers
+        # the fused decode GEMV's weight prefetch: 16-byte loads of its weight into registers
         prefetched = {m.group(2) for m in map(PREFETCH_LINE.match, before.split("\n")) if m}
-        assert not prefetched or (("rms_norm_matmul" in kernel or "matmul_residual" in kernel) and len(prefetched) == 1
+        assert not prefetched or ("rms_norm_matmul" in kernel and len(prefetched) == 1
                                   and "_weight" in next(iter(prefetched))), (kernel, prefetched)
         if prefetched:
             prefetching.add(chained.owner(kernel))
@@ -189,7 +189,7 @@ def test_every_kernel_waits_before_touching_memory(chained):
                 r"\s*(extern |__shared__ |alignas\(\d+\) |__align__\(\d+\) )*[\w:<>, ]+ \w+(\[\d*\])?( = [^;\[]*)?;$",
                 line), (kernel, line)
         assert body[body.index(WAIT) + len(WAIT):].lstrip().startswith(TRIGGER), kernel
-    assert {"fused_rms_norm_matmul", "fused_rms_norm_matmul_swiglu", "fused_matmul_residual"} <= prefetching, prefetching
+    assert {"fused_rms_norm_matmul", "fused_rms_norm_matmul_swiglu"} <= prefetching, prefetching
     # the 64 KiB qkv and gate_up weights; the 32 KiB embedding, o_proj and down_proj are too small
     assert {"fused_rms_norm_matmul", "fused_rms_norm_matmul_swiglu"} <= l2_prefetching, l2_prefetching
 

@@ -12,14 +12,6 @@ compiles to one kernel for sm_90 (static single token and symbolic batch, SmolLM
 a K of few vectors), the CPU one equals a float64 numpy RMSNorm + product (+ bias, or SiLU(gate)
 * up) at batches 1 and 3; on the GPU, the CUDA one too (batches 1, 3, 64).
 
-The residual projection (fused_decode.matmul_residual, `decode`'s o_proj and down_proj on CUDA):
-the op equals float64 numpy (the product rounded, then the residual added) on the CPU; its CUDA
-rule takes it at a batch of one only, compiles to one kernel whose every lane loads its
-contiguous chunk of the weight into registers first (the loop dependent launch waits after),
-then its chunk of x; a weight over the cap or a lane's chunk over the register cap goes to the
-next rule; on the GPU it equals numpy (SmolLM2's o_proj and down_proj, Gemma 3's, a K of few
-vectors).
-
 Let expressions (pipeline.inline_let_expressions, a workaround for TVM's CommonSubexprElim, which
 leaves a variable used before its definition in some functions that hold them): the pass leaves
 no Let and keeps the values (nested Lets on the CPU against numpy); TVM's stock tree-attention
@@ -40,9 +32,9 @@ from tvm import te
 from tvm.script import tirx as T
 from harness import compiles_with_nvcc, load_script
 
-from tvmattn.compiler.fused_decode import matmul_residual, rms_norm_matmul, rms_norm_matmul_swiglu
+from tvmattn.compiler.fused_decode import rms_norm_matmul, rms_norm_matmul_swiglu
 from tvmattn.compiler.dependent_launch import PREFETCH_ATTR
-from tvmattn.compiler.fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV, CUDAResidualGEMV
+from tvmattn.compiler.fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV
 from tvmattn.compiler.pipeline import SMALL_BATCH_THREADS, SmallBatchMatmul, inline_let_expressions, relax_pipeline
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
@@ -307,106 +299,6 @@ def test_fused_rule_matches_numpy_on_the_gpu(kind, k, n, batch, rule):
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, g, w, bias) if a is not None], out)
     # float32 sums of float16 products, one rounding to float16 at the end
     np.testing.assert_allclose(out.numpy().astype(np.float64), expected, rtol=2e-2, atol=2e-2)
-
-
-# ---------------------------------------------------------------------------------------------
-# The residual projection (fused_decode.matmul_residual) and its CUDA rule
-# ---------------------------------------------------------------------------------------------
-def residual_op(k: int, n: int, batch, dtype: str) -> tvm.tirx.PrimFunc:
-    """matmul_residual as the model emits it: x [batch, 1, k], w [n, k], r [batch, 1, n]; batch
-    None: the symbolic batch_size."""
-    rows = tvm.tirx.Var("batch_size", "int64") if batch is None else batch
-    x = te.placeholder((rows, 1, k), dtype, "x")
-    w = te.placeholder((n, k), dtype, "w")
-    r = te.placeholder((rows, 1, n), dtype, "r")
-    return te.create_prim_func([x, w, r, matmul_residual(x, w, r)]).with_attr("global_symbol", "main")
-
-
-def residual_reference(x, w, r) -> np.ndarray:
-    """r + x w^T: the product in float64 rounded to x's dtype, then the sum rounded again."""
-    product = (x.astype(np.float64)[:, 0, :] @ w.astype(np.float64).T).astype(x.dtype)
-    return (r[:, 0, :].astype(np.float64) + product.astype(np.float64)).astype(x.dtype)[:, None, :]
-
-
-RESIDUAL_CASES = [  # (K, N, lanes, each lane's chunk of K in 16-bit elements)
-    pytest.param(576, 576, 8, 72, id="o-576x576"),  # SmolLM2
-    pytest.param(1536, 576, 32, 48, id="down-1536x576"),
-    pytest.param(1024, 640, 32, 32, id="o-1024x640"),  # Gemma 3 270M
-    pytest.param(80, 96, 2, 40, id="80x96"),  # K of 10 vectors: 2 lanes a column
-]
-
-
-@pytest.mark.parametrize("batch", [1, 3])
-def test_residual_op_matches_numpy_on_the_cpu(batch):
-    k, n = 96, 40
-    with LLVM:
-        lib = tvm.compile(tvm.IRModule({"main": residual_op(k, n, batch, "float32")}), target=LLVM)
-    rng = np.random.default_rng(batch)
-    x = rng.standard_normal((batch, 1, k)).astype("float32")
-    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype("float32")
-    r = rng.standard_normal((batch, 1, n)).astype("float32")
-    out = tvm.runtime.tensor(np.zeros((batch, 1, n), "float32"))
-    lib["main"](*[tvm.runtime.tensor(a) for a in (x, w, r)], out)
-    np.testing.assert_allclose(out.numpy(), residual_reference(x, w, r), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("k, n, lanes, chunk", RESIDUAL_CASES)
-def test_residual_rule_prefetches_each_lanes_chunk_and_compiles_for_cuda(k, n, lanes, chunk, tmp_path):
-    func = residual_op(k, n, 1, "float16")
-    rule = CUDAResidualGEMV()
-    assert rule.apply(func, LLVM, False) is None
-    assert rule.apply(residual_op(k, n, None, "float16"), CUDA, False) is None  # batch 1 only
-    with CUDA:
-        sch = rule.apply(func, CUDA, False)
-        assert sch is not None
-        marked = [loop for loop in _loops(sch.mod["main"]) if PREFETCH_ATTR in loop.annotations]
-        source = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=CUDA).mod.imports[0].inspect_source()
-    assert len(marked) == 1
-    assert len(set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))) == 1
-    body = source[source.index("{", source.index("__global__")):]
-    # the lane's chunk of the weight and of x in registers, the weight's loads first
-    assert re.findall(r"half w_local_ptr\[(\d+)\];", body) == [str(chunk)]
-    assert re.findall(r"half x_local_ptr\[(\d+)\];", body) == [str(chunk)]
-    weight_loads = [m.start() for m in re.finditer(r"= \*\(uint4\*\)\(w_ptr", body)]
-    x_loads = [m.start() for m in re.finditer(r"\(x_ptr \+", body)]
-    assert len(weight_loads) == chunk // 8 and max(weight_loads) < min(x_loads)
-    assert "__shfl" in source and "__shared__" not in source
-    threads = int(re.search(r"__launch_bounds__\((\d+)\)", source).group(1))
-    assert threads <= 32 and threads % lanes == 0
-    compiles_with_nvcc(source, tmp_path)
-
-
-def test_residual_rule_leaves_large_weights_and_other_functions():
-    rule = CUDAResidualGEMV()
-    with CUDA:
-        assert rule.apply(residual_op(2048, 2048, 1, "float16"), CUDA, False) is None  # 8 MB: dlight's GEMV
-        assert CUDAResidualGEMV(max_chunk_bytes=64).apply(residual_op(576, 576, 1, "float16"), CUDA, False) is None
-        assert rule.apply(nt_matmul(576, 576, "add"), CUDA, False) is None
-        assert rule.apply(fused_op("plain", 576, 960, 1, "float16"), CUDA, False) is None
-    assert CUDAFusedDecodeGEMV().apply(residual_op(576, 576, 1, "float16"), CUDA, False) is None
-
-
-def test_residual_rule_takes_one_warp_blocks():
-    with pytest.raises(ValueError, match="threads=64: expected 1 to 32"):
-        CUDAResidualGEMV(threads=64)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("k, n, lanes, chunk", RESIDUAL_CASES)
-def test_residual_rule_matches_numpy_on_the_gpu(k, n, lanes, chunk):
-    with CUDA:
-        sch = CUDAResidualGEMV().apply(residual_op(k, n, 1, "float16"), CUDA, False)
-        lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=CUDA)
-    rng = np.random.default_rng(k + n)
-    x = rng.standard_normal((1, 1, k)).astype("float16")
-    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype("float16")
-    r = rng.standard_normal((1, 1, n)).astype("float16")
-    dev = tvm.cuda(0)
-    out = tvm.runtime.tensor(np.zeros((1, 1, n), "float16"), dev)
-    lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, r)], out)
-    # float32 sums of float16 products, rounded to float16, then the residual added in float16
-    np.testing.assert_allclose(out.numpy().astype(np.float64), residual_reference(x, w, r).astype(np.float64),
-                               rtol=1e-2, atol=1e-2)
 
 
 def _lets(func) -> int:

@@ -11,11 +11,6 @@ into the projection:
 - `rms_norm_matmul_swiglu`: y = silu(h W_gate^T) * (h W_up^T), h = rms_norm(x, g), with
   W = [W_gate; W_up] (the gate_up projection after the post-attention norm).
 
-- `matmul_residual`: y = r + x W^T, the projection whose output joins the residual stream
-  (o_proj, down_proj) at a batch of one, the product summed in float32 (its schedule,
-  fused_schedules.CUDAResidualGEMV, loads the weight before the grid wait, which Relax's fused
-  projection + add under dlight's GEMV rule does not).
-
 - `matmul_swiglu`: y = silu(x W_gate^T) * (x W_up^T), the norm a kernel before it: a batched
   decode step's gate_up on tensor cores with SiLU * mul as its epilogue (fused_decode's
   batched_swiglu: the export takes it where tensor_core_matmul's kernel serves the weight).
@@ -24,13 +19,11 @@ The norm is TVM's (topi rms_norm): float32 sum of squares, the normalized row ro
 activations' dtype; the product sums in float32 and rounds once. Blocks, by name (the schedules
 find them so): `rms_sumsq` (the rows' sums of squares), `rms_rstd` (1 / RMS per row), `rms_norm`
 (the normalized row), `NT_matmul` (`[rows, 1, cols]`; SwiGLU: the gate half, and `NT_matmul_up`
-the up half), `T_epilogue` (rounding, bias, SiLU * mul); matmul_residual: `NT_matmul` and
-`T_residual` (RESIDUAL_BLOCKS).
+the up half), `T_epilogue` (rounding, bias, SiLU * mul).
 
-`fused_decode(enabled, single_row_only, residual=...)` is the switch the export runs under
+`fused_decode(enabled, single_row_only)` is the switch the export runs under
 (BuildOptions.fused_layers): the model uses these ops for its decode shapes where it is on, or,
-with single_row_only, only where the batch is a static 1 (the `decode` function);
-matmul_residual only with `residual` (CUDA builds) and at a static batch of 1. CUDA builds
+with single_row_only, only where the batch is a static 1 (the `decode` function). CUDA builds
 take single_row_only (unless BuildOptions.fused_batch_layers): at batch > 1 the fused GEMV,
 which takes the rows one after the other, and the tensor-core norm_matmul from batch 16 on were
 slower than the plain projections after a separate norm (docs/performance.md).
@@ -45,36 +38,23 @@ from tvm import te, tirx
 
 _FUSED = contextvars.ContextVar("tvmattn_fused_decode", default=(True, False))  # (enabled, single_row_only)
 _BATCHED_SWIGLU = contextvars.ContextVar("tvmattn_batched_swiglu", default=False)
-_RESIDUAL = contextvars.ContextVar("tvmattn_residual_gemv", default=False)
 _ONE = tirx.const(1, "int64")
 BLOCKS = ("rms_sumsq", "rms_rstd", "rms_norm", "NT_matmul", "T_epilogue")
 UP_BLOCK = "NT_matmul_up"  # SwiGLU's up half (NT_matmul: its gate half)
-RESIDUAL_BLOCKS = ("NT_matmul", "T_residual")  # matmul_residual's
 
 
 @contextlib.contextmanager
-def fused_decode(enabled: bool, single_row_only: bool = False, batched_swiglu: bool = False,
-                 residual: bool = False):
+def fused_decode(enabled: bool, single_row_only: bool = False, batched_swiglu: bool = False):
     """Models exported inside this context use the fused decode ops (enabled; with
     single_row_only at a static batch of 1 only) or the plain ops; with batched_swiglu, where a
-    decode step's gate_up has no fused op (a symbolic batch), `matmul_swiglu` after the norm;
-    with residual (and enabled), `matmul_residual` for a float projection + residual add at a
-    static batch of 1."""
+    decode step's gate_up has no fused op (a symbolic batch), `matmul_swiglu` after the norm."""
     token = _FUSED.set((bool(enabled), bool(single_row_only)))
     swiglu = _BATCHED_SWIGLU.set(bool(batched_swiglu))
-    gemv = _RESIDUAL.set(bool(residual))
     try:
         yield
     finally:
         _FUSED.reset(token)
         _BATCHED_SWIGLU.reset(swiglu)
-        _RESIDUAL.reset(gemv)
-
-
-def residual_gemv_enabled(rows) -> bool:
-    """Whether models exported now write a projection + residual add of `rows` sequences' decode
-    step as one `matmul_residual` (rows a static 1, inside fused_decode(True, ..., residual=True))."""
-    return _FUSED.get()[0] and _RESIDUAL.get() and isinstance(rows, int) and rows == 1
 
 
 def batched_swiglu_enabled(rows) -> bool:
@@ -133,15 +113,6 @@ def matmul_swiglu(x: te.Tensor, w: te.Tensor) -> te.Tensor:
     its own (tensor_core_matmul's "swiglu" kernel in the batched steps)."""
     rows, _, k_dim = x.shape
     return _swiglu(lambda b, k: x[b, 0, k], rows, k_dim, w, x.dtype, "matmul_swiglu")
-
-
-def matmul_residual(x: te.Tensor, w: te.Tensor, r: te.Tensor) -> te.Tensor:
-    """x [B, 1, K], w [N, K], r [B, 1, N] (the activations' dtype) -> r + x w^T [B, 1, N] in x's
-    dtype: the product summed in float32 and rounded once, then added to r in the dtype (as the
-    projection and the add apart)."""
-    rows, _, k_dim = x.shape
-    mm = _matmul(lambda b, k: x[b, 0, k], rows, k_dim, w, 0, int(w.shape[0]), "NT_matmul")
-    return te.compute(mm.shape, lambda b, s, j: r[b, s, j] + mm[b, s, j].astype(x.dtype), name="T_residual")
 
 
 def rms_norm_matmul(x: te.Tensor, g: te.Tensor, w: te.Tensor, bias: te.Tensor | None = None, *,

@@ -25,16 +25,6 @@ registers, before x: under programmatic dependent launch that load runs before t
 lanes recomputed the norm from x and g element by element (slower: docs/performance.md,
 "Kernels per decode layer"); it stays for scripts/bench_fused_gemv.py's comparison.
 
-`CUDAResidualGEMV`: fused_decode.matmul_residual at a batch of one (the `decode` function's
-o_proj and down_proj with their residual add). One warp a block, `lanes` threads a column, each
-taking a contiguous chunk of K: the thread's chunk of its column's weight is loaded into
-registers first (PREFETCH_ATTR: before the grid wait), then its chunk of x as 16-byte vectors
-(no shared memory: a lane reads only its own chunk), the products, a shuffle reduction, the
-residual add. Where a lane's chunk would exceed `max_chunk_bytes` of registers, or the weight
-`max_weight_bytes` (a 1B model's, streamed from memory, gains nothing from a prefetch of its
-first blocks' share), it returns None; the export emits the op only where it does not
-(`residual_gemv_takes`), so such projections stay Relax's projection + add under dlight's GEMV.
-
 `CPUFusedDecodeGEMV`: the norm as plain loops (one row of sums and one normalized row per
 token: little work), then the product parallel over column chunks, each column's dot product
 vectorized over K (a vector of partial sums, summed at the end), every row of the batch against
@@ -48,7 +38,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 
 from .dependent_launch import PREFETCH_ATTR
-from .fused_decode import BLOCKS, RESIDUAL_BLOCKS, UP_BLOCK
+from .fused_decode import BLOCKS, UP_BLOCK
 
 # threads per block and the most lanes per column: SmallBatchMatmul's (pipeline.py), whose sweep
 # found 32-thread blocks fastest for these shapes; a K of fewer 16-byte vectors than a multiple of
@@ -58,10 +48,6 @@ CUDA_LANES = 32
 CUDA_ROWS = 4  # rows (tokens) per thread block, one after the other: SmallBatchMatmul's count
 CUDA_MIN_BLOCKS = 264  # staged: fewer columns a block while there would be fewer blocks (2 per H100 SM)
 CPU_COLUMN_CHUNK = 16  # columns per parallel task on the CPU
-# CUDAResidualGEMV: the most bytes of weight a lane holds in registers, and the largest weight
-# (SmolLM2's down_proj, 1536 x 576 fp16, is 1.7 MB; a 1B model's o_proj 8 MB)
-RESIDUAL_MAX_CHUNK_BYTES = 256
-RESIDUAL_MAX_WEIGHT_BYTES = 4 << 20
 
 
 def fused_op_schedule(func) -> s_tir.Schedule | None:
@@ -266,94 +252,6 @@ class CUDAFusedDecodeGEMV(ScheduleRule):
         sch.bind(sum_col, "threadIdx.y")
         sch.bind(sum_lane, "threadIdx.x")
         sch.set_scope(writeback, 0, "local")
-
-
-def _residual_layout(k_extent: int, dtype_bits: int, threads: int = CUDA_THREADS) -> tuple[int, int]:
-    """CUDAResidualGEMV's (lanes a column, elements a 16-byte vector) for a K of k_extent."""
-    vec = _vector(k_extent, [128 // dtype_bits, 4, 2, 1])
-    lanes = threads
-    while lanes > 1 and (k_extent // vec) % lanes:
-        lanes //= 2
-    return lanes, vec
-
-
-def residual_gemv_takes(k: int, n: int, dtype: str, threads: int = CUDA_THREADS,
-                        max_chunk_bytes: int = RESIDUAL_MAX_CHUNK_BYTES,
-                        max_weight_bytes: int = RESIDUAL_MAX_WEIGHT_BYTES) -> bool:
-    """Whether CUDAResidualGEMV schedules a [1, 1, k] x [n, k]^T residual projection of `dtype`
-    (the export emits matmul_residual only then; others keep Relax's projection + add)."""
-    bits = tvm.DataType(dtype).bits
-    lanes, _ = _residual_layout(k, bits, threads)
-    return n * k * bits // 8 <= max_weight_bytes and k // lanes * bits // 8 <= max_chunk_bytes
-
-
-class CUDAResidualGEMV(ScheduleRule):
-    """Schedules fused_decode.matmul_residual at a batch of one for CUDA (module docstring)."""
-
-    def __init__(self, threads: int = CUDA_THREADS, min_blocks: int = CUDA_MIN_BLOCKS,
-                 max_chunk_bytes: int = RESIDUAL_MAX_CHUNK_BYTES, max_weight_bytes: int = RESIDUAL_MAX_WEIGHT_BYTES):
-        if not 1 <= threads <= 32:
-            raise ValueError(f"threads={threads}: expected 1 to 32 (one warp)")
-        self.threads, self.min_blocks = threads, min_blocks
-        self.max_chunk_bytes, self.max_weight_bytes = max_chunk_bytes, max_weight_bytes
-
-    def apply(self, func, target, _tunable):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
-            return None
-        sch = s_tir.Schedule(func)
-        try:
-            matmul, epilogue = (sch.get_sblock(name) for name in RESIDUAL_BLOCKS)
-        except (RuntimeError, ValueError):  # ScheduleError and TVM internal errors are RuntimeErrors
-            return None
-        b, _, n, k = (sch.get(loop).extent for loop in sch.get_loops(matmul))
-        if not all(isinstance(e, tirx.IntImm) for e in (b, n, k)) or int(b) != 1:
-            return None
-        k_extent, n_cols = int(k), int(n)
-        weight = next(region.source for region in sch.get(matmul).reads if len(region.source.shape) == 2)
-        if not residual_gemv_takes(k_extent, n_cols, weight.dtype, self.threads, self.max_chunk_bytes,
-                                   self.max_weight_bytes):
-            return None
-        lanes, vec = _residual_layout(k_extent, tvm.DataType(weight.dtype).bits, self.threads)
-        return self._schedule(sch, matmul, epilogue, lanes, vec, n_cols)
-
-    def _schedule(self, sch, matmul, epilogue, lanes: int, vec: int, n_cols: int) -> s_tir.Schedule:
-        partial, writeback = _split_k(sch, matmul, [lanes, None, vec])  # each lane a contiguous chunk
-        cols = max(1, self.threads // lanes)
-        while cols > 1 and (n_cols % cols or n_cols // cols < self.min_blocks):
-            cols //= 2
-        row, one, j = sch.get_loops(epilogue)
-        col_tile, col = sch.split(j, [None, cols])
-        sch.reorder(col_tile, row, one, col)
-        sch.bind(col_tile, "blockIdx.x")
-        sch.bind(col, "threadIdx.y")
-        sch.compute_at(writeback, col, preserve_unit_loops=True)
-        sch.compute_at(partial, col, preserve_unit_loops=True)
-        lane, *_, k_step, k_vec = sch.get_loops(partial)[-6:]
-        sch.bind(lane, "threadIdx.x")
-        reads = sch.get(partial).reads
-        w_index = next(i for i, region in enumerate(reads) if len(region.source.shape) == 2)
-        x_index = next(i for i, region in enumerate(reads) if len(region.source.shape) == 3
-                       and region.source.scope() == "global")
-        w_vector = sch.cache_read(partial, w_index, "local", consumer_blocks=[partial])
-        x_vector = sch.cache_read(partial, x_index, "local", consumer_blocks=[partial])
-        r_index = next(i for i, region in enumerate(sch.get(epilogue).reads) if region.source.scope() == "global")
-        r_local = sch.cache_read(epilogue, r_index, "local")
-        CUDAFusedDecodeGEMV._prefetch(sch, w_vector, col_tile, lanes, vec)
-        # the lane's whole chunk of x, then the residual, before the products wait on them
-        sch.compute_at(x_vector, sch.get_loops(partial)[-3])
-        x_step, x_vec = sch.split(sch.get_loops(x_vector)[-1], [None, vec])
-        sch.unroll(x_step)
-        sch.vectorize(x_vec)
-        sch.compute_at(r_local, col, preserve_unit_loops=True)
-        sch.unroll(k_vec)
-        sch.set_scope(partial, 0, "local")
-        sch.decompose_reduction(partial, k_step)
-        sch.unroll(k_step)  # (every x load issued before the products wait on them)
-        sum_lane, *rest = sch.get_loops(writeback)[-4:]
-        sch.reorder(*rest, sum_lane)
-        sch.bind(sum_lane, "threadIdx.x")
-        sch.set_scope(writeback, 0, "local")
-        return sch
 
 
 class CPUFusedDecodeGEMV(ScheduleRule):

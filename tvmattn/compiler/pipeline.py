@@ -61,7 +61,7 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
 
 from .dependent_launch import chain_dependent_launches, dependent_launch_problem
-from .fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV, CUDAResidualGEMV
+from .fused_schedules import CPUFusedDecodeGEMV, CUDAFusedDecodeGEMV
 from .script_frames import cheap_frame_stacks
 from .tensor_core_matmul import FusedNormTensorCoreMatmul, SmallBatchTensorCoreMatmul
 
@@ -343,7 +343,7 @@ def relax_pipeline(target: tvm.target.Target, small_batch_matmul: bool = True,
         small = small_batch_rules(tensor_core_matmul) if small_batch_matmul else []
         fused_gemv = CUDAFusedDecodeGEMV()
         fused = [FusedNormTensorCoreMatmul(below=fused_gemv)] if tensor_core_matmul and small_batch_matmul else []
-        decode_gemv = dl.ApplyDefaultSchedule(*fused, fused_gemv, CUDAResidualGEMV(), *small)
+        decode_gemv = dl.ApplyDefaultSchedule(*fused, fused_gemv, *small)
         schedule = []
     else:
         from tvm.relax.backend.cpu_generic import pipeline as backend

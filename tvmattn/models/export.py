@@ -285,9 +285,7 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
     # on a GPU the fused ops in `decode` (batch 1) only, unless fused_batch_layers: compiler.fused_decode
     single_row_only = options.target != "llvm" and not fused_on_tensor_cores(config, options)
     swiglu = swiglu_on_tensor_cores(config, options)
-    # on a GPU the residual projections of `decode` as matmul_residual (their weight loaded before the grid wait)
-    with options.tvm_target(), fused_decode(options.fused_layers, single_row_only, batched_swiglu=swiglu,
-                                            residual=options.target != "llvm"), \
+    with options.tvm_target(), fused_decode(options.fused_layers, single_row_only, batched_swiglu=swiglu), \
             cheap_frame_stacks():  # (the kernel generators parse TVMScript: compiler.script_frames)
         mod, params = model.export_tvm(spec=model.get_default_spec())
     if "decode_step" in arch.functions:  # storage planned for the largest batch (see compiler/pipeline.py)

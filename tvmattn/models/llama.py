@@ -34,9 +34,8 @@ from tvm.relax.frontend.nn import op
 
 from typing import Mapping
 
-from ..compiler.fused_decode import (batched_swiglu_enabled, fused_decode_enabled, matmul_residual, matmul_swiglu,
-                                     residual_gemv_enabled, rms_norm_matmul, rms_norm_matmul_swiglu)
-from ..compiler.fused_schedules import residual_gemv_takes
+from ..compiler.fused_decode import (batched_swiglu_enabled, fused_decode_enabled, matmul_swiglu, rms_norm_matmul,
+                                     rms_norm_matmul_swiglu)
 from ..quant.linear import PART_PREFIX, QuantEmbedding, QuantLinear, float32_products
 from ..weights.quant import PACKED
 from .config import ModelConfig
@@ -51,18 +50,10 @@ def _linear(formats: Mapping[str, str], prefix: str, in_features: int, out_featu
 
 
 def _project(linear, x: nn.Tensor, residual: nn.Tensor | None) -> nn.Tensor:
-    """residual + linear(x) (linear(x) without one); a QuantLinear adds it in its kernel where it
-    can, a float projection without bias of a one-token decode step in one fused op
-    (compiler.fused_decode.matmul_residual, where the export turns it on)."""
+    """residual + linear(x) (linear(x) without one); a QuantLinear adds it in its kernel where it can."""
     if residual is None:
         return linear(x)
-    if isinstance(linear, QuantLinear):
-        return linear(x, residual=residual)
-    if (linear.bias is None and _decode_shape(x) and residual_gemv_enabled(x.shape[0])
-            and residual.dtype == x.dtype == linear.weight.dtype
-            and residual_gemv_takes(linear.in_features, linear.out_features, x.dtype)):
-        return op.tensor_expr_op(matmul_residual, "fused_matmul_residual", args=[x, linear.weight, residual])
-    return residual + linear(x)
+    return linear(x, residual=residual) if isinstance(linear, QuantLinear) else residual + linear(x)
 
 
 def _fusable(linear, x: nn.Tensor, norm: nn.RMSNorm) -> bool:
