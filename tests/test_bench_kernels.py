@@ -590,10 +590,10 @@ def test_cpu_smoke_run_fp8_decode(bench, monkeypatch, capsys, fmt):
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc")
-def test_phase_boundary_benchmark_builds(tmp_path):
-    """scripts/bench_phase_boundary.cu (a CUDA program, no Python) compiles for sm_90."""
-    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                          "bench_phase_boundary.cu")
+@pytest.mark.parametrize("program", ["bench_phase_boundary.cu", "bench_fused_mlp.cu"])
+def test_cuda_benchmark_programs_build(program, tmp_path):
+    """The CUDA benchmark programs in scripts/ (no Python) compile for sm_90."""
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", program)
     done = subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-o", str(tmp_path / "bench"), source],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
