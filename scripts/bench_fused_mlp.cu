@@ -11,6 +11,10 @@
 //                 residual. Three rotating vectors: layer L reads v[L % 3], accumulates into
 //                 v[(L + 1) % 3] and zeroes v[(L + 2) % 3], which layer L - 1 read (complete once
 //                 layer L's wait returns) and layer L + 1 only adds to after its own wait.
+//   one kernel, last arrival: the same blocks add into a module-scope float32 accumulator and
+//                 count their arrivals; the last block writes y = x + accumulator and zeroes it
+//                 (the form a model library could take: y in its own buffer, nothing zeroed
+//                 outside the kernel).
 // Each layer has its own weights (all layers together exceed L2, as a model's do). Every way runs
 // `layers` layers in one CUDA graph; the program prints us a layer and the largest difference
 // between the ways' final vectors (float32 atomics add in any order: small, not zero).
@@ -133,70 +137,119 @@ __device__ __forceinline__ void red_add4(float* p, float a, float b, float c, fl
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
-// block b: intermediate columns [b * per, ...) (per <= MAX_COLS); wdt is Wd transposed, [I, H].
-// VEC4: each thread adds 4 consecutive outputs with one vector red (threads < H / 4); else 2
-// consecutive outputs, one scalar red each, for Y_PAIR_ROUNDS rounds of THREADS pairs.
+// A block of the fused kernels: intermediate columns [b * per, ...) (per <= MAX_COLS); wdt is
+// Wd transposed, [I, H]. VEC4: each thread adds 4 consecutive outputs with one vector red
+// (threads < H / 4); else 2 consecutive outputs, one scalar red each, for Y_PAIR_ROUNDS rounds.
+template <bool VEC4>
+struct Slice {
+  static constexpr int PAIRS = VEC4 ? 2 : Y_PAIR_ROUNDS;
+  int c0, c1, warp, lane;
+  half2 wg[GU_COLS_PER_WARP][H_PAIRS], wu[GU_COLS_PER_WARP][H_PAIRS];
+  half2 wd[MAX_COLS][PAIRS];  // the block's Wd columns for the thread's outputs
+  float2 part[PAIRS];         // the thread's outputs of the block's partial Wd h
+
+  __device__ static int out(int p) {  // the first of the thread's output pair p
+    return VEC4 ? 4 * threadIdx.x + 2 * p : 2 * (threadIdx.x + p * THREADS);
+  }
+
+  // the weights, before the grid wait
+  __device__ __forceinline__ void load(const half* __restrict__ wgu, const half* __restrict__ wdt) {
+    int per = (I + gridDim.x - 1) / gridDim.x;
+    c0 = min(I, (int)blockIdx.x * per); c1 = min(I, c0 + per);
+    warp = threadIdx.x / 32; lane = threadIdx.x % 32;
+    load_gate_up(wg, wu, wgu, c0, c1, warp, lane);
+#pragma unroll
+    for (int k = 0; k < MAX_COLS; ++k) {
+      const half* row = wdt + (size_t)min(c0 + k, max(c1 - 1, 0)) * H;
+#pragma unroll
+      for (int p = 0; p < PAIRS; ++p) wd[k][p] = *reinterpret_cast<const half2*>(row + min(out(p), H - 2));
+    }
+  }
+
+  // after the wait: x staged in xs, the block's slice of h, then the partial outputs
+  __device__ __forceinline__ void partials(const float* x, float* xs, float* hs) {
+    stage_x(xs, x);
+#pragma unroll
+    for (int j = 0; j < GU_COLS_PER_WARP; ++j) {
+      int k = warp + j * WARPS;
+      float g = warp_sum(dot_x(wg[j], xs, lane)), u = warp_sum(dot_x(wu[j], xs, lane));
+      if (lane == 0 && k < MAX_COLS) hs[k] = c0 + k < c1 ? silu(g) * u : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p) part[p] = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int k = 0; k < MAX_COLS; ++k)
+#pragma unroll
+      for (int p = 0; p < PAIRS; ++p) {
+        float2 wf = __half22float2(wd[k][p]);
+        part[p].x += wf.x * hs[k];
+        part[p].y += wf.y * hs[k];
+      }
+  }
+
+  __device__ __forceinline__ void add_residual(const float* xs) {
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p)
+      if (out(p) < H) { part[p].x += xs[out(p)]; part[p].y += xs[out(p) + 1]; }
+  }
+
+  __device__ __forceinline__ void reduce_into(float* y) {
+    if (VEC4) {
+      if (out(0) < H) red_add4(y + out(0), part[0].x, part[0].y, part[1].x, part[1].y);
+    } else {
+#pragma unroll
+      for (int p = 0; p < PAIRS; ++p)
+        if (out(p) < H) { red_add(y + out(p), part[p].x); red_add(y + out(p) + 1, part[p].y); }
+    }
+  }
+};
+
+// rotating vectors: layer L reads v[L % 3], adds into v[(L + 1) % 3] (block 0 adds the residual),
+// zeroes v[(L + 2) % 3]
 template <bool VEC4>
 __global__ void __launch_bounds__(THREADS, 2) fused_mlp_kernel(float* v, int layer, const half* __restrict__ wgu,
                                                                const half* __restrict__ wdt) {
-  const float* x = v + (layer % 3) * H;
-  float* y = v + ((layer + 1) % 3) * H;
-  float* zero = v + ((layer + 2) % 3) * H;
-  int per = (I + gridDim.x - 1) / gridDim.x, c0 = min(I, (int)blockIdx.x * per), c1 = min(I, c0 + per);
-  int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  half2 wg[GU_COLS_PER_WARP][H_PAIRS], wu[GU_COLS_PER_WARP][H_PAIRS];
-  load_gate_up(wg, wu, wgu, c0, c1, warp, lane);
-  // the block's Wd columns (rows of wdt) for the outputs this thread adds, as pairs
-  constexpr int PAIRS = VEC4 ? 2 : Y_PAIR_ROUNDS;
-  half2 wd[MAX_COLS][PAIRS];
-#pragma unroll
-  for (int k = 0; k < MAX_COLS; ++k) {
-    const half* row = wdt + (size_t)min(c0 + k, max(c1 - 1, 0)) * H;
-#pragma unroll
-    for (int p = 0; p < PAIRS; ++p) {
-      int j = VEC4 ? min(4 * (int)threadIdx.x + 2 * p, H - 2) : min(2 * ((int)threadIdx.x + p * THREADS), H - 2);
-      wd[k][p] = *reinterpret_cast<const half2*>(row + j);
-    }
-  }
+  Slice<VEC4> slice;
+  slice.load(wgu, wdt);
   pdl_wait(); pdl_launch();
+  float* zero = v + ((layer + 2) % 3) * H;
   if (blockIdx.x == 0)
     for (int i = threadIdx.x; i < H; i += THREADS) zero[i] = 0.f;
   __shared__ float xs[H];
   __shared__ float hs[MAX_COLS];
-  stage_x(xs, x);
-#pragma unroll
-  for (int j = 0; j < GU_COLS_PER_WARP; ++j) {
-    int k = warp + j * WARPS;
-    float g = warp_sum(dot_x(wg[j], xs, lane)), u = warp_sum(dot_x(wu[j], xs, lane));
-    if (lane == 0 && k < MAX_COLS) hs[k] = c0 + k < c1 ? silu(g) * u : 0.f;
-  }
+  slice.partials(v + (layer % 3) * H, xs, hs);
+  if (blockIdx.x == 0) slice.add_residual(xs);
+  slice.reduce_into(v + ((layer + 1) % 3) * H);
+}
+
+// x and y as the two kernels' (nothing to zero outside the kernel): the blocks add into a
+// module-scope float32 accumulator, then count their arrivals; the last to arrive writes
+// y = x + accumulator and leaves the accumulator and the counter zero for the next layer
+__device__ float mlp_acc[H];
+__device__ unsigned mlp_arrivals;
+
+__global__ void __launch_bounds__(THREADS, 2) fused_mlp_last_kernel(const float* x, float* y, const half* __restrict__ wgu,
+                                                                    const half* __restrict__ wdt) {
+  Slice<true> slice;
+  slice.load(wgu, wdt);
+  pdl_wait(); pdl_launch();
+  __shared__ float xs[H];
+  __shared__ float hs[MAX_COLS];
+  __shared__ unsigned last;
+  slice.partials(x, xs, hs);
+  slice.reduce_into(mlp_acc);
+  __threadfence();
   __syncthreads();
-  float2 part[PAIRS];
-#pragma unroll
-  for (int p = 0; p < PAIRS; ++p) part[p] = make_float2(0.f, 0.f);
-#pragma unroll
-  for (int k = 0; k < MAX_COLS; ++k)
-#pragma unroll
-    for (int p = 0; p < PAIRS; ++p) {
-      float2 wf = __half22float2(wd[k][p]);
-      part[p].x += wf.x * hs[k];
-      part[p].y += wf.y * hs[k];
-    }
-#pragma unroll
-  for (int p = 0; p < PAIRS; ++p) {
-    int j = VEC4 ? 4 * threadIdx.x + 2 * p : 2 * (threadIdx.x + p * THREADS);
-    if (j < H && blockIdx.x == 0) { part[p].x += xs[j]; part[p].y += xs[j + 1]; }  // the residual, once
+  if (threadIdx.x == 0) last = atomicAdd(&mlp_arrivals, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < H; i += THREADS) {
+    y[i] = xs[i] + __ldcg(mlp_acc + i);
+    mlp_acc[i] = 0.f;
   }
-  if (VEC4) {
-    int j = 4 * threadIdx.x;
-    if (j < H) red_add4(y + j, part[0].x, part[0].y, part[1].x, part[1].y);
-  } else {
-#pragma unroll
-    for (int p = 0; p < PAIRS; ++p) {
-      int j = 2 * (threadIdx.x + p * THREADS);
-      if (j < H) { red_add(y + j, part[p].x); red_add(y + j + 1, part[p].y); }
-    }
-  }
+  if (threadIdx.x == 0) mlp_arrivals = 0;
 }
 
 int main(int argc, char** argv) {
@@ -287,8 +340,21 @@ int main(int argc, char** argv) {
     CHECK(cudaGraphLaunch(one, s)); CHECK(cudaStreamSynchronize(s));
     std::vector<float> out = result(v + (layers % 3) * H);
     double diff = 0; for (int i = 0; i < H; ++i) diff = fmax(diff, fabs((double)out[i] - ref[i]));
-    printf("; one kernel, %d blocks, %s red %.2f us a layer (max |diff| %.3g of max |y| %.3g)", fused_blocks,
-           vec4 ? "vector" : "scalar", timed(one), diff, norm);
+    printf("; one kernel, %d blocks, %s red into rotating vectors %.2f us a layer (max |diff| %.3g of max |y| %.3g)",
+           fused_blocks, vec4 ? "vector" : "scalar", timed(one), diff, norm);
+  }
+  auto last = graph_of([&] {
+    for (int l = 0; l < layers; ++l)
+      launch(fused_mlp_last_kernel, fused_blocks, (const float*)(bufs + (l % 2) * H), bufs + ((l + 1) % 2) * H,
+             (const half*)(wgu + l * gu_elems), (const half*)(wdt + l * d_elems));
+  });
+  CHECK(cudaMemcpy(bufs, x0.data(), H * sizeof(float), cudaMemcpyHostToDevice));
+  CHECK(cudaGraphLaunch(last, s)); CHECK(cudaStreamSynchronize(s));
+  {
+    std::vector<float> out = result(bufs + (layers % 2) * H);
+    double diff = 0; for (int i = 0; i < H; ++i) diff = fmax(diff, fabs((double)out[i] - ref[i]));
+    printf("; one kernel, vector red, the last block to arrive writes y %.2f us a layer (max |diff| %.3g)",
+           timed(last), diff);
   }
   printf("\n");
   return 0;
