@@ -52,11 +52,17 @@ SMEM_LIMIT = 96 << 10  # bytes of dynamic shared memory a plain projection's sch
 # norm_matmul's: the most every arch from sm_80 gives a block (sm_86 / sm_89 / sm_120: 99 KiB), so that g's
 # slice in each stage does not cost a stage where the plain kernel's ring takes 96 KiB (Llama-1B's gate_up)
 NORM_SMEM_LIMIT = 99 << 10
+
 # Batches from which a replacement with a rule `below` (the CUDA-core kernel) runs on tensor
 # cores: in a sweep of SmolLM2's projections on an H100 (docs/performance.md) the CUDA-core kernel
 # was faster at every projection at batch 8 and the tensor-core kernel as fast or faster at 16.
 TENSOR_CORES_FROM_BATCH = 16
 TARGET_BLOCKS = 132  # about one block per SM of an H100 / H200: fewer column blocks than this use 16-column blocks
+
+
+def smem_limit(norm: bool) -> int:
+    """The shared memory a schedule stays under: norm_matmul's (norm) or a plain projection's."""
+    return NORM_SMEM_LIMIT if norm else SMEM_LIMIT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +119,7 @@ class SkinnyMatmulSchedule:
         if k % self.block_k:
             raise ValueError(f"K={k} is not a multiple of a stage's {self.block_k} columns "
                              f"(warps_k={self.warps_k}, k_steps={self.k_steps})")
-        used, limit = self.smem_bytes(halves, norm), NORM_SMEM_LIMIT if norm else SMEM_LIMIT
+        used, limit = self.smem_bytes(halves, norm), smem_limit(norm)
         if used > limit:
             raise ValueError(f"{used} bytes of shared memory: over {limit}")
 
@@ -138,7 +144,7 @@ def choose_skinny_schedule(n: int, k: int, halves: int = 1, norm: bool = False) 
             break
     stages = 4 if n // (ROWS_PER_TILE * warps_n) >= TARGET_BLOCKS else 6
     schedule = SkinnyMatmulSchedule(warps_n=warps_n, warps_k=warps_k, k_steps=k_steps, stages=stages)
-    while schedule.smem_bytes(halves, norm) > (NORM_SMEM_LIMIT if norm else SMEM_LIMIT) and schedule.stages > 2:
+    while schedule.smem_bytes(halves, norm) > smem_limit(norm) and schedule.stages > 2:
         schedule = dataclasses.replace(schedule, stages=schedule.stages - 1)
     return schedule
 
