@@ -20,6 +20,7 @@
 // between the ways' final vectors (float32 atomics add in any order: small, not zero).
 // Build: nvcc -O3 -arch=sm_90 -o bench_fused_mlp scripts/bench_fused_mlp.cu
 // Run:   ./bench_fused_mlp [layers]   (default 30)
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -47,6 +48,13 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// the block's share [c0, c1) of n columns
+__device__ __forceinline__ void block_range(int n, int& c0, int& c1) {
+  int per = (n + gridDim.x - 1) / gridDim.x;
+  c0 = min(n, (int)blockIdx.x * per);
+  c1 = min(n, c0 + per);
 }
 
 __device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x) {
@@ -90,8 +98,14 @@ __device__ __forceinline__ void load_gate_up(half2 (&wg)[GU_COLS_PER_WARP][H_PAI
   }
 }
 
+// silu(gate) * up of one column from its rows' registers, x staged in xs (every lane gets it)
+__device__ __forceinline__ float gate_up_value(const half2* wg, const half2* wu, const float* xs, int lane) {
+  return silu(warp_sum(dot_x(wg, xs, lane))) * warp_sum(dot_x(wu, xs, lane));
+}
+
 __global__ void __launch_bounds__(THREADS, 2) gate_up_kernel(const float* x, float* h, const half* __restrict__ wgu) {
-  int per = (I + gridDim.x - 1) / gridDim.x, c0 = min(I, (int)blockIdx.x * per), c1 = min(I, c0 + per);
+  int c0, c1;
+  block_range(I, c0, c1);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   half2 wg[GU_COLS_PER_WARP][H_PAIRS], wu[GU_COLS_PER_WARP][H_PAIRS];
   load_gate_up(wg, wu, wgu, c0, c1, warp, lane);
@@ -101,8 +115,8 @@ __global__ void __launch_bounds__(THREADS, 2) gate_up_kernel(const float* x, flo
 #pragma unroll
   for (int j = 0; j < GU_COLS_PER_WARP; ++j) {
     int c = c0 + warp + j * WARPS;
-    float g = warp_sum(dot_x(wg[j], xs, lane)), u = warp_sum(dot_x(wu[j], xs, lane));
-    if (lane == 0 && c < c1) h[c] = silu(g) * u;
+    float value = gate_up_value(wg[j], wu[j], xs, lane);
+    if (lane == 0 && c < c1) h[c] = value;
   }
 }
 
@@ -110,7 +124,8 @@ __global__ void __launch_bounds__(THREADS, 2) gate_up_kernel(const float* x, flo
 // 72 or more blocks); wd is [H, I].
 __global__ void __launch_bounds__(THREADS, 2) down_kernel(const float* x, const float* h, float* y,
                                                           const half* __restrict__ wd) {
-  int per = (H + gridDim.x - 1) / gridDim.x, c0 = min(H, (int)blockIdx.x * per), c1 = min(H, c0 + per);
+  int c0, c1;
+  block_range(H, c0, c1);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int c = c0 + warp;
   half2 w[I_PAIRS];
@@ -154,8 +169,7 @@ struct Slice {
 
   // the weights, before the grid wait
   __device__ __forceinline__ void load(const half* __restrict__ wgu, const half* __restrict__ wdt) {
-    int per = (I + gridDim.x - 1) / gridDim.x;
-    c0 = min(I, (int)blockIdx.x * per); c1 = min(I, c0 + per);
+    block_range(I, c0, c1);
     warp = threadIdx.x / 32; lane = threadIdx.x % 32;
     load_gate_up(wg, wu, wgu, c0, c1, warp, lane);
 #pragma unroll
@@ -172,8 +186,8 @@ struct Slice {
 #pragma unroll
     for (int j = 0; j < GU_COLS_PER_WARP; ++j) {
       int k = warp + j * WARPS;
-      float g = warp_sum(dot_x(wg[j], xs, lane)), u = warp_sum(dot_x(wu[j], xs, lane));
-      if (lane == 0 && k < MAX_COLS) hs[k] = c0 + k < c1 ? silu(g) * u : 0.f;
+      float value = gate_up_value(wg[j], wu[j], xs, lane);
+      if (lane == 0 && k < MAX_COLS) hs[k] = c0 + k < c1 ? value : 0.f;
     }
     __syncthreads();
 #pragma unroll
@@ -309,6 +323,12 @@ int main(int argc, char** argv) {
     std::vector<float> out(H); CHECK(cudaMemcpy(out.data(), p, H * sizeof(float), cudaMemcpyDeviceToHost));
     return out;
   };
+  std::vector<float> ref;  // the two kernels' final vector
+  auto max_diff = [&](const float* p) {
+    std::vector<float> out = result(p);
+    double diff = 0; for (int i = 0; i < H; ++i) diff = fmax(diff, fabs((double)out[i] - ref[i]));
+    return diff;
+  };
   // two kernels: x in bufs[(l % 2) * H], y in the other half, h after them
   float* h = bufs + 2 * H;
   auto two = graph_of([&] {
@@ -320,26 +340,23 @@ int main(int argc, char** argv) {
   });
   CHECK(cudaMemcpy(bufs, x0.data(), H * sizeof(float), cudaMemcpyHostToDevice));
   CHECK(cudaGraphLaunch(two, s)); CHECK(cudaStreamSynchronize(s));
-  std::vector<float> ref = result(bufs + (layers % 2) * H);
+  ref = result(bufs + (layers % 2) * H);
   float us_two = timed(two);
-  int fused_blocks = (I + MAX_COLS - 1) / MAX_COLS > sms ? (I + MAX_COLS - 1) / MAX_COLS : sms;
+  int fused_blocks = std::max((I + MAX_COLS - 1) / MAX_COLS, sms);
   double norm = 0; for (float r : ref) norm = fmax(norm, fabs(r));
   printf("hidden %d, intermediate %d, %d layers, %d SMs: two kernels (PDL, weights in registers before the wait) "
          "%.2f us a layer", H, I, layers, sms, us_two);
   for (int vec4 = 0; vec4 < 2; ++vec4) {
+    auto kernel = vec4 ? fused_mlp_kernel<true> : fused_mlp_kernel<false>;
     auto one = graph_of([&] {
       for (int l = 0; l < layers; ++l)
-        if (vec4) launch(fused_mlp_kernel<true>, fused_blocks, v, l, (const half*)(wgu + l * gu_elems),
-                         (const half*)(wdt + l * d_elems));
-        else launch(fused_mlp_kernel<false>, fused_blocks, v, l, (const half*)(wgu + l * gu_elems),
-                    (const half*)(wdt + l * d_elems));
+        launch(kernel, fused_blocks, v, l, (const half*)(wgu + l * gu_elems), (const half*)(wdt + l * d_elems));
     });
     // v[0] = x0, v[1] = 0 (layer 0 accumulates into it), v[2] is zeroed by layer 0
     CHECK(cudaMemset(v, 0, 3 * H * sizeof(float)));
     CHECK(cudaMemcpy(v, x0.data(), H * sizeof(float), cudaMemcpyHostToDevice));
     CHECK(cudaGraphLaunch(one, s)); CHECK(cudaStreamSynchronize(s));
-    std::vector<float> out = result(v + (layers % 3) * H);
-    double diff = 0; for (int i = 0; i < H; ++i) diff = fmax(diff, fabs((double)out[i] - ref[i]));
+    double diff = max_diff(v + (layers % 3) * H);
     printf("; one kernel, %d blocks, %s red into rotating vectors %.2f us a layer (max |diff| %.3g of max |y| %.3g)",
            fused_blocks, vec4 ? "vector" : "scalar", timed(one), diff, norm);
   }
@@ -350,12 +367,9 @@ int main(int argc, char** argv) {
   });
   CHECK(cudaMemcpy(bufs, x0.data(), H * sizeof(float), cudaMemcpyHostToDevice));
   CHECK(cudaGraphLaunch(last, s)); CHECK(cudaStreamSynchronize(s));
-  {
-    std::vector<float> out = result(bufs + (layers % 2) * H);
-    double diff = 0; for (int i = 0; i < H; ++i) diff = fmax(diff, fabs((double)out[i] - ref[i]));
-    printf("; one kernel, vector red, the last block to arrive writes y %.2f us a layer (max |diff| %.3g)",
-           timed(last), diff);
-  }
+  double diff = max_diff(bufs + (layers % 2) * H);
+  printf("; one kernel, vector red, the last block to arrive writes y %.2f us a layer (max |diff| %.3g)",
+         timed(last), diff);
   printf("\n");
   return 0;
 }

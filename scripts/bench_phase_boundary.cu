@@ -32,16 +32,33 @@ constexpr int THREADS = 128;
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-__device__ void gemv_phase(const float* __restrict__ x, float* __restrict__ out, const half* __restrict__ w) {
-  __shared__ float xs[N];
-  int per = (N + gridDim.x - 1) / gridDim.x, c0 = min(N, (int)blockIdx.x * per), c1 = min(N, c0 + per);
+// the block's output columns [c0, c1)
+__device__ __forceinline__ void block_columns(int& c0, int& c1) {
+  int per = (N + gridDim.x - 1) / gridDim.x;
+  c0 = min(N, (int)blockIdx.x * per);
+  c1 = min(N, c0 + per);
+}
+
+__device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x) {
   for (int i = threadIdx.x; i < N; i += THREADS) xs[i] = __ldcg(x + i);  // (written by other blocks)
   __syncthreads();
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ void gemv_phase(const float* __restrict__ x, float* __restrict__ out, const half* __restrict__ w) {
+  __shared__ float xs[N];
+  int c0, c1;
+  block_columns(c0, c1);
+  stage_x(xs, x);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int c = c0 + warp; c < c1; c += THREADS / 32) {
     float acc = 0.f;
     for (int k = lane; k < N; k += 32) acc += __half2float(w[(size_t)c * N + k]) * xs[k];
-    for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    acc = warp_sum(acc);
     if (lane == 0) out[c] = acc * (1.0f / N) + 1.0f;
   }
   __syncthreads();
@@ -54,7 +71,8 @@ constexpr int COLS_PER_WARP = 3;  // a block's columns in registers: grids of at
 struct WeightRegs { half v[COLS_PER_WARP][K_PER_LANE]; };
 
 __device__ __forceinline__ void load_weights(WeightRegs& r, const half* __restrict__ w) {
-  int per = (N + gridDim.x - 1) / gridDim.x, c0 = min(N, (int)blockIdx.x * per), c1 = min(N, c0 + per);
+  int c0, c1;
+  block_columns(c0, c1);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int j = 0; j < COLS_PER_WARP; ++j) {
@@ -66,9 +84,9 @@ __device__ __forceinline__ void load_weights(WeightRegs& r, const half* __restri
 
 __device__ void gemv_regs_phase(const float* __restrict__ x, float* __restrict__ out, const WeightRegs& r) {
   __shared__ float xs[N];
-  int per = (N + gridDim.x - 1) / gridDim.x, c0 = min(N, (int)blockIdx.x * per), c1 = min(N, c0 + per);
-  for (int i = threadIdx.x; i < N; i += THREADS) xs[i] = __ldcg(x + i);
-  __syncthreads();
+  int c0, c1;
+  block_columns(c0, c1);
+  stage_x(xs, x);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int j = 0; j < COLS_PER_WARP; ++j) {
@@ -76,7 +94,7 @@ __device__ void gemv_regs_phase(const float* __restrict__ x, float* __restrict__
     float acc = 0.f;
 #pragma unroll
     for (int i = 0; i < K_PER_LANE; ++i) acc += __half2float(r.v[j][i]) * xs[lane + 32 * i];
-    for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    acc = warp_sum(acc);
     if (lane == 0 && c < c1) out[c] = acc * (1.0f / N) + 1.0f;
   }
   __syncthreads();
