@@ -28,8 +28,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-  printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1); } } while (0)
+#include "cuda_bench_common.cuh"  // (CHECK, PDL, warp sums, a block's columns)
 
 constexpr int H = 576;   // hidden
 constexpr int I = 1536;  // intermediate
@@ -41,26 +40,7 @@ constexpr int I_PAIRS = I / 64;  // 24
 constexpr int MAX_COLS = 16;     // intermediate columns a block of the fused kernel: 96 or more blocks
 constexpr int Y_PAIR_ROUNDS = (H / 2 + THREADS - 1) / THREADS;  // scalar red: a thread's output pairs (2)
 
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// the block's share [c0, c1) of n columns
-__device__ __forceinline__ void block_range(int n, int& c0, int& c1) {
-  int per = (n + gridDim.x - 1) / gridDim.x;
-  c0 = min(n, (int)blockIdx.x * per);
-  c1 = min(n, c0 + per);
-}
-
-__device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x) {
-  for (int i = threadIdx.x; i < H; i += THREADS) xs[i] = __ldcg(x + i);  // (another grid wrote it)
-  __syncthreads();
-}
 
 __device__ __forceinline__ half2 pair(const half* __restrict__ row, int i, int lane) {
   return *reinterpret_cast<const half2*>(row + 2 * lane + 64 * i);
@@ -111,7 +91,7 @@ __global__ void __launch_bounds__(THREADS, 2) gate_up_kernel(const float* x, flo
   load_gate_up(wg, wu, wgu, c0, c1, warp, lane);
   pdl_wait(); pdl_launch();
   __shared__ float xs[H];
-  stage_x(xs, x);
+  stage_x<H, THREADS>(xs, x);
 #pragma unroll
   for (int j = 0; j < GU_COLS_PER_WARP; ++j) {
     int c = c0 + warp + j * WARPS;
@@ -182,7 +162,7 @@ struct Slice {
 
   // after the wait: x staged in xs, the block's slice of h, then the partial outputs
   __device__ __forceinline__ void partials(const float* x, float* xs, float* hs) {
-    stage_x(xs, x);
+    stage_x<H, THREADS>(xs, x);
 #pragma unroll
     for (int j = 0; j < GU_COLS_PER_WARP; ++j) {
       int k = warp + j * WARPS;

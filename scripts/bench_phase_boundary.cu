@@ -23,37 +23,16 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-  printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1); } } while (0)
+#include "cuda_bench_common.cuh"  // (CHECK, PDL, warp sums, a block's columns)
 
 constexpr int N = 576;  // SmolLM2's hidden size
 constexpr int THREADS = 128;
 
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-
-// the block's output columns [c0, c1)
-__device__ __forceinline__ void block_columns(int& c0, int& c1) {
-  int per = (N + gridDim.x - 1) / gridDim.x;
-  c0 = min(N, (int)blockIdx.x * per);
-  c1 = min(N, c0 + per);
-}
-
-__device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x) {
-  for (int i = threadIdx.x; i < N; i += THREADS) xs[i] = __ldcg(x + i);  // (written by other blocks)
-  __syncthreads();
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 __device__ void gemv_phase(const float* __restrict__ x, float* __restrict__ out, const half* __restrict__ w) {
   __shared__ float xs[N];
   int c0, c1;
-  block_columns(c0, c1);
-  stage_x(xs, x);
+  block_range(N, c0, c1);
+  stage_x<N, THREADS>(xs, x);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int c = c0 + warp; c < c1; c += THREADS / 32) {
     float acc = 0.f;
@@ -72,7 +51,7 @@ struct WeightRegs { half v[COLS_PER_WARP][K_PER_LANE]; };
 
 __device__ __forceinline__ void load_weights(WeightRegs& r, const half* __restrict__ w) {
   int c0, c1;
-  block_columns(c0, c1);
+  block_range(N, c0, c1);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int j = 0; j < COLS_PER_WARP; ++j) {
@@ -85,8 +64,8 @@ __device__ __forceinline__ void load_weights(WeightRegs& r, const half* __restri
 __device__ void gemv_regs_phase(const float* __restrict__ x, float* __restrict__ out, const WeightRegs& r) {
   __shared__ float xs[N];
   int c0, c1;
-  block_columns(c0, c1);
-  stage_x(xs, x);
+  block_range(N, c0, c1);
+  stage_x<N, THREADS>(xs, x);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int j = 0; j < COLS_PER_WARP; ++j) {
