@@ -112,8 +112,7 @@ RANDOM_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # --keep-format: weights.random_block
 OWN_CONFIG_BUILDS = (("dependent_launch", "--no-dependent-launch", "nopdl", False),
                      ("tensor_core_matmul", "--no-tensor-core-matmul", "cc", False),
                      ("decode_append", "--no-decode-append", "noda", False),
-                     ("fused_batch_layers", "--fused-batch-layers", "fb", True),
-                     ("fused_mlp", "--fused-mlp", "fm", True))
+                     ("fused_batch_layers", "--fused-batch-layers", "fb", True))
 
 
 def parse_args(argv=None):
@@ -173,9 +172,6 @@ def parse_args(argv=None):
                    help="build every library with the fused decode ops in the batched steps too (compile "
                         "--fused-batch-layers; compiler.tensor_core_matmul.norm_matmul from batch 16 on): its "
                         "libraries are named NAME-fb-*.so and its rows carry fused_batch_layers: true")
-    p.add_argument("--fused-mlp", action="store_true",
-                   help="build every library with `decode`'s MLP as one kernel (compile --fused-mlp; "
-                        "compiler.fused_mlp): its libraries are named NAME-fm-*.so and its rows carry fused_mlp: true")
     args = p.parse_args(argv)
     graphs = args.target == "cuda" and not args.no_cuda_graph
     args.libraries = tuple(kv for kv in KV_CACHES if kv != "graph" or graphs) + (("flashinfer",) if args.flashinfer
@@ -244,7 +240,6 @@ def ensure_libraries(args, max_batch: int) -> None:
                       small_batch_matmul=args.small_batch_matmul, fused_layers=args.fused_layers,
                       dependent_launch=args.dependent_launch, tensor_core_matmul=args.tensor_core_matmul,
                       decode_append=args.decode_append, fused_batch_layers=args.fused_batch_layers,
-                      fused_mlp=args.fused_mlp,
                       **random, **BUILD[library])
 
 

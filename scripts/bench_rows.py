@@ -144,8 +144,7 @@ def finish(rows: list[dict], path: str | None, failures: list[str], heading: str
 # run settings (reps, steps, warm-up) and provenance (device, date, commit) are not among them.
 CONFIG_FIELDS = ("bench", "model", "kernel", "impl", "dtype", "head_dim", "v_head_dim", "latent_dim", "rope_dim",
                  "num_qo_heads", "num_kv_heads", "num_layers", "page_size", "part", "causal", "threads", "target",
-                 "fused_layers", "dependent_launch", "tensor_core_matmul", "decode_append", "fused_batch_layers",
-                 "fused_mlp")
+                 "fused_layers", "dependent_launch", "tensor_core_matmul", "decode_append", "fused_batch_layers")
 # The points a run measures within its configuration: a later run of the configuration replaces
 # all of them, also the points it left out (a run with other shapes, or without CUDA-graph rows).
 POINT_FIELDS = ("batch", "seq_len", "qo_len", "tree", "history", "prompt", "new_tokens")

@@ -33,10 +33,10 @@ FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 def lowered_module(hf_config: dict, target: str, quantization: str = "none", fmt: str = "Q4_1",
                    dtype: str | None = None, fused: bool = True, fused_batch_layers: bool = False,
-                   decode_append: bool = True, fused_mlp: bool = False):
+                   decode_append: bool = True):
     """The library module of `hf_config` after the model pipeline for `target` ("llvm", "cuda" or
     "cuda:sm_XY"; CUDA defaults to sm_90), and its BuildOptions (fused_batch_layers,
-    decode_append, fused_mlp: as BuildOptions')."""
+    decode_append: as BuildOptions')."""
     import tvm
 
     from tvmattn.build import _weight_formats, kept_dtype
@@ -55,7 +55,7 @@ def lowered_module(hf_config: dict, target: str, quantization: str = "none", fmt
         dtype = kept_dtype(target)
     dtype = dtype or ("float32" if target == "llvm" else "float16")
     options = BuildOptions(target=target, dtype=dtype, weight_formats=formats, fused_layers=fused,
-                           fused_batch_layers=fused_batch_layers, decode_append=decode_append, fused_mlp=fused_mlp)
+                           fused_batch_layers=fused_batch_layers, decode_append=decode_append)
     mod, _ = export_module(config, options)
     tvm_target = options.tvm_target()
     with tvm_target:
@@ -96,7 +96,6 @@ def main(argv=None) -> int:
     parser.add_argument("--unfused", action="store_true", help="without the fused decode ops")
     parser.add_argument("--no-decode-append", dest="decode_append", action="store_false",
                         help="the K/V append in a kernel of its own (compile --no-decode-append)")
-    parser.add_argument("--fused-mlp", action="store_true", help="`decode`'s MLP as one kernel (compile --fused-mlp)")
     parser.add_argument("--functions", default=",".join(FUNCTIONS[:2]))
     parser.add_argument("--json", default=None, help="also write the counts to this file")
     args = parser.parse_args(argv)
@@ -116,16 +115,14 @@ def main(argv=None) -> int:
         return 2
     try:
         mod, options = lowered_module(hf_config, args.target, args.quantization, args.format, args.dtype,
-                                      fused=not args.unfused, decode_append=args.decode_append,
-                                      fused_mlp=args.fused_mlp)
+                                      fused=not args.unfused, decode_append=args.decode_append)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     counts = report(mod, functions)
     label = (f"{args.model}: target {options.target}, dtype {options.dtype}, "
              f"{'kept ' + args.format if args.quantization == 'keep' else 'float weights'}, "
-             f"{'unfused' if args.unfused else 'fused'} layers" + ("" if args.decode_append else ", no decode_append")
-             + (", one-kernel MLP" if args.fused_mlp else ""))
+             f"{'unfused' if args.unfused else 'fused'} layers" + ("" if args.decode_append else ", no decode_append"))
     print(label)
     for name, c in counts.items():
         if c["layer_total"] is not None:

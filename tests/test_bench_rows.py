@@ -220,8 +220,7 @@ def test_e2e_own_configuration_options(e2e, tmp_path, capsys):
     assert not args.dependent_launch and args.name == "smollm2-nopdl"
     assert e2e.library_path(args, "graph") == tmp_path / "smollm2-nopdl-tvmattn.so"
     assert args.tensor_core_matmul and args.own_config == {"dependent_launch": False}
-    for flag in ("--no-dependent-launch", "--no-tensor-core-matmul", "--no-decode-append", "--fused-batch-layers",
-                 "--fused-mlp"):
+    for flag in ("--no-dependent-launch", "--no-tensor-core-matmul", "--no-decode-append", "--fused-batch-layers"):
         with pytest.raises(SystemExit) as exit_info:
             e2e.parse_args([flag, "--target", "llvm"])
         assert exit_info.value.code == 2 and f"argument {flag}: needs --target cuda" in capsys.readouterr().err
@@ -232,8 +231,6 @@ def test_e2e_own_configuration_options(e2e, tmp_path, capsys):
     assert separate.name == "smollm2-noda" and separate.own_config == {"decode_append": False}
     fused = e2e.parse_args(["--fused-batch-layers", "--libs", str(tmp_path)])
     assert fused.name == "smollm2-fb" and fused.own_config == {"fused_batch_layers": True}
-    one_kernel_mlp = e2e.parse_args(["--fused-mlp", "--libs", str(tmp_path)])
-    assert one_kernel_mlp.name == "smollm2-fm" and one_kernel_mlp.own_config == {"fused_mlp": True}
     library = tmp_path / "smollm2-tvmattn.so"
     runtime = e2e.sidecar(library, e2e.RUNTIME_SUFFIX)
     for built, run in ((False, default), (True, args)):

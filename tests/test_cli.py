@@ -104,8 +104,7 @@ def test_compile_quantization_defaults_to_auto_and_says_so():
                                                           ("--no-tensor-core-matmul", "tensor_core_matmul", None, False),
                                                           ("--float32-cpu-products", "cpu_bf16", True, False),
                                                           ("--no-decode-append", "decode_append", True, False),
-                                                          ("--fused-batch-layers", "fused_batch_layers", False, True),
-                                                          ("--fused-mlp", "fused_mlp", False, True)])
+                                                          ("--fused-batch-layers", "fused_batch_layers", False, True)])
 def test_compile_passes_its_build_flags_on(tmp_path, monkeypatch, flag, argument, default, value):
     """Each build flag reaches compile_model as its argument: the default without it (None: the
     target's own), the flag's value with it."""

@@ -13,8 +13,7 @@ split_rotary_append and decodes with one paged kernel):
 - kept-quantized weights on CUDA (quant.linear: norm, SwiGLU and residual inside the GEMV in
   `decode`; a decode batch keeps the norms and the gate apart): 6 in decode, 9 in batch_decode;
 - CUDA libraries whose attention takes the tensor-core decode (GQA groups of 3 and more, fp16):
-  the append inside the decode kernel (decode_append), one kernel fewer: 5 in decode;
-- with BuildOptions.fused_mlp (compiler.fused_mlp), `decode`'s MLP is one kernel: 4.
+  the append inside the decode kernel (decode_append), one kernel fewer: 5 in decode.
 After the layers: the final norm and the (tied) LM head; decode_step also embeds first (1).
 """
 
@@ -89,17 +88,6 @@ def test_decode_append_library_counts():
                                             "num_key_value_heads": 1}, "cuda", "none", "Q4_1", fused=True,
                                            decode_append=False)[0]  # (compile --no-decode-append)
     assert count_step(separate, "decode").uniform_layer() == FUSED
-
-
-def test_one_kernel_mlp_counts():
-    """fused_mlp: `decode`'s norm + gate_up + SiLU * mul + down_proj + residual is one launch (a
-    projection, named fused_mlp); the batched steps keep theirs."""
-    config = {**TINY, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1}
-    mod = kernel_count.lowered_module(config, "cuda", "none", "Q4_1", fused=True, fused_mlp=True)[0]
-    assert count_step(mod, "decode").uniform_layer() == {"projection": 3, "attention": 1}
-    assert count_step(mod, "batch_decode").uniform_layer() == without_append(BATCHED_SWIGLU)
-    layer = [launch.name for launch in step_launches(mod, "decode") if launch.segment == 0]
-    assert layer[-1] == "fused_mlp" and len(layer) == 4
 
 
 def test_layer_launches_in_order():

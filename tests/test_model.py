@@ -171,14 +171,14 @@ class Model:
     library stores them, i.e. rounded to its dtype)."""
 
     def __init__(self, hf: dict, kv_cache: str, seed: int, target: str = "llvm", dtype: str = "float32",
-                 fused: bool = True, fused_mlp: bool = False):
+                 fused: bool = True):
         self.hf = hf
         self.kv_cache = kv_cache
         self.config = ModelConfig.from_hf(hf)
         self.device = tvm.cpu() if target == "llvm" else tvm.cuda()
         self.tolerance = LOGITS_TOLERANCE[dtype]
         self.library = compile_library(self.config, target=target, dtype=dtype, page_size=PAGE_SIZE,
-                                       kv_cache=kv_cache, fused_layers=fused, fused_mlp=fused_mlp)
+                                       kv_cache=kv_cache, fused_layers=fused)
         self.hf_weights = random_hf_weights(hf, seed)
         self.params = pack_params(self.library.metadata, self.hf_weights)
         stored = {name: w.astype(dtype).astype(np.float32) for name, w in self.hf_weights.items()}
@@ -439,7 +439,7 @@ def test_metadata_lists_every_parameter(bias_model):
                                      "small_batch_matmul": True, "host_avx512": False, "kv_dtype": "",
                                      "fused_layers": True, "cpu_bf16": True, "dependent_launch": False,
                                      "tensor_core_matmul": False, "fused_batch_layers": False,
-                                     "decode_append": True, "fused_mlp": False}
+                                     "decode_append": True}
     for name in ("embed", "prefill", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache"):
         assert name in meta["functions"]
 
@@ -632,18 +632,6 @@ def test_cuda_fused_decode_ops_match_torch_and_the_unfused_library():
     plain = Model(GPU_CONFIG, "tvmattn", seed=5, target=target, dtype="float16", fused=False)
     compare_with_stock(fused, plain, FUSED_FLOAT16_TOLERANCE)
     check_decode_step(fused)
-
-
-@pytest.mark.gpu
-def test_cuda_one_kernel_mlp_matches_torch_and_the_unfused_library():
-    """A float16 CUDA library whose `decode` runs each MLP as one kernel (compiler.fused_mlp:
-    float32 reds across its blocks) against torch and against the library without the fused
-    ops, decode_step included."""
-    target = resolve_target("cuda")
-    one_kernel = Model(GPU_CONFIG, "tvmattn", seed=5, target=target, dtype="float16", fused_mlp=True)
-    plain = Model(GPU_CONFIG, "tvmattn", seed=5, target=target, dtype="float16", fused=False)
-    compare_with_stock(one_kernel, plain, FUSED_FLOAT16_TOLERANCE)
-    check_decode_step(one_kernel)
 
 
 @pytest.mark.gpu

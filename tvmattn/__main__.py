@@ -328,9 +328,6 @@ def add_compile_options(command: argparse.ArgumentParser) -> None:
                          help="CUDA: the batched decode steps take the fused RMSNorm + projection ops too (on "
                               "tensor cores from batch 16 on, compiler.tensor_core_matmul.norm_matmul; default: "
                               "`decode` only)")
-    command.add_argument("--fused-mlp", action="store_true",
-                         help="CUDA: `decode`'s MLP (norm, gate_up, SiLU * mul, down_proj, residual) as one kernel "
-                              "where compiler.fused_mlp takes the model's sizes")
 
 
 def _main_job_options(job: argparse.ArgumentParser, blocks: str) -> None:
@@ -520,8 +517,7 @@ def _compile(args) -> int:
                       small_batch_matmul=args.small_batch_matmul, kv_cache_dtype=args.kv_cache_dtype,
                       fused_layers=args.fused_layers, cpu_bf16=args.cpu_bf16,
                       dependent_launch=args.dependent_launch, tensor_core_matmul=args.tensor_core_matmul,
-                      decode_append=args.decode_append, fused_batch_layers=args.fused_batch_layers,
-                      fused_mlp=args.fused_mlp)
+                      decode_append=args.decode_append, fused_batch_layers=args.fused_batch_layers)
     except (ValueError, WeightError) as err:  # BuildError, WeightError, ModelConfigError
         return _fail(str(err))
     return 0

@@ -263,7 +263,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
                   kv_cache_dtype: str | None = None, fused_layers: bool = True,
                   cpu_bf16: bool = True, dependent_launch: bool | None = None,
                   tensor_core_matmul: bool | None = None, decode_append: bool = True,
-                  fused_batch_layers: bool = False, fused_mlp: bool = False) -> BuildResult:
+                  fused_batch_layers: bool = False) -> BuildResult:
     """Compile `model` into out_path (a .so) with its weights and run-time files beside it.
 
     dtype defaults to float32 on llvm and float16 on cuda; context_window defaults to the
@@ -286,7 +286,6 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
     decode takes it (export.BuildOptions.decode_append; False: a separate append kernel).
     fused_batch_layers: CUDA, the fused decode ops in the batched decode steps too
     (export.BuildOptions.fused_batch_layers; needs tensor_core_matmul and fused_layers).
-    fused_mlp: CUDA, `decode`'s MLP as one kernel (export.BuildOptions.fused_mlp; compiler.fused_mlp).
     kv_cache_dtype: the KV pages' element type: None (the dtype) or "float8_e4m3fn" /
     "float8_e5m2" (FP8 pages, half fp16's bytes; scales 1.0 unless the generator sets them,
     `tvmattn.calibrate_kv_scales`).
@@ -391,7 +390,7 @@ def compile_model(model: str, out_path: str | Path, *, target: str = "auto", cud
                            weight_formats=weight_formats, max_batch_size=max_batch_size,
                            small_batch_matmul=small_batch_matmul, fused_layers=fused_layers, cpu_bf16=cpu_bf16,
                            dependent_launch=dependent_launch, tensor_core_matmul=tensor_core_matmul,
-                           decode_append=decode_append, fused_batch_layers=fused_batch_layers, fused_mlp=fused_mlp,
+                           decode_append=decode_append, fused_batch_layers=fused_batch_layers,
                            kv_dtype="" if kv_cache_dtype in (None, dtype) else kv_cache_dtype,
                            host_avx512=bool(weight_formats) and _every_matrix_kept(config, weight_formats))
     attn_backend = _attention_backend(attn_backend, options.cache_spec(config), log)

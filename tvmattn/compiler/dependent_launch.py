@@ -89,10 +89,6 @@ KERNEL_THREADS = ("blockIdx.", "threadIdx.")  # the bindings that start a device
 HOST_FUNC_ATTR = "tirx.is_host_func"
 # a loop marked so (a schedule's weight prefetch, fused_schedules.py) may run before the grid wait
 PREFETCH_ATTR = "tvmattn_prefetch_before_wait"
-# a function marked so loads all of its weights into registers before its wait (fused_mlp.py): it
-# streams nothing after the wait, so it lets its dependents start early whatever its size, and
-# prefetches nothing into L2
-WEIGHTS_BEFORE_WAIT_ATTR = "tvmattn_weights_before_wait"
 # functions streaming this much or more let their dependents start only as their blocks exit
 # (module docstring); SmolLM2's largest layer projection streams 3.4 MiB, a 1B model's smallest 8 MiB
 EARLY_TRIGGER_MAX_BYTES = 4 << 20
@@ -172,8 +168,7 @@ def prefetched_weight(func: tirx.PrimFunc):
 def _l2_prefetch(func: tirx.PrimFunc):
     """The statement that prefetches a block's share of func's weight into L2, or None: only in a
     function that lets its dependents start early (module docstring)."""
-    weights_in_registers = bool((func.attrs or {}).get(WEIGHTS_BEFORE_WAIT_ATTR, False))
-    found = prefetched_weight(func) if early_trigger(func) and not weights_in_registers else None
+    found = prefetched_weight(func) if early_trigger(func) else None
     if found is None:
         return None
     param, size = found
@@ -182,10 +177,7 @@ def _l2_prefetch(func: tirx.PrimFunc):
 
 
 def early_trigger(func: tirx.PrimFunc) -> bool:
-    """Whether func's kernels let their dependents start right after their wait (module docstring;
-    WEIGHTS_BEFORE_WAIT_ATTR)."""
-    if bool((func.attrs or {}).get(WEIGHTS_BEFORE_WAIT_ATTR, False)):
-        return True
+    """Whether func's kernels let their dependents start right after their wait (module docstring)."""
     return static_buffer_bytes(func) < EARLY_TRIGGER_MAX_BYTES
 
 
@@ -210,20 +202,16 @@ def _is_prefetch(stmt) -> bool:
 def _after_prefetch(body, first: list):
     """body with `first` put right after its leading PREFETCH_ATTR loop: the loop must be the
     first statement the kernel runs (reached through loops and bindings only, as the first
-    statement of each sequence after its buffer allocations, which run nothing). None where
-    body has no such loop."""
+    statement of each sequence). None where body has no such loop."""
     if _is_prefetch(body):
         return tirx.SeqStmt([_unmarked(body)] + first)
     if isinstance(body, tirx.SeqStmt) and len(body.seq) > 0:
         seq = list(body.seq)
-        allocs = 0
-        while allocs < len(seq) and isinstance(seq[allocs], (tirx.AllocBuffer, tirx.DeclBuffer)):
-            allocs += 1
-        leading = allocs  # (SwiGLU: the gate's and the up half's prefetch, one after the other)
+        leading = 0  # (SwiGLU: the gate's and the up half's prefetch, one after the other)
         while leading < len(seq) and _is_prefetch(seq[leading]):
             leading += 1
-        if leading > allocs:
-            return tirx.SeqStmt(seq[:allocs] + [_unmarked(s) for s in seq[allocs:leading]] + first + seq[leading:])
+        if leading:
+            return tirx.SeqStmt([_unmarked(s) for s in seq[:leading]] + first + seq[leading:])
         inner = _after_prefetch(seq[0], first)
         return None if inner is None else tirx.SeqStmt([inner] + seq[1:])
     if isinstance(body, (tirx.For, tirx.AttrStmt)):
@@ -294,6 +282,5 @@ def chain_dependent_launches(mod: tvm.IRModule, _ctx: tvm.transform.PassContext)
 
 
 __all__ = ["EARLY_TRIGGER_MAX_BYTES", "L2_PREFETCH_BLOCK_BYTES", "L2_PREFETCH_MIN_BYTES", "PDL_TAG", "PREFETCH_ATTR",
-           "WEIGHTS_BEFORE_WAIT_ATTR",
            "chain_dependent_launches", "chain_kernels", "dependent_launch_problem", "early_trigger", "kernel_roots",
            "prefetched_weight", "skip_reason", "static_buffer_bytes"]

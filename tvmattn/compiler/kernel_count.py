@@ -3,8 +3,8 @@
 Read from a model library's Relax module after the model pipeline (`pipeline.relax_pipeline`,
 before VM code generation): there every device kernel is a call of a PrimFunc (host-side shape
 functions left out) and the KV cache's attention is one packed call per layer. Kinds:
-- "projection": a matmul / GEMV kernel (float `NT_matmul`, fused or not, the kept-quantized
-  `quant_matmul_*`, and compiler.fused_mlp's whole MLP), whatever it fuses before or after the product;
+- "projection": a matmul / GEMV kernel (float `NT_matmul`, fused or not, and the kept-quantized
+  `quant_matmul_*`), whatever it fuses before or after the product;
 - "norm": an RMSNorm of its own;
 - "elementwise": anything else of the model (SiLU * mul, residual adds, casts, the embedding);
 - "cache append" and "attention": what one attention call of the KV cache launches in a decode
@@ -47,7 +47,7 @@ class Launch:
 
 def kernel_kind(name: str) -> str:
     """The kind (KINDS, less the cache's) of a model kernel from its PrimFunc name."""
-    if "matmul" in name or "gemv" in name or name.startswith("fused_mlp"):
+    if "matmul" in name or "gemv" in name:
         return "projection"
     if "norm" in name:
         return "norm"

@@ -48,7 +48,6 @@ from ..compiler.dependent_launch import dependent_launch_problem
 from ..compiler.tensor_core_matmul import (DTYPES as TENSOR_CORE_DTYPES, choose_skinny_schedule, swiglu_matmul_takes,
                                           tensor_core_matmul_problem)
 from ..compiler.fused_decode import fused_decode
-from ..compiler.fused_mlp import fused_mlp
 from ..compiler.pipeline import relax_pipeline
 from ..compiler.script_frames import cheap_frame_stacks
 # exported by every library beside its architecture's functions (model-independent)
@@ -98,9 +97,6 @@ class BuildOptions:
     # fused GEMV below batch 16, compiler.tensor_core_matmul.norm_matmul from 16 on); off: slower
     # than the plain ops at batch 64 (docs/performance.md, "Tried and rejected")
     fused_batch_layers: bool = False
-    # CUDA with fused_layers: `decode`'s MLP (norm, gate_up, SiLU * mul, down_proj, residual) as
-    # one kernel where compiler.fused_mlp has a schedule for the model's sizes
-    fused_mlp: bool = False
     # tvmattn's cache: the K/V append inside the tensor-core decode kernel (one launch a layer,
     # tir_kernels.paged_decode_append) where the decode takes that kernel; False: split_rotary_append
     # then the decode (two)
@@ -147,12 +143,6 @@ class BuildOptions:
             raise ValueError(f"fused_batch_layers={self.fused_batch_layers!r} is not supported: expected a bool")
         if self.fused_batch_layers and not (self.tensor_core_matmul and self.fused_layers):
             raise ValueError("fused_batch_layers=True is not supported: it needs tensor_core_matmul and fused_layers")
-        if not isinstance(self.fused_mlp, bool):
-            raise ValueError(f"fused_mlp={self.fused_mlp!r} is not supported: expected a bool")
-        if self.fused_mlp and (self.target == "llvm" or not self.fused_layers):
-            raise ValueError(f"fused_mlp=True is not supported with target={self.target!r}"
-                             f"{'' if self.fused_layers else ' and fused_layers=False'}: it needs a CUDA target "
-                             "and fused_layers")
         if self.tensor_core_matmul and tensor_core_matmul_problem(self.target, self.small_batch_matmul):
             raise ValueError(f"tensor_core_matmul=True is not supported: "
                              f"{tensor_core_matmul_problem(self.target, self.small_batch_matmul)}")
@@ -296,7 +286,7 @@ def export_module(config: AnyModelConfig, options: BuildOptions) -> tuple[tvm.IR
     single_row_only = options.target != "llvm" and not fused_on_tensor_cores(config, options)
     swiglu = swiglu_on_tensor_cores(config, options)
     with options.tvm_target(), fused_decode(options.fused_layers, single_row_only, batched_swiglu=swiglu), \
-            fused_mlp(options.fused_mlp), cheap_frame_stacks():  # (the kernel generators parse TVMScript: compiler.script_frames)
+            cheap_frame_stacks():  # (the kernel generators parse TVMScript: compiler.script_frames)
         mod, params = model.export_tvm(spec=model.get_default_spec())
     if "decode_step" in arch.functions:  # storage planned for the largest batch (see compiler/pipeline.py)
         step = mod.get_global_var("decode_step")

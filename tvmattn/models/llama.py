@@ -36,8 +36,6 @@ from typing import Mapping
 
 from ..compiler.fused_decode import (batched_swiglu_enabled, fused_decode_enabled, matmul_swiglu, rms_norm_matmul,
                                      rms_norm_matmul_swiglu)
-from ..compiler.fused_mlp import model_kernel as fused_mlp_kernel
-from ..compiler.fused_mlp import model_schedule as fused_mlp_schedule
 from ..quant.linear import PART_PREFIX, QuantEmbedding, QuantLinear, float32_products
 from ..weights.quant import PACKED
 from .config import ModelConfig
@@ -121,15 +119,7 @@ class MLP(nn.Module):
         self.down_proj = _linear(formats, f"{prefix}.down_proj", config.intermediate_size, config.hidden_size)
 
     def forward(self, x: nn.Tensor, norm: nn.RMSNorm) -> nn.Tensor:
-        """x + mlp(norm(x)) (the norm may run inside gate_up_proj, the SwiGLU gate inside down_proj;
-        or the whole MLP in one kernel: compiler.fused_mlp)."""
-        schedule = self._one_kernel_schedule(x, norm)
-        if schedule is not None:
-            kernel = fused_mlp_kernel(int(x.shape[-1]), self.intermediate_size, str(x.dtype), float(norm.epsilon),
-                                      schedule)
-            return op.tensor_ir_op(kernel, "fused_mlp", args=[x, norm.weight, self.gate_up_proj.weight,
-                                                              self.down_proj.weight],
-                                   out=nn.Tensor.placeholder(x.shape, x.dtype))
+        """x + mlp(norm(x)) (the norm may run inside gate_up_proj, the SwiGLU gate inside down_proj)."""
         if _fusable(self.gate_up_proj, x, norm):  # norm, gate_up and SiLU * mul in one op
             h = op.tensor_expr_op(functools.partial(rms_norm_matmul_swiglu, eps=float(norm.epsilon)),
                                   "fused_rms_norm_matmul_swiglu", args=[x, norm.weight, self.gate_up_proj.weight])
@@ -142,16 +132,6 @@ class MLP(nn.Module):
             return self.down_proj(gate_up, residual=x, swiglu=True)
         gate, up = op.split(gate_up, 2, axis=-1)
         return _project(self.down_proj, op.silu(gate) * up, x)
-
-
-    def _one_kernel_schedule(self, x: nn.Tensor, norm: nn.RMSNorm):
-        """compiler.fused_mlp's schedule where this MLP runs as one kernel: float projections
-        without bias, a decode shape, the norm without bias, and the export's fused_mlp on."""
-        if not (isinstance(self.gate_up_proj, nn.Linear) and isinstance(self.down_proj, nn.Linear)
-                and self.gate_up_proj.bias is None and self.down_proj.bias is None and _decode_shape(x)
-                and getattr(norm, "bias", None) is None):
-            return None
-        return fused_mlp_schedule(x.shape[0], int(x.shape[-1]), self.intermediate_size, str(x.dtype))
 
 
 class DecoderLayer(nn.Module):
