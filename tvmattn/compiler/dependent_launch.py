@@ -29,7 +29,12 @@ One exception to "first": a kernel whose first statement is a loop nest marked P
 (the fused decode GEMV's weight prefetch into registers, compiler/fused_schedules.py) waits right
 after that nest, so the weight streams in while the previous kernel finishes. Such a nest reads
 only its function's weight parameter: a model weight, which no kernel writes and whose storage
-the VM never reuses, so reading it early observes nothing a wait would order.
+the VM never reuses, so reading it early observes nothing a wait would order. Where the source
+puts a load is not where the SASS does: ptxas moves `ld.global.nc` loads (nvcc's reading of a
+`__restrict__` argument the kernel never writes) across `griddepcontrol.wait` both ways, sinking
+a weight load below it or hoisting an activation load above it (seen in a kernel's SASS, not
+kept). Plain `ld.global` stays put; the prefetch nest's 16-byte loads compile to it, and in a
+SmolLM2 library's SASS every `.nc` load ahead of a wait reads a table the host uploaded.
 
 Before both, a kernel of an early-triggering function whose largest static-shape buffer parameter
 (its weight: `prefetched_weight`) holds at least L2_PREFETCH_MIN_BYTES starts the block's share
