@@ -253,11 +253,11 @@ int main(int argc, char** argv) {
   std::vector<half> hgu(gu_elems * layers), hd(d_elems * layers), hdt(d_elems * layers);
   unsigned seed = 12345u;
   auto rnd = [&]() { seed = seed * 1664525u + 1013904223u; return ((seed >> 8) % 2001) / 1000.0f - 1.0f; };
-  for (auto& w : hgu) w = __float2half(rnd() * 0.08f);
+  for (auto& w : hgu) w = __float2half(rnd() * 0.03f);  // small enough that 30 layers stay bounded
   for (int l = 0; l < layers; ++l)
     for (int r = 0; r < H; ++r)
       for (int c = 0; c < I; ++c) {
-        half w = __float2half(rnd() * 0.05f);
+        half w = __float2half(rnd() * 0.02f);
         hd[l * d_elems + (size_t)r * I + c] = w;
         hdt[l * d_elems + (size_t)c * H + r] = w;
       }
@@ -306,7 +306,12 @@ int main(int argc, char** argv) {
   std::vector<float> ref;  // the two kernels' final vector
   auto max_diff = [&](const float* p) {
     std::vector<float> out = result(p);
-    double diff = 0; for (int i = 0; i < H; ++i) diff = fmax(diff, fabs((double)out[i] - ref[i]));
+    double diff = 0;  // NaN where either vector holds a non-finite value (fmax would skip it)
+    for (int i = 0; i < H; ++i) {
+      double d = fabs((double)out[i] - ref[i]);
+      diff = std::isfinite(d) ? fmax(diff, d) : NAN;
+      if (std::isnan(diff)) break;
+    }
     return diff;
   };
   // two kernels: x in bufs[(l % 2) * H], y in the other half, h after them
@@ -323,7 +328,11 @@ int main(int argc, char** argv) {
   ref = result(bufs + (layers % 2) * H);
   float us_two = timed(two);
   int fused_blocks = std::max((I + MAX_COLS - 1) / MAX_COLS, sms);
-  double norm = 0; for (float r : ref) norm = fmax(norm, fabs(r));
+  double norm = 0;  // NaN where the reference holds a non-finite value
+  for (float r : ref) {
+    if (!std::isfinite(r)) { norm = NAN; break; }
+    norm = fmax(norm, fabs(r));
+  }
   printf("hidden %d, intermediate %d, %d layers, %d SMs: two kernels (PDL, weights in registers before the wait) "
          "%.2f us a layer", H, I, layers, sms, us_two);
   for (int vec4 = 0; vec4 < 2; ++vec4) {
