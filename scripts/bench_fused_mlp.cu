@@ -304,15 +304,19 @@ int main(int argc, char** argv) {
     return out;
   };
   std::vector<float> ref;  // the two kernels' final vector
+  // the largest |value(i)| of i < H, NaN where one is not finite (fmax would skip a NaN)
+  auto largest = [](auto value) {
+    double m = 0;
+    for (int i = 0; i < H; ++i) {
+      double a = fabs((double)value(i));
+      if (!std::isfinite(a)) return (double)NAN;
+      m = fmax(m, a);
+    }
+    return m;
+  };
   auto max_diff = [&](const float* p) {
     std::vector<float> out = result(p);
-    double diff = 0;  // NaN where either vector holds a non-finite value (fmax would skip it)
-    for (int i = 0; i < H; ++i) {
-      double d = fabs((double)out[i] - ref[i]);
-      diff = std::isfinite(d) ? fmax(diff, d) : NAN;
-      if (std::isnan(diff)) break;
-    }
-    return diff;
+    return largest([&](int i) { return (double)out[i] - ref[i]; });
   };
   // two kernels: x in bufs[(l % 2) * H], y in the other half, h after them
   float* h = bufs + 2 * H;
@@ -328,11 +332,7 @@ int main(int argc, char** argv) {
   ref = result(bufs + (layers % 2) * H);
   float us_two = timed(two);
   int fused_blocks = std::max((I + MAX_COLS - 1) / MAX_COLS, sms);
-  double norm = 0;  // NaN where the reference holds a non-finite value
-  for (float r : ref) {
-    if (!std::isfinite(r)) { norm = NAN; break; }
-    norm = fmax(norm, fabs(r));
-  }
+  double norm = largest([&](int i) { return ref[i]; });
   printf("hidden %d, intermediate %d, %d layers, %d SMs: two kernels (PDL, weights in registers before the wait) "
          "%.2f us a layer", H, I, layers, sms, us_two);
   for (int vec4 = 0; vec4 < 2; ++vec4) {
