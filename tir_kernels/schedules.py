@@ -6,6 +6,7 @@ one for a config; tests and benchmarks may pass their own.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -522,10 +523,14 @@ def decode_schedule_label(sched) -> str:
 
 
 _TABLE_CACHE: dict = {}
+_TABLE_OVERRIDE: list = []  # use_decode_table's tables, innermost last
 
 
 def load_decode_table(path: str | None = None) -> dict:
-    """The table file as a dict (read once per path); {} where it is absent."""
+    """The table file as a dict (read once per path); {} where it is absent. Without a path,
+    inside `use_decode_table(table)`: that table."""
+    if path is None and _TABLE_OVERRIDE:
+        return _TABLE_OVERRIDE[-1]
     path = path or DECODE_TABLE_PATH
     if path not in _TABLE_CACHE:
         try:
@@ -546,26 +551,44 @@ def _fits(config: AttentionConfig, sched) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def use_decode_table(table: dict):
+    """Inside, `load_decode_table()` (and so every schedule choice without a table argument)
+    returns `table` instead of the file's (scripts/bench_decode_schedules.py builds a model
+    library with another decode schedule this way)."""
+    _TABLE_OVERRIDE.append(table)
+    try:
+        yield table
+    finally:
+        _TABLE_OVERRIDE.pop()
+
+
+def decode_table_bucket(config: AttentionConfig, table: dict) -> dict | None:
+    """The table's bucket that serves config: of its head dim and element size, the nearest in
+    GQA group (log2), then the same dtype; None where the table serves no such config (not
+    CUDA, another arch or SM count, no bucket of this head dim)."""
+    if not table or not config.is_gpu or config.cuda_arch != table.get("arch") or config.head_dim != config.v_head_dim:
+        return None
+    if table.get("sms", CUDA_NUM_SMS) != CUDA_NUM_SMS:
+        return None
+    buckets = [b for b in table.get("buckets", []) if b["head_dim"] == config.head_dim
+               and _dtype_bytes(b["dtype"]) == config.elem_bytes]
+    if not buckets:
+        return None
+    return min(buckets, key=lambda b: (abs(math.log2(b["group"]) - math.log2(config.group_size)),
+                                       b["dtype"] != config.dtype))
+
+
 def decode_table_entries(config: AttentionConfig, table: dict | None = None) -> list:
     """[(batch, seq_len, schedule, rope_schedule)] of the bucket nearest to config whose
     schedules fit it, or [] (not CUDA, another arch or SM count, no bucket of this head dim);
     rope_schedule: the entry's "rope_schedule" where it names one that fits config and keeps
     the schedule's dependent_launch, else None (decode_tc's default rope schedule)."""
     table = load_decode_table() if table is None else table
-    if not table or not config.is_gpu or config.cuda_arch != table.get("arch") or config.head_dim != config.v_head_dim:
-        return []
-    if table.get("sms", CUDA_NUM_SMS) != CUDA_NUM_SMS:
+    bucket = decode_table_bucket(config, table)
+    if bucket is None:
         return []
     schedules = table.get("schedules", {})
-    buckets = [b for b in table.get("buckets", []) if b["head_dim"] == config.head_dim
-               and _dtype_bytes(b["dtype"]) == config.elem_bytes]
-    if not buckets:
-        return []
-
-    def distance(b):
-        return (abs(math.log2(b["group"]) - math.log2(config.group_size)), b["dtype"] != config.dtype)
-
-    bucket = min(buckets, key=distance)
     out = []
     for e in bucket["shapes"]:
         sched = schedule_from_dict(schedules[e["schedule"]])
