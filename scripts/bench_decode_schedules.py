@@ -129,11 +129,14 @@ def parse_args(argv=None):
         p.error("argument --variant: give at least one")
     try:
         args.changes = [parse_variant(spec) for spec in args.variant]
-        args.batch_sizes = [int(b) for b in args.batches.split(",")]
     except ValueError as err:
         p.error(str(err))
+    try:
+        args.batch_sizes = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        p.error(f"argument --batches: expected comma-separated batch sizes, got {args.batches!r}")
     if min(args.batch_sizes) < 1 or args.steps < 1 or args.rounds < 1:
-        p.error("--batches, --steps and --rounds must be positive")
+        p.error("arguments --batches, --steps and --rounds: expected positive integers")
     return args
 
 

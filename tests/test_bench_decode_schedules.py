@@ -39,11 +39,22 @@ def test_bad_variants_name_the_argument(script, spec, words):
     assert words in str(err.value)
 
 
-def test_command_line_needs_a_variant(script):
+@pytest.mark.parametrize("argv, words", [
+    (["--batches", "1"], "--variant: give at least one"),
+    (["--variant", "stages=x"], "stages is an integer"),
+    (["--variant", "stages=3", "--batches", "1,a"], "--batches: expected comma-separated batch sizes"),
+    (["--variant", "stages=3", "--rounds", "0"], "expected positive integers"),
+])
+def test_bad_command_lines_name_the_argument(script, capsys, argv, words):
     with pytest.raises(SystemExit):
-        script.parse_args(["--batches", "1"])
-    with pytest.raises(SystemExit):
-        script.parse_args(["--variant", "stages=x"])
+        script.parse_args(argv)
+    assert words in capsys.readouterr().err
+
+
+def test_command_line_defaults(script):
+    args = script.parse_args(["--variant", "stages=3", "--variant", "min_split_keys=64"])
+    assert args.changes == [{"stages": 3}, {"min_split_keys": 64}]
+    assert args.batch_sizes == [1, 16, 64] and args.rounds == 3
 
 
 @pytest.mark.parametrize("config", [SMOLLM2, LLAMA_1B], ids=["smollm2", "llama-1b"])
