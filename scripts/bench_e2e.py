@@ -314,6 +314,7 @@ class Runner:
         self.hidden = self.metadata["model_config"]["hidden_size"]
         self.functions: dict = {}  # the VM's functions, looked up once
         self.plan_s = self.host_s = 0.0  # host seconds in begin_forward / in whole forwards
+        self.embed_s = 0.0  # host seconds embedding an eager decode step's tokens (a library call of its own)
         self.graphs = None  # DecodeGraphs: decode steps replayed as CUDA graphs
         if graph:
             from tvmattn.runtime.graphs import DecodeGraphs
@@ -390,7 +391,10 @@ class Runner:
             self.host_s += time.perf_counter() - start
             return logits
         function = "decode" if b == 1 else "batch_decode"
-        return self.forward(function, seq_ids, [1] * b, self.embed(ids, (b, 1, self.hidden)))
+        start = time.perf_counter()
+        embeds = self.embed(ids, (b, 1, self.hidden))
+        self.embed_s += time.perf_counter() - start
+        return self.forward(function, seq_ids, [1] * b, embeds)
 
     def sync(self):
         self.device.sync()
@@ -455,14 +459,19 @@ def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
             tokens = next_tokens(runner, logits)
         runner.sync()
         captured = runner.graphs.captures if runner.graphs is not None else 0
+        wait_s = choose_s = 0.0  # host seconds waiting for the previous step / choosing the tokens
         with around_steps or contextlib.nullcontext():
-            runner.plan_s = runner.host_s = 0.0
+            runner.plan_s = runner.host_s = runner.embed_s = 0.0
             start = time.perf_counter()
             for _ in range(steps):
                 if not runner.ordered_uploads:  # (see Runner.ordered_uploads)
+                    waiting = time.perf_counter()
                     runner.sync()
+                    wait_s += time.perf_counter() - waiting
                 logits = runner.decode(seq_ids, tokens)
+                choosing = time.perf_counter()
                 tokens = next_tokens(runner, logits)
+                choose_s += time.perf_counter() - choosing
             runner.sync()
             per_step = (time.perf_counter() - start) / steps
         captures = (runner.graphs.captures - captured) if runner.graphs is not None else None
@@ -474,7 +483,8 @@ def bench_decode(runner: Runner, prompts, steps: int, around_steps=None):
     finally:
         for seq_id in seq_ids:
             runner.host["remove_sequence"](runner.cache, seq_id)
-    return DecodeTiming(per_step, runner.host_s / steps, runner.plan_s / steps, gpu_s, captures), first
+    return DecodeTiming(per_step, runner.host_s / steps, runner.plan_s / steps, gpu_s, captures,
+                        runner.embed_s / steps, choose_s / steps, wait_s / steps), first
 
 
 def round_order(libraries: tuple, round_index: int) -> tuple:
@@ -497,6 +507,11 @@ class DecodeTiming:
     plan_s: float  # of which begin_forward
     gpu_s: float | None = None  # a CUDA-graph step's GPU time: its graph replayed back to back (None: eager)
     captures: int | None = None  # graphs captured during the timed steps (None: eager)
+    # the step's other host time: embedding its tokens (eager steps), choosing the next tokens
+    # (`next_tokens`), and waiting for the previous step (the stock cache: Runner.ordered_uploads)
+    embed_s: float = 0.0
+    choose_s: float = 0.0
+    wait_s: float = 0.0
 
 
 def agrees(diff: float, scale: float) -> bool:
@@ -520,7 +535,8 @@ def make_row(kernel: str, kv_cache: str, *, batch: int, prompt_len: int, seconds
            "tokens_per_s": (prompt_len if prefill else batch) / seconds,
            "max_abs_diff": diff, "max_abs_logit": scale, "agrees": agrees(diff, scale)}
     if timing is not None:
-        row.update(host_ms=1e3 * timing.host_s, begin_forward_ms=1e3 * timing.plan_s)
+        row.update(host_ms=1e3 * timing.host_s, begin_forward_ms=1e3 * timing.plan_s, embed_ms=1e3 * timing.embed_s,
+                   choose_ms=1e3 * timing.choose_s, wait_ms=1e3 * timing.wait_s)
         if timing.gpu_s is not None:
             row.update(gpu_ms=1e3 * timing.gpu_s)
         if timing.captures is not None:
@@ -704,8 +720,9 @@ def main(argv=None) -> int:
                 f" (median of {args.rounds} rounds; wall {1e3 * min(t.step_s for t in rounds[kv]):.3f} to "
                 f"{1e3 * max(t.step_s for t in rounds[kv]):.3f} ms)")
             host_lines.append(f"decode batch {batch}, {LABELS[kv]}: host {1e3 * timing.host_s:.3f} ms per step "
-                              f"(begin_forward {1e3 * timing.plan_s:.3f} ms), wall {1e3 * timing.step_s:.3f} ms{gpu}"
-                              + spread)
+                              f"(begin_forward {1e3 * timing.plan_s:.3f} ms), and {1e3 * timing.embed_s:.3f} ms "
+                              f"embedding, {1e3 * timing.choose_s:.3f} choosing the tokens, {1e3 * timing.wait_s:.3f} "
+                              f"waiting for the previous step; wall {1e3 * timing.step_s:.3f} ms{gpu}" + spread)
         diffs, scale = compare(f"decode batch {batch}, first step logits", first)
         json_rows += [make_row("decode", kv, batch=batch, prompt_len=args.prompt_len, seconds=step_s[kv],
                                diff=diffs[kv], scale=scale, **common, timing=timings[kv],

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import sys
+import time
 import types
 
 import numpy as np
@@ -179,6 +180,7 @@ def test_e2e_decode_row(e2e):
     assert (row["batch"], row["qo_len"], row["seq_len"]) == (16, 1, 512)
     assert row["ms"] == pytest.approx(2.0) and row["tokens_per_s"] == pytest.approx(8000.0)
     assert row["host_ms"] == pytest.approx(1.5) and row["begin_forward_ms"] == pytest.approx(0.5)
+    assert row["embed_ms"] == row["choose_ms"] == row["wait_ms"] == 0.0  # (parts the timing left at 0)
     assert row["agrees"] is False  # 0.5 > 2e-2 * 10
     assert all(isinstance(v, (str, int, float, bool)) for v in row.values())
     assert "gpu_ms" not in row  # an eager step: no graph replayed alone
@@ -337,7 +339,8 @@ class _StepLog:
 
     def __init__(self, ordered_uploads: bool, vocab: int = 8):
         self.ordered_uploads, self.vocab, self.calls = ordered_uploads, vocab, []
-        self.device, self.cache, self.plan_s, self.host_s = tvm.cpu(0), None, 0.0, 0.0
+        self.sync_s = 0.0  # seconds each sync takes
+        self.device, self.cache, self.plan_s, self.host_s, self.embed_s = tvm.cpu(0), None, 0.0, 0.0, 0.0
         self.graphs = None  # (eager steps: no graph replays to time)
         self.host = {"add_sequence": lambda cache, seq_id: None, "remove_sequence": lambda cache, seq_id: None}
 
@@ -346,6 +349,7 @@ class _StepLog:
 
     def sync(self):
         self.calls.append("sync")
+        time.sleep(self.sync_s)
 
     def decode(self, seq_ids, tokens):
         self.calls.append("decode")
@@ -363,6 +367,20 @@ def test_e2e_stock_cache_steps_wait_for_the_previous_step(e2e, ordered):
     waited = [runner.calls[i - 1] == "sync" for i in steps]
     # ours: only after the prefills and before the timed steps (the warm-up's end)
     assert waited == [not ordered or i in (0, e2e.WARMUP_STEPS) for i in range(len(steps))]
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["tvmattn", "tvm-stock"])
+def test_e2e_decode_timing_splits_the_host_time(e2e, ordered):
+    """bench_decode's timing: the stock cache's wait for the previous step (each sync before a
+    timed step) and the choice of the next tokens, per step, apart from the forward's host time."""
+    runner = _StepLog(ordered)
+    runner.sync_s = 0.002
+    timing, _ = e2e.bench_decode(runner, [np.zeros(4, np.int32)] * 2, steps=4)
+    assert (timing.wait_s >= 0.002) == (not ordered) and timing.wait_s < timing.step_s
+    assert 0 < timing.choose_s < timing.step_s and timing.embed_s == 0.0
+    row = e2e.make_row("decode", "tvmattn" if ordered else "tvm", batch=2, prompt_len=4, seconds=timing.step_s,
+                       diff=0.0, scale=1.0, target="llvm", dtype="float32", meta=META, timing=timing)
+    assert row["wait_ms"] == pytest.approx(1e3 * timing.wait_s) and row["choose_ms"] > 0 and row["embed_ms"] == 0
 
 
 def test_e2e_rounds_alternate_the_libraries_and_report_the_median(e2e, capsys):
