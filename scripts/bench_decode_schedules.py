@@ -24,15 +24,16 @@ import argparse
 import copy
 import dataclasses
 import json
+import multiprocessing
 import os
 import statistics
 import sys
-import multiprocessing
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import bench_e2e  # noqa: E402
 from tir_kernels.config import AttentionConfig  # noqa: E402
 from tir_kernels.schedules import (TensorCoreDecodeSchedule, choose_decode_variant, decode_table_bucket,  # noqa: E402
                                    load_decode_table, schedule_to_dict)
@@ -104,15 +105,29 @@ def plan_libraries(table: dict, config: AttentionConfig, variants: dict) -> dict
 
 
 def _build(job: tuple) -> str:
-    """Build one library (in a worker process): (model, path, table or None, max batch)."""
+    """Build one library (in a worker process): (model, path, table or None, max batch, context)."""
     from tir_kernels.schedules import use_decode_table
     from tvmattn.build import compile_model
 
-    model, path, table, max_batch = job
+    model, path, table, max_batch, context = job
     with use_decode_table(table if table is not None else load_decode_table()):
-        compile_model(model, path, target="cuda", max_batch_size=max_batch, context_window=PROMPT_LEN + 128,
+        compile_model(model, path, target="cuda", max_batch_size=max_batch, context_window=context,
                       prefill_chunk=PROMPT_LEN, log=lambda _: None)
     return path
+
+
+def context_tokens(steps: int) -> int:
+    """The context a run's libraries are built for: the prompt, the warm-up and timed steps of a
+    round (bench_e2e.bench_decode), rounded up to 64 tokens."""
+    return -(-(PROMPT_LEN + bench_e2e.WARMUP_STEPS + steps) // 64) * 64
+
+
+def library_paths(folder: str, model: str, libraries: dict, max_batch: int, context: int) -> dict:
+    """name -> the library file of each planned library; the name says what it was built for
+    (schedule, largest batch, context), so a file of another run's shape is never taken."""
+    stem = Path(model).stem
+    return {name: str(Path(folder) / f"{stem}-b{max_batch}-c{context}-{sched.label}.so")
+            for name, (sched, _) in libraries.items()}
 
 
 def parse_args(argv=None):
@@ -147,9 +162,9 @@ def main(argv=None) -> int:
     config = model_attention_config(args.model, resolve_target("cuda"))
     libraries = plan_libraries(load_decode_table(), config, dict(zip(args.variant, args.changes)))
     Path(args.libs).mkdir(parents=True, exist_ok=True)
-    stem = Path(args.model).stem
-    paths = {name: str(Path(args.libs) / f"{stem}-{sched.label}.so") for name, (sched, _) in libraries.items()}
-    jobs = [(args.model, paths[name], changed, max(args.batch_sizes))
+    max_batch, context = max(args.batch_sizes), context_tokens(args.steps)
+    paths = library_paths(args.libs, args.model, libraries, max_batch, context)
+    jobs = [(args.model, paths[name], changed, max_batch, context)
             for name, (_, changed) in libraries.items() if not Path(paths[name]).is_file()]
     if jobs:
         # spawned, not forked: the parent has initialized CUDA (the target's arch)
@@ -163,8 +178,6 @@ def time_steps(args, libraries: dict, paths: dict) -> int:
     import numpy as np
     import tvm
 
-    import bench_e2e
-
     device = tvm.cuda(0)
     if not device.exist:
         raise SystemExit("bench_decode_schedules.py needs a CUDA GPU")
@@ -172,7 +185,7 @@ def time_steps(args, libraries: dict, paths: dict) -> int:
     params, _ = bench_e2e.load_weights(argparse.Namespace(libraries=(), seed=0), device, metadata)
     page = metadata["kv_cache"]["page_size"]
     max_batch = max(args.batch_sizes)
-    capacity = max_batch * -(-(PROMPT_LEN + args.steps + bench_e2e.WARMUP_STEPS) // page) * page
+    capacity = max_batch * -(-context_tokens(args.steps) // page) * page
     runners = {name: bench_e2e.Runner(Path(paths[name]), device, params, capacity, max_batch, PROMPT_LEN, graph=True)
                for name in libraries}
     prompt = np.random.default_rng(0).integers(0, metadata["model_config"]["vocab_size"], PROMPT_LEN, dtype=np.int32)

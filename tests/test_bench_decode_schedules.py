@@ -85,3 +85,16 @@ def test_a_variant_that_changes_nothing_is_timed_once(script, capsys):
     assert [sched for sched, _ in plan.values()] == [library, dataclasses.replace(library, min_split_keys=64)]
     assert plan["library"][1] is None
     assert "timed once" in capsys.readouterr().out
+
+
+def test_library_files_name_what_they_were_built_for(script):
+    """A library built for fewer sequences or a shorter context is never taken for a longer run."""
+    context = script.context_tokens(32)
+    assert context % 64 == 0 and context >= script.PROMPT_LEN + script.bench_e2e.WARMUP_STEPS + 32
+    assert script.context_tokens(200) > context
+    plan = script.plan_libraries(load_decode_table(), SMOLLM2, {"stages=3": {"stages": 3}})
+    paths = script.library_paths("libs", "scripts/smollm2-config.json", plan, 64, context)
+    label = plan["library"][0].label
+    assert paths["library"] == f"libs/smollm2-config-b64-c{context}-{label}.so"
+    assert len(set(paths.values())) == 2
+    assert script.library_paths("libs", "scripts/smollm2-config.json", plan, 16, context) != paths
