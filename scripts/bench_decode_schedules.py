@@ -66,11 +66,11 @@ def parse_variant(spec: str) -> dict:
 def model_attention_config(model: str, target: str) -> AttentionConfig:
     """The attention config of a config.json model's float16 library for `target` ("cuda:sm_90")."""
     from tvmattn.build import load_model
+    from tvmattn.models.config import ModelConfig
 
-    hf, _, _ = load_model(model)
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    return AttentionConfig(heads, hf.get("num_key_value_heads", heads), head_dim, dtype="float16", target=target)
+    config = ModelConfig.from_hf(load_model(model)[0])
+    return AttentionConfig(config.num_attention_heads, config.num_key_value_heads, config.head_dim, dtype="float16",
+                           target=target)
 
 
 def variant_table(table: dict, config: AttentionConfig, changes: dict) -> tuple[dict, TensorCoreDecodeSchedule]:
@@ -171,10 +171,10 @@ def main(argv=None) -> int:
         with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
             for path in pool.imap_unordered(_build, jobs):
                 print(f"built {path}", flush=True)
-    return time_steps(args, libraries, paths)
+    return time_steps(args, libraries, paths, max_batch, context)
 
 
-def time_steps(args, libraries: dict, paths: dict) -> int:
+def time_steps(args, libraries: dict, paths: dict, max_batch: int, context: int) -> int:
     import numpy as np
     import tvm
 
@@ -184,8 +184,7 @@ def time_steps(args, libraries: dict, paths: dict) -> int:
     metadata = json.loads(bench_e2e.sidecar(Path(paths["library"]), bench_e2e.RUNTIME_SUFFIX).read_text())["metadata"]
     params, _ = bench_e2e.load_weights(argparse.Namespace(libraries=(), seed=0), device, metadata)
     page = metadata["kv_cache"]["page_size"]
-    max_batch = max(args.batch_sizes)
-    capacity = max_batch * -(-context_tokens(args.steps) // page) * page
+    capacity = max_batch * -(-context // page) * page
     runners = {name: bench_e2e.Runner(Path(paths[name]), device, params, capacity, max_batch, PROMPT_LEN, graph=True)
                for name in libraries}
     prompt = np.random.default_rng(0).integers(0, metadata["model_config"]["vocab_size"], PROMPT_LEN, dtype=np.int32)

@@ -98,3 +98,11 @@ def test_library_files_name_what_they_were_built_for(script):
     assert paths["library"] == f"libs/smollm2-config-b64-c{context}-{label}.so"
     assert len(set(paths.values())) == 2
     assert script.library_paths("libs", "scripts/smollm2-config.json", plan, 16, context) != paths
+
+
+@pytest.mark.parametrize("model, config", [("scripts/smollm2-config.json", SMOLLM2),
+                                           ("scripts/llama-3.2-1b-config.json", LLAMA_1B)])
+def test_a_models_attention_config_comes_from_its_config_json(script, model, config):
+    built = script.model_attention_config(model, "cuda:sm_90")
+    assert (built.num_qo_heads, built.num_kv_heads, built.head_dim, built.dtype) == (
+        config.num_qo_heads, config.num_kv_heads, config.head_dim, "float16")
