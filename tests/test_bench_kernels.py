@@ -590,7 +590,7 @@ def test_cpu_smoke_run_fp8_decode(bench, monkeypatch, capsys, fmt):
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("program", ["bench_phase_boundary.cu", "bench_fused_mlp.cu"])
+@pytest.mark.parametrize("program", ["bench_phase_boundary.cu", "bench_fused_mlp.cu", "bench_l2_lookahead.cu"])
 def test_cuda_benchmark_programs_build(program, tmp_path):
     """The CUDA benchmark programs in scripts/ (no Python) compile for sm_90."""
     source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", program)
