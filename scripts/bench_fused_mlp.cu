@@ -274,14 +274,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < H; ++i) x0[i] = rnd();
   cudaStream_t s; CHECK(cudaStreamCreate(&s));
   cudaEvent_t e0, e1; CHECK(cudaEventCreate(&e0)); CHECK(cudaEventCreate(&e1));
-  auto launch = [&](auto kernel, int blocks, auto... args) {
-    cudaLaunchConfig_t cfg = {}; cudaLaunchAttribute attr[1];
-    cfg.gridDim = blocks; cfg.blockDim = THREADS; cfg.stream = s;
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr; cfg.numAttrs = 1;
-    CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-  };
+  auto launch = [&](auto kernel, int blocks, auto... args) { launch_pdl(s, kernel, blocks, THREADS, true, args...); };
   auto graph_of = [&](auto&& body) {
     cudaGraph_t g; cudaGraphExec_t ge;
     CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));

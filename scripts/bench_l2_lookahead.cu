@@ -21,7 +21,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "cuda_bench_common.cuh"  // (CHECK, PDL, warp sums)
+#include "cuda_bench_common.cuh"  // (CHECK, PDL and its launches, warp sums)
 
 constexpr int HIDDEN = 2048, QKV = 3072, FFN = 8192, LAYERS = 16;
 constexpr int HEAD_DIM = 64, KV_HEADS = 8, GROUP = 4, SPLITS = 4, KEYS_PER_SPLIT = 128;
@@ -141,7 +141,8 @@ __global__ void __launch_bounds__(THREADS) attention(const float* qkv, const hal
     for (int t = 0; t < SPLITS; ++t) sum += (w[t] = __expf(w[t] - mx));
     for (int d = lane; d < HEAD_DIM; d += 32) {
       float o = 0.f;
-      for (int t = 0; t < SPLITS; ++t) o += w[t] * __ldcg(part + (((size_t)head * SPLITS + t) * GROUP + warp) * HEAD_DIM + d);
+      for (int t = 0; t < SPLITS; ++t)
+        o += w[t] * __ldcg(part + (((size_t)head * SPLITS + t) * GROUP + warp) * HEAD_DIM + d);
       att[(head * GROUP + warp) * HEAD_DIM + d] = o / sum;
     }
   }
@@ -154,20 +155,6 @@ __global__ void fill(half* w, size_t n, unsigned seed, float scale) {
     h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
     w[i] = __float2half(((h & 0xffff) / 65535.f - 0.5f) * scale);
   }
-}
-
-template <typename Kernel, typename... Args>
-void launch(cudaStream_t s, Kernel k, int blocks, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = blocks;
-  cfg.blockDim = THREADS;
-  cfg.stream = s;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  CHECK(cudaLaunchKernelEx(&cfg, k, args...));
 }
 
 int main(int argc, char** argv) {
@@ -187,7 +174,8 @@ int main(int argc, char** argv) {
   int* arrivals;
   CHECK(cudaMalloc(&x0, HIDDEN * 4)); CHECK(cudaMalloc(&x, HIDDEN * 4)); CHECK(cudaMalloc(&qkv, QKV * 4));
   CHECK(cudaMalloc(&att, HIDDEN * 4)); CHECK(cudaMalloc(&x2, HIDDEN * 4)); CHECK(cudaMalloc(&h, FFN * 4));
-  CHECK(cudaMalloc(&part, KV_HEADS * SPLITS * GROUP * HEAD_DIM * 4)); CHECK(cudaMalloc(&lse, KV_HEADS * SPLITS * GROUP * 4));
+  CHECK(cudaMalloc(&part, KV_HEADS * SPLITS * GROUP * HEAD_DIM * 4));
+  CHECK(cudaMalloc(&lse, KV_HEADS * SPLITS * GROUP * 4));
   CHECK(cudaMalloc(&arrivals, KV_HEADS * 4)); CHECK(cudaMemset(arrivals, 0, KV_HEADS * 4));
   std::vector<float> hx(HIDDEN);
   for (int i = 0; i < HIDDEN; ++i) hx[i] = sinf(0.37f * i);
@@ -204,15 +192,17 @@ int main(int argc, char** argv) {
     for (int l = 0; l < LAYERS; ++l) {
       half* wq = weights + per_layer * l;
       half *wo = wq + n_qkv, *wgu = wo + n_o, *wd = wgu + n_gu, *kv = wd + n_d;
-      launch(s, gemv<HIDDEN, 2, false>, QKV / (WARPS * 2), (const half*)wq, (const float*)x, (const float*)nullptr, qkv,
-             (const char*)nullptr, 0LL);
-      launch(s, attention, KV_HEADS * SPLITS, (const float*)qkv, (const half*)kv, part, lse, arrivals, att);
-      launch(s, gemv<HIDDEN, 2, false>, HIDDEN / (WARPS * 2), (const half*)wo, (const float*)att, (const float*)x, x2,
-             (const char*)wgu, ahead);
-      launch(s, gemv<HIDDEN, 2, true>, 2 * FFN / (WARPS * 2), (const half*)wgu, (const float*)x2, (const float*)nullptr, h,
-             (const char*)nullptr, 0LL);
-      launch(s, gemv<FFN, 1, false>, HIDDEN / WARPS, (const half*)wd, (const float*)h, (const float*)x2, x,
-             (const char*)nullptr, 0LL);
+      const float* none = nullptr;
+      launch_pdl(s, gemv<HIDDEN, 2, false>, QKV / (WARPS * 2), THREADS, true, (const half*)wq, (const float*)x, none,
+                 qkv, (const char*)nullptr, 0LL);
+      launch_pdl(s, attention, KV_HEADS * SPLITS, THREADS, true, (const float*)qkv, (const half*)kv, part, lse,
+                 arrivals, att);
+      launch_pdl(s, gemv<HIDDEN, 2, false>, HIDDEN / (WARPS * 2), THREADS, true, (const half*)wo, (const float*)att,
+                 (const float*)x, x2, (const char*)wgu, ahead);
+      launch_pdl(s, gemv<HIDDEN, 2, true>, 2 * FFN / (WARPS * 2), THREADS, true, (const half*)wgu, (const float*)x2,
+                 none, h, (const char*)nullptr, 0LL);
+      launch_pdl(s, gemv<FFN, 1, false>, HIDDEN / WARPS, THREADS, true, (const half*)wd, (const float*)h,
+                 (const float*)x2, x, (const char*)nullptr, 0LL);
     }
     cudaGraph_t g;
     CHECK(cudaStreamEndCapture(s, &g));

@@ -199,15 +199,10 @@ int main(int argc, char** argv) {
         cudaGraph_t g; cudaGraphExec_t ge;
         CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
         for (int p = 0; p < phases; ++p) {
-          cudaLaunchConfig_t cfg = {}; cudaLaunchAttribute attr[1];
-          cfg.gridDim = blocks; cfg.blockDim = THREADS; cfg.stream = s;
-          attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-          attr[0].val.programmaticStreamSerializationAllowed = pdl;
-          cfg.attrs = attr; cfg.numAttrs = 1;
           const float* x = bufs + (p % 2) * N;
           const half* wp = w + (size_t)(p % 8) * N * N;
-          if (regs) CHECK(cudaLaunchKernelEx(&cfg, step_regs_kernel, x, bufs + ((p + 1) % 2) * N, wp));
-          else CHECK(cudaLaunchKernelEx(&cfg, step_kernel, x, bufs + ((p + 1) % 2) * N, wp, pdl, empty));
+          if (regs) launch_pdl(s, step_regs_kernel, blocks, THREADS, pdl, x, bufs + ((p + 1) % 2) * N, wp);
+          else launch_pdl(s, step_kernel, blocks, THREADS, pdl, x, bufs + ((p + 1) % 2) * N, wp, pdl, empty);
         }
         CHECK(cudaStreamEndCapture(s, &g));
         CHECK(cudaGraphInstantiate(&ge, g, 0));
