@@ -323,6 +323,24 @@ def test_wide_branch_is_a_second_kernel(tmp_path):
     compiles_with_nvcc(source, tmp_path, cubin=True)
 
 
+def test_every_format_in_one_module(tmp_path):
+    """A kept-weight library mixes the formats (Q4_1 q/k/v beside a Q4_0 o_proj and a Q8_0 MLP):
+    their kernels share one CUDA module, in which each helper function and type is defined once
+    (TVM emits a helper's source once per function name, and the offset and plain dequantizers
+    share theirs); with nvcc on PATH the module compiles to a cubin."""
+    if tvm.get_global_func("target.build.cuda", allow_missing=True) is None:
+        pytest.skip("TVM built without CUDA codegen")
+    plan = MMAGemvSchedule(warps=4, token_tiles=2)
+    names = [(f"gemv_{fmt}_{residual}", fmt, residual) for fmt in MMA_GEMV_FORMATS for residual in (False, True)]
+    module = tvm.IRModule({name: mma_gemv_kernel(fmt, 192, 160, "float16", plan, residual=residual)
+                           .with_attr("global_symbol", name) for name, fmt, residual in names})
+    with cuda_target():
+        source = tvm.compile(module, target=cuda_target()).mod.imports[0].inspect_source()
+    kernels = set(re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", source))
+    assert len(kernels) == len(names), kernels
+    compiles_with_nvcc(source, tmp_path, cubin=True)
+
+
 # ---------------------------------------------------------------------------- GPU
 
 GPU_SHAPES = [(960, 576), (576, 1536), (2048, 8192), (1000, 96), (16384, 2048)]

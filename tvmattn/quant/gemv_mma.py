@@ -80,12 +80,20 @@ WIDE_FROM_TOKENS = 32
 # which puts the 32 lanes' stores of one register (row g, token 2c) in 32 distinct banks: 8 c + g
 RED_PAD = 4
 
-DEQUANT, DEQUANT_OFFSET, DEQUANT_SRC = "tvmattn_dequant_pair", "tvmattn_dequant_pair_offset", """
+# TVM writes a helper's source into the module once per function name: the two dequantizers have
+# a source each, and the union both use is guarded, so a module holding Q4_1 beside Q4_0 or Q8_0
+# kernels defines everything once
+_HALF2_BITS_SRC = """
+#ifndef TVMATTN_HALF2_BITS
+#define TVMATTN_HALF2_BITS
+union tvmattn_half2_bits { unsigned int u; __half2 h; };
+#endif
+"""
+DEQUANT, DEQUANT_SRC = "tvmattn_dequant_pair", _HALF2_BITS_SRC + """
 // Two weights of a GGUF block as a half2 (returned as its 32 bits): the quants in bytes of
 // `bytes` (each below 256) that `sel` picks go into the low mantissa bits of the float16 1024
 // (0x64 above each: 1024 + q exactly), `zero2` (1024 + z, twice) is subtracted (exact) and the
-// result multiplied by the scales `d2` (and added to the offsets `m2`), rounded once.
-union tvmattn_half2_bits { unsigned int u; __half2 h; };
+// result multiplied by the scales `d2`, rounded once.
 __device__ __forceinline__ unsigned int tvmattn_dequant_pair(unsigned int bytes, unsigned int sel,
                                                              unsigned int zero2, unsigned int d2) {
   tvmattn_half2_bits q, z, d;
@@ -95,6 +103,9 @@ __device__ __forceinline__ unsigned int tvmattn_dequant_pair(unsigned int bytes,
   q.h = __hmul2(__hsub2(q.h, z.h), d.h);
   return q.u;
 }
+"""
+DEQUANT_OFFSET, DEQUANT_OFFSET_SRC = "tvmattn_dequant_pair_offset", _HALF2_BITS_SRC + """
+// tvmattn_dequant_pair's pair with the offsets `m2` added (Q4_1), in the same rounding.
 __device__ __forceinline__ unsigned int tvmattn_dequant_pair_offset(unsigned int bytes, unsigned int sel,
                                                                     unsigned int zero2, unsigned int d2,
                                                                     unsigned int m2) {
@@ -225,7 +236,7 @@ def _dequantize_pair(lay: _Layout, bytes_, e: int, d2, m2):
     byte: the nibbles, or Q8_0's bytes + 128), scales d2 and (Q4_1) offsets m2 (half2 bits)."""
     sel, zero = T.uint32(pair_selector(e)), T.uint32(ZERO_PAIR[lay.fmt])
     if lay.HAS_M:
-        return T.cuda.func_call(DEQUANT_OFFSET, bytes_, sel, zero, d2, m2, source_code=DEQUANT_SRC,
+        return T.cuda.func_call(DEQUANT_OFFSET, bytes_, sel, zero, d2, m2, source_code=DEQUANT_OFFSET_SRC,
                                 return_type="uint32")
     return T.cuda.func_call(DEQUANT, bytes_, sel, zero, d2, source_code=DEQUANT_SRC, return_type="uint32")
 
