@@ -84,6 +84,16 @@ def slow_except(cases, *keep, first: int = 0, unpack: bool = False):
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 
 
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def project_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python that imports the project: the project root
+    first on PYTHONPATH, ahead of what is there (where the GPU machine finds TVM), plus `extra`."""
+    path = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def compiles_with_nvcc(source: str, folder, cubin: bool = False) -> None:
     """The CUDA source compiles for sm_90, to PTX (with `cubin` through ptxas too), where nvcc is
     present (without a GPU TVM only writes the source, which the GPU machine compiles when the

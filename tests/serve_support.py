@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from harness import project_env
+
 _BUILT: dict[str, Path] = {}
 
 
@@ -50,9 +52,8 @@ def serve_process(args: list[str], env: dict | None = None, timeout: float = 120
     import httpx
 
     port = free_port()
-    root = Path(__file__).resolve().parents[1]
     process = subprocess.Popen([sys.executable, "-m", "tvmattn", "serve", *args, "--port", str(port)],
-                               env={**os.environ, "PYTHONPATH": str(root), **(env or {})},
+                               env=project_env(**(env or {})),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

@@ -15,6 +15,7 @@ SCRIPTS = os.path.join(ROOT, "scripts")
 sys.path.insert(0, SCRIPTS)
 
 import locate_cuda_fault  # noqa: E402
+from harness import project_env  # noqa: E402
 
 CUDA_ERROR = ("CUDALaunch Error: CUDA_ERROR_ILLEGAL_ADDRESS\n grid=(64,1,1),  block=(256,1,1)\n"
               "// func_name=rms_norm1_kernel\n// CUDA Source\n// -----------\nextern \"C\" __global__ void k() {}\n")
@@ -84,7 +85,7 @@ def test_shell_script_goes_on_to_the_asynchronous_modes_and_memchecks_the_first_
         path = tmp_path / name
         path.write_text(text)
         path.chmod(0o755)
-    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", PYTHONPATH=ROOT, OUT=str(tmp_path / "out"))
+    env = project_env(PATH=f"{tmp_path}:{os.environ['PATH']}", OUT=str(tmp_path / "out"))
     done = subprocess.run(["bash", os.path.join(SCRIPTS, "locate_cuda_fault.sh")], capture_output=True, text=True,
                           env=env, timeout=120)
     out = done.stdout
@@ -107,7 +108,7 @@ def test_bad_library_is_refused():
 def test_cpu_smoke_run_goes_through_every_phase(tmp_path):
     """The driver on the CPU (a tiny sliding-window model, libraries built into tmp_path): every
     phase runs and the run ends without a fault."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = project_env()
     done = subprocess.run(
         [sys.executable, os.path.join(SCRIPTS, "locate_cuda_fault.py"), "--target", "llvm", "--model",
          os.path.join(SCRIPTS, "sliding-window-tiny-config.json"), "--libs", str(tmp_path), "--prompt-len", "20",
@@ -140,5 +141,5 @@ def test_gemma3_decode_after_a_long_prompt_has_no_cuda_fault(e2e_libs, sync, lib
         [sys.executable, os.path.join(SCRIPTS, "locate_cuda_fault.py"), "--model",
          os.path.join(SCRIPTS, "gemma3-270m-config.json"), "--libs", str(e2e_libs), "--prompt-len", "4096",
          "--sync", sync, "--libraries", libraries],
-        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=1800, cwd=ROOT)
+        capture_output=True, text=True, env=project_env(), timeout=1800, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "no fault", done.stdout[-4000:]

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
+from harness import project_env  # noqa: E402
 from serve_support import tiny_library  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def library():
 
 @pytest.fixture
 def server_path(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("PYTHONPATH", project_env()["PYTHONPATH"])
 
 
 def run(bench, argv) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 pytest.importorskip("sse_starlette")
 
+from harness import project_env  # noqa: E402
 from serve_support import free_port, serve_process, tiny_library  # noqa: E402
 from tvmattn.generate import Generator  # noqa: E402
 from tvmattn.serve.engine import Engine  # noqa: E402
@@ -422,7 +422,7 @@ def test_sigterm_drains_and_exits_zero(library, tmp_path):
 
 
 def test_chat_command_streams_answers_and_resets(library):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = project_env()
     done = subprocess.run([sys.executable, "-m", "tvmattn", "chat", "--lib", str(library), "--max-tokens", "5"],
                           input="hello\nworld again\n/reset\nhello\n/exit\n", env=env, capture_output=True, text=True,
                           timeout=180)

@@ -1,10 +1,11 @@
 """The shape of the source tree: limits the developers' guide sets, checked from the code."""
 
 import ast
-import os
 import pathlib
 import subprocess
 import sys
+
+from harness import project_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "tir_kernels"
@@ -88,5 +89,5 @@ def test_loading_the_build_submodule_keeps_the_build_function():
             "from tir_kernels import build\n"
             "assert callable(build) and build is tir_kernels.build, build\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env=project_env())
     assert result.returncode == 0, result.stderr
