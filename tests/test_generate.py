@@ -388,6 +388,21 @@ def smollm2(smollm2_cache):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@needs_smollm2
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA kernels ahead of time")
+def test_smollm2_kept_cuda_library_compiles_to_cubins(tmp_path):
+    """`compile --model smollm2-135m --target cuda` on a GPU-less machine: the shipped GGUF's kept
+    blocks mix Q4_1 (the layers) with Q8_0 (the tied embedding and LM head), so one CUDA module
+    holds both formats' tensor-core GEMVs; nvcc compiles it (cubins, no source in the library)."""
+    library = tmp_path / "smollm2-keep.so"
+    done = run_cli(str(SCRIPT), "--model", "smollm2-135m", "--target", "cuda", "--quantization", "keep",
+                   "-o", str(library))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "(Q4_1, Q8_0)" in done.stdout and "GPU code: cubin for sm_90" in done.stdout
+    assert b"__global__" not in library.read_bytes()
+
+
 @needs_smollm2
 def test_main_job_answers_from_the_cached_library(smollm2_cache):
     """`python -m tvmattn smollm2` (the README's main job) reuses the compiled library and answers."""
