@@ -388,7 +388,6 @@ def smollm2(smollm2_cache):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @needs_smollm2
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA kernels ahead of time")
 def test_smollm2_kept_cuda_library_compiles_to_cubins(tmp_path):
@@ -403,6 +402,7 @@ def test_smollm2_kept_cuda_library_compiles_to_cubins(tmp_path):
     assert b"__global__" not in library.read_bytes()
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_main_job_answers_from_the_cached_library(smollm2_cache):
     """`python -m tvmattn smollm2` (the README's main job) reuses the compiled library and answers."""
