@@ -326,8 +326,8 @@ def test_wide_branch_is_a_second_kernel(tmp_path):
 def test_every_format_in_one_module(tmp_path):
     """A kept-weight library mixes the formats (Q4_1 q/k/v beside a Q4_0 o_proj and a Q8_0 MLP):
     their kernels share one CUDA module, in which each helper function and type is defined once
-    (TVM emits a helper's source once per function name, and the offset and plain dequantizers
-    share theirs); with nvcc on PATH the module compiles to a cubin."""
+    (TVM emits a helper's source once per function name, so two names must not carry the same
+    definitions unguarded); with nvcc on PATH the module compiles to a cubin."""
     if tvm.get_global_func("target.build.cuda", allow_missing=True) is None:
         pytest.skip("TVM built without CUDA codegen")
     plan = MMAGemvSchedule(warps=4, token_tiles=2)
